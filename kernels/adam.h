@@ -1,0 +1,79 @@
+// Fused Adam / AdamW over one contiguous element range.
+//
+// One pass reads fp32 main, exp_avg, exp_avg_sq and the gradient (bf16, fp16 or
+// fp32), writes all three back, and writes the updated model-parameter copy
+// (bf16, fp16, fp32, or none) in the same pass. Numerics follow
+// torch.optim.AdamW (decoupled weight decay) and torch.optim.Adam (L2 weight
+// decay added to the gradient), with bias correction from `step` (>= 1, the
+// step count *after* this update, as torch counts). Optional gradient scale
+// (grads multiplied by 1/grad_scale) and a found-inf flag: when *found_inf is
+// nonzero the update is skipped entirely (nothing is written), like torch's
+// fused AdamW.
+//
+// Launchers follow CUB: pointers, count, parameters, stream last; they return
+// cudaError_t, allocate nothing, are correct for any count (0 included) and any
+// 4-byte-aligned pointers, and take a 16-byte vectorised path when every
+// pointer allows it. The CPU implementation (AdamStepCpu) is the same math for
+// the host backend and the tests. kernels/ depends on nothing else of ours.
+//
+// This header has no CUDA include: the stream is passed as void* (a
+// cudaStream_t) and the result as int (a cudaError_t), so host-only code can
+// include it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace optstate::kernels {
+
+enum class ScalarType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 255 };
+
+enum class AdamMode : uint8_t { kAdam = 0, kAdamW = 1 };
+
+struct AdamParams {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  AdamMode mode = AdamMode::kAdamW;
+  uint64_t step = 1;          // step count after this update (>= 1)
+  float grad_scale = 1.0f;    // grads are multiplied by 1/grad_scale
+  bool maximize = false;      // reserved; must be false
+};
+
+// The tensors of one update. Moments are fp32 today; moment_type exists so
+// bf16 moments can be added without changing callers.
+struct AdamTensors {
+  float* main = nullptr;                      // fp32 master weights (in/out)
+  void* exp_avg = nullptr;                    // in/out
+  void* exp_avg_sq = nullptr;                 // in/out
+  ScalarType moment_type = ScalarType::kF32;  // only kF32 supported now
+  const void* grad = nullptr;                 // in
+  ScalarType grad_type = ScalarType::kF32;    // kF32, kBF16, kF16
+  void* param = nullptr;                      // model-parameter copy (out), may be null
+  ScalarType param_type = ScalarType::kNone;  // kF32, kBF16, kF16, or kNone
+  const float* found_inf = nullptr;           // device (CUDA) / host (CPU) flag; may be null
+};
+
+// CUDA launcher. Returns a cudaError_t as int (0 = cudaSuccess); 
+// cudaErrorInvalidValue (1) for unsupported types or misaligned (<4 B) pointers.
+// `stream` is a cudaStream_t. Available only when built with CUDA; otherwise
+// returns cudaErrorNotSupported (801).
+int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* stream);
+
+// True when this build contains the CUDA kernels.
+bool CudaKernelsBuilt();
+
+// CPU implementation of the same math (vectorisable loop). With threads > 1
+// the range is split across that many std::threads. Returns false (and writes
+// nothing) for unsupported types.
+bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads = 1);
+
+// Conversions used by both implementations (round-to-nearest-even).
+uint16_t FloatToBf16(float f);
+float Bf16ToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+float HalfToFloat(uint16_t h);
+
+}  // namespace optstate::kernels

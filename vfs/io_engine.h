@@ -1,0 +1,72 @@
+// IoEngine: asynchronous positional reads and writes of chunk extents.
+//
+// Two implementations behind one interface:
+//  - UringIoEngine: io_uring, O_DIRECT files, registered (fixed) buffers and
+//    files, batched submission, a configurable queue depth. Short transfers,
+//    -EAGAIN and -EINTR are resubmitted for the remainder (rocksdb
+//    env/io_posix.h UpdateResult, liburing examples/io_uring-cp.c); every other
+//    failure completes the request with a Status naming file, offset and errno.
+//  - SyncIoEngine: pread/pwrite through one pinned staging buffer, one request
+//    at a time, in the caller's thread. This is the first version's method and
+//    the benchmark baseline; it is also the fallback where io_uring is absent.
+//
+// Ownership: the engine does not own files or buffers. The caller keeps each
+// buffer and File alive until its request completes.
+// Thread-safety: one engine per thread; an engine is not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "vfs/file_system.h"
+#include "vfs/status.h"
+
+namespace optstate::vfs {
+
+struct IoRequest {
+  enum class Op : uint8_t { kRead, kWrite };
+  Op op = Op::kRead;
+  File* file = nullptr;     // must stay alive until completion
+  uint64_t offset = 0;      // multiple of 4096 for O_DIRECT files
+  uint64_t length = 0;      // multiple of 4096 for O_DIRECT files
+  void* buf = nullptr;      // 4096-aligned for O_DIRECT files
+  uint64_t tag = 0;         // returned in the completion
+};
+
+struct IoCompletion {
+  uint64_t tag = 0;
+  Status status;            // OK: all `length` bytes transferred
+};
+
+struct IoEngineOptions {
+  uint32_t queue_depth = 32;  // requests in flight at most (io_uring SQ/CQ size)
+  // Buffers to register with io_uring (IORING_REGISTER_BUFFERS); requests
+  // whose buf lies inside one use the fixed-buffer opcodes. May be empty.
+  std::vector<std::span<std::byte>> registered_buffers;
+  bool sqpoll = false;        // IORING_SETUP_SQPOLL (off: costs a core)
+};
+
+class IoEngine {
+ public:
+  virtual ~IoEngine() = default;
+  // io_uring engine; falls back to nothing: returns an error naming why
+  // io_uring is unavailable (the caller may then choose NewSyncIoEngine).
+  static Result<std::unique_ptr<IoEngine>> NewUring(const IoEngineOptions& opts);
+  // Synchronous baseline: one staging buffer of staging_bytes (pinned with
+  // mlock when allowed), data copied through it, pread/pwrite per request.
+  static Result<std::unique_ptr<IoEngine>> NewSync(uint64_t staging_bytes);
+
+  // Queues requests; may block reaping completions when the queue is full
+  // (reaped completions are kept and returned by the next Reap). Invalid
+  // requests (misaligned for O_DIRECT, null file) fail at once.
+  virtual Status Submit(std::span<const IoRequest> requests) = 0;
+  // Appends at least min_complete completions (fewer only when fewer are in
+  // flight) to *out. min_complete 0 only collects what is ready.
+  virtual Status Reap(std::vector<IoCompletion>* out, size_t min_complete) = 0;
+  virtual size_t in_flight() const = 0;
+  virtual const char* name() const = 0;  // "io_uring" or "sync"
+};
+
+}  // namespace optstate::vfs

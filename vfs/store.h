@@ -1,0 +1,316 @@
+// Store: one optimizer instance of one rank, kept on local NVMe.
+//
+// A store is a directory:
+//   <path>/IDENTITY          format version, uuid, name, chunk size, data dirs (JSON)
+//   <path>/LOCK              flock'ed by the one process that has it open read-write;
+//                            holds that process's pid (named in the Busy error)
+//   <path>/index/            RocksDB: tensors, generations, snapshots, chunk maps,
+//                            checksums, lifetime counters
+//   <path>/leases/           reader leases (one small file per lease) + .lock
+//   <data_dir>/<uuid>.chunks preallocated data file per data directory (default
+//                            data dir: <path>/data); chunks striped across dirs
+//
+// Model. A virtual tensor (one parameter shard) has `numel` elements in each of
+// its named fields (the optimizer uses main, exp_avg, exp_avg_sq; fp32). Each
+// field is cut into chunks of chunk_size_bytes (a multiple of 2 MiB); the last
+// may be partial. A chunk never written reads as zeros with no I/O.
+//
+// Generations (copy-on-write). Writes go to a fresh extent (a chunk-size slot in
+// a data file), never over one a committed generation, snapshot or reader lease
+// still references. Commit() makes the new extents durable (fdatasync), then
+// publishes the new chunk versions, per-group step counts, hyperparameters and
+// the step number in one synced RocksDB WriteBatch. After a crash at any
+// instant Open() yields the last committed generation bit-exact; the extents of
+// the uncommitted one are free again (free space is derived from the index at
+// Open, never stored). A failed fsync poisons the store until reopen.
+//
+// Snapshots pin a committed generation by name (O(1)). GC frees every extent
+// that no retained generation (the latest `retained_generations`), snapshot or
+// lease can see. Disk use in steady state <= 2x live + snapshot-unique bytes +
+// the preallocation step.
+//
+// Readers. OpenReadOnly() opens the index as a RocksDB secondary instance: it
+// never takes LOCK, works while a trainer has the store open (CatchUp() follows
+// it) and after the trainer died. OpenGeneration() returns a GenerationView that
+// holds a lease on that generation: while it lives, the writer's GC keeps every
+// extent it references. A lease is taken under a shared flock on leases/.lock
+// and re-validated after CatchUp(); GC lists leases under the exclusive flock,
+// so a generation is either leased before GC looks or already gone when the
+// reader checks (then the reader retries with the newer latest).
+//
+// Every chunk carries an XXH3-64 of its logical bytes, verified on every read:
+// a mismatch is kCorruption naming store, tensor, field, chunk and generation.
+//
+// Thread-safety: Store and GenerationView methods are thread-safe. A ChunkIo
+// is used by one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "vfs/file_system.h"
+#include "vfs/status.h"
+
+namespace optstate::vfs {
+
+inline constexpr uint64_t kMiB = 1ull << 20;
+inline constexpr uint64_t kChunkAlignBytes = 2 * kMiB;   // CUDA VMM granularity
+inline constexpr uint64_t kDefaultChunkBytes = 8 * kMiB; // see README "Defaults"
+inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr uint64_t kLatest = UINT64_MAX;          // "the newest committed generation"
+
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+const char* DTypeName(DType d);           // "f32", "bf16", "f16"
+Result<DType> ParseDType(std::string_view s);
+uint32_t DTypeSize(DType d);
+
+struct FieldSpec {
+  std::string name;              // "main", "exp_avg", "exp_avg_sq", ...
+  DType dtype = DType::kF32;
+};
+// main, exp_avg, exp_avg_sq, all f32.
+std::vector<FieldSpec> AdamFields();
+
+struct TensorSpec {
+  std::string name;              // any UTF-8 except NUL, 1..4096 bytes
+  DType dtype = DType::kF32;     // the model parameter's dtype (informational)
+  uint64_t numel = 0;
+  uint32_t group = 0;
+  std::vector<uint64_t> shape;         // local shard shape; empty = {numel}
+  std::vector<uint64_t> global_shape;  // empty = shape
+  std::vector<uint64_t> shard_offset;  // empty = zeros of global_shape's rank
+  std::vector<FieldSpec> fields;       // empty = AdamFields()
+};
+
+struct TensorInfo : TensorSpec {
+  uint32_t id = 0;                   // stable within the store
+  uint64_t created_generation = 0;   // first generation that contains it
+  uint64_t field_bytes(uint32_t field) const;   // numel * dtype size
+};
+
+// A parameter group as persisted with each generation. Hyperparameters are a
+// name -> value map so that vfs stays optimizer-agnostic (memmgr writes lr,
+// beta1, beta2, eps, weight_decay, adamw).
+struct GroupInfo {
+  uint32_t id = 0;
+  uint64_t step_count = 0;
+  std::map<std::string, double> hyper;
+};
+
+struct CommitInfo {
+  uint64_t step = 0;                 // the trainer's global step
+  std::vector<GroupInfo> groups;     // replaces the previous generation's groups
+};
+
+struct GenerationInfo {
+  uint64_t generation = 0;           // 0 = the empty store before any commit
+  uint64_t step = 0;
+  std::vector<GroupInfo> groups;
+  int64_t commit_time_unix_ms = 0;
+};
+
+struct SnapshotInfo {
+  std::string name;
+  uint64_t generation = 0;
+  int64_t create_time_unix_ms = 0;
+};
+
+struct ChunkRef {
+  uint32_t tensor_id = 0;
+  uint32_t field = 0;                // index into TensorInfo::fields
+  uint64_t index = 0;                // chunk number within the field
+};
+
+// One version of one chunk as seen by a generation.
+struct ChunkInfo {
+  uint64_t offset_bytes = 0;         // within the field
+  uint64_t length_bytes = 0;         // logical bytes; < chunk size only for the last chunk
+  bool zero = true;                  // never written: zeros, no extent, no I/O
+  uint64_t checksum = 0;             // XXH3-64 of the logical bytes (zeros too)
+  uint64_t written_generation = 0;   // generation whose commit published it (0 if zero)
+  uint32_t data_dir = 0;             // extent location (when !zero)
+  uint64_t file_offset = 0;
+};
+
+struct StoreIdentity {
+  uint32_t format_version = kFormatVersion;
+  std::string uuid;
+  std::string name;
+  uint64_t chunk_size_bytes = kDefaultChunkBytes;
+  std::vector<std::string> data_dirs;  // absolute
+  int64_t create_time_unix_ms = 0;
+};
+
+struct StoreOptions {
+  // Create only. Store name; default: the directory's base name.
+  std::string name;
+  // Create only. Multiple of 2 MiB. Default 8 MiB (README "Defaults").
+  uint64_t chunk_size_bytes = kDefaultChunkBytes;
+  // Create only. Data directories (one per NVMe drive); default {<path>/data}.
+  std::vector<std::string> data_dirs;
+  // Data files grow by this many bytes at a time (fallocate). Default 1 GiB.
+  uint64_t preallocate_step_bytes = 1ull << 30;
+  // Committed generations kept besides snapshots and leases (>= 1). Default 1.
+  uint32_t retained_generations = 1;
+  // O_DIRECT for data files (falls back to buffered with a warning on tmpfs).
+  bool direct_io = true;
+  // Where files are touched; default FileSystem::Default(). Not owned.
+  FileSystem* fs = nullptr;
+};
+
+struct ChunkIoOptions {
+  uint32_t queue_depth = 32;
+  // io_uring (default) or the synchronous baseline engine (benchmarks).
+  bool use_sync_engine = false;
+  // Caller-owned buffers to register with io_uring (staging buffers).
+  std::vector<std::span<std::byte>> registered_buffers;
+};
+
+struct ChunkCompletion {
+  uint64_t tag = 0;
+  Status status;
+};
+
+// Asynchronous chunk reads (and, from a writable Store, writes). Buffers must
+// be 4096-aligned and hold chunk_size_bytes; they stay the caller's and must
+// live until the request completes. Never-written chunks complete at once,
+// zero-filled, with no I/O. Reads verify the checksum before completing.
+class ChunkIo {
+ public:
+  virtual ~ChunkIo() = default;
+  // Store::NewChunkIo: the newest version (a write completed in the pending
+  // generation, else the latest committed). GenerationView::NewChunkIo: that
+  // generation's version.
+  virtual Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag) = 0;
+  // Writable stores only: writes the chunk's logical bytes (padding to 4 KiB
+  // is written too but not checksummed) to a fresh extent; on completion the
+  // chunk's pending version points there. Fails at once with kNoSpace when no
+  // slot can be allocated, naming the data dir.
+  virtual Status SubmitWrite(const ChunkRef& ref, const void* buf, uint64_t tag) = 0;
+  // Appends >= min_complete completions (fewer only if fewer are in flight).
+  virtual Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) = 0;
+  virtual size_t in_flight() const = 0;
+};
+
+// A committed generation, frozen: its tensors, groups and chunk versions. Holds
+// a reader lease for its lifetime, so its extents stay valid.
+class GenerationView {
+ public:
+  virtual ~GenerationView() = default;
+  virtual const StoreIdentity& identity() const = 0;
+  virtual const GenerationInfo& info() const = 0;
+  virtual const std::vector<TensorInfo>& tensors() const = 0;   // sorted by name
+  virtual Result<TensorInfo> FindTensor(std::string_view name) const = 0;
+  virtual uint64_t ChunkCount(const TensorInfo& t, uint32_t field) const = 0;
+  virtual Result<ChunkInfo> Chunk(const ChunkRef& ref) const = 0;
+  // Synchronous read of one chunk into buf (4096-aligned, chunk_size_bytes), verified.
+  virtual Status ReadChunk(const ChunkRef& ref, void* buf) const = 0;
+  virtual Result<std::unique_ptr<ChunkIo>> NewChunkIo(const ChunkIoOptions& opts) const = 0;
+};
+
+struct StoreStats {
+  uint64_t latest_generation = 0;
+  uint64_t live_bytes = 0;             // logical bytes of written chunks in latest
+  uint64_t referenced_extent_bytes = 0;// slots referenced by any retained version
+  uint64_t pending_bytes = 0;          // slots written in the uncommitted generation
+  std::vector<uint64_t> data_file_bytes;  // allocated size per data dir
+  std::vector<uint64_t> data_free_bytes;  // free slots per data dir
+  uint64_t lifetime_bytes_written = 0; // over the store's life (SSD endurance)
+  uint64_t generations_retained = 0;
+  uint64_t snapshots = 0;
+  uint64_t leases = 0;
+};
+
+struct VerifyReport {
+  uint64_t chunks_checked = 0;
+  uint64_t bytes_checked = 0;
+  std::vector<std::string> problems;   // each names store, tensor, field, chunk, generation
+  uint64_t leaked_slots = 0;           // allocated, unreferenced and not free-listed
+  bool ok() const { return problems.empty() && leaked_slots == 0; }
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+
+  // Creates a new store at `path` (which must not exist; its parent must).
+  // Atomic: built in a temporary sibling directory and renamed, so a crash
+  // leaves either no store or a complete empty one.
+  static Result<std::unique_ptr<Store>> Create(const std::string& path, const StoreOptions& opts);
+  // Opens an existing store read-write; takes LOCK. Missing/damaged -> error
+  // with the path and reason (never creates). In use -> kBusy naming the pid.
+  static Result<std::unique_ptr<Store>> Open(const std::string& path, const StoreOptions& opts);
+  // Opens without taking LOCK (RocksDB secondary instance). Writes, Commit,
+  // snapshots and GC return kFailedPrecondition.
+  static Result<std::unique_ptr<Store>> OpenReadOnly(const std::string& path,
+                                                     const StoreOptions& opts);
+
+  virtual const std::string& path() const = 0;
+  virtual const StoreIdentity& identity() const = 0;
+  uint64_t chunk_size_bytes() const { return identity().chunk_size_bytes; }
+  virtual bool read_only() const = 0;
+  // Read-only stores: follows the writer (TryCatchUpWithPrimary). Writable: no-op.
+  virtual Status CatchUp() = 0;
+
+  // Tensors. CreateTensor registers a tensor in the pending generation (no
+  // data is written: every chunk reads as zeros until written).
+  virtual Result<TensorInfo> CreateTensor(const TensorSpec& spec) = 0;
+  virtual Result<TensorInfo> FindTensor(std::string_view name) const = 0;  // NotFound lists near names
+  virtual std::vector<TensorInfo> ListTensors() const = 0;                // sorted by name
+  virtual uint64_t ChunkCount(const TensorInfo& t, uint32_t field) const = 0;
+  virtual Result<uint32_t> FieldIndex(const TensorInfo& t, std::string_view field) const = 0;
+
+  // The writer's I/O (see ChunkIo).
+  virtual Result<std::unique_ptr<ChunkIo>> NewChunkIo(const ChunkIoOptions& opts) = 0;
+  // Synchronous conveniences over a private ChunkIo. buf: 4096-aligned, chunk_size_bytes.
+  virtual Status ReadChunk(const ChunkRef& ref, void* buf) = 0;
+  virtual Status WriteChunk(const ChunkRef& ref, const void* buf) = 0;
+
+  // Makes every completed write durable and publishes them as generation
+  // latest+1. kFailedPrecondition while writes are in flight. Returns the new
+  // generation. On error nothing is published; after an fsync error the store
+  // is poisoned (kDataLoss) until reopened.
+  virtual Result<uint64_t> Commit(const CommitInfo& info) = 0;
+  // Drops the pending generation's writes (their extents become free).
+  virtual Status AbortPending() = 0;
+  virtual GenerationInfo LatestGeneration() const = 0;
+  virtual std::vector<GenerationInfo> ListGenerations() const = 0;  // retained, ascending
+
+  // A frozen view of a committed generation (kLatest = newest), holding a lease.
+  virtual Result<std::unique_ptr<GenerationView>> OpenGeneration(uint64_t generation) = 0;
+  // Frozen view of a snapshot's generation.
+  virtual Result<std::unique_ptr<GenerationView>> OpenSnapshot(std::string_view name) = 0;
+
+  // Snapshots of the latest committed generation.
+  virtual Result<SnapshotInfo> CreateSnapshot(const std::string& name) = 0;
+  virtual Status ReleaseSnapshot(const std::string& name) = 0;
+  virtual std::vector<SnapshotInfo> ListSnapshots() const = 0;
+
+  // Frees every extent no retained generation, snapshot or lease references.
+  // Runs on its own after Commit and ReleaseSnapshot; callable explicitly.
+  virtual Status CollectGarbage() = 0;
+  virtual Result<StoreStats> Stats() const = 0;
+  // Reads every chunk of every retained generation and snapshot, checks every
+  // checksum and reference, counts leaked extents.
+  virtual Result<VerifyReport> Verify() = 0;
+
+  // Imports a checkpoint directory (manifest.json + tensors/...) as a new
+  // committed generation, after verifying every chunk hash and that its layout
+  // matches this store (vfs/checkpoint.h; implemented in vfs/checkpoint.cc).
+  Result<uint64_t> Restore(const std::string& checkpoint_dir);
+};
+
+// The XXH3-64 used for every chunk checksum.
+uint64_t ChunkChecksum(const void* data, uint64_t len);
+
+// Named kill points for crash tests: when the environment variable
+// OPTSTATE_CRASH_AT equals `name` (optionally "name:N" for the Nth time it is
+// reached), the process raises SIGKILL there. Costs one branch otherwise.
+void CrashPoint(const char* name);
+
+}  // namespace optstate::vfs
