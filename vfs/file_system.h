@@ -22,7 +22,12 @@
 
 namespace optstate::vfs {
 
-enum class OpClass : uint8_t { kRead, kWrite, kSync, kOpen, kFallocate, kMetadata };
+enum class OpClass : uint8_t {
+  kRead, kWrite, kSync, kOpen, kFallocate, kMetadata,
+  // RocksDB's own files (the store's index), seen through the store's
+  // rocksdb::FileSystem wrapper: appends/writes and syncs of WAL, SST, MANIFEST.
+  kIndexWrite, kIndexSync,
+};
 const char* OpClassName(OpClass c);
 
 // Consulted before every operation of a class and told about every completed
