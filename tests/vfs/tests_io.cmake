@@ -1,0 +1,1 @@
+list(APPEND OPTSTATE_VFS_TEST_SOURCES file_system_test.cc)
