@@ -1,0 +1,167 @@
+// MemoryManager: the device-memory window through which optimizer state on
+// NVMe (a vfs::Store) is made visible to a trainer.
+//
+// Every (tensor, field) of the store gets a device address range reserved once
+// (CUDA VMM cuMemAddressReserve on the `cuda` backend, mmap(PROT_NONE) on the
+// `host` backend); physical pages of one store chunk each (a multiple of 2 MiB)
+// are mapped into it only while the chunk is resident. A pinned range is
+// therefore plain contiguous memory with an address that is stable for the
+// manager's lifetime. Resident pages never exceed `device_budget_bytes` (hard;
+// the peak is in stats()).
+//
+// Tiers: NVMe (the store, home) -> pinned host staging buffers (registered
+// with io_uring) -> optional pinned host cache of clean chunks (LRU) -> device
+// pages.
+//
+// Ownership: the manager does not own the store; the store must outlive it.
+// PinnedRanges must be destroyed (or Unpin()ed) before the manager.
+// Thread-safety: every method is thread-safe. Pin blocks while the budget is
+// exhausted by other pins until they unpin; a thread that holds pins and asks
+// for more than the rest of the budget can deadlock itself (don't).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "vfs/status.h"
+#include "vfs/store.h"
+
+namespace optstate::memmgr {
+
+namespace internal {
+class ManagerImpl;
+}
+
+enum class Backend { kAuto, kHost, kCuda };
+// "auto", "host", "cuda".
+const char* BackendName(Backend b);
+// True when this binary contains the cuda backend and a CUDA device is
+// visible (never throws or aborts where there is no driver).
+bool CudaAvailable();
+
+enum class Access {
+  kRead,       // contents loaded; never written back
+  kWrite,      // contents need not be loaded (undefined until written); written back
+  kReadWrite,  // contents loaded and written back on unpin
+};
+
+struct MemoryManagerOptions {
+  // kAuto: cuda when a CUDA device is visible, else host (logged).
+  Backend backend = Backend::kAuto;
+  // Hard cap on device pages used for state, bytes. Default 2 GiB.
+  uint64_t device_budget_bytes = 2ull << 30;
+  // Pinned host cache of clean chunk copies, bytes; 0 = off. Default 0.
+  uint64_t host_cache_bytes = 0;
+  // Chunk-sized pinned staging buffers for Pin/Prefetch/write-back and for the
+  // StreamedAdam pipeline (cuda backend); 0 = auto (3 x read-ahead + 4).
+  uint32_t staging_buffers = 0;
+  // io_uring queue depth per ChunkIo. Default 32.
+  uint32_t queue_depth = 32;
+  // Chunk slices (one chunk of main+exp_avg+exp_avg_sq) in flight in the
+  // StreamedAdam pipeline; 0 = auto (16, reduced to what the budget holds).
+  uint32_t read_ahead_chunks = 0;
+  // CUDA device ordinal (cuda backend).
+  int cuda_device = 0;
+  // The first version's engine: synchronous pread/pwrite, one request at a
+  // time (benchmark baseline). Default false (io_uring).
+  bool use_sync_io = false;
+};
+
+struct MemoryStats {
+  uint64_t resident_bytes = 0;        // device pages in use now (pins, cached, StreamedAdam slots)
+  uint64_t peak_resident_bytes = 0;   // max of resident_bytes since Create
+  uint64_t budget_bytes = 0;
+  uint64_t nvme_read_bytes = 0;       // chunk bytes read from the store
+  uint64_t nvme_write_bytes = 0;      // chunk bytes written to the store
+  uint64_t cache_hit_bytes = 0;       // chunk bytes served by the host cache tier
+  uint64_t cache_bytes = 0;           // host cache tier in use now
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
+  double io_stall_seconds = 0;        // time callers waited for NVMe I/O
+  uint64_t pins = 0;
+  uint64_t evictions = 0;
+};
+
+// RAII handle of one pinned range. Movable, not copyable. The memory stays
+// valid (and resident) until Unpin() or destruction; ranges pinned for kWrite
+// or kReadWrite are scheduled for write-back when unpinned.
+// Thread-safety: one handle is used by one thread at a time.
+class PinnedRange {
+ public:
+  PinnedRange() = default;
+  ~PinnedRange();
+  PinnedRange(PinnedRange&& other) noexcept;
+  PinnedRange& operator=(PinnedRange&& other) noexcept;
+  PinnedRange(const PinnedRange&) = delete;
+  PinnedRange& operator=(const PinnedRange&) = delete;
+
+  // Device pointer (host pointer on the host backend) of element first_elem.
+  void* data() const { return data_; }
+  uint64_t size_bytes() const { return size_bytes_; }
+  // The cudaStream_t the contents are ready on (already synchronised today:
+  // data is ready when Pin returns), or null on the host backend.
+  void* stream() const { return stream_; }
+  bool valid() const { return impl_ != nullptr; }
+  // Releases the pin (idempotent). Errors are those of scheduling write-back.
+  Status Unpin();
+
+ private:
+  friend class internal::ManagerImpl;
+  internal::ManagerImpl* impl_ = nullptr;
+  uint64_t pin_id_ = 0;
+  void* data_ = nullptr;
+  uint64_t size_bytes_ = 0;
+  void* stream_ = nullptr;
+};
+
+class MemoryManager {
+ public:
+  // REQUIRES: store is writable and outlives the manager. Fails with a clear
+  // message when the backend is unavailable, the budget cannot hold one chunk,
+  // or pinned memory cannot be allocated (RLIMIT_MEMLOCK).
+  static Result<std::unique_ptr<MemoryManager>> Create(vfs::Store* store,
+                                                       const MemoryManagerOptions& opts);
+  ~MemoryManager();
+  MemoryManager(const MemoryManager&) = delete;
+  MemoryManager& operator=(const MemoryManager&) = delete;
+
+  Backend backend() const;
+  vfs::Store* store() const;
+  const MemoryManagerOptions& options() const;
+
+  // Pins elements [first_elem, first_elem + count) of a tensor field. The
+  // whole chunks that hold the range become resident (loaded unless kWrite).
+  // A range larger than the budget fails at once (kResourceExhausted with the
+  // sizes); one that does not fit yet waits for other pins to be released.
+  Result<PinnedRange> Pin(std::string_view tensor, std::string_view field, uint64_t first_elem,
+                          uint64_t count, Access access);
+  // Asynchronous hint: loads the range's chunks in the background when free
+  // budget allows (never evicts a pinned chunk, never waits).
+  Status Prefetch(std::string_view tensor, std::string_view field, uint64_t first_elem,
+                  uint64_t count);
+  // Waits until every unpinned dirty chunk is written to the store (pending
+  // generation). Durability/publication is the store's Commit.
+  Status Flush();
+  // Writes dirty chunks back and drops every unpinned device page (sleep for
+  // RL colocation). kFailedPrecondition while pins are outstanding.
+  Status ReleaseAll();
+  MemoryStats stats() const;
+
+  // Scratch device memory and copies for callers that cannot include CUDA
+  // (tools, demo). Not counted against the budget. Host backend: host memory.
+  Result<void*> AllocDevice(uint64_t bytes);
+  Status FreeDevice(void* d_ptr);
+  Status CopyToDevice(void* d_dst, const void* h_src, uint64_t bytes);
+  Status CopyToHost(void* h_dst, const void* d_src, uint64_t bytes);
+  // Device memory free/total (cudaMemGetInfo); host backend: 0/0.
+  Status DeviceMemInfo(uint64_t* free_bytes, uint64_t* total_bytes);
+
+  internal::ManagerImpl* impl() const { return impl_.get(); }
+
+ private:
+  explicit MemoryManager(std::unique_ptr<internal::ManagerImpl> impl);
+  std::unique_ptr<internal::ManagerImpl> impl_;
+};
+
+}  // namespace optstate::memmgr

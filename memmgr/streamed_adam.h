@@ -1,0 +1,175 @@
+// StreamedAdam: Adam/AdamW whose state (fp32 main, exp_avg, exp_avg_sq) lives
+// in a vfs::Store on NVMe and is streamed through the MemoryManager's device
+// budget during Step().
+//
+// Step() walks every parameter's chunk slices (a slice = one chunk index of
+// main, exp_avg and exp_avg_sq) through a pipeline: read ahead up to
+// read_ahead_chunks slices (ChunkIo into staging buffers), H2D into device
+// slots, the fused kernel (AdamStepCuda on cuda, AdamStepCpu on host; it also
+// writes the model-parameter copy), D2H, copy-on-write write-back; then one
+// Store::Commit publishes the generation with the per-group step counts and
+// hyperparameters. Disk reads, disk writes, copies and compute overlap.
+//
+// Decisions:
+//  - Parameters that get no gradient in a step keep their state unchanged; the
+//    group's step count still advances when any of its parameters stepped
+//    (bias correction uses the group's count; the store persists per group).
+//  - found-inf (d_found_inf nonzero) skips the step: nothing is written or
+//    committed, step counts stay; Step returns OK and last_step_skipped() is
+//    true.
+//  - Any error (I/O, CUDA, checksum) aborts the pending generation
+//    (Store::AbortPending, which also drops uncommitted MemoryManager
+//    write-backs) and is returned; nothing is committed. After a CUDA error the
+//    optimizer is poisoned: every later call fails (sticky CUDA errors).
+//  - Reopening: Create() on a store with tensors restores groups, step counts
+//    and every tensor that has main/exp_avg/exp_avg_sq as a registered param.
+//    RegisterParam of an existing param with the same numel is a no-op that
+//    keeps the stored state; a different numel is kInvalidArgument.
+//  - New registrations and LoadMainFrom are committed (as a generation with
+//    unchanged step counts) at the start of the next step.
+//
+// Ownership: store and mm are not owned and must outlive the optimizer.
+// Gradient/param pointers passed to StepParam must stay valid until EndStep.
+// Thread-safety: not thread-safe; one trainer thread drives it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/adam.h"
+#include "memmgr/memory_manager.h"
+#include "vfs/status.h"
+#include "vfs/store.h"
+
+namespace optstate::memmgr {
+
+namespace internal {
+class StepPipeline;
+}
+
+struct ParamGroup {
+  uint32_t id = 0;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool adamw = true;  // true: AdamW (decoupled decay); false: Adam (L2 in grad)
+};
+
+struct ShardInfo {
+  std::vector<uint64_t> shape;         // local shard shape; empty = {numel}
+  std::vector<uint64_t> global_shape;  // empty = shape
+  std::vector<uint64_t> shard_offset;  // empty = zeros
+};
+
+struct ParamGrad {
+  std::string name;
+  const void* d_grad = nullptr;                     // numel elements of grad_type
+  kernels::ScalarType grad_type = kernels::ScalarType::kF32;
+  void* d_param = nullptr;                          // model copy to update; may be null
+  kernels::ScalarType param_type = kernels::ScalarType::kNone;
+};
+
+struct StreamedAdamOptions {
+  // Gradients are multiplied by 1/grad_scale. Default 1.
+  float grad_scale = 1.0f;
+  // CPU threads for AdamStepCpu (host backend). Default 1.
+  int cpu_threads = 1;
+  // Trainer step recorded in each commit; default: last committed step + 1.
+  // (See set_global_step.)
+};
+
+class StreamedAdam {
+ public:
+  // Fails when the manager's budget cannot hold one slice (3 chunks).
+  static Result<std::unique_ptr<StreamedAdam>> Create(vfs::Store* store, MemoryManager* mm,
+                                                      const StreamedAdamOptions& opts);
+  ~StreamedAdam();
+
+  // Adds or updates a group's hyperparameters (applies from the next step).
+  Status SetGroup(const ParamGroup& g);
+  Result<ParamGroup> GetGroup(uint32_t id) const;
+
+  // Registers a parameter shard. d_initial (device pointer; host pointer on
+  // the host backend) holds numel elements of initial_type (f32/bf16/f16) and
+  // becomes the fp32 main; null = zeros. Moments start at zero.
+  Status RegisterParam(const std::string& name, uint64_t numel, uint32_t group,
+                       const void* d_initial, kernels::ScalarType initial_type,
+                       const ShardInfo& shard = {});
+  bool HasParam(const std::string& name) const;
+  std::vector<std::string> ParamNames() const;
+
+  // One full step over the given parameters; commits one generation unless
+  // *d_found_inf != 0 (then nothing changes; last_step_skipped() is true).
+  Status Step(std::span<const ParamGrad> grads, const float* d_found_inf = nullptr);
+
+  // Incremental form: BeginStep(); StepParam(g) for each param as its grad is
+  // final (the pipeline starts at once and runs during later StepParam
+  // calls); EndStep() drains, commits and returns the new generation (or the
+  // current one when the step was skipped by found_inf).
+  Status BeginStep(const float* d_found_inf = nullptr);
+  Status StepParam(const ParamGrad& g);
+  Result<uint64_t> EndStep();
+
+  // Replaces a param's fp32 mains from model weights (checkpoint-load path).
+  Status LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type);
+
+  uint64_t step_count(uint32_t group) const;
+  uint64_t last_generation() const;
+  bool last_step_skipped() const { return last_step_skipped_; }
+  // Global (trainer) step stored with the next commit minus one.
+  uint64_t global_step() const { return global_step_; }
+  void set_global_step(uint64_t s) { global_step_ = s; }
+
+  struct StepStats {
+    double seconds = 0;
+    uint64_t slices = 0;
+    uint64_t read_bytes = 0;
+    uint64_t write_bytes = 0;
+    uint32_t slices_in_flight = 0;  // pipeline depth used
+  };
+  const StepStats& last_step_stats() const { return last_stats_; }
+
+  // Test hook (reliability tests): when >0, the Nth kernel launch from now
+  // fails as if the device reported an error.
+  void InjectKernelFailureAfter(uint64_t n) { inject_kernel_failure_after_ = n; }
+
+ private:
+  struct Param {
+    vfs::TensorInfo info;
+    uint32_t f_main = 0, f_m = 1, f_v = 2;
+  };
+  StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts);
+  Status CheckUsable() const;
+  Status CommitPendingRegistrations();
+  Status WriteMain(const Param& p, const void* d_src, kernels::ScalarType type);
+  Status Fail(Status s);
+  vfs::CommitInfo MakeCommitInfo(bool advance) const;
+
+  vfs::Store* store_;
+  MemoryManager* mm_;
+  StreamedAdamOptions opts_;
+  std::map<uint32_t, ParamGroup> groups_;
+  std::map<uint32_t, uint64_t> step_counts_;
+  std::map<std::string, Param, std::less<>> params_;
+  uint64_t global_step_ = 0;
+  uint64_t last_generation_ = 0;
+  bool registrations_pending_ = false;
+  bool in_step_ = false;
+  bool step_skip_ = false;
+  bool last_step_skipped_ = false;
+  bool poisoned_ = false;
+  Status poison_status_;
+  const float* step_found_inf_ = nullptr;
+  std::map<uint32_t, bool> groups_stepped_;
+  std::unique_ptr<internal::StepPipeline> pipeline_;
+  StepStats last_stats_;
+  uint64_t inject_kernel_failure_after_ = 0;
+};
+
+}  // namespace optstate::memmgr
