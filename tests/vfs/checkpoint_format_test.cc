@@ -1,0 +1,246 @@
+// Checkpoint format: escaping, manifest round trip and strict parsing, and the
+// virtual-file layout checked against an independent reference (the fake
+// view's bytes and a separate safetensors parser).
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+
+#include "tests/vfs/checkpoint_fake_view.h"
+#include "vfs/checkpoint.h"
+
+namespace optstate::vfs {
+namespace {
+
+using testing::FakeView;
+constexpr uint64_t kCs = 2 * kMiB;
+
+TEST(CheckpointNames, EscapeRoundTrip) {
+  std::vector<std::string> names = {"layer.0.weight", "a/b/c", "..", ".", "%", "%41", "", "x y",
+                                    std::string("nul\0byte", 8), "\xc3\xa9t\xc3\xa9", "~tilde",
+                                    std::string(4096, 'q'), std::string(300, '/')};
+  std::set<std::string> seen;
+  for (const std::string& n : names) {
+    std::string e = EscapeName(n);
+    EXPECT_EQ(e.find('/'), std::string::npos) << e;
+    EXPECT_EQ(e.find('\0'), std::string::npos);
+    EXPECT_NE(e, ".");
+    EXPECT_NE(e, "..");
+    auto back = UnescapeName(e);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, n);
+    EXPECT_TRUE(seen.insert(e).second) << "collision: " << e;
+    std::string f = FileNameForName(n);
+    EXPECT_LE(f.size(), kMaxFileNameBytes);
+    EXPECT_FALSE(f.empty());
+  }
+  EXPECT_EQ(EscapeName("a/b"), "a%2Fb");
+  EXPECT_EQ(EscapeName(".."), "%2E%2E");
+  EXPECT_NE(FileNameForName(std::string(4096, 'q')), FileNameForName(std::string(4095, 'q') + "r"));
+}
+
+TEST(CheckpointNames, UnescapeRejectsMalformed) {
+  for (const char* bad : {"%", "%4", "%zz", "a%2f", "a/b", "a b", "%41"}) {
+    if (std::string(bad) == "%") continue;  // "%" is the empty name
+    EXPECT_FALSE(UnescapeName(bad).ok()) << bad;
+  }
+}
+
+std::unique_ptr<FakeView> MakeView() {
+  auto v = std::make_unique<FakeView>(kCs, 7, 42);
+  v->Add("model.layers.0/attn.weight", 600000, 1, {600, 1000});  // 2.4 MB: 2 chunks per field
+  v->Add("bias", 3, 2);                                       // 12 bytes
+  v->Add("..", 524288, 3);                                      // exactly one chunk (2 MiB)
+  v->Add("emb", 1048577, 4);                                    // 2 chunks + 4 bytes
+  return v;
+}
+
+TEST(CheckpointManifest, RoundTripDeterministic) {
+  auto v = MakeView();
+  auto m = ManifestFromView(*v);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  std::string js = SerializeManifest(*m);
+  EXPECT_EQ(js, SerializeManifest(*ManifestFromView(*v)));
+  auto p = ParseManifest(js, "/x/manifest.json");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(SerializeManifest(*p), js);
+  EXPECT_EQ(p->generation, 7u);
+  EXPECT_EQ(p->step, 42u);
+  EXPECT_EQ(p->chunk_size_bytes, kCs);
+  ASSERT_EQ(p->groups.size(), 2u);
+  EXPECT_DOUBLE_EQ(p->groups[1].hyper.at("lr"), 3.5e-4);
+  ASSERT_EQ(p->tensors.size(), 4u);
+  EXPECT_EQ(p->tensors[0].name, "..");
+  EXPECT_EQ(p->tensors[0].file_name, "%2E%2E");
+  const ManifestTensor& big = p->tensors[3];
+  EXPECT_EQ(big.name, "model.layers.0/attn.weight");
+  EXPECT_EQ(big.shape, (std::vector<uint64_t>{600, 1000}));
+  ASSERT_EQ(big.fields.size(), 3u);
+  ASSERT_EQ(big.fields[1].chunks.size(), 2u);
+  uint32_t id = v->FindTensor(big.name)->id;
+  const std::string& b = v->Bytes(id, 1);
+  EXPECT_EQ(big.fields[1].chunks[1].xxh3, XXH3_64bits(b.data() + kCs, b.size() - kCs));
+  EXPECT_EQ(big.fields[1].file, "tensors/model.layers.0%2Fattn.weight/exp_avg");
+}
+
+// Edits one value of a valid manifest and expects an error naming the key.
+void ExpectRejected(const std::function<void(nlohmann::json&)>& edit, const std::string& key_part) {
+  auto v = MakeView();
+  nlohmann::json j = nlohmann::json::parse(SerializeManifest(*ManifestFromView(*v)));
+  edit(j);
+  auto p = ParseManifest(j.dump(), "/ckpt/manifest.json");
+  ASSERT_FALSE(p.ok()) << "accepted after edit of " << key_part;
+  EXPECT_NE(p.status().message().find("/ckpt/manifest.json"), std::string::npos)
+      << p.status().message();
+  EXPECT_NE(p.status().message().find(key_part), std::string::npos) << p.status().message();
+}
+
+TEST(CheckpointManifest, StrictValidation) {
+  ExpectRejected([](auto& j) { j.erase("step"); }, "step");
+  ExpectRejected([](auto& j) { j["step"] = -1; }, "step");
+  ExpectRejected([](auto& j) { j["step"] = "3"; }, "step");
+  ExpectRejected([](auto& j) { j["format_version"] = 2; }, "format_version");
+  ExpectRejected([](auto& j) { j["chunk_size_bytes"] = 12345; }, "chunk_size_bytes");
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["lr"] = "fast"; }, "hyper.lr");
+  ExpectRejected([](auto& j) { j["groups"][1]["id"] = 0; }, "groups[1].id");
+  ExpectRejected([](auto& j) { j["tensors"][1]["numel"] = 4; }, "shape");
+  ExpectRejected([](auto& j) { j["tensors"][3]["shape"] = {600, 999}; }, "shape");
+  ExpectRejected([](auto& j) { j["tensors"][3]["shard_offset"] = {1, 0}; }, "shard_offset");
+  ExpectRejected([](auto& j) { j["tensors"][2]["file_name"] = "../evil"; }, "file_name");
+  ExpectRejected([](auto& j) { j["tensors"][2]["fields"][0]["file"] = "/etc/passwd"; }, "file");
+  ExpectRejected([](auto& j) { j["tensors"][2]["fields"][0]["dtype"] = "f64"; }, "dtype");
+  ExpectRejected([](auto& j) { j["tensors"][2]["fields"][0]["chunks"][0]["xxh3"] = "zz"; }, "xxh3");
+  ExpectRejected([](auto& j) { j["tensors"][2]["fields"][0]["chunks"][1]["offset"] = 0; },
+                 "chunks[1].offset");
+  ExpectRejected([](auto& j) { j["tensors"][2]["fields"][0]["chunks"].erase(1); }, "chunks");
+  ExpectRejected([](auto& j) { j["tensors"][2]["fields"][1]["name"] = "main"; }, "duplicate");
+  ExpectRejected([](auto& j) { j["tensors"][2] = j["tensors"][1]; }, "duplicate");
+  ExpectRejected([](auto& j) { j["tensors"] = 5; }, "tensors");
+  EXPECT_FALSE(ParseManifest("{", "m").ok());
+  EXPECT_FALSE(ParseManifest("", "m").ok());
+  EXPECT_FALSE(ParseManifest("[]", "m").ok());
+}
+
+// Independent safetensors reader: 8-byte LE length, JSON header, data.
+struct StEntry {
+  std::string dtype;
+  std::vector<uint64_t> shape;
+  uint64_t begin, end;
+};
+std::map<std::string, StEntry> ParseSafetensors(const std::string& file, uint64_t* data_start) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(file[i]);
+  EXPECT_EQ((8 + n) % 8, 0u);
+  auto j = nlohmann::json::parse(file.substr(8, n));
+  std::map<std::string, StEntry> out;
+  for (auto& [k, v] : j.items()) {
+    if (k == "__metadata__") continue;
+    out[k] = {v["dtype"], v["shape"].get<std::vector<uint64_t>>(), v["data_offsets"][0],
+              v["data_offsets"][1]};
+  }
+  *data_start = 8 + n;
+  return out;
+}
+
+std::string ReadAll(const CheckpointLayout& l, const CheckpointFile& f) {
+  std::string out(f.size_bytes, '\0');
+  auto n = l.Read(f, 0, out.data(), out.size() + 100);
+  EXPECT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, f.size_bytes);
+  return out;
+}
+
+TEST(CheckpointLayout, FilesMatchReference) {
+  auto v = MakeView();
+  auto l = CheckpointLayout::Build(v.get());
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  const auto& files = (*l)->files();
+  ASSERT_EQ(files.size(), 2u + 4 * 3);
+  EXPECT_EQ(files[0].path, "manifest.json");
+  EXPECT_EQ(ReadAll(**l, files[0]), (*l)->manifest_json());
+  std::map<std::string, std::string> raw;
+  for (size_t i = 2; i < files.size(); ++i) {
+    const auto& t = v->tensors()[files[i].tensor_index];
+    std::string bytes = ReadAll(**l, files[i]);
+    EXPECT_EQ(bytes, v->Bytes(t.id, files[i].field)) << files[i].path;
+    raw[t.name + "/" + t.fields[files[i].field].name] = bytes;
+    EXPECT_EQ((*l)->FindFile(files[i].path), &files[i]);
+  }
+  std::string st = ReadAll(**l, files[1]);
+  uint64_t data_start;
+  auto entries = ParseSafetensors(st, &data_start);
+  ASSERT_EQ(entries.size(), raw.size());
+  uint64_t covered = 0;
+  for (auto& [name, e] : entries) {
+    ASSERT_TRUE(raw.count(name)) << name;
+    EXPECT_EQ(e.dtype, "F32");
+    EXPECT_EQ(st.substr(data_start + e.begin, e.end - e.begin), raw[name]) << name;
+    covered += e.end - e.begin;
+  }
+  EXPECT_EQ(data_start + covered, st.size());
+  EXPECT_EQ(entries["model.layers.0/attn.weight/main"].shape, (std::vector<uint64_t>{600, 1000}));
+  EXPECT_EQ(entries["bias/exp_avg"].shape, (std::vector<uint64_t>{3}));
+
+  // Random ranges equal slices of the whole file; sequence numbers are monotone.
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 300; ++i) {
+    const CheckpointFile& f = files[rng() % files.size()];
+    std::string whole = f.kind == CheckpointFileKind::kSafetensors ? st : ReadAll(**l, f);
+    uint64_t off = rng() % (f.size_bytes + 10), len = rng() % (3 * kCs);
+    std::string got(len, '\0');
+    auto n = (*l)->Read(f, off, got.data(), len);
+    ASSERT_TRUE(n.ok());
+    uint64_t want = off >= f.size_bytes ? 0 : std::min(len, f.size_bytes - off);
+    ASSERT_EQ(*n, want);
+    EXPECT_EQ(got.substr(0, want), want ? whole.substr(off, want) : "");
+    uint64_t prev = 0;
+    bool first = true;
+    for (const auto& s : (*l)->MapRange(f, off, len)) {
+      if (s.memory) continue;
+      EXPECT_TRUE(first || s.chunk_seq == prev + 1);
+      ChunkRef r = (*l)->ChunkAt(f, s.chunk_seq);
+      EXPECT_EQ(r.tensor_id, s.chunk.tensor_id);
+      EXPECT_EQ(r.field, s.chunk.field);
+      EXPECT_EQ(r.index, s.chunk.index);
+      prev = s.chunk_seq, first = false;
+    }
+  }
+  uint64_t seqs = 0;
+  for (size_t i = 2; i < files.size(); ++i) seqs += (*l)->ChunkSequenceLength(files[i]);
+  EXPECT_EQ((*l)->ChunkSequenceLength(files[1]), seqs);
+}
+
+TEST(CheckpointLayout, Directories) {
+  auto v = MakeView();
+  auto l = std::move(CheckpointLayout::Build(v.get()).value());
+  EXPECT_EQ(*l->ListDir(""), (std::vector<std::string>{"manifest.json", "state.safetensors", "tensors"}));
+  auto t = l->ListDir("tensors");
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(*t, (std::vector<std::string>{"%2E%2E", "bias", "emb", "model.layers.0%2Fattn.weight"}));
+  EXPECT_EQ(*l->ListDir("tensors/bias"), (std::vector<std::string>{"exp_avg", "exp_avg_sq", "main"}));
+  EXPECT_TRUE(l->IsDir("tensors/%2E%2E"));
+  EXPECT_FALSE(l->IsDir("tensors/.."));
+  EXPECT_FALSE(l->ListDir("tensors/nope").ok());
+  EXPECT_EQ(l->FindFile("tensors/bias/nope"), nullptr);
+}
+
+TEST(CheckpointLayout, CorruptChunkFailsRead) {
+  auto v = MakeView();
+  v->FreezeChecksums();
+  uint32_t id = v->FindTensor("emb")->id;
+  v->Corrupt(id, 2, kCs + 17);
+  auto l = std::move(CheckpointLayout::Build(v.get()).value());
+  const CheckpointFile* f = l->FindFile("tensors/emb/exp_avg_sq");
+  ASSERT_NE(f, nullptr);
+  std::string buf(1024, '\0');
+  EXPECT_TRUE(l->Read(*f, 0, buf.data(), buf.size()).ok());
+  auto bad = l->Read(*f, kCs, buf.data(), buf.size());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(bad.status().IsCorruption());
+}
+
+}  // namespace
+}  // namespace optstate::vfs

@@ -1,0 +1,204 @@
+// Checkpoint format: how one committed generation looks as files.
+//
+// A checkpoint directory (what optstate-mount shows for latest/ and each
+// snapshot, and what `cp -r` copies) holds
+//   manifest.json                   this file's Manifest, as deterministic JSON
+//   state.safetensors               every field as "<tensor>/<field>" (safetensors)
+//   tensors/<tensor file>/<field>   one raw little-endian array per tensor field
+// The schema is documented in docs/CHECKPOINT.md.
+//
+// CheckpointLayout is the virtual-file view of one GenerationView: the list of
+// files with exact sizes in a stable order, and a mapping from a file byte
+// range to chunk ranges (MapRange) or straight to bytes (Read). The mount, the
+// tools and the tests share it. RestoreCheckpoint / CreateStoreFromCheckpoint
+// go the other way: they parse and validate a manifest strictly, verify every
+// chunk of every field file against the manifest's XXH3, and commit the data as
+// one new generation (or nothing: on any error the pending writes are aborted).
+//
+// Thread-safety: a CheckpointLayout is immutable after Build and may be shared
+// between threads; Read() uses the view's thread-safe ReadChunk. The free
+// functions are thread-safe. RestoreCheckpoint needs exclusive use of the
+// writable Store for its duration (nothing else may write or commit).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "vfs/status.h"
+#include "vfs/store.h"
+
+namespace optstate::vfs {
+
+inline constexpr uint32_t kCheckpointFormatVersion = 1;
+inline constexpr const char* kManifestFileName = "manifest.json";
+inline constexpr const char* kSafetensorsFileName = "state.safetensors";
+inline constexpr const char* kTensorsDirName = "tensors";
+// Escaped names longer than this are shortened: a prefix + "~" + 16 hex digits
+// of the XXH3 of the name (file systems cap a name at 255 bytes). The manifest
+// maps each file name back to the tensor name.
+inline constexpr size_t kMaxFileNameBytes = 200;
+
+// Reversible escaping of a name into one path component: every byte outside
+// [A-Za-z0-9._-] (and '%' itself) becomes %XX (upper-case hex); "." and ".."
+// become "%2E" and "%2E%2E"; the empty name becomes "%".
+std::string EscapeName(std::string_view name);
+// Inverse of EscapeName; InvalidArgument on a malformed escape.
+Result<std::string> UnescapeName(std::string_view escaped);
+// EscapeName, shortened to kMaxFileNameBytes when longer (not reversible on
+// its own; the manifest records the mapping).
+std::string FileNameForName(std::string_view name);
+
+// ---- manifest ------------------------------------------------------------
+
+struct ManifestChunk {
+  uint64_t offset_bytes = 0;   // within the field file
+  uint64_t length_bytes = 0;
+  uint64_t xxh3 = 0;           // ChunkChecksum of those bytes
+};
+
+struct ManifestField {
+  std::string name;            // "main", ...
+  DType dtype = DType::kF32;
+  std::string file;            // relative: "tensors/<tensor file>/<field file>"
+  uint64_t bytes = 0;          // numel * dtype size
+  std::vector<ManifestChunk> chunks;
+};
+
+struct ManifestTensor {
+  std::string name;
+  std::string file_name;       // the directory name under tensors/
+  DType dtype = DType::kF32;
+  uint64_t numel = 0;
+  uint32_t group = 0;
+  std::vector<uint64_t> shape;
+  std::vector<uint64_t> global_shape;
+  std::vector<uint64_t> shard_offset;
+  std::vector<ManifestField> fields;
+};
+
+struct Manifest {
+  uint32_t format_version = kCheckpointFormatVersion;
+  std::string store_uuid;
+  std::string store_name;
+  uint64_t generation = 0;
+  uint64_t step = 0;
+  uint64_t chunk_size_bytes = 0;
+  std::vector<GroupInfo> groups;       // sorted by id
+  std::vector<ManifestTensor> tensors; // sorted by name
+};
+
+// Builds the manifest of a generation (reads chunk metadata only, no data).
+Result<Manifest> ManifestFromView(const GenerationView& view);
+// Deterministic JSON (same Manifest -> same bytes), newline-terminated.
+std::string SerializeManifest(const Manifest& m);
+// Strict parse + validation: every key present and typed, ranges checked,
+// chunks contiguous and covering each field, file names consistent, no
+// duplicates. Errors are kInvalidArgument/kCorruption naming `source` (the
+// manifest path) and the JSON key. Never throws, never crashes on any input
+// (fuzzed: tests/vfs/fuzz/manifest_fuzz.cc).
+Result<Manifest> ParseManifest(std::string_view json, std::string_view source);
+
+// ---- the virtual files of a generation -----------------------------------
+
+enum class CheckpointFileKind : uint8_t { kManifest, kSafetensors, kField };
+
+struct CheckpointFile {
+  std::string path;            // relative, '/'-separated
+  CheckpointFileKind kind = CheckpointFileKind::kField;
+  uint64_t size_bytes = 0;
+  uint32_t tensor_index = 0;   // kField: index into view.tensors()
+  uint32_t field = 0;          // kField: field index
+};
+
+// One piece of a file byte range: either bytes held by the layout (manifest,
+// safetensors header) or a range of one chunk.
+struct CheckpointSegment {
+  uint64_t dst_offset = 0;     // offset in the caller's buffer
+  uint64_t length_bytes = 0;
+  const char* memory = nullptr;  // non-null: copy from here
+  ChunkRef chunk;              // memory == nullptr: this chunk ...
+  uint64_t chunk_offset = 0;   // ... from this offset within it
+  uint64_t chunk_seq = 0;      // position of the chunk in the file's chunk sequence
+};
+
+class CheckpointLayout {
+ public:
+  // REQUIRES: view outlives the layout (the mount keeps both in one entry).
+  static Result<std::unique_ptr<CheckpointLayout>> Build(const GenerationView* view);
+
+  const GenerationView& view() const { return *view_; }
+  const Manifest& manifest() const { return manifest_; }
+  const std::string& manifest_json() const { return manifest_json_; }
+  // The 8-byte length + JSON header (space padded) of state.safetensors.
+  const std::string& safetensors_header() const { return st_header_; }
+
+  // Files in a stable order: manifest.json, state.safetensors, then fields by
+  // tensor name and field order.
+  const std::vector<CheckpointFile>& files() const { return files_; }
+  const CheckpointFile* FindFile(std::string_view path) const;
+  // True for "", "tensors" and "tensors/<tensor file>".
+  bool IsDir(std::string_view path) const;
+  // Sorted child names of a directory; NotFound if it is not one.
+  Result<std::vector<std::string>> ListDir(std::string_view path) const;
+
+  // Number of chunks a file reads from, in file order (0 for manifest.json).
+  uint64_t ChunkSequenceLength(const CheckpointFile& f) const;
+  // The i-th chunk of a file's chunk sequence. REQUIRES: i < length.
+  ChunkRef ChunkAt(const CheckpointFile& f, uint64_t seq) const;
+  // Splits [offset, offset+len) of f (clipped at EOF) into segments in order.
+  std::vector<CheckpointSegment> MapRange(const CheckpointFile& f, uint64_t offset,
+                                          uint64_t len) const;
+  // Synchronous read through view().ReadChunk (one bounce buffer per call).
+  // Returns the bytes read (short only at EOF).
+  Result<uint64_t> Read(const CheckpointFile& f, uint64_t offset, void* buf, uint64_t len) const;
+
+ private:
+  CheckpointLayout() = default;
+  struct FieldSpan {            // a field's place in the safetensors data section
+    uint32_t tensor_index;
+    uint32_t field;
+    uint64_t data_offset;       // from the start of the data section
+    uint64_t bytes;
+    uint64_t first_seq;         // its first chunk in the safetensors chunk sequence
+  };
+  const GenerationView* view_ = nullptr;
+  Manifest manifest_;
+  std::string manifest_json_;
+  std::string st_header_;
+  std::vector<CheckpointFile> files_;
+  std::vector<FieldSpan> spans_;
+  uint64_t st_chunks_ = 0;
+  uint64_t chunk_size_ = 0;
+};
+
+// ---- restore -------------------------------------------------------------
+
+struct RestoreOptions {
+  // Called after each field file is verified/imported with (bytes done, total).
+  std::function<void(uint64_t, uint64_t)> progress;
+  // ChunkIo queue depth for the import writes. Default 16.
+  uint32_t queue_depth = 16;
+};
+
+// Reads and validates dir/manifest.json, checks its layout against `store`
+// (every tensor present with the same numel, dtype, group, shapes, shard offset,
+// fields; differences are listed in the error), verifies every chunk of every
+// field file (size and XXH3), writes all chunks and commits one generation with
+// the manifest's step and groups. Returns the new generation. On error nothing
+// is committed (AbortPending) and the store is unchanged.
+// REQUIRES: store is writable, no writes pending, no other writer.
+Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir,
+                                   const RestoreOptions& opts = {});
+// Creates a store at store_path whose tensors are the manifest's (name from
+// opts.name, else the manifest's store name; chunk size from the manifest) and
+// restores into it. On error the new store directory is removed.
+Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
+                                                         const std::string& store_path,
+                                                         StoreOptions opts,
+                                                         const RestoreOptions& ropts = {});
+
+}  // namespace optstate::vfs
