@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -46,6 +47,18 @@ struct IoEngineOptions {
   // whose buf lies inside one use the fixed-buffer opcodes. May be empty.
   std::vector<std::span<std::byte>> registered_buffers;
   bool sqpoll = false;        // IORING_SETUP_SQPOLL (off: costs a core)
+  // Registered-file table size (IORING_REGISTER_FILES, sparse); files beyond
+  // it evict the oldest slot. 0 disables registered files. Default 1024 slots.
+  uint32_t registered_file_slots = 1024;
+  // Test-only: sees every io_uring completion before the engine interprets it
+  // and returns the result to use instead of `res` (a short count, 0, -EAGAIN,
+  // -EINTR, -EIO, ...) to fake what a device could report. `offset`/`len` are
+  // those of the SQE (a resubmission covers only the remainder). Empty (the
+  // default): completions are used as the kernel reports them. Ignored by the
+  // sync engine.
+  using CompletionFault =
+      std::function<int32_t(const IoRequest& request, uint64_t offset, uint32_t len, int32_t res)>;
+  CompletionFault completion_fault;
 };
 
 class IoEngine {
