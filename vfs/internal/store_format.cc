@@ -1,0 +1,245 @@
+#include "vfs/internal/store_format.h"
+
+#include <cmath>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+namespace optstate::vfs::internal {
+namespace {
+
+using nlohmann::json;
+
+void PutBe32(std::string* s, uint32_t v) {
+  for (int i = 3; i >= 0; --i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutBe64(std::string* s, uint64_t v) {
+  for (int i = 7; i >= 0; --i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetBe(std::string_view s, size_t pos, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v = (v << 8) | static_cast<uint8_t>(s[pos + i]);
+  return v;
+}
+void PutLe(std::string* s, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLe(std::string_view s, size_t pos, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(s[pos + i]);
+  return v;
+}
+
+json HyperToJson(const std::map<std::string, double>& h) {
+  json j = json::object();
+  for (const auto& [k, v] : h) {
+    if (std::isfinite(v)) {
+      j[k] = v;
+    } else {
+      j[k] = std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf");
+    }
+  }
+  return j;
+}
+std::map<std::string, double> HyperFromJson(const json& j) {
+  std::map<std::string, double> h;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it->is_string()) {
+      const std::string s = it->get<std::string>();
+      h[it.key()] = s == "nan"   ? std::numeric_limits<double>::quiet_NaN()
+                    : s == "inf" ? std::numeric_limits<double>::infinity()
+                                 : -std::numeric_limits<double>::infinity();
+    } else {
+      h[it.key()] = it->get<double>();
+    }
+  }
+  return h;
+}
+
+template <typename F>
+auto ParseJson(std::string_view text, std::string_view what, F&& f) -> decltype(f(json())) {
+  try {
+    json j = json::parse(text.begin(), text.end());
+    return f(j);
+  } catch (const std::exception& e) {
+    return Corruption(std::string(what) + ": bad record: " + e.what());
+  }
+}
+
+}  // namespace
+
+std::string EncodeU64(uint64_t v) {
+  std::string s;
+  PutBe64(&s, v);
+  return s;
+}
+Result<uint64_t> DecodeU64(std::string_view s, std::string_view what) {
+  if (s.size() != 8) return Corruption(std::string(what) + ": counter is not 8 bytes");
+  return GetBe(s, 0, 8);
+}
+
+std::string TensorKey(std::string_view name) { return std::string(kTensorPrefix) + std::string(name); }
+std::string SnapshotKey(std::string_view name) {
+  return std::string(kSnapshotPrefix) + std::string(name);
+}
+std::string GenerationKey(uint64_t gen) {
+  std::string s(kGenerationPrefix);
+  PutBe64(&s, gen);
+  return s;
+}
+Result<uint64_t> ParseGenerationKey(std::string_view key) {
+  if (key.size() != kGenerationPrefix.size() + 8) return Corruption("bad generation key");
+  return GetBe(key, kGenerationPrefix.size(), 8);
+}
+std::string ChunkKey(uint32_t tensor, uint32_t field, uint64_t chunk, uint64_t gen) {
+  std::string s(kChunkPrefix);
+  PutBe32(&s, tensor);
+  PutBe32(&s, field);
+  PutBe64(&s, chunk);
+  PutBe64(&s, ~gen);
+  return s;
+}
+Result<ChunkKeyParts> ParseChunkKey(std::string_view key) {
+  const size_t p = kChunkPrefix.size();
+  if (key.size() != p + 24) return Corruption("bad chunk key of " + std::to_string(key.size()) + " bytes");
+  ChunkKeyParts k;
+  k.tensor = static_cast<uint32_t>(GetBe(key, p, 4));
+  k.field = static_cast<uint32_t>(GetBe(key, p + 4, 4));
+  k.chunk = GetBe(key, p + 8, 8);
+  k.gen = ~GetBe(key, p + 16, 8);
+  return k;
+}
+
+std::string EncodeExtent(const Extent& e) {
+  std::string s;
+  PutLe(&s, e.dir, 4);
+  PutLe(&s, e.file_offset, 8);
+  PutLe(&s, e.length, 8);
+  PutLe(&s, e.checksum, 8);
+  return s;
+}
+Result<Extent> DecodeExtent(std::string_view v) {
+  if (v.size() != 28) return Corruption("bad extent record of " + std::to_string(v.size()) + " bytes");
+  Extent e;
+  e.dir = static_cast<uint32_t>(GetLe(v, 0, 4));
+  e.file_offset = GetLe(v, 4, 8);
+  e.length = GetLe(v, 12, 8);
+  e.checksum = GetLe(v, 20, 8);
+  return e;
+}
+
+std::string EncodeIdentity(const StoreIdentity& id) {
+  json j;
+  j["format_version"] = id.format_version;
+  j["uuid"] = id.uuid;
+  j["name"] = id.name;
+  j["chunk_size_bytes"] = id.chunk_size_bytes;
+  j["data_dirs"] = id.data_dirs;
+  j["create_time_unix_ms"] = id.create_time_unix_ms;
+  return j.dump(2) + "\n";
+}
+Result<StoreIdentity> DecodeIdentity(std::string_view text, std::string_view where) {
+  return ParseJson(text, where, [&](const json& j) -> Result<StoreIdentity> {
+    StoreIdentity id;
+    id.format_version = j.at("format_version").get<uint32_t>();
+    if (id.format_version != kFormatVersion) {
+      return Corruption(std::string(where) + ": format version " + std::to_string(id.format_version) +
+                        ", this build reads version " + std::to_string(kFormatVersion));
+    }
+    id.uuid = j.at("uuid").get<std::string>();
+    id.name = j.at("name").get<std::string>();
+    id.chunk_size_bytes = j.at("chunk_size_bytes").get<uint64_t>();
+    id.data_dirs = j.at("data_dirs").get<std::vector<std::string>>();
+    id.create_time_unix_ms = j.at("create_time_unix_ms").get<int64_t>();
+    if (id.uuid.empty() || id.data_dirs.empty() || id.chunk_size_bytes == 0 ||
+        id.chunk_size_bytes % kChunkAlignBytes != 0) {
+      return Corruption(std::string(where) + ": identity has an empty uuid, no data dirs or a bad chunk size");
+    }
+    return id;
+  });
+}
+
+std::string EncodeTensor(const TensorInfo& t) {
+  json j;
+  j["id"] = t.id;
+  j["name"] = t.name;
+  j["dtype"] = DTypeName(t.dtype);
+  j["numel"] = t.numel;
+  j["group"] = t.group;
+  j["shape"] = t.shape;
+  j["global_shape"] = t.global_shape;
+  j["shard_offset"] = t.shard_offset;
+  json fields = json::array();
+  for (const auto& f : t.fields) fields.push_back({{"name", f.name}, {"dtype", DTypeName(f.dtype)}});
+  j["fields"] = fields;
+  j["created_generation"] = t.created_generation;
+  return j.dump();
+}
+Result<TensorInfo> DecodeTensor(std::string_view text) {
+  return ParseJson(text, "tensor record", [&](const json& j) -> Result<TensorInfo> {
+    TensorInfo t;
+    t.id = j.at("id").get<uint32_t>();
+    t.name = j.at("name").get<std::string>();
+    OPTSTATE_ASSIGN_OR_RETURN(t.dtype, ParseDType(j.at("dtype").get<std::string>()));
+    t.numel = j.at("numel").get<uint64_t>();
+    t.group = j.at("group").get<uint32_t>();
+    t.shape = j.at("shape").get<std::vector<uint64_t>>();
+    t.global_shape = j.at("global_shape").get<std::vector<uint64_t>>();
+    t.shard_offset = j.at("shard_offset").get<std::vector<uint64_t>>();
+    for (const auto& f : j.at("fields")) {
+      FieldSpec fs;
+      fs.name = f.at("name").get<std::string>();
+      OPTSTATE_ASSIGN_OR_RETURN(fs.dtype, ParseDType(f.at("dtype").get<std::string>()));
+      t.fields.push_back(fs);
+    }
+    t.created_generation = j.at("created_generation").get<uint64_t>();
+    return t;
+  });
+}
+
+std::string EncodeGeneration(const GenerationInfo& g) {
+  json j;
+  j["generation"] = g.generation;
+  j["step"] = g.step;
+  j["commit_time_unix_ms"] = g.commit_time_unix_ms;
+  json groups = json::array();
+  for (const auto& gr : g.groups) {
+    groups.push_back({{"id", gr.id}, {"step_count", gr.step_count}, {"hyper", HyperToJson(gr.hyper)}});
+  }
+  j["groups"] = groups;
+  return j.dump();
+}
+Result<GenerationInfo> DecodeGeneration(std::string_view text) {
+  return ParseJson(text, "generation record", [&](const json& j) -> Result<GenerationInfo> {
+    GenerationInfo g;
+    g.generation = j.at("generation").get<uint64_t>();
+    g.step = j.at("step").get<uint64_t>();
+    g.commit_time_unix_ms = j.at("commit_time_unix_ms").get<int64_t>();
+    for (const auto& gr : j.at("groups")) {
+      GroupInfo info;
+      info.id = gr.at("id").get<uint32_t>();
+      info.step_count = gr.at("step_count").get<uint64_t>();
+      info.hyper = HyperFromJson(gr.at("hyper"));
+      g.groups.push_back(std::move(info));
+    }
+    return g;
+  });
+}
+
+std::string EncodeSnapshot(const SnapshotInfo& s) {
+  json j;
+  j["generation"] = s.generation;
+  j["create_time_unix_ms"] = s.create_time_unix_ms;
+  return j.dump();
+}
+Result<SnapshotInfo> DecodeSnapshot(std::string_view name, std::string_view text) {
+  return ParseJson(text, "snapshot record", [&](const json& j) -> Result<SnapshotInfo> {
+    SnapshotInfo s;
+    s.name = std::string(name);
+    s.generation = j.at("generation").get<uint64_t>();
+    s.create_time_unix_ms = j.at("create_time_unix_ms").get<int64_t>();
+    return s;
+  });
+}
+
+}  // namespace optstate::vfs::internal

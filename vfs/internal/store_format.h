@@ -1,0 +1,70 @@
+// The store's on-disk encodings: RocksDB keys (prefix-scannable), binary
+// extent values and the JSON records (IDENTITY, tensors, generations,
+// snapshots). Pure functions, no I/O; thread-safe.
+//
+// Keys:
+//   "I"                                   identity (same JSON as IDENTITY)
+//   "T/<name>"                            tensor record (JSON)
+//   "G/<be64 gen>"                        generation record (JSON)
+//   "S/<name>"                            snapshot record (JSON)
+//   "C/<be32 tensor><be32 field><be64 chunk><be64 ~gen>"
+//                                         chunk version -> extent (binary, 28 bytes);
+//                                         ~gen sorts the newest version first
+//   "M/latest", "M/next_tensor_id", "M/lifetime_bytes_written"   be64 counters
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "vfs/status.h"
+#include "vfs/store.h"
+
+namespace optstate::vfs::internal {
+
+inline constexpr std::string_view kIdentityKey = "I";
+inline constexpr std::string_view kTensorPrefix = "T/";
+inline constexpr std::string_view kGenerationPrefix = "G/";
+inline constexpr std::string_view kSnapshotPrefix = "S/";
+inline constexpr std::string_view kChunkPrefix = "C/";
+inline constexpr std::string_view kLatestKey = "M/latest";
+inline constexpr std::string_view kNextTensorIdKey = "M/next_tensor_id";
+inline constexpr std::string_view kLifetimeKey = "M/lifetime_bytes_written";
+
+// Where one version of one chunk lives.
+struct Extent {
+  uint32_t dir = 0;
+  uint64_t file_offset = 0;
+  uint64_t length = 0;     // logical bytes
+  uint64_t checksum = 0;   // XXH3-64 of the logical bytes
+};
+
+std::string EncodeU64(uint64_t v);                    // big-endian, 8 bytes
+Result<uint64_t> DecodeU64(std::string_view s, std::string_view what);
+
+std::string TensorKey(std::string_view name);
+std::string GenerationKey(uint64_t gen);
+std::string SnapshotKey(std::string_view name);
+std::string ChunkKey(uint32_t tensor, uint32_t field, uint64_t chunk, uint64_t gen);
+struct ChunkKeyParts {
+  uint32_t tensor = 0;
+  uint32_t field = 0;
+  uint64_t chunk = 0;
+  uint64_t gen = 0;
+};
+Result<ChunkKeyParts> ParseChunkKey(std::string_view key);
+Result<uint64_t> ParseGenerationKey(std::string_view key);
+
+std::string EncodeExtent(const Extent& e);
+Result<Extent> DecodeExtent(std::string_view v);
+
+std::string EncodeIdentity(const StoreIdentity& id);
+Result<StoreIdentity> DecodeIdentity(std::string_view json, std::string_view where);
+std::string EncodeTensor(const TensorInfo& t);
+Result<TensorInfo> DecodeTensor(std::string_view json);
+std::string EncodeGeneration(const GenerationInfo& g);
+Result<GenerationInfo> DecodeGeneration(std::string_view json);
+std::string EncodeSnapshot(const SnapshotInfo& s);
+Result<SnapshotInfo> DecodeSnapshot(std::string_view name, std::string_view json);
+
+}  // namespace optstate::vfs::internal

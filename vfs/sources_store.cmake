@@ -1,0 +1,7 @@
+# The store: index, generations, snapshots, GC, chunk I/O over the io engines.
+list(APPEND OPTSTATE_VFS_SOURCES
+  store.cc
+  checksum.cc
+  crash_point.cc
+  internal/store_format.cc
+  internal/rocks_util.cc)

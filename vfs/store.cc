@@ -1,0 +1,1811 @@
+// Store implementation (vfs/store.h): RocksDB index, copy-on-write chunk
+// versions in preallocated data files, generations, snapshots, leases, GC.
+//
+// Shared state lives in Core, owned by shared_ptr by the Store, its
+// GenerationViews and ChunkIos, so a view or ChunkIo may outlive the Store
+// object (the index and LOCK stay open until the last one goes).
+//
+// Lock order: Core::mu_ may be taken while holding the lease flock
+// (leases/.lock, LOCK_EX in GC); never the other way round.
+#include "vfs/store.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdarg>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <mutex>
+#include <random>
+#include <set>
+#include <unordered_map>
+
+#include <rocksdb/db.h>
+#include <rocksdb/env.h>
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+
+#include "vfs/internal/rocks_util.h"
+#include "vfs/internal/store_format.h"
+#include "vfs/io_engine.h"
+#include "vfs/log.h"
+
+namespace optstate::vfs {
+
+// ---------------------------------------------------------------------------
+// Small public helpers declared in store.h.
+
+const char* DTypeName(DType d) {
+  switch (d) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+  }
+  return "?";
+}
+
+Result<DType> ParseDType(std::string_view s) {
+  if (s == "f32" || s == "float32") return DType::kF32;
+  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  if (s == "f16" || s == "float16") return DType::kF16;
+  return InvalidArgument("unknown dtype '" + std::string(s) + "' (expected f32, bf16 or f16)");
+}
+
+uint32_t DTypeSize(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+std::vector<FieldSpec> AdamFields() {
+  return {{"main", DType::kF32}, {"exp_avg", DType::kF32}, {"exp_avg_sq", DType::kF32}};
+}
+
+uint64_t TensorInfo::field_bytes(uint32_t field) const {
+  if (field >= fields.size()) return 0;
+  return numel * DTypeSize(fields[field].dtype);
+}
+
+namespace {
+
+using internal::Extent;
+using internal::RocksStatus;
+
+constexpr uint64_t kIoAlign = 4096;
+constexpr uint64_t kInfinity = UINT64_MAX;
+
+uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string JoinPath(const std::string& a, const std::string& b) {
+  if (a.empty()) return b;
+  return a.back() == '/' ? a + b : a + "/" + b;
+}
+
+std::string AbsPath(const std::string& p) {
+  std::error_code ec;
+  auto abs = std::filesystem::absolute(p, ec);
+  if (ec) return p;
+  std::string s = abs.lexically_normal().string();
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s;
+}
+
+struct Key {
+  uint32_t t = 0;
+  uint32_t f = 0;
+  uint64_t c = 0;
+  auto operator<=>(const Key&) const = default;
+};
+
+struct Version {
+  uint64_t gen = 0;  // written (published) generation
+  Extent ext;
+};
+
+// Aligned scratch buffer for synchronous verification reads.
+struct AlignedBuf {
+  explicit AlignedBuf(uint64_t n) : p(std::aligned_alloc(kIoAlign, RoundUp(n, kIoAlign))) {}
+  ~AlignedBuf() { std::free(p); }
+  AlignedBuf(const AlignedBuf&) = delete;
+  AlignedBuf& operator=(const AlignedBuf&) = delete;
+  void* p;
+};
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// "; closest: 'a', 'b', 'c'" over `names`, or "" when there are none.
+template <typename It>
+std::string ClosestNames(std::string_view want, It begin, It end) {
+  std::vector<std::pair<size_t, std::string>> scored;
+  for (It it = begin; it != end; ++it) scored.emplace_back(EditDistance(want, *it), *it);
+  if (scored.empty()) return "; the store has no tensors";
+  std::sort(scored.begin(), scored.end());
+  std::string s = "; closest:";
+  for (size_t i = 0; i < scored.size() && i < 3; ++i) s += (i ? ", '" : " '") + scored[i].second + "'";
+  return s;
+}
+
+bool ValidUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<uint8_t>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    for (size_t k = 1; k < n; ++k) {
+      if ((static_cast<uint8_t>(s[i + k]) & 0xc0) != 0x80) return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
+Status ValidateSnapshotName(const std::string& name) {
+  if (name.empty() || name.size() > 255 || name == "." || name == "..") {
+    return InvalidArgument("invalid snapshot name '" + name + "': 1..255 characters, not '.' or '..'");
+  }
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return InvalidArgument("invalid snapshot name '" + name + "': only [A-Za-z0-9._-] allowed");
+    }
+  }
+  return Status();
+}
+
+// Forwards RocksDB's warnings and errors to our log instead of a LOG file
+// (also keeps RocksDB's background logging out of fault-injection op counts).
+class RocksLogger : public rocksdb::Logger {
+ public:
+  RocksLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    char buf[1024];
+    vsnprintf(buf, sizeof(buf), format, ap);
+    OPTSTATE_LOG_WARN("rocksdb: {}", buf);
+  }
+};
+
+// flock on an open File's fd; released on destruction.
+class FlockGuard {
+ public:
+  FlockGuard() = default;
+  static Result<FlockGuard> Take(File* f, int op) {
+    for (;;) {
+      if (::flock(f->fd(), op) == 0) break;
+      if (errno == EINTR) continue;
+      return ErrnoStatus("flock " + f->path(), errno);
+    }
+    FlockGuard g;
+    g.fd_ = f->fd();
+    return g;
+  }
+  FlockGuard(FlockGuard&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  FlockGuard& operator=(FlockGuard&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    return *this;
+  }
+  ~FlockGuard() {
+    if (fd_ >= 0) ::flock(fd_, LOCK_UN);
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// ---------------------------------------------------------------------------
+// Core: everything a Store, its views and its ChunkIos share.
+
+class Core {
+ public:
+  ~Core() {
+    db_.reset();
+    env_.reset();
+    data_files_.clear();
+    lease_lock_file_.reset();
+    if (!secondary_dir_.empty()) (void)fs_->RemoveAll(secondary_dir_);
+    lock_file_.reset();
+  }
+
+  // Immutable after open.
+  std::string path_;
+  StoreIdentity identity_;
+  StoreOptions opts_;
+  FileSystem* fs_ = nullptr;
+  bool read_only_ = false;
+  std::string secondary_dir_;
+  std::string leases_dir_;
+  std::unique_ptr<rocksdb::Env> env_;  // hooked env; outlives db_
+  std::shared_ptr<rocksdb::Logger> logger_;
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<std::unique_ptr<File>> data_files_;  // per data dir; null if absent (read-only)
+  std::unique_ptr<File> lock_file_;
+  std::unique_ptr<File> lease_lock_file_;
+  std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
+
+  uint64_t chunk() const { return identity_.chunk_size_bytes; }
+  uint64_t SlotBytes() const { return chunk(); }
+
+  mutable std::mutex mu_;
+  // Guarded by mu_.
+  std::map<uint32_t, TensorInfo> tensors_;       // by id
+  std::map<std::string, uint32_t, std::less<>> names_;  // name -> id
+  uint32_t next_tensor_id_ = 0;
+  GenerationInfo latest_;
+  std::map<uint64_t, GenerationInfo> generations_;  // retained generation records
+  std::map<std::string, SnapshotInfo> snapshots_;
+  std::map<Key, std::vector<Version>> versions_;    // committed, newest first
+  std::map<Key, Extent> pending_;                   // completed writes of latest+1
+  std::vector<uint64_t> file_slots_;                // allocated slots per dir
+  std::vector<std::set<uint64_t>> free_;            // free slot numbers per dir
+  std::vector<bool> dirty_;                         // written since last sync
+  std::vector<bool> grown_;                         // fallocated since last sync
+  uint32_t next_dir_ = 0;
+  uint64_t lifetime_bytes_ = 0;
+  std::map<uint64_t, int> view_refs_;               // in-process views per generation
+  bool poisoned_ = false;
+  std::string poison_reason_;
+  uint64_t writes_in_flight_ = 0;
+
+  std::string FileName(uint32_t dir) const {
+    return JoinPath(identity_.data_dirs[dir], identity_.uuid + ".chunks");
+  }
+
+  Status CheckWritable(std::string_view what) const {  // mu_ held
+    if (read_only_) {
+      return FailedPrecondition("store " + path_ + ": " + std::string(what) +
+                                " on a store opened read-only");
+    }
+    if (poisoned_) {
+      return DataLoss("store " + path_ + ": " + std::string(what) + " refused: store is poisoned (" +
+                      poison_reason_ + "); reopen it");
+    }
+    return Status();
+  }
+
+  uint64_t ChunkLen(const TensorInfo& t, uint32_t field, uint64_t index) const {
+    const uint64_t bytes = t.field_bytes(field);
+    const uint64_t off = index * chunk();
+    return off >= bytes ? 0 : std::min(chunk(), bytes - off);
+  }
+  static uint64_t ChunkCountOf(const TensorInfo& t, uint32_t field, uint64_t chunk) {
+    return (t.field_bytes(field) + chunk - 1) / chunk;
+  }
+
+  std::string Describe(const TensorInfo* t, const Key& k, uint64_t gen) const {
+    std::string s = "store " + path_ + " tensor '" + (t ? t->name : "#" + std::to_string(k.t)) +
+                    "' field '" +
+                    (t && k.f < t->fields.size() ? t->fields[k.f].name : "#" + std::to_string(k.f)) +
+                    "' chunk " + std::to_string(k.c);
+    if (gen != kInfinity) s += " generation " + std::to_string(gen);
+    return s;
+  }
+
+  // --- index loading -------------------------------------------------------
+
+  // Rebuilds every in-memory map from the index. mu_ held.
+  Status LoadIndex() {
+    tensors_.clear();
+    names_.clear();
+    generations_.clear();
+    snapshots_.clear();
+    versions_.clear();
+    rocksdb::ReadOptions ro;
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
+    bool have_latest = false, have_identity = false;
+    uint64_t latest = 0;
+    const std::string where = "store " + path_ + ": index";
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const std::string_view k(it->key().data(), it->key().size());
+      const std::string_view v(it->value().data(), it->value().size());
+      if (k.starts_with(internal::kChunkPrefix)) {
+        OPTSTATE_ASSIGN_OR_RETURN(auto parts, internal::ParseChunkKey(k));
+        OPTSTATE_ASSIGN_OR_RETURN(auto ext, internal::DecodeExtent(v));
+        // Keys sort newest first within a chunk.
+        versions_[Key{parts.tensor, parts.field, parts.chunk}].push_back(Version{parts.gen, ext});
+      } else if (k.starts_with(internal::kTensorPrefix)) {
+        auto t = internal::DecodeTensor(v);
+        if (!t.ok()) return t.status().WithContext(where);
+        names_[t->name] = t->id;
+        tensors_[t->id] = std::move(*t);
+      } else if (k.starts_with(internal::kGenerationPrefix)) {
+        auto g = internal::DecodeGeneration(v);
+        if (!g.ok()) return g.status().WithContext(where);
+        generations_[g->generation] = std::move(*g);
+      } else if (k.starts_with(internal::kSnapshotPrefix)) {
+        auto s = internal::DecodeSnapshot(k.substr(internal::kSnapshotPrefix.size()), v);
+        if (!s.ok()) return s.status().WithContext(where);
+        snapshots_[s->name] = std::move(*s);
+      } else if (k == internal::kLatestKey) {
+        OPTSTATE_ASSIGN_OR_RETURN(latest, internal::DecodeU64(v, where + " latest"));
+        have_latest = true;
+      } else if (k == internal::kNextTensorIdKey) {
+        OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, internal::DecodeU64(v, where + " next tensor id"));
+        next_tensor_id_ = static_cast<uint32_t>(n);
+      } else if (k == internal::kLifetimeKey) {
+        OPTSTATE_ASSIGN_OR_RETURN(lifetime_bytes_, internal::DecodeU64(v, where + " lifetime"));
+      } else if (k == internal::kIdentityKey) {
+        auto id = internal::DecodeIdentity(v, where + " identity");
+        if (!id.ok()) return id.status();
+        if (id->uuid != identity_.uuid) {
+          return Corruption(where + " belongs to store uuid " + id->uuid + " but IDENTITY says " +
+                            identity_.uuid);
+        }
+        have_identity = true;
+      }
+    }
+    OPTSTATE_RETURN_IF_ERROR(RocksStatus(where + " scan", it->status()));
+    if (!have_latest || !have_identity) {
+      return Corruption(where + " lacks its identity or latest-generation record");
+    }
+    auto g = generations_.find(latest);
+    if (g == generations_.end()) {
+      return Corruption(where + ": latest generation " + std::to_string(latest) + " has no record");
+    }
+    latest_ = g->second;
+    // Versions newer than latest cannot exist (published with latest in one
+    // batch); a secondary instance might see them mid-catch-up: drop them.
+    for (auto& [key, vs] : versions_) {
+      std::erase_if(vs, [&](const Version& v) { return v.gen > latest; });
+    }
+    std::erase_if(versions_, [](const auto& kv) { return kv.second.empty(); });
+    return Status();
+  }
+
+  // Free slots = allocated slots minus every slot a committed version uses. mu_ held.
+  Status BuildFreeLists() {
+    const size_t n = identity_.data_dirs.size();
+    free_.assign(n, {});
+    file_slots_.assign(n, 0);
+    dirty_.assign(n, false);
+    grown_.assign(n, false);
+    std::vector<std::set<uint64_t>> used(n);
+    for (uint32_t d = 0; d < n; ++d) {
+      if (!data_files_[d]) continue;
+      OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, data_files_[d]->Size());
+      file_slots_[d] = size / SlotBytes();
+    }
+    for (const auto& [key, vs] : versions_) {
+      for (const auto& v : vs) {
+        if (v.ext.dir >= n || v.ext.file_offset % SlotBytes() != 0 ||
+            v.ext.file_offset / SlotBytes() >= file_slots_[v.ext.dir]) {
+          auto t = tensors_.find(key.t);
+          return Corruption(Describe(t == tensors_.end() ? nullptr : &t->second, key, v.gen) +
+                            ": extent (data dir " + std::to_string(v.ext.dir) + ", offset " +
+                            std::to_string(v.ext.file_offset) + ") lies outside the data files");
+        }
+        used[v.ext.dir].insert(v.ext.file_offset / SlotBytes());
+      }
+    }
+    for (uint32_t d = 0; d < n; ++d) {
+      for (uint64_t s = 0; s < file_slots_[d]; ++s) {
+        if (!used[d].count(s)) free_[d].insert(s);
+      }
+    }
+    return Status();
+  }
+
+  // --- slots ---------------------------------------------------------------
+
+  // Grows dir d's file by the preallocation step (or one slot when the step
+  // does not fit). mu_ held.
+  Status Grow(uint32_t d) {
+    File* f = data_files_[d].get();
+    const uint64_t step_slots = std::max<uint64_t>(1, opts_.preallocate_step_bytes / SlotBytes());
+    Status last;
+    for (uint64_t want : {step_slots, uint64_t{1}}) {
+      const uint64_t off = file_slots_[d] * SlotBytes();
+      last = f->Fallocate(off, want * SlotBytes());
+      if (last.ok()) {
+        for (uint64_t s = file_slots_[d]; s < file_slots_[d] + want; ++s) free_[d].insert(s);
+        file_slots_[d] += want;
+        grown_[d] = true;
+        return Status();
+      }
+      if (want == 1) break;
+    }
+    return last;
+  }
+
+  // Picks a free slot round-robin over the data dirs, growing files as needed.
+  Result<Extent> AllocateSlot(uint64_t length) {  // mu_ held
+    const uint32_t n = static_cast<uint32_t>(data_files_.size());
+    std::string errors;
+    Status first_error;
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t d = (next_dir_ + i) % n;
+      if (free_[d].empty()) {
+        Status s = Grow(d);
+        if (!s.ok()) {
+          if (first_error.ok()) first_error = s;
+          errors += (errors.empty() ? "" : "; ") + s.ToString();
+          continue;
+        }
+      }
+      const uint64_t slot = *free_[d].begin();
+      free_[d].erase(free_[d].begin());
+      next_dir_ = (d + 1) % n;
+      dirty_[d] = true;
+      Extent e;
+      e.dir = d;
+      e.file_offset = slot * SlotBytes();
+      e.length = length;
+      return e;
+    }
+    std::string dirs;
+    for (const auto& d : identity_.data_dirs) dirs += (dirs.empty() ? "" : ", ") + d;
+    const std::string msg = "store " + path_ + ": no free chunk slot and cannot grow data files in " +
+                            dirs + ": " + errors;
+    if (first_error.code() == StatusCode::kNoSpace) return Status(StatusCode::kNoSpace, msg, ENOSPC);
+    return Status(first_error.code() == StatusCode::kOk ? StatusCode::kIoError : first_error.code(), msg,
+                  first_error.err());
+  }
+
+  void FreeSlot(const Extent& e) {  // mu_ held
+    free_[e.dir].insert(e.file_offset / SlotBytes());
+  }
+
+  // Records a completed write as the chunk's pending version. mu_ held.
+  void SetPending(const Key& k, const Extent& e) {
+    auto [it, inserted] = pending_.try_emplace(k, e);
+    if (!inserted) {
+      FreeSlot(it->second);
+      it->second = e;
+    }
+    lifetime_bytes_ += e.length;
+  }
+
+  // Newest version of k: pending, else latest committed; nullopt = zeros. mu_ held.
+  std::optional<Version> Newest(const Key& k) const {
+    auto p = pending_.find(k);
+    if (p != pending_.end()) return Version{latest_.generation + 1, p->second};
+    auto v = versions_.find(k);
+    if (v == versions_.end() || v->second.empty()) return std::nullopt;
+    return v->second.front();
+  }
+
+  // Version of k visible in generation g. mu_ held.
+  std::optional<Version> AtGeneration(const Key& k, uint64_t g) const {
+    auto v = versions_.find(k);
+    if (v == versions_.end()) return std::nullopt;
+    for (const auto& ver : v->second) {
+      if (ver.gen <= g) return ver;
+    }
+    return std::nullopt;
+  }
+
+  // Validates ref against the tensor map; returns the tensor and chunk length. mu_ held.
+  Result<std::pair<const TensorInfo*, uint64_t>> Resolve(const std::map<uint32_t, TensorInfo>& tensors,
+                                                         const ChunkRef& ref) const {
+    auto t = tensors.find(ref.tensor_id);
+    if (t == tensors.end()) {
+      return NotFound("store " + path_ + ": no tensor with id " + std::to_string(ref.tensor_id));
+    }
+    if (ref.field >= t->second.fields.size()) {
+      return InvalidArgument("store " + path_ + " tensor '" + t->second.name + "': no field #" +
+                             std::to_string(ref.field) + " (it has " +
+                             std::to_string(t->second.fields.size()) + ")");
+    }
+    const uint64_t n = ChunkCountOf(t->second, ref.field, chunk());
+    if (ref.index >= n) {
+      return InvalidArgument(Describe(&t->second, Key{ref.tensor_id, ref.field, ref.index}, kInfinity) +
+                             ": out of range (the field has " + std::to_string(n) + " chunks)");
+    }
+    return std::make_pair(&t->second, ChunkLen(t->second, ref.field, ref.index));
+  }
+
+  // --- leases --------------------------------------------------------------
+
+  Result<FlockGuard> LockLeases(int op) {
+    if (!lease_lock_file_) {
+      return FailedPrecondition("store " + path_ + ": leases/.lock is not open");
+    }
+    return FlockGuard::Take(lease_lock_file_.get(), op);
+  }
+
+  // Generations leased by live readers (files leases/<pid>.<gen>.<nonce>);
+  // removes leases of dead processes. Call with the exclusive lease flock held.
+  Result<std::vector<uint64_t>> LeasedGenerations() {
+    std::vector<uint64_t> gens;
+    OPTSTATE_ASSIGN_OR_RETURN(auto names, fs_->ListDir(leases_dir_));
+    for (const auto& name : names) {
+      if (name.empty() || name[0] == '.') continue;
+      unsigned long long pid = 0, gen = 0, nonce = 0;
+      if (sscanf(name.c_str(), "%llu.%llu.%llu", &pid, &gen, &nonce) != 3) continue;
+      if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        (void)fs_->Remove(JoinPath(leases_dir_, name));
+        continue;
+      }
+      gens.push_back(gen);
+    }
+    return gens;
+  }
+
+  // --- GC ------------------------------------------------------------------
+
+  struct GcPlan {
+    std::vector<std::pair<Key, uint64_t>> dead_versions;  // (chunk, gen)
+    std::vector<uint64_t> dead_generations;
+  };
+
+  // Which versions/generation records no retained generation can see once
+  // `new_gen` (with pending_ as its new versions, if publish) is latest. mu_ held.
+  GcPlan PlanGc(uint64_t new_gen, bool publish, const std::vector<uint64_t>& leased) const {
+    std::set<uint64_t> retained;
+    const uint64_t k = std::max<uint32_t>(1, opts_.retained_generations);
+    for (uint64_t g = new_gen + 1 > k ? new_gen + 1 - k : 0; g <= new_gen; ++g) retained.insert(g);
+    for (const auto& [name, s] : snapshots_) retained.insert(s.generation);
+    for (const auto& [g, n] : view_refs_) {
+      if (n > 0) retained.insert(g);
+    }
+    for (uint64_t g : leased) retained.insert(g);
+    GcPlan plan;
+    for (const auto& [key, vs] : versions_) {
+      uint64_t superseded = publish && pending_.count(key) ? new_gen : kInfinity;
+      for (const auto& v : vs) {
+        auto r = retained.lower_bound(v.gen);
+        if (r == retained.end() || *r >= superseded) plan.dead_versions.emplace_back(key, v.gen);
+        superseded = v.gen;
+      }
+    }
+    for (const auto& [g, info] : generations_) {
+      if (!retained.count(g)) plan.dead_generations.push_back(g);
+    }
+    return plan;
+  }
+
+  void AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const {
+    for (const auto& [key, gen] : plan.dead_versions) b->Delete(internal::ChunkKey(key.t, key.f, key.c, gen));
+    for (uint64_t g : plan.dead_generations) b->Delete(internal::GenerationKey(g));
+  }
+
+  void ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durable
+    for (const auto& [key, gen] : plan.dead_versions) {
+      auto it = versions_.find(key);
+      if (it == versions_.end()) continue;
+      auto& vs = it->second;
+      for (auto v = vs.begin(); v != vs.end(); ++v) {
+        if (v->gen == gen) {
+          FreeSlot(v->ext);
+          vs.erase(v);
+          break;
+        }
+      }
+      if (vs.empty()) versions_.erase(it);
+    }
+    for (uint64_t g : plan.dead_generations) generations_.erase(g);
+  }
+
+  Status WriteSynced(rocksdb::WriteBatch* b, std::string_view what) {
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return RocksStatus("store " + path_ + ": " + std::string(what), db_->Write(wo, b));
+  }
+
+  void Poison(const Status& why) {  // mu_ held
+    if (!poisoned_) {
+      poisoned_ = true;
+      poison_reason_ = why.ToString();
+      OPTSTATE_LOG_ERROR("store {} poisoned until reopen: {}", path_, poison_reason_);
+    }
+  }
+
+  Status CollectGarbage() {
+    std::lock_guard ll(lease_lock_mu_);
+    OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
+    OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
+    std::lock_guard l(mu_);
+    OPTSTATE_RETURN_IF_ERROR(CheckWritable("garbage collection"));
+    GcPlan plan = PlanGc(latest_.generation, /*publish=*/false, leased);
+    if (plan.dead_versions.empty() && plan.dead_generations.empty()) return Status();
+    rocksdb::WriteBatch b;
+    AddGcToBatch(plan, &b);
+    CrashPoint("gc.before_batch");
+    Status s = WriteSynced(&b, "garbage collection batch");
+    if (!s.ok()) {
+      Poison(s);
+      return s;
+    }
+    ApplyGc(plan);
+    CrashPoint("gc.after_batch");
+    return Status();
+  }
+
+  Result<uint64_t> Commit(const CommitInfo& info) {
+    std::lock_guard ll(lease_lock_mu_);
+    OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
+    OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
+    std::lock_guard l(mu_);
+    OPTSTATE_RETURN_IF_ERROR(CheckWritable("commit"));
+    if (writes_in_flight_ > 0) {
+      return FailedPrecondition("store " + path_ + ": commit with " + std::to_string(writes_in_flight_) +
+                                " chunk writes in flight; reap them first");
+    }
+    const uint64_t gen = latest_.generation + 1;
+    CrashPoint("commit.before_sync");
+    for (uint32_t d = 0; d < data_files_.size(); ++d) {
+      if (!dirty_[d] && !grown_[d]) continue;
+      Status s = grown_[d] ? data_files_[d]->Fsync() : data_files_[d]->Fdatasync();
+      if (!s.ok()) {
+        Status e(StatusCode::kDataLoss,
+                 "store " + path_ + ": commit of generation " + std::to_string(gen) + ": sync of " +
+                     FileName(d) + " failed: " + s.ToString(),
+                 s.err());
+        Poison(e);
+        return e;
+      }
+      dirty_[d] = grown_[d] = false;
+    }
+    GenerationInfo g;
+    g.generation = gen;
+    g.step = info.step;
+    g.groups = info.groups;
+    g.commit_time_unix_ms = NowUnixMs();
+    rocksdb::WriteBatch b;
+    for (const auto& [key, ext] : pending_) b.Put(internal::ChunkKey(key.t, key.f, key.c, gen), internal::EncodeExtent(ext));
+    b.Put(internal::GenerationKey(gen), internal::EncodeGeneration(g));
+    b.Put(internal::kLatestKey, internal::EncodeU64(gen));
+    b.Put(internal::kLifetimeKey, internal::EncodeU64(lifetime_bytes_));
+    generations_[gen] = g;  // so PlanGc sees it as a record (removed below on failure)
+    GcPlan plan = PlanGc(gen, /*publish=*/true, leased);
+    generations_.erase(gen);
+    AddGcToBatch(plan, &b);
+    CrashPoint("commit.before_batch");
+    Status s = WriteSynced(&b, "commit of generation " + std::to_string(gen));
+    if (!s.ok()) {
+      // The batch may or may not be in the WAL: nothing in memory can be
+      // trusted to match the index any more.
+      Poison(s);
+      return Status(StatusCode::kDataLoss, s.message() + " (store poisoned until reopen)", s.err());
+    }
+    for (const auto& [key, ext] : pending_) {
+      auto& vs = versions_[key];
+      vs.insert(vs.begin(), Version{gen, ext});
+    }
+    pending_.clear();
+    generations_[gen] = g;
+    latest_ = g;
+    ApplyGc(plan);
+    CrashPoint("commit.after_batch");
+    return gen;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Views.
+
+// A frozen generation: its tensors and chunk versions, plus the lease that
+// keeps them (released when the last holder goes).
+struct ViewData {
+  std::shared_ptr<Core> core;
+  GenerationInfo info;
+  std::vector<TensorInfo> tensors;        // sorted by name
+  std::map<uint32_t, TensorInfo> by_id;
+  std::map<Key, Version> chunks;          // written chunks only
+  std::string lease_file;                 // read-only stores: the lease file
+  bool in_process_ref = false;            // writable stores: Core::view_refs_
+
+  ~ViewData() {
+    if (in_process_ref) {
+      std::lock_guard l(core->mu_);
+      if (--core->view_refs_[info.generation] <= 0) core->view_refs_.erase(info.generation);
+    }
+    if (!lease_file.empty()) (void)core->fs_->Remove(lease_file);
+  }
+};
+
+// Builds the frozen view of generation g. mu_ held.
+std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t g) {
+  auto v = std::make_shared<ViewData>();
+  v->core = core;
+  v->info = core->generations_.at(g);
+  for (const auto& [id, t] : core->tensors_) {
+    if (t.created_generation <= g) {
+      v->tensors.push_back(t);
+      v->by_id[id] = t;
+    }
+  }
+  std::sort(v->tensors.begin(), v->tensors.end(),
+            [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
+  for (const auto& [key, vs] : core->versions_) {
+    if (!v->by_id.count(key.t)) continue;
+    for (const auto& ver : vs) {
+      if (ver.gen <= g) {
+        v->chunks.emplace(key, ver);
+        break;
+      }
+    }
+  }
+  return v;
+}
+
+// Reads one version synchronously and verifies it.
+Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version& v, void* buf) {
+  File* f = v.ext.dir < core->data_files_.size() ? core->data_files_[v.ext.dir].get() : nullptr;
+  if (f == nullptr) {
+    return IoError(core->Describe(t, k, v.gen) + ": data file of dir " + std::to_string(v.ext.dir) +
+                   " is missing");
+  }
+  Status s = f->Pread(v.ext.file_offset, buf, RoundUp(v.ext.length, kIoAlign));
+  if (!s.ok()) return s.WithContext("read of " + core->Describe(t, k, v.gen));
+  const uint64_t sum = ChunkChecksum(buf, v.ext.length);
+  if (sum != v.ext.checksum) {
+    char m[160];
+    snprintf(m, sizeof(m), ": checksum mismatch (expected xxh3 %016llx, read %016llx) at %s offset %llu",
+             static_cast<unsigned long long>(v.ext.checksum), static_cast<unsigned long long>(sum),
+             f->path().c_str(), static_cast<unsigned long long>(v.ext.file_offset));
+    return Corruption(core->Describe(t, k, v.gen) + m);
+  }
+  if (v.ext.length < core->chunk()) {
+    std::memset(static_cast<char*>(buf) + v.ext.length, 0, core->chunk() - v.ext.length);
+  }
+  return Status();
+}
+
+// ---------------------------------------------------------------------------
+// ChunkIo.
+
+class ChunkIoImpl final : public ChunkIo {
+ public:
+  ChunkIoImpl(std::shared_ptr<Core> core, std::shared_ptr<ViewData> view, std::unique_ptr<IoEngine> engine)
+      : core_(std::move(core)), view_(std::move(view)), engine_(std::move(engine)) {}
+
+  ~ChunkIoImpl() override {
+    // Drain: the engine must not touch buffers or files after we are gone,
+    // and completed writes must reach the pending map.
+    std::vector<ChunkCompletion> sink;
+    while (engine_->in_flight() > 0) {
+      if (!Reap(&sink, 1).ok()) break;
+    }
+  }
+
+  Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag) override {
+    const Key k{ref.tensor_id, ref.field, ref.index};
+    Op op;
+    op.user_tag = tag;
+    op.key = k;
+    op.buf = buf;
+    {
+      std::lock_guard l(core_->mu_);
+      const auto& tensors = view_ ? view_->by_id : core_->tensors_;
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(tensors, ref));
+      op.tensor = *res.first;
+      std::optional<Version> v;
+      if (view_) {
+        auto it = view_->chunks.find(k);
+        if (it != view_->chunks.end()) v = it->second;
+      } else {
+        v = core_->Newest(k);
+      }
+      if (!v) {
+        std::memset(buf, 0, core_->chunk());
+        ready_.push_back(ChunkCompletion{tag, Status()});
+        return Status();
+      }
+      op.version = *v;
+    }
+    File* f = op.version.ext.dir < core_->data_files_.size() ? core_->data_files_[op.version.ext.dir].get()
+                                                            : nullptr;
+    if (f == nullptr) return IoError(core_->Describe(&op.tensor, k, op.version.gen) + ": data file missing");
+    IoRequest r;
+    r.op = IoRequest::Op::kRead;
+    r.file = f;
+    r.offset = op.version.ext.file_offset;
+    r.length = RoundUp(op.version.ext.length, kIoAlign);
+    r.buf = buf;
+    r.tag = next_tag_++;
+    OPTSTATE_RETURN_IF_ERROR(
+        engine_->Submit(std::span<const IoRequest>(&r, 1)).WithContext("read of " +
+                                                                         core_->Describe(&op.tensor, k, op.version.gen)));
+    ops_.emplace(r.tag, std::move(op));
+    return Status();
+  }
+
+  Status SubmitWrite(const ChunkRef& ref, const void* buf, uint64_t tag) override {
+    if (view_) {
+      return FailedPrecondition("store " + core_->path_ + ": writes through a GenerationView's ChunkIo");
+    }
+    const Key k{ref.tensor_id, ref.field, ref.index};
+    Op op;
+    op.user_tag = tag;
+    op.key = k;
+    op.write = true;
+    {
+      std::lock_guard l(core_->mu_);
+      OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("chunk write"));
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors_, ref));
+      op.tensor = *res.first;
+      const uint64_t len = res.second;
+      auto ext = core_->AllocateSlot(len);
+      if (!ext.ok()) return ext.status().WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
+      op.version.ext = *ext;
+      op.version.gen = core_->latest_.generation + 1;
+      ++core_->writes_in_flight_;
+    }
+    op.version.ext.checksum = ChunkChecksum(buf, op.version.ext.length);
+    CrashPoint("extent.before_write");
+    IoRequest r;
+    r.op = IoRequest::Op::kWrite;
+    r.file = core_->data_files_[op.version.ext.dir].get();
+    r.offset = op.version.ext.file_offset;
+    r.length = RoundUp(op.version.ext.length, kIoAlign);
+    r.buf = const_cast<void*>(buf);
+    r.tag = next_tag_++;
+    Status s = engine_->Submit(std::span<const IoRequest>(&r, 1));
+    if (!s.ok()) {
+      std::lock_guard l(core_->mu_);
+      core_->FreeSlot(op.version.ext);
+      --core_->writes_in_flight_;
+      return s.WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
+    }
+    ops_.emplace(r.tag, std::move(op));
+    return Status();
+  }
+
+  Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) override {
+    size_t got = 0;
+    while (!ready_.empty()) {
+      out->push_back(std::move(ready_.front()));
+      ready_.pop_front();
+      ++got;
+    }
+    if (engine_->in_flight() == 0) return Status();
+    std::vector<IoCompletion> done;
+    const size_t want = got >= min_complete ? 0 : std::min(min_complete - got, engine_->in_flight());
+    OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, want));
+    for (auto& c : done) {
+      auto it = ops_.find(c.tag);
+      if (it == ops_.end()) continue;
+      Op op = std::move(it->second);
+      ops_.erase(it);
+      out->push_back(ChunkCompletion{op.user_tag, Finish(op, c.status)});
+    }
+    return Status();
+  }
+
+  size_t in_flight() const override { return engine_->in_flight() + ready_.size(); }
+
+ private:
+  struct Op {
+    uint64_t user_tag = 0;
+    Key key;
+    bool write = false;
+    TensorInfo tensor;
+    Version version;
+    void* buf = nullptr;
+  };
+
+  Status Finish(const Op& op, const Status& io) {
+    Core* c = core_.get();
+    if (op.write) {
+      std::lock_guard l(c->mu_);
+      --c->writes_in_flight_;
+      if (!io.ok()) {
+        c->FreeSlot(op.version.ext);
+        return io.WithContext("write of " + c->Describe(&op.tensor, op.key, kInfinity));
+      }
+      c->SetPending(op.key, op.version.ext);
+      CrashPoint("extent.after_write");
+      return Status();
+    }
+    if (!io.ok()) return io.WithContext("read of " + c->Describe(&op.tensor, op.key, op.version.gen));
+    const uint64_t sum = ChunkChecksum(op.buf, op.version.ext.length);
+    if (sum != op.version.ext.checksum) {
+      char m[128];
+      snprintf(m, sizeof(m), ": checksum mismatch (expected xxh3 %016llx, read %016llx) at offset %llu",
+               static_cast<unsigned long long>(op.version.ext.checksum),
+               static_cast<unsigned long long>(sum),
+               static_cast<unsigned long long>(op.version.ext.file_offset));
+      return Corruption(c->Describe(&op.tensor, op.key, op.version.gen) + m);
+    }
+    if (op.version.ext.length < c->chunk()) {
+      std::memset(static_cast<char*>(op.buf) + op.version.ext.length, 0, c->chunk() - op.version.ext.length);
+    }
+    return Status();
+  }
+
+  std::shared_ptr<Core> core_;
+  std::shared_ptr<ViewData> view_;  // null: the store's newest versions
+  std::unique_ptr<IoEngine> engine_;
+  std::unordered_map<uint64_t, Op> ops_;
+  std::deque<ChunkCompletion> ready_;  // zero chunks, completed at submit
+  uint64_t next_tag_ = 1;
+};
+
+Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, std::shared_ptr<ViewData> view,
+                                             const ChunkIoOptions& opts) {
+  std::unique_ptr<IoEngine> engine;
+  if (!opts.use_sync_engine) {
+    IoEngineOptions eo;
+    eo.queue_depth = opts.queue_depth;
+    eo.registered_buffers = opts.registered_buffers;
+    auto e = IoEngine::NewUring(eo);
+    if (e.ok()) {
+      engine = std::move(*e);
+    } else {
+      static std::once_flag warned;
+      std::call_once(warned, [&] {
+        OPTSTATE_LOG_WARN("io_uring unavailable ({}); using the synchronous engine", e.status().ToString());
+      });
+    }
+  }
+  if (!engine) {
+    OPTSTATE_ASSIGN_OR_RETURN(engine, IoEngine::NewSync(core->chunk()));
+  }
+  return std::unique_ptr<ChunkIo>(new ChunkIoImpl(core, std::move(view), std::move(engine)));
+}
+
+// ---------------------------------------------------------------------------
+
+class GenerationViewImpl final : public GenerationView {
+ public:
+  explicit GenerationViewImpl(std::shared_ptr<ViewData> v) : v_(std::move(v)) {}
+  const StoreIdentity& identity() const override { return v_->core->identity_; }
+  const GenerationInfo& info() const override { return v_->info; }
+  const std::vector<TensorInfo>& tensors() const override { return v_->tensors; }
+  Result<TensorInfo> FindTensor(std::string_view name) const override {
+    for (const auto& t : v_->tensors) {
+      if (t.name == name) return t;
+    }
+    std::vector<std::string> names;
+    for (const auto& t : v_->tensors) names.push_back(t.name);
+    return NotFound("store " + v_->core->path_ + " generation " + std::to_string(v_->info.generation) +
+                    ": no tensor '" + std::string(name) + "'" + ClosestNames(name, names.begin(), names.end()));
+  }
+  uint64_t ChunkCount(const TensorInfo& t, uint32_t field) const override {
+    return Core::ChunkCountOf(t, field, v_->core->chunk());
+  }
+  Result<ChunkInfo> Chunk(const ChunkRef& ref) const override {
+    const Core* c = v_->core.get();
+    uint64_t len;
+    {
+      std::lock_guard l(c->mu_);
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
+      len = res.second;
+    }
+    ChunkInfo info;
+    info.offset_bytes = ref.index * c->chunk();
+    info.length_bytes = len;
+    auto it = v_->chunks.find(Key{ref.tensor_id, ref.field, ref.index});
+    if (it == v_->chunks.end()) {
+      info.zero = true;
+      info.checksum = ZeroChecksum(len);
+      return info;
+    }
+    info.zero = false;
+    info.checksum = it->second.ext.checksum;
+    info.written_generation = it->second.gen;
+    info.data_dir = it->second.ext.dir;
+    info.file_offset = it->second.ext.file_offset;
+    return info;
+  }
+  Status ReadChunk(const ChunkRef& ref, void* buf) const override {
+    Core* c = v_->core.get();
+    const Key k{ref.tensor_id, ref.field, ref.index};
+    const TensorInfo* t;
+    {
+      std::lock_guard l(c->mu_);
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
+      t = res.first;
+    }
+    auto it = v_->chunks.find(k);
+    if (it == v_->chunks.end()) {
+      std::memset(buf, 0, c->chunk());
+      return Status();
+    }
+    return ReadVersion(c, t, k, it->second, buf);
+  }
+  Result<std::unique_ptr<ChunkIo>> NewChunkIo(const ChunkIoOptions& opts) const override {
+    return MakeChunkIo(v_->core, v_, opts);
+  }
+
+ private:
+  uint64_t ZeroChecksum(uint64_t len) const {
+    static thread_local std::vector<char> zeros;
+    if (zeros.size() < len) zeros.assign(len, 0);
+    return ChunkChecksum(zeros.data(), len);
+  }
+  std::shared_ptr<ViewData> v_;
+};
+
+// ---------------------------------------------------------------------------
+// Opening.
+
+rocksdb::Options IndexOptions(Core* core) {
+  rocksdb::Options o;
+  o.env = core->env_ ? core->env_.get() : rocksdb::Env::Default();
+  core->logger_ = std::make_shared<RocksLogger>();
+  o.info_log = core->logger_;
+  o.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  o.max_open_files = -1;       // required for secondary instances
+  o.paranoid_checks = true;
+  o.keep_log_file_num = 2;
+  o.write_buffer_size = 16 << 20;
+  return o;
+}
+
+Status ValidateOptions(const StoreOptions& opts) {
+  if (opts.chunk_size_bytes == 0 || opts.chunk_size_bytes % kChunkAlignBytes != 0) {
+    return InvalidArgument("chunk_size_bytes " + std::to_string(opts.chunk_size_bytes) +
+                           " is not a positive multiple of 2 MiB");
+  }
+  if (opts.retained_generations == 0) return InvalidArgument("retained_generations must be >= 1");
+  return Status();
+}
+
+Result<StoreIdentity> ReadIdentity(FileSystem* fs, const std::string& path) {
+  auto exists = fs->Exists(path);
+  if (!exists.ok()) return exists.status().WithContext("store " + path);
+  if (!*exists) return NotFound("store " + path + " does not exist");
+  auto text = fs->ReadFileToString(JoinPath(path, "IDENTITY"));
+  if (!text.ok()) {
+    return Corruption("store " + path + " is missing or damaged: cannot read IDENTITY: " +
+                      text.status().ToString());
+  }
+  return internal::DecodeIdentity(*text, "store " + path + ": IDENTITY");
+}
+
+Status OpenDataFiles(Core* core, bool create_missing) {
+  const auto& dirs = core->identity_.data_dirs;
+  core->data_files_.resize(dirs.size());
+  for (uint32_t d = 0; d < dirs.size(); ++d) {
+    if (core->data_files_[d]) continue;
+    const std::string name = core->FileName(d);
+    OPTSTATE_ASSIGN_OR_RETURN(bool exists, core->fs_->Exists(name));
+    if (!exists && !create_missing) continue;  // checked against references later
+    OpenOptions oo;
+    oo.read_only = core->read_only_;
+    oo.create = !exists;
+    oo.direct = core->opts_.direct_io;
+    auto f = core->fs_->Open(name, oo);
+    if (!f.ok()) return f.status().WithContext("store " + core->path_ + ": data file");
+    core->data_files_[d] = std::move(*f);
+    if (!exists) {
+      OPTSTATE_RETURN_IF_ERROR(core->data_files_[d]->Fsync());
+      OPTSTATE_RETURN_IF_ERROR(core->fs_->SyncDir(dirs[d]));
+    }
+  }
+  return Status();
+}
+
+Status CheckReferencedFiles(Core* core) {  // mu_ held
+  for (const auto& [key, vs] : core->versions_) {
+    for (const auto& v : vs) {
+      if (v.ext.dir >= core->data_files_.size() || !core->data_files_[v.ext.dir]) {
+        return Corruption("store " + core->path_ + ": data file " +
+                          (v.ext.dir < core->identity_.data_dirs.size() ? core->FileName(v.ext.dir)
+                                                                         : "#" + std::to_string(v.ext.dir)) +
+                          " is missing but generation " + std::to_string(v.gen) + " references it");
+      }
+    }
+  }
+  return Status();
+}
+
+class StoreImpl final : public Store {
+ public:
+  explicit StoreImpl(std::shared_ptr<Core> core) : core_(std::move(core)) {}
+
+  const std::string& path() const override { return core_->path_; }
+  const StoreIdentity& identity() const override { return core_->identity_; }
+  bool read_only() const override { return core_->read_only_; }
+
+  Status CatchUp() override {
+    if (!core_->read_only_) return Status();
+    OPTSTATE_RETURN_IF_ERROR(RocksStatus("store " + core_->path_ + ": catch up with the writer",
+                                         core_->db_->TryCatchUpWithPrimary()));
+    std::lock_guard l(core_->mu_);
+    return core_->LoadIndex();
+  }
+
+  Result<TensorInfo> CreateTensor(const TensorSpec& spec) override {
+    OPTSTATE_RETURN_IF_ERROR(ValidateSpec(spec));
+    TensorInfo t;
+    static_cast<TensorSpec&>(t) = spec;
+    if (t.fields.empty()) t.fields = AdamFields();
+    if (t.shape.empty()) t.shape = {t.numel};
+    if (t.global_shape.empty()) t.global_shape = t.shape;
+    if (t.shard_offset.empty()) t.shard_offset.assign(t.global_shape.size(), 0);
+    if (t.shard_offset.size() != t.global_shape.size()) {
+      return InvalidArgument("tensor '" + spec.name + "': shard_offset rank " +
+                             std::to_string(t.shard_offset.size()) + " != global_shape rank " +
+                             std::to_string(t.global_shape.size()));
+    }
+    std::lock_guard l(core_->mu_);
+    OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("create tensor '" + spec.name + "'"));
+    if (core_->names_.count(spec.name)) {
+      return AlreadyExists("store " + core_->path_ + ": tensor '" + spec.name + "' already exists");
+    }
+    t.id = core_->next_tensor_id_;
+    t.created_generation = core_->latest_.generation + 1;
+    rocksdb::WriteBatch b;
+    b.Put(internal::TensorKey(t.name), internal::EncodeTensor(t));
+    b.Put(internal::kNextTensorIdKey, internal::EncodeU64(t.id + 1));
+    // Not synced: the next commit's synced batch makes it durable (one WAL).
+    OPTSTATE_RETURN_IF_ERROR(RocksStatus("store " + core_->path_ + ": create tensor '" + t.name + "'",
+                                         core_->db_->Write(rocksdb::WriteOptions(), &b)));
+    core_->next_tensor_id_ = t.id + 1;
+    core_->names_[t.name] = t.id;
+    core_->tensors_[t.id] = t;
+    return t;
+  }
+
+  Result<TensorInfo> FindTensor(std::string_view name) const override {
+    std::lock_guard l(core_->mu_);
+    auto it = core_->names_.find(name);
+    if (it != core_->names_.end() && Visible(core_->tensors_.at(it->second))) {
+      return core_->tensors_.at(it->second);
+    }
+    std::vector<std::string> names;
+    for (const auto& [id, t] : core_->tensors_) {
+      if (Visible(t)) names.push_back(t.name);
+    }
+    return NotFound("store " + core_->path_ + ": no tensor '" + std::string(name) + "'" +
+                    ClosestNames(name, names.begin(), names.end()));
+  }
+
+  std::vector<TensorInfo> ListTensors() const override {
+    std::lock_guard l(core_->mu_);
+    std::vector<TensorInfo> out;
+    for (const auto& [name, id] : core_->names_) {
+      const auto& t = core_->tensors_.at(id);
+      if (Visible(t)) out.push_back(t);
+    }
+    return out;
+  }
+
+  uint64_t ChunkCount(const TensorInfo& t, uint32_t field) const override {
+    return Core::ChunkCountOf(t, field, core_->chunk());
+  }
+
+  Result<uint32_t> FieldIndex(const TensorInfo& t, std::string_view field) const override {
+    std::string names;
+    for (uint32_t i = 0; i < t.fields.size(); ++i) {
+      if (t.fields[i].name == field) return i;
+      names += (i ? ", " : "") + t.fields[i].name;
+    }
+    return NotFound("store " + core_->path_ + " tensor '" + t.name + "': no field '" + std::string(field) +
+                    "' (fields: " + names + ")");
+  }
+
+  Result<std::unique_ptr<ChunkIo>> NewChunkIo(const ChunkIoOptions& opts) override {
+    return MakeChunkIo(core_, nullptr, opts);
+  }
+
+  Status ReadChunk(const ChunkRef& ref, void* buf) override {
+    const Key k{ref.tensor_id, ref.field, ref.index};
+    TensorInfo t;
+    std::optional<Version> v;
+    {
+      std::lock_guard l(core_->mu_);
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors_, ref));
+      t = *res.first;
+      v = core_->Newest(k);
+    }
+    if (!v) {
+      std::memset(buf, 0, core_->chunk());
+      return Status();
+    }
+    return ReadVersion(core_.get(), &t, k, *v, buf);
+  }
+
+  Status WriteChunk(const ChunkRef& ref, const void* buf) override {
+    const Key k{ref.tensor_id, ref.field, ref.index};
+    TensorInfo t;
+    Extent ext;
+    {
+      std::lock_guard l(core_->mu_);
+      OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("chunk write"));
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors_, ref));
+      t = *res.first;
+      auto e = core_->AllocateSlot(res.second);
+      if (!e.ok()) return e.status().WithContext("write of " + core_->Describe(&t, k, kInfinity));
+      ext = *e;
+      ++core_->writes_in_flight_;
+    }
+    ext.checksum = ChunkChecksum(buf, ext.length);
+    CrashPoint("extent.before_write");
+    Status s = core_->data_files_[ext.dir]->Pwrite(ext.file_offset, buf, RoundUp(ext.length, kIoAlign));
+    std::lock_guard l(core_->mu_);
+    --core_->writes_in_flight_;
+    if (!s.ok()) {
+      core_->FreeSlot(ext);
+      return s.WithContext("write of " + core_->Describe(&t, k, kInfinity));
+    }
+    core_->SetPending(k, ext);
+    CrashPoint("extent.after_write");
+    return Status();
+  }
+
+  Result<uint64_t> Commit(const CommitInfo& info) override {
+    if (core_->read_only_) return core_->CheckWritable("commit");
+    return core_->Commit(info);
+  }
+
+  Status AbortPending() override {
+    std::lock_guard l(core_->mu_);
+    OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("abort pending"));
+    if (core_->writes_in_flight_ > 0) {
+      return FailedPrecondition("store " + core_->path_ + ": abort with chunk writes in flight");
+    }
+    for (const auto& [k, e] : core_->pending_) core_->FreeSlot(e);
+    core_->pending_.clear();
+    return Status();
+  }
+
+  GenerationInfo LatestGeneration() const override {
+    std::lock_guard l(core_->mu_);
+    return core_->latest_;
+  }
+
+  std::vector<GenerationInfo> ListGenerations() const override {
+    std::lock_guard l(core_->mu_);
+    std::vector<GenerationInfo> out;
+    for (const auto& [g, info] : core_->generations_) out.push_back(info);
+    return out;
+  }
+
+  Result<std::unique_ptr<GenerationView>> OpenGeneration(uint64_t generation) override {
+    return OpenView(generation, "");
+  }
+
+  Result<std::unique_ptr<GenerationView>> OpenSnapshot(std::string_view name) override {
+    return OpenView(0, std::string(name));
+  }
+
+  Result<SnapshotInfo> CreateSnapshot(const std::string& name) override {
+    OPTSTATE_RETURN_IF_ERROR(ValidateSnapshotName(name));
+    std::lock_guard l(core_->mu_);
+    OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("create snapshot '" + name + "'"));
+    if (core_->snapshots_.count(name)) {
+      return AlreadyExists("store " + core_->path_ + ": snapshot '" + name + "' already exists (generation " +
+                           std::to_string(core_->snapshots_[name].generation) + ")");
+    }
+    SnapshotInfo s;
+    s.name = name;
+    s.generation = core_->latest_.generation;
+    s.create_time_unix_ms = NowUnixMs();
+    rocksdb::WriteBatch b;
+    b.Put(internal::SnapshotKey(name), internal::EncodeSnapshot(s));
+    CrashPoint("snapshot.create");
+    OPTSTATE_RETURN_IF_ERROR(core_->WriteSynced(&b, "create snapshot '" + name + "'"));
+    core_->snapshots_[name] = s;
+    return s;
+  }
+
+  Status ReleaseSnapshot(const std::string& name) override {
+    {
+      std::lock_guard l(core_->mu_);
+      OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("release snapshot '" + name + "'"));
+      if (!core_->snapshots_.count(name)) return SnapshotNotFound(name);
+      rocksdb::WriteBatch b;
+      b.Delete(internal::SnapshotKey(name));
+      CrashPoint("snapshot.release");
+      OPTSTATE_RETURN_IF_ERROR(core_->WriteSynced(&b, "release snapshot '" + name + "'"));
+      core_->snapshots_.erase(name);
+    }
+    return core_->CollectGarbage();
+  }
+
+  std::vector<SnapshotInfo> ListSnapshots() const override {
+    std::lock_guard l(core_->mu_);
+    std::vector<SnapshotInfo> out;
+    for (const auto& [n, s] : core_->snapshots_) out.push_back(s);
+    return out;
+  }
+
+  Status CollectGarbage() override {
+    if (core_->read_only_) return core_->CheckWritable("garbage collection");
+    return core_->CollectGarbage();
+  }
+
+  Result<StoreStats> Stats() const override {
+    StoreStats st;
+    std::vector<uint64_t> leased;
+    if (core_->lease_lock_file_) {
+      auto names = core_->fs_->ListDir(core_->leases_dir_);
+      if (names.ok()) {
+        for (const auto& n : *names) {
+          if (!n.empty() && n[0] != '.') ++st.leases;
+        }
+      }
+    }
+    std::lock_guard l(core_->mu_);
+    for (const auto& [g, n] : core_->view_refs_) st.leases += n;
+    st.latest_generation = core_->latest_.generation;
+    for (const auto& [key, vs] : core_->versions_) {
+      if (!vs.empty()) st.live_bytes += vs.front().ext.length;
+      st.referenced_extent_bytes += vs.size() * core_->SlotBytes();
+    }
+    for (const auto& [key, e] : core_->pending_) {
+      st.pending_bytes += core_->SlotBytes();
+      // A pending write of a chunk never written before adds live bytes only at commit.
+      (void)e;
+    }
+    for (uint32_t d = 0; d < core_->data_files_.size(); ++d) {
+      uint64_t size = 0;
+      if (core_->data_files_[d]) {
+        auto s = core_->data_files_[d]->Size();
+        if (s.ok()) size = *s;
+      }
+      st.data_file_bytes.push_back(size);
+      st.data_free_bytes.push_back(core_->read_only_ ? 0 : core_->free_[d].size() * core_->SlotBytes());
+    }
+    st.lifetime_bytes_written = core_->lifetime_bytes_;
+    st.generations_retained = core_->generations_.size();
+    st.snapshots = core_->snapshots_.size();
+    return st;
+  }
+
+  Result<VerifyReport> Verify() override;
+
+  // Opening helpers.
+  Result<std::unique_ptr<GenerationView>> OpenView(uint64_t generation, const std::string& snapshot);
+
+ private:
+  bool Visible(const TensorInfo& t) const {  // mu_ held
+    return !core_->read_only_ || t.created_generation <= core_->latest_.generation;
+  }
+
+  Status SnapshotNotFound(const std::string& name) const {  // mu_ held
+    std::string names;
+    for (const auto& [n, s] : core_->snapshots_) names += (names.empty() ? "" : ", ") + n;
+    return NotFound("store " + core_->path_ + ": no snapshot '" + name + "' (snapshots: " +
+                    (names.empty() ? "none" : names) + ")");
+  }
+
+  Status ValidateSpec(const TensorSpec& spec) const {
+    if (spec.name.empty() || spec.name.size() > 4096 || spec.name.find('\0') != std::string::npos ||
+        !ValidUtf8(spec.name)) {
+      return InvalidArgument("store " + core_->path_ + ": invalid tensor name (1..4096 bytes of UTF-8, no NUL)");
+    }
+    if (!spec.shape.empty()) {
+      uint64_t n = 1;
+      for (uint64_t d : spec.shape) n *= d;
+      if (n != spec.numel) {
+        return InvalidArgument("tensor '" + spec.name + "': shape has " + std::to_string(n) +
+                               " elements but numel is " + std::to_string(spec.numel));
+      }
+    }
+    std::set<std::string> seen;
+    for (const auto& f : spec.fields) {
+      if (f.name.empty() || f.name.find('\0') != std::string::npos || f.name.find('/') != std::string::npos ||
+          !seen.insert(f.name).second) {
+        return InvalidArgument("tensor '" + spec.name + "': invalid or duplicate field name '" + f.name + "'");
+      }
+    }
+    return Status();
+  }
+
+  std::shared_ptr<Core> core_;
+};
+
+Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation, const std::string& snapshot) {
+  Core* c = core_.get();
+  auto resolve = [&](uint64_t* g) -> Status {  // mu_ held
+    if (!snapshot.empty()) {
+      auto s = c->snapshots_.find(snapshot);
+      if (s == c->snapshots_.end()) return SnapshotNotFound(snapshot);
+      *g = s->second.generation;
+    } else {
+      *g = generation == kLatest ? c->latest_.generation : generation;
+    }
+    if (!c->generations_.count(*g)) {
+      std::string have;
+      for (const auto& [x, i] : c->generations_) have += (have.empty() ? "" : ", ") + std::to_string(x);
+      return NotFound("store " + c->path_ + ": generation " + std::to_string(*g) +
+                      " is not retained (retained: " + have + ")");
+    }
+    return Status();
+  };
+  if (!c->read_only_) {
+    std::lock_guard l(c->mu_);
+    uint64_t g;
+    OPTSTATE_RETURN_IF_ERROR(resolve(&g));
+    auto v = BuildView(core_, g);
+    ++c->view_refs_[g];
+    v->in_process_ref = true;
+    return std::unique_ptr<GenerationView>(new GenerationViewImpl(std::move(v)));
+  }
+  // Read-only: lease file under the shared flock, then catch up and re-check.
+  static std::atomic<uint64_t> nonce{0};
+  std::mt19937_64 rng(std::random_device{}());
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    OPTSTATE_RETURN_IF_ERROR(CatchUp());
+    uint64_t g;
+    {
+      std::lock_guard l(c->mu_);
+      OPTSTATE_RETURN_IF_ERROR(resolve(&g));
+    }
+    const std::string lease = JoinPath(c->leases_dir_, std::to_string(getpid()) + "." + std::to_string(g) + "." +
+                                                           std::to_string((rng() & 0xffffffffull) * 1000 + nonce++ % 1000));
+    {
+      std::lock_guard ll(c->lease_lock_mu_);
+      OPTSTATE_ASSIGN_OR_RETURN(auto guard, c->LockLeases(LOCK_SH));
+      OpenOptions oo;
+      oo.create = true;
+      oo.exclusive = true;
+      auto f = c->fs_->Open(lease, oo);
+      if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": take reader lease");
+    }
+    Status s = CatchUp();
+    std::unique_lock l(c->mu_);
+    if (s.ok() && c->generations_.count(g)) {
+      auto v = BuildView(core_, g);
+      v->lease_file = lease;
+      l.unlock();
+      return std::unique_ptr<GenerationView>(new GenerationViewImpl(std::move(v)));
+    }
+    l.unlock();
+    (void)c->fs_->Remove(lease);
+    if (!s.ok()) return s;
+    if (generation != kLatest && snapshot.empty()) {
+      return NotFound("store " + c->path_ + ": generation " + std::to_string(g) +
+                      " was collected before a lease could be taken");
+    }
+  }
+  return Busy("store " + c->path_ + ": could not lease a generation after 20 attempts (writer too fast?)");
+}
+
+Result<VerifyReport> StoreImpl::Verify() {
+  struct Item {
+    TensorInfo tensor;
+    Key key;
+    Version v;
+    uint64_t expected_len;
+  };
+  VerifyReport rep;
+  std::vector<Item> items;
+  std::map<std::pair<uint32_t, uint64_t>, std::pair<Key, uint64_t>> slot_owner;
+  uint64_t allocated = 0, free_slots = 0, pending_slots = 0;
+  {
+    std::lock_guard l(core_->mu_);
+    Core* c = core_.get();
+    std::set<uint64_t> gens;
+    for (const auto& [g, i] : c->generations_) gens.insert(g);
+    for (const auto& [n, s] : c->snapshots_) {
+      if (!c->generations_.count(s.generation)) {
+        rep.problems.push_back("store " + c->path_ + ": snapshot '" + n + "' pins generation " +
+                               std::to_string(s.generation) + " which has no record");
+      }
+    }
+    std::set<std::tuple<Key, uint64_t>> planned;
+    for (uint64_t g : gens) {
+      for (const auto& [id, t] : c->tensors_) {
+        if (t.created_generation > g) continue;
+        for (uint32_t f = 0; f < t.fields.size(); ++f) {
+          const uint64_t n = Core::ChunkCountOf(t, f, c->chunk());
+          for (uint64_t i = 0; i < n; ++i) {
+            const Key k{id, f, i};
+            auto v = c->AtGeneration(k, g);
+            if (!v) continue;
+            if (planned.insert({k, v->gen}).second) {
+              items.push_back(Item{t, k, *v, c->ChunkLen(t, f, i)});
+            }
+          }
+        }
+      }
+    }
+    // References: every version of every chunk, unique slots, inside files.
+    for (const auto& [k, vs] : c->versions_) {
+      auto t = c->tensors_.find(k.t);
+      const TensorInfo* tp = t == c->tensors_.end() ? nullptr : &t->second;
+      if (!tp) {
+        rep.problems.push_back(c->Describe(nullptr, k, kInfinity) + ": versions of an unknown tensor");
+      } else if (k.f >= tp->fields.size() || k.c >= Core::ChunkCountOf(*tp, k.f, c->chunk())) {
+        rep.problems.push_back(c->Describe(tp, k, kInfinity) + ": version outside the tensor's chunks");
+      }
+      for (const auto& v : vs) {
+        const uint64_t slot = v.ext.file_offset / c->SlotBytes();
+        if (v.ext.dir >= c->file_slots_.size() || (!c->read_only_ && slot >= c->file_slots_[v.ext.dir]) ||
+            v.ext.file_offset % c->SlotBytes() != 0) {
+          rep.problems.push_back(c->Describe(tp, k, v.gen) + ": dangling extent (dir " +
+                                 std::to_string(v.ext.dir) + ", offset " + std::to_string(v.ext.file_offset) + ")");
+          continue;
+        }
+        auto [it, fresh] = slot_owner.try_emplace({v.ext.dir, slot}, k, v.gen);
+        if (!fresh) {
+          rep.problems.push_back(c->Describe(tp, k, v.gen) + ": extent (dir " + std::to_string(v.ext.dir) +
+                                 ", offset " + std::to_string(v.ext.file_offset) +
+                                 ") is also referenced by generation " + std::to_string(it->second.second));
+        }
+        if (!c->read_only_ && c->free_[v.ext.dir].count(slot)) {
+          rep.problems.push_back(c->Describe(tp, k, v.gen) + ": referenced extent is on the free list");
+        }
+      }
+    }
+    if (!c->read_only_) {
+      for (uint32_t d = 0; d < c->file_slots_.size(); ++d) {
+        allocated += c->file_slots_[d];
+        free_slots += c->free_[d].size();
+      }
+      pending_slots = c->pending_.size();
+    }
+  }
+  AlignedBuf buf(core_->chunk());
+  for (const auto& it : items) {
+    if (it.v.ext.length != it.expected_len) {
+      rep.problems.push_back(core_->Describe(&it.tensor, it.key, it.v.gen) + ": extent length " +
+                             std::to_string(it.v.ext.length) + " != chunk length " +
+                             std::to_string(it.expected_len));
+      continue;
+    }
+    Status s = ReadVersion(core_.get(), &it.tensor, it.key, it.v, buf.p);
+    ++rep.chunks_checked;
+    rep.bytes_checked += it.v.ext.length;
+    if (!s.ok()) rep.problems.push_back(s.ToString());
+  }
+  if (!core_->read_only_) {
+    const uint64_t accounted = slot_owner.size() + free_slots + pending_slots;
+    if (accounted < allocated) {
+      rep.leaked_slots = allocated - accounted;
+    } else if (accounted > allocated) {
+      rep.problems.push_back("store " + core_->path_ + ": slot accounting: " + std::to_string(accounted) +
+                             " slots referenced/free/pending but only " + std::to_string(allocated) + " allocated");
+    }
+  }
+  return rep;
+}
+
+Status CleanStaleCreations(FileSystem* fs, const std::string& parent, const std::string& base) {
+  auto names = fs->ListDir(parent);
+  if (!names.ok()) return names.status();
+  const std::string prefix = "." + base + ".creating-";
+  for (const auto& n : *names) {
+    if (!n.starts_with(prefix)) continue;
+    const long pid = std::strtol(n.c_str() + prefix.size(), nullptr, 10);
+    if (pid > 0 && pid != getpid() && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      OPTSTATE_LOG_INFO("removing half-created store {}", JoinPath(parent, n));
+      (void)fs->RemoveAll(JoinPath(parent, n));
+    }
+  }
+  return Status();
+}
+
+Result<std::shared_ptr<Core>> NewCore(const std::string& path, const StoreOptions& opts, bool read_only) {
+  auto core = std::make_shared<Core>();
+  core->path_ = AbsPath(path);
+  core->opts_ = opts;
+  core->fs_ = opts.fs ? opts.fs : FileSystem::Default();
+  core->read_only_ = read_only;
+  core->leases_dir_ = JoinPath(core->path_, "leases");
+  if (core->fs_->hooks() != nullptr) core->env_ = internal::NewHookedEnv(core->fs_->hooks());
+  return core;
+}
+
+Status OpenLeaseLock(Core* c) {
+  OPTSTATE_RETURN_IF_ERROR(c->fs_->CreateDir(c->leases_dir_));
+  OpenOptions oo;
+  oo.create = true;
+  auto f = c->fs_->Open(JoinPath(c->leases_dir_, ".lock"), oo);
+  if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": leases/.lock");
+  c->lease_lock_file_ = std::move(*f);
+  return Status();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const StoreOptions& opts) {
+  OPTSTATE_RETURN_IF_ERROR(ValidateOptions(opts));
+  FileSystem* fs = opts.fs ? opts.fs : FileSystem::Default();
+  const std::string path = AbsPath(path_in);
+  const std::filesystem::path p(path);
+  const std::string parent = p.parent_path().string();
+  const std::string base = p.filename().string();
+  if (base.empty() || base == "." || base == "..") return InvalidArgument("store path '" + path_in + "' has no name");
+  OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(path));
+  if (exists) return AlreadyExists("store " + path + " already exists");
+  OPTSTATE_ASSIGN_OR_RETURN(bool parent_exists, fs->Exists(parent));
+  if (!parent_exists) return NotFound("store " + path + ": parent directory " + parent + " does not exist");
+  OPTSTATE_RETURN_IF_ERROR(CleanStaleCreations(fs, parent, base));
+
+  const std::string tmp = JoinPath(parent, "." + base + ".creating-" + std::to_string(getpid()));
+  OPTSTATE_ASSIGN_OR_RETURN(bool tmp_exists, fs->Exists(tmp));
+  if (tmp_exists) OPTSTATE_RETURN_IF_ERROR(fs->RemoveAll(tmp));
+  OPTSTATE_RETURN_IF_ERROR(fs->CreateDir(tmp));
+  CrashPoint("store.create.begin");
+
+  StoreIdentity id;
+  id.name = opts.name.empty() ? base : opts.name;
+  {
+    std::random_device rd;
+    char u[40];
+    const uint64_t a = (uint64_t{rd()} << 32) | rd(), b = (uint64_t{rd()} << 32) | rd();
+    snprintf(u, sizeof(u), "%08x-%04x-4%03x-%04x-%012llx", static_cast<unsigned>(a >> 32),
+             static_cast<unsigned>((a >> 16) & 0xffff), static_cast<unsigned>(a & 0xfff),
+             static_cast<unsigned>(0x8000 | ((b >> 48) & 0x3fff)),
+             static_cast<unsigned long long>(b & 0xffffffffffffull));
+    id.uuid = u;
+  }
+  id.chunk_size_bytes = opts.chunk_size_bytes;
+  id.create_time_unix_ms = NowUnixMs();
+  std::vector<std::string> real_dirs;  // where the dirs are while building
+  if (opts.data_dirs.empty()) {
+    id.data_dirs = {JoinPath(path, "data")};
+    real_dirs = {JoinPath(tmp, "data")};
+  } else {
+    for (const auto& d : opts.data_dirs) {
+      const std::string a = AbsPath(d);
+      id.data_dirs.push_back(a);
+      real_dirs.push_back(a.starts_with(path + "/") ? tmp + a.substr(path.size()) : a);
+    }
+  }
+  auto fail = [&](const Status& s) {
+    (void)fs->RemoveAll(tmp);
+    return s.WithContext("create store " + path);
+  };
+  for (size_t d = 0; d < real_dirs.size(); ++d) {
+    Status s = fs->CreateDir(real_dirs[d]);
+    if (!s.ok()) return fail(s);
+    OpenOptions oo;
+    oo.create = true;
+    oo.exclusive = true;
+    auto f = fs->Open(JoinPath(real_dirs[d], id.uuid + ".chunks"), oo);
+    if (!f.ok()) return fail(f.status());
+    s = (*f)->Fsync();
+    if (s.ok()) s = fs->SyncDir(real_dirs[d]);
+    if (!s.ok()) return fail(s);
+  }
+  {
+    Status s = fs->WriteFileAtomic(JoinPath(tmp, "IDENTITY"), internal::EncodeIdentity(id));
+    if (!s.ok()) return fail(s);
+  }
+  CrashPoint("store.create.identity");
+  {
+    auto core = NewCore(tmp, opts, false);
+    if (!core.ok()) return fail(core.status());
+    rocksdb::Options o = IndexOptions(core->get());
+    o.create_if_missing = true;
+    o.error_if_exists = true;
+    rocksdb::DB* raw = nullptr;
+    Status s = RocksStatus("create index", rocksdb::DB::Open(o, JoinPath(tmp, "index"), &raw));
+    if (!s.ok()) return fail(s);
+    (*core)->db_.reset(raw);
+    GenerationInfo g0;
+    g0.commit_time_unix_ms = id.create_time_unix_ms;
+    rocksdb::WriteBatch b;
+    b.Put(internal::kIdentityKey, internal::EncodeIdentity(id));
+    b.Put(internal::kLatestKey, internal::EncodeU64(0));
+    b.Put(internal::kNextTensorIdKey, internal::EncodeU64(0));
+    b.Put(internal::kLifetimeKey, internal::EncodeU64(0));
+    b.Put(internal::GenerationKey(0), internal::EncodeGeneration(g0));
+    s = (*core)->WriteSynced(&b, "initial index");
+    if (!s.ok()) return fail(s);
+  }
+  CrashPoint("store.create.index");
+  {
+    Status s = fs->CreateDir(JoinPath(tmp, "leases"));
+    if (s.ok()) s = fs->SyncDir(tmp);
+    if (s.ok()) s = fs->Rename(tmp, path);
+    if (!s.ok()) return fail(s);
+    s = fs->SyncDir(parent);
+    if (!s.ok()) return s.WithContext("create store " + path);
+  }
+  CrashPoint("store.create.renamed");
+  return Open(path, opts);
+}
+
+Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const StoreOptions& opts) {
+  OPTSTATE_RETURN_IF_ERROR(ValidateOptions(opts));
+  OPTSTATE_ASSIGN_OR_RETURN(auto core, NewCore(path_in, opts, false));
+  const std::string& path = core->path_;
+  FileSystem* fs = core->fs_;
+  OPTSTATE_ASSIGN_OR_RETURN(core->identity_, ReadIdentity(fs, path));
+
+  // LOCK: one writer per store; the holder's pid inside for the error message.
+  {
+    OpenOptions oo;
+    oo.create = true;
+    const std::string lock_path = JoinPath(path, "LOCK");
+    auto f = fs->Open(lock_path, oo);
+    if (!f.ok()) return f.status().WithContext("store " + path + ": LOCK");
+    if (::flock((*f)->fd(), LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      if (e == EWOULDBLOCK) {
+        auto text = fs->ReadFileToString(lock_path);
+        std::string pid = text.ok() ? std::to_string(std::strtoll(text->c_str(), nullptr, 10)) : "unknown";
+        return Status(StatusCode::kBusy, "store " + path + " is in use by pid " + pid, e);
+      }
+      return ErrnoStatus("store " + path + ": flock LOCK", e);
+    }
+    char pid[32];
+    snprintf(pid, sizeof(pid), "%-23d\n", static_cast<int>(getpid()));
+    OPTSTATE_RETURN_IF_ERROR((*f)->Pwrite(0, pid, 24).WithContext("store " + path + ": LOCK"));
+    core->lock_file_ = std::move(*f);
+  }
+  OPTSTATE_RETURN_IF_ERROR(OpenLeaseLock(core.get()));
+
+  {
+    const std::string index = JoinPath(path, "index");
+    OPTSTATE_ASSIGN_OR_RETURN(bool has_index, fs->Exists(index));
+    if (!has_index) return Corruption("store " + path + " is damaged: index/ is missing");
+    rocksdb::Options o = IndexOptions(core.get());
+    o.create_if_missing = false;
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Status rs = rocksdb::DB::Open(o, index, &raw);
+    if (!rs.ok()) {
+      Status s = RocksStatus("store " + path + " is damaged or unreadable: index", rs);
+      if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kNotFound) {
+        return Corruption(s.message());
+      }
+      return s;
+    }
+    core->db_.reset(raw);
+  }
+  OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/false));
+  {
+    std::lock_guard l(core->mu_);
+    OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
+    OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
+  }
+  OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/true));
+  {
+    std::lock_guard l(core->mu_);
+    OPTSTATE_RETURN_IF_ERROR(core->BuildFreeLists());
+  }
+  OPTSTATE_RETURN_IF_ERROR(core->CollectGarbage().WithContext("store " + path + ": garbage collection at open"));
+  return std::unique_ptr<Store>(new StoreImpl(std::move(core)));
+}
+
+Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, const StoreOptions& opts) {
+  OPTSTATE_RETURN_IF_ERROR(ValidateOptions(opts));
+  OPTSTATE_ASSIGN_OR_RETURN(auto core, NewCore(path_in, opts, true));
+  const std::string& path = core->path_;
+  FileSystem* fs = core->fs_;
+  OPTSTATE_ASSIGN_OR_RETURN(core->identity_, ReadIdentity(fs, path));
+  {
+    OpenOptions oo;
+    oo.create = true;  // a store created before leases/ existed has none yet
+    auto f = fs->Open(JoinPath(core->leases_dir_, ".lock"), oo);
+    if (!f.ok()) return f.status().WithContext("store " + path + ": leases/.lock");
+    core->lease_lock_file_ = std::move(*f);
+  }
+  static std::atomic<uint64_t> counter{0};
+  core->secondary_dir_ = "/tmp/optstate-secondary-" + std::to_string(getpid()) + "-" +
+                         std::to_string(counter++) + "-" + std::to_string(std::random_device{}());
+  OPTSTATE_RETURN_IF_ERROR(fs->CreateDir(core->secondary_dir_));
+  {
+    const std::string index = JoinPath(path, "index");
+    OPTSTATE_ASSIGN_OR_RETURN(bool has_index, fs->Exists(index));
+    if (!has_index) return Corruption("store " + path + " is damaged: index/ is missing");
+    rocksdb::Options o = IndexOptions(core.get());
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Status rs = rocksdb::DB::OpenAsSecondary(o, index, core->secondary_dir_, &raw);
+    if (!rs.ok()) return RocksStatus("store " + path + " is damaged or unreadable: index (secondary)", rs);
+    core->db_.reset(raw);
+  }
+  OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/false));
+  std::lock_guard l(core->mu_);
+  OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
+  OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
+  core->file_slots_.assign(core->data_files_.size(), 0);
+  for (uint32_t d = 0; d < core->data_files_.size(); ++d) {
+    if (!core->data_files_[d]) continue;
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, core->data_files_[d]->Size());
+    core->file_slots_[d] = size / core->SlotBytes();
+  }
+  core->free_.assign(core->data_files_.size(), {});
+  return std::unique_ptr<Store>(new StoreImpl(std::move(core)));
+}
+
+}  // namespace optstate::vfs
