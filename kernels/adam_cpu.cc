@@ -1,5 +1,112 @@
-// PLACEHOLDER: replaced by the kernels work.
+// CPU implementation of the fused Adam/AdamW step (see kernels/adam.h).
+//
+// The per-element math lives in kernels/internal/adam_math.h and is shared,
+// operation for operation, with the CUDA kernel; this file is compiled with
+// -O3 -fno-math-errno -ffp-contract=off (kernels/CMakeLists.txt) so the loop
+// vectorises (sqrt without errno) and rounds exactly like the GPU build, which
+// is compiled with -fmad=false.
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
 #include "kernels/adam.h"
+#include "kernels/internal/adam_math.h"
+
 namespace optstate::kernels {
-bool AdamStepCpu(const AdamTensors&, size_t, const AdamParams&, int) { return false; }
+namespace {
+
+using internal::AdamScalars;
+using internal::AdamUpdate;
+using internal::LoadAs;
+using internal::StoreAs;
+
+template <ScalarType kGrad, ScalarType kParam>
+void RangeLoop(float* __restrict main, float* __restrict m, float* __restrict v,
+               const void* __restrict grad_v, void* __restrict param_v, size_t begin,
+               size_t end, const AdamScalars& s) {
+  using GradT = typename internal::StorageOf<kGrad>::type;
+  using ParamT = typename internal::StorageOf<kParam>::type;
+  const GradT* __restrict grad = static_cast<const GradT*>(grad_v);
+  ParamT* __restrict param = static_cast<ParamT*>(param_v);
+  const AdamScalars sc = s;  // local copy: lets the compiler keep it in registers
+  for (size_t i = begin; i < end; ++i) {
+    float p = main[i];
+    float mi = m[i];
+    float vi = v[i];
+    AdamUpdate(LoadAs<kGrad>(grad[i]), sc, p, mi, vi);
+    main[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+  }
+}
+
+using RangeFn = void (*)(float*, float*, float*, const void*, void*, size_t, size_t,
+                         const AdamScalars&);
+
+template <ScalarType kGrad>
+RangeFn PickParam(ScalarType param) {
+  switch (param) {
+    case ScalarType::kF32: return &RangeLoop<kGrad, ScalarType::kF32>;
+    case ScalarType::kBF16: return &RangeLoop<kGrad, ScalarType::kBF16>;
+    case ScalarType::kF16: return &RangeLoop<kGrad, ScalarType::kF16>;
+    case ScalarType::kNone: return &RangeLoop<kGrad, ScalarType::kNone>;
+  }
+  return nullptr;
+}
+
+RangeFn Pick(ScalarType grad, ScalarType param) {
+  switch (grad) {
+    case ScalarType::kF32: return PickParam<ScalarType::kF32>(param);
+    case ScalarType::kBF16: return PickParam<ScalarType::kBF16>(param);
+    case ScalarType::kF16: return PickParam<ScalarType::kF16>(param);
+    case ScalarType::kNone: return nullptr;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads) {
+  if (t.moment_type != ScalarType::kF32 || p.maximize || p.step == 0) return false;
+  if (t.param_type != ScalarType::kNone && t.param == nullptr) return false;
+  RangeFn fn = Pick(t.grad_type, t.param_type);
+  if (fn == nullptr) return false;
+  if (count == 0) return true;
+  if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.grad == nullptr) {
+    return false;
+  }
+  if (t.found_inf != nullptr && *t.found_inf != 0.0f) return true;  // skipped, as torch does
+
+  const AdamScalars s = internal::MakeAdamScalars(p);
+  float* m = static_cast<float*>(t.exp_avg);
+  float* v = static_cast<float*>(t.exp_avg_sq);
+  // Below ~64K elements per thread, starting threads costs more than it saves.
+  constexpr size_t kMinPerThread = size_t{1} << 16;
+  size_t n_threads = threads < 1 ? 1 : static_cast<size_t>(threads);
+  n_threads = std::min(n_threads, std::max<size_t>(1, count / kMinPerThread));
+  if (n_threads <= 1) {
+    fn(t.main, m, v, t.grad, t.param, 0, count, s);
+    return true;
+  }
+  // Split on 64-element boundaries so no two threads share a cache line.
+  const size_t per = ((count + n_threads - 1) / n_threads + 63) / 64 * 64;
+  std::vector<std::thread> workers;
+  workers.reserve(n_threads);
+  for (size_t k = 0; k < n_threads; ++k) {
+    const size_t b = std::min(count, k * per);
+    const size_t e = std::min(count, b + per);
+    if (b >= e) break;
+    workers.emplace_back([=, &t, &s] { fn(t.main, m, v, t.grad, t.param, b, e, s); });
+  }
+  for (auto& w : workers) w.join();
+  return true;
+}
+
+uint16_t FloatToBf16(float f) { return internal::FloatToBf16Bits(f); }
+float Bf16ToFloat(uint16_t h) { return internal::Bf16BitsToFloat(h); }
+uint16_t FloatToHalf(float f) { return internal::FloatToHalfBits(f); }
+float HalfToFloat(uint16_t h) { return internal::HalfBitsToFloat(h); }
+
 }  // namespace optstate::kernels

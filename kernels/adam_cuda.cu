@@ -1,6 +1,329 @@
-// PLACEHOLDER: replaced by the kernels work.
+// CUDA implementation of the fused Adam/AdamW step (see kernels/adam.h).
+//
+// Two kernels, both grid-stride and memory-bound:
+//  - AdamVecKernel: when every pointer sits at the same element phase modulo 4,
+//    the first `head` (< 4) and last (< 4) elements are done one by one and the
+//    rest in groups of 4 elements: 16-byte loads/stores of the fp32 arrays and
+//    8-byte (16-bit types) or 16-byte (fp32) loads/stores of grad and param.
+//    Each thread keeps `kUnroll` groups in flight per loop trip.
+//  - AdamScalarKernel: any element-aligned pointers, one element at a time.
+// State is touched exactly once, so loads and stores use the streaming cache
+// hints (ld.global.cs / st.global.cs) to keep it from evicting other data in L2.
+// This file is compiled with -fmad=false so its rounding equals the CPU
+// loop's (kernels/internal/adam_math.h).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
 #include "kernels/adam.h"
+#include "kernels/internal/adam_math.h"
+#include "kernels/internal/launch_config.h"
+
 namespace optstate::kernels {
-int AdamStepCuda(const AdamTensors&, size_t, const AdamParams&, void*) { return 801; }
+namespace {
+
+using internal::AdamScalars;
+using internal::AdamUpdate;
+using internal::LaunchConfig;
+using internal::LoadAs;
+using internal::StorageOf;
+using internal::StoreAs;
+
+template <ScalarType T>
+using Storage = typename StorageOf<T>::type;
+
+// Largest block: leaves ptxas 128 registers per thread, so the unrolled loop
+// never spills.
+constexpr int kMaxThreads = 512;
+
+// Four elements of type T as one aligned vector: float4 for fp32, uint2 for
+// 16-bit types.
+template <ScalarType T> struct Vec4Of;
+template <> struct Vec4Of<ScalarType::kF32> { using type = float4; };
+template <> struct Vec4Of<ScalarType::kBF16> { using type = uint2; };
+template <> struct Vec4Of<ScalarType::kF16> { using type = uint2; };
+template <> struct Vec4Of<ScalarType::kNone> { using type = uint2; };
+
+template <ScalarType T>
+__device__ __forceinline__ void Unpack4(const typename Vec4Of<T>::type& x, float out[4]) {
+  if constexpr (T == ScalarType::kF32) {
+    out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
+  } else {
+    out[0] = LoadAs<T>(static_cast<uint16_t>(x.x & 0xFFFFu));
+    out[1] = LoadAs<T>(static_cast<uint16_t>(x.x >> 16));
+    out[2] = LoadAs<T>(static_cast<uint16_t>(x.y & 0xFFFFu));
+    out[3] = LoadAs<T>(static_cast<uint16_t>(x.y >> 16));
+  }
+}
+
+template <ScalarType T>
+__device__ __forceinline__ typename Vec4Of<T>::type Pack4(const float in[4]) {
+  if constexpr (T == ScalarType::kF32) {
+    return make_float4(in[0], in[1], in[2], in[3]);
+  } else {
+    uint2 r;
+    r.x = static_cast<uint32_t>(StoreAs<T>(in[0])) | (static_cast<uint32_t>(StoreAs<T>(in[1])) << 16);
+    r.y = static_cast<uint32_t>(StoreAs<T>(in[2])) | (static_cast<uint32_t>(StoreAs<T>(in[3])) << 16);
+    return r;
+  }
+}
+
+template <ScalarType kGrad, ScalarType kParam>
+__device__ __forceinline__ void ScalarElement(float* main, float* m, float* v,
+                                              const Storage<kGrad>* grad, Storage<kParam>* param,
+                                              size_t i, const AdamScalars& s) {
+  float p = __ldcs(main + i);
+  float mi = __ldcs(m + i);
+  float vi = __ldcs(v + i);
+  AdamUpdate(LoadAs<kGrad>(grad[i]), s, p, mi, vi);
+  __stcs(main + i, p);
+  __stcs(m + i, mi);
+  __stcs(v + i, vi);
+  if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+}
+
+template <ScalarType kGrad, ScalarType kParam, int kUnroll>
+__global__ void __launch_bounds__(kMaxThreads) AdamVecKernel(float* __restrict__ main,
+                                                      float* __restrict__ m,
+                                                      float* __restrict__ v,
+                                                      const Storage<kGrad>* __restrict__ grad,
+                                                      Storage<kParam>* __restrict__ param,
+                                                      size_t count, size_t head, size_t n_groups,
+                                                      AdamScalars s,
+                                                      const float* __restrict__ found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  using GradVec = typename Vec4Of<kGrad>::type;
+  using ParamVec = typename Vec4Of<kParam>::type;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+
+  // Unaligned head (< 4 elements) and tail (< 4 elements), one thread each.
+  const size_t tail_begin = head + 4 * n_groups;
+  const size_t edge = head + (count - tail_begin);
+  if (tid < edge) {
+    const size_t i = tid < head ? tid : tail_begin + (tid - head);
+    ScalarElement<kGrad, kParam>(main, m, v, grad, param, i, s);
+  }
+
+  const float4* main4 = reinterpret_cast<const float4*>(main + head);
+  const float4* m4 = reinterpret_cast<const float4*>(m + head);
+  const float4* v4 = reinterpret_cast<const float4*>(v + head);
+  const GradVec* grad4 = reinterpret_cast<const GradVec*>(grad + head);
+  float4* main4_out = reinterpret_cast<float4*>(main + head);
+  float4* m4_out = reinterpret_cast<float4*>(m + head);
+  float4* v4_out = reinterpret_cast<float4*>(v + head);
+  ParamVec* param4 = reinterpret_cast<ParamVec*>(param + head);
+
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (size_t base = static_cast<size_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+       base < n_groups; base += stride) {
+    float4 rp[kUnroll], rm[kUnroll], rv[kUnroll];
+    GradVec rg[kUnroll];
+    // All loads first, so kUnroll * 4 independent requests are in flight.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const size_t g = base + static_cast<size_t>(u) * blockDim.x;
+      if (g < n_groups) {
+        rp[u] = __ldcs(main4 + g);
+        rm[u] = __ldcs(m4 + g);
+        rv[u] = __ldcs(v4 + g);
+        rg[u] = __ldcs(grad4 + g);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const size_t g = base + static_cast<size_t>(u) * blockDim.x;
+      if (g < n_groups) {
+        float gf[4];
+        Unpack4<kGrad>(rg[u], gf);
+        float p[4] = {rp[u].x, rp[u].y, rp[u].z, rp[u].w};
+        float mm[4] = {rm[u].x, rm[u].y, rm[u].z, rm[u].w};
+        float vv[4] = {rv[u].x, rv[u].y, rv[u].z, rv[u].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) AdamUpdate(gf[k], s, p[k], mm[k], vv[k]);
+        __stcs(main4_out + g, make_float4(p[0], p[1], p[2], p[3]));
+        __stcs(m4_out + g, make_float4(mm[0], mm[1], mm[2], mm[3]));
+        __stcs(v4_out + g, make_float4(vv[0], vv[1], vv[2], vv[3]));
+        if constexpr (kParam != ScalarType::kNone) __stcs(param4 + g, Pack4<kParam>(p));
+      }
+    }
+  }
+}
+
+template <ScalarType kGrad, ScalarType kParam>
+__global__ void __launch_bounds__(kMaxThreads) AdamScalarKernel(float* __restrict__ main,
+                                                         float* __restrict__ m,
+                                                         float* __restrict__ v,
+                                                         const Storage<kGrad>* __restrict__ grad,
+                                                         Storage<kParam>* __restrict__ param,
+                                                         size_t count, AdamScalars s,
+                                                         const float* __restrict__ found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    ScalarElement<kGrad, kParam>(main, m, v, grad, param, i, s);
+  }
+}
+
+// Multiprocessor count per device, looked up once (lazily: never at static
+// init, so binaries start without a driver).
+int MultiProcessorCount(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int sms = cache[device].load(std::memory_order_relaxed);
+  if (sms > 0) return sms;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0) {
+    return 0;
+  }
+  cache[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+// Grid size: enough blocks for `units` threads, at most one full wave of
+// resident blocks (the kernels are grid-stride).
+template <auto kKernel>
+cudaError_t GridFor(const LaunchConfig& c, size_t units, unsigned* grid) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const int sms = MultiProcessorCount(device);
+  if (sms == 0) return cudaErrorInvalidDevice;
+  int per_sm = c.blocks_per_sm;
+  if (per_sm <= 0) {
+    // Cached per kernel and block size (the only inputs; one architecture).
+    static std::atomic<int> cached[3];  // threads 128, 256, 512
+    int idx = 0;
+    while ((128 << idx) < c.threads_per_block && idx < 2) ++idx;
+    per_sm = cached[idx].load(std::memory_order_relaxed);
+    if (per_sm <= 0) {
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, c.threads_per_block, 0);
+      if (err != cudaSuccess) return err;
+      if (per_sm <= 0) per_sm = 1;
+      cached[idx].store(per_sm, std::memory_order_relaxed);
+    }
+  }
+  const size_t needed = (units + c.threads_per_block - 1) / c.threads_per_block;
+  const size_t max_grid = static_cast<size_t>(sms) * static_cast<size_t>(per_sm);
+  *grid = static_cast<unsigned>(std::max<size_t>(1, std::min(needed, max_grid)));
+  return cudaSuccess;
+}
+
+size_t ElementPhase(const void* ptr, size_t elem_size) {
+  return (reinterpret_cast<uintptr_t>(ptr) / elem_size) % 4;
+}
+
+template <ScalarType kGrad, ScalarType kParam, int kUnroll>
+cudaError_t LaunchVec(const AdamTensors& t, size_t count, size_t head, const AdamScalars& s,
+                      const LaunchConfig& c, cudaStream_t stream) {
+  const size_t n_groups = (count - head) / 4;
+  const size_t edge = head + (count - head - 4 * n_groups);
+  constexpr auto kernel = &AdamVecKernel<kGrad, kParam, kUnroll>;
+  const size_t units = std::max((n_groups + kUnroll - 1) / kUnroll, edge);
+  unsigned grid = 0;
+  cudaError_t err = GridFor<kernel>(c, units, &grid);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, c.threads_per_block, 0, stream>>>(
+      t.main, static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq),
+      static_cast<const Storage<kGrad>*>(t.grad), static_cast<Storage<kParam>*>(t.param), count,
+      head, n_groups, s, t.found_inf);
+  return cudaPeekAtLastError();
+}
+
+template <ScalarType kGrad, ScalarType kParam>
+cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s, const LaunchConfig& c,
+                   cudaStream_t stream) {
+  // Vector path when every array has the same element phase modulo 4.
+  const size_t phase = ElementPhase(t.main, 4);
+  bool vec = !c.force_scalar && ElementPhase(t.exp_avg, 4) == phase &&
+             ElementPhase(t.exp_avg_sq, 4) == phase &&
+             ElementPhase(t.grad, internal::SizeOf(kGrad)) == phase;
+  if constexpr (kParam != ScalarType::kNone) {
+    vec = vec && ElementPhase(t.param, internal::SizeOf(kParam)) == phase;
+  }
+  if (vec) {
+    const size_t head = std::min(count, (4 - phase) % 4);
+    switch (c.unroll) {
+      case 1: return LaunchVec<kGrad, kParam, 1>(t, count, head, s, c, stream);
+      case 2: return LaunchVec<kGrad, kParam, 2>(t, count, head, s, c, stream);
+      case 4: return LaunchVec<kGrad, kParam, 4>(t, count, head, s, c, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  constexpr auto kernel = &AdamScalarKernel<kGrad, kParam>;
+  unsigned grid = 0;
+  cudaError_t err = GridFor<kernel>(c, count, &grid);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, c.threads_per_block, 0, stream>>>(
+      t.main, static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq),
+      static_cast<const Storage<kGrad>*>(t.grad), static_cast<Storage<kParam>*>(t.param), count,
+      s, t.found_inf);
+  return cudaPeekAtLastError();
+}
+
+template <ScalarType kGrad>
+cudaError_t DispatchParam(const AdamTensors& t, size_t count, const AdamScalars& s,
+                          const LaunchConfig& c, cudaStream_t stream) {
+  switch (t.param_type) {
+    case ScalarType::kF32: return Launch<kGrad, ScalarType::kF32>(t, count, s, c, stream);
+    case ScalarType::kBF16: return Launch<kGrad, ScalarType::kBF16>(t, count, s, c, stream);
+    case ScalarType::kF16: return Launch<kGrad, ScalarType::kF16>(t, count, s, c, stream);
+    case ScalarType::kNone: return Launch<kGrad, ScalarType::kNone>(t, count, s, c, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+bool Aligned(const void* p, size_t elem_size) {
+  return reinterpret_cast<uintptr_t>(p) % elem_size == 0;
+}
+
+}  // namespace
+
+namespace internal {
+
+int AdamStepCudaWithConfig(const AdamTensors& t, size_t count, const AdamParams& p,
+                           const LaunchConfig& c, void* stream) {
+  const bool grad_ok = t.grad_type == ScalarType::kF32 || t.grad_type == ScalarType::kBF16 ||
+                       t.grad_type == ScalarType::kF16;
+  const bool param_ok = t.param_type == ScalarType::kF32 || t.param_type == ScalarType::kBF16 ||
+                        t.param_type == ScalarType::kF16 || t.param_type == ScalarType::kNone;
+  const int tpb = c.threads_per_block;
+  const bool config_ok = (tpb == 128 || tpb == 256 || tpb == kMaxThreads) &&
+                         (c.unroll == 1 || c.unroll == 2 || c.unroll == 4);
+  if (!grad_ok || !param_ok || !config_ok || t.moment_type != ScalarType::kF32 || p.maximize ||
+      p.step == 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (count == 0) return cudaSuccess;
+  if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.grad == nullptr ||
+      (t.param_type != ScalarType::kNone && t.param == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (!Aligned(t.main, 4) || !Aligned(t.exp_avg, 4) || !Aligned(t.exp_avg_sq, 4) ||
+      !Aligned(t.grad, SizeOf(t.grad_type)) ||
+      (t.param_type != ScalarType::kNone && !Aligned(t.param, SizeOf(t.param_type)))) {
+    return cudaErrorInvalidValue;
+  }
+  const AdamScalars s = MakeAdamScalars(p);
+  auto st = static_cast<cudaStream_t>(stream);
+  switch (t.grad_type) {
+    case ScalarType::kF32: return DispatchParam<ScalarType::kF32>(t, count, s, c, st);
+    case ScalarType::kBF16: return DispatchParam<ScalarType::kBF16>(t, count, s, c, st);
+    case ScalarType::kF16: return DispatchParam<ScalarType::kF16>(t, count, s, c, st);
+    case ScalarType::kNone: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace internal
+
+int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* stream) {
+  return internal::AdamStepCudaWithConfig(t, count, p, internal::LaunchConfig{}, stream);
+}
+
 bool CudaKernelsBuilt() { return true; }
+
 }  // namespace optstate::kernels

@@ -1,0 +1,98 @@
+// C ABI over the Adam kernels, for Python (ctypes) and other foreign callers:
+// liboptstate_kernels_capi.so. Types are ScalarType values (0 = fp32,
+// 1 = bf16, 2 = fp16, 255 = none); mode is AdamMode (0 = Adam, 1 = AdamW).
+// Pointers are device pointers for the CUDA entry points and host pointers for
+// the CPU one; nothing is allocated or retained. Thread-safety: as the
+// launchers (any thread; calls on one stream run in order).
+#include <cstdint>
+
+#include "kernels/adam.h"
+#include "kernels/internal/launch_config.h"
+
+#define OPTSTATE_CAPI extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+using optstate::kernels::AdamMode;
+using optstate::kernels::AdamParams;
+using optstate::kernels::AdamTensors;
+using optstate::kernels::ScalarType;
+
+AdamTensors MakeTensors(float* main, void* exp_avg, void* exp_avg_sq, const void* grad,
+                        int grad_type, void* param, int param_type, const float* found_inf) {
+  AdamTensors t;
+  t.main = main;
+  t.exp_avg = exp_avg;
+  t.exp_avg_sq = exp_avg_sq;
+  t.grad = grad;
+  t.grad_type = static_cast<ScalarType>(grad_type);
+  t.param = param;
+  t.param_type = static_cast<ScalarType>(param_type);
+  t.found_inf = found_inf;
+  return t;
+}
+
+AdamParams MakeParams(float lr, float beta1, float beta2, float eps, float weight_decay, int mode,
+                      uint64_t step, float grad_scale) {
+  AdamParams p;
+  p.lr = lr;
+  p.beta1 = beta1;
+  p.beta2 = beta2;
+  p.eps = eps;
+  p.weight_decay = weight_decay;
+  p.mode = static_cast<AdamMode>(mode);
+  p.step = step;
+  p.grad_scale = grad_scale;
+  return p;
+}
+
+}  // namespace
+
+// AdamStepCuda; returns a cudaError_t (0 = success). `stream` is a cudaStream_t.
+OPTSTATE_CAPI int optstate_adam_step(float* main, void* exp_avg, void* exp_avg_sq,
+                                     const void* grad, int grad_type, void* param, int param_type,
+                                     const float* found_inf, uint64_t count, float lr, float beta1,
+                                     float beta2, float eps, float weight_decay, int mode,
+                                     uint64_t step, float grad_scale, void* stream) {
+  return optstate::kernels::AdamStepCuda(
+      MakeTensors(main, exp_avg, exp_avg_sq, grad, grad_type, param, param_type, found_inf),
+      count, MakeParams(lr, beta1, beta2, eps, weight_decay, mode, step, grad_scale), stream);
+}
+
+// Same with an explicit launch shape (benchmarks): threads_per_block in
+// {128, 256, 512}, unroll in {1, 2, 4}, blocks_per_sm 0 = occupancy max.
+OPTSTATE_CAPI int optstate_adam_step_config(float* main, void* exp_avg, void* exp_avg_sq,
+                                            const void* grad, int grad_type, void* param,
+                                            int param_type, const float* found_inf,
+                                            uint64_t count, float lr, float beta1, float beta2,
+                                            float eps, float weight_decay, int mode, uint64_t step,
+                                            float grad_scale, int threads_per_block, int unroll,
+                                            int blocks_per_sm, void* stream) {
+  optstate::kernels::internal::LaunchConfig c;
+  c.threads_per_block = threads_per_block;
+  c.unroll = unroll;
+  c.blocks_per_sm = blocks_per_sm;
+  return optstate::kernels::internal::AdamStepCudaWithConfig(
+      MakeTensors(main, exp_avg, exp_avg_sq, grad, grad_type, param, param_type, found_inf),
+      count, MakeParams(lr, beta1, beta2, eps, weight_decay, mode, step, grad_scale), c, stream);
+}
+
+// AdamStepCpu on host pointers; returns 0 on success, 1 for unsupported input.
+OPTSTATE_CAPI int optstate_adam_step_cpu(float* main, void* exp_avg, void* exp_avg_sq,
+                                         const void* grad, int grad_type, void* param,
+                                         int param_type, const float* found_inf, uint64_t count,
+                                         float lr, float beta1, float beta2, float eps,
+                                         float weight_decay, int mode, uint64_t step,
+                                         float grad_scale, int threads) {
+  return optstate::kernels::AdamStepCpu(
+             MakeTensors(main, exp_avg, exp_avg_sq, grad, grad_type, param, param_type, found_inf),
+             count, MakeParams(lr, beta1, beta2, eps, weight_decay, mode, step, grad_scale),
+             threads)
+             ? 0
+             : 1;
+}
+
+// 1 when the library contains the CUDA kernels, else 0.
+OPTSTATE_CAPI int optstate_kernels_cuda_built() {
+  return optstate::kernels::CudaKernelsBuilt() ? 1 : 0;
+}

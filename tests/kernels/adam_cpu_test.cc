@@ -1,0 +1,325 @@
+// kernels_test: AdamStepCpu against a plain fp64 loop (adam_test_util.h), the
+// dtype conversions against independent decoders, and the CUDA launcher's
+// argument checks (which run before any CUDA call, so they need no GPU).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "kernels/adam.h"
+#include "tests/kernels/adam_test_util.h"
+
+namespace optstate::kernels {
+namespace {
+
+using testing::Decode;
+using testing::DecodeBf16;
+using testing::DecodeHalf;
+using testing::Encode;
+using testing::GradValue;
+using testing::RefState;
+using testing::RefStep;
+using testing::TypeName;
+using testing::TypeSize;
+using testing::Uniform;
+
+constexpr int kSteps = 7;
+const size_t kSizes[] = {0, 1, 22, 4095, (size_t{1} << 20) + 3};
+
+// Tolerances against the fp64 reference after 7 steps (the worst element of
+// any case reaches 0.37 of its tolerance; the test records these ratios):
+//  - main: fp32 rounding of ~10 operations per step, accumulated:
+//    |d| <= 2e-6 * |ref| + 1e-6 * lr * steps. Adam (L2) is worse conditioned:
+//    where grad ~= -weight_decay * main the sum cancels, its relative error
+//    grows, and m / sqrt(v) (an O(1) direction times lr) inherits it; there the
+//    lr term is 1e-4 * lr * steps (observed up to ~3e-5). A wrong L2 term
+//    would be off by ~lr per step, 100x above this.
+//  - exp_avg: abs error relative to the gradient scale (cancellation when the
+//    gradient changes sign): |d| <= 1e-6 * (|ref| + gmax).
+//  - exp_avg_sq: a sum of positive terms: |d| <= 1e-5 * |ref| + 1e-30.
+//  - param copy: within half an ulp of its type of the reference main
+//    (bf16 2^-8, fp16 2^-11 relative, fp16 subnormal step 2^-24) plus the main
+//    tolerance.
+struct Tolerance {
+  double main_rel = 2e-6, main_abs_per_lr_step = 1e-6, main_abs_per_lr_step_l2 = 1e-4;
+  double m_rel = 1e-6, v_rel = 1e-5;
+};
+
+// GradValue(seed, i) for the largest size and every step, computed once.
+const std::vector<float>& CachedGrads(int step) {
+  static const std::vector<std::vector<float>> cache = [] {
+    std::vector<std::vector<float>> c(kSteps + 1);
+    for (int s = 1; s <= kSteps; ++s) {
+      c[s].resize(kSizes[4]);
+      for (size_t i = 0; i < kSizes[4]; ++i) c[s][i] = GradValue(100 + s, i);
+    }
+    return c;
+  }();
+  return cache[step];
+}
+
+double CopyRel(ScalarType t) {
+  return t == ScalarType::kBF16 ? 0x1p-8 : t == ScalarType::kF16 ? 0x1p-11 : 0.0;
+}
+
+struct Case {
+  ScalarType grad_type;
+  ScalarType param_type;
+  AdamMode mode;
+};
+
+// Runs kSteps of AdamStepCpu and of the fp64 reference on the same inputs and
+// checks every element of every output.
+// worst_out[0..2]: running max of |error| / tolerance for main, exp_avg, exp_avg_sq.
+void RunAndCompare(const Case& c, size_t n, float grad_scale, int threads, double* worst_out) {
+  SCOPED_TRACE("grad=" + TypeName(c.grad_type) + " param=" + TypeName(c.param_type) +
+               " mode=" + (c.mode == AdamMode::kAdam ? "adam" : "adamw") +
+               " n=" + std::to_string(n) + " scale=" + std::to_string(grad_scale));
+  AdamParams p;
+  p.lr = 1e-2f;
+  p.beta1 = 0.9f;
+  p.beta2 = 0.999f;
+  p.eps = 1e-8f;
+  p.weight_decay = 0.1f;
+  p.mode = c.mode;
+  p.grad_scale = grad_scale;
+
+  std::vector<float> main(n), m(n, 0.0f), v(n, 0.0f);
+  std::vector<uint8_t> grad(n * TypeSize(c.grad_type) + 1);
+  std::vector<uint8_t> param(n * TypeSize(c.param_type) + 1, 0xEE);
+  RefState ref{std::vector<double>(n), std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+  for (size_t i = 0; i < n; ++i) ref.main[i] = main[i] = Uniform(1, i);
+  std::vector<double> g64(n);
+
+  double gmax = 0.0;
+  for (int step = 1; step <= kSteps; ++step) {
+    const std::vector<float>& gv = CachedGrads(step);
+    for (size_t i = 0; i < n; ++i) {
+      Encode(grad.data(), c.grad_type, i, gv[i] * grad_scale);
+      g64[i] = Decode(grad.data(), c.grad_type, i);
+      gmax = std::max(gmax, std::fabs(g64[i]) / grad_scale);
+    }
+    p.step = static_cast<uint64_t>(step);
+    AdamTensors t;
+    t.main = main.data();
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.grad = grad.data();
+    t.grad_type = c.grad_type;
+    t.param = c.param_type == ScalarType::kNone ? nullptr : param.data();
+    t.param_type = c.param_type;
+    ASSERT_TRUE(AdamStepCpu(t, n, p, threads));
+    RefStep(ref, g64, p);
+  }
+  if (c.mode == AdamMode::kAdam) gmax += p.weight_decay * 1.5;  // L2 term in the gradient
+
+  const Tolerance tol;
+  size_t bad = 0;
+  double worst[4] = {0, 0, 0, 0};
+  for (size_t i = 0; i < n; ++i) {
+    const double main_tol =
+        tol.main_rel * std::fabs(ref.main[i]) +
+        (c.mode == AdamMode::kAdam ? tol.main_abs_per_lr_step_l2 : tol.main_abs_per_lr_step) *
+            p.lr * kSteps;
+    const double m_tol = tol.m_rel * (std::fabs(ref.m[i]) + gmax);
+    const double v_tol = tol.v_rel * std::fabs(ref.v[i]) + 1e-30;
+    worst[0] = std::max(worst[0], std::fabs(main[i] - ref.main[i]) / main_tol);
+    worst[1] = std::max(worst[1], std::fabs(m[i] - ref.m[i]) / m_tol);
+    worst[2] = std::max(worst[2], std::fabs(v[i] - ref.v[i]) / v_tol);
+    bool ok = std::fabs(main[i] - ref.main[i]) <= main_tol &&
+              std::fabs(m[i] - ref.m[i]) <= m_tol && std::fabs(v[i] - ref.v[i]) <= v_tol;
+    if (c.param_type != ScalarType::kNone) {
+      const double copy = Decode(param.data(), c.param_type, i);
+      const double copy_tol = CopyRel(c.param_type) * std::fabs(ref.main[i]) + main_tol +
+                              (c.param_type == ScalarType::kF16 ? 0x1p-25 : 0.0);
+      ok = ok && std::fabs(copy - ref.main[i]) <= copy_tol;
+    }
+    if (!ok && ++bad <= 5) {
+      ADD_FAILURE() << "element " << i << ": main " << main[i] << " vs " << ref.main[i]
+                    << ", exp_avg " << m[i] << " vs " << ref.m[i] << ", exp_avg_sq " << v[i]
+                    << " vs " << ref.v[i];
+    }
+  }
+  // Largest error as a fraction of its tolerance, for whoever tunes them.
+  for (int k = 0; k < 3; ++k) worst_out[k] = std::max(worst_out[k], worst[k]);
+  // The byte after the last param element is never written.
+  EXPECT_EQ(param[n * TypeSize(c.param_type)], 0xEE);
+}
+
+class AdamCpuTest : public ::testing::TestWithParam<std::tuple<ScalarType, ScalarType, AdamMode>> {
+};
+
+TEST_P(AdamCpuTest, MatchesFp64ReferenceOverSevenSteps) {
+  const Case c{std::get<0>(GetParam()), std::get<1>(GetParam()), std::get<2>(GetParam())};
+  double worst[3] = {0, 0, 0};
+  for (size_t n : kSizes) {
+    RunAndCompare(c, n, 1.0f, n > 100000 ? 3 : 1, worst);
+  }
+  // Largest error as a fraction of its tolerance (in --gtest_output=xml).
+  RecordProperty("worst_main_over_tol", std::to_string(worst[0]));
+  RecordProperty("worst_exp_avg_over_tol", std::to_string(worst[1]));
+  RecordProperty("worst_exp_avg_sq_over_tol", std::to_string(worst[2]));
+}
+
+TEST_P(AdamCpuTest, GradScaleDividesGradients) {
+  const Case c{std::get<0>(GetParam()), std::get<1>(GetParam()), std::get<2>(GetParam())};
+  double worst[3] = {0, 0, 0};
+  RunAndCompare(c, 4095, 1024.0f, 1, worst);
+  RunAndCompare(c, 22, 3.0f, 1, worst);
+  RecordProperty("worst_main_over_tol", std::to_string(worst[0]));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllTypes, AdamCpuTest,
+    ::testing::Combine(::testing::Values(ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16),
+                       ::testing::Values(ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16,
+                                         ScalarType::kNone),
+                       ::testing::Values(AdamMode::kAdam, AdamMode::kAdamW)),
+    [](const auto& info) {
+      return "grad_" + TypeName(std::get<0>(info.param)) + "_param_" +
+             TypeName(std::get<1>(info.param)) +
+             (std::get<2>(info.param) == AdamMode::kAdam ? "_adam" : "_adamw");
+    });
+
+struct Buffers {
+  explicit Buffers(size_t n) : main(n), m(n), v(n), grad(n), param(n, 0x1234) {
+    for (size_t i = 0; i < n; ++i) {
+      main[i] = Uniform(7, i);
+      m[i] = 0.1f * Uniform(8, i);
+      v[i] = 0.01f * std::fabs(Uniform(9, i));
+      grad[i] = FloatToBf16(GradValue(10, i));
+    }
+  }
+  AdamTensors Tensors(const float* found_inf) {
+    AdamTensors t;
+    t.main = main.data();
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.grad = grad.data();
+    t.grad_type = ScalarType::kBF16;
+    t.param = param.data();
+    t.param_type = ScalarType::kBF16;
+    t.found_inf = found_inf;
+    return t;
+  }
+  std::vector<float> main, m, v;
+  std::vector<uint16_t> grad, param;
+};
+
+TEST(AdamCpuTest, FoundInfSkipsTheWholeUpdate) {
+  constexpr size_t kN = 4095;
+  Buffers a(kN);
+  const Buffers before = a;
+  AdamParams p;
+  p.step = 3;
+  p.weight_decay = 0.1f;
+  const float inf_flag = 1.0f;
+  ASSERT_TRUE(AdamStepCpu(a.Tensors(&inf_flag), kN, p));
+  EXPECT_EQ(a.main, before.main);
+  EXPECT_EQ(a.m, before.m);
+  EXPECT_EQ(a.v, before.v);
+  EXPECT_EQ(a.param, before.param);
+  // A zero flag updates every element.
+  const float no_inf = 0.0f;
+  ASSERT_TRUE(AdamStepCpu(a.Tensors(&no_inf), kN, p));
+  size_t changed = 0;
+  for (size_t i = 0; i < kN; ++i) {
+    changed += a.m[i] != before.m[i];
+    ASSERT_EQ(a.param[i], FloatToBf16(a.main[i])) << i;
+  }
+  EXPECT_EQ(changed, kN);
+}
+
+TEST(AdamCpuTest, ThreadsGiveBitIdenticalResults) {
+  constexpr size_t kN = (size_t{1} << 20) + 3;
+  Buffers a(kN), b(kN);
+  AdamParams p;
+  p.step = 2;
+  ASSERT_TRUE(AdamStepCpu(a.Tensors(nullptr), kN, p, 1));
+  ASSERT_TRUE(AdamStepCpu(b.Tensors(nullptr), kN, p, 5));
+  EXPECT_EQ(a.main, b.main);
+  EXPECT_EQ(a.m, b.m);
+  EXPECT_EQ(a.v, b.v);
+  EXPECT_EQ(a.param, b.param);
+}
+
+TEST(AdamCpuTest, RejectsUnsupportedInputAndWritesNothing) {
+  Buffers a(22);
+  const Buffers before = a;
+  AdamParams p;
+  AdamTensors t = a.Tensors(nullptr);
+  t.moment_type = ScalarType::kBF16;  // bf16 moments: not yet
+  EXPECT_FALSE(AdamStepCpu(t, 22, p));
+  t = a.Tensors(nullptr);
+  t.grad_type = ScalarType::kNone;
+  EXPECT_FALSE(AdamStepCpu(t, 22, p));
+  t = a.Tensors(nullptr);
+  p.step = 0;
+  EXPECT_FALSE(AdamStepCpu(t, 22, p));
+  EXPECT_EQ(a.main, before.main);
+  EXPECT_TRUE(AdamStepCpu(t, 0, AdamParams{}));  // count 0 is fine, with any pointers
+}
+
+TEST(ConversionTest, Bf16RoundsToNearestEven) {
+  // Every finite bf16 value round-trips; midpoints between neighbours go to the even one.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const double d = DecodeBf16(static_cast<uint16_t>(h));
+    if (std::isnan(d)) continue;
+    ASSERT_EQ(FloatToBf16(static_cast<float>(d)), h) << h;
+    ASSERT_EQ(Bf16ToFloat(static_cast<uint16_t>(h)), static_cast<float>(d)) << h;
+    if ((h & 0x7F80) == 0x7F80 || (h & 0x7FFF) == 0x7F7F) continue;  // next is inf/NaN
+    const double next = DecodeBf16(static_cast<uint16_t>(h + 1));
+    const float mid = static_cast<float>((d + next) / 2);  // exact in fp32
+    const uint32_t even = (h & 1) ? h + 1 : h;
+    ASSERT_EQ(FloatToBf16(mid), even) << h;
+    ASSERT_EQ(FloatToBf16(std::nextafter(mid, static_cast<float>(d))), h) << h;
+  }
+  EXPECT_EQ(FloatToBf16(NAN) & 0x7FFF, 0x7FFF);
+}
+
+TEST(ConversionTest, HalfRoundsToNearestEvenWithSubnormalsAndOverflow) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const double d = DecodeHalf(static_cast<uint16_t>(h));
+    if (std::isnan(d)) continue;
+    ASSERT_EQ(FloatToHalf(static_cast<float>(d)), h) << h;
+    ASSERT_EQ(HalfToFloat(static_cast<uint16_t>(h)), static_cast<float>(d)) << h;
+    if ((h & 0x7C00) == 0x7C00) continue;
+    const double next = (h & 0x7FFF) == 0x7BFF ? std::copysign(65536.0, d)
+                                               : DecodeHalf(static_cast<uint16_t>(h + 1));
+    const float mid = static_cast<float>((d + next) / 2);
+    const uint32_t even = (h & 1) ? h + 1 : h;
+    ASSERT_EQ(FloatToHalf(mid), even) << h;
+    ASSERT_EQ(FloatToHalf(std::nextafter(mid, static_cast<float>(d))), h) << h;
+  }
+  EXPECT_EQ(FloatToHalf(1e6f), 0x7C00);
+  EXPECT_EQ(FloatToHalf(-1e-9f), 0x8000);
+  EXPECT_EQ(FloatToHalf(NAN) & 0x7C00, 0x7C00);
+}
+
+TEST(AdamCudaLauncherTest, ChecksArgumentsBeforeAnyCudaCall) {
+  Buffers a(22);
+  AdamParams p;
+  AdamTensors t = a.Tensors(nullptr);
+  if (!CudaKernelsBuilt()) {
+    EXPECT_EQ(AdamStepCuda(t, 22, p, nullptr), 801);  // cudaErrorNotSupported
+    return;
+  }
+  EXPECT_EQ(AdamStepCuda(t, 0, p, nullptr), 0);  // count 0: success, nothing launched
+  t.main = reinterpret_cast<float*>(reinterpret_cast<char*>(a.main.data()) + 2);
+  EXPECT_EQ(AdamStepCuda(t, 22, p, nullptr), 1);  // cudaErrorInvalidValue: misaligned fp32
+  t = a.Tensors(nullptr);
+  t.grad = reinterpret_cast<const char*>(a.grad.data()) + 1;
+  EXPECT_EQ(AdamStepCuda(t, 22, p, nullptr), 1);  // misaligned bf16
+  t = a.Tensors(nullptr);
+  t.moment_type = ScalarType::kF16;
+  EXPECT_EQ(AdamStepCuda(t, 22, p, nullptr), 1);
+  t = a.Tensors(nullptr);
+  p.step = 0;
+  EXPECT_EQ(AdamStepCuda(t, 22, p, nullptr), 1);
+}
+
+}  // namespace
+}  // namespace optstate::kernels
