@@ -234,11 +234,22 @@ cudaError_t LaunchVec(const AdamTensors& t, size_t count, size_t head, const Ada
 }
 
 template <ScalarType kGrad, ScalarType kParam>
-cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s, const LaunchConfig& c,
-                   cudaStream_t stream) {
+cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s,
+                   const LaunchConfig& config, cudaStream_t stream) {
+  LaunchConfig c = config;
+  if (c.adaptive) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    const size_t min_blocks = 4 * static_cast<size_t>(MultiProcessorCount(device));
+    const size_t groups = count / 4;
+    auto blocks = [&] { return groups / (static_cast<size_t>(c.threads_per_block) * c.unroll); };
+    while (blocks() < min_blocks && c.unroll > 1) c.unroll /= 2;
+    while (blocks() < min_blocks && c.threads_per_block > 128) c.threads_per_block /= 2;
+  }
   // Vector path when every array has the same element phase modulo 4.
   const size_t phase = ElementPhase(t.main, 4);
-  bool vec = !c.force_scalar && ElementPhase(t.exp_avg, 4) == phase &&
+  bool vec = ElementPhase(t.exp_avg, 4) == phase &&
              ElementPhase(t.exp_avg_sq, 4) == phase &&
              ElementPhase(t.grad, internal::SizeOf(kGrad)) == phase;
   if constexpr (kParam != ScalarType::kNone) {

@@ -60,7 +60,8 @@ OPTSTATE_CAPI int optstate_adam_step(float* main, void* exp_avg, void* exp_avg_s
 }
 
 // Same with an explicit launch shape (benchmarks): threads_per_block in
-// {128, 256, 512}, unroll in {1, 2, 4}, blocks_per_sm 0 = occupancy max.
+// {128, 256, 512}, unroll in {1, 2, 4}, blocks_per_sm 0 = occupancy max;
+// used as given (no adaptation to small counts).
 OPTSTATE_CAPI int optstate_adam_step_config(float* main, void* exp_avg, void* exp_avg_sq,
                                             const void* grad, int grad_type, void* param,
                                             int param_type, const float* found_inf,
@@ -72,6 +73,7 @@ OPTSTATE_CAPI int optstate_adam_step_config(float* main, void* exp_avg, void* ex
   c.threads_per_block = threads_per_block;
   c.unroll = unroll;
   c.blocks_per_sm = blocks_per_sm;
+  c.adaptive = false;
   return optstate::kernels::internal::AdamStepCudaWithConfig(
       MakeTensors(main, exp_avg, exp_avg_sq, grad, grad_type, param, param_type, found_inf),
       count, MakeParams(lr, beta1, beta2, eps, weight_decay, mode, step, grad_scale), c, stream);

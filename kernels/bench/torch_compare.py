@@ -313,7 +313,7 @@ def main():
               f"main max_abs {a['main']['max_abs']:.3e} max_rel {a['main']['max_rel']:.3e}; "
               f"exp_avg max_rel {a['exp_avg']['max_rel']:.3e}; exp_avg_sq max_rel {a['exp_avg_sq']['max_rel']:.3e}",
               flush=True)
-    configs = [] if args.no_sweep else [(t, u, b) for t in (128, 256, 512) for u in (1, 2, 4) for b in (0, 32)]
+    configs = [] if args.no_sweep else [(t, u, b) for t in (128, 256, 512) for u in (1, 2, 4) for b in (0, 8, 32, 64)]
     bench = benchmark(torch, lib, args.n, args.warmup, args.iters, configs)
     md = markdown(env, acc, bench)
     print(md)

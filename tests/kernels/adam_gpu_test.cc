@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/adam.h"
+#include "kernels/internal/launch_config.h"
 #include "tests/kernels/adam_test_util.h"
 
 namespace optstate::kernels {
@@ -122,7 +123,8 @@ AdamTensors Tensors(float* main, void* m, void* v, const void* grad, ScalarType 
 // the same state, then an elementwise comparison. Returns the number of
 // elements that are not bit-identical (expected 0: see kernels/internal/adam_math.h).
 void CompareCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType pt,
-                        AdamMode mode, Offsets off, size_t* not_identical) {
+                        AdamMode mode, Offsets off, size_t* not_identical,
+                        const internal::LaunchConfig* config = nullptr) {
   SCOPED_TRACE("n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt) +
                " mode=" + (mode == AdamMode::kAdam ? "adam" : "adamw") + " offsets=" + off.name);
   if (std::string(off.name) == "all+4bytes") {
@@ -156,8 +158,10 @@ void CompareCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType
     ASSERT_TRUE(AdamStepCpu(Tensors(cpu.main.data(), cpu.m.data(), cpu.v.data(), cpu.grad.data(),
                                     gt, cpu.param.data(), pt, nullptr),
                             n, p, 8));
+    const AdamTensors t = Tensors(main, m, v, grad, gt, param, pt, nullptr);
     ASSERT_CUDA(static_cast<cudaError_t>(
-        AdamStepCuda(Tensors(main, m, v, grad, gt, param, pt, nullptr), n, p, stream)));
+        config == nullptr ? AdamStepCuda(t, n, p, stream)
+                          : internal::AdamStepCudaWithConfig(t, n, p, *config, stream)));
   }
   ASSERT_CUDA(cudaStreamSynchronize(stream));
 
@@ -241,6 +245,31 @@ TEST_F(AdamGpuTest, Over2To28ElementsMatchesCpu) {
   size_t not_identical = 0;
   CompareCudaWithCpu(stream_, (size_t{1} << 28) + 3, ScalarType::kBF16, ScalarType::kBF16,
                      AdamMode::kAdamW, kSamePhase, &not_identical);
+  std::printf("elements not bit-identical to the CPU: %zu\n", not_identical);
+}
+
+// Every launch shape (the default adapts it to the count, so the tests above
+// reach only some), with a grid small enough that the grid-stride loop and the
+// unrolled tail (groups not a multiple of threads * unroll) both run.
+TEST_F(AdamGpuTest, EveryLaunchShapeMatchesCpu) {
+  size_t not_identical = 0;
+  for (int threads : {128, 256, 512}) {
+    for (int unroll : {1, 2, 4}) {
+      for (int blocks_per_sm : {0, 1, 32}) {
+        internal::LaunchConfig c;
+        c.threads_per_block = threads;
+        c.unroll = unroll;
+        c.blocks_per_sm = blocks_per_sm;
+        c.adaptive = false;
+        SCOPED_TRACE("threads=" + std::to_string(threads) + " unroll=" + std::to_string(unroll) +
+                     " blocks_per_sm=" + std::to_string(blocks_per_sm));
+        CompareCudaWithCpu(stream_, 3 * 1000 * 1000 + 7, ScalarType::kBF16, ScalarType::kBF16,
+                           AdamMode::kAdamW, kSamePhase, &not_identical, &c);
+        CompareCudaWithCpu(stream_, 4095, ScalarType::kF32, ScalarType::kF16, AdamMode::kAdam,
+                           kFourBytes, &not_identical, &c);
+      }
+    }
+  }
   std::printf("elements not bit-identical to the CPU: %zu\n", not_identical);
 }
 
