@@ -1,0 +1,44 @@
+// The FUSE daemon of optstate-mount: binds StoreTree + ChunkReader to libfuse's
+// high-level API and runs its multithreaded loop.
+//
+// Read-only: every call that would change anything replies EROFS. Mounted with
+// default_permissions (the kernel checks the 0444/0555 modes) and max_read=1 MiB
+// (also set as conn->max_read in init, which libfuse requires); files are opened
+// with direct_io so reads bypass the page cache and arrive as 1 MiB requests.
+// Inode numbers are a hash of the path (stable across remounts); listings are
+// sorted. SIGINT/SIGTERM/SIGHUP end the loop and unmount cleanly.
+//
+// Thread-safety: Run() blocks until unmounted; one per process.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "mount/store_tree.h"
+#include "vfs/status.h"
+
+namespace optstate::mount {
+
+struct MountCommand {
+  MountOptions tree;                  // store_root etc.
+  std::string mountpoint;
+  bool foreground = false;            // -f
+  bool debug = false;                 // -d: libfuse request log (implies -f)
+  // --allow-other: let users other than the one who mounted read the files
+  // (FUSE refuses every other user otherwise, root included unless it mounted;
+  // needs user_allow_other in /etc/fuse.conf when not mounted by root).
+  bool allow_other = false;
+  bool single_thread = false;         // -s
+  uint32_t max_threads = 16;          // worker threads of the multithreaded loop
+  std::vector<std::string> fuse_opts; // extra -o options, passed to libfuse
+};
+
+// Checks that `mountpoint` can be mounted on: exists, is a directory, is not
+// already a mount point (per /proc/self/mountinfo) and is not a dead FUSE mount
+// (ENOTCONN); the error says what to do.
+Status CheckMountpoint(const std::string& mountpoint);
+
+// Mounts and serves until unmounted or signalled. Returns the process exit code.
+int RunMount(const MountCommand& cmd);
+
+}  // namespace optstate::mount

@@ -1,0 +1,105 @@
+// optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
+//                [--readahead-chunks N] [--threads N]
+// Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "mount/fuse_mount.h"
+
+namespace {
+
+const char kUsage[] =
+    "usage: optstate-mount STORE_ROOT MOUNTPOINT [options]\n"
+    "\n"
+    "Serves every optimizer-state store under STORE_ROOT (directories with an IDENTITY file)\n"
+    "as read-only files at MOUNTPOINT:\n"
+    "  MOUNTPOINT/<store>/latest/            newest committed generation\n"
+    "  MOUNTPOINT/<store>/snapshots/<name>/  each snapshot\n"
+    "      manifest.json  state.safetensors  tensors/<tensor>/{main,exp_avg,exp_avg_sq}\n"
+    "Stores are opened without their lock, so a trainer may keep writing. Unmount with\n"
+    "`fusermount3 -u MOUNTPOINT` or SIGINT/SIGTERM to the daemon.\n"
+    "\n"
+    "options:\n"
+    "  -f                    stay in the foreground\n"
+    "  -d                    FUSE debug log (implies -f)\n"
+    "  -s                    single-threaded loop (default: multithreaded)\n"
+    "  --allow-other         let other users read the mount (FUSE otherwise refuses every\n"
+    "                        user but the one who mounted); non-root mounters need\n"
+    "                        user_allow_other in /etc/fuse.conf. Permissions stay 0444/0555.\n"
+    "  -o OPT[,OPT...]       extra FUSE mount options\n"
+    "  --readahead-chunks N  whole chunks read ahead per open file (default 8)\n"
+    "  --threads N           maximum FUSE worker threads (default 16)\n"
+    "  -h, --help            this text\n";
+
+bool ParseU32(const char* s, uint32_t* out) {
+  char* end = nullptr;
+  unsigned long v = std::strtoul(s, &end, 10);
+  if (end == s || *end != '\0' || v == 0 || v > 4096) return false;
+  *out = static_cast<uint32_t>(v);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  optstate::mount::MountCommand cmd;
+  std::vector<std::string> pos;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto need = [&](const char* what) -> const char* {
+      if (i + 1 >= argc) {
+        fmt::print(stderr, "optstate-mount: {} needs a value\n{}", what, kUsage);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "-h" || a == "--help") {
+      fmt::print("{}", kUsage);
+      return 0;
+    } else if (a == "-f") {
+      cmd.foreground = true;
+    } else if (a == "-d") {
+      cmd.debug = true;
+    } else if (a == "-s") {
+      cmd.single_thread = true;
+    } else if (a == "--allow-other") {
+      cmd.allow_other = true;
+    } else if (a == "-o") {
+      cmd.fuse_opts.push_back(need("-o"));
+    } else if (a.rfind("-o", 0) == 0 && a.size() > 2) {
+      cmd.fuse_opts.push_back(a.substr(2));
+    } else if (a == "--readahead-chunks") {
+      if (!ParseU32(need(a.c_str()), &cmd.tree.readahead_chunks)) {
+        fmt::print(stderr, "optstate-mount: --readahead-chunks wants 1..4096\n");
+        return 2;
+      }
+    } else if (a == "--threads") {
+      if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
+        fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");
+        return 2;
+      }
+    } else if (!a.empty() && a[0] == '-') {
+      fmt::print(stderr, "optstate-mount: unknown option {}\n{}", a, kUsage);
+      return 2;
+    } else {
+      pos.push_back(a);
+    }
+  }
+  if (pos.size() != 2) {
+    fmt::print(stderr, "optstate-mount: expected STORE_ROOT and MOUNTPOINT\n{}", kUsage);
+    return 2;
+  }
+  char real[PATH_MAX];
+  if (::realpath(pos[0].c_str(), real) == nullptr) {
+    fmt::print(stderr, "optstate-mount: STORE_ROOT {}: {}\n", pos[0], std::strerror(errno));
+    return 1;
+  }
+  cmd.tree.store_root = real;
+  cmd.mountpoint = pos[1];
+  return optstate::mount::RunMount(cmd);
+}

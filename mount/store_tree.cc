@@ -1,0 +1,235 @@
+#include "mount/store_tree.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "vfs/log.h"
+
+namespace optstate::mount {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<std::string> SplitPath(std::string_view p) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  while (i < p.size()) {
+    while (i < p.size() && p[i] == '/') ++i;
+    size_t j = p.find('/', i);
+    if (j == std::string_view::npos) j = p.size();
+    if (j > i) out.emplace_back(p.substr(i, j - i));
+    i = j;
+  }
+  return out;
+}
+
+bool HasIdentity(const std::string& dir) {
+  struct stat st;
+  return ::stat((dir + "/IDENTITY").c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+}  // namespace
+
+uint64_t InodeOf(std::string_view path) {
+  uint64_t h = vfs::ChunkChecksum(path.data(), path.size());
+  return h < 2 ? h + 2 : h;
+}
+
+struct StoreTree::StoreEntry {
+  std::string name;
+  std::string path;
+  std::mutex mu;                                  // guards everything below
+  std::unique_ptr<vfs::Store> store;
+  Clock::time_point last_catchup{};
+  std::shared_ptr<const Generation> latest;
+  std::map<std::string, vfs::SnapshotInfo> snapshot_list;  // escaped name -> info
+  std::map<std::string, std::shared_ptr<const Generation>> snapshots;  // escaped name
+};
+
+StoreTree::StoreTree(MountOptions opts) : opts_(std::move(opts)) {}
+StoreTree::~StoreTree() = default;
+
+Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::string& name) {
+  if (name == "." || name == ".." || name.empty()) return NotFound("no store " + name);
+  const std::string path = opts_.store_root + "/" + name;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = stores_.find(name);
+  if (!HasIdentity(path)) {
+    if (it != stores_.end()) {
+      OPTSTATE_LOG_INFO("optstate-mount: store {} disappeared from {}", name, opts_.store_root);
+      stores_.erase(it);
+    }
+    return NotFound(fmt::format("no store {} under {}", name, opts_.store_root));
+  }
+  if (it != stores_.end()) return it->second;
+  vfs::StoreOptions so;
+  auto store = vfs::Store::OpenReadOnly(path, so);
+  if (!store.ok()) {
+    OPTSTATE_LOG_WARN("optstate-mount: cannot open store {}: {}", path, store.status().ToString());
+    return store.status();
+  }
+  auto e = std::make_shared<StoreEntry>();
+  e->name = name;
+  e->path = path;
+  e->store = std::move(store).value();
+  stores_[name] = e;
+  OPTSTATE_LOG_INFO("optstate-mount: serving store {} ({})", name, path);
+  return e;
+}
+
+// REQUIRES: e->mu held.
+Status StoreTree::Refresh(StoreEntry* e, bool force) {
+  auto now = Clock::now();
+  if (!force && e->latest &&
+      now - e->last_catchup < std::chrono::milliseconds(opts_.catchup_interval_ms)) {
+    return Status();
+  }
+  e->last_catchup = now;
+  OPTSTATE_RETURN_IF_ERROR(e->store->CatchUp());
+  uint64_t g = e->store->LatestGeneration().generation;
+  if (!e->latest || e->latest->generation() != g) {
+    auto view = e->store->OpenGeneration(vfs::kLatest);
+    if (!view.ok()) return view.status();
+    auto gen = std::make_shared<Generation>();
+    gen->store_name = e->name;
+    gen->dir_label = "latest";
+    gen->view = std::move(view).value();
+    auto layout = vfs::CheckpointLayout::Build(gen->view.get());
+    if (!layout.ok()) return layout.status();
+    gen->layout = std::move(layout).value();
+    e->latest = std::move(gen);
+  }
+  std::map<std::string, vfs::SnapshotInfo> list;
+  for (vfs::SnapshotInfo& s : e->store->ListSnapshots()) {
+    list[vfs::FileNameForName(s.name)] = std::move(s);
+  }
+  for (auto it = e->snapshots.begin(); it != e->snapshots.end();) {
+    auto l = list.find(it->first);
+    if (l == list.end() || l->second.generation != it->second->generation()) {
+      it = e->snapshots.erase(it);  // released: open files keep their Generation
+    } else {
+      ++it;
+    }
+  }
+  e->snapshot_list = std::move(list);
+  return Status();
+}
+
+Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e) {
+  OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
+  return e->latest;
+}
+
+Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, const std::string& name) {
+  OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
+  auto it = e->snapshots.find(name);
+  if (it != e->snapshots.end()) return it->second;
+  auto l = e->snapshot_list.find(name);
+  if (l == e->snapshot_list.end()) {
+    // Created since the last catch-up?
+    OPTSTATE_RETURN_IF_ERROR(Refresh(e, true));
+    l = e->snapshot_list.find(name);
+    if (l == e->snapshot_list.end()) {
+      return NotFound(fmt::format("store {}: no snapshot {}", e->name, name));
+    }
+  }
+  auto view = e->store->OpenSnapshot(l->second.name);
+  if (!view.ok()) return view.status();
+  auto gen = std::make_shared<Generation>();
+  gen->store_name = e->name;
+  gen->dir_label = "snapshots/" + name;
+  gen->view = std::move(view).value();
+  auto layout = vfs::CheckpointLayout::Build(gen->view.get());
+  if (!layout.ok()) return layout.status();
+  gen->layout = std::move(layout).value();
+  e->snapshots[name] = gen;
+  return std::shared_ptr<const Generation>(gen);
+}
+
+Result<Node> StoreTree::Resolve(std::string_view path) {
+  std::vector<std::string> parts = SplitPath(path);
+  Node n;
+  if (parts.empty()) return n;
+  n.store = parts[0];
+  OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(parts[0]));
+  std::unique_lock<std::mutex> lock(e->mu);
+  if (parts.size() == 1) {
+    n.kind = NodeKind::kStore;
+    OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), false));
+    n.mtime_unix_ms = e->latest ? e->latest->view->info().commit_time_unix_ms : 0;
+    return n;
+  }
+  size_t rel_start;
+  if (parts[1] == "latest") {
+    OPTSTATE_ASSIGN_OR_RETURN(n.gen, Latest(e.get()));
+    rel_start = 2;
+  } else if (parts[1] == "snapshots") {
+    if (parts.size() == 2) {
+      n.kind = NodeKind::kSnapshotsDir;
+      OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), false));
+      n.mtime_unix_ms = e->latest ? e->latest->view->info().commit_time_unix_ms : 0;
+      return n;
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(n.gen, Snapshot(e.get(), parts[2]));
+    rel_start = 3;
+  } else {
+    return NotFound(fmt::format("store {}: no entry {}", e->name, parts[1]));
+  }
+  lock.unlock();
+  n.mtime_unix_ms = n.gen->view->info().commit_time_unix_ms;
+  std::string rel;
+  for (size_t i = rel_start; i < parts.size(); ++i) {
+    if (!rel.empty()) rel += "/";
+    rel += parts[i];
+  }
+  n.rel = rel;
+  if (n.gen->layout->IsDir(rel)) {
+    n.kind = NodeKind::kGenDir;
+    return n;
+  }
+  n.file = n.gen->layout->FindFile(rel);
+  if (n.file == nullptr) return NotFound(fmt::format("{}: no such file", path));
+  n.kind = NodeKind::kGenFile;
+  return n;
+}
+
+Result<std::vector<std::string>> StoreTree::List(const Node& dir) {
+  switch (dir.kind) {
+    case NodeKind::kRoot: {
+      std::vector<std::string> out;
+      DIR* d = ::opendir(opts_.store_root.c_str());
+      if (d == nullptr) return ErrnoStatus("opendir " + opts_.store_root, errno);
+      while (dirent* de = ::readdir(d)) {
+        std::string name = de->d_name;
+        if (name == "." || name == "..") continue;
+        if (HasIdentity(opts_.store_root + "/" + name)) out.push_back(name);
+      }
+      ::closedir(d);
+      std::sort(out.begin(), out.end());
+      return out;
+    }
+    case NodeKind::kStore:
+      return std::vector<std::string>{"latest", "snapshots"};
+    case NodeKind::kSnapshotsDir: {
+      OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
+      std::lock_guard<std::mutex> lock(e->mu);
+      OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), true));
+      std::vector<std::string> out;
+      for (const auto& [name, info] : e->snapshot_list) out.push_back(name);
+      return out;  // std::map: sorted
+    }
+    case NodeKind::kGenDir:
+      return dir.gen->layout->ListDir(dir.rel);
+    case NodeKind::kGenFile:
+      return InvalidArgument("not a directory");
+  }
+  return Internal("bad node");
+}
+
+}  // namespace optstate::mount

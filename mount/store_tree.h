@@ -1,0 +1,98 @@
+// StoreTree: the namespace optstate-mount serves, without FUSE in it.
+//
+//   /                                   every store under STORE_ROOT (a directory
+//                                       holding an IDENTITY file), sorted
+//   /<store>/latest/...                 newest committed generation
+//   /<store>/snapshots/<snapshot>/...   each snapshot (name escaped, vfs/checkpoint.h)
+// and under each generation directory the files of a CheckpointLayout.
+//
+// Stores are opened with Store::OpenReadOnly (never the store's lock) when first
+// looked up and dropped when their IDENTITY disappears. Resolving a path at or
+// above a generation directory catches the store up with its writer (at most
+// once per catchup_interval_ms) and, if latest moved, builds a new Generation
+// for it; a Generation (view + layout) is shared by every open file that uses
+// it, so a file opened under latest/ keeps reading the generation it was opened
+// on (the view's lease keeps its extents from the writer's GC).
+//
+// Thread-safety: all methods are thread-safe. Lock order: tree mu_ before a
+// StoreEntry's mu.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "vfs/checkpoint.h"
+#include "vfs/status.h"
+#include "vfs/store.h"
+
+namespace optstate::mount {
+
+struct MountOptions {
+  std::string store_root;             // absolute path of STORE_ROOT
+  // Whole chunks read ahead per open file (queue depth of its ChunkIo). Default 8.
+  uint32_t readahead_chunks = 8;
+  // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
+  uint32_t catchup_interval_ms = 20;
+};
+
+// One generation as files. Immutable; shared by open file handles.
+struct Generation {
+  std::string store_name;
+  std::string dir_label;              // "latest" or "snapshots/<name>"
+  std::unique_ptr<vfs::GenerationView> view;
+  std::unique_ptr<vfs::CheckpointLayout> layout;  // refers to *view
+  uint64_t generation() const { return view->info().generation; }
+};
+
+enum class NodeKind : uint8_t {
+  kRoot,          // /
+  kStore,         // /<store>
+  kSnapshotsDir,  // /<store>/snapshots
+  kGenDir,        // a directory inside a generation (rel "" = the generation dir)
+  kGenFile,       // a file inside a generation
+};
+
+struct Node {
+  NodeKind kind = NodeKind::kRoot;
+  std::string store;
+  std::shared_ptr<const Generation> gen;     // kGenDir, kGenFile
+  std::string rel;                           // path inside the generation
+  const vfs::CheckpointFile* file = nullptr; // kGenFile (owned by gen->layout)
+  int64_t mtime_unix_ms = 0;
+};
+
+class StoreTree {
+ public:
+  explicit StoreTree(MountOptions opts);
+  ~StoreTree();
+
+  // Resolves an absolute path ("/", "/s", "/s/latest/tensors/x/main").
+  // NotFound for anything that does not exist.
+  Result<Node> Resolve(std::string_view path);
+  // Sorted child names of a directory node.
+  Result<std::vector<std::string>> List(const Node& dir);
+
+  const MountOptions& options() const { return opts_; }
+
+ private:
+  struct StoreEntry;
+  Result<std::shared_ptr<StoreEntry>> GetStore(const std::string& name);
+  Status Refresh(StoreEntry* e, bool force);
+  Result<std::shared_ptr<const Generation>> Latest(StoreEntry* e);
+  Result<std::shared_ptr<const Generation>> Snapshot(StoreEntry* e, const std::string& name);
+
+  const MountOptions opts_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<StoreEntry>> stores_;  // guarded by mu_
+};
+
+// Stable inode number of a path (XXH3, never 0 or 1).
+uint64_t InodeOf(std::string_view path);
+
+}  // namespace optstate::mount
