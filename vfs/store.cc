@@ -1674,11 +1674,13 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
   {
     auto core = NewCore(tmp, opts, false);
     if (!core.ok()) return fail(core.status());
+    Status s = fs->CreateDir(JoinPath(tmp, "index"));
+    if (!s.ok()) return fail(s);
     rocksdb::Options o = IndexOptions(core->get());
     o.create_if_missing = true;
     o.error_if_exists = true;
     rocksdb::DB* raw = nullptr;
-    Status s = RocksStatus("create index", rocksdb::DB::Open(o, JoinPath(tmp, "index"), &raw));
+    s = RocksStatus("create index", rocksdb::DB::Open(o, JoinPath(tmp, "index"), &raw));
     if (!s.ok()) return fail(s);
     (*core)->db_.reset(raw);
     GenerationInfo g0;

@@ -1,0 +1,595 @@
+// Store behaviour on real files and a real RocksDB: round trips, reopen,
+// striping, copy-on-write, views, snapshots, GC, disk use, errors, corruption.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <numeric>
+
+#include <gtest/gtest.h>
+
+#include "tests/vfs/store_test_util.h"
+#include "vfs/store.h"
+
+namespace optstate::vfs {
+namespace {
+
+using testing::Buf;
+using testing::FillPattern;
+using testing::kTestChunk;
+using testing::TempDir;
+using testing::TestOptions;
+
+#define ASSERT_OK(expr)                                  \
+  do {                                                   \
+    auto _s = (expr);                                    \
+    ASSERT_TRUE(_s.ok()) << _s.ToString();               \
+  } while (0)
+
+template <typename T>
+T Unwrap(Result<T> r) {
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  if (!r.ok()) std::abort();
+  return std::move(r).value();
+}
+
+uint64_t Sum(const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), uint64_t{0}); }
+
+// The expected logical bytes of one chunk written with seed.
+std::vector<uint8_t> Expected(uint64_t len, uint64_t seed) {
+  std::vector<uint8_t> v(kTestChunk);  // written as a whole chunk, then cut
+  FillPattern(v.data(), kTestChunk, seed);
+  v.resize(len);
+  return v;
+}
+
+void WriteAll(Store* s, const TensorInfo& t, uint64_t gen, Buf* buf) {
+  for (uint32_t f = 0; f < t.fields.size(); ++f) {
+    for (uint64_t c = 0; c < s->ChunkCount(t, f); ++c) {
+      FillPattern(buf->data(), kTestChunk, testing::ChunkSeed(gen, t.id, f, c));
+      ASSERT_OK(s->WriteChunk(ChunkRef{t.id, f, c}, buf->data()));
+    }
+  }
+}
+
+// Reads every chunk through `read` and compares with gen's pattern (or zeros).
+template <typename ReadFn>
+void CheckAll(ReadFn read, const TensorInfo& t, uint64_t chunks_per_field_bytes, std::optional<uint64_t> gen) {
+  Buf buf(kTestChunk);
+  for (uint32_t f = 0; f < t.fields.size(); ++f) {
+    const uint64_t bytes = t.field_bytes(f);
+    const uint64_t n = (bytes + kTestChunk - 1) / kTestChunk;
+    for (uint64_t c = 0; c < n; ++c) {
+      const uint64_t len = std::min(kTestChunk, bytes - c * kTestChunk);
+      ASSERT_OK(read(ChunkRef{t.id, f, c}, buf.data()));
+      std::vector<uint8_t> want = gen ? Expected(len, testing::ChunkSeed(*gen, t.id, f, c))
+                                      : std::vector<uint8_t>(len, 0);
+      ASSERT_EQ(0, std::memcmp(buf.data(), want.data(), len)) << t.name << " field " << f << " chunk " << c;
+      for (uint64_t i = len; i < kTestChunk; i += 4093) ASSERT_EQ(buf.data()[i], 0) << "tail not zeroed";
+    }
+  }
+  (void)chunks_per_field_bytes;
+}
+
+TEST(StoreTest, RoundTripSizesAcrossReopenStripedOverTwoDirs) {
+  TempDir dir;
+  StoreOptions opts = TestOptions();
+  std::filesystem::create_directories(dir / "nvme0");
+  std::filesystem::create_directories(dir / "nvme1");
+  opts.data_dirs = {dir / "nvme0", dir / "nvme1"};
+  const uint64_t q = kTestChunk / 4;  // f32 elements per chunk
+  const std::map<std::string, uint64_t> sizes = {
+      {"zero", 0}, {"one", 1}, {"odd", 12345}, {"exact", q}, {"chunk_plus_1", q + 1}, {"many", 5 * q + 777}};
+  std::vector<TensorInfo> tensors;
+  {
+    auto s = Unwrap(Store::Create(dir / "rank0.dense", opts));
+    EXPECT_EQ(s->identity().name, "rank0.dense");
+    EXPECT_EQ(s->identity().data_dirs.size(), 2u);
+    Buf buf(kTestChunk);
+    for (const auto& [name, numel] : sizes) {
+      TensorSpec spec;
+      spec.name = name;
+      spec.numel = numel;
+      spec.group = numel % 3;
+      tensors.push_back(Unwrap(s->CreateTensor(spec)));
+      EXPECT_EQ(s->ChunkCount(tensors.back(), 0), (numel * 4 + kTestChunk - 1) / kTestChunk);
+      WriteAll(s.get(), tensors.back(), 1, &buf);
+    }
+    // Pending writes are visible to the store's own reads before commit.
+    for (const auto& t : tensors) {
+      CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, 1);
+    }
+    CommitInfo ci;
+    ci.step = 7;
+    ci.groups = {GroupInfo{0, 7, {{"lr", 1e-3}, {"beta1", 0.9}}}, GroupInfo{1, 3, {{"lr", 2.5e-4}}}};
+    EXPECT_EQ(Unwrap(s->Commit(ci)), 1u);
+    auto st = Unwrap(s->Stats());
+    ASSERT_EQ(st.data_file_bytes.size(), 2u);
+    EXPECT_GT(st.data_file_bytes[0], 0u) << "chunks not striped to dir 0";
+    EXPECT_GT(st.data_file_bytes[1], 0u) << "chunks not striped to dir 1";
+    uint64_t live = 0;
+    for (const auto& t : tensors) live += 3 * t.numel * 4;
+    EXPECT_EQ(st.live_bytes, live);
+  }
+  auto s = Unwrap(Store::Open(dir / "rank0.dense", opts));
+  auto latest = s->LatestGeneration();
+  EXPECT_EQ(latest.generation, 1u);
+  EXPECT_EQ(latest.step, 7u);
+  ASSERT_EQ(latest.groups.size(), 2u);
+  EXPECT_EQ(latest.groups[1].step_count, 3u);
+  EXPECT_EQ(latest.groups[0].hyper.at("beta1"), 0.9);
+  EXPECT_EQ(latest.groups[1].hyper.at("lr"), 2.5e-4);
+  auto listed = s->ListTensors();
+  ASSERT_EQ(listed.size(), sizes.size());
+  for (size_t i = 1; i < listed.size(); ++i) EXPECT_LT(listed[i - 1].name, listed[i].name);
+  for (const auto& t : tensors) {
+    auto found = Unwrap(s->FindTensor(t.name));
+    EXPECT_EQ(found.id, t.id);
+    EXPECT_EQ(found.numel, t.numel);
+    EXPECT_EQ(found.fields.size(), 3u);
+    EXPECT_EQ(found.created_generation, 1u);
+    CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, found, 0, 1);
+  }
+  // The same bytes through a view and through the asynchronous ChunkIo.
+  auto view = Unwrap(s->OpenGeneration(kLatest));
+  EXPECT_EQ(view->info().generation, 1u);
+  for (const auto& t : tensors) {
+    CheckAll([&](const ChunkRef& r, void* b) { return view->ReadChunk(r, b); }, t, 0, 1);
+  }
+  auto io = Unwrap(s->NewChunkIo(ChunkIoOptions{}));
+  const TensorInfo& many =
+      *std::find_if(tensors.begin(), tensors.end(), [](const TensorInfo& t) { return t.name == "many"; });
+  std::vector<std::unique_ptr<Buf>> bufs;
+  uint64_t tag = 0;
+  for (uint32_t f = 0; f < 3; ++f) {
+    for (uint64_t c = 0; c < s->ChunkCount(many, f); ++c) {
+      bufs.push_back(std::make_unique<Buf>(kTestChunk));
+      ASSERT_OK(io->SubmitRead(ChunkRef{many.id, f, c}, bufs.back()->data(), tag++));
+    }
+  }
+  std::vector<ChunkCompletion> done;
+  while (done.size() < tag) ASSERT_OK(io->Reap(&done, 1));
+  EXPECT_EQ(io->in_flight(), 0u);
+  for (const auto& d : done) {
+    ASSERT_OK(d.status);
+    const uint32_t f = static_cast<uint32_t>(d.tag / s->ChunkCount(many, 0));
+    const uint64_t c = d.tag % s->ChunkCount(many, 0);
+    const uint64_t len = std::min(kTestChunk, many.field_bytes(f) - c * kTestChunk);
+    auto want = Expected(len, testing::ChunkSeed(1, many.id, f, c));
+    EXPECT_EQ(0, std::memcmp(bufs[d.tag]->data(), want.data(), len)) << "tag " << d.tag;
+  }
+  auto rep = Unwrap(s->Verify());
+  EXPECT_TRUE(rep.ok()) << (rep.problems.empty() ? "leaked " + std::to_string(rep.leaked_slots) : rep.problems[0]);
+  EXPECT_GT(rep.chunks_checked, 10u);
+}
+
+TEST(StoreTest, NeverWrittenChunksReadZerosWithoutIo) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = 3 * kTestChunk / 4 + 5;
+  auto t = Unwrap(s->CreateTensor(spec));
+  CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, std::nullopt);
+  EXPECT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+  CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, std::nullopt);
+  auto view = Unwrap(s->OpenGeneration(1));
+  auto info = Unwrap(view->Chunk(ChunkRef{t.id, 2, 3}));
+  EXPECT_TRUE(info.zero);
+  EXPECT_EQ(info.length_bytes, 20u);
+  std::vector<uint8_t> z(20, 0);
+  EXPECT_EQ(info.checksum, ChunkChecksum(z.data(), 20));
+  auto st = Unwrap(s->Stats());
+  EXPECT_EQ(Sum(st.data_file_bytes), 0u) << "zero chunks must not allocate data";
+  EXPECT_EQ(st.lifetime_bytes_written, 0u);
+  Buf b(kTestChunk);
+  EXPECT_EQ(s->ReadChunk(ChunkRef{t.id, 0, 4}, b.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->ReadChunk(ChunkRef{t.id, 3, 0}, b.data()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->ReadChunk(ChunkRef{t.id + 9, 0, 0}, b.data()).code(), StatusCode::kNotFound);
+}
+
+TEST(StoreTest, ViewOfOldGenerationSurvivesCommitsThenExtentsAreReused) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = 2 * kTestChunk / 4;
+  auto t = Unwrap(s->CreateTensor(spec));
+  Buf buf(kTestChunk);
+  WriteAll(s.get(), t, 1, &buf);
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+  auto old = Unwrap(s->OpenGeneration(1));
+  for (uint64_t g = 2; g <= 4; ++g) {
+    WriteAll(s.get(), t, g, &buf);
+    ASSERT_EQ(Unwrap(s->Commit(CommitInfo{g, {}})), g);
+    CheckAll([&](const ChunkRef& r, void* b) { return old->ReadChunk(r, b); }, t, 0, 1);
+    CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, g);
+  }
+  // Generations 2 and 3 are gone (retained_generations = 1), 1 is held.
+  EXPECT_TRUE(s->OpenGeneration(2).status().IsNotFound());
+  auto gens = s->ListGenerations();
+  ASSERT_EQ(gens.size(), 2u);
+  EXPECT_EQ(gens[0].generation, 1u);
+  EXPECT_EQ(gens[1].generation, 4u);
+  auto held = Unwrap(s->Stats());
+  EXPECT_EQ(held.leases, 1u);
+  EXPECT_EQ(held.referenced_extent_bytes, 12 * kTestChunk);  // gen 1 + gen 4, 6 chunks each
+  old.reset();
+  ASSERT_OK(s->CollectGarbage());
+  auto freed = Unwrap(s->Stats());
+  EXPECT_EQ(freed.referenced_extent_bytes, 6 * kTestChunk);
+  EXPECT_EQ(freed.generations_retained, 1u);
+  // Next generation reuses the freed slots: the files do not grow.
+  WriteAll(s.get(), t, 5, &buf);
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 5u);
+  auto after = Unwrap(s->Stats());
+  EXPECT_EQ(Sum(after.data_file_bytes), Sum(freed.data_file_bytes));
+  CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, 5);
+  auto rep = Unwrap(s->Verify());
+  EXPECT_TRUE(rep.ok()) << (rep.problems.empty() ? "leaked " + std::to_string(rep.leaked_slots) : rep.problems[0]);
+}
+
+TEST(StoreTest, SnapshotsPinGenerations) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = kTestChunk / 4 + 100;
+  auto t = Unwrap(s->CreateTensor(spec));
+  Buf buf(kTestChunk);
+  WriteAll(s.get(), t, 1, &buf);
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{10, {GroupInfo{0, 10, {}}}})), 1u);
+  auto snap = Unwrap(s->CreateSnapshot("step-10"));
+  EXPECT_EQ(snap.generation, 1u);
+  EXPECT_EQ(s->CreateSnapshot("step-10").status().code(), StatusCode::kAlreadyExists);
+  for (const char* bad : {"", ".", "..", "a/b", "x y", "\xc3\xa9"}) {
+    EXPECT_EQ(s->CreateSnapshot(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(s->CreateSnapshot(std::string(256, 'a')).status().code(), StatusCode::kInvalidArgument);
+  for (uint64_t g = 2; g <= 3; ++g) {
+    WriteAll(s.get(), t, g, &buf);
+    ASSERT_EQ(Unwrap(s->Commit(CommitInfo{g * 10, {}})), g);
+  }
+  {
+    auto v = Unwrap(s->OpenSnapshot("step-10"));
+    EXPECT_EQ(v->info().generation, 1u);
+    EXPECT_EQ(v->info().step, 10u);
+    CheckAll([&](const ChunkRef& r, void* b) { return v->ReadChunk(r, b); }, t, 0, 1);
+  }
+  s.reset();
+  s = Unwrap(Store::Open(dir / "s", TestOptions()));
+  ASSERT_EQ(s->ListSnapshots().size(), 1u);
+  {
+    auto v = Unwrap(s->OpenSnapshot("step-10"));
+    CheckAll([&](const ChunkRef& r, void* b) { return v->ReadChunk(r, b); }, t, 0, 1);
+  }
+  auto before = Unwrap(s->Stats());
+  EXPECT_EQ(before.snapshots, 1u);
+  EXPECT_EQ(before.referenced_extent_bytes, 12 * kTestChunk);
+  ASSERT_OK(s->ReleaseSnapshot("step-10"));
+  EXPECT_TRUE(s->ReleaseSnapshot("step-10").IsNotFound());
+  auto v = s->OpenSnapshot("step-10");
+  EXPECT_TRUE(v.status().IsNotFound());
+  auto after = Unwrap(s->Stats());
+  EXPECT_EQ(after.referenced_extent_bytes, 6 * kTestChunk);
+  EXPECT_EQ(after.snapshots, 0u);
+  auto rep = Unwrap(s->Verify());
+  EXPECT_TRUE(rep.ok());
+}
+
+TEST(StoreTest, DiskUseStaysWithinTwiceLivePlusPreallocation) {
+  TempDir dir;
+  StoreOptions opts = TestOptions();
+  auto s = Unwrap(Store::Create(dir / "s", opts));
+  std::vector<TensorInfo> ts;
+  for (int i = 0; i < 3; ++i) {
+    TensorSpec spec;
+    spec.name = "t" + std::to_string(i);
+    spec.numel = (2 * i + 1) * kTestChunk / 4;  // 1, 3, 5 chunks per field
+    ts.push_back(Unwrap(s->CreateTensor(spec)));
+  }
+  Buf buf(kTestChunk);
+  const uint64_t live = 3 * 9 * kTestChunk;
+  for (uint64_t g = 1; g <= 10; ++g) {
+    for (const auto& t : ts) WriteAll(s.get(), t, g, &buf);
+    ASSERT_EQ(Unwrap(s->Commit(CommitInfo{g, {}})), g);
+    auto st = Unwrap(s->Stats());
+    EXPECT_EQ(st.live_bytes, live);
+    const uint64_t disk = Sum(st.data_file_bytes);
+    EXPECT_LE(disk, 2 * live + opts.preallocate_step_bytes) << "generation " << g << ": " << disk << " bytes";
+    EXPECT_EQ(st.referenced_extent_bytes, live);
+    EXPECT_EQ(Sum(st.data_free_bytes), disk - live);
+    EXPECT_EQ(st.lifetime_bytes_written, g * live);
+  }
+  for (const auto& t : ts) CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, 10);
+  auto rep = Unwrap(s->Verify());
+  EXPECT_TRUE(rep.ok());
+}
+
+TEST(StoreTest, AbortPendingFreesExtentsAndKeepsCommittedData) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = 2 * kTestChunk / 4;
+  auto t = Unwrap(s->CreateTensor(spec));
+  Buf buf(kTestChunk);
+  WriteAll(s.get(), t, 1, &buf);
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+  WriteAll(s.get(), t, 2, &buf);
+  WriteAll(s.get(), t, 3, &buf);  // rewrite within one pending generation
+  EXPECT_EQ(Unwrap(s->Stats()).pending_bytes, 6 * kTestChunk);
+  CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, 3);
+  ASSERT_OK(s->AbortPending());
+  CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, 1);
+  auto rep = Unwrap(s->Verify());
+  EXPECT_TRUE(rep.ok()) << rep.leaked_slots;
+  EXPECT_EQ(Unwrap(s->Stats()).pending_bytes, 0u);
+}
+
+TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = 4 * kTestChunk / 4;
+  auto t = Unwrap(s->CreateTensor(spec));
+  auto io = Unwrap(s->NewChunkIo(ChunkIoOptions{}));
+  std::vector<std::unique_ptr<Buf>> bufs;
+  for (uint64_t c = 0; c < 4; ++c) {
+    bufs.push_back(std::make_unique<Buf>(kTestChunk));
+    FillPattern(bufs.back()->data(), kTestChunk, testing::ChunkSeed(1, t.id, 0, c));
+    ASSERT_OK(io->SubmitWrite(ChunkRef{t.id, 0, c}, bufs.back()->data(), c));
+  }
+  if (io->in_flight() > 0) {
+    EXPECT_EQ(s->Commit(CommitInfo{}).status().code(), StatusCode::kFailedPrecondition);
+  }
+  std::vector<ChunkCompletion> done;
+  while (io->in_flight() > 0) ASSERT_OK(io->Reap(&done, 1));
+  ASSERT_EQ(done.size(), 4u);
+  for (const auto& d : done) ASSERT_OK(d.status);
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+  Buf b(kTestChunk);
+  for (uint64_t c = 0; c < 4; ++c) {
+    ASSERT_OK(s->ReadChunk(ChunkRef{t.id, 0, c}, b.data()));
+    auto want = Expected(kTestChunk, testing::ChunkSeed(1, t.id, 0, c));
+    EXPECT_EQ(0, std::memcmp(b.data(), want.data(), kTestChunk));
+  }
+  // The synchronous engine gives the same bytes.
+  ChunkIoOptions so;
+  so.use_sync_engine = true;
+  auto sio = Unwrap(s->NewChunkIo(so));
+  ASSERT_OK(sio->SubmitRead(ChunkRef{t.id, 0, 2}, b.data(), 99));
+  done.clear();
+  ASSERT_OK(sio->Reap(&done, 1));
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].tag, 99u);
+  ASSERT_OK(done[0].status);
+  auto want = Expected(kTestChunk, testing::ChunkSeed(1, t.id, 0, 2));
+  EXPECT_EQ(0, std::memcmp(b.data(), want.data(), kTestChunk));
+}
+
+TEST(StoreTest, OpenOfMissingOrDamagedStoreFailsWithPathAndReason) {
+  TempDir dir;
+  auto missing = Store::Open(dir / "nope", TestOptions());
+  EXPECT_TRUE(missing.status().IsNotFound());
+  EXPECT_NE(missing.status().message().find(dir / "nope"), std::string::npos) << missing.status().ToString();
+  EXPECT_FALSE(std::filesystem::exists(dir / "nope")) << "Open must never create";
+
+  std::filesystem::create_directories(dir / "empty");
+  auto empty = Store::Open(dir / "empty", TestOptions());
+  EXPECT_TRUE(empty.status().IsCorruption()) << empty.status().ToString();
+  EXPECT_NE(empty.status().message().find("IDENTITY"), std::string::npos);
+
+  { auto s = Unwrap(Store::Create(dir / "s", TestOptions())); }
+  EXPECT_EQ(Store::Create(dir / "s", TestOptions()).status().code(), StatusCode::kAlreadyExists);
+  const std::string ident = dir / "s/IDENTITY";
+  std::string good;
+  {
+    std::ifstream in(ident);
+    good.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto write_identity = [&](const std::string& text) {
+    std::ofstream out(ident, std::ios::trunc);
+    out << text;
+  };
+  write_identity("{not json");
+  auto bad = Store::Open(dir / "s", TestOptions());
+  EXPECT_TRUE(bad.status().IsCorruption()) << bad.status().ToString();
+  std::string v2 = good;
+  v2.replace(v2.find("\"format_version\": 1"), 19, "\"format_version\": 2");
+  write_identity(v2);
+  bad = Store::Open(dir / "s", TestOptions());
+  EXPECT_TRUE(bad.status().IsCorruption());
+  EXPECT_NE(bad.status().message().find("format version 2"), std::string::npos) << bad.status().ToString();
+  write_identity(good);
+  { auto s = Unwrap(Store::Open(dir / "s", TestOptions())); }
+  // A damaged index: CURRENT names a manifest that does not exist.
+  {
+    std::ofstream out(dir / "s/index/CURRENT", std::ios::trunc);
+    out << "MANIFEST-999999\n";
+  }
+  bad = Store::Open(dir / "s", TestOptions());
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find(dir / "s"), std::string::npos) << bad.status().ToString();
+  std::filesystem::remove_all(dir / "s/index");
+  bad = Store::Open(dir / "s", TestOptions());
+  EXPECT_TRUE(bad.status().IsCorruption());
+  EXPECT_NE(bad.status().message().find("index"), std::string::npos) << bad.status().ToString();
+}
+
+TEST(StoreTest, SecondOpenInProcessIsBusyNamingPid) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  auto again = Store::Open(dir / "s", TestOptions());
+  EXPECT_EQ(again.status().code(), StatusCode::kBusy);
+  EXPECT_NE(again.status().message().find("in use by pid " + std::to_string(getpid())), std::string::npos)
+      << again.status().ToString();
+  // Readers never take LOCK.
+  auto ro = Unwrap(Store::OpenReadOnly(dir / "s", TestOptions()));
+  EXPECT_TRUE(ro->read_only());
+  EXPECT_EQ(ro->Commit(CommitInfo{}).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ro->CreateSnapshot("x").status().code(), StatusCode::kFailedPrecondition);
+  s.reset();
+  auto reopened = Store::Open(dir / "s", TestOptions());
+  EXPECT_TRUE(reopened.ok()) << reopened.status().ToString();
+}
+
+TEST(StoreTest, ReadOnlyReaderLeaseSurvivesWriterCommits) {
+  TempDir dir;
+  auto w = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = 2 * kTestChunk / 4 + 3;
+  auto t = Unwrap(w->CreateTensor(spec));
+  Buf buf(kTestChunk);
+  WriteAll(w.get(), t, 1, &buf);
+  ASSERT_EQ(Unwrap(w->Commit(CommitInfo{})), 1u);
+  auto ro = Unwrap(Store::OpenReadOnly(dir / "s", TestOptions()));
+  EXPECT_EQ(ro->LatestGeneration().generation, 1u);
+  auto view = Unwrap(ro->OpenGeneration(kLatest));
+  EXPECT_EQ(view->info().generation, 1u);
+  EXPECT_EQ(Unwrap(w->Stats()).leases, 1u);
+  for (uint64_t g = 2; g <= 4; ++g) {
+    WriteAll(w.get(), t, g, &buf);
+    ASSERT_EQ(Unwrap(w->Commit(CommitInfo{})), g);
+    CheckAll([&](const ChunkRef& r, void* b) { return view->ReadChunk(r, b); }, t, 0, 1);
+  }
+  ASSERT_OK(ro->CatchUp());
+  EXPECT_EQ(ro->LatestGeneration().generation, 4u);
+  CheckAll([&](const ChunkRef& r, void* b) { return ro->ReadChunk(r, b); }, t, 0, 4);
+  auto view4 = Unwrap(ro->OpenGeneration(kLatest));
+  EXPECT_EQ(view4->info().generation, 4u);
+  CheckAll([&](const ChunkRef& r, void* b) { return view4->ReadChunk(r, b); }, t, 0, 4);
+  view.reset();
+  ASSERT_OK(w->CollectGarbage());
+  EXPECT_EQ(Unwrap(w->Stats()).referenced_extent_bytes, 3 * 2 * kTestChunk + 3 * kTestChunk);  // 3 chunks/field
+  auto rep = Unwrap(ro->Verify());
+  EXPECT_TRUE(rep.problems.empty()) << rep.problems[0];
+}
+
+TEST(StoreTest, FlippedByteIsCorruptionNamingTheChunk) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "layers.3.mlp";
+  spec.numel = 3 * kTestChunk / 4;
+  auto t = Unwrap(s->CreateTensor(spec));
+  Buf buf(kTestChunk);
+  WriteAll(s.get(), t, 1, &buf);
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+  ChunkInfo info;
+  {
+    auto v = Unwrap(s->OpenGeneration(1));
+    info = Unwrap(v->Chunk(ChunkRef{t.id, 1, 2}));
+  }
+  ASSERT_FALSE(info.zero);
+  EXPECT_EQ(info.written_generation, 1u);
+  const std::string file = s->identity().data_dirs[info.data_dir] + "/" + s->identity().uuid + ".chunks";
+  {
+    int fd = ::open(file.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    uint8_t b;
+    ASSERT_EQ(::pread(fd, &b, 1, info.file_offset + 12345), 1);
+    b ^= 0x10;
+    ASSERT_EQ(::pwrite(fd, &b, 1, info.file_offset + 12345), 1);
+    ::fsync(fd);
+    ::close(fd);
+  }
+  Status r = s->ReadChunk(ChunkRef{t.id, 1, 2}, buf.data());
+  EXPECT_TRUE(r.IsCorruption()) << r.ToString();
+  for (const char* part : {"layers.3.mlp", "exp_avg", "chunk 2", "generation 1"}) {
+    EXPECT_NE(r.message().find(part), std::string::npos) << part << " missing from: " << r.message();
+  }
+  EXPECT_NE(r.message().find(s->path()), std::string::npos);
+  ASSERT_OK(s->ReadChunk(ChunkRef{t.id, 1, 1}, buf.data()));  // neighbours fine
+  auto rep = Unwrap(s->Verify());
+  ASSERT_EQ(rep.problems.size(), 1u);
+  EXPECT_NE(rep.problems[0].find("chunk 2"), std::string::npos) << rep.problems[0];
+  EXPECT_NE(rep.problems[0].find("exp_avg"), std::string::npos) << rep.problems[0];
+  // The async path reports it too.
+  auto io = Unwrap(s->NewChunkIo(ChunkIoOptions{}));
+  ASSERT_OK(io->SubmitRead(ChunkRef{t.id, 1, 2}, buf.data(), 5));
+  std::vector<ChunkCompletion> done;
+  ASSERT_OK(io->Reap(&done, 1));
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].status.IsCorruption()) << done[0].status.ToString();
+}
+
+TEST(StoreTest, TensorLookupAndValidation) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  for (const char* n : {"layer.0.weight", "layer.1.weight", "layer.10.bias", "embed"}) {
+    TensorSpec spec;
+    spec.name = n;
+    spec.numel = 10;
+    ASSERT_TRUE(s->CreateTensor(spec).ok());
+  }
+  auto miss = s->FindTensor("layer.0.weigth");
+  ASSERT_TRUE(miss.status().IsNotFound());
+  EXPECT_NE(miss.status().message().find("'layer.0.weight'"), std::string::npos) << miss.status().ToString();
+  TensorSpec dup;
+  dup.name = "embed";
+  EXPECT_EQ(s->CreateTensor(dup).status().code(), StatusCode::kAlreadyExists);
+  TensorSpec bad;
+  bad.name = std::string("a\0b", 3);
+  EXPECT_EQ(s->CreateTensor(bad).status().code(), StatusCode::kInvalidArgument);
+  bad.name = std::string(4097, 'x');
+  EXPECT_EQ(s->CreateTensor(bad).status().code(), StatusCode::kInvalidArgument);
+  bad.name = "\xff\xfe";
+  EXPECT_EQ(s->CreateTensor(bad).status().code(), StatusCode::kInvalidArgument);
+  bad.name = "shape";
+  bad.numel = 10;
+  bad.shape = {3, 3};
+  EXPECT_EQ(s->CreateTensor(bad).status().code(), StatusCode::kInvalidArgument);
+  TensorSpec ok;
+  ok.name = std::string(4096, 'y');
+  ok.numel = 12;
+  ok.shape = {3, 4};
+  ok.global_shape = {6, 4};
+  ok.shard_offset = {3, 0};
+  ok.fields = {{"main", DType::kF32}, {"m", DType::kBF16}};
+  auto t = Unwrap(s->CreateTensor(ok));
+  EXPECT_EQ(t.field_bytes(1), 24u);
+  EXPECT_EQ(Unwrap(s->FieldIndex(t, "m")), 1u);
+  EXPECT_TRUE(s->FieldIndex(t, "exp_avg").status().IsNotFound());
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+  s.reset();
+  s = Unwrap(Store::Open(dir / "s", TestOptions()));
+  auto back = Unwrap(s->FindTensor(ok.name));
+  EXPECT_EQ(back.global_shape, ok.global_shape);
+  EXPECT_EQ(back.shard_offset, ok.shard_offset);
+  EXPECT_EQ(back.fields[1].dtype, DType::kBF16);
+  EXPECT_EQ(s->ListTensors().size(), 5u);
+}
+
+TEST(StoreTest, RetainedGenerationsAreReadable) {
+  TempDir dir;
+  StoreOptions opts = TestOptions();
+  opts.retained_generations = 3;
+  auto s = Unwrap(Store::Create(dir / "s", opts));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = kTestChunk / 2;
+  auto t = Unwrap(s->CreateTensor(spec));
+  Buf buf(kTestChunk);
+  for (uint64_t g = 1; g <= 5; ++g) {
+    WriteAll(s.get(), t, g, &buf);
+    ASSERT_EQ(Unwrap(s->Commit(CommitInfo{g, {}})), g);
+  }
+  auto gens = s->ListGenerations();
+  ASSERT_EQ(gens.size(), 3u);
+  EXPECT_EQ(gens.front().generation, 3u);
+  for (uint64_t g = 3; g <= 5; ++g) {
+    auto v = Unwrap(s->OpenGeneration(g));
+    EXPECT_EQ(v->info().step, g);
+    CheckAll([&](const ChunkRef& r, void* b) { return v->ReadChunk(r, b); }, t, 0, g);
+  }
+  EXPECT_TRUE(s->OpenGeneration(2).status().IsNotFound());
+  EXPECT_EQ(Unwrap(s->Stats()).referenced_extent_bytes, 3 * 6 * kTestChunk);  // 3 gens x 6 chunks
+}
+
+}  // namespace
+}  // namespace optstate::vfs
