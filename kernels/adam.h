@@ -57,7 +57,8 @@ struct AdamTensors {
 };
 
 // CUDA launcher. Returns a cudaError_t as int (0 = cudaSuccess); 
-// cudaErrorInvalidValue (1) for unsupported types or misaligned (<4 B) pointers.
+// cudaErrorInvalidValue (1) for unsupported types or misaligned pointers (fp32
+// arrays need 4-byte, bf16/fp16 arrays 2-byte alignment).
 // `stream` is a cudaStream_t. Available only when built with CUDA; otherwise
 // returns cudaErrorNotSupported (801).
 int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* stream);
