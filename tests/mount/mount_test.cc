@@ -1,0 +1,423 @@
+// Real mounts of optstate-mount (label fuse): the daemon runs as a subprocess
+// (-f) over a temp STORE_ROOT, a writer subprocess steps the store, and every
+// byte read through the mount is compared with the bytes the library reads
+// (independent of the mount's code path), copies are restored and compared bit
+// for bit, and failure modes (EROFS, killed daemon, corrupt chunk, busy
+// mountpoint, other users) are checked. Skips when /dev/fuse is missing.
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "tests/vfs/checkpoint_test_util.h"
+#include "vfs/checkpoint.h"
+
+extern char** environ;
+
+namespace optstate::mount {
+namespace {
+
+using namespace vfs;           // NOLINT
+using namespace vfs::testing;  // NOLINT
+namespace fs = std::filesystem;
+
+constexpr const char* kStore = "rank0.dense";
+
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& log) {
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  if (!log.empty()) {
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  }
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  int rc = posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  EXPECT_EQ(rc, 0) << "spawn " << argv[0] << ": " << std::strerror(rc);
+  return rc == 0 ? pid : -1;
+}
+
+int WaitExit(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return -1;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + WTERMSIG(status);
+}
+
+bool IsMounted(const std::string& mnt) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find(" " + mnt + " ") != std::string::npos) return true;
+  }
+  return false;
+}
+
+int Sh(const std::string& cmd) {
+  int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+}
+
+class MountTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (access("/dev/fuse", R_OK | W_OK) != 0) {
+      GTEST_SKIP() << "/dev/fuse is not available: FUSE mount tests need it";
+    }
+    root_ = MakeTempDir("mount");
+    stores_ = root_ + "/stores";
+    mnt_ = root_ + "/mnt";
+    fs::create_directories(stores_);
+    fs::create_directories(mnt_);
+    {
+      auto s = CreateStore(StorePath());
+      ASSERT_NE(s, nullptr);
+      CreateTensors(s.get(), DefaultTensors());
+      WriteStep(s.get(), 1);
+    }
+    StartDaemon();
+  }
+  void TearDown() override {
+    StopDaemon();
+    if (!root_.empty() && IsMounted(mnt_)) Sh("fusermount3 -u " + mnt_ + " 2>/dev/null");
+    if (!root_.empty()) fs::remove_all(root_);
+  }
+  std::string StorePath() const { return stores_ + "/" + kStore; }
+  std::string M(const std::string& rel) const { return mnt_ + "/" + kStore + "/" + rel; }
+
+  void StartDaemon() {
+    daemon_ = Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f", "--readahead-chunks", "4"},
+                    root_ + "/daemon.log");
+    ASSERT_GT(daemon_, 0);
+    for (int i = 0; i < 500 && !IsMounted(mnt_); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      int st;
+      if (waitpid(daemon_, &st, WNOHANG) == daemon_) {
+        daemon_ = -1;
+        FAIL() << "optstate-mount exited: " << ReadFile(root_ + "/daemon.log");
+      }
+    }
+    ASSERT_TRUE(IsMounted(mnt_)) << ReadFile(root_ + "/daemon.log");
+  }
+  void StopDaemon() {
+    if (daemon_ <= 0) return;
+    kill(daemon_, SIGTERM);
+    int rc = WaitExit(daemon_);
+    daemon_ = -1;
+    EXPECT_EQ(rc, 0) << "daemon exit after SIGTERM: " << ReadFile(root_ + "/daemon.log");
+    EXPECT_FALSE(IsMounted(mnt_)) << "SIGTERM did not unmount";
+  }
+  pid_t Writer(const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {OPTSTATE_MOUNT_TEST_WRITER, StorePath()};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Spawn(argv, root_ + "/writer.log");
+  }
+  std::unique_ptr<Store> OpenRo() {
+    auto s = Store::OpenReadOnly(StorePath(), StoreOptions{});
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  // Every file of the layout equals the same file under `dir`.
+  void ExpectDirEqualsLayout(const CheckpointLayout& l, const std::string& dir) {
+    size_t n = 0;
+    for (const CheckpointFile& f : l.files()) {
+      std::string want(f.size_bytes, '\0');
+      ASSERT_TRUE(l.Read(f, 0, want.data(), want.size()).ok());
+      std::string got = ReadFile(dir + "/" + f.path);
+      EXPECT_EQ(got.size(), want.size()) << f.path;
+      EXPECT_TRUE(got == want) << "bytes differ: " << dir << "/" << f.path;
+      ++n;
+    }
+    // Nothing extra in the copy.
+    size_t files = 0;
+    for (auto& e : fs::recursive_directory_iterator(dir)) files += e.is_regular_file();
+    EXPECT_EQ(files, n);
+  }
+
+  std::string root_, stores_, mnt_;
+  pid_t daemon_ = -1;
+};
+
+// Independent safetensors reader: checks state.safetensors against raw files.
+void ExpectSafetensorsMatchesRaw(const std::string& dir) {
+  std::string st = ReadFile(dir + "/state.safetensors");
+  ASSERT_GE(st.size(), 8u);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(st[i]);
+  ASSERT_LE(8 + n, st.size());
+  EXPECT_EQ((8 + n) % 8, 0u);
+  auto h = nlohmann::json::parse(st.substr(8, n));
+  auto m = nlohmann::json::parse(ReadFile(dir + "/manifest.json"));
+  size_t entries = 0;
+  uint64_t covered = 0;
+  for (auto& t : m["tensors"]) {
+    for (auto& f : t["fields"]) {
+      std::string key = t["name"].get<std::string>() + "/" + f["name"].get<std::string>();
+      ASSERT_TRUE(h.contains(key)) << key;
+      uint64_t b = h[key]["data_offsets"][0], e = h[key]["data_offsets"][1];
+      EXPECT_EQ(h[key]["dtype"], "F32");
+      EXPECT_TRUE(st.substr(8 + n + b, e - b) == ReadFile(dir + "/" + f["file"].get<std::string>()))
+          << key;
+      covered += e - b;
+      ++entries;
+    }
+  }
+  EXPECT_EQ(h.size(), entries + 1);  // + __metadata__
+  EXPECT_EQ(8 + n + covered, st.size());
+}
+
+TEST_F(MountTest, TreeSizesInodesAndListings) {
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  std::vector<std::string> names;
+  for (auto& e : fs::directory_iterator(mnt_)) names.push_back(e.path().filename());
+  EXPECT_EQ(names, std::vector<std::string>{kStore});
+  std::set<uint64_t> inos;
+  for (const CheckpointFile& f : (*l)->files()) {
+    struct stat a, b;
+    ASSERT_EQ(stat(M("latest/" + f.path).c_str(), &a), 0) << f.path;
+    ASSERT_EQ(stat(M("latest/" + f.path).c_str(), &b), 0);
+    EXPECT_EQ(static_cast<uint64_t>(a.st_size), f.size_bytes) << f.path;
+    EXPECT_EQ(a.st_ino, b.st_ino);
+    EXPECT_EQ(a.st_mode, S_IFREG | 0444u);
+    EXPECT_TRUE(inos.insert(a.st_ino).second);
+  }
+  // Sorted, stable listing (readdir order as the daemon gives it).
+  auto list = [&](const std::string& p) {
+    std::vector<std::string> out;
+    DIR* d = opendir(p.c_str());
+    EXPECT_NE(d, nullptr) << p;
+    while (dirent* e = d ? readdir(d) : nullptr) {
+      if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") out.push_back(e->d_name);
+    }
+    if (d) closedir(d);
+    return out;
+  };
+  EXPECT_EQ(list(M("latest/tensors")),
+            (std::vector<std::string>{"emb", "layers.0%2Fb", "layers.0%2Fw", "odd%20name%20%25.."}));
+  EXPECT_EQ(list(M("")), (std::vector<std::string>{"latest", "snapshots"}));
+  EXPECT_EQ(list(M("latest/tensors")), list(M("latest/tensors")));
+  ExpectDirEqualsLayout(**l, M("latest"));
+  ExpectSafetensorsMatchesRaw(M("latest"));
+
+  // A store that appears is served; one that disappears is gone.
+  { auto s2 = CreateStore(stores_ + "/rank1.dense"); CreateTensors(s2.get(), {{"x", 10, {}}}); WriteStep(s2.get(), 5); }
+  struct stat st;
+  EXPECT_EQ(stat((mnt_ + "/rank1.dense/latest/tensors/x/main").c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 40);
+  fs::remove_all(stores_ + "/rank1.dense");
+  EXPECT_NE(stat((mnt_ + "/rank1.dense").c_str(), &st), 0);
+  EXPECT_EQ(list(mnt_), std::vector<std::string>{kStore});
+}
+
+TEST_F(MountTest, WritesGetErofs) {
+  std::string f = M("latest/tensors/emb/main");
+  errno = 0;
+  EXPECT_EQ(open(f.c_str(), O_WRONLY), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(open(f.c_str(), O_RDWR), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(open(M("latest/new").c_str(), O_CREAT | O_WRONLY, 0644), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(unlink(f.c_str()), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(mkdir(M("latest/d").c_str(), 0755), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(rename(f.c_str(), M("latest/tensors/emb/x").c_str()), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(truncate(f.c_str(), 0), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(chmod(f.c_str(), 0777), -1);
+  EXPECT_EQ(errno, EROFS);
+  EXPECT_EQ(rmdir(M("latest/tensors/emb").c_str()), -1);
+  EXPECT_EQ(errno, EROFS);
+}
+
+TEST_F(MountTest, SnapshotCopyRestoreBitExactWhileStepping) {
+  // The trainer steps while the mount is up and snapshots after step 3.
+  pid_t w = Writer({"--first-step", "2", "--steps", "3", "--snapshot-after", "3", "snap-a"});
+  ASSERT_EQ(WaitExit(w), 0) << ReadFile(root_ + "/writer.log");
+  std::string copy = root_ + "/copy";
+  ASSERT_EQ(Sh("cp -r " + M("snapshots/snap-a") + " " + copy), 0);
+  auto s = OpenRo();
+  auto v = s->OpenSnapshot("snap-a");
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ((*v)->info().step, 3u);
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  ExpectDirEqualsLayout(**l, copy);
+  ExpectSafetensorsMatchesRaw(copy);
+  auto want = DumpView(**v);
+  auto r = CreateStoreFromCheckpoint(copy, root_ + "/restored", StoreOptions{});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(DumpLatest(r->get()) == want);
+  EXPECT_EQ((*r)->LatestGeneration().step, 3u);
+  EXPECT_EQ((*r)->LatestGeneration().groups.size(), 2u);
+  // latest/ moved on to step 4.
+  auto m = nlohmann::json::parse(ReadFile(M("latest/manifest.json")));
+  EXPECT_EQ(m["step"], 4);
+}
+
+TEST_F(MountTest, ParallelReadersWhileTrainerSteps) {
+  std::string stop = root_ + "/stop", prog = root_ + "/progress";
+  pid_t w = Writer({"--first-step", "2", "--steps", "2", "--snapshot-after", "2", "snap-b",
+                    "--until", stop, "--progress", prog});
+  struct stat st;
+  for (int i = 0; i < 1000 && stat(M("snapshots/snap-b").c_str(), &st) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(stat(M("snapshots/snap-b").c_str(), &st), 0) << ReadFile(root_ + "/writer.log");
+  // 4 snapshot readers + 4 latest readers, in parallel with the trainer.
+  std::vector<pid_t> cps;
+  for (int i = 0; i < 8; ++i) {
+    std::string src = i < 4 ? M("snapshots/snap-b") : M("latest");
+    cps.push_back(Spawn({"/bin/cp", "-r", src, root_ + "/c" + std::to_string(i)}, root_ + "/cp.log"));
+  }
+  for (pid_t p : cps) EXPECT_EQ(WaitExit(p), 0) << ReadFile(root_ + "/cp.log");
+  std::ofstream(stop) << "stop\n";
+  ASSERT_EQ(WaitExit(w), 0) << ReadFile(root_ + "/writer.log");
+  uint64_t last_step = std::stoull(ReadFile(prog));
+  EXPECT_GE(last_step, 3u);
+
+  auto s = OpenRo();
+  auto v = s->OpenSnapshot("snap-b");
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  for (int i = 0; i < 4; ++i) ExpectDirEqualsLayout(**l, root_ + "/c" + std::to_string(i));
+  auto r = CreateStoreFromCheckpoint(root_ + "/c0", root_ + "/restored", StoreOptions{});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(DumpLatest(r->get()) == DumpView(**v));
+
+  // Each copied latest/ field file is one generation's bytes, never a mix:
+  // it equals the writer's pattern for exactly one step.
+  const uint64_t cs = s->chunk_size_bytes();
+  for (int i = 4; i < 8; ++i) {
+    for (const TensorInfo& t : s->ListTensors()) {
+      for (uint32_t f = 0; f < t.fields.size(); ++f) {
+        std::string got = ReadFile(root_ + "/c" + std::to_string(i) + "/tensors/" +
+                                   FileNameForName(t.name) + "/" + t.fields[f].name);
+        ASSERT_EQ(got.size(), t.numel * 4);
+        bool matched = false;
+        for (uint64_t step = 1; step <= last_step && !matched; ++step) {
+          std::string want(got.size(), '\0');
+          for (uint64_t c = 0; c * cs < want.size(); ++c) {
+            FillPattern(want.data() + c * cs, std::min(cs, want.size() - c * cs),
+                        step * 1000 + t.id * 10 + f, c * cs);
+          }
+          matched = (want == got);
+        }
+        EXPECT_TRUE(matched) << "c" << i << ": " << t.name << "/" << t.fields[f].name
+                             << " is not the bytes of any single step";
+      }
+    }
+  }
+}
+
+TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
+  // A second daemon on the busy mountpoint is refused with a clear message.
+  pid_t second = Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f"}, root_ + "/second.log");
+  EXPECT_EQ(WaitExit(second), 1);
+  EXPECT_NE(ReadFile(root_ + "/second.log").find("is busy"), std::string::npos)
+      << ReadFile(root_ + "/second.log");
+
+  // Freeze the daemon so cp is certainly mid-copy, then kill it.
+  ASSERT_EQ(kill(daemon_, SIGSTOP), 0);
+  pid_t cp = Spawn({"/bin/cp", "-r", M("latest"), root_ + "/partial"}, root_ + "/cp.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  int st;
+  EXPECT_EQ(waitpid(cp, &st, WNOHANG), 0) << "cp finished while the daemon was stopped";
+  ASSERT_EQ(kill(daemon_, SIGKILL), 0);
+  EXPECT_EQ(WaitExit(daemon_), 128 + SIGKILL);
+  daemon_ = -1;
+  EXPECT_NE(WaitExit(cp), 0) << "cp succeeded although the daemon was killed mid-copy";
+
+  // The dead mount is reported as such, then unmounted and mounted again.
+  pid_t again = Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f"}, root_ + "/again.log");
+  EXPECT_EQ(WaitExit(again), 1);
+  EXPECT_NE(ReadFile(root_ + "/again.log").find("dead FUSE mount"), std::string::npos)
+      << ReadFile(root_ + "/again.log");
+  ASSERT_EQ(Sh("fusermount3 -u " + mnt_), 0);
+  EXPECT_FALSE(IsMounted(mnt_));
+  StartDaemon();
+  ASSERT_EQ(Sh("cp -r " + M("latest") + " " + root_ + "/full"), 0);
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  ExpectDirEqualsLayout(**l, root_ + "/full");
+}
+
+TEST_F(MountTest, CorruptChunkIsEio) {
+  ChunkInfo ci;
+  StoreIdentity id;
+  {
+    auto s = OpenRo();
+    auto v = s->OpenGeneration(kLatest);
+    ASSERT_TRUE(v.ok());
+    auto t = (*v)->FindTensor("layers.0/w");
+    ASSERT_TRUE(t.ok());
+    auto c = (*v)->Chunk(ChunkRef{t->id, 1, 1});
+    ASSERT_TRUE(c.ok());
+    ci = *c;
+    id = (*v)->identity();
+  }
+  ASSERT_FALSE(ci.zero);
+  std::string data = id.data_dirs[ci.data_dir] + "/" + id.uuid + ".chunks";
+  int fd = open(data.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << data;
+  char b;
+  ASSERT_EQ(pread(fd, &b, 1, ci.file_offset + 1000), 1);
+  b ^= 0x40;
+  ASSERT_EQ(pwrite(fd, &b, 1, ci.file_offset + 1000), 1);
+  fsync(fd);
+  close(fd);
+
+  std::string f = M("latest/tensors/layers.0%2Fw/exp_avg");
+  int rfd = open(f.c_str(), O_RDONLY);
+  ASSERT_GE(rfd, 0);
+  std::string buf(1 << 20, '\0');
+  EXPECT_EQ(pread(rfd, buf.data(), buf.size(), 0), static_cast<ssize_t>(buf.size()));  // chunk 0 fine
+  errno = 0;
+  EXPECT_EQ(pread(rfd, buf.data(), buf.size(), 2 * kMiB), -1);
+  EXPECT_EQ(errno, EIO);
+  close(rfd);
+  EXPECT_NE(Sh("cp -r " + M("latest") + " " + root_ + "/bad 2>" + root_ + "/cp.err"), 0);
+  EXPECT_NE(ReadFile(root_ + "/cp.err").find("Input/output error"), std::string::npos);
+  std::string log = ReadFile(root_ + "/daemon.log");
+  EXPECT_NE(log.find("tensor 'layers.0/w' field 'exp_avg' chunk 1"), std::string::npos) << log;
+  EXPECT_NE(log.find(kStore), std::string::npos);
+}
+
+TEST_F(MountTest, OtherUserWithoutAllowOtherGetsEacces) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to switch to another user";
+  pid_t p = fork();
+  if (p == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+    struct stat st;
+    int r = stat((mnt_ + "/" + kStore).c_str(), &st);
+    _exit(r == -1 && errno == EACCES ? 0 : 1);
+  }
+  EXPECT_EQ(WaitExit(p), 0) << "another user could stat the mount without --allow-other";
+}
+
+}  // namespace
+}  // namespace optstate::mount
