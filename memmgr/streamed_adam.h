@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -167,6 +168,7 @@ class StreamedAdam {
   Status poison_status_;
   const float* step_found_inf_ = nullptr;
   std::map<uint32_t, bool> groups_stepped_;
+  std::set<std::string> stepped_;  // params stepped in the current step
   std::unique_ptr<internal::StepPipeline> pipeline_;
   StepStats last_stats_;
   uint64_t inject_kernel_failure_after_ = 0;

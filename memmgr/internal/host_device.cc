@@ -1,0 +1,162 @@
+// Host backend: the CUDA VMM page table emulated with mmap. A reservation is
+// mmap(PROT_NONE, MAP_NORESERVE); physical pages are slices of one memfd,
+// mapped MAP_SHARED|MAP_FIXED while resident and replaced by a fresh
+// PROT_NONE mapping when unmapped (so a stale pointer faults instead of
+// reading another chunk's bytes). Copies are memcpy, the kernel AdamStepCpu.
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "memmgr/internal/device.h"
+#include "vfs/log.h"
+
+namespace optstate::memmgr::internal {
+namespace {
+
+class HostDevice final : public Device {
+ public:
+  HostDevice() = default;
+  ~HostDevice() override {
+    if (memfd_ >= 0) close(memfd_);
+  }
+  Backend backend() const override { return Backend::kHost; }
+  uint64_t granularity() const override { return 2ull << 20; }
+
+  Result<uint64_t> Reserve(uint64_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return ErrnoStatus("mmap reserve " + std::to_string(bytes) + " bytes", errno);
+    return reinterpret_cast<uint64_t>(p);
+  }
+  void Unreserve(uint64_t base, uint64_t bytes) override {
+    munmap(reinterpret_cast<void*>(base), bytes);
+  }
+
+  Result<uint64_t> CreatePage(uint64_t bytes) override {
+    std::lock_guard<std::mutex> l(mu_);
+    if (memfd_ < 0) {
+      memfd_ = memfd_create("optstate-host-device", MFD_CLOEXEC);
+      if (memfd_ < 0) return ErrnoStatus("memfd_create", errno);
+    }
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].second == bytes) {
+        uint64_t off = free_[i].first;
+        free_.erase(free_.begin() + static_cast<long>(i));
+        return off;
+      }
+    }
+    uint64_t off = size_;
+    if (ftruncate(memfd_, static_cast<off_t>(size_ + bytes)) != 0) {
+      return ErrnoStatus("ftruncate host-device memfd to " + std::to_string(size_ + bytes), errno);
+    }
+    size_ += bytes;
+    return off;
+  }
+  void DestroyPage(uint64_t handle, uint64_t bytes) override {
+    std::lock_guard<std::mutex> l(mu_);
+    // Give the memory back (the memfd keeps its size; the slot is reused).
+    fallocate(memfd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(handle),
+              static_cast<off_t>(bytes));
+    free_.emplace_back(handle, bytes);
+  }
+  Status Map(uint64_t va, uint64_t bytes, uint64_t handle) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   memfd_, static_cast<off_t>(handle));
+    if (p == MAP_FAILED) return ErrnoStatus("mmap page at va " + std::to_string(va), errno);
+    return Status::Ok();
+  }
+  Status Unmap(uint64_t va, uint64_t bytes) override {
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    if (p == MAP_FAILED) return ErrnoStatus("mmap PROT_NONE over page at va " + std::to_string(va), errno);
+    return Status::Ok();
+  }
+
+  Result<void*> AllocPinnedHost(uint64_t bytes) override {
+    uint64_t rounded = (bytes + 4095) & ~uint64_t{4095};
+    void* p = std::aligned_alloc(4096, rounded);
+    if (p == nullptr) return ResourceExhausted("aligned_alloc " + std::to_string(rounded) + " bytes");
+    std::memset(p, 0, rounded);
+    if (mlock(p, rounded) != 0 && !warned_mlock_) {
+      warned_mlock_ = true;
+      OPTSTATE_LOG_WARN("memmgr host backend: mlock of {} bytes failed ({}); staging stays pageable "
+                        "(raise RLIMIT_MEMLOCK to pin it)", rounded, std::strerror(errno));
+    }
+    return p;
+  }
+  void FreePinnedHost(void* p, uint64_t bytes) override {
+    if (p == nullptr) return;
+    munlock(p, (bytes + 4095) & ~uint64_t{4095});
+    std::free(p);
+  }
+
+  Result<void*> Malloc(uint64_t bytes) override {
+    void* p = std::aligned_alloc(256, (bytes + 255) & ~uint64_t{255});
+    if (p == nullptr) return ResourceExhausted("host scratch alloc of " + std::to_string(bytes) + " bytes");
+    return p;
+  }
+  Status Free(void* p) override {
+    std::free(p);
+    return Status::Ok();
+  }
+
+  Result<void*> CreateStream() override { return static_cast<void*>(nullptr); }
+  void DestroyStream(void*) override {}
+  Result<void*> CreateEvent() override { return static_cast<void*>(nullptr); }
+  void DestroyEvent(void*) override {}
+  Status RecordEvent(void*, void*) override { return Status::Ok(); }
+  Result<bool> QueryEvent(void*) override { return true; }
+  Status SyncEvent(void*) override { return Status::Ok(); }
+  Status SyncStream(void*) override { return Status::Ok(); }
+
+  Status CopyH2D(void* d, const void* h, uint64_t bytes, void*) override {
+    if (bytes) std::memcpy(d, h, bytes);
+    return Status::Ok();
+  }
+  Status CopyD2H(void* h, const void* d, uint64_t bytes, void*) override {
+    if (bytes) std::memcpy(h, d, bytes);
+    return Status::Ok();
+  }
+  Status CopyD2D(void* d, const void* s, uint64_t bytes, void*) override {
+    if (bytes) std::memmove(d, s, bytes);
+    return Status::Ok();
+  }
+  Status Memset(void* d, int value, uint64_t bytes, void*) override {
+    if (bytes) std::memset(d, value, bytes);
+    return Status::Ok();
+  }
+  Status Adam(const kernels::AdamTensors& t, uint64_t count, const kernels::AdamParams& p,
+              int cpu_threads, void*) override {
+    if (!kernels::AdamStepCpu(t, count, p, cpu_threads < 1 ? 1 : cpu_threads)) {
+      return InvalidArgument("AdamStepCpu rejected the tensors (grad type " +
+                             std::to_string(static_cast<int>(t.grad_type)) + ", param type " +
+                             std::to_string(static_cast<int>(t.param_type)) + ")");
+    }
+    return Status::Ok();
+  }
+  Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) override {
+    *free_bytes = 0;
+    *total_bytes = 0;
+    return Status::Ok();
+  }
+
+ private:
+  std::mutex mu_;
+  int memfd_ = -1;                                   // guarded by mu_ (creation)
+  uint64_t size_ = 0;                                // guarded by mu_
+  std::vector<std::pair<uint64_t, uint64_t>> free_;  // guarded by mu_: (offset, bytes)
+  bool warned_mlock_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> NewHostDevice() { return std::make_unique<HostDevice>(); }
+
+}  // namespace optstate::memmgr::internal

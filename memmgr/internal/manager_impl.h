@@ -1,0 +1,242 @@
+// ManagerImpl: the MemoryManager's state and the lower-level services that
+// StreamedAdam uses (budgeted device arenas, staging buffers, the host cache
+// tier, stats). Internal to memmgr.
+//
+// Locking: mu_ guards regions, chunk states, the LRU, the page pool and budget
+// accounting; io_mu_ guards the shared ChunkIo and copy stream used by Pin,
+// Prefetch and write-back; staging_mu_ the staging free list; cache_mu_ the
+// host cache. Lock order: io_mu_ before mu_; staging_mu_ and cache_mu_ are
+// leaves (nothing is acquired while holding them). mu_ is never held across I/O.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "memmgr/internal/device.h"
+#include "memmgr/memory_manager.h"
+#include "vfs/store.h"
+
+namespace optstate::memmgr::internal {
+
+struct ChunkKey {
+  uint32_t tensor_id = 0;
+  uint32_t field = 0;
+  uint64_t index = 0;
+  bool operator==(const ChunkKey& o) const {
+    return tensor_id == o.tensor_id && field == o.field && index == o.index;
+  }
+  bool operator<(const ChunkKey& o) const {
+    if (tensor_id != o.tensor_id) return tensor_id < o.tensor_id;
+    if (field != o.field) return field < o.field;
+    return index < o.index;
+  }
+};
+struct ChunkKeyHash {
+  size_t operator()(const ChunkKey& k) const {
+    return (static_cast<size_t>(k.tensor_id) * 0x9E3779B97F4A7C15ull) ^ (k.field * 0xC2B2AE3Dull) ^
+           (k.index * 0x165667B19E3779F9ull);
+  }
+};
+
+// Host cache tier: clean copies of chunks in pinned host memory, LRU.
+class HostCache {
+ public:
+  HostCache(Device* dev, uint64_t capacity_bytes, uint64_t chunk_bytes);
+  ~HostCache();
+  bool enabled() const { return max_entries_ > 0; }
+  // Copies the cached chunk (len bytes) to dst with `copy`; false on a miss.
+  // dst_is_device: H2D copy on `stream` (synchronised before return).
+  bool Get(const ChunkKey& k, void* dst, uint64_t len, bool dst_is_device, void* stream);
+  // Inserts/replaces a clean copy from host memory src.
+  void Put(const ChunkKey& k, const void* src, uint64_t len);
+  // Inserts from device memory (D2H on stream, synchronised).
+  void PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len, void* stream);
+  void Erase(const ChunkKey& k);
+  void EraseTensor(uint32_t tensor_id);
+  void Clear();
+  uint64_t bytes() const;
+
+ private:
+  struct Entry {
+    void* h_buf = nullptr;
+    uint64_t len = 0;
+    std::list<ChunkKey>::iterator lru;
+  };
+  // REQUIRES: mu_ held. Returns a buffer for k (new, recycled, or evicted LRU).
+  void* SlotFor(const ChunkKey& k, uint64_t len);
+  Device* dev_;
+  uint64_t chunk_bytes_;
+  uint64_t max_entries_;
+  mutable std::mutex mu_;
+  std::unordered_map<ChunkKey, Entry, ChunkKeyHash> entries_;  // guarded by mu_
+  std::list<ChunkKey> lru_;                                    // guarded by mu_, front = oldest
+  std::vector<void*> free_bufs_;                               // guarded by mu_
+  uint64_t allocated_ = 0;                                     // guarded by mu_
+};
+
+// A budgeted, contiguous device range of whole pages (StreamedAdam slots).
+struct Arena {
+  uint64_t base = 0;
+  uint64_t pages = 0;
+  uint64_t page_bytes = 0;
+  std::vector<uint64_t> handles;
+  void* ptr(uint64_t page) const { return reinterpret_cast<void*>(base + page * page_bytes); }
+};
+
+class ManagerImpl {
+ public:
+  static Result<std::unique_ptr<ManagerImpl>> Create(vfs::Store* store, const MemoryManagerOptions& opts);
+  ~ManagerImpl();
+
+  // --- MemoryManager's API ---
+  Result<PinnedRange> Pin(std::string_view tensor, std::string_view field, uint64_t first, uint64_t count,
+                          Access access);
+  Status Unpin(uint64_t pin_id);
+  Status Prefetch(std::string_view tensor, std::string_view field, uint64_t first, uint64_t count);
+  Status Flush();
+  Status ReleaseAll();
+  MemoryStats stats() const;
+
+  // --- services for StreamedAdam ---
+  Device* device() const { return dev_.get(); }
+  vfs::Store* store() const { return store_; }
+  const MemoryManagerOptions& options() const { return opts_; }
+  uint64_t page_bytes() const { return page_bytes_; }
+  uint64_t budget_pages() const { return budget_pages_; }
+  // Takes between min_pages and max_pages of budget as one contiguous mapped
+  // range: evicts unpinned chunks (writing dirty ones back) and waits for
+  // unpins while fewer than min_pages can be had.
+  Result<Arena> AcquireArena(uint64_t min_pages, uint64_t max_pages);
+  void ReleaseArena(Arena* a);
+  // Writes back and drops every resident chunk of the tensor (StreamedAdam
+  // owns its state during a step). kFailedPrecondition when one is pinned.
+  Status DropTensor(uint32_t tensor_id);
+  // Exclusive staging buffers (chunk-sized, pinned): between min and max.
+  std::vector<void*> AcquireStaging(size_t min, size_t max);
+  void ReleaseStaging(const std::vector<void*>& bufs);
+  const std::vector<void*>& all_staging() const { return staging_; }
+  HostCache* cache() { return cache_.get(); }
+  // Options for a ChunkIo that registers every staging buffer.
+  vfs::ChunkIoOptions ChunkIoOpts() const;
+  // Called after Store::AbortPending: forget what the pending generation held.
+  void OnAbortPending();
+  void AddStats(uint64_t nvme_read, uint64_t nvme_write, uint64_t cache_hit, uint64_t h2d, uint64_t d2h,
+                double stall_s);
+
+ private:
+  enum class State : uint8_t { kAbsent, kLoading, kResident, kWriting };
+  struct Slot {
+    State state = State::kAbsent;
+    uint64_t page = 0;  // physical page handle while kLoading/kResident/kWriting
+    uint32_t pins = 0;
+    bool dirty = false;
+    bool in_lru = false;
+    std::list<ChunkKey>::iterator lru;
+  };
+  struct Region {
+    vfs::TensorInfo info;
+    uint32_t field = 0;
+    uint64_t elem_bytes = 4;
+    uint64_t field_bytes = 0;
+    uint64_t base = 0;       // reserved VA
+    uint64_t reserved = 0;   // bytes
+    std::vector<Slot> slots;
+  };
+  struct PinRec {
+    Region* region;
+    uint64_t c0, c1;
+    Access access;
+  };
+
+  ManagerImpl(vfs::Store* store, const MemoryManagerOptions& opts, std::unique_ptr<Device> dev);
+  Status Init();
+  // REQUIRES: mu_ held.
+  Result<Region*> GetRegion(std::string_view tensor, std::string_view field);
+  uint64_t ChunkLen(const Region& r, uint64_t c) const;
+  ChunkKey Key(const Region& r, uint64_t c) const { return ChunkKey{r.info.id, r.field, c}; }
+  Slot& SlotOf(const ChunkKey& k);
+  // REQUIRES: mu_ held. A physical page: pool, new within budget, or evicting
+  // a clean unpinned chunk. Nullopt-like false when none can be had now.
+  bool TryTakePage(uint64_t* handle, Status* err);
+  // REQUIRES: lock held (released during I/O). Writes back one dirty
+  // unpinned resident chunk (LRU order); false if there is none.
+  bool WriteBackOneLocked(std::unique_lock<std::mutex>& lock, Status* err);
+  // REQUIRES: lock held. Writes back `k` (released during I/O).
+  Status WriteBackLocked(std::unique_lock<std::mutex>& lock, const ChunkKey& k);
+  void LruRemove(Slot& s);
+  void LruPush(const ChunkKey& k, Slot& s);
+  void NoteResident();
+  // Chunk I/O through the shared ChunkIo (io_mu_). dst/src are device pages.
+  struct IoItem {
+    ChunkKey key;
+    void* d_page;
+    uint64_t len;
+  };
+  Status LoadChunks(const std::vector<IoItem>& items);
+  Status StoreChunks(const std::vector<IoItem>& items);
+  Status LoadRange(Region* r, uint64_t c0, uint64_t c1, Access access, uint64_t first, uint64_t count,
+                   bool prefetch);
+  void WorkerLoop();
+
+  vfs::Store* store_;
+  MemoryManagerOptions opts_;
+  std::unique_ptr<Device> dev_;
+  uint64_t page_bytes_ = 0;
+  uint64_t budget_pages_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<uint32_t, uint32_t>, std::unique_ptr<Region>> regions_;  // mu_
+  std::map<std::string, vfs::TensorInfo, std::less<>> tensors_;             // mu_
+  Status bg_error_;                                                           // mu_: first worker error
+  std::map<uint32_t, std::vector<Region*>> regions_by_tensor_;                // mu_
+  std::list<ChunkKey> lru_;                                                   // mu_, front = oldest
+  std::vector<uint64_t> pool_;                                                // mu_, free physical pages
+  uint64_t physical_pages_ = 0;                                               // mu_
+  uint64_t peak_pages_ = 0;                                                   // mu_
+  uint64_t arena_pages_ = 0;                                                  // mu_
+  std::unordered_map<uint64_t, PinRec> pins_;                                 // mu_
+  uint64_t next_pin_id_ = 1;                                                  // mu_
+  uint64_t pins_total_ = 0, evictions_ = 0;                                   // mu_
+
+  std::mutex io_mu_;
+  std::unique_ptr<vfs::ChunkIo> io_;  // io_mu_
+  void* copy_stream_ = nullptr;       // io_mu_
+
+  std::mutex staging_mu_;
+  std::condition_variable staging_cv_;
+  std::vector<void*> staging_;       // all, fixed after Init
+  std::vector<void*> staging_free_;  // staging_mu_
+
+  std::unique_ptr<HostCache> cache_;
+
+  std::atomic<uint64_t> nvme_read_{0}, nvme_write_{0}, cache_hit_{0}, h2d_{0}, d2h_{0};
+  std::atomic<uint64_t> stall_ns_{0};
+
+  // Background worker: prefetches and write-backs.
+  struct Task {
+    bool prefetch;
+    std::string tensor, field;
+    uint64_t first = 0, count = 0;
+    ChunkKey key;
+  };
+  std::mutex task_mu_;
+  std::condition_variable task_cv_;
+  std::deque<Task> tasks_;  // task_mu_
+  bool stop_ = false;       // task_mu_
+  int busy_ = 0;            // task_mu_
+  std::thread worker_;
+};
+
+}  // namespace optstate::memmgr::internal

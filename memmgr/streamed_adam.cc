@@ -1,0 +1,829 @@
+#include "memmgr/streamed_adam.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "memmgr/internal/manager_impl.h"
+#include "vfs/log.h"
+
+namespace optstate::memmgr {
+
+using internal::Arena;
+using internal::ChunkKey;
+using internal::Device;
+using internal::ManagerImpl;
+
+namespace {
+
+double NowS() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+uint32_t ScalarSize(kernels::ScalarType t) {
+  switch (t) {
+    case kernels::ScalarType::kF32: return 4;
+    case kernels::ScalarType::kBF16:
+    case kernels::ScalarType::kF16: return 2;
+    case kernels::ScalarType::kNone: return 0;
+  }
+  return 0;
+}
+
+const char* ScalarName(kernels::ScalarType t) {
+  switch (t) {
+    case kernels::ScalarType::kF32: return "f32";
+    case kernels::ScalarType::kBF16: return "bf16";
+    case kernels::ScalarType::kF16: return "f16";
+    case kernels::ScalarType::kNone: return "none";
+  }
+  return "?";
+}
+
+bool IsFloatType(kernels::ScalarType t) {
+  return t == kernels::ScalarType::kF32 || t == kernels::ScalarType::kBF16 || t == kernels::ScalarType::kF16;
+}
+
+float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
+  switch (t) {
+    case kernels::ScalarType::kF32: return static_cast<const float*>(src)[i];
+    case kernels::ScalarType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]);
+    case kernels::ScalarType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(src)[i]);
+    default: return 0.0f;
+  }
+}
+
+}  // namespace
+
+namespace internal {
+
+// The per-step chunk pipeline. A slice (one chunk index of main, exp_avg and
+// exp_avg_sq) holds one staging set (three chunk-sized pinned buffers) from
+// its reads to the completion of its writes; it holds a device slot (three
+// budgeted device pages) only from H2D to the end of D2H. So read-ahead is
+// bounded by staging, not by the device budget, and a budget of one slot
+// still overlaps reads, compute and writes:
+//   reading (3 ChunkIo reads) -> ready -> computing (H2D, kernel, D2H on the
+//   slot's stream; an event) -> writing (3 copy-on-write writes) -> free.
+// Driven by one thread (the trainer's) through Pump().
+class StepPipeline {
+ public:
+  struct Job {
+    uint32_t tensor_id = 0;
+    uint32_t fields[3] = {0, 1, 2};
+    uint64_t chunk = 0;
+    uint64_t first_elem = 0;
+    uint64_t elems = 0;
+    const void* grad = nullptr;
+    kernels::ScalarType grad_type = kernels::ScalarType::kF32;
+    void* param = nullptr;
+    kernels::ScalarType param_type = kernels::ScalarType::kNone;
+    kernels::AdamParams params;
+  };
+
+  StepPipeline(ManagerImpl* mm, int cpu_threads, const float* found_inf, uint64_t* inject)
+      : mm_(mm), dev_(mm->device()), cpu_threads_(cpu_threads), found_inf_(found_inf), inject_(inject) {}
+  ~StepPipeline() { Abort(); }
+
+  Status Begin() {
+    const MemoryManagerOptions& o = mm_->options();
+    if (mm_->budget_pages() < 3) {
+      return ResourceExhausted("StreamedAdam: device budget " + std::to_string(o.device_budget_bytes) +
+                               " bytes is smaller than one chunk per field in flight (3 x " +
+                               std::to_string(mm_->page_bytes()) + " bytes)");
+    }
+    uint64_t ra = o.read_ahead_chunks ? o.read_ahead_chunks : 16;
+    uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / 3, 4);
+    if (o.use_sync_io) ra = slots = 1;  // the first version's method: one slice at a time
+    size_t total = mm_->all_staging().size();
+    size_t max_bufs = total >= 5 ? total - 2 : total;  // leave two for concurrent pins
+    if (max_bufs < 3) {
+      return ResourceExhausted("StreamedAdam: " + std::to_string(total) +
+                               " staging buffers; need at least 3 (one chunk per field)");
+    }
+    staging_ = mm_->AcquireStaging(3, std::min<size_t>(max_bufs, 3 * ra));
+    sets_.resize(staging_.size() / 3);
+    for (size_t i = 0; i < sets_.size(); ++i) {
+      for (int f = 0; f < 3; ++f) sets_[i].io[f] = staging_[3 * i + f];
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(3, 3 * slots));
+    slots_.resize(arena_.pages / 3);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      for (int f = 0; f < 3; ++f) slots_[i].d[f] = arena_.ptr(3 * i + f);
+      OPTSTATE_ASSIGN_OR_RETURN(slots_[i].stream, dev_->CreateStream());
+      OPTSTATE_ASSIGN_OR_RETURN(slots_[i].event, dev_->CreateEvent());
+    }
+    auto io = mm_->store()->NewChunkIo(mm_->ChunkIoOpts());
+    if (!io.ok()) {
+      vfs::ChunkIoOptions plain = mm_->ChunkIoOpts();
+      plain.registered_buffers.clear();
+      io = mm_->store()->NewChunkIo(plain);
+    }
+    if (!io.ok()) return io.status().WithContext("StreamedAdam: store " + mm_->store()->path());
+    io_ = std::move(*io);
+    started_ = true;
+    return Status::Ok();
+  }
+
+  uint32_t depth() const { return static_cast<uint32_t>(sets_.size()); }
+  uint32_t device_slots() const { return static_cast<uint32_t>(slots_.size()); }
+
+  void Enqueue(const Job& j) { queue_.push_back(j); }
+
+  // Makes progress. drain: until everything queued is written; otherwise
+  // only what is possible without waiting.
+  Status Pump(bool drain) {
+    if (!error_.ok()) return error_;
+    for (;;) {
+      bool progressed = false;
+      // 1. Reads into free staging sets.
+      for (size_t i = 0; i < sets_.size() && !queue_.empty(); ++i) {
+        if (sets_[i].stage != Stage::kFree) continue;
+        Job j = queue_.front();
+        queue_.pop_front();
+        OPTSTATE_RETURN_IF_ERROR(Keep(StartReads(i, j)));
+        progressed = true;
+      }
+      // 2. Finished device work -> writes.
+      bool gpu_pending = false;
+      for (size_t k = 0; k < slots_.size(); ++k) {
+        DevSlot& d = slots_[k];
+        if (d.set < 0) continue;
+        auto done = dev_->QueryEvent(d.event);
+        if (!done.ok()) return Keep(done.status().WithContext("StreamedAdam: slice compute"));
+        if (!*done) {
+          gpu_pending = true;
+          continue;
+        }
+        size_t set = static_cast<size_t>(d.set);
+        d.set = -1;
+        OPTSTATE_RETURN_IF_ERROR(Keep(StartWrites(set)));
+        progressed = true;
+      }
+      // 3. Ready slices -> free device slots.
+      for (size_t k = 0; k < slots_.size() && !ready_.empty(); ++k) {
+        if (slots_[k].set >= 0) continue;
+        size_t set = ready_.front();
+        ready_.pop_front();
+        OPTSTATE_RETURN_IF_ERROR(Keep(StartCompute(set, k)));
+        progressed = true;
+        gpu_pending = true;
+      }
+      bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty();
+      if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
+        return Status::Ok();
+      }
+      // 4. I/O completions.
+      size_t min = 0;
+      if (drain && !progressed && io_->in_flight() > 0 && !gpu_pending) min = 1;
+      done_.clear();
+      double t0 = NowS();
+      Status rs = io_->Reap(&done_, min);
+      if (min > 0) stall_s_ += NowS() - t0;
+      if (!rs.ok()) return Keep(rs.WithContext("StreamedAdam: reaping chunk I/O"));
+      for (const auto& c : done_) {
+        OPTSTATE_RETURN_IF_ERROR(Keep(OnCompletion(c)));
+        progressed = true;
+      }
+      if (!drain && !progressed) return Status::Ok();
+      if (drain && !progressed && gpu_pending) {
+        if (io_->in_flight() == 0) {
+          for (auto& d : slots_) {  // only the GPU can make progress: wait for it
+            if (d.set >= 0) {
+              OPTSTATE_RETURN_IF_ERROR(Keep(dev_->SyncEvent(d.event)));
+              break;
+            }
+          }
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+      }
+    }
+  }
+
+  // Stops: waits for every request in flight (results ignored) and the GPU.
+  void Abort() {
+    if (io_) {
+      std::vector<vfs::ChunkCompletion> sink;
+      while (io_->in_flight() > 0) {
+        if (!io_->Reap(&sink, io_->in_flight()).ok()) break;
+      }
+    }
+    for (auto& d : slots_) (void)dev_->SyncStream(d.stream);
+    Release();
+  }
+
+  void Release() {
+    if (!started_) return;
+    started_ = false;
+    io_.reset();
+    for (auto& d : slots_) {
+      dev_->DestroyEvent(d.event);
+      dev_->DestroyStream(d.stream);
+    }
+    slots_.clear();
+    mm_->ReleaseArena(&arena_);
+    if (!staging_.empty()) mm_->ReleaseStaging(staging_);
+    staging_.clear();
+    sets_.clear();
+    queue_.clear();
+    ready_.clear();
+  }
+
+  uint64_t slices = 0, read_bytes = 0, write_bytes = 0, cache_hits = 0, h2d = 0, d2h = 0;
+  double stall_s_ = 0;
+
+ private:
+  enum class Stage : uint8_t { kFree, kReading, kReady, kComputing, kWriting };
+  struct Set {
+    Stage stage = Stage::kFree;
+    Job job;
+    int pending = 0;
+    void* io[3] = {nullptr, nullptr, nullptr};
+  };
+  struct DevSlot {
+    void* d[3] = {nullptr, nullptr, nullptr};
+    void* stream = nullptr;
+    void* event = nullptr;
+    long set = -1;  // the slice computing here, -1 = free
+  };
+
+  Status Keep(Status s) {
+    if (!s.ok() && error_.ok()) error_ = s;
+    return s;
+  }
+
+  ChunkKey Key(const Job& j, int f) const { return ChunkKey{j.tensor_id, j.fields[f], j.chunk}; }
+
+  Status StartReads(size_t i, const Job& j) {
+    Set& s = sets_[i];
+    s.job = j;
+    s.stage = Stage::kReading;
+    s.pending = 0;
+    uint64_t len = j.elems * 4;
+    for (int f = 0; f < 3; ++f) {
+      if (mm_->cache()->Get(Key(j, f), s.io[f], len, false, nullptr)) {
+        cache_hits += len;
+        continue;
+      }
+      vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
+      Status st = io_->SubmitRead(ref, s.io[f], i * 4 + f);
+      if (!st.ok()) {
+        return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
+                              std::to_string(j.chunk));
+      }
+      ++s.pending;
+    }
+    if (s.pending == 0) {
+      s.stage = Stage::kReady;
+      ready_.push_back(i);
+    }
+    return Status::Ok();
+  }
+
+  Status OnCompletion(const vfs::ChunkCompletion& c) {
+    size_t i = c.tag / 4;
+    int f = static_cast<int>(c.tag % 4);
+    if (i >= sets_.size()) return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
+    Set& s = sets_[i];
+    if (!c.status.ok()) return c.status;
+    uint64_t len = s.job.elems * 4;
+    if (s.stage == Stage::kReading) {
+      read_bytes += len;
+      mm_->cache()->Put(Key(s.job, f), s.io[f], len);
+      if (--s.pending == 0) {
+        s.stage = Stage::kReady;
+        ready_.push_back(i);
+      }
+    } else if (s.stage == Stage::kWriting) {
+      write_bytes += len;
+      if (--s.pending == 0) {
+        s.stage = Stage::kFree;
+        ++slices;
+      }
+    } else {
+      return Internal("StreamedAdam: I/O completion for a slice that is not reading or writing");
+    }
+    return Status::Ok();
+  }
+
+  Status StartCompute(size_t i, size_t k) {
+    Set& s = sets_[i];
+    DevSlot& d = slots_[k];
+    const Job& j = s.job;
+    uint64_t len = j.elems * 4;
+    s.stage = Stage::kComputing;
+    d.set = static_cast<long>(i);
+    for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.io[f], len, d.stream));
+    h2d += 3 * len;
+    kernels::AdamTensors t;
+    t.main = static_cast<float*>(d.d[0]);
+    t.exp_avg = d.d[1];
+    t.exp_avg_sq = d.d[2];
+    t.grad = static_cast<const char*>(j.grad) + j.first_elem * ScalarSize(j.grad_type);
+    t.grad_type = j.grad_type;
+    t.param = j.param ? static_cast<char*>(j.param) + j.first_elem * ScalarSize(j.param_type) : nullptr;
+    t.param_type = j.param ? j.param_type : kernels::ScalarType::kNone;
+    t.found_inf = found_inf_;
+    if (*inject_ > 0 && --*inject_ == 0) {
+      return Internal("StreamedAdam: injected kernel failure (test hook) at tensor id " +
+                      std::to_string(j.tensor_id) + " chunk " + std::to_string(j.chunk));
+    }
+    OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, j.elems, j.params, cpu_threads_, d.stream));
+    for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.io[f], d.d[f], len, d.stream));
+    d2h += 3 * len;
+    return dev_->RecordEvent(d.event, d.stream);  // host backend: complete already
+  }
+
+  Status StartWrites(size_t i) {
+    Set& s = sets_[i];
+    const Job& j = s.job;
+    uint64_t len = j.elems * 4;
+    s.stage = Stage::kWriting;
+    s.pending = 0;
+    for (int f = 0; f < 3; ++f) {
+      // The new version; cleared on abort (ManagerImpl::OnAbortPending).
+      mm_->cache()->Put(Key(j, f), s.io[f], len);
+      vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
+      Status st = io_->SubmitWrite(ref, s.io[f], i * 4 + f);
+      if (!st.ok()) {
+        return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +
+                              std::to_string(j.chunk));
+      }
+      ++s.pending;
+    }
+    return Status::Ok();
+  }
+
+  ManagerImpl* mm_;
+  Device* dev_;
+  int cpu_threads_;
+  const float* found_inf_;
+  uint64_t* inject_;
+  bool started_ = false;
+  Arena arena_;
+  std::vector<void*> staging_;
+  std::vector<Set> sets_;
+  std::vector<DevSlot> slots_;
+  std::deque<Job> queue_;
+  std::deque<size_t> ready_;
+  std::unique_ptr<vfs::ChunkIo> io_;
+  std::vector<vfs::ChunkCompletion> done_;
+  Status error_;
+};
+
+}  // namespace internal
+
+// ------------------------------------------------------------------ StreamedAdam
+
+StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
+    : store_(store), mm_(mm), opts_(opts) {}
+
+StreamedAdam::~StreamedAdam() {
+  if (pipeline_) {
+    pipeline_->Abort();
+    pipeline_.reset();
+    if (in_step_ && !step_skip_) {
+      Status s = store_->AbortPending();
+      if (!s.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: abort of unfinished step failed: {}", s.ToString());
+      mm_->impl()->OnAbortPending();
+    }
+  }
+}
+
+Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
+                                                          const StreamedAdamOptions& opts) {
+  if (store == nullptr || mm == nullptr) return InvalidArgument("StreamedAdam::Create: store or manager is null");
+  if (mm->store() != store) {
+    return InvalidArgument("StreamedAdam::Create: the memory manager serves store " + mm->store()->path() +
+                           ", not " + store->path());
+  }
+  ManagerImpl* impl = mm->impl();
+  if (impl->budget_pages() < 3) {
+    return ResourceExhausted("StreamedAdam: device budget " + std::to_string(mm->options().device_budget_bytes) +
+                             " bytes is smaller than one chunk per field in flight (3 x " +
+                             std::to_string(impl->page_bytes()) + " bytes = " +
+                             std::to_string(3 * impl->page_bytes()) + ")");
+  }
+  if (!(opts.grad_scale > 0.0f) || !std::isfinite(opts.grad_scale)) {
+    return InvalidArgument("StreamedAdam: grad_scale must be finite and > 0, got " + std::to_string(opts.grad_scale));
+  }
+  auto sa = std::unique_ptr<StreamedAdam>(new StreamedAdam(store, mm, opts));
+  // Restore groups, step counts and params from the latest generation.
+  vfs::GenerationInfo gen = store->LatestGeneration();
+  sa->global_step_ = gen.step;
+  sa->last_generation_ = gen.generation;
+  for (const vfs::GroupInfo& g : gen.groups) {
+    ParamGroup pg;
+    pg.id = g.id;
+    auto get = [&](const char* k, double def) {
+      auto it = g.hyper.find(k);
+      return it == g.hyper.end() ? def : it->second;
+    };
+    pg.lr = get("lr", pg.lr);
+    pg.beta1 = get("beta1", pg.beta1);
+    pg.beta2 = get("beta2", pg.beta2);
+    pg.eps = get("eps", pg.eps);
+    pg.weight_decay = get("weight_decay", pg.weight_decay);
+    pg.adamw = get("adamw", 1.0) != 0.0;
+    sa->groups_[g.id] = pg;
+    sa->step_counts_[g.id] = g.step_count;
+  }
+  for (const vfs::TensorInfo& t : store->ListTensors()) {
+    Param p;
+    p.info = t;
+    auto a = store->FieldIndex(t, "main");
+    auto b = store->FieldIndex(t, "exp_avg");
+    auto c = store->FieldIndex(t, "exp_avg_sq");
+    if (!a.ok() || !b.ok() || !c.ok()) continue;  // not an Adam tensor
+    p.f_main = *a;
+    p.f_m = *b;
+    p.f_v = *c;
+    sa->params_.emplace(t.name, std::move(p));
+    if (!sa->groups_.count(t.group)) {
+      sa->groups_[t.group] = ParamGroup{.id = t.group};
+      sa->step_counts_[t.group] = 0;
+    }
+  }
+  if (!sa->params_.empty()) {
+    OPTSTATE_LOG_INFO("StreamedAdam: store {} restored at generation {} step {}: {} params, {} groups",
+                      store->path(), gen.generation, gen.step, sa->params_.size(), sa->groups_.size());
+  }
+  return sa;
+}
+
+Status StreamedAdam::CheckUsable() const {
+  if (poisoned_) return poison_status_;
+  return Status::Ok();
+}
+
+Status StreamedAdam::SetGroup(const ParamGroup& g) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::SetGroup: a step is in progress");
+  if (!(g.lr >= 0) || !(g.beta1 >= 0 && g.beta1 < 1) || !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps > 0) ||
+      !(g.weight_decay >= 0) || !std::isfinite(g.lr) || !std::isfinite(g.weight_decay)) {
+    return InvalidArgument("StreamedAdam::SetGroup " + std::to_string(g.id) + ": invalid hyperparameters (lr " +
+                           std::to_string(g.lr) + ", betas " + std::to_string(g.beta1) + "/" +
+                           std::to_string(g.beta2) + ", eps " + std::to_string(g.eps) + ", weight_decay " +
+                           std::to_string(g.weight_decay) + ")");
+  }
+  groups_[g.id] = g;
+  step_counts_.emplace(g.id, 0);
+  return Status::Ok();
+}
+
+Result<ParamGroup> StreamedAdam::GetGroup(uint32_t id) const {
+  auto it = groups_.find(id);
+  if (it == groups_.end()) return NotFound("StreamedAdam: no parameter group " + std::to_string(id));
+  return it->second;
+}
+
+bool StreamedAdam::HasParam(const std::string& name) const { return params_.count(name) != 0; }
+
+std::vector<std::string> StreamedAdam::ParamNames() const {
+  std::vector<std::string> out;
+  for (const auto& [n, p] : params_) out.push_back(n);
+  return out;
+}
+
+uint64_t StreamedAdam::step_count(uint32_t group) const {
+  auto it = step_counts_.find(group);
+  return it == step_counts_.end() ? 0 : it->second;
+}
+
+uint64_t StreamedAdam::last_generation() const { return last_generation_; }
+
+Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::ScalarType type) {
+  ManagerImpl* impl = mm_->impl();
+  Device* dev = impl->device();
+  const uint64_t chunk = impl->page_bytes();
+  const uint64_t chunk_elems = chunk / 4;
+  const uint64_t numel = p.info.numel;
+  const uint64_t nchunks = (numel + chunk_elems - 1) / chunk_elems;
+  const uint32_t src_size = ScalarSize(type);
+  impl->cache()->EraseTensor(p.info.id);
+  std::vector<void*> bufs = impl->AcquireStaging(1, 8);
+  std::vector<char> bounce;
+  if (dev->backend() == Backend::kCuda) bounce.resize(chunk_elems * src_size);
+  auto io_or = store_->NewChunkIo(impl->ChunkIoOpts());
+  if (!io_or.ok()) {
+    impl->ReleaseStaging(bufs);
+    return io_or.status().WithContext("StreamedAdam: writing main of " + p.info.name);
+  }
+  auto& io = *io_or;
+  std::vector<void*> free_bufs = bufs;
+  std::vector<vfs::ChunkCompletion> done;
+  Status st;
+  for (uint64_t c = 0; c < nchunks && st.ok(); ++c) {
+    while (free_bufs.empty() && st.ok()) {
+      done.clear();
+      st = io->Reap(&done, 1);
+      for (auto& d : done) {
+        if (!d.status.ok() && st.ok()) st = d.status;
+        free_bufs.push_back(reinterpret_cast<void*>(d.tag));
+      }
+    }
+    if (!st.ok()) break;
+    void* buf = free_bufs.back();
+    free_bufs.pop_back();
+    uint64_t first = c * chunk_elems, n = std::min(chunk_elems, numel - first);
+    const char* src = static_cast<const char*>(d_src) + first * src_size;
+    if (!bounce.empty()) {
+      st = dev->CopyD2H(bounce.data(), src, n * src_size, nullptr);
+      if (st.ok()) st = dev->SyncStream(nullptr);
+      if (!st.ok()) break;
+      src = bounce.data();
+    }
+    float* out = static_cast<float*>(buf);
+    if (type == kernels::ScalarType::kF32) {
+      std::memcpy(out, src, n * 4);
+    } else {
+      for (uint64_t i = 0; i < n; ++i) out[i] = ToFloat(src, i, type);
+    }
+    st = io->SubmitWrite(vfs::ChunkRef{p.info.id, p.f_main, c}, buf, reinterpret_cast<uint64_t>(buf));
+  }
+  while (io->in_flight() > 0) {
+    done.clear();
+    Status rs = io->Reap(&done, io->in_flight());
+    for (auto& d : done) {
+      if (!d.status.ok() && st.ok()) st = d.status;
+    }
+    if (!rs.ok()) {
+      if (st.ok()) st = rs;
+      break;
+    }
+  }
+  io.reset();
+  impl->ReleaseStaging(bufs);
+  if (!st.ok()) return st.WithContext("StreamedAdam: writing main of " + p.info.name);
+  return Status::Ok();
+}
+
+Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint32_t group, const void* d_initial,
+                                   kernels::ScalarType initial_type, const ShardInfo& shard) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::RegisterParam " + name + ": a step is in progress");
+  auto it = params_.find(name);
+  if (it != params_.end()) {
+    if (it->second.info.numel != numel) {
+      return InvalidArgument("StreamedAdam::RegisterParam " + name + ": store " + store_->path() + " has it with " +
+                             std::to_string(it->second.info.numel) + " elements, registered with " +
+                             std::to_string(numel));
+    }
+    if (it->second.info.group != group) {
+      return InvalidArgument("StreamedAdam::RegisterParam " + name + ": store has it in group " +
+                             std::to_string(it->second.info.group) + ", registered in group " +
+                             std::to_string(group));
+    }
+    return Status::Ok();  // existing state is kept
+  }
+  if (numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
+  if (d_initial != nullptr && !IsFloatType(initial_type)) {
+    return InvalidArgument("StreamedAdam::RegisterParam " + name + ": initial weights dtype " +
+                           ScalarName(initial_type) + " not supported (f32, bf16, f16)");
+  }
+  if (!groups_.count(group)) {
+    OPTSTATE_LOG_INFO("StreamedAdam: param {} uses group {} that has no SetGroup; default hyperparameters", name,
+                      group);
+    groups_[group] = ParamGroup{.id = group};
+    step_counts_.emplace(group, 0);
+  }
+  vfs::TensorSpec spec;
+  spec.name = name;
+  spec.dtype = initial_type == kernels::ScalarType::kBF16  ? vfs::DType::kBF16
+               : initial_type == kernels::ScalarType::kF16 ? vfs::DType::kF16
+                                                           : vfs::DType::kF32;
+  spec.numel = numel;
+  spec.group = group;
+  spec.shape = shard.shape;
+  spec.global_shape = shard.global_shape;
+  spec.shard_offset = shard.shard_offset;
+  OPTSTATE_ASSIGN_OR_RETURN(vfs::TensorInfo info, store_->CreateTensor(spec));
+  Param p;
+  p.info = info;
+  OPTSTATE_ASSIGN_OR_RETURN(p.f_main, store_->FieldIndex(info, "main"));
+  OPTSTATE_ASSIGN_OR_RETURN(p.f_m, store_->FieldIndex(info, "exp_avg"));
+  OPTSTATE_ASSIGN_OR_RETURN(p.f_v, store_->FieldIndex(info, "exp_avg_sq"));
+  registrations_pending_ = true;
+  if (d_initial != nullptr) OPTSTATE_RETURN_IF_ERROR(WriteMain(p, d_initial, initial_type));
+  params_.emplace(name, std::move(p));
+  return Status::Ok();
+}
+
+Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::LoadMainFrom " + name + ": a step is in progress");
+  auto it = params_.find(name);
+  if (it == params_.end()) {
+    return NotFound("StreamedAdam::LoadMainFrom: unknown param " + name + " (" + std::to_string(params_.size()) +
+                    " registered in store " + store_->path() + ")");
+  }
+  if (d_weights == nullptr || !IsFloatType(type)) {
+    return InvalidArgument("StreamedAdam::LoadMainFrom " + name + ": need non-null weights of f32/bf16/f16, got " +
+                           ScalarName(type));
+  }
+  OPTSTATE_RETURN_IF_ERROR(mm_->impl()->DropTensor(it->second.info.id));
+  registrations_pending_ = true;
+  return WriteMain(it->second, d_weights, type);
+}
+
+vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
+  vfs::CommitInfo ci;
+  ci.step = advance ? global_step_ + 1 : global_step_;
+  for (const auto& [id, g] : groups_) {
+    vfs::GroupInfo gi;
+    gi.id = id;
+    auto sc = step_counts_.find(id);
+    gi.step_count = sc == step_counts_.end() ? 0 : sc->second;
+    if (advance && groups_stepped_.count(id)) gi.step_count += 1;
+    gi.hyper = {{"lr", g.lr},     {"beta1", g.beta1},
+                {"beta2", g.beta2}, {"eps", g.eps},
+                {"weight_decay", g.weight_decay}, {"adamw", g.adamw ? 1.0 : 0.0}};
+    ci.groups.push_back(std::move(gi));
+  }
+  return ci;
+}
+
+Status StreamedAdam::CommitPendingRegistrations() {
+  if (!registrations_pending_) return Status::Ok();
+  OPTSTATE_RETURN_IF_ERROR(mm_->Flush());
+  OPTSTATE_ASSIGN_OR_RETURN(uint64_t gen, store_->Commit(MakeCommitInfo(false)));
+  last_generation_ = gen;
+  registrations_pending_ = false;
+  return Status::Ok();
+}
+
+Status StreamedAdam::Fail(Status s) {
+  if (pipeline_) {
+    pipeline_->Abort();
+    pipeline_.reset();
+  }
+  Status a = store_->AbortPending();
+  if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed step: {}", a.ToString());
+  mm_->impl()->OnAbortPending();
+  in_step_ = false;
+  // A CUDA error is sticky for the process: refuse to continue.
+  if (mm_->backend() == Backend::kCuda && s.message().find("CUDA") != std::string::npos) {
+    poisoned_ = true;
+    poison_status_ = s.WithContext("StreamedAdam is unusable after a CUDA error");
+  }
+  OPTSTATE_LOG_ERROR("StreamedAdam: step aborted, nothing committed: {}", s.ToString());
+  return s;
+}
+
+Status StreamedAdam::BeginStep(const float* d_found_inf) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
+  step_found_inf_ = d_found_inf;
+  step_skip_ = false;
+  groups_stepped_.clear();
+  last_stats_ = StepStats{};
+  last_stats_.seconds = NowS();
+  if (d_found_inf != nullptr) {
+    float flag = 0;
+    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, d_found_inf, sizeof(float)));
+    if (flag != 0.0f) {
+      step_skip_ = true;
+      in_step_ = true;
+      return Status::Ok();
+    }
+  }
+  OPTSTATE_RETURN_IF_ERROR(CommitPendingRegistrations());
+  pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), opts_.cpu_threads, d_found_inf,
+                                                       &inject_kernel_failure_after_);
+  Status s = pipeline_->Begin();
+  if (!s.ok()) {
+    pipeline_->Release();
+    pipeline_.reset();
+    return s;
+  }
+  in_step_ = true;
+  return Status::Ok();
+}
+
+Status StreamedAdam::StepParam(const ParamGrad& g) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (!in_step_) return FailedPrecondition("StreamedAdam::StepParam " + g.name + ": no BeginStep");
+  auto it = params_.find(g.name);
+  if (it == params_.end()) {
+    std::string some;
+    int n = 0;
+    for (const auto& [name, p] : params_) {
+      if (n++ == 5) break;
+      some += (some.empty() ? "" : ", ") + name;
+    }
+    return Fail(NotFound("StreamedAdam::StepParam: unknown param '" + g.name + "' (store " + store_->path() + " has " +
+                         std::to_string(params_.size()) + " params: " + some + (params_.size() > 5 ? ", ..." : "") +
+                         ")"));
+  }
+  if (!IsFloatType(g.grad_type)) {
+    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": gradient dtype " + ScalarName(g.grad_type) +
+                                " not supported (f32, bf16, f16)"));
+  }
+  if (g.d_param != nullptr && !IsFloatType(g.param_type)) {
+    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": param dtype " + ScalarName(g.param_type) +
+                                " not supported (f32, bf16, f16)"));
+  }
+  if (g.d_grad == nullptr) return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": null gradient"));
+  const Param& p = it->second;
+  if (step_skip_) return Status::Ok();
+  if (stepped_.count(g.name)) {
+    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": given twice in one step"));
+  }
+  Status ds = mm_->impl()->DropTensor(p.info.id);
+  if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
+  stepped_.insert(g.name);
+  const ParamGroup& grp = groups_.at(p.info.group);
+  kernels::AdamParams ap;
+  ap.lr = static_cast<float>(grp.lr);
+  ap.beta1 = static_cast<float>(grp.beta1);
+  ap.beta2 = static_cast<float>(grp.beta2);
+  ap.eps = static_cast<float>(grp.eps);
+  ap.weight_decay = static_cast<float>(grp.weight_decay);
+  ap.mode = grp.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
+  ap.step = step_count(p.info.group) + 1;
+  ap.grad_scale = opts_.grad_scale;
+  groups_stepped_[p.info.group] = true;
+  const uint64_t chunk_elems = mm_->impl()->page_bytes() / 4;
+  for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += chunk_elems) {
+    internal::StepPipeline::Job j;
+    j.tensor_id = p.info.id;
+    j.fields[0] = p.f_main;
+    j.fields[1] = p.f_m;
+    j.fields[2] = p.f_v;
+    j.chunk = c;
+    j.first_elem = first;
+    j.elems = std::min(chunk_elems, p.info.numel - first);
+    j.grad = g.d_grad;
+    j.grad_type = g.grad_type;
+    j.param = g.d_param;
+    j.param_type = g.d_param ? g.param_type : kernels::ScalarType::kNone;
+    j.params = ap;
+    pipeline_->Enqueue(j);
+  }
+  Status ps = pipeline_->Pump(false);
+  if (!ps.ok()) return Fail(ps);
+  return Status::Ok();
+}
+
+Result<uint64_t> StreamedAdam::EndStep() {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (!in_step_) return FailedPrecondition("StreamedAdam::EndStep: no BeginStep");
+  stepped_.clear();
+  if (step_skip_) {
+    in_step_ = false;
+    last_step_skipped_ = true;
+    last_stats_.seconds = NowS() - last_stats_.seconds;
+    OPTSTATE_LOG_INFO("StreamedAdam: found-inf set; step skipped, nothing committed (generation {})",
+                      last_generation_);
+    return last_generation_;
+  }
+  Status ds = pipeline_->Pump(true);
+  if (!ds.ok()) return Fail(ds);
+  internal::StepPipeline& pl = *pipeline_;
+  last_stats_.slices = pl.slices;
+  last_stats_.read_bytes = pl.read_bytes;
+  last_stats_.write_bytes = pl.write_bytes;
+  last_stats_.slices_in_flight = pl.depth();
+  mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+  pipeline_->Release();
+  pipeline_.reset();
+  if (step_found_inf_ != nullptr) {
+    // Incremental form: the flag may have been set after BeginStep. The kernel
+    // skipped every slice after it was set; drop the step as a whole.
+    float flag = 0;
+    Status cs = mm_->CopyToHost(&flag, step_found_inf_, sizeof(float));
+    if (!cs.ok()) return Fail(cs);
+    if (flag != 0.0f) {
+      Status a = store_->AbortPending();
+      mm_->impl()->OnAbortPending();
+      in_step_ = false;
+      last_step_skipped_ = true;
+      if (!a.ok()) return a;
+      return last_generation_;
+    }
+  }
+  Status fs = mm_->Flush();
+  if (!fs.ok()) return Fail(fs);
+  auto gen = store_->Commit(MakeCommitInfo(true));
+  if (!gen.ok()) return Fail(gen.status().WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
+  for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+  ++global_step_;
+  last_generation_ = *gen;
+  last_step_skipped_ = false;
+  in_step_ = false;
+  last_stats_.seconds = NowS() - last_stats_.seconds;
+  return *gen;
+}
+
+Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf) {
+  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf));
+  for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
+  auto r = EndStep();
+  return r.status();
+}
+
+}  // namespace optstate::memmgr

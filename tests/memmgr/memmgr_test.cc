@@ -1,0 +1,668 @@
+// MemoryManager + StreamedAdam tests. Built twice: memmgr_test (host backend,
+// label unit) and memmgr_gpu_test (cuda backend, label gpu, skips without a
+// GPU). References are independent of the manager: plain arrays for pins, the
+// Adam kernel on fully resident arrays for StreamedAdam.
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "memmgr_test_util.h"
+
+namespace optstate::memmgr::testing {
+namespace {
+
+using kernels::ScalarType;
+
+struct Env {
+  TempDir dir;
+  std::unique_ptr<vfs::Store> store;
+  std::unique_ptr<MemoryManager> mm;
+
+  void Open(uint64_t budget, bool create) {
+    std::string p = dir.path() + "/store";
+    if (create) {
+      store = MUST(vfs::Store::Create(p, TestStoreOptions()));
+    } else {
+      store = MUST(vfs::Store::Open(p, TestStoreOptions()));
+    }
+    mm = MUST(MemoryManager::Create(store.get(), TestMmOptions(budget)));
+  }
+  void Close() {
+    mm.reset();
+    store.reset();
+  }
+};
+
+// ------------------------------------------------------------------ pin/unpin
+
+TEST(MemoryManager, PinWriteReadBackAfterEvictionAndReopen) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(2 * kChunk, true);
+  EXPECT_EQ(env.mm->backend(), kTestBackend);
+  const uint64_t numel = 3 * kChunk / 4 + 12345;  // 4 chunks, last partial
+  vfs::TensorSpec spec;
+  spec.name = "layer.0/weight";
+  spec.numel = numel;
+  MUST(env.store->CreateTensor(spec));
+
+  std::vector<float> ref(numel, 0.0f);
+  // Write a pattern through pins that straddle chunk boundaries.
+  const uint64_t step = kChunk / 4 / 3 + 7;
+  for (uint64_t first = 0; first < numel; first += step) {
+    uint64_t n = std::min(step, numel - first);
+    std::vector<float> vals(n);
+    for (uint64_t i = 0; i < n; ++i) vals[i] = RandF(1, first + i);
+    auto pin = MUST(env.mm->Pin(spec.name, "exp_avg", first, n, Access::kReadWrite));
+    ASSERT_EQ(pin.size_bytes(), n * 4);
+    ASSERT_OK(env.mm->CopyToDevice(pin.data(), vals.data(), n * 4));
+    std::copy(vals.begin(), vals.end(), ref.begin() + static_cast<long>(first));
+  }
+  // Never-written field reads as zeros.
+  EXPECT_EQ(ReadField(env.mm.get(), spec.name, "main", numel), std::vector<float>(numel, 0.0f));
+  // The budget holds 2 of the 4 chunks: reading everything back evicts.
+  EXPECT_EQ(ReadField(env.mm.get(), spec.name, "exp_avg", numel), ref);
+  MemoryStats st = env.mm->stats();
+  EXPECT_LE(st.peak_resident_bytes, 2 * kChunk);
+  EXPECT_GT(st.evictions, 0u);
+  EXPECT_GT(st.nvme_write_bytes, 0u);
+
+  ASSERT_OK(env.mm->Flush());
+  MUST(env.store->Commit(vfs::CommitInfo{}));
+  env.Close();
+  env.Open(2 * kChunk, false);
+  EXPECT_EQ(ReadField(env.mm.get(), spec.name, "exp_avg", numel), ref);
+  EXPECT_EQ(ReadField(env.mm.get(), spec.name, "exp_avg_sq", numel), std::vector<float>(numel, 0.0f));
+}
+
+TEST(MemoryManager, WriteOnlyPinKeepsNeighbours) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(2 * kChunk, true);
+  const uint64_t numel = kChunk / 4 * 2;
+  vfs::TensorSpec spec;
+  spec.name = "t";
+  spec.numel = numel;
+  MUST(env.store->CreateTensor(spec));
+  std::vector<float> ref(numel);
+  for (uint64_t i = 0; i < numel; ++i) ref[i] = RandF(7, i);
+  {
+    auto pin = MUST(env.mm->Pin("t", "main", 0, numel, Access::kWrite));
+    ASSERT_OK(env.mm->CopyToDevice(pin.data(), ref.data(), numel * 4));
+  }
+  ASSERT_OK(env.mm->ReleaseAll());
+  EXPECT_EQ(env.mm->stats().resident_bytes, 0u);
+  // A kWrite pin of part of a chunk must still load the rest of it.
+  {
+    auto pin = MUST(env.mm->Pin("t", "main", 100, 50, Access::kWrite));
+    std::vector<float> v(50, 42.0f);
+    ASSERT_OK(env.mm->CopyToDevice(pin.data(), v.data(), 200));
+    std::fill(ref.begin() + 100, ref.begin() + 150, 42.0f);
+  }
+  ASSERT_OK(env.mm->ReleaseAll());
+  EXPECT_EQ(ReadField(env.mm.get(), "t", "main", numel), ref);
+}
+
+TEST(MemoryManager, ClearErrors) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(2 * kChunk, true);
+  vfs::TensorSpec spec;
+  spec.name = "t";
+  spec.numel = kChunk;  // 4 chunks per field
+  MUST(env.store->CreateTensor(spec));
+  auto unknown = env.mm->Pin("nope", "main", 0, 1, Access::kRead);
+  EXPECT_EQ(unknown.status().code(), StatusCode::kNotFound) << unknown.status().ToString();
+  auto bad_field = env.mm->Pin("t", "nofield", 0, 1, Access::kRead);
+  EXPECT_FALSE(bad_field.ok());
+  auto out_of_range = env.mm->Pin("t", "main", kChunk - 1, 2, Access::kRead);
+  EXPECT_EQ(out_of_range.status().code(), StatusCode::kInvalidArgument);
+  auto too_big = env.mm->Pin("t", "main", 0, kChunk, Access::kRead);  // 4 chunks > 2-chunk budget
+  EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(too_big.status().message().find("budget"), std::string::npos) << too_big.status().ToString();
+  // ReleaseAll refuses while pinned.
+  auto pin = MUST(env.mm->Pin("t", "main", 0, 10, Access::kRead));
+  EXPECT_EQ(env.mm->ReleaseAll().code(), StatusCode::kFailedPrecondition);
+  ASSERT_OK(pin.Unpin());
+  ASSERT_OK(env.mm->ReleaseAll());
+  // A budget below one chunk fails at Create.
+  auto small = MemoryManager::Create(env.store.get(), TestMmOptions(kChunk / 2));
+  EXPECT_EQ(small.status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST(MemoryManager, ConcurrentRandomPinsNeverExceedBudgetNorCorrupt) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  const uint64_t budget = 6 * kChunk;
+  env.Open(budget, true);
+  const int kThreads = 4;
+  const uint64_t numel = 5 * kChunk / 4 + 333;  // ~10 chunks per tensor
+  const std::vector<std::string> names = {"a", "b"};
+  for (const auto& n : names) {
+    vfs::TensorSpec spec;
+    spec.name = n;
+    spec.numel = numel;
+    MUST(env.store->CreateTensor(spec));
+  }
+  // Element blocks are owned by threads round-robin (block not chunk aligned,
+  // so threads share chunks); each thread checks and writes only its blocks.
+  const uint64_t kBlock = 100003;
+  auto owner = [&](uint64_t e) { return static_cast<int>((e / kBlock) % kThreads); };
+  std::map<std::string, std::vector<float>> ref;
+  for (const auto& n : names) ref[n] = std::vector<float>(numel, 0.0f);
+
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> max_seen{0};
+  std::thread monitor([&] {
+    while (!stop) {
+      uint64_t r = env.mm->stats().resident_bytes;
+      uint64_t m = max_seen.load();
+      while (r > m && !max_seen.compare_exchange_weak(m, r)) {
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  std::atomic<int> failures{0};
+  auto worker = [&](int t) {
+    std::mt19937_64 rng(1000 + t);
+    for (int op = 0; op < 60; ++op) {
+      const std::string& name = names[rng() % names.size()];
+      // A block this thread owns, and a sub-range of it.
+      uint64_t nblocks = (numel + kBlock - 1) / kBlock;
+      uint64_t b = (rng() % ((nblocks + kThreads - 1) / kThreads)) * kThreads + t;
+      if (b >= nblocks) b = t;
+      uint64_t lo = b * kBlock, hi = std::min(numel, lo + kBlock);
+      if (lo >= hi) continue;
+      uint64_t first = lo + rng() % (hi - lo);
+      uint64_t count = 1 + rng() % (hi - first);
+      int kind = static_cast<int>(rng() % 4);
+      if (kind == 0) {
+        if (!env.mm->Prefetch(name, "main", first, count).ok()) ++failures;
+        continue;
+      }
+      Access acc = kind == 1 ? Access::kRead : Access::kReadWrite;
+      auto pin = env.mm->Pin(name, "main", first, count, acc);
+      if (!pin.ok()) {
+        ADD_FAILURE() << pin.status().ToString();
+        ++failures;
+        continue;
+      }
+      std::vector<float> got(count);
+      if (!env.mm->CopyToHost(got.data(), pin->data(), count * 4).ok()) ++failures;
+      std::vector<float>& r = ref[name];
+      for (uint64_t i = 0; i < count; ++i) {
+        if (owner(first + i) != t) continue;
+        if (got[i] != r[first + i]) {
+          ++failures;
+          ADD_FAILURE() << "thread " << t << " " << name << "[" << first + i << "] = " << got[i] << " want "
+                        << r[first + i];
+          break;
+        }
+      }
+      if (acc == Access::kReadWrite) {
+        for (uint64_t i = 0; i < count; ++i) {
+          if (owner(first + i) != t) continue;
+          got[i] = RandF(op * 131 + t, first + i);
+          r[first + i] = got[i];
+        }
+        if (!env.mm->CopyToDevice(pin->data(), got.data(), count * 4).ok()) ++failures;
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(worker, t);
+  for (auto& th : threads) th.join();
+  stop = true;
+  monitor.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_LE(max_seen.load(), budget);
+  EXPECT_LE(env.mm->stats().peak_resident_bytes, budget);
+  ASSERT_OK(env.mm->Flush());
+  for (const auto& n : names) EXPECT_EQ(ReadField(env.mm.get(), n, "main", numel), ref[n]) << n;
+  ASSERT_OK(env.mm->ReleaseAll());
+  for (const auto& n : names) EXPECT_EQ(ReadField(env.mm.get(), n, "main", numel), ref[n]) << n;
+}
+
+// ---------------------------------------------------------------- StreamedAdam
+
+struct ParamDef {
+  std::string name;
+  uint64_t numel;
+  uint32_t group;
+  ScalarType init_type;
+  ScalarType grad_type;
+  ScalarType param_type;
+};
+
+uint32_t Size(ScalarType t) { return t == ScalarType::kF32 ? 4 : (t == ScalarType::kNone ? 0 : 2); }
+
+void Encode(const std::vector<float>& src, ScalarType t, std::vector<uint8_t>* out) {
+  out->resize(src.size() * Size(t));
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (t == ScalarType::kF32) {
+      std::memcpy(out->data() + 4 * i, &src[i], 4);
+    } else {
+      uint16_t h = t == ScalarType::kBF16 ? kernels::FloatToBf16(src[i]) : kernels::FloatToHalf(src[i]);
+      std::memcpy(out->data() + 2 * i, &h, 2);
+    }
+  }
+}
+
+float Decode(const std::vector<uint8_t>& b, ScalarType t, size_t i) {
+  if (t == ScalarType::kF32) {
+    float f;
+    std::memcpy(&f, b.data() + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, b.data() + 2 * i, 2);
+  return t == ScalarType::kBF16 ? kernels::Bf16ToFloat(h) : kernels::HalfToFloat(h);
+}
+
+std::vector<ParamGroup> TestGroups() {
+  ParamGroup g0;
+  g0.id = 0;
+  g0.lr = 1e-2;
+  g0.weight_decay = 0.01;
+  g0.adamw = true;
+  ParamGroup g1;
+  g1.id = 1;
+  g1.lr = 3e-3;
+  g1.beta1 = 0.8;
+  g1.beta2 = 0.99;
+  g1.eps = 1e-6;
+  g1.weight_decay = 0.05;
+  g1.adamw = false;
+  return {g0, g1};
+}
+
+// The independent run: the kernel over fully resident arrays.
+class Reference {
+ public:
+  Reference(MemoryManager* mm, const std::vector<ParamDef>& defs) : mm_(mm), defs_(defs) {
+    for (const auto& d : defs) {
+      P p;
+      std::vector<float> init = Init(d);
+      std::vector<uint8_t> enc;
+      Encode(init, d.init_type, &enc);
+      for (size_t i = 0; i < init.size(); ++i) init[i] = Decode(enc, d.init_type, i);
+      p.main = std::make_unique<DeviceBuffer>(mm, d.numel * 4);
+      p.m = std::make_unique<DeviceBuffer>(mm, d.numel * 4);
+      p.v = std::make_unique<DeviceBuffer>(mm, d.numel * 4);
+      p.main->Upload(init.data());
+      std::vector<float> z(d.numel, 0.0f);
+      p.m->Upload(z.data());
+      p.v->Upload(z.data());
+      if (d.param_type != ScalarType::kNone) p.param = std::make_unique<DeviceBuffer>(mm, d.numel * Size(d.param_type));
+      params_.push_back(std::move(p));
+    }
+  }
+  static std::vector<float> Init(const ParamDef& d) {
+    std::vector<float> v(d.numel);
+    for (uint64_t i = 0; i < d.numel; ++i) v[i] = RandF(std::hash<std::string>()(d.name), i);
+    return v;
+  }
+  void Step(size_t i, const void* d_grad, uint64_t step, const ParamGroup& g, float grad_scale) {
+    const ParamDef& d = defs_[i];
+    P& p = params_[i];
+    kernels::AdamTensors t;
+    t.main = static_cast<float*>(p.main->get());
+    t.exp_avg = p.m->get();
+    t.exp_avg_sq = p.v->get();
+    t.grad = d_grad;
+    t.grad_type = d.grad_type;
+    t.param = p.param ? p.param->get() : nullptr;
+    t.param_type = d.param_type;
+    kernels::AdamParams ap;
+    ap.lr = static_cast<float>(g.lr);
+    ap.beta1 = static_cast<float>(g.beta1);
+    ap.beta2 = static_cast<float>(g.beta2);
+    ap.eps = static_cast<float>(g.eps);
+    ap.weight_decay = static_cast<float>(g.weight_decay);
+    ap.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
+    ap.step = step;
+    ap.grad_scale = grad_scale;
+    if (mm_->backend() == Backend::kCuda) {
+      ASSERT_EQ(kernels::AdamStepCuda(t, d.numel, ap, nullptr), 0);
+    } else {
+      ASSERT_TRUE(kernels::AdamStepCpu(t, d.numel, ap, 1));
+    }
+  }
+  std::vector<float> Field(size_t i, int f) const {
+    std::vector<float> out(defs_[i].numel);
+    const DeviceBuffer* b = f == 0 ? params_[i].main.get() : f == 1 ? params_[i].m.get() : params_[i].v.get();
+    b->Download(out.data());
+    return out;
+  }
+  std::vector<uint8_t> ParamCopy(size_t i) const {
+    std::vector<uint8_t> out(defs_[i].numel * Size(defs_[i].param_type));
+    if (params_[i].param) params_[i].param->Download(out.data());
+    return out;
+  }
+
+ private:
+  struct P {
+    std::unique_ptr<DeviceBuffer> main, m, v, param;
+  };
+  MemoryManager* mm_;
+  std::vector<ParamDef> defs_;
+  std::vector<P> params_;
+};
+
+// Grads for one step, uploaded once and shared by the streamed run and the reference.
+struct StepGrads {
+  std::vector<std::unique_ptr<DeviceBuffer>> grad, param;
+  StepGrads(MemoryManager* mm, const std::vector<ParamDef>& defs, uint64_t step) {
+    for (const auto& d : defs) {
+      std::vector<float> g(d.numel);
+      for (uint64_t i = 0; i < d.numel; ++i) g[i] = RandF(step * 7919 + d.numel, i) * 4.0f;
+      std::vector<uint8_t> enc;
+      Encode(g, d.grad_type, &enc);
+      grad.push_back(std::make_unique<DeviceBuffer>(mm, enc.size()));
+      grad.back()->Upload(enc.data());
+      param.push_back(d.param_type == ScalarType::kNone ? nullptr
+                                                        : std::make_unique<DeviceBuffer>(mm, d.numel * Size(d.param_type)));
+    }
+  }
+  std::vector<ParamGrad> List(const std::vector<ParamDef>& defs) const {
+    std::vector<ParamGrad> out;
+    for (size_t i = 0; i < defs.size(); ++i) {
+      ParamGrad pg;
+      pg.name = defs[i].name;
+      pg.d_grad = grad[i]->get();
+      pg.grad_type = defs[i].grad_type;
+      pg.d_param = param[i] ? param[i]->get() : nullptr;
+      pg.param_type = defs[i].param_type;
+      out.push_back(pg);
+    }
+    return out;
+  }
+};
+
+void RegisterAll(StreamedAdam* sa, MemoryManager* mm, const std::vector<ParamDef>& defs) {
+  for (const auto& g : TestGroups()) ASSERT_OK(sa->SetGroup(g));
+  for (const auto& d : defs) {
+    std::vector<float> init = Reference::Init(d);
+    std::vector<uint8_t> enc;
+    Encode(init, d.init_type, &enc);
+    DeviceBuffer buf(mm, enc.size());
+    buf.Upload(enc.data());
+    ASSERT_OK(sa->RegisterParam(d.name, d.numel, d.group, buf.get(), d.init_type));
+  }
+}
+
+void ExpectStateEquals(MemoryManager* mm, const Reference& ref, const std::vector<ParamDef>& defs) {
+  static const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
+  for (size_t i = 0; i < defs.size(); ++i) {
+    for (int f = 0; f < 3; ++f) {
+      std::vector<float> got = ReadField(mm, defs[i].name, kFields[f], defs[i].numel);
+      std::vector<float> want = ref.Field(i, f);
+      ASSERT_EQ(got.size(), want.size());
+      // Bit-for-bit (memcmp: NaN-safe and -0 vs +0 sensitive).
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0) << defs[i].name << "/" << kFields[f];
+    }
+  }
+}
+
+std::vector<ParamDef> BigMix() {
+  const uint64_t ce = kChunk / 4;  // elements per chunk
+  return {
+      {"embed.weight", 9 * ce + 1234, 0, ScalarType::kBF16, ScalarType::kBF16, ScalarType::kBF16},
+      {"layers.0.attn.qkv", 7 * ce, 0, ScalarType::kF32, ScalarType::kF32, ScalarType::kF32},
+      {"layers.0.norm", 1000, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone},
+      {"layers.0.mlp.up", 20 * ce + 17, 1, ScalarType::kF16, ScalarType::kF16, ScalarType::kF16},
+      {"layers.0.mlp.down", 14 * ce - 5, 0, ScalarType::kBF16, ScalarType::kF32, ScalarType::kBF16},
+      {"head.bias", ce, 1, ScalarType::kF32, ScalarType::kBF16, ScalarType::kF32},
+  };
+}
+
+uint64_t StateBytes(const std::vector<ParamDef>& defs) {
+  uint64_t b = 0;
+  for (const auto& d : defs) b += d.numel * 12;
+  return b;
+}
+
+TEST(StreamedAdam, TenStepsUnderTinyBudgetEqualResidentKernelBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  const uint64_t budget = 3 * kChunk;  // one slice
+  env.Open(budget, true);
+  std::vector<ParamDef> defs = BigMix();
+  ASSERT_GE(StateBytes(defs), 50 * budget) << "state must be >= 50x the budget";
+  StreamedAdamOptions so;
+  so.grad_scale = 2.0f;
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  auto groups = TestGroups();
+  for (uint64_t step = 1; step <= 10; ++step) {
+    StepGrads sg(env.mm.get(), defs, step);
+    auto list = sg.List(defs);
+    ASSERT_OK(sa->Step(list));
+    EXPECT_FALSE(sa->last_step_skipped());
+    for (size_t i = 0; i < defs.size(); ++i) {
+      ref.Step(i, sg.grad[i]->get(), step, groups[defs[i].group], so.grad_scale);
+      if (defs[i].param_type == ScalarType::kNone) continue;
+      std::vector<uint8_t> got(defs[i].numel * Size(defs[i].param_type));
+      sg.param[i]->Download(got.data());
+      EXPECT_EQ(got, ref.ParamCopy(i)) << "param copy of " << defs[i].name << " at step " << step;
+    }
+    EXPECT_EQ(sa->step_count(0), step);
+    EXPECT_EQ(sa->step_count(1), step);
+    EXPECT_EQ(env.store->LatestGeneration().step, step);
+    if (step % 4 == 0) {
+      ASSERT_OK(env.mm->ReleaseAll());  // sleep between steps changes nothing
+      EXPECT_EQ(env.mm->stats().resident_bytes, 0u);
+    }
+    EXPECT_LE(env.mm->stats().peak_resident_bytes, budget);
+  }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  MemoryStats st = env.mm->stats();
+  EXPECT_LE(st.peak_resident_bytes, budget);
+  EXPECT_GE(st.nvme_write_bytes, 10 * StateBytes(defs));
+  // Groups and hyperparameters are persisted with the generation.
+  vfs::GenerationInfo gen = env.store->LatestGeneration();
+  ASSERT_EQ(gen.groups.size(), 2u);
+  EXPECT_EQ(gen.groups[1].step_count, 10u);
+  EXPECT_DOUBLE_EQ(gen.groups[1].hyper.at("lr"), 3e-3);
+  EXPECT_DOUBLE_EQ(gen.groups[1].hyper.at("adamw"), 0.0);
+}
+
+std::vector<ParamDef> SmallMix() {
+  const uint64_t ce = kChunk / 4;
+  return {
+      {"w1", 3 * ce + 99, 0, ScalarType::kF32, ScalarType::kBF16, ScalarType::kBF16},
+      {"w2", 2 * ce, 1, ScalarType::kBF16, ScalarType::kF32, ScalarType::kF32},
+      {"b", 777, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone},
+  };
+}
+
+TEST(StreamedAdam, ReopenAfterStepKAndContinueEqualsUninterruptedRun) {
+  MEMMGR_REQUIRE_BACKEND();
+  // The reference and the gradients live in a scratch manager's memory that
+  // outlives the reopened store's manager.
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  std::vector<ParamDef> defs = SmallMix();
+  Reference ref(smm, defs);
+  auto groups = TestGroups();
+  std::vector<std::unique_ptr<StepGrads>> grads;
+  for (uint64_t step = 1; step <= 6; ++step) {
+    grads.push_back(std::make_unique<StepGrads>(smm, defs, step));
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, grads.back()->grad[i]->get(), step, groups[defs[i].group], 1.0f);
+  }
+  Env env;
+  const uint64_t budget = 6 * kChunk;
+  env.Open(budget, true);
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    for (uint64_t step = 1; step <= 3; ++step) {
+      auto list = grads[step - 1]->List(defs);
+      ASSERT_OK(sa->Step(list));
+    }
+  }
+  env.Close();
+  env.Open(budget, false);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  EXPECT_EQ(sa->step_count(0), 3u);
+  EXPECT_EQ(sa->step_count(1), 3u);
+  EXPECT_EQ(sa->global_step(), 3u);
+  EXPECT_EQ(sa->ParamNames().size(), defs.size());
+  auto g1 = MUST(sa->GetGroup(1));
+  EXPECT_DOUBLE_EQ(g1.beta1, 0.8);
+  EXPECT_FALSE(g1.adamw);
+  // Registering again with the same numel keeps the stored state; with another numel is an error.
+  ASSERT_OK(sa->RegisterParam("w1", defs[0].numel, 0, nullptr, ScalarType::kF32));
+  auto bad = sa->RegisterParam("w1", defs[0].numel + 1, 0, nullptr, ScalarType::kF32);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("w1"), std::string::npos);
+  for (uint64_t step = 4; step <= 6; ++step) {
+    auto list = grads[step - 1]->List(defs);
+    ASSERT_OK(sa->Step(list));
+  }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+TEST(StreamedAdam, FoundInfAndKernelFailureCommitNothing) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  auto groups = TestGroups();
+  StepGrads sg1(env.mm.get(), defs, 1);
+  ASSERT_OK(sa->Step(sg1.List(defs)));
+  for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg1.grad[i]->get(), 1, groups[defs[i].group], 1.0f);
+  const uint64_t gen1 = env.store->LatestGeneration().generation;
+
+  // found-inf set: skipped, nothing committed, counts unchanged.
+  DeviceBuffer flag(env.mm.get(), 4);
+  float one = 1.0f, zero = 0.0f;
+  flag.Upload(&one);
+  StepGrads sg2(env.mm.get(), defs, 2);
+  ASSERT_OK(sa->Step(sg2.List(defs), static_cast<const float*>(flag.get())));
+  EXPECT_TRUE(sa->last_step_skipped());
+  EXPECT_EQ(env.store->LatestGeneration().generation, gen1);
+  EXPECT_EQ(sa->step_count(0), 1u);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+
+  // Incremental form, flag raised after BeginStep: dropped as a whole.
+  flag.Upload(&zero);
+  ASSERT_OK(sa->BeginStep(static_cast<const float*>(flag.get())));
+  flag.Upload(&one);
+  for (const auto& g : sg2.List(defs)) ASSERT_OK(sa->StepParam(g));
+  auto gen = sa->EndStep();
+  ASSERT_TRUE(gen.ok()) << gen.status().ToString();
+  EXPECT_EQ(*gen, gen1);
+  EXPECT_TRUE(sa->last_step_skipped());
+  EXPECT_EQ(env.store->LatestGeneration().generation, gen1);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+
+  // A device error mid-step (injected): error returned, nothing committed.
+  sa->InjectKernelFailureAfter(3);
+  Status st = sa->Step(sg2.List(defs));
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("injected"), std::string::npos) << st.ToString();
+  EXPECT_EQ(env.store->LatestGeneration().generation, gen1);
+  EXPECT_EQ(sa->step_count(0), 1u);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+
+  // And the next real step still equals the reference.
+  flag.Upload(&zero);
+  ASSERT_OK(sa->Step(sg2.List(defs), static_cast<const float*>(flag.get())));
+  EXPECT_FALSE(sa->last_step_skipped());
+  for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg2.grad[i]->get(), 2, groups[defs[i].group], 1.0f);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  EXPECT_EQ(env.store->LatestGeneration().step, 2u);
+}
+
+TEST(StreamedAdam, IncrementalFormEqualsStep) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(9 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  auto groups = TestGroups();
+  for (uint64_t step = 1; step <= 3; ++step) {
+    StepGrads sg(env.mm.get(), defs, step);
+    ASSERT_OK(sa->BeginStep());
+    // Reverse order: the pipeline does not depend on registration order.
+    auto list = sg.List(defs);
+    for (auto it = list.rbegin(); it != list.rend(); ++it) ASSERT_OK(sa->StepParam(*it));
+    auto gen = sa->EndStep();
+    ASSERT_TRUE(gen.ok()) << gen.status().ToString();
+    EXPECT_EQ(*gen, sa->last_generation());
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+  }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+TEST(StreamedAdam, MissingGradKeepsStateAndPinsSeeStepResults) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  auto groups = TestGroups();
+  StepGrads sg(env.mm.get(), defs, 1);
+  auto list = sg.List(defs);
+  list.erase(list.begin() + 1);  // w2 (group 1) gets no grad; b (group 1) does
+  // Read w2 through a pin before the step (resident clean pages get dropped at Step).
+  auto before = ReadField(env.mm.get(), "w2", "main", defs[1].numel);
+  ASSERT_OK(sa->Step(list));
+  ref.Step(0, sg.grad[0]->get(), 1, groups[0], 1.0f);
+  ref.Step(2, sg.grad[2]->get(), 1, groups[1], 1.0f);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  EXPECT_EQ(ReadField(env.mm.get(), "w2", "main", defs[1].numel), before);
+  EXPECT_EQ(sa->step_count(1), 1u);
+}
+
+TEST(StreamedAdam, ClearErrors) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(2 * kChunk, true);
+  // Budget below one chunk per field in flight.
+  auto small = StreamedAdam::Create(env.store.get(), env.mm.get(), {});
+  EXPECT_EQ(small.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(small.status().message().find("one chunk per field"), std::string::npos) << small.status().ToString();
+  env.mm.reset();
+  env.mm = MUST(MemoryManager::Create(env.store.get(), TestMmOptions(3 * kChunk)));
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  std::vector<float> w(100, 1.0f);
+  DeviceBuffer dw(env.mm.get(), 400);
+  dw.Upload(w.data());
+  ASSERT_OK(sa->RegisterParam("p", 100, 0, dw.get(), ScalarType::kF32));
+  EXPECT_EQ(sa->RegisterParam("p", 101, 0, dw.get(), ScalarType::kF32).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(sa->RegisterParam("q", 100, 0, dw.get(), ScalarType::kNone).code(), StatusCode::kInvalidArgument);
+  ParamGrad g;
+  g.name = "unknown";
+  g.d_grad = dw.get();
+  Status st = sa->Step(std::span<const ParamGrad>(&g, 1));
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  EXPECT_NE(st.message().find("unknown"), std::string::npos);
+  g.name = "p";
+  g.grad_type = ScalarType::kNone;
+  st = sa->Step(std::span<const ParamGrad>(&g, 1));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_EQ(sa->step_count(0), 0u);
+  g.grad_type = ScalarType::kF32;
+  ASSERT_OK(sa->Step(std::span<const ParamGrad>(&g, 1)));
+  EXPECT_EQ(sa->step_count(0), 1u);
+  ParamGroup bad;
+  bad.beta1 = 1.5;
+  EXPECT_EQ(sa->SetGroup(bad).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(sa->EndStep().status().code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace optstate::memmgr::testing

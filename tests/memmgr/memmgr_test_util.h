@@ -1,0 +1,137 @@
+// Shared helpers of the memmgr tests (host backend in memmgr_test, cuda
+// backend in memmgr_gpu_test: the same tests, built twice).
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/adam.h"
+#include "memmgr/memory_manager.h"
+#include "memmgr/streamed_adam.h"
+#include "vfs/store.h"
+
+namespace optstate::memmgr::testing {
+
+#ifdef MEMMGR_TEST_CUDA
+inline constexpr Backend kTestBackend = Backend::kCuda;
+#define MEMMGR_REQUIRE_BACKEND()                                                   \
+  do {                                                                             \
+    if (!::optstate::memmgr::CudaAvailable()) GTEST_SKIP() << "no CUDA device visible (cuda backend test)"; \
+  } while (0)
+#else
+inline constexpr Backend kTestBackend = Backend::kHost;
+#define MEMMGR_REQUIRE_BACKEND() \
+  do {                           \
+  } while (0)
+#endif
+
+inline constexpr uint64_t kChunk = 2ull << 20;  // smallest legal chunk: most chunk boundaries per byte
+
+#define ASSERT_OK(expr)                                   \
+  do {                                                    \
+    ::optstate::Status s_ = (expr);                       \
+    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.ToString(); \
+  } while (0)
+
+template <typename T>
+T Must(Result<T> r, const char* what) {
+  if (!r.ok()) {
+    ADD_FAILURE() << what << ": " << r.status().ToString();
+    std::abort();
+  }
+  return std::move(r).value();
+}
+#define MUST(expr) ::optstate::memmgr::testing::Must((expr), #expr)
+
+// A fresh directory under TMPDIR (or /var/tmp: a real disk, so O_DIRECT works).
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("OPTSTATE_TEST_DIR");
+    std::string b = base ? base : "/var/tmp";
+    std::string tmpl = b + "/memmgr_test.XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    char* p = mkdtemp(buf.data());
+    if (p == nullptr) std::abort();
+    path_ = p;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+inline vfs::StoreOptions TestStoreOptions() {
+  vfs::StoreOptions o;
+  o.chunk_size_bytes = kChunk;
+  o.preallocate_step_bytes = 64ull << 20;
+  return o;
+}
+
+inline MemoryManagerOptions TestMmOptions(uint64_t budget_bytes) {
+  MemoryManagerOptions o;
+  o.backend = kTestBackend;
+  o.device_budget_bytes = budget_bytes;
+  o.queue_depth = 32;
+  return o;
+}
+
+// Deterministic pseudo-random values (splitmix64).
+inline uint64_t Mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+inline float RandF(uint64_t seed, uint64_t i) {
+  return static_cast<float>(static_cast<int64_t>(Mix(seed * 0x100000001B3ull + i) >> 40) - (1 << 23)) /
+         static_cast<float>(1 << 23);
+}
+
+// Device buffer through the manager (host memory on the host backend).
+class DeviceBuffer {
+ public:
+  DeviceBuffer(MemoryManager* mm, uint64_t bytes) : mm_(mm), bytes_(bytes) {
+    ptr_ = MUST(mm->AllocDevice(bytes ? bytes : 4));
+  }
+  ~DeviceBuffer() { (void)mm_->FreeDevice(ptr_); }
+  void* get() const { return ptr_; }
+  void Upload(const void* h) { EXPECT_TRUE(mm_->CopyToDevice(ptr_, h, bytes_).ok()); }
+  void Download(void* h) const { EXPECT_TRUE(mm_->CopyToHost(h, ptr_, bytes_).ok()); }
+
+ private:
+  MemoryManager* mm_;
+  uint64_t bytes_;
+  void* ptr_;
+};
+
+// Reads a whole field through pins of at most one chunk each.
+inline std::vector<float> ReadField(MemoryManager* mm, const std::string& tensor, const std::string& field,
+                                    uint64_t numel) {
+  std::vector<float> out(numel);
+  const uint64_t per = kChunk / 4;
+  for (uint64_t first = 0; first < numel; first += per) {
+    uint64_t n = std::min(per, numel - first);
+    auto pin = mm->Pin(tensor, field, first, n, Access::kRead);
+    if (!pin.ok()) {
+      ADD_FAILURE() << "pin " << tensor << "/" << field << ": " << pin.status().ToString();
+      return out;
+    }
+    EXPECT_TRUE(mm->CopyToHost(out.data() + first, pin->data(), n * 4).ok());
+  }
+  return out;
+}
+
+}  // namespace optstate::memmgr::testing
