@@ -1,0 +1,29 @@
+// optstate-bench subcommands. Each Add*Command registers its subcommand, its
+// options and a callback that stores the exit code in *exit_code. Shared
+// benchmark conventions (DESIGN.md, issue 8): every ratio is the median of
+// >= 3 interleaved rounds (baseline, ours, baseline, ours, ...); our timings
+// include the fdatasync that makes data durable (fio: end_fsync=1); O_DIRECT.
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+namespace optstate::tools::bench {
+
+void AddIoCommand(CLI::App& app, int* exit_code);
+void AddStepCommand(CLI::App& app, int* exit_code);
+void AddMountCommand(CLI::App& app, int* exit_code);
+void AddKernelCommand(CLI::App& app, int* exit_code);
+
+// {"host", "cpu", "cores", "kernel", "date_utc", "command"} for result tables.
+nlohmann::json MachineInfo();
+// The command line of this process, for the record.
+std::string CommandLine();
+// "host (cpu, N cores), 2026-11-30 01:23 UTC"
+std::string MachineLine();
+// Prints "note: ..." to stderr unless quiet.
+void Note(const std::string& msg);
+
+}  // namespace optstate::tools::bench

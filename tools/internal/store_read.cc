@@ -1,0 +1,157 @@
+#include "tools/internal/store_read.h"
+
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "kernels/adam.h"
+#include "tools/internal/buffer.h"
+
+namespace optstate::tools {
+
+double ElementAsDouble(vfs::DType d, const void* base, uint64_t i) {
+  switch (d) {
+    case vfs::DType::kF32: {
+      float f;
+      std::memcpy(&f, static_cast<const char*>(base) + i * 4, 4);
+      return f;
+    }
+    case vfs::DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, static_cast<const char*>(base) + i * 2, 2);
+      return kernels::Bf16ToFloat(h);
+    }
+    case vfs::DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, static_cast<const char*>(base) + i * 2, 2);
+      return kernels::HalfToFloat(h);
+    }
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+void FieldStats::Add(double v) {
+  ++count;
+  if (std::isnan(v)) {
+    ++nan;
+    return;
+  }
+  if (std::isinf(v)) {
+    ++inf;
+    return;
+  }
+  if (v < min) min = v;
+  if (v > max) max = v;
+  sum += v;
+  sum_sq += v * v;
+}
+
+double FieldStats::mean() const {
+  uint64_t n = finite();
+  return n ? sum / static_cast<double>(n) : std::numeric_limits<double>::quiet_NaN();
+}
+
+double FieldStats::l2() const { return std::sqrt(sum_sq); }
+
+Status ForEachRange(const vfs::GenerationView& view, const vfs::TensorInfo& t, uint32_t field,
+                    uint64_t begin, uint64_t end, const ChunkFn& fn) {
+  if (field >= t.fields.size()) {
+    return InvalidArgument(fmt::format("tensor {}: no field #{}", t.name, field));
+  }
+  if (end > t.numel || begin > end) {
+    return InvalidArgument(fmt::format("tensor {}: range [{}, {}) outside its {} elements", t.name,
+                                       begin, end, t.numel));
+  }
+  if (begin == end) return Status::Ok();
+  const uint64_t esize = vfs::DTypeSize(t.fields[field].dtype);
+  const uint64_t chunk_bytes = view.identity().chunk_size_bytes;
+  const uint64_t per_chunk = chunk_bytes / esize;
+  AlignedBuffer buf(chunk_bytes);
+  if (!buf.ok()) return ResourceExhausted(fmt::format("cannot allocate {} bytes", chunk_bytes));
+  for (uint64_t c = begin / per_chunk; c * per_chunk < end; ++c) {
+    vfs::ChunkRef ref{t.id, field, c};
+    OPTSTATE_RETURN_IF_ERROR(view.ReadChunk(ref, buf.data()));
+    uint64_t first = std::max(begin, c * per_chunk);
+    uint64_t last = std::min(end, (c + 1) * per_chunk);
+    OPTSTATE_RETURN_IF_ERROR(fn(first, buf.data() + (first - c * per_chunk) * esize, last - first));
+  }
+  return Status::Ok();
+}
+
+Result<uint32_t> FieldByName(const vfs::TensorInfo& t, const std::string& field) {
+  std::string names;
+  for (uint32_t i = 0; i < t.fields.size(); ++i) {
+    if (t.fields[i].name == field) return i;
+    names += (i ? ", " : "") + t.fields[i].name;
+  }
+  return NotFound(fmt::format("tensor {} has no field '{}' (fields: {})", t.name, field, names));
+}
+
+Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a,
+                                                    const vfs::GenerationView& b) {
+  std::vector<std::string> diffs;
+  const auto& ta = a.tensors();
+  const auto& tb = b.tensors();
+  if (a.info().step != b.info().step) {
+    diffs.push_back(fmt::format("step differs: {} vs {}", a.info().step, b.info().step));
+  }
+  if (a.info().groups.size() != b.info().groups.size()) {
+    diffs.push_back(fmt::format("group count differs: {} vs {}", a.info().groups.size(),
+                                b.info().groups.size()));
+  } else {
+    for (size_t g = 0; g < a.info().groups.size(); ++g) {
+      const auto& ga = a.info().groups[g];
+      const auto& gb = b.info().groups[g];
+      if (ga.id != gb.id || ga.step_count != gb.step_count || ga.hyper != gb.hyper) {
+        diffs.push_back(fmt::format("group {} differs (step count {} vs {})", ga.id, ga.step_count,
+                                    gb.step_count));
+      }
+    }
+  }
+  for (const auto& x : ta) {
+    auto y = b.FindTensor(x.name);
+    if (!y.ok()) {
+      diffs.push_back(fmt::format("tensor {} only in the first", x.name));
+      continue;
+    }
+    if (x.numel != y->numel || x.fields.size() != y->fields.size() || x.dtype != y->dtype ||
+        x.group != y->group) {
+      diffs.push_back(fmt::format("tensor {}: layout differs (numel {} vs {})", x.name, x.numel,
+                                  y->numel));
+      continue;
+    }
+    for (uint32_t f = 0; f < x.fields.size(); ++f) {
+      if (x.fields[f].name != y->fields[f].name || x.fields[f].dtype != y->fields[f].dtype) {
+        diffs.push_back(fmt::format("tensor {}: field #{} differs", x.name, f));
+        continue;
+      }
+      const uint64_t esize = vfs::DTypeSize(x.fields[f].dtype);
+      const uint64_t chunk_bytes = a.identity().chunk_size_bytes;
+      if (chunk_bytes != b.identity().chunk_size_bytes) {
+        return InvalidArgument("the two stores have different chunk sizes");
+      }
+      AlignedBuffer ba(chunk_bytes), bb(chunk_bytes);
+      uint64_t chunks = a.ChunkCount(x, f);
+      for (uint64_t c = 0; c < chunks; ++c) {
+        OPTSTATE_RETURN_IF_ERROR(a.ReadChunk({x.id, f, c}, ba.data()));
+        OPTSTATE_RETURN_IF_ERROR(b.ReadChunk({y->id, f, c}, bb.data()));
+        uint64_t len = std::min(chunk_bytes, x.numel * esize - c * chunk_bytes);
+        if (std::memcmp(ba.data(), bb.data(), len) != 0) {
+          uint64_t i = 0;
+          while (i < len && ba.data()[i] == bb.data()[i]) ++i;
+          uint64_t elem = (c * chunk_bytes + i) / esize;
+          diffs.push_back(fmt::format("tensor {} field {}: differs at element {} (chunk {})",
+                                      x.name, x.fields[f].name, elem, c));
+          break;
+        }
+      }
+    }
+  }
+  for (const auto& y : tb) {
+    if (!a.FindTensor(y.name).ok()) diffs.push_back(fmt::format("tensor {} only in the second", y.name));
+  }
+  return diffs;
+}
+
+}  // namespace optstate::tools

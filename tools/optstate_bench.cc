@@ -1,0 +1,40 @@
+// optstate-bench: the performance harness. Subcommands io, step, mount,
+// kernel; each prints a table of ratios (or --json). See docs/CLI.md.
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "tools/internal/bench.h"
+#include "tools/internal/cli.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"optstate-bench: optstate's performance harness (tables of ratios vs fio and "
+               "vs the first version's method)"};
+  app.name("optstate-bench");
+  app.require_subcommand(1, 1);
+  int exit_code = 0;
+  optstate::tools::bench::AddIoCommand(app, &exit_code);
+#ifdef OPTSTATE_BENCH_HAVE_STEP
+  optstate::tools::bench::AddStepCommand(app, &exit_code);
+  optstate::tools::bench::AddKernelCommand(app, &exit_code);
+#endif
+#ifdef OPTSTATE_BENCH_HAVE_MOUNT
+  optstate::tools::bench::AddMountCommand(app, &exit_code);
+#endif
+  // A mistyped command gets a suggestion instead of CLI11's "A subcommand is required".
+  if (argc > 1 && argv[1][0] != '-') {
+    std::vector<std::string> names;
+    for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+    std::string msg = optstate::tools::UnknownCommandMessage(argv[1], names);
+    if (!msg.empty()) {
+      std::cerr << "optstate-bench: error: " << msg << "\nRun with --help for more information.\n";
+      return static_cast<int>(CLI::ExitCodes::ExtrasError);
+    }
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return exit_code;
+}
