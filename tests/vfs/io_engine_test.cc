@@ -154,6 +154,18 @@ TEST_P(IoEngineTest, WriteThenReadRoundTrip) {
   for (const auto& c : done) EXPECT_TRUE(c.status.ok()) << c.status.ToString();
   EXPECT_EQ(std::memcmp(arena_.get(), model.data(), 8 << 20), 0);
   EXPECT_EQ(std::memcmp(big_back.get(), model.data() + (12 << 20), 3 << 20), 0);
+  if (auto* uring = dynamic_cast<internal::UringIoEngine*>(engine.get())) {
+    // The 16 arena requests lie in the registered half: fixed opcodes; the
+    // two 3 MiB requests use a plain buffer.
+    const auto& st = uring->stats();
+    EXPECT_EQ(st.requests, 18u);
+    EXPECT_EQ(st.sqes - st.resubmissions, 18u);
+    EXPECT_GE(st.fixed_buffer_sqes, 16u);
+    EXPECT_LT(st.fixed_buffer_sqes, st.sqes);
+    if (uring->registered_files_active()) {
+      EXPECT_EQ(st.fixed_file_sqes, st.sqes);
+    }
+  }
 }
 
 // 1000 random reads and writes, up to 64 outstanding at queue depth 32, mixed
@@ -207,6 +219,7 @@ TEST_P(IoEngineTest, ThousandRandomRequestsMatchModel) {
       uint64_t len = direct ? 4096 * (1 + rng() % 64) : 1 + rng() % kSlotBytes;
       uint64_t off = direct ? 4096 * (rng() % ((kFileBytes - len) / 4096)) : rng() % (kFileBytes - len);
       if (overlaps(off, len)) continue;
+      std::swap(free_slots[rng() % free_slots.size()], free_slots.back());  // any slot, either half
       uint64_t slot = free_slots.back();
       free_slots.pop_back();
       std::byte* buf = arena_.get() + slot * kSlotBytes;
@@ -236,6 +249,12 @@ TEST_P(IoEngineTest, ThousandRandomRequestsMatchModel) {
   EXPECT_GT(reads_checked, 300u);
   EXPECT_EQ(engine->in_flight(), 0u);
   EXPECT_EQ(ReadWithPread(path_, kFileBytes), model);
+  if (auto* uring = dynamic_cast<internal::UringIoEngine*>(engine.get())) {
+    const auto& st = uring->stats();
+    EXPECT_EQ(st.requests, 1000u);
+    EXPECT_GT(st.fixed_buffer_sqes, 200u);  // slots in the registered half
+    EXPECT_LT(st.fixed_buffer_sqes, st.sqes - 200);
+  }
 }
 
 TEST_P(IoEngineTest, MoreRequestsThanQueueDepthInOneSubmit) {

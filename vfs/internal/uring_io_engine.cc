@@ -192,6 +192,7 @@ int UringIoEngine::FileSlotFor(const IoRequest& r, std::unordered_map<int, int>*
 
 void UringIoEngine::Prepare(uint32_t idx) {
   Op& op = ops_[idx];
+  if (op.first_len == UINT64_MAX) ++stats_.resubmissions;
   uint64_t remaining = op.req.length - op.done;
   if (op.first_len < remaining) remaining = op.first_len;  // a hook's short first transfer
   op.first_len = UINT64_MAX;
@@ -224,6 +225,9 @@ void UringIoEngine::Prepare(uint32_t idx) {
   io_uring_sqe_set_data64(sqe, idx);
   op.sqe_len = len;
   ++prepared_;
+  ++stats_.sqes;
+  if (op.buf_index >= 0) ++stats_.fixed_buffer_sqes;
+  if (op.file_slot >= 0) ++stats_.fixed_file_sqes;
 }
 
 void UringIoEngine::Finish(uint32_t idx, Status status) {
@@ -320,6 +324,7 @@ Status UringIoEngine::Submit(std::span<const IoRequest> requests) {
   for (const IoRequest& r : requests) OPTSTATE_RETURN_IF_ERROR(Validate(r));
   std::unordered_map<int, int> checked;  // fds validated in this call
   for (const IoRequest& r : requests) {
+    ++stats_.requests;
     uint64_t first_len = r.length;
     if (FaultHooks* h = r.file->hooks()) {
       OpClass c = r.op == IoRequest::Op::kRead ? OpClass::kRead : OpClass::kWrite;

@@ -41,6 +41,15 @@ class UringIoEngine final : public IoEngine {
 
   // For tests and the benchmark: whether fixed files are in use.
   bool registered_files_active() const { return file_slots_ > 0; }
+  // Counters since construction (for tests and the benchmark).
+  struct Stats {
+    uint64_t requests = 0;       // accepted requests
+    uint64_t sqes = 0;           // SQEs prepared (first submissions + resubmissions)
+    uint64_t resubmissions = 0;  // SQEs for a remainder or a retry
+    uint64_t fixed_buffer_sqes = 0;
+    uint64_t fixed_file_sqes = 0;
+  };
+  const Stats& stats() const { return stats_; }
 
  private:
   // One accepted request until its completion is queued in ready_.
@@ -95,6 +104,7 @@ class UringIoEngine final : public IoEngine {
   uint32_t active_ = 0;            // ops with an SQE prepared or in the kernel
   uint32_t prepared_ = 0;          // SQEs prepared, not yet submitted
   std::deque<IoCompletion> ready_;
+  Stats stats_;
   uint64_t accepted_ = 0;
   uint64_t delivered_ = 0;
 };
