@@ -98,6 +98,10 @@ TEST(FaultInjectionTest, FailNthOperationOfEachClass) {
       EXPECT_NE(s.message().find(dir.path()), std::string::npos) << s.ToString();
       EXPECT_NE(s.message().find(std::strerror(EIO)), std::string::npos) << s.ToString();
       EXPECT_EQ(fs.InjectedCount(), 1u);
+      // A failed atomic write leaves no temporary file behind.
+      if (auto names = FileSystem::Default()->ListDir(dir.Sub("sub")); names.ok()) {
+        for (const auto& name : *names) EXPECT_EQ(name.find(".tmp"), std::string::npos) << name;
+      }
       // Once: the same workload passes afterwards in a fresh directory.
       TempDir again;
       EXPECT_TRUE(Workload(&fs, again.path()).ok());

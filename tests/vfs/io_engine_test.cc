@@ -492,6 +492,33 @@ TEST(UringRegisteredFilesTest, FdReuseGoesToTheNewFile) {
   if (!uring->registered_files_active()) GTEST_SKIP() << "kernel without sparse registered files";
 }
 
+TEST(UringOptionsTest, SqpollRoundTrip) {
+  TempDir dir;
+  auto f = FileSystem::Default()->Open(dir.Sub("f"), OpenOptions{.create = true, .direct = true});
+  ASSERT_TRUE(f.ok());
+  IoEngineOptions o;
+  o.queue_depth = 8;
+  o.sqpoll = true;
+  auto e = IoEngine::NewUring(o);
+  if (!e.ok()) GTEST_SKIP() << "SQPOLL unavailable here: " << e.status().ToString();
+  constexpr uint64_t kN = 64, kLen = 16 << 10;
+  AlignedBuf buf = AllocAligned(kN * kLen), back = AllocAligned(kN * kLen);
+  FillPattern(buf.get(), kN * kLen, 42);
+  for (auto op : {IoRequest::Op::kWrite, IoRequest::Op::kRead}) {
+    std::vector<IoRequest> reqs;
+    for (uint64_t i = 0; i < kN; ++i) {
+      std::byte* b = (op == IoRequest::Op::kWrite ? buf.get() : back.get()) + i * kLen;
+      reqs.push_back({op, f->get(), i * kLen, kLen, b, i});
+    }
+    ASSERT_TRUE((*e)->Submit(reqs).ok());
+    std::vector<IoCompletion> done;
+    ASSERT_TRUE((*e)->Reap(&done, kN).ok());
+    ASSERT_EQ(done.size(), kN);
+    for (const auto& c : done) EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+  }
+  EXPECT_EQ(std::memcmp(buf.get(), back.get(), kN * kLen), 0);
+}
+
 TEST(UringOptionsTest, RejectsBadQueueDepth) {
   IoEngineOptions o;
   o.queue_depth = 0;
