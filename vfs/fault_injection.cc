@@ -138,6 +138,38 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
                 std::optional<std::string> old_to_contents) {
     std::lock_guard<std::mutex> lock(mu_);
     std::string from = Norm(from_raw), to = Norm(to_raw);
+    // A directory rename carries everything tracked below it.
+    auto strictly_under = [&](const std::string& k) { return k.size() > from.size() && IsUnder(k, from); };
+    auto remap = [&](const std::string& k) { return strictly_under(k) ? to + k.substr(from.size()) : k; };
+    std::erase_if(unsynced_, [&](const auto& kv) { return kv.first.size() > to.size() && IsUnder(kv.first, to); });
+    for (auto it = unsynced_.begin(); it != unsynced_.end();) {
+      if (!strictly_under(it->first)) {
+        ++it;
+        continue;
+      }
+      auto node = unsynced_.extract(it++);
+      node.key() = remap(node.key());
+      unsynced_.insert(std::move(node));
+    }
+    for (auto it = created_.begin(); it != created_.end();) {
+      if (!strictly_under(it->first)) {
+        ++it;
+        continue;
+      }
+      std::string key = remap(it->first), dir = remap(it->second);
+      it = created_.erase(it);
+      created_[key] = dir;
+    }
+    for (auto it = replaced_.begin(); it != replaced_.end();) {
+      if (!strictly_under(it->first)) {
+        ++it;
+        continue;
+      }
+      std::string key = remap(it->first);
+      Replaced r{remap(it->second.dir), std::move(it->second.old_contents)};
+      it = replaced_.erase(it);
+      replaced_[key] = std::move(r);
+    }
     auto un = unsynced_.find(from);
     if (un != unsynced_.end()) {
       unsynced_[to] = std::move(un->second);

@@ -359,6 +359,34 @@ TEST(FaultInjectionTest, UnsyncedRenameOverAFileIsUndoneAndSyncedOneKept) {
   EXPECT_EQ(fs.ListDir(dir.path())->size(), 1u);
 }
 
+// A store is created in a temporary directory that is renamed into place:
+// what is tracked below the directory follows it.
+TEST(FaultInjectionTest, DirectoryRenameCarriesTracking) {
+  TempDir dir;
+  FaultInjectionFileSystem fs(FileSystem::Default());
+  ASSERT_TRUE(fs.CreateDir(dir.Sub("tmp/index")).ok());
+  ASSERT_TRUE(fs.SyncDir(dir.Sub("tmp")).ok());
+  {
+    auto synced = fs.Open(dir.Sub("tmp/synced"), OpenOptions{.create = true});
+    ASSERT_TRUE(synced.ok());
+    ASSERT_TRUE((*synced)->Pwrite(0, "abcd", 4).ok());
+    ASSERT_TRUE((*synced)->Fsync().ok());
+    ASSERT_TRUE((*synced)->Pwrite(1, "XY", 2).ok());  // unsynced
+    auto created = fs.Open(dir.Sub("tmp/index/wal"), OpenOptions{.create = true});  // entry unsynced
+    ASSERT_TRUE(created.ok());
+  }
+  ASSERT_TRUE(fs.SyncDir(dir.Sub("tmp")).ok());
+  ASSERT_TRUE(fs.Rename(dir.Sub("tmp"), dir.Sub("store")).ok());
+  ASSERT_TRUE(fs.SyncDir(dir.path()).ok());  // "store" is durable
+  std::vector<std::string> want = {dir.Sub("store/index/wal")};
+  EXPECT_EQ(fs.UnsyncedCreations(), want);
+  EXPECT_EQ(fs.UnsyncedBytes(), 2u);
+  ASSERT_TRUE(fs.DropUnsyncedData(DropMode::kAll).ok());
+  EXPECT_EQ(ReadRaw(dir.Sub("store/synced")), std::string("a\0\0d", 4));
+  EXPECT_FALSE(*FileSystem::Default()->Exists(dir.Sub("store/index/wal")));
+  EXPECT_TRUE(*FileSystem::Default()->Exists(dir.Sub("store/index")));
+}
+
 TEST(FaultInjectionTest, InactiveFilesystemFailsEverything) {
   TempDir dir;
   FaultInjectionFileSystem fs(FileSystem::Default());
