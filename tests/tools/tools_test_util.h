@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tools/internal/buffer.h"
 #include "tools/internal/process.h"
+#include "vfs/store.h"
 
 namespace optstate::tools::testing {
 
@@ -47,5 +49,35 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// Creates a store at `path` with chunk 2 MiB, one tensor "w" of `numel`
+// elements whose main[i] = i (as float), committed once (step 1), and a
+// snapshot "s1". Returns the open writable store.
+inline std::unique_ptr<vfs::Store> MakeSmallStore(const std::string& path, uint64_t numel = 1000) {
+  vfs::StoreOptions o;
+  o.chunk_size_bytes = 2 * vfs::kMiB;
+  o.preallocate_step_bytes = 8 * vfs::kMiB;
+  auto s = vfs::Store::Create(path, o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  if (!s.ok()) return nullptr;
+  vfs::TensorSpec spec;
+  spec.name = "w";
+  spec.numel = numel;
+  auto t = (*s)->CreateTensor(spec);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  const uint64_t per_chunk = o.chunk_size_bytes / 4;
+  AlignedBuffer buf(o.chunk_size_bytes);
+  for (uint64_t c = 0; c * per_chunk < numel; ++c) {
+    for (uint64_t i = 0; i < per_chunk; ++i) buf.as<float>()[i] = static_cast<float>(c * per_chunk + i);
+    EXPECT_TRUE((*s)->WriteChunk({t->id, 0, c}, buf.data()).ok());
+  }
+  vfs::CommitInfo ci;
+  ci.step = 1;
+  ci.groups.push_back(vfs::GroupInfo{0, 1, {{"lr", 1e-3}}});
+  auto g = (*s)->Commit(ci);
+  EXPECT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_TRUE((*s)->CreateSnapshot("s1").ok());
+  return std::move(*s);
+}
 
 }  // namespace optstate::tools::testing
