@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -359,7 +360,9 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
     if (!hyper) return st;
     OPTSTATE_RETURN_IF_ERROR(p.Object(*hyper, path + "hyper"));
     for (const auto& [k, hv] : hyper->items()) {
-      if (!hv.is_number()) return p.Err(path + "hyper." + k, "expected a number");
+      if (!hv.is_number() || !std::isfinite(hv.get<double>())) {
+        return p.Err(path + "hyper." + k, "expected a finite number");
+      }
       if (k.empty() || k.size() > 256) return p.Err(path + "hyper", "bad hyperparameter name");
       g.hyper[k] = hv.get<double>();
     }

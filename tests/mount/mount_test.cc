@@ -270,6 +270,23 @@ TEST_F(MountTest, SnapshotCopyRestoreBitExactWhileStepping) {
   EXPECT_TRUE(DumpLatest(r->get()) == want);
   EXPECT_EQ((*r)->LatestGeneration().step, 3u);
   EXPECT_EQ((*r)->LatestGeneration().groups.size(), 2u);
+  r->reset();
+  // The same through the optstate-restore command line.
+  ASSERT_EQ(Sh(std::string(OPTSTATE_RESTORE_BINARY) + " -q " + copy + " " + root_ +
+               "/cli --create cli"),
+            0);
+  {
+    auto c = Store::Open(root_ + "/cli", StoreOptions{});
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_TRUE(DumpLatest(c->get()) == want);
+    EXPECT_EQ((*c)->identity().name, "cli");
+  }
+  fs::resize_file(copy + "/tensors/emb/exp_avg", 1000);
+  EXPECT_EQ(Sh(std::string(OPTSTATE_RESTORE_BINARY) + " " + copy + " " + root_ + "/cli 2>" +
+               root_ + "/restore.err"),
+            1);
+  EXPECT_NE(ReadFile(root_ + "/restore.err").find("tensors/emb/exp_avg"), std::string::npos)
+      << ReadFile(root_ + "/restore.err");
   // latest/ moved on to step 4.
   auto m = nlohmann::json::parse(ReadFile(M("latest/manifest.json")));
   EXPECT_EQ(m["step"], 4);

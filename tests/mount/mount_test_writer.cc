@@ -4,7 +4,7 @@
 // them, until a step count is reached and, with --until, a stop file exists.
 //
 //   mount_test_writer STORE --first-step S --steps N [--snapshot-after K NAME]
-//                     [--until FILE] [--progress FILE]
+//                     [--until FILE] [--progress FILE] [--create NAME:NUMEL ...] [--chunk-mib N]
 #include <unistd.h>
 
 #include <cstdio>
@@ -21,7 +21,8 @@ using namespace optstate::vfs;  // NOLINT
 int main(int argc, char** argv) {
   if (argc < 2) return 2;
   std::string store_path = argv[1], snap_name, until, progress;
-  uint64_t first = 1, steps = 1, snap_after = 0;
+  std::vector<std::string> create;
+  uint64_t first = 1, steps = 1, snap_after = 0, chunk_mib = 8;
   for (int i = 2; i + 1 < argc; ++i) {
     std::string a = argv[i];
     if (a == "--first-step") first = std::strtoull(argv[++i], nullptr, 10);
@@ -31,6 +32,27 @@ int main(int argc, char** argv) {
       snap_name = argv[++i];
     } else if (a == "--until") until = argv[++i];
     else if (a == "--progress") progress = argv[++i];
+    else if (a == "--create") create.push_back(argv[++i]);
+    else if (a == "--chunk-mib") chunk_mib = std::strtoull(argv[++i], nullptr, 10);
+  }
+  if (!create.empty()) {  // benchmarks: a fresh store with NAME:NUMEL tensors
+    StoreOptions o;
+    o.chunk_size_bytes = chunk_mib * kMiB;
+    auto s = Store::Create(store_path, o);
+    if (!s.ok()) {
+      std::fprintf(stderr, "writer: %s\n", s.status().ToString().c_str());
+      return 1;
+    }
+    for (const std::string& c : create) {
+      TensorSpec spec;
+      spec.name = c.substr(0, c.rfind(':'));
+      spec.numel = std::strtoull(c.substr(c.rfind(':') + 1).c_str(), nullptr, 10);
+      auto t = (*s)->CreateTensor(spec);
+      if (!t.ok()) {
+        std::fprintf(stderr, "writer: %s\n", t.status().ToString().c_str());
+        return 1;
+      }
+    }
   }
   auto store = Store::Open(store_path, StoreOptions{});
   if (!store.ok()) {
