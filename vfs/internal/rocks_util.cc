@@ -112,6 +112,34 @@ class HookedWritableFile : public rocksdb::FSWritableFileOwnerWrapper {
   std::atomic<uint64_t> written_{0};
 };
 
+// Reports directory syncs, so that a power-loss simulation knows which of
+// RocksDB's file creations are durable.
+class HookedDirectory : public rocksdb::FSDirectoryWrapper {
+ public:
+  HookedDirectory(std::unique_ptr<rocksdb::FSDirectory> d, std::string path, FaultHooks* hooks)
+      : FSDirectoryWrapper(std::move(d)), path_(std::move(path)), hooks_(hooks) {}
+  rocksdb::IOStatus Fsync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
+    return Sync([&] { return FSDirectoryWrapper::Fsync(o, dbg); });
+  }
+  rocksdb::IOStatus FsyncWithDirOptions(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg,
+                                        const rocksdb::DirFsyncOptions& d) override {
+    return Sync([&] { return FSDirectoryWrapper::FsyncWithDirOptions(o, dbg, d); });
+  }
+
+ private:
+  template <typename F>
+  rocksdb::IOStatus Sync(F&& f) {
+    uint64_t short_len = 0;
+    Status s = hooks_->BeforeOp(OpClass::kIndexSync, path_, 0, 0, &short_len);
+    if (!s.ok()) return ToIoStatus(s);
+    auto r = f();
+    if (r.ok()) hooks_->AfterDirSync(path_);
+    return r;
+  }
+  std::string path_;
+  FaultHooks* hooks_;
+};
+
 class HookedFileSystem : public rocksdb::FileSystemWrapper {
  public:
   HookedFileSystem(const std::shared_ptr<rocksdb::FileSystem>& base, FaultHooks* hooks)
@@ -148,6 +176,15 @@ class HookedFileSystem : public rocksdb::FileSystemWrapper {
     auto st = FileSystemWrapper::ReuseWritableFile(f, old, fo, &base, dbg);
     if (!st.ok()) return st;
     *r = std::make_unique<HookedWritableFile>(std::move(base), f, hooks_);
+    return st;
+  }
+  rocksdb::IOStatus NewDirectory(const std::string& name, const rocksdb::IOOptions& io,
+                                 std::unique_ptr<rocksdb::FSDirectory>* r,
+                                 rocksdb::IODebugContext* dbg) override {
+    std::unique_ptr<rocksdb::FSDirectory> base;
+    auto st = FileSystemWrapper::NewDirectory(name, io, &base, dbg);
+    if (!st.ok()) return st;
+    *r = std::make_unique<HookedDirectory>(std::move(base), name, hooks_);
     return st;
   }
 
