@@ -84,8 +84,8 @@ class StepPipeline {
     kernels::AdamParams params;
   };
 
-  StepPipeline(ManagerImpl* mm, int cpu_threads, const float* found_inf, uint64_t* inject)
-      : mm_(mm), dev_(mm->device()), cpu_threads_(cpu_threads), found_inf_(found_inf), inject_(inject) {}
+  StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, const float* found_inf, uint64_t* inject)
+      : mm_(mm), dev_(mm->device()), io_(io), cpu_threads_(cpu_threads), found_inf_(found_inf), inject_(inject) {}
   ~StepPipeline() { Abort(); }
 
   Status Begin() {
@@ -116,14 +116,6 @@ class StepPipeline {
       OPTSTATE_ASSIGN_OR_RETURN(slots_[i].stream, dev_->CreateStream());
       OPTSTATE_ASSIGN_OR_RETURN(slots_[i].event, dev_->CreateEvent());
     }
-    auto io = mm_->store()->NewChunkIo(mm_->ChunkIoOpts());
-    if (!io.ok()) {
-      vfs::ChunkIoOptions plain = mm_->ChunkIoOpts();
-      plain.registered_buffers.clear();
-      io = mm_->store()->NewChunkIo(plain);
-    }
-    if (!io.ok()) return io.status().WithContext("StreamedAdam: store " + mm_->store()->path());
-    io_ = std::move(*io);
     started_ = true;
     return Status::Ok();
   }
@@ -144,7 +136,10 @@ class StepPipeline {
         if (sets_[i].stage != Stage::kFree) continue;
         Job j = queue_.front();
         queue_.pop_front();
-        OPTSTATE_RETURN_IF_ERROR(Keep(StartReads(i, j)));
+        double ts = NowS();
+        Status rs0 = StartReads(i, j);
+        submit_s_ += NowS() - ts;
+        OPTSTATE_RETURN_IF_ERROR(Keep(rs0));
         progressed = true;
       }
       // 2. Finished device work -> writes.
@@ -160,7 +155,10 @@ class StepPipeline {
         }
         size_t set = static_cast<size_t>(d.set);
         d.set = -1;
-        OPTSTATE_RETURN_IF_ERROR(Keep(StartWrites(set)));
+        double ts = NowS();
+        Status ws = StartWrites(set);
+        submit_s_ += NowS() - ts;
+        OPTSTATE_RETURN_IF_ERROR(Keep(ws));
         progressed = true;
       }
       // 3. Ready slices -> free device slots.
@@ -168,7 +166,10 @@ class StepPipeline {
         if (slots_[k].set >= 0) continue;
         size_t set = ready_.front();
         ready_.pop_front();
-        OPTSTATE_RETURN_IF_ERROR(Keep(StartCompute(set, k)));
+        double tc = NowS();
+        Status cs = StartCompute(set, k);
+        compute_s_ += NowS() - tc;
+        OPTSTATE_RETURN_IF_ERROR(Keep(cs));
         progressed = true;
         gpu_pending = true;
       }
@@ -206,7 +207,7 @@ class StepPipeline {
 
   // Stops: waits for every request in flight (results ignored) and the GPU.
   void Abort() {
-    if (io_) {
+    if (started_) {
       std::vector<vfs::ChunkCompletion> sink;
       while (io_->in_flight() > 0) {
         if (!io_->Reap(&sink, io_->in_flight()).ok()) break;
@@ -219,7 +220,6 @@ class StepPipeline {
   void Release() {
     if (!started_) return;
     started_ = false;
-    io_.reset();
     for (auto& d : slots_) {
       dev_->DestroyEvent(d.event);
       dev_->DestroyStream(d.stream);
@@ -234,7 +234,7 @@ class StepPipeline {
   }
 
   uint64_t slices = 0, read_bytes = 0, write_bytes = 0, cache_hits = 0, h2d = 0, d2h = 0;
-  double stall_s_ = 0;
+  double stall_s_ = 0, compute_s_ = 0, submit_s_ = 0;
 
  private:
   enum class Stage : uint8_t { kFree, kReading, kReady, kComputing, kWriting };
@@ -360,6 +360,7 @@ class StepPipeline {
 
   ManagerImpl* mm_;
   Device* dev_;
+  vfs::ChunkIo* io_;  // StreamedAdam's
   int cpu_threads_;
   const float* found_inf_;
   uint64_t* inject_;
@@ -370,7 +371,6 @@ class StepPipeline {
   std::vector<DevSlot> slots_;
   std::deque<Job> queue_;
   std::deque<size_t> ready_;
-  std::unique_ptr<vfs::ChunkIo> io_;
   std::vector<vfs::ChunkCompletion> done_;
   Status error_;
 };
@@ -496,6 +496,20 @@ uint64_t StreamedAdam::step_count(uint32_t group) const {
 
 uint64_t StreamedAdam::last_generation() const { return last_generation_; }
 
+Status StreamedAdam::EnsureIo() {
+  if (io_) return Status::Ok();
+  ManagerImpl* impl = mm_->impl();
+  auto io = store_->NewChunkIo(impl->ChunkIoOpts());
+  if (!io.ok()) {
+    vfs::ChunkIoOptions plain = impl->ChunkIoOpts();
+    plain.registered_buffers.clear();
+    io = store_->NewChunkIo(plain);
+  }
+  if (!io.ok()) return io.status().WithContext("StreamedAdam: store " + store_->path());
+  io_ = std::move(*io);
+  return Status::Ok();
+}
+
 Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::ScalarType type) {
   ManagerImpl* impl = mm_->impl();
   Device* dev = impl->device();
@@ -508,12 +522,12 @@ Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::Scala
   std::vector<void*> bufs = impl->AcquireStaging(1, 8);
   std::vector<char> bounce;
   if (dev->backend() == Backend::kCuda) bounce.resize(chunk_elems * src_size);
-  auto io_or = store_->NewChunkIo(impl->ChunkIoOpts());
-  if (!io_or.ok()) {
+  Status ios = EnsureIo();
+  if (!ios.ok()) {
     impl->ReleaseStaging(bufs);
-    return io_or.status().WithContext("StreamedAdam: writing main of " + p.info.name);
+    return ios.WithContext("StreamedAdam: writing main of " + p.info.name);
   }
-  auto& io = *io_or;
+  vfs::ChunkIo* io = io_.get();
   std::vector<void*> free_bufs = bufs;
   std::vector<vfs::ChunkCompletion> done;
   Status st;
@@ -556,7 +570,6 @@ Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::Scala
       break;
     }
   }
-  io.reset();
   impl->ReleaseStaging(bufs);
   if (!st.ok()) return st.WithContext("StreamedAdam: writing main of " + p.info.name);
   return Status::Ok();
@@ -665,6 +678,7 @@ Status StreamedAdam::Fail(Status s) {
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed step: {}", a.ToString());
   mm_->impl()->OnAbortPending();
   in_step_ = false;
+  stepped_.clear();
   // A CUDA error is sticky for the process: refuse to continue.
   if (mm_->backend() == Backend::kCuda && s.message().find("CUDA") != std::string::npos) {
     poisoned_ = true;
@@ -680,6 +694,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
   step_found_inf_ = d_found_inf;
   step_skip_ = false;
   groups_stepped_.clear();
+  stepped_.clear();
   last_stats_ = StepStats{};
   last_stats_.seconds = NowS();
   if (d_found_inf != nullptr) {
@@ -692,7 +707,8 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
     }
   }
   OPTSTATE_RETURN_IF_ERROR(CommitPendingRegistrations());
-  pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), opts_.cpu_threads, d_found_inf,
+  OPTSTATE_RETURN_IF_ERROR(EnsureIo());
+  pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads, d_found_inf,
                                                        &inject_kernel_failure_after_);
   Status s = pipeline_->Begin();
   if (!s.ok()) {
@@ -788,6 +804,10 @@ Result<uint64_t> StreamedAdam::EndStep() {
   last_stats_.read_bytes = pl.read_bytes;
   last_stats_.write_bytes = pl.write_bytes;
   last_stats_.slices_in_flight = pl.depth();
+  last_stats_.device_slots = pl.device_slots();
+  last_stats_.io_wait_seconds = pl.stall_s_;
+  last_stats_.compute_seconds = pl.compute_s_;
+  last_stats_.submit_seconds = pl.submit_s_;
   mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
   pipeline_->Release();
   pipeline_.reset();
@@ -808,7 +828,9 @@ Result<uint64_t> StreamedAdam::EndStep() {
   }
   Status fs = mm_->Flush();
   if (!fs.ok()) return Fail(fs);
+  double tcommit = NowS();
   auto gen = store_->Commit(MakeCommitInfo(true));
+  last_stats_.commit_seconds = NowS() - tcommit;
   if (!gen.ok()) return Fail(gen.status().WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
   for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
   ++global_step_;

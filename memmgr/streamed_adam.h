@@ -16,7 +16,14 @@
 //    (bias correction uses the group's count; the store persists per group).
 //  - found-inf (d_found_inf nonzero) skips the step: nothing is written or
 //    committed, step counts stay; Step returns OK and last_step_skipped() is
-//    true.
+//    true. The flag is read at BeginStep (no I/O then) and again at EndStep
+//    (incremental form: a flag raised mid-step drops the step's state
+//    updates; model-param copies of slices done before it was raised keep
+//    their update, so raise it before BeginStep).
+//  - cuda: gradients must be complete when StepParam/Step is called (the
+//    pipeline runs on its own non-blocking streams; synchronise the stream
+//    that produced them first). Param copies are complete when EndStep/Step
+//    returns.
 //  - Any error (I/O, CUDA, checksum) aborts the pending generation
 //    (Store::AbortPending, which also drops uncommitted MemoryManager
 //    write-backs) and is returned; nothing is committed. After a CUDA error the
@@ -132,7 +139,12 @@ class StreamedAdam {
     uint64_t slices = 0;
     uint64_t read_bytes = 0;
     uint64_t write_bytes = 0;
-    uint32_t slices_in_flight = 0;  // pipeline depth used
+    uint32_t slices_in_flight = 0;  // pipeline depth used (staging sets)
+    uint32_t device_slots = 0;      // slices that can be on the device at once
+    double io_wait_seconds = 0;     // blocked in Reap with nothing else to do
+    double compute_seconds = 0;     // in copy/kernel launch calls (host: the whole kernel)
+    double submit_seconds = 0;      // in SubmitRead/SubmitWrite (checksums, queue-full waits)
+    double commit_seconds = 0;      // Store::Commit (fdatasync + index batch)
   };
   const StepStats& last_step_stats() const { return last_stats_; }
 
@@ -170,6 +182,10 @@ class StreamedAdam {
   std::map<uint32_t, bool> groups_stepped_;
   std::set<std::string> stepped_;  // params stepped in the current step
   std::unique_ptr<internal::StepPipeline> pipeline_;
+  // The optimizer's ChunkIo (registers the manager's staging buffers once;
+  // used by WriteMain and the step pipeline, never concurrently).
+  std::unique_ptr<vfs::ChunkIo> io_;
+  Status EnsureIo();
   StepStats last_stats_;
   uint64_t inject_kernel_failure_after_ = 0;
 };

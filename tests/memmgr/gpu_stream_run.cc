@@ -272,10 +272,13 @@ int main(int argc, char** argv) {
               tot > 0 ? free_before - min_free.load() : 0, ms.peak_resident_bytes, ss.slices_in_flight};
     rows.push_back(r);
     std::printf("%-15s step %d: %.2f s, read %.2f GB, write %.2f GB, %.2f GB/s (r+w), %u slices in flight, "
-                "peak resident %.1f MiB (budget %.1f MiB), device mem above pre-step %.1f MiB, io stall %.2f s\n",
+                "peak resident %.1f MiB (budget %.1f MiB), device mem above pre-step %.1f MiB, io stall %.2f s\n"
+                "                 breakdown: io wait %.2f s, compute/copy %.2f s, submit %.2f s, commit %.2f s, "
+                "device slots %u\n",
                 r.mode.c_str(), step, dt, r.read_bytes / 1e9, r.write_bytes / 1e9,
                 (r.read_bytes + r.write_bytes) / 1e9 / dt, r.depth, r.peak_resident / 1048576.0,
-                a.budget / 1048576.0, r.peak_dev_delta / 1048576.0, ms.io_stall_seconds);
+                a.budget / 1048576.0, r.peak_dev_delta / 1048576.0, ms.io_stall_seconds, ss.io_wait_seconds,
+                ss.compute_seconds, ss.submit_seconds, ss.commit_seconds, ss.device_slots);
     std::fflush(stdout);
   };
   for (int k = 1; k <= a.steps; ++k) {

@@ -356,8 +356,18 @@ struct StepGrads {
   std::vector<std::unique_ptr<DeviceBuffer>> grad, param;
   StepGrads(MemoryManager* mm, const std::vector<ParamDef>& defs, uint64_t step) {
     for (const auto& d : defs) {
+      // A per-param random base, rotated per step (cheap under ASan, still
+      // different every step).
+      static std::map<std::string, std::vector<float>> bases;
+      auto& base = bases[d.name + "/" + std::to_string(d.numel)];
+      if (base.size() != d.numel) {
+        base.resize(d.numel);
+        for (uint64_t i = 0; i < d.numel; ++i) base[i] = RandF(d.numel, i) * 4.0f;
+      }
       std::vector<float> g(d.numel);
-      for (uint64_t i = 0; i < d.numel; ++i) g[i] = RandF(step * 7919 + d.numel, i) * 4.0f;
+      uint64_t rot = (step * 7919) % d.numel;
+      std::copy(base.begin() + static_cast<long>(rot), base.end(), g.begin());
+      std::copy(base.begin(), base.begin() + static_cast<long>(rot), g.begin() + static_cast<long>(d.numel - rot));
       std::vector<uint8_t> enc;
       Encode(g, d.grad_type, &enc);
       grad.push_back(std::make_unique<DeviceBuffer>(mm, enc.size()));
