@@ -1,0 +1,583 @@
+// optstate-bench step: a StreamedAdam step vs the I/O floor (fio reading and
+// writing the same bytes at once) vs the first version's method, and a
+// deterministic synthetic mode that leaves its store behind.
+//
+// The first version's method, reproduced here: one private file per parameter
+// field; per parameter, chunk by chunk, synchronous O_DIRECT pread of main,
+// exp_avg and exp_avg_sq through ONE pinned staging buffer, each copied to the
+// device; the fused kernel; each field copied back through the same staging
+// buffer and pwritten in place; fdatasync of every file at the end (so its
+// timing, like ours, includes durability).
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "kernels/adam.h"
+#include "memmgr/memory_manager.h"
+#include "memmgr/streamed_adam.h"
+#include "tools/internal/bench.h"
+#include "tools/internal/buffer.h"
+#include "tools/internal/cli.h"
+#include "tools/internal/device_buffer.h"
+#include "tools/internal/fio.h"
+#include "tools/internal/process.h"
+#include "vfs/file_system.h"
+#include "vfs/store.h"
+
+namespace optstate::tools::bench {
+
+namespace {
+
+namespace fs = std::filesystem;
+using kernels::ScalarType;
+constexpr const char* kTool = "optstate-bench step";
+
+struct StepOptions {
+  // synthetic mode
+  std::string store;
+  uint64_t params = 0;
+  uint64_t steps = 1;
+  uint32_t tensors = 1;
+  std::string snapshot;
+  // comparison mode
+  std::string dir;
+  std::string state_text = "1G";
+  uint32_t rounds = 3;
+  bool no_fio = false;
+  bool no_first_version = false;
+  // both
+  std::string chunk_text = "8M";
+  std::string budget_text = "256M";
+  std::string host_cache_text = "0";
+  std::string backend = "auto";
+  uint32_t queue_depth = 32;
+  int cpu_threads = 1;
+  bool json = false;
+};
+
+Result<memmgr::Backend> ParseBackend(const std::string& s) {
+  if (s == "auto") return memmgr::Backend::kAuto;
+  if (s == "host") return memmgr::Backend::kHost;
+  if (s == "cuda") return memmgr::Backend::kCuda;
+  return InvalidArgument(fmt::format("--backend '{}': expected auto, host or cuda", s));
+}
+
+struct Common {
+  uint64_t chunk = 0, budget = 0, host_cache = 0;
+  memmgr::Backend backend = memmgr::Backend::kAuto;
+};
+
+Result<Common> ParseCommon(const StepOptions& o) {
+  Common c;
+  OPTSTATE_ASSIGN_OR_RETURN(c.chunk, ParseBytes(o.chunk_text));
+  if (c.chunk == 0 || c.chunk % vfs::kChunkAlignBytes != 0) {
+    return InvalidArgument(fmt::format("--chunk-size {} is not a positive multiple of 2 MiB", c.chunk));
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(c.budget, ParseBytes(o.budget_text));
+  OPTSTATE_ASSIGN_OR_RETURN(c.host_cache, ParseBytes(o.host_cache_text));
+  OPTSTATE_ASSIGN_OR_RETURN(c.backend, ParseBackend(o.backend));
+  return c;
+}
+
+memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& o) {
+  memmgr::MemoryManagerOptions mo;
+  mo.backend = c.backend;
+  mo.device_budget_bytes = c.budget;
+  mo.host_cache_bytes = c.host_cache;
+  mo.queue_depth = o.queue_depth;
+  return mo;
+}
+
+// ---------------------------------------------------------------------------
+// Deterministic synthetic mode (issue 6).
+
+std::vector<uint64_t> SplitSizes(uint64_t n, uint32_t t) {
+  std::vector<uint64_t> sizes(t, n / t);
+  for (uint32_t k = 0; k < n % t; ++k) ++sizes[k];
+  return sizes;
+}
+
+int RunSynthetic(const StepOptions& o) {
+  auto c = ParseCommon(o);
+  if (!c.ok()) return FailWith(kTool, c.status());
+  if (o.params == 0) return FailWith(kTool, InvalidArgument("--params must be > 0"));
+  if (o.tensors == 0 || o.tensors > o.params) {
+    return FailWith(kTool, InvalidArgument("--tensors must be in 1..--params"));
+  }
+  std::unique_ptr<vfs::Store> store;
+  bool created = false;
+  if (fs::exists(o.store)) {
+    auto s = vfs::Store::Open(o.store, vfs::StoreOptions{});
+    if (!s.ok()) return FailWith(kTool, s.status());
+    store = std::move(*s);
+  } else {
+    vfs::StoreOptions so;
+    so.chunk_size_bytes = c->chunk;
+    so.preallocate_step_bytes = std::min<uint64_t>(1ull << 30, std::max<uint64_t>(
+                                                                   c->chunk * 8, o.params * 12 / 4));
+    auto s = vfs::Store::Create(o.store, so);
+    if (!s.ok()) return FailWith(kTool, s.status());
+    store = std::move(*s);
+    created = true;
+  }
+  auto mm = memmgr::MemoryManager::Create(store.get(), ManagerOptions(*c, o));
+  if (!mm.ok()) return FailWith(kTool, mm.status());
+  memmgr::StreamedAdamOptions ao;
+  ao.cpu_threads = o.cpu_threads;
+  auto opt = memmgr::StreamedAdam::Create(store.get(), mm->get(), ao);
+  if (!opt.ok()) return FailWith(kTool, opt.status());
+  memmgr::ParamGroup g;
+  g.id = 0;
+  g.lr = 1e-3;
+  g.beta1 = 0.9;
+  g.beta2 = 0.999;
+  g.eps = 1e-8;
+  g.weight_decay = 0.01;
+  g.adamw = true;
+  if (Status s = (*opt)->SetGroup(g); !s.ok()) return FailWith(kTool, s);
+  std::vector<uint64_t> sizes = SplitSizes(o.params, o.tensors);
+  std::vector<DeviceBuffer> grads;
+  std::vector<float> host;
+  for (uint32_t k = 0; k < o.tensors; ++k) {
+    std::string name = fmt::format("param.{}", k);
+    host.resize(sizes[k]);
+    auto d = DeviceBuffer::Make(mm->get(), sizes[k] * 4);
+    if (!d.ok()) return FailWith(kTool, d.status());
+    if (!(*opt)->HasParam(name)) {
+      for (uint64_t i = 0; i < sizes[k]; ++i) {
+        host[i] = static_cast<float>(0.1 * std::cos(0.25 * static_cast<double>(i) + k));
+      }
+      Status s = (*mm)->CopyToDevice(d->get(), host.data(), sizes[k] * 4);
+      if (s.ok()) s = (*opt)->RegisterParam(name, sizes[k], 0, d->get(), ScalarType::kF32);
+      if (!s.ok()) return FailWith(kTool, s.WithContext(name));
+    }
+    grads.push_back(std::move(*d));
+  }
+  const uint64_t t0_count = (*opt)->step_count(0);
+  double t_start = NowSeconds();
+  ProgressBar bar("steps", o.steps);
+  for (uint64_t s = 1; s <= o.steps; ++s) {
+    const uint64_t t = t0_count + s;
+    std::vector<memmgr::ParamGrad> pg;
+    for (uint32_t k = 0; k < o.tensors; ++k) {
+      host.resize(sizes[k]);
+      for (uint64_t i = 0; i < sizes[k]; ++i) {
+        host[i] = static_cast<float>(0.01 * std::sin(0.5 * static_cast<double>(i) +
+                                                     1.3 * static_cast<double>(t) + k));
+      }
+      if (Status st = (*mm)->CopyToDevice(grads[k].get(), host.data(), sizes[k] * 4); !st.ok()) {
+        return FailWith(kTool, st);
+      }
+      memmgr::ParamGrad p;
+      p.name = fmt::format("param.{}", k);
+      p.d_grad = grads[k].get();
+      p.grad_type = ScalarType::kF32;
+      pg.push_back(p);
+    }
+    if (Status st = (*opt)->Step(pg); !st.ok()) return FailWith(kTool, st.WithContext(fmt::format("step {}", t)));
+    bar.Update(s);
+  }
+  bar.Finish();
+  double secs = NowSeconds() - t_start;
+  if (!o.snapshot.empty()) {
+    auto sn = store->CreateSnapshot(o.snapshot);
+    if (!sn.ok()) return FailWith(kTool, sn.status());
+  }
+  auto ms = (*mm)->stats();
+  nlohmann::json out = {{"store", o.store}, {"created", created},
+                        {"backend", memmgr::BackendName((*mm)->backend())},
+                        {"params", o.params}, {"tensors", o.tensors}, {"steps", o.steps},
+                        {"step_count", (*opt)->step_count(0)},
+                        {"generation", (*opt)->last_generation()},
+                        {"snapshot", o.snapshot}, {"seconds", secs},
+                        {"peak_resident_bytes", ms.peak_resident_bytes},
+                        {"budget_bytes", ms.budget_bytes}};
+  if (o.json) {
+    PrintJson(out);
+  } else {
+    std::cout << fmt::format(
+        "{} {} params in {} tensor(s) (param.0..param.{}), {} step(s) on {} in {}; step count {}, "
+        "generation {}{}\npeak device memory {} (budget {}); store left at {}\n",
+        created ? "created" : "continued", o.params, o.tensors, o.tensors - 1, o.steps,
+        memmgr::BackendName((*mm)->backend()), FormatSeconds(secs), (*opt)->step_count(0),
+        (*opt)->last_generation(), o.snapshot.empty() ? "" : ", snapshot " + o.snapshot,
+        FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.budget_bytes), o.store);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------
+// Comparison mode.
+
+// A realistic mix of parameter sizes: transformer layers of hidden size h
+// (qkv 3h^2, proj h^2, fc1 4h^2, fc2 4h^2, two norms and biases of h..4h),
+// repeated until the state (12 B per parameter) reaches state_bytes.
+std::vector<std::pair<std::string, uint64_t>> ParamMix(uint64_t state_bytes) {
+  const uint64_t h = 1024;
+  const std::vector<std::pair<const char*, uint64_t>> layer = {
+      {"ln1.weight", h},     {"ln1.bias", h},          {"attn.qkv.weight", 3 * h * h},
+      {"attn.qkv.bias", 3 * h}, {"attn.proj.weight", h * h}, {"attn.proj.bias", h},
+      {"ln2.weight", h},     {"ln2.bias", h},          {"mlp.fc1.weight", 4 * h * h},
+      {"mlp.fc1.bias", 4 * h}, {"mlp.fc2.weight", 4 * h * h}, {"mlp.fc2.bias", h}};
+  std::vector<std::pair<std::string, uint64_t>> out;
+  uint64_t total = 0, target = state_bytes / 12;
+  for (int l = 0; total < target; ++l) {
+    for (const auto& [n, sz] : layer) {
+      if (total >= target) break;
+      uint64_t take = std::min(sz, target - total);
+      out.emplace_back(fmt::format("layer{}.{}", l, n), take);
+      total += take;
+    }
+  }
+  return out;
+}
+
+uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// The first version: private files, one pinned staging buffer, sync I/O.
+class FirstVersion {
+ public:
+  static Result<std::unique_ptr<FirstVersion>> Create(
+      const std::string& dir, const std::vector<std::pair<std::string, uint64_t>>& params,
+      uint64_t chunk, memmgr::MemoryManager* mm, const std::vector<float>& w0) {
+    auto fv = std::unique_ptr<FirstVersion>(new FirstVersion);
+    fv->mm_ = mm;
+    fv->chunk_ = chunk;
+    fv->staging_ = AlignedBuffer(chunk);
+    if (!fv->staging_.ok()) return ResourceExhausted("staging buffer");
+    (void)mlock(fv->staging_.data(), chunk);  // pinned where allowed, as the first version did
+    for (int f = 0; f < 3; ++f) {
+      OPTSTATE_ASSIGN_OR_RETURN(fv->d_[f], DeviceBuffer::Make(mm, chunk));
+    }
+    vfs::FileSystem* fsys = vfs::FileSystem::Default();
+    OPTSTATE_RETURN_IF_ERROR(fsys->CreateDir(dir));
+    for (size_t p = 0; p < params.size(); ++p) {
+      Param prm;
+      prm.numel = params[p].second;
+      for (int f = 0; f < 3; ++f) {
+        vfs::OpenOptions oo;
+        oo.create = true;
+        oo.direct = true;
+        std::string path = fmt::format("{}/{}.{}", dir, params[p].first, f);
+        OPTSTATE_ASSIGN_OR_RETURN(prm.files[f], fsys->Open(path, oo));
+        uint64_t bytes = RoundUp(prm.numel * 4, 4096);
+        OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Fallocate(0, bytes));
+        // Initial state: main = w0, moments zero; every byte written once.
+        for (uint64_t off = 0; off < bytes; off += chunk) {
+          uint64_t len = std::min(chunk, bytes - off);
+          std::memset(fv->staging_.data(), 0, len);
+          if (f == 0) {
+            uint64_t elems = std::min(len / 4, prm.numel - std::min(prm.numel, off / 4));
+            std::memcpy(fv->staging_.data(), w0.data(), elems * 4);
+          }
+          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pwrite(off, fv->staging_.data(), len));
+        }
+        OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Fdatasync());
+      }
+      fv->params_.push_back(std::move(prm));
+    }
+    return fv;
+  }
+
+  // grads[p]: device pointer of param p's fp32 gradient.
+  Status Step(const std::vector<void*>& grads, uint64_t step, bool cuda) {
+    kernels::AdamParams ap;
+    ap.lr = 1e-3f;
+    ap.weight_decay = 0.01f;
+    ap.step = step;
+    const uint64_t per_chunk = chunk_ / 4;
+    for (size_t p = 0; p < params_.size(); ++p) {
+      Param& prm = params_[p];
+      for (uint64_t c = 0; c * per_chunk < prm.numel; ++c) {
+        uint64_t elems = std::min(per_chunk, prm.numel - c * per_chunk);
+        uint64_t io_len = RoundUp(elems * 4, 4096);
+        for (int f = 0; f < 3; ++f) {
+          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pread(c * chunk_, staging_.data(), io_len));
+          OPTSTATE_RETURN_IF_ERROR(mm_->CopyToDevice(d_[f].get(), staging_.data(), io_len));
+        }
+        kernels::AdamTensors t;
+        t.main = static_cast<float*>(d_[0].get());
+        t.exp_avg = d_[1].get();
+        t.exp_avg_sq = d_[2].get();
+        t.grad = static_cast<const float*>(grads[p]) + c * per_chunk;
+        t.grad_type = ScalarType::kF32;
+        if (cuda) {
+          int e = kernels::AdamStepCuda(t, elems, ap, nullptr);
+          if (e != 0) return Internal(fmt::format("AdamStepCuda failed: cudaError {}", e));
+        } else if (!kernels::AdamStepCpu(t, elems, ap, 1)) {
+          return Internal("AdamStepCpu refused the tensors");
+        }
+        for (int f = 0; f < 3; ++f) {
+          OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(staging_.data(), d_[f].get(), io_len));
+          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pwrite(c * chunk_, staging_.data(), io_len));
+        }
+      }
+    }
+    for (auto& prm : params_) {
+      for (auto& f : prm.files) OPTSTATE_RETURN_IF_ERROR(f->Fdatasync());
+    }
+    return Status::Ok();
+  }
+
+ private:
+  struct Param {
+    uint64_t numel = 0;
+    std::unique_ptr<vfs::File> files[3];
+  };
+  FirstVersion() = default;
+  memmgr::MemoryManager* mm_ = nullptr;
+  uint64_t chunk_ = 0;
+  AlignedBuffer staging_;
+  DeviceBuffer d_[3];
+  std::vector<Param> params_;
+};
+
+// H2D / D2H bandwidth through the manager's copies (pinned source).
+Status MeasureCopies(memmgr::MemoryManager* mm, double* h2d, double* d2h) {
+  const uint64_t bytes = 256ull << 20;
+  AlignedBuffer h(bytes);
+  if (!h.ok()) return ResourceExhausted("copy buffer");
+  (void)mlock(h.data(), bytes);
+  std::memset(h.data(), 1, bytes);
+  OPTSTATE_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::Make(mm, bytes));
+  std::vector<double> a, b;
+  for (int i = 0; i < 5; ++i) {
+    double t0 = NowSeconds();
+    OPTSTATE_RETURN_IF_ERROR(mm->CopyToDevice(d.get(), h.data(), bytes));
+    double t1 = NowSeconds();
+    OPTSTATE_RETURN_IF_ERROR(mm->CopyToHost(h.data(), d.get(), bytes));
+    double t2 = NowSeconds();
+    a.push_back(static_cast<double>(bytes) / (t1 - t0));
+    b.push_back(static_cast<double>(bytes) / (t2 - t1));
+  }
+  *h2d = Median(a);
+  *d2h = Median(b);
+  return Status::Ok();
+}
+
+int RunCompare(const StepOptions& o) {
+  auto c = ParseCommon(o);
+  if (!c.ok()) return FailWith(kTool, c.status());
+  auto state = ParseBytes(o.state_text);
+  if (!state.ok()) return FailWith(kTool, state.status().WithContext("--state"));
+  if (*state < 12 * 1024) return FailWith(kTool, InvalidArgument("--state must be >= 12 KiB"));
+  if (o.rounds < 1) return FailWith(kTool, InvalidArgument("--rounds must be >= 1"));
+  std::string dir = o.dir;
+  bool own_dir = dir.empty();
+  if (own_dir) {
+    auto d = MakeTempDir("optstate-bench-step-", "/tmp");
+    if (!d.ok()) return FailWith(kTool, d.status());
+    dir = *d;
+  } else if (!fs::is_directory(dir)) {
+    return FailWith(kTool, NotFound(fmt::format("--dir {} is not a directory", dir)));
+  }
+  struct Cleanup {
+    std::string d;
+    bool own;
+    ~Cleanup() {
+      std::error_code ec;
+      if (own) fs::remove_all(d, ec);
+      else {
+        for (const char* n : {"store", "first_version", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
+      }
+    }
+  } cleanup{dir, own_dir};
+
+  auto params = ParamMix(*state);
+  uint64_t numel_total = 0, max_numel = 0;
+  for (auto& p : params) {
+    numel_total += p.second;
+    max_numel = std::max(max_numel, p.second);
+  }
+  const uint64_t state_bytes = numel_total * 12;
+
+  vfs::StoreOptions so;
+  so.chunk_size_bytes = c->chunk;
+  auto store = vfs::Store::Create(dir + "/store", so);
+  if (!store.ok()) return FailWith(kTool, store.status());
+  auto mm = memmgr::MemoryManager::Create(store->get(), ManagerOptions(*c, o));
+  if (!mm.ok()) return FailWith(kTool, mm.status());
+  const bool cuda = (*mm)->backend() == memmgr::Backend::kCuda;
+  memmgr::StreamedAdamOptions ao;
+  ao.cpu_threads = o.cpu_threads;
+  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao);
+  if (!opt.ok()) return FailWith(kTool, opt.status());
+  memmgr::ParamGroup g;
+  g.weight_decay = 0.01;
+  if (Status s = (*opt)->SetGroup(g); !s.ok()) return FailWith(kTool, s);
+
+  // Same initial weights and gradients for both methods.
+  std::vector<float> w0(max_numel);
+  for (uint64_t i = 0; i < max_numel; ++i) w0[i] = static_cast<float>(0.1 * std::cos(0.25 * static_cast<double>(i)));
+  std::vector<DeviceBuffer> grads;
+  std::vector<void*> grad_ptrs;
+  {
+    std::vector<float> gh(max_numel);
+    for (uint64_t i = 0; i < max_numel; ++i) gh[i] = static_cast<float>(0.01 * std::sin(0.5 * static_cast<double>(i)));
+    auto dw = DeviceBuffer::Make(mm->get(), max_numel * 4);
+    if (!dw.ok()) return FailWith(kTool, dw.status());
+    if (Status s = (*mm)->CopyToDevice(dw->get(), w0.data(), max_numel * 4); !s.ok()) return FailWith(kTool, s);
+    for (auto& [name, n] : params) {
+      auto d = DeviceBuffer::Make(mm->get(), n * 4);
+      if (!d.ok()) return FailWith(kTool, d.status());
+      Status s = (*mm)->CopyToDevice(d->get(), gh.data(), n * 4);
+      if (s.ok()) s = (*opt)->RegisterParam(name, n, 0, dw->get(), ScalarType::kF32);
+      if (!s.ok()) return FailWith(kTool, s.WithContext(name));
+      grad_ptrs.push_back(d->get());
+      grads.push_back(std::move(*d));
+    }
+  }
+  std::vector<memmgr::ParamGrad> pg;
+  for (size_t p = 0; p < params.size(); ++p) {
+    memmgr::ParamGrad x;
+    x.name = params[p].first;
+    x.d_grad = grad_ptrs[p];
+    x.grad_type = ScalarType::kF32;
+    pg.push_back(x);
+  }
+  // Warm-up step: commits the registrations and writes the moments, so every
+  // timed step reads and writes all 12 bytes per parameter.
+  if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step"));
+
+  std::unique_ptr<FirstVersion> fv;
+  if (!o.no_first_version) {
+    auto f = FirstVersion::Create(dir + "/first_version", params, c->chunk, mm->get(), w0);
+    if (!f.ok()) return FailWith(kTool, f.status().WithContext("first-version setup"));
+    fv = std::move(*f);
+  }
+  bool use_fio = !o.no_fio && FioAvailable();
+  if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
+
+  std::vector<double> t_floor, t_ours, t_fv;
+  std::vector<memmgr::StreamedAdam::StepStats> stats;
+  ProgressBar bar("step rounds", o.rounds);
+  for (uint32_t r = 0; r < o.rounds; ++r) {
+    if (use_fio) {
+      // The floor: read state_bytes and write state_bytes at the same time.
+      FioJob rd;
+      rd.name = "read";
+      rd.filename = dir + "/floor.read";
+      rd.rw = "read";
+      rd.block_size_bytes = c->chunk;
+      rd.iodepth = o.queue_depth;
+      rd.size_bytes = state_bytes / c->chunk * c->chunk;
+      FioJob wr = rd;
+      wr.name = "write";
+      wr.filename = dir + "/floor.write";
+      wr.rw = "write";
+      wr.end_fsync = true;
+      auto f = RunFio({rd, wr});
+      if (!f.ok()) return FailWith(kTool, f.status().WithContext("fio floor"));
+      double t = 0;
+      for (auto& j : f->jobs) t = std::max(t, j.runtime_seconds);
+      t_floor.push_back(t * static_cast<double>(state_bytes) / static_cast<double>(rd.size_bytes));
+    }
+    double t0 = NowSeconds();
+    if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext(fmt::format("round {}", r + 1)));
+    t_ours.push_back(NowSeconds() - t0);
+    stats.push_back((*opt)->last_step_stats());
+    if (fv) {
+      t0 = NowSeconds();
+      if (Status s = fv->Step(grad_ptrs, r + 1, cuda); !s.ok()) return FailWith(kTool, s.WithContext("first version"));
+      t_fv.push_back(NowSeconds() - t0);
+    }
+    bar.Update(r + 1);
+  }
+  bar.Finish();
+  double h2d = NAN, d2h = NAN;
+  if (Status s = MeasureCopies(mm->get(), &h2d, &d2h); !s.ok()) Note("copy bandwidth: " + s.ToString());
+  auto ratio = [](const std::vector<double>& a, const std::vector<double>& b) {
+    std::vector<double> r;
+    for (size_t i = 0; i < a.size() && i < b.size(); ++i) r.push_back(a[i] / b[i]);
+    return Median(r);
+  };
+  auto ms = (*mm)->stats();
+  double copy_floor = std::max(static_cast<double>(state_bytes) / h2d, static_cast<double>(state_bytes) / d2h);
+  nlohmann::json out;
+  out["machine"] = MachineInfo();
+  out["backend"] = memmgr::BackendName((*mm)->backend());
+  out["state_bytes"] = state_bytes;
+  out["params"] = numel_total;
+  out["tensors"] = params.size();
+  out["chunk_bytes"] = c->chunk;
+  out["budget_bytes"] = c->budget;
+  out["host_cache_bytes"] = c->host_cache;
+  out["rounds"] = o.rounds;
+  out["seconds"] = {{"ours", t_ours}, {"fio_floor", t_floor}, {"first_version", t_fv}};
+  out["median_seconds"] = {{"ours", Median(t_ours)}, {"fio_floor", Median(t_floor)},
+                           {"first_version", Median(t_fv)}};
+  out["ours_over_floor"] = ratio(t_ours, t_floor);
+  out["first_version_over_ours"] = ratio(t_fv, t_ours);
+  out["h2d_bytes_per_second"] = h2d;
+  out["d2h_bytes_per_second"] = d2h;
+  out["ours_over_copy_floor"] = Median(t_ours) / copy_floor;
+  out["peak_resident_bytes"] = ms.peak_resident_bytes;
+  out["io_wait_seconds"] = stats.empty() ? 0.0 : stats.back().io_wait_seconds;
+  if (o.json) {
+    PrintJson(out);
+    return 0;
+  }
+  std::cout << fmt::format(
+      "optstate-bench step: {} of state ({} params in {} tensors), chunk {}, budget {}, host cache "
+      "{}, backend {}, {} interleaved rounds (floor, ours, first version), O_DIRECT, commit "
+      "(fdatasync) included\nmachine: {}\n\n",
+      FormatBytes(state_bytes), numel_total, params.size(), FormatBytes(c->chunk),
+      FormatBytes(c->budget), FormatBytes(c->host_cache), memmgr::BackendName((*mm)->backend()),
+      o.rounds, MachineLine());
+  Table t({"method", "median step", "state GB/s each way", "vs ours"}, {false, true, true, true});
+  auto row = [&](const std::string& n, const std::vector<double>& v, double r) {
+    if (v.empty()) return;
+    double m = Median(v);
+    t.AddRow({n, FormatSeconds(m), FormatRate(static_cast<double>(state_bytes) / m),
+              std::isnan(r) ? "-" : fmt::format("{:.2f}x", r)});
+  };
+  row("StreamedAdam step (ours)", t_ours, 1.0);
+  row("I/O floor (fio read+write)", t_floor, ratio(t_floor, t_ours));
+  row("first version (sync, 1 staging buf)", t_fv, ratio(t_fv, t_ours));
+  std::cout << t.Render();
+  std::cout << fmt::format(
+      "\nours / floor: {:.2f}x (target <= 1.10)   first version / ours: {:.2f}x (speed-up)\n"
+      "H2D {} D2H {} (256 MiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} "
+      "(budget {})\n",
+      ratio(t_ours, t_floor), ratio(t_fv, t_ours), FormatRate(h2d), FormatRate(d2h),
+      Median(t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c->budget));
+  return 0;
+}
+
+}  // namespace
+
+void AddStepCommand(CLI::App& app, int* exit_code) {
+  auto o = std::make_shared<StepOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "step", "StreamedAdam step vs the I/O floor (fio) vs the first version's method; or, with "
+              "--store, a deterministic synthetic run that leaves its store behind");
+  sub->add_option("--store", o->store, "synthetic mode: store directory (created if missing)");
+  sub->add_option("--params", o->params, "synthetic mode: total parameters N");
+  sub->add_option("--steps", o->steps, "synthetic mode: steps K (default 1)");
+  sub->add_option("--tensors", o->tensors, "synthetic mode: tensors T named param.<k> (default 1)");
+  sub->add_option("--snapshot", o->snapshot, "synthetic mode: snapshot name to create at the end");
+  sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
+  sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param (default 1G)");
+  sub->add_option("--rounds", o->rounds, "comparison mode: interleaved rounds (default 3)");
+  sub->add_flag("--no-fio", o->no_fio, "skip the fio floor");
+  sub->add_flag("--no-first-version", o->no_first_version, "skip the first version's method");
+  sub->add_option("--chunk-size", o->chunk_text, "chunk size, multiple of 2M (default 8M)");
+  sub->add_option("--budget", o->budget_text, "device budget (default 256M)");
+  sub->add_option("--host-cache-bytes", o->host_cache_text, "pinned host cache tier (default 0)");
+  sub->add_option("--backend", o->backend, "auto, host or cuda (default auto)");
+  sub->add_option("--qd", o->queue_depth, "queue depth (default 32)");
+  sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");
+  sub->add_flag("--json", o->json, "print JSON");
+  sub->callback([o, exit_code] {
+    *exit_code = o->store.empty() ? RunCompare(*o) : RunSynthetic(*o);
+  });
+}
+
+}  // namespace optstate::tools::bench
