@@ -19,7 +19,7 @@
 
 using namespace optstate;
 using namespace optstate::vfs;
-using namespace optstate::vfs::testing;
+using namespace optstate::vfs::store_testing;
 
 namespace {
 

@@ -16,11 +16,11 @@
 namespace optstate::vfs {
 namespace {
 
-using testing::Buf;
-using testing::FillPattern;
-using testing::kTestChunk;
-using testing::TempDir;
-using testing::TestOptions;
+using store_testing::Buf;
+using store_testing::FillPattern;
+using store_testing::kTestChunk;
+using store_testing::TempDir;
+using store_testing::TestOptions;
 
 #define ASSERT_OK(expr)                                  \
   do {                                                   \
@@ -48,7 +48,7 @@ std::vector<uint8_t> Expected(uint64_t len, uint64_t seed) {
 void WriteAll(Store* s, const TensorInfo& t, uint64_t gen, Buf* buf) {
   for (uint32_t f = 0; f < t.fields.size(); ++f) {
     for (uint64_t c = 0; c < s->ChunkCount(t, f); ++c) {
-      FillPattern(buf->data(), kTestChunk, testing::ChunkSeed(gen, t.id, f, c));
+      FillPattern(buf->data(), kTestChunk, store_testing::ChunkSeed(gen, t.id, f, c));
       ASSERT_OK(s->WriteChunk(ChunkRef{t.id, f, c}, buf->data()));
     }
   }
@@ -64,7 +64,7 @@ void CheckAll(ReadFn read, const TensorInfo& t, uint64_t chunks_per_field_bytes,
     for (uint64_t c = 0; c < n; ++c) {
       const uint64_t len = std::min(kTestChunk, bytes - c * kTestChunk);
       ASSERT_OK(read(ChunkRef{t.id, f, c}, buf.data()));
-      std::vector<uint8_t> want = gen ? Expected(len, testing::ChunkSeed(*gen, t.id, f, c))
+      std::vector<uint8_t> want = gen ? Expected(len, store_testing::ChunkSeed(*gen, t.id, f, c))
                                       : std::vector<uint8_t>(len, 0);
       ASSERT_EQ(0, std::memcmp(buf.data(), want.data(), len)) << t.name << " field " << f << " chunk " << c;
       for (uint64_t i = len; i < kTestChunk; i += 4093) ASSERT_EQ(buf.data()[i], 0) << "tail not zeroed";
@@ -157,7 +157,7 @@ TEST(StoreTest, RoundTripSizesAcrossReopenStripedOverTwoDirs) {
     const uint32_t f = static_cast<uint32_t>(d.tag / s->ChunkCount(many, 0));
     const uint64_t c = d.tag % s->ChunkCount(many, 0);
     const uint64_t len = std::min(kTestChunk, many.field_bytes(f) - c * kTestChunk);
-    auto want = Expected(len, testing::ChunkSeed(1, many.id, f, c));
+    auto want = Expected(len, store_testing::ChunkSeed(1, many.id, f, c));
     EXPECT_EQ(0, std::memcmp(bufs[d.tag]->data(), want.data(), len)) << "tag " << d.tag;
   }
   auto rep = Unwrap(s->Verify());
@@ -340,7 +340,7 @@ TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
   std::vector<std::unique_ptr<Buf>> bufs;
   for (uint64_t c = 0; c < 4; ++c) {
     bufs.push_back(std::make_unique<Buf>(kTestChunk));
-    FillPattern(bufs.back()->data(), kTestChunk, testing::ChunkSeed(1, t.id, 0, c));
+    FillPattern(bufs.back()->data(), kTestChunk, store_testing::ChunkSeed(1, t.id, 0, c));
     ASSERT_OK(io->SubmitWrite(ChunkRef{t.id, 0, c}, bufs.back()->data(), c));
   }
   if (io->in_flight() > 0) {
@@ -354,7 +354,7 @@ TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
   Buf b(kTestChunk);
   for (uint64_t c = 0; c < 4; ++c) {
     ASSERT_OK(s->ReadChunk(ChunkRef{t.id, 0, c}, b.data()));
-    auto want = Expected(kTestChunk, testing::ChunkSeed(1, t.id, 0, c));
+    auto want = Expected(kTestChunk, store_testing::ChunkSeed(1, t.id, 0, c));
     EXPECT_EQ(0, std::memcmp(b.data(), want.data(), kTestChunk));
   }
   // The synchronous engine gives the same bytes.
@@ -367,7 +367,7 @@ TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
   ASSERT_EQ(done.size(), 1u);
   EXPECT_EQ(done[0].tag, 99u);
   ASSERT_OK(done[0].status);
-  auto want = Expected(kTestChunk, testing::ChunkSeed(1, t.id, 0, 2));
+  auto want = Expected(kTestChunk, store_testing::ChunkSeed(1, t.id, 0, 2));
   EXPECT_EQ(0, std::memcmp(b.data(), want.data(), kTestChunk));
 }
 

@@ -28,7 +28,7 @@
 namespace optstate::vfs {
 namespace {
 
-using namespace testing;  // NOLINT
+using namespace store_testing;  // NOLINT
 
 std::string ChildPath() {
   char exe[4096];

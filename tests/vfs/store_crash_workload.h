@@ -11,7 +11,7 @@
 
 #include "tests/vfs/store_test_util.h"
 
-namespace optstate::vfs::testing {
+namespace optstate::vfs::store_testing {
 
 struct WorkloadTensor {
   const char* name;
@@ -60,4 +60,4 @@ inline StoreOptions WorkloadOptions() {
   return o;
 }
 
-}  // namespace optstate::vfs::testing
+}  // namespace optstate::vfs::store_testing

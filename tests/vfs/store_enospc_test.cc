@@ -17,7 +17,7 @@
 namespace optstate::vfs {
 namespace {
 
-using namespace testing;  // NOLINT
+using namespace store_testing;  // NOLINT
 
 constexpr uint64_t kChunks = 10;  // per generation: 20 MiB; the fs has ~50 MiB
 

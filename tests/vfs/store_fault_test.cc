@@ -17,7 +17,7 @@
 namespace optstate::vfs {
 namespace {
 
-using namespace testing;  // NOLINT
+using namespace store_testing;  // NOLINT
 
 constexpr uint64_t kNumel = kTestChunk / 4 + 500;  // 2 chunks per field, the 2nd partial
 

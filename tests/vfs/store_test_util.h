@@ -1,4 +1,5 @@
-// Helpers shared by the store tests: temp dirs, aligned buffers, and the
+// Helpers shared by the store tests (namespace store_testing: vfs_test links
+// other areas' helpers of the same names in vfs::testing), temp dirs, aligned buffers, and the
 // deterministic chunk content used as an independent reference.
 #pragma once
 
@@ -13,7 +14,7 @@
 
 #include "vfs/store.h"
 
-namespace optstate::vfs::testing {
+namespace optstate::vfs::store_testing {
 
 inline constexpr uint64_t kTestChunk = 2 * kMiB;
 
@@ -80,4 +81,4 @@ inline StoreOptions TestOptions() {
   return o;
 }
 
-}  // namespace optstate::vfs::testing
+}  // namespace optstate::vfs::store_testing
