@@ -44,6 +44,7 @@ uint64_t InodeOf(std::string_view path) {
 struct StoreTree::StoreEntry {
   std::string name;
   std::string path;
+  std::weak_ptr<StoreEntry> self;
   std::mutex mu;                                  // guards everything below
   std::unique_ptr<vfs::Store> store;
   Clock::time_point last_catchup{};
@@ -78,6 +79,7 @@ Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::st
   e->name = name;
   e->path = path;
   e->store = std::move(store).value();
+  e->self = e;
   stores_[name] = e;
   OPTSTATE_LOG_INFO("optstate-mount: serving store {} ({})", name, path);
   return e;
@@ -86,17 +88,20 @@ Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::st
 // REQUIRES: e->mu held.
 Status StoreTree::Refresh(StoreEntry* e, bool force) {
   auto now = Clock::now();
-  if (!force && e->latest &&
+  if (!force && e->last_catchup != Clock::time_point{} &&
       now - e->last_catchup < std::chrono::milliseconds(opts_.catchup_interval_ms)) {
     return Status();
   }
   e->last_catchup = now;
   OPTSTATE_RETURN_IF_ERROR(e->store->CatchUp());
   uint64_t g = e->store->LatestGeneration().generation;
-  if (!e->latest || e->latest->generation() != g) {
+  if (g == 0) {
+    e->latest.reset();  // nothing committed yet: no latest/
+  } else if (!e->latest || e->latest->generation() != g) {
     auto view = e->store->OpenGeneration(vfs::kLatest);
     if (!view.ok()) return view.status();
     auto gen = std::make_shared<Generation>();
+    gen->store_keepalive = e->self.lock();
     gen->store_name = e->name;
     gen->dir_label = "latest";
     gen->view = std::move(view).value();
@@ -123,6 +128,7 @@ Status StoreTree::Refresh(StoreEntry* e, bool force) {
 
 Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e) {
   OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
+  if (!e->latest) return NotFound(fmt::format("store {}: no committed generation yet", e->name));
   return e->latest;
 }
 
@@ -142,6 +148,7 @@ Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, con
   auto view = e->store->OpenSnapshot(l->second.name);
   if (!view.ok()) return view.status();
   auto gen = std::make_shared<Generation>();
+  gen->store_keepalive = e->self.lock();
   gen->store_name = e->name;
   gen->dir_label = "snapshots/" + name;
   gen->view = std::move(view).value();
@@ -214,8 +221,13 @@ Result<std::vector<std::string>> StoreTree::List(const Node& dir) {
       std::sort(out.begin(), out.end());
       return out;
     }
-    case NodeKind::kStore:
+    case NodeKind::kStore: {
+      OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
+      std::lock_guard<std::mutex> lock(e->mu);
+      OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), false));
+      if (!e->latest) return std::vector<std::string>{"snapshots"};
       return std::vector<std::string>{"latest", "snapshots"};
+    }
     case NodeKind::kSnapshotsDir: {
       OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
       std::lock_guard<std::mutex> lock(e->mu);

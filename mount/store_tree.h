@@ -43,6 +43,9 @@ struct MountOptions {
 
 // One generation as files. Immutable; shared by open file handles.
 struct Generation {
+  // Keeps the store (and its index) open while this generation is in use, even
+  // after the store vanished from the tree. Declared first: destroyed last.
+  std::shared_ptr<void> store_keepalive;
   std::string store_name;
   std::string dir_label;              // "latest" or "snapshots/<name>"
   std::unique_ptr<vfs::GenerationView> view;

@@ -222,6 +222,12 @@ TEST_F(MountTest, TreeSizesInodesAndListings) {
   struct stat st;
   EXPECT_EQ(stat((mnt_ + "/rank1.dense/latest/tensors/x/main").c_str(), &st), 0);
   EXPECT_EQ(st.st_size, 40);
+  // A store without a committed generation has no latest/ yet.
+  { auto s3 = CreateStore(stores_ + "/rank2.empty"); CreateTensors(s3.get(), {{"y", 10, {}}}); }
+  EXPECT_EQ(list(mnt_ + "/rank2.empty"), std::vector<std::string>{"snapshots"});
+  EXPECT_NE(stat((mnt_ + "/rank2.empty/latest").c_str(), &st), 0);
+  EXPECT_EQ(errno, ENOENT);
+  fs::remove_all(stores_ + "/rank2.empty");
   fs::remove_all(stores_ + "/rank1.dense");
   EXPECT_NE(stat((mnt_ + "/rank1.dense").c_str(), &st), 0);
   EXPECT_EQ(list(mnt_), std::vector<std::string>{kStore});
