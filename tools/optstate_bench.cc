@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   optstate::tools::bench::AddIoCommand(app, &exit_code);
 #ifdef OPTSTATE_BENCH_HAVE_STEP
   optstate::tools::bench::AddStepCommand(app, &exit_code);
+  optstate::tools::bench::AddKernelCommand(app, &exit_code);
 #endif
 #ifdef OPTSTATE_BENCH_HAVE_MOUNT
   optstate::tools::bench::AddMountCommand(app, &exit_code);

@@ -1,0 +1,155 @@
+// optstate-bench mount: `cp -r` of a snapshot from the FUSE mount vs fio
+// sequential O_DIRECT read of the same number of bytes, interleaved rounds.
+// optstate-bench kernel: GPU only; points at kernels/bench (AdamStepCuda vs
+// torch fused AdamW vs the card's copy bandwidth).
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "kernels/adam.h"
+#include "tools/internal/bench.h"
+#include "tools/internal/buffer.h"
+#include "tools/internal/cli.h"
+#include "tools/internal/fio.h"
+#include "tools/internal/process.h"
+#include "vfs/store.h"
+
+namespace optstate::tools::bench {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr const char* kTool = "optstate-bench mount";
+
+struct MountOptions {
+  std::string dir;
+  std::string state_text = "1G";
+  uint32_t rounds = 3;
+  bool json = false;
+};
+
+// A store of `bytes` of non-zero data in one tensor's three fields, committed
+// and snapshotted as "bench".
+Status MakeStore(const std::string& path, uint64_t bytes) {
+  vfs::StoreOptions so;
+  OPTSTATE_ASSIGN_OR_RETURN(auto store, vfs::Store::Create(path, so));
+  vfs::TensorSpec spec;
+  spec.name = "w";
+  spec.numel = std::max<uint64_t>(1, bytes / 12);
+  OPTSTATE_ASSIGN_OR_RETURN(auto t, store->CreateTensor(spec));
+  const uint64_t chunk = store->chunk_size_bytes();
+  AlignedBuffer buf(chunk);
+  auto io_opts = vfs::ChunkIoOptions{};
+  for (uint32_t f = 0; f < 3; ++f) {
+    for (uint64_t c = 0; c < store->ChunkCount(t, f); ++c) {
+      auto* w = buf.as<uint64_t>();
+      for (uint64_t i = 0; i < chunk / 8; ++i) w[i] = (c * 0x9E3779B97F4A7C15ull) ^ (i + f);
+      OPTSTATE_RETURN_IF_ERROR(store->WriteChunk({t.id, f, c}, buf.data()));
+    }
+  }
+  (void)io_opts;
+  vfs::CommitInfo ci;
+  ci.step = 1;
+  OPTSTATE_RETURN_IF_ERROR(store->Commit(ci).status());
+  return store->CreateSnapshot("bench").status();
+}
+
+int RunMount(const MountOptions& o) {
+  auto state = ParseBytes(o.state_text);
+  if (!state.ok()) return FailWith(kTool, state.status().WithContext("--state"));
+  if (o.rounds < 1) return FailWith(kTool, InvalidArgument("--rounds must be >= 1"));
+  if (!FioAvailable()) return FailWith(kTool, NotFound("fio is not installed (apt-get install fio)"));
+  auto bin = FindTool("optstate-mount");
+  if (!bin.ok()) return FailWith(kTool, bin.status());
+  std::string dir = o.dir;
+  if (dir.empty()) {
+    auto d = MakeTempDir("optstate-bench-mount-", "/tmp");
+    if (!d.ok()) return FailWith(kTool, d.status());
+    dir = *d;
+  }
+  struct Cleanup { std::string d; ~Cleanup() { (void)RemoveTree(d); } };
+  std::string work = dir + "/bench-mount";
+  fs::create_directories(work + "/root");
+  fs::create_directories(work + "/mnt");
+  Cleanup cleanup{work};
+  if (Status s = MakeStore(work + "/root/bench", *state); !s.ok()) return FailWith(kTool, s);
+  auto child = Child::Start({*bin, "-f", work + "/root", work + "/mnt"}, work + "/mount.log");
+  if (!child.ok()) return FailWith(kTool, child.status());
+  bool mounted = false;
+  for (int i = 0; i < 200 && !(mounted = IsFuseMounted(work + "/mnt")); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  if (!mounted) return FailWith(kTool, IoError("optstate-mount did not mount (log: " + work + "/mount.log)"));
+  std::string src = work + "/mnt/bench/snapshots/bench";
+  auto bytes = TreeBytes(src);
+  if (!bytes.ok()) return FailWith(kTool, bytes.status());
+  std::vector<double> t_fio, t_cp;
+  for (uint32_t r = 0; r < o.rounds; ++r) {
+    FioJob j;
+    j.name = "seqread";
+    j.filename = work + "/fio.dat";
+    j.rw = "read";
+    j.block_size_bytes = 1 << 20;
+    j.iodepth = 32;
+    j.size_bytes = *bytes / 4096 * 4096;
+    auto f = RunFio({j});
+    if (!f.ok()) return FailWith(kTool, f.status());
+    t_fio.push_back(f->jobs[0].runtime_seconds);
+    (void)RemoveTree(work + "/copy");
+    double t0 = NowSeconds();
+    auto c = RunCommand({"cp", "-r", src, work + "/copy"});
+    if (!c.ok() || c->exit_code != 0) {
+      return FailWith(kTool, IoError("cp -r failed: " + (c.ok() ? c->err : c.status().ToString())));
+    }
+    t_cp.push_back(NowSeconds() - t0);
+  }
+  (void)RunCommand({"fusermount3", "-u", work + "/mnt"});
+  child->Stop();
+  std::vector<double> ratios;
+  for (size_t i = 0; i < t_cp.size(); ++i) ratios.push_back(t_fio[i] / t_cp[i]);
+  double ratio = Median(ratios);
+  double b = static_cast<double>(*bytes);
+  nlohmann::json out = {{"machine", MachineInfo()}, {"bytes", *bytes}, {"rounds", o.rounds},
+                        {"seconds", {{"cp", t_cp}, {"fio", t_fio}}}, {"cp_vs_fio", ratio}};
+  if (o.json) {
+    PrintJson(out);
+    return 0;
+  }
+  std::cout << fmt::format("optstate-bench mount: cp -r of a {} snapshot from the mount vs fio "
+                           "sequential O_DIRECT read (1 MiB, QD 32), {} interleaved rounds\n"
+                           "machine: {}\n\n",
+                           FormatBytes(*bytes), o.rounds, MachineLine());
+  Table t({"method", "median", "GB/s"}, {false, true, true});
+  t.AddRow({"cp -r from the mount", FormatSeconds(Median(t_cp)), FormatRate(b / Median(t_cp))});
+  t.AddRow({"fio sequential read", FormatSeconds(Median(t_fio)), FormatRate(b / Median(t_fio))});
+  std::cout << t.Render() << fmt::format("\ncp / fio: {:.2f}x (target >= 0.8)\n", ratio);
+  return 0;
+}
+
+}  // namespace
+
+void AddMountCommand(CLI::App& app, int* exit_code) {
+  auto o = std::make_shared<MountOptions>();
+  CLI::App* sub = app.add_subcommand("mount", "cp -r of a snapshot from optstate-mount vs fio sequential read");
+  sub->add_option("--dir", o->dir, "scratch directory (default: a new dir in /tmp)");
+  sub->add_option("--state", o->state_text, "state bytes of the test store (default 1G)");
+  sub->add_option("--rounds", o->rounds, "interleaved rounds (default 3)");
+  sub->add_flag("--json", o->json, "print JSON");
+  sub->callback([o, exit_code] { *exit_code = RunMount(*o); });
+}
+
+void AddKernelCommand(CLI::App& app, int* exit_code) {
+  CLI::App* sub = app.add_subcommand("kernel", "GPU only: fused Adam kernel GB/s (see kernels/bench)");
+  sub->callback([exit_code] {
+    if (!kernels::CudaKernelsBuilt()) {
+      std::cout << "optstate-bench kernel: this build has no CUDA kernels; skipped.\n";
+    } else {
+      std::cout << "optstate-bench kernel: run kernels/bench/run_h200.sh on the GPU machine "
+                   "(AdamStepCuda vs torch.optim.AdamW(fused=True) vs the card's copy bandwidth).\n";
+    }
+    *exit_code = 0;
+  });
+}
+
+}  // namespace optstate::tools::bench
