@@ -1,0 +1,117 @@
+// Malformed command lines for optstate-inspect, optstate-restore and
+// optstate-mount: every one must exit non-zero (not by a signal), print a
+// message on stderr/stdout, and never touch a path it was not given.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+struct Result {
+  int status = 0;
+  std::string out;
+};
+
+Result RunTool(const std::string& exe, const std::vector<std::string>& args) {
+  int p[2];
+  EXPECT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(p[1], 1);
+    ::dup2(p[1], 2);
+    const int devnull = ::open("/dev/null", O_RDONLY);
+    ::dup2(devnull, 0);
+    std::vector<char*> argv{const_cast<char*>(exe.c_str())};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::alarm(30);  // a hang is a failure too (SIGALRM)
+    ::execv(exe.c_str(), argv.data());
+    _exit(127);
+  }
+  ::close(p[1]);
+  Result r;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(p[0], buf, sizeof(buf))) > 0) r.out.append(buf, static_cast<size_t>(n));
+  ::close(p[0]);
+  ::waitpid(pid, &r.status, 0);
+  return r;
+}
+
+void ExpectRejected(const std::string& exe, const std::vector<std::string>& args) {
+  std::string line = std::filesystem::path(exe).filename().string();
+  for (const auto& a : args) line += " '" + a.substr(0, 40) + (a.size() > 40 ? "...'" : "'");
+  Result r = RunTool(exe, args);
+  ASSERT_TRUE(WIFEXITED(r.status)) << line << ": killed by signal " << WTERMSIG(r.status) << "\n" << r.out;
+  EXPECT_NE(WEXITSTATUS(r.status), 0) << line << ": accepted\n" << r.out;
+  EXPECT_FALSE(r.out.empty()) << line << ": no message";
+}
+
+const std::string kMissing = "/nonexistent/optstate-rel-missing";
+const std::string kLong(5000, 'a');
+
+std::vector<std::vector<std::string>> Common() {
+  return {{},
+          {"--no-such-flag"},
+          {"-"},
+          {""},
+          {kMissing},
+          {std::string("bad\xff\xfe utf8")},
+          {kLong},
+          {"--", "--"},
+          {"-o"},
+          {"--store"},
+          {"--store", ""},
+          {"--store", kMissing},
+          {"--generation", "-1"},
+          {"--generation", "99999999999999999999999"},
+          {"--threads", "0"},
+          {"--readahead-chunks", "abc"},
+          {"/", "/", "/", "/", "/"}};
+}
+
+#ifdef OPTSTATE_REL_INSPECT
+TEST(CliArgsTest, InspectRejectsMalformedArguments) {
+  for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_INSPECT, a);
+  ExpectRejected(OPTSTATE_REL_INSPECT, {"ls", kMissing});
+  ExpectRejected(OPTSTATE_REL_INSPECT, {"cat", kMissing, "x"});
+  ExpectRejected(OPTSTATE_REL_INSPECT, {"verify", "/proc"});
+}
+#endif
+
+#ifdef OPTSTATE_REL_RESTORE
+TEST(CliArgsTest, RestoreRejectsMalformedArguments) {
+  for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_RESTORE, a);
+  ExpectRejected(OPTSTATE_REL_RESTORE, {kMissing, kMissing + "2"});
+  ExpectRejected(OPTSTATE_REL_RESTORE, {"/proc", "/proc/self"});
+  ExpectRejected(OPTSTATE_REL_RESTORE, {"/etc", kMissing});
+}
+#endif
+
+#ifdef OPTSTATE_REL_MOUNT
+// Never a real directory as the mountpoint: a mistakenly accepted command
+// line must not mount anything (the mountpoint is always missing).
+TEST(CliArgsTest, MountRejectsMalformedArguments) {
+  for (const auto& a : Common()) {
+    if (a.size() > 1 && a[0] == "/") continue;  // would name "/" as a mountpoint
+    ExpectRejected(OPTSTATE_REL_MOUNT, a);
+  }
+  const std::string m = kMissing + "-mnt";
+  ExpectRejected(OPTSTATE_REL_MOUNT, {kMissing, m, "-f"});
+  ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, "-f"});
+  ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, "--threads", "0", "-f"});
+  ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, "--readahead-chunks", "-5", "-f"});
+  ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, "--readahead-chunks", "99999999999", "-f"});
+  ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, "-o", "", "-f"});
+  ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, m + "2", "-f"});
+  ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, "--threads", "-f"});
+}
+#endif
+
+}  // namespace

@@ -1,0 +1,217 @@
+// Resources: a full disk mid-StreamedAdam-step (a loop-mounted 64 MiB ext4,
+// root only), and RLIMIT_NOFILE / RLIMIT_MEMLOCK too low at start (the child
+// reliability_stack_child in "limits" mode sets them before opening anything).
+// Expected: a clear error at start (open, memory manager, optimizer), not a
+// crash or a failure in the middle of a step; a full disk fails the step with
+// a clear error, the last committed step stays exact, and after space is
+// freed a later step commits.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "memmgr/memory_manager.h"
+#include "memmgr/streamed_adam.h"
+#include "tests/reliability/reliability_util.h"
+#include "tests/reliability/stack_check.h"
+
+namespace optstate::reliability {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string Sibling(const std::string& name) {
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  exe[n > 0 ? n : 0] = '\0';
+  return (fs::path(exe).parent_path() / name).string();
+}
+
+struct ChildRun {
+  int status = 0;
+  std::string out;
+};
+ChildRun RunLimited(const std::string& store, uint64_t nofile, uint64_t memlock, bool drop_ipc_lock) {
+  int p[2];
+  EXPECT_EQ(::pipe2(p, O_CLOEXEC), 0);
+  const std::string exe = Sibling("reliability_stack_child");
+  const std::string a3 = std::to_string(nofile), a4 = std::to_string(memlock);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(p[1], 1);
+    ::dup2(p[1], 2);
+    ::setenv("OPTSTATE_LOG_LEVEL", "error", 1);
+    ::execl(exe.c_str(), exe.c_str(), "limits", store.c_str(), a3.c_str(), a4.c_str(), drop_ipc_lock ? "1" : "0",
+            "3", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ::close(p[1]);
+  ChildRun r;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(p[0], buf, sizeof(buf))) > 0) r.out.append(buf, static_cast<size_t>(n));
+  ::close(p[0]);
+  ::waitpid(pid, &r.status, 0);
+  return r;
+}
+
+bool Mentions(const std::string& s, std::initializer_list<const char*> words) {
+  for (const char* w : words) {
+    if (s.find(w) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(ResourcesTest, LowFileDescriptorLimitFailsClearlyAtStart) {
+  wl::TempDir dir;
+  const std::string store = dir / "store";
+  // A store with one committed step first (no limit).
+  ChildRun first = RunLimited(store, 0, 0, false);
+  ASSERT_TRUE(WIFEXITED(first.status) && WEXITSTATUS(first.status) == 0) << first.out;
+  std::string table;
+  for (uint64_t nofile : {6, 10, 16, 24, 32, 48, 64}) {
+    ChildRun r = RunLimited(store, nofile, 0, false);
+    const std::string what = "RLIMIT_NOFILE=" + std::to_string(nofile);
+    ASSERT_TRUE(WIFEXITED(r.status)) << what << ": child crashed (signal " << WTERMSIG(r.status) << ")\n" << r.out;
+    const int code = WEXITSTATUS(r.status);
+    table += what + " -> " + (code == 0 ? "ok" : code == 10 ? "clear error at start" : "error mid-step") + "; ";
+    EXPECT_NE(code, 20) << what << ": the limit was not checked at start, a step failed instead:\n" << r.out;
+    if (code == 10) {
+      EXPECT_TRUE(Mentions(r.out, {"open files", "RLIMIT_NOFILE", "EMFILE", "Too many open files", "descriptor"}))
+          << what << ": the message does not say what is missing:\n" << r.out;
+    } else {
+      EXPECT_EQ(code, 0) << what << "\n" << r.out;
+    }
+  }
+  std::printf("%s\n", table.c_str());
+  StackReference ref;
+  uint64_t bytes = 0;
+  CheckStore(store, 1, &ref, &bytes, "after the fd-limit runs");
+}
+
+TEST(ResourcesTest, LowMemlockLimitFailsClearlyAtStart) {
+  wl::TempDir dir;
+  const std::string store = dir / "store";
+  ChildRun first = RunLimited(store, 0, 0, false);
+  ASSERT_TRUE(WIFEXITED(first.status) && WEXITSTATUS(first.status) == 0) << first.out;
+  std::string table;
+  for (uint64_t memlock : {uint64_t{0} + 4096, uint64_t{64} << 10, uint64_t{1} << 20, uint64_t{8} << 20}) {
+    ChildRun r = RunLimited(store, 0, memlock, /*drop_ipc_lock=*/true);
+    const std::string what = "RLIMIT_MEMLOCK=" + std::to_string(memlock) + " without CAP_IPC_LOCK";
+    ASSERT_TRUE(WIFEXITED(r.status)) << what << ": child crashed (signal " << WTERMSIG(r.status) << ")\n" << r.out;
+    const int code = WEXITSTATUS(r.status);
+    table += what + " -> " + (code == 0 ? "ok" : code == 10 ? "clear error at start" : "error mid-step") + "; ";
+    EXPECT_NE(code, 20) << what << ": the limit was not checked at start, a step failed instead:\n" << r.out;
+    if (code == 10) {
+      EXPECT_TRUE(Mentions(r.out, {"MEMLOCK", "memlock", "locked memory", "ENOMEM", "pinned"}))
+          << what << ": the message does not say what is missing:\n" << r.out;
+    } else {
+      EXPECT_EQ(code, 0) << what << "\n" << r.out;
+    }
+  }
+  std::printf("%s\n", table.c_str());
+  StackReference ref;
+  uint64_t bytes = 0;
+  CheckStore(store, 1, &ref, &bytes, "after the memlock runs");
+}
+
+TEST(ResourcesTest, FullDiskMidStepThenFreedSpace) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to loop-mount an ext4 image";
+  wl::TempDir dir;
+  const std::string mnt = dir / "mnt", img = dir / "fs.img";
+  fs::create_directories(mnt);
+  const std::string cmd = "truncate -s 64M " + img + " && mkfs.ext4 -q -F " + img + " >/dev/null 2>&1 && mount -o loop " +
+                          img + " " + mnt + " 2>/dev/null";
+  if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "cannot loop-mount an ext4 image here (" << cmd << ")";
+  struct Unmount {
+    std::string m;
+    ~Unmount() {
+      if (::umount(m.c_str()) != 0) ::umount2(m.c_str(), MNT_DETACH);
+    }
+  } unmount{mnt};
+  const std::string path = mnt + "/store";
+  StackReference ref;
+  uint64_t bytes = 0;
+  uint64_t acked = 0;
+  Status failure;
+  {
+    auto store = vfs::Store::Create(path, StackStoreOptions());
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    memmgr::MemoryManagerOptions mo;
+    mo.backend = memmgr::Backend::kHost;
+    mo.device_budget_bytes = 6 * kStackChunk;
+    auto mm = memmgr::MemoryManager::Create(store->get(), mo);
+    ASSERT_TRUE(mm.ok()) << mm.status().ToString();
+    auto sa = memmgr::StreamedAdam::Create(store->get(), mm->get(), {});
+    ASSERT_TRUE(sa.ok()) << sa.status().ToString();
+    memmgr::ParamGroup g;
+    g.lr = kLr;
+    g.beta1 = kBeta1;
+    g.beta2 = kBeta2;
+    g.eps = kEps;
+    g.weight_decay = kWeightDecay;
+    REL_ASSERT_OK((*sa)->SetGroup(g));
+    const auto& ps = StackParams();
+    std::vector<std::vector<float>> grads(ps.size());
+    for (uint32_t k = 0; k < ps.size(); ++k) {
+      std::vector<float> w0(ps[k].numel);
+      for (uint64_t i = 0; i < ps[k].numel; ++i) w0[i] = InitialWeight(k, i);
+      REL_ASSERT_OK((*sa)->RegisterParam(ps[k].name, ps[k].numel, 0, w0.data(), kernels::ScalarType::kF32));
+      grads[k].resize(ps[k].numel);
+    }
+    auto step = [&](uint64_t t) {
+      std::vector<memmgr::ParamGrad> list;
+      for (uint32_t k = 0; k < ps.size(); ++k) {
+        for (uint64_t i = 0; i < ps[k].numel; ++i) grads[k][i] = Gradient(t, k, i);
+        memmgr::ParamGrad pg;
+        pg.name = ps[k].name;
+        pg.d_grad = grads[k].data();
+        list.push_back(pg);
+      }
+      return (*sa)->Step(list);
+    };
+    // Every step is pinned by a snapshot, so the data file must keep growing
+    // until the disk is full.
+    for (uint64_t t = 1; t <= 60; ++t) {
+      Status s = step(t);
+      if (!s.ok()) {
+        failure = s;
+        break;
+      }
+      acked = t;
+      auto snap = (*store)->CreateSnapshot("keep" + std::to_string(t));
+      if (!snap.ok()) {
+        failure = snap.status();
+        break;
+      }
+    }
+    ASSERT_FALSE(failure.ok()) << "the disk never filled";
+    ASSERT_GE(acked, 1u);
+    std::printf("disk full after %llu committed steps: %s\n", static_cast<unsigned long long>(acked),
+                failure.ToString().c_str());
+    EXPECT_TRUE(failure.code() == StatusCode::kNoSpace || Mentions(failure.message(), {"No space", "ENOSPC"}))
+        << failure.ToString();
+    EXPECT_EQ((*sa)->step_count(0), acked);
+    // Free space: release every snapshot (GC frees their extents), then step again
+    // with the same optimizer; if the store refuses until reopen, reopen.
+    for (const auto& snap : (*store)->ListSnapshots()) (void)(*store)->ReleaseSnapshot(snap.name);
+    (void)(*store)->CollectGarbage();
+    Status again = step(acked + 1);
+    std::printf("step after freeing space with the same objects: %s\n", again.ToString().c_str());
+    if (again.ok()) acked += 1;
+  }
+  // Reopen (from disk): last committed step exact; then one more step commits.
+  EXPECT_EQ(CheckStore(path, acked, &ref, &bytes, "after the full disk"), acked);
+  ASSERT_FALSE(HasFailure());
+  ChildRun more = RunLimited(path, 0, 0, false);  // 3 more steps through the child
+  ASSERT_TRUE(WIFEXITED(more.status) && WEXITSTATUS(more.status) == 0) << more.out;
+  EXPECT_EQ(CheckStore(path, acked + 3, &ref, &bytes, "steps after freeing space"), acked + 3);
+}
+
+}  // namespace
+}  // namespace optstate::reliability

@@ -1,0 +1,358 @@
+// Full-stack kill-point crash loop (issue 7): a child process
+// (reliability_stack_child) trains with StreamedAdam (host backend, small
+// budget, deterministic gradients) and commits one generation per step, while
+// a live optstate-mount serves the store and a reader thread copies latest/
+// over and over. The child is SIGKILLed at random instants and at the named
+// crash points (vfs::CrashPoint: extent write before/after, commit
+// before sync/batch and after batch, GC before/after its batch, snapshot
+// create/release, store creation). After each kill the parent reopens the
+// store and checks:
+//   - the group's step count k >= the last step the child acknowledged;
+//   - main, exp_avg and exp_avg_sq of every param equal an INDEPENDENT fp64
+//     AdamW reference after k steps, within tolerances that separate step k
+//     from k +- 1 (stack_workload.h, docs/RELIABILITY.md);
+//   - Verify() is clean and, after GC, no extent is leaked;
+//   - a store killed during creation is absent or opens cleanly, and can be
+//     created again.
+// The reader checks every copied field file against the XXH3 of each chunk in
+// the manifest it read; a mismatch while latest/ did not move is a failure
+// (wrong bytes served).
+//
+// OPTSTATE_REL_KILLS overrides the number of kills (default 200; the slow
+// binary reliability_stack_slow_test is built with 2000).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "tests/reliability/stack_check.h"
+#include "tests/reliability/stack_workload.h"
+#include "vfs/checkpoint.h"
+#include "vfs/store.h"
+
+#ifndef OPTSTATE_REL_KILLS_DEFAULT
+#define OPTSTATE_REL_KILLS_DEFAULT 200
+#endif
+
+namespace optstate::reliability {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string SiblingBinary(const std::string& name) {
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n <= 0) return name;
+  exe[n] = '\0';
+  return (fs::path(exe).parent_path() / name).string();
+}
+
+struct ChildResult {
+  int wait_status = 0;
+  uint64_t last_ack = 0;
+  bool ready = false;
+  std::string output;
+};
+
+// Runs the child; SIGKILL after kill_after_ms (< 0: only the 120 s guard).
+ChildResult RunChild(const std::vector<std::string>& args, const std::string& crash_at, int kill_after_ms) {
+  int pipefd[2];
+  EXPECT_EQ(::pipe2(pipefd, O_CLOEXEC), 0);
+  const std::string exe = SiblingBinary("reliability_stack_child");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(pipefd[1], 1);
+    ::dup2(pipefd[1], 2);
+    if (crash_at.empty()) {
+      ::unsetenv("OPTSTATE_CRASH_AT");
+    } else {
+      ::setenv("OPTSTATE_CRASH_AT", crash_at.c_str(), 1);
+    }
+    ::setenv("OPTSTATE_LOG_LEVEL", "error", 1);
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(exe.c_str()));
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(exe.c_str(), argv.data());
+    _exit(127);
+  }
+  ::close(pipefd[1]);
+  ChildResult r;
+  const auto start = std::chrono::steady_clock::now();
+  std::string pending;
+  bool killed = false;
+  for (;;) {
+    const int elapsed = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count());
+    const int deadline = kill_after_ms >= 0 ? kill_after_ms : 120000;
+    if (!killed && elapsed >= deadline) {
+      ::kill(pid, SIGKILL);
+      killed = true;
+    }
+    pollfd p{pipefd[0], POLLIN, 0};
+    const int pr = ::poll(&p, 1, killed ? 1000 : std::max(1, deadline - elapsed));
+    if (pr > 0) {
+      char buf[4096];
+      const ssize_t n = ::read(pipefd[0], buf, sizeof(buf));
+      if (n <= 0) break;
+      pending.append(buf, static_cast<size_t>(n));
+      size_t nl;
+      while ((nl = pending.find('\n')) != std::string::npos) {
+        std::string line = pending.substr(0, nl);
+        pending.erase(0, nl + 1);
+        r.output += line + "\n";
+        if (line.rfind("ACK ", 0) == 0) r.last_ack = std::stoull(line.substr(4));
+        if (line.rfind("READY", 0) == 0) r.ready = true;
+      }
+    }
+  }
+  ::close(pipefd[0]);
+  ::waitpid(pid, &r.wait_status, 0);
+  return r;
+}
+
+std::string ReadWholeFile(const std::string& p, bool* ok) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) {
+    *ok = false;
+    return {};
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  *ok = !in.bad();
+  return ss.str();
+}
+
+// A reader copying <mnt>/<store>/latest/ over and over, checking every chunk
+// of every field file against the manifest it read.
+class MountReader {
+ public:
+  explicit MountReader(std::string latest) : latest_(std::move(latest)) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~MountReader() { Stop(); }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  uint64_t copies() const { return copies_; }
+  uint64_t bytes() const { return bytes_; }
+  uint64_t errors() const { return errors_; }
+  uint64_t raced() const { return raced_; }
+  const std::vector<std::string>& wrong() const { return wrong_; }
+
+ private:
+  void Loop() {
+    while (!stop_) {
+      bool ok = true;
+      const std::string m1 = ReadWholeFile(latest_ + "/manifest.json", &ok);
+      if (!ok || m1.empty()) {
+        ++errors_;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
+      }
+      auto man = vfs::ParseManifest(m1, "mount manifest");
+      if (!man.ok()) {
+        wrong_.push_back("unparseable manifest served: " + man.status().ToString());
+        continue;
+      }
+      std::vector<std::string> bad;
+      uint64_t copied = 0;
+      bool io_error = false;
+      for (const auto& t : man->tensors) {
+        for (const auto& f : t.fields) {
+          const std::string data = ReadWholeFile(latest_ + "/" + f.file, &ok);
+          if (!ok) {
+            io_error = true;
+            continue;
+          }
+          if (data.size() != f.bytes) {
+            bad.push_back(f.file + ": size " + std::to_string(data.size()) + " != " + std::to_string(f.bytes));
+            continue;
+          }
+          for (const auto& c : f.chunks) {
+            if (vfs::ChunkChecksum(data.data() + c.offset_bytes, c.length_bytes) != c.xxh3) {
+              bad.push_back(f.file + " chunk at " + std::to_string(c.offset_bytes));
+            }
+          }
+          copied += data.size();
+        }
+      }
+      const std::string m2 = ReadWholeFile(latest_ + "/manifest.json", &ok);
+      if (io_error) ++errors_;
+      if (!bad.empty()) {
+        if (ok && m2 == m1) {
+          wrong_.push_back("latest/ did not move but served wrong bytes: " + bad[0]);
+        } else {
+          ++raced_;  // latest/ moved to a newer generation during the copy
+        }
+      } else if (!io_error) {
+        ++copies_;
+        bytes_ += copied;
+      }
+    }
+  }
+
+  std::string latest_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> copies_{0}, bytes_{0}, errors_{0}, raced_{0};
+  std::vector<std::string> wrong_;
+  std::thread thread_;
+};
+
+const char* const kStepPoints[] = {
+    "extent.before_write", "extent.after_write", "commit.before_sync", "commit.before_batch", "commit.after_batch",
+    "gc.before_batch",     "gc.after_batch",     "snapshot.create",    "snapshot.release",
+};
+const char* const kCreatePoints[] = {"store.create.begin", "store.create.identity", "store.create.index",
+                                     "store.create.renamed"};
+
+bool CanMount() {
+#ifdef OPTSTATE_REL_MOUNT_BINARY
+  return ::geteuid() == 0 && ::access("/dev/fuse", R_OK | W_OK) == 0 && ::access(OPTSTATE_REL_MOUNT_BINARY, X_OK) == 0 &&
+         std::system("command -v fusermount3 >/dev/null 2>&1") == 0;
+#else
+  return false;
+#endif
+}
+
+TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
+  const char* env = std::getenv("OPTSTATE_REL_KILLS");
+  const uint64_t kills = env ? std::strtoull(env, nullptr, 10) : OPTSTATE_REL_KILLS_DEFAULT;
+  const char* seed_env = std::getenv("OPTSTATE_REL_SEED");
+  const uint64_t seed = seed_env ? std::strtoull(seed_env, nullptr, 10) : 20261130;
+  char tmpl[] = "/var/tmp/optstate-rel-XXXXXX";  // a real disk: O_DIRECT works
+  const std::string root = ::mkdtemp(tmpl);
+  const std::string stores = root + "/stores", mnt = root + "/mnt", scratch = root + "/scratch";
+  fs::create_directories(stores);
+  fs::create_directories(mnt);
+  fs::create_directories(scratch);
+  const std::string path = stores + "/train";
+  StackReference ref;
+  uint64_t bytes = 0;
+  // The first run creates the store and commits a step (no kill).
+  {
+    ChildResult r = RunChild({path, "1"}, "", -1);
+    ASSERT_TRUE(WIFEXITED(r.wait_status) && WEXITSTATUS(r.wait_status) == 0) << r.output;
+    ASSERT_EQ(r.last_ack, 1u) << r.output;
+    CheckStore(path, 1, &ref, &bytes, "first run");
+    ASSERT_FALSE(::testing::Test::HasFailure());
+  }
+  pid_t daemon = -1;
+  std::unique_ptr<MountReader> reader;
+  if (CanMount()) {
+#ifdef OPTSTATE_REL_MOUNT_BINARY
+    daemon = ::fork();
+    if (daemon == 0) {
+      const int fd = ::open((root + "/daemon.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::execl(OPTSTATE_REL_MOUNT_BINARY, OPTSTATE_REL_MOUNT_BINARY, stores.c_str(), mnt.c_str(), "-f",
+              "--readahead-chunks", "2", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    for (int i = 0; i < 200 && ::access((mnt + "/train/latest/manifest.json").c_str(), R_OK) != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_EQ(::access((mnt + "/train/latest/manifest.json").c_str(), R_OK), 0) << "mount did not come up";
+    reader = std::make_unique<MountReader>(mnt + "/train/latest");
+#endif
+  } else {
+    std::printf("no live mount (needs root, /dev/fuse, fusermount3 and optstate-mount): readers not run\n");
+  }
+  std::mt19937_64 rng(seed);
+  uint64_t max_ack = 1, random_kills = 0, point_kills = 0, create_kills = 0, finished = 0, creates_absent = 0;
+  std::map<std::string, uint64_t> per_point;
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t i = 0; i < kills && !::testing::Test::HasFailure(); ++i) {
+    const uint64_t kind = rng() % 100;
+    if (kind < 6) {
+      // Store creation: absent or complete, and creatable again.
+      const std::string cpath = scratch + "/c" + std::to_string(i);
+      const std::string point = kCreatePoints[rng() % 4];
+      ChildResult r = RunChild({cpath, "1"}, point, -1);
+      const std::string what = "kill " + std::to_string(i) + " at " + point;
+      ASSERT_TRUE(WIFSIGNALED(r.wait_status) && WTERMSIG(r.wait_status) == SIGKILL) << what << "\n" << r.output;
+      ++create_kills;
+      ++per_point[point];
+      if (::access(cpath.c_str(), F_OK) == 0) {
+        auto s = vfs::Store::Open(cpath, StackStoreOptions());
+        ASSERT_TRUE(s.ok()) << what << ": half-created store: " << s.status().ToString();
+        EXPECT_EQ((*s)->LatestGeneration().generation, 0u) << what;
+      } else {
+        ++creates_absent;
+        ChildResult again = RunChild({cpath, "1"}, "", -1);
+        ASSERT_TRUE(WIFEXITED(again.wait_status) && WEXITSTATUS(again.wait_status) == 0)
+            << what << ": create after the crash failed\n" << again.output;
+      }
+      fs::remove_all(cpath);
+      continue;
+    }
+    ChildResult r;
+    std::string what;
+    if (kind < 36) {
+      std::string point = kStepPoints[rng() % (sizeof(kStepPoints) / sizeof(kStepPoints[0]))];
+      point += ":" + std::to_string(1 + rng() % 4);
+      what = "kill " + std::to_string(i) + " at " + point;
+      r = RunChild({path, "6"}, point, -1);
+      per_point[point.substr(0, point.find(':'))]++;
+      ++point_kills;
+    } else {
+      const int ms = 20 + static_cast<int>(rng() % 900);
+      what = "kill " + std::to_string(i) + " after " + std::to_string(ms) + " ms";
+      r = RunChild({path, "1000"}, "", ms);
+      ++random_kills;
+    }
+    const bool killed = WIFSIGNALED(r.wait_status) && WTERMSIG(r.wait_status) == SIGKILL;
+    const bool done = WIFEXITED(r.wait_status) && WEXITSTATUS(r.wait_status) == 0;
+    ASSERT_TRUE(killed || done) << what << ": child failed\n" << r.output;
+    finished += done;
+    max_ack = std::max(max_ack, r.last_ack);
+    CheckStore(path, max_ack, &ref, &bytes, what + " (last ACK " + std::to_string(r.last_ack) + ")");
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (reader) reader->Stop();
+  if (daemon > 0) {
+    std::system(("fusermount3 -u " + mnt + " 2>/dev/null").c_str());
+    ::kill(daemon, SIGTERM);
+    int st = 0;
+    ::waitpid(daemon, &st, 0);
+  }
+  std::string points;
+  for (const auto& [p, n] : per_point) points += p + "=" + std::to_string(n) + " ";
+  std::printf("stack crash loop: %llu kills in %.1f s (random instants %llu, crash points %llu, store creation %llu "
+              "[absent afterwards %llu]; runs that ended before their point %llu); final step %llu; "
+              "%llu state bytes compared with the fp64 reference\npoints: %s\n",
+              static_cast<unsigned long long>(random_kills + point_kills + create_kills), secs,
+              static_cast<unsigned long long>(random_kills), static_cast<unsigned long long>(point_kills),
+              static_cast<unsigned long long>(create_kills), static_cast<unsigned long long>(creates_absent),
+              static_cast<unsigned long long>(finished), static_cast<unsigned long long>(ref.step()),
+              static_cast<unsigned long long>(bytes), points.c_str());
+  if (reader) {
+    std::printf("mount reader: %llu full copies of latest/ verified (%llu bytes), %llu raced with a commit, "
+                "%llu with an I/O error, %zu wrong\n",
+                static_cast<unsigned long long>(reader->copies()), static_cast<unsigned long long>(reader->bytes()),
+                static_cast<unsigned long long>(reader->raced()), static_cast<unsigned long long>(reader->errors()),
+                reader->wrong().size());
+    EXPECT_TRUE(reader->wrong().empty()) << reader->wrong()[0];
+    EXPECT_GT(reader->copies(), 0u) << "the reader never completed a copy";
+  }
+  if (!::testing::Test::HasFailure()) fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace optstate::reliability
