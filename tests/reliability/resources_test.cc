@@ -190,10 +190,10 @@ TEST(ResourcesTest, FullDiskMidStepThenFreedSpace) {
         break;
       }
     }
-    ASSERT_FALSE(failure.ok()) << "the disk never filled";
-    ASSERT_GE(acked, 1u);
     std::printf("disk full after %llu committed steps: %s\n", static_cast<unsigned long long>(acked),
                 failure.ToString().c_str());
+    ASSERT_FALSE(failure.ok()) << "the disk never filled";
+    ASSERT_GE(acked, 1u) << failure.ToString();
     EXPECT_TRUE(failure.code() == StatusCode::kNoSpace || Mentions(failure.message(), {"No space", "ENOSPC"}))
         << failure.ToString();
     EXPECT_EQ((*sa)->step_count(0), acked);

@@ -253,6 +253,23 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
   }
   pid_t daemon = -1;
   std::unique_ptr<MountReader> reader;
+  // Unmounts and stops the daemon on every exit path (ASSERTs return early).
+  struct MountGuard {
+    pid_t* daemon;
+    std::unique_ptr<MountReader>* reader;
+    std::string mnt;
+    ~MountGuard() { Release(); }
+    void Release() {
+      if (*reader) (*reader)->Stop();
+      if (*daemon > 0) {
+        std::system(("fusermount3 -u " + mnt + " 2>/dev/null").c_str());
+        ::kill(*daemon, SIGTERM);
+        int st = 0;
+        ::waitpid(*daemon, &st, 0);
+        *daemon = -1;
+      }
+    }
+  } guard{&daemon, &reader, mnt};
   if (CanMount()) {
 #ifdef OPTSTATE_REL_MOUNT_BINARY
     daemon = ::fork();
@@ -318,7 +335,10 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
     }
     const bool killed = WIFSIGNALED(r.wait_status) && WTERMSIG(r.wait_status) == SIGKILL;
     const bool done = WIFEXITED(r.wait_status) && WEXITSTATUS(r.wait_status) == 0;
-    ASSERT_TRUE(killed || done) << what << ": child failed\n" << r.output;
+    ASSERT_TRUE(killed || done) << what << ": child failed ("
+                                << (WIFSIGNALED(r.wait_status) ? "signal " + std::to_string(WTERMSIG(r.wait_status))
+                                                               : "exit " + std::to_string(WEXITSTATUS(r.wait_status)))
+                                << ")\n" << r.output;
     finished += done;
     max_ack = std::max(max_ack, r.last_ack);
     CheckStore(path, max_ack, &ref, &bytes, what + " (last ACK " + std::to_string(r.last_ack) + ")");
@@ -326,12 +346,6 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (reader) reader->Stop();
-  if (daemon > 0) {
-    std::system(("fusermount3 -u " + mnt + " 2>/dev/null").c_str());
-    ::kill(daemon, SIGTERM);
-    int st = 0;
-    ::waitpid(daemon, &st, 0);
-  }
   std::string points;
   for (const auto& [p, n] : per_point) points += p + "=" + std::to_string(n) + " ";
   std::printf("stack crash loop: %llu kills in %.1f s (random instants %llu, crash points %llu, store creation %llu "
@@ -351,7 +365,9 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
     EXPECT_TRUE(reader->wrong().empty()) << reader->wrong()[0];
     EXPECT_GT(reader->copies(), 0u) << "the reader never completed a copy";
   }
-  if (!::testing::Test::HasFailure()) fs::remove_all(root);
+  guard.Release();
+  std::error_code ec;
+  if (!::testing::Test::HasFailure()) fs::remove_all(root, ec);
 }
 
 }  // namespace
