@@ -54,7 +54,17 @@ struct StoreTree::StoreEntry {
 };
 
 StoreTree::StoreTree(MountOptions opts) : opts_(std::move(opts)) {}
-StoreTree::~StoreTree() = default;
+// Generations hold their StoreEntry (store_keepalive) and the entry caches its
+// Generations: break that cycle whenever an entry leaves the tree.
+static void DropCached(StoreTree::StoreEntry* e) {
+  std::lock_guard<std::mutex> lock(e->mu);
+  e->latest.reset();
+  e->snapshots.clear();
+}
+
+StoreTree::~StoreTree() {
+  for (auto& [name, e] : stores_) DropCached(e.get());
+}
 
 Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::string& name) {
   if (name == "." || name == ".." || name.empty()) return NotFound("no store " + name);
@@ -64,6 +74,7 @@ Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::st
   if (!HasIdentity(path)) {
     if (it != stores_.end()) {
       OPTSTATE_LOG_INFO("optstate-mount: store {} disappeared from {}", name, opts_.store_root);
+      DropCached(it->second.get());
       stores_.erase(it);
     }
     return NotFound(fmt::format("no store {} under {}", name, opts_.store_root));

@@ -83,8 +83,9 @@ class StoreTree {
 
   const MountOptions& options() const { return opts_; }
 
+  struct StoreEntry;  // defined in store_tree.cc
+
  private:
-  struct StoreEntry;
   Result<std::shared_ptr<StoreEntry>> GetStore(const std::string& name);
   Status Refresh(StoreEntry* e, bool force);
   Result<std::shared_ptr<const Generation>> Latest(StoreEntry* e);
