@@ -1,4 +1,4 @@
-// Resources: a full disk mid-StreamedAdam-step (a loop-mounted 64 MiB ext4,
+// Resources: a full disk mid-StreamedAdam-step (a loop-mounted 160 MiB ext4,
 // root only), and RLIMIT_NOFILE / RLIMIT_MEMLOCK too low at start (the child
 // reliability_stack_child in "limits" mode sets them before opening anything).
 // Expected: a clear error at start (open, memory manager, optimizer), not a
@@ -125,7 +125,7 @@ TEST(ResourcesTest, FullDiskMidStepThenFreedSpace) {
   wl::TempDir dir;
   const std::string mnt = dir / "mnt", img = dir / "fs.img";
   fs::create_directories(mnt);
-  const std::string cmd = "truncate -s 64M " + img + " && mkfs.ext4 -q -F " + img + " >/dev/null 2>&1 && mount -o loop " +
+  const std::string cmd = "truncate -s 160M " + img + " && mkfs.ext4 -q -F " + img + " >/dev/null 2>&1 && mount -o loop " +
                           img + " " + mnt + " 2>/dev/null";
   if (std::system(cmd.c_str()) != 0) GTEST_SKIP() << "cannot loop-mount an ext4 image here (" << cmd << ")";
   struct Unmount {
