@@ -88,11 +88,14 @@ done
 mkdir -p "$STORES" "$CKPT" "$REST" "$MNT" "$MNT2"
 export OPTSTATE_NO_PROGRESS=1 OPTSTATE_LOG_LEVEL=${OPTSTATE_LOG_LEVEL:-warn}
 
-MOUNT_PIDS=() RANK_PIDS=()
+MOUNT_PIDS=() RANK_PIDS=() SMI_PID=""
 cleanup() {
   local rc=$?
   set +e
-  for p in "${RANK_PIDS[@]}"; do kill "$p" 2>/dev/null; done
+  for p in "${RANK_PIDS[@]}" $SMI_PID; do kill "$p" 2>/dev/null; done
+  if [[ ${#RANK_PIDS[@]} -gt 0 ]]; then  # failed mid-step: stop the bench processes too
+    for f in "$OUT"/rank*.pid; do [[ -f $f ]] && kill "$(cat "$f")" 2>/dev/null; done
+  fi
   for m in "$MNT" "$MNT2"; do
     mountpoint -q "$m" 2>/dev/null && { fusermount3 -u "$m" 2>/dev/null || fusermount3 -u -z "$m"; }
   done
@@ -136,7 +139,10 @@ run_store() {  # rank kind params
   local s; s=$(rank_name "$1").$2
   "$BENCH" step --store "$STORES/$s" --params "$3" --steps "$STEPS" --tensors "$TENSORS" \
     --snapshot "$SNAP" --chunk-size "$CHUNK" --budget "$BUDGET" --backend "$BACKEND" --json \
-    >"$OUT/$s.json" 2>"$OUT/$s.err"
+    >"$OUT/$s.json" 2>"$OUT/$s.err" &
+  local p=$!
+  echo "$p" >"$OUT/$s.pid"
+  wait "$p"
 }
 run_rank() {
   local r=$1 t0 t1
@@ -153,6 +159,14 @@ run_rank() {
   echo "$t0 $t1" >"$OUT/$(rank_name "$r").wall"
   return $rc
 }
+# Device memory as the driver sees it (context included), sampled every 0.5 s.
+if [[ $BACKEND == cuda || -n ${MULTIRANK_SAMPLE_SMI:-} ]] && command -v nvidia-smi >/dev/null; then
+  ( while :; do
+      nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null
+      sleep 0.5
+    done ) >"$OUT/nvidia-smi.csv" &
+  SMI_PID=$!
+fi
 T_STEP0=$(now)
 for ((r = 0; r < RANKS; r++)); do run_rank "$r" & RANK_PIDS+=($!); done
 FAILED=0
@@ -162,8 +176,9 @@ for ((r = 0; r < RANKS; r++)); do
     cat "$OUT/$(rank_name "$r")".*.err >&2 || true
   fi
 done
-RANK_PIDS=()
 T_STEP1=$(now)
+[[ -z $SMI_PID ]] || { kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null || true; SMI_PID=""; }
+RANK_PIDS=()
 [[ $FAILED == 0 ]] || die "a rank failed (see $OUT/*.err)"
 echo "multirank: stepping phase done in $(awk -v a="$T_STEP0" -v b="$T_STEP1" 'BEGIN{printf "%.1f", b-a}') s"
 
@@ -308,6 +323,16 @@ SUM=$OUT/summary.txt
     awk -v a="$ds" -v b="$es" -v k="$STEPS" -v m="$MODE" 'BEGIN{print (m=="seq" ? a+b : (a>b?a:b))/k}'
   done | sort -g | awk -v m="$MOVED" -v k="$STEPS" '{v[NR]=$1} END {printf "rank step time (both stores): min %.3f s, max %.3f s, spread max/min %.2fx; in-step aggregate %.3f GB/s (state moved / (slowest rank step time x steps))\n", v[1], v[NR], v[NR]/v[1], m/1e9/(v[NR]*k)}'
   budget_b=$(jget budget_bytes "$OUT/$R0.dense.json")
+  if [[ -s $OUT/nvidia-smi.csv ]]; then
+    for ((r = 0; r < RANKS; r++)); do
+      n=$(rank_name "$r")
+      awk -F', *' -v a="$(cat "$OUT/$n.dense.pid")" -v b="$(cat "$OUT/$n.expert.pid")" -v n="$n" \
+        '$1 == a || $1 == b { if ($2 > m) m = $2 } END { printf "%s %s MiB", n, (m ? m : "n/a") }'  "$OUT/nvidia-smi.csv"
+      echo
+    done | paste -sd';' | sed 's/^/peak device memory per rank from nvidia-smi (context included; max over its processes): /'
+  elif [[ $BACKEND == cuda ]]; then
+    echo "peak device memory from nvidia-smi: not available (nvidia-smi missing or no samples)"
+  fi
   echo "disk use before cleanup: $DISK_MB"
   echo "peak device memory: per store as counted by the memory manager (peak_resident_bytes; excludes" \
        "the CUDA context); peak_rank = max (seq) or sum (par) of the two; budget $budget_b bytes per store"
