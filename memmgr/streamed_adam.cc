@@ -104,6 +104,7 @@ class StepPipeline {
       return ResourceExhausted("StreamedAdam: " + std::to_string(total) +
                                " staging buffers; need at least 3 (one chunk per field)");
     }
+    qd_ = std::max<uint32_t>(o.queue_depth, 6);
     staging_ = mm_->AcquireStaging(3, std::min<size_t>(max_bufs, 3 * ra));
     sets_.resize(staging_.size() / 3);
     for (size_t i = 0; i < sets_.size(); ++i) {
@@ -131,18 +132,13 @@ class StepPipeline {
     if (!error_.ok()) return error_;
     for (;;) {
       bool progressed = false;
-      // 1. Reads into free staging sets.
-      for (size_t i = 0; i < sets_.size() && !queue_.empty(); ++i) {
-        if (sets_[i].stage != Stage::kFree) continue;
-        Job j = queue_.front();
-        queue_.pop_front();
-        double ts = NowS();
-        Status rs0 = StartReads(i, j);
-        submit_s_ += NowS() - ts;
-        OPTSTATE_RETURN_IF_ERROR(Keep(rs0));
-        progressed = true;
-      }
-      // 2. Finished device work -> writes.
+      // 0. Collect whatever has completed (never blocks), so finished reads
+      //    become computable and finished writes free their staging sets
+      //    before anything new is queued.
+      OPTSTATE_RETURN_IF_ERROR(ReapReady(&progressed));
+      // 1. Finished device work -> writes. Writes go first: they free staging
+      //    sets for read-ahead, and a write queued now keeps the disk busy in
+      //    both directions (no phase with only reads in flight).
       bool gpu_pending = false;
       for (size_t k = 0; k < slots_.size(); ++k) {
         DevSlot& d = slots_[k];
@@ -161,7 +157,7 @@ class StepPipeline {
         OPTSTATE_RETURN_IF_ERROR(Keep(ws));
         progressed = true;
       }
-      // 3. Ready slices -> free device slots.
+      // 2. Ready slices -> free device slots.
       for (size_t k = 0; k < slots_.size() && !ready_.empty(); ++k) {
         if (slots_[k].set >= 0) continue;
         size_t set = ready_.front();
@@ -171,7 +167,31 @@ class StepPipeline {
         compute_s_ += NowS() - tc;
         OPTSTATE_RETURN_IF_ERROR(Keep(cs));
         progressed = true;
-        gpu_pending = true;
+        if (dev_->backend() == Backend::kHost) {
+          // Host: the kernel ran synchronously; write back at once.
+          slots_[k].set = -1;
+          double ts = NowS();
+          Status ws = StartWrites(set);
+          submit_s_ += NowS() - ts;
+          OPTSTATE_RETURN_IF_ERROR(Keep(ws));
+          OPTSTATE_RETURN_IF_ERROR(ReapReady(&progressed));
+        } else {
+          gpu_pending = true;
+        }
+      }
+      // 3. Reads into free staging sets, only while the queue has room for a
+      //    whole slice (plus one slice of writes), so a submit never blocks on
+      //    a full queue while completions wait unreaped.
+      for (size_t i = 0; i < sets_.size() && !queue_.empty(); ++i) {
+        if (sets_[i].stage != Stage::kFree) continue;
+        if (io_->in_flight() + 6 > qd_ && io_->in_flight() > 0) break;
+        Job j = queue_.front();
+        queue_.pop_front();
+        double ts = NowS();
+        Status rs0 = StartReads(i, j);
+        submit_s_ += NowS() - ts;
+        OPTSTATE_RETURN_IF_ERROR(Keep(rs0));
+        progressed = true;
       }
       bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty();
       if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
@@ -256,6 +276,19 @@ class StepPipeline {
     return s;
   }
 
+  // Non-blocking reap of completed I/O.
+  Status ReapReady(bool* progressed) {
+    if (io_->in_flight() == 0) return Status::Ok();
+    reap_buf_.clear();
+    Status rs = io_->Reap(&reap_buf_, 0);
+    if (!rs.ok()) return Keep(rs.WithContext("StreamedAdam: reaping chunk I/O"));
+    for (const auto& c : reap_buf_) {
+      OPTSTATE_RETURN_IF_ERROR(Keep(OnCompletion(c)));
+      *progressed = true;
+    }
+    return Status::Ok();
+  }
+
   ChunkKey Key(const Job& j, int f) const { return ChunkKey{j.tensor_id, j.fields[f], j.chunk}; }
 
   Status StartReads(size_t i, const Job& j) {
@@ -317,12 +350,18 @@ class StepPipeline {
     uint64_t len = j.elems * 4;
     s.stage = Stage::kComputing;
     d.set = static_cast<long>(i);
-    for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.io[f], len, d.stream));
-    h2d += 3 * len;
+    // Host backend: "device" memory is host memory, so the kernel runs in
+    // place on the staging buffers (no staging -> page -> staging memcpys).
+    const bool in_place = dev_->backend() == Backend::kHost;
+    void* const* bufs = in_place ? s.io : d.d;
+    if (!in_place) {
+      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.io[f], len, d.stream));
+      h2d += 3 * len;
+    }
     kernels::AdamTensors t;
-    t.main = static_cast<float*>(d.d[0]);
-    t.exp_avg = d.d[1];
-    t.exp_avg_sq = d.d[2];
+    t.main = static_cast<float*>(bufs[0]);
+    t.exp_avg = bufs[1];
+    t.exp_avg_sq = bufs[2];
     t.grad = static_cast<const char*>(j.grad) + j.first_elem * ScalarSize(j.grad_type);
     t.grad_type = j.grad_type;
     t.param = j.param ? static_cast<char*>(j.param) + j.first_elem * ScalarSize(j.param_type) : nullptr;
@@ -333,8 +372,10 @@ class StepPipeline {
                       std::to_string(j.tensor_id) + " chunk " + std::to_string(j.chunk));
     }
     OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, j.elems, j.params, cpu_threads_, d.stream));
-    for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.io[f], d.d[f], len, d.stream));
-    d2h += 3 * len;
+    if (!in_place) {
+      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.io[f], d.d[f], len, d.stream));
+      d2h += 3 * len;
+    }
     return dev_->RecordEvent(d.event, d.stream);  // host backend: complete already
   }
 
@@ -372,6 +413,8 @@ class StepPipeline {
   std::deque<Job> queue_;
   std::deque<size_t> ready_;
   std::vector<vfs::ChunkCompletion> done_;
+  std::vector<vfs::ChunkCompletion> reap_buf_;
+  size_t qd_ = 32;  // the ChunkIo's queue depth (reads are held back when it is nearly full)
   Status error_;
 };
 
