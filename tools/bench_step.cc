@@ -520,6 +520,18 @@ int RunCompare(const StepOptions& o) {
   out["ours_over_copy_floor"] = Median(t_ours) / copy_floor;
   out["peak_resident_bytes"] = ms.peak_resident_bytes;
   out["io_wait_seconds"] = stats.empty() ? 0.0 : stats.back().io_wait_seconds;
+  // Where each timed step spent its time (StreamedAdam::StepStats).
+  nlohmann::json breakdown = nlohmann::json::array();
+  for (const auto& st : stats) {
+    breakdown.push_back({{"seconds", st.seconds},
+                         {"io_wait", st.io_wait_seconds},
+                         {"submit", st.submit_seconds},
+                         {"compute", st.compute_seconds},
+                         {"commit", st.commit_seconds},
+                         {"slices_in_flight", st.slices_in_flight},
+                         {"device_slots", st.device_slots}});
+  }
+  out["step_stats"] = breakdown;
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -548,6 +560,14 @@ int RunCompare(const StepOptions& o) {
       "(budget {})\n",
       ratio(t_ours, t_floor), ratio(t_fv, t_ours), FormatRate(h2d), FormatRate(d2h),
       Median(t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c->budget));
+  if (!stats.empty()) {
+    const auto& st = stats.back();
+    std::cout << fmt::format(
+        "last step: {:.3f} s; io wait {:.3f} s, submit {:.3f} s, compute {:.3f} s, commit {:.3f} s; "
+        "{} slices in flight, {} device slots\n",
+        st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
+        st.slices_in_flight, st.device_slots);
+  }
   return 0;
 }
 
