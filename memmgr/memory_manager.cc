@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/resource_check.h"
 #include "vfs/log.h"
 
 namespace optstate::memmgr {
@@ -235,6 +236,7 @@ Result<std::unique_ptr<ManagerImpl>> ManagerImpl::Create(vfs::Store* store, cons
   if (store->read_only()) {
     return FailedPrecondition("MemoryManager::Create: store " + store->path() + " is open read-only");
   }
+  OPTSTATE_RETURN_IF_ERROR(CheckDescriptorHeadroom(store->path(), kDescriptorHeadroom));
   std::unique_ptr<Device> dev;
   Backend want = opts.backend;
   if (want == Backend::kAuto) {

@@ -238,6 +238,10 @@ class Core {
   std::unique_ptr<rocksdb::DB> db_;
   std::vector<std::unique_ptr<File>> data_files_;  // per data dir; null if absent (read-only)
   std::unique_ptr<File> lock_file_;
+  // COMMITTED: the newest acknowledged generation, written and synced after
+  // each commit batch. Open refuses an index older than it, so a damaged or
+  // lost RocksDB write-ahead log can never silently roll the store back.
+  std::unique_ptr<File> committed_file_;
   std::unique_ptr<File> lease_lock_file_;
   std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
 
@@ -405,11 +409,13 @@ class Core {
 
   // --- slots ---------------------------------------------------------------
 
-  // Grows dir d's file by the preallocation step (or one slot when the step
-  // does not fit). mu_ held.
+  // Grows dir d's file (or by one slot when that does not fit). The growth
+  // doubles the file, from 4 slots up to the preallocation step, so a small
+  // store does not reserve a whole step (1 GiB by default) on disk. mu_ held.
   Status Grow(uint32_t d) {
     File* f = data_files_[d].get();
-    const uint64_t step_slots = std::max<uint64_t>(1, opts_.preallocate_step_bytes / SlotBytes());
+    const uint64_t max_slots = std::max<uint64_t>(1, opts_.preallocate_step_bytes / SlotBytes());
+    const uint64_t step_slots = std::min<uint64_t>(max_slots, std::max<uint64_t>(4, file_slots_[d]));
     Status last;
     for (uint64_t want : {step_slots, uint64_t{1}}) {
       const uint64_t off = file_slots_[d] * SlotBytes();
@@ -594,6 +600,38 @@ class Core {
     for (uint64_t g : plan.dead_generations) generations_.erase(g);
   }
 
+  // 32 bytes: "OSCOMMIT", generation (LE), XXH3 of those 16 bytes, zeros.
+  static std::string EncodeCommittedMark(uint64_t gen) {
+    std::string rec(32, '\0');
+    std::memcpy(rec.data(), "OSCOMMIT", 8);
+    std::memcpy(rec.data() + 8, &gen, 8);
+    const uint64_t sum = ChunkChecksum(rec.data(), 16);
+    std::memcpy(rec.data() + 16, &sum, 8);
+    return rec;
+  }
+  static Result<uint64_t> DecodeCommittedMark(const std::string& rec, const std::string& where) {
+    uint64_t gen = 0, sum = 0;
+    if (rec.size() < 32 || std::memcmp(rec.data(), "OSCOMMIT", 8) != 0) {
+      return Corruption(where + ": not a COMMITTED record (" + std::to_string(rec.size()) + " bytes)");
+    }
+    std::memcpy(&gen, rec.data() + 8, 8);
+    std::memcpy(&sum, rec.data() + 16, 8);
+    if (sum != ChunkChecksum(rec.data(), 16)) return Corruption(where + ": checksum mismatch");
+    return gen;
+  }
+  // Two slots (generation parity picks one), so a torn or lost write of the
+  // newest mark leaves the previous one readable.
+  static constexpr uint64_t kMarkSlotBytes = 4096;
+  Status WriteCommittedMark(uint64_t gen, bool both_slots = false) {
+    if (committed_file_ == nullptr) return Status();
+    const std::string rec = EncodeCommittedMark(gen);
+    for (uint64_t slot : {gen % 2, (gen + 1) % 2}) {
+      OPTSTATE_RETURN_IF_ERROR(committed_file_->Pwrite(slot * kMarkSlotBytes, rec.data(), rec.size()));
+      if (!both_slots) break;
+    }
+    return committed_file_->Fdatasync();
+  }
+
   Status WriteSynced(rocksdb::WriteBatch* b, std::string_view what) {
     rocksdb::WriteOptions wo;
     wo.sync = true;
@@ -675,6 +713,17 @@ class Core {
       // trusted to match the index any more.
       Poison(s);
       return Status(StatusCode::kDataLoss, s.message() + " (store poisoned until reopen)", s.err());
+    }
+    if (Status w = WriteCommittedMark(gen); !w.ok()) {
+      // The generation is in the index (a reopen may show it) but is not
+      // acknowledged: keep the previous one in memory, refuse more commits.
+      Status e(StatusCode::kDataLoss,
+               "store " + path_ + ": generation " + std::to_string(gen) +
+                   " is in the index but its COMMITTED mark could not be made durable: " + w.ToString() +
+                   " (store poisoned until reopen)",
+               w.err());
+      Poison(e);
+      return e;
     }
     for (const auto& [key, ext] : pending_) {
       auto& vs = versions_[key];
@@ -1591,6 +1640,54 @@ Result<std::shared_ptr<Core>> NewCore(const std::string& path, const StoreOption
   return core;
 }
 
+// Opens (creating if absent) COMMITTED and refuses an index older than the
+// generation it records: the acknowledged generations must all be there.
+Status OpenCommittedMark(Core* c) {
+  const std::string name = JoinPath(c->path_, "COMMITTED");
+  OPTSTATE_ASSIGN_OR_RETURN(bool exists, c->fs_->Exists(name));
+  OpenOptions oo;
+  oo.create = !exists;
+  auto f = c->fs_->Open(name, oo);
+  if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": COMMITTED");
+  std::lock_guard l(c->mu_);
+  const uint64_t index_latest = c->latest_.generation;
+  OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*f)->Size());
+  if (exists && size > 0) {
+    // The newest valid slot; an invalid slot is a torn or lost unsynced write.
+    std::optional<uint64_t> best;
+    std::string why;
+    for (uint64_t slot = 0; slot < 2; ++slot) {
+      std::string rec(32, '\0');
+      if (size < slot * Core::kMarkSlotBytes + 32) continue;
+      Status rs = (*f)->Pread(slot * Core::kMarkSlotBytes, rec.data(), 32);
+      if (!rs.ok()) return rs.WithContext("store " + c->path_ + ": COMMITTED");
+      auto g = Core::DecodeCommittedMark(rec, "store " + c->path_ + ": COMMITTED slot " + std::to_string(slot));
+      if (g.ok()) {
+        best = std::max(best.value_or(0), *g);
+      } else {
+        why = g.status().ToString();
+      }
+    }
+    if (!best) return Corruption("store " + c->path_ + " is damaged: COMMITTED holds no valid record (" + why + ")");
+    const uint64_t acked = *best;
+    if (index_latest < acked) {
+      return Corruption("store " + c->path_ + " is damaged: its index (RocksDB, index/) holds generation " +
+                        std::to_string(index_latest) + " but generation " + std::to_string(acked) +
+                        " was committed and acknowledged (COMMITTED); the index write-ahead log was lost or "
+                        "damaged. Restore from a checkpoint; refusing to open an older state silently");
+    }
+    if (index_latest == acked) {
+      c->committed_file_ = std::move(*f);
+      return Status();
+    }
+  }
+  c->committed_file_ = std::move(*f);
+  OPTSTATE_RETURN_IF_ERROR(
+      c->WriteCommittedMark(index_latest, /*both_slots=*/true).WithContext("store " + c->path_ + ": COMMITTED"));
+  if (!exists) OPTSTATE_RETURN_IF_ERROR(c->fs_->SyncDir(c->path_));
+  return Status();
+}
+
 Status OpenLeaseLock(Core* c) {
   OPTSTATE_RETURN_IF_ERROR(c->fs_->CreateDir(c->leases_dir_));
   OpenOptions oo;
@@ -1760,6 +1857,7 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
     OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
     OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
   }
+  OPTSTATE_RETURN_IF_ERROR(OpenCommittedMark(core.get()));
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/true));
   {
     std::lock_guard l(core->mu_);
