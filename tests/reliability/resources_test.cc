@@ -68,6 +68,11 @@ bool Mentions(const std::string& s, std::initializer_list<const char*> words) {
 }
 
 TEST(ResourcesTest, LowFileDescriptorLimitFailsClearlyAtStart) {
+#if defined(__SANITIZE_ADDRESS__)
+  // The sanitizer runtimes need descriptors of their own: in an fd-starved
+  // child UBSan's vptr check reports false "invalid vptr" errors and exits.
+  GTEST_SKIP() << "not meaningful under ASan/UBSan (sanitizer runtime needs file descriptors)";
+#endif
   wl::TempDir dir;
   const std::string store = dir / "store";
   // A store with one committed step first (no limit).
