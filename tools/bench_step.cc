@@ -120,8 +120,6 @@ int RunSynthetic(const StepOptions& o) {
   } else {
     vfs::StoreOptions so;
     so.chunk_size_bytes = c->chunk;
-    so.preallocate_step_bytes = std::min<uint64_t>(1ull << 30, std::max<uint64_t>(
-                                                                   c->chunk * 8, o.params * 12 / 4));
     auto s = vfs::Store::Create(o.store, so);
     if (!s.ok()) return FailWith(kTool, s.status());
     store = std::move(*s);

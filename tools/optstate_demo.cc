@@ -215,7 +215,6 @@ Status ExportDirect(const vfs::GenerationView& view, const std::string& dir) {
   return Status::Ok();
 }
 
-uint64_t RoundUpTo(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 void Say(const std::string& s) {
   std::cout << s << std::flush;
@@ -276,7 +275,6 @@ int Run(const DemoOptions& o) {
   vfs::StoreOptions so;
   so.name = kStoreName;
   so.chunk_size_bytes = *chunk;
-  so.preallocate_step_bytes = std::min<uint64_t>(1ull << 30, RoundUpTo(state_bytes / 2, *chunk));
   auto store = vfs::Store::Create(store_path, so);
   if (!store.ok()) return FailWith(kTool, store.status());
   memmgr::MemoryManagerOptions mo;
@@ -441,7 +439,6 @@ int Run(const DemoOptions& o) {
   fs::create_directories(fs::path(restored_path).parent_path());
   vfs::StoreOptions ro;
   ro.name = kStoreName;
-  ro.preallocate_step_bytes = so.preallocate_step_bytes;
   auto restored = vfs::CreateStoreFromCheckpoint(copy, restored_path, ro);
   if (!restored.ok()) return FailWith(kTool, restored.status().WithContext("restore"));
   auto va = (*store)->OpenSnapshot(kSnapshot);
