@@ -131,12 +131,16 @@ void* HostCache::SlotFor(const ChunkKey& k, uint64_t len) {
     if (!r.ok()) return nullptr;
     buf = *r;
     ++allocated_;
-  } else if (!lru_.empty()) {
-    ChunkKey victim = lru_.front();
-    lru_.pop_front();
-    auto v = entries_.find(victim);
-    buf = v->second.h_buf;
-    entries_.erase(v);
+  } else {
+    // Oldest entry that is clean and not in use.
+    for (auto l = lru_.begin(); l != lru_.end(); ++l) {
+      auto v = entries_.find(*l);
+      if (v->second.dirty || v->second.users != 0) continue;
+      buf = v->second.h_buf;
+      lru_.erase(l);
+      entries_.erase(v);
+      break;
+    }
   }
   if (buf == nullptr) return nullptr;
   lru_.push_back(k);
@@ -163,8 +167,67 @@ bool HostCache::Get(const ChunkKey& k, void* dst, uint64_t len, bool dst_is_devi
 void HostCache::Put(const ChunkKey& k, const void* src, uint64_t len) {
   if (!enabled()) return;
   std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  if (it != entries_.end() && it->second.users != 0) return;  // StreamedAdam's working copy wins
+  const bool dirty = it != entries_.end() && it->second.dirty;
   void* buf = SlotFor(k, len);
-  if (buf != nullptr) std::memcpy(buf, src, len);
+  if (buf == nullptr) return;
+  std::memcpy(buf, src, len);
+  // Put is called with bytes just written to the store (or read from it): a
+  // dirty entry stays dirty (newer than the commit) but is now in the pending
+  // generation.
+  if (dirty) entries_[k].written = true;
+}
+
+void* HostCache::Acquire(const ChunkKey& k, uint64_t len, bool* valid) {
+  if (!enabled()) return nullptr;
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  *valid = it != entries_.end() && it->second.len == len;
+  void* buf = SlotFor(k, len);
+  if (buf == nullptr) return nullptr;
+  ++entries_[k].users;
+  return buf;
+}
+
+void HostCache::Release(const ChunkKey& k, bool dirty) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  if (it == entries_.end()) return;
+  if (it->second.users > 0) --it->second.users;
+  if (dirty) {
+    it->second.dirty = true;
+    it->second.written = false;
+  }
+}
+
+void HostCache::MarkWritten(const ChunkKey& k) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  if (it != entries_.end()) it->second.written = true;
+}
+
+std::vector<std::pair<ChunkKey, void*>> HostCache::DirtyUnwritten() const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<std::pair<ChunkKey, void*>> out;
+  for (const auto& [k, e] : entries_) {
+    if (e.dirty && !e.written) out.emplace_back(k, e.h_buf);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  return out;
+}
+
+bool HostCache::HasDirty() const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [k, e] : entries_) {
+    if (e.dirty) return true;
+  }
+  return false;
+}
+
+void HostCache::MarkAllClean() {
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto& [k, e] : entries_) e.dirty = e.written = false;
 }
 
 void HostCache::PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len, void* stream) {
@@ -184,7 +247,9 @@ void HostCache::Erase(const ChunkKey& k) {
   if (!enabled()) return;
   std::lock_guard<std::mutex> l(mu_);
   auto it = entries_.find(k);
-  if (it == entries_.end()) return;
+  // A dirty entry is the only copy of uncommitted steps: keep it (a Pin for
+  // writing then loads it, and its write-back Puts the new bytes).
+  if (it == entries_.end() || it->second.dirty || it->second.users != 0) return;
   lru_.erase(it->second.lru);
   free_bufs_.push_back(it->second.h_buf);
   entries_.erase(it);
@@ -269,7 +334,7 @@ Status ManagerImpl::Init() {
                              " is smaller than one chunk of store " + store_->path() + " (" +
                              Mib(page_bytes_) + ")");
   }
-  uint32_t ra = opts_.read_ahead_chunks ? opts_.read_ahead_chunks : 16;
+  uint32_t ra = PipelineSlices(opts_);
   uint32_t n_staging = opts_.staging_buffers;
   if (n_staging == 0) n_staging = 3 * ra + 4;
   staging_.reserve(n_staging);

@@ -56,10 +56,16 @@ struct MemoryManagerOptions {
   // Chunk-sized pinned staging buffers for Pin/Prefetch/write-back and for the
   // StreamedAdam pipeline (cuda backend); 0 = auto (3 x read-ahead + 4).
   uint32_t staging_buffers = 0;
-  // io_uring queue depth per ChunkIo. Default 32.
+  // io_uring reads in flight (Pin/Prefetch: all requests) per ChunkIo. Default 32.
   uint32_t queue_depth = 32;
-  // Chunk slices (one chunk of main+exp_avg+exp_avg_sq) in flight in the
-  // StreamedAdam pipeline; 0 = auto (16, reduced to what the budget holds).
+  // StreamedAdam: chunk writes in flight on top of queue_depth reads (the ring
+  // holds both). 0 = reads and writes share queue_depth. Default 32: with one
+  // shared queue of 32 the H200 step waited on reads behind writes; fio's
+  // floor (a read job and a write job of depth 32 each) runs 64 deep too.
+  uint32_t write_queue_depth = 32;
+  // Chunk slices (one chunk of main+exp_avg+exp_avg_sq) staged at once by the
+  // StreamedAdam pipeline (reading, computing or writing); 0 = auto: enough
+  // to keep both queues full, (queue_depth + write_queue_depth) / 3 + 4.
   uint32_t read_ahead_chunks = 0;
   // CUDA device ordinal (cuda backend).
   int cuda_device = 0;

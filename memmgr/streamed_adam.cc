@@ -15,6 +15,7 @@ namespace optstate::memmgr {
 using internal::Arena;
 using internal::ChunkKey;
 using internal::Device;
+using internal::HostCache;
 using internal::ManagerImpl;
 
 namespace {
@@ -67,7 +68,11 @@ namespace internal {
 // bounded by staging, not by the device budget, and a budget of one slot
 // still overlaps reads, compute and writes:
 //   reading (3 ChunkIo reads) -> ready -> computing (H2D, kernel, D2H on the
-//   slot's stream; an event) -> writing (3 copy-on-write writes) -> free.
+//   slot's stream; an event) -> computed (waits for write room) -> writing
+//   (3 copy-on-write writes) -> free.
+// Reads and writes have separate depth limits in one ring (queue_depth and
+// write_queue_depth), so neither direction starves the other and a submit
+// never blocks on a full ring while completions wait unreaped.
 // Driven by one thread (the trainer's) through Pump().
 class StepPipeline {
  public:
@@ -95,7 +100,7 @@ class StepPipeline {
                                " bytes is smaller than one chunk per field in flight (3 x " +
                                std::to_string(mm_->page_bytes()) + " bytes)");
     }
-    uint64_t ra = o.read_ahead_chunks ? o.read_ahead_chunks : 16;
+    uint64_t ra = PipelineSlices(o);
     uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / 3, 4);
     if (o.use_sync_io) ra = slots = 1;  // the first version's method: one slice at a time
     size_t total = mm_->all_staging().size();
@@ -104,7 +109,9 @@ class StepPipeline {
       return ResourceExhausted("StreamedAdam: " + std::to_string(total) +
                                " staging buffers; need at least 3 (one chunk per field)");
     }
-    qd_ = std::max<uint32_t>(o.queue_depth, 6);
+    read_qd_ = std::max<uint32_t>(o.queue_depth, 3);
+    write_qd_ = o.write_queue_depth == 0 ? 0 : std::max<uint32_t>(o.write_queue_depth, 3);
+    if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
     staging_ = mm_->AcquireStaging(3, std::min<size_t>(max_bufs, 3 * ra));
     sets_.resize(staging_.size() / 3);
     for (size_t i = 0; i < sets_.size(); ++i) {
@@ -119,6 +126,14 @@ class StepPipeline {
     }
     started_ = true;
     return Status::Ok();
+  }
+
+  // Cache mode: the host cache tier holds the whole state and is the slices'
+  // buffers (no staging copies); write_through: computed slices are also
+  // written to the store (else they stay dirty in the cache only).
+  void SetCacheMode(bool cache_mode, bool write_through) {
+    cache_mode_ = cache_mode;
+    write_through_ = write_through || !cache_mode;
   }
 
   uint32_t depth() const { return static_cast<uint32_t>(sets_.size()); }
@@ -151,6 +166,13 @@ class StepPipeline {
         }
         size_t set = static_cast<size_t>(d.set);
         d.set = -1;
+        OnComputed(set);
+        progressed = true;
+      }
+      // 1b. Computed slices -> writes, while the write queue has room.
+      while (!computed_.empty() && WriteRoom()) {
+        size_t set = computed_.front();
+        computed_.pop_front();
         double ts = NowS();
         Status ws = StartWrites(set);
         submit_s_ += NowS() - ts;
@@ -168,23 +190,27 @@ class StepPipeline {
         OPTSTATE_RETURN_IF_ERROR(Keep(cs));
         progressed = true;
         if (dev_->backend() == Backend::kHost) {
-          // Host: the kernel ran synchronously; write back at once.
+          // Host: the kernel ran synchronously; write back as soon as there is room.
           slots_[k].set = -1;
-          double ts = NowS();
-          Status ws = StartWrites(set);
-          submit_s_ += NowS() - ts;
-          OPTSTATE_RETURN_IF_ERROR(Keep(ws));
+          OnComputed(set);
+          while (!computed_.empty() && WriteRoom()) {
+            size_t w = computed_.front();
+            computed_.pop_front();
+            double ts = NowS();
+            Status ws = StartWrites(w);
+            submit_s_ += NowS() - ts;
+            OPTSTATE_RETURN_IF_ERROR(Keep(ws));
+          }
           OPTSTATE_RETURN_IF_ERROR(ReapReady(&progressed));
         } else {
           gpu_pending = true;
         }
       }
-      // 3. Reads into free staging sets, only while the queue has room for a
-      //    whole slice (plus one slice of writes), so a submit never blocks on
-      //    a full queue while completions wait unreaped.
+      // 3. Reads into free staging sets, only while the read queue has room
+      //    for a whole slice.
       for (size_t i = 0; i < sets_.size() && !queue_.empty(); ++i) {
         if (sets_[i].stage != Stage::kFree) continue;
-        if (io_->in_flight() + 6 > qd_ && io_->in_flight() > 0) break;
+        if (!ReadRoom()) break;
         Job j = queue_.front();
         queue_.pop_front();
         double ts = NowS();
@@ -193,7 +219,7 @@ class StepPipeline {
         OPTSTATE_RETURN_IF_ERROR(Keep(rs0));
         progressed = true;
       }
-      bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty();
+      bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty();
       if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
         return Status::Ok();
       }
@@ -226,6 +252,8 @@ class StepPipeline {
   }
 
   // Stops: waits for every request in flight (results ignored) and the GPU.
+  // Cache entries in use are released as dirty (the caller then drops the
+  // cache: ManagerImpl::OnAbortPending).
   void Abort() {
     if (started_) {
       std::vector<vfs::ChunkCompletion> sink;
@@ -234,6 +262,7 @@ class StepPipeline {
       }
     }
     for (auto& d : slots_) (void)dev_->SyncStream(d.stream);
+    for (Set& st : sets_) ReleaseCached(st, /*dirty=*/true);
     Release();
   }
 
@@ -251,25 +280,62 @@ class StepPipeline {
     sets_.clear();
     queue_.clear();
     ready_.clear();
+    computed_.clear();
   }
 
   uint64_t slices = 0, read_bytes = 0, write_bytes = 0, cache_hits = 0, h2d = 0, d2h = 0;
   double stall_s_ = 0, compute_s_ = 0, submit_s_ = 0;
 
  private:
-  enum class Stage : uint8_t { kFree, kReading, kReady, kComputing, kWriting };
+  enum class Stage : uint8_t { kFree, kReading, kReady, kComputing, kComputed, kWriting };
   struct Set {
     Stage stage = Stage::kFree;
     Job job;
     int pending = 0;
-    void* io[3] = {nullptr, nullptr, nullptr};
+    void* io[3] = {nullptr, nullptr, nullptr};   // this set's staging buffers
+    void* buf[3] = {nullptr, nullptr, nullptr};  // in use: staging, or cache entries (cache mode)
+    bool acquired[3] = {false, false, false};    // buf[f] is an acquired cache entry
   };
+
+  void ReleaseCached(Set& s, bool dirty) {
+    for (int f = 0; f < 3; ++f) {
+      if (!s.acquired[f]) continue;
+      mm_->cache()->Release(Key(s.job, f), dirty);
+      s.acquired[f] = false;
+    }
+  }
+
+  // A slice's kernel and copies are done: write it, or (cache mode without
+  // write-through) leave it dirty in the cache.
+  void OnComputed(size_t i) {
+    Set& s = sets_[i];
+    if (!write_through_) {
+      ReleaseCached(s, /*dirty=*/true);
+      s.stage = Stage::kFree;
+      ++slices;
+      return;
+    }
+    s.stage = Stage::kComputed;
+    computed_.push_back(i);
+  }
   struct DevSlot {
     void* d[3] = {nullptr, nullptr, nullptr};
     void* stream = nullptr;
     void* event = nullptr;
     long set = -1;  // the slice computing here, -1 = free
   };
+
+  // Room for one more slice (3 requests) of reads / writes. With a shared
+  // queue (write_queue_depth 0) reads leave room for one slice of writes.
+  bool ReadRoom() const {
+    if (reads_in_flight_ == 0 && writes_in_flight_ == 0) return true;
+    if (write_qd_ == 0) return reads_in_flight_ + writes_in_flight_ + 6 <= read_qd_;
+    return reads_in_flight_ + 3 <= read_qd_;
+  }
+  bool WriteRoom() const {
+    if (write_qd_ == 0) return reads_in_flight_ + writes_in_flight_ + 3 <= read_qd_ || writes_in_flight_ == 0;
+    return writes_in_flight_ + 3 <= write_qd_;
+  }
 
   Status Keep(Status s) {
     if (!s.ok() && error_.ok()) error_ = s;
@@ -298,17 +364,36 @@ class StepPipeline {
     s.pending = 0;
     uint64_t len = j.elems * 4;
     for (int f = 0; f < 3; ++f) {
-      if (mm_->cache()->Get(Key(j, f), s.io[f], len, false, nullptr)) {
-        cache_hits += len;
-        continue;
+      if (cache_mode_) {
+        bool valid = false;
+        void* p = mm_->cache()->Acquire(Key(j, f), len, &valid);
+        if (p == nullptr) {
+          return ResourceExhausted("StreamedAdam: host cache tier (" +
+                                   std::to_string(mm_->cache()->capacity_bytes()) +
+                                   " bytes) has no clean entry left for tensor id " + std::to_string(j.tensor_id) +
+                                   " chunk " + std::to_string(j.chunk));
+        }
+        s.buf[f] = p;
+        s.acquired[f] = true;
+        if (valid) {
+          cache_hits += len;
+          continue;
+        }
+      } else {
+        s.buf[f] = s.io[f];
+        if (mm_->cache()->Get(Key(j, f), s.io[f], len, false, nullptr)) {
+          cache_hits += len;
+          continue;
+        }
       }
       vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
-      Status st = io_->SubmitRead(ref, s.io[f], i * 4 + f);
+      Status st = io_->SubmitRead(ref, s.buf[f], i * 4 + f);
       if (!st.ok()) {
         return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
                               std::to_string(j.chunk));
       }
       ++s.pending;
+      ++reads_in_flight_;
     }
     if (s.pending == 0) {
       s.stage = Stage::kReady;
@@ -322,17 +407,24 @@ class StepPipeline {
     int f = static_cast<int>(c.tag % 4);
     if (i >= sets_.size()) return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
     Set& s = sets_[i];
+    if (s.stage == Stage::kReading) --reads_in_flight_;
+    if (s.stage == Stage::kWriting) --writes_in_flight_;
     if (!c.status.ok()) return c.status;
     uint64_t len = s.job.elems * 4;
     if (s.stage == Stage::kReading) {
       read_bytes += len;
-      mm_->cache()->Put(Key(s.job, f), s.io[f], len);
+      if (!cache_mode_) mm_->cache()->Put(Key(s.job, f), s.io[f], len);
       if (--s.pending == 0) {
         s.stage = Stage::kReady;
         ready_.push_back(i);
       }
     } else if (s.stage == Stage::kWriting) {
       write_bytes += len;
+      if (s.acquired[f]) {
+        mm_->cache()->Release(Key(s.job, f), /*dirty=*/true);
+        mm_->cache()->MarkWritten(Key(s.job, f));
+        s.acquired[f] = false;
+      }
       if (--s.pending == 0) {
         s.stage = Stage::kFree;
         ++slices;
@@ -353,9 +445,9 @@ class StepPipeline {
     // Host backend: "device" memory is host memory, so the kernel runs in
     // place on the staging buffers (no staging -> page -> staging memcpys).
     const bool in_place = dev_->backend() == Backend::kHost;
-    void* const* bufs = in_place ? s.io : d.d;
+    void* const* bufs = in_place ? s.buf : d.d;
     if (!in_place) {
-      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.io[f], len, d.stream));
+      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.buf[f], len, d.stream));
       h2d += 3 * len;
     }
     kernels::AdamTensors t;
@@ -373,7 +465,7 @@ class StepPipeline {
     }
     OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, j.elems, j.params, cpu_threads_, d.stream));
     if (!in_place) {
-      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.io[f], d.d[f], len, d.stream));
+      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.buf[f], d.d[f], len, d.stream));
       d2h += 3 * len;
     }
     return dev_->RecordEvent(d.event, d.stream);  // host backend: complete already
@@ -387,14 +479,15 @@ class StepPipeline {
     s.pending = 0;
     for (int f = 0; f < 3; ++f) {
       // The new version; cleared on abort (ManagerImpl::OnAbortPending).
-      mm_->cache()->Put(Key(j, f), s.io[f], len);
+      if (!s.acquired[f]) mm_->cache()->Put(Key(j, f), s.buf[f], len);
       vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
-      Status st = io_->SubmitWrite(ref, s.io[f], i * 4 + f);
+      Status st = io_->SubmitWrite(ref, s.buf[f], i * 4 + f);
       if (!st.ok()) {
         return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +
                               std::to_string(j.chunk));
       }
       ++s.pending;
+      ++writes_in_flight_;
     }
     return Status::Ok();
   }
@@ -406,15 +499,21 @@ class StepPipeline {
   const float* found_inf_;
   uint64_t* inject_;
   bool started_ = false;
+  bool cache_mode_ = false;
+  bool write_through_ = true;
   Arena arena_;
   std::vector<void*> staging_;
   std::vector<Set> sets_;
   std::vector<DevSlot> slots_;
   std::deque<Job> queue_;
   std::deque<size_t> ready_;
+  std::deque<size_t> computed_;  // computed slices waiting for write-queue room
   std::vector<vfs::ChunkCompletion> done_;
   std::vector<vfs::ChunkCompletion> reap_buf_;
-  size_t qd_ = 32;  // the ChunkIo's queue depth (reads are held back when it is nearly full)
+  // Depth limits (MemoryManagerOptions::queue_depth, write_queue_depth; 0 =
+  // shared) and what is in flight now; the ChunkIo's ring holds both.
+  uint32_t read_qd_ = 32, write_qd_ = 32;
+  uint32_t reads_in_flight_ = 0, writes_in_flight_ = 0;
   Status error_;
 };
 
@@ -426,6 +525,16 @@ StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedA
     : store_(store), mm_(mm), opts_(opts) {}
 
 StreamedAdam::~StreamedAdam() {
+  if (!pipeline_ && !in_step_ && uncommitted_steps_ > 0 && !poisoned_) {
+    const uint64_t n = uncommitted_steps_;
+    auto g = MakeDurable();
+    if (g.ok()) {
+      OPTSTATE_LOG_INFO("StreamedAdam: committed {} cached step(s) at destruction as generation {}", n, *g);
+    } else {
+      OPTSTATE_LOG_ERROR("StreamedAdam: {} step(s) held in the host cache were lost at destruction: {}", n,
+                         g.status().ToString());
+    }
+  }
   if (pipeline_) {
     pipeline_->Abort();
     pipeline_.reset();
@@ -491,6 +600,11 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
       sa->step_counts_[t.group] = 0;
     }
   }
+  sa->committed_step_counts_ = sa->step_counts_;
+  sa->committed_global_step_ = sa->global_step_;
+  if (sa->opts_.durable_every_steps == 0) {
+    return InvalidArgument("StreamedAdam: durable_every_steps must be >= 1");
+  }
   if (!sa->params_.empty()) {
     OPTSTATE_LOG_INFO("StreamedAdam: store {} restored at generation {} step {}: {} params, {} groups",
                       store->path(), gen.generation, gen.step, sa->params_.size(), sa->groups_.size());
@@ -542,9 +656,12 @@ uint64_t StreamedAdam::last_generation() const { return last_generation_; }
 Status StreamedAdam::EnsureIo() {
   if (io_) return Status::Ok();
   ManagerImpl* impl = mm_->impl();
-  auto io = store_->NewChunkIo(impl->ChunkIoOpts());
+  // One ring for the pipeline's reads and writes: room for both depth limits.
+  vfs::ChunkIoOptions co = impl->ChunkIoOpts();
+  co.queue_depth = std::max<uint32_t>(impl->options().queue_depth, 6) + impl->options().write_queue_depth;
+  auto io = store_->NewChunkIo(co);
   if (!io.ok()) {
-    vfs::ChunkIoOptions plain = impl->ChunkIoOpts();
+    vfs::ChunkIoOptions plain = co;
     plain.registered_buffers.clear();
     io = store_->NewChunkIo(plain);
   }
@@ -637,6 +754,10 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
     return Status::Ok();  // existing state is kept
   }
   if (numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
+  if (uncommitted_steps_ > 0) {  // the new tensor is committed with state that is on disk
+    auto d = MakeDurable();
+    if (!d.ok()) return d.status().WithContext("StreamedAdam::RegisterParam " + name);
+  }
   if (d_initial != nullptr && !IsFloatType(initial_type)) {
     return InvalidArgument("StreamedAdam::RegisterParam " + name + ": initial weights dtype " +
                            ScalarName(initial_type) + " not supported (f32, bf16, f16)");
@@ -681,6 +802,10 @@ Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights
     return InvalidArgument("StreamedAdam::LoadMainFrom " + name + ": need non-null weights of f32/bf16/f16, got " +
                            ScalarName(type));
   }
+  if (uncommitted_steps_ > 0) {  // WriteMain replaces the cache's copy of this tensor
+    auto d = MakeDurable();
+    if (!d.ok()) return d.status().WithContext("StreamedAdam::LoadMainFrom " + name);
+  }
   OPTSTATE_RETURN_IF_ERROR(mm_->impl()->DropTensor(it->second.info.id));
   registrations_pending_ = true;
   return WriteMain(it->second, d_weights, type);
@@ -707,9 +832,95 @@ Status StreamedAdam::CommitPendingRegistrations() {
   if (!registrations_pending_) return Status::Ok();
   OPTSTATE_RETURN_IF_ERROR(mm_->Flush());
   OPTSTATE_ASSIGN_OR_RETURN(uint64_t gen, store_->Commit(MakeCommitInfo(false)));
-  last_generation_ = gen;
+  NoteCommitted(gen);
   registrations_pending_ = false;
   return Status::Ok();
+}
+
+bool StreamedAdam::CacheHoldsState() const {
+  const HostCache* c = mm_->impl()->cache();
+  if (!c->enabled()) return false;
+  const uint64_t chunk = mm_->impl()->page_bytes();
+  uint64_t need = 0;
+  for (const auto& [name, p] : params_) need += 3 * ((p.info.numel * 4 + chunk - 1) / chunk) * chunk;
+  return need <= c->capacity_bytes();
+}
+
+void StreamedAdam::NoteCommitted(uint64_t gen) {
+  last_generation_ = gen;
+  mm_->impl()->cache()->MarkAllClean();
+  uncommitted_steps_ = 0;
+  committed_step_counts_ = step_counts_;
+  committed_global_step_ = global_step_;
+}
+
+std::string StreamedAdam::RevertUncommitted() {
+  if (uncommitted_steps_ == 0) return "";
+  std::string msg = std::to_string(uncommitted_steps_) +
+                    " step(s) held only in the host cache were lost; the optimizer is back at generation " +
+                    std::to_string(last_generation_) + " (step " + std::to_string(committed_global_step_) + ")";
+  for (auto& [id, n] : step_counts_) {
+    auto it = committed_step_counts_.find(id);
+    n = it == committed_step_counts_.end() ? 0 : it->second;
+  }
+  global_step_ = committed_global_step_;
+  uncommitted_steps_ = 0;
+  return msg;
+}
+
+Status StreamedAdam::WriteDirtyCache() {
+  HostCache* cache = mm_->impl()->cache();
+  auto dirty = cache->DirtyUnwritten();
+  if (dirty.empty()) return Status::Ok();
+  OPTSTATE_RETURN_IF_ERROR(EnsureIo());
+  const size_t depth = std::max<uint32_t>(mm_->options().queue_depth + mm_->options().write_queue_depth, 1);
+  std::vector<vfs::ChunkCompletion> done;
+  Status st;
+  size_t next = 0;
+  while ((next < dirty.size() || io_->in_flight() > 0)) {
+    while (st.ok() && next < dirty.size() && io_->in_flight() < depth) {
+      const ChunkKey& k = dirty[next].first;
+      st = io_->SubmitWrite(vfs::ChunkRef{k.tensor_id, k.field, k.index}, dirty[next].second, next);
+      if (!st.ok()) {
+        st = st.WithContext("StreamedAdam: writing cached tensor id " + std::to_string(k.tensor_id) + " field " +
+                            std::to_string(k.field) + " chunk " + std::to_string(k.index));
+        break;
+      }
+      ++next;
+    }
+    if (io_->in_flight() == 0) break;
+    done.clear();
+    Status rs = io_->Reap(&done, 1);
+    if (!rs.ok() && st.ok()) st = rs;
+    for (const auto& c : done) {
+      if (!c.status.ok()) {
+        if (st.ok()) st = c.status;
+        continue;
+      }
+      cache->MarkWritten(dirty[c.tag].first);
+    }
+    if (!rs.ok()) break;
+  }
+  return st;
+}
+
+Result<uint64_t> StreamedAdam::MakeDurable() {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::MakeDurable: a step is in progress");
+  if (uncommitted_steps_ == 0) return last_generation_;
+  const uint64_t n = uncommitted_steps_;
+  Status s = WriteDirtyCache();
+  if (s.ok()) s = mm_->Flush();
+  Result<uint64_t> gen = s.ok() ? store_->Commit(MakeCommitInfo(false)) : Result<uint64_t>(s);
+  if (!gen.ok()) {
+    Status a = store_->AbortPending();
+    if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed MakeDurable: {}", a.ToString());
+    // The cache still holds the steps: keep them (dirty) and let the caller retry.
+    return gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) + " cached step(s) of store " +
+                                    store_->path());
+  }
+  NoteCommitted(*gen);
+  return *gen;
 }
 
 Status StreamedAdam::Fail(Status s) {
@@ -722,6 +933,8 @@ Status StreamedAdam::Fail(Status s) {
   mm_->impl()->OnAbortPending();
   in_step_ = false;
   stepped_.clear();
+  const std::string lost = RevertUncommitted();
+  if (!lost.empty()) s = s.WithContext(lost);
   // A CUDA error is sticky for the process: refuse to continue.
   if (mm_->backend() == Backend::kCuda && s.message().find("CUDA") != std::string::npos) {
     poisoned_ = true;
@@ -751,8 +964,18 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
   }
   OPTSTATE_RETURN_IF_ERROR(CommitPendingRegistrations());
   OPTSTATE_RETURN_IF_ERROR(EnsureIo());
+  step_cache_mode_ = CacheHoldsState();
+  if (!step_cache_mode_ && opts_.durable_every_steps > 1 && !warned_cache_small_) {
+    warned_cache_small_ = true;
+    OPTSTATE_LOG_WARN("StreamedAdam: durable_every_steps {} needs the host cache tier ({} bytes) to hold the whole "
+                      "state of store {}; every step commits",
+                      opts_.durable_every_steps, mm_->impl()->cache()->capacity_bytes(), store_->path());
+  }
+  const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
   pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads, d_found_inf,
                                                        &inject_kernel_failure_after_);
+  pipeline_->SetCacheMode(step_cache_mode_, write_through);
+  step_write_through_ = write_through;
   Status s = pipeline_->Begin();
   if (!s.ok()) {
     pipeline_->Release();
@@ -865,9 +1088,30 @@ Result<uint64_t> StreamedAdam::EndStep() {
       mm_->impl()->OnAbortPending();
       in_step_ = false;
       last_step_skipped_ = true;
+      if (step_cache_mode_) {
+        // Slices before the flag were updated in place in the cache.
+        const std::string lost = RevertUncommitted();
+        OPTSTATE_LOG_WARN("StreamedAdam: found-inf raised during a cached step; step dropped{}{}",
+                          lost.empty() ? "" : "; ", lost);
+      }
       if (!a.ok()) return a;
       return last_generation_;
     }
+  }
+  if (!step_write_through_) {
+    // Deferred durability: the step lives in the host cache only.
+    for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+    ++global_step_;
+    ++uncommitted_steps_;
+    last_step_skipped_ = false;
+    in_step_ = false;
+    last_stats_.seconds = NowS() - last_stats_.seconds;
+    return last_generation_;
+  }
+  if (step_cache_mode_) {
+    // Params not stepped now may hold earlier uncommitted steps in the cache.
+    Status ws = WriteDirtyCache();
+    if (!ws.ok()) return Fail(ws);
   }
   Status fs = mm_->Flush();
   if (!fs.ok()) return Fail(fs);
@@ -877,7 +1121,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
   if (!gen.ok()) return Fail(gen.status().WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
   for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
   ++global_step_;
-  last_generation_ = *gen;
+  NoteCommitted(*gen);
   last_step_skipped_ = false;
   in_step_ = false;
   last_stats_.seconds = NowS() - last_stats_.seconds;

@@ -34,6 +34,16 @@
 //    keeps the stored state; a different numel is kInvalidArgument.
 //  - New registrations and LoadMainFrom are committed (as a generation with
 //    unchanged step counts) at the start of the next step.
+//  - Host cache tier (MemoryManagerOptions::host_cache_bytes >= the whole
+//    state): the cache's pinned buffers are the slices' buffers (H2D from and
+//    D2H into them, no staging copies). With durable_every_steps = N > 1 a
+//    step then touches no disk: it updates the cache only, and every N-th step
+//    (and MakeDurable(), RegisterParam of a new param, LoadMainFrom, the
+//    destructor) writes the state and commits. The store, the mount and the
+//    tools show the last committed generation; a crash or an aborted step
+//    loses the uncommitted steps (at most N-1; the error says how many) and
+//    the optimizer returns to the last commit. With a smaller cache, every
+//    step commits (logged once).
 //
 // Ownership: store and mm are not owned and must outlive the optimizer.
 // Gradient/param pointers passed to StepParam must stay valid until EndStep.
@@ -88,6 +98,9 @@ struct StreamedAdamOptions {
   float grad_scale = 1.0f;
   // CPU threads for AdamStepCpu (host backend). Default 1.
   int cpu_threads = 1;
+  // Commit every N-th step when the host cache tier holds the whole state
+  // (see above); 1 = every step is durable when Step returns. Default 1.
+  uint32_t durable_every_steps = 1;
   // Trainer step recorded in each commit; default: last committed step + 1.
   // (See set_global_step.)
 };
@@ -127,6 +140,12 @@ class StreamedAdam {
   // Replaces a param's fp32 mains from model weights (checkpoint-load path).
   Status LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type);
 
+  // Writes steps held only in the host cache (durable_every_steps > 1) and
+  // commits them; returns the latest generation (unchanged when none).
+  Result<uint64_t> MakeDurable();
+  // Steps taken since the last commit (0 unless durable_every_steps > 1).
+  uint64_t uncommitted_steps() const { return uncommitted_steps_; }
+
   uint64_t step_count(uint32_t group) const;
   uint64_t last_generation() const;
   bool last_step_skipped() const { return last_step_skipped_; }
@@ -163,6 +182,15 @@ class StreamedAdam {
   Status WriteMain(const Param& p, const void* d_src, kernels::ScalarType type);
   Status Fail(Status s);
   vfs::CommitInfo MakeCommitInfo(bool advance) const;
+  // True when the host cache tier can hold every registered param's state.
+  bool CacheHoldsState() const;
+  // Writes the cache's dirty entries not yet in the pending generation.
+  Status WriteDirtyCache();
+  // After a commit: the cache is clean and the committed counts are current.
+  void NoteCommitted(uint64_t gen);
+  // After the cache was dropped: back to the last commit's counts; returns
+  // a sentence for messages ("" when nothing was lost).
+  std::string RevertUncommitted();
 
   vfs::Store* store_;
   MemoryManager* mm_;
@@ -172,6 +200,12 @@ class StreamedAdam {
   std::map<std::string, Param, std::less<>> params_;
   uint64_t global_step_ = 0;
   uint64_t last_generation_ = 0;
+  uint64_t uncommitted_steps_ = 0;                  // steps only in the host cache
+  std::map<uint32_t, uint64_t> committed_step_counts_;
+  uint64_t committed_global_step_ = 0;
+  bool step_cache_mode_ = false;                    // the current step's slices live in the cache
+  bool step_write_through_ = true;                  // the current step writes and commits
+  bool warned_cache_small_ = false;
   bool registrations_pending_ = false;
   bool in_step_ = false;
   bool step_skip_ = false;

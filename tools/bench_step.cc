@@ -58,6 +58,9 @@ struct StepOptions {
   std::string host_cache_text = "0";
   std::string backend = "auto";
   uint32_t queue_depth = 32;
+  uint32_t write_queue_depth = 32;
+  uint32_t read_ahead = 0;
+  uint64_t hidden = 1024;
   int cpu_threads = 1;
   bool json = false;
 };
@@ -92,6 +95,8 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
   mo.device_budget_bytes = c.budget;
   mo.host_cache_bytes = c.host_cache;
   mo.queue_depth = o.queue_depth;
+  mo.write_queue_depth = o.write_queue_depth;
+  mo.read_ahead_chunks = o.read_ahead;
   return mo;
 }
 
@@ -217,8 +222,7 @@ int RunSynthetic(const StepOptions& o) {
 // A realistic mix of parameter sizes: transformer layers of hidden size h
 // (qkv 3h^2, proj h^2, fc1 4h^2, fc2 4h^2, two norms and biases of h..4h),
 // repeated until the state (12 B per parameter) reaches state_bytes.
-std::vector<std::pair<std::string, uint64_t>> ParamMix(uint64_t state_bytes) {
-  const uint64_t h = 1024;
+std::vector<std::pair<std::string, uint64_t>> ParamMix(uint64_t state_bytes, uint64_t h) {
   const std::vector<std::pair<const char*, uint64_t>> layer = {
       {"ln1.weight", h},     {"ln1.bias", h},          {"attn.qkv.weight", 3 * h * h},
       {"attn.qkv.bias", 3 * h}, {"attn.proj.weight", h * h}, {"attn.proj.bias", h},
@@ -388,7 +392,8 @@ int RunCompare(const StepOptions& o) {
     }
   } cleanup{dir, own_dir};
 
-  auto params = ParamMix(*state);
+  if (o.hidden < 64) return FailWith(kTool, InvalidArgument("--hidden must be >= 64"));
+  auto params = ParamMix(*state, o.hidden);
   uint64_t numel_total = 0, max_numel = 0;
   for (auto& p : params) {
     numel_total += p.second;
@@ -590,7 +595,12 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--budget", o->budget_text, "device budget (default 256M)");
   sub->add_option("--host-cache-bytes", o->host_cache_text, "pinned host cache tier (default 0)");
   sub->add_option("--backend", o->backend, "auto, host or cuda (default auto)");
-  sub->add_option("--qd", o->queue_depth, "queue depth (default 32)");
+  sub->add_option("--qd", o->queue_depth, "reads in flight; also each fio floor job's depth (default 32)");
+  sub->add_option("--write-qd", o->write_queue_depth,
+                  "StreamedAdam writes in flight on top of --qd reads; 0 = share --qd (default 32)");
+  sub->add_option("--read-ahead", o->read_ahead, "slices staged at once; 0 = auto (default 0)");
+  sub->add_option("--hidden", o->hidden,
+                  "comparison mode: hidden size h of the parameter mix (default 1024)");
   sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] {

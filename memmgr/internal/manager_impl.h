@@ -49,7 +49,12 @@ struct ChunkKeyHash {
   }
 };
 
-// Host cache tier: clean copies of chunks in pinned host memory, LRU.
+// Host cache tier: copies of chunks in pinned host memory, LRU. Clean entries
+// equal the store's newest version. StreamedAdam may also use entries as its
+// working copy (Acquire/Release): such an entry is `dirty` (newer than the last
+// commit, see StreamedAdamOptions::durable_every_steps) or in use, and is never
+// evicted; `written` marks a dirty entry already written to the pending
+// generation.
 class HostCache {
  public:
   HostCache(Device* dev, uint64_t capacity_bytes, uint64_t chunk_bytes);
@@ -64,14 +69,33 @@ class HostCache {
   void PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len, void* stream);
   void Erase(const ChunkKey& k);
   void EraseTensor(uint32_t tensor_id);
+  // Drops every entry, dirty ones included (after an aborted generation).
   void Clear();
   uint64_t bytes() const;
+  uint64_t capacity_bytes() const { return max_entries_ * chunk_bytes_; }
+
+  // The entry's own chunk-sized, 4096-aligned pinned buffer for k, marked in
+  // use (not evictable) until Release; *valid: it holds k's bytes (len). A
+  // new entry is invalid until filled. Null when every entry is dirty or in use.
+  void* Acquire(const ChunkKey& k, uint64_t len, bool* valid);
+  // Ends a use. dirty: the buffer now holds bytes newer than the last commit.
+  void Release(const ChunkKey& k, bool dirty);
+  // A dirty entry's bytes reached the pending generation.
+  void MarkWritten(const ChunkKey& k);
+  // Dirty entries not yet written to the pending generation, with buffers.
+  std::vector<std::pair<ChunkKey, void*>> DirtyUnwritten() const;
+  bool HasDirty() const;
+  // After a commit: every entry equals the committed state again.
+  void MarkAllClean();
 
  private:
   struct Entry {
     void* h_buf = nullptr;
     uint64_t len = 0;
     std::list<ChunkKey>::iterator lru;
+    bool dirty = false;
+    bool written = false;
+    uint32_t users = 0;
   };
   // REQUIRES: mu_ held. Returns a buffer for k (new, recycled, or evicted LRU).
   void* SlotFor(const ChunkKey& k, uint64_t len);
@@ -93,6 +117,13 @@ struct Arena {
   std::vector<uint64_t> handles;
   void* ptr(uint64_t page) const { return reinterpret_cast<void*>(base + page * page_bytes); }
 };
+
+// Slices the StreamedAdam pipeline stages at once (MemoryManagerOptions::
+// read_ahead_chunks, 0 = auto).
+inline uint32_t PipelineSlices(const MemoryManagerOptions& o) {
+  if (o.read_ahead_chunks != 0) return o.read_ahead_chunks;
+  return (o.queue_depth + o.write_queue_depth) / 3 + 4;
+}
 
 class ManagerImpl {
  public:

@@ -20,14 +20,16 @@ struct Env {
   std::unique_ptr<vfs::Store> store;
   std::unique_ptr<MemoryManager> mm;
 
-  void Open(uint64_t budget, bool create) {
+  void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0) {
     std::string p = dir.path() + "/store";
     if (create) {
       store = MUST(vfs::Store::Create(p, TestStoreOptions()));
     } else {
       store = MUST(vfs::Store::Open(p, TestStoreOptions()));
     }
-    mm = MUST(MemoryManager::Create(store.get(), TestMmOptions(budget)));
+    MemoryManagerOptions o = TestMmOptions(budget);
+    o.host_cache_bytes = host_cache_bytes;
+    mm = MUST(MemoryManager::Create(store.get(), o));
   }
   void Close() {
     mm.reset();
@@ -635,6 +637,83 @@ TEST(StreamedAdam, MissingGradKeepsStateAndPinsSeeStepResults) {
   ExpectStateEquals(env.mm.get(), ref, defs);
   EXPECT_EQ(ReadField(env.mm.get(), "w2", "main", defs[1].numel), before);
   EXPECT_EQ(sa->step_count(1), 1u);
+}
+
+// Host cache tier holding the whole state with durable_every_steps = 3:
+// steps 1-2 touch no disk and are visible to pins, step 3 commits; a failure
+// drops the uncommitted steps and returns to the last commit; the destructor
+// commits what is left. The reference and grads live in a scratch manager.
+TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  std::vector<ParamDef> defs = SmallMix();
+  auto groups = TestGroups();
+  std::vector<std::unique_ptr<StepGrads>> grads;
+  for (uint64_t step = 1; step <= 7; ++step) grads.push_back(std::make_unique<StepGrads>(smm, defs, step));
+  Reference ref(smm, defs);
+  auto ref_step = [&](uint64_t step, const StepGrads& sg, const std::vector<size_t>& which) {
+    for (size_t i : which) ref.Step(i, sg.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+  };
+  const std::vector<size_t> all = {0, 1, 2};
+  Env env;
+  const uint64_t state_chunks = 3 * (4 + 2 + 1);  // w1 4 chunks, w2 2, b 1; x3 fields
+  env.Open(6 * kChunk, true, (state_chunks + 2) * kChunk);
+  StreamedAdamOptions so;
+  so.durable_every_steps = 3;
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    for (uint64_t step = 1; step <= 3; ++step) {
+      const uint64_t writes_before = env.mm->stats().nvme_write_bytes;
+      ASSERT_OK(sa->Step(grads[step - 1]->List(defs)));
+      ref_step(step, *grads[step - 1], all);
+      EXPECT_EQ(sa->step_count(0), step);
+      if (step < 3) {
+        EXPECT_EQ(sa->uncommitted_steps(), step);
+        EXPECT_EQ(env.store->LatestGeneration().step, 0u) << "cached step " << step << " was committed";
+        EXPECT_EQ(env.mm->stats().nvme_write_bytes, writes_before) << "cached step " << step << " wrote to disk";
+      } else {
+        EXPECT_EQ(sa->uncommitted_steps(), 0u);
+        EXPECT_EQ(env.store->LatestGeneration().step, 3u);
+        EXPECT_EQ(env.store->LatestGeneration().groups[1].step_count, 3u);
+      }
+      ExpectStateEquals(env.mm.get(), ref, defs);  // pins see the newest state
+    }
+    // Two more cached steps (step 4 without w2's grad), then a device error.
+    auto partial = grads[3]->List(defs);
+    partial.erase(partial.begin() + 1);
+    ASSERT_OK(sa->Step(partial));
+    ASSERT_OK(sa->Step(grads[4]->List(defs)));
+    EXPECT_EQ(sa->uncommitted_steps(), 2u);
+    sa->InjectKernelFailureAfter(2);
+    Status st = sa->Step(grads[5]->List(defs));
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.message().find("2 step(s) held only in the host cache were lost"), std::string::npos)
+        << st.ToString();
+    EXPECT_EQ(sa->uncommitted_steps(), 0u);
+    EXPECT_EQ(sa->step_count(0), 3u);
+    EXPECT_EQ(sa->global_step(), 3u);
+    ExpectStateEquals(env.mm.get(), ref, defs);  // the step-3 commit, read back from the store
+    // Continue: steps 4..7 again (4 and 5 cached, 6 commits, 7 cached), with
+    // w2 missing from step 6 so the commit must also write w2's cached chunks.
+    for (uint64_t step = 4; step <= 7; ++step) {
+      auto list = grads[step - 1]->List(defs);
+      if (step == 6) list.erase(list.begin() + 1);
+      ASSERT_OK(sa->Step(list));
+      ref_step(step, *grads[step - 1], step == 6 ? std::vector<size_t>{0, 2} : all);
+    }
+    EXPECT_EQ(env.store->LatestGeneration().step, 6u);
+    EXPECT_EQ(sa->uncommitted_steps(), 1u);
+  }  // the destructor commits step 7
+  EXPECT_EQ(env.store->LatestGeneration().step, 7u);
+  env.Close();
+  env.Open(6 * kChunk, false);  // no cache: everything comes from the store
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  EXPECT_EQ(sa->step_count(0), 7u);
+  EXPECT_EQ(sa->step_count(1), 7u);  // group 1 (w2, b): b stepped every step
 }
 
 TEST(StreamedAdam, ClearErrors) {
