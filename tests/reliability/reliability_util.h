@@ -1,14 +1,12 @@
 // Shared helpers of the reliability tests (tests/reliability): the
 // deterministic store workload of tests/vfs/store_crash_workload.h driven
 // in-process, and an independent check of a committed generation against it.
+// Generic helpers (TempDir, Buf, FillPattern, ChunkSeed, the child-process
+// driver) live in tests/common/test_util.h.
 #pragma once
 
-#include <stdlib.h>
-#include <unistd.h>
-
+#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <filesystem>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -16,114 +14,37 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/test_util.h"
+#include "tests/vfs/store_crash_workload.h"
 #include "vfs/store.h"
 
 namespace optstate::reliability {
 
-// Own copies of the store tests' workload helpers (tests/vfs/store_test_util.h
-// and store_crash_workload.h), so that this harness does not break when those
-// move: the same deterministic content, independent of the store.
+// The store workload: temp dirs, buffers and chunk patterns from
+// tests/common/test_util.h, the deterministic generations (which chunks
+// generation g writes, with which bytes) from tests/vfs/store_crash_workload.h
+// (the same reference the store's crash loop checks against).
 namespace wl {
 
-inline constexpr uint64_t kTestChunk = 2 * vfs::kMiB;
-
-class TempDir {
+// A fresh directory on a real disk (/var/tmp: O_DIRECT works), removed on destruction.
+class TempDir : public test_util::TempDir {
  public:
-  TempDir() {
-    char tmpl[] = "/var/tmp/optstate-rel-test-XXXXXX";  // a real disk: O_DIRECT works
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string operator/(const std::string& s) const { return path_ + "/" + s; }
-
- private:
-  std::string path_;
+  TempDir() : test_util::TempDir("/var/tmp/optstate-rel-test-") {}
 };
 
-// 4096-aligned heap buffer.
-class Buf {
- public:
-  explicit Buf(uint64_t n) : n_(n), p_(static_cast<uint8_t*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096))) {
-    std::memset(p_, 0xAB, n_);
-  }
-  ~Buf() { std::free(p_); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  uint8_t* data() { return p_; }
-  const uint8_t* data() const { return p_; }
-  uint64_t size() const { return n_; }
-
- private:
-  uint64_t n_;
-  uint8_t* p_;
-};
-
-inline void FillPattern(void* dst, uint64_t len, uint64_t seed) {
-  auto* p = static_cast<uint8_t*>(dst);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  uint64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    x += 0x9E3779B97F4A7C15ull;
-    uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    std::memcpy(p + i, &z, 8);
-  }
-  for (; i < len; ++i) p[i] = static_cast<uint8_t>(seed + i);
-}
-
-inline uint64_t ChunkSeed(uint64_t gen, uint32_t tensor, uint32_t field, uint64_t chunk) {
-  return (gen << 40) ^ (uint64_t{tensor} << 24) ^ (uint64_t{field} << 20) ^ chunk ^ 0x5bd1e995ull;
-}
-
-inline vfs::StoreOptions TestOptions() {
-  vfs::StoreOptions o;
-  o.chunk_size_bytes = kTestChunk;
-  o.preallocate_step_bytes = 4 * kTestChunk;
-  return o;
-}
-
-struct WorkloadTensor {
-  const char* name;
-  uint64_t numel;  // f32 elements
-};
-inline const std::vector<WorkloadTensor>& WorkloadTensors() {
-  static const std::vector<WorkloadTensor> t = {
-      {"layers.0.weight", kTestChunk / 4 + 1000},
-      {"layers.1.weight", kTestChunk / 8 + 100},
-      {"bias", 10},
-  };
-  return t;
-}
-inline uint64_t Mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-// Does generation g write chunk (ti, f, c)? About 2/3 per generation; one never.
-inline bool Writes(uint64_t g, uint32_t ti, uint32_t f, uint64_t c) {
-  if (ti == 0 && f == 2 && c == 1) return false;
-  return Mix(g * 1000003 + ti * 1009 + f * 101 + c) % 3 != 0;
-}
-inline uint64_t WrittenAt(uint64_t g, uint32_t ti, uint32_t f, uint64_t c) {
-  for (uint64_t w = g; w >= 1; --w) {
-    if (Writes(w, ti, f, c)) return w;
-  }
-  return 0;
-}
-inline uint64_t WorkloadSeed(uint64_t w, uint32_t ti, uint32_t f, uint64_t c) { return ChunkSeed(w, ti, f, c); }
-inline uint64_t StepOf(uint64_t g) { return g * 10; }
-inline vfs::StoreOptions WorkloadOptions() {
-  vfs::StoreOptions o = TestOptions();
-  o.retained_generations = 2;
-  return o;
-}
+using test_util::Buf;
+using test_util::ChunkSeed;
+using test_util::FillPattern;
+using vfs::store_testing::kTestChunk;
+using vfs::store_testing::Mix;
+using vfs::store_testing::StepOf;
+using vfs::store_testing::TestOptions;
+using vfs::store_testing::WorkloadOptions;
+using vfs::store_testing::WorkloadSeed;
+using vfs::store_testing::WorkloadTensor;
+using vfs::store_testing::WorkloadTensors;
+using vfs::store_testing::WrittenAt;
+using vfs::store_testing::Writes;
 
 }  // namespace wl
 

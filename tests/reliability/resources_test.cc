@@ -5,8 +5,6 @@
 // crash or a failure in the middle of a step; a full disk fails the step with
 // a clear error, the last committed step stays exact, and after space is
 // freed a later step commits.
-#include <fcntl.h>
-#include <poll.h>
 #include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,6 +15,7 @@
 
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
+#include "tests/common/test_util.h"
 #include "tests/reliability/reliability_util.h"
 #include "tests/reliability/stack_check.h"
 
@@ -25,39 +24,20 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string Sibling(const std::string& name) {
-  char exe[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  exe[n > 0 ? n : 0] = '\0';
-  return (fs::path(exe).parent_path() / name).string();
-}
-
 struct ChildRun {
   int status = 0;
   std::string out;
 };
+// Runs reliability_stack_child in "limits" mode (3 steps) to its end (no kill).
 ChildRun RunLimited(const std::string& store, uint64_t nofile, uint64_t memlock, bool drop_ipc_lock) {
-  int p[2];
-  EXPECT_EQ(::pipe2(p, O_CLOEXEC), 0);
-  const std::string exe = Sibling("reliability_stack_child");
-  const std::string a3 = std::to_string(nofile), a4 = std::to_string(memlock);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(p[1], 1);
-    ::dup2(p[1], 2);
-    ::setenv("OPTSTATE_LOG_LEVEL", "error", 1);
-    ::execl(exe.c_str(), exe.c_str(), "limits", store.c_str(), a3.c_str(), a4.c_str(), drop_ipc_lock ? "1" : "0",
-            "3", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  ::close(p[1]);
-  ChildRun r;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(p[0], buf, sizeof(buf))) > 0) r.out.append(buf, static_cast<size_t>(n));
-  ::close(p[0]);
-  ::waitpid(pid, &r.status, 0);
-  return r;
+  test_util::ChildOptions o;
+  o.exe = test_util::SiblingBinary("reliability_stack_child");
+  o.args = {"limits", store, std::to_string(nofile), std::to_string(memlock), drop_ipc_lock ? "1" : "0", "3"};
+  o.guard_ms = -1;
+  o.capture_stderr = true;
+  test_util::ChildResult r = test_util::RunChild(o);
+  EXPECT_EQ(r.error, "");
+  return ChildRun{r.wait_status, r.output};
 }
 
 bool Mentions(const std::string& s, std::initializer_list<const char*> words) {

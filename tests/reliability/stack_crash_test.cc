@@ -21,7 +21,6 @@
 // OPTSTATE_REL_KILLS overrides the number of kills (default 200; the slow
 // binary reliability_stack_slow_test is built with 2000).
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -38,6 +37,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/test_util.h"
 #include "tests/reliability/stack_check.h"
 #include "tests/reliability/stack_workload.h"
 #include "vfs/checkpoint.h"
@@ -52,75 +52,20 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string SiblingBinary(const std::string& name) {
-  char exe[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) return name;
-  exe[n] = '\0';
-  return (fs::path(exe).parent_path() / name).string();
-}
+using test_util::ChildResult;
 
-struct ChildResult {
-  int wait_status = 0;
-  uint64_t last_ack = 0;
-  bool ready = false;
-  std::string output;
-};
-
-// Runs the child; SIGKILL after kill_after_ms (< 0: only the 120 s guard).
+// Runs reliability_stack_child (stdout and stderr captured); SIGKILL after
+// kill_after_ms (< 0: only the 120 s guard).
 ChildResult RunChild(const std::vector<std::string>& args, const std::string& crash_at, int kill_after_ms) {
-  int pipefd[2];
-  EXPECT_EQ(::pipe2(pipefd, O_CLOEXEC), 0);
-  const std::string exe = SiblingBinary("reliability_stack_child");
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(pipefd[1], 1);
-    ::dup2(pipefd[1], 2);
-    if (crash_at.empty()) {
-      ::unsetenv("OPTSTATE_CRASH_AT");
-    } else {
-      ::setenv("OPTSTATE_CRASH_AT", crash_at.c_str(), 1);
-    }
-    ::setenv("OPTSTATE_LOG_LEVEL", "error", 1);
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(exe.c_str()));
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(exe.c_str(), argv.data());
-    _exit(127);
-  }
-  ::close(pipefd[1]);
-  ChildResult r;
-  const auto start = std::chrono::steady_clock::now();
-  std::string pending;
-  bool killed = false;
-  for (;;) {
-    const int elapsed = static_cast<int>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count());
-    const int deadline = kill_after_ms >= 0 ? kill_after_ms : 120000;
-    if (!killed && elapsed >= deadline) {
-      ::kill(pid, SIGKILL);
-      killed = true;
-    }
-    pollfd p{pipefd[0], POLLIN, 0};
-    const int pr = ::poll(&p, 1, killed ? 1000 : std::max(1, deadline - elapsed));
-    if (pr > 0) {
-      char buf[4096];
-      const ssize_t n = ::read(pipefd[0], buf, sizeof(buf));
-      if (n <= 0) break;
-      pending.append(buf, static_cast<size_t>(n));
-      size_t nl;
-      while ((nl = pending.find('\n')) != std::string::npos) {
-        std::string line = pending.substr(0, nl);
-        pending.erase(0, nl + 1);
-        r.output += line + "\n";
-        if (line.rfind("ACK ", 0) == 0) r.last_ack = std::stoull(line.substr(4));
-        if (line.rfind("READY", 0) == 0) r.ready = true;
-      }
-    }
-  }
-  ::close(pipefd[0]);
-  ::waitpid(pid, &r.wait_status, 0);
+  test_util::ChildOptions o;
+  o.exe = test_util::SiblingBinary("reliability_stack_child");
+  o.args = args;
+  o.crash_at = crash_at;
+  o.kill_after_ms = kill_after_ms;
+  o.guard_ms = 120000;
+  o.capture_stderr = true;
+  ChildResult r = test_util::RunChild(o);
+  EXPECT_EQ(r.error, "");
   return r;
 }
 

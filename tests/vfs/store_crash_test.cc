@@ -6,18 +6,17 @@
 //
 // OPTSTATE_CRASH_KILLS overrides the number of kills (default 100; the slow
 // binary store_slow_test is built with 1000).
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include <gtest/gtest.h>
 
+#include "tests/common/test_util.h"
 #include "tests/vfs/store_crash_workload.h"
 #include "vfs/store.h"
 
@@ -30,78 +29,21 @@ namespace {
 
 using namespace store_testing;  // NOLINT
 
-std::string ChildPath() {
-  char exe[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) return "store_crash_child";
-  exe[n] = '\0';
-  return (std::filesystem::path(exe).parent_path() / "store_crash_child").string();
-}
-
-struct ChildResult {
-  int wait_status = 0;
-  uint64_t last_ack = 0;
-  std::string output;
-};
-
-// Runs the child; kills it after kill_after_ms (< 0: let it run until it
-// exits or the 60 s guard). crash_at: OPTSTATE_CRASH_AT for the child.
-ChildResult RunChild(const std::vector<std::string>& args, const std::string& crash_at, int kill_after_ms,
-                     const std::function<void(const std::string&, pid_t)>& on_line = nullptr) {
-  int pipefd[2];
-  EXPECT_EQ(::pipe2(pipefd, O_CLOEXEC), 0);
-  const std::string exe = ChildPath();
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(pipefd[1], 1);
-    if (crash_at.empty()) {
-      ::unsetenv("OPTSTATE_CRASH_AT");
-    } else {
-      ::setenv("OPTSTATE_CRASH_AT", crash_at.c_str(), 1);
-    }
-    ::setenv("OPTSTATE_LOG_LEVEL", "error", 1);
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(exe.c_str()));
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(exe.c_str(), argv.data());
-    _exit(127);
-  }
-  ::close(pipefd[1]);
-  ChildResult r;
-  const auto start = std::chrono::steady_clock::now();
-  const int guard_ms = 60000;
-  std::string pending;
-  bool killed = false;
-  for (;;) {
-    const int elapsed = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                             std::chrono::steady_clock::now() - start)
-                                             .count());
-    const int deadline = kill_after_ms >= 0 ? kill_after_ms : guard_ms;
-    if (!killed && elapsed >= deadline) {
-      ::kill(pid, SIGKILL);
-      killed = true;
-    }
-    pollfd p{pipefd[0], POLLIN, 0};
-    const int timeout = killed ? 1000 : std::max(1, deadline - elapsed);
-    const int pr = ::poll(&p, 1, timeout);
-    if (pr > 0) {
-      char buf[4096];
-      const ssize_t n = ::read(pipefd[0], buf, sizeof(buf));
-      if (n <= 0) break;  // EOF: the child is gone
-      pending.append(buf, static_cast<size_t>(n));
-      size_t nl;
-      while ((nl = pending.find('\n')) != std::string::npos) {
-        std::string line = pending.substr(0, nl);
-        pending.erase(0, nl + 1);
-        r.output += line + "\n";
-        if (line.rfind("ACK ", 0) == 0) r.last_ack = std::stoull(line.substr(4));
-        if (on_line) on_line(line, pid);
-      }
-    }
-  }
-  ::close(pipefd[0]);
-  ::waitpid(pid, &r.wait_status, 0);
+// Runs store_crash_child (tests/common/test_util.h drives it); kills it after
+// kill_after_ms (< 0: let it run until it exits or the 60 s guard).
+// crash_at: OPTSTATE_CRASH_AT for the child.
+test_util::ChildResult RunChild(const std::vector<std::string>& args, const std::string& crash_at,
+                                int kill_after_ms,
+                                const std::function<void(const std::string&, pid_t)>& on_line = nullptr) {
+  test_util::ChildOptions o;
+  o.exe = test_util::SiblingBinary("store_crash_child");
+  o.args = args;
+  o.crash_at = crash_at;
+  o.kill_after_ms = kill_after_ms;
+  o.guard_ms = 60000;
+  o.on_line = on_line;
+  test_util::ChildResult r = test_util::RunChild(o);
+  EXPECT_EQ(r.error, "");
   return r;
 }
 
@@ -177,7 +119,7 @@ TEST(StoreCrashTest, KillLoopKeepsLastAcknowledgedGeneration) {
         acked = 0;
       }
     }
-    ChildResult r = RunChild({"run", store, use_point ? "20" : "1000000"}, crash_at, kill_after_ms);
+    test_util::ChildResult r = RunChild({"run", store, use_point ? "20" : "1000000"}, crash_at, kill_after_ms);
     const bool was_killed = WIFSIGNALED(r.wait_status) && WTERMSIG(r.wait_status) == SIGKILL;
     if (!was_killed) {
       ASSERT_TRUE(WIFEXITED(r.wait_status) && WEXITSTATUS(r.wait_status) == 0)
@@ -229,7 +171,7 @@ TEST(StoreCrashTest, SecondProcessIsBusyNamingTheHolder) {
   auto s = Store::Create(store, WorkloadOptions());
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   // This process holds it: the child fails naming our pid.
-  ChildResult r = RunChild({"open", store}, "", -1);
+  test_util::ChildResult r = RunChild({"open", store}, "", -1);
   ASSERT_TRUE(WIFEXITED(r.wait_status));
   EXPECT_EQ(WEXITSTATUS(r.wait_status), 3) << r.output;
   EXPECT_NE(r.output.find("in use by pid " + std::to_string(getpid())), std::string::npos) << r.output;
