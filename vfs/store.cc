@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdarg>
 #include <cstdlib>
@@ -248,6 +249,37 @@ class Core {
   uint64_t chunk() const { return identity_.chunk_size_bytes; }
   uint64_t SlotBytes() const { return chunk(); }
 
+  // --- space: slots and pieces ----------------------------------------------
+  //
+  // A data file is a row of slots of SlotBytes() (the chunk size). A chunk
+  // version takes AllocBytes(length): a whole slot, or for a short chunk (a
+  // tensor's tail, a small tensor) a piece of its length rounded up to a power
+  // of two >= kIoAlign (its class) that divides the slot and is at most half
+  // of it. A slot is free, used whole, or carved into SlotBytes()/class pieces
+  // of one class; a carved slot whose pieces are all free is whole-free again.
+  // Nothing of this is stored: Open derives it from the committed extents
+  // (an extent's class follows from its length), so crash consistency is the
+  // index's, and stores written before pieces existed (every extent at a slot
+  // boundary) read the same.
+  struct CarvedSlot {
+    uint64_t piece_bytes = 0;
+    uint64_t used = 0;            // pieces in use
+    std::vector<uint64_t> bits;   // bit i set: piece i in use
+    uint64_t pieces(uint64_t slot_bytes) const { return slot_bytes / piece_bytes; }
+    bool InUse(uint64_t i) const { return (bits[i / 64] >> (i % 64)) & 1; }
+  };
+  struct DirSpace {
+    uint64_t slots = 0;                                 // slots in the file
+    std::set<uint64_t> free_slots;                      // whole free slots
+    std::map<uint64_t, CarvedSlot> carved;              // slot -> its pieces
+    std::map<uint64_t, std::set<uint64_t>> partial;     // class -> carved slots with a free piece
+  };
+
+  uint64_t AllocBytes(uint64_t length) const {
+    const uint64_t piece = std::max(kIoAlign, std::bit_ceil(length));
+    return piece <= SlotBytes() / 2 && SlotBytes() % piece == 0 ? piece : SlotBytes();
+  }
+
   mutable std::mutex mu_;
   // Guarded by mu_.
   std::map<uint32_t, TensorInfo> tensors_;       // by id
@@ -258,8 +290,7 @@ class Core {
   std::map<std::string, SnapshotInfo> snapshots_;
   std::map<Key, std::vector<Version>> versions_;    // committed, newest first
   std::map<Key, Extent> pending_;                   // completed writes of latest+1
-  std::vector<uint64_t> file_slots_;                // allocated slots per dir
-  std::vector<std::set<uint64_t>> free_;            // free slot numbers per dir
+  std::vector<DirSpace> space_;                     // per data dir: slots and pieces
   std::vector<bool> dirty_;                         // written since last sync
   std::vector<bool> grown_;                         // fallocated since last sync
   uint32_t next_dir_ = 0;
@@ -374,55 +405,139 @@ class Core {
     return Status();
   }
 
-  // Free slots = allocated slots minus every slot a committed version uses. mu_ held.
+  // Free space = the data files minus what the committed versions use (slots
+  // and pieces; see DirSpace). mu_ held.
   Status BuildFreeLists() {
     const size_t n = identity_.data_dirs.size();
-    free_.assign(n, {});
-    file_slots_.assign(n, 0);
+    const uint64_t slot_bytes = SlotBytes();
+    space_.assign(n, {});
     dirty_.assign(n, false);
     grown_.assign(n, false);
-    std::vector<std::set<uint64_t>> used(n);
     for (uint32_t d = 0; d < n; ++d) {
       if (!data_files_[d]) continue;
       OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, data_files_[d]->Size());
-      file_slots_[d] = size / SlotBytes();
+      space_[d].slots = size / slot_bytes;
     }
+    // Per dir: slot -> class of what it holds (slot_bytes: used whole), and the
+    // pieces in use; the first version seen in a slot names it in errors.
+    struct SlotUse {
+      uint64_t piece_bytes = 0;
+      std::set<uint64_t> pieces;
+      Key key;
+      uint64_t gen = 0;
+    };
+    std::vector<std::map<uint64_t, SlotUse>> used(n);
     for (const auto& [key, vs] : versions_) {
       for (const auto& v : vs) {
-        if (v.ext.dir >= n || v.ext.file_offset % SlotBytes() != 0 ||
-            v.ext.file_offset / SlotBytes() >= file_slots_[v.ext.dir]) {
+        auto describe = [&] {
           auto t = tensors_.find(key.t);
-          return Corruption(Describe(t == tensors_.end() ? nullptr : &t->second, key, v.gen) +
-                            ": extent (data dir " + std::to_string(v.ext.dir) + ", offset " +
-                            std::to_string(v.ext.file_offset) + ") lies outside the data files");
+          return Describe(t == tensors_.end() ? nullptr : &t->second, key, v.gen) + ": extent (data dir " +
+                 std::to_string(v.ext.dir) + ", offset " + std::to_string(v.ext.file_offset) + ", length " +
+                 std::to_string(v.ext.length) + ")";
+        };
+        const uint64_t bytes = v.ext.length == 0 ? 0 : AllocBytes(v.ext.length);
+        if (v.ext.dir >= n || bytes == 0 || v.ext.file_offset % bytes != 0 ||
+            v.ext.file_offset / slot_bytes >= space_[v.ext.dir].slots) {
+          return Corruption(describe() + " lies outside the data files");
         }
-        used[v.ext.dir].insert(v.ext.file_offset / SlotBytes());
+        const uint64_t slot = v.ext.file_offset / slot_bytes;
+        auto [it, fresh] = used[v.ext.dir].try_emplace(slot);
+        SlotUse& u = it->second;
+        if (fresh) {
+          u.piece_bytes = bytes;
+          u.key = key;
+          u.gen = v.gen;
+        } else if (u.piece_bytes != bytes) {
+          auto t = tensors_.find(u.key.t);
+          return Corruption(describe() + " shares slot " + std::to_string(slot) + " with a " +
+                            std::to_string(u.piece_bytes) + "-byte extent of " +
+                            Describe(t == tensors_.end() ? nullptr : &t->second, u.key, u.gen) +
+                            " (extents of one slot must have one size class)");
+        }
+        u.pieces.insert((v.ext.file_offset - slot * slot_bytes) / bytes);
       }
     }
     for (uint32_t d = 0; d < n; ++d) {
-      for (uint64_t s = 0; s < file_slots_[d]; ++s) {
-        if (!used[d].count(s)) free_[d].insert(s);
+      DirSpace& sp = space_[d];
+      for (uint64_t s = 0; s < sp.slots; ++s) {
+        auto u = used[d].find(s);
+        if (u == used[d].end()) {
+          sp.free_slots.insert(s);
+          continue;
+        }
+        if (u->second.piece_bytes == slot_bytes) continue;
+        CarvedSlot& c = Carve(&sp, s, u->second.piece_bytes);
+        for (uint64_t i : u->second.pieces) SetPiece(&sp, s, &c, i, true);
       }
     }
     return Status();
   }
 
-  // --- slots ---------------------------------------------------------------
+  // --- slots and pieces (mu_ held) ----------------------------------------
+
+  // Starts slot s of sp as a carved slot of class piece_bytes, all pieces free.
+  CarvedSlot& Carve(DirSpace* sp, uint64_t s, uint64_t piece_bytes) {
+    CarvedSlot& c = sp->carved[s];
+    c.piece_bytes = piece_bytes;
+    c.used = 0;
+    c.bits.assign((c.pieces(SlotBytes()) + 63) / 64, 0);
+    sp->partial[piece_bytes].insert(s);
+    return c;
+  }
+
+  // Marks piece i of carved slot s in use or free, keeping `partial` exact.
+  // Freeing the last used piece returns the slot to the whole-slot free list.
+  void SetPiece(DirSpace* sp, uint64_t s, CarvedSlot* c, uint64_t i, bool in_use) {
+    if (c->InUse(i) == in_use) return;
+    c->bits[i / 64] ^= uint64_t{1} << (i % 64);
+    const uint64_t pieces = c->pieces(SlotBytes());
+    if (in_use) {
+      if (++c->used == pieces) sp->partial[c->piece_bytes].erase(s);
+      return;
+    }
+    if (--c->used > 0) {
+      sp->partial[c->piece_bytes].insert(s);
+      return;
+    }
+    sp->partial[c->piece_bytes].erase(s);
+    sp->carved.erase(s);
+    sp->free_slots.insert(s);
+  }
+
+  uint64_t FreeBytes(uint32_t d) const {
+    const DirSpace& sp = space_[d];
+    uint64_t b = sp.free_slots.size() * SlotBytes();
+    for (const auto& [s, c] : sp.carved) b += (c.pieces(SlotBytes()) - c.used) * c.piece_bytes;
+    return b;
+  }
+
+  // How the allocator holds [off, off + bytes) of dir d.
+  enum class Held { kInUse, kFree, kOtherClass };
+  Held HeldAs(uint32_t d, uint64_t off, uint64_t bytes) const {
+    const DirSpace& sp = space_[d];
+    const uint64_t s = off / SlotBytes();
+    if (sp.free_slots.count(s)) return Held::kFree;
+    auto c = sp.carved.find(s);
+    if (c == sp.carved.end()) return bytes == SlotBytes() ? Held::kInUse : Held::kOtherClass;
+    if (c->second.piece_bytes != bytes) return Held::kOtherClass;
+    return c->second.InUse((off - s * SlotBytes()) / bytes) ? Held::kInUse : Held::kFree;
+  }
 
   // Grows dir d's file (or by one slot when that does not fit). The growth
   // doubles the file, from 4 slots up to the preallocation step, so a small
-  // store does not reserve a whole step (1 GiB by default) on disk. mu_ held.
+  // store does not reserve a whole step (1 GiB by default) on disk.
   Status Grow(uint32_t d) {
     File* f = data_files_[d].get();
+    DirSpace& sp = space_[d];
     const uint64_t max_slots = std::max<uint64_t>(1, opts_.preallocate_step_bytes / SlotBytes());
-    const uint64_t step_slots = std::min<uint64_t>(max_slots, std::max<uint64_t>(4, file_slots_[d]));
+    const uint64_t step_slots = std::min<uint64_t>(max_slots, std::max<uint64_t>(4, sp.slots));
     Status last;
     for (uint64_t want : {step_slots, uint64_t{1}}) {
-      const uint64_t off = file_slots_[d] * SlotBytes();
+      const uint64_t off = sp.slots * SlotBytes();
       last = f->Fallocate(off, want * SlotBytes());
       if (last.ok()) {
-        for (uint64_t s = file_slots_[d]; s < file_slots_[d] + want; ++s) free_[d].insert(s);
-        file_slots_[d] += want;
+        for (uint64_t s = sp.slots; s < sp.slots + want; ++s) sp.free_slots.insert(s);
+        sp.slots += want;
         grown_[d] = true;
         return Status();
       }
@@ -431,29 +546,50 @@ class Core {
     return last;
   }
 
-  // Picks a free slot round-robin over the data dirs, growing files as needed.
-  Result<Extent> AllocateSlot(uint64_t length) {  // mu_ held
+  // Space for a chunk version of `length` bytes: a free piece of its class
+  // (lowest offset first, so freed slots coalesce), else a free slot (carved
+  // for a short chunk), round-robin over the data dirs, growing files as
+  // needed.
+  Result<Extent> AllocateSlot(uint64_t length) {
     const uint32_t n = static_cast<uint32_t>(data_files_.size());
+    const uint64_t bytes = AllocBytes(length);
     std::string errors;
     Status first_error;
     for (uint32_t i = 0; i < n; ++i) {
       const uint32_t d = (next_dir_ + i) % n;
-      if (free_[d].empty()) {
-        Status s = Grow(d);
-        if (!s.ok()) {
-          if (first_error.ok()) first_error = s;
-          errors += (errors.empty() ? "" : "; ") + s.ToString();
-          continue;
-        }
-      }
-      const uint64_t slot = *free_[d].begin();
-      free_[d].erase(free_[d].begin());
-      next_dir_ = (d + 1) % n;
-      dirty_[d] = true;
+      DirSpace& sp = space_[d];
       Extent e;
       e.dir = d;
-      e.file_offset = slot * SlotBytes();
       e.length = length;
+      auto part = bytes < SlotBytes() ? sp.partial.find(bytes) : sp.partial.end();
+      if (part != sp.partial.end() && !part->second.empty()) {
+        const uint64_t s = *part->second.begin();
+        CarvedSlot& c = sp.carved.at(s);
+        uint64_t piece = 0;  // the first free one (partial: there is one)
+        for (size_t w = 0; w < c.bits.size(); ++w) {
+          if (c.bits[w] != ~uint64_t{0}) {
+            piece = w * 64 + std::countr_one(c.bits[w]);
+            break;
+          }
+        }
+        SetPiece(&sp, s, &c, piece, true);
+        e.file_offset = s * SlotBytes() + piece * bytes;
+      } else {
+        if (sp.free_slots.empty()) {
+          Status s = Grow(d);
+          if (!s.ok()) {
+            if (first_error.ok()) first_error = s;
+            errors += (errors.empty() ? "" : "; ") + s.ToString();
+            continue;
+          }
+        }
+        const uint64_t s = *sp.free_slots.begin();
+        sp.free_slots.erase(sp.free_slots.begin());
+        if (bytes < SlotBytes()) SetPiece(&sp, s, &Carve(&sp, s, bytes), 0, true);
+        e.file_offset = s * SlotBytes();
+      }
+      next_dir_ = (d + 1) % n;
+      dirty_[d] = true;
       return e;
     }
     std::string dirs;
@@ -465,8 +601,23 @@ class Core {
                   first_error.err());
   }
 
-  void FreeSlot(const Extent& e) {  // mu_ held
-    free_[e.dir].insert(e.file_offset / SlotBytes());
+  // Returns an extent's slot or piece to the free lists.
+  void FreeSlot(const Extent& e) {
+    DirSpace& sp = space_[e.dir];
+    const uint64_t bytes = AllocBytes(e.length);
+    const uint64_t s = e.file_offset / SlotBytes();
+    if (bytes == SlotBytes()) {
+      sp.free_slots.insert(s);
+      return;
+    }
+    auto c = sp.carved.find(s);
+    if (c == sp.carved.end() || c->second.piece_bytes != bytes) {
+      // Cannot happen while the maps match the index; Verify reports it.
+      OPTSTATE_LOG_ERROR("store {}: freeing a {}-byte piece at dir {} offset {} that the allocator does not hold",
+                         path_, bytes, e.dir, e.file_offset);
+      return;
+    }
+    SetPiece(&sp, s, &c->second, (e.file_offset - s * SlotBytes()) / bytes, false);
   }
 
   // Records a completed write as the chunk's pending version. mu_ held.
@@ -1382,13 +1533,10 @@ class StoreImpl final : public Store {
     st.latest_generation = core_->latest_.generation;
     for (const auto& [key, vs] : core_->versions_) {
       if (!vs.empty()) st.live_bytes += vs.front().ext.length;
-      st.referenced_extent_bytes += vs.size() * core_->SlotBytes();
+      for (const auto& v : vs) st.referenced_extent_bytes += core_->AllocBytes(v.ext.length);
     }
-    for (const auto& [key, e] : core_->pending_) {
-      st.pending_bytes += core_->SlotBytes();
-      // A pending write of a chunk never written before adds live bytes only at commit.
-      (void)e;
-    }
+    // A pending write of a chunk never written before adds live bytes only at commit.
+    for (const auto& [key, e] : core_->pending_) st.pending_bytes += core_->AllocBytes(e.length);
     for (uint32_t d = 0; d < core_->data_files_.size(); ++d) {
       uint64_t size = 0;
       if (core_->data_files_[d]) {
@@ -1396,7 +1544,7 @@ class StoreImpl final : public Store {
         if (s.ok()) size = *s;
       }
       st.data_file_bytes.push_back(size);
-      st.data_free_bytes.push_back(core_->read_only_ ? 0 : core_->free_[d].size() * core_->SlotBytes());
+      st.data_free_bytes.push_back(core_->read_only_ ? 0 : core_->FreeBytes(d));
     }
     st.lifetime_bytes_written = core_->lifetime_bytes_;
     st.generations_retained = core_->generations_.size();
@@ -1523,8 +1671,15 @@ Result<VerifyReport> StoreImpl::Verify() {
   };
   VerifyReport rep;
   std::vector<Item> items;
-  std::map<std::pair<uint32_t, uint64_t>, std::pair<Key, uint64_t>> slot_owner;
-  uint64_t allocated = 0, free_slots = 0, pending_slots = 0;
+  // (dir, offset) -> the version using it and its allocation (slot or piece) size.
+  struct Owner {
+    const TensorInfo* tensor;
+    Key key;
+    uint64_t gen;
+    uint64_t bytes;
+  };
+  std::map<std::pair<uint32_t, uint64_t>, Owner> owner;
+  uint64_t allocated = 0, free_bytes = 0, owned_bytes = 0;
   {
     std::lock_guard l(core_->mu_);
     Core* c = core_.get();
@@ -1553,7 +1708,45 @@ Result<VerifyReport> StoreImpl::Verify() {
         }
       }
     }
-    // References: every version of every chunk, unique slots, inside files.
+    // References: every committed and pending version, inside the files, no
+    // two on overlapping space, each held in use by the allocator as an
+    // extent of its size class.
+    const uint64_t slot_bytes = c->SlotBytes();
+    auto claim = [&](const TensorInfo* tp, const Key& k, uint64_t gen, const Extent& e) {
+      const uint64_t bytes = c->AllocBytes(e.length);
+      const std::string what = c->Describe(tp, k, gen) + ": extent (dir " + std::to_string(e.dir) + ", offset " +
+                               std::to_string(e.file_offset) + ", " + std::to_string(bytes) + " bytes)";
+      if (e.dir >= c->space_.size() || e.file_offset % bytes != 0 ||
+          (!c->read_only_ && e.file_offset / slot_bytes >= c->space_[e.dir].slots)) {
+        rep.problems.push_back(what + " is dangling");
+        return;
+      }
+      auto [it, fresh] = owner.try_emplace({e.dir, e.file_offset}, Owner{tp, k, gen, bytes});
+      if (!fresh) {
+        rep.problems.push_back(what + " is also referenced by generation " + std::to_string(it->second.gen));
+        return;
+      }
+      owned_bytes += bytes;
+      auto overlaps = [&](auto lo, auto hi) {
+        return lo->first.first == hi->first.first && lo->first.second + lo->second.bytes > hi->first.second;
+      };
+      if (it != owner.begin() && overlaps(std::prev(it), it)) {
+        const Owner& o = std::prev(it)->second;
+        rep.problems.push_back(what + " overlaps the extent of " + c->Describe(o.tensor, o.key, o.gen));
+      }
+      if (std::next(it) != owner.end() && overlaps(it, std::next(it))) {
+        const Owner& o = std::next(it)->second;
+        rep.problems.push_back(what + " overlaps the extent of " + c->Describe(o.tensor, o.key, o.gen));
+      }
+      if (c->read_only_) return;
+      switch (c->HeldAs(e.dir, e.file_offset, bytes)) {
+        case Core::Held::kInUse: break;
+        case Core::Held::kFree: rep.problems.push_back(what + ": referenced extent is on the free list"); break;
+        case Core::Held::kOtherClass:
+          rep.problems.push_back(what + ": the allocator holds its slot for another size class");
+          break;
+      }
+    };
     for (const auto& [k, vs] : c->versions_) {
       auto t = c->tensors_.find(k.t);
       const TensorInfo* tp = t == c->tensors_.end() ? nullptr : &t->second;
@@ -1562,31 +1755,40 @@ Result<VerifyReport> StoreImpl::Verify() {
       } else if (k.f >= tp->fields.size() || k.c >= Core::ChunkCountOf(*tp, k.f, c->chunk())) {
         rep.problems.push_back(c->Describe(tp, k, kInfinity) + ": version outside the tensor's chunks");
       }
-      for (const auto& v : vs) {
-        const uint64_t slot = v.ext.file_offset / c->SlotBytes();
-        if (v.ext.dir >= c->file_slots_.size() || (!c->read_only_ && slot >= c->file_slots_[v.ext.dir]) ||
-            v.ext.file_offset % c->SlotBytes() != 0) {
-          rep.problems.push_back(c->Describe(tp, k, v.gen) + ": dangling extent (dir " +
-                                 std::to_string(v.ext.dir) + ", offset " + std::to_string(v.ext.file_offset) + ")");
-          continue;
-        }
-        auto [it, fresh] = slot_owner.try_emplace({v.ext.dir, slot}, k, v.gen);
-        if (!fresh) {
-          rep.problems.push_back(c->Describe(tp, k, v.gen) + ": extent (dir " + std::to_string(v.ext.dir) +
-                                 ", offset " + std::to_string(v.ext.file_offset) +
-                                 ") is also referenced by generation " + std::to_string(it->second.second));
-        }
-        if (!c->read_only_ && c->free_[v.ext.dir].count(slot)) {
-          rep.problems.push_back(c->Describe(tp, k, v.gen) + ": referenced extent is on the free list");
-        }
-      }
+      for (const auto& v : vs) claim(tp, k, v.gen, v.ext);
     }
+    for (const auto& [k, e] : c->pending_) {
+      auto t = c->tensors_.find(k.t);
+      claim(t == c->tensors_.end() ? nullptr : &t->second, k, c->latest_.generation + 1, e);
+    }
+    // Leaks: space the allocator holds in use that no version owns.
     if (!c->read_only_) {
-      for (uint32_t d = 0; d < c->file_slots_.size(); ++d) {
-        allocated += c->file_slots_[d];
-        free_slots += c->free_[d].size();
+      for (uint32_t d = 0; d < c->space_.size(); ++d) {
+        const Core::DirSpace& sp = c->space_[d];
+        allocated += sp.slots * slot_bytes;
+        free_bytes += c->FreeBytes(d);
+        for (uint64_t s = 0; s < sp.slots; ++s) {
+          if (sp.free_slots.count(s)) continue;
+          auto cs = sp.carved.find(s);
+          if (cs == sp.carved.end()) {
+            if (!owner.count({d, s * slot_bytes})) ++rep.leaked_slots;
+            continue;
+          }
+          const Core::CarvedSlot& cv = cs->second;
+          uint64_t in_use = 0;
+          for (uint64_t i = 0; i < cv.pieces(slot_bytes); ++i) {
+            if (!cv.InUse(i)) continue;
+            ++in_use;
+            if (!owner.count({d, s * slot_bytes + i * cv.piece_bytes})) ++rep.leaked_slots;
+          }
+          if (in_use != cv.used || in_use == 0) {
+            rep.problems.push_back("store " + c->path_ + ": data dir " + std::to_string(d) + " slot " +
+                                   std::to_string(s) + " of " + std::to_string(cv.piece_bytes) +
+                                   "-byte pieces counts " + std::to_string(cv.used) + " in use, its map " +
+                                   std::to_string(in_use));
+          }
+        }
       }
-      pending_slots = c->pending_.size();
     }
   }
   AlignedBuf buf(core_->chunk());
@@ -1602,14 +1804,10 @@ Result<VerifyReport> StoreImpl::Verify() {
     rep.bytes_checked += it.v.ext.length;
     if (!s.ok()) rep.problems.push_back(s.ToString());
   }
-  if (!core_->read_only_) {
-    const uint64_t accounted = slot_owner.size() + free_slots + pending_slots;
-    if (accounted < allocated) {
-      rep.leaked_slots = allocated - accounted;
-    } else if (accounted > allocated) {
-      rep.problems.push_back("store " + core_->path_ + ": slot accounting: " + std::to_string(accounted) +
-                             " slots referenced/free/pending but only " + std::to_string(allocated) + " allocated");
-    }
+  if (!core_->read_only_ && owned_bytes + free_bytes > allocated) {
+    rep.problems.push_back("store " + core_->path_ + ": space accounting: " + std::to_string(owned_bytes) +
+                           " bytes referenced/pending + " + std::to_string(free_bytes) + " free but only " +
+                           std::to_string(allocated) + " allocated");
   }
   return rep;
 }
@@ -1898,13 +2096,12 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
   std::lock_guard l(core->mu_);
   OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
   OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
-  core->file_slots_.assign(core->data_files_.size(), 0);
+  core->space_.assign(core->data_files_.size(), {});  // slot counts only: no allocation here
   for (uint32_t d = 0; d < core->data_files_.size(); ++d) {
     if (!core->data_files_[d]) continue;
     OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, core->data_files_[d]->Size());
-    core->file_slots_[d] = size / core->SlotBytes();
+    core->space_[d].slots = size / core->SlotBytes();
   }
-  core->free_.assign(core->data_files_.size(), {});
   return std::unique_ptr<Store>(new StoreImpl(std::move(core)));
 }
 

@@ -216,10 +216,10 @@ class GenerationView {
 struct StoreStats {
   uint64_t latest_generation = 0;
   uint64_t live_bytes = 0;             // logical bytes of written chunks in latest
-  uint64_t referenced_extent_bytes = 0;// slots referenced by any retained version
-  uint64_t pending_bytes = 0;          // slots written in the uncommitted generation
+  uint64_t referenced_extent_bytes = 0;// disk space (slots and pieces) of every retained version
+  uint64_t pending_bytes = 0;          // disk space written in the uncommitted generation
   std::vector<uint64_t> data_file_bytes;  // allocated size per data dir
-  std::vector<uint64_t> data_free_bytes;  // free slots per data dir
+  std::vector<uint64_t> data_free_bytes;  // free space (slots and pieces) per data dir
   uint64_t lifetime_bytes_written = 0; // over the store's life (SSD endurance)
   uint64_t generations_retained = 0;
   uint64_t snapshots = 0;
@@ -230,7 +230,7 @@ struct VerifyReport {
   uint64_t chunks_checked = 0;
   uint64_t bytes_checked = 0;
   std::vector<std::string> problems;   // each names store, tensor, field, chunk, generation
-  uint64_t leaked_slots = 0;           // allocated, unreferenced and not free-listed
+  uint64_t leaked_slots = 0;           // slots or pieces allocated, unreferenced and not free-listed
   bool ok() const { return problems.empty() && leaked_slots == 0; }
 };
 
