@@ -87,6 +87,8 @@ MemoryStats MemoryManager::stats() const { return impl_->stats(); }
 
 Result<void*> MemoryManager::AllocDevice(uint64_t bytes) { return impl_->device()->Malloc(bytes); }
 Status MemoryManager::FreeDevice(void* d_ptr) { return impl_->device()->Free(d_ptr); }
+Result<void*> MemoryManager::AllocPinnedHost(uint64_t bytes) { return impl_->device()->AllocPinnedHost(bytes); }
+void MemoryManager::FreePinnedHost(void* h_ptr, uint64_t bytes) { impl_->device()->FreePinnedHost(h_ptr, bytes); }
 Status MemoryManager::CopyToDevice(void* d_dst, const void* h_src, uint64_t bytes) {
   internal::Device* dev = impl_->device();
   OPTSTATE_RETURN_IF_ERROR(dev->CopyH2D(d_dst, h_src, bytes, nullptr));

@@ -160,6 +160,10 @@ class MemoryManager {
   Status FreeDevice(void* d_ptr);
   Status CopyToDevice(void* d_dst, const void* h_src, uint64_t bytes);
   Status CopyToHost(void* h_dst, const void* d_src, uint64_t bytes);
+  // Pinned (page-locked, DMA-able) host memory, 4096-aligned; for tools that
+  // measure or feed copies at full bandwidth. Not counted anywhere.
+  Result<void*> AllocPinnedHost(uint64_t bytes);
+  void FreePinnedHost(void* h_ptr, uint64_t bytes);
   // Device memory free/total (cudaMemGetInfo); host backend: 0/0.
   Status DeviceMemInfo(uint64_t* free_bytes, uint64_t* total_bytes);
 

@@ -61,6 +61,7 @@ struct StepOptions {
   uint32_t write_queue_depth = 32;
   uint32_t read_ahead = 0;
   uint64_t hidden = 1024;
+  uint32_t durable_every = 1;
   int cpu_threads = 1;
   bool json = false;
 };
@@ -252,9 +253,8 @@ class FirstVersion {
     auto fv = std::unique_ptr<FirstVersion>(new FirstVersion);
     fv->mm_ = mm;
     fv->chunk_ = chunk;
-    fv->staging_ = AlignedBuffer(chunk);
-    if (!fv->staging_.ok()) return ResourceExhausted("staging buffer");
-    (void)mlock(fv->staging_.data(), chunk);  // pinned where allowed, as the first version did
+    // One pinned buffer (the first version's pin_memory() staging tensor).
+    OPTSTATE_ASSIGN_OR_RETURN(fv->h_staging_, mm->AllocPinnedHost(chunk));
     for (int f = 0; f < 3; ++f) {
       OPTSTATE_ASSIGN_OR_RETURN(fv->d_[f], DeviceBuffer::Make(mm, chunk));
     }
@@ -274,12 +274,12 @@ class FirstVersion {
         // Initial state: main = w0, moments zero; every byte written once.
         for (uint64_t off = 0; off < bytes; off += chunk) {
           uint64_t len = std::min(chunk, bytes - off);
-          std::memset(fv->staging_.data(), 0, len);
+          std::memset(fv->h_staging_, 0, len);
           if (f == 0) {
             uint64_t elems = std::min(len / 4, prm.numel - std::min(prm.numel, off / 4));
-            std::memcpy(fv->staging_.data(), w0.data(), elems * 4);
+            std::memcpy(fv->h_staging_, w0.data(), elems * 4);
           }
-          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pwrite(off, fv->staging_.data(), len));
+          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pwrite(off, fv->h_staging_, len));
         }
         OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Fdatasync());
       }
@@ -301,8 +301,8 @@ class FirstVersion {
         uint64_t elems = std::min(per_chunk, prm.numel - c * per_chunk);
         uint64_t io_len = RoundUp(elems * 4, 4096);
         for (int f = 0; f < 3; ++f) {
-          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pread(c * chunk_, staging_.data(), io_len));
-          OPTSTATE_RETURN_IF_ERROR(mm_->CopyToDevice(d_[f].get(), staging_.data(), io_len));
+          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pread(c * chunk_, h_staging_, io_len));
+          OPTSTATE_RETURN_IF_ERROR(mm_->CopyToDevice(d_[f].get(), h_staging_, io_len));
         }
         kernels::AdamTensors t;
         t.main = static_cast<float*>(d_[0].get());
@@ -317,8 +317,8 @@ class FirstVersion {
           return Internal("AdamStepCpu refused the tensors");
         }
         for (int f = 0; f < 3; ++f) {
-          OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(staging_.data(), d_[f].get(), io_len));
-          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pwrite(c * chunk_, staging_.data(), io_len));
+          OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(h_staging_, d_[f].get(), io_len));
+          OPTSTATE_RETURN_IF_ERROR(prm.files[f]->Pwrite(c * chunk_, h_staging_, io_len));
         }
       }
     }
@@ -334,27 +334,39 @@ class FirstVersion {
     std::unique_ptr<vfs::File> files[3];
   };
   FirstVersion() = default;
+
+ public:
+  ~FirstVersion() {
+    if (h_staging_ != nullptr) mm_->FreePinnedHost(h_staging_, chunk_);
+  }
+
+ private:
   memmgr::MemoryManager* mm_ = nullptr;
   uint64_t chunk_ = 0;
-  AlignedBuffer staging_;
+  void* h_staging_ = nullptr;  // pinned, chunk bytes
   DeviceBuffer d_[3];
   std::vector<Param> params_;
 };
 
-// H2D / D2H bandwidth through the manager's copies (pinned source).
+// H2D / D2H bandwidth through the manager's copies from pinned host memory
+// (the same kind the host cache tier and the staging buffers use).
 Status MeasureCopies(memmgr::MemoryManager* mm, double* h2d, double* d2h) {
-  const uint64_t bytes = 256ull << 20;
-  AlignedBuffer h(bytes);
-  if (!h.ok()) return ResourceExhausted("copy buffer");
-  (void)mlock(h.data(), bytes);
-  std::memset(h.data(), 1, bytes);
+  const uint64_t bytes = 1ull << 30;
+  OPTSTATE_ASSIGN_OR_RETURN(void* h, mm->AllocPinnedHost(bytes));
+  struct Free {
+    memmgr::MemoryManager* mm;
+    void* h;
+    uint64_t n;
+    ~Free() { mm->FreePinnedHost(h, n); }
+  } free_h{mm, h, bytes};
+  std::memset(h, 1, bytes);
   OPTSTATE_ASSIGN_OR_RETURN(DeviceBuffer d, DeviceBuffer::Make(mm, bytes));
   std::vector<double> a, b;
   for (int i = 0; i < 5; ++i) {
     double t0 = NowSeconds();
-    OPTSTATE_RETURN_IF_ERROR(mm->CopyToDevice(d.get(), h.data(), bytes));
+    OPTSTATE_RETURN_IF_ERROR(mm->CopyToDevice(d.get(), h, bytes));
     double t1 = NowSeconds();
-    OPTSTATE_RETURN_IF_ERROR(mm->CopyToHost(h.data(), d.get(), bytes));
+    OPTSTATE_RETURN_IF_ERROR(mm->CopyToHost(h, d.get(), bytes));
     double t2 = NowSeconds();
     a.push_back(static_cast<double>(bytes) / (t1 - t0));
     b.push_back(static_cast<double>(bytes) / (t2 - t1));
@@ -410,6 +422,7 @@ int RunCompare(const StepOptions& o) {
   const bool cuda = (*mm)->backend() == memmgr::Backend::kCuda;
   memmgr::StreamedAdamOptions ao;
   ao.cpu_threads = o.cpu_threads;
+  ao.durable_every_steps = o.durable_every;
   auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao);
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
@@ -494,6 +507,16 @@ int RunCompare(const StepOptions& o) {
     bar.Update(r + 1);
   }
   bar.Finish();
+  // Steps held only in the host cache (--durable-every > 1): the time to make
+  // them durable, reported on its own.
+  double t_durable = NAN;
+  const uint64_t cached_steps = (*opt)->uncommitted_steps();
+  if (cached_steps > 0) {
+    double t0 = NowSeconds();
+    auto g = (*opt)->MakeDurable();
+    if (!g.ok()) return FailWith(kTool, g.status().WithContext("MakeDurable"));
+    t_durable = NowSeconds() - t0;
+  }
   double h2d = NAN, d2h = NAN;
   if (Status s = MeasureCopies(mm->get(), &h2d, &d2h); !s.ok()) Note("copy bandwidth: " + s.ToString());
   auto ratio = [](const std::vector<double>& a, const std::vector<double>& b) {
@@ -521,6 +544,9 @@ int RunCompare(const StepOptions& o) {
   out["h2d_bytes_per_second"] = h2d;
   out["d2h_bytes_per_second"] = d2h;
   out["ours_over_copy_floor"] = Median(t_ours) / copy_floor;
+  out["durable_every_steps"] = o.durable_every;
+  out["cached_steps_at_end"] = cached_steps;
+  out["make_durable_seconds"] = t_durable;
   out["peak_resident_bytes"] = ms.peak_resident_bytes;
   out["io_wait_seconds"] = stats.empty() ? 0.0 : stats.back().io_wait_seconds;
   // Where each timed step spent its time (StreamedAdam::StepStats).
@@ -563,6 +589,12 @@ int RunCompare(const StepOptions& o) {
       "(budget {})\n",
       ratio(t_ours, t_floor), ratio(t_fv, t_ours), FormatRate(h2d), FormatRate(d2h),
       Median(t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c->budget));
+  if (cached_steps > 0) {
+    std::cout << fmt::format(
+        "durable every {} steps: the timed steps stayed in the host cache (no disk I/O); MakeDurable of "
+        "{} cached step(s) (writes the state, commits): {}\n",
+        o.durable_every, cached_steps, FormatSeconds(t_durable));
+  }
   if (!stats.empty()) {
     const auto& st = stats.back();
     std::cout << fmt::format(
@@ -599,6 +631,8 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--write-qd", o->write_queue_depth,
                   "StreamedAdam writes in flight on top of --qd reads; 0 = share --qd (default 32)");
   sub->add_option("--read-ahead", o->read_ahead, "slices staged at once; 0 = auto (default 0)");
+  sub->add_option("--durable-every", o->durable_every,
+                  "commit every N-th step when --host-cache-bytes holds the whole state (default 1)");
   sub->add_option("--hidden", o->hidden,
                   "comparison mode: hidden size h of the parameter mix (default 1024)");
   sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");

@@ -1,5 +1,5 @@
-// optstate-bench: the performance harness. Subcommands io, step, mount,
-// kernel; each prints a table of ratios (or --json). See docs/CLI.md.
+// optstate-bench: the performance harness. Subcommands io, step, sleep,
+// mount, kernel; each prints a table of ratios (or --json). See docs/CLI.md.
 #include <iostream>
 
 #include <CLI/CLI.hpp>
@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
 #ifdef OPTSTATE_BENCH_HAVE_STEP
   optstate::tools::bench::AddStepCommand(app, &exit_code);
   optstate::tools::bench::AddKernelCommand(app, &exit_code);
+  optstate::tools::bench::AddSleepCommand(app, &exit_code);
 #endif
 #ifdef OPTSTATE_BENCH_HAVE_MOUNT
   optstate::tools::bench::AddMountCommand(app, &exit_code);
