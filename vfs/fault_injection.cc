@@ -52,6 +52,8 @@ std::string OpWhat(OpClass op, const std::string& path, uint64_t offset, uint64_
 // The state behind the hooks: rules, counters and what is not yet durable.
 class FaultInjectionFileSystem::Hooks final : public FaultHooks {
  public:
+  explicit Hooks(FileSystem* base) : base_(base) {}
+
   Status BeforeOp(OpClass op, const std::string& path, uint64_t offset, uint64_t len,
                   uint64_t* short_len) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -131,6 +133,43 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
     std::string d = Norm(dir);
     std::erase_if(created_, [&](const auto& kv) { return kv.second == d; });
     std::erase_if(replaced_, [&](const auto& kv) { return kv.second.dir == d; });
+  }
+
+  // A rename made outside the wrapper (RocksDB's files, through the store's
+  // hooked rocksdb::FileSystem): save what `to` holds now, then track the
+  // rename like one made through FaultInjectionFileSystem::Rename.
+  Status BeforeRename(const std::string& from, const std::string& to) override {
+    OPTSTATE_RETURN_IF_ERROR(CheckActive("rename " + from + " to " + to));
+    PendingRename p;
+    auto existed = base_->Exists(to);
+    p.to_existed = existed.ok() && *existed;
+    if (p.to_existed && NeedsOldContents(to)) p.old_contents = ReadSmallFile(base_, to);
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_renames_[{Norm(from), Norm(to)}] = std::move(p);
+    return Status::Ok();
+  }
+  void AfterRename(const std::string& from, const std::string& to) override {
+    PendingRename p;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_renames_.find({Norm(from), Norm(to)});
+      if (it == pending_renames_.end()) return;  // no BeforeRename: nothing known about `to`
+      p = std::move(it->second);
+      pending_renames_.erase(it);
+    }
+    OnRename(from, to, p.to_existed, std::move(p.old_contents));
+  }
+
+  // Contents of a file of at most kMaxSavedReplacedBytes, read through `base`;
+  // nullopt if it cannot be read or is larger.
+  static std::optional<std::string> ReadSmallFile(FileSystem* base, const std::string& path) {
+    auto f = base->Open(path, OpenOptions{.read_only = true});
+    if (!f.ok()) return std::nullopt;
+    auto size = (*f)->Size();
+    if (!size.ok() || *size > kMaxSavedReplacedBytes) return std::nullopt;
+    std::string s(*size, '\0');
+    if (!(*f)->Pread(0, s.data(), s.size()).ok()) return std::nullopt;
+    return s;
   }
 
   // A rename through the wrapper: tracking follows the file to its new name.
@@ -307,6 +346,12 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
     }
     return n;
   }
+  std::vector<std::string> Replacements() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> out;
+    for (const auto& kv : replaced_) out.push_back(kv.first);
+    return out;
+  }
   std::vector<std::string> Creations() const {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<std::string> out;
@@ -323,7 +368,12 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
     std::string dir;
     std::string old_contents;
   };
+  struct PendingRename {
+    bool to_existed = false;
+    std::optional<std::string> old_contents;
+  };
 
+  FileSystem* const base_;  // not owned
   mutable std::mutex mu_;
   // All below guarded by mu_.
   bool active_ = true;
@@ -334,6 +384,8 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
   std::map<std::string, std::map<uint64_t, uint64_t>> unsynced_;  // path -> [start, end)
   std::map<std::string, std::string> created_;                     // path -> its directory
   std::map<std::string, Replaced> replaced_;                       // path -> contents before
+  // Renames between BeforeRename and AfterRename: (from, to) -> what `to` was.
+  std::map<std::pair<std::string, std::string>, PendingRename> pending_renames_;
 };
 
 namespace {
@@ -408,7 +460,7 @@ class FaultFile final : public File {
 }  // namespace
 
 FaultInjectionFileSystem::FaultInjectionFileSystem(FileSystem* base)
-    : base_(base), hooks_(std::make_unique<Hooks>()) {}
+    : base_(base), hooks_(std::make_unique<Hooks>(base)) {}
 FaultInjectionFileSystem::~FaultInjectionFileSystem() = default;
 
 void FaultInjectionFileSystem::AddRule(const FaultRule& rule) { hooks_->AddRule(rule); }
@@ -425,6 +477,7 @@ Status FaultInjectionFileSystem::DropUnsyncedData(DropMode mode, uint64_t seed) 
 void FaultInjectionFileSystem::MarkAllSynced() { hooks_->MarkAllSynced(); }
 uint64_t FaultInjectionFileSystem::UnsyncedBytes() const { return hooks_->UnsyncedBytes(); }
 std::vector<std::string> FaultInjectionFileSystem::UnsyncedCreations() const { return hooks_->Creations(); }
+std::vector<std::string> FaultInjectionFileSystem::UnsyncedReplacements() const { return hooks_->Replacements(); }
 FaultHooks* FaultInjectionFileSystem::hooks() const { return hooks_.get(); }
 
 Result<std::unique_ptr<File>> FaultInjectionFileSystem::Open(const std::string& path, const OpenOptions& opts) {
@@ -467,16 +520,7 @@ Status FaultInjectionFileSystem::Rename(const std::string& from, const std::stri
   OPTSTATE_RETURN_IF_ERROR(hooks_->BeforeOp(OpClass::kMetadata, from, 0, 0, nullptr));
   OPTSTATE_ASSIGN_OR_RETURN(bool to_existed, base_->Exists(to));
   std::optional<std::string> old;
-  if (to_existed && hooks_->NeedsOldContents(to)) {
-    auto f = base_->Open(to, OpenOptions{.read_only = true});
-    if (f.ok()) {
-      auto size = (*f)->Size();
-      if (size.ok() && *size <= kMaxSavedReplacedBytes) {
-        std::string s(*size, '\0');
-        if ((*f)->Pread(0, s.data(), s.size()).ok()) old = std::move(s);
-      }
-    }
-  }
+  if (to_existed && hooks_->NeedsOldContents(to)) old = Hooks::ReadSmallFile(base_, to);
   OPTSTATE_RETURN_IF_ERROR(base_->Rename(from, to));
   hooks_->OnRename(from, to, to_existed, std::move(old));
   return Status::Ok();

@@ -15,12 +15,18 @@
 //    file's last successful fsync/fdatasync is overwritten with zeros (all of
 //    them, or a seeded random subset of 4 KiB blocks); files and directories
 //    created since their directory's last SyncDir are removed; a file replaced
-//    by an unsynced rename gets its old contents back (when it was <= 16 MiB);
+//    by an unsynced rename gets its old contents back (when it was <= 16 MiB),
+//    whether renamed through this wrapper or reported through
+//    FaultHooks::BeforeRename/AfterRename (RocksDB installing CURRENT through
+//    the store's rocksdb::FileSystem, vfs/internal/rocks_util.cc);
 //  - SetFilesystemActive(false): every later operation fails (the "crashed"
 //    process can no longer touch the disk), like rocksdb's FaultInjectionTestFS.
 // Not modelled: unsynced removes (a removed file stays removed), unsynced size
 // changes (fallocate, writes past the end: the file keeps its size and the
-// unsynced bytes read as zeros).
+// unsynced bytes read as zeros), the source of an unsynced rename coming back
+// (a durable `from` renamed to a new name disappears from both names at power
+// loss; RocksDB does this only for its informational LOG -> LOG.old.*), and
+// replaced files larger than 16 MiB (kept with their new contents).
 //
 // Paths are compared after lexical normalisation (no "//", ".", trailing "/").
 // Ownership: does not own `base`, which must outlive it and every File opened
@@ -115,6 +121,10 @@ class FaultInjectionFileSystem final : public FileSystem {
   uint64_t UnsyncedBytes() const;
   // Files created since their directory's last SyncDir.
   std::vector<std::string> UnsyncedCreations() const;
+  // Files replaced by a rename since their directory's last SyncDir (whose
+  // old contents a power loss restores), renamed through this wrapper or
+  // reported by FaultHooks::BeforeRename/AfterRename (RocksDB's CURRENT).
+  std::vector<std::string> UnsyncedReplacements() const;
 
   // ---- FileSystem ----
   Result<std::unique_ptr<File>> Open(const std::string& path, const OpenOptions& opts) override;

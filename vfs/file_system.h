@@ -49,6 +49,22 @@ class FaultHooks {
   // directory has been synced, for "files created since the last dir sync".
   virtual void AfterCreate(const std::string& path) = 0;
   virtual void AfterDirSync(const std::string& dir) = 0;
+  // A rename made outside FileSystem::Rename (RocksDB installing CURRENT,
+  // OPTIONS-*, IDENTITY through the store's rocksdb::FileSystem): BeforeRename
+  // just before rename(2), so that a power-loss model can save what `to` held;
+  // AfterRename once it succeeded (durable after AfterDirSync of to's
+  // directory). Not an operation of any class (no BeforeOp, not counted); a
+  // non-OK status fails the rename (a simulated crash: the file system is
+  // inactive). Default: nothing.
+  virtual Status BeforeRename(const std::string& from, const std::string& to) {
+    (void)from;
+    (void)to;
+    return Status::Ok();
+  }
+  virtual void AfterRename(const std::string& from, const std::string& to) {
+    (void)from;
+    (void)to;
+  }
 };
 
 struct OpenOptions {

@@ -178,6 +178,17 @@ class HookedFileSystem : public rocksdb::FileSystemWrapper {
     *r = std::make_unique<HookedWritableFile>(std::move(base), f, hooks_);
     return st;
   }
+  // RocksDB installs CURRENT (and OPTIONS-*, IDENTITY) by writing a temp file
+  // and renaming it over the old one; reported so that a power-loss model can
+  // revert a rename whose directory was not synced yet.
+  rocksdb::IOStatus RenameFile(const std::string& from, const std::string& to, const rocksdb::IOOptions& io,
+                               rocksdb::IODebugContext* dbg) override {
+    Status s = hooks_->BeforeRename(from, to);
+    if (!s.ok()) return ToIoStatus(s);
+    auto st = FileSystemWrapper::RenameFile(from, to, io, dbg);
+    if (st.ok()) hooks_->AfterRename(from, to);
+    return st;
+  }
   rocksdb::IOStatus NewDirectory(const std::string& name, const rocksdb::IOOptions& io,
                                  std::unique_ptr<rocksdb::FSDirectory>* r,
                                  rocksdb::IODebugContext* dbg) override {
