@@ -583,9 +583,16 @@ int RunCompare(const StepOptions& o) {
   row("I/O floor (fio read+write)", t_floor, ratio(t_floor, t_ours));
   row("first version (sync, 1 staging buf)", t_fv, ratio(t_fv, t_ours));
   std::cout << t.Render();
+  auto list = [](const std::vector<double>& v) {
+    std::string out;
+    for (double x : v) out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x);
+    return out.empty() ? std::string("-") : out;
+  };
+  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version [{}]\n", list(t_ours),
+                           list(t_floor), list(t_fv));
   std::cout << fmt::format(
       "\nours / floor: {:.2f}x (target <= 1.10)   first version / ours: {:.2f}x (speed-up)\n"
-      "H2D {} D2H {} (256 MiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} "
+      "H2D {} D2H {} (1 GiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} "
       "(budget {})\n",
       ratio(t_ours, t_floor), ratio(t_fv, t_ours), FormatRate(h2d), FormatRate(d2h),
       Median(t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c->budget));
