@@ -89,6 +89,9 @@ class MountReader {
     thread_ = std::thread([this] { Loop(); });
   }
   ~MountReader() { Stop(); }
+  // Asks the loop to end after its current copy (a read blocked in a hung
+  // mount only returns once the daemon is gone: see MountGuard).
+  void RequestStop() { stop_ = true; }
   void Stop() {
     stop_ = true;
     if (thread_.joinable()) thread_.join();
@@ -203,18 +206,41 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
     pid_t* daemon;
     std::unique_ptr<MountReader>* reader;
     std::string mnt;
+    std::string daemon_end;  // how the daemon ended, if it did so by itself
     ~MountGuard() { Release(); }
+    // Whether the daemon died during the run (reaps it if so).
+    bool DaemonDied() {
+      if (*daemon <= 0) return !daemon_end.empty();
+      int st = 0;
+      if (::waitpid(*daemon, &st, WNOHANG) != *daemon) return false;
+      daemon_end = WIFSIGNALED(st) ? "killed by signal " + std::to_string(WTERMSIG(st))
+                                   : "exited with status " + std::to_string(WEXITSTATUS(st));
+      *daemon = -1;
+      return true;
+    }
+    // The daemon goes first (SIGTERM, SIGKILL after 5 s if it hangs), so that
+    // a reader blocked in the mount gets ENOTCONN instead of hanging the join.
     void Release() {
-      if (*reader) (*reader)->Stop();
+      if (*reader) (*reader)->RequestStop();
+      DaemonDied();
       if (*daemon > 0) {
-        std::system(("fusermount3 -u " + mnt + " 2>/dev/null").c_str());
+        std::system(("fusermount3 -u -z " + mnt + " 2>/dev/null").c_str());
         ::kill(*daemon, SIGTERM);
         int st = 0;
-        ::waitpid(*daemon, &st, 0);
+        for (int i = 0; i < 100 && ::waitpid(*daemon, &st, WNOHANG) != *daemon; ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          if (i == 99) {
+            std::printf("mount daemon ignored SIGTERM for 5 s: SIGKILL\n");
+            ::kill(*daemon, SIGKILL);
+            ::waitpid(*daemon, &st, 0);
+          }
+        }
         *daemon = -1;
       }
+      std::system(("fusermount3 -u -z " + mnt + " 2>/dev/null").c_str());
+      if (*reader) (*reader)->Stop();
     }
-  } guard{&daemon, &reader, mnt};
+  } guard{&daemon, &reader, mnt, ""};
   if (CanMount()) {
 #ifdef OPTSTATE_REL_MOUNT_BINARY
     daemon = ::fork();
@@ -287,10 +313,26 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
     finished += done;
     max_ack = std::max(max_ack, r.last_ack);
     CheckStore(path, max_ack, &ref, &bytes, what + " (last ACK " + std::to_string(r.last_ack) + ")");
+    if ((i + 1) % 100 == 0) {  // progress of long runs
+      if (reader) {
+        const bool died = guard.DaemonDied();
+        std::printf("progress: mount daemon %s; reader: %llu copies verified, %llu raced, %llu I/O errors, %zu wrong\n",
+                    died ? ("DEAD (" + guard.daemon_end + ")").c_str() : "alive",
+                    static_cast<unsigned long long>(reader->copies()), static_cast<unsigned long long>(reader->raced()),
+                    static_cast<unsigned long long>(reader->errors()), reader->wrong().size());
+      }
+      std::printf("progress: %llu of %llu iterations checked (%s), step %llu, %llu state bytes compared, %.0f s\n",
+                  static_cast<unsigned long long>(i + 1), static_cast<unsigned long long>(kills),
+                  ::testing::Test::HasFailure() ? "with FAILURES" : "all verified",
+                  static_cast<unsigned long long>(ref.step()), static_cast<unsigned long long>(bytes),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      std::fflush(stdout);
+    }
   }
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (reader) reader->Stop();
+  const bool daemon_died = guard.DaemonDied();
+  guard.Release();
   std::string points;
   for (const auto& [p, n] : per_point) points += p + "=" + std::to_string(n) + " ";
   std::printf("stack crash loop: %llu kills in %.1f s (random instants %llu, crash points %llu, store creation %llu "
@@ -307,6 +349,8 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
                 static_cast<unsigned long long>(reader->copies()), static_cast<unsigned long long>(reader->bytes()),
                 static_cast<unsigned long long>(reader->raced()), static_cast<unsigned long long>(reader->errors()),
                 reader->wrong().size());
+    EXPECT_FALSE(daemon_died) << "optstate-mount died during the run: " << guard.daemon_end << " (log: " << root
+                              << "/daemon.log)";
     EXPECT_TRUE(reader->wrong().empty()) << reader->wrong()[0];
     EXPECT_GT(reader->copies(), 0u) << "the reader never completed a copy";
   }
