@@ -1,6 +1,7 @@
 #include "memmgr/streamed_adam.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -92,6 +93,18 @@ class StepPipeline {
   StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, const float* found_inf, uint64_t* inject)
       : mm_(mm), dev_(mm->device()), io_(io), cpu_threads_(cpu_threads), found_inf_(found_inf), inject_(inject) {}
   ~StepPipeline() { Abort(); }
+
+  // Every this many bytes of completed writes, fdatasync the data files in
+  // the background (Store::SyncData), so the device's flush overlaps the rest
+  // of the step instead of all of it landing in Commit (the development
+  // VM's commit took 1.2 s of a 3.3 s step for 1 GB written).
+  static constexpr uint64_t kSyncEveryBytes = 512ull << 20;
+
+  // Joins the background sync; its error, if any.
+  Status FinishSync() {
+    if (sync_thread_.joinable()) sync_thread_.join();
+    return sync_status_;
+  }
 
   Status Begin() {
     const MemoryManagerOptions& o = mm_->options();
@@ -270,6 +283,7 @@ class StepPipeline {
   }
 
   void Release() {
+    (void)FinishSync();
     if (!started_) return;
     started_ = false;
     for (auto& d : slots_) {
@@ -424,6 +438,8 @@ class StepPipeline {
       }
     } else if (s.stage == Stage::kWriting) {
       write_bytes += len;
+      unsynced_bytes_ += len;
+      if (unsynced_bytes_ >= kSyncEveryBytes && !sync_running_.load()) StartSync();
       if (s.acquired[f]) {
         mm_->cache()->Release(Key(s.job, f), /*dirty=*/true);
         mm_->cache()->MarkWritten(Key(s.job, f));
@@ -497,9 +513,25 @@ class StepPipeline {
     return Status::Ok();
   }
 
+  void StartSync() {
+    if (sync_thread_.joinable()) sync_thread_.join();
+    if (!sync_status_.ok()) return;
+    unsynced_bytes_ = 0;
+    sync_running_ = true;
+    sync_thread_ = std::thread([this] {
+      Status st = mm_->store()->SyncData();
+      if (!st.ok()) sync_status_ = st.WithContext("StreamedAdam: background data sync");
+      sync_running_ = false;
+    });
+  }
+
   ManagerImpl* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's
+  std::thread sync_thread_;              // at most one background SyncData
+  std::atomic<bool> sync_running_{false};
+  Status sync_status_;                   // written by sync_thread_, read after join
+  uint64_t unsynced_bytes_ = 0;
   int cpu_threads_;
   const float* found_inf_;
   uint64_t* inject_;
@@ -1070,6 +1102,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
     return last_generation_;
   }
   Status ds = pipeline_->Pump(true);
+  if (ds.ok()) ds = pipeline_->FinishSync();
   if (!ds.ok()) return Fail(ds);
   internal::StepPipeline& pl = *pipeline_;
   last_stats_.slices = pl.slices;

@@ -818,6 +818,31 @@ class Core {
     return Status();
   }
 
+  // fdatasync of the data files written since the last commit, outside mu_
+  // (writes go on meanwhile); dirty_ stays set, so Commit still syncs what
+  // arrives later. A failure poisons the store like a failed commit sync.
+  Status SyncData() {
+    std::vector<std::pair<uint32_t, File*>> files;
+    {
+      std::lock_guard l(mu_);
+      OPTSTATE_RETURN_IF_ERROR(CheckWritable("data sync"));
+      for (uint32_t d = 0; d < data_files_.size(); ++d) {
+        if (dirty_[d] || grown_[d]) files.emplace_back(d, data_files_[d].get());
+      }
+    }
+    for (const auto& [d, f] : files) {
+      Status s = f->Fdatasync();
+      if (!s.ok()) {
+        Status e(StatusCode::kDataLoss, "store " + path_ + ": sync of " + FileName(d) + " failed: " + s.ToString(),
+                 s.err());
+        std::lock_guard l(mu_);
+        Poison(e);
+        return e;
+      }
+    }
+    return Status();
+  }
+
   Result<uint64_t> Commit(const CommitInfo& info) {
     std::lock_guard ll(lease_lock_mu_);
     OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
@@ -1438,6 +1463,11 @@ class StoreImpl final : public Store {
   Result<uint64_t> Commit(const CommitInfo& info) override {
     if (core_->read_only_) return core_->CheckWritable("commit");
     return core_->Commit(info);
+  }
+
+  Status SyncData() override {
+    if (core_->read_only_) return core_->CheckWritable("data sync");
+    return core_->SyncData();
   }
 
   Status AbortPending() override {

@@ -276,6 +276,11 @@ class Store {
   // generation. On error nothing is published; after an fsync error the store
   // is poisoned (kDataLoss) until reopened.
   virtual Result<uint64_t> Commit(const CommitInfo& info) = 0;
+  // Makes the pending generation's completed chunk writes durable without
+  // publishing anything (fdatasync of the data files, no lock held while it
+  // runs), so a long step can overlap the device's flush with its remaining
+  // I/O and leave Commit little to sync. Thread-safe; optional.
+  virtual Status SyncData() = 0;
   // Drops the pending generation's writes (their extents become free).
   virtual Status AbortPending() = 0;
   virtual GenerationInfo LatestGeneration() const = 0;

@@ -87,6 +87,8 @@ Status Workload(Store* s, uint64_t* acked) {
         }
       }
     }
+    // The early data sync a long step makes (StreamedAdam), then the commit.
+    OPTSTATE_RETURN_IF_ERROR(s->SyncData());
     OPTSTATE_ASSIGN_OR_RETURN(uint64_t committed, s->Commit(CommitInfo{g, {GroupInfo{0, g, {}}}}));
     if (committed != g) return Internal("committed " + std::to_string(committed));
     *acked = g;
@@ -202,6 +204,43 @@ class StoreFaultTest : public ::testing::Test {
   uint64_t absorbed_ = 0;
   spdlog::level::level_enum saved_level_ = spdlog::level::info;
 };
+
+// A failed early data sync (Store::SyncData) is a data-loss error that
+// poisons the store like a failed commit sync: the pending writes are never
+// published, and the last commit stays exact in this process and after reopen.
+TEST_F(StoreFaultTest, FailedDataSyncPoisonsAndKeepsTheLastCommit) {
+  Reset();
+  FaultInjectionFileSystem fs(FileSystem::Default());
+  StoreOptions opts = TestOptions();
+  opts.fs = &fs;
+  {
+    auto s = Store::Open(store_, opts);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    Buf buf(kTestChunk);
+    FillPattern(buf.data(), kTestChunk, ChunkSeed(2, 0, 0, 0));
+    ASSERT_TRUE((*s)->WriteChunk(ChunkRef{tensor_id_, 0, 0}, buf.data()).ok());
+    fs.AddRule(FaultRule::FailNth(OpClass::kSync, 1));
+    Status st = (*s)->SyncData();
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st.ToString();
+    EXPECT_NE(st.message().find("sync of"), std::string::npos) << st.ToString();
+    fs.ClearRules();
+    auto c = (*s)->Commit(CommitInfo{2, {GroupInfo{0, 2, {}}}});
+    EXPECT_FALSE(c.ok()) << "a poisoned store committed generation " << *c;
+    EXPECT_EQ((*s)->LatestGeneration().generation, 1u);
+    auto view = (*s)->OpenGeneration(kLatest);
+    ASSERT_TRUE(view.ok()) << view.status().ToString();
+    EXPECT_TRUE(MatchesGeneration([&](const ChunkRef& r, void* b) { return (*view)->ReadChunk(r, b); }, tensor_id_, 1));
+  }
+  auto s = Store::Open(store_, TestOptions());
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ((*s)->LatestGeneration().generation, 1u);
+  auto view = (*s)->OpenGeneration(kLatest);
+  ASSERT_TRUE(view.ok());
+  EXPECT_TRUE(MatchesGeneration([&](const ChunkRef& r, void* b) { return (*view)->ReadChunk(r, b); }, tensor_id_, 1));
+  auto rep = (*s)->Verify();
+  EXPECT_TRUE(rep.ok() && rep->ok());
+}
 
 TEST_F(StoreFaultTest, FailEveryOperationOfAThreeGenerationWorkload) {
   // Count the operations of a clean run.
