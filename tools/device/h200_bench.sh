@@ -10,7 +10,8 @@ mkdir -p "$W" "$OUTD"
 run() { local name=$1 t=$2; shift 2; echo "== $name: $*" | tee -a "$OUTD/summary.txt"
   timeout "$t" "$@" > "$OUTD/$name.log" 2>&1; echo "rc=$?" >> "$OUTD/$name.log"
   tail -n 25 "$OUTD/$name.log" >> "$OUTD/summary.txt"; rm -rf "${W:?}"/*; }
-run io 100 optstate-bench io --dir "$W" --size 3G --rounds 3
-run step 180 optstate-bench step --dir "$W" --state 8G --budget 2G --backend cuda --rounds 3
-run step_cache 100 optstate-bench step --dir "$W" --state 6G --budget 2G --backend cuda --host-cache-bytes 8G --rounds 3 --no-fio --no-first-version
-run mount 80 optstate-bench mount --dir "$W" --state 3G --rounds 3
+run io 300 optstate-bench io --dir "$W" --size 2G --chunk-sizes 2M,8M,16M --rounds 3
+run step 320 optstate-bench step --dir "$W" --state 8G --budget 2G --backend cuda --rounds 5
+run step_cache 150 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda --host-cache-bytes 8G --durable-every 100 --rounds 5 --no-fio --no-first-version
+run sleep 60 optstate-bench sleep --dir "$W" --budget 2G --backend cuda --rounds 5
+run mount 150 optstate-bench mount --dir "$W" --state 3G --rounds 3
