@@ -186,15 +186,7 @@ class StepPipeline {
         progressed = true;
       }
       // 1b. Computed slices -> writes, while the write queue has room.
-      while (!computed_.empty() && WriteRoom()) {
-        size_t set = computed_.front();
-        computed_.pop_front();
-        double ts = NowS();
-        Status ws = StartWrites(set);
-        submit_s_ += NowS() - ts;
-        OPTSTATE_RETURN_IF_ERROR(Keep(ws));
-        progressed = true;
-      }
+      OPTSTATE_RETURN_IF_ERROR(SubmitComputed(&progressed));
       // 2. Ready slices -> free device slots.
       for (size_t k = 0; k < slots_.size() && !ready_.empty(); ++k) {
         if (slots_[k].set >= 0) continue;
@@ -209,14 +201,7 @@ class StepPipeline {
           // Host: the kernel ran synchronously; write back as soon as there is room.
           slots_[k].set = -1;
           OnComputed(set);
-          while (!computed_.empty() && WriteRoom()) {
-            size_t w = computed_.front();
-            computed_.pop_front();
-            double ts = NowS();
-            Status ws = StartWrites(w);
-            submit_s_ += NowS() - ts;
-            OPTSTATE_RETURN_IF_ERROR(Keep(ws));
-          }
+          OPTSTATE_RETURN_IF_ERROR(SubmitComputed(&progressed));
           OPTSTATE_RETURN_IF_ERROR(ReapReady(&progressed));
         } else {
           gpu_pending = true;
@@ -320,6 +305,20 @@ class StepPipeline {
       mm_->cache()->Release(Key(s.job, f), dirty);
       s.acquired[f] = false;
     }
+  }
+
+  // Writes computed slices while the write queue has room.
+  Status SubmitComputed(bool* progressed) {
+    while (!computed_.empty() && WriteRoom()) {
+      size_t set = computed_.front();
+      computed_.pop_front();
+      double ts = NowS();
+      Status ws = StartWrites(set);
+      submit_s_ += NowS() - ts;
+      OPTSTATE_RETURN_IF_ERROR(Keep(ws));
+      *progressed = true;
+    }
+    return Status::Ok();
   }
 
   // A slice's kernel and copies are done: write it, or (cache mode without
