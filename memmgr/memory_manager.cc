@@ -21,6 +21,13 @@ const char* BackendName(Backend b) {
   return "?";
 }
 
+Result<Backend> ParseBackend(std::string_view name) {
+  for (Backend b : {Backend::kAuto, Backend::kHost, Backend::kCuda}) {
+    if (name == BackendName(b)) return b;
+  }
+  return InvalidArgument("backend '" + std::string(name) + "': expected auto, host or cuda");
+}
+
 bool CudaAvailable() { return internal::CudaDeviceCount() > 0; }
 
 // ---------------------------------------------------------------- PinnedRange

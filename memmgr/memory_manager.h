@@ -36,6 +36,8 @@ class ManagerImpl;
 enum class Backend { kAuto, kHost, kCuda };
 // "auto", "host", "cuda".
 const char* BackendName(Backend b);
+// The inverse of BackendName; kInvalidArgument naming `name` otherwise.
+Result<Backend> ParseBackend(std::string_view name);
 // True when this binary contains the cuda backend and a CUDA device is
 // visible (never throws or aborts where there is no driver).
 bool CudaAvailable();

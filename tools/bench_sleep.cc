@@ -57,10 +57,8 @@ int RunSleep(const SleepOptions& o) {
   if (*chunk == 0 || *chunk % vfs::kChunkAlignBytes != 0 || *budget < *chunk) {
     return FailWith(kTool, InvalidArgument("--chunk-size must be a multiple of 2M and <= --budget"));
   }
-  memmgr::Backend backend = memmgr::Backend::kAuto;
-  if (o.backend == "host") backend = memmgr::Backend::kHost;
-  else if (o.backend == "cuda") backend = memmgr::Backend::kCuda;
-  else if (o.backend != "auto") return FailWith(kTool, InvalidArgument("--backend: expected auto, host or cuda"));
+  auto backend = memmgr::ParseBackend(o.backend);
+  if (!backend.ok()) return FailWith(kTool, backend.status().WithContext("--backend"));
   if (o.rounds < 1) return FailWith(kTool, InvalidArgument("--rounds must be >= 1"));
   std::string dir = o.dir;
   const bool own = dir.empty();
@@ -82,7 +80,7 @@ int RunSleep(const SleepOptions& o) {
   auto store = vfs::Store::Create(dir + "/sleep_store", so);
   if (!store.ok()) return FailWith(kTool, store.status());
   memmgr::MemoryManagerOptions mo;
-  mo.backend = backend;
+  mo.backend = *backend;
   mo.device_budget_bytes = *budget;
   auto mm = memmgr::MemoryManager::Create(store->get(), mo);
   if (!mm.ok()) return FailWith(kTool, mm.status());

@@ -66,12 +66,6 @@ struct StepOptions {
   bool json = false;
 };
 
-Result<memmgr::Backend> ParseBackend(const std::string& s) {
-  if (s == "auto") return memmgr::Backend::kAuto;
-  if (s == "host") return memmgr::Backend::kHost;
-  if (s == "cuda") return memmgr::Backend::kCuda;
-  return InvalidArgument(fmt::format("--backend '{}': expected auto, host or cuda", s));
-}
 
 struct Common {
   uint64_t chunk = 0, budget = 0, host_cache = 0;
@@ -86,7 +80,7 @@ Result<Common> ParseCommon(const StepOptions& o) {
   }
   OPTSTATE_ASSIGN_OR_RETURN(c.budget, ParseBytes(o.budget_text));
   OPTSTATE_ASSIGN_OR_RETURN(c.host_cache, ParseBytes(o.host_cache_text));
-  OPTSTATE_ASSIGN_OR_RETURN(c.backend, ParseBackend(o.backend));
+  OPTSTATE_ASSIGN_OR_RETURN(c.backend, memmgr::ParseBackend(o.backend));
   return c;
 }
 

@@ -231,11 +231,9 @@ int Run(const DemoOptions& o) {
   }
   if (o.params < 10'000) return FailWith(kTool, InvalidArgument("--params must be >= 10000"));
   if (o.steps < 1) return FailWith(kTool, InvalidArgument("--steps must be >= 1"));
-  memmgr::Backend backend;
-  if (o.backend == "auto") backend = memmgr::Backend::kAuto;
-  else if (o.backend == "host") backend = memmgr::Backend::kHost;
-  else if (o.backend == "cuda") backend = memmgr::Backend::kCuda;
-  else return FailWith(kTool, InvalidArgument("--backend must be auto, host or cuda"));
+  auto parsed_backend = memmgr::ParseBackend(o.backend);
+  if (!parsed_backend.ok()) return FailWith(kTool, parsed_backend.status().WithContext("--backend"));
+  const memmgr::Backend backend = *parsed_backend;
 
   std::string dir = o.dir;
   if (dir.empty()) {
