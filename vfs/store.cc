@@ -25,7 +25,10 @@
 #include <filesystem>
 #include <mutex>
 #include <random>
+#include <optional>
 #include <set>
+#include <thread>
+#include <tuple>
 #include <unordered_map>
 
 #include <rocksdb/db.h>
@@ -111,6 +114,25 @@ struct Version {
   uint64_t gen = 0;  // written (published) generation
   Extent ext;
 };
+
+// GenerationInfo::index_digest is a wrapping sum of one XXH3 per tensor the
+// generation sees and one per chunk version it sees, so the writer (its maps
+// plus the pending versions) and a reader (its own index) need not walk them
+// in the same order.
+uint64_t TensorDigest(const TensorInfo& t) {
+  const uint64_t a[4] = {t.id, t.numel, t.fields.size(), t.created_generation};
+  return ChunkChecksum(a, sizeof(a));
+}
+uint64_t VersionDigest(const Key& k, const Version& v) {
+  const uint64_t a[8] = {k.t, k.f, k.c, v.gen, v.ext.dir, v.ext.file_offset, v.ext.length, v.ext.checksum};
+  return ChunkChecksum(a, sizeof(a));
+}
+
+std::string Hex64(uint64_t v) {
+  char b[17];
+  snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
 
 // Aligned scratch buffer for synchronous verification reads.
 struct AlignedBuf {
@@ -212,6 +234,9 @@ class FlockGuard {
   int fd_ = -1;
 };
 
+class Core;
+rocksdb::Options IndexOptions(Core* core);
+
 // ---------------------------------------------------------------------------
 // Core: everything a Store, its views and its ChunkIos share.
 
@@ -245,6 +270,18 @@ class Core {
   std::unique_ptr<File> committed_file_;
   std::unique_ptr<File> lease_lock_file_;
   std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
+  // RETAINED (writer): the generations whose chunk versions GC keeps, rewritten
+  // under the exclusive lease flock before every batch that can drop one, and
+  // at open. A reader that made its lease file and then, still under the shared
+  // flock, finds g in RETAINED knows no GC can free g's extents while the lease
+  // lives, whatever its own (possibly lagging) copy of the index says.
+  std::unique_ptr<File> retained_file_;
+  std::optional<std::vector<uint64_t>> retained_written_;  // the last record written (writer)
+  // Read-only stores: CatchUp is serialised and checked (CatchUpChecked).
+  std::mutex catchup_mu_;
+  uint64_t max_latest_loaded_ = 0;  // latest never moves back within one open store
+  std::string secondary_base_;      // secondary_dir_ is this plus a reopen count
+  uint64_t secondary_reopens_ = 0;
 
   uint64_t chunk() const { return identity_.chunk_size_bytes; }
   uint64_t SlotBytes() const { return chunk(); }
@@ -331,6 +368,89 @@ class Core {
                     (t && k.f < t->fields.size() ? t->fields[k.f].name : "#" + std::to_string(k.f)) +
                     "' chunk " + std::to_string(k.c);
     if (gen != kInfinity) s += " generation " + std::to_string(gen);
+    return s;
+  }
+
+  // --- read-only catch-up ----------------------------------------------------
+  //
+  // A RocksDB secondary instance can show an OLDER state after
+  // TryCatchUpWithPrimary() returns OK: entries it replayed from a write-ahead
+  // log the writer has since flushed shadow the newer flushed ones (RocksDB
+  // issues 14444 and 15051), and a WAL the writer deletes between the
+  // secondary's MANIFEST read and its WAL listing is skipped. Seen here as
+  // latest/ stepping back one or more generations for a moment after the
+  // writer reopened (docs/RELIABILITY.md section 11). So every load is checked
+  // against what the writer publishes outside RocksDB (COMMITTED, the
+  // generation's index digest); a failed check reopens the secondary
+  // instance, which starts from the writer's current MANIFEST and WALs.
+
+  // Rebuilds the maps and checks them: latest at least `acked` and at least
+  // any latest loaded before, and the latest generation's digest. On failure
+  // the previous maps stay. mu_ held.
+  Status LoadIndexChecked(uint64_t acked) {
+    auto saved = std::make_tuple(std::move(tensors_), std::move(names_), next_tensor_id_, latest_,
+                                 std::move(generations_), std::move(snapshots_), std::move(versions_), lifetime_bytes_);
+    Status s = LoadIndex();
+    const uint64_t floor = std::max(acked, max_latest_loaded_);
+    if (s.ok() && latest_.generation < floor) {
+      s = Busy("store " + path_ + ": this reader's copy of the index shows generation " +
+               std::to_string(latest_.generation) + " as latest, but generation " + std::to_string(floor) +
+               (floor == acked ? " was acknowledged (COMMITTED)" : " was latest before") +
+               ": the RocksDB secondary instance lags the writer");
+    }
+    if (s.ok()) s = CheckIndexOf(latest_.generation);
+    if (!s.ok()) {
+      std::tie(tensors_, names_, next_tensor_id_, latest_, generations_, snapshots_, versions_, lifetime_bytes_) =
+          std::move(saved);
+      return s;
+    }
+    max_latest_loaded_ = latest_.generation;
+    return s;
+  }
+
+  // A fresh secondary instance in place of the current one. catchup_mu_ held.
+  Status ReopenSecondary() {
+    const std::string dir = secondary_base_ + "-r" + std::to_string(++secondary_reopens_);
+    OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(dir));
+    rocksdb::Options o = IndexOptions(this);
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Status rs = rocksdb::DB::OpenAsSecondary(o, JoinPath(path_, "index"), dir, &raw);
+    if (!rs.ok()) {
+      (void)fs_->RemoveAll(dir);
+      return RocksStatus("store " + path_ + ": reopen of the index (secondary)", rs);
+    }
+    std::unique_ptr<rocksdb::DB> old;
+    std::string old_dir;
+    {
+      std::lock_guard l(mu_);
+      old = std::exchange(db_, std::unique_ptr<rocksdb::DB>(raw));
+      old_dir = std::exchange(secondary_dir_, dir);
+    }
+    old.reset();
+    (void)fs_->RemoveAll(old_dir);
+    return Status();
+  }
+
+  // Catches up with the writer and loads the index, checked; after a failed
+  // check (or at once, if reopen_first) through a fresh secondary instance, up
+  // to 4 tries in about 30 ms. Read-only stores.
+  Status CatchUpChecked(bool reopen_first) {
+    std::lock_guard cl(catchup_mu_);
+    const uint64_t acked = ReadAckedGeneration();  // before the catch-up: a floor for it
+    Status s;
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5 * attempt));
+      s = attempt == 0 && !reopen_first
+              ? RocksStatus("store " + path_ + ": catch up with the writer", db_->TryCatchUpWithPrimary())
+              : ReopenSecondary();
+      if (s.ok()) {
+        std::lock_guard l(mu_);
+        s = LoadIndexChecked(acked);
+      }
+      if (s.ok()) return s;
+      OPTSTATE_LOG_INFO("store {}: catch-up try {} failed ({}); reopening the index", path_, attempt + 1,
+                        s.ToString());
+    }
     return s;
   }
 
@@ -669,6 +789,113 @@ class Core {
     return std::make_pair(&t->second, ChunkLen(t->second, ref.field, ref.index));
   }
 
+  // --- index digests ----------------------------------------------------------
+
+  // Digest of generation g as this process's index shows it (BuildView's
+  // selection: tensors created at or before g, each chunk's newest version at
+  // or below g). mu_ held.
+  uint64_t IndexDigest(uint64_t g) const {
+    uint64_t d = 0;
+    for (const auto& [id, t] : tensors_) {
+      if (t.created_generation <= g) d += TensorDigest(t);
+    }
+    for (const auto& [key, vs] : versions_) {
+      auto t = tensors_.find(key.t);
+      if (t == tensors_.end() || t->second.created_generation > g) continue;
+      for (const auto& v : vs) {
+        if (v.gen <= g) {
+          d += VersionDigest(key, v);
+          break;
+        }
+      }
+    }
+    return d;
+  }
+
+  // Digest of generation gen about to be committed: the pending versions over
+  // the newest committed ones. mu_ held.
+  uint64_t CommitDigest(uint64_t gen) const {
+    uint64_t d = 0;
+    for (const auto& [id, t] : tensors_) d += TensorDigest(t);
+    for (const auto& [key, vs] : versions_) {
+      if (!vs.empty() && !pending_.count(key)) d += VersionDigest(key, vs.front());
+    }
+    for (const auto& [key, ext] : pending_) d += VersionDigest(key, Version{gen, ext});
+    return d;
+  }
+
+  // Whether this index shows generation g as its writer committed it; Busy if
+  // not (a read-only store's RocksDB secondary instance lagging or holding
+  // stale entries). mu_ held.
+  Status CheckIndexOf(uint64_t g) const {
+    auto it = generations_.find(g);
+    if (it == generations_.end() || it->second.index_digest == 0) return Status();
+    const uint64_t d = IndexDigest(g);
+    if (d == it->second.index_digest) return Status();
+    return Busy("store " + path_ + ": this reader's copy of the index does not show generation " +
+                std::to_string(g) + " as it was committed (index digest " + Hex64(d) + ", recorded " +
+                Hex64(it->second.index_digest) + "): the RocksDB secondary instance lags the writer");
+  }
+
+  // --- RETAINED ------------------------------------------------------------
+
+  // "OSRETAIN", count (LE), the generations (LE, ascending), XXH3 of all that.
+  static std::string EncodeRetained(const std::vector<uint64_t>& gens) {
+    std::string rec(16 + 8 * gens.size() + 8, '\0');
+    std::memcpy(rec.data(), "OSRETAIN", 8);
+    const uint64_t n = gens.size();
+    std::memcpy(rec.data() + 8, &n, 8);
+    if (n > 0) std::memcpy(rec.data() + 16, gens.data(), 8 * n);
+    const uint64_t sum = ChunkChecksum(rec.data(), rec.size() - 8);
+    std::memcpy(rec.data() + rec.size() - 8, &sum, 8);
+    return rec;
+  }
+  static Result<std::vector<uint64_t>> DecodeRetained(const std::string& rec, const std::string& where) {
+    uint64_t n = 0, sum = 0;
+    if (rec.size() < 24 || std::memcmp(rec.data(), "OSRETAIN", 8) != 0) {
+      return Corruption(where + ": not a RETAINED record (" + std::to_string(rec.size()) + " bytes)");
+    }
+    std::memcpy(&n, rec.data() + 8, 8);
+    if (n > (rec.size() - 24) / 8) return Corruption(where + ": count " + std::to_string(n) + " overruns the file");
+    std::memcpy(&sum, rec.data() + 16 + 8 * n, 8);
+    if (sum != ChunkChecksum(rec.data(), 16 + 8 * n)) return Corruption(where + ": checksum mismatch");
+    std::vector<uint64_t> gens(n);
+    if (n > 0) std::memcpy(gens.data(), rec.data() + 16, 8 * n);
+    return gens;
+  }
+
+  // Writer, exclusive lease flock held. Not synced: RETAINED only has to hold
+  // while processes that can read it live; Open rewrites it.
+  Status WriteRetained(const std::vector<uint64_t>& gens) {
+    if (retained_file_ == nullptr || (retained_written_ && gens == *retained_written_)) return Status();
+    const std::string rec = EncodeRetained(gens);
+    OPTSTATE_RETURN_IF_ERROR(retained_file_->Pwrite(0, rec.data(), rec.size()).WithContext("store " + path_ +
+                                                                                             ": RETAINED"));
+    retained_written_ = gens;
+    return Status();
+  }
+
+  // Reader, lease flock held. nullopt when the store has no usable RETAINED
+  // (written by an older version, or torn by a crash; the writer rewrites it
+  // at open): the caller falls back to its own index.
+  std::optional<std::vector<uint64_t>> ReadRetained() {
+    const std::string name = JoinPath(path_, "RETAINED");
+    auto exists = fs_->Exists(name);
+    if (!exists.ok() || !*exists) return std::nullopt;
+    auto text = fs_->ReadFileToString(name);
+    if (!text.ok()) {
+      OPTSTATE_LOG_WARN("store {}: RETAINED unreadable ({}); checking leases against the index", path_,
+                        text.status().ToString());
+      return std::nullopt;
+    }
+    auto gens = DecodeRetained(*text, "store " + path_ + ": RETAINED");
+    if (!gens.ok()) {
+      OPTSTATE_LOG_WARN("{}; checking leases against the index", gens.status().ToString());
+      return std::nullopt;
+    }
+    return std::move(gens).value();
+  }
+
   // --- leases --------------------------------------------------------------
 
   Result<FlockGuard> LockLeases(int op) {
@@ -729,6 +956,16 @@ class Core {
     return plan;
   }
 
+  // The generations with records once `plan` is applied (plus `adding`, the
+  // generation a commit publishes, if any). mu_ held.
+  std::vector<uint64_t> RetainedAfter(const GcPlan& plan, std::optional<uint64_t> adding) const {
+    std::set<uint64_t> keep;
+    for (const auto& [g, info] : generations_) keep.insert(g);
+    if (adding) keep.insert(*adding);
+    for (uint64_t g : plan.dead_generations) keep.erase(g);
+    return std::vector<uint64_t>(keep.begin(), keep.end());
+  }
+
   void AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const {
     for (const auto& [key, gen] : plan.dead_versions) b->Delete(internal::ChunkKey(key.t, key.f, key.c, gen));
     for (uint64_t g : plan.dead_generations) b->Delete(internal::GenerationKey(g));
@@ -773,6 +1010,29 @@ class Core {
   // Two slots (generation parity picks one), so a torn or lost write of the
   // newest mark leaves the previous one readable.
   static constexpr uint64_t kMarkSlotBytes = 4096;
+  // The newest valid mark in `contents` (COMMITTED's first 2 slots or less);
+  // nullopt, with the reason in *why, when neither slot holds one.
+  static std::optional<uint64_t> NewestCommittedMark(const std::string& contents, const std::string& where,
+                                                     std::string* why) {
+    std::optional<uint64_t> best;
+    for (uint64_t slot = 0; slot < 2; ++slot) {
+      if (contents.size() < slot * kMarkSlotBytes + 32) continue;
+      auto g = DecodeCommittedMark(contents.substr(slot * kMarkSlotBytes, 32),
+                                   where + " slot " + std::to_string(slot));
+      if (g.ok()) {
+        best = std::max(best.value_or(0), *g);
+      } else {
+        *why = g.status().ToString();
+      }
+    }
+    return best;
+  }
+  // Read-only stores: the newest acknowledged generation, 0 if unknown.
+  uint64_t ReadAckedGeneration() {
+    auto text = fs_->ReadFileToString(JoinPath(path_, "COMMITTED"));
+    std::string why;
+    return text.ok() ? NewestCommittedMark(*text, "COMMITTED", &why).value_or(0) : 0;
+  }
   Status WriteCommittedMark(uint64_t gen, bool both_slots = false) {
     if (committed_file_ == nullptr) return Status();
     const std::string rec = EncodeCommittedMark(gen);
@@ -804,6 +1064,7 @@ class Core {
     std::lock_guard l(mu_);
     OPTSTATE_RETURN_IF_ERROR(CheckWritable("garbage collection"));
     GcPlan plan = PlanGc(latest_.generation, /*publish=*/false, leased);
+    OPTSTATE_RETURN_IF_ERROR(WriteRetained(RetainedAfter(plan, std::nullopt)));
     if (plan.dead_versions.empty() && plan.dead_generations.empty()) return Status();
     rocksdb::WriteBatch b;
     AddGcToBatch(plan, &b);
@@ -873,6 +1134,7 @@ class Core {
     g.step = info.step;
     g.groups = info.groups;
     g.commit_time_unix_ms = NowUnixMs();
+    g.index_digest = CommitDigest(gen);
     rocksdb::WriteBatch b;
     for (const auto& [key, ext] : pending_) b.Put(internal::ChunkKey(key.t, key.f, key.c, gen), internal::EncodeExtent(ext));
     b.Put(internal::GenerationKey(gen), internal::EncodeGeneration(g));
@@ -881,6 +1143,11 @@ class Core {
     generations_[gen] = g;  // so PlanGc sees it as a record (removed below on failure)
     GcPlan plan = PlanGc(gen, /*publish=*/true, leased);
     generations_.erase(gen);
+    // Before the batch: a reader must never find a generation in RETAINED
+    // whose versions the batch drops (the new one may be listed early: a
+    // reader only looks for it once its index shows it).
+    OPTSTATE_RETURN_IF_ERROR(WriteRetained(RetainedAfter(plan, gen))
+                                 .WithContext("commit of generation " + std::to_string(gen)));
     AddGcToBatch(plan, &b);
     CrashPoint("commit.before_batch");
     Status s = WriteSynced(&b, "commit of generation " + std::to_string(gen));
@@ -1335,10 +1602,7 @@ class StoreImpl final : public Store {
 
   Status CatchUp() override {
     if (!core_->read_only_) return Status();
-    OPTSTATE_RETURN_IF_ERROR(RocksStatus("store " + core_->path_ + ": catch up with the writer",
-                                         core_->db_->TryCatchUpWithPrimary()));
-    std::lock_guard l(core_->mu_);
-    return core_->LoadIndex();
+    return core_->CatchUpChecked(/*reopen_first=*/false);
   }
 
   Result<TensorInfo> CreateTensor(const TensorSpec& spec) override {
@@ -1652,11 +1916,16 @@ Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation,
     v->in_process_ref = true;
     return std::unique_ptr<GenerationView>(new GenerationViewImpl(std::move(v)));
   }
-  // Read-only: lease file under the shared flock, then catch up and re-check.
+  // Read-only: a lease file, then (under the same shared flock) RETAINED says
+  // whether the writer still keeps g; g's entries come from this process's
+  // index, checked against g's digest.
   static std::atomic<uint64_t> nonce{0};
   std::mt19937_64 rng(std::random_device{}());
+  bool reopen = false;
+  Status why = Busy("the writer collected each generation before a lease on it was taken");
   for (int attempt = 0; attempt < 20; ++attempt) {
-    OPTSTATE_RETURN_IF_ERROR(CatchUp());
+    OPTSTATE_RETURN_IF_ERROR(c->CatchUpChecked(reopen));
+    reopen = false;
     uint64_t g;
     {
       std::lock_guard l(c->mu_);
@@ -1664,6 +1933,7 @@ Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation,
     }
     const std::string lease = JoinPath(c->leases_dir_, std::to_string(getpid()) + "." + std::to_string(g) + "." +
                                                            std::to_string((rng() & 0xffffffffull) * 1000 + nonce++ % 1000));
+    std::optional<std::vector<uint64_t>> retained;
     {
       std::lock_guard ll(c->lease_lock_mu_);
       OPTSTATE_ASSIGN_OR_RETURN(auto guard, c->LockLeases(LOCK_SH));
@@ -1672,24 +1942,35 @@ Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation,
       oo.exclusive = true;
       auto f = c->fs_->Open(lease, oo);
       if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": take reader lease");
+      retained = c->ReadRetained();
     }
-    Status s = CatchUp();
+    // Without RETAINED (a store last opened by an older writer): a GC that
+    // dropped g before the lease existed is in the index by now.
+    Status s = retained ? Status() : c->CatchUpChecked(false);
+    const bool kept = retained ? std::binary_search(retained->begin(), retained->end(), g) : true;
     std::unique_lock l(c->mu_);
-    if (s.ok() && c->generations_.count(g)) {
-      auto v = BuildView(core_, g);
-      v->lease_file = lease;
-      l.unlock();
-      return std::unique_ptr<GenerationView>(new GenerationViewImpl(std::move(v)));
+    if (s.ok() && kept && c->generations_.count(g)) {
+      s = c->CheckIndexOf(g);
+      if (s.ok()) {
+        auto v = BuildView(core_, g);
+        v->lease_file = lease;
+        l.unlock();
+        return std::unique_ptr<GenerationView>(new GenerationViewImpl(std::move(v)));
+      }
+      reopen = true;  // g's entries in this index are stale
+      why = s;
+    } else if (s.ok() && kept) {
+      reopen = true;  // the writer keeps g, this index lost it: stale
     }
     l.unlock();
     (void)c->fs_->Remove(lease);
-    if (!s.ok()) return s;
-    if (generation != kLatest && snapshot.empty()) {
+    if (!s.ok() && s.code() != StatusCode::kBusy) return s;
+    if (!kept && generation != kLatest && snapshot.empty()) {
       return NotFound("store " + c->path_ + ": generation " + std::to_string(g) +
                       " was collected before a lease could be taken");
     }
   }
-  return Busy("store " + c->path_ + ": could not lease a generation after 20 attempts (writer too fast?)");
+  return Busy("store " + c->path_ + ": could not lease a generation after 20 attempts: " + why.ToString());
 }
 
 Result<VerifyReport> StoreImpl::Verify() {
@@ -1882,20 +2163,12 @@ Status OpenCommittedMark(Core* c) {
   OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*f)->Size());
   if (exists && size > 0) {
     // The newest valid slot; an invalid slot is a torn or lost unsynced write.
-    std::optional<uint64_t> best;
+    std::string contents(std::min<uint64_t>(size, Core::kMarkSlotBytes + 32), '\0');
+    Status rs = (*f)->Pread(0, contents.data(), contents.size());
+    if (!rs.ok()) return rs.WithContext("store " + c->path_ + ": COMMITTED");
     std::string why;
-    for (uint64_t slot = 0; slot < 2; ++slot) {
-      std::string rec(32, '\0');
-      if (size < slot * Core::kMarkSlotBytes + 32) continue;
-      Status rs = (*f)->Pread(slot * Core::kMarkSlotBytes, rec.data(), 32);
-      if (!rs.ok()) return rs.WithContext("store " + c->path_ + ": COMMITTED");
-      auto g = Core::DecodeCommittedMark(rec, "store " + c->path_ + ": COMMITTED slot " + std::to_string(slot));
-      if (g.ok()) {
-        best = std::max(best.value_or(0), *g);
-      } else {
-        why = g.status().ToString();
-      }
-    }
+    const std::optional<uint64_t> best =
+        Core::NewestCommittedMark(contents, "store " + c->path_ + ": COMMITTED", &why);
     if (!best) return Corruption("store " + c->path_ + " is damaged: COMMITTED holds no valid record (" + why + ")");
     const uint64_t acked = *best;
     if (index_latest < acked) {
@@ -2086,6 +2359,13 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
     OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
   }
   OPTSTATE_RETURN_IF_ERROR(OpenCommittedMark(core.get()));
+  {
+    OpenOptions oo;
+    oo.create = true;
+    auto f = fs->Open(JoinPath(path, "RETAINED"), oo);  // written by the GC below
+    if (!f.ok()) return f.status().WithContext("store " + path + ": RETAINED");
+    core->retained_file_ = std::move(*f);
+  }
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/true));
   {
     std::lock_guard l(core->mu_);
@@ -2109,8 +2389,9 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
     core->lease_lock_file_ = std::move(*f);
   }
   static std::atomic<uint64_t> counter{0};
-  core->secondary_dir_ = "/tmp/optstate-secondary-" + std::to_string(getpid()) + "-" +
-                         std::to_string(counter++) + "-" + std::to_string(std::random_device{}());
+  core->secondary_base_ = "/tmp/optstate-secondary-" + std::to_string(getpid()) + "-" +
+                          std::to_string(counter++) + "-" + std::to_string(std::random_device{}());
+  core->secondary_dir_ = core->secondary_base_;
   OPTSTATE_RETURN_IF_ERROR(fs->CreateDir(core->secondary_dir_));
   {
     const std::string index = JoinPath(path, "index");
@@ -2123,8 +2404,13 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
     core->db_.reset(raw);
   }
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/false));
+  Status loaded;
+  {
+    std::lock_guard l(core->mu_);
+    loaded = core->LoadIndexChecked(core->ReadAckedGeneration());
+  }
+  if (!loaded.ok()) OPTSTATE_RETURN_IF_ERROR(core->CatchUpChecked(/*reopen_first=*/true));
   std::lock_guard l(core->mu_);
-  OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
   OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
   core->space_.assign(core->data_files_.size(), {});  // slot counts only: no allocation here
   for (uint32_t d = 0; d < core->data_files_.size(); ++d) {

@@ -112,6 +112,13 @@ struct GenerationInfo {
   uint64_t step = 0;
   std::vector<GroupInfo> groups;
   int64_t commit_time_unix_ms = 0;
+  // Digest of the generation's index entries (its tensors and the version of
+  // each chunk it sees), written by the writer at commit. A read-only store
+  // checks the index it read against it before serving the generation: a
+  // RocksDB secondary instance can lag or serve stale entries after the writer
+  // flushes or reopens (docs/RELIABILITY.md section 11). 0 = not recorded
+  // (generations committed before it existed).
+  uint64_t index_digest = 0;
 };
 
 struct SnapshotInfo {

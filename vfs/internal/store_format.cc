@@ -202,6 +202,7 @@ std::string EncodeGeneration(const GenerationInfo& g) {
   j["generation"] = g.generation;
   j["step"] = g.step;
   j["commit_time_unix_ms"] = g.commit_time_unix_ms;
+  if (g.index_digest != 0) j["index_digest"] = g.index_digest;
   json groups = json::array();
   for (const auto& gr : g.groups) {
     groups.push_back({{"id", gr.id}, {"step_count", gr.step_count}, {"hyper", HyperToJson(gr.hyper)}});
@@ -215,6 +216,7 @@ Result<GenerationInfo> DecodeGeneration(std::string_view text) {
     g.generation = j.at("generation").get<uint64_t>();
     g.step = j.at("step").get<uint64_t>();
     g.commit_time_unix_ms = j.at("commit_time_unix_ms").get<int64_t>();
+    if (j.contains("index_digest")) g.index_digest = j.at("index_digest").get<uint64_t>();
     for (const auto& gr : j.at("groups")) {
       GroupInfo info;
       info.id = gr.at("id").get<uint32_t>();
