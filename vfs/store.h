@@ -7,6 +7,9 @@
 //   <path>/index/            RocksDB: tensors, generations, snapshots, chunk maps,
 //                            checksums, lifetime counters
 //   <path>/leases/           reader leases (one small file per lease) + .lock
+//   <path>/COMMITTED         the newest acknowledged generation (two checksummed slots)
+//   <path>/RETAINED          the generations GC keeps (checksummed; rewritten under the
+//                            exclusive lease flock before each GC batch and at open)
 //   <data_dir>/<uuid>.chunks preallocated data file per data directory (default
 //                            data dir: <path>/data); chunks striped across dirs
 //
@@ -33,10 +36,15 @@
 // never takes LOCK, works while a trainer has the store open (CatchUp() follows
 // it) and after the trainer died. OpenGeneration() returns a GenerationView that
 // holds a lease on that generation: while it lives, the writer's GC keeps every
-// extent it references. A lease is taken under a shared flock on leases/.lock
-// and re-validated after CatchUp(); GC lists leases under the exclusive flock,
-// so a generation is either leased before GC looks or already gone when the
-// reader checks (then the reader retries with the newer latest).
+// extent it references. A lease file is made under a shared flock on
+// leases/.lock and, under the same flock, checked against RETAINED; GC lists
+// leases and writes RETAINED under the exclusive flock, so a generation is
+// either leased before GC looks or already gone from RETAINED when the reader
+// checks (then the reader retries with the newer latest). The secondary
+// instance itself is not trusted to be current (it can show an older state
+// after the writer flushes or reopens): each catch-up must show at least the
+// generation COMMITTED acknowledges, never less than before, and the index
+// digest recorded with the generation; otherwise the secondary is reopened.
 //
 // Every chunk carries an XXH3-64 of its logical bytes, verified on every read:
 // a mismatch is kCorruption naming store, tensor, field, chunk and generation.
