@@ -396,7 +396,11 @@ class Core {
       s = Busy("store " + path_ + ": this reader's copy of the index shows generation " +
                std::to_string(latest_.generation) + " as latest, but generation " + std::to_string(floor) +
                (floor == acked ? " was acknowledged (COMMITTED)" : " was latest before") +
-               ": the RocksDB secondary instance lags the writer");
+               ": the RocksDB secondary instance lags the writer" +
+               (floor == acked ? " (if this persists while no writer runs, the index lost acknowledged "
+                                 "generations: the store is damaged; run `optstate-inspect " +
+                                     path_ + " verify`)"
+                               : ""));
     }
     if (s.ok()) s = CheckIndexOf(latest_.generation);
     if (!s.ok()) {
