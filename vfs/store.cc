@@ -868,8 +868,20 @@ class Core {
     return gens;
   }
 
-  // Writer, exclusive lease flock held. Not synced: RETAINED only has to hold
-  // while processes that can read it live; Open rewrites it.
+  // The generations with records, plus `adding` (a commit's new one). mu_ held.
+  std::vector<uint64_t> GenerationNumbers(std::optional<uint64_t> adding = std::nullopt) const {
+    std::vector<uint64_t> out;
+    for (const auto& [g, info] : generations_) out.push_back(g);
+    if (adding && (out.empty() || out.back() < *adding)) out.push_back(*adding);
+    return out;
+  }
+
+  // Writer, exclusive lease flock held. A batch that drops generations is
+  // framed by two writes: before it, every generation before or after it (so
+  // a reader whose index shows either side finds its generation, even if the
+  // writer dies in between); after it, the exact set. Readers only read under
+  // the shared flock, so they see one of the two. Not synced: RETAINED only
+  // has to hold while processes that can read it live; Open rewrites it.
   Status WriteRetained(const std::vector<uint64_t>& gens) {
     if (retained_file_ == nullptr || (retained_written_ && gens == *retained_written_)) return Status();
     const std::string rec = EncodeRetained(gens);
@@ -877,6 +889,15 @@ class Core {
                                                                                              ": RETAINED"));
     retained_written_ = gens;
     return Status();
+  }
+
+  // After a durable batch: the exact set. A failure leaves the superset
+  // written before the batch (safe for readers); the next GC retries.
+  void RewriteRetainedAfterBatch() {
+    if (Status s = WriteRetained(GenerationNumbers()); !s.ok()) {
+      OPTSTATE_LOG_WARN("store {}: {} (it still lists generations just collected; the next GC rewrites it)", path_,
+                        s.ToString());
+    }
   }
 
   // Reader, lease flock held. nullopt when the store has no usable RETAINED
@@ -958,16 +979,6 @@ class Core {
       if (!retained.count(g)) plan.dead_generations.push_back(g);
     }
     return plan;
-  }
-
-  // The generations with records once `plan` is applied (plus `adding`, the
-  // generation a commit publishes, if any). mu_ held.
-  std::vector<uint64_t> RetainedAfter(const GcPlan& plan, std::optional<uint64_t> adding) const {
-    std::set<uint64_t> keep;
-    for (const auto& [g, info] : generations_) keep.insert(g);
-    if (adding) keep.insert(*adding);
-    for (uint64_t g : plan.dead_generations) keep.erase(g);
-    return std::vector<uint64_t>(keep.begin(), keep.end());
   }
 
   void AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const {
@@ -1068,7 +1079,7 @@ class Core {
     std::lock_guard l(mu_);
     OPTSTATE_RETURN_IF_ERROR(CheckWritable("garbage collection"));
     GcPlan plan = PlanGc(latest_.generation, /*publish=*/false, leased);
-    OPTSTATE_RETURN_IF_ERROR(WriteRetained(RetainedAfter(plan, std::nullopt)));
+    OPTSTATE_RETURN_IF_ERROR(WriteRetained(GenerationNumbers()));
     if (plan.dead_versions.empty() && plan.dead_generations.empty()) return Status();
     rocksdb::WriteBatch b;
     AddGcToBatch(plan, &b);
@@ -1079,6 +1090,7 @@ class Core {
       return s;
     }
     ApplyGc(plan);
+    RewriteRetainedAfterBatch();
     CrashPoint("gc.after_batch");
     return Status();
   }
@@ -1147,11 +1159,8 @@ class Core {
     generations_[gen] = g;  // so PlanGc sees it as a record (removed below on failure)
     GcPlan plan = PlanGc(gen, /*publish=*/true, leased);
     generations_.erase(gen);
-    // Before the batch: a reader must never find a generation in RETAINED
-    // whose versions the batch drops (the new one may be listed early: a
-    // reader only looks for it once its index shows it).
-    OPTSTATE_RETURN_IF_ERROR(WriteRetained(RetainedAfter(plan, gen))
-                                 .WithContext("commit of generation " + std::to_string(gen)));
+    OPTSTATE_RETURN_IF_ERROR(
+        WriteRetained(GenerationNumbers(gen)).WithContext("commit of generation " + std::to_string(gen)));
     AddGcToBatch(plan, &b);
     CrashPoint("commit.before_batch");
     Status s = WriteSynced(&b, "commit of generation " + std::to_string(gen));
@@ -1180,6 +1189,7 @@ class Core {
     generations_[gen] = g;
     latest_ = g;
     ApplyGc(plan);
+    RewriteRetainedAfterBatch();
     CrashPoint("commit.after_batch");
     return gen;
   }

@@ -9,7 +9,7 @@
 //   <path>/leases/           reader leases (one small file per lease) + .lock
 //   <path>/COMMITTED         the newest acknowledged generation (two checksummed slots)
 //   <path>/RETAINED          the generations GC keeps (checksummed; rewritten under the
-//                            exclusive lease flock before each GC batch and at open)
+//                            exclusive lease flock around each GC batch and at open)
 //   <data_dir>/<uuid>.chunks preallocated data file per data directory (default
 //                            data dir: <path>/data); chunks striped across dirs
 //
