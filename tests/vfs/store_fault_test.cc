@@ -137,6 +137,21 @@ class StoreFaultTest : public ::testing::Test {
     std::filesystem::copy(golden_, store_, std::filesystem::copy_options::recursive);
   }
 
+  // A read-only store (no faults) leases latest: the acknowledged generation
+  // or, when the failing call came after the commit's batch, the next one.
+  void ExpectReaderSees(uint64_t acked, const std::string& what) {
+    auto ro = Store::OpenReadOnly(store_, TestOptions());
+    ASSERT_TRUE(ro.ok()) << what << ": " << ro.status().ToString();
+    auto view = (*ro)->OpenGeneration(kLatest);
+    ASSERT_TRUE(view.ok()) << what << ": " << view.status().ToString();
+    const uint64_t g = (*view)->info().generation;
+    EXPECT_GE(g, acked) << what;
+    EXPECT_LE(g, acked + 1) << what;
+    EXPECT_TRUE(MatchesGeneration([&](const ChunkRef& r, void* b) { return (*view)->ReadChunk(r, b); },
+                                  tensor_id_, g))
+        << what;
+  }
+
   // One faulted run; returns false when the rule never fired.
   bool RunWithFault(uint64_t n, bool persistent, std::string* report) {
     Reset();
@@ -164,6 +179,9 @@ class StoreFaultTest : public ::testing::Test {
                                           tensor_id_, acked))
                 << "N=" << n << " after " << err.ToString();
           }
+          // A reader (the mount, inspect) of the writer stuck mid-commit: it
+          // leases and reads what the index shows (RETAINED must list it).
+          ExpectReaderSees(acked, "N=" + std::to_string(n) + " after " + err.ToString());
         }
       }
     }
