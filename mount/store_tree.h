@@ -37,6 +37,8 @@ struct MountOptions {
   std::string store_root;             // absolute path of STORE_ROOT
   // Whole chunks read ahead per open file (queue depth of its ChunkIo). Default 8.
   uint32_t readahead_chunks = 8;
+  // Most bytes of chunk buffers (read-ahead) over all open files. Default 1 GiB.
+  uint64_t buffer_pool_bytes = 1ull << 30;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
   uint32_t catchup_interval_ms = 20;
 };
