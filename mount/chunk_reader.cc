@@ -123,11 +123,15 @@ ChunkReader::Slot* ChunkReader::NextSubmission() {
   for (uint64_t seq = pos_; seq <= hi; ++seq) {
     if (Find(seq) != nullptr) continue;
     // A slot for seq: an empty one that has a buffer, else the loaded chunk
-    // farthest behind the window (reusing its buffer), else a new buffer
-    // from the pool while its budget lasts.
+    // farthest behind the window (or past it), else a new buffer from the
+    // pool while its budget lasts, else the loaded chunk farthest ahead of seq
+    // inside the window (after a backward seek the window fills from its
+    // start; each such eviction trades a later chunk for an earlier one, so
+    // this ends).
     Slot* empty_with_buf = nullptr;
     Slot* empty_without_buf = nullptr;
-    Slot* evictable = nullptr;
+    Slot* outside = nullptr;
+    Slot* ahead = nullptr;
     bool holds_any = false;
     for (Slot& s : slots_) {
       holds_any = holds_any || s.buf != nullptr;
@@ -137,10 +141,13 @@ ChunkReader::Slot* ChunkReader::NextSubmission() {
         continue;
       }
       if (s.state == SlotState::kInFlight || s.pins > 0 || s.buf == nullptr) continue;
-      if (s.seq >= pos_ && s.seq <= hi) continue;
-      if (evictable == nullptr || s.seq < evictable->seq) evictable = &s;
+      if (s.seq < pos_ || s.seq > hi) {
+        if (outside == nullptr || s.seq < outside->seq) outside = &s;
+      } else if (s.seq > seq && (ahead == nullptr || s.seq > ahead->seq)) {
+        ahead = &s;
+      }
     }
-    Slot* victim = empty_with_buf != nullptr ? empty_with_buf : evictable;
+    Slot* victim = empty_with_buf != nullptr ? empty_with_buf : outside;
     if (victim == nullptr && empty_without_buf != nullptr) {
       empty_without_buf->buf = pool_->Take(buf_bytes_, /*must=*/!holds_any);
       if (empty_without_buf->buf != nullptr) {
@@ -154,7 +161,8 @@ ChunkReader::Slot* ChunkReader::NextSubmission() {
         return nullptr;
       }
     }
-    if (victim == nullptr) return nullptr;  // window full, or the pool budget is spent
+    if (victim == nullptr) victim = ahead;
+    if (victim == nullptr) return nullptr;  // window loaded as far as slots allow
     victim->seq = seq;
     victim->state = SlotState::kInFlight;
     victim->status = Status();
@@ -300,32 +308,41 @@ Result<uint64_t> ChunkReader::Read(uint64_t offset, uint64_t len, char* out) {
 Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
                                        const std::function<Status(std::span<const iovec>)>& consume) {
   std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
+  size_t chunk_segs = 0;
+  for (const vfs::CheckpointSegment& seg : segs) chunk_segs += seg.memory == nullptr ? 1 : 0;
+  if (chunk_segs > 1) {
+    // Across a chunk boundary (1 request in 8 for 1 MiB reads of 8 MiB
+    // chunks, when they are not aligned): copy, one chunk pinned at a time.
+    // Holding one pin while waiting for the next chunk could deadlock
+    // concurrent requests on this handle once every slot is pinned.
+    thread_local std::vector<char> bounce;
+    if (bounce.size() < len) bounce.resize(len);
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, Read(offset, len, bounce.data()));
+    iovec v{bounce.data(), n};
+    OPTSTATE_RETURN_IF_ERROR(consume(std::span<const iovec>(&v, n > 0 ? 1 : 0)));
+    return n;
+  }
   std::vector<iovec> iov;
-  std::vector<Slot*> pinned;
   iov.reserve(segs.size());
+  Slot* pinned = nullptr;
   uint64_t total = 0;
-  std::unique_lock<std::mutex> l(mu_);
-  auto unpin_all = [&] {
-    if (!l.owns_lock()) l.lock();
-    for (Slot* s : pinned) Unpin(s);
-  };
+  std::unique_lock<std::mutex> l(mu_, std::defer_lock);
   for (const vfs::CheckpointSegment& seg : segs) {
     if (seg.memory != nullptr) {
       iov.push_back({const_cast<char*>(seg.memory), seg.length_bytes});
     } else {
-      auto s = PinChunk(seg.chunk_seq, l);
-      if (!s.ok()) {
-        unpin_all();
-        return s.status();
-      }
-      pinned.push_back(*s);
-      iov.push_back({(*s)->buf + seg.chunk_offset, seg.length_bytes});
+      l.lock();
+      OPTSTATE_ASSIGN_OR_RETURN(pinned, PinChunk(seg.chunk_seq, l));
+      l.unlock();
+      iov.push_back({pinned->buf + seg.chunk_offset, seg.length_bytes});
     }
     total += seg.length_bytes;
   }
-  l.unlock();
   Status st = consume(iov);
-  unpin_all();
+  if (pinned != nullptr) {
+    l.lock();
+    Unpin(pinned);
+  }
   if (!st.ok()) return st;
   return total;
 }

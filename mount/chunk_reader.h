@@ -87,10 +87,10 @@ class ChunkReader {
   Result<uint64_t> Read(uint64_t offset, uint64_t len, char* out);
 
   // Hands `consume` the bytes of [offset, offset + len) (clipped at EOF) as
-  // iovecs pointing into verified chunk buffers and layout memory, valid only
-  // during the call (the chunks are pinned meanwhile); returns the byte count,
-  // or consume's error. Lets the FUSE reply go straight from the chunk buffer.
-  // REQUIRES: len <= the store's chunk size (so at most two chunks are pinned).
+  // iovecs valid only during the call: into the verified chunk buffer (pinned
+  // meanwhile) and layout memory when the range touches one chunk, else into a
+  // per-thread copy. Returns the byte count, or consume's error. Lets the FUSE
+  // reply go straight from the chunk buffer.
   Result<uint64_t> ReadWith(uint64_t offset, uint64_t len,
                             const std::function<Status(std::span<const iovec>)>& consume);
 
