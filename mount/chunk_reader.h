@@ -27,8 +27,10 @@
 //
 // Ownership: holds a reference on its Generation (so the file reads that
 // generation until closed). Thread-safety: Read/ReadWith may be called from
-// several threads at once; the destructor must not race with them (FUSE calls
-// release after the last read of a handle).
+// several threads at once; the destructor must not race with them. FUSE sends
+// release once the kernel has the reply to the last read, which can be before
+// that read's ReadWith returns (it unpins after `consume`): the mount keeps a
+// shared reference per request (mount/fuse_mount.cc NewHandle/HandleOf).
 #pragma once
 
 #include <sys/uio.h>

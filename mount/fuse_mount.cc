@@ -6,6 +6,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <climits>
 #include <csignal>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <thread>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -54,6 +56,47 @@ int ToFuseErrno(const Status& st) {
 }
 
 void ReplyStatus(fuse_req_t req, const Status& st) { fuse_reply_err(req, ToFuseErrno(st)); }
+
+// fi->fh of an open file or directory: a heap-allocated shared reference,
+// deleted by release/releasedir. Every other handler takes its own reference
+// before it replies and holds it until it returns: the kernel may send
+// RELEASE as soon as it has copied the reply to the last request of a handle,
+// while that request's handler is still running (a read still unpins its
+// chunk after fuse_reply_iov; the reply's iovecs point into the handle's
+// buffers). Without this a release could free a ChunkReader under a read
+// that then unpinned (a write) into freed memory, and ASan saw releasedir free
+// a listing that readdir's writev still read: the likely cause of the daemon's
+// SIGSEGV in fuse_send_msg under the kill loop and of a hung `cp -r`. Taking
+// the reference is safe: the kernel sends no RELEASE while a request on the
+// handle is unanswered.
+template <typename T>
+uint64_t NewHandle(std::shared_ptr<T> h) {
+  return reinterpret_cast<uint64_t>(new std::shared_ptr<T>(std::move(h)));
+}
+template <typename T>
+std::shared_ptr<T> HandleOf(const struct fuse_file_info* fi) {
+  if (fi == nullptr || fi->fh == 0) return nullptr;
+  return *reinterpret_cast<const std::shared_ptr<T>*>(fi->fh);
+}
+template <typename T>
+void DeleteHandle(struct fuse_file_info* fi) {
+  delete reinterpret_cast<std::shared_ptr<T>*>(fi->fh);
+  fi->fh = 0;
+}
+
+// Test hook (tests/mount): milliseconds a read handler waits after its reply
+// before it unpins and returns, to widen the window in which the kernel sends
+// RELEASE for the handle (OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS; default 0).
+uint32_t AfterReplyDelayMs() {
+  static const uint32_t ms = [] {
+    const char* e = std::getenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS");
+    return e != nullptr ? static_cast<uint32_t>(std::strtoul(e, nullptr, 10)) : 0u;
+  }();
+  return ms;
+}
+void AfterReply() {
+  if (uint32_t ms = AfterReplyDelayMs(); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
 
 fuse_ino_t NodeIdOf(const std::string& path) { return path == "/" ? FUSE_ROOT_ID : InodeOf(path); }
 
@@ -164,9 +207,8 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   std::string path;
   if (!PathOf(req, ino, &path)) return (void)fuse_reply_err(req, ESTALE);
   struct stat st;
-  if (fi != nullptr && fi->fh != 0) {
+  if (std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi); r != nullptr) {
     // An open file: the generation it was opened on.
-    auto* r = reinterpret_cast<ChunkReader*>(fi->fh);
     Node n;
     n.kind = NodeKind::kGenFile;
     n.file = &r->file();
@@ -196,7 +238,7 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (n->kind == NodeKind::kGenFile) return (void)fuse_reply_err(req, ENOTDIR);
   auto names = Ctx(req)->tree->List(*n);
   if (!names.ok()) return ReplyStatus(req, names.status());
-  auto h = std::make_unique<DirHandle>();
+  auto h = std::make_shared<DirHandle>();
   auto add = [&](const char* name, const struct stat& st) {
     size_t need = fuse_add_direntry(req, nullptr, 0, name, nullptr, 0);
     size_t old = h->buf.size();
@@ -218,12 +260,12 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     st.st_mode = is_file ? (S_IFREG | 0444) : (S_IFDIR | 0555);
     add(name.c_str(), st);
   }
-  fi->fh = reinterpret_cast<uint64_t>(h.release());
-  if (fuse_reply_open(req, fi) != 0) delete reinterpret_cast<DirHandle*>(fi->fh);
+  fi->fh = NewHandle(std::move(h));
+  if (fuse_reply_open(req, fi) != 0) DeleteHandle<DirHandle>(fi);  // no releasedir will come
 }
 
 void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
-  auto* h = reinterpret_cast<DirHandle*>(fi->fh);
+  std::shared_ptr<DirHandle> h = HandleOf<DirHandle>(fi);  // h->buf outlives the reply
   if (h == nullptr) return (void)fuse_reply_err(req, EBADF);
   if (off < 0 || static_cast<size_t>(off) >= h->buf.size()) return (void)fuse_reply_buf(req, nullptr, 0);
   // Entries end exactly at the offsets recorded in them, so a slice that ends
@@ -242,8 +284,7 @@ void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_f
 }
 
 void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
-  delete reinterpret_cast<DirHandle*>(fi->fh);
-  fi->fh = 0;
+  DeleteHandle<DirHandle>(fi);
   fuse_reply_err(req, 0);
 }
 
@@ -261,15 +302,17 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     OPTSTATE_LOG_ERROR("{}", r.status().ToString());
     return ReplyStatus(req, r.status());
   }
-  fi->fh = reinterpret_cast<uint64_t>(r->release());
+  fi->fh = NewHandle(std::shared_ptr<ChunkReader>(std::move(r).value()));
   fi->direct_io = 1;
   fi->keep_cache = 0;
   fi->nonseekable = 0;
-  if (fuse_reply_open(req, fi) != 0) delete reinterpret_cast<ChunkReader*>(fi->fh);
+  if (fuse_reply_open(req, fi) != 0) DeleteHandle<ChunkReader>(fi);  // no release will come
 }
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
-  auto* r = reinterpret_cast<ChunkReader*>(fi->fh);
+  // Our own reference: after the reply below the kernel may release the
+  // handle while ReadWith still unpins the chunk the reply came from.
+  std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi);
   if (r == nullptr) return (void)fuse_reply_err(req, EBADF);
   if (off < 0) return (void)fuse_reply_err(req, EINVAL);
   bool replied = false;
@@ -283,14 +326,16 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
                          } else {
                            fuse_reply_iov(req, iov.data(), static_cast<int>(iov.size()));
                          }
+                         AfterReply();
                          return Status();
                        });
   if (!replied) ReplyStatus(req, n.ok() ? Internal("read replied nothing") : n.status());
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
-  delete reinterpret_cast<ChunkReader*>(fi->fh);
-  fi->fh = 0;
+  // The last reference (ours, or a read handler's still returning) stops the
+  // reader's I/O thread.
+  DeleteHandle<ChunkReader>(fi);
   fuse_reply_err(req, 0);
 }
 

@@ -427,6 +427,53 @@ TEST_F(MountTest, ParallelReadersWhileTrainerSteps) {
   }
 }
 
+// The kernel sends RELEASE as soon as it has the reply to a handle's last
+// request, which can be before that request's handler returns (a read unpins
+// its chunk after replying from it). With the daemon pausing after each read
+// reply (test hook), every close below releases a handle while its last read
+// handler is still running: the handle must outlive that handler. Without
+// that, the handler unpinned into a freed ChunkReader (under ASan: a
+// heap-use-after-free that kills the daemon; without ASan, silent heap
+// corruption, seen as SIGSEGV in fuse_send_msg under the kill loop).
+TEST_F(MountTest, ReleaseWhileTheLastReadHandlerRunsKeepsTheHandle) {
+  StopDaemon();
+  ASSERT_EQ(setenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS", "100", 1), 0);
+  StartDaemon();
+  unsetenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS");
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  size_t reads = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (const CheckpointFile& f : (*l)->files()) {
+      const uint64_t n = std::min<uint64_t>(f.size_bytes, 64 << 10);
+      std::string want(n, '\0');
+      ASSERT_TRUE((*l)->Read(f, 0, want.data(), n).ok());
+      const int fd = open(M("latest/" + f.path).c_str(), O_RDONLY);
+      ASSERT_GE(fd, 0) << f.path << ": " << std::strerror(errno);
+      std::string got(n, '\0');
+      EXPECT_EQ(pread(fd, got.data(), n, 0), static_cast<ssize_t>(n)) << f.path;
+      EXPECT_TRUE(got == want) << "bytes differ: " << f.path;
+      close(fd);  // RELEASE while the read's handler still waits to unpin
+      ++reads;
+    }
+  }
+  ASSERT_GT(reads, 3u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the last handlers return
+  int st = 0;
+  ASSERT_NE(waitpid(daemon_, &st, WNOHANG), daemon_)
+      << "optstate-mount died: " << ReadFile(root_ + "/daemon.log");
+  // Still serving, bit for bit.
+  for (const CheckpointFile& f : (*l)->files()) {
+    if (f.size_bytes > (1 << 20)) continue;  // each request waits 100 ms
+    std::string want(f.size_bytes, '\0');
+    ASSERT_TRUE((*l)->Read(f, 0, want.data(), want.size()).ok());
+    EXPECT_TRUE(ReadFile(M("latest/" + f.path)) == want) << f.path;
+  }
+}
+
 TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
   // A second daemon on the busy mountpoint is refused with a clear message.
   pid_t second = Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f"}, root_ + "/second.log");
