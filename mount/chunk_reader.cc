@@ -3,95 +3,238 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <system_error>
 
 #include <fmt/format.h>
 
 #include "vfs/log.h"
 
 namespace optstate::mount {
-namespace {
 
-// Process-wide pool of chunk buffers. A reader's buffers are returned here on
-// close and reused by the next open, so a `cp -r` of many files does not pay
-// for fresh 8 MiB allocations whose first touch (page faults inside the
-// io_uring submit) delays each file's first reads. Bounded; thread-safe.
-class BufferPool {
- public:
-  static BufferPool& Get() {
-    static BufferPool* p = new BufferPool();  // leaked: readers may outlive static destruction
-    return *p;
-  }
-  char* Take(uint64_t bytes) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      for (size_t i = 0; i < free_.size(); ++i) {
-        if (free_[i].first == bytes) {
-          char* b = free_[i].second;
-          free_[i] = free_.back();
-          free_.pop_back();
-          return b;
-        }
-      }
+// ---- ChunkBufferPool --------------------------------------------------------
+
+ChunkBufferPool::~ChunkBufferPool() {
+  for (auto& [bytes, buf] : idle_) std::free(buf);
+}
+
+char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (size_t i = 0; i < idle_.size(); ++i) {
+    if (idle_[i].first == bytes) {
+      char* b = idle_[i].second;
+      idle_[i] = idle_.back();
+      idle_.pop_back();
+      return b;
     }
-    return static_cast<char*>(std::aligned_alloc(4096, bytes));
   }
-  void Give(char* buf, uint64_t bytes) {
-    if (buf == nullptr) return;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (free_.size() < kMaxFree) {
-        free_.emplace_back(bytes, buf);
-        return;
-      }
-    }
-    std::free(buf);
+  // Idle buffers of another size (another store's chunk size) make room first.
+  while (allocated_bytes_ + bytes > budget_bytes_ && !idle_.empty()) {
+    allocated_bytes_ -= idle_.back().first;
+    std::free(idle_.back().second);
+    idle_.pop_back();
   }
+  if (allocated_bytes_ + bytes > budget_bytes_ && !must) return nullptr;
+  char* b = static_cast<char*>(std::aligned_alloc(4096, bytes));
+  if (b != nullptr) allocated_bytes_ += bytes;
+  return b;
+}
 
- private:
-  static constexpr size_t kMaxFree = 64;  // 512 MiB at 8 MiB chunks
-  std::mutex mu_;
-  std::vector<std::pair<uint64_t, char*>> free_;
-};
+void ChunkBufferPool::Give(char* buf, uint64_t bytes) {
+  if (buf == nullptr) return;
+  std::lock_guard<std::mutex> l(mu_);
+  if (allocated_bytes_ <= budget_bytes_) {
+    idle_.emplace_back(bytes, buf);
+    return;
+  }
+  allocated_bytes_ -= bytes;  // over budget (a `must` buffer): shrink back
+  std::free(buf);
+}
 
-}  // namespace
+uint64_t ChunkBufferPool::allocated_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return allocated_bytes_;
+}
+
+// ---- ChunkReader ------------------------------------------------------------
 
 ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
-                         uint32_t readahead_chunks)
+                         uint32_t readahead_chunks, ChunkBufferPool* pool)
     : gen_(std::move(gen)),
       file_(file),
       readahead_(std::max<uint32_t>(1, readahead_chunks)),
       chunk_size_(gen_->view->identity().chunk_size_bytes),
-      seq_len_(gen_->layout->ChunkSequenceLength(*file)) {
-  slots_.resize(std::min<uint64_t>(readahead_ + 1, std::max<uint64_t>(seq_len_, 1)));
+      buf_bytes_((chunk_size_ + 4095) / 4096 * 4096),
+      seq_len_(gen_->layout->ChunkSequenceLength(*file)),
+      pool_(pool) {
+  // readahead_ ahead of the chunk being read, plus that chunk.
+  slots_.resize(std::min<uint64_t>(readahead_ + 1, seq_len_));
+}
+
+Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Generation> gen,
+                                                       const vfs::CheckpointFile* file,
+                                                       uint32_t readahead_chunks,
+                                                       ChunkBufferPool* pool) {
+  std::unique_ptr<ChunkReader> r(new ChunkReader(std::move(gen), file, readahead_chunks, pool));
+  if (r->seq_len_ == 0) return r;  // manifest.json: bytes held by the layout
+  try {
+    r->thread_ = std::thread([p = r.get()] { p->IoLoop(); });
+  } catch (const std::system_error& e) {
+    return ResourceExhausted(fmt::format("optstate-mount: store {} ({}/{}): cannot start a read-ahead thread: {}",
+                                         r->gen_->store_name, r->gen_->dir_label, file->path, e.what()));
+  }
+  return r;
 }
 
 ChunkReader::~ChunkReader() {
-  if (io_) {
-    // Buffers must outlive their requests.
-    std::vector<vfs::ChunkCompletion> c;
-    while (io_->in_flight() > 0) {
-      c.clear();
-      if (!io_->Reap(&c, io_->in_flight()).ok()) break;
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
     }
-    io_.reset();
+    io_cv_.notify_all();
+    thread_.join();  // drains the ChunkIo: no request touches a buffer after this
   }
-  const uint64_t bytes = (chunk_size_ + 4095) / 4096 * 4096;
-  for (Slot& s : slots_) BufferPool::Get().Give(s.buf, bytes);
+  for (Slot& s : slots_) {
+    // After an engine failure a request may still own its buffer: leak it
+    // rather than hand memory the kernel may write to back to the pool.
+    if (s.state == SlotState::kInFlight) continue;
+    pool_->Give(s.buf, buf_bytes_);
+  }
 }
 
-Status ChunkReader::EnsureIo() {
-  if (io_ || sync_fallback_) return Status();
-  vfs::ChunkIoOptions o;
-  o.queue_depth = static_cast<uint32_t>(slots_.size());
-  auto io = gen_->view->NewChunkIo(o);
-  if (!io.ok()) {
-    OPTSTATE_LOG_WARN("optstate-mount: store {}: no async chunk I/O ({}); reading synchronously",
-                      gen_->store_name, io.status().ToString());
-    sync_fallback_ = true;
-    return Status();
+ChunkReader::Slot* ChunkReader::Find(uint64_t seq) {
+  for (Slot& s : slots_) {
+    if (s.state != SlotState::kEmpty && s.seq == seq) return &s;
   }
-  io_ = std::move(io).value();
-  return Status();
+  return nullptr;
+}
+
+void ChunkReader::MoveTo(uint64_t seq) {
+  if (seq == pos_) return;
+  // Sequential step: widen the window; a jump: start small again.
+  window_ = seq == pos_ + 1 ? std::min(readahead_, window_ * 2) : 1;
+  pos_ = seq;
+  io_cv_.notify_one();
+}
+
+ChunkReader::Slot* ChunkReader::NextSubmission() {
+  if (!io_error_.ok()) return nullptr;
+  const uint64_t hi = std::min(seq_len_ - 1, pos_ + window_);
+  for (uint64_t seq = pos_; seq <= hi; ++seq) {
+    if (Find(seq) != nullptr) continue;
+    // A slot for seq: an empty one that has a buffer, else the loaded chunk
+    // farthest behind the window (or past it), else a new buffer from the
+    // pool while its budget lasts, else the loaded chunk farthest ahead of seq
+    // inside the window (after a backward seek the window fills from its
+    // start; each such eviction trades a later chunk for an earlier one, so
+    // this ends).
+    Slot* empty_with_buf = nullptr;
+    Slot* empty_without_buf = nullptr;
+    Slot* outside = nullptr;
+    Slot* ahead = nullptr;
+    bool holds_any = false;
+    for (Slot& s : slots_) {
+      holds_any = holds_any || s.buf != nullptr;
+      if (s.state == SlotState::kEmpty) {
+        Slot*& e = s.buf != nullptr ? empty_with_buf : empty_without_buf;
+        if (e == nullptr) e = &s;
+        continue;
+      }
+      if (s.state == SlotState::kInFlight || s.pins > 0 || s.buf == nullptr) continue;
+      if (s.seq < pos_ || s.seq > hi) {
+        if (outside == nullptr || s.seq < outside->seq) outside = &s;
+      } else if (s.seq > seq && (ahead == nullptr || s.seq > ahead->seq)) {
+        ahead = &s;
+      }
+    }
+    Slot* victim = empty_with_buf != nullptr ? empty_with_buf : outside;
+    if (victim == nullptr && empty_without_buf != nullptr) {
+      empty_without_buf->buf = pool_->Take(buf_bytes_, /*must=*/!holds_any);
+      if (empty_without_buf->buf != nullptr) {
+        victim = empty_without_buf;
+      } else if (!holds_any) {
+        empty_without_buf->seq = seq;
+        empty_without_buf->state = SlotState::kFailed;
+        empty_without_buf->status =
+            ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", buf_bytes_));
+        ready_cv_.notify_all();
+        return nullptr;
+      }
+    }
+    if (victim == nullptr) victim = ahead;
+    if (victim == nullptr) return nullptr;  // window loaded as far as slots allow
+    victim->seq = seq;
+    victim->state = SlotState::kInFlight;
+    victim->status = Status();
+    return victim;
+  }
+  return nullptr;
+}
+
+void ChunkReader::IoLoop() {
+  {
+    vfs::ChunkIoOptions o;
+    o.queue_depth = static_cast<uint32_t>(slots_.size());
+    auto io = gen_->view->NewChunkIo(o);
+    if (io.ok()) {
+      io_ = std::move(io).value();
+    } else {
+      OPTSTATE_LOG_WARN("optstate-mount: store {}: no async chunk I/O ({}); reading synchronously",
+                        gen_->store_name, io.status().ToString());
+      sync_fallback_ = true;
+    }
+  }
+  std::vector<vfs::ChunkCompletion> done;
+  std::unique_lock<std::mutex> l(mu_);
+  while (!stop_) {
+    if (Slot* s = NextSubmission(); s != nullptr) {
+      // The slot is kInFlight: no reader touches its buffer; submit unlocked
+      // (an 8 MiB O_DIRECT submit pins pages and builds bios inline).
+      const uint64_t tag = static_cast<uint64_t>(s - slots_.data());
+      char* buf = s->buf;
+      const vfs::ChunkRef ref = gen_->layout->ChunkAt(*file_, s->seq);
+      l.unlock();
+      Status st = sync_fallback_ ? gen_->view->ReadChunk(ref, buf) : io_->SubmitRead(ref, buf, tag);
+      l.lock();
+      if (sync_fallback_ || !st.ok()) {
+        s->state = st.ok() ? SlotState::kReady : SlotState::kFailed;
+        s->status = std::move(st);
+        ready_cv_.notify_all();
+      }
+      continue;
+    }
+    if (sync_fallback_ || !io_error_.ok() || io_->in_flight() == 0) {
+      io_cv_.wait(l);
+      continue;
+    }
+    // Completions are verified (XXH3) inside Reap, here on the I/O thread.
+    l.unlock();
+    done.clear();
+    Status st = io_->Reap(&done, 1);
+    l.lock();
+    for (vfs::ChunkCompletion& c : done) {
+      Slot& s = slots_[c.tag];
+      s.state = c.status.ok() ? SlotState::kReady : SlotState::kFailed;
+      s.status = std::move(c.status);
+    }
+    if (!st.ok()) {
+      io_error_ = st;
+      for (Slot& s : slots_) {
+        if (s.state != SlotState::kInFlight) continue;
+        s.status = st;  // stays kInFlight for the destructor; readers see io_error_
+      }
+    }
+    ready_cv_.notify_all();
+  }
+  l.unlock();
+  if (io_ && io_error_.ok()) {
+    while (io_->in_flight() > 0) {
+      done.clear();
+      if (!io_->Reap(&done, io_->in_flight()).ok()) return;  // buffers stay leaked
+      for (vfs::ChunkCompletion& c : done) slots_[c.tag].state = SlotState::kEmpty;
+    }
+  }
+  if (io_error_.ok()) io_.reset();
 }
 
 Status ChunkReader::SlotError(const Slot& s) const {
@@ -109,108 +252,98 @@ Status ChunkReader::SlotError(const Slot& s) const {
   return s.status;
 }
 
-Status ChunkReader::ReapOne() {
-  std::vector<vfs::ChunkCompletion> done;
-  OPTSTATE_RETURN_IF_ERROR(io_->Reap(&done, 1));
-  for (vfs::ChunkCompletion& c : done) {
-    Slot& s = slots_[c.tag];
-    s.state = c.status.ok() ? SlotState::kReady : SlotState::kFailed;
-    s.status = std::move(c.status);
-  }
-  return Status();
-}
-
-Result<bool> ChunkReader::Submit(uint64_t seq, uint64_t window_lo, uint64_t window_hi) {
-  Slot* victim = nullptr;
-  for (Slot& s : slots_) {
-    if (s.state != SlotState::kEmpty && s.seq == seq) return true;  // held or in flight
-  }
-  for (Slot& s : slots_) {
-    if (s.state == SlotState::kEmpty) {
-      victim = &s;
-      break;
-    }
-  }
-  if (victim == nullptr) {
-    // Evict a completed chunk outside the window, the farthest behind first.
-    for (Slot& s : slots_) {
-      if (s.state == SlotState::kInFlight) continue;
-      if (s.seq >= window_lo && s.seq <= window_hi) continue;
-      if (victim == nullptr || s.seq < victim->seq) victim = &s;
-    }
-  }
-  if (victim == nullptr) return false;
-  if (victim->buf == nullptr) {
-    victim->buf = BufferPool::Get().Take((chunk_size_ + 4095) / 4096 * 4096);
-    if (victim->buf == nullptr) return ResourceExhausted("optstate-mount: out of memory for a chunk buffer");
-  }
-  victim->seq = seq;
-  victim->status = Status();
-  vfs::ChunkRef ref = gen_->layout->ChunkAt(*file_, seq);
-  if (sync_fallback_) {
-    victim->status = gen_->view->ReadChunk(ref, victim->buf);
-    victim->state = victim->status.ok() ? SlotState::kReady : SlotState::kFailed;
-    return true;
-  }
-  Status st = io_->SubmitRead(ref, victim->buf, static_cast<uint64_t>(victim - slots_.data()));
-  if (!st.ok()) {
-    victim->state = SlotState::kFailed;
-    victim->status = st;
-    return true;
-  }
-  victim->state = SlotState::kInFlight;
-  return true;
-}
-
-Result<ChunkReader::Slot*> ChunkReader::WaitFor(uint64_t seq) {
+Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l) {
+  MoveTo(seq);
   for (;;) {
-    Slot* slot = nullptr;
-    for (Slot& s : slots_) {
-      if (s.state != SlotState::kEmpty && s.seq == seq) slot = &s;
+    if (!io_error_.ok()) {
+      Slot s;
+      s.seq = seq;
+      s.status = io_error_;
+      return SlotError(s);
     }
-    if (slot == nullptr) {
-      OPTSTATE_ASSIGN_OR_RETURN(bool ok, Submit(seq, seq, seq));
-      if (!ok) {
-        OPTSTATE_RETURN_IF_ERROR(ReapOne());  // every slot in flight: wait for one
-      }
+    Slot* s = Find(seq);
+    if (s == nullptr || s->state == SlotState::kInFlight) {
+      if (pos_ != seq) MoveTo(seq);  // another reader moved the window away
+      io_cv_.notify_one();
+      ready_cv_.wait(l);
       continue;
     }
-    if (slot->state == SlotState::kInFlight) {
-      OPTSTATE_RETURN_IF_ERROR(ReapOne());
-      continue;
-    }
-    if (slot->state == SlotState::kFailed) {
-      Status st = SlotError(*slot);
-      slot->state = SlotState::kEmpty;  // a later read retries
+    if (s->state == SlotState::kFailed) {
+      Status st = SlotError(*s);
+      if (s->pins == 0) s->state = SlotState::kEmpty;  // the next read retries
+      io_cv_.notify_one();
       return st;
     }
-    return slot;
+    ++s->pins;
+    return s;
   }
+}
+
+void ChunkReader::Unpin(Slot* s) {
+  if (--s->pins == 0) io_cv_.notify_one();
 }
 
 Result<uint64_t> ChunkReader::Read(uint64_t offset, uint64_t len, char* out) {
-  std::lock_guard<std::mutex> lock(mu_);
   std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
   uint64_t total = 0;
+  std::unique_lock<std::mutex> l(mu_, std::defer_lock);
   for (const vfs::CheckpointSegment& seg : segs) {
     if (seg.memory != nullptr) {
       std::memcpy(out + seg.dst_offset, seg.memory, seg.length_bytes);
       total += seg.length_bytes;
       continue;
     }
-    OPTSTATE_RETURN_IF_ERROR(EnsureIo());
-    // Keep [seq, seq + readahead] in flight (as far as free slots allow).
-    const uint64_t hi = std::min(seq_len_ - 1, seg.chunk_seq + readahead_);
-    if (!sync_fallback_) {
-      for (uint64_t s = seg.chunk_seq; s <= hi; ++s) {
-        OPTSTATE_ASSIGN_OR_RETURN(bool ok, Submit(s, seg.chunk_seq, hi));
-        if (!ok) break;
-      }
-    }
-    OPTSTATE_ASSIGN_OR_RETURN(Slot * slot, WaitFor(seg.chunk_seq));
-    std::memcpy(out + seg.dst_offset, slot->buf + seg.chunk_offset, seg.length_bytes);
+    l.lock();
+    OPTSTATE_ASSIGN_OR_RETURN(Slot * s, PinChunk(seg.chunk_seq, l));
+    l.unlock();
+    std::memcpy(out + seg.dst_offset, s->buf + seg.chunk_offset, seg.length_bytes);
+    l.lock();
+    Unpin(s);
+    l.unlock();
     total += seg.length_bytes;
   }
+  return total;
+}
+
+Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
+                                       const std::function<Status(std::span<const iovec>)>& consume) {
+  std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
+  size_t chunk_segs = 0;
+  for (const vfs::CheckpointSegment& seg : segs) chunk_segs += seg.memory == nullptr ? 1 : 0;
+  if (chunk_segs > 1) {
+    // Across a chunk boundary (1 request in 8 for 1 MiB reads of 8 MiB
+    // chunks, when they are not aligned): copy, one chunk pinned at a time.
+    // Holding one pin while waiting for the next chunk could deadlock
+    // concurrent requests on this handle once every slot is pinned.
+    thread_local std::vector<char> bounce;
+    if (bounce.size() < len) bounce.resize(len);
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, Read(offset, len, bounce.data()));
+    iovec v{bounce.data(), n};
+    OPTSTATE_RETURN_IF_ERROR(consume(std::span<const iovec>(&v, n > 0 ? 1 : 0)));
+    return n;
+  }
+  std::vector<iovec> iov;
+  iov.reserve(segs.size());
+  Slot* pinned = nullptr;
+  uint64_t total = 0;
+  std::unique_lock<std::mutex> l(mu_, std::defer_lock);
+  for (const vfs::CheckpointSegment& seg : segs) {
+    if (seg.memory != nullptr) {
+      iov.push_back({const_cast<char*>(seg.memory), seg.length_bytes});
+    } else {
+      l.lock();
+      OPTSTATE_ASSIGN_OR_RETURN(pinned, PinChunk(seg.chunk_seq, l));
+      l.unlock();
+      iov.push_back({pinned->buf + seg.chunk_offset, seg.length_bytes});
+    }
+    total += seg.length_bytes;
+  }
+  Status st = consume(iov);
+  if (pinned != nullptr) {
+    l.lock();
+    Unpin(pinned);
+  }
+  if (!st.ok()) return st;
   return total;
 }
 

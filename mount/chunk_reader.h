@@ -1,24 +1,48 @@
 // ChunkReader: the read path of one open file of the mount.
 //
 // One synchronous 1 MiB O_DIRECT pread per FUSE request is latency-bound
-// (~0.5 GB/s measured), so a reader keeps whole chunks of its file in flight:
-// on each read it makes sure the next `readahead_chunks` chunks of the file's
-// chunk sequence are submitted to its own ChunkIo (io_uring, from the
-// generation's GenerationView, checksum-verified), then copies the requested
-// bytes out of completed chunk buffers. Sequential readers therefore see the
-// disk at queue depth; random readers still work (a miss is a plain read).
+// (~0.5 GB/s measured), so each reader has its own I/O thread that keeps whole
+// chunks of the file's chunk sequence in flight on its own ChunkIo (io_uring,
+// from the generation's GenerationView) and reaps them; the ChunkIo verifies
+// each chunk's XXH3 on that thread when it completes. A FUSE request therefore
+// only waits for a chunk that is already verified and copies (or hands) its
+// bytes out: no disk wait, no checksum and no io_uring call on the request
+// path, and the disk sees a queue of whole chunks while `cp` is busy with the
+// previous megabyte.
 //
-// A chunk whose checksum does not match fails the read with kCorruption and one
-// log line naming store, generation, tensor, field and chunk.
+// The read-ahead window starts at open (chunks 0 and 1 are submitted at once)
+// and doubles with every sequential chunk step up to `readahead_chunks` ahead
+// of the chunk being read; a jump (seek) shrinks it back to one. A random
+// reader therefore pays at most one extra chunk per seek, a sequential one gets
+// the full queue after a few chunks.
+//
+// Bytes handed out always come from a chunk whose checksum matched: a chunk
+// that fails (I/O error or checksum mismatch) fails the read with its Status
+// (kCorruption for a mismatch) and one log line naming store, generation,
+// tensor, field and chunk; the next read of it retries.
+//
+// Chunk buffers come from a ChunkBufferPool shared by all readers: memory for
+// read-ahead is bounded by the pool's budget (each reader may exceed it by one
+// chunk so that it can always make progress).
 //
 // Ownership: holds a reference on its Generation (so the file reads that
-// generation until closed). Thread-safety: Read() is serialised by an internal
-// mutex (FUSE may call it from several threads for one handle).
+// generation until closed). Thread-safety: Read/ReadWith may be called from
+// several threads at once; the destructor must not race with them. FUSE sends
+// release once the kernel has the reply to the last read, which can be before
+// that read's ReadWith returns (it unpins after `consume`): the mount keeps a
+// shared reference per request (mount/fuse_mount.cc NewHandle/HandleOf).
 #pragma once
 
+#include <sys/uio.h>
+
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "mount/store_tree.h"
@@ -26,43 +50,101 @@
 
 namespace optstate::mount {
 
+// A bounded set of 4096-aligned chunk buffers reused across readers (a `cp -r`
+// of many files does not fault in fresh 8 MiB buffers per file). Idle buffers
+// count against the budget. Thread-safe.
+class ChunkBufferPool {
+ public:
+  explicit ChunkBufferPool(uint64_t budget_bytes) : budget_bytes_(budget_bytes) {}
+  ~ChunkBufferPool();
+  ChunkBufferPool(const ChunkBufferPool&) = delete;
+  ChunkBufferPool& operator=(const ChunkBufferPool&) = delete;
+
+  // A buffer of `bytes` (a multiple of 4096). nullptr when the budget is spent
+  // and `must` is false, or when allocation fails. `must` lets a reader that
+  // holds no buffer exceed the budget by this one.
+  char* Take(uint64_t bytes, bool must);
+  void Give(char* buf, uint64_t bytes);
+
+  uint64_t allocated_bytes() const;
+
+ private:
+  mutable std::mutex mu_;
+  const uint64_t budget_bytes_;
+  uint64_t allocated_bytes_ = 0;                   // guarded by mu_; idle + in use
+  std::vector<std::pair<uint64_t, char*>> idle_;   // guarded by mu_
+};
+
 class ChunkReader {
  public:
-  ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
-              uint32_t readahead_chunks);
+  // Starts the reader's I/O thread (none for a file without chunks).
+  static Result<std::unique_ptr<ChunkReader>> Open(std::shared_ptr<const Generation> gen,
+                                                   const vfs::CheckpointFile* file,
+                                                   uint32_t readahead_chunks, ChunkBufferPool* pool);
   ~ChunkReader();
+  ChunkReader(const ChunkReader&) = delete;
+  ChunkReader& operator=(const ChunkReader&) = delete;
 
-  // Reads up to len bytes at offset; short only at EOF.
+  // Copies up to len bytes at offset into out; short only at EOF.
   Result<uint64_t> Read(uint64_t offset, uint64_t len, char* out);
 
+  // Hands `consume` the bytes of [offset, offset + len) (clipped at EOF) as
+  // iovecs valid only during the call: into the verified chunk buffer (pinned
+  // meanwhile) and layout memory when the range touches one chunk, else into a
+  // per-thread copy. Returns the byte count, or consume's error. Lets the FUSE
+  // reply go straight from the chunk buffer.
+  Result<uint64_t> ReadWith(uint64_t offset, uint64_t len,
+                            const std::function<Status(std::span<const iovec>)>& consume);
+
   const Generation& generation() const { return *gen_; }
+  const std::shared_ptr<const Generation>& shared_generation() const { return gen_; }
   const vfs::CheckpointFile& file() const { return *file_; }
 
  private:
   enum class SlotState : uint8_t { kEmpty, kInFlight, kReady, kFailed };
   struct Slot {
-    char* buf = nullptr;   // 4096-aligned, chunk size; freed in the destructor
+    char* buf = nullptr;   // from pool_, chunk size rounded to 4096; null until first use
     uint64_t seq = 0;
     SlotState state = SlotState::kEmpty;
-    Status status;
+    uint32_t pins = 0;     // readers copying out of buf: not evictable while > 0
+    Status status;         // kFailed: why
   };
-  Status EnsureIo();
-  // Submits seq if it is not already held; false when no slot can be freed now.
-  Result<bool> Submit(uint64_t seq, uint64_t window_lo, uint64_t window_hi);
-  Status ReapOne();
-  Result<Slot*> WaitFor(uint64_t seq);
+
+  ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
+              uint32_t readahead_chunks, ChunkBufferPool* pool);
+  void IoLoop();
+  // REQUIRES: mu_ held. The slot to load the next chunk of the window into
+  // (seq set, state kInFlight, buffer present), or null when the window is full
+  // or no slot is free.
+  Slot* NextSubmission();
+  // REQUIRES: mu_ held. Moves the window to `seq` (the chunk a reader needs).
+  void MoveTo(uint64_t seq);
+  // REQUIRES: mu_ held (through l). Waits until chunk seq is verified, pins it.
+  Result<Slot*> PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l);
+  // REQUIRES: mu_ held.
+  void Unpin(Slot* s);
+  Slot* Find(uint64_t seq);
   Status SlotError(const Slot& s) const;
 
   const std::shared_ptr<const Generation> gen_;
   const vfs::CheckpointFile* const file_;
   const uint32_t readahead_;
   const uint64_t chunk_size_;
+  const uint64_t buf_bytes_;
   const uint64_t seq_len_;
+  ChunkBufferPool* const pool_;
 
-  std::mutex mu_;                              // guards everything below
-  std::unique_ptr<vfs::ChunkIo> io_;
-  bool sync_fallback_ = false;                 // NewChunkIo failed: ReadChunk per chunk
-  std::vector<Slot> slots_;
+  std::mutex mu_;                      // guards everything below but io_
+  std::condition_variable io_cv_;      // the I/O thread waits for work here
+  std::condition_variable ready_cv_;   // readers wait for a chunk here
+  std::vector<Slot> slots_;            // readahead + 1 (the chunk being read)
+  uint64_t pos_ = 0;                   // chunk a reader needs now: window start
+  uint32_t window_ = 1;                // chunks kept loaded after pos_ (ramps up)
+  bool stop_ = false;
+  Status io_error_;                    // the ChunkIo itself failed: reads fail with it
+  std::unique_ptr<vfs::ChunkIo> io_;   // the I/O thread's only (ChunkIo: one thread)
+  bool sync_fallback_ = false;         // NewChunkIo failed: ReadChunk per chunk
+  std::thread thread_;
 };
 
 }  // namespace optstate::mount

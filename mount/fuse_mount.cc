@@ -1,11 +1,12 @@
 #define FUSE_USE_VERSION 312
 #include "mount/fuse_mount.h"
 
-#include <fuse3/fuse.h>
+#include <fuse3/fuse_lowlevel.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <climits>
 #include <csignal>
 #include <cstdlib>
@@ -13,6 +14,8 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <thread>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -24,21 +27,91 @@ namespace {
 
 constexpr uint32_t kMaxReadBytes = 1u << 20;
 
+// The low-level API (not the path-based one): a read is answered with
+// fuse_reply_iov straight from the verified chunk buffer, so the only copy of
+// the bytes in the daemon's path is the kernel's into the reader's buffer (the
+// path-based API mallocs a reply buffer per request and needs a memcpy into it).
 struct Context {
   std::unique_ptr<StoreTree> tree;
+  std::unique_ptr<ChunkBufferPool> pool;
   uint32_t readahead_chunks = 8;
+
+  // Node ids are InodeOf(path) (root: FUSE_ROOT_ID), so they are stable
+  // across remounts and equal the st_ino that stat shows. The kernel's lookup
+  // count per node id; an entry goes at its last forget.
+  std::mutex mu;
+  std::unordered_map<fuse_ino_t, std::pair<std::string, uint64_t>> nodes;  // guarded by mu
 };
 
-Context* Ctx() { return static_cast<Context*>(fuse_get_context()->private_data); }
+Context* Ctx(fuse_req_t req) { return static_cast<Context*>(fuse_req_userdata(req)); }
 
-// The one conversion of a Status to a FUSE reply (negative errno).
-int ToFuseError(const Status& st) {
+// The one conversion of a Status to a FUSE errno.
+int ToFuseErrno(const Status& st) {
   if (st.ok()) return 0;
-  if (st.IsNotFound()) return -ENOENT;
-  if (st.code() == StatusCode::kInvalidArgument) return -ENOTDIR;
-  if (st.IsCorruption()) return -EIO;
+  if (st.IsNotFound()) return ENOENT;
+  if (st.code() == StatusCode::kInvalidArgument) return ENOTDIR;
+  if (st.IsCorruption()) return EIO;
   int e = st.ToErrno();
-  return -(e > 0 ? e : EIO);
+  return e > 0 ? e : EIO;
+}
+
+void ReplyStatus(fuse_req_t req, const Status& st) { fuse_reply_err(req, ToFuseErrno(st)); }
+
+// fi->fh of an open file or directory: a heap-allocated shared reference,
+// deleted by release/releasedir. Every other handler takes its own reference
+// before it replies and holds it until it returns: the kernel may send
+// RELEASE as soon as it has copied the reply to the last request of a handle,
+// while that request's handler is still running (a read still unpins its
+// chunk after fuse_reply_iov; the reply's iovecs point into the handle's
+// buffers). Without this a release could free a ChunkReader under a read
+// that then unpinned (a write) into freed memory, and ASan saw releasedir free
+// a listing that readdir's writev still read: the likely cause of the daemon's
+// SIGSEGV in fuse_send_msg under the kill loop and of a hung `cp -r`. Taking
+// the reference is safe: the kernel sends no RELEASE while a request on the
+// handle is unanswered.
+template <typename T>
+uint64_t NewHandle(std::shared_ptr<T> h) {
+  return reinterpret_cast<uint64_t>(new std::shared_ptr<T>(std::move(h)));
+}
+template <typename T>
+std::shared_ptr<T> HandleOf(const struct fuse_file_info* fi) {
+  if (fi == nullptr || fi->fh == 0) return nullptr;
+  return *reinterpret_cast<const std::shared_ptr<T>*>(fi->fh);
+}
+template <typename T>
+void DeleteHandle(struct fuse_file_info* fi) {
+  delete reinterpret_cast<std::shared_ptr<T>*>(fi->fh);
+  fi->fh = 0;
+}
+
+// Test hook (tests/mount): milliseconds a read handler waits after its reply
+// before it unpins and returns, to widen the window in which the kernel sends
+// RELEASE for the handle (OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS; default 0).
+uint32_t AfterReplyDelayMs() {
+  static const uint32_t ms = [] {
+    const char* e = std::getenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS");
+    return e != nullptr ? static_cast<uint32_t>(std::strtoul(e, nullptr, 10)) : 0u;
+  }();
+  return ms;
+}
+void AfterReply() {
+  if (uint32_t ms = AfterReplyDelayMs(); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+fuse_ino_t NodeIdOf(const std::string& path) { return path == "/" ? FUSE_ROOT_ID : InodeOf(path); }
+
+// The path of a node id the kernel holds (ESTALE if it does not).
+bool PathOf(fuse_req_t req, fuse_ino_t ino, std::string* path) {
+  Context* c = Ctx(req);
+  if (ino == FUSE_ROOT_ID) {
+    path->assign(1, '/');
+    return true;
+  }
+  std::lock_guard<std::mutex> l(c->mu);
+  auto it = c->nodes.find(ino);
+  if (it == c->nodes.end()) return false;
+  *path = it->second.first;
+  return true;
 }
 
 void FillStat(const std::string& path, const Node& n, struct stat* st) {
@@ -51,156 +124,283 @@ void FillStat(const std::string& path, const Node& n, struct stat* st) {
   st->st_mtim.tv_nsec = (ms % 1000) * 1000000;
   st->st_ctim = st->st_mtim;
   st->st_atim = st->st_mtim;
-  st->st_blksize = 1 << 20;
   if (n.kind == NodeKind::kGenFile) {
     st->st_mode = S_IFREG | 0444;
     st->st_nlink = 1;
     st->st_size = static_cast<off_t>(n.file->size_bytes);
     st->st_blocks = static_cast<blkcnt_t>((n.file->size_bytes + 511) / 512);
+    // The chunk size: cp sizes its buffer from st_blksize, so each read(2)
+    // asks for a whole chunk and the kernel sends its 1 MiB requests back to
+    // back (fewer syscalls and tmpfs writes per byte than 1 MiB reads).
+    st->st_blksize = static_cast<blksize_t>(n.gen->view->identity().chunk_size_bytes);
   } else {
     st->st_mode = S_IFDIR | 0555;
     st->st_nlink = 2;
     st->st_size = 4096;
     st->st_blocks = 8;
+    st->st_blksize = 4096;
   }
 }
 
-std::string JoinPath(const char* dir, const std::string& name) {
-  std::string p = dir;
-  if (p.empty() || p.back() != '/') p += "/";
-  return p + name;
+std::string JoinPath(const std::string& dir, const char* name) {
+  std::string p;
+  const size_t name_len = std::strlen(name);
+  p.reserve(dir.size() + 1 + name_len);
+  p.append(dir);
+  if (p.empty() || p.back() != '/') p.push_back('/');
+  p.append(name, name_len);
+  return p;
 }
 
-void* OpInit(struct fuse_conn_info* conn, struct fuse_config* cfg) {
+void OpInit(void*, struct fuse_conn_info* conn) {
   conn->max_read = kMaxReadBytes;  // must match -o max_read (libfuse checks)
-  cfg->use_ino = 1;
-  cfg->readdir_ino = 1;
-  cfg->direct_io = 1;
-  cfg->kernel_cache = 0;
-  // No kernel caching of names or attributes: latest/ changes with every commit.
-  cfg->entry_timeout = 0;
-  cfg->attr_timeout = 0;
-  cfg->negative_timeout = 0;
-  return fuse_get_context()->private_data;
 }
 
-int OpGetattr(const char* path, struct stat* st, struct fuse_file_info* fi) {
-  if (fi != nullptr && fi->fh != 0) {
-    auto* r = reinterpret_cast<ChunkReader*>(fi->fh);
+void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  std::string dir;
+  if (!PathOf(req, parent, &dir)) return (void)fuse_reply_err(req, ESTALE);
+  const std::string path = JoinPath(dir, name);
+  auto n = Ctx(req)->tree->Resolve(path);
+  if (!n.ok()) return ReplyStatus(req, n.status());
+  struct fuse_entry_param e;
+  std::memset(&e, 0, sizeof(e));
+  e.ino = NodeIdOf(path);
+  FillStat(path, *n, &e.attr);
+  // No kernel caching of names or attributes: latest/ changes with every commit.
+  e.attr_timeout = 0;
+  e.entry_timeout = 0;
+  if (e.ino != FUSE_ROOT_ID) {
+    Context* c = Ctx(req);
+    std::lock_guard<std::mutex> l(c->mu);
+    auto [it, inserted] = c->nodes.try_emplace(e.ino, path, 0);
+    if (!inserted && it->second.first != path) {
+      OPTSTATE_LOG_ERROR("optstate-mount: inode hash collision: {} and {}", it->second.first, path);
+      return (void)fuse_reply_err(req, EIO);
+    }
+    ++it->second.second;
+  }
+  fuse_reply_entry(req, &e);
+}
+
+void Forget(Context* c, fuse_ino_t ino, uint64_t nlookup) {
+  std::lock_guard<std::mutex> l(c->mu);
+  auto it = c->nodes.find(ino);
+  if (it == c->nodes.end()) return;
+  if (it->second.second <= nlookup) {
+    c->nodes.erase(it);
+  } else {
+    it->second.second -= nlookup;
+  }
+}
+
+void OpForget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
+  Forget(Ctx(req), ino, nlookup);
+  fuse_reply_none(req);
+}
+
+void OpForgetMulti(fuse_req_t req, size_t count, struct fuse_forget_data* forgets) {
+  for (size_t i = 0; i < count; ++i) Forget(Ctx(req), forgets[i].ino, forgets[i].nlookup);
+  fuse_reply_none(req);
+}
+
+void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  std::string path;
+  if (!PathOf(req, ino, &path)) return (void)fuse_reply_err(req, ESTALE);
+  struct stat st;
+  if (std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi); r != nullptr) {
+    // An open file: the generation it was opened on.
     Node n;
     n.kind = NodeKind::kGenFile;
     n.file = &r->file();
+    n.gen = r->shared_generation();
     n.mtime_unix_ms = r->generation().view->info().commit_time_unix_ms;
-    FillStat(path, n, st);
-    return 0;
+    FillStat(path, n, &st);
+    fuse_reply_attr(req, &st, 0.0);
+    return;
   }
-  auto n = Ctx()->tree->Resolve(path);
-  if (!n.ok()) return ToFuseError(n.status());
-  FillStat(path, *n, st);
-  return 0;
+  auto n = Ctx(req)->tree->Resolve(path);
+  if (!n.ok()) return ReplyStatus(req, n.status());
+  FillStat(path, *n, &st);
+  fuse_reply_attr(req, &st, 0.0);
 }
 
-int OpReaddir(const char* path, void* buf, fuse_fill_dir_t filler, off_t, struct fuse_file_info*,
-              enum fuse_readdir_flags) {
-  auto n = Ctx()->tree->Resolve(path);
-  if (!n.ok()) return ToFuseError(n.status());
-  if (n->kind == NodeKind::kGenFile) return -ENOTDIR;
-  auto names = Ctx()->tree->List(*n);
-  if (!names.ok()) return ToFuseError(names.status());
+// A directory handle: its whole listing, built at opendir (a stable listing
+// even if latest/ moves while it is read), served by byte offset.
+struct DirHandle {
+  std::string buf;
+};
+
+void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  std::string path;
+  if (!PathOf(req, ino, &path)) return (void)fuse_reply_err(req, ESTALE);
+  auto n = Ctx(req)->tree->Resolve(path);
+  if (!n.ok()) return ReplyStatus(req, n.status());
+  if (n->kind == NodeKind::kGenFile) return (void)fuse_reply_err(req, ENOTDIR);
+  auto names = Ctx(req)->tree->List(*n);
+  if (!names.ok()) return ReplyStatus(req, names.status());
+  auto h = std::make_shared<DirHandle>();
+  auto add = [&](const char* name, const struct stat& st) {
+    size_t need = fuse_add_direntry(req, nullptr, 0, name, nullptr, 0);
+    size_t old = h->buf.size();
+    h->buf.resize(old + need);
+    fuse_add_direntry(req, h->buf.data() + old, need, name, &st, static_cast<off_t>(old + need));
+  };
   struct stat st;
   FillStat(path, *n, &st);
-  filler(buf, ".", &st, 0, static_cast<fuse_fill_dir_flags>(0));
-  filler(buf, "..", nullptr, 0, static_cast<fuse_fill_dir_flags>(0));
+  add(".", st);
+  std::memset(&st, 0, sizeof(st));
+  st.st_mode = S_IFDIR;
+  add("..", st);
   for (const std::string& name : *names) {
-    std::string child = JoinPath(path, name);
+    std::string child = JoinPath(path, name.c_str());
     std::memset(&st, 0, sizeof(st));
     st.st_ino = InodeOf(child);
     bool is_file = n->kind == NodeKind::kGenDir &&
                    !n->gen->layout->IsDir(n->rel.empty() ? name : n->rel + "/" + name);
     st.st_mode = is_file ? (S_IFREG | 0444) : (S_IFDIR | 0555);
-    if (filler(buf, name.c_str(), &st, 0, static_cast<fuse_fill_dir_flags>(0)) != 0) break;
+    add(name.c_str(), st);
   }
-  return 0;
+  fi->fh = NewHandle(std::move(h));
+  if (fuse_reply_open(req, fi) != 0) DeleteHandle<DirHandle>(fi);  // no releasedir will come
 }
 
-int OpOpen(const char* path, struct fuse_file_info* fi) {
-  if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC) != 0) return -EROFS;
-  auto n = Ctx()->tree->Resolve(path);
-  if (!n.ok()) return ToFuseError(n.status());
-  if (n->kind != NodeKind::kGenFile) return -EISDIR;
-  auto* r = new ChunkReader(n->gen, n->file, Ctx()->readahead_chunks);
-  fi->fh = reinterpret_cast<uint64_t>(r);
+void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  std::shared_ptr<DirHandle> h = HandleOf<DirHandle>(fi);  // h->buf outlives the reply
+  if (h == nullptr) return (void)fuse_reply_err(req, EBADF);
+  if (off < 0 || static_cast<size_t>(off) >= h->buf.size()) return (void)fuse_reply_buf(req, nullptr, 0);
+  // Entries end exactly at the offsets recorded in them, so a slice that ends
+  // on an entry boundary is what the kernel expects; trim to whole entries.
+  size_t end = std::min(h->buf.size(), static_cast<size_t>(off) + size);
+  size_t pos = static_cast<size_t>(off);
+  size_t last = pos;
+  while (pos < end) {
+    // struct fuse_dirent: ino(8) off(8) namelen(4) type(4) name, padded to 8.
+    uint64_t next;
+    std::memcpy(&next, h->buf.data() + pos + 8, sizeof(next));
+    if (next > end) break;
+    last = pos = next;
+  }
+  fuse_reply_buf(req, h->buf.data() + off, last - static_cast<size_t>(off));
+}
+
+void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  DeleteHandle<DirHandle>(fi);
+  fuse_reply_err(req, 0);
+}
+
+void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC) != 0) {
+    return (void)fuse_reply_err(req, EROFS);
+  }
+  std::string path;
+  if (!PathOf(req, ino, &path)) return (void)fuse_reply_err(req, ESTALE);
+  auto n = Ctx(req)->tree->Resolve(path);
+  if (!n.ok()) return ReplyStatus(req, n.status());
+  if (n->kind != NodeKind::kGenFile) return (void)fuse_reply_err(req, EISDIR);
+  auto r = ChunkReader::Open(n->gen, n->file, Ctx(req)->readahead_chunks, Ctx(req)->pool.get());
+  if (!r.ok()) {
+    OPTSTATE_LOG_ERROR("{}", r.status().ToString());
+    return ReplyStatus(req, r.status());
+  }
+  fi->fh = NewHandle(std::shared_ptr<ChunkReader>(std::move(r).value()));
   fi->direct_io = 1;
   fi->keep_cache = 0;
   fi->nonseekable = 0;
-  return 0;
+  if (fuse_reply_open(req, fi) != 0) DeleteHandle<ChunkReader>(fi);  // no release will come
 }
 
-int OpRead(const char*, char* buf, size_t size, off_t off, struct fuse_file_info* fi) {
-  auto* r = reinterpret_cast<ChunkReader*>(fi->fh);
-  if (r == nullptr) return -EBADF;
-  if (off < 0) return -EINVAL;
-  auto n = r->Read(static_cast<uint64_t>(off), size, buf);
-  if (!n.ok()) return ToFuseError(n.status());
-  return static_cast<int>(*n);
+void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  // Our own reference: after the reply below the kernel may release the
+  // handle while ReadWith still unpins the chunk the reply came from.
+  std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi);
+  if (r == nullptr) return (void)fuse_reply_err(req, EBADF);
+  if (off < 0) return (void)fuse_reply_err(req, EINVAL);
+  bool replied = false;
+  auto n = r->ReadWith(static_cast<uint64_t>(off), std::min<uint64_t>(size, kMaxReadBytes),
+                       [&](std::span<const iovec> iov) {
+                         replied = true;
+                         // A failed reply (the request was interrupted) has
+                         // already been freed by libfuse: nothing to send.
+                         if (iov.empty()) {
+                           fuse_reply_buf(req, nullptr, 0);  // EOF
+                         } else {
+                           fuse_reply_iov(req, iov.data(), static_cast<int>(iov.size()));
+                         }
+                         AfterReply();
+                         return Status();
+                       });
+  if (!replied) ReplyStatus(req, n.ok() ? Internal("read replied nothing") : n.status());
 }
 
-int OpRelease(const char*, struct fuse_file_info* fi) {
-  delete reinterpret_cast<ChunkReader*>(fi->fh);
-  fi->fh = 0;
-  return 0;
+void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  // The last reference (ours, or a read handler's still returning) stops the
+  // reader's I/O thread.
+  DeleteHandle<ChunkReader>(fi);
+  fuse_reply_err(req, 0);
 }
 
-int OpStatfs(const char*, struct statvfs* sv) {
-  std::memset(sv, 0, sizeof(*sv));
-  sv->f_bsize = 4096;
-  sv->f_frsize = 4096;
-  sv->f_namemax = 255;
-  sv->f_flag = ST_RDONLY;
-  return 0;
+void OpStatfs(fuse_req_t req, fuse_ino_t) {
+  struct statvfs sv;
+  std::memset(&sv, 0, sizeof(sv));
+  sv.f_bsize = 4096;
+  sv.f_frsize = 4096;
+  sv.f_namemax = 255;
+  sv.f_flag = ST_RDONLY;
+  fuse_reply_statfs(req, &sv);
 }
 
 // Everything that would change the tree.
-int RoMknod(const char*, mode_t, dev_t) { return -EROFS; }
-int RoMkdir(const char*, mode_t) { return -EROFS; }
-int RoPath(const char*) { return -EROFS; }
-int RoTwoPaths(const char*, const char*) { return -EROFS; }
-int RoRename(const char*, const char*, unsigned int) { return -EROFS; }
-int RoChmod(const char*, mode_t, struct fuse_file_info*) { return -EROFS; }
-int RoChown(const char*, uid_t, gid_t, struct fuse_file_info*) { return -EROFS; }
-int RoTruncate(const char*, off_t, struct fuse_file_info*) { return -EROFS; }
-int RoWrite(const char*, const char*, size_t, off_t, struct fuse_file_info*) { return -EROFS; }
-int RoCreate(const char*, mode_t, struct fuse_file_info*) { return -EROFS; }
-int RoUtimens(const char*, const struct timespec[2], struct fuse_file_info*) { return -EROFS; }
-int RoSetxattr(const char*, const char*, const char*, size_t, int) { return -EROFS; }
-int RoRemovexattr(const char*, const char*) { return -EROFS; }
-int RoFallocate(const char*, int, off_t, off_t, struct fuse_file_info*) { return -EROFS; }
+void RoSetattr(fuse_req_t req, fuse_ino_t, struct stat*, int, struct fuse_file_info*) {
+  fuse_reply_err(req, EROFS);
+}
+void RoMknod(fuse_req_t req, fuse_ino_t, const char*, mode_t, dev_t) { fuse_reply_err(req, EROFS); }
+void RoMkdir(fuse_req_t req, fuse_ino_t, const char*, mode_t) { fuse_reply_err(req, EROFS); }
+void RoName(fuse_req_t req, fuse_ino_t, const char*) { fuse_reply_err(req, EROFS); }
+void RoSymlink(fuse_req_t req, const char*, fuse_ino_t, const char*) { fuse_reply_err(req, EROFS); }
+void RoRename(fuse_req_t req, fuse_ino_t, const char*, fuse_ino_t, const char*, unsigned int) {
+  fuse_reply_err(req, EROFS);
+}
+void RoLink(fuse_req_t req, fuse_ino_t, fuse_ino_t, const char*) { fuse_reply_err(req, EROFS); }
+void RoWrite(fuse_req_t req, fuse_ino_t, const char*, size_t, off_t, struct fuse_file_info*) {
+  fuse_reply_err(req, EROFS);
+}
+void RoCreate(fuse_req_t req, fuse_ino_t, const char*, mode_t, struct fuse_file_info*) {
+  fuse_reply_err(req, EROFS);
+}
+void RoSetxattr(fuse_req_t req, fuse_ino_t, const char*, const char*, size_t, int) {
+  fuse_reply_err(req, EROFS);
+}
+void RoFallocate(fuse_req_t req, fuse_ino_t, int, off_t, off_t, struct fuse_file_info*) {
+  fuse_reply_err(req, EROFS);
+}
 
-struct fuse_operations MakeOps() {
-  struct fuse_operations ops;
+struct fuse_lowlevel_ops MakeOps() {
+  struct fuse_lowlevel_ops ops;
   std::memset(&ops, 0, sizeof(ops));
   ops.init = OpInit;
+  ops.lookup = OpLookup;
+  ops.forget = OpForget;
+  ops.forget_multi = OpForgetMulti;
   ops.getattr = OpGetattr;
+  ops.opendir = OpOpendir;
   ops.readdir = OpReaddir;
+  ops.releasedir = OpReleasedir;
   ops.open = OpOpen;
   ops.read = OpRead;
   ops.release = OpRelease;
   ops.statfs = OpStatfs;
+  ops.setattr = RoSetattr;
   ops.mknod = RoMknod;
   ops.mkdir = RoMkdir;
-  ops.unlink = RoPath;
-  ops.rmdir = RoPath;
-  ops.symlink = RoTwoPaths;
-  ops.link = RoTwoPaths;
+  ops.unlink = RoName;
+  ops.rmdir = RoName;
+  ops.symlink = RoSymlink;
   ops.rename = RoRename;
-  ops.chmod = RoChmod;
-  ops.chown = RoChown;
-  ops.truncate = RoTruncate;
+  ops.link = RoLink;
   ops.write = RoWrite;
   ops.create = RoCreate;
-  ops.utimens = RoUtimens;
   ops.setxattr = RoSetxattr;
-  ops.removexattr = RoRemovexattr;
+  ops.removexattr = RoName;
   ops.fallocate = RoFallocate;
   return ops;
 }
@@ -280,20 +480,20 @@ int RunMount(const MountCommand& cmd) {
   Context ctx;
   ctx.tree = std::make_unique<StoreTree>(cmd.tree);
   ctx.readahead_chunks = cmd.tree.readahead_chunks;
-  struct fuse_operations ops = MakeOps();
-  struct fuse* f = fuse_new(&args, &ops, sizeof(ops), &ctx);
+  ctx.pool = std::make_unique<ChunkBufferPool>(cmd.tree.buffer_pool_bytes);
+  struct fuse_lowlevel_ops ops = MakeOps();
+  struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &ctx);
   fuse_opt_free_args(&args);
-  if (f == nullptr) {
+  if (se == nullptr) {
     fmt::print(stderr, "optstate-mount: bad FUSE options '{}'\n", opts);
     return 1;
   }
-  if (fuse_mount(f, cmd.mountpoint.c_str()) != 0) {
+  if (fuse_session_mount(se, cmd.mountpoint.c_str()) != 0) {
     fmt::print(stderr, "optstate-mount: cannot mount on {} (see the message above)\n",
                cmd.mountpoint);
-    fuse_destroy(f);
+    fuse_session_destroy(se);
     return 1;
   }
-  struct fuse_session* se = fuse_get_session(f);
   int rc = 1;
   if (fuse_set_signal_handlers(se) != 0) {
     fmt::print(stderr, "optstate-mount: cannot install signal handlers\n");
@@ -302,7 +502,7 @@ int RunMount(const MountCommand& cmd) {
       OPTSTATE_LOG_INFO("optstate-mount: serving {} at {} (pid {})", cmd.tree.store_root,
                         cmd.mountpoint, getpid());
       if (cmd.single_thread) {
-        rc = fuse_loop(f);
+        rc = fuse_session_loop(se);
       } else {
         struct fuse_loop_config* lc = fuse_loop_cfg_create();
         fuse_loop_cfg_set_max_threads(lc, cmd.max_threads);
@@ -311,15 +511,15 @@ int RunMount(const MountCommand& cmd) {
         // under a sequential reader, which showed up as 1-10 ms munmaps in the
         // read path.
         fuse_loop_cfg_set_idle_threads(lc, cmd.max_threads);
-        rc = fuse_loop_mt(f, lc);
+        rc = fuse_session_loop_mt(se, lc);
         fuse_loop_cfg_destroy(lc);
       }
       OPTSTATE_LOG_INFO("optstate-mount: {} unmounted", cmd.mountpoint);
     }
     fuse_remove_signal_handlers(se);
   }
-  fuse_unmount(f);
-  fuse_destroy(f);
+  fuse_session_unmount(se);
+  fuse_session_destroy(se);
   // libfuse reports the signal that ended the loop as its result.
   return (rc == 0 || rc == SIGINT || rc == SIGTERM || rc == SIGHUP) ? 0 : 1;
 }

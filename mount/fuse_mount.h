@@ -1,12 +1,13 @@
 // The FUSE daemon of optstate-mount: binds StoreTree + ChunkReader to libfuse's
-// high-level API and runs its multithreaded loop.
+// low-level API and runs its multithreaded loop.
 //
 // Read-only: every call that would change anything replies EROFS. Mounted with
 // default_permissions (the kernel checks the 0444/0555 modes) and max_read=1 MiB
 // (also set as conn->max_read in init, which libfuse requires); files are opened
-// with direct_io so reads bypass the page cache and arrive as 1 MiB requests.
-// Inode numbers are a hash of the path (stable across remounts); listings are
-// sorted. SIGINT/SIGTERM/SIGHUP end the loop and unmount cleanly.
+// with direct_io so reads bypass the page cache and arrive as 1 MiB requests,
+// answered with fuse_reply_iov straight from the verified chunk buffers.
+// Node ids and inode numbers are a hash of the path (stable across remounts);
+// listings are sorted. SIGINT/SIGTERM/SIGHUP end the loop and unmount cleanly.
 //
 // Thread-safety: Run() blocks until unmounted; one per process.
 #pragma once

@@ -1,5 +1,5 @@
 // optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
-//                [--readahead-chunks N] [--threads N]
+//                [--readahead-chunks N] [--buffer-pool-mib N] [--threads N]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
 #include <climits>
 #include <cstdio>
@@ -33,6 +33,8 @@ const char kUsage[] =
     "                        user_allow_other in /etc/fuse.conf. Permissions stay 0444/0555.\n"
     "  -o OPT[,OPT...]       extra FUSE mount options\n"
     "  --readahead-chunks N  whole chunks read ahead per open file (default 8)\n"
+    "  --buffer-pool-mib N   most MiB of read-ahead chunk buffers over all open files\n"
+    "                        (default 1024)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  -h, --help            this text\n";
 
@@ -78,6 +80,13 @@ int main(int argc, char** argv) {
         fmt::print(stderr, "optstate-mount: --readahead-chunks wants 1..4096\n");
         return 2;
       }
+    } else if (a == "--buffer-pool-mib") {
+      uint32_t mib = 0;
+      if (!ParseU32(need(a.c_str()), &mib)) {
+        fmt::print(stderr, "optstate-mount: --buffer-pool-mib wants 1..4096\n");
+        return 2;
+      }
+      cmd.tree.buffer_pool_bytes = uint64_t{mib} << 20;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
         fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");

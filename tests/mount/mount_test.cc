@@ -16,6 +16,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
@@ -99,9 +100,10 @@ class MountTest : public ::testing::Test {
   std::string StorePath() const { return stores_ + "/" + kStore; }
   std::string M(const std::string& rel) const { return mnt_ + "/" + kStore + "/" + rel; }
 
-  void StartDaemon() {
-    daemon_ = Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f", "--readahead-chunks", "4"},
-                    root_ + "/daemon.log");
+  void StartDaemon(const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> argv = {OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f", "--readahead-chunks", "4"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    daemon_ = Spawn(argv, root_ + "/daemon.log");
     ASSERT_GT(daemon_, 0);
     for (int i = 0; i < 500 && !IsMounted(mnt_); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -298,6 +300,77 @@ TEST_F(MountTest, SnapshotCopyRestoreBitExactWhileStepping) {
   EXPECT_EQ(m["step"], 4);
 }
 
+// Reads at any offset and length (across chunk boundaries, backwards, random,
+// past EOF, two handles interleaved, four threads on one handle) return the
+// library's bytes: the read-ahead window follows seeks and never hands out a
+// stale, foreign or unverified chunk.
+TEST_F(MountTest, ReadsAtAnyOffsetMatchTheLibrary) {
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  const uint64_t cs = s->chunk_size_bytes();
+  for (const std::string path : {"state.safetensors", "tensors/layers.0%2Fw/exp_avg"}) {
+    const CheckpointFile* f = (*l)->FindFile(path);
+    ASSERT_NE(f, nullptr) << path;
+    const uint64_t size = f->size_bytes;
+    ASSERT_GT(size, cs) << path;  // at least one chunk boundary
+    std::string want(size, '\0');
+    ASSERT_TRUE((*l)->Read(*f, 0, want.data(), want.size()).ok());
+    std::vector<std::pair<uint64_t, uint64_t>> reads;  // offset, length
+    for (uint64_t c = cs; c < size; c += cs) reads.push_back({c - 100, 200});
+    for (uint64_t c = (size - 1) / cs; c != ~0ull; --c) reads.push_back({c * cs, 4096});
+    std::mt19937_64 rng(7);
+    for (int i = 0; i < 100; ++i) reads.push_back({rng() % size, 1 + rng() % (3 << 20)});
+    reads.push_back({size - 10, 100});
+    reads.push_back({size + 5, 10});
+    const std::string p = M("latest/" + path);
+    int a = open(p.c_str(), O_RDONLY);
+    int b = open(p.c_str(), O_RDONLY);
+    ASSERT_GE(a, 0);
+    ASSERT_GE(b, 0);
+    auto check = [&](int fd, uint64_t off, uint64_t len) {
+      std::string got(len, '\0');
+      ssize_t n = pread(fd, got.data(), len, static_cast<off_t>(off));
+      const uint64_t expect = off >= size ? 0 : std::min(len, size - off);
+      EXPECT_EQ(n, static_cast<ssize_t>(expect)) << path << " at " << off << " len " << len;
+      EXPECT_TRUE(n == 0 || (n > 0 && got.compare(0, n, want, off, n) == 0))
+          << path << ": bytes differ at " << off << " len " << len;
+    };
+    for (size_t i = 0; i < reads.size(); ++i) check(i % 3 == 0 ? b : a, reads[i].first, reads[i].second);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        std::mt19937_64 r(100 + t);
+        for (int i = 0; i < 50; ++i) check(a, r() % size, 1 + r() % (1 << 20));
+      });
+    }
+    for (auto& t : threads) t.join();
+    close(a);
+    close(b);
+  }
+}
+
+// A buffer pool far smaller than the read-ahead of all open files (2 MiB: one
+// chunk) still serves parallel copies, bit for bit: readers shrink to the
+// buffers they hold and never wait on each other for one.
+TEST_F(MountTest, TinyBufferPoolServesParallelCopies) {
+  StopDaemon();
+  StartDaemon({"--buffer-pool-mib", "2", "--readahead-chunks", "8"});
+  std::vector<pid_t> cps;
+  for (int i = 0; i < 4; ++i) {
+    cps.push_back(Spawn({"/bin/cp", "-r", M("latest"), root_ + "/c" + std::to_string(i)}, root_ + "/cp.log"));
+  }
+  for (pid_t p : cps) EXPECT_EQ(WaitExit(p), 0) << ReadFile(root_ + "/cp.log");
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  for (int i = 0; i < 4; ++i) ExpectDirEqualsLayout(**l, root_ + "/c" + std::to_string(i));
+}
+
 TEST_F(MountTest, ParallelReadersWhileTrainerSteps) {
   std::string stop = root_ + "/stop", prog = root_ + "/progress";
   pid_t w = Writer({"--first-step", "2", "--steps", "2", "--snapshot-after", "2", "snap-b",
@@ -351,6 +424,53 @@ TEST_F(MountTest, ParallelReadersWhileTrainerSteps) {
                              << " is not the bytes of any single step";
       }
     }
+  }
+}
+
+// The kernel sends RELEASE as soon as it has the reply to a handle's last
+// request, which can be before that request's handler returns (a read unpins
+// its chunk after replying from it). With the daemon pausing after each read
+// reply (test hook), every close below releases a handle while its last read
+// handler is still running: the handle must outlive that handler. Without
+// that, the handler unpinned into a freed ChunkReader (under ASan: a
+// heap-use-after-free that kills the daemon; without ASan, silent heap
+// corruption, seen as SIGSEGV in fuse_send_msg under the kill loop).
+TEST_F(MountTest, ReleaseWhileTheLastReadHandlerRunsKeepsTheHandle) {
+  StopDaemon();
+  ASSERT_EQ(setenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS", "100", 1), 0);
+  StartDaemon();
+  unsetenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS");
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  size_t reads = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (const CheckpointFile& f : (*l)->files()) {
+      const uint64_t n = std::min<uint64_t>(f.size_bytes, 64 << 10);
+      std::string want(n, '\0');
+      ASSERT_TRUE((*l)->Read(f, 0, want.data(), n).ok());
+      const int fd = open(M("latest/" + f.path).c_str(), O_RDONLY);
+      ASSERT_GE(fd, 0) << f.path << ": " << std::strerror(errno);
+      std::string got(n, '\0');
+      EXPECT_EQ(pread(fd, got.data(), n, 0), static_cast<ssize_t>(n)) << f.path;
+      EXPECT_TRUE(got == want) << "bytes differ: " << f.path;
+      close(fd);  // RELEASE while the read's handler still waits to unpin
+      ++reads;
+    }
+  }
+  ASSERT_GT(reads, 3u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the last handlers return
+  int st = 0;
+  ASSERT_NE(waitpid(daemon_, &st, WNOHANG), daemon_)
+      << "optstate-mount died: " << ReadFile(root_ + "/daemon.log");
+  // Still serving, bit for bit.
+  for (const CheckpointFile& f : (*l)->files()) {
+    if (f.size_bytes > (1 << 20)) continue;  // each request waits 100 ms
+    std::string want(f.size_bytes, '\0');
+    ASSERT_TRUE((*l)->Read(f, 0, want.data(), want.size()).ok());
+    EXPECT_TRUE(ReadFile(M("latest/" + f.path)) == want) << f.path;
   }
 }
 
