@@ -128,12 +128,6 @@ uint64_t VersionDigest(const Key& k, const Version& v) {
   return ChunkChecksum(a, sizeof(a));
 }
 
-std::string Hex64(uint64_t v) {
-  char b[17];
-  snprintf(b, sizeof(b), "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
-
 // Aligned scratch buffer for synchronous verification reads.
 struct AlignedBuf {
   explicit AlignedBuf(uint64_t n) : p(std::aligned_alloc(kIoAlign, RoundUp(n, kIoAlign))) {}
@@ -271,8 +265,8 @@ class Core {
   std::unique_ptr<File> lease_lock_file_;
   std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
   // RETAINED (writer): the generations whose chunk versions GC keeps, rewritten
-  // under the exclusive lease flock before every batch that can drop one, and
-  // at open. A reader that made its lease file and then, still under the shared
+  // under the exclusive lease flock around every batch that can drop one (see
+  // WriteRetained), and at open. A reader that made its lease file and then, still under the shared
   // flock, finds g in RETAINED knows no GC can free g's extents while the lease
   // lives, whatever its own (possibly lagging) copy of the index says.
   std::unique_ptr<File> retained_file_;
@@ -412,22 +406,29 @@ class Core {
     return s;
   }
 
-  // A fresh secondary instance in place of the current one. catchup_mu_ held.
-  Status ReopenSecondary() {
-    const std::string dir = secondary_base_ + "-r" + std::to_string(++secondary_reopens_);
+  // A secondary instance of the index with its own files in `dir` (created
+  // here, removed again on failure). `what` names the attempt in the error.
+  Result<std::unique_ptr<rocksdb::DB>> OpenSecondary(const std::string& dir, const std::string& what) {
     OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(dir));
     rocksdb::Options o = IndexOptions(this);
     rocksdb::DB* raw = nullptr;
     rocksdb::Status rs = rocksdb::DB::OpenAsSecondary(o, JoinPath(path_, "index"), dir, &raw);
     if (!rs.ok()) {
       (void)fs_->RemoveAll(dir);
-      return RocksStatus("store " + path_ + ": reopen of the index (secondary)", rs);
+      return RocksStatus("store " + path_ + what, rs);
     }
+    return std::unique_ptr<rocksdb::DB>(raw);
+  }
+
+  // A fresh secondary instance in place of the current one. catchup_mu_ held.
+  Status ReopenSecondary() {
+    const std::string dir = secondary_base_ + "-r" + std::to_string(++secondary_reopens_);
+    OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<rocksdb::DB> db, OpenSecondary(dir, ": reopen of the index (secondary)"));
     std::unique_ptr<rocksdb::DB> old;
     std::string old_dir;
     {
       std::lock_guard l(mu_);
-      old = std::exchange(db_, std::unique_ptr<rocksdb::DB>(raw));
+      old = std::exchange(db_, std::move(db));
       old_dir = std::exchange(secondary_dir_, dir);
     }
     old.reset();
@@ -836,9 +837,11 @@ class Core {
     if (it == generations_.end() || it->second.index_digest == 0) return Status();
     const uint64_t d = IndexDigest(g);
     if (d == it->second.index_digest) return Status();
+    char m[96];
+    snprintf(m, sizeof(m), " as it was committed (index digest %016llx, recorded %016llx)",
+             static_cast<unsigned long long>(d), static_cast<unsigned long long>(it->second.index_digest));
     return Busy("store " + path_ + ": this reader's copy of the index does not show generation " +
-                std::to_string(g) + " as it was committed (index digest " + Hex64(d) + ", recorded " +
-                Hex64(it->second.index_digest) + "): the RocksDB secondary instance lags the writer");
+                std::to_string(g) + m + ": the RocksDB secondary instance lags the writer");
   }
 
   // --- RETAINED ------------------------------------------------------------
@@ -904,10 +907,8 @@ class Core {
   // (written by an older version, or torn by a crash; the writer rewrites it
   // at open): the caller falls back to its own index.
   std::optional<std::vector<uint64_t>> ReadRetained() {
-    const std::string name = JoinPath(path_, "RETAINED");
-    auto exists = fs_->Exists(name);
-    if (!exists.ok() || !*exists) return std::nullopt;
-    auto text = fs_->ReadFileToString(name);
+    auto text = fs_->ReadFileToString(JoinPath(path_, "RETAINED"));
+    if (text.status().IsNotFound()) return std::nullopt;
     if (!text.ok()) {
       OPTSTATE_LOG_WARN("store {}: RETAINED unreadable ({}); checking leases against the index", path_,
                         text.status().ToString());
@@ -2406,16 +2407,11 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
   core->secondary_base_ = "/tmp/optstate-secondary-" + std::to_string(getpid()) + "-" +
                           std::to_string(counter++) + "-" + std::to_string(std::random_device{}());
   core->secondary_dir_ = core->secondary_base_;
-  OPTSTATE_RETURN_IF_ERROR(fs->CreateDir(core->secondary_dir_));
   {
-    const std::string index = JoinPath(path, "index");
-    OPTSTATE_ASSIGN_OR_RETURN(bool has_index, fs->Exists(index));
+    OPTSTATE_ASSIGN_OR_RETURN(bool has_index, fs->Exists(JoinPath(path, "index")));
     if (!has_index) return Corruption("store " + path + " is damaged: index/ is missing");
-    rocksdb::Options o = IndexOptions(core.get());
-    rocksdb::DB* raw = nullptr;
-    rocksdb::Status rs = rocksdb::DB::OpenAsSecondary(o, index, core->secondary_dir_, &raw);
-    if (!rs.ok()) return RocksStatus("store " + path + " is damaged or unreadable: index (secondary)", rs);
-    core->db_.reset(raw);
+    OPTSTATE_ASSIGN_OR_RETURN(core->db_,
+                              core->OpenSecondary(core->secondary_dir_, " is damaged or unreadable: index (secondary)"));
   }
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/false));
   Status loaded;
