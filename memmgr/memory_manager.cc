@@ -320,9 +320,9 @@ Result<std::unique_ptr<ManagerImpl>> ManagerImpl::Create(vfs::Store* store, cons
                       kernels::CudaKernelsBuilt() ? "" : ", CUDA kernels not built");
   }
   if (want == Backend::kCuda) {
-    OPTSTATE_ASSIGN_OR_RETURN(dev, NewCudaDevice(opts.cuda_device));
+    OPTSTATE_ASSIGN_OR_RETURN(dev, NewCudaDevice(opts.cuda_device, opts.huge_page_staging));
   } else {
-    dev = NewHostDevice();
+    dev = NewHostDevice(opts.huge_page_staging);
   }
   auto impl = std::unique_ptr<ManagerImpl>(new ManagerImpl(store, opts, std::move(dev)));
   OPTSTATE_RETURN_IF_ERROR(impl->Init());

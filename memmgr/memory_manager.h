@@ -74,6 +74,13 @@ struct MemoryManagerOptions {
   // The first version's engine: synchronous pread/pwrite, one request at a
   // time (benchmark baseline). Default false (io_uring).
   bool use_sync_io = false;
+  // Pinned host buffers (staging, host cache tier, AllocPinnedHost) in 2 MiB
+  // transparent huge pages (vfs/io_buffer.h, IoPages::kHuge): a chunk's
+  // direct I/O then reaches the disk as few large requests instead of many
+  // ~1 MiB ones. Default false: on the H200 machine the step ran 1.2-1.4x
+  // slower so (1.00-1.10x of the floor without); on the development VM 1.5x
+  // faster (optstate-bench step --huge-pages; README "Benchmarks").
+  bool huge_page_staging = false;
 };
 
 struct MemoryStats {

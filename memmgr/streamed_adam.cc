@@ -90,15 +90,16 @@ class StepPipeline {
     kernels::AdamParams params;
   };
 
-  StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, const float* found_inf, uint64_t* inject)
-      : mm_(mm), dev_(mm->device()), io_(io), cpu_threads_(cpu_threads), found_inf_(found_inf), inject_(inject) {}
+  StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
+               uint64_t* inject)
+      : mm_(mm),
+        dev_(mm->device()),
+        io_(io),
+        sync_every_bytes_(sync_every_bytes),
+        cpu_threads_(cpu_threads),
+        found_inf_(found_inf),
+        inject_(inject) {}
   ~StepPipeline() { Abort(); }
-
-  // Every this many bytes of completed writes, fdatasync the data files in
-  // the background (Store::SyncData), so the device's flush overlaps the rest
-  // of the step instead of all of it landing in Commit (the development
-  // VM's commit took 1.2 s of a 3.3 s step for 1 GB written).
-  static constexpr uint64_t kSyncEveryBytes = 512ull << 20;
 
   // Joins the background sync; its error, if any.
   Status FinishSync() {
@@ -438,7 +439,7 @@ class StepPipeline {
     } else if (s.stage == Stage::kWriting) {
       write_bytes += len;
       unsynced_bytes_ += len;
-      if (unsynced_bytes_ >= kSyncEveryBytes && !sync_running_.load()) StartSync();
+      if (sync_every_bytes_ > 0 && unsynced_bytes_ >= sync_every_bytes_ && !sync_running_.load()) StartSync();
       if (s.acquired[f]) {
         mm_->cache()->Release(Key(s.job, f), /*dirty=*/true);
         mm_->cache()->MarkWritten(Key(s.job, f));
@@ -527,6 +528,9 @@ class StepPipeline {
   ManagerImpl* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's
+  // Every this many bytes of completed writes (0 = never), fdatasync the data
+  // files in the background (Store::SyncData; StreamedAdamOptions).
+  uint64_t sync_every_bytes_;
   std::thread sync_thread_;              // at most one background SyncData
   std::atomic<bool> sync_running_{false};
   Status sync_status_;                   // written by sync_thread_, read after join
@@ -1009,7 +1013,8 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
                       opts_.durable_every_steps, mm_->impl()->cache()->capacity_bytes(), store_->path());
   }
   const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
-  pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads, d_found_inf,
+  pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads,
+                                                       opts_.background_sync_bytes, d_found_inf,
                                                        &inject_kernel_failure_after_);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   step_write_through_ = write_through;

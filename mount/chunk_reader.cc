@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "vfs/io_buffer.h"
 #include "vfs/log.h"
 
 namespace optstate::mount {
@@ -14,7 +15,7 @@ namespace optstate::mount {
 // ---- ChunkBufferPool --------------------------------------------------------
 
 ChunkBufferPool::~ChunkBufferPool() {
-  for (auto& [bytes, buf] : idle_) std::free(buf);
+  for (auto& [bytes, buf] : idle_) vfs::FreeIoMemory(buf, bytes);
 }
 
 char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
@@ -30,13 +31,14 @@ char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
   // Idle buffers of another size (another store's chunk size) make room first.
   while (allocated_bytes_ + bytes > budget_bytes_ && !idle_.empty()) {
     allocated_bytes_ -= idle_.back().first;
-    std::free(idle_.back().second);
+    vfs::FreeIoMemory(idle_.back().second, idle_.back().first);
     idle_.pop_back();
   }
   if (allocated_bytes_ + bytes > budget_bytes_ && !must) return nullptr;
-  char* b = static_cast<char*>(std::aligned_alloc(4096, bytes));
-  if (b != nullptr) allocated_bytes_ += bytes;
-  return b;
+  auto b = vfs::AllocateIoMemory(bytes);
+  if (!b.ok()) return nullptr;
+  allocated_bytes_ += bytes;
+  return static_cast<char*>(*b);
 }
 
 void ChunkBufferPool::Give(char* buf, uint64_t bytes) {
@@ -47,7 +49,7 @@ void ChunkBufferPool::Give(char* buf, uint64_t bytes) {
     return;
   }
   allocated_bytes_ -= bytes;  // over budget (a `must` buffer): shrink back
-  std::free(buf);
+  vfs::FreeIoMemory(buf, bytes);
 }
 
 uint64_t ChunkBufferPool::allocated_bytes() const {

@@ -20,7 +20,7 @@
 #include <fmt/format.h>
 
 #include "tools/internal/bench.h"
-#include "tools/internal/buffer.h"
+#include "vfs/io_buffer.h"
 #include "tools/internal/cli.h"
 #include "tools/internal/fio.h"
 #include "tools/internal/process.h"
@@ -42,6 +42,7 @@ struct IoOptions {
   bool json = false;
   bool no_fio = false;
   bool no_mixed = false;
+  bool huge_pages = false;
 };
 
 enum Phase { kWrite = 0, kRead = 1, kMixed = 2, kPhases = 3 };
@@ -60,7 +61,7 @@ struct PhaseTimes {
 // buffer's first 8 bytes; each read checks it (catches misplaced I/O).
 template <typename OpOf>
 Status RunBlocks(vfs::IoEngine* engine, vfs::File* file, uint64_t blocks, uint64_t bs, uint32_t qd,
-                 std::vector<AlignedBuffer>& bufs, OpOf op_of, ProgressBar* bar, uint64_t* done_all) {
+                 std::vector<vfs::IoBuffer>& bufs, OpOf op_of, ProgressBar* bar, uint64_t* done_all) {
   std::vector<int64_t> slot_block(bufs.size(), -1);
   std::vector<uint32_t> free_slots;
   for (uint32_t s = 0; s < bufs.size(); ++s) free_slots.push_back(s);
@@ -109,11 +110,12 @@ Status RunBlocks(vfs::IoEngine* engine, vfs::File* file, uint64_t blocks, uint64
 }
 
 Result<PhaseTimes> RunEngineRound(Method m, const std::string& path, uint64_t size, uint64_t bs,
-                                  uint32_t qd, bool mixed, ProgressBar* bar, uint64_t* done_all) {
+                                  uint32_t qd, bool mixed, vfs::IoPages pages, ProgressBar* bar,
+                                  uint64_t* done_all) {
   uint32_t nbufs = m == kSync ? 1 : qd;
-  std::vector<AlignedBuffer> bufs;
+  std::vector<vfs::IoBuffer> bufs;
   for (uint32_t i = 0; i < nbufs; ++i) {
-    bufs.emplace_back(bs);
+    bufs.emplace_back(bs, pages);
     if (!bufs.back().ok()) return ResourceExhausted(fmt::format("cannot allocate {} bytes", bs));
     // Non-zero, not trivially compressible payload.
     uint64_t x = 0x9E3779B97F4A7C15ull * (i + 1);
@@ -271,7 +273,9 @@ int RunIo(const IoOptions& o) {
         Result<PhaseTimes> t =
             m == kFio ? RunFioRound(dir + "/fio.dat", sz, bs, o.queue_depth, mixed)
                       : RunEngineRound(static_cast<Method>(m), dir + "/" + kMethodKeys[m] + ".dat",
-                                       sz, bs, o.queue_depth, mixed, &bar, &done_all);
+                                       sz, bs, o.queue_depth, mixed,
+                                       o.huge_pages ? vfs::IoPages::kHuge : vfs::IoPages::kBase, &bar,
+                                       &done_all);
         if (!t.ok()) {
           bar.Finish();
           if (own_dir) (void)RemoveTree(dir);
@@ -348,6 +352,8 @@ void AddIoCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--json", o->json, "print JSON instead of a table");
   sub->add_flag("--no-fio", o->no_fio, "skip fio");
   sub->add_flag("--no-mixed", o->no_mixed, "skip the 50/50 read/write phase");
+  sub->add_flag("--huge-pages", o->huge_pages,
+                "our engines' buffers in 2 MiB huge pages (fio's always are: glibc.malloc.hugetlb=1)");
   sub->callback([o, exit_code] { *exit_code = RunIo(*o); });
 }
 

@@ -10,7 +10,7 @@
 
 #include "kernels/adam.h"
 #include "tools/internal/bench.h"
-#include "tools/internal/buffer.h"
+#include "vfs/io_buffer.h"
 #include "tools/internal/cli.h"
 #include "tools/internal/fio.h"
 #include "tools/internal/process.h"
@@ -40,7 +40,7 @@ Status MakeStore(const std::string& path, uint64_t bytes) {
   spec.numel = std::max<uint64_t>(1, bytes / 12);
   OPTSTATE_ASSIGN_OR_RETURN(auto t, store->CreateTensor(spec));
   const uint64_t chunk = store->chunk_size_bytes();
-  AlignedBuffer buf(chunk);
+  vfs::IoBuffer buf(chunk);
   auto io_opts = vfs::ChunkIoOptions{};
   for (uint32_t f = 0; f < 3; ++f) {
     for (uint64_t c = 0; c < store->ChunkCount(t, f); ++c) {

@@ -23,7 +23,7 @@
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
 #include "tools/internal/bench.h"
-#include "tools/internal/buffer.h"
+#include "vfs/io_buffer.h"
 #include "tools/internal/cli.h"
 #include "tools/internal/device_buffer.h"
 #include "tools/internal/fio.h"
@@ -63,12 +63,14 @@ struct StepOptions {
   uint64_t hidden = 1024;
   uint32_t durable_every = 1;
   int cpu_threads = 1;
+  std::string sync_every_text = "512M";
+  bool huge_pages = false;
   bool json = false;
 };
 
 
 struct Common {
-  uint64_t chunk = 0, budget = 0, host_cache = 0;
+  uint64_t chunk = 0, budget = 0, host_cache = 0, sync_every = 0;
   memmgr::Backend backend = memmgr::Backend::kAuto;
 };
 
@@ -80,6 +82,7 @@ Result<Common> ParseCommon(const StepOptions& o) {
   }
   OPTSTATE_ASSIGN_OR_RETURN(c.budget, ParseBytes(o.budget_text));
   OPTSTATE_ASSIGN_OR_RETURN(c.host_cache, ParseBytes(o.host_cache_text));
+  OPTSTATE_ASSIGN_OR_RETURN(c.sync_every, ParseBytes(o.sync_every_text));
   OPTSTATE_ASSIGN_OR_RETURN(c.backend, memmgr::ParseBackend(o.backend));
   return c;
 }
@@ -92,6 +95,7 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
   mo.queue_depth = o.queue_depth;
   mo.write_queue_depth = o.write_queue_depth;
   mo.read_ahead_chunks = o.read_ahead;
+  mo.huge_page_staging = o.huge_pages;
   return mo;
 }
 
@@ -129,6 +133,7 @@ int RunSynthetic(const StepOptions& o) {
   if (!mm.ok()) return FailWith(kTool, mm.status());
   memmgr::StreamedAdamOptions ao;
   ao.cpu_threads = o.cpu_threads;
+  ao.background_sync_bytes = c->sync_every;
   auto opt = memmgr::StreamedAdam::Create(store.get(), mm->get(), ao);
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
@@ -417,6 +422,7 @@ int RunCompare(const StepOptions& o) {
   memmgr::StreamedAdamOptions ao;
   ao.cpu_threads = o.cpu_threads;
   ao.durable_every_steps = o.durable_every;
+  ao.background_sync_bytes = c->sync_every;
   auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao);
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
@@ -636,6 +642,12 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "commit every N-th step when --host-cache-bytes holds the whole state (default 1)");
   sub->add_option("--hidden", o->hidden,
                   "comparison mode: hidden size h of the parameter mix (default 1024)");
+  sub->add_option("--sync-every", o->sync_every_text,
+                  "StreamedAdam: background fdatasync every N bytes written during a step; 0 = only at "
+                  "commit (default 512M)");
+  sub->add_flag("--huge-pages", o->huge_pages,
+               "pinned staging in 2 MiB huge pages (MemoryManagerOptions::huge_page_staging; also the "
+               "first version's staging buffer)");
   sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] {

@@ -14,6 +14,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "vfs/io_buffer.h"
+
 namespace optstate::vfs {
 namespace {
 
@@ -699,26 +701,23 @@ Result<uint64_t> CheckpointLayout::Read(const CheckpointFile& f, uint64_t offset
                                         uint64_t len) const {
   std::vector<CheckpointSegment> segs = MapRange(f, offset, len);
   uint64_t total = 0;
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<void, Free> bounce;
+  IoBuffer bounce;
   ChunkRef have{UINT32_MAX, UINT32_MAX, UINT64_MAX};
   for (const CheckpointSegment& s : segs) {
     char* out = static_cast<char*>(buf) + s.dst_offset;
     if (s.memory) {
       std::memcpy(out, s.memory, s.length_bytes);
     } else {
-      if (!bounce) {
-        bounce.reset(std::aligned_alloc(4096, (chunk_size_ + 4095) / 4096 * 4096));
-        if (!bounce) return ResourceExhausted("checkpoint read: out of memory for a chunk buffer");
+      if (!bounce.ok()) {
+        bounce = IoBuffer(chunk_size_);
+        if (!bounce.ok()) return ResourceExhausted("checkpoint read: out of memory for a chunk buffer");
       }
       if (have.tensor_id != s.chunk.tensor_id || have.field != s.chunk.field ||
           have.index != s.chunk.index) {
-        OPTSTATE_RETURN_IF_ERROR(view_->ReadChunk(s.chunk, bounce.get()));
+        OPTSTATE_RETURN_IF_ERROR(view_->ReadChunk(s.chunk, bounce.data()));
         have = s.chunk;
       }
-      std::memcpy(out, static_cast<char*>(bounce.get()) + s.chunk_offset, s.length_bytes);
+      std::memcpy(out, bounce.as<char>() + s.chunk_offset, s.length_bytes);
     }
     total += s.length_bytes;
   }

@@ -15,15 +15,11 @@
 #include <xxhash.h>
 
 #include "vfs/checkpoint.h"
+#include "vfs/io_buffer.h"
 #include "vfs/log.h"
 
 namespace optstate::vfs {
 namespace {
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using AlignedBuf = std::unique_ptr<char, FreeDeleter>;
 
 std::vector<FieldSpec> FieldsOf(const TensorInfo& t) { return t.fields.empty() ? AdamFields() : t.fields; }
 
@@ -93,11 +89,11 @@ Result<uint64_t> Import(Store* store, const Manifest& m, const std::string& dir,
   ChunkIoOptions io_opts;
   io_opts.queue_depth = depth;
   OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<ChunkIo> io, store->NewChunkIo(io_opts));
-  std::vector<AlignedBuf> bufs;
+  std::vector<IoBuffer> bufs;
   std::vector<size_t> free_bufs;
   for (uint32_t i = 0; i < depth; ++i) {
-    bufs.emplace_back(static_cast<char*>(std::aligned_alloc(4096, buf_bytes)));
-    if (!bufs.back()) return ResourceExhausted("restore: out of memory for chunk buffers");
+    bufs.emplace_back(buf_bytes);
+    if (!bufs.back().ok()) return ResourceExhausted("restore: out of memory for chunk buffers");
     free_bufs.push_back(i);
   }
   std::vector<ChunkCompletion> comps;
@@ -151,7 +147,7 @@ Result<uint64_t> Import(Store* store, const Manifest& m, const std::string& dir,
           }
         }
         size_t b = free_bufs.back();
-        char* p = bufs[b].get();
+        char* p = bufs[b].as<char>();
         Status st = (*file)->Pread(c.offset_bytes, p, c.length_bytes);
         if (!st.ok()) {
           drain();

@@ -38,6 +38,7 @@
 
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_format.h"
+#include "vfs/io_buffer.h"
 #include "vfs/io_engine.h"
 #include "vfs/log.h"
 
@@ -127,15 +128,6 @@ uint64_t VersionDigest(const Key& k, const Version& v) {
   const uint64_t a[8] = {k.t, k.f, k.c, v.gen, v.ext.dir, v.ext.file_offset, v.ext.length, v.ext.checksum};
   return ChunkChecksum(a, sizeof(a));
 }
-
-// Aligned scratch buffer for synchronous verification reads.
-struct AlignedBuf {
-  explicit AlignedBuf(uint64_t n) : p(std::aligned_alloc(kIoAlign, RoundUp(n, kIoAlign))) {}
-  ~AlignedBuf() { std::free(p); }
-  AlignedBuf(const AlignedBuf&) = delete;
-  AlignedBuf& operator=(const AlignedBuf&) = delete;
-  void* p;
-};
 
 size_t EditDistance(std::string_view a, std::string_view b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
@@ -2117,7 +2109,8 @@ Result<VerifyReport> StoreImpl::Verify() {
       }
     }
   }
-  AlignedBuf buf(core_->chunk());
+  IoBuffer buf(core_->chunk());
+  if (!buf.ok()) return ResourceExhausted("store " + core_->path_ + ": verify: out of memory for a chunk buffer");
   for (const auto& it : items) {
     if (it.v.ext.length != it.expected_len) {
       rep.problems.push_back(core_->Describe(&it.tensor, it.key, it.v.gen) + ": extent length " +
@@ -2125,7 +2118,7 @@ Result<VerifyReport> StoreImpl::Verify() {
                              std::to_string(it.expected_len));
       continue;
     }
-    Status s = ReadVersion(core_.get(), &it.tensor, it.key, it.v, buf.p);
+    Status s = ReadVersion(core_.get(), &it.tensor, it.key, it.v, buf.data());
     ++rep.chunks_checked;
     rep.bytes_checked += it.v.ext.length;
     if (!s.ok()) rep.problems.push_back(s.ToString());

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "memmgr/internal/device.h"
+#include "vfs/io_buffer.h"
 #include "vfs/log.h"
 
 namespace optstate::memmgr::internal {
@@ -66,7 +67,7 @@ Status Resolve(const char* name, Fn* out) {
 
 class CudaDevice final : public Device {
  public:
-  explicit CudaDevice(int ordinal) : ordinal_(ordinal) {}
+  CudaDevice(int ordinal, bool huge_page_pinned) : ordinal_(ordinal), huge_page_pinned_(huge_page_pinned) {}
 
   Status Init() {
     OPTSTATE_CUDA_RETURN("cudaSetDevice(" + std::to_string(ordinal_) + ")", cudaSetDevice(ordinal_));
@@ -139,18 +140,36 @@ class CudaDevice final : public Device {
     return Status::Ok();
   }
 
+  // cudaHostAlloc; with huge_page_pinned, huge-page I/O memory
+  // (vfs/io_buffer.h) page-locked with cudaHostRegister instead.
   Result<void*> AllocPinnedHost(uint64_t bytes) override {
     OPTSTATE_RETURN_IF_ERROR(Bind());
     void* p = nullptr;
-    cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    if (!huge_page_pinned_) {
+      cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+      if (e != cudaSuccess) {
+        return Status(StatusCode::kResourceExhausted,
+                      CudaStatus("cudaHostAlloc(" + std::to_string(bytes) + ")", e).message());
+      }
+      return p;
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(p, vfs::AllocateIoMemory(bytes, vfs::IoPages::kHuge));
+    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
     if (e != cudaSuccess) {
+      vfs::FreeIoMemory(p, bytes, vfs::IoPages::kHuge);
       return Status(StatusCode::kResourceExhausted,
-                    CudaStatus("cudaHostAlloc(" + std::to_string(bytes) + ")", e).message());
+                    CudaStatus("cudaHostRegister(" + std::to_string(bytes) + " bytes)", e).message());
     }
     return p;
   }
-  void FreePinnedHost(void* p, uint64_t) override {
-    if (p != nullptr) cudaFreeHost(p);
+  void FreePinnedHost(void* p, uint64_t bytes) override {
+    if (p == nullptr) return;
+    if (!huge_page_pinned_) {
+      cudaFreeHost(p);
+      return;
+    }
+    (void)cudaHostUnregister(p);
+    vfs::FreeIoMemory(p, bytes, vfs::IoPages::kHuge);
   }
   Result<void*> Malloc(uint64_t bytes) override {
     OPTSTATE_RETURN_IF_ERROR(Bind());
@@ -239,6 +258,7 @@ class CudaDevice final : public Device {
 
  private:
   int ordinal_;
+  bool huge_page_pinned_;  // AllocPinnedHost: huge-page I/O memory + cudaHostRegister
   DriverApi api_;
   CUmemAllocationProp prop_;
   CUmemAccessDesc access_;
@@ -257,14 +277,14 @@ int CudaDeviceCount() {
   return n;
 }
 
-Result<std::unique_ptr<Device>> NewCudaDevice(int ordinal) {
+Result<std::unique_ptr<Device>> NewCudaDevice(int ordinal, bool huge_page_pinned) {
   int n = CudaDeviceCount();
   if (n <= 0) return FailedPrecondition("cuda backend: no CUDA device visible (no driver or no GPU)");
   if (ordinal < 0 || ordinal >= n) {
     return InvalidArgument("cuda backend: device " + std::to_string(ordinal) + " out of range (" +
                            std::to_string(n) + " visible)");
   }
-  auto dev = std::make_unique<CudaDevice>(ordinal);
+  auto dev = std::make_unique<CudaDevice>(ordinal, huge_page_pinned);
   OPTSTATE_RETURN_IF_ERROR(dev->Init());
   return std::unique_ptr<Device>(std::move(dev));
 }

@@ -64,10 +64,12 @@ class Device {
   virtual Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
 };
 
-std::unique_ptr<Device> NewHostDevice();
+// huge_page_pinned: AllocPinnedHost returns vfs::IoPages::kHuge memory
+// (MemoryManagerOptions::huge_page_staging).
+std::unique_ptr<Device> NewHostDevice(bool huge_page_pinned);
 // Unimplemented when this build has no cuda backend; kUnavailable-like
 // FailedPrecondition naming the reason when no device/driver is present.
-Result<std::unique_ptr<Device>> NewCudaDevice(int ordinal);
+Result<std::unique_ptr<Device>> NewCudaDevice(int ordinal, bool huge_page_pinned);
 // Number of visible CUDA devices; 0 without driver/GPU or cuda backend.
 int CudaDeviceCount();
 

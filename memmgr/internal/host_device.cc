@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "memmgr/internal/device.h"
+#include "vfs/io_buffer.h"
 #include "vfs/log.h"
 
 namespace optstate::memmgr::internal {
@@ -23,7 +24,8 @@ namespace {
 
 class HostDevice final : public Device {
  public:
-  HostDevice() = default;
+  explicit HostDevice(bool huge_page_pinned)
+      : pinned_pages_(huge_page_pinned ? vfs::IoPages::kHuge : vfs::IoPages::kBase) {}
   ~HostDevice() override {
     if (memfd_ >= 0) close(memfd_);
   }
@@ -79,11 +81,10 @@ class HostDevice final : public Device {
     return Status::Ok();
   }
 
+  // I/O memory (vfs/io_buffer.h), locked.
   Result<void*> AllocPinnedHost(uint64_t bytes) override {
     uint64_t rounded = (bytes + 4095) & ~uint64_t{4095};
-    void* p = std::aligned_alloc(4096, rounded);
-    if (p == nullptr) return ResourceExhausted("aligned_alloc " + std::to_string(rounded) + " bytes");
-    std::memset(p, 0, rounded);
+    OPTSTATE_ASSIGN_OR_RETURN(void* p, vfs::AllocateIoMemory(rounded, pinned_pages_));
     if (mlock(p, rounded) != 0 && !warned_mlock_) {
       warned_mlock_ = true;
       OPTSTATE_LOG_WARN("memmgr host backend: mlock of {} bytes failed ({}); staging stays pageable "
@@ -94,7 +95,7 @@ class HostDevice final : public Device {
   void FreePinnedHost(void* p, uint64_t bytes) override {
     if (p == nullptr) return;
     munlock(p, (bytes + 4095) & ~uint64_t{4095});
-    std::free(p);
+    vfs::FreeIoMemory(p, (bytes + 4095) & ~uint64_t{4095}, pinned_pages_);
   }
 
   Result<void*> Malloc(uint64_t bytes) override {
@@ -149,6 +150,7 @@ class HostDevice final : public Device {
 
  private:
   std::mutex mu_;
+  const vfs::IoPages pinned_pages_;                  // AllocPinnedHost memory
   int memfd_ = -1;                                   // guarded by mu_ (creation)
   uint64_t size_ = 0;                                // guarded by mu_
   std::vector<std::pair<uint64_t, uint64_t>> free_;  // guarded by mu_: (offset, bytes)
@@ -157,6 +159,8 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> NewHostDevice() { return std::make_unique<HostDevice>(); }
+std::unique_ptr<Device> NewHostDevice(bool huge_page_pinned) {
+  return std::make_unique<HostDevice>(huge_page_pinned);
+}
 
 }  // namespace optstate::memmgr::internal

@@ -5,7 +5,7 @@ namespace optstate::memmgr::internal {
 
 int CudaDeviceCount() { return 0; }
 
-Result<std::unique_ptr<Device>> NewCudaDevice(int) {
+Result<std::unique_ptr<Device>> NewCudaDevice(int, bool) {
   return Unimplemented("cuda backend: this build of optstate has no CUDA support (OPTSTATE_WITH_CUDA=OFF)");
 }
 

@@ -20,7 +20,7 @@ struct Env {
   std::unique_ptr<vfs::Store> store;
   std::unique_ptr<MemoryManager> mm;
 
-  void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0) {
+  void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0, bool huge_page_staging = false) {
     std::string p = dir.path() + "/store";
     if (create) {
       store = MUST(vfs::Store::Create(p, TestStoreOptions()));
@@ -29,6 +29,7 @@ struct Env {
     }
     MemoryManagerOptions o = TestMmOptions(budget);
     o.host_cache_bytes = host_cache_bytes;
+    o.huge_page_staging = huge_page_staging;
     mm = MUST(MemoryManager::Create(store.get(), o));
   }
   void Close() {
@@ -436,11 +437,11 @@ uint64_t StateBytes(const std::vector<ParamDef>& defs) {
   return b;
 }
 
-TEST(StreamedAdam, TenStepsUnderTinyBudgetEqualResidentKernelBitForBit) {
-  MEMMGR_REQUIRE_BACKEND();
+// Ten steps through a one-slice budget; staging in base or huge pages.
+void TenStepsUnderTinyBudget(bool huge_page_staging) {
   Env env;
   const uint64_t budget = 3 * kChunk;  // one slice
-  env.Open(budget, true);
+  env.Open(budget, true, 0, huge_page_staging);
   std::vector<ParamDef> defs = BigMix();
   ASSERT_GE(StateBytes(defs), 50 * budget) << "state must be >= 50x the budget";
   StreamedAdamOptions so;
@@ -480,6 +481,18 @@ TEST(StreamedAdam, TenStepsUnderTinyBudgetEqualResidentKernelBitForBit) {
   EXPECT_EQ(gen.groups[1].step_count, 10u);
   EXPECT_DOUBLE_EQ(gen.groups[1].hyper.at("lr"), 3e-3);
   EXPECT_DOUBLE_EQ(gen.groups[1].hyper.at("adamw"), 0.0);
+}
+
+TEST(StreamedAdam, TenStepsUnderTinyBudgetEqualResidentKernelBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  TenStepsUnderTinyBudget(false);
+}
+
+// MemoryManagerOptions::huge_page_staging: the same results from staging in
+// 2 MiB pages (cuda: cudaHostRegister'd instead of cudaHostAlloc'd).
+TEST(StreamedAdam, HugePageStagingStepsEqualResidentKernelBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  TenStepsUnderTinyBudget(true);
 }
 
 std::vector<ParamDef> SmallMix() {

@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/tools/tools_test_util.h"
-#include "tools/internal/buffer.h"
+#include "vfs/io_buffer.h"
 #include "vfs/store.h"
 
 namespace optstate::tools {
@@ -59,7 +59,7 @@ class InspectTest : public ::testing::Test {
   // Writes main (field 0) and exp_avg (field 1) of every tensor; exp_avg_sq
   // stays never-written (zeros). Version 2 puts a NaN and an Inf into the bias.
   void WriteVersion(int version) {
-    AlignedBuffer buf(kChunk);
+    vfs::IoBuffer buf(kChunk);
     int k = 0;
     for (auto& [name, n] : numel_) {
       auto t = store_->FindTensor(name);

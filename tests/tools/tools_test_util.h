@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "tools/internal/buffer.h"
+#include "vfs/io_buffer.h"
 #include "tools/internal/process.h"
 #include "vfs/store.h"
 
@@ -66,7 +66,7 @@ inline std::unique_ptr<vfs::Store> MakeSmallStore(const std::string& path, uint6
   auto t = (*s)->CreateTensor(spec);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
   const uint64_t per_chunk = o.chunk_size_bytes / 4;
-  AlignedBuffer buf(o.chunk_size_bytes);
+  vfs::IoBuffer buf(o.chunk_size_bytes);
   for (uint64_t c = 0; c * per_chunk < numel; ++c) {
     for (uint64_t i = 0; i < per_chunk; ++i) buf.as<float>()[i] = static_cast<float>(c * per_chunk + i);
     EXPECT_TRUE((*s)->WriteChunk({t->id, 0, c}, buf.data()).ok());

@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 
 #include "kernels/adam.h"
-#include "tools/internal/buffer.h"
+#include "vfs/io_buffer.h"
 
 namespace optstate::tools {
 
@@ -67,7 +67,7 @@ Status ForEachRange(const vfs::GenerationView& view, const vfs::TensorInfo& t, u
   const uint64_t esize = vfs::DTypeSize(t.fields[field].dtype);
   const uint64_t chunk_bytes = view.identity().chunk_size_bytes;
   const uint64_t per_chunk = chunk_bytes / esize;
-  AlignedBuffer buf(chunk_bytes);
+  vfs::IoBuffer buf(chunk_bytes);
   if (!buf.ok()) return ResourceExhausted(fmt::format("cannot allocate {} bytes", chunk_bytes));
   for (uint64_t c = begin / per_chunk; c * per_chunk < end; ++c) {
     vfs::ChunkRef ref{t.id, field, c};
@@ -131,7 +131,7 @@ Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a
       if (chunk_bytes != b.identity().chunk_size_bytes) {
         return InvalidArgument("the two stores have different chunk sizes");
       }
-      AlignedBuffer ba(chunk_bytes), bb(chunk_bytes);
+      vfs::IoBuffer ba(chunk_bytes), bb(chunk_bytes);
       uint64_t chunks = a.ChunkCount(x, f);
       for (uint64_t c = 0; c < chunks; ++c) {
         OPTSTATE_RETURN_IF_ERROR(a.ReadChunk({x.id, f, c}, ba.data()));

@@ -1,0 +1,75 @@
+// Memory for O_DIRECT I/O: every buffer that the store, the mount, the memory
+// manager's staging and the tools hand to the kernel for direct I/O comes from
+// here. Zero-filled anonymous mappings, 4096-aligned, faulted in.
+//
+// IoPages::kHuge: from 2 MiB up, 2 MiB-aligned and asked to be backed by
+// transparent huge pages (MADV_HUGEPAGE; plain pages where THP is `never`).
+// What it changes: the block layer ends a request once it holds max_segments
+// physically discontiguous pieces (/sys/block/<dev>/queue/max_segments: 254
+// on both our virtio disks), so an 8 MiB chunk in scattered 4 KiB pages
+// reaches the device as ~9 requests of ~1 MiB, in huge pages as 2 of 4 MiB
+// (max_sectors_kb). Which is faster depends on the device behind it; measured
+// with `optstate-bench step` (same run, interleaved):
+//  - development VM: requests ~900 KiB -> 2-4 MiB; the step 3.2 -> 2.1 s;
+//  - H200 machine: the step 1.00-1.10x -> 1.23-1.39x of the floor (slower;
+//    fio's floor unchanged), on the host and the cuda backend alike.
+// So huge pages are an option (MemoryManagerOptions::huge_page_staging),
+// off by default; everything else uses kBase.
+//
+// Thread-safety: the functions are thread-safe; an IoBuffer is a value.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <utility>
+
+#include "vfs/status.h"
+
+namespace optstate::vfs {
+
+enum class IoPages { kBase, kHuge };
+
+// bytes > 0. Zero-filled and faulted in (the pages exist when it returns).
+Result<void*> AllocateIoMemory(uint64_t bytes, IoPages pages = IoPages::kBase);
+// p from AllocateIoMemory(bytes, pages) (same bytes and pages), or null.
+void FreeIoMemory(void* p, uint64_t bytes, IoPages pages = IoPages::kBase);
+
+// Owns one AllocateIoMemory block. Movable, not copyable.
+class IoBuffer {
+ public:
+  IoBuffer() = default;
+  // ok() is false when the allocation failed (or bytes is 0).
+  explicit IoBuffer(size_t bytes, IoPages pages = IoPages::kBase);
+  ~IoBuffer() { FreeIoMemory(data_, size_, pages_); }
+  IoBuffer(IoBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), pages_(o.pages_) {}
+  IoBuffer& operator=(IoBuffer&& o) noexcept {
+    if (this != &o) {
+      FreeIoMemory(data_, size_, pages_);
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      pages_ = o.pages_;
+    }
+    return *this;
+  }
+  IoBuffer(const IoBuffer&) = delete;
+  IoBuffer& operator=(const IoBuffer&) = delete;
+
+  bool ok() const { return data_ != nullptr; }
+  std::byte* data() { return data_; }
+  const std::byte* data() const { return data_; }
+  template <typename T>
+  T* as() { return reinterpret_cast<T*>(data_); }
+  template <typename T>
+  const T* as() const { return reinterpret_cast<const T*>(data_); }
+  size_t size() const { return size_; }
+  std::span<std::byte> span() { return {data_, size_}; }
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+  IoPages pages_ = IoPages::kBase;
+};
+
+}  // namespace optstate::vfs
