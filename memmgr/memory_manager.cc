@@ -407,6 +407,7 @@ vfs::ChunkIoOptions ManagerImpl::ChunkIoOpts() const {
   vfs::ChunkIoOptions o;
   o.queue_depth = opts_.queue_depth;
   o.use_sync_engine = opts_.use_sync_io;
+  o.max_sqe_bytes = opts_.max_sqe_bytes;
   for (void* b : staging_) o.registered_buffers.emplace_back(static_cast<std::byte*>(b), page_bytes_);
   return o;
 }

@@ -65,12 +65,13 @@ struct StepOptions {
   int cpu_threads = 1;
   std::string sync_every_text = "512M";
   bool huge_pages = false;
+  std::string max_sqe_text = "0";
   bool json = false;
 };
 
 
 struct Common {
-  uint64_t chunk = 0, budget = 0, host_cache = 0, sync_every = 0;
+  uint64_t chunk = 0, budget = 0, host_cache = 0, sync_every = 0, max_sqe = 0;
   memmgr::Backend backend = memmgr::Backend::kAuto;
 };
 
@@ -83,6 +84,7 @@ Result<Common> ParseCommon(const StepOptions& o) {
   OPTSTATE_ASSIGN_OR_RETURN(c.budget, ParseBytes(o.budget_text));
   OPTSTATE_ASSIGN_OR_RETURN(c.host_cache, ParseBytes(o.host_cache_text));
   OPTSTATE_ASSIGN_OR_RETURN(c.sync_every, ParseBytes(o.sync_every_text));
+  OPTSTATE_ASSIGN_OR_RETURN(c.max_sqe, ParseBytes(o.max_sqe_text));
   OPTSTATE_ASSIGN_OR_RETURN(c.backend, memmgr::ParseBackend(o.backend));
   return c;
 }
@@ -96,6 +98,7 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
   mo.write_queue_depth = o.write_queue_depth;
   mo.read_ahead_chunks = o.read_ahead;
   mo.huge_page_staging = o.huge_pages;
+  mo.max_sqe_bytes = c.max_sqe;
   return mo;
 }
 
@@ -648,6 +651,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--huge-pages", o->huge_pages,
                "pinned staging in 2 MiB huge pages (MemoryManagerOptions::huge_page_staging; also the "
                "first version's staging buffer)");
+  sub->add_option("--max-sqe", o->max_sqe_text,
+                  "chunk I/O as parallel SQEs of at most N bytes (MemoryManagerOptions::max_sqe_bytes); "
+                  "0 = one per chunk (default 0)");
   sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] {

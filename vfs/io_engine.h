@@ -47,6 +47,12 @@ struct IoEngineOptions {
   // whose buf lies inside one use the fixed-buffer opcodes. May be empty.
   std::vector<std::span<std::byte>> registered_buffers;
   bool sqpoll = false;        // IORING_SETUP_SQPOLL (off: costs a core)
+  // io_uring: a request longer than this goes to the kernel as parallel SQEs
+  // of at most this many bytes (a multiple of 4096; at most 16 per request,
+  // larger when needed), completed as one. 0 = one SQE per request (default).
+  // Why: what request size a disk serves best varies; the block layer only
+  // caps requests at max_sectors_kb, and memory in huge pages reaches it.
+  uint64_t max_sqe_bytes = 0;
   // Registered-file table size (IORING_REGISTER_FILES, sparse); files beyond
   // it evict the oldest slot. 0 disables registered files. Default 1024 slots.
   uint32_t registered_file_slots = 1024;

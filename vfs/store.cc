@@ -1436,6 +1436,7 @@ Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, 
     IoEngineOptions eo;
     eo.queue_depth = opts.queue_depth;
     eo.registered_buffers = opts.registered_buffers;
+    eo.max_sqe_bytes = opts.max_sqe_bytes;
     auto e = IoEngine::NewUring(eo);
     if (e.ok()) {
       engine = std::move(*e);

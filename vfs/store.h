@@ -184,6 +184,8 @@ struct ChunkIoOptions {
   bool use_sync_engine = false;
   // Caller-owned buffers to register with io_uring (staging buffers).
   std::vector<std::span<std::byte>> registered_buffers;
+  // IoEngineOptions::max_sqe_bytes (0 = one SQE per chunk request).
+  uint64_t max_sqe_bytes = 0;
 };
 
 struct ChunkCompletion {

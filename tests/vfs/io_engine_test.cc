@@ -32,10 +32,11 @@ enum class Where { kDiskDirect, kDiskBuffered, kShmFallback };
 struct EngineParam {
   bool uring;
   Where where;
+  uint64_t max_sqe = 0;  // IoEngineOptions::max_sqe_bytes
 };
 
 std::string ParamName(const ::testing::TestParamInfo<EngineParam>& info) {
-  std::string s = info.param.uring ? "Uring" : "Sync";
+  std::string s = info.param.uring ? (info.param.max_sqe > 0 ? "UringSplit" : "Uring") : "Sync";
   switch (info.param.where) {
     case Where::kDiskDirect: return s + "DiskDirect";
     case Where::kDiskBuffered: return s + "DiskBuffered";
@@ -88,6 +89,7 @@ class IoEngineTest : public ::testing::TestWithParam<EngineParam> {
     if (GetParam().uring) {
       IoEngineOptions o;
       o.queue_depth = qd;
+      o.max_sqe_bytes = GetParam().max_sqe;
       if (register_half_arena) o.registered_buffers.push_back({arena_.get(), kArenaBytes / 2});
       auto e = IoEngine::NewUring(o);
       EXPECT_TRUE(e.ok()) << e.status().ToString();
@@ -159,7 +161,9 @@ TEST_P(IoEngineTest, WriteThenReadRoundTrip) {
     // two 3 MiB requests use a plain buffer.
     const auto& st = uring->stats();
     EXPECT_EQ(st.requests, 18u);
-    EXPECT_EQ(st.sqes - st.resubmissions, 18u);
+    // Split (max_sqe 16 KiB): every request here is > 16 parts of 16 KiB, so
+    // it goes out as exactly 16 parallel SQEs.
+    EXPECT_EQ(st.sqes - st.resubmissions, GetParam().max_sqe > 0 ? 18u * 16 : 18u);
     EXPECT_GE(st.fixed_buffer_sqes, 16u);
     EXPECT_LT(st.fixed_buffer_sqes, st.sqes);
     if (uring->registered_files_active()) {
@@ -311,6 +315,8 @@ INSTANTIATE_TEST_SUITE_P(Engines, IoEngineTest,
                          ::testing::Values(EngineParam{true, Where::kDiskDirect},
                                            EngineParam{true, Where::kDiskBuffered},
                                            EngineParam{true, Where::kShmFallback},
+                                           EngineParam{true, Where::kDiskDirect, 16 << 10},
+                                           EngineParam{true, Where::kDiskBuffered, 16 << 10},
                                            EngineParam{false, Where::kDiskDirect},
                                            EngineParam{false, Where::kShmFallback}),
                          ParamName);
@@ -331,9 +337,11 @@ class UringFaultTest : public ::testing::Test {
 
   // Writes then reads kBytes in 16 requests of 64 KiB through an engine whose
   // completions pass through `fault`; returns the statuses by tag.
-  std::map<uint64_t, Status> RunWithFault(IoEngineOptions::CompletionFault fault, bool registered) {
+  std::map<uint64_t, Status> RunWithFault(IoEngineOptions::CompletionFault fault, bool registered,
+                                          uint64_t max_sqe = 0) {
     IoEngineOptions o;
     o.queue_depth = 8;
+    o.max_sqe_bytes = max_sqe;
     o.completion_fault = std::move(fault);
     if (registered) {
       o.registered_buffers.push_back({buf_.get(), kBytes});
@@ -431,6 +439,45 @@ TEST_F(UringFaultTest, EioCompletionNamesFileOffsetAndErrno) {
     }
   }
   EXPECT_EQ(calls, 32);  // -EIO is not retried
+}
+
+// max_sqe_bytes: a request in parallel parts completes once; a part's short
+// transfer is resubmitted on its own; a part's error fails only its request,
+// naming the part's offset; every other byte lands.
+TEST_F(UringFaultTest, SplitRequestsCompleteOnceAndFailAlone) {
+  constexpr uint64_t kPart = 16 << 10;  // 4 parts per 64 KiB request
+  {
+    int calls = 0, faked = 0;
+    std::set<uint64_t> seen;
+    auto statuses = RunWithFault(FirstCompletionFault{4096, &calls, &faked, &seen}, true, kPart);
+    ASSERT_EQ(statuses.size(), 32u);
+    for (auto& [tag, s] : statuses) EXPECT_TRUE(s.ok()) << "tag " << tag << ": " << s.ToString();
+    EXPECT_EQ(calls, 32 * 4 + faked);  // one SQE per part, one more per short part
+    EXPECT_EQ(std::memcmp(buf_.get(), back_.get(), kBytes), 0);
+  }
+  const uint64_t bad = 3 * kReq + 2 * kPart;  // the third part of write tag 3
+  int calls = 0;
+  auto statuses = RunWithFault(
+      [&calls, bad](const IoRequest& r, uint64_t off, uint32_t, int32_t res) {
+        ++calls;
+        return r.op == IoRequest::Op::kWrite && off == bad ? -EIO : res;
+      },
+      true, kPart);
+  ASSERT_EQ(statuses.size(), 32u);
+  EXPECT_EQ(calls, 32 * 4);
+  for (auto& [tag, s] : statuses) {
+    if (tag == 3) {
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.err(), EIO);
+      EXPECT_NE(s.message().find("offset " + std::to_string(bad) + " "), std::string::npos) << s.ToString();
+    } else {
+      EXPECT_TRUE(s.ok()) << tag << ": " << s.ToString();
+    }
+  }
+  std::vector<char> disk = ReadWithPread(path_, kBytes);
+  const char* want = reinterpret_cast<const char*>(buf_.get());
+  EXPECT_EQ(std::memcmp(disk.data(), want, bad), 0);
+  EXPECT_EQ(std::memcmp(disk.data() + bad + kPart, want + bad + kPart, kBytes - bad - kPart), 0);
 }
 
 TEST_F(UringFaultTest, PersistentZeroOrEagainEndsInAnErrorNotALoop) {

@@ -24,6 +24,8 @@ constexpr uint32_t kMaxRetries = 1000;
 // Consecutive completions that moved no byte (a read at or past end of file,
 // a device reporting 0) before the request fails: retried, never looped on.
 constexpr uint32_t kMaxZeroResults = 3;
+// IoEngineOptions::max_sqe_bytes: parts per request at most.
+constexpr uint64_t kMaxParts = 16;
 
 const char* OpName(IoRequest::Op op) { return op == IoRequest::Op::kRead ? "read" : "write"; }
 
@@ -56,8 +58,14 @@ Result<std::unique_ptr<IoEngine>> UringIoEngine::Create(const IoEngineOptions& o
 
 Status UringIoEngine::Init() {
   queue_depth_ = opts_.queue_depth;
+  if (opts_.max_sqe_bytes % kDirectAlign != 0) {
+    return InvalidArgument("io_uring engine: max_sqe_bytes " + std::to_string(opts_.max_sqe_bytes) +
+                           " is not a multiple of 4096");
+  }
+  ring_entries_ = static_cast<uint32_t>(
+      std::min<uint64_t>(32768, uint64_t{queue_depth_} * (opts_.max_sqe_bytes > 0 ? kMaxParts : 1)));
   unsigned flags = opts_.sqpoll ? IORING_SETUP_SQPOLL : 0;
-  int rc = io_uring_queue_init(queue_depth_, &ring_, flags);
+  int rc = io_uring_queue_init(ring_entries_, &ring_, flags);
   if (rc < 0) {
     return ErrnoStatus("io_uring_queue_init (queue depth " + std::to_string(queue_depth_) +
                            (opts_.sqpoll ? ", SQPOLL" : "") +
@@ -100,9 +108,12 @@ Status UringIoEngine::Init() {
       file_slots_ = opts_.registered_file_slots;
     }
   }
-  ops_.resize(queue_depth_);
-  free_ops_.reserve(queue_depth_);
-  for (uint32_t i = queue_depth_; i > 0; --i) free_ops_.push_back(i - 1);
+  ops_.resize(ring_entries_);
+  free_ops_.reserve(ring_entries_);
+  for (uint32_t i = ring_entries_; i > 0; --i) free_ops_.push_back(i - 1);
+  requests_.resize(queue_depth_);
+  free_requests_.reserve(queue_depth_);
+  for (uint32_t i = queue_depth_; i > 0; --i) free_requests_.push_back(i - 1);
   return Status::Ok();
 }
 
@@ -200,7 +211,7 @@ void UringIoEngine::Prepare(uint32_t idx) {
   io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
   while (sqe == nullptr) {
     // Only with SQPOLL can the ring be full here (the kernel thread has not
-    // consumed yet); otherwise active_ <= queue_depth_ <= SQ entries.
+    // consumed yet); otherwise active_ <= ring_entries_ = SQ entries.
     io_uring_submit(&ring_);
     io_uring_sqring_wait(&ring_);
     sqe = io_uring_get_sqe(&ring_);
@@ -235,7 +246,14 @@ void UringIoEngine::Finish(uint32_t idx, Status status) {
   if (status.ok() && op.req.op == IoRequest::Op::kWrite) {
     if (FaultHooks* h = op.req.file->hooks()) h->AfterWrite(op.req.file->path(), op.req.offset, op.req.length);
   }
-  ready_.push_back(IoCompletion{op.req.tag, std::move(status)});
+  Request& r = requests_[op.request];
+  if (!status.ok() && r.status.ok()) r.status = std::move(status);
+  if (--r.parts_left == 0) {
+    ready_.push_back(IoCompletion{r.tag, std::move(r.status)});
+    r = Request{};
+    free_requests_.push_back(op.request);
+    --requests_active_;
+  }
   op = Op{};
   free_ops_.push_back(idx);
   --active_;
@@ -340,20 +358,41 @@ Status UringIoEngine::Submit(std::span<const IoRequest> requests) {
       ready_.push_back(IoCompletion{r.tag, Status::Ok()});
       continue;
     }
-    while (active_ >= queue_depth_) OPTSTATE_RETURN_IF_ERROR(WaitOne());
-    uint32_t idx = free_ops_.back();
-    free_ops_.pop_back();
-    Op& op = ops_[idx];
-    op = Op{};
-    op.req = r;
-    op.direct = r.file->direct();
-    if (op.direct) first_len -= first_len % kDirectAlign;
-    op.first_len = first_len;
-    op.buf_index = BufIndexFor(r);
-    op.file_slot = FileSlotFor(r, &checked);
-    ++active_;
+    // Parts: max_sqe_bytes each (at most kMaxParts); not when a hook asked
+    // for a short first transfer (tests of the remainder path).
+    uint64_t part = r.length;
+    if (opts_.max_sqe_bytes > 0 && r.length > opts_.max_sqe_bytes && first_len == r.length) {
+      const uint64_t even = (r.length + kMaxParts - 1) / kMaxParts;
+      part = std::max(opts_.max_sqe_bytes, (even + kDirectAlign - 1) / kDirectAlign * kDirectAlign);
+    }
+    const auto parts = static_cast<uint32_t>((r.length + part - 1) / part);
+    while (requests_active_ >= queue_depth_ || active_ + parts > ring_entries_) {
+      OPTSTATE_RETURN_IF_ERROR(WaitOne());
+    }
+    const uint32_t ri = free_requests_.back();
+    free_requests_.pop_back();
+    requests_[ri] = Request{r.tag, parts, Status::Ok()};
+    ++requests_active_;
     ++accepted_;
-    Prepare(idx);
+    const int file_slot = FileSlotFor(r, &checked);
+    for (uint32_t k = 0; k < parts; ++k) {
+      uint32_t idx = free_ops_.back();
+      free_ops_.pop_back();
+      Op& op = ops_[idx];
+      op = Op{};
+      op.req = r;
+      op.req.offset = r.offset + k * part;
+      op.req.length = std::min(part, r.length - k * part);
+      op.req.buf = static_cast<std::byte*>(r.buf) + k * part;
+      op.request = ri;
+      op.direct = r.file->direct();
+      op.first_len = parts == 1 ? first_len : op.req.length;
+      if (op.direct) op.first_len -= op.first_len % kDirectAlign;
+      op.buf_index = BufIndexFor(op.req);
+      op.file_slot = file_slot;
+      ++active_;
+      Prepare(idx);
+    }
   }
   return SubmitPrepared();
 }

@@ -1,6 +1,7 @@
 // UringIoEngine: the io_uring implementation of IoEngine (vfs/io_engine.h).
 //
-// One ring per engine. Requests become one SQE each (split at 1 GiB); a short
+// One ring per engine. Requests become one SQE each (split at 1 GiB), or with
+// max_sqe_bytes several parallel SQEs completed as one request; a short
 // transfer, -EAGAIN or -EINTR is resubmitted for the remainder, and a read that
 // keeps returning 0 bytes is failed after a few tries instead of looping.
 // Buffers given in IoEngineOptions are registered and used with READ_FIXED /
@@ -63,6 +64,13 @@ class UringIoEngine final : public IoEngine {
     uint32_t zero_results = 0; // consecutive completions that moved no byte
     uint32_t retries = 0;      // consecutive -EAGAIN/-EINTR
     bool direct = false;
+    uint32_t request = 0;      // index in requests_ of the request this op is a part of
+  };
+  // An accepted request: done when its last part (op) finishes.
+  struct Request {
+    uint64_t tag = 0;
+    uint32_t parts_left = 0;
+    Status status;  // the first failed part's
   };
   // A registered-file slot and what it holds, to notice fd reuse.
   struct FileSlot {
@@ -78,7 +86,7 @@ class UringIoEngine final : public IoEngine {
   // Registered slot for the file of r, or -1 (plain fd). May register it.
   int FileSlotFor(const IoRequest& r, std::unordered_map<int, int>* checked);
   int BufIndexFor(const IoRequest& r) const;
-  // Prepares the SQE for op's remainder. REQUIRES: active_ < queue_depth_.
+  // Prepares the SQE for op's remainder. REQUIRES: active_ <= ring_entries_.
   void Prepare(uint32_t op_index);
   void Finish(uint32_t op_index, Status status);
   // Handles one CQE: completes the op or resubmits its remainder.
@@ -99,9 +107,13 @@ class UringIoEngine final : public IoEngine {
   std::unordered_map<int, int> fd_to_slot_;
   uint32_t next_evict_ = 0;
 
-  std::vector<Op> ops_;            // indexed by SQE user_data
+  std::vector<Op> ops_;            // indexed by SQE user_data; ring_entries_ of them
   std::vector<uint32_t> free_ops_;
+  std::vector<Request> requests_;  // queue_depth_ of them
+  std::vector<uint32_t> free_requests_;
+  uint32_t ring_entries_ = 0;      // SQ entries: queue_depth_ x the most parts per request
   uint32_t active_ = 0;            // ops with an SQE prepared or in the kernel
+  uint32_t requests_active_ = 0;   // requests with an op in flight
   uint32_t prepared_ = 0;          // SQEs prepared, not yet submitted
   std::deque<IoCompletion> ready_;
   Stats stats_;
