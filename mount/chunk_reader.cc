@@ -1,7 +1,6 @@
 #include "mount/chunk_reader.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <system_error>
 

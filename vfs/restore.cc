@@ -6,7 +6,6 @@
 // queue depth; one Commit at the end. Any error aborts the pending generation,
 // so the store is exactly as before.
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <set>

@@ -81,22 +81,18 @@ class HostDevice final : public Device {
     return Status::Ok();
   }
 
-  // I/O memory (vfs/io_buffer.h), locked.
+  // I/O memory (vfs/io_buffer.h rounds to whole pages), locked.
   Result<void*> AllocPinnedHost(uint64_t bytes) override {
-    uint64_t rounded = (bytes + 4095) & ~uint64_t{4095};
-    OPTSTATE_ASSIGN_OR_RETURN(void* p, vfs::AllocateIoMemory(rounded, pinned_pages_));
-    if (mlock(p, rounded) != 0 && !warned_mlock_) {
+    OPTSTATE_ASSIGN_OR_RETURN(void* p, vfs::AllocateIoMemory(bytes, pinned_pages_));
+    if (mlock(p, bytes) != 0 && !warned_mlock_) {
       warned_mlock_ = true;
       OPTSTATE_LOG_WARN("memmgr host backend: mlock of {} bytes failed ({}); staging stays pageable "
-                        "(raise RLIMIT_MEMLOCK to pin it)", rounded, std::strerror(errno));
+                        "(raise RLIMIT_MEMLOCK to pin it)", bytes, std::strerror(errno));
     }
     return p;
   }
-  void FreePinnedHost(void* p, uint64_t bytes) override {
-    if (p == nullptr) return;
-    munlock(p, (bytes + 4095) & ~uint64_t{4095});
-    vfs::FreeIoMemory(p, (bytes + 4095) & ~uint64_t{4095}, pinned_pages_);
-  }
+  // munmap (FreeIoMemory) also unlocks.
+  void FreePinnedHost(void* p, uint64_t bytes) override { vfs::FreeIoMemory(p, bytes, pinned_pages_); }
 
   Result<void*> Malloc(uint64_t bytes) override {
     void* p = std::aligned_alloc(256, (bytes + 255) & ~uint64_t{255});
