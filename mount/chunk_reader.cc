@@ -65,10 +65,11 @@ uint64_t ChunkBufferPool::allocated_bytes() const {
 // ---- ChunkReader ------------------------------------------------------------
 
 ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
-                         uint32_t readahead_chunks, ChunkBufferPool* pool)
+                         uint32_t readahead_chunks, uint64_t max_sqe_bytes, ChunkBufferPool* pool)
     : gen_(std::move(gen)),
       file_(file),
       readahead_(std::max<uint32_t>(1, readahead_chunks)),
+      max_sqe_bytes_(max_sqe_bytes),
       chunk_size_(gen_->view->identity().chunk_size_bytes),
       buf_bytes_((chunk_size_ + 4095) / 4096 * 4096),
       seq_len_(gen_->layout->ChunkSequenceLength(*file)),
@@ -80,8 +81,9 @@ ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::Check
 Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Generation> gen,
                                                        const vfs::CheckpointFile* file,
                                                        uint32_t readahead_chunks,
+                                                       uint64_t max_sqe_bytes,
                                                        ChunkBufferPool* pool) {
-  std::unique_ptr<ChunkReader> r(new ChunkReader(std::move(gen), file, readahead_chunks, pool));
+  std::unique_ptr<ChunkReader> r(new ChunkReader(std::move(gen), file, readahead_chunks, max_sqe_bytes, pool));
   if (r->seq_len_ == 0) return r;  // manifest.json: bytes held by the layout
   try {
     r->thread_ = std::thread([p = r.get()] { p->IoLoop(); });
@@ -182,6 +184,7 @@ void ChunkReader::IoLoop() {
   {
     vfs::ChunkIoOptions o;
     o.queue_depth = static_cast<uint32_t>(slots_.size());
+    o.max_sqe_bytes = max_sqe_bytes_;
     auto io = gen_->view->NewChunkIo(o);
     if (io.ok()) {
       io_ = std::move(io).value();

@@ -80,7 +80,8 @@ class ChunkReader {
   // Starts the reader's I/O thread (none for a file without chunks).
   static Result<std::unique_ptr<ChunkReader>> Open(std::shared_ptr<const Generation> gen,
                                                    const vfs::CheckpointFile* file,
-                                                   uint32_t readahead_chunks, ChunkBufferPool* pool);
+                                                   uint32_t readahead_chunks, uint64_t max_sqe_bytes,
+                                                   ChunkBufferPool* pool);
   ~ChunkReader();
   ChunkReader(const ChunkReader&) = delete;
   ChunkReader& operator=(const ChunkReader&) = delete;
@@ -111,7 +112,7 @@ class ChunkReader {
   };
 
   ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
-              uint32_t readahead_chunks, ChunkBufferPool* pool);
+              uint32_t readahead_chunks, uint64_t max_sqe_bytes, ChunkBufferPool* pool);
   void IoLoop();
   // REQUIRES: mu_ held. The slot to load the next chunk of the window into
   // (seq set, state kInFlight, buffer present), or null when the window is full
@@ -129,6 +130,7 @@ class ChunkReader {
   const std::shared_ptr<const Generation> gen_;
   const vfs::CheckpointFile* const file_;
   const uint32_t readahead_;
+  const uint64_t max_sqe_bytes_;  // vfs::ChunkIoOptions::max_sqe_bytes of io_
   const uint64_t chunk_size_;
   const uint64_t buf_bytes_;
   const uint64_t seq_len_;

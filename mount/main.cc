@@ -1,5 +1,5 @@
 // optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
-//                [--readahead-chunks N] [--buffer-pool-mib N] [--threads N]
+//                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--threads N]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
 #include <climits>
 #include <cstdio>
@@ -35,6 +35,8 @@ const char kUsage[] =
     "  --readahead-chunks N  whole chunks read ahead per open file (default 8)\n"
     "  --buffer-pool-mib N   most MiB of read-ahead chunk buffers over all open files\n"
     "                        (default 1024)\n"
+    "  --max-sqe-kib N       send each chunk read as parallel io_uring SQEs of at most N KiB\n"
+    "                        (a multiple of 4; default: one SQE per chunk)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  -h, --help            this text\n";
 
@@ -87,6 +89,13 @@ int main(int argc, char** argv) {
         return 2;
       }
       cmd.tree.buffer_pool_bytes = uint64_t{mib} << 20;
+    } else if (a == "--max-sqe-kib") {
+      uint32_t kib = 0;
+      if (!ParseU32(need(a.c_str()), &kib) || kib % 4 != 0) {
+        fmt::print(stderr, "optstate-mount: --max-sqe-kib wants a multiple of 4 in 4..4096\n");
+        return 2;
+      }
+      cmd.tree.max_sqe_bytes = uint64_t{kib} << 10;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
         fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");

@@ -45,6 +45,9 @@ struct MountOptions {
   // Why: 14 files read at full depth (9 x 8 MiB each) before readers shrink to
   // what they hold; the old unbounded pool kept up to 512 MiB idle anyway.
   uint64_t buffer_pool_bytes = 1ull << 30;
+  // Each chunk read goes out as parallel SQEs of at most this many bytes
+  // (vfs::ChunkIoOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
+  uint64_t max_sqe_bytes = 0;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
   uint32_t catchup_interval_ms = 20;
 };

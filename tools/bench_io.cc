@@ -43,6 +43,7 @@ struct IoOptions {
   bool no_fio = false;
   bool no_mixed = false;
   bool huge_pages = false;
+  std::string max_sqe_text = "0";
 };
 
 enum Phase { kWrite = 0, kRead = 1, kMixed = 2, kPhases = 3 };
@@ -110,8 +111,8 @@ Status RunBlocks(vfs::IoEngine* engine, vfs::File* file, uint64_t blocks, uint64
 }
 
 Result<PhaseTimes> RunEngineRound(Method m, const std::string& path, uint64_t size, uint64_t bs,
-                                  uint32_t qd, bool mixed, vfs::IoPages pages, ProgressBar* bar,
-                                  uint64_t* done_all) {
+                                  uint32_t qd, bool mixed, vfs::IoPages pages, uint64_t max_sqe,
+                                  ProgressBar* bar, uint64_t* done_all) {
   uint32_t nbufs = m == kSync ? 1 : qd;
   std::vector<vfs::IoBuffer> bufs;
   for (uint32_t i = 0; i < nbufs; ++i) {
@@ -131,6 +132,7 @@ Result<PhaseTimes> RunEngineRound(Method m, const std::string& path, uint64_t si
   if (m == kOurs) {
     vfs::IoEngineOptions eo;
     eo.queue_depth = qd;
+    eo.max_sqe_bytes = max_sqe;
     for (auto& b : bufs) eo.registered_buffers.push_back(b.span());
     OPTSTATE_ASSIGN_OR_RETURN(engine, vfs::IoEngine::NewUring(eo));
   } else {
@@ -220,6 +222,8 @@ int RunIo(const IoOptions& o) {
   if (!size.ok()) return FailWith(kTool, size.status().WithContext("--size"));
   auto chunks = ParseBytesList(o.chunk_sizes_text);
   if (!chunks.ok()) return FailWith(kTool, chunks.status().WithContext("--chunk-sizes"));
+  auto max_sqe = ParseBytes(o.max_sqe_text);
+  if (!max_sqe.ok()) return FailWith(kTool, max_sqe.status().WithContext("--max-sqe"));
   for (uint64_t c : *chunks) {
     if (c == 0 || c % 4096 != 0) {
       return FailWith(kTool, InvalidArgument(fmt::format(
@@ -274,8 +278,8 @@ int RunIo(const IoOptions& o) {
             m == kFio ? RunFioRound(dir + "/fio.dat", sz, bs, o.queue_depth, mixed)
                       : RunEngineRound(static_cast<Method>(m), dir + "/" + kMethodKeys[m] + ".dat",
                                        sz, bs, o.queue_depth, mixed,
-                                       o.huge_pages ? vfs::IoPages::kHuge : vfs::IoPages::kBase, &bar,
-                                       &done_all);
+                                       o.huge_pages ? vfs::IoPages::kHuge : vfs::IoPages::kBase,
+                                       *max_sqe, &bar, &done_all);
         if (!t.ok()) {
           bar.Finish();
           if (own_dir) (void)RemoveTree(dir);
@@ -354,6 +358,9 @@ void AddIoCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--no-mixed", o->no_mixed, "skip the 50/50 read/write phase");
   sub->add_flag("--huge-pages", o->huge_pages,
                 "our engines' buffers in 2 MiB huge pages (fio's always are: glibc.malloc.hugetlb=1)");
+  sub->add_option("--max-sqe", o->max_sqe_text,
+                  "our engine sends each block as parallel SQEs of at most N bytes (IoEngineOptions::max_sqe_bytes); "
+                  "0 = one SQE per block");
   sub->callback([o, exit_code] { *exit_code = RunIo(*o); });
 }
 

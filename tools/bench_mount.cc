@@ -27,6 +27,7 @@ struct MountOptions {
   std::string state_text = "1G";
   uint32_t rounds = 3;
   uint32_t readahead_chunks = 0;  // 0: optstate-mount's default
+  uint32_t max_sqe_kib = 0;       // 0: optstate-mount's default
   bool json = false;
 };
 
@@ -79,6 +80,10 @@ int RunMount(const MountOptions& o) {
   if (o.readahead_chunks > 0) {
     mount_argv.push_back("--readahead-chunks");
     mount_argv.push_back(std::to_string(o.readahead_chunks));
+  }
+  if (o.max_sqe_kib > 0) {
+    mount_argv.push_back("--max-sqe-kib");
+    mount_argv.push_back(std::to_string(o.max_sqe_kib));
   }
   auto child = Child::Start(mount_argv, work + "/mount.log");
   if (!child.ok()) return FailWith(kTool, child.status());
@@ -144,7 +149,8 @@ int RunMount(const MountOptions& o) {
   nlohmann::json out = {{"machine", MachineInfo()}, {"bytes", *bytes}, {"rounds", o.rounds},
                         {"seconds", {{"cp", t_cp}, {"fio", t_fio}}}, {"cp_vs_fio", ratio},
                         {"copy_to", copy_where},
-                        {"readahead_chunks", o.readahead_chunks}};
+                        {"readahead_chunks", o.readahead_chunks},
+                        {"max_sqe_kib", o.max_sqe_kib}};
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -170,6 +176,8 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--rounds", o->rounds, "interleaved rounds (default 3)");
   sub->add_option("--readahead-chunks", o->readahead_chunks,
                   "passed to optstate-mount --readahead-chunks (default: its default)");
+  sub->add_option("--max-sqe-kib", o->max_sqe_kib,
+                  "passed to optstate-mount --max-sqe-kib (default: its default)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] { *exit_code = RunMount(*o); });
 }

@@ -52,6 +52,8 @@ struct IoEngineOptions {
   // larger when needed), completed as one. 0 = one SQE per request (default).
   // Why: what request size a disk serves best varies; the block layer only
   // caps requests at max_sectors_kb, and memory in huge pages reaches it.
+  // Parts go to the kernel at most two per io_uring_enter: a larger batch is
+  // plugged, and the plug merges adjacent parts back into one request.
   uint64_t max_sqe_bytes = 0;
   // Registered-file table size (IORING_REGISTER_FILES, sparse); files beyond
   // it evict the oldest slot. 0 disables registered files. Default 1024 slots.

@@ -371,6 +371,27 @@ TEST_F(MountTest, TinyBufferPoolServesParallelCopies) {
   for (int i = 0; i < 4; ++i) ExpectDirEqualsLayout(**l, root_ + "/c" + std::to_string(i));
 }
 
+// --max-sqe-kib: every chunk read goes to the kernel as parallel parts (16 KiB,
+// or larger where a chunk would need more than 16), completed as one chunk
+// whose XXH3 must match; a copy is still the library's bytes. A size that is
+// not a multiple of 4 KiB is refused at start, naming the flag.
+TEST_F(MountTest, SplitChunkReadsCopyBitExact) {
+  StopDaemon();
+  StartDaemon({"--max-sqe-kib", "16"});
+  ASSERT_EQ(WaitExit(Spawn({"/bin/cp", "-r", M("latest"), root_ + "/split"}, root_ + "/cp.log")), 0)
+      << ReadFile(root_ + "/cp.log");
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  ExpectDirEqualsLayout(**l, root_ + "/split");
+
+  const std::string log = root_ + "/badflag.log";
+  EXPECT_EQ(WaitExit(Spawn({OPTSTATE_MOUNT_BINARY, stores_, root_ + "/unused", "-f", "--max-sqe-kib", "6"}, log)), 2);
+  EXPECT_NE(ReadFile(log).find("--max-sqe-kib wants a multiple of 4"), std::string::npos) << ReadFile(log);
+}
+
 TEST_F(MountTest, ParallelReadersWhileTrainerSteps) {
   std::string stop = root_ + "/stop", prog = root_ + "/progress";
   pid_t w = Writer({"--first-step", "2", "--steps", "2", "--snapshot-after", "2", "snap-b",

@@ -375,6 +375,7 @@ Status UringIoEngine::Submit(std::span<const IoRequest> requests) {
     ++requests_active_;
     ++accepted_;
     const int file_slot = FileSlotFor(r, &checked);
+    if (parts > 1) OPTSTATE_RETURN_IF_ERROR(SubmitPrepared());  // see below: unplugged
     for (uint32_t k = 0; k < parts; ++k) {
       uint32_t idx = free_ops_.back();
       free_ops_.pop_back();
@@ -392,6 +393,11 @@ Status UringIoEngine::Submit(std::span<const IoRequest> requests) {
       op.file_slot = file_slot;
       ++active_;
       Prepare(idx);
+      // io_uring plugs the block layer for a batch of more than two SQEs,
+      // and a plug merges adjacent bios into one request up to
+      // max_sectors_kb: the parts would reach the disk as the large request
+      // the split exists to avoid. At most two per io_uring_enter: unplugged.
+      if (parts > 1 && prepared_ >= 2) OPTSTATE_RETURN_IF_ERROR(SubmitPrepared());
     }
   }
   return SubmitPrepared();
