@@ -1,6 +1,8 @@
 #include "mount/chunk_reader.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <system_error>
 
@@ -64,12 +66,24 @@ uint64_t ChunkBufferPool::allocated_bytes() const {
 
 // ---- ChunkReader ------------------------------------------------------------
 
+namespace {
+// Test hook (tests/mount/chunk_reader_test): milliseconds the I/O thread
+// sleeps, unlocked, each time it is woken for work, widening the window in
+// which readers move the read-ahead window under it
+// (OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS, read at Open; default 0).
+uint32_t IoWakeDelayMs() {
+  const char* e = std::getenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS");
+  return e != nullptr ? static_cast<uint32_t>(std::strtoul(e, nullptr, 10)) : 0u;
+}
+}  // namespace
+
 ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
                          uint32_t readahead_chunks, uint64_t max_sqe_bytes, ChunkBufferPool* pool)
     : gen_(std::move(gen)),
       file_(file),
       readahead_(std::max<uint32_t>(1, readahead_chunks)),
       max_sqe_bytes_(max_sqe_bytes),
+      io_wake_delay_ms_(IoWakeDelayMs()),
       chunk_size_(gen_->view->identity().chunk_size_bytes),
       buf_bytes_((chunk_size_ + 4095) / 4096 * 4096),
       seq_len_(gen_->layout->ChunkSequenceLength(*file)),
@@ -129,55 +143,67 @@ void ChunkReader::MoveTo(uint64_t seq) {
 ChunkReader::Slot* ChunkReader::NextSubmission() {
   if (!io_error_.ok()) return nullptr;
   const uint64_t hi = std::min(seq_len_ - 1, pos_ + window_);
+  // Chunks readers wait for come first: the window follows the reader that
+  // moved last, and a reader waiting elsewhere must not depend on it.
+  for (const auto& [seq, readers] : waiting_) {
+    if (Find(seq) != nullptr) continue;
+    if (Slot* s = Claim(seq, hi, /*demand=*/true)) return s;
+  }
   for (uint64_t seq = pos_; seq <= hi; ++seq) {
     if (Find(seq) != nullptr) continue;
-    // A slot for seq: an empty one that has a buffer, else the loaded chunk
-    // farthest behind the window (or past it), else a new buffer from the
-    // pool while its budget lasts, else the loaded chunk farthest ahead of seq
-    // inside the window (after a backward seek the window fills from its
-    // start; each such eviction trades a later chunk for an earlier one, so
-    // this ends).
-    Slot* empty_with_buf = nullptr;
-    Slot* empty_without_buf = nullptr;
-    Slot* outside = nullptr;
-    Slot* ahead = nullptr;
-    bool holds_any = false;
-    for (Slot& s : slots_) {
-      holds_any = holds_any || s.buf != nullptr;
-      if (s.state == SlotState::kEmpty) {
-        Slot*& e = s.buf != nullptr ? empty_with_buf : empty_without_buf;
-        if (e == nullptr) e = &s;
-        continue;
-      }
-      if (s.state == SlotState::kInFlight || s.pins > 0 || s.buf == nullptr) continue;
-      if (s.seq < pos_ || s.seq > hi) {
-        if (outside == nullptr || s.seq < outside->seq) outside = &s;
-      } else if (s.seq > seq && (ahead == nullptr || s.seq > ahead->seq)) {
-        ahead = &s;
-      }
-    }
-    Slot* victim = empty_with_buf != nullptr ? empty_with_buf : outside;
-    if (victim == nullptr && empty_without_buf != nullptr) {
-      empty_without_buf->buf = pool_->Take(buf_bytes_, /*must=*/!holds_any);
-      if (empty_without_buf->buf != nullptr) {
-        victim = empty_without_buf;
-      } else if (!holds_any) {
-        empty_without_buf->seq = seq;
-        empty_without_buf->state = SlotState::kFailed;
-        empty_without_buf->status =
-            ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", buf_bytes_));
-        ready_cv_.notify_all();
-        return nullptr;
-      }
-    }
-    if (victim == nullptr) victim = ahead;
-    if (victim == nullptr) return nullptr;  // window loaded as far as slots allow
-    victim->seq = seq;
-    victim->state = SlotState::kInFlight;
-    victim->status = Status();
-    return victim;
+    return Claim(seq, hi, /*demand=*/false);
   }
   return nullptr;
+}
+
+ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
+  // A slot for seq: an empty one that has a buffer, else the loaded chunk
+  // farthest behind the window (or past it), else a new buffer from the pool
+  // while its budget lasts, else the loaded chunk farthest ahead inside the
+  // window: ahead of seq for read-ahead (after a backward seek the window
+  // fills from its start; each such eviction trades a later chunk for an
+  // earlier one, so this ends), any for a chunk a reader waits for. Never a
+  // chunk being copied out (pinned) or one a woken reader is about to pin.
+  Slot* empty_with_buf = nullptr;
+  Slot* empty_without_buf = nullptr;
+  Slot* outside = nullptr;
+  Slot* ahead = nullptr;
+  bool holds_any = false;
+  for (Slot& s : slots_) {
+    holds_any = holds_any || s.buf != nullptr;
+    if (s.state == SlotState::kEmpty) {
+      Slot*& e = s.buf != nullptr ? empty_with_buf : empty_without_buf;
+      if (e == nullptr) e = &s;
+      continue;
+    }
+    if (s.state == SlotState::kInFlight || s.pins > 0 || s.buf == nullptr) continue;
+    if (waiting_.count(s.seq) > 0) continue;
+    if (s.seq < pos_ || s.seq > hi) {
+      if (outside == nullptr || s.seq < outside->seq) outside = &s;
+    } else if ((demand || s.seq > seq) && (ahead == nullptr || s.seq > ahead->seq)) {
+      ahead = &s;
+    }
+  }
+  Slot* victim = empty_with_buf != nullptr ? empty_with_buf : outside;
+  if (victim == nullptr && empty_without_buf != nullptr) {
+    empty_without_buf->buf = pool_->Take(buf_bytes_, /*must=*/!holds_any);
+    if (empty_without_buf->buf != nullptr) {
+      victim = empty_without_buf;
+    } else if (!holds_any) {
+      empty_without_buf->seq = seq;
+      empty_without_buf->state = SlotState::kFailed;
+      empty_without_buf->status =
+          ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", buf_bytes_));
+      ready_cv_.notify_all();
+      return nullptr;
+    }
+  }
+  if (victim == nullptr) victim = ahead;
+  if (victim == nullptr) return nullptr;  // loaded as far as slots allow
+  victim->seq = seq;
+  victim->state = SlotState::kInFlight;
+  victim->status = Status();
+  return victim;
 }
 
 void ChunkReader::IoLoop() {
@@ -215,6 +241,11 @@ void ChunkReader::IoLoop() {
     }
     if (sync_fallback_ || !io_error_.ok() || io_->in_flight() == 0) {
       io_cv_.wait(l);
+      if (io_wake_delay_ms_ > 0) {
+        l.unlock();
+        std::this_thread::sleep_for(std::chrono::milliseconds(io_wake_delay_ms_));
+        l.lock();
+      }
       continue;
     }
     // Completions are verified (XXH3) inside Reap, here on the I/O thread.
@@ -264,8 +295,19 @@ Status ChunkReader::SlotError(const Slot& s) const {
 
 Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l) {
   MoveTo(seq);
+  // While this reader waits, seq is in waiting_: the I/O thread loads it even
+  // when another reader has moved the window elsewhere, and does not evict it
+  // before this reader has pinned it.
+  bool waits = false;
+  auto stop_waiting = [&] {
+    if (!waits) return;
+    auto it = waiting_.find(seq);
+    if (--it->second == 0) waiting_.erase(it);
+    waits = false;
+  };
   for (;;) {
     if (!io_error_.ok()) {
+      stop_waiting();
       Slot s;
       s.seq = seq;
       s.status = io_error_;
@@ -273,11 +315,15 @@ Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<
     }
     Slot* s = Find(seq);
     if (s == nullptr || s->state == SlotState::kInFlight) {
-      if (pos_ != seq) MoveTo(seq);  // another reader moved the window away
-      io_cv_.notify_one();
+      if (!waits) {
+        ++waiting_[seq];
+        waits = true;
+        io_cv_.notify_one();
+      }
       ready_cv_.wait(l);
       continue;
     }
+    stop_waiting();
     if (s->state == SlotState::kFailed) {
       Status st = SlotError(*s);
       if (s->pins == 0) s->state = SlotState::kEmpty;  // the next read retries

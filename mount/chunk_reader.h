@@ -14,7 +14,9 @@
 // and doubles with every sequential chunk step up to `readahead_chunks` ahead
 // of the chunk being read; a jump (seek) shrinks it back to one. A random
 // reader therefore pays at most one extra chunk per seek, a sequential one gets
-// the full queue after a few chunks.
+// the full queue after a few chunks. The window follows the reader that moved
+// last; a chunk some other reader of the file waits for is loaded first,
+// wherever the window is (concurrent preads or AIO on one descriptor).
 //
 // Bytes handed out always come from a chunk whose checksum matched: a chunk
 // that fails (I/O error or checksum mismatch) fails the read with its Status
@@ -38,6 +40,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -118,6 +121,9 @@ class ChunkReader {
   // (seq set, state kInFlight, buffer present), or null when the window is full
   // or no slot is free.
   Slot* NextSubmission();
+  // REQUIRES: mu_ held. A slot for chunk seq (set kInFlight), or null when
+  // none can be had now. `demand`: a reader waits for seq (see .cc).
+  Slot* Claim(uint64_t seq, uint64_t hi, bool demand);
   // REQUIRES: mu_ held. Moves the window to `seq` (the chunk a reader needs).
   void MoveTo(uint64_t seq);
   // REQUIRES: mu_ held (through l). Waits until chunk seq is verified, pins it.
@@ -131,6 +137,7 @@ class ChunkReader {
   const vfs::CheckpointFile* const file_;
   const uint32_t readahead_;
   const uint64_t max_sqe_bytes_;  // vfs::ChunkIoOptions::max_sqe_bytes of io_
+  const uint32_t io_wake_delay_ms_;  // test hook, see chunk_reader.cc
   const uint64_t chunk_size_;
   const uint64_t buf_bytes_;
   const uint64_t seq_len_;
@@ -142,6 +149,7 @@ class ChunkReader {
   std::vector<Slot> slots_;            // readahead + 1 (the chunk being read)
   uint64_t pos_ = 0;                   // chunk a reader needs now: window start
   uint32_t window_ = 1;                // chunks kept loaded after pos_ (ramps up)
+  std::map<uint64_t, uint32_t> waiting_;  // chunk -> readers waiting for it to load
   bool stop_ = false;
   Status io_error_;                    // the ChunkIo itself failed: reads fail with it
   std::unique_ptr<vfs::ChunkIo> io_;   // the I/O thread's only (ChunkIo: one thread)

@@ -1,0 +1,141 @@
+// ChunkReader without FUSE: many threads reading one open file at once (what
+// the kernel does for parallel preads or AIO on one descriptor) against the
+// bytes the library reads (CheckpointLayout::Read, independent of the
+// reader's window and slots).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <thread>
+
+#include "mount/chunk_reader.h"
+#include "mount/store_tree.h"
+#include "tests/vfs/checkpoint_test_util.h"
+
+namespace optstate::mount {
+namespace {
+
+using namespace vfs;           // NOLINT
+using namespace vfs::testing;  // NOLINT
+
+class ChunkReaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = MakeTempDir("chunk_reader_test");
+    auto s = CreateStore(root_ + "/s");  // 2 MiB chunks
+    ASSERT_NE(s, nullptr);
+    CreateTensors(s.get(), {{"big", 8ull << 20, {}}});  // 32 MiB per field: 16 chunks
+    WriteStep(s.get(), 1);
+    MountOptions o;
+    o.store_root = root_;
+    tree_ = std::make_unique<StoreTree>(o);
+    auto n = tree_->Resolve("/s/latest/tensors/big/main");
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    node_ = *n;
+    want_.resize(node_.file->size_bytes);
+    ASSERT_TRUE(node_.gen->layout->Read(*node_.file, 0, want_.data(), want_.size()).ok());
+  }
+  void TearDown() override {
+    tree_.reset();
+    std::filesystem::remove_all(root_);
+  }
+
+  std::string root_;
+  std::unique_ptr<StoreTree> tree_;
+  Node node_;
+  std::string want_;
+};
+
+// Readers that want different chunks at once: one asks for a chunk nobody has
+// loaded, another at once for one already loaded (which moves the read-ahead
+// window away from the first). Every read must finish with the library's
+// bytes; a reader left waiting for a chunk the I/O thread no longer means to
+// load hangs here, so a watchdog fails the test instead of hanging CI.
+TEST_F(ChunkReaderTest, ConcurrentReadersOnOneFileAllFinishWithTheLibrarysBytes) {
+  ChunkBufferPool pool(1ull << 30);
+  auto r = ChunkReader::Open(node_.gen, node_.file, /*readahead_chunks=*/2, /*max_sqe_bytes=*/0, &pool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const uint64_t size = want_.size();
+  constexpr int kThreads = 6;
+  constexpr int kReads = 400;
+  std::atomic<uint64_t> done{0}, bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(1000 + t);
+      std::string got;
+      for (int i = 0; i < kReads; ++i) {
+        // Half the threads stay near the start (chunks the window keeps
+        // loaded), half jump anywhere (chunks it must load).
+        const uint64_t span = t % 2 == 0 ? 3 * (2ull << 20) : size;
+        const uint64_t off = rng() % span;
+        const uint64_t len = std::min<uint64_t>(1 + rng() % (256 << 10), size - off);
+        got.assign(len, '\0');
+        auto n = (*r)->Read(off, len, got.data());
+        if (!n.ok() || *n != len || got.compare(0, len, want_, off, len) != 0) ++bad;
+        ++done;
+      }
+    });
+  }
+  uint64_t last = 0;
+  auto last_change = std::chrono::steady_clock::now();
+  while (done.load() < uint64_t{kThreads} * kReads) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (done.load() != last) {
+      last = done.load();
+      last_change = std::chrono::steady_clock::now();
+    } else if (std::chrono::steady_clock::now() - last_change > std::chrono::seconds(20)) {
+      std::fprintf(stderr, "FAILED: reads stalled for 20 s after %llu of %d: a reader waits for a chunk "
+                   "that is never loaded\n", static_cast<unsigned long long>(last), kThreads * kReads);
+      std::fflush(stderr);
+      std::_Exit(1);  // the stuck threads cannot be joined
+    }
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0u);
+}
+
+// The same race made certain: the I/O thread sleeps 300 ms each time it is
+// woken. Reader A asks for chunk 10 (nobody has loaded it); while the I/O
+// thread sleeps, reader B reads chunk 0 (loaded), which moves the window back
+// to 0. A must still get chunk 10 (it once waited forever: the I/O thread saw
+// only the window at 0, all loaded).
+TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
+  ChunkBufferPool pool(1ull << 30);
+  ASSERT_EQ(setenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS", "300", 1), 0);
+  auto r = ChunkReader::Open(node_.gen, node_.file, /*readahead_chunks=*/1, /*max_sqe_bytes=*/0, &pool);
+  unsetenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const uint64_t cs = 2ull << 20;
+  std::string got(4096, '\0');
+  auto n = (*r)->Read(0, got.size(), got.data());  // chunks 0 and 1 loaded, the I/O thread idle
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  std::atomic<bool> a_done{false};
+  std::string a_got(4096, '\0');
+  Result<uint64_t> a_n = 0;
+  std::thread a([&] {
+    a_n = (*r)->Read(10 * cs + 123, a_got.size(), a_got.data());
+    a_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // A waits; the I/O thread sleeps
+  n = (*r)->Read(100, got.size(), got.data());                  // B: chunk 0, loaded
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(got.compare(0, got.size(), want_, 100, got.size()), 0);
+  for (int i = 0; i < 200 && !a_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (!a_done) {
+    std::fprintf(stderr, "FAILED: reader A still waits for chunk 10 after 10 s\n");
+    std::fflush(stderr);
+    std::_Exit(1);  // A cannot be joined
+  }
+  a.join();
+  ASSERT_TRUE(a_n.ok()) << a_n.status().ToString();
+  EXPECT_EQ(*a_n, a_got.size());
+  EXPECT_EQ(a_got.compare(0, a_got.size(), want_, 10 * cs + 123, a_got.size()), 0);
+}
+
+}  // namespace
+}  // namespace optstate::mount
