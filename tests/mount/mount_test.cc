@@ -133,6 +133,16 @@ class MountTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     return s.ok() ? std::move(s).value() : nullptr;
   }
+  // Every file of the latest generation's layout equals the same file under `dir`.
+  void ExpectDirEqualsLatest(const std::string& dir) {
+    auto s = OpenRo();
+    ASSERT_NE(s, nullptr);
+    auto v = s->OpenGeneration(kLatest);
+    ASSERT_TRUE(v.ok()) << v.status().ToString();
+    auto l = CheckpointLayout::Build(v->get());
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    ExpectDirEqualsLayout(**l, dir);
+  }
   // Every file of the layout equals the same file under `dir`.
   void ExpectDirEqualsLayout(const CheckpointLayout& l, const std::string& dir) {
     size_t n = 0;
@@ -380,12 +390,7 @@ TEST_F(MountTest, SplitChunkReadsCopyBitExact) {
   StartDaemon({"--max-sqe-kib", "16"});
   ASSERT_EQ(WaitExit(Spawn({"/bin/cp", "-r", M("latest"), root_ + "/split"}, root_ + "/cp.log")), 0)
       << ReadFile(root_ + "/cp.log");
-  auto s = OpenRo();
-  auto v = s->OpenGeneration(kLatest);
-  ASSERT_TRUE(v.ok());
-  auto l = CheckpointLayout::Build(v->get());
-  ASSERT_TRUE(l.ok());
-  ExpectDirEqualsLayout(**l, root_ + "/split");
+  ExpectDirEqualsLatest(root_ + "/split");
 
   const std::string log = root_ + "/badflag.log";
   EXPECT_EQ(WaitExit(Spawn({OPTSTATE_MOUNT_BINARY, stores_, root_ + "/unused", "-f", "--max-sqe-kib", "6"}, log)), 2);
@@ -522,12 +527,7 @@ TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
   EXPECT_FALSE(IsMounted(mnt_));
   StartDaemon();
   ASSERT_EQ(Sh("cp -r " + M("latest") + " " + root_ + "/full"), 0);
-  auto s = OpenRo();
-  auto v = s->OpenGeneration(kLatest);
-  ASSERT_TRUE(v.ok());
-  auto l = CheckpointLayout::Build(v->get());
-  ASSERT_TRUE(l.ok());
-  ExpectDirEqualsLayout(**l, root_ + "/full");
+  ExpectDirEqualsLatest(root_ + "/full");
 }
 
 TEST_F(MountTest, CorruptChunkIsEio) {
