@@ -97,7 +97,8 @@ Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Gen
                                                        uint32_t readahead_chunks,
                                                        uint64_t max_sqe_bytes,
                                                        ChunkBufferPool* pool) {
-  std::unique_ptr<ChunkReader> r(new ChunkReader(std::move(gen), file, readahead_chunks, max_sqe_bytes, pool));
+  std::unique_ptr<ChunkReader> r(
+      new ChunkReader(std::move(gen), file, readahead_chunks, max_sqe_bytes, pool));
   if (r->seq_len_ == 0) return r;  // manifest.json: bytes held by the layout
   try {
     r->thread_ = std::thread([p = r.get()] { p->IoLoop(); });

@@ -359,8 +359,8 @@ void AddIoCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--huge-pages", o->huge_pages,
                 "our engines' buffers in 2 MiB huge pages (fio's always are: glibc.malloc.hugetlb=1)");
   sub->add_option("--max-sqe", o->max_sqe_text,
-                  "our engine sends each block as parallel SQEs of at most N bytes (IoEngineOptions::max_sqe_bytes); "
-                  "0 = one SQE per block");
+                  "our engine sends each block as parallel SQEs of at most N bytes "
+                  "(IoEngineOptions::max_sqe_bytes); 0 = one SQE per block");
   sub->callback([o, exit_code] { *exit_code = RunIo(*o); });
 }
 

@@ -150,7 +150,8 @@ int RunMount(const MountOptions& o) {
       t0 = NowSeconds();
       auto m = RunCommand({"cp", "-r", copy_dir, copy2_dir});
       if (!m.ok() || m->exit_code != 0) {
-        return FailWith(kTool, IoError("cp -r in tmpfs failed: " + (m.ok() ? m->err : m.status().ToString())));
+        return FailWith(kTool, IoError("cp -r in tmpfs failed: " +
+                                       (m.ok() ? m->err : m.status().ToString())));
       }
       t_mem.push_back(NowSeconds() - t0);
       (void)RemoveTree(copy2_dir);
@@ -168,7 +169,8 @@ int RunMount(const MountOptions& o) {
   nlohmann::json out = {{"machine", MachineInfo()}, {"bytes", *bytes}, {"rounds", o.rounds},
                         {"seconds", {{"cp", t_cp}, {"fio", t_fio}, {"cp_from_tmpfs", t_mem}}},
                         {"cp_vs_fio", ratio},
-                        {"cp_vs_cp_from_tmpfs", mem_ratios.empty() ? nlohmann::json() : nlohmann::json(Median(mem_ratios))},
+                        {"cp_vs_cp_from_tmpfs",
+                         mem_ratios.empty() ? nlohmann::json() : nlohmann::json(Median(mem_ratios))},
                         {"copy_to", copy_where},
                         {"readahead_chunks", o.readahead_chunks},
                         {"max_sqe_kib", o.max_sqe_kib}};

@@ -393,7 +393,9 @@ TEST_F(MountTest, SplitChunkReadsCopyBitExact) {
   ExpectDirEqualsLatest(root_ + "/split");
 
   const std::string log = root_ + "/badflag.log";
-  EXPECT_EQ(WaitExit(Spawn({OPTSTATE_MOUNT_BINARY, stores_, root_ + "/unused", "-f", "--max-sqe-kib", "6"}, log)), 2);
+  EXPECT_EQ(WaitExit(Spawn({OPTSTATE_MOUNT_BINARY, stores_, root_ + "/unused", "-f", "--max-sqe-kib", "6"},
+                           log)),
+            2);
   EXPECT_NE(ReadFile(log).find("--max-sqe-kib wants a multiple of 4"), std::string::npos) << ReadFile(log);
 }
 
