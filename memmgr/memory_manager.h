@@ -77,17 +77,18 @@ struct MemoryManagerOptions {
   // Pinned host buffers (staging, host cache tier, AllocPinnedHost) in 2 MiB
   // transparent huge pages (vfs/io_buffer.h, IoPages::kHuge): a chunk's
   // direct I/O then reaches the disk as few large requests instead of many
-  // ~1 MiB ones. Default false: on the H200 machine the step ran 1.2-1.4x
-  // slower so (1.00-1.10x of the floor without); on the development VM 1.5x
-  // faster (optstate-bench step --huge-pages; README "Benchmarks").
+  // ~1 MiB ones. Default false: the H200 machine's disk serves ~1 MiB
+  // requests best (the step ran 1.2-1.4x slower with huge pages, 1.00-1.10x
+  // of the floor without); the development VM's 4 MiB ones (1.5x faster).
+  // README "Defaults and why" (optstate-bench step --huge-pages).
   bool huge_page_staging = false;
   // Chunk I/O goes to the kernel as parallel SQEs of at most this many bytes
   // (vfs IoEngineOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
-  // With huge_page_staging it bounds the device requests that huge pages
-  // make large: the H200's disk served 4 MiB requests badly (see above), and
-  // on the development VM huge pages with 1 MiB SQEs kept their gain (step
-  // 1.55x/1.48x of the floor vs 1.55x/1.11x with whole chunks; base pages
-  // 3.35x/2.58x; one run each, interleaved). Not yet measured on the H200.
+  // With huge_page_staging it asks for smaller device requests, but the block
+  // layer's scheduler may merge adjacent parts back: on the H200 1 MiB parts
+  // reached the disk as ~2 MiB requests (step 1.25x of the floor) unless
+  // merging was off (/sys/block/<dev>/queue/nomerges = 2: 1.01x). README
+  // "Defaults and why".
   uint64_t max_sqe_bytes = 0;
 };
 

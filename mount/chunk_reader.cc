@@ -78,11 +78,11 @@ uint32_t IoWakeDelayMs() {
 }  // namespace
 
 ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
-                         uint32_t readahead_chunks, uint64_t max_sqe_bytes, ChunkBufferPool* pool)
+                         const MountOptions& opts, ChunkBufferPool* pool)
     : gen_(std::move(gen)),
       file_(file),
-      readahead_(std::max<uint32_t>(1, readahead_chunks)),
-      max_sqe_bytes_(max_sqe_bytes),
+      readahead_(std::max<uint32_t>(1, opts.readahead_chunks)),
+      max_sqe_bytes_(opts.max_sqe_bytes),
       io_wake_delay_ms_(IoWakeDelayMs()),
       chunk_size_(gen_->view->identity().chunk_size_bytes),
       buf_bytes_((chunk_size_ + 4095) / 4096 * 4096),
@@ -94,11 +94,9 @@ ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::Check
 
 Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Generation> gen,
                                                        const vfs::CheckpointFile* file,
-                                                       uint32_t readahead_chunks,
-                                                       uint64_t max_sqe_bytes,
+                                                       const MountOptions& opts,
                                                        ChunkBufferPool* pool) {
-  std::unique_ptr<ChunkReader> r(
-      new ChunkReader(std::move(gen), file, readahead_chunks, max_sqe_bytes, pool));
+  std::unique_ptr<ChunkReader> r(new ChunkReader(std::move(gen), file, opts, pool));
   if (r->seq_len_ == 0) return r;  // manifest.json: bytes held by the layout
   try {
     r->thread_ = std::thread([p = r.get()] { p->IoLoop(); });

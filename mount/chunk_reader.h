@@ -80,11 +80,11 @@ class ChunkBufferPool {
 
 class ChunkReader {
  public:
-  // Starts the reader's I/O thread (none for a file without chunks).
+  // Starts the reader's I/O thread (none for a file without chunks). Uses
+  // opts.readahead_chunks and opts.max_sqe_bytes.
   static Result<std::unique_ptr<ChunkReader>> Open(std::shared_ptr<const Generation> gen,
                                                    const vfs::CheckpointFile* file,
-                                                   uint32_t readahead_chunks, uint64_t max_sqe_bytes,
-                                                   ChunkBufferPool* pool);
+                                                   const MountOptions& opts, ChunkBufferPool* pool);
   ~ChunkReader();
   ChunkReader(const ChunkReader&) = delete;
   ChunkReader& operator=(const ChunkReader&) = delete;
@@ -115,7 +115,7 @@ class ChunkReader {
   };
 
   ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
-              uint32_t readahead_chunks, uint64_t max_sqe_bytes, ChunkBufferPool* pool);
+              const MountOptions& opts, ChunkBufferPool* pool);
   void IoLoop();
   // REQUIRES: mu_ held. The slot to load the next chunk of the window into
   // (seq set, state kInFlight, buffer present), or null when the window is full

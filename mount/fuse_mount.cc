@@ -34,8 +34,6 @@ constexpr uint32_t kMaxReadBytes = 1u << 20;
 struct Context {
   std::unique_ptr<StoreTree> tree;
   std::unique_ptr<ChunkBufferPool> pool;
-  uint32_t readahead_chunks = 8;
-  uint64_t max_sqe_bytes = 0;
 
   // Node ids are InodeOf(path) (root: FUSE_ROOT_ID), so they are stable
   // across remounts and equal the st_ino that stat shows. The kernel's lookup
@@ -298,8 +296,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   auto n = Ctx(req)->tree->Resolve(path);
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind != NodeKind::kGenFile) return (void)fuse_reply_err(req, EISDIR);
-  auto r = ChunkReader::Open(n->gen, n->file, Ctx(req)->readahead_chunks,
-                            Ctx(req)->max_sqe_bytes, Ctx(req)->pool.get());
+  auto r = ChunkReader::Open(n->gen, n->file, Ctx(req)->tree->options(), Ctx(req)->pool.get());
   if (!r.ok()) {
     OPTSTATE_LOG_ERROR("{}", r.status().ToString());
     return ReplyStatus(req, r.status());
@@ -481,8 +478,6 @@ int RunMount(const MountCommand& cmd) {
 
   Context ctx;
   ctx.tree = std::make_unique<StoreTree>(cmd.tree);
-  ctx.readahead_chunks = cmd.tree.readahead_chunks;
-  ctx.max_sqe_bytes = cmd.tree.max_sqe_bytes;
   ctx.pool = std::make_unique<ChunkBufferPool>(cmd.tree.buffer_pool_bytes);
   struct fuse_lowlevel_ops ops = MakeOps();
   struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &ctx);

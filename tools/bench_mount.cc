@@ -57,6 +57,17 @@ Status MakeStore(const std::string& path, uint64_t bytes) {
   return store->CreateSnapshot("bench").status();
 }
 
+// Seconds `cp -r src dst` takes (dst removed first).
+Result<double> TimedCopy(const std::string& src, const std::string& dst) {
+  (void)RemoveTree(dst);
+  double t0 = NowSeconds();
+  auto c = RunCommand({"cp", "-r", src, dst});
+  if (!c.ok() || c->exit_code != 0) {
+    return IoError("cp -r " + src + " " + dst + " failed: " + (c.ok() ? c->err : c.status().ToString()));
+  }
+  return NowSeconds() - t0;
+}
+
 int RunMount(const MountOptions& o) {
   auto state = ParseBytes(o.state_text);
   if (!state.ok()) return FailWith(kTool, state.status().WithContext("--state"));
@@ -138,22 +149,13 @@ int RunMount(const MountOptions& o) {
     auto f = RunFio({j});
     if (!f.ok()) return FailWith(kTool, f.status());
     t_fio.push_back(f->jobs[0].runtime_seconds);
-    (void)RemoveTree(copy_dir);
-    double t0 = NowSeconds();
-    auto c = RunCommand({"cp", "-r", src, copy_dir});
-    if (!c.ok() || c->exit_code != 0) {
-      return FailWith(kTool, IoError("cp -r failed: " + (c.ok() ? c->err : c.status().ToString())));
-    }
-    t_cp.push_back(NowSeconds() - t0);
+    auto c = TimedCopy(src, copy_dir);
+    if (!c.ok()) return FailWith(kTool, c.status());
+    t_cp.push_back(*c);
     if (ceiling) {
-      (void)RemoveTree(copy2_dir);
-      t0 = NowSeconds();
-      auto m = RunCommand({"cp", "-r", copy_dir, copy2_dir});
-      if (!m.ok() || m->exit_code != 0) {
-        return FailWith(kTool, IoError("cp -r in tmpfs failed: " +
-                                       (m.ok() ? m->err : m.status().ToString())));
-      }
-      t_mem.push_back(NowSeconds() - t0);
+      auto m = TimedCopy(copy_dir, copy2_dir);
+      if (!m.ok()) return FailWith(kTool, m.status());
+      t_mem.push_back(*m);
       (void)RemoveTree(copy2_dir);
     }
     (void)RemoveTree(copy_dir);

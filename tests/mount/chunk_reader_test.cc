@@ -43,6 +43,13 @@ class ChunkReaderTest : public ::testing::Test {
     std::filesystem::remove_all(root_);
   }
 
+  // Reader options: `readahead_chunks` chunks ahead, one SQE per chunk.
+  MountOptions Reading(uint32_t readahead_chunks) const {
+    MountOptions o = tree_->options();
+    o.readahead_chunks = readahead_chunks;
+    return o;
+  }
+
   std::string root_;
   std::unique_ptr<StoreTree> tree_;
   Node node_;
@@ -56,7 +63,7 @@ class ChunkReaderTest : public ::testing::Test {
 // load hangs here, so a watchdog fails the test instead of hanging CI.
 TEST_F(ChunkReaderTest, ConcurrentReadersOnOneFileAllFinishWithTheLibrarysBytes) {
   ChunkBufferPool pool(1ull << 30);
-  auto r = ChunkReader::Open(node_.gen, node_.file, /*readahead_chunks=*/2, /*max_sqe_bytes=*/0, &pool);
+  auto r = ChunkReader::Open(node_.gen, node_.file, Reading(2), &pool);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   const uint64_t size = want_.size();
   constexpr int kThreads = 6;
@@ -106,7 +113,7 @@ TEST_F(ChunkReaderTest, ConcurrentReadersOnOneFileAllFinishWithTheLibrarysBytes)
 TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
   ChunkBufferPool pool(1ull << 30);
   ASSERT_EQ(setenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS", "300", 1), 0);
-  auto r = ChunkReader::Open(node_.gen, node_.file, /*readahead_chunks=*/1, /*max_sqe_bytes=*/0, &pool);
+  auto r = ChunkReader::Open(node_.gen, node_.file, Reading(1), &pool);
   unsetenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS");
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   const uint64_t cs = 2ull << 20;
