@@ -3,12 +3,16 @@
 // One synchronous 1 MiB O_DIRECT pread per FUSE request is latency-bound
 // (~0.5 GB/s measured), so each reader has its own I/O thread that keeps whole
 // chunks of the file's chunk sequence in flight on its own ChunkIo (io_uring,
-// from the generation's GenerationView) and reaps them; the ChunkIo verifies
-// each chunk's XXH3 on that thread when it completes. A FUSE request therefore
-// only waits for a chunk that is already verified and copies (or hands) its
-// bytes out: no disk wait, no checksum and no io_uring call on the request
-// path, and the disk sees a queue of whole chunks while `cp` is busy with the
-// previous megabyte.
+// from the generation's GenerationView) and reaps them, and a verify thread
+// checks each loaded chunk's XXH3 (ChunkIoOptions::verify_reads = false):
+// hashing on the I/O thread held back its next submissions, and the disk idled
+// 30% of a sequential read (H200 machine: read(2) 1.52 GB/s with the hash
+// there, 1.90-2.02 GB/s with none, fio 2.38). The verify thread hashes a
+// chunk shortly before the reader reaches it (kVerifyAhead), so the reader's
+// copies find it in cache. A FUSE request only waits for a chunk that is
+// already verified and copies (or hands) its bytes out: no disk wait, no
+// checksum and no io_uring call on the request path, and the disk sees a queue
+// of whole chunks while `cp` is busy with the previous megabyte.
 //
 // The read-ahead window starts at open (chunks 0 and 1 are submitted at once)
 // and doubles with every sequential chunk step up to `readahead_chunks` ahead
@@ -37,6 +41,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -44,6 +49,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -78,13 +84,31 @@ class ChunkBufferPool {
   std::vector<std::pair<uint64_t, char*>> idle_;   // guarded by mu_
 };
 
+// What the readers of a mount did, summed over all open files; the daemon logs
+// it at unmount (the first thing to look at when a copy is slow: did reads wait
+// for the disk, or for something else?). Thread-safe.
+struct ReadStats {
+  std::atomic<uint64_t> requests{0};       // Read/ReadWith calls
+  std::atomic<uint64_t> bytes{0};          // bytes they returned
+  std::atomic<uint64_t> waited{0};         // requests that waited for a chunk to load
+  std::atomic<uint64_t> wait_ns{0};        // time they waited
+  std::atomic<uint64_t> chunks_loaded{0};  // chunk reads completed and verified
+  std::atomic<uint64_t> bounced{0};        // requests across a chunk boundary (copied)
+
+  // "N reads (X GiB), W waited for a chunk (T s in all), C chunks loaded, B copied
+  // across a chunk boundary"
+  std::string Summary() const;
+};
+
 class ChunkReader {
  public:
   // Starts the reader's I/O thread (none for a file without chunks). Uses
-  // opts.readahead_chunks and opts.max_sqe_bytes.
+  // opts.readahead_chunks and opts.max_sqe_bytes. `stats` (may be null) must
+  // outlive the reader.
   static Result<std::unique_ptr<ChunkReader>> Open(std::shared_ptr<const Generation> gen,
                                                    const vfs::CheckpointFile* file,
-                                                   const MountOptions& opts, ChunkBufferPool* pool);
+                                                   const MountOptions& opts, ChunkBufferPool* pool,
+                                                   ReadStats* stats = nullptr);
   ~ChunkReader();
   ChunkReader(const ChunkReader&) = delete;
   ChunkReader& operator=(const ChunkReader&) = delete;
@@ -105,18 +129,26 @@ class ChunkReader {
   const vfs::CheckpointFile& file() const { return *file_; }
 
  private:
-  enum class SlotState : uint8_t { kEmpty, kInFlight, kReady, kFailed };
+  // kEmpty -> kInFlight (I/O thread) -> kLoaded (read, checksum not yet
+  // checked) -> kVerifying (verify thread) -> kReady | kFailed.
+  enum class SlotState : uint8_t { kEmpty, kInFlight, kLoaded, kVerifying, kReady, kFailed };
   struct Slot {
     char* buf = nullptr;   // from pool_, chunk size rounded to 4096; null until first use
     uint64_t seq = 0;
     SlotState state = SlotState::kEmpty;
     uint32_t pins = 0;     // readers copying out of buf: not evictable while > 0
     Status status;         // kFailed: why
+    vfs::ChunkCompletion loaded;  // kLoaded/kVerifying: what VerifyChunkRead needs
   };
 
   ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
-              const MountOptions& opts, ChunkBufferPool* pool);
+              const MountOptions& opts, ChunkBufferPool* pool, ReadStats* stats);
   void IoLoop();
+  void VerifyLoop();
+  // REQUIRES: mu_ held. The kLoaded slot to verify next, or null: a chunk a
+  // reader waits for, else the first from the window start up to
+  // kVerifyAhead chunks ahead of it.
+  Slot* NextToVerify();
   // REQUIRES: mu_ held. The slot to load the next chunk of the window into
   // (seq set, state kInFlight, buffer present), or null when the window is full
   // or no slot is free.
@@ -130,7 +162,11 @@ class ChunkReader {
   Result<Slot*> PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l);
   // REQUIRES: mu_ held.
   void Unpin(Slot* s);
+  // REQUIRES: mu_ held. Tells the I/O thread there may be a chunk to submit,
+  // whether it waits on io_cv_ or for completions in Reap (ChunkIo::Wake).
+  void Kick();
   Slot* Find(uint64_t seq);
+  void Count(uint64_t bytes);  // one request that returned `bytes`
   Status SlotError(const Slot& s) const;
 
   const std::shared_ptr<const Generation> gen_;
@@ -142,19 +178,24 @@ class ChunkReader {
   const uint64_t buf_bytes_;
   const uint64_t seq_len_;
   ChunkBufferPool* const pool_;
+  ReadStats* const stats_;             // null: not counted
 
   std::mutex mu_;                      // guards everything below but io_
   std::condition_variable io_cv_;      // the I/O thread waits for work here
   std::condition_variable ready_cv_;   // readers wait for a chunk here
+  std::condition_variable verify_cv_;  // the verify thread waits for a loaded chunk here
   std::vector<Slot> slots_;            // readahead + 1 (the chunk being read)
   uint64_t pos_ = 0;                   // chunk a reader needs now: window start
   uint32_t window_ = 1;                // chunks kept loaded after pos_ (ramps up)
   std::map<uint64_t, uint32_t> waiting_;  // chunk -> readers waiting for it to load
   bool stop_ = false;
+  bool reaping_ = false;               // the I/O thread is in io_->Reap (io_ is set)
+  bool wake_sent_ = false;             // Kick() woke that Reap already
   Status io_error_;                    // the ChunkIo itself failed: reads fail with it
   std::unique_ptr<vfs::ChunkIo> io_;   // the I/O thread's only (ChunkIo: one thread)
   bool sync_fallback_ = false;         // NewChunkIo failed: ReadChunk per chunk
   std::thread thread_;
+  std::thread verify_thread_;          // started with thread_
 };
 
 }  // namespace optstate::mount

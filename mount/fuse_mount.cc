@@ -34,6 +34,7 @@ constexpr uint32_t kMaxReadBytes = 1u << 20;
 struct Context {
   std::unique_ptr<StoreTree> tree;
   std::unique_ptr<ChunkBufferPool> pool;
+  ReadStats stats;  // logged at unmount
 
   // Node ids are InodeOf(path) (root: FUSE_ROOT_ID), so they are stable
   // across remounts and equal the st_ino that stat shows. The kernel's lookup
@@ -296,7 +297,8 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   auto n = Ctx(req)->tree->Resolve(path);
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind != NodeKind::kGenFile) return (void)fuse_reply_err(req, EISDIR);
-  auto r = ChunkReader::Open(n->gen, n->file, Ctx(req)->tree->options(), Ctx(req)->pool.get());
+  auto r = ChunkReader::Open(n->gen, n->file, Ctx(req)->tree->options(), Ctx(req)->pool.get(),
+                            &Ctx(req)->stats);
   if (!r.ok()) {
     OPTSTATE_LOG_ERROR("{}", r.status().ToString());
     return ReplyStatus(req, r.status());
@@ -512,7 +514,7 @@ int RunMount(const MountCommand& cmd) {
         rc = fuse_session_loop_mt(se, lc);
         fuse_loop_cfg_destroy(lc);
       }
-      OPTSTATE_LOG_INFO("optstate-mount: {} unmounted", cmd.mountpoint);
+      OPTSTATE_LOG_INFO("optstate-mount: {} unmounted; served {}", cmd.mountpoint, ctx.stats.Summary());
     }
     fuse_remove_signal_handlers(se);
   }

@@ -2,7 +2,12 @@
 // sequential O_DIRECT read of the same number of bytes, interleaved rounds.
 // optstate-bench kernel: GPU only; points at kernels/bench (AdamStepCuda vs
 // torch fused AdamW vs the card's copy bandwidth).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -28,6 +33,8 @@ struct MountOptions {
   uint32_t rounds = 3;
   uint32_t readahead_chunks = 0;  // 0: optstate-mount's default
   uint32_t max_sqe_kib = 0;       // 0: optstate-mount's default
+  std::string log;                // the daemon's log (default: in the scratch dir, removed)
+  bool keep = false;              // keep the test store (DIR/bench-mount/root) for manual runs
   bool json = false;
 };
 
@@ -68,6 +75,61 @@ Result<double> TimedCopy(const std::string& src, const std::string& dst) {
   return NowSeconds() - t0;
 }
 
+// Seconds to read every file under `src` once, front to back, in read(2)s of
+// its st_blksize (what cp asks for), into one buffer: the mount's read speed
+// without cp's writes.
+Result<double> TimedRead(const std::string& src, uint64_t want_bytes) {
+  double t0 = NowSeconds();
+  uint64_t total = 0;
+  std::vector<char> buf;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(src, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    if (!it->is_regular_file(ec)) continue;
+    const std::string path = it->path().string();
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus("open " + path, errno);
+    struct stat st;
+    if (::fstat(fd, &st) == 0) buf.resize(std::max<size_t>(buf.size(), static_cast<size_t>(st.st_blksize)));
+    for (;;) {
+      ssize_t n = ::read(fd, buf.data(), std::max<size_t>(4096, static_cast<size_t>(st.st_blksize)));
+      if (n < 0) {
+        int e = errno;
+        ::close(fd);
+        return ErrnoStatus(fmt::format("read {} at byte {}", path, total), e);
+      }
+      if (n == 0) break;
+      total += static_cast<uint64_t>(n);
+    }
+    ::close(fd);
+  }
+  if (ec) return ErrnoStatus("list " + src, ec.value());
+  if (total != want_bytes) {
+    return IoError(fmt::format("read {} bytes from {}, its files hold {}", total, src, want_bytes));
+  }
+  return NowSeconds() - t0;
+}
+
+// The disk's counters summed over the rounds of one phase (fio, cp, read).
+struct PhaseDisk {
+  DiskCounters sum;
+  double seconds = 0;
+  void Add(const DiskCounters& a, const DiskCounters& b, double s) {
+    if (!a.ok || !b.ok) return;
+    sum.ok = true;
+    sum.device = b.device;
+    sum.reads += b.reads - a.reads;
+    sum.read_sectors += b.read_sectors - a.read_sectors;
+    sum.io_ticks_ms += b.io_ticks_ms - a.io_ticks_ms;
+    seconds += s;
+  }
+  std::string Describe() const {
+    DiskCounters zero = sum;
+    zero.reads = zero.read_sectors = zero.io_ticks_ms = 0;
+    return DescribeDiskUse(zero, sum, seconds);
+  }
+};
+
 int RunMount(const MountOptions& o) {
   auto state = ParseBytes(o.state_text);
   if (!state.ok()) return FailWith(kTool, state.status().WithContext("--state"));
@@ -81,11 +143,11 @@ int RunMount(const MountOptions& o) {
     if (!d.ok()) return FailWith(kTool, d.status());
     dir = *d;
   }
-  struct Cleanup { std::string d; ~Cleanup() { (void)RemoveTree(d); } };
+  struct Cleanup { std::string d; ~Cleanup() { if (!d.empty()) (void)RemoveTree(d); } };
   std::string work = dir + "/bench-mount";
   fs::create_directories(work + "/root");
   fs::create_directories(work + "/mnt");
-  Cleanup cleanup{work};
+  Cleanup cleanup{o.keep ? std::string() : work};
   if (Status s = MakeStore(work + "/root/bench", *state); !s.ok()) return FailWith(kTool, s);
   std::vector<std::string> mount_argv = {*bin, "-f", work + "/root", work + "/mnt"};
   if (o.readahead_chunks > 0) {
@@ -96,13 +158,14 @@ int RunMount(const MountOptions& o) {
     mount_argv.push_back("--max-sqe-kib");
     mount_argv.push_back(std::to_string(o.max_sqe_kib));
   }
-  auto child = Child::Start(mount_argv, work + "/mount.log");
+  const std::string log_path = o.log.empty() ? work + "/mount.log" : o.log;
+  auto child = Child::Start(mount_argv, log_path);
   if (!child.ok()) return FailWith(kTool, child.status());
   bool mounted = false;
   for (int i = 0; i < 200 && !(mounted = IsFuseMounted(work + "/mnt")); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
-  if (!mounted) return FailWith(kTool, IoError("optstate-mount did not mount (log: " + work + "/mount.log)"));
+  if (!mounted) return FailWith(kTool, IoError("optstate-mount did not mount (log: " + log_path + ")"));
   std::string src = work + "/mnt/bench/snapshots/bench";
   auto bytes = TreeBytes(src);
   if (!bytes.ok()) return FailWith(kTool, bytes.status());
@@ -132,7 +195,8 @@ int RunMount(const MountOptions& o) {
   CopyCleanup copy_cleanup{fs::path(copy_dir).parent_path().string()};
   if (copy_dir == work + "/copy") copy_cleanup.d = copy_dir;
   const std::string copy2_dir = copy_dir + "2";
-  std::vector<double> t_fio, t_cp, t_mem;
+  std::vector<double> t_fio, t_cp, t_mem, t_read;
+  PhaseDisk d_fio, d_cp, d_read;
   for (uint32_t r = 0; r < o.rounds; ++r) {
     // The reference is the disk's sequential O_DIRECT read speed for the same
     // byte count: 1 MiB blocks at QD 32 (the project's fio reference). On the
@@ -146,12 +210,21 @@ int RunMount(const MountOptions& o) {
     j.block_size_bytes = 1 << 20;
     j.iodepth = 32;
     j.size_bytes = *bytes / 4096 * 4096;
+    DiskCounters before = ReadDiskCounters(work);
     auto f = RunFio({j});
     if (!f.ok()) return FailWith(kTool, f.status());
     t_fio.push_back(f->jobs[0].runtime_seconds);
+    d_fio.Add(before, ReadDiskCounters(work), f->jobs[0].runtime_seconds);
+    before = ReadDiskCounters(work);
     auto c = TimedCopy(src, copy_dir);
     if (!c.ok()) return FailWith(kTool, c.status());
     t_cp.push_back(*c);
+    d_cp.Add(before, ReadDiskCounters(work), *c);
+    before = ReadDiskCounters(work);
+    auto rd = TimedRead(src, *bytes);
+    if (!rd.ok()) return FailWith(kTool, rd.status());
+    t_read.push_back(*rd);
+    d_read.Add(before, ReadDiskCounters(work), *rd);
     if (ceiling) {
       auto m = TimedCopy(copy_dir, copy2_dir);
       if (!m.ok()) return FailWith(kTool, m.status());
@@ -162,6 +235,15 @@ int RunMount(const MountOptions& o) {
   }
   (void)RunCommand({"fusermount3", "-u", work + "/mnt"});
   child->Stop();
+  // The daemon's own account of the reads (logged at unmount).
+  std::string served;
+  {
+    std::ifstream log(log_path);
+    std::string line;
+    while (std::getline(log, line)) {
+      if (size_t at = line.find("; served "); at != std::string::npos) served = line.substr(at + 9);
+    }
+  }
   std::vector<double> ratios;
   for (size_t i = 0; i < t_cp.size(); ++i) ratios.push_back(t_fio[i] / t_cp[i]);
   double ratio = Median(ratios);
@@ -169,7 +251,9 @@ int RunMount(const MountOptions& o) {
   for (size_t i = 0; i < t_mem.size(); ++i) mem_ratios.push_back(t_mem[i] / t_cp[i]);
   double b = static_cast<double>(*bytes);
   nlohmann::json out = {{"machine", MachineInfo()}, {"bytes", *bytes}, {"rounds", o.rounds},
-                        {"seconds", {{"cp", t_cp}, {"fio", t_fio}, {"cp_from_tmpfs", t_mem}}},
+                        {"seconds", {{"cp", t_cp}, {"fio", t_fio}, {"cp_from_tmpfs", t_mem}, {"read", t_read}}},
+                        {"disk", {{"fio", d_fio.Describe()}, {"cp", d_cp.Describe()}, {"read", d_read.Describe()}}},
+                        {"daemon_served", served},
                         {"cp_vs_fio", ratio},
                         {"cp_vs_cp_from_tmpfs",
                          mem_ratios.empty() ? nlohmann::json() : nlohmann::json(Median(mem_ratios))},
@@ -184,13 +268,16 @@ int RunMount(const MountOptions& o) {
                            "sequential O_DIRECT read (1 MiB, QD 32), {} interleaved rounds\n"
                            "copy written to {}\nmachine: {}\n\n",
                            FormatBytes(*bytes), o.rounds, copy_where, MachineLine());
-  Table t({"method", "median", "GB/s"}, {false, true, true});
-  t.AddRow({"cp -r from the mount", FormatSeconds(Median(t_cp)), FormatRate(b / Median(t_cp))});
-  t.AddRow({"fio sequential read", FormatSeconds(Median(t_fio)), FormatRate(b / Median(t_fio))});
+  Table t({"method", "median", "GB/s", "disk during it (all rounds)"}, {false, true, true, false});
+  t.AddRow({"cp -r from the mount", FormatSeconds(Median(t_cp)), FormatRate(b / Median(t_cp)), d_cp.Describe()});
+  t.AddRow({"fio sequential read", FormatSeconds(Median(t_fio)), FormatRate(b / Median(t_fio)), d_fio.Describe()});
+  t.AddRow({"read(2) from the mount, no copy", FormatSeconds(Median(t_read)), FormatRate(b / Median(t_read)),
+            d_read.Describe()});
   if (!t_mem.empty()) {
-    t.AddRow({"cp -r tmpfs to tmpfs", FormatSeconds(Median(t_mem)), FormatRate(b / Median(t_mem))});
+    t.AddRow({"cp -r tmpfs to tmpfs", FormatSeconds(Median(t_mem)), FormatRate(b / Median(t_mem)), ""});
   }
   std::cout << t.Render() << fmt::format("\ncp / fio: {:.2f}x (target >= 0.8)\n", ratio);
+  if (!served.empty()) std::cout << "the daemon served " << served << "\n";
   if (!mem_ratios.empty()) {
     std::cout << fmt::format("cp from the mount / cp from tmpfs: {:.2f}x (speed; 1.0 = as fast as cp copies "
                              "bytes already in memory to the same place, > 1 = faster)\n",
@@ -211,6 +298,8 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
                   "passed to optstate-mount --readahead-chunks (default: its default)");
   sub->add_option("--max-sqe-kib", o->max_sqe_kib,
                   "passed to optstate-mount --max-sqe-kib (default: its default)");
+  sub->add_flag("--keep", o->keep, "keep the test store under DIR/bench-mount/root (with --dir)");
+  sub->add_option("--log", o->log, "write the daemon's log here and keep it (default: scratch dir, removed)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] { *exit_code = RunMount(*o); });
 }

@@ -55,6 +55,9 @@ struct IoEngineOptions {
   // Parts go to the kernel at most two per io_uring_enter: a larger batch is
   // plugged, and the plug merges adjacent parts back into one request.
   uint64_t max_sqe_bytes = 0;
+  // io_uring: Wake() may be called (an eventfd polled in the ring). Off by
+  // default: it costs one SQ entry and a descriptor.
+  bool wakeable = false;
   // Registered-file table size (IORING_REGISTER_FILES, sparse); files beyond
   // it evict the oldest slot. 0 disables registered files. Default 1024 slots.
   uint32_t registered_file_slots = 1024;
@@ -88,6 +91,13 @@ class IoEngine {
   virtual Status Reap(std::vector<IoCompletion>* out, size_t min_complete) = 0;
   virtual size_t in_flight() const = 0;
   virtual const char* name() const = 0;  // "io_uring" or "sync"
+  // Thread-safe, unlike every other member: a Reap blocked waiting for
+  // completions (or the next one, if none is) returns, with fewer than
+  // min_complete if that is what there is. For an owner thread that sleeps in
+  // Reap while other threads make new work for it. Needs
+  // IoEngineOptions::wakeable on io_uring; the sync engine never blocks in Reap
+  // (its I/O happens in Submit), so there it does nothing.
+  virtual void Wake() {}
 };
 
 }  // namespace optstate::vfs

@@ -1264,8 +1264,9 @@ Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version&
 
 class ChunkIoImpl final : public ChunkIo {
  public:
-  ChunkIoImpl(std::shared_ptr<Core> core, std::shared_ptr<ViewData> view, std::unique_ptr<IoEngine> engine)
-      : core_(std::move(core)), view_(std::move(view)), engine_(std::move(engine)) {}
+  ChunkIoImpl(std::shared_ptr<Core> core, std::shared_ptr<ViewData> view, std::unique_ptr<IoEngine> engine,
+              bool verify)
+      : core_(std::move(core)), view_(std::move(view)), engine_(std::move(engine)), verify_(verify) {}
 
   ~ChunkIoImpl() override {
     // Drain: the engine must not touch buffers or files after we are gone,
@@ -1296,7 +1297,9 @@ class ChunkIoImpl final : public ChunkIo {
       }
       if (!v) {
         std::memset(buf, 0, core_->chunk());
-        ready_.push_back(ChunkCompletion{tag, Status()});
+        ChunkCompletion zero;  // never written: zeros, nothing to verify
+        zero.tag = tag;
+        ready_.push_back(std::move(zero));
         return Status();
       }
       op.version = *v;
@@ -1375,12 +1378,16 @@ class ChunkIoImpl final : public ChunkIo {
       if (it == ops_.end()) continue;
       Op op = std::move(it->second);
       ops_.erase(it);
-      out->push_back(ChunkCompletion{op.user_tag, Finish(op, c.status)});
+      ChunkCompletion cc;
+      cc.tag = op.user_tag;
+      cc.status = Finish(op, c.status, &cc);
+      out->push_back(std::move(cc));
     }
     return Status();
   }
 
   size_t in_flight() const override { return engine_->in_flight() + ready_.size(); }
+  void Wake() override { engine_->Wake(); }
 
  private:
   struct Op {
@@ -1392,7 +1399,7 @@ class ChunkIoImpl final : public ChunkIo {
     void* buf = nullptr;
   };
 
-  Status Finish(const Op& op, const Status& io) {
+  Status Finish(const Op& op, const Status& io, ChunkCompletion* out) {
     Core* c = core_.get();
     if (op.write) {
       std::lock_guard l(c->mu_);
@@ -1406,14 +1413,16 @@ class ChunkIoImpl final : public ChunkIo {
       return Status();
     }
     if (!io.ok()) return io.WithContext("read of " + c->Describe(&op.tensor, op.key, op.version.gen));
-    const uint64_t sum = ChunkChecksum(op.buf, op.version.ext.length);
-    if (sum != op.version.ext.checksum) {
-      char m[128];
-      snprintf(m, sizeof(m), ": checksum mismatch (expected xxh3 %016llx, read %016llx) at offset %llu",
-               static_cast<unsigned long long>(op.version.ext.checksum),
-               static_cast<unsigned long long>(sum),
-               static_cast<unsigned long long>(op.version.ext.file_offset));
-      return Corruption(c->Describe(&op.tensor, op.key, op.version.gen) + m);
+    out->needs_verify = true;
+    out->verify_length = op.version.ext.length;
+    out->expected_checksum = op.version.ext.checksum;
+    out->file_offset = op.version.ext.file_offset;
+    out->what = c->Describe(&op.tensor, op.key, op.version.gen);
+    if (verify_) {
+      Status v = VerifyChunkRead(*out, op.buf);
+      out->needs_verify = false;
+      out->what.clear();
+      if (!v.ok()) return v;
     }
     if (op.version.ext.length < c->chunk()) {
       std::memset(static_cast<char*>(op.buf) + op.version.ext.length, 0, c->chunk() - op.version.ext.length);
@@ -1424,6 +1433,7 @@ class ChunkIoImpl final : public ChunkIo {
   std::shared_ptr<Core> core_;
   std::shared_ptr<ViewData> view_;  // null: the store's newest versions
   std::unique_ptr<IoEngine> engine_;
+  const bool verify_;  // ChunkIoOptions::verify_reads
   std::unordered_map<uint64_t, Op> ops_;
   std::deque<ChunkCompletion> ready_;  // zero chunks, completed at submit
   uint64_t next_tag_ = 1;
@@ -1437,6 +1447,7 @@ Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, 
     eo.queue_depth = opts.queue_depth;
     eo.registered_buffers = opts.registered_buffers;
     eo.max_sqe_bytes = opts.max_sqe_bytes;
+    eo.wakeable = opts.wakeable;
     auto e = IoEngine::NewUring(eo);
     if (e.ok()) {
       engine = std::move(*e);
@@ -1450,7 +1461,7 @@ Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, 
   if (!engine) {
     OPTSTATE_ASSIGN_OR_RETURN(engine, IoEngine::NewSync(core->chunk()));
   }
-  return std::unique_ptr<ChunkIo>(new ChunkIoImpl(core, std::move(view), std::move(engine)));
+  return std::unique_ptr<ChunkIo>(new ChunkIoImpl(core, std::move(view), std::move(engine), opts.verify_reads));
 }
 
 // ---------------------------------------------------------------------------

@@ -186,12 +186,32 @@ struct ChunkIoOptions {
   std::vector<std::span<std::byte>> registered_buffers;
   // IoEngineOptions::max_sqe_bytes (0 = one SQE per chunk request).
   uint64_t max_sqe_bytes = 0;
+  // IoEngineOptions::wakeable: ChunkIo::Wake() may be used.
+  bool wakeable = false;
+  // false: Reap does not check read chunks' checksums; each read completion
+  // carries what VerifyChunkRead needs, and the caller must call it before it
+  // uses or hands out a byte of the chunk. For a reader whose I/O thread should
+  // keep the disk busy rather than hash (mount/chunk_reader.cc).
+  bool verify_reads = true;
 };
 
 struct ChunkCompletion {
   uint64_t tag = 0;
   Status status;
+  // A successful read from a ChunkIo with verify_reads = false: unverified;
+  // VerifyChunkRead(*this, buf) checks it.
+  bool needs_verify = false;
+  uint64_t verify_length = 0;      // logical bytes the checksum covers
+  uint64_t expected_checksum = 0;  // XXH3-64
+  uint64_t file_offset = 0;        // of the extent in its data file
+  std::string what;                // store, tensor, field, chunk, generation
 };
+
+// The checksum check a ChunkIo with verify_reads = false skipped: OK when
+// !c.needs_verify or buf's first c.verify_length bytes hash to
+// c.expected_checksum, else kCorruption naming store, tensor, field, chunk,
+// generation and file offset.
+Status VerifyChunkRead(const ChunkCompletion& c, const void* buf);
 
 // Asynchronous chunk reads (and, from a writable Store, writes). Buffers must
 // be 4096-aligned and hold chunk_size_bytes; they stay the caller's and must
@@ -212,6 +232,10 @@ class ChunkIo {
   // Appends >= min_complete completions (fewer only if fewer are in flight).
   virtual Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) = 0;
   virtual size_t in_flight() const = 0;
+  // Thread-safe: makes a Reap blocked waiting for completions (or the next
+  // one) return early, with what is complete (IoEngine::Wake). Needs
+  // ChunkIoOptions::wakeable.
+  virtual void Wake() = 0;
 };
 
 // A committed generation, frozen: its tensors, groups and chunk versions. Holds

@@ -2,14 +2,18 @@
 // 1000 random requests at queue depth 32 checked against an in-memory model
 // and an independent pread of the file, faked io_uring completions, errors.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -564,6 +568,57 @@ TEST(UringOptionsTest, SqpollRoundTrip) {
     for (const auto& c : done) EXPECT_TRUE(c.status.ok()) << c.status.ToString();
   }
   EXPECT_EQ(std::memcmp(buf.get(), back.get(), kN * kLen), 0);
+}
+
+// Wake() from another thread ends a Reap that waits for a read nothing will
+// complete (a FIFO with no data), and a Wake() before Reap makes that Reap
+// return at once; the read itself stays in flight and completes later.
+TEST(UringOptionsTest, WakeEndsABlockedReapEarly) {
+  TempDir dir;
+  const std::string path = dir.Sub("fifo");
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  auto f = FileSystem::Default()->Open(path, OpenOptions{});  // O_RDWR: no writer needed
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  IoEngineOptions o;
+  o.queue_depth = 4;
+  o.wakeable = true;
+  auto e = IoEngine::NewUring(o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  AlignedBuf b = AllocAligned(4096);
+  IoRequest r{IoRequest::Op::kRead, f->get(), 0, 4096, b.get(), 7};
+  ASSERT_TRUE((*e)->Submit({&r, 1}).ok());
+
+  // Without a working Wake() the Reap below would wait for data forever: after
+  // 10 s this thread supplies it, so the test fails instead of hanging.
+  const std::vector<char> data(4096, 'x');
+  std::atomic<bool> reaped{false};
+  std::atomic<bool> fed{false};
+  std::thread waker([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    (*e)->Wake();
+    for (int i = 0; i < 1000 && !reaped; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (!reaped && ::write((*f)->fd(), data.data(), data.size()) == static_cast<ssize_t>(data.size())) fed = true;
+  });
+  std::vector<IoCompletion> done;
+  Status st = (*e)->Reap(&done, 1);
+  reaped = true;
+  waker.join();
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  ASSERT_FALSE(fed.load()) << "Reap waited for the data instead of returning on Wake()";
+  EXPECT_TRUE(done.empty());
+  EXPECT_EQ((*e)->in_flight(), 1u);
+
+  (*e)->Wake();
+  ASSERT_TRUE((*e)->Reap(&done, 1).ok());
+  EXPECT_TRUE(done.empty()) << "a Wake() before Reap must make it return at once";
+
+  ASSERT_EQ(::write((*f)->fd(), data.data(), data.size()), static_cast<ssize_t>(data.size()));
+  ASSERT_TRUE((*e)->Reap(&done, 1).ok());
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].tag, 7u);
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status.ToString();
+  EXPECT_EQ(std::memcmp(b.get(), data.data(), data.size()), 0);
+  EXPECT_EQ((*e)->in_flight(), 0u);
 }
 
 TEST(UringOptionsTest, RejectsBadQueueDepth) {

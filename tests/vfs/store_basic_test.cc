@@ -593,6 +593,30 @@ TEST(StoreTest, FlippedByteIsCorruptionNamingTheChunk) {
   ASSERT_OK(io->Reap(&done, 1));
   ASSERT_EQ(done.size(), 1u);
   EXPECT_TRUE(done[0].status.IsCorruption()) << done[0].status.ToString();
+  // With verify_reads = false Reap leaves the check to VerifyChunkRead, which
+  // must report the same chunk the same way; the good neighbour passes it.
+  ChunkIoOptions deferred;
+  deferred.verify_reads = false;
+  auto dio = Unwrap(s->NewChunkIo(deferred));
+  Buf good(kTestChunk);
+  ASSERT_OK(dio->SubmitRead(ChunkRef{t.id, 1, 2}, buf.data(), 6));
+  ASSERT_OK(dio->SubmitRead(ChunkRef{t.id, 1, 1}, good.data(), 7));
+  done.clear();
+  ASSERT_OK(dio->Reap(&done, 2));
+  ASSERT_EQ(done.size(), 2u);
+  for (const ChunkCompletion& c : done) {
+    ASSERT_OK(c.status);  // the bytes arrived; nothing checked them yet
+    EXPECT_TRUE(c.needs_verify);
+    Status v = VerifyChunkRead(c, c.tag == 6 ? buf.data() : good.data());
+    if (c.tag == 7) {
+      EXPECT_TRUE(v.ok()) << v.ToString();
+      continue;
+    }
+    EXPECT_TRUE(v.IsCorruption()) << v.ToString();
+    for (const char* part : {"layers.3.mlp", "exp_avg", "chunk 2", "generation 1", "checksum mismatch"}) {
+      EXPECT_NE(v.message().find(part), std::string::npos) << part << " missing from: " << v.message();
+    }
+  }
 }
 
 TEST(StoreTest, TensorLookupAndValidation) {

@@ -5,9 +5,11 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -199,6 +201,41 @@ Result<uint64_t> TreeBytes(const std::string& path) {
     if (it->is_regular_file(ec) && !it->is_symlink(ec)) total += it->file_size(ec);
   }
   return total;
+}
+
+DiskCounters ReadDiskCounters(const std::string& path) {
+  DiskCounters c;
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return c;
+  std::ifstream in("/proc/diskstats");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    unsigned maj = 0, min = 0;
+    std::string name;
+    // major minor name reads merged sectors ms writes merged sectors ms in_flight io_ticks ...
+    uint64_t f[10] = {};
+    if (!(ls >> maj >> min >> name)) continue;
+    if (maj != major(st.st_dev) || min != minor(st.st_dev)) continue;
+    for (uint64_t& v : f) ls >> v;
+    if (!ls) return c;
+    c.ok = true;
+    c.device = name;
+    c.reads = f[0];
+    c.read_sectors = f[2];
+    c.io_ticks_ms = f[9];
+    return c;
+  }
+  return c;
+}
+
+std::string DescribeDiskUse(const DiskCounters& before, const DiskCounters& after, double seconds) {
+  if (!before.ok || !after.ok || seconds <= 0 || after.reads <= before.reads) return "";
+  const double busy = static_cast<double>(after.io_ticks_ms - before.io_ticks_ms) / 1e3 / seconds;
+  const double per_req = static_cast<double>(after.read_sectors - before.read_sectors) * 512.0 /
+                         static_cast<double>(after.reads - before.reads);
+  return fmt::format("disk {} busy {:.0f}%, {:.2f} MiB per read request", after.device,
+                     std::min(busy, 1.0) * 100, per_req / (1 << 20));
 }
 
 Result<Child> Child::Start(const std::vector<std::string>& argv, const std::string& log_path) {

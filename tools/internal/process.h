@@ -50,6 +50,22 @@ bool IsFuseMounted(const std::string& path);
 // Sum of the sizes of regular files under `path` (no symlink following).
 Result<uint64_t> TreeBytes(const std::string& path);
 
+// The block device under `path` as /proc/diskstats counts it (the partition
+// when it is one). ok = false when the path is not on a block device listed
+// there (tmpfs, overlay, btrfs subvolumes).
+struct DiskCounters {
+  bool ok = false;
+  std::string device;          // e.g. "vda1"
+  uint64_t reads = 0;          // completed read requests
+  uint64_t read_sectors = 0;   // 512-byte sectors read
+  uint64_t io_ticks_ms = 0;    // time with at least one request in flight
+};
+DiskCounters ReadDiskCounters(const std::string& path);
+
+// "disk vda1 busy 97%, 1.20 MiB per read request" between two samples
+// `seconds` apart (empty when either sample is not ok or no read happened).
+std::string DescribeDiskUse(const DiskCounters& before, const DiskCounters& after, double seconds);
+
 // A child process started in the background; its stdout/stderr go to
 // log_path (or are inherited when empty). Destructor: Stop().
 class Child {

@@ -1,8 +1,11 @@
 #include "vfs/internal/uring_io_engine.h"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -26,6 +29,8 @@ constexpr uint32_t kMaxRetries = 1000;
 constexpr uint32_t kMaxZeroResults = 3;
 // IoEngineOptions::max_sqe_bytes: parts per request at most.
 constexpr uint64_t kMaxParts = 16;
+// user_data of the wake poll's CQEs (op indexes are < 32768).
+constexpr uint64_t kWakeTag = UINT64_MAX;
 
 const char* OpName(IoRequest::Op op) { return op == IoRequest::Op::kRead ? "read" : "write"; }
 
@@ -65,7 +70,7 @@ Status UringIoEngine::Init() {
   ring_entries_ = static_cast<uint32_t>(
       std::min<uint64_t>(32768, uint64_t{queue_depth_} * (opts_.max_sqe_bytes > 0 ? kMaxParts : 1)));
   unsigned flags = opts_.sqpoll ? IORING_SETUP_SQPOLL : 0;
-  int rc = io_uring_queue_init(ring_entries_, &ring_, flags);
+  int rc = io_uring_queue_init(ring_entries_ + (opts_.wakeable ? 1 : 0), &ring_, flags);
   if (rc < 0) {
     return ErrnoStatus("io_uring_queue_init (queue depth " + std::to_string(queue_depth_) +
                            (opts_.sqpoll ? ", SQPOLL" : "") +
@@ -114,7 +119,31 @@ Status UringIoEngine::Init() {
   requests_.resize(queue_depth_);
   free_requests_.reserve(queue_depth_);
   for (uint32_t i = queue_depth_; i > 0; --i) free_requests_.push_back(i - 1);
+  if (opts_.wakeable) {
+    wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wake_fd_ < 0) return ErrnoStatus("io_uring engine: eventfd for Wake()", errno);
+    ArmWake();
+    OPTSTATE_RETURN_IF_ERROR(SubmitPrepared());
+  }
   return Status::Ok();
+}
+
+void UringIoEngine::ArmWake() {
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  while (sqe == nullptr) {  // only with SQPOLL (see Prepare)
+    io_uring_submit(&ring_);
+    sqe = io_uring_get_sqe(&ring_);
+  }
+  io_uring_prep_poll_multishot(sqe, wake_fd_, POLLIN);
+  io_uring_sqe_set_data64(sqe, kWakeTag);
+  ++prepared_;
+}
+
+void UringIoEngine::Wake() {
+  if (wake_fd_ < 0) return;
+  const uint64_t one = 1;
+  // EAGAIN only when the counter is about to overflow: a wake is pending anyway.
+  (void)!::write(wake_fd_, &one, sizeof(one));
 }
 
 UringIoEngine::~UringIoEngine() {
@@ -129,6 +158,7 @@ UringIoEngine::~UringIoEngine() {
     }
   }
   io_uring_queue_exit(&ring_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 Status UringIoEngine::Validate(const IoRequest& r) const {
@@ -260,6 +290,13 @@ void UringIoEngine::Finish(uint32_t idx, Status status) {
 }
 
 void UringIoEngine::Process(const io_uring_cqe* cqe) {
+  if (io_uring_cqe_get_data64(cqe) == kWakeTag) {
+    uint64_t count = 0;
+    (void)!::read(wake_fd_, &count, sizeof(count));  // reset; EAGAIN: already read
+    woken_ = true;
+    if ((cqe->flags & IORING_CQE_F_MORE) == 0) ArmWake();  // the kernel ended the multishot poll
+    return;
+  }
   const auto idx = static_cast<uint32_t>(io_uring_cqe_get_data64(cqe));
   Op& op = ops_[idx];
   int32_t res = cqe->res;
@@ -416,10 +453,11 @@ Status UringIoEngine::Reap(std::vector<IoCompletion>* out, size_t min_complete) 
     }
   };
   move_ready();
-  while (got < min_complete && active_ > 0) {
+  while (got < min_complete && active_ > 0 && !woken_) {
     OPTSTATE_RETURN_IF_ERROR(WaitOne());
     move_ready();
   }
+  woken_ = false;
   // Resubmissions prepared while draining must reach the kernel now, or a
   // caller polling with min_complete 0 would never see them finish.
   return SubmitPrepared();

@@ -39,6 +39,7 @@ class UringIoEngine final : public IoEngine {
   Status Reap(std::vector<IoCompletion>* out, size_t min_complete) override;
   size_t in_flight() const override { return accepted_ - delivered_; }
   const char* name() const override { return "io_uring"; }
+  void Wake() override;
 
   // For tests and the benchmark: whether fixed files are in use.
   bool registered_files_active() const { return file_slots_ > 0; }
@@ -96,6 +97,8 @@ class UringIoEngine final : public IoEngine {
   // Handles every CQE already in the ring, without waiting.
   void DrainReady();
   Status SubmitPrepared();
+  // Queues the multishot poll of wake_fd_ (IoEngineOptions::wakeable).
+  void ArmWake();
 
   IoEngineOptions opts_;
   io_uring ring_{};
@@ -119,6 +122,8 @@ class UringIoEngine final : public IoEngine {
   Stats stats_;
   uint64_t accepted_ = 0;
   uint64_t delivered_ = 0;
+  int wake_fd_ = -1;     // eventfd (wakeable); its poll holds one SQ entry beyond ring_entries_
+  bool woken_ = false;   // a wake CQE arrived since the last Reap returned
 };
 
 }  // namespace optstate::vfs::internal
