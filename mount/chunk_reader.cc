@@ -78,8 +78,8 @@ std::string ReadStats::Summary() const {
 namespace {
 // The verify thread hashes chunks from the window start up to this many ahead
 // of it (and any chunk a reader waits for): a chunk hashed just before the
-// reader copies it is still in the CPU's cache for those copies, and one
-// hashed 64 MiB earlier is not.
+// reader copies it can still be in the CPU's cache for those copies, one
+// hashed 64 MiB earlier cannot (an intent; not measured on its own).
 constexpr uint64_t kVerifyAhead = 2;
 
 // Test hook (tests/mount/chunk_reader_test): milliseconds the I/O thread

@@ -8,8 +8,8 @@
 // hashing on the I/O thread held back its next submissions, and the disk idled
 // 30% of a sequential read (H200 machine: read(2) 1.52 GB/s with the hash
 // there, 1.90-2.02 GB/s with none, fio 2.38). The verify thread hashes a
-// chunk shortly before the reader reaches it (kVerifyAhead), so the reader's
-// copies find it in cache. A FUSE request only waits for a chunk that is
+// chunk shortly before the reader reaches it (kVerifyAhead), so that the
+// reader's copies can find it in cache. A FUSE request only waits for a chunk that is
 // already verified and copies (or hands) its bytes out: no disk wait, no
 // checksum and no io_uring call on the request path, and the disk sees a queue
 // of whole chunks while `cp` is busy with the previous megabyte.
