@@ -472,13 +472,50 @@ Result<uint64_t> ChunkReader::Read(uint64_t offset, uint64_t len, char* out) {
 Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
                                        const std::function<Status(std::span<const iovec>)>& consume) {
   std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
-  size_t chunk_segs = 0;
-  for (const vfs::CheckpointSegment& seg : segs) chunk_segs += seg.memory == nullptr ? 1 : 0;
-  if (chunk_segs > 1) {
-    // Across a chunk boundary (1 request in 8 for 1 MiB reads of 8 MiB
-    // chunks, when they are not aligned): copy, one chunk pinned at a time.
-    // Holding one pin while waiting for the next chunk could deadlock
-    // concurrent requests on this handle once every slot is pinned.
+  std::vector<iovec> iov;
+  iov.reserve(segs.size());
+  std::vector<Slot*> pinned;
+  uint64_t total = 0;
+  bool whole = true;  // every chunk of the range pinned
+  std::unique_lock<std::mutex> l(mu_, std::defer_lock);
+  for (const vfs::CheckpointSegment& seg : segs) {
+    if (seg.memory != nullptr) {
+      iov.push_back({const_cast<char*>(seg.memory), seg.length_bytes});
+    } else {
+      l.lock();
+      if (pinned.empty()) {
+        OPTSTATE_ASSIGN_OR_RETURN(Slot * s, PinChunk(seg.chunk_seq, l));
+        pinned.push_back(s);
+      } else {
+        // Across a chunk boundary (1 request in 8 for 1 MiB reads of 8 MiB
+        // chunks that are not aligned): the next chunk only if it is verified
+        // already. Waiting for it while holding a pin could deadlock
+        // concurrent requests on this handle once every slot is pinned.
+        Slot* s = Find(seg.chunk_seq);
+        if (s == nullptr || s->state != SlotState::kReady) {
+          l.unlock();
+          whole = false;
+          break;
+        }
+        MoveTo(seg.chunk_seq);
+        ++s->pins;
+        pinned.push_back(s);
+      }
+      l.unlock();
+      iov.push_back({pinned.back()->buf + seg.chunk_offset, seg.length_bytes});
+    }
+    total += seg.length_bytes;
+  }
+  auto unpin_all = [&] {
+    if (pinned.empty()) return;
+    l.lock();
+    for (Slot* s : pinned) Unpin(s);
+    l.unlock();
+    pinned.clear();
+  };
+  if (!whole) {
+    // The next chunk is not ready: copy, one chunk pinned at a time.
+    unpin_all();
     thread_local std::vector<char> bounce;
     if (bounce.size() < len) bounce.resize(len);
     if (stats_ != nullptr) ++stats_->bounced;
@@ -487,27 +524,8 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
     OPTSTATE_RETURN_IF_ERROR(consume(std::span<const iovec>(&v, n > 0 ? 1 : 0)));
     return n;
   }
-  std::vector<iovec> iov;
-  iov.reserve(segs.size());
-  Slot* pinned = nullptr;
-  uint64_t total = 0;
-  std::unique_lock<std::mutex> l(mu_, std::defer_lock);
-  for (const vfs::CheckpointSegment& seg : segs) {
-    if (seg.memory != nullptr) {
-      iov.push_back({const_cast<char*>(seg.memory), seg.length_bytes});
-    } else {
-      l.lock();
-      OPTSTATE_ASSIGN_OR_RETURN(pinned, PinChunk(seg.chunk_seq, l));
-      l.unlock();
-      iov.push_back({pinned->buf + seg.chunk_offset, seg.length_bytes});
-    }
-    total += seg.length_bytes;
-  }
   Status st = consume(iov);
-  if (pinned != nullptr) {
-    l.lock();
-    Unpin(pinned);
-  }
+  unpin_all();
   if (!st.ok()) return st;
   Count(total);
   return total;

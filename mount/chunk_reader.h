@@ -93,7 +93,7 @@ struct ReadStats {
   std::atomic<uint64_t> waited{0};         // requests that waited for a chunk to load
   std::atomic<uint64_t> wait_ns{0};        // time they waited
   std::atomic<uint64_t> chunks_loaded{0};  // chunk reads completed and verified
-  std::atomic<uint64_t> bounced{0};        // requests across a chunk boundary (copied)
+  std::atomic<uint64_t> bounced{0};        // requests copied: across into a chunk not yet verified
 
   // "N reads (X GiB), W waited for a chunk (T s in all), C chunks loaded, B copied
   // across a chunk boundary"
@@ -117,10 +117,10 @@ class ChunkReader {
   Result<uint64_t> Read(uint64_t offset, uint64_t len, char* out);
 
   // Hands `consume` the bytes of [offset, offset + len) (clipped at EOF) as
-  // iovecs valid only during the call: into the verified chunk buffer (pinned
-  // meanwhile) and layout memory when the range touches one chunk, else into a
-  // per-thread copy. Returns the byte count, or consume's error. Lets the FUSE
-  // reply go straight from the chunk buffer.
+  // iovecs valid only during the call: into the verified chunk buffers (pinned
+  // meanwhile) and layout memory, or into a per-thread copy when the range
+  // crosses into a chunk that is not verified yet. Returns the byte count, or
+  // consume's error. Lets the FUSE reply go straight from the chunk buffers.
   Result<uint64_t> ReadWith(uint64_t offset, uint64_t len,
                             const std::function<Status(std::span<const iovec>)>& consume);
 
