@@ -1,9 +1,14 @@
 // Malformed command lines: every tool exits non-zero with a message that says
-// what was wrong. Plus a tiny functional run of `optstate-bench io` (16 MiB,
-// no fio) whose JSON must account for every byte; no timing is asserted.
+// what was wrong. Plus tiny functional runs of `optstate-bench io` (16 MiB,
+// no fio) whose JSON must account for every byte, and of `optstate-bench
+// mount`; no timing is asserted.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include "tests/tools/tools_test_util.h"
+#include "tools/internal/process.h"
 
 namespace optstate::tools {
 namespace {
@@ -58,6 +63,33 @@ TEST(CliTest, BenchIoSmallRunAccountsForEveryByte) {
   }
   EXPECT_EQ(j["results"][0]["chunk_bytes"].get<uint64_t>(), 2u << 20);
   EXPECT_EQ(j["results"][3]["chunk_bytes"].get<uint64_t>(), 4u << 20);
+}
+
+// optstate-bench mount end to end on a small store: every phase ran once, the
+// read(2) phase got every byte of the snapshot's files back (the tool fails
+// otherwise), and the daemon reported what it served.
+TEST(CliTest, BenchMountFuseSmallRunReadsEveryByte) {
+  if (!InPath("fio")) GTEST_SKIP() << "fio is not installed";
+  int fd = open("/dev/fuse", O_RDWR);
+  if (fd < 0) GTEST_SKIP() << "/dev/fuse unusable here";
+  close(fd);
+  TempDir dir;
+  fd = open((dir.path() + "/probe").c_str(), O_RDWR | O_CREAT | O_DIRECT, 0644);
+  if (fd < 0) GTEST_SKIP() << dir.path() << " refuses O_DIRECT (fio's reference needs it)";
+  close(fd);
+  auto r = Tool("optstate-bench", {"mount", "--dir", dir.path(), "--state", "48M", "--rounds", "1", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  auto j = ParseJson(r);
+  const uint64_t bytes = j["bytes"].get<uint64_t>();
+  EXPECT_GE(bytes, 2 * (48u << 20));  // state.safetensors + the three field files
+  for (const char* phase : {"cp", "fio", "read"}) {
+    ASSERT_EQ(j["seconds"][phase].size(), 1u) << phase;
+    EXPECT_GT(j["seconds"][phase][0].get<double>(), 0.0) << phase;
+  }
+  const std::string served = j["daemon_served"].get<std::string>();
+  EXPECT_NE(served.find(" reads ("), std::string::npos) << served;
+  EXPECT_NE(served.find("chunks loaded"), std::string::npos) << served;
+  EXPECT_NE(served.rfind("0 reads", 0), 0u) << served;  // it served something
 }
 
 }  // namespace
