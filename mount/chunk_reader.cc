@@ -414,10 +414,12 @@ Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<
         waits = true;
         verify_cv_.notify_one();  // seq may be loaded and wait for its hash
         wait_start = std::chrono::steady_clock::now();
-        for (const Slot& o : slots_) {
-          if (o.seq <= seq) continue;
-          ready_ahead += o.state == SlotState::kReady ? 1 : 0;
-          in_flight_ahead += o.state == SlotState::kInFlight ? 1 : 0;
+        if (Logger().should_log(spdlog::level::debug)) {
+          for (const Slot& o : slots_) {
+            if (o.seq <= seq) continue;
+            ready_ahead += o.state == SlotState::kReady ? 1 : 0;
+            in_flight_ahead += o.state == SlotState::kInFlight ? 1 : 0;
+          }
         }
         Kick();
       }

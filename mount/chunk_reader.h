@@ -92,7 +92,7 @@ struct ReadStats {
   std::atomic<uint64_t> bytes{0};          // bytes they returned
   std::atomic<uint64_t> waited{0};         // requests that waited for a chunk to load
   std::atomic<uint64_t> wait_ns{0};        // time they waited
-  std::atomic<uint64_t> chunks_loaded{0};  // chunk reads completed and verified
+  std::atomic<uint64_t> chunks_loaded{0};  // chunk reads completed (hashed afterwards)
   std::atomic<uint64_t> bounced{0};        // requests copied: across into a chunk not yet verified
 
   // "N reads (X GiB), W waited for a chunk (T s in all), C chunks loaded, B copied

@@ -90,9 +90,15 @@ Result<double> TimedRead(const std::string& src, uint64_t want_bytes) {
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ErrnoStatus("open " + path, errno);
     struct stat st;
-    if (::fstat(fd, &st) == 0) buf.resize(std::max<size_t>(buf.size(), static_cast<size_t>(st.st_blksize)));
+    if (::fstat(fd, &st) != 0) {
+      int e = errno;
+      ::close(fd);
+      return ErrnoStatus("stat " + path, e);
+    }
+    const size_t block = std::max<size_t>(4096, static_cast<size_t>(st.st_blksize));
+    if (buf.size() < block) buf.resize(block);
     for (;;) {
-      ssize_t n = ::read(fd, buf.data(), std::max<size_t>(4096, static_cast<size_t>(st.st_blksize)));
+      ssize_t n = ::read(fd, buf.data(), block);
       if (n < 0) {
         int e = errno;
         ::close(fd);
@@ -123,11 +129,7 @@ struct PhaseDisk {
     sum.io_ticks_ms += b.io_ticks_ms - a.io_ticks_ms;
     seconds += s;
   }
-  std::string Describe() const {
-    DiskCounters zero = sum;
-    zero.reads = zero.read_sectors = zero.io_ticks_ms = 0;
-    return DescribeDiskUse(zero, sum, seconds);
-  }
+  std::string Describe() const { return DescribeDiskUse(sum, seconds); }
 };
 
 int RunMount(const MountOptions& o) {

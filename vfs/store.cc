@@ -1236,6 +1236,15 @@ std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t 
   return v;
 }
 
+// `what` + ": checksum mismatch (expected xxh3 E, read R) at [PATH ]offset O".
+Status ChecksumMismatch(const std::string& what, uint64_t expected, uint64_t read, const std::string& path,
+                        uint64_t offset) {
+  char m[96];
+  snprintf(m, sizeof(m), ": checksum mismatch (expected xxh3 %016llx, read %016llx) at ",
+           static_cast<unsigned long long>(expected), static_cast<unsigned long long>(read));
+  return Corruption(what + m + (path.empty() ? "" : path + " ") + "offset " + std::to_string(offset));
+}
+
 // Reads one version synchronously and verifies it.
 Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version& v, void* buf) {
   File* f = v.ext.dir < core->data_files_.size() ? core->data_files_[v.ext.dir].get() : nullptr;
@@ -1247,11 +1256,7 @@ Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version&
   if (!s.ok()) return s.WithContext("read of " + core->Describe(t, k, v.gen));
   const uint64_t sum = ChunkChecksum(buf, v.ext.length);
   if (sum != v.ext.checksum) {
-    char m[160];
-    snprintf(m, sizeof(m), ": checksum mismatch (expected xxh3 %016llx, read %016llx) at %s offset %llu",
-             static_cast<unsigned long long>(v.ext.checksum), static_cast<unsigned long long>(sum),
-             f->path().c_str(), static_cast<unsigned long long>(v.ext.file_offset));
-    return Corruption(core->Describe(t, k, v.gen) + m);
+    return ChecksumMismatch(core->Describe(t, k, v.gen), v.ext.checksum, sum, f->path(), v.ext.file_offset);
   }
   if (v.ext.length < core->chunk()) {
     std::memset(static_cast<char*>(buf) + v.ext.length, 0, core->chunk() - v.ext.length);
@@ -1413,16 +1418,18 @@ class ChunkIoImpl final : public ChunkIo {
       return Status();
     }
     if (!io.ok()) return io.WithContext("read of " + c->Describe(&op.tensor, op.key, op.version.gen));
-    out->needs_verify = true;
-    out->verify_length = op.version.ext.length;
-    out->expected_checksum = op.version.ext.checksum;
-    out->file_offset = op.version.ext.file_offset;
-    out->what = c->Describe(&op.tensor, op.key, op.version.gen);
     if (verify_) {
-      Status v = VerifyChunkRead(*out, op.buf);
-      out->needs_verify = false;
-      out->what.clear();
-      if (!v.ok()) return v;
+      const uint64_t sum = ChunkChecksum(op.buf, op.version.ext.length);
+      if (sum != op.version.ext.checksum) {
+        return ChecksumMismatch(c->Describe(&op.tensor, op.key, op.version.gen), op.version.ext.checksum, sum,
+                                "", op.version.ext.file_offset);
+      }
+    } else {
+      out->needs_verify = true;
+      out->verify_length = op.version.ext.length;
+      out->expected_checksum = op.version.ext.checksum;
+      out->file_offset = op.version.ext.file_offset;
+      out->what = c->Describe(&op.tensor, op.key, op.version.gen);
     }
     if (op.version.ext.length < c->chunk()) {
       std::memset(static_cast<char*>(op.buf) + op.version.ext.length, 0, c->chunk() - op.version.ext.length);
@@ -1438,6 +1445,17 @@ class ChunkIoImpl final : public ChunkIo {
   std::deque<ChunkCompletion> ready_;  // zero chunks, completed at submit
   uint64_t next_tag_ = 1;
 };
+
+}  // namespace
+
+Status VerifyChunkRead(const ChunkCompletion& c, const void* buf) {
+  if (!c.needs_verify) return Status();
+  const uint64_t sum = ChunkChecksum(buf, c.verify_length);
+  if (sum == c.expected_checksum) return Status();
+  return ChecksumMismatch(c.what, c.expected_checksum, sum, "", c.file_offset);
+}
+
+namespace {
 
 Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, std::shared_ptr<ViewData> view,
                                              const ChunkIoOptions& opts) {

@@ -229,12 +229,11 @@ DiskCounters ReadDiskCounters(const std::string& path) {
   return c;
 }
 
-std::string DescribeDiskUse(const DiskCounters& before, const DiskCounters& after, double seconds) {
-  if (!before.ok || !after.ok || seconds <= 0 || after.reads <= before.reads) return "";
-  const double busy = static_cast<double>(after.io_ticks_ms - before.io_ticks_ms) / 1e3 / seconds;
-  const double per_req = static_cast<double>(after.read_sectors - before.read_sectors) * 512.0 /
-                         static_cast<double>(after.reads - before.reads);
-  return fmt::format("disk {} busy {:.0f}%, {:.2f} MiB per read request", after.device,
+std::string DescribeDiskUse(const DiskCounters& delta, double seconds) {
+  if (!delta.ok || seconds <= 0 || delta.reads == 0) return "";
+  const double busy = static_cast<double>(delta.io_ticks_ms) / 1e3 / seconds;
+  const double per_req = static_cast<double>(delta.read_sectors) * 512.0 / static_cast<double>(delta.reads);
+  return fmt::format("disk {} busy {:.0f}%, {:.2f} MiB per read request", delta.device,
                      std::min(busy, 1.0) * 100, per_req / (1 << 20));
 }
 

@@ -62,9 +62,10 @@ struct DiskCounters {
 };
 DiskCounters ReadDiskCounters(const std::string& path);
 
-// "disk vda1 busy 97%, 1.20 MiB per read request" between two samples
-// `seconds` apart (empty when either sample is not ok or no read happened).
-std::string DescribeDiskUse(const DiskCounters& before, const DiskCounters& after, double seconds);
+// "disk vda1 busy 97%, 1.20 MiB per read request" for `delta`, the counts of
+// an interval of `seconds` (after minus before); empty when not ok or no read
+// happened.
+std::string DescribeDiskUse(const DiskCounters& delta, double seconds);
 
 // A child process started in the background; its stdout/stderr go to
 // log_path (or are inherited when empty). Destructor: Stop().
