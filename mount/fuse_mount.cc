@@ -35,10 +35,12 @@ struct Context {
   std::unique_ptr<StoreTree> tree;
   std::unique_ptr<ChunkBufferPool> pool;
   ReadStats stats;  // logged at unmount
+  std::unique_ptr<Prefetcher> prefetch;  // null with --prefetch-files 0; declared after pool: closed first
 
   // Node ids are InodeOf(path) (root: FUSE_ROOT_ID), so they are stable
-  // across remounts and equal the st_ino that stat shows. The kernel's lookup
-  // count per node id; an entry goes at its last forget.
+  // across remounts (outside generations they equal the st_ino that stat
+  // shows; inside, st_ino is TreeInodeOf). The kernel's lookup count per node
+  // id; an entry goes at its last forget.
   std::mutex mu;
   std::unordered_map<fuse_ino_t, std::pair<std::string, uint64_t>> nodes;  // guarded by mu
 };
@@ -114,9 +116,10 @@ bool PathOf(fuse_req_t req, fuse_ino_t ino, std::string* path) {
   return true;
 }
 
-void FillStat(const std::string& path, const Node& n, struct stat* st) {
+// blksize: st_blksize of files; 0 = the chunk size (MountOptions::st_blksize_bytes).
+void FillStat(const std::string& path, const Node& n, uint64_t blksize, struct stat* st) {
   std::memset(st, 0, sizeof(*st));
-  st->st_ino = InodeOf(path);
+  st->st_ino = n.gen != nullptr ? TreeInodeOf(*n.gen, n.rel, path) : InodeOf(path);
   st->st_uid = getuid();
   st->st_gid = getgid();
   int64_t ms = n.mtime_unix_ms;
@@ -132,7 +135,8 @@ void FillStat(const std::string& path, const Node& n, struct stat* st) {
     // The chunk size: cp sizes its buffer from st_blksize, so each read(2)
     // asks for a whole chunk and the kernel sends its 1 MiB requests back to
     // back (fewer syscalls and tmpfs writes per byte than 1 MiB reads).
-    st->st_blksize = static_cast<blksize_t>(n.gen->view->identity().chunk_size_bytes);
+    if (blksize == 0) blksize = n.gen->view->identity().chunk_size_bytes;
+    st->st_blksize = static_cast<blksize_t>(blksize);
   } else {
     st->st_mode = S_IFDIR | 0555;
     st->st_nlink = 2;
@@ -165,7 +169,7 @@ void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   struct fuse_entry_param e;
   std::memset(&e, 0, sizeof(e));
   e.ino = NodeIdOf(path);
-  FillStat(path, *n, &e.attr);
+  FillStat(path, *n, Ctx(req)->tree->options().st_blksize_bytes, &e.attr);
   // No kernel caching of names or attributes: latest/ changes with every commit.
   e.attr_timeout = 0;
   e.entry_timeout = 0;
@@ -214,13 +218,13 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     n.file = &r->file();
     n.gen = r->shared_generation();
     n.mtime_unix_ms = r->generation().view->info().commit_time_unix_ms;
-    FillStat(path, n, &st);
+    FillStat(path, n, Ctx(req)->tree->options().st_blksize_bytes, &st);
     fuse_reply_attr(req, &st, 0.0);
     return;
   }
   auto n = Ctx(req)->tree->Resolve(path);
   if (!n.ok()) return ReplyStatus(req, n.status());
-  FillStat(path, *n, &st);
+  FillStat(path, *n, Ctx(req)->tree->options().st_blksize_bytes, &st);
   fuse_reply_attr(req, &st, 0.0);
 }
 
@@ -246,7 +250,7 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     fuse_add_direntry(req, h->buf.data() + old, need, name, &st, static_cast<off_t>(old + need));
   };
   struct stat st;
-  FillStat(path, *n, &st);
+  FillStat(path, *n, Ctx(req)->tree->options().st_blksize_bytes, &st);
   add(".", st);
   std::memset(&st, 0, sizeof(st));
   st.st_mode = S_IFDIR;
@@ -254,9 +258,14 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   for (const std::string& name : *names) {
     std::string child = JoinPath(path, name.c_str());
     std::memset(&st, 0, sizeof(st));
-    st.st_ino = InodeOf(child);
-    bool is_file = n->kind == NodeKind::kGenDir &&
-                   !n->gen->layout->IsDir(n->rel.empty() ? name : n->rel + "/" + name);
+    bool is_file = false;
+    if (n->kind == NodeKind::kGenDir) {
+      const std::string rel = n->rel.empty() ? name : n->rel + "/" + name;
+      st.st_ino = TreeInodeOf(*n->gen, rel, child);
+      is_file = !n->gen->layout->IsDir(rel);
+    } else {
+      st.st_ino = InodeOf(child);
+    }
     st.st_mode = is_file ? (S_IFREG | 0444) : (S_IFDIR | 0555);
     add(name.c_str(), st);
   }
@@ -297,13 +306,20 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   auto n = Ctx(req)->tree->Resolve(path);
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind != NodeKind::kGenFile) return (void)fuse_reply_err(req, EISDIR);
-  auto r = ChunkReader::Open(n->gen, n->file, Ctx(req)->tree->options(), Ctx(req)->pool.get(),
-                            &Ctx(req)->stats);
-  if (!r.ok()) {
-    OPTSTATE_LOG_ERROR("{}", r.status().ToString());
-    return ReplyStatus(req, r.status());
+  Context* c = Ctx(req);
+  std::unique_ptr<ChunkReader> reader;
+  if (c->prefetch != nullptr) reader = c->prefetch->Take(n->gen.get(), n->file);
+  if (reader == nullptr) {
+    auto r = ChunkReader::Open(n->gen, n->file, c->tree->options(), c->pool.get(), &c->stats);
+    if (!r.ok()) {
+      OPTSTATE_LOG_ERROR("{}", r.status().ToString());
+      return ReplyStatus(req, r.status());
+    }
+    reader = std::move(r).value();
   }
-  fi->fh = NewHandle(std::shared_ptr<ChunkReader>(std::move(r).value()));
+  if (n->gen->layout->ChunkSequenceLength(*n->file) > 0) c->stats.opens.fetch_add(1, std::memory_order_relaxed);
+  if (c->prefetch != nullptr) c->prefetch->Opened(n->gen, n->file);
+  fi->fh = NewHandle(std::shared_ptr<ChunkReader>(std::move(reader)));
   fi->direct_io = 1;
   fi->keep_cache = 0;
   fi->nonseekable = 0;
@@ -481,6 +497,7 @@ int RunMount(const MountCommand& cmd) {
   Context ctx;
   ctx.tree = std::make_unique<StoreTree>(cmd.tree);
   ctx.pool = std::make_unique<ChunkBufferPool>(cmd.tree.buffer_pool_bytes);
+  if (cmd.tree.prefetch_files > 0) ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats);
   struct fuse_lowlevel_ops ops = MakeOps();
   struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &ctx);
   fuse_opt_free_args(&args);

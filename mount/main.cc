@@ -1,5 +1,6 @@
 // optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
-//                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--threads N]
+//                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--blksize-kib N]
+//                [--prefetch-files N] [--threads N]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
 #include <climits>
 #include <cstdio>
@@ -37,6 +38,10 @@ const char kUsage[] =
     "                        (default 1024)\n"
     "  --max-sqe-kib N       send each chunk read as parallel io_uring SQEs of at most N KiB\n"
     "                        (a multiple of 4; default: one SQE per chunk)\n"
+    "  --prefetch-files N    files opened ahead of a reader that goes through a generation\n"
+    "                        in tree order, as cp -r, tar and rsync do (0..64; default 4)\n"
+    "  --blksize-kib N       st_blksize of the files, the buffer size cp reads with\n"
+    "                        (a multiple of 4; default: the store's chunk size)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  -h, --help            this text\n";
 
@@ -96,6 +101,21 @@ int main(int argc, char** argv) {
         return 2;
       }
       cmd.tree.max_sqe_bytes = uint64_t{kib} << 10;
+    } else if (a == "--prefetch-files") {
+      const char* v = need(a.c_str());
+      if (std::string(v) == "0") {
+        cmd.tree.prefetch_files = 0;
+      } else if (!ParseU32(v, &cmd.tree.prefetch_files) || cmd.tree.prefetch_files > 64) {
+        fmt::print(stderr, "optstate-mount: --prefetch-files wants 0..64\n");
+        return 2;
+      }
+    } else if (a == "--blksize-kib") {
+      uint32_t kib = 0;
+      if (!ParseU32(need(a.c_str()), &kib) || kib % 4 != 0) {
+        fmt::print(stderr, "optstate-mount: --blksize-kib wants a multiple of 4 in 4..4096\n");
+        return 2;
+      }
+      cmd.tree.st_blksize_bytes = uint64_t{kib} << 10;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
         fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");

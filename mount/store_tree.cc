@@ -41,6 +41,34 @@ uint64_t InodeOf(std::string_view path) {
   return h < 2 ? h + 2 : h;
 }
 
+uint64_t TreeInodeOf(const Generation& g, std::string_view rel, std::string_view path) {
+  if (rel.empty()) return InodeOf(path);
+  auto it = g.tree_rank.find(std::string(rel));
+  constexpr uint64_t kRankBits = 24;
+  if (it == g.tree_rank.end() || it->second + 1 >= (1ull << kRankBits)) return InodeOf(path);
+  return (g.inode_base << kRankBits) | (it->second + 1);  // never 0 or 1: base >= 1
+}
+
+Status IndexTree(Generation* g) {
+  uint64_t h = InodeOf("/" + g->store_name + "/" + g->dir_label) >> 24;
+  g->inode_base = h == 0 ? 1 : h;
+  auto visit = [&](auto&& self, const std::string& dir) -> Status {
+    OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::string> names, g->layout->ListDir(dir));
+    for (const std::string& name : names) {
+      std::string rel = dir.empty() ? name : dir + "/" + name;
+      g->tree_rank.emplace(rel, static_cast<uint32_t>(g->tree_rank.size()));
+      if (g->layout->IsDir(rel)) {
+        OPTSTATE_RETURN_IF_ERROR(self(self, rel));
+      } else if (const vfs::CheckpointFile* f = g->layout->FindFile(rel); f != nullptr) {
+        g->file_position.emplace(f, static_cast<uint32_t>(g->files_in_tree_order.size()));
+        g->files_in_tree_order.push_back(f);
+      }
+    }
+    return Status();
+  };
+  return visit(visit, "");
+}
+
 struct StoreTree::StoreEntry {
   std::string name;
   std::string path;
@@ -119,6 +147,7 @@ Status StoreTree::Refresh(StoreEntry* e, bool force) {
     auto layout = vfs::CheckpointLayout::Build(gen->view.get());
     if (!layout.ok()) return layout.status();
     gen->layout = std::move(layout).value();
+    OPTSTATE_RETURN_IF_ERROR(IndexTree(gen.get()));
     e->latest = std::move(gen);
   }
   std::map<std::string, vfs::SnapshotInfo> list;
@@ -166,6 +195,7 @@ Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, con
   auto layout = vfs::CheckpointLayout::Build(gen->view.get());
   if (!layout.ok()) return layout.status();
   gen->layout = std::move(layout).value();
+  OPTSTATE_RETURN_IF_ERROR(IndexTree(gen.get()));
   e->snapshots[name] = gen;
   return std::shared_ptr<const Generation>(gen);
 }

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "vfs/checkpoint.h"
@@ -48,6 +49,12 @@ struct MountOptions {
   // Each chunk read goes out as parallel SQEs of at most this many bytes
   // (vfs::ChunkIoOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
   uint64_t max_sqe_bytes = 0;
+  // Files opened ahead of the reader, in tree order (mount/chunk_reader.h
+  // Prefetcher); 0 = none. Default 4.
+  uint32_t prefetch_files = 4;
+  // st_blksize of the generation files, the size cp and other readers buffer
+  // by; 0 = the store's chunk size (default).
+  uint64_t st_blksize_bytes = 0;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
   uint32_t catchup_interval_ms = 20;
 };
@@ -61,8 +68,18 @@ struct Generation {
   std::string dir_label;              // "latest" or "snapshots/<name>"
   std::unique_ptr<vfs::GenerationView> view;
   std::unique_ptr<vfs::CheckpointLayout> layout;  // refers to *view
+  // Tree order (IndexTree): every path inside the generation directory, dirs
+  // and files, depth first with siblings by name: the order in which `ls -R`,
+  // tar, rsync and (through TreeInodeOf) `cp -r` visit it.
+  std::unordered_map<std::string, uint32_t> tree_rank;  // rel path -> 0, 1, ...
+  std::vector<const vfs::CheckpointFile*> files_in_tree_order;
+  std::unordered_map<const vfs::CheckpointFile*, uint32_t> file_position;  // in files_in_tree_order
+  uint64_t inode_base = 0;  // TreeInodeOf: from the generation directory's path
   uint64_t generation() const { return view->info().generation; }
 };
+
+// Fills the tree-order fields of g from g->layout (store_name, dir_label set).
+Status IndexTree(Generation* g);
 
 enum class NodeKind : uint8_t {
   kRoot,          // /
@@ -109,5 +126,14 @@ class StoreTree {
 
 // Stable inode number of a path (XXH3, never 0 or 1).
 uint64_t InodeOf(std::string_view path);
+
+// st_ino of `path`, which is `rel` (non-empty) inside generation g: the
+// generation directory's hash in the high 40 bits, the tree rank + 1 in the
+// low 24, so that a directory's entries sorted by inode number are in name
+// order. GNU cp -r copies a directory's entries sorted by inode number; with
+// path hashes it visited files in an order no read-ahead could predict, with
+// these it visits them in tree order, which the mount's Prefetcher follows.
+// InodeOf(path) when rel is empty or not in the tree.
+uint64_t TreeInodeOf(const Generation& g, std::string_view rel, std::string_view path);
 
 }  // namespace optstate::mount

@@ -83,4 +83,24 @@ std::string MachineLine() {
 
 void Note(const std::string& msg) { std::fprintf(stderr, "note: %s\n", msg.c_str()); }
 
+std::vector<std::pair<std::string, uint64_t>> ParamMix(uint64_t state_bytes, uint64_t h) {
+  const std::vector<std::pair<const char*, uint64_t>> layer = {
+      {"ln1.weight", h},     {"ln1.bias", h},          {"attn.qkv.weight", 3 * h * h},
+      {"attn.qkv.bias", 3 * h}, {"attn.proj.weight", h * h}, {"attn.proj.bias", h},
+      {"ln2.weight", h},     {"ln2.bias", h},          {"mlp.fc1.weight", 4 * h * h},
+      {"mlp.fc1.bias", 4 * h}, {"mlp.fc2.weight", 4 * h * h}, {"mlp.fc2.bias", h}};
+  std::vector<std::pair<std::string, uint64_t>> out;
+  uint64_t total = 0, target = state_bytes / 12;
+  for (int l = 0; total < target; ++l) {
+    for (const auto& [n, sz] : layer) {
+      if (total >= target) break;
+      uint64_t take = std::min(sz, target - total);
+      out.emplace_back(fmt::format("layer{}.{}", l, n), take);
+      total += take;
+    }
+  }
+  return out;
+}
+
+
 }  // namespace optstate::tools::bench

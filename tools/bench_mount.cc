@@ -33,6 +33,9 @@ struct MountOptions {
   uint32_t rounds = 3;
   uint32_t readahead_chunks = 0;  // 0: optstate-mount's default
   uint32_t max_sqe_kib = 0;       // 0: optstate-mount's default
+  uint32_t blksize_kib = 0;       // 0: optstate-mount's default
+  int32_t prefetch_files = -1;    // -1: optstate-mount's default
+  uint64_t hidden = 0;            // 0: one tensor; else ParamMix of this hidden size
   std::string log;                // the daemon's log (default: in the scratch dir, removed)
   bool keep = false;              // keep the test store (DIR/bench-mount/root) for manual runs
   bool json = false;
@@ -40,24 +43,29 @@ struct MountOptions {
 
 // A store of `bytes` of non-zero data in one tensor's three fields, committed
 // and snapshotted as "bench".
-Status MakeStore(const std::string& path, uint64_t bytes) {
+// hidden 0: one tensor "w" of bytes / 12 parameters; else the step
+// benchmark's transformer mix of that hidden size (ParamMix), one tensor per
+// parameter, as a trainer's snapshot has.
+Status MakeStore(const std::string& path, uint64_t bytes, uint64_t hidden) {
   vfs::StoreOptions so;
   OPTSTATE_ASSIGN_OR_RETURN(auto store, vfs::Store::Create(path, so));
-  vfs::TensorSpec spec;
-  spec.name = "w";
-  spec.numel = std::max<uint64_t>(1, bytes / 12);
-  OPTSTATE_ASSIGN_OR_RETURN(auto t, store->CreateTensor(spec));
+  std::vector<std::pair<std::string, uint64_t>> params = {{"w", std::max<uint64_t>(1, bytes / 12)}};
+  if (hidden > 0) params = ParamMix(bytes, hidden);
   const uint64_t chunk = store->chunk_size_bytes();
   vfs::IoBuffer buf(chunk);
-  auto io_opts = vfs::ChunkIoOptions{};
-  for (uint32_t f = 0; f < 3; ++f) {
-    for (uint64_t c = 0; c < store->ChunkCount(t, f); ++c) {
-      auto* w = buf.as<uint64_t>();
-      for (uint64_t i = 0; i < chunk / 8; ++i) w[i] = (c * 0x9E3779B97F4A7C15ull) ^ (i + f);
-      OPTSTATE_RETURN_IF_ERROR(store->WriteChunk({t.id, f, c}, buf.data()));
+  for (const auto& [name, numel] : params) {
+    vfs::TensorSpec spec;
+    spec.name = name;
+    spec.numel = numel;
+    OPTSTATE_ASSIGN_OR_RETURN(auto t, store->CreateTensor(spec));
+    for (uint32_t f = 0; f < 3; ++f) {
+      for (uint64_t c = 0; c < store->ChunkCount(t, f); ++c) {
+        auto* w = buf.as<uint64_t>();
+        for (uint64_t i = 0; i < chunk / 8; ++i) w[i] = (c * 0x9E3779B97F4A7C15ull) ^ (i + f + t.id);
+        OPTSTATE_RETURN_IF_ERROR(store->WriteChunk({t.id, f, c}, buf.data()));
+      }
     }
   }
-  (void)io_opts;
   vfs::CommitInfo ci;
   ci.step = 1;
   OPTSTATE_RETURN_IF_ERROR(store->Commit(ci).status());
@@ -116,22 +124,6 @@ Result<double> TimedRead(const std::string& src, uint64_t want_bytes) {
   return NowSeconds() - t0;
 }
 
-// The disk's counters summed over the rounds of one phase (fio, cp, read).
-struct PhaseDisk {
-  DiskCounters sum;
-  double seconds = 0;
-  void Add(const DiskCounters& a, const DiskCounters& b, double s) {
-    if (!a.ok || !b.ok) return;
-    sum.ok = true;
-    sum.device = b.device;
-    sum.reads += b.reads - a.reads;
-    sum.read_sectors += b.read_sectors - a.read_sectors;
-    sum.io_ticks_ms += b.io_ticks_ms - a.io_ticks_ms;
-    seconds += s;
-  }
-  std::string Describe() const { return DescribeDiskUse(sum, seconds); }
-};
-
 int RunMount(const MountOptions& o) {
   auto state = ParseBytes(o.state_text);
   if (!state.ok()) return FailWith(kTool, state.status().WithContext("--state"));
@@ -150,7 +142,7 @@ int RunMount(const MountOptions& o) {
   fs::create_directories(work + "/root");
   fs::create_directories(work + "/mnt");
   Cleanup cleanup{o.keep ? std::string() : work};
-  if (Status s = MakeStore(work + "/root/bench", *state); !s.ok()) return FailWith(kTool, s);
+  if (Status s = MakeStore(work + "/root/bench", *state, o.hidden); !s.ok()) return FailWith(kTool, s);
   std::vector<std::string> mount_argv = {*bin, "-f", work + "/root", work + "/mnt"};
   if (o.readahead_chunks > 0) {
     mount_argv.push_back("--readahead-chunks");
@@ -159,6 +151,14 @@ int RunMount(const MountOptions& o) {
   if (o.max_sqe_kib > 0) {
     mount_argv.push_back("--max-sqe-kib");
     mount_argv.push_back(std::to_string(o.max_sqe_kib));
+  }
+  if (o.prefetch_files >= 0) {
+    mount_argv.push_back("--prefetch-files");
+    mount_argv.push_back(std::to_string(o.prefetch_files));
+  }
+  if (o.blksize_kib > 0) {
+    mount_argv.push_back("--blksize-kib");
+    mount_argv.push_back(std::to_string(o.blksize_kib));
   }
   const std::string log_path = o.log.empty() ? work + "/mount.log" : o.log;
   auto child = Child::Start(mount_argv, log_path);
@@ -198,7 +198,7 @@ int RunMount(const MountOptions& o) {
   if (copy_dir == work + "/copy") copy_cleanup.d = copy_dir;
   const std::string copy2_dir = copy_dir + "2";
   std::vector<double> t_fio, t_cp, t_mem, t_read;
-  PhaseDisk d_fio, d_cp, d_read;
+  DiskPhase d_fio, d_cp, d_read;
   for (uint32_t r = 0; r < o.rounds; ++r) {
     // The reference is the disk's sequential O_DIRECT read speed for the same
     // byte count: 1 MiB blocks at QD 32 (the project's fio reference). On the
@@ -261,7 +261,10 @@ int RunMount(const MountOptions& o) {
                          mem_ratios.empty() ? nlohmann::json() : nlohmann::json(Median(mem_ratios))},
                         {"copy_to", copy_where},
                         {"readahead_chunks", o.readahead_chunks},
-                        {"max_sqe_kib", o.max_sqe_kib}};
+                        {"max_sqe_kib", o.max_sqe_kib},
+                        {"blksize_kib", o.blksize_kib},
+                        {"hidden", o.hidden},
+                        {"prefetch_files", o.prefetch_files}};
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -300,6 +303,13 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
                   "passed to optstate-mount --readahead-chunks (default: its default)");
   sub->add_option("--max-sqe-kib", o->max_sqe_kib,
                   "passed to optstate-mount --max-sqe-kib (default: its default)");
+  sub->add_option("--hidden", o->hidden,
+                  "store many tensors: the step benchmark's transformer mix of this hidden size "
+                  "(default: one tensor)");
+  sub->add_option("--prefetch-files", o->prefetch_files,
+                  "passed to optstate-mount --prefetch-files (default: its default)");
+  sub->add_option("--blksize-kib", o->blksize_kib,
+                  "passed to optstate-mount --blksize-kib (default: its default)");
   sub->add_flag("--keep", o->keep, "keep the test store under DIR/bench-mount/root (with --dir)");
   sub->add_option("--log", o->log, "write the daemon's log here and keep it (default: scratch dir, removed)");
   sub->add_flag("--json", o->json, "print JSON");

@@ -222,28 +222,6 @@ int RunSynthetic(const StepOptions& o) {
 // ---------------------------------------------------------------------------
 // Comparison mode.
 
-// A realistic mix of parameter sizes: transformer layers of hidden size h
-// (qkv 3h^2, proj h^2, fc1 4h^2, fc2 4h^2, two norms and biases of h..4h),
-// repeated until the state (12 B per parameter) reaches state_bytes.
-std::vector<std::pair<std::string, uint64_t>> ParamMix(uint64_t state_bytes, uint64_t h) {
-  const std::vector<std::pair<const char*, uint64_t>> layer = {
-      {"ln1.weight", h},     {"ln1.bias", h},          {"attn.qkv.weight", 3 * h * h},
-      {"attn.qkv.bias", 3 * h}, {"attn.proj.weight", h * h}, {"attn.proj.bias", h},
-      {"ln2.weight", h},     {"ln2.bias", h},          {"mlp.fc1.weight", 4 * h * h},
-      {"mlp.fc1.bias", 4 * h}, {"mlp.fc2.weight", 4 * h * h}, {"mlp.fc2.bias", h}};
-  std::vector<std::pair<std::string, uint64_t>> out;
-  uint64_t total = 0, target = state_bytes / 12;
-  for (int l = 0; total < target; ++l) {
-    for (const auto& [n, sz] : layer) {
-      if (total >= target) break;
-      uint64_t take = std::min(sz, target - total);
-      out.emplace_back(fmt::format("layer{}.{}", l, n), take);
-      total += take;
-    }
-  }
-  return out;
-}
-
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // The first version: private files, one pinned staging buffer, sync I/O.
@@ -476,6 +454,9 @@ int RunCompare(const StepOptions& o) {
 
   std::vector<double> t_floor, t_ours, t_fv;
   std::vector<memmgr::StreamedAdam::StepStats> stats;
+  // How the disk under --dir was used during the floor and our steps.
+  DiskPhase disk_floor, disk_ours;
+  const std::string disk_path = dir + "/store";
   ProgressBar bar("step rounds", o.rounds);
   for (uint32_t r = 0; r < o.rounds; ++r) {
     if (use_fio) {
@@ -492,15 +473,19 @@ int RunCompare(const StepOptions& o) {
       wr.filename = dir + "/floor.write";
       wr.rw = "write";
       wr.end_fsync = true;
+      DiskCounters before = ReadDiskCounters(disk_path);
       auto f = RunFio({rd, wr});
       if (!f.ok()) return FailWith(kTool, f.status().WithContext("fio floor"));
       double t = 0;
       for (auto& j : f->jobs) t = std::max(t, j.runtime_seconds);
+      disk_floor.Add(before, ReadDiskCounters(disk_path), t);
       t_floor.push_back(t * static_cast<double>(state_bytes) / static_cast<double>(rd.size_bytes));
     }
+    DiskCounters before = ReadDiskCounters(disk_path);
     double t0 = NowSeconds();
     if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext(fmt::format("round {}", r + 1)));
     t_ours.push_back(NowSeconds() - t0);
+    disk_ours.Add(before, ReadDiskCounters(disk_path), t_ours.back());
     stats.push_back((*opt)->last_step_stats());
     if (fv) {
       t0 = NowSeconds();
@@ -564,6 +549,7 @@ int RunCompare(const StepOptions& o) {
                          {"device_slots", st.device_slots}});
   }
   out["step_stats"] = breakdown;
+  out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()}};
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -612,6 +598,10 @@ int RunCompare(const StepOptions& o) {
         "{} slices in flight, {} device slots\n",
         st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
         st.slices_in_flight, st.device_slots);
+  }
+  for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours}, {"floor", &disk_floor}}) {
+    std::string u = d->Describe();
+    if (!u.empty()) std::cout << fmt::format("{:<6}{}\n", name, u);
   }
   return 0;
 }

@@ -4,6 +4,7 @@
 // reader's window and slots).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -189,6 +190,68 @@ TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
   ASSERT_TRUE(a_n.ok()) << a_n.status().ToString();
   EXPECT_EQ(*a_n, a_got.size());
   EXPECT_EQ(a_got.compare(0, a_got.size(), want_, 10 * cs + 123, a_got.size()), 0);
+}
+
+// The Prefetcher: after a file is opened, the next files in tree order (the
+// order cp -r, tar and rsync read a generation in) are opened and start
+// loading before their reader comes; a reader taken from it gets the
+// library's bytes without waiting for the disk; only those files are parked,
+// only for the same Generation, and an unused one is closed after kIdle.
+TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
+  auto s = CreateStore(root_ + "/p");
+  ASSERT_NE(s, nullptr);
+  CreateTensors(s.get(), {{"t0", 1000, {}}, {"t1", 700000, {}}, {"t2", 3, {}}, {"t3", 5000, {}}});
+  WriteStep(s.get(), 1);
+  auto n = tree_->Resolve("/p/latest/tensors/t0/main");
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  const std::shared_ptr<const Generation> gen = n->gen;
+  // Tree order: depth first, siblings by name (independent of IndexTree: the paths, sorted).
+  std::vector<std::string> want_order;
+  for (const vfs::CheckpointFile& f : gen->layout->files()) want_order.push_back(f.path);
+  std::sort(want_order.begin(), want_order.end());  // no name here sorts between a dir and its files
+  std::vector<std::string> order;
+  for (const vfs::CheckpointFile* f : gen->files_in_tree_order) order.push_back(f->path);
+  ASSERT_EQ(order, want_order);
+  const auto& files = gen->files_in_tree_order;
+  const size_t first = std::find(order.begin(), order.end(), "tensors/t0/main") - order.begin();
+  ASSERT_LT(first + 3, files.size());
+
+  ReadStats stats;
+  ChunkBufferPool pool(1ull << 30);
+  MountOptions o = Reading(8);
+  o.prefetch_files = 2;
+  Prefetcher pf(o, &pool, &stats);
+  pf.Opened(gen, files[first]);
+  for (int i = 0; i < 500 && (pf.parked() < 2 || stats.chunks_loaded.load() < 2); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(pf.parked(), 2u);
+  // Loaded before any reader asked: only the Prefetcher's readers exist.
+  EXPECT_GE(stats.chunks_loaded.load(), 2u);
+  EXPECT_EQ(stats.requests.load(), 0u);
+  EXPECT_EQ(pf.Take(gen.get(), files[first]), nullptr);      // the opened one: not parked
+  EXPECT_EQ(pf.Take(gen.get(), files[first + 3]), nullptr);  // beyond prefetch_files
+  // Another Generation object of the same store (a snapshot) does not match.
+  ASSERT_TRUE(s->CreateSnapshot("snap").ok());
+  auto other = tree_->Resolve("/p/snapshots/snap/" + order[first + 1]);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  EXPECT_EQ(pf.Take(other->gen.get(), other->file), nullptr);
+
+  std::unique_ptr<ChunkReader> r = pf.Take(gen.get(), files[first + 1]);
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(&r->file(), files[first + 1]);
+  EXPECT_EQ(pf.parked(), 1u);
+  EXPECT_EQ(stats.prefetched.load(), 1u);
+  std::string want(files[first + 1]->size_bytes, '\0'), got(want.size(), '\0');
+  ASSERT_TRUE(gen->layout->Read(*files[first + 1], 0, want.data(), want.size()).ok());
+  auto got_n = r->Read(0, got.size(), got.data());
+  ASSERT_TRUE(got_n.ok()) << got_n.status().ToString();
+  EXPECT_EQ(*got_n, want.size());
+  EXPECT_EQ(got, want);
+
+  // The one left is closed once it has been parked for kIdle.
+  for (int i = 0; i < 500 && pf.parked() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(pf.parked(), 0u);
 }
 
 }  // namespace

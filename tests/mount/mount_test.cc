@@ -226,6 +226,30 @@ TEST_F(MountTest, TreeSizesInodesAndListings) {
             (std::vector<std::string>{"emb", "layers.0%2Fb", "layers.0%2Fw", "odd%20name%20%25.."}));
   EXPECT_EQ(list(M("")), (std::vector<std::string>{"latest", "snapshots"}));
   EXPECT_EQ(list(M("latest/tensors")), list(M("latest/tensors")));
+  // Inside a generation, sorting a directory's entries by inode number (what
+  // GNU cp -r does before copying them) gives name order, the tree order the
+  // daemon's Prefetcher opens files in; d_ino equals what stat says.
+  for (const std::string dir : {"latest", "latest/tensors", "latest/tensors/layers.0%2Fw"}) {
+    std::vector<std::pair<uint64_t, std::string>> by_ino;
+    DIR* d = opendir(M(dir).c_str());
+    ASSERT_NE(d, nullptr) << dir;
+    while (dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      struct stat st;
+      ASSERT_EQ(stat(M(dir + "/" + name).c_str(), &st), 0) << dir << "/" << name;
+      EXPECT_EQ(st.st_ino, e->d_ino) << dir << "/" << name;
+      by_ino.emplace_back(e->d_ino, name);
+    }
+    closedir(d);
+    std::sort(by_ino.begin(), by_ino.end());
+    std::vector<std::string> names;
+    for (const auto& [ino, name] : by_ino) names.push_back(name);
+    std::vector<std::string> sorted = names;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(names, sorted) << dir;
+    EXPECT_GE(names.size(), 3u) << dir;
+  }
   ExpectDirEqualsLayout(**l, M("latest"));
   ExpectSafetensorsMatchesRaw(M("latest"));
 

@@ -5,7 +5,10 @@
 // include the fdatasync that makes data durable (fio: end_fsync=1); O_DIRECT.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -26,5 +29,10 @@ std::string CommandLine();
 std::string MachineLine();
 // Prints "note: ..." to stderr unless quiet.
 void Note(const std::string& msg);
+// A realistic mix of parameter sizes: transformer layers of hidden size h
+// (qkv 3h^2, proj h^2, fc1 4h^2, fc2 4h^2, two norms and biases of h..4h),
+// repeated until the state (12 B per parameter) reaches state_bytes.
+// {name, numel} in layer order.
+std::vector<std::pair<std::string, uint64_t>> ParamMix(uint64_t state_bytes, uint64_t h);
 
 }  // namespace optstate::tools::bench

@@ -213,28 +213,58 @@ DiskCounters ReadDiskCounters(const std::string& path) {
     std::istringstream ls(line);
     unsigned maj = 0, min = 0;
     std::string name;
-    // major minor name reads merged sectors ms writes merged sectors ms in_flight io_ticks ...
-    uint64_t f[10] = {};
     if (!(ls >> maj >> min >> name)) continue;
     if (maj != major(st.st_dev) || min != minor(st.st_dev)) continue;
-    for (uint64_t& v : f) ls >> v;
-    if (!ls) return c;
+    // reads merged sectors ms writes merged sectors ms in_flight io_ticks
+    // queue_ms [discards merged sectors ms [flushes ms]] (Documentation/admin-guide/iostats.rst)
+    std::vector<uint64_t> f;
+    for (uint64_t v; ls >> v;) f.push_back(v);
+    if (f.size() < 11) return c;
     c.ok = true;
     c.device = name;
     c.reads = f[0];
     c.read_sectors = f[2];
+    c.writes = f[4];
+    c.write_sectors = f[6];
     c.io_ticks_ms = f[9];
+    c.queue_ms = f[10];
+    c.flushes = f.size() >= 17 ? f[15] : 0;
     return c;
   }
   return c;
 }
 
+void DiskPhase::Add(const DiskCounters& before, const DiskCounters& after, double interval_seconds) {
+  if (!before.ok || !after.ok) return;
+  sum.ok = true;
+  sum.device = after.device;
+  sum.reads += after.reads - before.reads;
+  sum.read_sectors += after.read_sectors - before.read_sectors;
+  sum.writes += after.writes - before.writes;
+  sum.write_sectors += after.write_sectors - before.write_sectors;
+  sum.io_ticks_ms += after.io_ticks_ms - before.io_ticks_ms;
+  sum.queue_ms += after.queue_ms - before.queue_ms;
+  sum.flushes += after.flushes - before.flushes;
+  seconds += interval_seconds;
+}
+
+std::string DiskPhase::Describe() const { return DescribeDiskUse(sum, seconds); }
+
 std::string DescribeDiskUse(const DiskCounters& delta, double seconds) {
-  if (!delta.ok || seconds <= 0 || delta.reads == 0) return "";
-  const double busy = static_cast<double>(delta.io_ticks_ms) / 1e3 / seconds;
-  const double per_req = static_cast<double>(delta.read_sectors) * 512.0 / static_cast<double>(delta.reads);
-  return fmt::format("disk {} busy {:.0f}%, {:.2f} MiB per read request", delta.device,
-                     std::min(busy, 1.0) * 100, per_req / (1 << 20));
+  if (!delta.ok || seconds <= 0 || (delta.reads == 0 && delta.writes == 0)) return "";
+  const double ms = seconds * 1e3;
+  std::string out = fmt::format("disk {} busy {:.0f}%, {:.1f} deep", delta.device,
+                                std::min(static_cast<double>(delta.io_ticks_ms) / ms, 1.0) * 100,
+                                static_cast<double>(delta.queue_ms) / ms);
+  auto part = [&](const char* what, uint64_t n, uint64_t sectors) {
+    if (n == 0) return;
+    out += fmt::format(", {} {:.2f} MiB x {}", what,
+                       static_cast<double>(sectors) * 512.0 / static_cast<double>(n) / (1 << 20), n);
+  };
+  part("reads", delta.reads, delta.read_sectors);
+  part("writes", delta.writes, delta.write_sectors);
+  if (delta.flushes > 0) out += fmt::format(", {} flushes", delta.flushes);
+  return out;
 }
 
 Result<Child> Child::Start(const std::vector<std::string>& argv, const std::string& log_path) {

@@ -58,13 +58,28 @@ struct DiskCounters {
   std::string device;          // e.g. "vda1"
   uint64_t reads = 0;          // completed read requests
   uint64_t read_sectors = 0;   // 512-byte sectors read
+  uint64_t writes = 0;         // completed write requests
+  uint64_t write_sectors = 0;  // 512-byte sectors written
   uint64_t io_ticks_ms = 0;    // time with at least one request in flight
+  uint64_t queue_ms = 0;       // request-milliseconds in flight (average depth = queue_ms / elapsed ms)
+  uint64_t flushes = 0;        // completed flush requests (0 on kernels before 5.5)
 };
 DiskCounters ReadDiskCounters(const std::string& path);
 
-// "disk vda1 busy 97%, 1.20 MiB per read request" for `delta`, the counts of
-// an interval of `seconds` (after minus before); empty when not ok or no read
-// happened.
+// The disk's counters summed over the timed intervals of one benchmark phase
+// (its rounds), for DescribeDiskUse.
+struct DiskPhase {
+  DiskCounters sum;
+  double seconds = 0;
+  // One interval: counters before and after it, and its length.
+  void Add(const DiskCounters& before, const DiskCounters& after, double interval_seconds);
+  std::string Describe() const;
+};
+
+// "disk vda1 busy 97%, 9.8 deep, reads 1.20 MiB x 2048, writes 0.98 MiB x 1024,
+// 3 flushes" for `delta`, the counts of an interval of `seconds` (after minus
+// before); parts with no requests are left out; empty when not ok or nothing
+// was read or written.
 std::string DescribeDiskUse(const DiskCounters& delta, double seconds);
 
 // A child process started in the background; its stdout/stderr go to
