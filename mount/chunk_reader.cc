@@ -575,11 +575,21 @@ std::unique_ptr<ChunkReader> Prefetcher::Take(const Generation* gen, const vfs::
   return nullptr;
 }
 
-void Prefetcher::Opened(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file) {
+void Prefetcher::Opened(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file, bool taken) {
   auto pos = gen->file_position.find(file);
   if (pos == gen->file_position.end()) return;
   {
     std::lock_guard<std::mutex> l(mu_);
+    bool walk = taken;
+    if (!walk && last_gen_ == gen.get() && last_pos_ < pos->second) {
+      // The next file with chunks after the previous open?
+      uint32_t i = last_pos_ + 1;
+      while (i < pos->second && gen->layout->ChunkSequenceLength(*gen->files_in_tree_order[i]) == 0) ++i;
+      walk = i == pos->second;
+    }
+    last_gen_ = gen.get();
+    last_pos_ = pos->second;
+    if (!walk) return;
     want_gen_ = std::move(gen);
     want_after_ = pos->second;
     want_ = true;

@@ -207,10 +207,13 @@ class ChunkReader {
 // files_in_tree_order; cp through TreeInodeOf), and each new file used to cost
 // its first chunk's disk latency on top of the FUSE round trips: on a
 // realistic snapshot (hundreds of tensors, many of a few KiB) the disk was
-// busy 7% of a `cp -r`. When a file is opened, the Prefetcher's thread opens
-// ChunkReaders for the next opts.prefetch_files files with chunks, so their
-// first chunks are loading while the current one is copied, and OpOpen takes
-// such a parked reader instead of opening its own. Parked readers are bounded
+// busy 7% of a `cp -r`. Once opens go through a generation in tree order (a
+// file opened right after its predecessor with chunks, or one the Prefetcher
+// had opened), the Prefetcher's thread opens ChunkReaders for the next
+// opts.prefetch_files files with chunks, so their first chunks are loading
+// while the current one is copied, and OpOpen takes such a parked reader
+// instead of opening its own. A process that opens files in any other order
+// (one tensor here, one there) costs no extra I/O. Parked readers are bounded
 // (twice prefetch_files; their chunk buffers come from the shared pool like
 // any reader's) and closed after kIdle unused. Thread-safe.
 class Prefetcher {
@@ -227,8 +230,9 @@ class Prefetcher {
   // The parked reader of `file` in `gen` (the same Generation object), removed
   // from the parked set, or null. Waits while the thread is opening it.
   std::unique_ptr<ChunkReader> Take(const Generation* gen, const vfs::CheckpointFile* file);
-  // `file` of gen was just opened: park readers for the files after it.
-  void Opened(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file);
+  // `file` of gen was just opened (`taken`: its reader came from Take): when
+  // that continues a tree-order walk, park readers for the files after it.
+  void Opened(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file, bool taken);
   // Readers parked now (for tests).
   size_t parked() const;
 
@@ -248,7 +252,10 @@ class Prefetcher {
   std::condition_variable cv_;
   bool stop_ = false;
   std::deque<Parked> parked_;  // oldest first
-  // The latest Opened: the thread parks the files after it.
+  // The previous Opened (what a tree-order walk continues from).
+  const Generation* last_gen_ = nullptr;
+  uint32_t last_pos_ = 0;
+  // The latest Opened of a walk: the thread parks the files after it.
   std::shared_ptr<const Generation> want_gen_;
   uint32_t want_after_ = 0;
   bool want_ = false;

@@ -309,6 +309,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   Context* c = Ctx(req);
   std::unique_ptr<ChunkReader> reader;
   if (c->prefetch != nullptr) reader = c->prefetch->Take(n->gen.get(), n->file);
+  const bool taken = reader != nullptr;
   if (reader == nullptr) {
     auto r = ChunkReader::Open(n->gen, n->file, c->tree->options(), c->pool.get(), &c->stats);
     if (!r.ok()) {
@@ -318,7 +319,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     reader = std::move(r).value();
   }
   if (n->gen->layout->ChunkSequenceLength(*n->file) > 0) c->stats.opens.fetch_add(1, std::memory_order_relaxed);
-  if (c->prefetch != nullptr) c->prefetch->Opened(n->gen, n->file);
+  if (c->prefetch != nullptr) c->prefetch->Opened(n->gen, n->file, taken);
   fi->fh = NewHandle(std::shared_ptr<ChunkReader>(std::move(reader)));
   fi->direct_io = 1;
   fi->keep_cache = 0;

@@ -192,11 +192,11 @@ TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
   EXPECT_EQ(a_got.compare(0, a_got.size(), want_, 10 * cs + 123, a_got.size()), 0);
 }
 
-// The Prefetcher: after a file is opened, the next files in tree order (the
-// order cp -r, tar and rsync read a generation in) are opened and start
-// loading before their reader comes; a reader taken from it gets the
-// library's bytes without waiting for the disk; only those files are parked,
-// only for the same Generation, and an unused one is closed after kIdle.
+// The Prefetcher: once files are opened in tree order (the order cp -r, tar
+// and rsync read a generation in), the next ones are opened and start loading
+// before their reader comes; a reader taken from it gets the library's bytes;
+// only those files are parked, only for the same Generation, an unused one is
+// closed after kIdle, and opens out of order load nothing extra.
 TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   auto s = CreateStore(root_ + "/p");
   ASSERT_NE(s, nullptr);
@@ -213,15 +213,22 @@ TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   for (const vfs::CheckpointFile* f : gen->files_in_tree_order) order.push_back(f->path);
   ASSERT_EQ(order, want_order);
   const auto& files = gen->files_in_tree_order;
-  const size_t first = std::find(order.begin(), order.end(), "tensors/t0/main") - order.begin();
-  ASSERT_LT(first + 3, files.size());
+  const size_t first = std::find(order.begin(), order.end(), "tensors/t0/exp_avg") - order.begin();
+  ASSERT_LT(first + 4, files.size());
 
   ReadStats stats;
   ChunkBufferPool pool(1ull << 30);
   MountOptions o = Reading(8);
   o.prefetch_files = 2;
   Prefetcher pf(o, &pool, &stats);
-  pf.Opened(gen, files[first]);
+  // Out of order (one file, then a jump back): nothing is opened ahead.
+  pf.Opened(gen, files[first + 4], false);
+  pf.Opened(gen, files[first], false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(pf.parked(), 0u);
+  EXPECT_EQ(stats.chunks_loaded.load(), 0u);
+  // In tree order (first, then the file after it): the two after that.
+  pf.Opened(gen, files[first + 1], false);
   for (int i = 0; i < 500 && (pf.parked() < 2 || stats.chunks_loaded.load() < 2); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -229,21 +236,22 @@ TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   // Loaded before any reader asked: only the Prefetcher's readers exist.
   EXPECT_GE(stats.chunks_loaded.load(), 2u);
   EXPECT_EQ(stats.requests.load(), 0u);
-  EXPECT_EQ(pf.Take(gen.get(), files[first]), nullptr);      // the opened one: not parked
-  EXPECT_EQ(pf.Take(gen.get(), files[first + 3]), nullptr);  // beyond prefetch_files
+  EXPECT_EQ(pf.Take(gen.get(), files[first + 1]), nullptr);  // the opened one: not parked
+  EXPECT_EQ(pf.Take(gen.get(), files[first + 4]), nullptr);  // beyond prefetch_files
   // Another Generation object of the same store (a snapshot) does not match.
   ASSERT_TRUE(s->CreateSnapshot("snap").ok());
-  auto other = tree_->Resolve("/p/snapshots/snap/" + order[first + 1]);
+  auto other = tree_->Resolve("/p/snapshots/snap/" + order[first + 2]);
   ASSERT_TRUE(other.ok()) << other.status().ToString();
   EXPECT_EQ(pf.Take(other->gen.get(), other->file), nullptr);
 
-  std::unique_ptr<ChunkReader> r = pf.Take(gen.get(), files[first + 1]);
+  const vfs::CheckpointFile* next = files[first + 2];
+  std::unique_ptr<ChunkReader> r = pf.Take(gen.get(), next);
   ASSERT_NE(r, nullptr);
-  EXPECT_EQ(&r->file(), files[first + 1]);
+  EXPECT_EQ(&r->file(), next);
   EXPECT_EQ(pf.parked(), 1u);
   EXPECT_EQ(stats.prefetched.load(), 1u);
-  std::string want(files[first + 1]->size_bytes, '\0'), got(want.size(), '\0');
-  ASSERT_TRUE(gen->layout->Read(*files[first + 1], 0, want.data(), want.size()).ok());
+  std::string want(next->size_bytes, '\0'), got(want.size(), '\0');
+  ASSERT_TRUE(gen->layout->Read(*next, 0, want.data(), want.size()).ok());
   auto got_n = r->Read(0, got.size(), got.data());
   ASSERT_TRUE(got_n.ok()) << got_n.status().ToString();
   EXPECT_EQ(*got_n, want.size());
