@@ -620,7 +620,7 @@ void Prefetcher::Loop() {
       continue;
     }
     want_ = false;
-    std::shared_ptr<const Generation> gen = want_gen_;
+    std::shared_ptr<const Generation> gen = std::move(want_gen_);  // held no longer than this round
     const uint32_t after = want_after_;
     // The next prefetch_files files with chunks to read, opened in order; a
     // newer Opened (the reader moved on) replaces this round.

@@ -506,36 +506,41 @@ int RunMount(const MountCommand& cmd) {
     fmt::print(stderr, "optstate-mount: bad FUSE options '{}'\n", opts);
     return 1;
   }
+  // Handlers before the mount: a SIGTERM that comes as soon as the mount is
+  // visible (a supervisor, a test) must end the loop and unmount, not kill the
+  // process with the default action and leave a dead mount behind.
+  if (fuse_set_signal_handlers(se) != 0) {
+    fmt::print(stderr, "optstate-mount: cannot install signal handlers\n");
+    fuse_session_destroy(se);
+    return 1;
+  }
   if (fuse_session_mount(se, cmd.mountpoint.c_str()) != 0) {
     fmt::print(stderr, "optstate-mount: cannot mount on {} (see the message above)\n",
                cmd.mountpoint);
+    fuse_remove_signal_handlers(se);
     fuse_session_destroy(se);
     return 1;
   }
   int rc = 1;
-  if (fuse_set_signal_handlers(se) != 0) {
-    fmt::print(stderr, "optstate-mount: cannot install signal handlers\n");
-  } else {
-    if (fuse_daemonize(cmd.foreground || cmd.debug ? 1 : 0) == 0) {
-      OPTSTATE_LOG_INFO("optstate-mount: serving {} at {} (pid {})", cmd.tree.store_root,
-                        cmd.mountpoint, getpid());
-      if (cmd.single_thread) {
-        rc = fuse_session_loop(se);
-      } else {
-        struct fuse_loop_config* lc = fuse_loop_cfg_create();
-        fuse_loop_cfg_set_max_threads(lc, cmd.max_threads);
-        // Keep every worker: a pool that shrinks to a few idle threads creates
-        // and destroys a thread (8 MiB stack mmap/munmap) every few requests
-        // under a sequential reader, which showed up as 1-10 ms munmaps in the
-        // read path.
-        fuse_loop_cfg_set_idle_threads(lc, cmd.max_threads);
-        rc = fuse_session_loop_mt(se, lc);
-        fuse_loop_cfg_destroy(lc);
-      }
-      OPTSTATE_LOG_INFO("optstate-mount: {} unmounted; served {}", cmd.mountpoint, ctx.stats.Summary());
+  if (fuse_daemonize(cmd.foreground || cmd.debug ? 1 : 0) == 0) {
+    OPTSTATE_LOG_INFO("optstate-mount: serving {} at {} (pid {})", cmd.tree.store_root,
+                      cmd.mountpoint, getpid());
+    if (cmd.single_thread) {
+      rc = fuse_session_loop(se);
+    } else {
+      struct fuse_loop_config* lc = fuse_loop_cfg_create();
+      fuse_loop_cfg_set_max_threads(lc, cmd.max_threads);
+      // Keep every worker: a pool that shrinks to a few idle threads creates
+      // and destroys a thread (8 MiB stack mmap/munmap) every few requests
+      // under a sequential reader, which showed up as 1-10 ms munmaps in the
+      // read path.
+      fuse_loop_cfg_set_idle_threads(lc, cmd.max_threads);
+      rc = fuse_session_loop_mt(se, lc);
+      fuse_loop_cfg_destroy(lc);
     }
-    fuse_remove_signal_handlers(se);
+    OPTSTATE_LOG_INFO("optstate-mount: {} unmounted; served {}", cmd.mountpoint, ctx.stats.Summary());
   }
+  fuse_remove_signal_handlers(se);
   fuse_session_unmount(se);
   fuse_session_destroy(se);
   // libfuse reports the signal that ended the loop as its result.
