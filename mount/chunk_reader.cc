@@ -622,14 +622,20 @@ void Prefetcher::Loop() {
     want_ = false;
     std::shared_ptr<const Generation> gen = std::move(want_gen_);  // held no longer than this round
     const uint32_t after = want_after_;
-    // The next prefetch_files files with chunks to read, opened in order; a
+    // The next files with chunks to read, opened in order, up to
+    // prefetch_files of them or until they load prefetch_bytes (a parked
+    // reader loads its first two chunks: ChunkReader's window at open); a
     // newer Opened (the reader moved on) replaces this round.
+    const uint64_t chunk = gen->view->identity().chunk_size_bytes;
     uint32_t found = 0;
-    for (uint32_t i = after + 1;
-         i < gen->files_in_tree_order.size() && found < opts_.prefetch_files && !want_ && !stop_; ++i) {
+    uint64_t ahead_bytes = 0;
+    for (uint32_t i = after + 1; i < gen->files_in_tree_order.size() && found < opts_.prefetch_files &&
+                                 ahead_bytes < opts_.prefetch_bytes && !want_ && !stop_;
+         ++i) {
       const vfs::CheckpointFile* f = gen->files_in_tree_order[i];
       if (gen->layout->ChunkSequenceLength(*f) == 0) continue;
       ++found;
+      ahead_bytes += std::min(f->size_bytes, 2 * chunk);
       bool have = false;
       for (const Parked& p : parked_) have = have || (p.gen == gen && p.file == f);
       if (have) continue;

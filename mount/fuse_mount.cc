@@ -495,10 +495,16 @@ int RunMount(const MountCommand& cmd) {
   fuse_opt_add_arg(&args, opts.c_str());
   if (cmd.debug) fuse_opt_add_arg(&args, "-d");
 
+  if (!cmd.log_file.empty()) {
+    std::string why;
+    if (!LogToFile(cmd.log_file, &why)) {
+      fmt::print(stderr, "optstate-mount: --log {}: {}\n", cmd.log_file, why);
+      return 1;
+    }
+  }
   Context ctx;
   ctx.tree = std::make_unique<StoreTree>(cmd.tree);
   ctx.pool = std::make_unique<ChunkBufferPool>(cmd.tree.buffer_pool_bytes);
-  if (cmd.tree.prefetch_files > 0) ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats);
   struct fuse_lowlevel_ops ops = MakeOps();
   struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &ctx);
   fuse_opt_free_args(&args);
@@ -523,6 +529,13 @@ int RunMount(const MountCommand& cmd) {
   }
   int rc = 1;
   if (fuse_daemonize(cmd.foreground || cmd.debug ? 1 : 0) == 0) {
+    // Threads only after fuse_daemonize: it forks, and the child that serves
+    // the mount has none of the parent's threads (a Prefetcher made before it
+    // had no thread in the daemon: nothing was ever opened ahead, and its
+    // destructor joined a thread of another process).
+    if (cmd.tree.prefetch_files > 0) {
+      ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats);
+    }
     OPTSTATE_LOG_INFO("optstate-mount: serving {} at {} (pid {})", cmd.tree.store_root,
                       cmd.mountpoint, getpid());
     if (cmd.single_thread) {

@@ -32,6 +32,9 @@ struct MountCommand {
   bool single_thread = false;         // -s
   uint32_t max_threads = 16;          // worker threads of the multithreaded loop
   std::vector<std::string> fuse_opts; // extra -o options, passed to libfuse
+  // --log: the log goes to this file (appended), opened before the daemon
+  // detaches; empty = stderr, which fuse_daemonize points at /dev/null.
+  std::string log_file;
 };
 
 // Checks that `mountpoint` can be mounted on: exists, is a directory, is not

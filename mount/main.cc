@@ -1,6 +1,6 @@
 // optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
 //                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--blksize-kib N]
-//                [--prefetch-files N] [--threads N]
+//                [--prefetch-files N] [--prefetch-mib N] [--threads N] [--log FILE]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
 #include <climits>
 #include <cstdio>
@@ -39,10 +39,14 @@ const char kUsage[] =
     "  --max-sqe-kib N       send each chunk read as parallel io_uring SQEs of at most N KiB\n"
     "                        (a multiple of 4; default: one SQE per chunk)\n"
     "  --prefetch-files N    files opened ahead of a reader that goes through a generation\n"
-    "                        in tree order, as cp -r, tar and rsync do (0..64; default 4)\n"
+    "                        in tree order, as cp -r, tar and rsync do: at most N\n"
+    "                        (0..64; default 32) ...\n"
+    "  --prefetch-mib N      ... and no more once they load N MiB (1..4096; default 32)\n"
     "  --blksize-kib N       st_blksize of the files, the buffer size cp reads with\n"
     "                        (a multiple of 4; default: the store's chunk size)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
+    "  --log FILE            append the daemon's log to FILE (default: stderr, which a\n"
+    "                        daemon without -f closes)\n"
     "  -h, --help            this text\n";
 
 bool ParseU32(const char* s, uint32_t* out) {
@@ -109,6 +113,15 @@ int main(int argc, char** argv) {
         fmt::print(stderr, "optstate-mount: --prefetch-files wants 0..64\n");
         return 2;
       }
+    } else if (a == "--prefetch-mib") {
+      uint32_t mib = 0;
+      if (!ParseU32(need(a.c_str()), &mib)) {
+        fmt::print(stderr, "optstate-mount: --prefetch-mib wants 1..4096\n");
+        return 2;
+      }
+      cmd.tree.prefetch_bytes = uint64_t{mib} << 20;
+    } else if (a == "--log") {
+      cmd.log_file = need(a.c_str());
     } else if (a == "--blksize-kib") {
       uint32_t kib = 0;
       if (!ParseU32(need(a.c_str()), &kib) || kib % 4 != 0) {

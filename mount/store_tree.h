@@ -50,8 +50,16 @@ struct MountOptions {
   // (vfs::ChunkIoOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
   uint64_t max_sqe_bytes = 0;
   // Files opened ahead of the reader, in tree order (mount/chunk_reader.h
-  // Prefetcher); 0 = none. Default 4.
-  uint32_t prefetch_files = 4;
+  // Prefetcher): at most prefetch_files of them, and no more once the files
+  // opened ahead load prefetch_bytes (each loads its first two chunks at
+  // most); prefetch_files 0 = none. Defaults 32 files, 32 MiB. Why bytes: a
+  // trainer's snapshot puts runs of a dozen files of a few KiB (norms,
+  // biases) between tensors of several chunks, so a fixed count of files
+  // ahead either often held only KiB (4: the next big tensor's first chunk
+  // was read after its reader asked) or, with 32, loaded 64+ MiB ahead and
+  // was slower on the 2-core VM (README, "Defaults and why").
+  uint32_t prefetch_files = 32;
+  uint64_t prefetch_bytes = 32ull << 20;
   // st_blksize of the generation files, the size cp and other readers buffer
   // by; 0 = the store's chunk size (default).
   uint64_t st_blksize_bytes = 0;

@@ -35,6 +35,7 @@ struct MountOptions {
   uint32_t max_sqe_kib = 0;       // 0: optstate-mount's default
   uint32_t blksize_kib = 0;       // 0: optstate-mount's default
   int32_t prefetch_files = -1;    // -1: optstate-mount's default
+  uint32_t prefetch_mib = 0;      // 0: optstate-mount's default
   uint64_t hidden = 0;            // 0: one tensor; else ParamMix of this hidden size
   std::string log;                // the daemon's log (default: in the scratch dir, removed)
   bool keep = false;              // keep the test store (DIR/bench-mount/root) for manual runs
@@ -152,6 +153,10 @@ int RunMount(const MountOptions& o) {
     mount_argv.push_back("--max-sqe-kib");
     mount_argv.push_back(std::to_string(o.max_sqe_kib));
   }
+  if (o.prefetch_mib > 0) {
+    mount_argv.push_back("--prefetch-mib");
+    mount_argv.push_back(std::to_string(o.prefetch_mib));
+  }
   if (o.prefetch_files >= 0) {
     mount_argv.push_back("--prefetch-files");
     mount_argv.push_back(std::to_string(o.prefetch_files));
@@ -264,7 +269,7 @@ int RunMount(const MountOptions& o) {
                         {"max_sqe_kib", o.max_sqe_kib},
                         {"blksize_kib", o.blksize_kib},
                         {"hidden", o.hidden},
-                        {"prefetch_files", o.prefetch_files}};
+                        {"prefetch_files", o.prefetch_files}, {"prefetch_mib", o.prefetch_mib}};
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -306,6 +311,8 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--hidden", o->hidden,
                   "store many tensors: the step benchmark's transformer mix of this hidden size "
                   "(default: one tensor)");
+  sub->add_option("--prefetch-mib", o->prefetch_mib,
+                  "passed to optstate-mount --prefetch-mib (default: its default)");
   sub->add_option("--prefetch-files", o->prefetch_files,
                   "passed to optstate-mount --prefetch-files (default: its default)");
   sub->add_option("--blksize-kib", o->blksize_kib,

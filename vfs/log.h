@@ -5,9 +5,16 @@
 
 #include <spdlog/spdlog.h>
 
+#include <string>
+
 namespace optstate {
 
 spdlog::logger& Logger();
+
+// Sends the log to `path` (appended, created if missing) instead of stderr,
+// from now on. Call before other threads log. Returns false with `error` set
+// when the file cannot be opened.
+bool LogToFile(const std::string& path, std::string* error);
 
 #define OPTSTATE_LOG_TRACE(...) ::optstate::Logger().trace(__VA_ARGS__)
 #define OPTSTATE_LOG_DEBUG(...) ::optstate::Logger().debug(__VA_ARGS__)

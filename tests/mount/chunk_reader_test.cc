@@ -262,5 +262,51 @@ TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   EXPECT_EQ(pf.parked(), 0u);
 }
 
+// The Prefetcher stops at prefetch_bytes as well as at prefetch_files: runs
+// of tiny files count their bytes, a file of several chunks counts the two it
+// loads, and the file that crosses the bound is the last one opened.
+TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
+  auto s = CreateStore(root_ + "/pb");
+  ASSERT_NE(s, nullptr);
+  CreateTensors(s.get(), {{"t0", 1000, {}}, {"t1", 2000000, {}}, {"t2", 3, {}}, {"t3", 5000, {}}});
+  WriteStep(s.get(), 1);
+  auto n = tree_->Resolve("/pb/latest/tensors/t0/main");
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  const std::shared_ptr<const Generation> gen = n->gen;
+  const auto& files = gen->files_in_tree_order;
+  size_t first = 0;
+  while (first < files.size() && files[first]->path != "tensors/t0/exp_avg") ++first;
+  ASSERT_LT(first + 6, files.size());
+  ASSERT_EQ(files[first + 2]->path, "tensors/t0/main");
+  ASSERT_EQ(files[first + 3]->path, "tensors/t1/exp_avg");  // 8 MB: 4 chunks of 2 MiB
+  const uint64_t chunk = gen->view->identity().chunk_size_bytes;
+  ASSERT_GT(files[first + 3]->size_bytes, 2 * chunk);
+  struct Case {
+    uint64_t bytes;
+    size_t parked;
+  };
+  // t0/main (4000 B) alone reaches 4000; with t1/exp_avg (2 chunks counted) 4000 + 2 chunks.
+  for (const Case& c : {Case{1, 1}, Case{4000, 1}, Case{4001, 2}, Case{4000 + 2 * chunk, 2},
+                        Case{4001 + 2 * chunk, 3}}) {
+    ReadStats stats;
+    ChunkBufferPool pool(1ull << 30);
+    MountOptions o = Reading(8);
+    o.prefetch_files = 16;
+    o.prefetch_bytes = c.bytes;
+    Prefetcher pf(o, &pool, &stats);
+    pf.Opened(gen, files[first], false);
+    pf.Opened(gen, files[first + 1], false);
+    for (int i = 0; i < 100 && pf.parked() < c.parked; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // no more come
+    EXPECT_EQ(pf.parked(), c.parked) << "prefetch_bytes " << c.bytes;
+    // Exactly the files right after the opened one.
+    for (size_t k = 0; k < c.parked; ++k) {
+      EXPECT_NE(pf.Take(gen.get(), files[first + 2 + k]), nullptr) << c.bytes << ": " << files[first + 2 + k]->path;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace optstate::mount

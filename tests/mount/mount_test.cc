@@ -556,6 +556,38 @@ TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
   ExpectDirEqualsLatest(root_ + "/full");
 }
 
+// Without -f the daemon forks (fuse_daemonize) and the child serves the
+// mount: it must still open files ahead of a `cp -r` (the Prefetcher's thread
+// used to be started before the fork, so the served mount never had it) and,
+// with --log, write its log, which its closed stderr cannot carry, to the file.
+TEST_F(MountTest, DaemonizedMountOpensAheadAndLogsToItsFile) {
+  StopDaemon();
+  const std::string log = root_ + "/daemonized.log";
+  ASSERT_EQ(WaitExit(Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "--log", log}, root_ + "/parent.log")), 0)
+      << ReadFile(root_ + "/parent.log");
+  ASSERT_TRUE(IsMounted(mnt_)) << ReadFile(log);
+  ASSERT_EQ(Sh("cp -r " + M("latest") + " " + root_ + "/copy"), 0);
+  ExpectDirEqualsLatest(root_ + "/copy");
+  ASSERT_EQ(Sh("fusermount3 -u " + mnt_), 0);
+  // The daemon logs what it served as it exits.
+  std::string text;
+  for (int i = 0; i < 500 && text.find("unmounted; served") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    text = ReadFile(log);
+  }
+  EXPECT_NE(text.find("serving " + stores_ + " at " + mnt_), std::string::npos) << text;
+  const size_t at = text.find(" opens (");
+  ASSERT_NE(at, std::string::npos) << text;
+  const size_t start = text.rfind(' ', at - 1) + 1;
+  const uint64_t opens = std::stoull(text.substr(start, at - start));
+  const uint64_t prefetched = std::stoull(text.substr(at + 8));
+  // cp opens every file with chunks (the fields and state.safetensors): all
+  // but the first one or two of a tree-order walk come from the Prefetcher.
+  EXPECT_GE(opens, 5u) << text;
+  EXPECT_GE(prefetched, opens - 2) << text;
+  EXPECT_LE(prefetched, opens) << text;
+}
+
 TEST_F(MountTest, CorruptChunkIsEio) {
   ChunkInfo ci;
   StoreIdentity id;
