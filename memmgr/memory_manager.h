@@ -90,6 +90,12 @@ struct MemoryManagerOptions {
   // merging was off (/sys/block/<dev>/queue/nomerges = 2: 1.01x). README
   // "Defaults and why".
   uint64_t max_sqe_bytes = 0;
+  // StreamedAdam's chunk I/O reaches the kernel in batches, one
+  // io_uring_enter per pipeline pass (vfs IoEngineOptions::defer_submit), so
+  // the block layer merges adjacent small chunks (a norm's or a bias's three
+  // fields, side by side on disk) into one request. Default true. README
+  // "Defaults and why".
+  bool batch_submit = true;
 };
 
 struct MemoryStats {

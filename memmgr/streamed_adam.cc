@@ -72,9 +72,22 @@ namespace internal {
 //   slot's stream; an event) -> computed (waits for write room) -> writing
 //   (3 copy-on-write writes) -> free.
 // Reads and writes have separate depth limits in one ring (queue_depth and
-// write_queue_depth), so neither direction starves the other and a submit
-// never blocks on a full ring while completions wait unreaped.
+// write_queue_depth, counted in bytes: that many chunks' worth in flight), so
+// neither direction starves the other and a submit never blocks on a full
+// ring while completions wait unreaped. Slices of small tensors use small
+// staging sets (kSmallSliceBytes per field), so they take neither big sets
+// nor queue depth from the slices that move the bytes.
 // Driven by one thread (the trainer's) through Pump().
+
+// A slice of at most this many bytes per field goes into a small set.
+constexpr uint64_t kSmallSliceBytes = 256ull << 10;
+
+// Requests the pipeline's ring holds: with depths counted in bytes, a queue of
+// small slices has more requests in flight than chunks.
+inline uint32_t RingRequests(const MemoryManagerOptions& o) {
+  return 4 * (std::max<uint32_t>(o.queue_depth, 6) + o.write_queue_depth);
+}
+
 class StepPipeline {
  public:
   struct Job {
@@ -129,11 +142,34 @@ class StepPipeline {
     read_qd_ = std::max<uint32_t>(o.queue_depth, 3);
     write_qd_ = o.write_queue_depth == 0 ? 0 : std::max<uint32_t>(o.write_queue_depth, 3);
     if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
+    ring_requests_ = RingRequests(o);
     staging_ = mm_->AcquireStaging(3, std::min<size_t>(max_bufs, 3 * ra));
-    sets_.resize(staging_.size() / 3);
-    for (size_t i = 0; i < sets_.size(); ++i) {
+    chunk_bytes_ = mm_->page_bytes();
+    size_t big_sets = staging_.size() / 3;
+    // Small sets: the buffers of two big sets cut into kSmallSliceBytes
+    // pieces, for slices of small tensors (norms, biases). A trainer's mix
+    // has about one such slice per big one; in big sets they took half the
+    // staging and half the read-ahead while moving KiB (README, "Defaults").
+    const uint64_t pieces_per_buffer = chunk_bytes_ / kSmallSliceBytes;
+    const size_t carve = big_sets >= 6 && pieces_per_buffer >= 2 ? 2 : 0;
+    big_sets -= carve;
+    sets_.resize(big_sets);
+    for (size_t i = 0; i < big_sets; ++i) {
       for (int f = 0; f < 3; ++f) sets_[i].io[f] = staging_[3 * i + f];
     }
+    std::vector<void*> pieces;
+    for (size_t b = 3 * big_sets; b < 3 * (big_sets + carve); ++b) {
+      for (uint64_t k = 0; k < pieces_per_buffer; ++k) {
+        pieces.push_back(static_cast<char*>(staging_[b]) + k * kSmallSliceBytes);
+      }
+    }
+    for (size_t k = 0; k + 3 <= pieces.size(); k += 3) {
+      Set small;
+      small.small = true;
+      for (int f = 0; f < 3; ++f) small.io[f] = pieces[k + f];
+      sets_.push_back(small);
+    }
+    small_sets_ = sets_.size() - big_sets;
     OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(3, 3 * slots));
     slots_.resize(arena_.pages / 3);
     for (size_t i = 0; i < slots_.size(); ++i) {
@@ -153,7 +189,8 @@ class StepPipeline {
     write_through_ = write_through || !cache_mode;
   }
 
-  uint32_t depth() const { return static_cast<uint32_t>(sets_.size()); }
+  uint32_t depth() const { return static_cast<uint32_t>(sets_.size() - small_sets_); }
+  uint32_t small_depth() const { return static_cast<uint32_t>(small_sets_); }
   uint32_t device_slots() const { return static_cast<uint32_t>(slots_.size()); }
 
   void Enqueue(const Job& j) { queue_.push_back(j); }
@@ -188,7 +225,13 @@ class StepPipeline {
       }
       // 1b. Computed slices -> writes, while the write queue has room.
       OPTSTATE_RETURN_IF_ERROR(SubmitComputed(&progressed));
-      // 2. Ready slices -> free device slots.
+      // 2. Reads into free staging sets before any compute: on the host
+      //    backend a slice's kernel runs here, synchronously (~1.5 ms per
+      //    24 MiB slice on one core), and reads held back behind a few of them
+      //    missed the disk's next round (the development VM completes its
+      //    queue in batches every ~50 ms: the disk idled 20% of a step).
+      OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
+      // 3. Ready slices -> free device slots.
       for (size_t k = 0; k < slots_.size() && !ready_.empty(); ++k) {
         if (slots_[k].set >= 0) continue;
         size_t set = ready_.front();
@@ -204,23 +247,14 @@ class StepPipeline {
           OnComputed(set);
           OPTSTATE_RETURN_IF_ERROR(SubmitComputed(&progressed));
           OPTSTATE_RETURN_IF_ERROR(ReapReady(&progressed));
+          OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
         } else {
           gpu_pending = true;
         }
       }
-      // 3. Reads into free staging sets, only while the read queue has room
-      //    for a whole slice.
-      for (size_t i = 0; i < sets_.size() && !queue_.empty(); ++i) {
-        if (sets_[i].stage != Stage::kFree) continue;
-        if (!ReadRoom()) break;
-        Job j = queue_.front();
-        queue_.pop_front();
-        double ts = NowS();
-        Status rs0 = StartReads(i, j);
-        submit_s_ += NowS() - ts;
-        OPTSTATE_RETURN_IF_ERROR(Keep(rs0));
-        progressed = true;
-      }
+      // 3b. Reads into sets freed meanwhile (the GPU backend: its kernels
+      //     only launched).
+      OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
       bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty();
       if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
         return Status::Ok();
@@ -287,6 +321,7 @@ class StepPipeline {
   }
 
   uint64_t slices = 0, read_bytes = 0, write_bytes = 0, cache_hits = 0, h2d = 0, d2h = 0;
+  uint64_t small_slices = 0, peak_read_bytes = 0, peak_write_bytes = 0;
   double stall_s_ = 0, compute_s_ = 0, submit_s_ = 0;
 
  private:
@@ -295,6 +330,7 @@ class StepPipeline {
     Stage stage = Stage::kFree;
     Job job;
     int pending = 0;
+    bool small = false;  // io[] are kSmallSliceBytes pieces
     void* io[3] = {nullptr, nullptr, nullptr};   // this set's staging buffers
     void* buf[3] = {nullptr, nullptr, nullptr};  // in use: staging, or cache entries (cache mode)
     bool acquired[3] = {false, false, false};    // buf[f] is an acquired cache entry
@@ -308,9 +344,28 @@ class StepPipeline {
     }
   }
 
+  // Reads into free staging sets, only while the read queue has room for a
+  // whole slice.
+  Status SubmitReads(bool* progressed) {
+    while (!queue_.empty()) {
+      const Job& front = queue_.front();
+      if (!ReadRoom(3 * front.elems * 4)) break;
+      const size_t i = FreeSetFor(front);
+      if (i == kNoSet) break;
+      Job j = front;
+      queue_.pop_front();
+      double ts = NowS();
+      Status rs = StartReads(i, j);
+      submit_s_ += NowS() - ts;
+      OPTSTATE_RETURN_IF_ERROR(Keep(rs));
+      *progressed = true;
+    }
+    return Status::Ok();
+  }
+
   // Writes computed slices while the write queue has room.
   Status SubmitComputed(bool* progressed) {
-    while (!computed_.empty() && WriteRoom()) {
+    while (!computed_.empty() && WriteRoom(3 * sets_[computed_.front()].job.elems * 4)) {
       size_t set = computed_.front();
       computed_.pop_front();
       double ts = NowS();
@@ -343,16 +398,36 @@ class StepPipeline {
     uint64_t seq = 0;   // issue order of that slice
   };
 
-  // Room for one more slice (3 requests) of reads / writes. With a shared
-  // queue (write_queue_depth 0) reads leave room for one slice of writes.
-  bool ReadRoom() const {
-    if (reads_in_flight_ == 0 && writes_in_flight_ == 0) return true;
-    if (write_qd_ == 0) return reads_in_flight_ + writes_in_flight_ + 6 <= read_qd_;
-    return reads_in_flight_ + 3 <= read_qd_;
+  // A free staging set for j: a small one for a slice that fits, else (or
+  // when none is free) a big one; kNoSet when none.
+  static constexpr size_t kNoSet = ~size_t{0};
+  size_t FreeSetFor(const Job& j) const {
+    const bool fits_small = j.elems * 4 <= kSmallSliceBytes;
+    size_t big = kNoSet;
+    for (size_t i = 0; i < sets_.size(); ++i) {
+      if (sets_[i].stage != Stage::kFree) continue;
+      if (sets_[i].small == fits_small) return i;
+      if (!sets_[i].small && big == kNoSet) big = i;
+    }
+    return big;
   }
-  bool WriteRoom() const {
-    if (write_qd_ == 0) return reads_in_flight_ + writes_in_flight_ + 3 <= read_qd_ || writes_in_flight_ == 0;
-    return writes_in_flight_ + 3 <= write_qd_;
+
+  // Room for one more slice (3 requests of `bytes` in all) of reads / writes.
+  // The depths count bytes, in chunks (queue_depth x chunk size in flight
+  // each way), so that small tensors' slices do not empty the disk's queue;
+  // requests are capped by the ring. With a shared queue (write_queue_depth
+  // 0) reads leave room for one big slice of writes.
+  bool ReadRoom(uint64_t bytes) const {
+    if (reads_in_flight_ == 0 && writes_in_flight_ == 0) return true;
+    if (reads_in_flight_ + writes_in_flight_ + 3 > ring_requests_) return false;
+    if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes + 3 * chunk_bytes_ <= read_qd_ * chunk_bytes_;
+    return read_bytes_ + bytes <= read_qd_ * chunk_bytes_;
+  }
+  bool WriteRoom(uint64_t bytes) const {
+    if (writes_in_flight_ == 0) return true;
+    if (reads_in_flight_ + writes_in_flight_ + 3 > ring_requests_) return false;
+    if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes <= read_qd_ * chunk_bytes_;
+    return write_bytes_ + bytes <= write_qd_ * chunk_bytes_;
   }
 
   Status Keep(Status s) {
@@ -377,6 +452,7 @@ class StepPipeline {
 
   Status StartReads(size_t i, const Job& j) {
     Set& s = sets_[i];
+    if (s.small) ++small_slices;
     s.job = j;
     s.stage = Stage::kReading;
     s.pending = 0;
@@ -405,13 +481,16 @@ class StepPipeline {
         }
       }
       vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
-      Status st = io_->SubmitRead(ref, s.buf[f], i * 4 + f);
+      const uint64_t buf_bytes = s.small && !s.acquired[f] ? kSmallSliceBytes : 0;  // 0: a whole chunk
+      Status st = io_->SubmitRead(ref, s.buf[f], i * 4 + f, buf_bytes);
       if (!st.ok()) {
         return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
                               std::to_string(j.chunk));
       }
       ++s.pending;
       ++reads_in_flight_;
+      read_bytes_ += len;
+      peak_read_bytes = std::max(peak_read_bytes, read_bytes_);
     }
     if (s.pending == 0) {
       s.stage = Stage::kReady;
@@ -425,10 +504,16 @@ class StepPipeline {
     int f = static_cast<int>(c.tag % 4);
     if (i >= sets_.size()) return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
     Set& s = sets_[i];
-    if (s.stage == Stage::kReading) --reads_in_flight_;
-    if (s.stage == Stage::kWriting) --writes_in_flight_;
-    if (!c.status.ok()) return c.status;
     uint64_t len = s.job.elems * 4;
+    if (s.stage == Stage::kReading) {
+      --reads_in_flight_;
+      read_bytes_ -= len;
+    }
+    if (s.stage == Stage::kWriting) {
+      --writes_in_flight_;
+      write_bytes_ -= len;
+    }
+    if (!c.status.ok()) return c.status;
     if (s.stage == Stage::kReading) {
       read_bytes += len;
       if (!cache_mode_) mm_->cache()->Put(Key(s.job, f), s.io[f], len);
@@ -509,6 +594,8 @@ class StepPipeline {
       }
       ++s.pending;
       ++writes_in_flight_;
+      write_bytes_ += len;
+      peak_write_bytes = std::max(peak_write_bytes, write_bytes_);
     }
     return Status::Ok();
   }
@@ -555,6 +642,10 @@ class StepPipeline {
   // shared) and what is in flight now; the ChunkIo's ring holds both.
   uint32_t read_qd_ = 32, write_qd_ = 32;
   uint32_t reads_in_flight_ = 0, writes_in_flight_ = 0;
+  uint64_t read_bytes_ = 0, write_bytes_ = 0;  // of the requests in flight
+  uint64_t chunk_bytes_ = 0;
+  uint32_t ring_requests_ = 0;  // the ChunkIo's queue depth (RingRequests)
+  size_t small_sets_ = 0;       // the last small_sets_ of sets_
   Status error_;
 };
 
@@ -699,7 +790,8 @@ Status StreamedAdam::EnsureIo() {
   ManagerImpl* impl = mm_->impl();
   // One ring for the pipeline's reads and writes: room for both depth limits.
   vfs::ChunkIoOptions co = impl->ChunkIoOpts();
-  co.queue_depth = std::max<uint32_t>(impl->options().queue_depth, 6) + impl->options().write_queue_depth;
+  co.queue_depth = internal::RingRequests(impl->options());
+  co.defer_submit = impl->options().batch_submit;
   auto io = store_->NewChunkIo(co);
   if (!io.ok()) {
     vfs::ChunkIoOptions plain = co;
@@ -1113,6 +1205,10 @@ Result<uint64_t> StreamedAdam::EndStep() {
   last_stats_.read_bytes = pl.read_bytes;
   last_stats_.write_bytes = pl.write_bytes;
   last_stats_.slices_in_flight = pl.depth();
+  last_stats_.small_sets = pl.small_depth();
+  last_stats_.small_slices = pl.small_slices;
+  last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
+  last_stats_.peak_write_bytes_in_flight = pl.peak_write_bytes;
   last_stats_.device_slots = pl.device_slots();
   last_stats_.io_wait_seconds = pl.stall_s_;
   last_stats_.compute_seconds = pl.compute_s_;

@@ -164,6 +164,10 @@ class StreamedAdam {
     uint64_t read_bytes = 0;
     uint64_t write_bytes = 0;
     uint32_t slices_in_flight = 0;  // pipeline depth used (staging sets)
+    uint32_t small_sets = 0;        // staging sets for slices of small tensors (<= 256 KiB a field)
+    uint64_t small_slices = 0;      // slices that went through them
+    uint64_t peak_read_bytes_in_flight = 0;   // <= queue_depth chunks
+    uint64_t peak_write_bytes_in_flight = 0;  // <= write_queue_depth chunks (shared: queue_depth)
     uint32_t device_slots = 0;      // slices that can be on the device at once
     double io_wait_seconds = 0;     // blocked in Reap with nothing else to do
     double compute_seconds = 0;     // in copy/kernel launch calls (host: the whole kernel)

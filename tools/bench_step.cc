@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <iostream>
@@ -36,6 +37,10 @@ namespace optstate::tools::bench {
 namespace {
 
 namespace fs = std::filesystem;
+
+double UnixSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 using kernels::ScalarType;
 constexpr const char* kTool = "optstate-bench step";
 
@@ -51,6 +56,7 @@ struct StepOptions {
   std::string state_text = "1G";
   uint32_t rounds = 3;
   bool no_fio = false;
+  bool no_batch_submit = false;  // MemoryManagerOptions::batch_submit = false
   bool no_first_version = false;
   // both
   std::string chunk_text = "8M";
@@ -99,6 +105,7 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
   mo.read_ahead_chunks = o.read_ahead;
   mo.huge_page_staging = o.huge_pages;
   mo.max_sqe_bytes = c.max_sqe;
+  mo.batch_submit = !o.no_batch_submit;
   return mo;
 }
 
@@ -453,6 +460,7 @@ int RunCompare(const StepOptions& o) {
   if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
 
   std::vector<double> t_floor, t_ours, t_fv;
+  std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
   std::vector<memmgr::StreamedAdam::StepStats> stats;
   // How the disk under --dir was used during the floor and our steps.
   DiskPhase disk_floor, disk_ours;
@@ -483,8 +491,10 @@ int RunCompare(const StepOptions& o) {
     }
     DiskCounters before = ReadDiskCounters(disk_path);
     double t0 = NowSeconds();
+    const double unix0 = UnixSeconds();
     if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext(fmt::format("round {}", r + 1)));
     t_ours.push_back(NowSeconds() - t0);
+    ours_unix.push_back({unix0, UnixSeconds()});
     disk_ours.Add(before, ReadDiskCounters(disk_path), t_ours.back());
     stats.push_back((*opt)->last_step_stats());
     if (fv) {
@@ -525,6 +535,8 @@ int RunCompare(const StepOptions& o) {
   out["host_cache_bytes"] = c->host_cache;
   out["rounds"] = o.rounds;
   out["seconds"] = {{"ours", t_ours}, {"fio_floor", t_floor}, {"first_version", t_fv}};
+  out["ours_unix_seconds"] = ours_unix;  // [start, end] per round, to match against a disk trace
+  out["batch_submit"] = !o.no_batch_submit;
   out["median_seconds"] = {{"ours", Median(t_ours)}, {"fio_floor", Median(t_floor)},
                            {"first_version", Median(t_fv)}};
   out["ours_over_floor"] = ratio(t_ours, t_floor);
@@ -546,6 +558,10 @@ int RunCompare(const StepOptions& o) {
                          {"compute", st.compute_seconds},
                          {"commit", st.commit_seconds},
                          {"slices_in_flight", st.slices_in_flight},
+                         {"small_sets", st.small_sets},
+                         {"small_slices", st.small_slices},
+                         {"peak_read_bytes_in_flight", st.peak_read_bytes_in_flight},
+                         {"peak_write_bytes_in_flight", st.peak_write_bytes_in_flight},
                          {"device_slots", st.device_slots}});
   }
   out["step_stats"] = breakdown;
@@ -595,9 +611,10 @@ int RunCompare(const StepOptions& o) {
     const auto& st = stats.back();
     std::cout << fmt::format(
         "last step: {:.3f} s; io wait {:.3f} s, submit {:.3f} s, compute {:.3f} s, commit {:.3f} s; "
-        "{} slices in flight, {} device slots\n",
+        "{} + {} small staging sets ({} small slices), at most {} read / {} written in flight, {} device slots\n",
         st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
-        st.slices_in_flight, st.device_slots);
+        st.slices_in_flight, st.small_sets, st.small_slices, FormatBytes(st.peak_read_bytes_in_flight),
+        FormatBytes(st.peak_write_bytes_in_flight), st.device_slots);
   }
   for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours}, {"floor", &disk_floor}}) {
     std::string u = d->Describe();
@@ -641,6 +658,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--huge-pages", o->huge_pages,
                "pinned staging in 2 MiB huge pages (MemoryManagerOptions::huge_page_staging; also the "
                "first version's staging buffer)");
+  sub->add_flag("--no-batch-submit", o->no_batch_submit,
+                "StreamedAdam's chunk I/O to the kernel one request at a time "
+                "(MemoryManagerOptions::batch_submit = false)");
   sub->add_option("--max-sqe", o->max_sqe_text,
                   "chunk I/O as parallel SQEs of at most N bytes (MemoryManagerOptions::max_sqe_bytes); "
                   "0 = one per chunk (default 0)");

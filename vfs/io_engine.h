@@ -58,6 +58,14 @@ struct IoEngineOptions {
   // io_uring: Wake() may be called (an eventfd polled in the ring). Off by
   // default: it costs one SQ entry and a descriptor.
   bool wakeable = false;
+  // io_uring: Submit only queues SQEs; the next Reap (or a Submit that must
+  // wait for room) sends all queued ones in one io_uring_enter. A batch of
+  // more than two SQEs is plugged, and the plug merges adjacent requests into
+  // one (up to max_sectors_kb): a step's writes of a small tensor's three
+  // fields, carved side by side from one slot, reach the disk as one request,
+  // and so do the next step's reads of them. The caller must Reap to make
+  // progress. Off by default.
+  bool defer_submit = false;
   // Registered-file table size (IORING_REGISTER_FILES, sparse); files beyond
   // it evict the oldest slot. 0 disables registered files. Default 1024 slots.
   uint32_t registered_file_slots = 1024;

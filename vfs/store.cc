@@ -1282,17 +1282,22 @@ class ChunkIoImpl final : public ChunkIo {
     }
   }
 
-  Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag) override {
+  Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag, uint64_t buf_bytes) override {
     const Key k{ref.tensor_id, ref.field, ref.index};
     Op op;
     op.user_tag = tag;
     op.key = k;
     op.buf = buf;
+    op.buf_bytes = buf_bytes == 0 ? core_->chunk() : std::min(buf_bytes, core_->chunk());
     {
       std::lock_guard l(core_->mu_);
       const auto& tensors = view_ ? view_->by_id : core_->tensors_;
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(tensors, ref));
       op.tensor = *res.first;
+      if (RoundUp(res.second, kIoAlign) > op.buf_bytes) {
+        return InvalidArgument(core_->Describe(&op.tensor, k, kInfinity) + ": a " + std::to_string(res.second) +
+                               "-byte chunk does not fit the " + std::to_string(op.buf_bytes) + "-byte buffer");
+      }
       std::optional<Version> v;
       if (view_) {
         auto it = view_->chunks.find(k);
@@ -1301,7 +1306,7 @@ class ChunkIoImpl final : public ChunkIo {
         v = core_->Newest(k);
       }
       if (!v) {
-        std::memset(buf, 0, core_->chunk());
+        std::memset(buf, 0, op.buf_bytes);
         ChunkCompletion zero;  // never written: zeros, nothing to verify
         zero.tag = tag;
         ready_.push_back(std::move(zero));
@@ -1402,6 +1407,7 @@ class ChunkIoImpl final : public ChunkIo {
     TensorInfo tensor;
     Version version;
     void* buf = nullptr;
+    uint64_t buf_bytes = 0;  // zeroed past the chunk's length up to here
   };
 
   Status Finish(const Op& op, const Status& io, ChunkCompletion* out) {
@@ -1431,8 +1437,8 @@ class ChunkIoImpl final : public ChunkIo {
       out->file_offset = op.version.ext.file_offset;
       out->what = c->Describe(&op.tensor, op.key, op.version.gen);
     }
-    if (op.version.ext.length < c->chunk()) {
-      std::memset(static_cast<char*>(op.buf) + op.version.ext.length, 0, c->chunk() - op.version.ext.length);
+    if (op.version.ext.length < op.buf_bytes) {
+      std::memset(static_cast<char*>(op.buf) + op.version.ext.length, 0, op.buf_bytes - op.version.ext.length);
     }
     return Status();
   }
@@ -1466,6 +1472,7 @@ Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, 
     eo.registered_buffers = opts.registered_buffers;
     eo.max_sqe_bytes = opts.max_sqe_bytes;
     eo.wakeable = opts.wakeable;
+    eo.defer_submit = opts.defer_submit;
     auto e = IoEngine::NewUring(eo);
     if (e.ok()) {
       engine = std::move(*e);

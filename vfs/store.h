@@ -188,6 +188,9 @@ struct ChunkIoOptions {
   uint64_t max_sqe_bytes = 0;
   // IoEngineOptions::wakeable: ChunkIo::Wake() may be used.
   bool wakeable = false;
+  // IoEngineOptions::defer_submit: requests reach the kernel at the next Reap,
+  // batched (adjacent chunks merge). Default false.
+  bool defer_submit = false;
   // false: Reap does not check read chunks' checksums; each read completion
   // carries what VerifyChunkRead needs, and the caller must call it before it
   // uses or hands out a byte of the chunk. For a reader whose I/O thread should
@@ -223,7 +226,11 @@ class ChunkIo {
   // Store::NewChunkIo: the newest version (a write completed in the pending
   // generation, else the latest committed). GenerationView::NewChunkIo: that
   // generation's version.
-  virtual Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag) = 0;
+  // buf holds buf_bytes (0 = chunk_size_bytes; at least the chunk's length
+  // rounded up to 4096, else kInvalidArgument); the bytes past the chunk's
+  // length are zeroed up to buf_bytes.
+  virtual Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag, uint64_t buf_bytes) = 0;
+  Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag) { return SubmitRead(ref, buf, tag, 0); }
   // Writable stores only: writes the chunk's logical bytes (padding to 4 KiB
   // is written too but not checksummed) to a fresh extent; on completion the
   // chunk's pending version points there. Fails at once with kNoSpace when no

@@ -465,6 +465,14 @@ void TenStepsUnderTinyBudget(bool huge_page_staging) {
     EXPECT_EQ(sa->step_count(0), step);
     EXPECT_EQ(sa->step_count(1), step);
     EXPECT_EQ(env.store->LatestGeneration().step, step);
+    // The norm and the short last chunks of embed and mlp.up go through
+    // small staging sets; bytes in flight stay within the depths.
+    const StreamedAdam::StepStats& st = sa->last_step_stats();
+    EXPECT_GT(st.small_sets, 0u);
+    EXPECT_EQ(st.small_slices, 3u);
+    EXPECT_LE(st.peak_read_bytes_in_flight, MemoryManagerOptions{}.queue_depth * kChunk);
+    EXPECT_LE(st.peak_write_bytes_in_flight, MemoryManagerOptions{}.write_queue_depth * kChunk);
+    EXPECT_GT(st.peak_read_bytes_in_flight, 0u);
     if (step % 4 == 0) {
       ASSERT_OK(env.mm->ReleaseAll());  // sleep between steps changes nothing
       EXPECT_EQ(env.mm->stats().resident_bytes, 0u);

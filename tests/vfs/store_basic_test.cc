@@ -193,6 +193,50 @@ TEST(StoreTest, NeverWrittenChunksReadZerosWithoutIo) {
   EXPECT_EQ(s->ReadChunk(ChunkRef{t.id + 9, 0, 0}, b.data()).code(), StatusCode::kNotFound);
 }
 
+// ChunkIo::SubmitRead with a buffer smaller than a chunk (StreamedAdam's
+// small staging sets): a short chunk reads into it, written or never written,
+// with the tail zeroed only up to buf_bytes (the bytes after it stay as they
+// were); a chunk that does not fit is refused, naming tensor, field and chunk.
+TEST(StoreTest, ChunkReadsIntoABufferSmallerThanAChunk) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "norm";
+  spec.numel = 1000;  // 4000 bytes a field: one short chunk
+  auto t = Unwrap(s->CreateTensor(spec));
+  spec.name = "big";
+  spec.numel = kTestChunk / 4;  // one whole chunk a field
+  auto big = Unwrap(s->CreateTensor(spec));
+  Buf w(kTestChunk);
+  FillPattern(w.data(), kTestChunk, 7);
+  ASSERT_OK(s->WriteChunk(ChunkRef{t.id, 0, 0}, w.data()));
+  ASSERT_OK(s->WriteChunk(ChunkRef{big.id, 0, 0}, w.data()));
+  ASSERT_OK(s->Commit(CommitInfo{}).status());
+  constexpr uint64_t kSmall = 8192;
+  auto io = Unwrap(s->NewChunkIo(ChunkIoOptions{}));
+  for (uint32_t field : {0u, 1u}) {  // main was written, exp_avg never
+    Buf b(2 * kSmall);
+    std::memset(b.data(), 0xAB, 2 * kSmall);
+    ASSERT_OK(io->SubmitRead(ChunkRef{t.id, field, 0}, b.data(), field, kSmall));
+    std::vector<ChunkCompletion> done;
+    ASSERT_OK(io->Reap(&done, 1));
+    ASSERT_EQ(done.size(), 1u);
+    ASSERT_OK(done[0].status);
+    std::vector<uint8_t> want = field == 0 ? Expected(4000, 7) : std::vector<uint8_t>(4000, 0);
+    EXPECT_EQ(0, std::memcmp(b.data(), want.data(), 4000)) << "field " << field;
+    for (uint64_t i = 4000; i < kSmall; ++i) ASSERT_EQ(b.data()[i], 0) << "tail byte " << i << ", field " << field;
+    for (uint64_t i = kSmall; i < 2 * kSmall; ++i) {
+      ASSERT_EQ(b.data()[i], 0xAB) << "byte " << i << " past buf_bytes written, field " << field;
+    }
+  }
+  Buf b(kSmall);
+  Status st = io->SubmitRead(ChunkRef{big.id, 0, 0}, b.data(), 9, kSmall);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("big"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find("does not fit"), std::string::npos) << st.ToString();
+  EXPECT_EQ(io->in_flight(), 0u);
+}
+
 TEST(StoreTest, ViewOfOldGenerationSurvivesCommitsThenExtentsAreReused) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));

@@ -437,7 +437,7 @@ Status UringIoEngine::Submit(std::span<const IoRequest> requests) {
       if (parts > 1 && prepared_ >= 2) OPTSTATE_RETURN_IF_ERROR(SubmitPrepared());
     }
   }
-  return SubmitPrepared();
+  return opts_.defer_submit ? Status::Ok() : SubmitPrepared();
 }
 
 Status UringIoEngine::Reap(std::vector<IoCompletion>* out, size_t min_complete) {
