@@ -1,17 +1,37 @@
 #!/usr/bin/env bash
-# The benchmark run on the H200 machine (issue 8): binaries packed into .carry
-# by tools/device/pack.sh (+ a static fio and fusermount3), results into $OUT.
-#   bash tools/device/h200_bench.sh .carry $OUT
+# The benchmark run on the H200 machine (issue 8), in parts that each fit one
+# device call (10 minutes). Binaries packed into CARRY by tools/device/pack.sh
+# (optstate-bench, optstate-mount, memmgr_gpu_test, a static fio, fusermount3);
+# CARRY/old/optstate-bench, if present, is an earlier build for an A/B of the
+# step in the same call. Logs and a summary go to OUT.
+#   bash tools/device/h200_bench.sh CARRY OUT step   # io engine; step: ours, old, ours (floor + first version each)
+#   bash tools/device/h200_bench.sh CARRY OUT rest   # host-cache step, sleep, mount (one tensor, trainer mix A/B), gpu tests
 set -uo pipefail
-C=$(cd "$1" && pwd); OUTD=$2; W=${W:-/root/osb}
+C=$(cd "$1" && pwd); OUTD=$2; PART=${3:-step}; W=${W:-/root/osb}
 export PATH=$C/bin:$PATH LD_LIBRARY_PATH=$C/lib OPTSTATE_LOG_LEVEL=warn OPTSTATE_NO_PROGRESS=1
 mkdir -p "$W" "$OUTD"
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; nproc; df -h "$W" | tail -1; date -u; } > "$OUTD/env.txt" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; nproc; df -h "$W" | tail -1
+  cat /sys/block/*/queue/max_sectors_kb 2>/dev/null | head -1; date -u; } > "$OUTD/env-$PART.txt" 2>&1
 run() { local name=$1 t=$2; shift 2; echo "== $name: $*" | tee -a "$OUTD/summary.txt"
   timeout "$t" "$@" > "$OUTD/$name.log" 2>&1; echo "rc=$?" >> "$OUTD/$name.log"
-  tail -n 25 "$OUTD/$name.log" >> "$OUTD/summary.txt"; rm -rf "${W:?}"/*; }
-run io 300 optstate-bench io --dir "$W" --size 2G --chunk-sizes 2M,8M,16M --rounds 3
-run step 320 optstate-bench step --dir "$W" --state 8G --budget 2G --backend cuda --rounds 5
-run step_cache 150 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda --host-cache-bytes 8G --durable-every 100 --rounds 5 --no-fio --no-first-version
-run sleep 60 optstate-bench sleep --dir "$W" --budget 2G --backend cuda --rounds 5
-run mount 150 optstate-bench mount --dir "$W" --state 3G --rounds 3
+  tail -n 14 "$OUTD/$name.log" >> "$OUTD/summary.txt"; rm -rf "${W:?}"/*; }
+STEP=(step --dir "$W" --state 8G --budget 2G --backend cuda --rounds 3)
+case $PART in
+  step)
+    run io 150 optstate-bench io --dir "$W" --size 2G --chunk-sizes 8M --rounds 3
+    run step_new1 150 optstate-bench "${STEP[@]}"
+    [ -x "$C/old/optstate-bench" ] && run step_old 150 "$C/old/optstate-bench" "${STEP[@]}"
+    run step_new2 150 optstate-bench "${STEP[@]}"
+    ;;
+  rest)
+    run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
+        --host-cache-bytes 8G --durable-every 100 --rounds 5 --no-fio --no-first-version
+    run sleep 60 optstate-bench sleep --dir "$W" --budget 2G --backend cuda --rounds 5
+    run mount 130 optstate-bench mount --dir "$W" --state 3G --rounds 3
+    run mount_mix_new1 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
+    run mount_mix_old 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3 \
+        --prefetch-files 4 --prefetch-mib 4096
+    run mount_mix_new2 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
+    [ -x "$C/bin/memmgr_gpu_test" ] && run gpu_test 150 memmgr_gpu_test
+    ;;
+esac

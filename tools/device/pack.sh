@@ -8,7 +8,7 @@ dest=$1; shift
 mkdir -p "$dest/bin" "$dest/lib"
 for b in "$@"; do
   cp "$b" "$dest/bin/" && strip "$dest/bin/$(basename "$b")"
-  ldd "$b" | awk '/=> \//{print $3}' | while read -r lib; do
+  { ldd "$b" 2>/dev/null || true; } | awk '/=> \//{print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libgcc_s.so*|libstdc++.so*) ;;
       *) [ -e "$dest/lib/$(basename "$lib")" ] || { cp -L "$lib" "$dest/lib/"; strip "$dest/lib/$(basename "$lib")" 2>/dev/null || true; } ;;
