@@ -6,6 +6,7 @@
 
 #include "memmgr/internal/manager_impl.h"
 #include "memmgr/internal/resource_check.h"
+#include "vfs/io_buffer.h"
 #include "vfs/log.h"
 
 namespace optstate::memmgr {
@@ -319,10 +320,17 @@ Result<std::unique_ptr<ManagerImpl>> ManagerImpl::Create(vfs::Store* store, cons
     OPTSTATE_LOG_INFO("memmgr: backend auto -> {} ({} CUDA device(s) visible{})", BackendName(want), n,
                       kernels::CudaKernelsBuilt() ? "" : ", CUDA kernels not built");
   }
+  bool huge = opts.staging_pages == MemoryManagerOptions::StagingPages::kHuge;
+  if (opts.staging_pages == MemoryManagerOptions::StagingPages::kAuto) {
+    const std::vector<std::string>& dirs = store->identity().data_dirs;
+    std::string why;
+    huge = vfs::PreferredIoPages(dirs.empty() ? store->path() : dirs[0], &why) == vfs::IoPages::kHuge;
+    OPTSTATE_LOG_INFO("memmgr: staging in {} pages ({})", huge ? "2 MiB huge" : "base", why);
+  }
   if (want == Backend::kCuda) {
-    OPTSTATE_ASSIGN_OR_RETURN(dev, NewCudaDevice(opts.cuda_device, opts.huge_page_staging));
+    OPTSTATE_ASSIGN_OR_RETURN(dev, NewCudaDevice(opts.cuda_device, huge));
   } else {
-    dev = NewHostDevice(opts.huge_page_staging);
+    dev = NewHostDevice(huge);
   }
   auto impl = std::unique_ptr<ManagerImpl>(new ManagerImpl(store, opts, std::move(dev)));
   OPTSTATE_RETURN_IF_ERROR(impl->Init());

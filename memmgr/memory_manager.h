@@ -77,11 +77,15 @@ struct MemoryManagerOptions {
   // Pinned host buffers (staging, host cache tier, AllocPinnedHost) in 2 MiB
   // transparent huge pages (vfs/io_buffer.h, IoPages::kHuge): a chunk's
   // direct I/O then reaches the disk as few large requests instead of many
-  // ~1 MiB ones. Default false: the H200 machine's disk serves ~1 MiB
-  // requests best (the step ran 1.2-1.4x slower with huge pages, 1.00-1.10x
-  // of the floor without); the development VM's 4 MiB ones (1.5x faster).
-  // README "Defaults and why" (optstate-bench step --huge-pages).
-  bool huge_page_staging = false;
+  // ~1 MiB ones. kAuto (default): huge pages when the device under the
+  // store's first data dir takes requests of 2 MiB or more
+  // (vfs::PreferredIoPages), base pages otherwise. Why: the H200 machine's
+  // disk takes at most 1280 KiB a request and its step ran 1.2-1.4x slower
+  // with huge pages; the development VM's takes 4 MiB and its step ran 1.3-1.5x
+  // faster with them. README "Defaults and why" (optstate-bench step
+  // --huge-pages / --base-pages).
+  enum class StagingPages { kAuto, kBase, kHuge };
+  StagingPages staging_pages = StagingPages::kAuto;
   // Chunk I/O goes to the kernel as parallel SQEs of at most this many bytes
   // (vfs IoEngineOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
   // With huge_page_staging it asks for smaller device requests, but the block

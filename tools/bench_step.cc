@@ -71,6 +71,7 @@ struct StepOptions {
   int cpu_threads = 1;
   std::string sync_every_text = "512M";
   bool huge_pages = false;
+  bool base_pages = false;
   std::string max_sqe_text = "0";
   bool json = false;
 };
@@ -103,7 +104,9 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
   mo.queue_depth = o.queue_depth;
   mo.write_queue_depth = o.write_queue_depth;
   mo.read_ahead_chunks = o.read_ahead;
-  mo.huge_page_staging = o.huge_pages;
+  mo.staging_pages = o.huge_pages   ? memmgr::MemoryManagerOptions::StagingPages::kHuge
+                     : o.base_pages ? memmgr::MemoryManagerOptions::StagingPages::kBase
+                                    : memmgr::MemoryManagerOptions::StagingPages::kAuto;
   mo.max_sqe_bytes = c.max_sqe;
   mo.batch_submit = !o.no_batch_submit;
   return mo;
@@ -537,6 +540,11 @@ int RunCompare(const StepOptions& o) {
   out["seconds"] = {{"ours", t_ours}, {"fio_floor", t_floor}, {"first_version", t_fv}};
   out["ours_unix_seconds"] = ours_unix;  // [start, end] per round, to match against a disk trace
   out["batch_submit"] = !o.no_batch_submit;
+  std::string pages_why;
+  const bool huge = o.huge_pages || (!o.base_pages && vfs::PreferredIoPages(dir, &pages_why) == vfs::IoPages::kHuge);
+  const std::string pages = fmt::format("{}{}", huge ? "huge" : "base",
+                                        o.huge_pages || o.base_pages ? "" : " (auto: " + pages_why + ")");
+  out["staging_pages"] = pages;
   out["median_seconds"] = {{"ours", Median(t_ours)}, {"fio_floor", Median(t_floor)},
                            {"first_version", Median(t_fv)}};
   out["ours_over_floor"] = ratio(t_ours, t_floor);
@@ -573,10 +581,10 @@ int RunCompare(const StepOptions& o) {
   std::cout << fmt::format(
       "optstate-bench step: {} of state ({} params in {} tensors), chunk {}, budget {}, host cache "
       "{}, backend {}, {} interleaved rounds (floor, ours, first version), O_DIRECT, commit "
-      "(fdatasync) included\nmachine: {}\n\n",
+      "(fdatasync) included\nstaging pages: {}\nmachine: {}\n\n",
       FormatBytes(state_bytes), numel_total, params.size(), FormatBytes(c->chunk),
       FormatBytes(c->budget), FormatBytes(c->host_cache), memmgr::BackendName((*mm)->backend()),
-      o.rounds, MachineLine());
+      o.rounds, pages, MachineLine());
   Table t({"method", "median step", "state GB/s each way", "vs ours"}, {false, true, true, true});
   auto row = [&](const std::string& n, const std::vector<double>& v, double r) {
     if (v.empty()) return;
@@ -656,8 +664,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "StreamedAdam: background fdatasync every N bytes written during a step; 0 = only at "
                   "commit (default 512M)");
   sub->add_flag("--huge-pages", o->huge_pages,
-               "pinned staging in 2 MiB huge pages (MemoryManagerOptions::huge_page_staging; also the "
-               "first version's staging buffer)");
+               "pinned staging in 2 MiB huge pages (MemoryManagerOptions::staging_pages kHuge; also the "
+               "first version's staging buffer); default: as the disk under --dir suggests (kAuto)");
+  sub->add_flag("--base-pages", o->base_pages, "pinned staging in base pages (staging_pages kBase)");
   sub->add_flag("--no-batch-submit", o->no_batch_submit,
                 "StreamedAdam's chunk I/O to the kernel one request at a time "
                 "(MemoryManagerOptions::batch_submit = false)");

@@ -1,9 +1,12 @@
 #include "vfs/io_buffer.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <string>
 
 namespace optstate::vfs {
@@ -50,6 +53,30 @@ Result<void*> AllocateIoMemory(uint64_t bytes, IoPages pages) {
 
 void FreeIoMemory(void* p, uint64_t bytes, IoPages pages) {
   if (p != nullptr) munmap(p, MappedBytes(bytes, pages));
+}
+
+Result<uint64_t> MaxDeviceRequestBytes(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return ErrnoStatus("stat " + path, errno);
+  const std::string dev = "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" +
+                          std::to_string(minor(st.st_dev));
+  for (const char* queue : {"/queue/max_sectors_kb", "/../queue/max_sectors_kb"}) {
+    std::ifstream in(dev + queue);
+    uint64_t kib = 0;
+    if (in >> kib && kib > 0) return kib << 10;
+  }
+  return NotFound(path + " (device " + std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev)) +
+                  ") is on no block device with a max_sectors_kb in sysfs");
+}
+
+IoPages PreferredIoPages(const std::string& path, std::string* why) {
+  auto max = MaxDeviceRequestBytes(path);
+  const IoPages pages = max.ok() && *max >= kHugePageBytes ? IoPages::kHuge : IoPages::kBase;
+  if (why != nullptr) {
+    *why = max.ok() ? "requests of up to " + std::to_string(*max >> 10) + " KiB on the device under " + path
+                    : max.status().message();
+  }
+  return pages;
 }
 
 IoBuffer::IoBuffer(size_t bytes, IoPages pages) : pages_(pages) {

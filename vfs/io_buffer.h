@@ -13,8 +13,11 @@
 //  - development VM: requests ~900 KiB -> 2-4 MiB; the step 3.2 -> 2.1 s;
 //  - H200 machine: the step 1.00-1.10x -> 1.23-1.39x of the floor (slower;
 //    fio's floor unchanged), on the host and the cuda backend alike.
-// So huge pages are an option (MemoryManagerOptions::huge_page_staging),
-// off by default; everything else uses kBase.
+// The difference: the H200 machine's disk takes requests of at most 1280 KiB
+// (max_sectors_kb), which base pages nearly fill, the development VM's 4 MiB.
+// So PreferredIoPages picks kHuge only for a device whose requests can be
+// 2 MiB or more (MemoryManagerOptions::staging_pages kAuto); everything else
+// uses kBase.
 //
 // Thread-safety: the functions are thread-safe; an IoBuffer is a value.
 #pragma once
@@ -22,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <utility>
 
 #include "vfs/status.h"
@@ -34,6 +38,17 @@ enum class IoPages { kBase, kHuge };
 Result<void*> AllocateIoMemory(uint64_t bytes, IoPages pages = IoPages::kBase);
 // p from AllocateIoMemory(bytes, pages) (same bytes and pages), or null.
 void FreeIoMemory(void* p, uint64_t bytes, IoPages pages = IoPages::kBase);
+
+// The largest request the block device under `path` takes, bytes: its
+// /sys/dev/block/<major>:<minor>/queue/max_sectors_kb (a partition's: its
+// disk's). NotFound when `path` is on no block device (tmpfs, overlay) or
+// sysfs does not say; an errno error when `path` cannot be stat'ed.
+Result<uint64_t> MaxDeviceRequestBytes(const std::string& path);
+
+// kHuge when the device under `path` takes requests of 2 MiB or more (base
+// pages end a direct I/O request near 1 MiB: max_segments pieces of 4 KiB),
+// else kBase. *why (if not null) says what was read, for a log line.
+IoPages PreferredIoPages(const std::string& path, std::string* why);
 
 // Owns one AllocateIoMemory block. Movable, not copyable.
 class IoBuffer {

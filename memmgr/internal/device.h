@@ -65,7 +65,7 @@ class Device {
 };
 
 // huge_page_pinned: AllocPinnedHost returns vfs::IoPages::kHuge memory
-// (MemoryManagerOptions::huge_page_staging).
+// (MemoryManagerOptions::staging_pages).
 std::unique_ptr<Device> NewHostDevice(bool huge_page_pinned);
 // Unimplemented when this build has no cuda backend; kUnavailable-like
 // FailedPrecondition naming the reason when no device/driver is present.

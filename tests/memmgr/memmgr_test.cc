@@ -29,7 +29,8 @@ struct Env {
     }
     MemoryManagerOptions o = TestMmOptions(budget);
     o.host_cache_bytes = host_cache_bytes;
-    o.huge_page_staging = huge_page_staging;
+    o.staging_pages = huge_page_staging ? MemoryManagerOptions::StagingPages::kHuge
+                                        : MemoryManagerOptions::StagingPages::kBase;
     mm = MUST(MemoryManager::Create(store.get(), o));
   }
   void Close() {
@@ -496,7 +497,7 @@ TEST(StreamedAdam, TenStepsUnderTinyBudgetEqualResidentKernelBitForBit) {
   TenStepsUnderTinyBudget(false);
 }
 
-// MemoryManagerOptions::huge_page_staging: the same results from staging in
+// MemoryManagerOptions::staging_pages kHuge: the same results from staging in
 // 2 MiB pages (cuda: cudaHostRegister'd instead of cudaHostAlloc'd).
 TEST(StreamedAdam, HugePageStagingStepsEqualResidentKernelBitForBit) {
   MEMMGR_REQUIRE_BACKEND();

@@ -1,11 +1,17 @@
 // vfs/io_buffer.h: alignment, zero fill, huge-page backing where the kernel
 // offers transparent huge pages, and O_DIRECT round trips through registered
 // io_uring buffers of both kinds.
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -87,6 +93,55 @@ TEST(IoBufferTest, HugePagesAre2MiBAlignedZeroAndBackedByHugePages) {
 
 // Both kinds work as registered io_uring buffers for O_DIRECT I/O, also when
 // one request spans several huge pages.
+// The reference for MaxDeviceRequestBytes, found another way: the disk in
+// /sys/block whose own or partition's `dev` file names path's device.
+std::optional<uint64_t> MaxSectorsViaSysBlock(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  const std::string want = std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));
+  std::error_code ec;
+  for (const auto& disk : std::filesystem::directory_iterator("/sys/block", ec)) {
+    std::vector<std::filesystem::path> devs = {disk.path() / "dev"};
+    for (const auto& part : std::filesystem::directory_iterator(disk.path(), ec)) devs.push_back(part.path() / "dev");
+    for (const auto& d : devs) {
+      std::ifstream in(d);
+      std::string id;
+      if (!(in >> id) || id != want) continue;
+      std::ifstream q(disk.path() / "queue" / "max_sectors_kb");
+      uint64_t kib = 0;
+      if (q >> kib) return kib << 10;
+    }
+  }
+  return std::nullopt;
+}
+
+// PreferredIoPages: huge pages exactly where the device takes 2 MiB requests;
+// a path on no block device (tmpfs) gets base pages and says why; a missing
+// path is an errno error naming it.
+TEST(IoBufferTest, PreferredPagesFollowTheDevicesLargestRequest) {
+  TempDir dir;
+  const std::optional<uint64_t> want = MaxSectorsViaSysBlock(dir.path());
+  auto got = MaxDeviceRequestBytes(dir.path());
+  if (!want) {
+    EXPECT_FALSE(got.ok()) << "found " << *got << " where /sys/block has nothing for " << dir.path();
+  } else {
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, *want);
+    std::string why;
+    EXPECT_EQ(PreferredIoPages(dir.path(), &why), *want >= 2 * kMiB ? IoPages::kHuge : IoPages::kBase);
+    EXPECT_NE(why.find(std::to_string(*want >> 10) + " KiB"), std::string::npos) << why;
+  }
+  if (std::filesystem::is_directory("/dev/shm")) {
+    EXPECT_EQ(MaxDeviceRequestBytes("/dev/shm").status().code(), StatusCode::kNotFound);
+    std::string why;
+    EXPECT_EQ(PreferredIoPages("/dev/shm", &why), IoPages::kBase);
+    EXPECT_NE(why.find("/dev/shm"), std::string::npos) << why;
+  }
+  auto missing = MaxDeviceRequestBytes(dir.path() + "/nope");
+  EXPECT_EQ(missing.status().err(), ENOENT) << missing.status().ToString();
+  EXPECT_NE(missing.status().message().find("/nope"), std::string::npos);
+}
+
 TEST(IoBufferTest, DirectIoRoundTripInBothKinds) {
   TempDir dir;
   for (IoPages pages : {IoPages::kBase, IoPages::kHuge}) {
