@@ -43,6 +43,7 @@ struct IoOptions {
   bool no_fio = false;
   bool no_mixed = false;
   bool huge_pages = false;
+  bool base_pages = false;
   std::string max_sqe_text = "0";
 };
 
@@ -251,8 +252,17 @@ int RunIo(const IoOptions& o) {
   bool use_fio = !o.no_fio && FioAvailable();
   if (!o.no_fio && !use_fio) Note("fio not found: comparing the engine with the sync baseline only");
   bool mixed = !o.no_mixed;
+  // Our buffers' pages: as asked, else what the memory manager's staging
+  // would use on this disk (MemoryManagerOptions::staging_pages kAuto).
+  std::string pages_why;
+  const vfs::IoPages pages = o.huge_pages   ? vfs::IoPages::kHuge
+                             : o.base_pages ? vfs::IoPages::kBase
+                                            : vfs::PreferredIoPages(dir, &pages_why);
+  const std::string pages_text = fmt::format("{}{}", pages == vfs::IoPages::kHuge ? "huge pages" : "base pages",
+                                             pages_why.empty() ? "" : " (auto: " + pages_why + ")");
 
   nlohmann::json out;
+  out["pages"] = pages_text;
   out["machine"] = MachineInfo();
   out["dir"] = dir;
   out["size_bytes"] = *size;
@@ -278,7 +288,7 @@ int RunIo(const IoOptions& o) {
             m == kFio ? RunFioRound(dir + "/fio.dat", sz, bs, o.queue_depth, mixed)
                       : RunEngineRound(static_cast<Method>(m), dir + "/" + kMethodKeys[m] + ".dat",
                                        sz, bs, o.queue_depth, mixed,
-                                       o.huge_pages ? vfs::IoPages::kHuge : vfs::IoPages::kBase,
+                                       pages,
                                        *max_sqe, &bar, &done_all);
         if (!t.ok()) {
           bar.Finish();
@@ -332,8 +342,8 @@ int RunIo(const IoOptions& o) {
   } else {
     std::cout << fmt::format(
         "optstate-bench io: {} per run, QD {}, {} interleaved rounds (fio, ours, sync), O_DIRECT, "
-        "fdatasync included\nmachine: {}\ndir: {}\n\n",
-        FormatBytes(*size), o.queue_depth, o.rounds, MachineLine(), dir);
+        "fdatasync included\nour buffers: {}\nmachine: {}\ndir: {}\n\n",
+        FormatBytes(*size), o.queue_depth, o.rounds, pages_text, MachineLine(), dir);
     std::cout << table.Render();
     std::cout << "\nGB/s are medians; ratios are medians of per-round throughput ratios "
                  "(> 1: the first is faster).\n";
@@ -357,7 +367,9 @@ void AddIoCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--no-fio", o->no_fio, "skip fio");
   sub->add_flag("--no-mixed", o->no_mixed, "skip the 50/50 read/write phase");
   sub->add_flag("--huge-pages", o->huge_pages,
-                "our engines' buffers in 2 MiB huge pages (fio's always are: glibc.malloc.hugetlb=1)");
+                "our engines' buffers in 2 MiB huge pages (fio's always are: glibc.malloc.hugetlb=1); "
+                "default: as the disk under --dir suggests, like the memory manager's staging");
+  sub->add_flag("--base-pages", o->base_pages, "our engines' buffers in base pages");
   sub->add_option("--max-sqe", o->max_sqe_text,
                   "our engine sends each block as parallel SQEs of at most N bytes "
                   "(IoEngineOptions::max_sqe_bytes); 0 = one SQE per block");
