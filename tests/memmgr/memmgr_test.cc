@@ -407,6 +407,19 @@ void RegisterAll(StreamedAdam* sa, MemoryManager* mm, const std::vector<ParamDef
   }
 }
 
+// One step of sa and of the reference, with the same gradients (returned:
+// they hold the parameter copies sa wrote).
+std::unique_ptr<StepGrads> StepWithReference(StreamedAdam* sa, MemoryManager* mm, const std::vector<ParamDef>& defs,
+                                             Reference* ref, uint64_t step, float grad_scale) {
+  auto sg = std::make_unique<StepGrads>(mm, defs, step);
+  auto list = sg->List(defs);
+  Status st = sa->Step(list);
+  EXPECT_TRUE(st.ok()) << "step " << step << ": " << st.ToString();
+  auto groups = TestGroups();
+  for (size_t i = 0; i < defs.size(); ++i) ref->Step(i, sg->grad[i]->get(), step, groups[defs[i].group], grad_scale);
+  return sg;
+}
+
 void ExpectStateEquals(MemoryManager* mm, const Reference& ref, const std::vector<ParamDef>& defs) {
   static const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
   for (size_t i = 0; i < defs.size(); ++i) {
@@ -450,17 +463,13 @@ void TenStepsUnderTinyBudget(bool huge_page_staging) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  auto groups = TestGroups();
   for (uint64_t step = 1; step <= 10; ++step) {
-    StepGrads sg(env.mm.get(), defs, step);
-    auto list = sg.List(defs);
-    ASSERT_OK(sa->Step(list));
+    auto sg = StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, so.grad_scale);
     EXPECT_FALSE(sa->last_step_skipped());
     for (size_t i = 0; i < defs.size(); ++i) {
-      ref.Step(i, sg.grad[i]->get(), step, groups[defs[i].group], so.grad_scale);
       if (defs[i].param_type == ScalarType::kNone) continue;
       std::vector<uint8_t> got(defs[i].numel * Size(defs[i].param_type));
-      sg.param[i]->Download(got.data());
+      sg->param[i]->Download(got.data());
       EXPECT_EQ(got, ref.ParamCopy(i)) << "param copy of " << defs[i].name << " at step " << step;
     }
     EXPECT_EQ(sa->step_count(0), step);
@@ -526,12 +535,8 @@ TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  auto groups = TestGroups();
   for (uint64_t step = 1; step <= 3; ++step) {
-    StepGrads sg(env.mm.get(), defs, step);
-    auto list = sg.List(defs);
-    ASSERT_OK(sa->Step(list));
-    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+    StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
     const StreamedAdam::StepStats& st = sa->last_step_stats();
     const uint64_t depth = TestMmOptions(0).queue_depth * kChunk;  // bytes the read depth allows
     EXPECT_EQ(st.small_slices, 16u) << "step " << step;
