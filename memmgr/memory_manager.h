@@ -88,7 +88,7 @@ struct MemoryManagerOptions {
   StagingPages staging_pages = StagingPages::kAuto;
   // Chunk I/O goes to the kernel as parallel SQEs of at most this many bytes
   // (vfs IoEngineOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
-  // With huge_page_staging it asks for smaller device requests, but the block
+  // With huge-page staging it asks for smaller device requests, but the block
   // layer's scheduler may merge adjacent parts back: on the H200 1 MiB parts
   // reached the disk as ~2 MiB requests (step 1.25x of the floor) unless
   // merging was off (/sys/block/<dev>/queue/nomerges = 2: 1.01x). README
