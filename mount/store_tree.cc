@@ -173,8 +173,13 @@ Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e) {
 }
 
 Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, const std::string& name) {
-  OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
   auto it = e->snapshots.find(name);
+  if (it != e->snapshots.end() &&
+      Clock::now() - e->last_catchup < std::chrono::milliseconds(opts_.snapshot_recheck_ms)) {
+    return it->second;  // held and recently confirmed: no catch-up (MountOptions::snapshot_recheck_ms)
+  }
+  OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
+  it = e->snapshots.find(name);
   if (it != e->snapshots.end()) return it->second;
   auto l = e->snapshot_list.find(name);
   if (l == e->snapshot_list.end()) {
