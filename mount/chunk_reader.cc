@@ -26,25 +26,38 @@ ChunkBufferPool::~ChunkBufferPool() {
 }
 
 char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
-  std::lock_guard<std::mutex> l(mu_);
-  for (size_t i = 0; i < idle_.size(); ++i) {
-    if (idle_[i].first == bytes) {
-      char* b = idle_[i].second;
-      idle_[i] = idle_.back();
-      idle_.pop_back();
-      return b;
+  std::vector<std::pair<uint64_t, char*>> evicted;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t i = 0; i < idle_.size(); ++i) {
+      if (idle_[i].first == bytes) {
+        char* b = idle_[i].second;
+        idle_[i] = idle_.back();
+        idle_.pop_back();
+        return b;
+      }
     }
+    uint64_t idle_bytes = 0;
+    for (const auto& [n, b] : idle_) idle_bytes += n;
+    if (allocated_bytes_ - idle_bytes + bytes > budget_bytes_ && !must) return nullptr;
+    // Idle buffers of another size (another file's chunk length) make room first.
+    while (allocated_bytes_ + bytes > budget_bytes_ && !idle_.empty()) {
+      allocated_bytes_ -= idle_.back().first;
+      evicted.push_back(idle_.back());
+      idle_.pop_back();
+    }
+    allocated_bytes_ += bytes;  // reserved; mapped and zeroed below, outside the lock
   }
-  // Idle buffers of another size (another store's chunk size) make room first.
-  while (allocated_bytes_ + bytes > budget_bytes_ && !idle_.empty()) {
-    allocated_bytes_ -= idle_.back().first;
-    vfs::FreeIoMemory(idle_.back().second, idle_.back().first, kPoolPages);
-    idle_.pop_back();
-  }
-  if (allocated_bytes_ + bytes > budget_bytes_ && !must) return nullptr;
+  // Unmapping and faulting in (an 8 MiB memset) outside the lock: under it a
+  // burst of opens, each taking a buffer, queued every reader behind the
+  // others' page faults (400 readers waited up to 13 s on the dev VM).
+  for (auto& [n, b] : evicted) vfs::FreeIoMemory(b, n, kPoolPages);
   auto b = vfs::AllocateIoMemory(bytes, kPoolPages);
-  if (!b.ok()) return nullptr;
-  allocated_bytes_ += bytes;
+  if (!b.ok()) {
+    std::lock_guard<std::mutex> l(mu_);
+    allocated_bytes_ -= bytes;
+    return nullptr;
+  }
   return static_cast<char*>(*b);
 }
 
@@ -101,7 +114,14 @@ ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::Check
       max_sqe_bytes_(opts.max_sqe_bytes),
       io_wake_delay_ms_(IoWakeDelayMs()),
       chunk_size_(gen_->view->identity().chunk_size_bytes),
-      buf_bytes_((chunk_size_ + 4095) / 4096 * 4096),
+      // A field's chunks are no longer than the field: a reader of a norm's
+      // 4 KiB field takes a 4 KiB buffer, not a whole chunk's (a burst of
+      // opens of a trainer's snapshot, each loading its first chunks, took
+      // 8 MiB each from the pool and past it: 400 readers, 3 GiB).
+      buf_bytes_((std::min(chunk_size_, file->kind == vfs::CheckpointFileKind::kField ? file->size_bytes
+                                                                                       : chunk_size_) +
+                  4095) /
+                 4096 * 4096),
       seq_len_(gen_->layout->ChunkSequenceLength(*file)),
       pool_(pool),
       stats_(stats) {
@@ -296,7 +316,7 @@ void ChunkReader::IoLoop() {
       char* buf = s->buf;
       const vfs::ChunkRef ref = gen_->layout->ChunkAt(*file_, s->seq);
       l.unlock();
-      Status st = sync_fallback_ ? gen_->view->ReadChunk(ref, buf) : io_->SubmitRead(ref, buf, tag);
+      Status st = sync_fallback_ ? ReadChunkSync(ref, buf) : io_->SubmitRead(ref, buf, tag, buf_bytes_);
       l.lock();
       if (sync_fallback_ || !st.ok()) {
         s->state = st.ok() ? SlotState::kReady : SlotState::kFailed;
@@ -357,6 +377,15 @@ void ChunkReader::IoLoop() {
     }
   }
   if (io_error_.ok()) io_.reset();
+}
+
+Status ChunkReader::ReadChunkSync(const vfs::ChunkRef& ref, char* buf) const {
+  if (buf_bytes_ >= chunk_size_) return gen_->view->ReadChunk(ref, buf);
+  vfs::IoBuffer whole(chunk_size_);  // ReadChunk fills a whole chunk
+  if (!whole.ok()) return ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", chunk_size_));
+  OPTSTATE_RETURN_IF_ERROR(gen_->view->ReadChunk(ref, whole.data()));
+  std::memcpy(buf, whole.data(), buf_bytes_);
+  return Status();
 }
 
 Status ChunkReader::SlotError(const Slot& s) const {

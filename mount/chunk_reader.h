@@ -170,6 +170,8 @@ class ChunkReader {
   // whether it waits on io_cv_ or for completions in Reap (ChunkIo::Wake).
   void Kick();
   Slot* Find(uint64_t seq);
+  // The synchronous fallback's read of one chunk into a buf_bytes_ buffer.
+  Status ReadChunkSync(const vfs::ChunkRef& ref, char* buf) const;
   void Count(uint64_t bytes);  // one request that returned `bytes`
   Status SlotError(const Slot& s) const;
 
@@ -179,7 +181,7 @@ class ChunkReader {
   const uint64_t max_sqe_bytes_;  // vfs::ChunkIoOptions::max_sqe_bytes of io_
   const uint32_t io_wake_delay_ms_;  // test hook, see chunk_reader.cc
   const uint64_t chunk_size_;
-  const uint64_t buf_bytes_;
+  const uint64_t buf_bytes_;     // each slot's buffer: the file's longest chunk, rounded to 4096
   const uint64_t seq_len_;
   ChunkBufferPool* const pool_;
   ReadStats* const stats_;             // null: not counted
