@@ -46,7 +46,7 @@ const char kUsage[] =
     "                        (a multiple of 4; default: the store's chunk size)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  --log FILE            append the daemon's log to FILE (default: stderr, which a\n"
-    "                        daemon without -f closes)\n"
+    "                        daemon without -f closes); also -o log=FILE (fstab)\n"
     "  -h, --help            this text\n";
 
 bool ParseU32(const char* s, uint32_t* out) {
@@ -55,6 +55,25 @@ bool ParseU32(const char* s, uint32_t* out) {
   if (end == s || *end != '\0' || v == 0 || v > 4096) return false;
   *out = static_cast<uint32_t>(v);
   return true;
+}
+
+// One -o list: our own `log=FILE` (the only way to pass --log through
+// mount.fuse3 and an fstab line) is taken out; the rest goes to libfuse.
+void TakeOptions(const std::string& list, optstate::mount::MountCommand* cmd) {
+  std::string rest, item;
+  for (size_t i = 0; i <= list.size(); ++i) {
+    if (i < list.size() && list[i] != ',') {
+      item += list[i];
+      continue;
+    }
+    if (item.rfind("log=", 0) == 0) {
+      cmd->log_file = item.substr(4);
+    } else if (!item.empty()) {
+      rest += (rest.empty() ? "" : ",") + item;
+    }
+    item.clear();
+  }
+  if (!rest.empty()) cmd->fuse_opts.push_back(rest);
 }
 
 }  // namespace
@@ -83,9 +102,9 @@ int main(int argc, char** argv) {
     } else if (a == "--allow-other") {
       cmd.allow_other = true;
     } else if (a == "-o") {
-      cmd.fuse_opts.push_back(need("-o"));
+      TakeOptions(need("-o"), &cmd);
     } else if (a.rfind("-o", 0) == 0 && a.size() > 2) {
-      cmd.fuse_opts.push_back(a.substr(2));
+      TakeOptions(a.substr(2), &cmd);
     } else if (a == "--readahead-chunks") {
       if (!ParseU32(need(a.c_str()), &cmd.tree.readahead_chunks)) {
         fmt::print(stderr, "optstate-mount: --readahead-chunks wants 1..4096\n");

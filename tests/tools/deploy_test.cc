@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -97,13 +98,21 @@ TEST(DeployFuseTest, FstabLineMountsThroughMountFuse3) {
   std::filesystem::create_directories(root);
   std::filesystem::create_directories(mnt);
   { auto s = testing::MakeSmallStore(root + "/rank0000.dense"); ASSERT_NE(s, nullptr); }
-  // mount(8) drops x-* options before running the helper.
+  // mount(8) drops x-* options before running the helper; the daemon's log
+  // goes to this test's directory instead of /var/log.
+  const std::string log = dir / "mount.log";
   std::string opts, item;
+  bool had_log = false;
   std::istringstream os(e.options);
   while (std::getline(os, item, ',')) {
     if (item.rfind("x-", 0) == 0) continue;
+    if (item.rfind("log=", 0) == 0) {
+      had_log = true;
+      item = "log=" + log;
+    }
     opts += (opts.empty() ? "" : ",") + item;
   }
+  EXPECT_TRUE(had_log) << "fstab.example names no log= for the detached daemon: " << e.options;
   // mount.fuse3 runs the type's program from PATH: put this build's first.
   std::string bin_dir = std::filesystem::path(OPTSTATE_MOUNT_BIN).parent_path().string();
   std::string old_path = getenv("PATH") ? getenv("PATH") : "/usr/bin:/bin";
@@ -127,6 +136,15 @@ TEST(DeployFuseTest, FstabLineMountsThroughMountFuse3) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_FALSE(IsFuseMounted(mnt));
+  // The detached daemon wrote its log where log= said, up to its last line.
+  std::string text;
+  for (int i = 0; i < 100 && text.find("unmounted; served") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::ifstream in(log);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  EXPECT_NE(text.find("serving " + root + " at " + mnt), std::string::npos) << text;
+  EXPECT_NE(text.find("unmounted; served"), std::string::npos) << text;
 }
 
 }  // namespace
