@@ -78,6 +78,7 @@ Result<std::unique_ptr<MemoryManager>> MemoryManager::Create(vfs::Store* store,
 }
 
 Backend MemoryManager::backend() const { return impl_->device()->backend(); }
+const std::string& MemoryManager::staging_pages() const { return impl_->staging_pages(); }
 vfs::Store* MemoryManager::store() const { return impl_->store(); }
 const MemoryManagerOptions& MemoryManager::options() const { return impl_->options(); }
 
@@ -321,18 +322,20 @@ Result<std::unique_ptr<ManagerImpl>> ManagerImpl::Create(vfs::Store* store, cons
                       kernels::CudaKernelsBuilt() ? "" : ", CUDA kernels not built");
   }
   bool huge = opts.staging_pages == MemoryManagerOptions::StagingPages::kHuge;
+  std::string why;
   if (opts.staging_pages == MemoryManagerOptions::StagingPages::kAuto) {
     const std::vector<std::string>& dirs = store->identity().data_dirs;
-    std::string why;
     huge = vfs::PreferredIoPages(dirs.empty() ? store->path() : dirs[0], &why) == vfs::IoPages::kHuge;
-    OPTSTATE_LOG_INFO("memmgr: staging in {} pages ({})", huge ? "2 MiB huge" : "base", why);
   }
+  std::string pages = std::string(huge ? "huge pages" : "base pages") + (why.empty() ? "" : " (auto: " + why + ")");
+  OPTSTATE_LOG_INFO("memmgr: staging in {}", pages);
   if (want == Backend::kCuda) {
     OPTSTATE_ASSIGN_OR_RETURN(dev, NewCudaDevice(opts.cuda_device, huge));
   } else {
     dev = NewHostDevice(huge);
   }
   auto impl = std::unique_ptr<ManagerImpl>(new ManagerImpl(store, opts, std::move(dev)));
+  impl->staging_pages_ = std::move(pages);
   OPTSTATE_RETURN_IF_ERROR(impl->Init());
   return impl;
 }

@@ -161,6 +161,9 @@ class MemoryManager {
   MemoryManager& operator=(const MemoryManager&) = delete;
 
   Backend backend() const;
+  // What the pinned staging is in, and why: "huge pages" or "base pages",
+  // with the device's request size when staging_pages was kAuto.
+  const std::string& staging_pages() const;
   vfs::Store* store() const;
   const MemoryManagerOptions& options() const;
 

@@ -252,9 +252,6 @@ class StepPipeline {
           gpu_pending = true;
         }
       }
-      // 3b. Reads into sets freed meanwhile (the GPU backend: its kernels
-      //     only launched).
-      OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
       bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty();
       if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
         return Status::Ok();

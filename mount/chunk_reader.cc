@@ -32,17 +32,17 @@ char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
     for (size_t i = 0; i < idle_.size(); ++i) {
       if (idle_[i].first == bytes) {
         char* b = idle_[i].second;
+        idle_bytes_ -= bytes;
         idle_[i] = idle_.back();
         idle_.pop_back();
         return b;
       }
     }
-    uint64_t idle_bytes = 0;
-    for (const auto& [n, b] : idle_) idle_bytes += n;
-    if (allocated_bytes_ - idle_bytes + bytes > budget_bytes_ && !must) return nullptr;
+    if (allocated_bytes_ - idle_bytes_ + bytes > budget_bytes_ && !must) return nullptr;
     // Idle buffers of another size (another file's chunk length) make room first.
     while (allocated_bytes_ + bytes > budget_bytes_ && !idle_.empty()) {
       allocated_bytes_ -= idle_.back().first;
+      idle_bytes_ -= idle_.back().first;
       evicted.push_back(idle_.back());
       idle_.pop_back();
     }
@@ -66,6 +66,7 @@ void ChunkBufferPool::Give(char* buf, uint64_t bytes) {
   std::lock_guard<std::mutex> l(mu_);
   if (allocated_bytes_ <= budget_bytes_) {
     idle_.emplace_back(bytes, buf);
+    idle_bytes_ += bytes;
     return;
   }
   allocated_bytes_ -= bytes;  // over budget (a `must` buffer): shrink back
@@ -316,7 +317,7 @@ void ChunkReader::IoLoop() {
       char* buf = s->buf;
       const vfs::ChunkRef ref = gen_->layout->ChunkAt(*file_, s->seq);
       l.unlock();
-      Status st = sync_fallback_ ? ReadChunkSync(ref, buf) : io_->SubmitRead(ref, buf, tag, buf_bytes_);
+      Status st = sync_fallback_ ? gen_->view->ReadChunk(ref, buf, buf_bytes_) : io_->SubmitRead(ref, buf, tag, buf_bytes_);
       l.lock();
       if (sync_fallback_ || !st.ok()) {
         s->state = st.ok() ? SlotState::kReady : SlotState::kFailed;
@@ -377,15 +378,6 @@ void ChunkReader::IoLoop() {
     }
   }
   if (io_error_.ok()) io_.reset();
-}
-
-Status ChunkReader::ReadChunkSync(const vfs::ChunkRef& ref, char* buf) const {
-  if (buf_bytes_ >= chunk_size_) return gen_->view->ReadChunk(ref, buf);
-  vfs::IoBuffer whole(chunk_size_);  // ReadChunk fills a whole chunk
-  if (!whole.ok()) return ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", chunk_size_));
-  OPTSTATE_RETURN_IF_ERROR(gen_->view->ReadChunk(ref, whole.data()));
-  std::memcpy(buf, whole.data(), buf_bytes_);
-  return Status();
 }
 
 Status ChunkReader::SlotError(const Slot& s) const {

@@ -83,6 +83,7 @@ class ChunkBufferPool {
   mutable std::mutex mu_;
   const uint64_t budget_bytes_;
   uint64_t allocated_bytes_ = 0;                   // guarded by mu_; idle + in use
+  uint64_t idle_bytes_ = 0;                        // guarded by mu_; of idle_
   std::vector<std::pair<uint64_t, char*>> idle_;   // guarded by mu_
 };
 
@@ -170,8 +171,6 @@ class ChunkReader {
   // whether it waits on io_cv_ or for completions in Reap (ChunkIo::Wake).
   void Kick();
   Slot* Find(uint64_t seq);
-  // The synchronous fallback's read of one chunk into a buf_bytes_ buffer.
-  Status ReadChunkSync(const vfs::ChunkRef& ref, char* buf) const;
   void Count(uint64_t bytes);  // one request that returned `bytes`
   Status SlotError(const Slot& s) const;
 

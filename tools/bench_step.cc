@@ -540,10 +540,7 @@ int RunCompare(const StepOptions& o) {
   out["seconds"] = {{"ours", t_ours}, {"fio_floor", t_floor}, {"first_version", t_fv}};
   out["ours_unix_seconds"] = ours_unix;  // [start, end] per round, to match against a disk trace
   out["batch_submit"] = !o.no_batch_submit;
-  std::string pages_why;
-  const bool huge = o.huge_pages || (!o.base_pages && vfs::PreferredIoPages(dir, &pages_why) == vfs::IoPages::kHuge);
-  const std::string pages = fmt::format("{}{}", huge ? "huge" : "base",
-                                        o.huge_pages || o.base_pages ? "" : " (auto: " + pages_why + ")");
+  const std::string& pages = (*mm)->staging_pages();
   out["staging_pages"] = pages;
   out["median_seconds"] = {{"ours", Median(t_ours)}, {"fio_floor", Median(t_floor)},
                            {"first_version", Median(t_fv)}};

@@ -1245,8 +1245,9 @@ Status ChecksumMismatch(const std::string& what, uint64_t expected, uint64_t rea
   return Corruption(what + m + (path.empty() ? "" : path + " ") + "offset " + std::to_string(offset));
 }
 
-// Reads one version synchronously and verifies it.
-Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version& v, void* buf) {
+// Reads one version synchronously into buf (buf_bytes long: the tail past the
+// chunk is zeroed up to there) and verifies it.
+Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version& v, void* buf, uint64_t buf_bytes) {
   File* f = v.ext.dir < core->data_files_.size() ? core->data_files_[v.ext.dir].get() : nullptr;
   if (f == nullptr) {
     return IoError(core->Describe(t, k, v.gen) + ": data file of dir " + std::to_string(v.ext.dir) +
@@ -1258,10 +1259,20 @@ Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version&
   if (sum != v.ext.checksum) {
     return ChecksumMismatch(core->Describe(t, k, v.gen), v.ext.checksum, sum, f->path(), v.ext.file_offset);
   }
-  if (v.ext.length < core->chunk()) {
-    std::memset(static_cast<char*>(buf) + v.ext.length, 0, core->chunk() - v.ext.length);
-  }
+  if (v.ext.length < buf_bytes) std::memset(static_cast<char*>(buf) + v.ext.length, 0, buf_bytes - v.ext.length);
   return Status();
+}
+
+// A caller's buffer size (0 = a whole chunk), checked against the chunk it is
+// to hold: the one rule of ChunkIo::SubmitRead and GenerationView::ReadChunk.
+Result<uint64_t> BufferBytesFor(const Core& core, const TensorInfo* t, const Key& k, uint64_t chunk_len,
+                                uint64_t buf_bytes) {
+  const uint64_t n = buf_bytes == 0 ? core.chunk() : std::min(buf_bytes, core.chunk());
+  if (RoundUp(chunk_len, kIoAlign) > n) {
+    return InvalidArgument(core.Describe(t, k, kInfinity) + ": a " + std::to_string(chunk_len) +
+                           "-byte chunk does not fit the " + std::to_string(n) + "-byte buffer");
+  }
+  return n;
 }
 
 // ---------------------------------------------------------------------------
@@ -1288,16 +1299,12 @@ class ChunkIoImpl final : public ChunkIo {
     op.user_tag = tag;
     op.key = k;
     op.buf = buf;
-    op.buf_bytes = buf_bytes == 0 ? core_->chunk() : std::min(buf_bytes, core_->chunk());
     {
       std::lock_guard l(core_->mu_);
       const auto& tensors = view_ ? view_->by_id : core_->tensors_;
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(tensors, ref));
       op.tensor = *res.first;
-      if (RoundUp(res.second, kIoAlign) > op.buf_bytes) {
-        return InvalidArgument(core_->Describe(&op.tensor, k, kInfinity) + ": a " + std::to_string(res.second) +
-                               "-byte chunk does not fit the " + std::to_string(op.buf_bytes) + "-byte buffer");
-      }
+      OPTSTATE_ASSIGN_OR_RETURN(op.buf_bytes, BufferBytesFor(*core_, &op.tensor, k, res.second, buf_bytes));
       std::optional<Version> v;
       if (view_) {
         auto it = view_->chunks.find(k);
@@ -1533,21 +1540,23 @@ class GenerationViewImpl final : public GenerationView {
     info.file_offset = it->second.ext.file_offset;
     return info;
   }
-  Status ReadChunk(const ChunkRef& ref, void* buf) const override {
+  Status ReadChunk(const ChunkRef& ref, void* buf, uint64_t buf_bytes) const override {
     Core* c = v_->core.get();
     const Key k{ref.tensor_id, ref.field, ref.index};
     const TensorInfo* t;
+    uint64_t n = 0;
     {
       std::lock_guard l(c->mu_);
       OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
       t = res.first;
+      OPTSTATE_ASSIGN_OR_RETURN(n, BufferBytesFor(*c, t, k, res.second, buf_bytes));
     }
     auto it = v_->chunks.find(k);
     if (it == v_->chunks.end()) {
-      std::memset(buf, 0, c->chunk());
+      std::memset(buf, 0, n);
       return Status();
     }
-    return ReadVersion(c, t, k, it->second, buf);
+    return ReadVersion(c, t, k, it->second, buf, n);
   }
   Result<std::unique_ptr<ChunkIo>> NewChunkIo(const ChunkIoOptions& opts) const override {
     return MakeChunkIo(v_->core, v_, opts);
@@ -1737,7 +1746,7 @@ class StoreImpl final : public Store {
       std::memset(buf, 0, core_->chunk());
       return Status();
     }
-    return ReadVersion(core_.get(), &t, k, *v, buf);
+    return ReadVersion(core_.get(), &t, k, *v, buf, core_->chunk());
   }
 
   Status WriteChunk(const ChunkRef& ref, const void* buf) override {
@@ -2155,7 +2164,7 @@ Result<VerifyReport> StoreImpl::Verify() {
                              std::to_string(it.expected_len));
       continue;
     }
-    Status s = ReadVersion(core_.get(), &it.tensor, it.key, it.v, buf.data());
+    Status s = ReadVersion(core_.get(), &it.tensor, it.key, it.v, buf.data(), core_->chunk());
     ++rep.chunks_checked;
     rep.bytes_checked += it.v.ext.length;
     if (!s.ok()) rep.problems.push_back(s.ToString());

@@ -256,8 +256,11 @@ class GenerationView {
   virtual Result<TensorInfo> FindTensor(std::string_view name) const = 0;
   virtual uint64_t ChunkCount(const TensorInfo& t, uint32_t field) const = 0;
   virtual Result<ChunkInfo> Chunk(const ChunkRef& ref) const = 0;
-  // Synchronous read of one chunk into buf (4096-aligned, chunk_size_bytes), verified.
-  virtual Status ReadChunk(const ChunkRef& ref, void* buf) const = 0;
+  // Synchronous read of one chunk into buf (4096-aligned, of buf_bytes as
+  // for ChunkIo::SubmitRead: 0 = chunk_size_bytes; the tail past the chunk's
+  // length is zeroed up to there), verified.
+  virtual Status ReadChunk(const ChunkRef& ref, void* buf, uint64_t buf_bytes) const = 0;
+  Status ReadChunk(const ChunkRef& ref, void* buf) const { return ReadChunk(ref, buf, 0); }
   virtual Result<std::unique_ptr<ChunkIo>> NewChunkIo(const ChunkIoOptions& opts) const = 0;
 };
 

@@ -143,6 +143,7 @@ class ManagerImpl {
   Device* device() const { return dev_.get(); }
   vfs::Store* store() const { return store_; }
   const MemoryManagerOptions& options() const { return opts_; }
+  const std::string& staging_pages() const { return staging_pages_; }
   uint64_t page_bytes() const { return page_bytes_; }
   uint64_t budget_pages() const { return budget_pages_; }
   // Takes between min_pages and max_pages of budget as one contiguous mapped
@@ -221,6 +222,7 @@ class ManagerImpl {
   void WorkerLoop();
 
   vfs::Store* store_;
+  std::string staging_pages_;  // MemoryManager::staging_pages(); set by Create
   MemoryManagerOptions opts_;
   std::unique_ptr<Device> dev_;
   uint64_t page_bytes_ = 0;

@@ -78,7 +78,8 @@ class FakeView : public GenerationView {
                               ci.length_bytes);
     return ci;
   }
-  Status ReadChunk(const ChunkRef& ref, void* buf) const override {
+  using GenerationView::ReadChunk;
+  Status ReadChunk(const ChunkRef& ref, void* buf, uint64_t /*buf_bytes*/) const override {
     auto ci = Chunk(ref);
     if (!ci.ok()) return ci.status();
     const std::string& b = data_.at({ref.tensor_id, ref.field});

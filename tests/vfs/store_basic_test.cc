@@ -193,8 +193,9 @@ TEST(StoreTest, NeverWrittenChunksReadZerosWithoutIo) {
   EXPECT_EQ(s->ReadChunk(ChunkRef{t.id + 9, 0, 0}, b.data()).code(), StatusCode::kNotFound);
 }
 
-// ChunkIo::SubmitRead with a buffer smaller than a chunk (StreamedAdam's
-// small staging sets): a short chunk reads into it, written or never written,
+// ChunkIo::SubmitRead and GenerationView::ReadChunk with a buffer smaller
+// than a chunk (StreamedAdam's small staging sets, the mount's readers of
+// small fields): a short chunk reads into it, written or never written,
 // with the tail zeroed only up to buf_bytes (the bytes after it stay as they
 // were); a chunk that does not fit is refused, naming tensor, field and chunk.
 TEST(StoreTest, ChunkReadsIntoABufferSmallerThanAChunk) {
@@ -228,6 +229,18 @@ TEST(StoreTest, ChunkReadsIntoABufferSmallerThanAChunk) {
     for (uint64_t i = kSmall; i < 2 * kSmall; ++i) {
       ASSERT_EQ(b.data()[i], 0xAB) << "byte " << i << " past buf_bytes written, field " << field;
     }
+  }
+  // The synchronous read of a generation does the same.
+  auto view = Unwrap(s->OpenGeneration(kLatest));
+  {
+    Buf b(2 * kSmall);
+    std::memset(b.data(), 0xAB, 2 * kSmall);
+    ASSERT_OK(view->ReadChunk(ChunkRef{t.id, 0, 0}, b.data(), kSmall));
+    std::vector<uint8_t> want = Expected(4000, 7);
+    EXPECT_EQ(0, std::memcmp(b.data(), want.data(), 4000));
+    for (uint64_t i = 4000; i < kSmall; ++i) ASSERT_EQ(b.data()[i], 0) << "view: tail byte " << i;
+    for (uint64_t i = kSmall; i < 2 * kSmall; ++i) ASSERT_EQ(b.data()[i], 0xAB) << "view: byte " << i;
+    EXPECT_EQ(view->ReadChunk(ChunkRef{big.id, 0, 0}, b.data(), kSmall).code(), StatusCode::kInvalidArgument);
   }
   Buf b(kSmall);
   Status st = io->SubmitRead(ChunkRef{big.id, 0, 0}, b.data(), 9, kSmall);
