@@ -82,10 +82,11 @@ uint64_t ChunkBufferPool::allocated_bytes() const {
 
 std::string ReadStats::Summary() const {
   return fmt::format("{} reads ({:.2f} GiB), {} waited for a chunk to load ({:.3f} s in all), "
-                     "{} chunks loaded, {} copied across a chunk boundary, {} opens ({} prefetched)",
+                     "{} chunks loaded, {} copied across a chunk boundary, {} opens ({} prefetched), "
+                     "{} lookups, {} getattrs",
                      requests.load(), static_cast<double>(bytes.load()) / (1ull << 30), waited.load(),
                      static_cast<double>(wait_ns.load()) * 1e-9, chunks_loaded.load(), bounced.load(),
-                     opens.load(), prefetched.load());
+                     opens.load(), prefetched.load(), lookups.load(), getattrs.load());
 }
 
 // ---- ChunkReader ------------------------------------------------------------

@@ -99,9 +99,11 @@ struct ReadStats {
   std::atomic<uint64_t> bounced{0};        // requests copied: across into a chunk not yet verified
   std::atomic<uint64_t> opens{0};          // files opened (with chunks to read)
   std::atomic<uint64_t> prefetched{0};     // ... that found a reader the Prefetcher had opened
+  std::atomic<uint64_t> lookups{0};        // FUSE LOOKUPs (path components the kernel did not cache)
+  std::atomic<uint64_t> getattrs{0};       // FUSE GETATTRs
 
   // "N reads (X GiB), W waited for a chunk (T s in all), C chunks loaded, B copied
-  // across a chunk boundary, O opens (P prefetched)"
+  // across a chunk boundary, O opens (P prefetched), L lookups, G getattrs"
   std::string Summary() const;
 };
 

@@ -31,18 +31,34 @@ constexpr uint32_t kMaxReadBytes = 1u << 20;
 // fuse_reply_iov straight from the verified chunk buffer, so the only copy of
 // the bytes in the daemon's path is the kernel's into the reader's buffer (the
 // path-based API mallocs a reply buffer per request and needs a memcpy into it).
+// A node id the kernel holds. Nodes inside a generation (its directory and
+// everything below it) are pinned to that generation: their node ids hash its
+// number with the path, so after a commit the name latest/ leads to new node
+// ids, and everything under one node id is immutable, which lets the kernel
+// cache those names and attributes (kInGenerationTimeoutS) instead of sending
+// a LOOKUP per path component on every path walk (six per file of a snapshot;
+// `cp -r` walks each file's path several times).
+struct NodeRef {
+  std::string path;       // as the user sees it: "/s/latest/tensors/x/main"
+  uint64_t nlookup = 0;   // the kernel's lookup count
+  uint64_t generation = 0;  // pinned to this one; 0 = outside generations
+  std::string rel;          // path inside the generation ("" = its directory)
+  // Weak: the kernel keeps node ids as long as it likes (until it forgets
+  // them), and they must not keep an old generation's extents from the
+  // writer's GC. The tree holds the generations it serves.
+  std::weak_ptr<const Generation> gen;
+};
+
 struct Context {
   std::unique_ptr<StoreTree> tree;
   std::unique_ptr<ChunkBufferPool> pool;
   ReadStats stats;  // logged at unmount
   std::unique_ptr<Prefetcher> prefetch;  // null with --prefetch-files 0; declared after pool: closed first
 
-  // Node ids are InodeOf(path) (root: FUSE_ROOT_ID), so they are stable
-  // across remounts (outside generations they equal the st_ino that stat
-  // shows; inside, st_ino is TreeInodeOf). The kernel's lookup count per node
-  // id; an entry goes at its last forget.
+  // Every node id the kernel holds (NodeIdOf; root: FUSE_ROOT_ID, never in
+  // the map); an entry goes at its last forget.
   std::mutex mu;
-  std::unordered_map<fuse_ino_t, std::pair<std::string, uint64_t>> nodes;  // guarded by mu
+  std::unordered_map<fuse_ino_t, NodeRef> nodes;  // guarded by mu
 };
 
 Context* Ctx(fuse_req_t req) { return static_cast<Context*>(fuse_req_userdata(req)); }
@@ -100,21 +116,76 @@ void AfterReply() {
   if (uint32_t ms = AfterReplyDelayMs(); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
-fuse_ino_t NodeIdOf(const std::string& path) { return path == "/" ? FUSE_ROOT_ID : InodeOf(path); }
+// How long the kernel may cache a name or attributes it got from us, in
+// seconds. Inside a pinned generation nothing changes: an hour. The name of a
+// snapshot's directory: as long as the daemon itself trusts a held snapshot
+// without a catch-up (MountOptions::snapshot_recheck_ms), so a released
+// snapshot's paths still go within about that long. The other names (stores,
+// snapshots/, latest/) are looked up again on every path walk: a new commit,
+// store or snapshot shows at once, a removed one is gone at once. Their
+// attributes (mode 0555, an mtime) may be a second old: with
+// default_permissions the kernel checks every directory of a path walk
+// against its attributes, and with none cached it sent a GETATTR for the root,
+// the store and snapshots/ on every walk (dev VM, `cp -r` of a snapshot: five
+// of the nine requests of each path walk).
+constexpr double kInGenerationTimeoutS = 3600.0;
+constexpr double kOutsideAttrTimeoutS = 1.0;
 
-// The path of a node id the kernel holds (ESTALE if it does not).
-bool PathOf(fuse_req_t req, fuse_ino_t ino, std::string* path) {
-  Context* c = Ctx(req);
+// Node ids are stable across remounts: a path's hash, with the generation's
+// number for nodes pinned to one. Outside generations they equal the st_ino
+// that stat shows; inside, st_ino is TreeInodeOf (by tree rank, not pinned).
+fuse_ino_t NodeIdOf(const std::string& path, uint64_t generation) {
+  if (path == "/") return FUSE_ROOT_ID;
+  if (generation == 0) return InodeOf(path);
+  std::string key = path;
+  key.push_back('\0');  // no path holds one
+  key += std::to_string(generation);
+  return InodeOf(key);
+}
+
+Status StaleNode(const std::string& what) { return ErrnoStatus(what, ESTALE); }
+
+// The node of a node id the kernel holds, and its path. Inside a generation it
+// comes from that generation's layout (no store lock, no catch-up) while the
+// tree still serves that Generation; else through the tree, and only while the
+// path's generation directory still shows that generation: ESTALE once it
+// does not (a shell whose working directory was latest/ before the commits
+// that retired its generation).
+Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path) {
   if (ino == FUSE_ROOT_ID) {
     path->assign(1, '/');
-    return true;
+    return c->tree->Resolve(*path);
   }
-  std::lock_guard<std::mutex> l(c->mu);
-  auto it = c->nodes.find(ino);
-  if (it == c->nodes.end()) return false;
-  *path = it->second.first;
-  return true;
+  NodeRef ref;
+  {
+    std::lock_guard<std::mutex> l(c->mu);
+    auto it = c->nodes.find(ino);
+    if (it == c->nodes.end()) return StaleNode(fmt::format("node id {:#x} (not looked up)", ino));
+    ref = it->second;
+  }
+  *path = ref.path;
+  if (ref.generation == 0) return c->tree->Resolve(ref.path);
+  std::shared_ptr<const Generation> g = ref.gen.lock();
+  if (g == nullptr) {
+    const std::string dir = ref.path.substr(0, ref.path.size() - ref.rel.size() - (ref.rel.empty() ? 0 : 1));
+    OPTSTATE_ASSIGN_OR_RETURN(Node d, c->tree->Resolve(dir));
+    if (d.gen == nullptr || d.gen->generation() != ref.generation) {
+      return StaleNode(fmt::format("{}: generation {} is no longer served there (now {})", ref.path,
+                                   ref.generation, d.gen != nullptr ? d.gen->generation() : 0));
+    }
+    g = std::move(d.gen);
+  }
+  return StoreTree::ResolveIn(std::move(g), ref.rel, ref.path);
 }
+
+// Timeouts for a node the kernel gets from a lookup (see kInGenerationTimeoutS).
+double EntryTimeoutS(const Context& c, const Node& n) {
+  if (n.gen == nullptr) return 0.0;
+  if (!n.rel.empty()) return kInGenerationTimeoutS;
+  if (n.gen->dir_label == "latest") return 0.0;
+  return c.tree->options().snapshot_recheck_ms / 1000.0;
+}
+double AttrTimeoutS(const Node& n) { return n.gen != nullptr ? kInGenerationTimeoutS : kOutsideAttrTimeoutS; }
 
 // blksize: st_blksize of files; 0 = the chunk size (MountOptions::st_blksize_bytes).
 void FillStat(const std::string& path, const Node& n, uint64_t blksize, struct stat* st) {
@@ -161,27 +232,48 @@ void OpInit(void*, struct fuse_conn_info* conn) {
 }
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
-  std::string dir;
-  if (!PathOf(req, parent, &dir)) return (void)fuse_reply_err(req, ESTALE);
+  Context* c = Ctx(req);
+  c->stats.lookups.fetch_add(1, std::memory_order_relaxed);
+  std::string dir = "/";
+  bool pinned = false;  // the parent is inside a generation
+  if (parent != FUSE_ROOT_ID) {
+    std::lock_guard<std::mutex> l(c->mu);
+    auto it = c->nodes.find(parent);
+    if (it == c->nodes.end()) return (void)fuse_reply_err(req, ESTALE);
+    dir = it->second.path;
+    pinned = it->second.generation != 0;
+  }
   const std::string path = JoinPath(dir, name);
-  auto n = Ctx(req)->tree->Resolve(path);
+  // Under a pinned node the child comes from the same generation's layout;
+  // elsewhere the tree resolves the path (and may move latest/ on).
+  Result<Node> n = [&]() -> Result<Node> {
+    if (!pinned) return c->tree->Resolve(path);
+    OPTSTATE_ASSIGN_OR_RETURN(Node p, NodeOf(c, parent, &dir));
+    return StoreTree::ResolveIn(p.gen, p.rel.empty() ? std::string(name) : p.rel + "/" + name, path);
+  }();
   if (!n.ok()) return ReplyStatus(req, n.status());
   struct fuse_entry_param e;
   std::memset(&e, 0, sizeof(e));
-  e.ino = NodeIdOf(path);
-  FillStat(path, *n, Ctx(req)->tree->options().st_blksize_bytes, &e.attr);
-  // No kernel caching of names or attributes: latest/ changes with every commit.
-  e.attr_timeout = 0;
-  e.entry_timeout = 0;
-  if (e.ino != FUSE_ROOT_ID) {
-    Context* c = Ctx(req);
+  const uint64_t generation = n->gen != nullptr ? n->gen->generation() : 0;
+  e.ino = NodeIdOf(path, generation);
+  FillStat(path, *n, c->tree->options().st_blksize_bytes, &e.attr);
+  e.attr_timeout = AttrTimeoutS(*n);
+  e.entry_timeout = EntryTimeoutS(*c, *n);
+  {
     std::lock_guard<std::mutex> l(c->mu);
-    auto [it, inserted] = c->nodes.try_emplace(e.ino, path, 0);
-    if (!inserted && it->second.first != path) {
-      OPTSTATE_LOG_ERROR("optstate-mount: inode hash collision: {} and {}", it->second.first, path);
+    auto [it, inserted] = c->nodes.try_emplace(e.ino);
+    NodeRef& r = it->second;
+    if (inserted) {
+      r.path = path;
+      r.generation = generation;
+      r.rel = n->rel;
+      r.gen = n->gen;
+    } else if (r.path != path || r.generation != generation) {
+      OPTSTATE_LOG_ERROR("optstate-mount: node id collision: {} (generation {}) and {} (generation {})", r.path,
+                         r.generation, path, generation);
       return (void)fuse_reply_err(req, EIO);
     }
-    ++it->second.second;
+    ++r.nlookup;
   }
   fuse_reply_entry(req, &e);
 }
@@ -190,10 +282,10 @@ void Forget(Context* c, fuse_ino_t ino, uint64_t nlookup) {
   std::lock_guard<std::mutex> l(c->mu);
   auto it = c->nodes.find(ino);
   if (it == c->nodes.end()) return;
-  if (it->second.second <= nlookup) {
+  if (it->second.nlookup <= nlookup) {
     c->nodes.erase(it);
   } else {
-    it->second.second -= nlookup;
+    it->second.nlookup -= nlookup;
   }
 }
 
@@ -208,8 +300,8 @@ void OpForgetMulti(fuse_req_t req, size_t count, struct fuse_forget_data* forget
 }
 
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
-  std::string path;
-  if (!PathOf(req, ino, &path)) return (void)fuse_reply_err(req, ESTALE);
+  Context* c = Ctx(req);
+  c->stats.getattrs.fetch_add(1, std::memory_order_relaxed);
   struct stat st;
   if (std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi); r != nullptr) {
     // An open file: the generation it was opened on.
@@ -218,14 +310,21 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     n.file = &r->file();
     n.gen = r->shared_generation();
     n.mtime_unix_ms = r->generation().view->info().commit_time_unix_ms;
-    FillStat(path, n, Ctx(req)->tree->options().st_blksize_bytes, &st);
-    fuse_reply_attr(req, &st, 0.0);
+    std::string path;
+    {
+      std::lock_guard<std::mutex> l(c->mu);
+      auto it = c->nodes.find(ino);
+      if (it != c->nodes.end()) path = it->second.path;
+    }
+    FillStat(path, n, c->tree->options().st_blksize_bytes, &st);
+    fuse_reply_attr(req, &st, AttrTimeoutS(n));
     return;
   }
-  auto n = Ctx(req)->tree->Resolve(path);
+  std::string path;
+  auto n = NodeOf(c, ino, &path);
   if (!n.ok()) return ReplyStatus(req, n.status());
-  FillStat(path, *n, Ctx(req)->tree->options().st_blksize_bytes, &st);
-  fuse_reply_attr(req, &st, 0.0);
+  FillStat(path, *n, c->tree->options().st_blksize_bytes, &st);
+  fuse_reply_attr(req, &st, AttrTimeoutS(*n));
 }
 
 // A directory handle: its whole listing, built at opendir (a stable listing
@@ -236,8 +335,7 @@ struct DirHandle {
 
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   std::string path;
-  if (!PathOf(req, ino, &path)) return (void)fuse_reply_err(req, ESTALE);
-  auto n = Ctx(req)->tree->Resolve(path);
+  auto n = NodeOf(Ctx(req), ino, &path);
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind == NodeKind::kGenFile) return (void)fuse_reply_err(req, ENOTDIR);
   auto names = Ctx(req)->tree->List(*n);
@@ -302,8 +400,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     return (void)fuse_reply_err(req, EROFS);
   }
   std::string path;
-  if (!PathOf(req, ino, &path)) return (void)fuse_reply_err(req, ESTALE);
-  auto n = Ctx(req)->tree->Resolve(path);
+  auto n = NodeOf(Ctx(req), ino, &path);
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind != NodeKind::kGenFile) return (void)fuse_reply_err(req, EISDIR);
   Context* c = Ctx(req);
@@ -440,15 +537,15 @@ std::string UnescapeMountinfo(const std::string& s) {
 }  // namespace
 
 Status CheckMountpoint(const std::string& mountpoint) {
+  auto dead = [&] {
+    return Busy(fmt::format(
+        "mountpoint {} is a dead FUSE mount (its daemon exited); run `fusermount3 -u {}` and mount again",
+        mountpoint, mountpoint));
+  };
   struct stat st;
   if (::stat(mountpoint.c_str(), &st) != 0) {
     int e = errno;
-    if (e == ENOTCONN) {
-      return Busy(fmt::format(
-          "mountpoint {} is a dead FUSE mount (its daemon exited); run `fusermount3 -u {}` "
-          "and mount again",
-          mountpoint, mountpoint));
-    }
+    if (e == ENOTCONN) return dead();
     return ErrnoStatus("mountpoint " + mountpoint, e);
   }
   if (!S_ISDIR(st.st_mode)) return InvalidArgument("mountpoint " + mountpoint + " is not a directory");
@@ -465,6 +562,11 @@ Status CheckMountpoint(const std::string& mountpoint) {
     while (ls >> tok && tok != "-") {
     }
     ls >> fstype >> source;
+    // A dead FUSE daemon's mount can still answer stat from the kernel's
+    // attribute cache (the root's attributes are cached for a second);
+    // statfs always goes to the daemon.
+    struct statvfs sv;
+    if (::statvfs(mountpoint.c_str(), &sv) != 0 && errno == ENOTCONN) return dead();
     return Busy(fmt::format(
         "mountpoint {} is busy: {} is mounted there (source {}); unmount it first "
         "(`fusermount3 -u {}`)",
@@ -485,7 +587,7 @@ int RunMount(const MountCommand& cmd) {
     return 1;
   }
 
-  std::string opts = fmt::format("default_permissions,max_read={},fsname=optstate:{},subtype=optstate",
+  std::string opts = fmt::format("ro,default_permissions,max_read={},fsname=optstate:{},subtype=optstate",
                                  kMaxReadBytes, cmd.tree.store_root);
   if (cmd.allow_other) opts += ",allow_other";
   for (const std::string& o : cmd.fuse_opts) opts += "," + o;

@@ -235,18 +235,26 @@ Result<Node> StoreTree::Resolve(std::string_view path) {
     return NotFound(fmt::format("store {}: no entry {}", e->name, parts[1]));
   }
   lock.unlock();
-  n.mtime_unix_ms = n.gen->view->info().commit_time_unix_ms;
   std::string rel;
   for (size_t i = rel_start; i < parts.size(); ++i) {
     if (!rel.empty()) rel += "/";
     rel += parts[i];
   }
-  n.rel = rel;
-  if (n.gen->layout->IsDir(rel)) {
+  return ResolveIn(std::move(n.gen), rel, path);
+}
+
+Result<Node> StoreTree::ResolveIn(std::shared_ptr<const Generation> gen, std::string_view rel,
+                                  std::string_view path) {
+  Node n;
+  n.store = gen->store_name;
+  n.mtime_unix_ms = gen->view->info().commit_time_unix_ms;
+  n.rel = std::string(rel);
+  n.gen = std::move(gen);
+  if (n.gen->layout->IsDir(n.rel)) {
     n.kind = NodeKind::kGenDir;
     return n;
   }
-  n.file = n.gen->layout->FindFile(rel);
+  n.file = n.gen->layout->FindFile(n.rel);
   if (n.file == nullptr) return NotFound(fmt::format("{}: no such file", path));
   n.kind = NodeKind::kGenFile;
   return n;

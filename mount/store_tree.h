@@ -122,6 +122,11 @@ class StoreTree {
   // Resolves an absolute path ("/", "/s", "/s/latest/tensors/x/main").
   // NotFound for anything that does not exist.
   Result<Node> Resolve(std::string_view path);
+  // The node at `rel` inside generation `gen` (rel "" = its directory), from
+  // the generation's layout alone: no store lock, no catch-up. `path` (the
+  // path the user asked for) names it in errors. NotFound if there is none.
+  static Result<Node> ResolveIn(std::shared_ptr<const Generation> gen, std::string_view rel,
+                                std::string_view path);
   // Sorted child names of a directory node.
   Result<std::vector<std::string>> List(const Node& dir);
 

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -586,6 +587,140 @@ TEST_F(MountTest, DaemonizedMountOpensAheadAndLogsToItsFile) {
   EXPECT_GE(opens, 5u) << text;
   EXPECT_GE(prefetched, opens - 2) << text;
   EXPECT_LE(prefetched, opens) << text;
+}
+
+// The number in the daemon's exit summary just before `what` (" lookups").
+uint64_t SummaryCount(const std::string& log, const std::string& what) {
+  const size_t at = log.rfind(what);
+  if (at == std::string::npos) return UINT64_MAX;
+  const size_t start = log.rfind(' ', at - 1) + 1;
+  return std::stoull(log.substr(start, at - start));
+}
+
+// The bytes of every file of the latest generation, by path in it.
+std::map<std::string, std::string> LatestFiles(Store* s) {
+  std::map<std::string, std::string> out;
+  auto v = s->OpenGeneration(kLatest);
+  EXPECT_TRUE(v.ok()) << v.status().ToString();
+  if (!v.ok()) return out;
+  auto l = CheckpointLayout::Build(v->get());
+  EXPECT_TRUE(l.ok()) << l.status().ToString();
+  if (!l.ok()) return out;
+  for (const CheckpointFile& f : (*l)->files()) {
+    std::string b(f.size_bytes, '\0');
+    EXPECT_TRUE((*l)->Read(f, 0, b.data(), b.size()).ok()) << f.path;
+    out[f.path] = std::move(b);
+  }
+  return out;
+}
+
+// Names and attributes inside a generation are cached by the kernel (node ids
+// are pinned to their generation, which never changes): walking the same paths
+// again sends a LOOKUP only for the names above it (the store, latest/), and
+// no GETATTR per directory. The old daemon, which let the kernel cache
+// nothing, got a LOOKUP for every component of every walk and a GETATTR for
+// every directory on the way.
+TEST_F(MountTest, RepeatedPathWalksInsideAGenerationAreCached) {
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> want = LatestFiles(ro.get());
+  ASSERT_GE(want.size(), 10u);
+  std::set<std::string> dirs;  // inside the generation
+  for (const auto& [path, bytes] : want) {
+    for (size_t at = path.find('/'); at != std::string::npos; at = path.find('/', at + 1)) {
+      dirs.insert(path.substr(0, at));
+    }
+  }
+  uint64_t walks = 0;
+  for (const auto& [path, bytes] : want) {
+    const std::string p = M("latest/" + path);
+    struct stat st;
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_EQ(stat(p.c_str(), &st), 0) << p;
+      EXPECT_EQ(static_cast<uint64_t>(st.st_size), bytes.size()) << p;
+      ++walks;
+    }
+    int fd = open(p.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0) << p;
+    ++walks;
+    std::string got(bytes.size() + 1, '\0');
+    ssize_t n = 0, r;
+    while ((r = pread(fd, got.data() + n, got.size() - n, n)) > 0) n += r;
+    close(fd);
+    got.resize(static_cast<size_t>(std::max<ssize_t>(n, 0)));
+    EXPECT_TRUE(got == bytes) << p;
+  }
+  StopDaemon();
+  const std::string log = ReadFile(root_ + "/daemon.log");
+  const uint64_t lookups = SummaryCount(log, " lookups");
+  const uint64_t getattrs = SummaryCount(log, " getattrs");
+  ASSERT_NE(lookups, UINT64_MAX) << log;
+  ASSERT_NE(getattrs, UINT64_MAX) << log;
+  // Each walk: the store's name and latest/ again; each name inside the
+  // generation once. The uncached daemon: 4-6 per walk here.
+  const uint64_t nodes = want.size() + dirs.size() + 1;  // + the generation directory
+  EXPECT_LE(lookups, 2 * walks + nodes) << log;
+  EXPECT_GE(lookups, nodes) << log;
+  // The root's and the store's attributes may be re-fetched once a second
+  // (kOutsideAttrTimeoutS): far fewer than one per walk.
+  EXPECT_LE(getattrs, walks / 4 + 4) << log;
+}
+
+// latest/ moves on after a commit although the kernel caches the names inside
+// a generation; a directory opened on the old generation never shows the new
+// generation's bytes (its files read the old bytes while that generation is in
+// use, else fail with ESTALE), and a released snapshot's paths go within about
+// snapshot_recheck_ms although its directory's name is cached that long.
+TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> gen1 = LatestFiles(ro.get());
+  ro.reset();
+  const std::string file = "tensors/emb/main";
+  ASSERT_TRUE(gen1.count(file));
+  int dir = open(M("latest/tensors").c_str(), O_RDONLY | O_DIRECTORY);
+  ASSERT_GE(dir, 0);
+  EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen1.at(file));  // caches the names on the way
+
+  auto s = Store::Open(StorePath(), StoreOptions{});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  WriteStep(s->get(), 2);
+  const std::map<std::string, std::string> gen2 = LatestFiles(s->get());
+  ASSERT_FALSE(gen2.at(file) == gen1.at(file));
+  // The daemon catches up at most every catchup_interval_ms (20 ms): poll.
+  std::string got;
+  for (int i = 0; i < 250; ++i) {
+    got = ReadFile(M("latest/" + file));
+    if (got == gen2.at(file)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(got == gen2.at(file)) << "latest/ did not move on to generation 2";
+  int fd = openat(dir, "emb/main", O_RDONLY);
+  if (fd < 0) {
+    EXPECT_EQ(errno, ESTALE) << std::strerror(errno);
+  } else {
+    std::string old(gen1.at(file).size() + 1, '\0');
+    ssize_t n = 0, r;
+    while ((r = pread(fd, old.data() + n, old.size() - n, n)) > 0) n += r;
+    close(fd);
+    old.resize(static_cast<size_t>(std::max<ssize_t>(n, 0)));
+    EXPECT_TRUE(old == gen1.at(file)) << "a directory opened on generation 1 showed other bytes";
+  }
+  close(dir);
+
+  // A snapshot: its name is cached for snapshot_recheck_ms (1 s), no longer.
+  ASSERT_TRUE((*s)->CreateSnapshot("held").ok());
+  EXPECT_TRUE(ReadFile(M("snapshots/held/" + file)) == gen2.at(file));
+  ASSERT_TRUE((*s)->ReleaseSnapshot("held").ok());
+  struct stat st;
+  int rc = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  while ((rc = stat(M("snapshots/held/" + file).c_str(), &st)) == 0 &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_NE(rc, 0) << "a released snapshot's file was still there after 30 s";
+  EXPECT_EQ(errno, ENOENT);
 }
 
 TEST_F(MountTest, CorruptChunkIsEio) {
