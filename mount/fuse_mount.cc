@@ -203,9 +203,7 @@ void FillStat(const std::string& path, const Node& n, uint64_t blksize, struct s
     st->st_nlink = 1;
     st->st_size = static_cast<off_t>(n.file->size_bytes);
     st->st_blocks = static_cast<blkcnt_t>((n.file->size_bytes + 511) / 512);
-    // The chunk size: cp sizes its buffer from st_blksize, so each read(2)
-    // asks for a whole chunk and the kernel sends its 1 MiB requests back to
-    // back (fewer syscalls and tmpfs writes per byte than 1 MiB reads).
+    // cp sizes its buffer from st_blksize (MountOptions::st_blksize_bytes).
     if (blksize == 0) blksize = n.gen->view->identity().chunk_size_bytes;
     st->st_blksize = static_cast<blksize_t>(blksize);
   } else {
@@ -227,8 +225,16 @@ std::string JoinPath(const std::string& dir, const char* name) {
   return p;
 }
 
-void OpInit(void*, struct fuse_conn_info* conn) {
+void OpInit(void* userdata, struct fuse_conn_info* conn) {
   conn->max_read = kMaxReadBytes;  // must match -o max_read (libfuse checks)
+  const MountOptions& o = static_cast<Context*>(userdata)->tree->options();
+  if (o.page_cache != MountOptions::PageCache::kNone) {
+    // The kernel's read-ahead goes out as background requests of 1 MiB; the
+    // default of 12 at once is less than one window.
+    conn->max_readahead = static_cast<unsigned>(std::min<uint64_t>(o.kernel_readahead_bytes, 1u << 30));
+    conn->max_background = 64;
+    conn->congestion_threshold = 48;
+  }
 }
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
@@ -395,6 +401,16 @@ void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   fuse_reply_err(req, 0);
 }
 
+// Whether reads of `f` go through the page cache (MountOptions::page_cache).
+bool CachedFile(const MountOptions& o, const vfs::CheckpointFile& f) {
+  switch (o.page_cache) {
+    case MountOptions::PageCache::kNone: return false;
+    case MountOptions::PageCache::kMappable: return f.kind != vfs::CheckpointFileKind::kField;
+    case MountOptions::PageCache::kAll: return true;
+  }
+  return false;
+}
+
 void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC) != 0) {
     return (void)fuse_reply_err(req, EROFS);
@@ -418,8 +434,9 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (n->gen->layout->ChunkSequenceLength(*n->file) > 0) c->stats.opens.fetch_add(1, std::memory_order_relaxed);
   if (c->prefetch != nullptr) c->prefetch->Opened(n->gen, n->file, taken);
   fi->fh = NewHandle(std::shared_ptr<ChunkReader>(std::move(reader)));
-  fi->direct_io = 1;
-  fi->keep_cache = 0;
+  const bool cached = CachedFile(c->tree->options(), *n->file);
+  fi->direct_io = cached ? 0 : 1;
+  fi->keep_cache = cached ? 1 : 0;  // a pinned node's bytes never change
   fi->nonseekable = 0;
   if (fuse_reply_open(req, fi) != 0) DeleteHandle<ChunkReader>(fi);  // no release will come
 }
@@ -534,6 +551,32 @@ std::string UnescapeMountinfo(const std::string& s) {
   return out;
 }
 
+// The mount's backing device info (/sys/class/bdi/MAJOR:MINOR) gets
+// read_ahead_kb: FUSE_INIT can only lower the kernel's 128 KiB default. Read
+// from /proc/self/mountinfo, not stat(): a stat of the mount would wait for
+// this daemon, which does not serve yet.
+void SetKernelReadahead(const std::string& mountpoint, uint64_t bytes) {
+  char real[PATH_MAX];
+  if (::realpath(mountpoint.c_str(), real) == nullptr) return;
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line, dev;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string id, parent, d, root, mp;
+    ls >> id >> parent >> d >> root >> mp;
+    if (UnescapeMountinfo(mp) == real) dev = d;  // the last one: ours
+  }
+  if (dev.empty()) return;
+  const std::string path = "/sys/class/bdi/" + dev + "/read_ahead_kb";
+  std::ofstream out(path);
+  out << (bytes >> 10) << "\n";
+  out.close();
+  if (!out) {
+    OPTSTATE_LOG_WARN("optstate-mount: cannot set {} to {} (kernel read-ahead stays at its default): {}", path,
+                      bytes >> 10, std::strerror(errno));
+  }
+}
+
 }  // namespace
 
 Status CheckMountpoint(const std::string& mountpoint) {
@@ -629,6 +672,7 @@ int RunMount(const MountCommand& cmd) {
     fuse_session_destroy(se);
     return 1;
   }
+  if (cmd.tree.page_cache != MountOptions::PageCache::kNone) SetKernelReadahead(cmd.mountpoint, cmd.tree.kernel_readahead_bytes);
   int rc = 1;
   if (fuse_daemonize(cmd.foreground || cmd.debug ? 1 : 0) == 0) {
     // Threads only after fuse_daemonize: it forks, and the child that serves

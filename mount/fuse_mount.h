@@ -3,11 +3,15 @@
 //
 // Read-only: every call that would change anything replies EROFS. Mounted with
 // default_permissions (the kernel checks the 0444/0555 modes) and max_read=1 MiB
-// (also set as conn->max_read in init, which libfuse requires); files are opened
-// with direct_io so reads bypass the page cache and arrive as 1 MiB requests,
-// answered with fuse_reply_iov straight from the verified chunk buffers.
-// Node ids and inode numbers are a hash of the path (stable across remounts);
-// listings are sorted. SIGINT/SIGTERM/SIGHUP end the loop and unmount cleanly.
+// (also set as conn->max_read in init, which libfuse requires), and ro. Files
+// are opened with direct_io so reads bypass the page cache and arrive as 1 MiB
+// requests, answered with fuse_reply_iov straight from the verified chunk
+// buffers; MountOptions::page_cache puts some or all of them in the page cache
+// instead, so that they can be mmap'd. Node ids are a hash of
+// the path, and inside a generation of the path and the generation's number
+// (stable across remounts), so the kernel may cache names, attributes and
+// pages inside a generation; listings are sorted. SIGINT/SIGTERM/SIGHUP end
+// the loop and unmount cleanly.
 //
 // Thread-safety: Run() blocks until unmounted; one per process.
 #pragma once

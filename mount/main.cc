@@ -1,6 +1,8 @@
 // optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
 //                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--blksize-kib N]
-//                [--prefetch-files N] [--prefetch-mib N] [--threads N] [--log FILE]
+//                [--prefetch-files N] [--prefetch-mib N] [--page-cache none|mappable|all]
+//                [--kernel-readahead-mib N]
+//                [--threads N] [--log FILE]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
 #include <climits>
 #include <cstdio>
@@ -43,7 +45,14 @@ const char kUsage[] =
     "                        (0..64; default 32) ...\n"
     "  --prefetch-mib N      ... and no more once they load N MiB (1..4096; default 32)\n"
     "  --blksize-kib N       st_blksize of the files, the buffer size cp reads with\n"
-    "                        (a multiple of 4; default: the store's chunk size)\n"
+    "                        (a multiple of 4; default 1024)\n"
+    "  --page-cache WHICH    files read through the kernel's page cache, which can then be\n"
+    "                        mmap'd (safetensors.safe_open, numpy.memmap need it):\n"
+    "                        none (default: every read(2) goes straight to the daemon,\n"
+    "                        fastest), mappable (state.safetensors and manifest.json),\n"
+    "                        all\n"
+    "  --kernel-readahead-mib N  the kernel's read-ahead for the mount's cached files\n"
+    "                        (root only; default 16)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  --log FILE            append the daemon's log to FILE (default: stderr, which a\n"
     "                        daemon without -f closes); also -o log=FILE (fstab)\n"
@@ -148,6 +157,26 @@ int main(int argc, char** argv) {
         return 2;
       }
       cmd.tree.st_blksize_bytes = uint64_t{kib} << 10;
+    } else if (a == "--page-cache") {
+      using PageCache = optstate::mount::MountOptions::PageCache;
+      const std::string v = need(a.c_str());
+      if (v == "none") {
+        cmd.tree.page_cache = PageCache::kNone;
+      } else if (v == "mappable") {
+        cmd.tree.page_cache = PageCache::kMappable;
+      } else if (v == "all") {
+        cmd.tree.page_cache = PageCache::kAll;
+      } else {
+        fmt::print(stderr, "optstate-mount: --page-cache wants none, mappable or all (got '{}')\n", v);
+        return 2;
+      }
+    } else if (a == "--kernel-readahead-mib") {
+      uint32_t mib = 0;
+      if (!ParseU32(need(a.c_str()), &mib) || mib > 1024) {
+        fmt::print(stderr, "optstate-mount: --kernel-readahead-mib wants 1..1024\n");
+        return 2;
+      }
+      cmd.tree.kernel_readahead_bytes = uint64_t{mib} << 20;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
         fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");

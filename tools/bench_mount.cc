@@ -38,6 +38,7 @@ struct MountOptions {
   uint32_t prefetch_mib = 0;      // 0: optstate-mount's default
   uint64_t hidden = 0;            // 0: one tensor; else ParamMix of this hidden size
   std::string log;                // the daemon's log (default: in the scratch dir, removed)
+  std::string cache;              // "" (optstate-mount's default), else its --page-cache
   bool keep = false;              // keep the test store (DIR/bench-mount/root) for manual runs
   bool json = false;
 };
@@ -73,9 +74,22 @@ Status MakeStore(const std::string& path, uint64_t bytes, uint64_t hidden) {
   return store->CreateSnapshot("bench").status();
 }
 
-// Seconds `cp -r src dst` takes (dst removed first).
+// Empties the kernel's page cache, where the mount keeps the files it serves
+// cached (state.safetensors, manifest.json: MountOptions::page_cache), so
+// that no timed read finds them there from an earlier one. False when it
+// cannot (not root).
+bool DropPageCache() {
+  ::sync();
+  std::ofstream f("/proc/sys/vm/drop_caches");
+  f << "1\n";
+  f.close();
+  return static_cast<bool>(f);
+}
+
+// Seconds `cp -r src dst` takes (dst removed first; page cache dropped).
 Result<double> TimedCopy(const std::string& src, const std::string& dst) {
   (void)RemoveTree(dst);
+  (void)DropPageCache();
   double t0 = NowSeconds();
   auto c = RunCommand({"cp", "-r", src, dst});
   if (!c.ok() || c->exit_code != 0) {
@@ -88,6 +102,7 @@ Result<double> TimedCopy(const std::string& src, const std::string& dst) {
 // its st_blksize (what cp asks for), into one buffer: the mount's read speed
 // without cp's writes.
 Result<double> TimedRead(const std::string& src, uint64_t want_bytes) {
+  (void)DropPageCache();
   double t0 = NowSeconds();
   uint64_t total = 0;
   std::vector<char> buf;
@@ -165,6 +180,10 @@ int RunMount(const MountOptions& o) {
     mount_argv.push_back("--blksize-kib");
     mount_argv.push_back(std::to_string(o.blksize_kib));
   }
+  if (!o.cache.empty()) {
+    mount_argv.push_back("--page-cache");
+    mount_argv.push_back(o.cache);
+  }
   const std::string log_path = o.log.empty() ? work + "/mount.log" : o.log;
   auto child = Child::Start(mount_argv, log_path);
   if (!child.ok()) return FailWith(kTool, child.status());
@@ -202,6 +221,7 @@ int RunMount(const MountOptions& o) {
   CopyCleanup copy_cleanup{fs::path(copy_dir).parent_path().string()};
   if (copy_dir == work + "/copy") copy_cleanup.d = copy_dir;
   const std::string copy2_dir = copy_dir + "2";
+  const bool cache_dropped = DropPageCache();
   std::vector<double> t_fio, t_cp, t_mem, t_read;
   DiskPhase d_fio, d_cp, d_read;
   for (uint32_t r = 0; r < o.rounds; ++r) {
@@ -265,19 +285,23 @@ int RunMount(const MountOptions& o) {
                         {"cp_vs_cp_from_tmpfs",
                          mem_ratios.empty() ? nlohmann::json() : nlohmann::json(Median(mem_ratios))},
                         {"copy_to", copy_where},
+                        {"page_cache_dropped", cache_dropped},
                         {"readahead_chunks", o.readahead_chunks},
                         {"max_sqe_kib", o.max_sqe_kib},
                         {"blksize_kib", o.blksize_kib},
                         {"hidden", o.hidden},
-                        {"prefetch_files", o.prefetch_files}, {"prefetch_mib", o.prefetch_mib}};
+                        {"prefetch_files", o.prefetch_files}, {"prefetch_mib", o.prefetch_mib},
+                        {"cache", o.cache.empty() ? "default" : o.cache}};
   if (o.json) {
     PrintJson(out);
     return 0;
   }
   std::cout << fmt::format("optstate-bench mount: cp -r of a {} snapshot from the mount vs fio "
                            "sequential O_DIRECT read (1 MiB, QD 32), {} interleaved rounds\n"
-                           "copy written to {}\nmachine: {}\n\n",
-                           FormatBytes(*bytes), o.rounds, copy_where, MachineLine());
+                           "copy written to {}\nmachine: {}\n{}\n",
+                           FormatBytes(*bytes), o.rounds, copy_where, MachineLine(),
+                           cache_dropped ? "" : "(could not drop the page cache: the mount's cached files may "
+                                                "be read from memory after the first round)\n");
   Table t({"method", "median", "GB/s", "disk during it (all rounds)"}, {false, true, true, false});
   t.AddRow({"cp -r from the mount", FormatSeconds(Median(t_cp)), FormatRate(b / Median(t_cp)), d_cp.Describe()});
   t.AddRow({"fio sequential read", FormatSeconds(Median(t_fio)), FormatRate(b / Median(t_fio)), d_fio.Describe()});
@@ -317,6 +341,9 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
                   "passed to optstate-mount --prefetch-files (default: its default)");
   sub->add_option("--blksize-kib", o->blksize_kib,
                   "passed to optstate-mount --blksize-kib (default: its default)");
+  sub->add_option("--page-cache", o->cache,
+                  "none, mappable or all: passed to optstate-mount --page-cache (default: its default)")
+      ->check(CLI::IsMember({"none", "mappable", "all"}));
   sub->add_flag("--keep", o->keep, "keep the test store under DIR/bench-mount/root (with --dir)");
   sub->add_option("--log", o->log, "write the daemon's log here and keep it (default: scratch dir, removed)");
   sub->add_flag("--json", o->json, "print JSON");

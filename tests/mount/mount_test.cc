@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -721,6 +722,51 @@ TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
   }
   EXPECT_NE(rc, 0) << "a released snapshot's file was still there after 30 s";
   EXPECT_EQ(errno, ENOENT);
+}
+
+// With --page-cache mappable, state.safetensors and manifest.json go through
+// the page cache, so that mmap-based loaders (the safetensors library, numpy.memmap, Python's mmap:
+// MAP_SHARED) can open them; a direct_io file refuses a shared mapping with
+// ENODEV. The mapped bytes are the library's, also after latest/ moved on (the
+// cache belongs to the generation's node) and in a second mapping that finds
+// them cached.
+TEST_F(MountTest, SafetensorsAndManifestCanBeMapped) {
+  StopDaemon();
+  StartDaemon({"--page-cache", "mappable"});
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> gen1 = LatestFiles(ro.get());
+  ro.reset();
+  auto mapped = [&](const std::string& path) -> std::string {
+    int fd = open(path.c_str(), O_RDONLY);
+    EXPECT_GE(fd, 0) << path;
+    if (fd < 0) return "";
+    struct stat st;
+    EXPECT_EQ(fstat(fd, &st), 0);
+    void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    EXPECT_NE(p, MAP_FAILED) << path << ": " << std::strerror(errno);
+    if (p == MAP_FAILED) return "";
+    std::string out(static_cast<const char*>(p), static_cast<size_t>(st.st_size));
+    munmap(p, static_cast<size_t>(st.st_size));
+    return out;
+  };
+  for (const char* name : {"state.safetensors", "manifest.json"}) {
+    EXPECT_TRUE(mapped(M(std::string("latest/") + name)) == gen1.at(name)) << name;
+  }
+  auto s = Store::Open(StorePath(), StoreOptions{});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  WriteStep(s->get(), 2);
+  const std::map<std::string, std::string> gen2 = LatestFiles(s->get());
+  ASSERT_FALSE(gen2.at("state.safetensors") == gen1.at("state.safetensors"));
+  std::string got;
+  for (int i = 0; i < 250 && !(got == gen2.at("state.safetensors")); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    got = mapped(M("latest/state.safetensors"));
+  }
+  EXPECT_TRUE(got == gen2.at("state.safetensors")) << "the mapping kept generation 1's cached pages";
+  EXPECT_TRUE(mapped(M("latest/state.safetensors")) == gen2.at("state.safetensors"));  // cached now
+  ExpectSafetensorsMatchesRaw(M("latest"));
 }
 
 TEST_F(MountTest, CorruptChunkIsEio) {
