@@ -27,10 +27,6 @@ namespace {
 
 constexpr uint32_t kMaxReadBytes = 1u << 20;
 
-// The low-level API (not the path-based one): a read is answered with
-// fuse_reply_iov straight from the verified chunk buffer, so the only copy of
-// the bytes in the daemon's path is the kernel's into the reader's buffer (the
-// path-based API mallocs a reply buffer per request and needs a memcpy into it).
 // A node id the kernel holds. Nodes inside a generation (its directory and
 // everything below it) are pinned to that generation: their node ids hash its
 // number with the path, so after a commit the name latest/ leads to new node
@@ -49,6 +45,10 @@ struct NodeRef {
   std::weak_ptr<const Generation> gen;
 };
 
+// The low-level API (not the path-based one): a read is answered with
+// fuse_reply_iov straight from the verified chunk buffer, so the only copy of
+// the bytes in the daemon's path is the kernel's into the reader's buffer (the
+// path-based API mallocs a reply buffer per request and needs a memcpy into it).
 struct Context {
   std::unique_ptr<StoreTree> tree;
   std::unique_ptr<ChunkBufferPool> pool;
@@ -316,6 +316,7 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     n.file = &r->file();
     n.gen = r->shared_generation();
     n.mtime_unix_ms = r->generation().view->info().commit_time_unix_ms;
+    n.rel = r->file().path;  // st_ino by tree rank, as stat by path gives it
     std::string path;
     {
       std::lock_guard<std::mutex> l(c->mu);

@@ -667,6 +667,31 @@ TEST_F(MountTest, RepeatedPathWalksInsideAGenerationAreCached) {
   EXPECT_LE(getattrs, walks / 4 + 4) << log;
 }
 
+// A GETATTR of a pinned node (statx with AT_STATX_FORCE_SYNC on an open file
+// skips the kernel's attribute cache) reports what its lookup did: the same
+// inode number (by tree rank) and size.
+TEST_F(MountTest, OpenFilesReportTheInodeAndSizeOfTheirPath) {
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> files = LatestFiles(ro.get());
+  ASSERT_GE(files.size(), 10u);
+  for (const auto& [path, bytes] : files) {
+    const std::string p = M("latest/" + path);
+    struct stat st;
+    ASSERT_EQ(stat(p.c_str(), &st), 0) << p;
+    int fd = open(p.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0) << p;
+    struct statx sx;
+    ASSERT_EQ(statx(fd, "", AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_INO | STATX_SIZE, &sx), 0) << p;
+    close(fd);
+    EXPECT_EQ(sx.stx_ino, st.st_ino) << p;
+    EXPECT_EQ(sx.stx_size, bytes.size()) << p;
+  }
+  StopDaemon();
+  // The forced GETATTRs reached the daemon (else this test checked the cache).
+  EXPECT_GE(SummaryCount(ReadFile(root_ + "/daemon.log"), " getattrs"), files.size());
+}
+
 // latest/ moves on after a commit although the kernel caches the names inside
 // a generation; a directory opened on the old generation never shows the new
 // generation's bytes (its files read the old bytes while that generation is in
