@@ -13,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -151,19 +152,20 @@ Status StaleNode(const std::string& what) { return ErrnoStatus(what, ESTALE); }
 // path's generation directory still shows that generation: ESTALE once it
 // does not (a shell whose working directory was latest/ before the commits
 // that retired its generation).
-Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path) {
-  if (ino == FUSE_ROOT_ID) {
-    path->assign(1, '/');
-    return c->tree->Resolve(*path);
-  }
+// A copy of the kernel-held node ino (the root: path "/"), or ESTALE.
+Result<NodeRef> RefOf(Context* c, fuse_ino_t ino) {
   NodeRef ref;
-  {
-    std::lock_guard<std::mutex> l(c->mu);
-    auto it = c->nodes.find(ino);
-    if (it == c->nodes.end()) return StaleNode(fmt::format("node id {:#x} (not looked up)", ino));
-    ref = it->second;
+  if (ino == FUSE_ROOT_ID) {
+    ref.path = "/";
+    return ref;
   }
-  *path = ref.path;
+  std::lock_guard<std::mutex> l(c->mu);
+  auto it = c->nodes.find(ino);
+  if (it == c->nodes.end()) return StaleNode(fmt::format("node id {:#x} (not looked up)", ino));
+  return it->second;
+}
+
+Result<Node> NodeFromRef(Context* c, const NodeRef& ref) {
   if (ref.generation == 0) return c->tree->Resolve(ref.path);
   std::shared_ptr<const Generation> g = ref.gen.lock();
   if (g == nullptr) {
@@ -176,6 +178,12 @@ Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path) {
     g = std::move(d.gen);
   }
   return StoreTree::ResolveIn(std::move(g), ref.rel, ref.path);
+}
+
+Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path) {
+  OPTSTATE_ASSIGN_OR_RETURN(NodeRef ref, RefOf(c, ino));
+  *path = ref.path;
+  return NodeFromRef(c, ref);
 }
 
 // Timeouts for a node the kernel gets from a lookup (see kInGenerationTimeoutS).
@@ -240,21 +248,14 @@ void OpInit(void* userdata, struct fuse_conn_info* conn) {
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Context* c = Ctx(req);
   c->stats.lookups.fetch_add(1, std::memory_order_relaxed);
-  std::string dir = "/";
-  bool pinned = false;  // the parent is inside a generation
-  if (parent != FUSE_ROOT_ID) {
-    std::lock_guard<std::mutex> l(c->mu);
-    auto it = c->nodes.find(parent);
-    if (it == c->nodes.end()) return (void)fuse_reply_err(req, ESTALE);
-    dir = it->second.path;
-    pinned = it->second.generation != 0;
-  }
-  const std::string path = JoinPath(dir, name);
+  auto ref = RefOf(c, parent);
+  if (!ref.ok()) return ReplyStatus(req, ref.status());
+  const std::string path = JoinPath(ref->path, name);
   // Under a pinned node the child comes from the same generation's layout;
   // elsewhere the tree resolves the path (and may move latest/ on).
   Result<Node> n = [&]() -> Result<Node> {
-    if (!pinned) return c->tree->Resolve(path);
-    OPTSTATE_ASSIGN_OR_RETURN(Node p, NodeOf(c, parent, &dir));
+    if (ref->generation == 0) return c->tree->Resolve(path);
+    OPTSTATE_ASSIGN_OR_RETURN(Node p, NodeFromRef(c, *ref));
     return StoreTree::ResolveIn(p.gen, p.rel.empty() ? std::string(name) : p.rel + "/" + name, path);
   }();
   if (!n.ok()) return ReplyStatus(req, n.status());
@@ -317,13 +318,8 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     n.gen = r->shared_generation();
     n.mtime_unix_ms = r->generation().view->info().commit_time_unix_ms;
     n.rel = r->file().path;  // st_ino by tree rank, as stat by path gives it
-    std::string path;
-    {
-      std::lock_guard<std::mutex> l(c->mu);
-      auto it = c->nodes.find(ino);
-      if (it != c->nodes.end()) path = it->second.path;
-    }
-    FillStat(path, n, c->tree->options().st_blksize_bytes, &st);
+    auto ref = RefOf(c, ino);
+    FillStat(ref.ok() ? ref->path : std::string(), n, c->tree->options().st_blksize_bytes, &st);
     fuse_reply_attr(req, &st, AttrTimeoutS(n));
     return;
   }
@@ -552,23 +548,42 @@ std::string UnescapeMountinfo(const std::string& s) {
   return out;
 }
 
+// The mount on top at `real_path` (a realpath), per /proc/self/mountinfo.
+struct MountEntry {
+  std::string dev;     // "MAJOR:MINOR"
+  std::string fstype;  // "fuse.optstate"
+  std::string source;
+};
+std::optional<MountEntry> TopMountAt(const std::string& real_path) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  std::optional<MountEntry> top;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string id, parent, dev, root, mp;
+    ls >> id >> parent >> dev >> root >> mp;
+    if (UnescapeMountinfo(mp) != real_path) continue;
+    MountEntry e;
+    e.dev = dev;
+    std::string tok;
+    while (ls >> tok && tok != "-") {
+    }
+    ls >> e.fstype >> e.source;
+    top = std::move(e);  // later lines are mounted over earlier ones
+  }
+  return top;
+}
+
 // The mount's backing device info (/sys/class/bdi/MAJOR:MINOR) gets
-// read_ahead_kb: FUSE_INIT can only lower the kernel's 128 KiB default. Read
-// from /proc/self/mountinfo, not stat(): a stat of the mount would wait for
-// this daemon, which does not serve yet.
+// read_ahead_kb: FUSE_INIT can only lower the kernel's 128 KiB default. The
+// device number comes from mountinfo, not stat(): a stat of the mount would
+// wait for this daemon, which does not serve yet.
 void SetKernelReadahead(const std::string& mountpoint, uint64_t bytes) {
   char real[PATH_MAX];
   if (::realpath(mountpoint.c_str(), real) == nullptr) return;
-  std::ifstream in("/proc/self/mountinfo");
-  std::string line, dev;
-  while (std::getline(in, line)) {
-    std::istringstream ls(line);
-    std::string id, parent, d, root, mp;
-    ls >> id >> parent >> d >> root >> mp;
-    if (UnescapeMountinfo(mp) == real) dev = d;  // the last one: ours
-  }
-  if (dev.empty()) return;
-  const std::string path = "/sys/class/bdi/" + dev + "/read_ahead_kb";
+  const std::optional<MountEntry> m = TopMountAt(real);
+  if (!m) return;
+  const std::string path = "/sys/class/bdi/" + m->dev + "/read_ahead_kb";
   std::ofstream out(path);
   out << (bytes >> 10) << "\n";
   out.close();
@@ -595,28 +610,16 @@ Status CheckMountpoint(const std::string& mountpoint) {
   if (!S_ISDIR(st.st_mode)) return InvalidArgument("mountpoint " + mountpoint + " is not a directory");
   char real[PATH_MAX];
   if (::realpath(mountpoint.c_str(), real) == nullptr) return ErrnoStatus("realpath " + mountpoint, errno);
-  std::ifstream in("/proc/self/mountinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream ls(line);
-    std::string id, parent, dev, root, mp;
-    ls >> id >> parent >> dev >> root >> mp;
-    if (UnescapeMountinfo(mp) != real) continue;
-    std::string tok, fstype, source;
-    while (ls >> tok && tok != "-") {
-    }
-    ls >> fstype >> source;
-    // A dead FUSE daemon's mount can still answer stat from the kernel's
-    // attribute cache (the root's attributes are cached for a second);
-    // statfs always goes to the daemon.
-    struct statvfs sv;
-    if (::statvfs(mountpoint.c_str(), &sv) != 0 && errno == ENOTCONN) return dead();
-    return Busy(fmt::format(
-        "mountpoint {} is busy: {} is mounted there (source {}); unmount it first "
-        "(`fusermount3 -u {}`)",
-        mountpoint, fstype, source, mountpoint));
-  }
-  return Status();
+  const std::optional<MountEntry> m = TopMountAt(real);
+  if (!m) return Status();
+  // A dead FUSE daemon's mount can still answer stat from the kernel's
+  // attribute cache (the root's attributes are cached for a second); statfs
+  // always goes to the daemon.
+  struct statvfs sv;
+  if (::statvfs(mountpoint.c_str(), &sv) != 0 && errno == ENOTCONN) return dead();
+  return Busy(fmt::format(
+      "mountpoint {} is busy: {} is mounted there (source {}); unmount it first (`fusermount3 -u {}`)",
+      mountpoint, m->fstype, m->source, mountpoint));
 }
 
 int RunMount(const MountCommand& cmd) {

@@ -598,6 +598,20 @@ uint64_t SummaryCount(const std::string& log, const std::string& what) {
   return std::stoull(log.substr(start, at - start));
 }
 
+// Everything fd reads from offset 0 to EOF; closes fd.
+std::string ReadAndClose(int fd) {
+  std::string out(1 << 16, '\0');
+  size_t n = 0;
+  ssize_t r;
+  while ((r = pread(fd, out.data() + n, out.size() - n, static_cast<off_t>(n))) > 0) {
+    n += static_cast<size_t>(r);
+    if (n == out.size()) out.resize(2 * out.size());
+  }
+  close(fd);
+  out.resize(n);
+  return out;
+}
+
 // The bytes of every file of the latest generation, by path in it.
 std::map<std::string, std::string> LatestFiles(Store* s) {
   std::map<std::string, std::string> out;
@@ -644,12 +658,7 @@ TEST_F(MountTest, RepeatedPathWalksInsideAGenerationAreCached) {
     int fd = open(p.c_str(), O_RDONLY);
     ASSERT_GE(fd, 0) << p;
     ++walks;
-    std::string got(bytes.size() + 1, '\0');
-    ssize_t n = 0, r;
-    while ((r = pread(fd, got.data() + n, got.size() - n, n)) > 0) n += r;
-    close(fd);
-    got.resize(static_cast<size_t>(std::max<ssize_t>(n, 0)));
-    EXPECT_TRUE(got == bytes) << p;
+    EXPECT_TRUE(ReadAndClose(fd) == bytes) << p;
   }
   StopDaemon();
   const std::string log = ReadFile(root_ + "/daemon.log");
@@ -725,12 +734,7 @@ TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
   if (fd < 0) {
     EXPECT_EQ(errno, ESTALE) << std::strerror(errno);
   } else {
-    std::string old(gen1.at(file).size() + 1, '\0');
-    ssize_t n = 0, r;
-    while ((r = pread(fd, old.data() + n, old.size() - n, n)) > 0) n += r;
-    close(fd);
-    old.resize(static_cast<size_t>(std::max<ssize_t>(n, 0)));
-    EXPECT_TRUE(old == gen1.at(file)) << "a directory opened on generation 1 showed other bytes";
+    EXPECT_TRUE(ReadAndClose(fd) == gen1.at(file)) << "a directory opened on generation 1 showed other bytes";
   }
   close(dir);
 
