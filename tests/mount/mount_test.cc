@@ -701,6 +701,26 @@ TEST_F(MountTest, OpenFilesReportTheInodeAndSizeOfTheirPath) {
   EXPECT_GE(SummaryCount(ReadFile(root_ + "/daemon.log"), " getattrs"), files.size());
 }
 
+// st_blksize (the buffer cp copies with) is 1 MiB by default and what
+// --blksize-kib says otherwise, up to the largest chunk sizes (8 MiB, the old
+// default, is still the better one for cp -r of one big tensor).
+TEST_F(MountTest, BlockSizeIsOneMibByDefaultAndSettable) {
+  struct stat st;
+  ASSERT_EQ(stat(M("latest/tensors/emb/main").c_str(), &st), 0);
+  EXPECT_EQ(st.st_blksize, 1 << 20);
+  StopDaemon();
+  StartDaemon({"--blksize-kib", "8192"});
+  ASSERT_EQ(stat(M("latest/tensors/emb/main").c_str(), &st), 0);
+  EXPECT_EQ(st.st_blksize, 8 << 20);
+  StopDaemon();
+  EXPECT_EQ(WaitExit(Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f", "--blksize-kib", "131072"},
+                           root_ + "/bad.log")),
+            2);
+  EXPECT_NE(ReadFile(root_ + "/bad.log").find("--blksize-kib wants a multiple of 4 in 4..65536"),
+            std::string::npos)
+      << ReadFile(root_ + "/bad.log");
+}
+
 // latest/ moves on after a commit although the kernel caches the names inside
 // a generation; a directory opened on the old generation never shows the new
 // generation's bytes (its files read the old bytes while that generation is in
