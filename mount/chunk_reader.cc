@@ -1,6 +1,7 @@
 #include "mount/chunk_reader.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -98,6 +99,13 @@ namespace {
 // hashed 64 MiB earlier cannot (an intent; not measured on its own).
 constexpr uint64_t kVerifyAhead = 2;
 
+// Slots per chunk of the window for a file whose chunks are not all of one
+// size (state.safetensors): a window of 8 chunks' bytes may span a run of a
+// dozen one-chunk fields of a few KiB as well as the big fields around it.
+constexpr uint64_t kSmallChunkSlots = 4;
+
+uint64_t RoundUp4096(uint64_t n) { return (n + 4095) / 4096 * 4096; }
+
 // Test hook (tests/mount/chunk_reader_test): milliseconds the I/O thread
 // sleeps, unlocked, each time it is woken for work, widening the window in
 // which readers move the read-ahead window under it
@@ -120,15 +128,41 @@ ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::Check
       // 4 KiB field takes a 4 KiB buffer, not a whole chunk's (a burst of
       // opens of a trainer's snapshot, each loading its first chunks, took
       // 8 MiB each from the pool and past it: 400 readers, 3 GiB).
-      buf_bytes_((std::min(chunk_size_, file->kind == vfs::CheckpointFileKind::kField ? file->size_bytes
-                                                                                       : chunk_size_) +
-                  4095) /
-                 4096 * 4096),
+      max_buf_bytes_(RoundUp4096(
+          std::min(chunk_size_, file->kind == vfs::CheckpointFileKind::kField ? file->size_bytes : chunk_size_))),
       seq_len_(gen_->layout->ChunkSequenceLength(*file)),
       pool_(pool),
       stats_(stats) {
-  // readahead_ ahead of the chunk being read, plus that chunk.
-  slots_.resize(std::min<uint64_t>(readahead_ + 1, seq_len_));
+  buf_ends_.resize(seq_len_);
+  for (uint64_t i = 0, sum = 0; i < seq_len_; ++i) buf_ends_[i] = sum += BufBytesFor(i);
+  // readahead_ ahead of the chunk being read, plus that chunk; in bytes for
+  // chunks of several sizes.
+  const bool one_size = file_->kind == vfs::CheckpointFileKind::kField;
+  slots_.resize(std::min<uint64_t>((readahead_ + 1) * (one_size ? 1 : kSmallChunkSlots), seq_len_));
+  cap_bytes_ = (readahead_ + 1) * max_buf_bytes_;
+  window_bytes_ = chunk_size_;
+}
+
+uint64_t ChunkReader::BufBytesFor(uint64_t seq) const {
+  if (file_->kind == vfs::CheckpointFileKind::kField) return max_buf_bytes_;
+  return std::min(max_buf_bytes_, std::bit_ceil(RoundUp4096(gen_->layout->ChunkLengthAt(*file_, seq))));
+}
+
+uint64_t ChunkReader::WindowEnd(uint64_t bytes) const {
+  if (pos_ + 1 >= seq_len_) return seq_len_ - 1;
+  // The last chunk whose buffer ends within `bytes` after pos_'s.
+  auto it = std::upper_bound(buf_ends_.begin() + static_cast<std::ptrdiff_t>(pos_ + 1), buf_ends_.end(),
+                             buf_ends_[pos_] + bytes);
+  const uint64_t last = static_cast<uint64_t>(it - buf_ends_.begin()) - 1;
+  return std::min({std::max(last, pos_ + 1), seq_len_ - 1, pos_ + slots_.size() - 1});
+}
+
+void ChunkReader::DropBuffer(Slot* s) {
+  pool_->Give(s->buf, s->buf_bytes);
+  held_bytes_ -= s->buf_bytes;
+  s->buf = nullptr;
+  s->buf_bytes = 0;
+  s->state = SlotState::kEmpty;
 }
 
 Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Generation> gen,
@@ -160,7 +194,7 @@ ChunkReader::~ChunkReader() {
     // After an engine failure a request may still own its buffer: leak it
     // rather than hand memory the kernel may write to back to the pool.
     if (s.state == SlotState::kInFlight) continue;
-    pool_->Give(s.buf, buf_bytes_);
+    pool_->Give(s.buf, s.buf_bytes);
   }
 }
 
@@ -173,19 +207,22 @@ ChunkReader::Slot* ChunkReader::Find(uint64_t seq) {
 
 void ChunkReader::MoveTo(uint64_t seq) {
   if (seq == pos_) return;
-  // Sequential step: widen the window; a jump: start small again.
-  window_ = seq == pos_ + 1 ? std::min(readahead_, window_ * 2) : 1;
+  // Sequential step (to a chunk inside the window): widen the window; a jump:
+  // start small again.
+  const bool step = seq > pos_ && seq <= WindowEnd(window_bytes_);
+  window_bytes_ = step ? std::min(uint64_t{readahead_} * chunk_size_, window_bytes_ * 2) : chunk_size_;
   pos_ = seq;
   Kick();
   verify_cv_.notify_one();
 }
 
 ChunkReader::Slot* ChunkReader::NextToVerify() {
+  const uint64_t verify_end = WindowEnd(kVerifyAhead * chunk_size_);
   Slot* best = nullptr;
   for (Slot& s : slots_) {
     if (s.state != SlotState::kLoaded) continue;
     if (waiting_.count(s.seq) > 0) return &s;
-    if (s.seq >= pos_ && s.seq <= pos_ + kVerifyAhead && (best == nullptr || s.seq < best->seq)) best = &s;
+    if (s.seq >= pos_ && s.seq <= verify_end && (best == nullptr || s.seq < best->seq)) best = &s;
   }
   return best;
 }
@@ -225,7 +262,7 @@ void ChunkReader::Kick() {
 
 ChunkReader::Slot* ChunkReader::NextSubmission() {
   if (!io_error_.ok()) return nullptr;
-  const uint64_t hi = std::min(seq_len_ - 1, pos_ + window_);
+  const uint64_t hi = WindowEnd(window_bytes_);
   // Chunks readers wait for come first: the window follows the reader that
   // moved last, and a reader waiting elsewhere must not depend on it.
   for (const auto& [seq, readers] : waiting_) {
@@ -242,50 +279,65 @@ ChunkReader::Slot* ChunkReader::NextSubmission() {
 ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
   // A slot for seq: an empty one that has a buffer, else the loaded chunk
   // farthest behind the window (or past it), else a new buffer from the pool
-  // while its budget lasts, else the loaded chunk farthest ahead inside the
-  // window: ahead of seq for read-ahead (after a backward seek the window
-  // fills from its start; each such eviction trades a later chunk for an
-  // earlier one, so this ends), any for a chunk a reader waits for. Never a
-  // chunk being copied out (pinned) or one a woken reader is about to pin.
-  Slot* empty_with_buf = nullptr;
-  Slot* empty_without_buf = nullptr;
-  Slot* outside = nullptr;
-  Slot* ahead = nullptr;
-  bool holds_any = false;
-  for (Slot& s : slots_) {
-    holds_any = holds_any || s.buf != nullptr;
+  // while its budget and this reader's (cap_bytes_) last, else the loaded
+  // chunk farthest ahead inside the window: ahead of seq for read-ahead (after
+  // a backward seek the window fills from its start; each such eviction trades
+  // a later chunk for an earlier one, so this ends), any for a chunk a reader
+  // waits for. Among empty and behind slots, one whose buffer has the size seq
+  // needs first. Never a chunk being copied out (pinned) or one a woken reader
+  // is about to pin. A buffer of the wrong size goes back to the pool, and
+  // buffers of other evictable slots (in the same order) make room under
+  // cap_bytes_ for the new one.
+  const uint64_t need = BufBytesFor(seq);
+  enum Rank : int { kEmptySized, kBehindSized, kEmptyBuffered, kBehind, kGrow, kAhead, kNone };
+  auto rank_of = [&](const Slot& s) -> Rank {
     if (s.state == SlotState::kEmpty) {
-      Slot*& e = s.buf != nullptr ? empty_with_buf : empty_without_buf;
-      if (e == nullptr) e = &s;
-      continue;
+      if (s.buf == nullptr) return kGrow;
+      return s.buf_bytes == need ? kEmptySized : kEmptyBuffered;
     }
     if (s.state == SlotState::kInFlight || s.state == SlotState::kVerifying || s.pins > 0 ||
-        s.buf == nullptr) {
-      continue;
+        s.buf == nullptr || waiting_.count(s.seq) > 0) {
+      return kNone;
     }
-    if (waiting_.count(s.seq) > 0) continue;
-    if (s.seq < pos_ || s.seq > hi) {
-      if (outside == nullptr || s.seq < outside->seq) outside = &s;
-    } else if ((demand || s.seq > seq) && (ahead == nullptr || s.seq > ahead->seq)) {
-      ahead = &s;
+    if (s.seq < pos_ || s.seq > hi) return s.buf_bytes == need ? kBehindSized : kBehind;
+    return demand || s.seq > seq ? kAhead : kNone;
+  };
+  // The best slot by rank; behind: the farthest back; ahead: the farthest ahead.
+  auto best_slot = [&](const Slot* except, bool with_buffer) {
+    Slot* best = nullptr;
+    Rank best_rank = kNone;
+    for (Slot& s : slots_) {
+      const Rank r = rank_of(s);
+      if (&s == except || r == kNone || (with_buffer && s.buf == nullptr)) continue;
+      const bool better = r < best_rank || (r == best_rank && ((r == kBehindSized || r == kBehind)
+                                                                   ? s.seq < best->seq
+                                                                   : r == kAhead && s.seq > best->seq));
+      if (better) best = &s, best_rank = r;
     }
-  }
-  Slot* victim = empty_with_buf != nullptr ? empty_with_buf : outside;
-  if (victim == nullptr && empty_without_buf != nullptr) {
-    empty_without_buf->buf = pool_->Take(buf_bytes_, /*must=*/!holds_any);
-    if (empty_without_buf->buf != nullptr) {
-      victim = empty_without_buf;
-    } else if (!holds_any) {
-      empty_without_buf->seq = seq;
-      empty_without_buf->state = SlotState::kFailed;
-      empty_without_buf->status =
-          ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", buf_bytes_));
+    return best;
+  };
+  Slot* victim = best_slot(nullptr, false);
+  if (victim == nullptr) return nullptr;  // loaded as far as slots allow
+  if (victim->buf != nullptr && victim->buf_bytes != need) DropBuffer(victim);
+  if (victim->buf == nullptr) {
+    while (held_bytes_ > 0 && held_bytes_ + need > cap_bytes_) {
+      Slot* other = best_slot(victim, true);
+      if (other == nullptr) return nullptr;  // the window holds all this reader may
+      DropBuffer(other);
+    }
+    victim->buf = pool_->Take(need, /*must=*/held_bytes_ == 0);
+    if (victim->buf == nullptr) {
+      victim->state = SlotState::kEmpty;
+      if (held_bytes_ > 0) return nullptr;  // the pool's budget is spent: wait for buffers
+      victim->seq = seq;
+      victim->state = SlotState::kFailed;
+      victim->status = ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", need));
       ready_cv_.notify_all();
       return nullptr;
     }
+    victim->buf_bytes = need;
+    held_bytes_ += need;
   }
-  if (victim == nullptr) victim = ahead;
-  if (victim == nullptr) return nullptr;  // loaded as far as slots allow
   victim->seq = seq;
   victim->state = SlotState::kInFlight;
   victim->status = Status();
@@ -316,9 +368,11 @@ void ChunkReader::IoLoop() {
       // (an 8 MiB O_DIRECT submit pins pages and builds bios inline).
       const uint64_t tag = static_cast<uint64_t>(s - slots_.data());
       char* buf = s->buf;
+      const uint64_t buf_bytes = s->buf_bytes;
       const vfs::ChunkRef ref = gen_->layout->ChunkAt(*file_, s->seq);
       l.unlock();
-      Status st = sync_fallback_ ? gen_->view->ReadChunk(ref, buf, buf_bytes_) : io_->SubmitRead(ref, buf, tag, buf_bytes_);
+      Status st = sync_fallback_ ? gen_->view->ReadChunk(ref, buf, buf_bytes)
+                                 : io_->SubmitRead(ref, buf, tag, buf_bytes);
       l.lock();
       if (sync_fallback_ || !st.ok()) {
         s->state = st.ok() ? SlotState::kReady : SlotState::kFailed;
@@ -416,9 +470,9 @@ Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<
       ++stats_->waited;
       stats_->wait_ns += ns;
     }
-    OPTSTATE_LOG_DEBUG("optstate-mount: {}/{}: waited {:.2f} ms for chunk {} (window {}, at the start: "
+    OPTSTATE_LOG_DEBUG("optstate-mount: {}/{}: waited {:.2f} ms for chunk {} (window {} MiB, at the start: "
                        "{} ready and {} in flight ahead of it)",
-                       gen_->dir_label, file_->path, static_cast<double>(ns) * 1e-6, seq, window_,
+                       gen_->dir_label, file_->path, static_cast<double>(ns) * 1e-6, seq, window_bytes_ >> 20,
                        ready_ahead, in_flight_ahead);
   };
   for (;;) {

@@ -121,9 +121,11 @@ void AfterReply() {
 // seconds. Inside a pinned generation nothing changes: an hour. The name of a
 // snapshot's directory: as long as the daemon itself trusts a held snapshot
 // without a catch-up (MountOptions::snapshot_recheck_ms), so a released
-// snapshot's paths still go within about that long. The other names (stores,
-// snapshots/, latest/) are looked up again on every path walk: a new commit,
-// store or snapshot shows at once, a removed one is gone at once. Their
+// snapshot's paths still go within about that long. A store's snapshots/ is
+// there as long as the store is, and its node id is its path's: an hour too
+// (a path walk looks the store up, which fails once it is gone). The other
+// names (stores, latest/) are looked up again on every path walk: a new
+// commit or store shows at once, a removed one is gone at once. Their
 // attributes (mode 0555, an mtime) may be a second old: with
 // default_permissions the kernel checks every directory of a path walk
 // against its attributes, and with none cached it sent a GETATTR for the root,
@@ -188,7 +190,7 @@ Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path) {
 
 // Timeouts for a node the kernel gets from a lookup (see kInGenerationTimeoutS).
 double EntryTimeoutS(const Context& c, const Node& n) {
-  if (n.gen == nullptr) return 0.0;
+  if (n.gen == nullptr) return n.kind == NodeKind::kSnapshotsDir ? kInGenerationTimeoutS : 0.0;
   if (!n.rel.empty()) return kInGenerationTimeoutS;
   if (n.gen->dir_label == "latest") return 0.0;
   return c.tree->options().snapshot_recheck_ms / 1000.0;

@@ -625,13 +625,24 @@ ChunkRef CheckpointLayout::ChunkAt(const CheckpointFile& f, uint64_t seq) const 
   if (f.kind == CheckpointFileKind::kField) {
     return ChunkRef{view_->tensors()[f.tensor_index].id, f.field, seq};
   }
-  // Safetensors: the span whose first_seq <= seq.
+  const FieldSpan& sp = SpanOfSeq(seq);
+  return ChunkRef{view_->tensors()[sp.tensor_index].id, sp.field, seq - sp.first_seq};
+}
+
+uint64_t CheckpointLayout::ChunkLengthAt(const CheckpointFile& f, uint64_t seq) const {
+  if (f.kind == CheckpointFileKind::kField) return std::min(chunk_size_, f.size_bytes - seq * chunk_size_);
+  const FieldSpan& sp = SpanOfSeq(seq);
+  return std::min(chunk_size_, sp.bytes - (seq - sp.first_seq) * chunk_size_);
+}
+
+const CheckpointLayout::FieldSpan& CheckpointLayout::SpanOfSeq(uint64_t seq) const {
+  // The span whose first_seq <= seq.
   auto it = std::upper_bound(spans_.begin(), spans_.end(), seq,
                              [](uint64_t s, const FieldSpan& sp) { return s < sp.first_seq; });
   // Skip empty spans that share first_seq with the next one.
   --it;
   while (it->bytes == 0 || seq >= it->first_seq + CeilDiv(it->bytes, chunk_size_)) ++it;
-  return ChunkRef{view_->tensors()[it->tensor_index].id, it->field, seq - it->first_seq};
+  return *it;
 }
 
 std::vector<CheckpointSegment> CheckpointLayout::MapRange(const CheckpointFile& f, uint64_t offset,

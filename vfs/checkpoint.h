@@ -149,6 +149,9 @@ class CheckpointLayout {
   uint64_t ChunkSequenceLength(const CheckpointFile& f) const;
   // The i-th chunk of a file's chunk sequence. REQUIRES: i < length.
   ChunkRef ChunkAt(const CheckpointFile& f, uint64_t seq) const;
+  // The bytes of f that the i-th chunk of its sequence holds (its logical
+  // length: < chunk size for a field's last chunk). REQUIRES: i < length.
+  uint64_t ChunkLengthAt(const CheckpointFile& f, uint64_t seq) const;
   // Splits [offset, offset+len) of f (clipped at EOF) into segments in order.
   std::vector<CheckpointSegment> MapRange(const CheckpointFile& f, uint64_t offset,
                                           uint64_t len) const;
@@ -165,6 +168,8 @@ class CheckpointLayout {
     uint64_t bytes;
     uint64_t first_seq;         // its first chunk in the safetensors chunk sequence
   };
+  // Safetensors: the span holding chunk seq of the file's sequence.
+  const FieldSpan& SpanOfSeq(uint64_t seq) const;
   const GenerationView* view_ = nullptr;
   Manifest manifest_;
   std::string manifest_json_;

@@ -12,6 +12,8 @@
 #include <random>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "mount/chunk_reader.h"
 #include "mount/store_tree.h"
 #include "tests/vfs/checkpoint_test_util.h"
@@ -296,6 +298,77 @@ TEST_F(ChunkReaderTest, ReadersOfSmallFieldsTakeSmallBuffers) {
     EXPECT_EQ(*k, want.size());
     EXPECT_EQ(got, want);
   }
+}
+
+// state.safetensors puts runs of one-chunk fields of a few KiB (norms,
+// biases) between fields of whole chunks. A reader that counted its
+// read-ahead in chunks had only those few KiB ahead inside such a run, so the
+// next big field was loaded only once the reader asked for it (waits in every
+// `cp` of a trainer's snapshot); counted in bytes, the window reaches across
+// the run into the next big field, and a sequential read still loads every
+// chunk once and holds no more than (readahead + 1) chunk buffers.
+TEST_F(ChunkReaderTest, SafetensorsReadAheadReachesAcrossRunsOfSmallFields) {
+  auto s = CreateStore(root_ + "/st");  // 2 MiB chunks
+  ASSERT_NE(s, nullptr);
+  std::vector<TensorDef> defs = {{"a_big", 2ull << 20, {}}};  // 8 MiB a field: 4 chunks
+  for (int i = 0; i < 8; ++i) defs.push_back({fmt::format("b_norm{}", i), 1000, {}});  // 4000 bytes a field
+  defs.push_back({"c_big", 2ull << 20, {}});
+  CreateTensors(s.get(), defs);
+  WriteStep(s.get(), 1);
+  auto n = tree_->Resolve("/st/latest/state.safetensors");
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  const CheckpointLayout& layout = *n->gen->layout;
+  const uint64_t seqs = layout.ChunkSequenceLength(*n->file);
+  ASSERT_EQ(seqs, 3u * (4 + 8 + 4));
+  std::string want(n->file->size_bytes, '\0');
+  ASSERT_TRUE(layout.Read(*n->file, 0, want.data(), want.size()).ok());
+  // The first chunk of c_big and the last of a_big in the sequence.
+  const std::vector<TensorInfo>& tensors = n->gen->view->tensors();  // sorted by name
+  ASSERT_EQ(tensors.front().name, "a_big");
+  ASSERT_EQ(tensors.back().name, "c_big");
+  uint64_t c_first = seqs, a_last = 0;
+  for (uint64_t i = 0; i < seqs; ++i) {
+    const ChunkRef r = layout.ChunkAt(*n->file, i);
+    if (r.tensor_id == tensors.front().id) a_last = i;
+    if (r.tensor_id == tensors.back().id && c_first == seqs) c_first = i;
+  }
+  ASSERT_EQ(c_first, a_last + 1 + 3 * 8) << "the norms lie between the big fields";
+
+  ReadStats stats;
+  ChunkBufferPool pool(1ull << 30);
+  constexpr uint32_t kReadahead = 8;  // 16 MiB of 2 MiB chunks
+  auto r = ChunkReader::Open(n->gen, n->file, Reading(kReadahead), &pool, &stats);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::string got(want.size(), '\0');
+  constexpr uint64_t kReq = 1ull << 20;
+  uint64_t off = 0;
+  auto read_to = [&](uint64_t end) {
+    for (; off < end; off += kReq) {
+      auto k = (*r)->Read(off, kReq, got.data() + off);
+      ASSERT_TRUE(k.ok()) << k.status().ToString();
+      ASSERT_EQ(*k, std::min(kReq, want.size() - off));
+    }
+  };
+  // Read up to a_big's last chunk (it lies in the last request before the norms).
+  uint64_t at_last = 0;
+  for (const CheckpointSegment& seg : layout.MapRange(*n->file, 0, want.size())) {
+    if (seg.memory == nullptr && seg.chunk_seq == a_last) at_last = seg.dst_offset;
+  }
+  read_to(at_last / kReq * kReq + kReq);
+  // The window (16 MiB after a_big's last chunk) covers the 24 norm fields and
+  // then at least four of c_big's chunks; a window of 8 chunks ends inside the norms.
+  const uint64_t reach = c_first + 4;
+  for (int i = 0; i < 500 && stats.chunks_loaded.load() < reach; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GE(stats.chunks_loaded.load(), reach) << "read-ahead stopped inside the run of small fields";
+  // Buffers: at most readahead + 1 of a chunk, and the norms' 4 KiB ones.
+  const uint64_t bound = (kReadahead + 1) * (2ull << 20) + 3 * 8 * 4096;
+  EXPECT_LE(pool.allocated_bytes(), bound);
+  read_to(want.size());
+  EXPECT_TRUE(got == want) << "bytes differ from the library's";
+  EXPECT_EQ(stats.chunks_loaded.load(), seqs) << "a sequential read loaded some chunk twice";
+  EXPECT_LE(pool.allocated_bytes(), bound);
 }
 
 // A path inside a snapshot the tree holds resolves without a catch-up while

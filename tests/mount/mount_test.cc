@@ -629,6 +629,33 @@ std::map<std::string, std::string> LatestFiles(Store* s) {
   return out;
 }
 
+// Walks to every file of `want` under the directory `base` as stat, stat,
+// open + read (the bytes checked); adds the directories on the way to `dirs`;
+// returns the number of path walks.
+uint64_t WalkTwiceAndRead(const std::string& base, const std::map<std::string, std::string>& want,
+                          std::set<std::string>* dirs) {
+  uint64_t walks = 0;
+  for (const auto& [path, bytes] : want) {
+    for (size_t at = path.find('/'); at != std::string::npos; at = path.find('/', at + 1)) {
+      dirs->insert(path.substr(0, at));
+    }
+    const std::string p = base + path;
+    struct stat st;
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(stat(p.c_str(), &st), 0) << p;
+      EXPECT_EQ(static_cast<uint64_t>(st.st_size), bytes.size()) << p;
+      ++walks;
+    }
+    int fd = open(p.c_str(), O_RDONLY);
+    EXPECT_GE(fd, 0) << p;
+    ++walks;
+    if (fd >= 0) {
+      EXPECT_TRUE(ReadAndClose(fd) == bytes) << p;
+    }
+  }
+  return walks;
+}
+
 // Names and attributes inside a generation are cached by the kernel (node ids
 // are pinned to their generation, which never changes): walking the same paths
 // again sends a LOOKUP only for the names above it (the store, latest/), and
@@ -641,25 +668,7 @@ TEST_F(MountTest, RepeatedPathWalksInsideAGenerationAreCached) {
   const std::map<std::string, std::string> want = LatestFiles(ro.get());
   ASSERT_GE(want.size(), 10u);
   std::set<std::string> dirs;  // inside the generation
-  for (const auto& [path, bytes] : want) {
-    for (size_t at = path.find('/'); at != std::string::npos; at = path.find('/', at + 1)) {
-      dirs.insert(path.substr(0, at));
-    }
-  }
-  uint64_t walks = 0;
-  for (const auto& [path, bytes] : want) {
-    const std::string p = M("latest/" + path);
-    struct stat st;
-    for (int i = 0; i < 2; ++i) {
-      ASSERT_EQ(stat(p.c_str(), &st), 0) << p;
-      EXPECT_EQ(static_cast<uint64_t>(st.st_size), bytes.size()) << p;
-      ++walks;
-    }
-    int fd = open(p.c_str(), O_RDONLY);
-    ASSERT_GE(fd, 0) << p;
-    ++walks;
-    EXPECT_TRUE(ReadAndClose(fd) == bytes) << p;
-  }
+  const uint64_t walks = WalkTwiceAndRead(M("latest/"), want, &dirs);
   StopDaemon();
   const std::string log = ReadFile(root_ + "/daemon.log");
   const uint64_t lookups = SummaryCount(log, " lookups");
@@ -674,6 +683,36 @@ TEST_F(MountTest, RepeatedPathWalksInsideAGenerationAreCached) {
   // The root's and the store's attributes may be re-fetched once a second
   // (kOutsideAttrTimeoutS): far fewer than one per walk.
   EXPECT_LE(getattrs, walks / 4 + 4) << log;
+}
+
+// Into a snapshot (what `cp -r` of a checkpoint walks), only the store's name
+// is looked up again on every walk: snapshots/ is there as long as the store
+// is, and the snapshot's name is re-checked at most once per
+// snapshot_recheck_ms. Looking snapshots/ up on every walk too cost a second
+// LOOKUP per walk (three walks a file in a `cp -r`).
+TEST_F(MountTest, WalksIntoASnapshotLookUpOnlyTheStoreAgain) {
+  {
+    auto s = Store::Open(StorePath(), StoreOptions{});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->CreateSnapshot("ckpt").ok());
+  }
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> want = LatestFiles(ro.get());  // the snapshot's generation
+  ASSERT_GE(want.size(), 10u);
+  std::set<std::string> dirs;
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t walks = WalkTwiceAndRead(M("snapshots/ckpt/"), want, &dirs);
+  const auto secs = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - t0).count();
+  StopDaemon();
+  const std::string log = ReadFile(root_ + "/daemon.log");
+  const uint64_t lookups = SummaryCount(log, " lookups");
+  ASSERT_NE(lookups, UINT64_MAX) << log;
+  // The store on each walk; each name once (snapshots/, the snapshot, the
+  // names inside it); the snapshot's name again at most once a second.
+  const uint64_t nodes = want.size() + dirs.size() + 2;
+  EXPECT_LE(lookups, walks + nodes + static_cast<uint64_t>(secs) + 1) << log;
+  EXPECT_GE(lookups, walks) << log;
 }
 
 // A GETATTR of a pinned node (statx with AT_STATX_FORCE_SYNC on an open file

@@ -211,6 +211,21 @@ TEST(CheckpointLayout, FilesMatchReference) {
   uint64_t seqs = 0;
   for (size_t i = 2; i < files.size(); ++i) seqs += (*l)->ChunkSequenceLength(files[i]);
   EXPECT_EQ((*l)->ChunkSequenceLength(files[1]), seqs);
+
+  // Chunk lengths agree with the view's chunk records, and the chunks of a
+  // file's sequence hold exactly its bytes that are not the layout's own.
+  for (const CheckpointFile& f : files) {
+    uint64_t sum = 0;
+    for (uint64_t i = 0; i < (*l)->ChunkSequenceLength(f); ++i) {
+      auto c = v->Chunk((*l)->ChunkAt(f, i));
+      ASSERT_TRUE(c.ok()) << f.path << " chunk " << i;
+      EXPECT_EQ((*l)->ChunkLengthAt(f, i), c->length_bytes) << f.path << " chunk " << i;
+      sum += (*l)->ChunkLengthAt(f, i);
+    }
+    uint64_t own = 0;
+    for (const auto& s : (*l)->MapRange(f, 0, f.size_bytes)) own += s.memory != nullptr ? s.length_bytes : 0;
+    EXPECT_EQ(sum + own, f.size_bytes) << f.path;
+  }
 }
 
 TEST(CheckpointLayout, Directories) {
