@@ -403,6 +403,11 @@ class Core {
   Result<std::unique_ptr<rocksdb::DB>> OpenSecondary(const std::string& dir, const std::string& what) {
     OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(dir));
     rocksdb::Options o = IndexOptions(this);
+    // Each catch-up that brings a new version opens its table files through a
+    // pool of this many threads, created and ended every time (default 16:
+    // the mount's daemon created thousands of threads in a `cp -r`); the
+    // index has few table files.
+    o.max_file_opening_threads = 1;
     rocksdb::DB* raw = nullptr;
     rocksdb::Status rs = rocksdb::DB::OpenAsSecondary(o, JoinPath(path_, "index"), dir, &raw);
     if (!rs.ok()) {
