@@ -244,6 +244,10 @@ void ChunkReader::VerifyLoop() {
     s->status = std::move(st);
     s->loaded = vfs::ChunkCompletion();
     ready_cv_.notify_all();
+    // A verified slot may be evicted: a reader may wait for a chunk that the
+    // I/O thread found no slot or buffer for (a tight pool) while this one
+    // was being hashed.
+    if (!waiting_.empty()) Kick();
   }
 }
 
@@ -320,20 +324,25 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
   if (victim == nullptr) return nullptr;  // loaded as far as slots allow
   if (victim->buf != nullptr && victim->buf_bytes != need) DropBuffer(victim);
   if (victim->buf == nullptr) {
-    while (held_bytes_ > 0 && held_bytes_ + need > cap_bytes_) {
+    // A new buffer, within cap_bytes_ and the pool's budget: other evictable
+    // slots give theirs back (best first) until one can be had; holding none,
+    // this reader may take one past the pool's budget (`must`). None left to
+    // give: wait until a chunk is unpinned or loaded (Kick comes then).
+    for (;;) {
+      if (held_bytes_ == 0 || held_bytes_ + need <= cap_bytes_) {
+        victim->buf = pool_->Take(need, /*must=*/held_bytes_ == 0);
+        if (victim->buf != nullptr) break;
+        if (held_bytes_ == 0) {
+          victim->seq = seq;
+          victim->state = SlotState::kFailed;
+          victim->status = ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", need));
+          ready_cv_.notify_all();
+          return nullptr;
+        }
+      }
       Slot* other = best_slot(victim, true);
-      if (other == nullptr) return nullptr;  // the window holds all this reader may
+      if (other == nullptr) return nullptr;
       DropBuffer(other);
-    }
-    victim->buf = pool_->Take(need, /*must=*/held_bytes_ == 0);
-    if (victim->buf == nullptr) {
-      victim->state = SlotState::kEmpty;
-      if (held_bytes_ > 0) return nullptr;  // the pool's budget is spent: wait for buffers
-      victim->seq = seq;
-      victim->state = SlotState::kFailed;
-      victim->status = ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", need));
-      ready_cv_.notify_all();
-      return nullptr;
     }
     victim->buf_bytes = need;
     held_bytes_ += need;
