@@ -133,19 +133,25 @@ ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::Check
       seq_len_(gen_->layout->ChunkSequenceLength(*file)),
       pool_(pool),
       stats_(stats) {
+  // A field's longest chunk for every chunk of a field file (one size,
+  // reused), else the chunk's length rounded up to a power of two of at
+  // least 4096 (a few sizes, reused through the pool).
+  const bool field = file_->kind == vfs::CheckpointFileKind::kField;
   buf_ends_.resize(seq_len_);
-  for (uint64_t i = 0, sum = 0; i < seq_len_; ++i) buf_ends_[i] = sum += BufBytesFor(i);
+  for (uint64_t i = 0, sum = 0; i < seq_len_; ++i) {
+    sum += field ? max_buf_bytes_
+                 : std::min(max_buf_bytes_, std::bit_ceil(RoundUp4096(gen_->layout->ChunkLengthAt(*file_, i))));
+    buf_ends_[i] = sum;
+  }
   // readahead_ ahead of the chunk being read, plus that chunk; in bytes for
   // chunks of several sizes.
-  const bool one_size = file_->kind == vfs::CheckpointFileKind::kField;
-  slots_.resize(std::min<uint64_t>((readahead_ + 1) * (one_size ? 1 : kSmallChunkSlots), seq_len_));
+  slots_.resize(std::min<uint64_t>((readahead_ + 1) * (field ? 1 : kSmallChunkSlots), seq_len_));
   cap_bytes_ = (readahead_ + 1) * max_buf_bytes_;
   window_bytes_ = chunk_size_;
 }
 
 uint64_t ChunkReader::BufBytesFor(uint64_t seq) const {
-  if (file_->kind == vfs::CheckpointFileKind::kField) return max_buf_bytes_;
-  return std::min(max_buf_bytes_, std::bit_ceil(RoundUp4096(gen_->layout->ChunkLengthAt(*file_, seq))));
+  return buf_ends_[seq] - (seq > 0 ? buf_ends_[seq - 1] : 0);
 }
 
 uint64_t ChunkReader::WindowEnd(uint64_t bytes) const {

@@ -179,9 +179,8 @@ class ChunkReader {
   // `bytes` of chunk buffers after pos_'s: at least pos_ + 1 (while there is
   // one), at most as far as the slots reach.
   uint64_t WindowEnd(uint64_t bytes) const;
-  // The buffer a chunk is read into: a field's longest chunk for every chunk
-  // of a field file (one size, reused), else the chunk's length rounded up to
-  // a power of two of at least 4096 (a few sizes, reused through the pool).
+  // The bytes of the buffer chunk seq is read into (from buf_ends_; sizes:
+  // see the constructor).
   uint64_t BufBytesFor(uint64_t seq) const;
   // REQUIRES: mu_ held. Gives s's buffer back to the pool (s becomes kEmpty).
   void DropBuffer(Slot* s);
@@ -204,7 +203,7 @@ class ChunkReader {
   const uint64_t chunk_size_;
   const uint64_t max_buf_bytes_;  // the file's longest chunk, rounded to 4096
   const uint64_t seq_len_;
-  std::vector<uint64_t> buf_ends_;  // [i]: BufBytesFor(0) + ... + BufBytesFor(i)
+  std::vector<uint64_t> buf_ends_;  // [i]: the buffer bytes of chunks 0..i (set at construction)
   uint64_t cap_bytes_ = 0;         // most buffer bytes held: (readahead_ + 1) * max_buf_bytes_
   ChunkBufferPool* const pool_;
   ReadStats* const stats_;             // null: not counted

@@ -148,12 +148,6 @@ fuse_ino_t NodeIdOf(const std::string& path, uint64_t generation) {
 
 Status StaleNode(const std::string& what) { return ErrnoStatus(what, ESTALE); }
 
-// The node of a node id the kernel holds, and its path. Inside a generation it
-// comes from that generation's layout (no store lock, no catch-up) while the
-// tree still serves that Generation; else through the tree, and only while the
-// path's generation directory still shows that generation: ESTALE once it
-// does not (a shell whose working directory was latest/ before the commits
-// that retired its generation).
 // A copy of the kernel-held node ino (the root: path "/"), or ESTALE.
 Result<NodeRef> RefOf(Context* c, fuse_ino_t ino) {
   NodeRef ref;
@@ -167,6 +161,12 @@ Result<NodeRef> RefOf(Context* c, fuse_ino_t ino) {
   return it->second;
 }
 
+// The node a NodeRef names. Inside a generation it comes from that
+// generation's layout (no store lock, no catch-up) while the tree still serves
+// that Generation; else through the tree, and only while the path's generation
+// directory still shows that generation: ESTALE once it does not (a shell
+// whose working directory was latest/ before the commits that retired its
+// generation).
 Result<Node> NodeFromRef(Context* c, const NodeRef& ref) {
   if (ref.generation == 0) return c->tree->Resolve(ref.path);
   std::shared_ptr<const Generation> g = ref.gen.lock();
@@ -182,6 +182,7 @@ Result<Node> NodeFromRef(Context* c, const NodeRef& ref) {
   return StoreTree::ResolveIn(std::move(g), ref.rel, ref.path);
 }
 
+// The node of a node id the kernel holds, and its path.
 Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path) {
   OPTSTATE_ASSIGN_OR_RETURN(NodeRef ref, RefOf(c, ino));
   *path = ref.path;
@@ -678,7 +679,9 @@ int RunMount(const MountCommand& cmd) {
     fuse_session_destroy(se);
     return 1;
   }
-  if (cmd.tree.page_cache != MountOptions::PageCache::kNone) SetKernelReadahead(cmd.mountpoint, cmd.tree.kernel_readahead_bytes);
+  if (cmd.tree.page_cache != MountOptions::PageCache::kNone) {
+    SetKernelReadahead(cmd.mountpoint, cmd.tree.kernel_readahead_bytes);
+  }
   int rc = 1;
   if (fuse_daemonize(cmd.foreground || cmd.debug ? 1 : 0) == 0) {
     // Threads only after fuse_daemonize: it forks, and the child that serves
