@@ -29,7 +29,12 @@
 // its buffer bytes stay within (readahead_chunks + 1) of its longest chunk.
 // The window follows the reader that moved last; a chunk some other reader of
 // the file waits for is loaded first, wherever the window is (concurrent
-// preads or AIO on one descriptor).
+// preads or AIO on one descriptor). Requests of one stream served at once
+// (the kernel's read-ahead through the page cache, concurrent preads) reach
+// the reader slightly out of order: one that lands in the trail, a few
+// chunks behind the window start, neither moves the window back nor shrinks
+// it, and read-ahead keeps a trail chunk until all its bytes went out
+// (kTrailChunks, chunk_reader.cc).
 //
 // Bytes handed out always come from a chunk whose checksum matched: a chunk
 // that fails (I/O error or checksum mismatch) fails the read with its Status
@@ -104,6 +109,7 @@ struct ReadStats {
   std::atomic<uint64_t> bytes{0};          // bytes they returned
   std::atomic<uint64_t> waited{0};         // requests that waited for a chunk to load
   std::atomic<uint64_t> wait_ns{0};        // time they waited
+  std::atomic<uint64_t> serve_ns{0};       // time FUSE READs spent in the daemon, reply included
   std::atomic<uint64_t> chunks_loaded{0};  // chunk reads completed (hashed afterwards)
   std::atomic<uint64_t> bounced{0};        // requests copied: across into a chunk not yet verified
   std::atomic<uint64_t> opens{0};          // files opened (with chunks to read)
@@ -111,8 +117,9 @@ struct ReadStats {
   std::atomic<uint64_t> lookups{0};        // FUSE LOOKUPs (path components the kernel did not cache)
   std::atomic<uint64_t> getattrs{0};       // FUSE GETATTRs
 
-  // "N reads (X GiB), W waited for a chunk (T s in all), C chunks loaded, B copied
-  // across a chunk boundary, O opens (P prefetched), L lookups, G getattrs"
+  // "N reads (X GiB), W waited for a chunk (T s in all), S us per read in the
+  // daemon, C chunks loaded, B copied across a chunk boundary, O opens (P
+  // prefetched), L lookups, G getattrs"
   std::string Summary() const;
 };
 
@@ -154,6 +161,7 @@ class ChunkReader {
     uint64_t seq = 0;
     SlotState state = SlotState::kEmpty;
     uint32_t pins = 0;     // readers copying out of buf: not evictable while > 0
+    uint64_t served_bytes = 0;  // handed out since seq was loaded (a trail chunk is done once all are)
     Status status;         // kFailed: why
     vfs::ChunkCompletion loaded;  // kLoaded/kVerifying: what VerifyChunkRead needs
   };
@@ -186,8 +194,11 @@ class ChunkReader {
   void DropBuffer(Slot* s);
   // REQUIRES: mu_ held (through l). Waits until chunk seq is verified, pins it.
   Result<Slot*> PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l);
-  // REQUIRES: mu_ held.
-  void Unpin(Slot* s);
+  // REQUIRES: mu_ held. `bytes` of s went out to the reader.
+  void Unpin(Slot* s, uint64_t bytes);
+  // REQUIRES: mu_ held. seq is behind the window start by at most
+  // kTrailChunks chunks' worth of buffer bytes (see .cc).
+  bool InTrail(uint64_t seq) const;
   // REQUIRES: mu_ held. Tells the I/O thread there may be a chunk to submit,
   // whether it waits on io_cv_ or for completions in Reap (ChunkIo::Wake).
   void Kick();
@@ -204,6 +215,7 @@ class ChunkReader {
   const uint64_t max_buf_bytes_;  // the file's longest chunk, rounded to 4096
   const uint64_t seq_len_;
   std::vector<uint64_t> buf_ends_;  // [i]: the buffer bytes of chunks 0..i (set at construction)
+  std::vector<uint64_t> chunk_bytes_;  // [i]: chunk i's bytes in the file (set at construction)
   uint64_t cap_bytes_ = 0;         // most buffer bytes held: (readahead_ + 1) * max_buf_bytes_
   ChunkBufferPool* const pool_;
   ReadStats* const stats_;             // null: not counted

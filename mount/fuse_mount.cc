@@ -447,6 +447,8 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
   std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi);
   if (r == nullptr) return (void)fuse_reply_err(req, EBADF);
   if (off < 0) return (void)fuse_reply_err(req, EINVAL);
+  const auto start = std::chrono::steady_clock::now();
+  Context* c = Ctx(req);  // req is gone once replied
   bool replied = false;
   auto n = r->ReadWith(static_cast<uint64_t>(off), std::min<uint64_t>(size, kMaxReadBytes),
                        [&](std::span<const iovec> iov) {
@@ -462,6 +464,8 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
                          return Status();
                        });
   if (!replied) ReplyStatus(req, n.ok() ? Internal("read replied nothing") : n.status());
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+  c->stats.serve_ns.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
