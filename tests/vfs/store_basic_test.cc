@@ -549,6 +549,56 @@ std::vector<uint64_t> ReadRetainedFile(const std::filesystem::path& store) {
   return gens;
 }
 
+// A reader's catch-up that brings nothing keeps its maps (vfs/store.cc
+// CatchUpChecked: the secondary's sequence number did not move); one that
+// follows a write that is not a commit (a snapshot made or released) must
+// still show it, and a writer's reopen (a flush of its WAL, no new write)
+// must leave the same state readable.
+TEST(StoreTest, ReaderCatchUpFollowsWritesThatAreNotCommits) {
+  TempDir dir;
+  auto w = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec spec;
+  spec.name = "w";
+  spec.numel = kTestChunk / 4 + 5;
+  auto t = Unwrap(w->CreateTensor(spec));
+  Buf buf(kTestChunk);
+  WriteAll(w.get(), t, 1, &buf);
+  ASSERT_EQ(Unwrap(w->Commit(CommitInfo{})), 1u);
+  auto ro = Unwrap(Store::OpenReadOnly(dir / "s", TestOptions()));
+  auto names = [&] {
+    std::vector<std::string> n;
+    for (const SnapshotInfo& i : ro->ListSnapshots()) n.push_back(i.name);
+    return n;
+  };
+  for (int i = 0; i < 3; ++i) {  // nothing new: the same state each time
+    ASSERT_OK(ro->CatchUp());
+    EXPECT_EQ(ro->LatestGeneration().generation, 1u);
+    EXPECT_TRUE(names().empty());
+  }
+  ASSERT_OK(w->CreateSnapshot("a").status());
+  ASSERT_OK(ro->CatchUp());
+  EXPECT_EQ(names(), std::vector<std::string>{"a"}) << "a snapshot made without a commit was missed";
+  ASSERT_OK(w->CreateSnapshot("b").status());
+  ASSERT_OK(w->ReleaseSnapshot("a"));
+  ASSERT_OK(ro->CatchUp());
+  EXPECT_EQ(names(), std::vector<std::string>{"b"});
+  w.reset();
+  { auto w2 = Unwrap(Store::Open(dir / "s", TestOptions())); }  // recovery flush, no write
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_OK(ro->CatchUp());
+    EXPECT_EQ(ro->LatestGeneration().generation, 1u);
+    EXPECT_EQ(names(), std::vector<std::string>{"b"});
+    auto v = Unwrap(ro->OpenSnapshot("b"));
+    CheckAll([&](const ChunkRef& r, void* b) { return v->ReadChunk(r, b); }, t, 0, 1);
+  }
+  w = Unwrap(Store::Open(dir / "s", TestOptions()));
+  WriteAll(w.get(), t, 2, &buf);
+  ASSERT_EQ(Unwrap(w->Commit(CommitInfo{})), 2u);
+  ASSERT_OK(ro->CatchUp());
+  EXPECT_EQ(ro->LatestGeneration().generation, 2u);
+  CheckAll([&](const ChunkRef& r, void* b) { return ro->ReadChunk(r, b); }, t, 0, 2);
+}
+
 // A RocksDB secondary instance can show an older state after the writer
 // reopens (its recovery flush + a compaction leave entries replayed from the
 // old WAL shadowing newer ones). The reader must notice (COMMITTED, the
