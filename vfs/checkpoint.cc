@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -565,28 +566,32 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
   l->files_.push_back(
       {kSafetensorsFileName, CheckpointFileKind::kSafetensors, l->st_header_.size() + data_off, 0, 0});
   for (auto& f : field_files) l->files_.push_back(std::move(f));
+  for (uint32_t i = 0; i < l->files_.size(); ++i) l->file_index_.emplace(l->files_[i].path, i);
+  for (uint32_t i = 0; i < l->manifest_.tensors.size(); ++i) {
+    l->tensor_dirs_.emplace(l->manifest_.tensors[i].file_name, i);
+  }
   return l;
 }
 
 const CheckpointFile* CheckpointLayout::FindFile(std::string_view path) const {
-  if (path == kManifestFileName) return &files_[0];
-  if (path == kSafetensorsFileName) return &files_[1];
-  // Field files are sorted by (tensor name, field order), not by path; the
-  // count is small enough (a few per tensor) for a scan keyed by prefix.
-  auto lo = files_.begin() + 2;
-  auto it = std::find_if(lo, files_.end(), [&](const CheckpointFile& f) { return f.path == path; });
-  return it == files_.end() ? nullptr : &*it;
+  auto it = file_index_.find(path);
+  return it == file_index_.end() ? nullptr : &files_[it->second];
 }
+
+namespace {
+// The tensor directory name of "tensors/<name>", or nullopt.
+std::optional<std::string_view> TensorDirName(std::string_view path) {
+  constexpr std::string_view kPrefix = "tensors/";
+  static_assert(kPrefix.substr(0, kPrefix.size() - 1) == kTensorsDirName);
+  if (path.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  return path.substr(kPrefix.size());
+}
+}  // namespace
 
 bool CheckpointLayout::IsDir(std::string_view path) const {
   if (path.empty() || path == kTensorsDirName) return true;
-  std::string prefix = std::string(kTensorsDirName) + "/";
-  if (path.substr(0, prefix.size()) != prefix) return false;
-  std::string_view name = path.substr(prefix.size());
-  for (const ManifestTensor& t : manifest_.tensors) {
-    if (t.file_name == name) return true;
-  }
-  return false;
+  std::optional<std::string_view> name = TensorDirName(path);
+  return name.has_value() && tensor_dirs_.count(*name) > 0;
 }
 
 Result<std::vector<std::string>> CheckpointLayout::ListDir(std::string_view path) const {
@@ -596,17 +601,10 @@ Result<std::vector<std::string>> CheckpointLayout::ListDir(std::string_view path
   } else if (path == kTensorsDirName) {
     for (const ManifestTensor& t : manifest_.tensors) out.push_back(t.file_name);
   } else {
-    std::string prefix = std::string(kTensorsDirName) + "/";
-    bool found = false;
-    if (path.substr(0, prefix.size()) == prefix) {
-      std::string_view name = path.substr(prefix.size());
-      for (const ManifestTensor& t : manifest_.tensors) {
-        if (t.file_name != name) continue;
-        found = true;
-        for (const ManifestField& f : t.fields) out.push_back(FileNameForName(f.name));
-      }
-    }
-    if (!found) return NotFound(fmt::format("checkpoint: no directory '{}'", path));
+    std::optional<std::string_view> name = TensorDirName(path);
+    auto it = name.has_value() ? tensor_dirs_.find(*name) : tensor_dirs_.end();
+    if (it == tensor_dirs_.end()) return NotFound(fmt::format("checkpoint: no directory '{}'", path));
+    for (const ManifestField& f : manifest_.tensors[it->second].fields) out.push_back(FileNameForName(f.name));
   }
   std::sort(out.begin(), out.end());
   return out;

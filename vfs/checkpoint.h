@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -175,6 +176,11 @@ class CheckpointLayout {
   std::string manifest_json_;
   std::string st_header_;
   std::vector<CheckpointFile> files_;
+  // Name lookups in O(log n): a trainer's store has thousands of tensors, and
+  // the mount resolves a path on every open and lookup (a scan per call made
+  // a `cp -r` quadratic in the number of files).
+  std::map<std::string, uint32_t, std::less<>> file_index_;  // path -> index in files_
+  std::map<std::string, uint32_t, std::less<>> tensor_dirs_;  // tensor file_name -> index in manifest_.tensors
   std::vector<FieldSpan> spans_;
   uint64_t st_chunks_ = 0;
   uint64_t chunk_size_ = 0;

@@ -240,6 +240,17 @@ TEST(CheckpointLayout, Directories) {
   EXPECT_FALSE(l->IsDir("tensors/.."));
   EXPECT_FALSE(l->ListDir("tensors/nope").ok());
   EXPECT_EQ(l->FindFile("tensors/bias/nope"), nullptr);
+  // Names are looked up by index, not by scan: near misses are misses.
+  EXPECT_FALSE(l->IsDir("tensors/bias/main"));
+  EXPECT_FALSE(l->IsDir("tensorsbias"));
+  EXPECT_FALSE(l->IsDir("tensors/"));
+  EXPECT_FALSE(l->IsDir("manifest.json"));
+  EXPECT_EQ(l->FindFile(""), nullptr);
+  EXPECT_EQ(l->FindFile("tensors"), nullptr);
+  EXPECT_EQ(l->FindFile("tensors/bias"), nullptr);
+  EXPECT_EQ(l->FindFile("tensors/bias/main/"), nullptr);
+  ASSERT_NE(l->FindFile("tensors/bias/main"), nullptr);
+  EXPECT_EQ(l->FindFile("tensors/bias/main")->path, "tensors/bias/main");
 }
 
 TEST(CheckpointLayout, CorruptChunkFailsRead) {
