@@ -245,10 +245,16 @@ std::string JoinPath(const std::string& dir, const char* name) {
   return p;
 }
 
+// Whether files bigger than one read-ahead request go through the page cache
+// (then the kernel's read-ahead is widened for them).
+bool BigFilesCached(const MountOptions& o) {
+  return o.page_cache == MountOptions::PageCache::kMappable || o.page_cache == MountOptions::PageCache::kAll;
+}
+
 void OpInit(void* userdata, struct fuse_conn_info* conn) {
   conn->max_read = kMaxReadBytes;  // must match -o max_read (libfuse checks)
   const MountOptions& o = static_cast<Context*>(userdata)->tree->options();
-  if (o.page_cache != MountOptions::PageCache::kNone) {
+  if (BigFilesCached(o)) {
     // The kernel's read-ahead goes out as background requests of 1 MiB; the
     // default of 12 at once is less than one window.
     conn->max_readahead = static_cast<unsigned>(std::min<uint64_t>(o.kernel_readahead_bytes, 1u << 30));
@@ -414,7 +420,9 @@ void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
 bool CachedFile(const MountOptions& o, const vfs::CheckpointFile& f) {
   switch (o.page_cache) {
     case MountOptions::PageCache::kNone: return false;
-    case MountOptions::PageCache::kMappable: return f.kind != vfs::CheckpointFileKind::kField;
+    case MountOptions::PageCache::kSmall: return f.size_bytes <= MountOptions::kSmallFileBytes;
+    case MountOptions::PageCache::kMappable:
+      return f.kind != vfs::CheckpointFileKind::kField || f.size_bytes <= MountOptions::kSmallFileBytes;
     case MountOptions::PageCache::kAll: return true;
   }
   return false;
@@ -692,7 +700,7 @@ int RunMount(const MountCommand& cmd) {
     fuse_session_destroy(se);
     return 1;
   }
-  if (cmd.tree.page_cache != MountOptions::PageCache::kNone) {
+  if (BigFilesCached(cmd.tree)) {
     SetKernelReadahead(cmd.mountpoint, cmd.tree.kernel_readahead_bytes);
   }
   int rc = 1;

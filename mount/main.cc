@@ -1,6 +1,6 @@
 // optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
 //                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--blksize-kib N]
-//                [--prefetch-files N] [--prefetch-mib N] [--page-cache none|mappable|all]
+//                [--prefetch-files N] [--prefetch-mib N] [--page-cache none|small|mappable|all]
 //                [--kernel-readahead-mib N]
 //                [--threads N] [--log FILE]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
@@ -49,10 +49,10 @@ const char kUsage[] =
     "                        (a multiple of 4 up to 65536; default 1024; 8192 copies one\n"
     "                        big tensor faster)\n"
     "  --page-cache WHICH    files read through the kernel's page cache, which can then be\n"
-    "                        mmap'd (safetensors.safe_open, numpy.memmap need it):\n"
-    "                        none (default: every read(2) goes straight to the daemon,\n"
-    "                        fastest), mappable (state.safetensors and manifest.json),\n"
-    "                        all\n"
+    "                        mmap'd (safetensors.safe_open, numpy.memmap need it); the\n"
+    "                        others' read(2)s go straight to the daemon (faster for big\n"
+    "                        files): small (default: files of at most 128 KiB), mappable\n"
+    "                        (... and state.safetensors, manifest.json), all, none\n"
     "  --kernel-readahead-mib N  the kernel's read-ahead for the mount's cached files\n"
     "                        (root only; default 16)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
@@ -166,12 +166,14 @@ int main(int argc, char** argv) {
       const std::string v = need(a.c_str());
       if (v == "none") {
         cmd.tree.page_cache = PageCache::kNone;
+      } else if (v == "small") {
+        cmd.tree.page_cache = PageCache::kSmall;
       } else if (v == "mappable") {
         cmd.tree.page_cache = PageCache::kMappable;
       } else if (v == "all") {
         cmd.tree.page_cache = PageCache::kAll;
       } else {
-        fmt::print(stderr, "optstate-mount: --page-cache wants none, mappable or all (got '{}')\n", v);
+        fmt::print(stderr, "optstate-mount: --page-cache wants none, small, mappable or all (got '{}')\n", v);
         return 2;
       }
     } else if (a == "--kernel-readahead-mib") {

@@ -826,6 +826,40 @@ TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
   EXPECT_EQ(errno, ENOENT);
 }
 
+// By default files of at most 128 KiB (norms, biases: most files of a
+// trainer's snapshot) go through the page cache and the others are direct_io:
+// a small field maps (MAP_SHARED) with the library's bytes, a big one refuses
+// with ENODEV. Both read the library's bytes with read(2) (the other tests).
+TEST_F(MountTest, SmallFilesAreCachedAndBigOnesDirectByDefault) {
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> files = LatestFiles(ro.get());
+  int small = 0, big = 0;
+  for (const auto& [path, bytes] : files) {
+    if (path.rfind("tensors/", 0) != 0 || bytes.empty()) continue;
+    const std::string p = M("latest/" + path);
+    int fd = open(p.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0) << p;
+    errno = 0;
+    void* m = mmap(nullptr, bytes.size(), PROT_READ, MAP_SHARED, fd, 0);
+    const int err = errno;
+    close(fd);
+    if (bytes.size() <= (128u << 10)) {  // MountOptions::kSmallFileBytes
+      ++small;
+      ASSERT_NE(m, MAP_FAILED) << p << " (" << bytes.size() << " bytes): " << std::strerror(err);
+      EXPECT_TRUE(std::string(static_cast<const char*>(m), bytes.size()) == bytes) << p;
+      munmap(m, bytes.size());
+    } else {
+      ++big;
+      EXPECT_EQ(m, MAP_FAILED) << p << " (" << bytes.size() << " bytes) is not direct_io";
+      EXPECT_EQ(err, ENODEV) << p;
+      if (m != MAP_FAILED) munmap(m, bytes.size());
+    }
+  }
+  EXPECT_GE(small, 3);
+  EXPECT_GE(big, 3);
+}
+
 // With --page-cache mappable, state.safetensors and manifest.json go through
 // the page cache, so that mmap-based loaders (the safetensors library, numpy.memmap, Python's mmap:
 // MAP_SHARED) can open them; a direct_io file refuses a shared mapping with
