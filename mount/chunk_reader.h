@@ -4,7 +4,9 @@
 // (~0.5 GB/s measured), so each reader has its own I/O thread that keeps whole
 // chunks of the file's chunk sequence in flight on its own ChunkIo (io_uring,
 // from the generation's GenerationView) and reaps them, and a verify thread
-// checks each loaded chunk's XXH3 (ChunkIoOptions::verify_reads = false):
+// checks each loaded chunk's XXH3 (ChunkIoOptions::verify_reads = false; a
+// file of one chunk has neither ring nor verify thread: its I/O thread reads
+// and verifies that chunk synchronously):
 // hashing on the I/O thread held back its next submissions, and the disk idled
 // 30% of a sequential read (H200 machine: read(2) 1.52 GB/s with the hash
 // there, 1.90-2.02 GB/s with none, fio 2.38). The verify thread hashes a
@@ -234,7 +236,7 @@ class ChunkReader {
   bool wake_sent_ = false;             // Kick() woke that Reap already
   Status io_error_;                    // the ChunkIo itself failed: reads fail with it
   std::unique_ptr<vfs::ChunkIo> io_;   // the I/O thread's only (ChunkIo: one thread)
-  bool sync_fallback_ = false;         // NewChunkIo failed: ReadChunk per chunk
+  bool sync_fallback_ = false;         // one chunk, or NewChunkIo failed: ReadChunk per chunk (I/O thread)
   std::thread thread_;
   std::thread verify_thread_;          // started with thread_
 };
