@@ -342,8 +342,8 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--blksize-kib", o->blksize_kib,
                   "passed to optstate-mount --blksize-kib (default: its default)");
   sub->add_option("--page-cache", o->cache,
-                  "none, mappable or all: passed to optstate-mount --page-cache (default: its default)")
-      ->check(CLI::IsMember({"none", "mappable", "all"}));
+                  "none, small, mappable or all: passed to optstate-mount --page-cache (default: its default)")
+      ->check(CLI::IsMember({"none", "small", "mappable", "all"}));
   sub->add_flag("--keep", o->keep, "keep the test store under DIR/bench-mount/root (with --dir)");
   sub->add_option("--log", o->log, "write the daemon's log here and keep it (default: scratch dir, removed)");
   sub->add_flag("--json", o->json, "print JSON");
