@@ -28,7 +28,8 @@
 // reader got there (H200 machine: 93 waits, 0.42 s, in a 1.2 s `cp` of a
 // trainer's 1 GiB state.safetensors). Such a file's reader has more slots
 // (kSmallChunkSlots per chunk of the window) and buffers sized to its chunks;
-// its buffer bytes stay within (readahead_chunks + 1) of its longest chunk.
+// its buffer bytes stay within (readahead_chunks + 1 + the trail, below) of
+// its longest chunk.
 // The window follows the reader that moved last; a chunk some other reader of
 // the file waits for is loaded first, wherever the window is (concurrent
 // preads or AIO on one descriptor). Requests of one stream served at once
@@ -218,7 +219,7 @@ class ChunkReader {
   const uint64_t seq_len_;
   std::vector<uint64_t> buf_ends_;  // [i]: the buffer bytes of chunks 0..i (set at construction)
   std::vector<uint64_t> chunk_bytes_;  // [i]: chunk i's bytes in the file (set at construction)
-  uint64_t cap_bytes_ = 0;         // most buffer bytes held: (readahead_ + 1) * max_buf_bytes_
+  uint64_t cap_bytes_ = 0;         // most buffer bytes held: (readahead_ + 1 + kTrailChunks) * max_buf_bytes_
   ChunkBufferPool* const pool_;
   ReadStats* const stats_;             // null: not counted
 
@@ -226,7 +227,7 @@ class ChunkReader {
   std::condition_variable io_cv_;      // the I/O thread waits for work here
   std::condition_variable ready_cv_;   // readers wait for a chunk here
   std::condition_variable verify_cv_;  // the verify thread waits for a loaded chunk here
-  std::vector<Slot> slots_;            // readahead + 1 (the chunk being read); more for small chunks
+  std::vector<Slot> slots_;            // readahead + 1 (the chunk being read) + the trail; more for small chunks
   uint64_t held_bytes_ = 0;            // of the slots' buffers
   uint64_t pos_ = 0;                   // chunk a reader needs now: window start
   uint64_t window_bytes_ = 0;          // buffer bytes kept loaded after pos_ (ramps up)

@@ -124,17 +124,16 @@ void AfterReply() {
 // snapshot's paths still go within about that long. A store's snapshots/ is
 // there as long as the store is, and its node id is its path's: an hour too
 // (a path walk looks the store up again within a second, which fails once it
-// is gone). latest/: as
-// long as the daemon itself goes without a catch-up (catchup_interval_ms), so
-// a new commit shows within twice that, as before within once: a walk inside
-// it resolved latest/ to the generation of the last catch-up anyway, and a
-// LOOKUP of latest/ on every walk was a quarter of a `cp -r` of latest/'s
-// requests (dev VM, 4000 files: 43k -> 33k lookups, 4.3-4.5 -> 3.8-4.3 s).
-// A store's name: a second, like its attributes, so a removed store's paths
-// go within a second (a new one shows at once: a failed lookup is not
-// cached); looked up again on every path walk, the store's name was three
-// of a `cp -r`'s four LOOKUPs per file (dev VM, a 4000-file snapshot: 33k ->
-// 11k lookups, 3.7-3.8 -> 3.3-3.4 s). Their
+// is gone). latest/: as long as the daemon itself goes without a catch-up
+// (catchup_interval_ms), so a new commit shows within twice that instead of
+// once: a walk inside it resolved latest/ to the generation of the last
+// catch-up anyway, and a LOOKUP of latest/ on every walk was a quarter of a
+// `cp -r` of latest/'s requests (dev VM, 4000 files: 43k -> 33k lookups,
+// 4.3-4.5 -> 3.8-4.3 s). A store's name: a second, like its attributes, so a
+// removed store's paths go within a second (a new one shows at once: a
+// failed lookup is not cached); looked up again on every path walk, the
+// store's name was three of a `cp -r`'s four LOOKUPs per file (dev VM, a
+// 4000-file snapshot: 33k -> 11k lookups, 3.7-3.8 -> 3.3-3.4 s). Their
 // attributes (mode 0555, an mtime) may be a second old: with
 // default_permissions the kernel checks every directory of a path walk
 // against its attributes, and with none cached it sent a GETATTR for the root,

@@ -94,7 +94,7 @@ struct MountOptions {
   // file whole.
   static constexpr uint64_t kSmallFileBytes = 128ull << 10;
   PageCache page_cache = PageCache::kSmall;
-  // The kernel's read-ahead for the mount when some files are cached (its
+  // The kernel's read-ahead for the mount when big files are cached (its
   // bdi's read_ahead_kb, set after mounting; needs root, else the kernel's
   // 128 KiB stays). Default 16 MiB (64 was slower on the H200 machine).
   uint64_t kernel_readahead_bytes = 16ull << 20;
