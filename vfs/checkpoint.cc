@@ -5,11 +5,11 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <optional>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>

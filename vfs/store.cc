@@ -267,7 +267,9 @@ class Core {
   std::mutex catchup_mu_;
   uint64_t max_latest_loaded_ = 0;  // latest never moves back within one open store
   // The secondary's last sequence number when the maps were last loaded and
-  // checked by CatchUpChecked; none after a failed load. Guarded by catchup_mu_.
+  // checked (LoadIndexChecked); none after a failed load. Guarded by
+  // catchup_mu_ (held by every caller but OpenReadOnly, before the store is
+  // shared: so the mount's first catch-up right after open does not reload).
   std::optional<uint64_t> loaded_seq_;
   std::string secondary_base_;      // secondary_dir_ is this plus a reopen count
   uint64_t secondary_reopens_ = 0;
@@ -395,9 +397,11 @@ class Core {
     if (!s.ok()) {
       std::tie(tensors_, names_, next_tensor_id_, latest_, generations_, snapshots_, versions_, lifetime_bytes_) =
           std::move(saved);
+      loaded_seq_.reset();
       return s;
     }
     max_latest_loaded_ = latest_.generation;
+    loaded_seq_ = db_->GetLatestSequenceNumber();
     return s;
   }
 
@@ -466,11 +470,7 @@ class Core {
         std::lock_guard l(mu_);
         s = LoadIndexChecked(acked);
       }
-      if (s.ok()) {
-        loaded_seq_ = db_->GetLatestSequenceNumber();
-        return s;
-      }
-      loaded_seq_.reset();
+      if (s.ok()) return s;
       OPTSTATE_LOG_INFO("store {}: catch-up try {} failed ({}); reopening the index", path_, attempt + 1,
                         s.ToString());
     }
