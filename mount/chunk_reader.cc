@@ -86,12 +86,13 @@ std::string ReadStats::Summary() const {
   return fmt::format("{} reads ({:.2f} GiB), {} waited for a chunk to load ({:.3f} s in all), "
                      "{:.0f} us per read in the daemon, "
                      "{} chunks loaded, {} copied across a chunk boundary, {} opens ({} prefetched), "
-                     "{} lookups, {} getattrs",
+                     "{} lookups, {} getattrs, {} files pushed into the page cache ({:.2f} GiB)",
                      n, static_cast<double>(bytes.load()) / (1ull << 30), waited.load(),
                      static_cast<double>(wait_ns.load()) * 1e-9,
                      n == 0 ? 0.0 : static_cast<double>(serve_ns.load()) * 1e-3 / static_cast<double>(n),
                      chunks_loaded.load(), bounced.load(),
-                     opens.load(), prefetched.load(), lookups.load(), getattrs.load());
+                     opens.load(), prefetched.load(), lookups.load(), getattrs.load(), pushes.load(),
+                     static_cast<double>(pushed_bytes.load()) / (1ull << 30));
 }
 
 // ---- ChunkReader ------------------------------------------------------------
@@ -314,6 +315,13 @@ ChunkReader::Slot* ChunkReader::NextSubmission() {
   return nullptr;
 }
 
+bool ChunkReader::AllBuffersPinned() const {
+  for (const Slot& s : slots_) {
+    if (s.buf != nullptr && s.pins == 0) return false;
+  }
+  return true;
+}
+
 ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
   // A slot for seq: an empty one that has a buffer, else the loaded chunk
   // farthest behind the window (or past it), else a new buffer from the pool
@@ -366,8 +374,13 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
     // this reader may take one past the pool's budget (`must`). None left to
     // give: wait until a chunk is unpinned or loaded (Kick comes then).
     for (;;) {
-      if (held_bytes_ == 0 || held_bytes_ + need <= cap_bytes_) {
-        victim->buf = pool_->Take(need, /*must=*/held_bytes_ == 0);
+      // Every buffer held pinned: a reader waits for seq while the chunks it
+      // holds are being copied out, and one of those copies may wait for it
+      // (a CachePusher's store waits in the kernel for pages whose READ wants
+      // seq): one more buffer past both budgets, at most one per pin.
+      const bool stuck = demand && held_bytes_ > 0 && AllBuffersPinned();
+      if (held_bytes_ == 0 || stuck || held_bytes_ + need <= cap_bytes_) {
+        victim->buf = pool_->Take(need, /*must=*/held_bytes_ == 0 || stuck);
         if (victim->buf != nullptr) break;
         if (held_bytes_ == 0) {
           victim->seq = seq;
@@ -576,7 +589,9 @@ void ChunkReader::Unpin(Slot* s, uint64_t bytes) {
   }
 }
 
-Result<uint64_t> ChunkReader::Read(uint64_t offset, uint64_t len, char* out) {
+Result<uint64_t> ChunkReader::Read(uint64_t offset, uint64_t len, char* out) { return CopyOut(offset, len, out, true); }
+
+Result<uint64_t> ChunkReader::CopyOut(uint64_t offset, uint64_t len, char* out, bool count) {
   std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
   uint64_t total = 0;
   std::unique_lock<std::mutex> l(mu_, std::defer_lock);
@@ -595,12 +610,12 @@ Result<uint64_t> ChunkReader::Read(uint64_t offset, uint64_t len, char* out) {
     l.unlock();
     total += seg.length_bytes;
   }
-  Count(total);
+  if (count) Count(total);
   return total;
 }
 
 Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
-                                       const std::function<Status(std::span<const iovec>)>& consume) {
+                                       const std::function<Status(std::span<const iovec>)>& consume, bool count) {
   std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
   std::vector<iovec> iov;
   iov.reserve(segs.size());
@@ -651,8 +666,8 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
     unpin_all(false);
     thread_local std::vector<char> bounce;
     if (bounce.size() < len) bounce.resize(len);
-    if (stats_ != nullptr) ++stats_->bounced;
-    OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, Read(offset, len, bounce.data()));
+    if (stats_ != nullptr && count) ++stats_->bounced;
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t n, CopyOut(offset, len, bounce.data(), count));
     iovec v{bounce.data(), n};
     OPTSTATE_RETURN_IF_ERROR(consume(std::span<const iovec>(&v, n > 0 ? 1 : 0)));
     return n;
@@ -660,7 +675,7 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
   Status st = consume(iov);
   unpin_all(true);
   if (!st.ok()) return st;
-  Count(total);
+  if (count) Count(total);
   return total;
 }
 

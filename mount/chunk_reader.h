@@ -119,10 +119,12 @@ struct ReadStats {
   std::atomic<uint64_t> prefetched{0};     // ... that found a reader the Prefetcher had opened
   std::atomic<uint64_t> lookups{0};        // FUSE LOOKUPs (path components the kernel did not cache)
   std::atomic<uint64_t> getattrs{0};       // FUSE GETATTRs
+  std::atomic<uint64_t> pushes{0};         // files a CachePusher filled the page cache of
+  std::atomic<uint64_t> pushed_bytes{0};   // ... bytes it stored there
 
   // "N reads (X GiB), W waited for a chunk (T s in all), S us per read in the
   // daemon, C chunks loaded, B copied across a chunk boundary, O opens (P
-  // prefetched), L lookups, G getattrs"
+  // prefetched), L lookups, G getattrs, F files pushed into the page cache (Y GiB)"
   std::string Summary() const;
 };
 
@@ -147,8 +149,9 @@ class ChunkReader {
   // meanwhile) and layout memory, or into a per-thread copy when the range
   // crosses into a chunk that is not verified yet. Returns the byte count, or
   // consume's error. Lets the FUSE reply go straight from the chunk buffers.
+  // `count`: counted in ReadStats::requests/bytes (a CachePusher's are not).
   Result<uint64_t> ReadWith(uint64_t offset, uint64_t len,
-                            const std::function<Status(std::span<const iovec>)>& consume);
+                            const std::function<Status(std::span<const iovec>)>& consume, bool count = true);
 
   const Generation& generation() const { return *gen_; }
   const std::shared_ptr<const Generation>& shared_generation() const { return gen_; }
@@ -184,6 +187,8 @@ class ChunkReader {
   // REQUIRES: mu_ held. A slot for chunk seq (set kInFlight), or null when
   // none can be had now. `demand`: a reader waits for seq (see .cc).
   Slot* Claim(uint64_t seq, uint64_t hi, bool demand);
+  // REQUIRES: mu_ held. Every slot with a buffer is pinned.
+  bool AllBuffersPinned() const;
   // REQUIRES: mu_ held. Moves the window to `seq` (the chunk a reader needs).
   void MoveTo(uint64_t seq);
   // REQUIRES: mu_ held. The last chunk of the window that holds at most
@@ -207,6 +212,8 @@ class ChunkReader {
   void Kick();
   Slot* Find(uint64_t seq);
   void Count(uint64_t bytes);  // one request that returned `bytes`
+  // Read; `count`: as for ReadWith.
+  Result<uint64_t> CopyOut(uint64_t offset, uint64_t len, char* out, bool count);
   Status SlotError(const Slot& s) const;
 
   const std::shared_ptr<const Generation> gen_;

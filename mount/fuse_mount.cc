@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <climits>
 #include <csignal>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 
 #include <fmt/format.h>
 
+#include "mount/cache_pusher.h"
 #include "mount/chunk_reader.h"
 #include "vfs/log.h"
 
@@ -46,6 +48,51 @@ struct NodeRef {
   std::weak_ptr<const Generation> gen;
 };
 
+// What CachePushers store through (fuse_lowlevel_notify_store): the session
+// while it serves. At exit the loop has ended, and a push may still be inside
+// the kernel waiting for pages whose READ nobody will answer now (until the
+// process closes /dev/fuse): Close() refuses new stores and says whether one
+// is still in flight, in which case the session is not destroyed under it
+// (the process exits next). Thread-safe.
+class PushGate {
+ public:
+  explicit PushGate(struct fuse_session* se) : se_(se) {}
+  int Store(fuse_ino_t ino, uint64_t offset, std::span<const iovec> iov) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (closed_) return -ESHUTDOWN;
+      ++in_flight_;
+    }
+    // One fuse_bufvec over every iovec: one notification for the range.
+    std::vector<char> mem(sizeof(struct fuse_bufvec) + iov.size() * sizeof(struct fuse_buf));
+    auto* bv = reinterpret_cast<struct fuse_bufvec*>(mem.data());
+    bv->count = iov.size();
+    for (size_t i = 0; i < iov.size(); ++i) {
+      bv->buf[i] = fuse_buf{};
+      bv->buf[i].size = iov[i].iov_len;
+      bv->buf[i].mem = iov[i].iov_base;
+    }
+    const int rc = fuse_lowlevel_notify_store(se_, ino, static_cast<off_t>(offset), bv, fuse_buf_copy_flags{});
+    std::lock_guard<std::mutex> l(mu_);
+    if (--in_flight_ == 0) cv_.notify_all();
+    return rc;
+  }
+  // Refuses stores from now on; true once none is in flight (waits up to
+  // `wait`).
+  bool Close(std::chrono::milliseconds wait) {
+    std::unique_lock<std::mutex> l(mu_);
+    closed_ = true;
+    return cv_.wait_for(l, wait, [&] { return in_flight_ == 0; });
+  }
+
+ private:
+  struct fuse_session* const se_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool closed_ = false;   // guarded by mu_
+  int in_flight_ = 0;     // guarded by mu_
+};
+
 // The low-level API (not the path-based one): a read is answered with
 // fuse_reply_iov straight from the verified chunk buffer, so the only copy of
 // the bytes in the daemon's path is the kernel's into the reader's buffer (the
@@ -60,6 +107,15 @@ struct Context {
   // the map); an entry goes at its last forget.
   std::mutex mu;
   std::unordered_map<fuse_ino_t, NodeRef> nodes;  // guarded by mu
+  std::shared_ptr<PushGate> push_gate;
+};
+
+// An open file: its reader and, for a file read through the page cache, what
+// fills the page cache ahead of a sequential reader (null for direct_io
+// files and small ones, which one READ reads whole). The pusher goes first.
+struct FileHandle {
+  std::shared_ptr<ChunkReader> reader;
+  std::unique_ptr<CachePusher> pusher;
 };
 
 Context* Ctx(fuse_req_t req) { return static_cast<Context*>(fuse_req_userdata(req)); }
@@ -253,7 +309,7 @@ bool BigFilesCached(const MountOptions& o) {
 void OpInit(void* userdata, struct fuse_conn_info* conn) {
   conn->max_read = kMaxReadBytes;  // must match -o max_read (libfuse checks)
   const MountOptions& o = static_cast<Context*>(userdata)->tree->options();
-  if (BigFilesCached(o)) {
+  if (BigFilesCached(o) && o.kernel_readahead_bytes > 0) {
     // The kernel's read-ahead goes out as background requests of 1 MiB; the
     // default of 12 at once is less than one window.
     conn->max_readahead = static_cast<unsigned>(std::min<uint64_t>(o.kernel_readahead_bytes, 1u << 30));
@@ -327,7 +383,8 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   Context* c = Ctx(req);
   c->stats.getattrs.fetch_add(1, std::memory_order_relaxed);
   struct stat st;
-  if (std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi); r != nullptr) {
+  if (std::shared_ptr<FileHandle> fh = HandleOf<FileHandle>(fi); fh != nullptr) {
+    const std::shared_ptr<ChunkReader>& r = fh->reader;
     // An open file: the generation it was opened on.
     Node n;
     n.kind = NodeKind::kGenFile;
@@ -449,20 +506,31 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   }
   if (n->gen->layout->ChunkSequenceLength(*n->file) > 0) c->stats.opens.fetch_add(1, std::memory_order_relaxed);
   if (c->prefetch != nullptr) c->prefetch->Opened(n->gen, n->file, taken);
-  fi->fh = NewHandle(std::shared_ptr<ChunkReader>(std::move(reader)));
   const bool cached = CachedFile(c->tree->options(), *n->file);
+  auto fh = std::make_shared<FileHandle>();
+  fh->reader = std::shared_ptr<ChunkReader>(std::move(reader));
+  if (cached && n->file->size_bytes > MountOptions::kSmallFileBytes) {
+    std::shared_ptr<PushGate> gate = c->push_gate;
+    fh->pusher = std::make_unique<CachePusher>(
+        fh->reader,
+        [gate, ino](uint64_t offset, std::span<const iovec> iov) { return gate->Store(ino, offset, iov); },
+        &c->stats);
+  }
+  fi->fh = NewHandle(std::move(fh));
   fi->direct_io = cached ? 0 : 1;
   fi->keep_cache = cached ? 1 : 0;  // a pinned node's bytes never change
   fi->nonseekable = 0;
-  if (fuse_reply_open(req, fi) != 0) DeleteHandle<ChunkReader>(fi);  // no release will come
+  if (fuse_reply_open(req, fi) != 0) DeleteHandle<FileHandle>(fi);  // no release will come
 }
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
   // Our own reference: after the reply below the kernel may release the
   // handle while ReadWith still unpins the chunk the reply came from.
-  std::shared_ptr<ChunkReader> r = HandleOf<ChunkReader>(fi);
-  if (r == nullptr) return (void)fuse_reply_err(req, EBADF);
+  std::shared_ptr<FileHandle> fh = HandleOf<FileHandle>(fi);
+  if (fh == nullptr) return (void)fuse_reply_err(req, EBADF);
   if (off < 0) return (void)fuse_reply_err(req, EINVAL);
+  const std::shared_ptr<ChunkReader>& r = fh->reader;
+  if (fh->pusher != nullptr) fh->pusher->OnRead(static_cast<uint64_t>(off), size);
   const auto start = std::chrono::steady_clock::now();
   Context* c = Ctx(req);  // req is gone once replied
   bool replied = false;
@@ -487,7 +555,7 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   // The last reference (ours, or a read handler's still returning) stops the
   // reader's I/O thread.
-  DeleteHandle<ChunkReader>(fi);
+  DeleteHandle<FileHandle>(fi);
   fuse_reply_err(req, 0);
 }
 
@@ -680,6 +748,7 @@ int RunMount(const MountCommand& cmd) {
   struct fuse_lowlevel_ops ops = MakeOps();
   struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &ctx);
   fuse_opt_free_args(&args);
+  if (se != nullptr) ctx.push_gate = std::make_shared<PushGate>(se);
   if (se == nullptr) {
     fmt::print(stderr, "optstate-mount: bad FUSE options '{}'\n", opts);
     return 1;
@@ -699,7 +768,7 @@ int RunMount(const MountCommand& cmd) {
     fuse_session_destroy(se);
     return 1;
   }
-  if (BigFilesCached(cmd.tree)) {
+  if (BigFilesCached(cmd.tree) && cmd.tree.kernel_readahead_bytes > 0) {
     SetKernelReadahead(cmd.mountpoint, cmd.tree.kernel_readahead_bytes);
   }
   int rc = 1;
@@ -728,9 +797,16 @@ int RunMount(const MountCommand& cmd) {
     }
     OPTSTATE_LOG_INFO("optstate-mount: {} unmounted; served {}", cmd.mountpoint, ctx.stats.Summary());
   }
+  const bool pushes_done = ctx.push_gate->Close(std::chrono::milliseconds(200));
   fuse_remove_signal_handlers(se);
   fuse_session_unmount(se);
-  fuse_session_destroy(se);
+  if (pushes_done) {
+    fuse_session_destroy(se);
+  } else {
+    // A push waits in the kernel on the session's /dev/fuse; the process's
+    // exit closes it.
+    OPTSTATE_LOG_INFO("optstate-mount: a page-cache push was still in flight; the session is left to the exit");
+  }
   // libfuse reports the signal that ended the loop as its result.
   return (rc == 0 || rc == SIGINT || rc == SIGTERM || rc == SIGHUP) ? 0 : 1;
 }

@@ -50,11 +50,13 @@ const char kUsage[] =
     "                        big tensor faster)\n"
     "  --page-cache WHICH    files read through the kernel's page cache, which can then be\n"
     "                        mmap'd (safetensors.safe_open, numpy.memmap need it); the\n"
-    "                        others' read(2)s go straight to the daemon (faster for big\n"
-    "                        files): small (default: files of at most 128 KiB), mappable\n"
-    "                        (... and state.safetensors, manifest.json), all, none\n"
+    "                        others' read(2)s go straight to the daemon: all (default),\n"
+    "                        small (files of at most 128 KiB: faster on VMs where fresh\n"
+    "                        pages are costly), mappable (... and state.safetensors,\n"
+    "                        manifest.json), none\n"
     "  --kernel-readahead-mib N  the kernel's read-ahead for the mount's cached files\n"
-    "                        (root only; default 16)\n"
+    "                        (root only; default 0: the kernel's own, 128 KiB; the\n"
+    "                        daemon fills the page cache ahead of a sequential reader)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  --log FILE            append the daemon's log to FILE (default: stderr, which a\n"
     "                        daemon without -f closes); also -o log=FILE (fstab)\n"
@@ -179,7 +181,7 @@ int main(int argc, char** argv) {
     } else if (a == "--kernel-readahead-mib") {
       uint32_t mib = 0;
       if (!ParseU32(need(a.c_str()), &mib) || mib > 1024) {
-        fmt::print(stderr, "optstate-mount: --kernel-readahead-mib wants 1..1024\n");
+        fmt::print(stderr, "optstate-mount: --kernel-readahead-mib wants 0..1024\n");
         return 2;
       }
       cmd.tree.kernel_readahead_bytes = uint64_t{mib} << 20;

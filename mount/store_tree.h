@@ -69,21 +69,26 @@ struct MountOptions {
   // 2.40-2.59 s; one 4 GiB tensor 3.29-3.36 s vs 3.07-3.23 s (README).
   uint64_t st_blksize_bytes = 1ull << 20;
   // Which files are read through the kernel's page cache (kept across opens,
-  // since a node's bytes never change) instead of direct_io. direct_io files
-  // cannot be mmap'd shared (ENODEV), which is how the safetensors library,
-  // numpy.memmap and Python's mmap open a file, but big files read faster
-  // that way: each read(2) goes to the daemon as 1 MiB requests answered from
-  // its verified chunk buffers, while through the page cache every byte is
-  // copied twice and fresh page-cache pages are faulted in (H200 machine: 1 GiB
-  // state.safetensors by dd 0.82-0.91 s direct vs 1.09-1.54 s cached; dev VM,
-  // a trainer's 2 GiB snapshot 1.6-2.0 s direct vs 3.4-6.3 s all cached).
-  // Small files are the other way round: a direct_io read(2) pins the whole
-  // buffer the reader passes (cp: st_blksize, 1 MiB, freshly mapped per file,
-  // so 256 pages faulted in for a 256-byte norm) and the kernel sends one more
-  // READ at EOF, while a cached one copies the file's bytes once and knows its
-  // size (dev VM, `cp -r` of a 16000-file snapshot of small tensors: 12.5-13.6 s
-  // direct vs 6.3-6.5 s with files of at most kSmallFileBytes cached). Default
-  // kSmall (--page-cache none|small|mappable|all).
+  // since a node's bytes never change) instead of direct_io. Cached files can
+  // be mmap'd (direct_io ones fail with ENODEV), which is how the safetensors
+  // library, numpy.memmap and Python's mmap open a file. Big files used to be
+  // faster direct_io, each read(2) going to the daemon as serial 1 MiB
+  // requests answered from its verified chunk buffers, while the kernel's own
+  // read-ahead made the reader allocate every page-cache page and wait for
+  // 128 KiB round trips; since the daemon pushes a big cached file's chunks
+  // into the page cache ahead of a sequential reader (CachePusher), cached is
+  // faster there too (H200 machine, caches dropped, 3 rounds: a trainer's
+  // 2 GiB snapshot 1.27-1.91 s cached vs 1.66-1.68 s direct, one 6 GiB tensor
+  // 3.62-3.76 vs 4.67-4.93 s). Not on the 2-core development VM, where every
+  // fresh page costs the hypervisor a fault and the page cache doubles the
+  // pages a copy touches (2 GiB snapshot 3.4-4.7 s cached vs 1.6-3.2 s
+  // direct): `small` there. Small files are cached in every mode but `none`:
+  // a direct_io read(2) pins the whole buffer the reader passes (cp:
+  // st_blksize, 1 MiB, freshly mapped per file, so 256 pages faulted in for a
+  // 256-byte norm) and the kernel sends one more READ at EOF (dev VM, `cp -r`
+  // of a 16000-file snapshot of small tensors: 12.5-13.6 s direct vs 6.3-6.5 s
+  // with files of at most kSmallFileBytes cached). Default kAll
+  // (--page-cache none|small|mappable|all).
   enum class PageCache : uint8_t {
     kNone,      // every file direct_io
     kSmall,     // files of at most kSmallFileBytes cached (mmap-able), the others direct_io
@@ -93,11 +98,15 @@ struct MountOptions {
   // One request of the kernel's default read-ahead (128 KiB) reads such a
   // file whole.
   static constexpr uint64_t kSmallFileBytes = 128ull << 10;
-  PageCache page_cache = PageCache::kSmall;
+  PageCache page_cache = PageCache::kAll;
   // The kernel's read-ahead for the mount when big files are cached (its
-  // bdi's read_ahead_kb, set after mounting; needs root, else the kernel's
-  // 128 KiB stays). Default 16 MiB (64 was slower on the H200 machine).
-  uint64_t kernel_readahead_bytes = 16ull << 20;
+  // bdi's read_ahead_kb, set after mounting; needs root); 0 = the kernel's
+  // own (128 KiB). Default 0. Why: a CachePusher fills the page cache of a
+  // big cached file ahead of a sequential reader, and a wide kernel
+  // read-ahead only sent READs for pages the push was about to store (H200
+  // machine, `cp -r` of a trainer's snapshot: 1.40-1.48 s with 16 MiB vs
+  // 1.28-1.48 s with the kernel's own; dev VM 4.0-4.9 vs 3.4-3.7 s).
+  uint64_t kernel_readahead_bytes = 0;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
   uint32_t catchup_interval_ms = 20;
   // A path inside a snapshot already held (immutable while it exists) is

@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "mount/cache_pusher.h"
 #include "mount/chunk_reader.h"
 #include "mount/store_tree.h"
 #include "tests/vfs/checkpoint_test_util.h"
@@ -532,6 +533,94 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
       EXPECT_NE(pf.Take(gen.get(), files[first + 2 + k]), nullptr) << c.bytes << ": " << files[first + 2 + k]->path;
     }
   }
+}
+
+// The pusher stores a sequential reader's file into the page cache from the
+// end of its first READ (at offset 0) to EOF: contiguous, page-aligned
+// ranges, each one notification (the kernel marks a page up to date only when
+// one notification fills it whole), with the library's bytes. state.safetensors
+// of odd-sized fields puts most chunk boundaries inside a page; a pusher that
+// stored each chunk's piece by itself left those pages half-filled. Chunks
+// load once each; the pusher's reads are not counted as the kernel's.
+TEST_F(ChunkReaderTest, PusherStoresPageAlignedRangesWithTheLibrarysBytes) {
+  auto s = CreateStore(root_ + "/push");  // 2 MiB chunks
+  ASSERT_NE(s, nullptr);
+  std::vector<TensorDef> defs;
+  for (int i = 0; i < 3; ++i) {
+    defs.push_back({fmt::format("l{}.bias", i), 1000 + 300 * static_cast<uint64_t>(i), {}});
+    defs.push_back({fmt::format("l{}.weight", i), (1ull << 20) + 12345 * static_cast<uint64_t>(i), {}});
+  }
+  CreateTensors(s.get(), defs);
+  WriteStep(s.get(), 1);
+  auto n = tree_->Resolve("/push/latest/state.safetensors");
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  const uint64_t size = n->file->size_bytes;
+  std::string want(size, '\0');
+  ASSERT_TRUE(n->gen->layout->Read(*n->file, 0, want.data(), want.size()).ok());
+  const uint64_t seqs = n->gen->layout->ChunkSequenceLength(*n->file);
+
+  ChunkBufferPool pool(1ull << 30);
+  ReadStats stats;
+  auto r = ChunkReader::Open(n->gen, n->file, Reading(4), &pool, &stats);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::shared_ptr<ChunkReader> reader(std::move(r).value());
+  struct Stored {
+    uint64_t offset;
+    std::string bytes;
+  };
+  std::mutex mu;
+  std::vector<Stored> stored;
+  CachePusher pusher(reader, [&](uint64_t offset, std::span<const iovec> iov) {
+    Stored st{offset, {}};
+    for (const iovec& v : iov) st.bytes.append(static_cast<const char*>(v.iov_base), v.iov_len);
+    std::lock_guard<std::mutex> l(mu);
+    stored.push_back(std::move(st));
+    return 0;
+  }, &stats);
+  constexpr uint64_t kFirstRead = 128 << 10;  // the kernel's first READ, served by the reader
+  std::string first;
+  ASSERT_TRUE(reader->ReadWith(0, kFirstRead, [&](std::span<const iovec> iov) {
+    for (const iovec& v : iov) first.append(static_cast<const char*>(v.iov_base), v.iov_len);
+    return Status();
+  }).ok());
+  pusher.OnRead(0, kFirstRead);
+  pusher.Join();
+
+  ASSERT_FALSE(stored.empty());
+  uint64_t at = kFirstRead;
+  for (const Stored& st : stored) {
+    EXPECT_EQ(st.offset, at) << "ranges are contiguous from the first READ's end";
+    EXPECT_EQ(st.offset % CachePusher::kPageBytes, 0u) << st.offset;
+    const uint64_t end = st.offset + st.bytes.size();
+    EXPECT_TRUE(end % CachePusher::kPageBytes == 0 || end == size) << "a range ends inside page " << end / 4096;
+    EXPECT_TRUE(st.bytes == want.substr(st.offset, st.bytes.size())) << "bytes at " << st.offset;
+    at = end;
+  }
+  EXPECT_EQ(at, size) << "the push reaches EOF";
+  EXPECT_EQ(pusher.pushed_bytes(), size - kFirstRead);
+  EXPECT_EQ(stats.pushes.load(), 1u);
+  EXPECT_EQ(stats.requests.load(), 1u) << "only the kernel's READ counts as a read";
+  EXPECT_EQ(stats.chunks_loaded.load(), seqs) << "each chunk loaded once";
+}
+
+// A file whose first READ is not at offset 0 (a reader that seeks: a header
+// parser, an mmap'd slice) is never pushed.
+TEST_F(ChunkReaderTest, PusherLeavesAFileFirstReadElsewhereAlone) {
+  ChunkBufferPool pool(1ull << 30);
+  ReadStats stats;
+  auto r = ChunkReader::Open(node_.gen, node_.file, Reading(4), &pool, &stats);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::atomic<uint64_t> calls{0};
+  CachePusher pusher(std::shared_ptr<ChunkReader>(std::move(r).value()), [&](uint64_t, std::span<const iovec>) {
+    ++calls;
+    return 0;
+  }, &stats);
+  pusher.OnRead(4ull << 20, 128 << 10);
+  pusher.OnRead(0, 128 << 10);  // later READs at 0 do not start it either
+  pusher.Join();
+  EXPECT_EQ(calls.load(), 0u);
+  EXPECT_EQ(pusher.pushed_bytes(), 0u);
+  EXPECT_EQ(stats.pushes.load(), 0u);
 }
 
 }  // namespace
