@@ -9,8 +9,9 @@
 
 namespace optstate::mount {
 
-CachePusher::CachePusher(std::shared_ptr<ChunkReader> reader, StoreFn store, ReadStats* stats)
-    : reader_(std::move(reader)), store_(std::move(store)), stats_(stats) {}
+CachePusher::CachePusher(std::shared_ptr<ChunkReader> reader, StoreFn store, ReadStats* stats,
+                         uint64_t far_bytes)
+    : reader_(std::move(reader)), store_(std::move(store)), stats_(stats), far_bytes_(far_bytes) {}
 
 CachePusher::~CachePusher() {
   stop_.store(true, std::memory_order_relaxed);
@@ -40,7 +41,7 @@ void CachePusher::OnRead(uint64_t offset, uint64_t bytes) {
     return;
   }
   const uint64_t front = front_.load(std::memory_order_relaxed);
-  if (offset + kFarBytes < front || offset > front + kFarBytes) stop_.store(true, std::memory_order_relaxed);
+  if (offset + far_bytes_ < front || offset > front + far_bytes_) stop_.store(true, std::memory_order_relaxed);
 }
 
 void CachePusher::Loop(uint64_t from) {

@@ -53,8 +53,10 @@ class CachePusher {
   // 0, or a negative errno (the push ends; the reader's READs still work).
   using StoreFn = std::function<int(uint64_t offset, std::span<const iovec> iov)>;
 
-  // `stats` (may be null) must outlive this.
-  CachePusher(std::shared_ptr<ChunkReader> reader, StoreFn store, ReadStats* stats);
+  // `stats` (may be null) must outlive this. `far_bytes`: kFarBytes (tests
+  // pass less).
+  CachePusher(std::shared_ptr<ChunkReader> reader, StoreFn store, ReadStats* stats,
+              uint64_t far_bytes = kFarBytes);
   ~CachePusher();
   CachePusher(const CachePusher&) = delete;
   CachePusher& operator=(const CachePusher&) = delete;
@@ -73,6 +75,7 @@ class CachePusher {
   const std::shared_ptr<ChunkReader> reader_;
   const StoreFn store_;
   ReadStats* const stats_;
+  const uint64_t far_bytes_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> front_{0};       // the push has stored everything before this
   std::atomic<uint64_t> read_end_{0};    // the highest end of a READ

@@ -2,12 +2,16 @@
 #include "mount/fuse_mount.h"
 
 #include <fuse3/fuse_lowlevel.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <climits>
 #include <csignal>
 #include <cstdlib>
@@ -49,18 +53,18 @@ struct NodeRef {
 };
 
 // What CachePushers store through (fuse_lowlevel_notify_store): the session
-// while it serves. At exit the loop has ended, and a push may still be inside
-// the kernel waiting for pages whose READ nobody will answer now (until the
-// process closes /dev/fuse): Close() refuses new stores and says whether one
-// is still in flight, in which case the session is not destroyed under it
-// (the process exits next). Thread-safe.
+// while it serves. A store waits in the kernel (uninterruptibly) for pages
+// whose READ is in flight, so at exit, once the loop has ended, one can wait
+// for a READ that nobody will answer: RunMount refuses new stores, answers
+// what the kernel still sends until the stores in flight are done, and aborts
+// the connection if one still waits (DrainPushes). Thread-safe.
 class PushGate {
  public:
   explicit PushGate(struct fuse_session* se) : se_(se) {}
   int Store(fuse_ino_t ino, uint64_t offset, std::span<const iovec> iov) {
     {
       std::lock_guard<std::mutex> l(mu_);
-      if (closed_) return -ESHUTDOWN;
+      if (refused_) return -ESHUTDOWN;
       ++in_flight_;
     }
     // One fuse_bufvec over every iovec: one notification for the range.
@@ -74,22 +78,22 @@ class PushGate {
     }
     const int rc = fuse_lowlevel_notify_store(se_, ino, static_cast<off_t>(offset), bv, fuse_buf_copy_flags{});
     std::lock_guard<std::mutex> l(mu_);
-    if (--in_flight_ == 0) cv_.notify_all();
+    --in_flight_;
     return rc;
   }
-  // Refuses stores from now on; true once none is in flight (waits up to
-  // `wait`).
-  bool Close(std::chrono::milliseconds wait) {
-    std::unique_lock<std::mutex> l(mu_);
-    closed_ = true;
-    return cv_.wait_for(l, wait, [&] { return in_flight_ == 0; });
+  void Refuse() {
+    std::lock_guard<std::mutex> l(mu_);
+    refused_ = true;
+  }
+  int InFlight() {
+    std::lock_guard<std::mutex> l(mu_);
+    return in_flight_;
   }
 
  private:
   struct fuse_session* const se_;
   std::mutex mu_;
-  std::condition_variable cv_;
-  bool closed_ = false;   // guarded by mu_
+  bool refused_ = false;  // guarded by mu_
   int in_flight_ = 0;     // guarded by mu_
 };
 
@@ -171,6 +175,17 @@ uint32_t AfterReplyDelayMs() {
 }
 void AfterReply() {
   if (uint32_t ms = AfterReplyDelayMs(); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+// Test hook (tests/mount): milliseconds a read handler waits before it
+// serves a READ, so that the kernel holds that READ's pages locked and a
+// CachePusher's store of them waits in the kernel
+// (OPTSTATE_MOUNT_TEST_BEFORE_READ_MS; default 0).
+void BeforeRead() {
+  static const uint32_t ms = [] {
+    const char* e = std::getenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS");
+    return e != nullptr ? static_cast<uint32_t>(std::strtoul(e, nullptr, 10)) : 0u;
+  }();
+  if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
 // How long the kernel may cache a name or attributes it got from us, in
@@ -531,6 +546,7 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
   if (off < 0) return (void)fuse_reply_err(req, EINVAL);
   const std::shared_ptr<ChunkReader>& r = fh->reader;
   if (fh->pusher != nullptr) fh->pusher->OnRead(static_cast<uint64_t>(off), size);
+  BeforeRead();
   const auto start = std::chrono::steady_clock::now();
   Context* c = Ctx(req);  // req is gone once replied
   bool replied = false;
@@ -684,6 +700,138 @@ void SetKernelReadahead(const std::string& mountpoint, uint64_t bytes) {
   }
 }
 
+// The connection's abort file in fusectl (/sys/fs/fuse/connections/N/abort,
+// N the minor of the mount's device, from mountinfo), or "" when there is
+// none: fusectl not mounted and not mountable (not root) here.
+std::string ConnectionAbortPath(const std::string& mountpoint) {
+  char real[PATH_MAX];
+  if (::realpath(mountpoint.c_str(), real) == nullptr) return "";
+  const std::optional<MountEntry> m = TopMountAt(real);
+  if (!m || m->dev.rfind("0:", 0) != 0) return "";
+  constexpr const char* kFusectl = "/sys/fs/fuse/connections";
+  const std::string path = std::string(kFusectl) + "/" + m->dev.substr(2) + "/abort";
+  if (::access(path.c_str(), W_OK) != 0 && ::access(kFusectl, F_OK) == 0) {
+    // systemd mounts fusectl; a bare system or a container may not have.
+    (void)::mount("fusectl", kFusectl, "fusectl", 0, nullptr);
+  }
+  return ::access(path.c_str(), W_OK) == 0 ? path : "";
+}
+
+// Async-signal-safe: writes "1" to an abort file (fails every request of the
+// connection: waiting readers get ENOTCONN, pushes return).
+void AbortConnection(const char* abort_path) {
+  if (abort_path == nullptr || abort_path[0] == '\0') return;
+  int fd = ::open(abort_path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  (void)!::write(fd, "1", 1);
+  ::close(fd);
+}
+
+// The loop has ended: answer what the kernel still sends (READs that stores
+// in flight wait for) until none is in flight, for up to `wait`; then abort
+// the connection if one still waits. True once none is in flight.
+bool DrainPushes(struct fuse_session* se, PushGate* gate, const std::string& abort_path,
+                 std::chrono::milliseconds wait) {
+  gate->Refuse();
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  struct fuse_buf buf;
+  std::memset(&buf, 0, sizeof(buf));
+  while (gate->InFlight() > 0 && std::chrono::steady_clock::now() < deadline) {
+    struct pollfd p = {fuse_session_fd(se), POLLIN, 0};
+    if (::poll(&p, 1, 20) <= 0) continue;
+    const int n = fuse_session_receive_buf(se, &buf);
+    if (n > 0) {
+      fuse_session_process_buf(se, &buf);
+    } else if (n != -EINTR && n != -EAGAIN) {
+      break;  // the connection is gone: its requests failed, the stores return
+    }
+  }
+  std::free(buf.mem);
+  if (gate->InFlight() == 0) return true;
+  OPTSTATE_LOG_WARN("optstate-mount: a page-cache push still waits for the kernel; aborting the connection ({})",
+                    abort_path.empty() ? "no fusectl: cannot" : abort_path);
+  AbortConnection(abort_path.c_str());
+  for (int i = 0; i < 100 && gate->InFlight() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return gate->InFlight() == 0;
+}
+
+void NoOpSignal(int) {}
+
+// A process that outlives an unclean death of this daemon (SIGKILL, a crash)
+// to abort its connection. Without it a push that waits in the kernel for the
+// pages of a READ keeps the dead daemon a zombie that holds /dev/fuse open:
+// no one answers that READ, so the mount hangs instead of failing with
+// ENOTCONN, and it cannot be mounted again until someone aborts it by hand
+// (seen: SIGTERM during a `cp -r` before exits drained, `kill -9` likewise).
+// PR_SET_PDEATHSIG tells it when the thread that forked it (the main
+// thread) is gone; a byte on the pipe (GuardianDone) means a clean exit.
+struct Guardian {
+  int fd = -1;  // the pipe's write end
+  pid_t pid = -1;
+};
+Guardian StartGuardian(struct fuse_session* se, const std::string& abort_path) {
+  if (abort_path.empty()) return {};
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return {};
+  const pid_t parent = ::getpid();
+  const pid_t g = ::fork();
+  if (g < 0) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return {};
+  }
+  if (g == 0) {
+    // The child: async-signal-safe calls only. No descriptor but the pipe's
+    // read end: a copy of /dev/fuse here would keep the connection alive.
+    const int keep = fds[0];
+    ::close(fuse_session_fd(se));
+    for (int fd = 3; fd < 65536; ++fd) {
+      if (fd != keep) ::close(fd);
+    }
+    // SIGUSR1 comes only as the parent-death signal (no SA_RESTART: the read
+    // below returns EINTR). The stop signals are the daemon's business (a
+    // service manager sends them to the whole group): ignored. getppid()
+    // does not tell: the main thread's children go to another thread of the
+    // same process, the one stuck in the kernel.
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = NoOpSignal;
+    ::sigaction(SIGUSR1, &sa, nullptr);
+    sa.sa_handler = SIG_IGN;
+    ::sigaction(SIGTERM, &sa, nullptr);
+    ::sigaction(SIGINT, &sa, nullptr);
+    ::sigaction(SIGHUP, &sa, nullptr);
+    ::prctl(PR_SET_PDEATHSIG, SIGUSR1);
+    char b = 0;
+    ssize_t n = -1;
+    if (::getppid() == parent) {  // else it died before the prctl
+      do {
+        n = ::read(keep, &b, 1);
+      } while (n < 0 && errno != EINTR);
+    }
+    if (n == 1) ::_exit(0);  // a clean exit: nothing to abort
+    if (n < 0) {
+      // The main thread is gone; a clean exit's byte may be there already.
+      const int fl = ::fcntl(keep, F_GETFL);
+      ::fcntl(keep, F_SETFL, fl | O_NONBLOCK);
+      if (::read(keep, &b, 1) == 1) ::_exit(0);
+    }
+    AbortConnection(abort_path.c_str());
+    ::_exit(0);
+  }
+  ::close(fds[0]);
+  return {fds[1], g};
+}
+
+// Tells the guardian this exit is clean, and reaps it.
+void GuardianDone(const Guardian& g) {
+  if (g.fd < 0) return;
+  (void)!::write(g.fd, "1", 1);
+  ::close(g.fd);
+  int st;
+  (void)::waitpid(g.pid, &st, 0);
+}
+
 }  // namespace
 
 Status CheckMountpoint(const std::string& mountpoint) {
@@ -771,8 +919,13 @@ int RunMount(const MountCommand& cmd) {
   if (BigFilesCached(cmd.tree) && cmd.tree.kernel_readahead_bytes > 0) {
     SetKernelReadahead(cmd.mountpoint, cmd.tree.kernel_readahead_bytes);
   }
+  // Pushes (and so the guardian) only where big files are cached.
+  const std::string abort_path = BigFilesCached(cmd.tree) ? ConnectionAbortPath(cmd.mountpoint) : std::string();
   int rc = 1;
+  Guardian guardian;
   if (fuse_daemonize(cmd.foreground || cmd.debug ? 1 : 0) == 0) {
+    // Before any thread (a fork copies only the calling one).
+    if (BigFilesCached(cmd.tree)) guardian = StartGuardian(se, abort_path);
     // Threads only after fuse_daemonize: it forks, and the child that serves
     // the mount has none of the parent's threads (a Prefetcher made before it
     // had no thread in the daemon: nothing was ever opened ahead, and its
@@ -797,16 +950,16 @@ int RunMount(const MountCommand& cmd) {
     }
     OPTSTATE_LOG_INFO("optstate-mount: {} unmounted; served {}", cmd.mountpoint, ctx.stats.Summary());
   }
-  const bool pushes_done = ctx.push_gate->Close(std::chrono::milliseconds(200));
+  const bool pushes_done = DrainPushes(se, ctx.push_gate.get(), abort_path, std::chrono::milliseconds(2000));
   fuse_remove_signal_handlers(se);
   fuse_session_unmount(se);
   if (pushes_done) {
     fuse_session_destroy(se);
   } else {
-    // A push waits in the kernel on the session's /dev/fuse; the process's
-    // exit closes it.
-    OPTSTATE_LOG_INFO("optstate-mount: a page-cache push was still in flight; the session is left to the exit");
+    // Not under a thread inside the session's writev; the exit ends it.
+    OPTSTATE_LOG_WARN("optstate-mount: a page-cache push is still in flight at exit");
   }
+  GuardianDone(guardian);
   // libfuse reports the signal that ended the loop as its result.
   return (rc == 0 || rc == SIGINT || rc == SIGTERM || rc == SIGHUP) ? 0 : 1;
 }

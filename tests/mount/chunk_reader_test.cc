@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -621,6 +623,52 @@ TEST_F(ChunkReaderTest, PusherLeavesAFileFirstReadElsewhereAlone) {
   EXPECT_EQ(calls.load(), 0u);
   EXPECT_EQ(pusher.pushed_bytes(), 0u);
   EXPECT_EQ(stats.pushes.load(), 0u);
+}
+
+// A READ far from the push front (a seek: more than far_bytes ahead of it or
+// behind it) ends the push: the pusher stores what it was storing and stops,
+// instead of filling the page cache with the rest of a file the reader jumps
+// around in. The store of the first range is held until the seek arrives.
+TEST_F(ChunkReaderTest, PusherStopsAtAFarRead) {
+  for (const bool ahead : {true, false}) {
+    ChunkBufferPool pool(1ull << 30);
+    ReadStats stats;
+    auto r = ChunkReader::Open(node_.gen, node_.file, Reading(4), &pool, &stats);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::mutex mu;
+    std::condition_variable cv;
+    bool released = false;
+    std::atomic<uint64_t> calls{0};
+    constexpr uint64_t kFar = 4ull << 20;  // the file: 32 MiB in 2 MiB chunks
+    CachePusher pusher(std::shared_ptr<ChunkReader>(std::move(r).value()), [&](uint64_t, std::span<const iovec>) {
+      if (calls++ == 0) {
+        std::unique_lock<std::mutex> l(mu);
+        cv.wait(l, [&] { return released; });
+      }
+      return 0;
+    }, &stats, kFar);
+    pusher.OnRead(0, 128 << 10);
+    while (calls.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // The push front is in the first chunk now.
+    if (ahead) {
+      pusher.OnRead(20ull << 20, 128 << 10);
+    } else {
+      pusher.OnRead(128 << 10, 4096);  // near: the push goes on
+      pusher.OnRead(0, 4096);          // near too (behind by less than kFar)
+    }
+    {
+      std::lock_guard<std::mutex> l(mu);
+      released = true;
+    }
+    cv.notify_all();
+    pusher.Join();
+    const uint64_t size = node_.file->size_bytes;
+    if (ahead) {
+      EXPECT_LE(pusher.pushed_bytes(), 2ull << 20) << "pushed on past a seek";
+    } else {
+      EXPECT_EQ(pusher.pushed_bytes(), size - (128 << 10)) << "stopped at a near READ";
+    }
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <spawn.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include <random>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "tests/vfs/checkpoint_test_util.h"
@@ -66,6 +68,23 @@ bool IsMounted(const std::string& mnt) {
   std::string line;
   while (std::getline(in, line)) {
     if (line.find(" " + mnt + " ") != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Aborts the FUSE connection of the mount at mnt (fusectl; as root), the way
+// to free a mount whose daemon cannot answer any more. False if it found none.
+bool AbortConnectionOf(const std::string& mnt) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string id, parent, dev, root, mp;
+    ls >> id >> parent >> dev >> root >> mp;
+    if (mp != mnt || dev.rfind("0:", 0) != 0) continue;
+    std::ofstream a("/sys/fs/fuse/connections/" + dev.substr(2) + "/abort");
+    a << "1\n";
+    return static_cast<bool>(a);
   }
   return false;
 }
@@ -562,6 +581,59 @@ TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
       << ReadFile(root_ + "/again.log");
   ASSERT_EQ(Sh("fusermount3 -u " + mnt_), 0);
   EXPECT_FALSE(IsMounted(mnt_));
+  StartDaemon();
+  ASSERT_EQ(Sh("cp -r " + M("latest") + " " + root_ + "/full"), 0);
+  ExpectDirEqualsLatest(root_ + "/full");
+}
+
+// A daemon killed while a page-cache push waits in the kernel (for pages whose
+// READ the kernel holds locked until the daemon answers it, which it never
+// will) still leaves a dead mount that can be mounted again, instead of a
+// zombie whose stuck thread holds /dev/fuse open and hangs every reader: the
+// daemon's guardian process aborts the connection. The test hook holds each
+// READ 3 s before it is served: a reader of the file's last page holds that
+// page locked, and the push of a reader from the start is certainly waiting
+// for it when the SIGKILL comes (without the guardian the daemon stayed a zombie, stuck in
+// __filemap_get_folio).
+TEST_F(MountTest, KilledDaemonWithAPushWaitingInTheKernelLeavesADeadMount) {
+  StopDaemon();
+  ::setenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS", "3000", 1);
+  StartDaemon();
+  ::unsetenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS");
+  struct stat st;
+  ASSERT_EQ(stat(M("latest/state.safetensors").c_str(), &st), 0);
+  ASSERT_GT(st.st_size, 1 << 20) << "a file the daemon pushes";
+  // One reader's READ of the last page holds it locked in the kernel; then a
+  // reader from the start, whose push reaches that page and waits.
+  const std::string last_page = std::to_string((st.st_size - 1) / 4096);
+  pid_t tail = Spawn({"/bin/dd", "if=" + M("latest/state.safetensors"), "of=/dev/null", "bs=4096", "count=1",
+                      "skip=" + last_page},
+                     root_ + "/dd-tail.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  pid_t reader = Spawn({"/bin/dd", "if=" + M("latest/state.safetensors"), "of=/dev/null", "bs=1M"},
+                       root_ + "/dd.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_EQ(kill(daemon_, SIGKILL), 0);
+  bool reaped = false;
+  int ws = 0;
+  for (int i = 0; i < 200 && !reaped; ++i) {
+    reaped = waitpid(daemon_, &ws, WNOHANG) == daemon_;
+    if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!reaped) {
+    EXPECT_TRUE(AbortConnectionOf(mnt_));  // free the mount for the rest of the test
+    waitpid(daemon_, &ws, 0);
+  }
+  daemon_ = -1;
+  EXPECT_TRUE(reaped) << "the killed daemon was not reaped within 10 s: a thread of it is stuck in the kernel";
+  kill(reader, SIGKILL);
+  WaitExit(reader);
+  kill(tail, SIGKILL);
+  WaitExit(tail);
+  struct statvfs sv;
+  EXPECT_NE(statvfs(mnt_.c_str(), &sv), 0);
+  EXPECT_EQ(errno, ENOTCONN);
+  ASSERT_EQ(Sh("fusermount3 -u " + mnt_), 0);
   StartDaemon();
   ASSERT_EQ(Sh("cp -r " + M("latest") + " " + root_ + "/full"), 0);
   ExpectDirEqualsLatest(root_ + "/full");
