@@ -783,10 +783,14 @@ Guardian StartGuardian(struct fuse_session* se, const std::string& abort_path) {
   if (g == 0) {
     // The child: async-signal-safe calls only. No descriptor but the pipe's
     // read end: a copy of /dev/fuse here would keep the connection alive.
-    const int keep = fds[0];
+    int keep = fds[0];
     ::close(fuse_session_fd(se));
-    for (int fd = 3; fd < 65536; ++fd) {
-      if (fd != keep) ::close(fd);
+    if (keep != 3) {
+      ::dup2(keep, 3);
+      keep = 3;
+    }
+    if (::close_range(4, ~0u, 0) != 0) {
+      for (int fd = 4; fd < 65536; ++fd) ::close(fd);
     }
     // SIGUSR1 comes only as the parent-death signal (no SA_RESTART: the read
     // below returns EINTR). The stop signals are the daemon's business (a
