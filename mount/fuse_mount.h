@@ -4,14 +4,18 @@
 // Read-only: every call that would change anything replies EROFS. Mounted with
 // default_permissions (the kernel checks the 0444/0555 modes) and max_read=1 MiB
 // (also set as conn->max_read in init, which libfuse requires), and ro. Files
-// are opened with direct_io so reads bypass the page cache and arrive as 1 MiB
+// go through the page cache (MountOptions::page_cache, default all: they can
+// be mmap'd), and a CachePusher stores a big file's verified chunks there
+// ahead of a sequential reader; direct_io files (`small`, `none`) get 1 MiB
 // requests, answered with fuse_reply_iov straight from the verified chunk
-// buffers; MountOptions::page_cache puts some or all of them in the page cache
-// instead, so that they can be mmap'd. Node ids are a hash of
-// the path, and inside a generation of the path and the generation's number
-// (stable across remounts), so the kernel may cache names, attributes and
-// pages inside a generation; listings are sorted. SIGINT/SIGTERM/SIGHUP end
-// the loop and unmount cleanly.
+// buffers. Node ids are a hash of the path, and inside a generation of the
+// path and the generation's number (stable across remounts), so the kernel
+// may cache names, attributes and pages inside a generation; listings are
+// sorted. SIGINT/SIGTERM/SIGHUP end the loop and unmount cleanly (pushes in
+// flight drained first). Where big files are cached the daemon has one child
+// process, a guardian that aborts the FUSE connection (fusectl) if the daemon
+// dies uncleanly, so that a push stuck in the kernel cannot keep a dead
+// daemon's mount hanging.
 //
 // Thread-safety: Run() blocks until unmounted; one per process.
 #pragma once
