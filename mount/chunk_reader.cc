@@ -374,13 +374,14 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
     // this reader may take one past the pool's budget (`must`). None left to
     // give: wait until a chunk is unpinned or loaded (Kick comes then).
     for (;;) {
-      // Every buffer held pinned: a reader waits for seq while the chunks it
-      // holds are being copied out, and one of those copies may wait for it
-      // (a CachePusher's store waits in the kernel for pages whose READ wants
-      // seq): one more buffer past both budgets, at most one per pin.
-      const bool stuck = demand && held_bytes_ > 0 && AllBuffersPinned();
-      if (held_bytes_ == 0 || stuck || held_bytes_ + need <= cap_bytes_) {
-        victim->buf = pool_->Take(need, /*must=*/held_bytes_ == 0 || stuck);
+      // Past both budgets (`must`) when this reader holds no buffer, or when
+      // a reader waits for seq and every buffer held is pinned: the chunks
+      // are being copied out, and one of those copies may wait for seq (a
+      // CachePusher's store waits in the kernel for pages whose READ wants
+      // seq). At most one buffer per pin.
+      const bool must = held_bytes_ == 0 || (demand && AllBuffersPinned());
+      if (must || held_bytes_ + need <= cap_bytes_) {
+        victim->buf = pool_->Take(need, must);
         if (victim->buf != nullptr) break;
         if (held_bytes_ == 0) {
           victim->seq = seq;

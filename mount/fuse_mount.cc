@@ -681,16 +681,21 @@ std::optional<MountEntry> TopMountAt(const std::string& real_path) {
   return top;
 }
 
-// The mount's backing device info (/sys/class/bdi/MAJOR:MINOR) gets
-// read_ahead_kb: FUSE_INIT can only lower the kernel's 128 KiB default. The
-// device number comes from mountinfo, not stat(): a stat of the mount would
-// wait for this daemon, which does not serve yet.
-void SetKernelReadahead(const std::string& mountpoint, uint64_t bytes) {
+// The device number ("MAJOR:MINOR") of the mount just made at `mountpoint`,
+// or "". From mountinfo, not stat(): a stat of the mount would wait for this
+// daemon, which does not serve yet.
+std::string MountedDevice(const std::string& mountpoint) {
   char real[PATH_MAX];
-  if (::realpath(mountpoint.c_str(), real) == nullptr) return;
+  if (::realpath(mountpoint.c_str(), real) == nullptr) return "";
   const std::optional<MountEntry> m = TopMountAt(real);
-  if (!m) return;
-  const std::string path = "/sys/class/bdi/" + m->dev + "/read_ahead_kb";
+  return m ? m->dev : std::string();
+}
+
+// The mount's backing device info (/sys/class/bdi/MAJOR:MINOR) gets
+// read_ahead_kb: FUSE_INIT can only lower the kernel's 128 KiB default.
+void SetKernelReadahead(const std::string& dev, uint64_t bytes) {
+  if (dev.empty()) return;
+  const std::string path = "/sys/class/bdi/" + dev + "/read_ahead_kb";
   std::ofstream out(path);
   out << (bytes >> 10) << "\n";
   out.close();
@@ -701,15 +706,12 @@ void SetKernelReadahead(const std::string& mountpoint, uint64_t bytes) {
 }
 
 // The connection's abort file in fusectl (/sys/fs/fuse/connections/N/abort,
-// N the minor of the mount's device, from mountinfo), or "" when there is
-// none: fusectl not mounted and not mountable (not root) here.
-std::string ConnectionAbortPath(const std::string& mountpoint) {
-  char real[PATH_MAX];
-  if (::realpath(mountpoint.c_str(), real) == nullptr) return "";
-  const std::optional<MountEntry> m = TopMountAt(real);
-  if (!m || m->dev.rfind("0:", 0) != 0) return "";
+// N the minor of the mount's device `dev`), or "" when there is none: fusectl
+// not mounted and not mountable (not root) here.
+std::string ConnectionAbortPath(const std::string& dev) {
+  if (dev.rfind("0:", 0) != 0) return "";
   constexpr const char* kFusectl = "/sys/fs/fuse/connections";
-  const std::string path = std::string(kFusectl) + "/" + m->dev.substr(2) + "/abort";
+  const std::string path = std::string(kFusectl) + "/" + dev.substr(2) + "/abort";
   if (::access(path.c_str(), W_OK) != 0 && ::access(kFusectl, F_OK) == 0) {
     // systemd mounts fusectl; a bare system or a container may not have.
     (void)::mount("fusectl", kFusectl, "fusectl", 0, nullptr);
@@ -900,11 +902,11 @@ int RunMount(const MountCommand& cmd) {
   struct fuse_lowlevel_ops ops = MakeOps();
   struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &ctx);
   fuse_opt_free_args(&args);
-  if (se != nullptr) ctx.push_gate = std::make_shared<PushGate>(se);
   if (se == nullptr) {
     fmt::print(stderr, "optstate-mount: bad FUSE options '{}'\n", opts);
     return 1;
   }
+  ctx.push_gate = std::make_shared<PushGate>(se);
   // Handlers before the mount: a SIGTERM that comes as soon as the mount is
   // visible (a supervisor, a test) must end the loop and unmount, not kill the
   // process with the default action and leave a dead mount behind.
@@ -920,11 +922,14 @@ int RunMount(const MountCommand& cmd) {
     fuse_session_destroy(se);
     return 1;
   }
-  if (BigFilesCached(cmd.tree) && cmd.tree.kernel_readahead_bytes > 0) {
-    SetKernelReadahead(cmd.mountpoint, cmd.tree.kernel_readahead_bytes);
+  // Pushes (and so the guardian) and a wider kernel read-ahead only where big
+  // files are cached.
+  std::string abort_path;
+  if (BigFilesCached(cmd.tree)) {
+    const std::string dev = MountedDevice(cmd.mountpoint);
+    if (cmd.tree.kernel_readahead_bytes > 0) SetKernelReadahead(dev, cmd.tree.kernel_readahead_bytes);
+    abort_path = ConnectionAbortPath(dev);
   }
-  // Pushes (and so the guardian) only where big files are cached.
-  const std::string abort_path = BigFilesCached(cmd.tree) ? ConnectionAbortPath(cmd.mountpoint) : std::string();
   int rc = 1;
   Guardian guardian;
   if (fuse_daemonize(cmd.foreground || cmd.debug ? 1 : 0) == 0) {
