@@ -224,7 +224,7 @@ int RunMount(const MountOptions& o) {
   const std::string copy2_dir = copy_dir + "2";
   const bool cache_dropped = DropPageCache();
   std::vector<double> t_fio, t_cp, t_mem, t_read, t_warm;
-  DiskPhase d_fio, d_cp, d_read;
+  DiskPhase d_fio, d_cp, d_read, d_warm;
   for (uint32_t r = 0; r < o.rounds; ++r) {
     // The reference is the disk's sequential O_DIRECT read speed for the same
     // byte count: 1 MiB blocks at QD 32 (the project's fio reference). On the
@@ -259,9 +259,11 @@ int RunMount(const MountOptions& o) {
       // minus warm is what filling the page cache (disk, daemon, FUSE) still
       // adds to a copy; warm against tmpfs to tmpfs is the kernel's cost of
       // reading the mount's pages (session 13, README "What bounds cp -r").
+      before = ReadDiskCounters(work);
       auto w = TimedCopy(src, copy2_dir, /*warm=*/true);
       if (!w.ok()) return FailWith(kTool, w.status());
       t_warm.push_back(*w);
+      d_warm.Add(before, ReadDiskCounters(work), *w);
       (void)RemoveTree(copy2_dir);
       auto m = TimedCopy(copy_dir, copy2_dir);
       if (!m.ok()) return FailWith(kTool, m.status());
@@ -296,7 +298,11 @@ int RunMount(const MountOptions& o) {
                           {"cp_from_tmpfs", t_mem},
                           {"read", t_read},
                           {"cp_warm", t_warm}}},
-                        {"disk", {{"fio", d_fio.Describe()}, {"cp", d_cp.Describe()}, {"read", d_read.Describe()}}},
+                        {"disk",
+                         {{"fio", d_fio.Describe()},
+                          {"cp", d_cp.Describe()},
+                          {"read", d_read.Describe()},
+                          {"cp_warm", d_warm.Describe()}}},
                         {"daemon_served", served},
                         {"cp_vs_fio", ratio},
                         {"cp_vs_cp_from_tmpfs",
@@ -327,8 +333,9 @@ int RunMount(const MountOptions& o) {
   t.AddRow({"read(2) from the mount, no copy", FormatSeconds(Median(t_read)), FormatRate(b / Median(t_read)),
             d_read.Describe()});
   if (!t_warm.empty()) {
+    // Its disk reads are what the daemon loaded for pages the kernel held.
     t.AddRow({"cp -r from the mount again, page cache kept", FormatSeconds(Median(t_warm)),
-              FormatRate(b / Median(t_warm)), ""});
+              FormatRate(b / Median(t_warm)), d_warm.Describe()});
   }
   if (!t_mem.empty()) {
     t.AddRow({"cp -r tmpfs to tmpfs", FormatSeconds(Median(t_mem)), FormatRate(b / Median(t_mem)), ""});
