@@ -5,7 +5,9 @@
 # CARRY/old/optstate-bench, if present, is an earlier build for an A/B of the
 # step in the same call. Logs and a summary go to OUT.
 #   bash tools/device/h200_bench.sh CARRY OUT step   # io engine; step: ours, old, ours (floor + first version each)
-#   bash tools/device/h200_bench.sh CARRY OUT rest   # host-cache step, sleep, mount (one tensor, trainer mix A/B), gpu tests
+#   bash tools/device/h200_bench.sh CARRY OUT rest   # host-cache step, sleep, mount (one tensor, trainer mix x2), gpu tests
+#   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on a RAM-backed ext4 (loop device over /dev/shm):
+#                                                    # a stand-in for NVMe faster than this machine's ~2 GB/s disk
 set -uo pipefail
 C=$(cd "$1" && pwd); OUTD=$2; PART=${3:-step}; W=${W:-/root/osb}
 export PATH=$C/bin:$PATH LD_LIBRARY_PATH=$C/lib OPTSTATE_LOG_LEVEL=warn OPTSTATE_NO_PROGRESS=1
@@ -23,14 +25,21 @@ case $PART in
     [ -x "$C/old/optstate-bench" ] && run step_old 150 "$C/old/optstate-bench" "${STEP[@]}"
     run step_new2 150 optstate-bench "${STEP[@]}"
     ;;
+  fast)
+    # The first version's sync I/O is near this machine's disk floor (the disk, ~2 GB/s, is the limit
+    # of every method); a loop device over RAM shows what overlap and depth are worth on a faster one.
+    F=/dev/shm/optstate-fast.img; M=/mnt/optstate-fast
+    mkdir -p "$M" && truncate -s 40G "$F" && mkfs.ext4 -q -F -E nodiscard "$F" && mount -o loop "$F" "$M" &&
+      { cat /sys/block/loop*/queue/max_sectors_kb 2>/dev/null | head -1; df -h "$M" | tail -1; } >> "$OUTD/env-$PART.txt" &&
+      W=$M run step_fast 240 optstate-bench step --dir "$M" --state 4G --budget 2G --backend cuda --rounds 3
+    umount "$M" || { sleep 2; umount "$M"; }; rm -f "$F"
+    ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
         --host-cache-bytes 8G --durable-every 100 --rounds 5 --no-fio --no-first-version
     run sleep 60 optstate-bench sleep --dir "$W" --budget 2G --backend cuda --rounds 5
     run mount 130 optstate-bench mount --dir "$W" --state 3G --rounds 3
     run mount_mix_new1 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
-    run mount_mix_old 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3 \
-        --prefetch-files 4 --prefetch-mib 4096
     run mount_mix_new2 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
     [ -x "$C/bin/memmgr_gpu_test" ] && run gpu_test 150 memmgr_gpu_test
     ;;
