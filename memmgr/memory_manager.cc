@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "memmgr/internal/manager_impl.h"
@@ -419,6 +420,9 @@ vfs::ChunkIoOptions ManagerImpl::ChunkIoOpts() const {
   o.queue_depth = opts_.queue_depth;
   o.use_sync_engine = opts_.use_sync_io;
   o.max_sqe_bytes = opts_.max_sqe_bytes;
+  o.hash_threads = opts_.hash_threads != MemoryManagerOptions::kAutoHashThreads ? opts_.hash_threads
+                   : std::thread::hardware_concurrency() >= 8                 ? 4
+                                                                              : 0;
   for (void* b : staging_) o.registered_buffers.emplace_back(static_cast<std::byte*>(b), page_bytes_);
   return o;
 }

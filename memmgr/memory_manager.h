@@ -100,6 +100,14 @@ struct MemoryManagerOptions {
   // fields, side by side on disk) into one request. Default true. README
   // "Defaults and why".
   bool batch_submit = true;
+  // Threads that hash chunks for the manager's and StreamedAdam's chunk I/O
+  // (write checksums, read verification; vfs ChunkIoOptions::hash_threads),
+  // so that the pipeline thread only submits and reaps. kAutoHashThreads
+  // (default): 4 on machines of 8 or more cores, else 0 (the pipeline thread
+  // hashes, as on the 2-core development VM, where the CPU kernels and the
+  // kernel's I/O workers already take both cores). README "Defaults and why".
+  static constexpr uint32_t kAutoHashThreads = ~uint32_t{0};
+  uint32_t hash_threads = kAutoHashThreads;
 };
 
 struct MemoryStats {

@@ -69,6 +69,7 @@ struct StepOptions {
   uint64_t hidden = 1024;
   uint32_t durable_every = 1;
   int cpu_threads = 1;
+  uint32_t hash_threads = memmgr::MemoryManagerOptions::kAutoHashThreads;
   std::string sync_every_text = "512M";
   bool huge_pages = false;
   bool base_pages = false;
@@ -109,6 +110,7 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
                                     : memmgr::MemoryManagerOptions::StagingPages::kAuto;
   mo.max_sqe_bytes = c.max_sqe;
   mo.batch_submit = !o.no_batch_submit;
+  mo.hash_threads = o.hash_threads;
   return mo;
 }
 
@@ -670,6 +672,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--max-sqe", o->max_sqe_text,
                   "chunk I/O as parallel SQEs of at most N bytes (MemoryManagerOptions::max_sqe_bytes); "
                   "0 = one per chunk (default 0)");
+  sub->add_option("--hash-threads", o->hash_threads,
+                  "threads hashing chunks besides the pipeline's (MemoryManagerOptions::hash_threads); "
+                  "default: 4 with 8 or more cores, else 0");
   sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] {

@@ -36,6 +36,7 @@
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include "vfs/internal/chunk_hasher.h"
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_format.h"
 #include "vfs/io_buffer.h"
@@ -1307,16 +1308,22 @@ Result<uint64_t> BufferBytesFor(const Core& core, const TensorInfo* t, const Key
 class ChunkIoImpl final : public ChunkIo {
  public:
   ChunkIoImpl(std::shared_ptr<Core> core, std::shared_ptr<ViewData> view, std::unique_ptr<IoEngine> engine,
-              bool verify)
-      : core_(std::move(core)), view_(std::move(view)), engine_(std::move(engine)), verify_(verify) {}
+              bool verify, uint32_t hash_threads)
+      : core_(std::move(core)), view_(std::move(view)), engine_(std::move(engine)), verify_(verify) {
+    if (hash_threads > 0) {
+      IoEngine* e = engine_.get();
+      hasher_ = std::make_unique<internal::ChunkHasher>(hash_threads, [e] { e->Wake(); });
+    }
+  }
 
   ~ChunkIoImpl() override {
-    // Drain: the engine must not touch buffers or files after we are gone,
-    // and completed writes must reach the pending map.
+    // Drain: the engine and the hashers must not touch buffers or files after
+    // we are gone, and completed writes must reach the pending map.
     std::vector<ChunkCompletion> sink;
-    while (engine_->in_flight() > 0) {
+    while (in_flight() > 0) {
       if (!Reap(&sink, 1).ok()) break;
     }
+    hasher_.reset();  // before the engine its threads wake
   }
 
   Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag, uint64_t buf_bytes) override {
@@ -1385,7 +1392,9 @@ class ChunkIoImpl final : public ChunkIo {
       op.version.gen = core_->latest_.generation + 1;
       ++core_->writes_in_flight_;
     }
-    op.version.ext.checksum = ChunkChecksum(buf, op.version.ext.length);
+    // A big chunk is hashed by the hashers while its write is in flight.
+    const bool async_hash = hasher_ != nullptr && op.version.ext.length >= kAsyncHashMinBytes;
+    if (!async_hash) op.version.ext.checksum = ChunkChecksum(buf, op.version.ext.length);
     CrashPoint("extent.before_write");
     IoRequest r;
     r.op = IoRequest::Op::kWrite;
@@ -1401,6 +1410,10 @@ class ChunkIoImpl final : public ChunkIo {
       --core_->writes_in_flight_;
       return s.WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
     }
+    if (async_hash) {
+      op.hashing = true;
+      hasher_->Post(r.tag, buf, op.version.ext.length);
+    }
     ops_.emplace(r.tag, std::move(op));
     return Status();
   }
@@ -1412,6 +1425,7 @@ class ChunkIoImpl final : public ChunkIo {
       ready_.pop_front();
       ++got;
     }
+    if (hasher_ != nullptr) return ReapHashed(out, min_complete, got);
     if (engine_->in_flight() == 0) return Status();
     std::vector<IoCompletion> done;
     const size_t want = got >= min_complete ? 0 : std::min(min_complete - got, engine_->in_flight());
@@ -1429,7 +1443,8 @@ class ChunkIoImpl final : public ChunkIo {
     return Status();
   }
 
-  size_t in_flight() const override { return engine_->in_flight() + ready_.size(); }
+  // ops_ holds every request not handed out yet: in the engine, or hashing.
+  size_t in_flight() const override { return ops_.size() + ready_.size(); }
   void Wake() override { engine_->Wake(); }
 
  private:
@@ -1441,7 +1456,71 @@ class ChunkIoImpl final : public ChunkIo {
     Version version;
     void* buf = nullptr;
     uint64_t buf_bytes = 0;  // zeroed past the chunk's length up to here
+    // With hashers (ReapHashed): a hash job is out for this op; the I/O is
+    // done (io_status holds its result); a hash came back (sum).
+    bool hashing = false;
+    bool io_done = false;
+    Status io_status;
+    std::optional<uint64_t> sum;
   };
+
+  // Reap with hashers: a completion is handed out once its I/O and its hash
+  // (a big write's checksum, posted at submit; a big read's verification,
+  // posted when the read completes) are both done. Blocks in the engine while
+  // it has requests in flight (a hasher's result wakes it), else for a hash.
+  Status ReapHashed(std::vector<ChunkCompletion>* out, size_t min_complete, size_t got) {
+    std::vector<IoCompletion> done;
+    std::vector<internal::ChunkHasher::Result> hashed;
+    bool block = false;
+    for (;;) {
+      if (block) {
+        if (engine_->in_flight() > 0) {
+          OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 1));
+        } else {
+          hasher_->WaitForResult();
+        }
+      } else if (engine_->in_flight() > 0) {
+        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 0));
+      }
+      for (auto& c : done) {
+        auto it = ops_.find(c.tag);
+        if (it == ops_.end()) continue;
+        Op& op = it->second;
+        op.io_done = true;
+        op.io_status = std::move(c.status);
+        if (!op.write && !op.hashing && verify_ && op.io_status.ok() &&
+            op.version.ext.length >= kAsyncHashMinBytes) {
+          op.hashing = true;
+          hasher_->Post(c.tag, op.buf, op.version.ext.length);
+        }
+        if (!op.hashing) got += HandOut(it, out);
+      }
+      done.clear();
+      hasher_->Collect(&hashed);
+      for (const auto& h : hashed) {
+        auto it = ops_.find(h.tag);
+        if (it == ops_.end()) continue;
+        it->second.hashing = false;
+        it->second.sum = h.sum;
+        if (it->second.io_done) got += HandOut(it, out);
+      }
+      hashed.clear();
+      if (got >= min_complete || ops_.empty()) return Status();
+      block = true;
+    }
+  }
+
+  // Finishes a done op (I/O and any hash) and hands its completion out.
+  size_t HandOut(std::unordered_map<uint64_t, Op>::iterator it, std::vector<ChunkCompletion>* out) {
+    Op op = std::move(it->second);
+    ops_.erase(it);
+    if (op.write && op.sum) op.version.ext.checksum = *op.sum;
+    ChunkCompletion cc;
+    cc.tag = op.user_tag;
+    cc.status = Finish(op, op.io_status, &cc);
+    out->push_back(std::move(cc));
+    return 1;
+  }
 
   Status Finish(const Op& op, const Status& io, ChunkCompletion* out) {
     Core* c = core_.get();
@@ -1458,7 +1537,7 @@ class ChunkIoImpl final : public ChunkIo {
     }
     if (!io.ok()) return io.WithContext("read of " + c->Describe(&op.tensor, op.key, op.version.gen));
     if (verify_) {
-      const uint64_t sum = ChunkChecksum(op.buf, op.version.ext.length);
+      const uint64_t sum = op.sum ? *op.sum : ChunkChecksum(op.buf, op.version.ext.length);
       if (sum != op.version.ext.checksum) {
         return ChecksumMismatch(c->Describe(&op.tensor, op.key, op.version.gen), op.version.ext.checksum, sum,
                                 "", op.version.ext.file_offset);
@@ -1483,6 +1562,7 @@ class ChunkIoImpl final : public ChunkIo {
   std::unordered_map<uint64_t, Op> ops_;
   std::deque<ChunkCompletion> ready_;  // zero chunks, completed at submit
   uint64_t next_tag_ = 1;
+  std::unique_ptr<internal::ChunkHasher> hasher_;  // ChunkIoOptions::hash_threads > 0
 };
 
 }  // namespace
@@ -1504,7 +1584,7 @@ Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, 
     eo.queue_depth = opts.queue_depth;
     eo.registered_buffers = opts.registered_buffers;
     eo.max_sqe_bytes = opts.max_sqe_bytes;
-    eo.wakeable = opts.wakeable;
+    eo.wakeable = opts.wakeable || opts.hash_threads > 0;  // a hasher's result wakes Reap
     eo.defer_submit = opts.defer_submit;
     auto e = IoEngine::NewUring(eo);
     if (e.ok()) {
@@ -1519,7 +1599,8 @@ Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, 
   if (!engine) {
     OPTSTATE_ASSIGN_OR_RETURN(engine, IoEngine::NewSync(core->chunk()));
   }
-  return std::unique_ptr<ChunkIo>(new ChunkIoImpl(core, std::move(view), std::move(engine), opts.verify_reads));
+  return std::unique_ptr<ChunkIo>(new ChunkIoImpl(core, std::move(view), std::move(engine), opts.verify_reads,
+                                                   opts.hash_threads));
 }
 
 // ---------------------------------------------------------------------------

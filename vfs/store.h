@@ -196,7 +196,18 @@ struct ChunkIoOptions {
   // uses or hands out a byte of the chunk. For a reader whose I/O thread should
   // keep the disk busy rather than hash (mount/chunk_reader.cc).
   bool verify_reads = true;
+  // Threads that hash chunks of at least kAsyncHashMinBytes (writes' checksums,
+  // reads' verification) instead of the thread that calls SubmitWrite and
+  // Reap; a write is hashed while it is in flight, and a completion is handed
+  // out only once both its I/O and its hash are done. 0 (default): that
+  // thread hashes, in SubmitWrite and Reap. Makes the engine wakeable.
+  uint32_t hash_threads = 0;
 };
+
+// Chunks shorter than this are hashed on the ChunkIo's own thread even with
+// ChunkIoOptions::hash_threads: handing a few KiB to another thread costs
+// more than hashing them.
+inline constexpr uint64_t kAsyncHashMinBytes = 256 * 1024;
 
 struct ChunkCompletion {
   uint64_t tag = 0;

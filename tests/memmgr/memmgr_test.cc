@@ -20,7 +20,8 @@ struct Env {
   std::unique_ptr<vfs::Store> store;
   std::unique_ptr<MemoryManager> mm;
 
-  void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0, bool huge_page_staging = false) {
+  void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0, bool huge_page_staging = false,
+            uint32_t hash_threads = MemoryManagerOptions::kAutoHashThreads) {
     std::string p = dir.path() + "/store";
     if (create) {
       store = MUST(vfs::Store::Create(p, TestStoreOptions()));
@@ -31,6 +32,7 @@ struct Env {
     o.host_cache_bytes = host_cache_bytes;
     o.staging_pages = huge_page_staging ? MemoryManagerOptions::StagingPages::kHuge
                                         : MemoryManagerOptions::StagingPages::kBase;
+    o.hash_threads = hash_threads;
     mm = MUST(MemoryManager::Create(store.get(), o));
   }
   void Close() {
@@ -451,11 +453,12 @@ uint64_t StateBytes(const std::vector<ParamDef>& defs) {
   return b;
 }
 
-// Ten steps through a one-slice budget; staging in base or huge pages.
-void TenStepsUnderTinyBudget(bool huge_page_staging) {
+// Ten steps through a one-slice budget; staging in base or huge pages;
+// chunks hashed by the pipeline's thread or by hash_threads of their own.
+void TenStepsUnderTinyBudget(bool huge_page_staging, uint32_t hash_threads = 0) {
   Env env;
   const uint64_t budget = 3 * kChunk;  // one slice
-  env.Open(budget, true, 0, huge_page_staging);
+  env.Open(budget, true, 0, huge_page_staging, hash_threads);
   std::vector<ParamDef> defs = BigMix();
   ASSERT_GE(StateBytes(defs), 50 * budget) << "state must be >= 50x the budget";
   StreamedAdamOptions so;
@@ -499,6 +502,11 @@ void TenStepsUnderTinyBudget(bool huge_page_staging) {
   EXPECT_EQ(gen.groups[1].step_count, 10u);
   EXPECT_DOUBLE_EQ(gen.groups[1].hyper.at("lr"), 3e-3);
   EXPECT_DOUBLE_EQ(gen.groups[1].hyper.at("adamw"), 0.0);
+  // Every published checksum is that of the bytes on disk (the hashers hash
+  // a written chunk while its write is in flight).
+  auto rep = MUST(env.store->Verify());
+  EXPECT_TRUE(rep.ok()) << (rep.problems.empty() ? "leaked slots" : rep.problems[0]);
+  EXPECT_GT(rep.chunks_checked, 3 * defs.size());
 }
 
 TEST(StreamedAdam, TenStepsUnderTinyBudgetEqualResidentKernelBitForBit) {
@@ -511,6 +519,14 @@ TEST(StreamedAdam, TenStepsUnderTinyBudgetEqualResidentKernelBitForBit) {
 TEST(StreamedAdam, HugePageStagingStepsEqualResidentKernelBitForBit) {
   MEMMGR_REQUIRE_BACKEND();
   TenStepsUnderTinyBudget(true);
+}
+
+// MemoryManagerOptions::hash_threads: the chunks' checksums and read
+// verification on threads of their own give the same state, bit for bit, and
+// checksums that match the disk.
+TEST(StreamedAdam, HashThreadsStepsEqualResidentKernelBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  TenStepsUnderTinyBudget(false, 3);
 }
 
 // A trainer's mix alternates small tensors (norms, biases) with big ones. The

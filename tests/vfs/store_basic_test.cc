@@ -9,6 +9,7 @@
 #include <iterator>
 #include <map>
 #include <numeric>
+#include <set>
 
 #include <gtest/gtest.h>
 #include <xxhash.h>
@@ -722,6 +723,110 @@ TEST(StoreTest, FlippedByteIsCorruptionNamingTheChunk) {
     EXPECT_TRUE(v.IsCorruption()) << v.ToString();
     for (const char* part : {"layers.3.mlp", "exp_avg", "chunk 2", "generation 1", "checksum mismatch"}) {
       EXPECT_NE(v.message().find(part), std::string::npos) << part << " missing from: " << v.message();
+    }
+  }
+}
+
+// ChunkIoOptions::hash_threads: big chunks are hashed off the caller's thread
+// (a write while it is in flight, a read once it landed), small ones on it.
+// What a bug breaks: a checksum of the wrong bytes fails Verify; a read handed
+// out before its check lets a flipped byte through; a lost wake hangs Reap.
+TEST(StoreTest, HashThreadsChecksumWritesAndVerifyReadsOffTheCallersThread) {
+  for (const bool sync_engine : {false, true}) {
+    SCOPED_TRACE(sync_engine ? "sync engine" : "io_uring");
+    TempDir dir;
+    auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+    const uint64_t q = kTestChunk / 4;
+    std::vector<TensorInfo> tensors;
+    for (const auto& [name, numel] : std::vector<std::pair<std::string, uint64_t>>{
+             {"big", 5 * q + 777}, {"norm", 1000}, {"quarter", q / 4 + 1}}) {
+      TensorSpec spec;
+      spec.name = name;
+      spec.numel = numel;
+      tensors.push_back(Unwrap(s->CreateTensor(spec)));
+    }
+    ChunkIoOptions o;
+    o.hash_threads = 3;
+    o.use_sync_engine = sync_engine;
+    std::vector<ChunkRef> refs;
+    for (const TensorInfo& t : tensors) {
+      for (uint32_t f = 0; f < 3; ++f) {
+        for (uint64_t c = 0; c < s->ChunkCount(t, f); ++c) refs.push_back(ChunkRef{t.id, f, c});
+      }
+    }
+    std::vector<std::unique_ptr<Buf>> bufs;
+    {
+      auto io = Unwrap(s->NewChunkIo(o));
+      for (size_t i = 0; i < refs.size(); ++i) {
+        bufs.push_back(std::make_unique<Buf>(kTestChunk));
+        FillPattern(bufs.back()->data(), kTestChunk,
+                    store_testing::ChunkSeed(1, refs[i].tensor_id, refs[i].field, refs[i].index));
+        ASSERT_OK(io->SubmitWrite(refs[i], bufs.back()->data(), i));
+      }
+      std::vector<ChunkCompletion> done;
+      ASSERT_OK(io->Reap(&done, refs.size()));  // all of them in one call
+      ASSERT_EQ(done.size(), refs.size());
+      std::set<uint64_t> tags;
+      for (const ChunkCompletion& c : done) {
+        ASSERT_OK(c.status);
+        tags.insert(c.tag);
+      }
+      EXPECT_EQ(tags.size(), refs.size());
+      EXPECT_EQ(io->in_flight(), 0u);
+    }
+    ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+    auto rep = Unwrap(s->Verify());
+    ASSERT_TRUE(rep.ok()) << (rep.problems.empty() ? "leaked slots" : rep.problems[0]);
+    EXPECT_EQ(rep.chunks_checked, refs.size());
+    // Read back with verification on the hashers.
+    {
+      auto io = Unwrap(s->NewChunkIo(o));
+      for (size_t i = 0; i < refs.size(); ++i) {
+        std::memset(bufs[i]->data(), 0xAB, kTestChunk);
+        ASSERT_OK(io->SubmitRead(refs[i], bufs[i]->data(), i));
+      }
+      std::vector<ChunkCompletion> done;
+      while (done.size() < refs.size()) ASSERT_OK(io->Reap(&done, 1));
+      EXPECT_EQ(io->in_flight(), 0u);
+      for (const ChunkCompletion& c : done) {
+        ASSERT_OK(c.status);
+        const ChunkRef& r = refs[c.tag];
+        const TensorInfo& t = *std::find_if(tensors.begin(), tensors.end(),
+                                            [&](const TensorInfo& x) { return x.id == r.tensor_id; });
+        const uint64_t len = std::min(kTestChunk, t.field_bytes(r.field) - r.index * kTestChunk);
+        auto want = Expected(len, store_testing::ChunkSeed(1, r.tensor_id, r.field, r.index));
+        EXPECT_EQ(0, std::memcmp(bufs[c.tag]->data(), want.data(), len)) << t.name << " chunk " << r.index;
+      }
+    }
+    // A flipped byte in big's exp_avg_sq chunk 3 fails that read alone, named.
+    auto v = Unwrap(s->OpenGeneration(1));
+    const ChunkInfo info = Unwrap(v->Chunk(ChunkRef{tensors[0].id, 2, 3}));
+    const std::string file = s->identity().data_dirs[info.data_dir] + "/" + s->identity().uuid + ".chunks";
+    {
+      int fd = ::open(file.c_str(), O_RDWR);
+      ASSERT_GE(fd, 0);
+      uint8_t b;
+      ASSERT_EQ(::pread(fd, &b, 1, info.file_offset + 777), 1);
+      b ^= 0x01;
+      ASSERT_EQ(::pwrite(fd, &b, 1, info.file_offset + 777), 1);
+      ::fsync(fd);
+      ::close(fd);
+    }
+    auto io = Unwrap(v->NewChunkIo(o));
+    ASSERT_OK(io->SubmitRead(ChunkRef{tensors[0].id, 2, 3}, bufs[0]->data(), 1));
+    ASSERT_OK(io->SubmitRead(ChunkRef{tensors[0].id, 2, 2}, bufs[1]->data(), 2));
+    std::vector<ChunkCompletion> done;
+    ASSERT_OK(io->Reap(&done, 2));
+    ASSERT_EQ(done.size(), 2u);
+    for (const ChunkCompletion& c : done) {
+      if (c.tag == 2) {
+        EXPECT_TRUE(c.status.ok()) << c.status.ToString();
+        continue;
+      }
+      EXPECT_TRUE(c.status.IsCorruption()) << c.status.ToString();
+      for (const char* part : {"big", "exp_avg_sq", "chunk 3", "generation 1", "checksum mismatch"}) {
+        EXPECT_NE(c.status.message().find(part), std::string::npos) << part << " missing from: " << c.status.message();
+      }
     }
   }
 }
