@@ -655,6 +655,20 @@ TEST(StoreTest, ReaderNeverSeesAnOlderStateAfterTheWriterReopens) {
   EXPECT_EQ(ReadRetainedFile(dir / "s"), std::vector<uint64_t>{latest});
 }
 
+// Flips bits `mask` of byte `at` of a chunk's extent in its data file (a
+// disk's silent corruption, under the store).
+void FlipByteOnDisk(const Store& s, const ChunkInfo& info, uint64_t at, uint8_t mask) {
+  const std::string file = s.identity().data_dirs[info.data_dir] + "/" + s.identity().uuid + ".chunks";
+  int fd = ::open(file.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << file;
+  uint8_t b;
+  ASSERT_EQ(::pread(fd, &b, 1, info.file_offset + at), 1);
+  b ^= mask;
+  ASSERT_EQ(::pwrite(fd, &b, 1, info.file_offset + at), 1);
+  ::fsync(fd);
+  ::close(fd);
+}
+
 TEST(StoreTest, FlippedByteIsCorruptionNamingTheChunk) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
@@ -672,17 +686,7 @@ TEST(StoreTest, FlippedByteIsCorruptionNamingTheChunk) {
   }
   ASSERT_FALSE(info.zero);
   EXPECT_EQ(info.written_generation, 1u);
-  const std::string file = s->identity().data_dirs[info.data_dir] + "/" + s->identity().uuid + ".chunks";
-  {
-    int fd = ::open(file.c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    uint8_t b;
-    ASSERT_EQ(::pread(fd, &b, 1, info.file_offset + 12345), 1);
-    b ^= 0x10;
-    ASSERT_EQ(::pwrite(fd, &b, 1, info.file_offset + 12345), 1);
-    ::fsync(fd);
-    ::close(fd);
-  }
+  ASSERT_NO_FATAL_FAILURE(FlipByteOnDisk(*s, info, 12345, 0x10));
   Status r = s->ReadChunk(ChunkRef{t.id, 1, 2}, buf.data());
   EXPECT_TRUE(r.IsCorruption()) << r.ToString();
   for (const char* part : {"layers.3.mlp", "exp_avg", "chunk 2", "generation 1"}) {
@@ -801,17 +805,7 @@ TEST(StoreTest, HashThreadsChecksumWritesAndVerifyReadsOffTheCallersThread) {
     // A flipped byte in big's exp_avg_sq chunk 3 fails that read alone, named.
     auto v = Unwrap(s->OpenGeneration(1));
     const ChunkInfo info = Unwrap(v->Chunk(ChunkRef{tensors[0].id, 2, 3}));
-    const std::string file = s->identity().data_dirs[info.data_dir] + "/" + s->identity().uuid + ".chunks";
-    {
-      int fd = ::open(file.c_str(), O_RDWR);
-      ASSERT_GE(fd, 0);
-      uint8_t b;
-      ASSERT_EQ(::pread(fd, &b, 1, info.file_offset + 777), 1);
-      b ^= 0x01;
-      ASSERT_EQ(::pwrite(fd, &b, 1, info.file_offset + 777), 1);
-      ::fsync(fd);
-      ::close(fd);
-    }
+    ASSERT_NO_FATAL_FAILURE(FlipByteOnDisk(*s, info, 777, 0x01));
     auto io = Unwrap(v->NewChunkIo(o));
     ASSERT_OK(io->SubmitRead(ChunkRef{tensors[0].id, 2, 3}, bufs[0]->data(), 1));
     ASSERT_OK(io->SubmitRead(ChunkRef{tensors[0].id, 2, 2}, bufs[1]->data(), 2));
