@@ -1418,6 +1418,10 @@ class ChunkIoImpl final : public ChunkIo {
     return Status();
   }
 
+  // A completion is handed out once its I/O and, with hashers, its hash (a
+  // big write's checksum, posted at submit; a big read's verification, posted
+  // here when the read lands) are both done. Waits in the engine while it has
+  // requests in flight (a hasher's result wakes it), else for a hash.
   Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) override {
     size_t got = 0;
     while (!ready_.empty()) {
@@ -1425,22 +1429,19 @@ class ChunkIoImpl final : public ChunkIo {
       ready_.pop_front();
       ++got;
     }
-    if (hasher_ != nullptr) return ReapHashed(out, min_complete, got);
-    if (engine_->in_flight() == 0) return Status();
     std::vector<IoCompletion> done;
-    const size_t want = got >= min_complete ? 0 : std::min(min_complete - got, engine_->in_flight());
-    OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, want));
-    for (auto& c : done) {
-      auto it = ops_.find(c.tag);
-      if (it == ops_.end()) continue;
-      Op op = std::move(it->second);
-      ops_.erase(it);
-      ChunkCompletion cc;
-      cc.tag = op.user_tag;
-      cc.status = Finish(op, c.status, &cc);
-      out->push_back(std::move(cc));
+    for (;;) {
+      got += CollectHashes(out);
+      if (const size_t n = engine_->in_flight(); n > 0) {
+        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, got >= min_complete ? 0 : std::min(min_complete - got, n)));
+        for (auto& c : done) got += OnIoDone(c, out);
+        done.clear();
+      } else if (got < min_complete && hasher_ != nullptr && !ops_.empty()) {
+        hasher_->WaitForResult();  // everything left is hashing
+        continue;
+      }
+      if (got >= min_complete || ops_.empty()) return Status();
     }
-    return Status();
   }
 
   // ops_ holds every request not handed out yet: in the engine, or hashing.
@@ -1456,62 +1457,54 @@ class ChunkIoImpl final : public ChunkIo {
     Version version;
     void* buf = nullptr;
     uint64_t buf_bytes = 0;  // zeroed past the chunk's length up to here
-    // With hashers (ReapHashed): a hash job is out for this op; the I/O is
-    // done (io_status holds its result); a hash came back (sum).
+    // A hash job is out for this op (hashers only); the I/O is done
+    // (io_status holds its result); a hash came back (sum).
     bool hashing = false;
     bool io_done = false;
     Status io_status;
     std::optional<uint64_t> sum;
   };
 
-  // Reap with hashers: a completion is handed out once its I/O and its hash
-  // (a big write's checksum, posted at submit; a big read's verification,
-  // posted when the read completes) are both done. Blocks in the engine while
-  // it has requests in flight (a hasher's result wakes it), else for a hash.
-  Status ReapHashed(std::vector<ChunkCompletion>* out, size_t min_complete, size_t got) {
-    std::vector<IoCompletion> done;
-    std::vector<internal::ChunkHasher::Result> hashed;
-    bool block = false;
-    for (;;) {
-      if (block) {
-        if (engine_->in_flight() > 0) {
-          OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 1));
-        } else {
-          hasher_->WaitForResult();
-        }
-      } else if (engine_->in_flight() > 0) {
-        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 0));
-      }
-      for (auto& c : done) {
-        auto it = ops_.find(c.tag);
-        if (it == ops_.end()) continue;
-        Op& op = it->second;
-        op.io_done = true;
-        op.io_status = std::move(c.status);
-        if (!op.write && !op.hashing && verify_ && op.io_status.ok() &&
-            op.version.ext.length >= kAsyncHashMinBytes) {
-          op.hashing = true;
-          hasher_->Post(c.tag, op.buf, op.version.ext.length);
-        }
-        if (!op.hashing) got += HandOut(it, out);
-      }
-      done.clear();
-      hasher_->Collect(&hashed);
-      for (const auto& h : hashed) {
-        auto it = ops_.find(h.tag);
-        if (it == ops_.end()) continue;
-        it->second.hashing = false;
-        it->second.sum = h.sum;
-        if (it->second.io_done) got += HandOut(it, out);
-      }
-      hashed.clear();
-      if (got >= min_complete || ops_.empty()) return Status();
-      block = true;
+  // The engine finished op c.tag: hands it out, or first posts its
+  // verification (a big read) or waits for the hash posted at submit (a big
+  // write). Returns the completions handed out (0 or 1).
+  size_t OnIoDone(IoCompletion& c, std::vector<ChunkCompletion>* out) {
+    auto it = ops_.find(c.tag);
+    if (it == ops_.end()) return 0;
+    Op& op = it->second;
+    op.io_done = true;
+    op.io_status = std::move(c.status);
+    if (hasher_ != nullptr && !op.write && verify_ && op.io_status.ok() &&
+        op.version.ext.length >= kAsyncHashMinBytes) {
+      op.hashing = true;
+      hasher_->Post(c.tag, op.buf, op.version.ext.length);
     }
+    if (op.hashing) return 0;
+    HandOut(it, out);
+    return 1;
+  }
+
+  // Takes the hashers' results; hands out the ops whose I/O is done too.
+  size_t CollectHashes(std::vector<ChunkCompletion>* out) {
+    if (hasher_ == nullptr) return 0;
+    hashed_.clear();
+    hasher_->Collect(&hashed_);
+    size_t n = 0;
+    for (const auto& h : hashed_) {
+      auto it = ops_.find(h.tag);
+      if (it == ops_.end()) continue;
+      it->second.hashing = false;
+      it->second.sum = h.sum;
+      if (it->second.io_done) {
+        HandOut(it, out);
+        ++n;
+      }
+    }
+    return n;
   }
 
   // Finishes a done op (I/O and any hash) and hands its completion out.
-  size_t HandOut(std::unordered_map<uint64_t, Op>::iterator it, std::vector<ChunkCompletion>* out) {
+  void HandOut(std::unordered_map<uint64_t, Op>::iterator it, std::vector<ChunkCompletion>* out) {
     Op op = std::move(it->second);
     ops_.erase(it);
     if (op.write && op.sum) op.version.ext.checksum = *op.sum;
@@ -1519,7 +1512,6 @@ class ChunkIoImpl final : public ChunkIo {
     cc.tag = op.user_tag;
     cc.status = Finish(op, op.io_status, &cc);
     out->push_back(std::move(cc));
-    return 1;
   }
 
   Status Finish(const Op& op, const Status& io, ChunkCompletion* out) {
@@ -1563,6 +1555,7 @@ class ChunkIoImpl final : public ChunkIo {
   std::deque<ChunkCompletion> ready_;  // zero chunks, completed at submit
   uint64_t next_tag_ = 1;
   std::unique_ptr<internal::ChunkHasher> hasher_;  // ChunkIoOptions::hash_threads > 0
+  std::vector<internal::ChunkHasher::Result> hashed_;  // CollectHashes' scratch
 };
 
 }  // namespace

@@ -28,12 +28,10 @@ void ChunkHasher::Post(uint64_t tag, const void* buf, uint64_t len) {
   work_cv_.notify_one();
 }
 
-size_t ChunkHasher::Collect(std::vector<Result>* out) {
+void ChunkHasher::Collect(std::vector<Result>* out) {
   std::lock_guard<std::mutex> l(mu_);
-  const size_t n = results_.size();
   out->insert(out->end(), results_.begin(), results_.end());
   results_.clear();
-  return n;
 }
 
 void ChunkHasher::WaitForResult() {

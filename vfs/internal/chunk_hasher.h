@@ -44,8 +44,8 @@ class ChunkHasher {
   ChunkHasher& operator=(const ChunkHasher&) = delete;
 
   void Post(uint64_t tag, const void* buf, uint64_t len);
-  // Appends every finished result to *out; returns how many.
-  size_t Collect(std::vector<Result>* out);
+  // Appends every finished result to *out.
+  void Collect(std::vector<Result>* out);
   // Blocks until a result is there to collect. REQUIRES: a posted job whose
   // result was not collected yet.
   void WaitForResult();
