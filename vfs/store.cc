@@ -1439,6 +1439,8 @@ class ChunkIoImpl final : public ChunkIo {
       } else if (got < min_complete && hasher_ != nullptr && !ops_.empty()) {
         hasher_->WaitForResult();  // everything left is hashing
         continue;
+      } else {
+        return Status();  // nothing in flight, nothing to wait for
       }
       if (got >= min_complete || ops_.empty()) return Status();
     }

@@ -4,7 +4,8 @@
 # file under SRC in tree order with read(2) of st_blksize (as optstate-bench
 # mount's read pass does) or runs `cp -r SRC DEST` (DEST removed after), while
 # a thread samples /sys/block/DEV/inflight every 0.5 ms. Prints the time, the
-# mean depth, and how long nothing was in flight, by the file being read.
+# mean depth, and how long nothing was in flight, by the file being read: the
+# split by file that optstate-bench mount's "disk busy" column does not give.
 #   python3 tools/device/disk_timeline.py /mnt/optstate/s/snapshots/x vda [DEST]
 # Root only (drop_caches). By hand, on the benchmark machines; not a test.
 import os, shutil, subprocess, sys, threading, time
@@ -25,29 +26,29 @@ for root, dirs, names in os.walk(src):
 if not os.environ.get("NODROP"): os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
 t = threading.Thread(target=sampler); t.start()
 time.sleep(0.05)
-log = []
+log = []  # (path, start, end, bytes) per file read; one entry for a whole cp -r
 t0 = time.perf_counter()
 if cp_dest:
     subprocess.run(["cp", "-r", src, cp_dest], check=True)
-    t1 = time.perf_counter()
     n = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(cp_dest) for f in fs)
-    log = [(src, t0, t1, n)]
-for p in ([] if cp_dest else files):
-    a = time.perf_counter()
-    fd = os.open(p, os.O_RDONLY); n = 0
-    bs = os.fstat(fd).st_blksize
-    while True:
-        b = os.read(fd, bs)
-        if not b: break
-        n += len(b)
-    os.close(fd)
-    log.append((p, a, time.perf_counter(), n))
-if not cp_dest: t1 = time.perf_counter()
+    log = [(src, t0, time.perf_counter(), n)]
+else:
+    for p in files:
+        a = time.perf_counter()
+        fd = os.open(p, os.O_RDONLY); n = 0
+        bs = os.fstat(fd).st_blksize
+        while True:
+            b = os.read(fd, bs)
+            if not b: break
+            n += len(b)
+        os.close(fd)
+        log.append((p, a, time.perf_counter(), n))
+t1 = log[-1][2]
 time.sleep(0.05); stop = True; t.join()
 tot = sum(x[3] for x in log)
 print(f"{'cp -r' if cp_dest else 'read'} {tot/2**30:.2f} GiB in {t1-t0:.3f} s = {tot/(t1-t0)/1e9:.2f} GB/s, {len(files)} files")
-# idle (0 in flight) time, by phase
-idle = {}; busy = 0.0; depth_sum = 0.0; tt = 0.0
+# idle (0 in flight) time, by the file being read
+idle = {}; depth_sum = 0.0; tt = 0.0
 j = 0
 for (ta, ra), (tb, _) in zip(samples, samples[1:]):
     if ta < t0 or ta > t1: continue
