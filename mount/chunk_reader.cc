@@ -86,13 +86,16 @@ std::string ReadStats::Summary() const {
   return fmt::format("{} reads ({:.2f} GiB), {} waited for a chunk to load ({:.3f} s in all), "
                      "{:.0f} us per read in the daemon, "
                      "{} chunks loaded, {} copied across a chunk boundary, {} opens ({} prefetched), "
-                     "{} lookups, {} getattrs, {} files pushed into the page cache ({:.2f} GiB)",
+                     "{} lookups, {} names listed as nodes, {} getattrs, "
+                     "{} files pushed into the page cache ({:.2f} GiB), "
+                     "{:.2f} GiB filled into state.safetensors",
                      n, static_cast<double>(bytes.load()) / (1ull << 30), waited.load(),
                      static_cast<double>(wait_ns.load()) * 1e-9,
                      n == 0 ? 0.0 : static_cast<double>(serve_ns.load()) * 1e-3 / static_cast<double>(n),
                      chunks_loaded.load(), bounced.load(),
-                     opens.load(), prefetched.load(), lookups.load(), getattrs.load(), pushes.load(),
-                     static_cast<double>(pushed_bytes.load()) / (1ull << 30));
+                     opens.load(), prefetched.load(), lookups.load(), listed.load(), getattrs.load(), pushes.load(),
+                     static_cast<double>(pushed_bytes.load()) / (1ull << 30),
+                     static_cast<double>(filled_bytes.load()) / (1ull << 30));
 }
 
 // ---- ChunkReader ------------------------------------------------------------

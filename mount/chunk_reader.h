@@ -118,13 +118,16 @@ struct ReadStats {
   std::atomic<uint64_t> opens{0};          // files opened (with chunks to read)
   std::atomic<uint64_t> prefetched{0};     // ... that found a reader the Prefetcher had opened
   std::atomic<uint64_t> lookups{0};        // FUSE LOOKUPs (path components the kernel did not cache)
+  std::atomic<uint64_t> listed{0};         // names READDIRPLUS gave the kernel as nodes (no LOOKUP follows)
   std::atomic<uint64_t> getattrs{0};       // FUSE GETATTRs
   std::atomic<uint64_t> pushes{0};         // files a CachePusher filled the page cache of
   std::atomic<uint64_t> pushed_bytes{0};   // ... bytes it stored there
+  std::atomic<uint64_t> filled_bytes{0};   // bytes stored into state.safetensors from field files' reads
 
   // "N reads (X GiB), W waited for a chunk (T s in all), S us per read in the
   // daemon, C chunks loaded, B copied across a chunk boundary, O opens (P
-  // prefetched), L lookups, G getattrs, F files pushed into the page cache (Y GiB)"
+  // prefetched), L lookups, D names listed as nodes, G getattrs, F files
+  // pushed into the page cache (Y GiB), Z GiB filled into state.safetensors"
   std::string Summary() const;
 };
 

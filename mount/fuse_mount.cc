@@ -11,12 +11,15 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <bitset>
 #include <chrono>
 #include <climits>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -112,14 +115,162 @@ struct Context {
   // the map); an entry goes at its last forget.
   std::mutex mu;
   std::unordered_map<fuse_ino_t, NodeRef> nodes;  // guarded by mu
+  // What the fills of each state.safetensors node the kernel holds share (an
+  // entry goes when the node does).
+  std::unordered_map<fuse_ino_t, std::shared_ptr<struct SafetensorsPages>> safetensors_pages;  // guarded by mu
   std::shared_ptr<PushGate> push_gate;
 };
 
-// An open file: its reader and, for a file read through the page cache, what
-// fills the page cache ahead of a sequential reader (null for direct_io
-// files and small ones, which one READ reads whole). The pusher goes first.
+// The fill of one state.safetensors node: whether its header pages went in,
+// and the pages that two field files share (a field whose size is not a whole
+// number of pages ends inside one), assembled until both halves came.
+struct SafetensorsPages {
+  static constexpr uint64_t kPage = CachePusher::kPageBytes;
+  // Pages left half filled (a field file read only in part) are dropped,
+  // lowest first, beyond this many.
+  static constexpr size_t kMaxPartialPages = 256;
+  struct Partial {
+    std::bitset<kPage> have;
+    char bytes[kPage];
+  };
+  std::mutex mu;
+  bool header_stored = false;                               // guarded by mu
+  std::map<uint64_t, std::unique_ptr<Partial>> partial;     // page index -> bytes so far; guarded by mu
+};
+
+// Fills state.safetensors' page cache from one field file's bytes as the
+// kernel gets them (MountOptions::fill_safetensors): every range the field
+// file's READs and CachePusher hand the kernel is stored again at its place in
+// state.safetensors, and once per node the header pages from the layout's
+// memory. A `cp -r` of a generation directory reads tensors/ before
+// state.safetensors (GenerationDirNames), so state.safetensors is then read
+// from memory, not from the disk a second time: the two views hold the same
+// bytes. The kernel marks a page up to date only when one store fills it whole
+// (or up to EOF), so a page that two fields share is assembled in
+// SafetensorsPages until both halves came. It needs the kernel to hold
+// state.safetensors' node: a READDIRPLUS of the generation directory (cp's
+// listing) gives it; without one the fill stops at its first store. A store
+// that fails stops this file's fill; the kernel READs what is missing, as
+// without a fill. Thread-safe.
+class SafetensorsFill {
+ public:
+  SafetensorsFill(std::shared_ptr<PushGate> gate, Context* c, fuse_ino_t st_ino, uint64_t base,
+                  uint64_t field_bytes, uint64_t st_bytes, const std::string* header)
+      : gate_(std::move(gate)), ctx_(c), st_ino_(st_ino), base_(base), field_bytes_(field_bytes),
+        st_bytes_(st_bytes), header_(header) {}
+
+  // The kernel got the bytes of iov at `offset` of the field file.
+  void Store(uint64_t offset, std::span<const iovec> iov) {
+    if (stopped_.load(std::memory_order_relaxed) || offset >= field_bytes_) return;
+    uint64_t len = 0;
+    for (const iovec& v : iov) len += v.iov_len;
+    len = std::min(len, field_bytes_ - offset);
+    std::shared_ptr<SafetensorsPages> pages = Pages();
+    if (pages == nullptr || len == 0 || !StoreHeader(pages.get())) return;
+    // [s, e) in state.safetensors; whole pages [ps, pe) go straight in.
+    const uint64_t s = base_ + offset, e = s + len;
+    const uint64_t ps = (s + kPage - 1) / kPage * kPage;
+    const uint64_t pe = e == st_bytes_ ? e : e / kPage * kPage;
+    if (ps < pe) {
+      std::vector<iovec> cut = Slice(iov, ps - s, pe - ps);
+      if (!Check(gate_->Store(st_ino_, ps, cut))) return;
+      ctx_->stats.filled_bytes.fetch_add(pe - ps, std::memory_order_relaxed);
+    }
+    if (s < ps) Assemble(pages.get(), iov, s, std::min(e, ps), s);
+    if (pe < e && pe >= ps) Assemble(pages.get(), iov, pe, e, s);
+  }
+
+ private:
+  static constexpr uint64_t kPage = SafetensorsPages::kPage;
+
+  // This node's shared state, or null (and the fill stops) when the kernel
+  // does not hold it.
+  std::shared_ptr<SafetensorsPages> Pages() {
+    std::lock_guard<std::mutex> l(ctx_->mu);
+    if (!ctx_->nodes.count(st_ino_)) {
+      stopped_.store(true, std::memory_order_relaxed);
+      return nullptr;
+    }
+    std::shared_ptr<SafetensorsPages>& p = ctx_->safetensors_pages[st_ino_];
+    if (p == nullptr) p = std::make_shared<SafetensorsPages>();
+    return p;
+  }
+  bool StoreHeader(SafetensorsPages* pages) {
+    {
+      std::lock_guard<std::mutex> l(pages->mu);
+      if (pages->header_stored) return true;
+      pages->header_stored = true;
+    }
+    const iovec v{const_cast<char*>(header_->data()), header_->size()};  // whole pages: padded to one
+    return Check(gate_->Store(st_ino_, 0, std::span<const iovec>(&v, 1)));
+  }
+  // [a, b) of state.safetensors, inside one page, from iov (whose byte 0 is
+  // at s): into that page's partial copy; stores the page once it is whole.
+  void Assemble(SafetensorsPages* pages, std::span<const iovec> iov, uint64_t a, uint64_t b, uint64_t s) {
+    const uint64_t page = a / kPage, start = page * kPage;
+    const uint64_t want = std::min(kPage, st_bytes_ - start);  // the last page ends at EOF
+    char whole[kPage];
+    {
+      std::lock_guard<std::mutex> l(pages->mu);
+      std::unique_ptr<SafetensorsPages::Partial>& p = pages->partial[page];
+      if (p == nullptr) p = std::make_unique<SafetensorsPages::Partial>();
+      uint64_t at = a;
+      for (const iovec& v : Slice(iov, a - s, b - a)) {
+        std::memcpy(p->bytes + (at - start), v.iov_base, v.iov_len);
+        for (uint64_t i = at - start; i < at - start + v.iov_len; ++i) p->have.set(i);
+        at += v.iov_len;
+      }
+      if (p->have.count() < want) {
+        while (pages->partial.size() > SafetensorsPages::kMaxPartialPages) pages->partial.erase(pages->partial.begin());
+        return;
+      }
+      std::memcpy(whole, p->bytes, want);
+      pages->partial.erase(page);
+    }
+    const iovec v{whole, want};
+    if (Check(gate_->Store(st_ino_, start, std::span<const iovec>(&v, 1)))) {
+      ctx_->stats.filled_bytes.fetch_add(want, std::memory_order_relaxed);
+    }
+  }
+  // The bytes [from, from + n) of iov, as iovecs into it.
+  static std::vector<iovec> Slice(std::span<const iovec> iov, uint64_t from, uint64_t n) {
+    std::vector<iovec> out;
+    for (const iovec& v : iov) {
+      if (n == 0) break;
+      if (from >= v.iov_len) {
+        from -= v.iov_len;
+        continue;
+      }
+      const uint64_t take = std::min<uint64_t>(n, v.iov_len - from);
+      out.push_back({static_cast<char*>(v.iov_base) + from, take});
+      from = 0;
+      n -= take;
+    }
+    return out;
+  }
+  // rc of a store: false and the fill stops unless it is 0.
+  bool Check(int rc) {
+    if (rc == 0) return true;
+    if (!stopped_.exchange(true, std::memory_order_relaxed)) {
+      OPTSTATE_LOG_DEBUG("optstate-mount: state.safetensors fill from its bytes {}..{} stops: {}", base_,
+                         base_ + field_bytes_, std::strerror(-rc));
+    }
+    return false;
+  }
+
+  const std::shared_ptr<PushGate> gate_;
+  Context* const ctx_;
+  const fuse_ino_t st_ino_;
+  const uint64_t base_;         // where byte 0 of the field lies in state.safetensors
+  const uint64_t field_bytes_;
+  const uint64_t st_bytes_;     // state.safetensors' size
+  const std::string* const header_;  // the layout's; the handle's reader holds the generation
+  std::atomic<bool> stopped_{false};
+};
+
 struct FileHandle {
   std::shared_ptr<ChunkReader> reader;
+  std::shared_ptr<SafetensorsFill> fill;  // a field file's, or null
   std::unique_ptr<CachePusher> pusher;
 };
 
@@ -374,6 +525,37 @@ void OpInit(void* userdata, struct fuse_conn_info* conn) {
   }
 }
 
+// The entry (node id, attributes, timeouts) of node n at path.
+void EntryOf(const Context& c, const std::string& path, const Node& n, struct fuse_entry_param* e) {
+  std::memset(e, 0, sizeof(*e));
+  e->ino = NodeIdOf(path, n.gen != nullptr ? n.gen->generation() : 0);
+  FillStat(path, n, c.tree->options().st_blksize_bytes, &e->attr);
+  e->attr_timeout = AttrTimeoutS(n);
+  e->entry_timeout = EntryTimeoutS(c, n);
+}
+
+// Counts one more kernel lookup of node id ino (n at path), as a LOOKUP reply
+// or a READDIRPLUS entry gives the kernel. False (and nothing counted) if ino
+// already names another path.
+bool Hold(Context* c, fuse_ino_t ino, const std::string& path, const Node& n) {
+  const uint64_t generation = n.gen != nullptr ? n.gen->generation() : 0;
+  std::lock_guard<std::mutex> l(c->mu);
+  auto [it, inserted] = c->nodes.try_emplace(ino);
+  NodeRef& r = it->second;
+  if (inserted) {
+    r.path = path;
+    r.generation = generation;
+    r.rel = n.rel;
+    r.gen = n.gen;
+  } else if (r.path != path || r.generation != generation) {
+    OPTSTATE_LOG_ERROR("optstate-mount: node id collision: {} (generation {}) and {} (generation {})", r.path,
+                       r.generation, path, generation);
+    return false;
+  }
+  ++r.nlookup;
+  return true;
+}
+
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Context* c = Ctx(req);
   c->stats.lookups.fetch_add(1, std::memory_order_relaxed);
@@ -389,28 +571,8 @@ void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   }();
   if (!n.ok()) return ReplyStatus(req, n.status());
   struct fuse_entry_param e;
-  std::memset(&e, 0, sizeof(e));
-  const uint64_t generation = n->gen != nullptr ? n->gen->generation() : 0;
-  e.ino = NodeIdOf(path, generation);
-  FillStat(path, *n, c->tree->options().st_blksize_bytes, &e.attr);
-  e.attr_timeout = AttrTimeoutS(*n);
-  e.entry_timeout = EntryTimeoutS(*c, *n);
-  {
-    std::lock_guard<std::mutex> l(c->mu);
-    auto [it, inserted] = c->nodes.try_emplace(e.ino);
-    NodeRef& r = it->second;
-    if (inserted) {
-      r.path = path;
-      r.generation = generation;
-      r.rel = n->rel;
-      r.gen = n->gen;
-    } else if (r.path != path || r.generation != generation) {
-      OPTSTATE_LOG_ERROR("optstate-mount: node id collision: {} (generation {}) and {} (generation {})", r.path,
-                         r.generation, path, generation);
-      return (void)fuse_reply_err(req, EIO);
-    }
-    ++r.nlookup;
-  }
+  EntryOf(*c, path, *n, &e);
+  if (!Hold(c, e.ino, path, *n)) return (void)fuse_reply_err(req, EIO);
   fuse_reply_entry(req, &e);
 }
 
@@ -420,6 +582,7 @@ void Forget(Context* c, fuse_ino_t ino, uint64_t nlookup) {
   if (it == c->nodes.end()) return;
   if (it->second.nlookup <= nlookup) {
     c->nodes.erase(it);
+    c->safetensors_pages.erase(ino);
   } else {
     it->second.nlookup -= nlookup;
   }
@@ -461,9 +624,17 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
 }
 
 // A directory handle: its whole listing, built at opendir (a stable listing
-// even if latest/ moves while it is read), served by byte offset.
+// even if latest/ moves while it is read), served by entry index (READDIR and
+// READDIRPLUS both: the kernel may send either for one handle).
 struct DirHandle {
-  std::string buf;
+  struct Entry {
+    std::string name;
+    struct stat st;
+  };
+  std::vector<Entry> entries;  // ".", "..", then the listing
+  std::string path;            // the directory's
+  std::shared_ptr<const Generation> gen;  // set inside a generation: READDIRPLUS gives its entries as nodes
+  std::string rel;             // the directory's path inside gen
 };
 
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
@@ -474,20 +645,19 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   auto names = Ctx(req)->tree->List(*n);
   if (!names.ok()) return ReplyStatus(req, names.status());
   auto h = std::make_shared<DirHandle>();
-  auto add = [&](const char* name, const struct stat& st) {
-    size_t need = fuse_add_direntry(req, nullptr, 0, name, nullptr, 0);
-    size_t old = h->buf.size();
-    h->buf.resize(old + need);
-    fuse_add_direntry(req, h->buf.data() + old, need, name, &st, static_cast<off_t>(old + need));
-  };
-  struct stat st;
-  FillStat(path, *n, Ctx(req)->tree->options().st_blksize_bytes, &st);
-  add(".", st);
-  std::memset(&st, 0, sizeof(st));
-  st.st_mode = S_IFDIR;
-  add("..", st);
+  h->path = path;
+  if (n->kind == NodeKind::kGenDir) {
+    h->gen = n->gen;
+    h->rel = n->rel;
+  }
+  h->entries.reserve(names->size() + 2);
+  h->entries.push_back({".", {}});
+  FillStat(path, *n, Ctx(req)->tree->options().st_blksize_bytes, &h->entries.back().st);
+  h->entries.push_back({"..", {}});
+  h->entries.back().st.st_mode = S_IFDIR;
   for (const std::string& name : *names) {
     std::string child = JoinPath(path, name.c_str());
+    struct stat st;
     std::memset(&st, 0, sizeof(st));
     bool is_file = false;
     if (n->kind == NodeKind::kGenDir) {
@@ -498,29 +668,64 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
       st.st_ino = InodeOf(child);
     }
     st.st_mode = is_file ? (S_IFREG | 0444) : (S_IFDIR | 0555);
-    add(name.c_str(), st);
+    h->entries.push_back({name, st});
   }
   fi->fh = NewHandle(std::move(h));
   if (fuse_reply_open(req, fi) != 0) DeleteHandle<DirHandle>(fi);  // no releasedir will come
 }
 
-void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
-  std::shared_ptr<DirHandle> h = HandleOf<DirHandle>(fi);  // h->buf outlives the reply
+// READDIR and READDIRPLUS from entry `off` on, as many as fit in `size`. With
+// `plus`, an entry inside a generation goes to the kernel as a node (counted
+// as a lookup, attributes and timeouts as LOOKUP gives them): a `cp -r` of a
+// generation directory then holds state.safetensors' node from its listing
+// on, which the state.safetensors fill needs, and sends no LOOKUP for the
+// names it lists. Entries outside generations, and "." and "..", go as names
+// only (node id 0).
+void ReplyDir(fuse_req_t req, size_t size, off_t off, struct fuse_file_info* fi, bool plus) {
+  std::shared_ptr<DirHandle> h = HandleOf<DirHandle>(fi);  // h outlives the reply
   if (h == nullptr) return (void)fuse_reply_err(req, EBADF);
-  if (off < 0 || static_cast<size_t>(off) >= h->buf.size()) return (void)fuse_reply_buf(req, nullptr, 0);
-  // Entries end exactly at the offsets recorded in them, so a slice that ends
-  // on an entry boundary is what the kernel expects; trim to whole entries.
-  size_t end = std::min(h->buf.size(), static_cast<size_t>(off) + size);
-  size_t pos = static_cast<size_t>(off);
-  size_t last = pos;
-  while (pos < end) {
-    // struct fuse_dirent: ino(8) off(8) namelen(4) type(4) name, padded to 8.
-    uint64_t next;
-    std::memcpy(&next, h->buf.data() + pos + 8, sizeof(next));
-    if (next > end) break;
-    last = pos = next;
+  Context* c = Ctx(req);
+  std::string buf(size, '\0');
+  size_t used = 0;
+  for (size_t i = off < 0 ? h->entries.size() : static_cast<size_t>(off); i < h->entries.size(); ++i) {
+    const DirHandle::Entry& d = h->entries[i];
+    const off_t next = static_cast<off_t>(i + 1);
+    if (!plus) {
+      const size_t need = fuse_add_direntry(req, nullptr, 0, d.name.c_str(), nullptr, 0);
+      if (need > size - used) break;
+      fuse_add_direntry(req, buf.data() + used, size - used, d.name.c_str(), &d.st, next);
+      used += need;
+      continue;
+    }
+    const size_t need = fuse_add_direntry_plus(req, nullptr, 0, d.name.c_str(), nullptr, 0);
+    if (need > size - used) break;
+    struct fuse_entry_param e;
+    std::memset(&e, 0, sizeof(e));
+    e.attr = d.st;
+    if (h->gen != nullptr && i >= 2) {
+      const std::string child = JoinPath(h->path, d.name.c_str());
+      Result<Node> n = StoreTree::ResolveIn(h->gen, h->rel.empty() ? d.name : h->rel + "/" + d.name, child);
+      if (n.ok()) {
+        struct fuse_entry_param full;
+        EntryOf(*c, child, *n, &full);
+        if (Hold(c, full.ino, child, *n)) {
+          e = full;
+          c->stats.listed.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+    }
+    fuse_add_direntry_plus(req, buf.data() + used, size - used, d.name.c_str(), &e, next);
+    used += need;
   }
-  fuse_reply_buf(req, h->buf.data() + off, last - static_cast<size_t>(off));
+  fuse_reply_buf(req, buf.data(), used);
+}
+
+void OpReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  ReplyDir(req, size, off, fi, /*plus=*/false);
+}
+
+void OpReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  ReplyDir(req, size, off, fi, /*plus=*/true);
 }
 
 void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
@@ -538,6 +743,21 @@ bool CachedFile(const MountOptions& o, const vfs::CheckpointFile& f) {
     case MountOptions::PageCache::kAll: return true;
   }
   return false;
+}
+
+// The fill of state.safetensors from field file n (at `path`), or null: off,
+// not a field file, or state.safetensors not read through the page cache.
+std::shared_ptr<SafetensorsFill> MakeSafetensorsFill(Context* c, const std::string& path, const Node& n) {
+  const MountOptions& o = c->tree->options();
+  if (!o.fill_safetensors || n.gen == nullptr || n.file->kind != vfs::CheckpointFileKind::kField) return nullptr;
+  const vfs::CheckpointLayout& layout = *n.gen->layout;
+  const vfs::CheckpointFile* st = layout.FindFile(vfs::kSafetensorsFileName);
+  std::optional<uint64_t> base = layout.SafetensorsOffsetOf(*n.file);
+  if (st == nullptr || !CachedFile(o, *st) || !base.has_value() || path.size() <= n.rel.size()) return nullptr;
+  const std::string dir = path.substr(0, path.size() - n.rel.size() - 1);
+  const fuse_ino_t st_ino = NodeIdOf(JoinPath(dir, vfs::kSafetensorsFileName), n.gen->generation());
+  return std::make_shared<SafetensorsFill>(c->push_gate, c, st_ino, *base, n.file->size_bytes, st->size_bytes,
+                                           &layout.safetensors_header());
 }
 
 void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
@@ -565,11 +785,17 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   const bool cached = CachedFile(c->tree->options(), *n->file);
   auto fh = std::make_shared<FileHandle>();
   fh->reader = std::shared_ptr<ChunkReader>(std::move(reader));
+  fh->fill = MakeSafetensorsFill(c, path, *n);
   if (cached && n->file->size_bytes > MountOptions::kSmallFileBytes) {
     std::shared_ptr<PushGate> gate = c->push_gate;
+    std::shared_ptr<SafetensorsFill> fill = fh->fill;
     fh->pusher = std::make_unique<CachePusher>(
         fh->reader,
-        [gate, ino](uint64_t offset, std::span<const iovec> iov) { return gate->Store(ino, offset, iov); },
+        [gate, ino, fill](uint64_t offset, std::span<const iovec> iov) {
+          const int rc = gate->Store(ino, offset, iov);
+          if (rc == 0 && fill != nullptr) fill->Store(offset, iov);
+          return rc;
+        },
         &c->stats);
   }
   fi->fh = NewHandle(std::move(fh));
@@ -600,6 +826,8 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
                            fuse_reply_buf(req, nullptr, 0);  // EOF
                          } else {
                            fuse_reply_iov(req, iov.data(), static_cast<int>(iov.size()));
+                           // The reader has its bytes; the fill's store is off its path.
+                           if (fh->fill != nullptr) fh->fill->Store(static_cast<uint64_t>(off), iov);
                          }
                          AfterReply();
                          return Status();
@@ -661,6 +889,7 @@ struct fuse_lowlevel_ops MakeOps() {
   ops.getattr = OpGetattr;
   ops.opendir = OpOpendir;
   ops.readdir = OpReaddir;
+  ops.readdirplus = OpReaddirplus;
   ops.releasedir = OpReleasedir;
   ops.open = OpOpen;
   ops.read = OpRead;

@@ -49,11 +49,20 @@ uint64_t TreeInodeOf(const Generation& g, std::string_view rel, std::string_view
   return (g.inode_base << kRankBits) | (it->second + 1);  // never 0 or 1: base >= 1
 }
 
+Result<std::vector<std::string>> GenerationDirNames(const vfs::CheckpointLayout& layout, std::string_view rel) {
+  OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::string> names, layout.ListDir(rel));
+  if (rel.empty()) {
+    auto it = std::find(names.begin(), names.end(), vfs::kSafetensorsFileName);
+    if (it != names.end()) std::rotate(it, it + 1, names.end());
+  }
+  return names;
+}
+
 Status IndexTree(Generation* g) {
   uint64_t h = InodeOf("/" + g->store_name + "/" + g->dir_label) >> 24;
   g->inode_base = h == 0 ? 1 : h;
   auto visit = [&](auto&& self, const std::string& dir) -> Status {
-    OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::string> names, g->layout->ListDir(dir));
+    OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::string> names, GenerationDirNames(*g->layout, dir));
     for (const std::string& name : names) {
       std::string rel = dir.empty() ? name : dir + "/" + name;
       g->tree_rank.emplace(rel, static_cast<uint32_t>(g->tree_rank.size()));
@@ -301,7 +310,7 @@ Result<std::vector<std::string>> StoreTree::List(const Node& dir) {
       return out;  // std::map: sorted
     }
     case NodeKind::kGenDir:
-      return dir.gen->layout->ListDir(dir.rel);
+      return GenerationDirNames(*dir.gen->layout, dir.rel);
     case NodeKind::kGenFile:
       return InvalidArgument("not a directory");
   }

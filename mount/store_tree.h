@@ -107,6 +107,16 @@ struct MountOptions {
   // machine, `cp -r` of a trainer's snapshot: 1.40-1.48 s with 16 MiB vs
   // 1.28-1.48 s with the kernel's own; dev VM 4.0-4.9 vs 3.4-3.7 s).
   uint64_t kernel_readahead_bytes = 0;
+  // Fill state.safetensors' page cache from the field files' bytes as the
+  // kernel gets them (mount/fuse_mount.cc SafetensorsFill), so that a copy of
+  // a generation directory reads each chunk off the disk once: tensors/ comes
+  // before state.safetensors in its listing, and state.safetensors is then
+  // read from memory. Costs a second copy into the page cache (memory, not
+  // disk) of what the field files' readers get, also when nobody reads
+  // state.safetensors afterwards, and only once the kernel holds its node (a
+  // listing of the generation directory). Default true (--no-fill-safetensors).
+  // Why: README, "Defaults and why".
+  bool fill_safetensors = true;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
   uint32_t catchup_interval_ms = 20;
   // A path inside a snapshot already held (immutable while it exists) is
@@ -129,8 +139,8 @@ struct Generation {
   std::unique_ptr<vfs::GenerationView> view;
   std::unique_ptr<vfs::CheckpointLayout> layout;  // refers to *view
   // Tree order (IndexTree): every path inside the generation directory, dirs
-  // and files, depth first with siblings by name: the order in which `ls -R`,
-  // tar, rsync and (through TreeInodeOf) `cp -r` visit it.
+  // and files, depth first in listing order (GenerationDirNames): the order
+  // in which `ls -R`, tar and (through TreeInodeOf) `cp -r` visit it.
   std::unordered_map<std::string, uint32_t> tree_rank;  // rel path -> 0, 1, ...
   std::vector<const vfs::CheckpointFile*> files_in_tree_order;
   std::unordered_map<const vfs::CheckpointFile*, uint32_t> file_position;  // in files_in_tree_order
@@ -189,15 +199,24 @@ class StoreTree {
   std::map<std::string, std::shared_ptr<StoreEntry>> stores_;  // guarded by mu_
 };
 
+// The names in directory `rel` of a generation, in listing (and tree) order:
+// siblings by name, except that state.safetensors comes last in the
+// generation directory, after tensors/. A copy of the directory then reads
+// every field file before state.safetensors, whose pages the mount fills from
+// the field files' bytes as they are read (MountOptions::fill_safetensors), so
+// its bytes come off the disk once, not twice.
+Result<std::vector<std::string>> GenerationDirNames(const vfs::CheckpointLayout& layout, std::string_view rel);
+
 // Stable inode number of a path (XXH3, never 0 or 1).
 uint64_t InodeOf(std::string_view path);
 
 // st_ino of `path`, which is `rel` (non-empty) inside generation g: the
 // generation directory's hash in the high 40 bits, the tree rank + 1 in the
-// low 24, so that a directory's entries sorted by inode number are in name
-// order. GNU cp -r copies a directory's entries sorted by inode number; with
-// path hashes it visited files in an order no read-ahead could predict, with
-// these it visits them in tree order, which the mount's Prefetcher follows.
+// low 24, so that a directory's entries sorted by inode number are in
+// listing order (GenerationDirNames). GNU cp -r copies a directory's entries
+// sorted by inode number; with path hashes it visited files in an order no
+// read-ahead could predict, with these it visits them in tree order, which the
+// mount's Prefetcher follows.
 // InodeOf(path) when rel is empty or not in the tree.
 uint64_t TreeInodeOf(const Generation& g, std::string_view rel, std::string_view path);
 

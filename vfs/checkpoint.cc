@@ -556,7 +556,7 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
   }
   l->st_chunks_ = seq;
   std::string hjson = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  while ((8 + hjson.size()) % 8 != 0) hjson.push_back(' ');
+  while ((8 + hjson.size()) % kSafetensorsDataAlignBytes != 0) hjson.push_back(' ');
   uint64_t hlen = hjson.size();
   l->st_header_.resize(8);
   for (int i = 0; i < 8; ++i) l->st_header_[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
@@ -571,6 +571,15 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
     l->tensor_dirs_.emplace(l->manifest_.tensors[i].file_name, i);
   }
   return l;
+}
+
+std::optional<uint64_t> CheckpointLayout::SafetensorsOffsetOf(const CheckpointFile& f) const {
+  if (f.kind != CheckpointFileKind::kField) return std::nullopt;
+  auto it = file_index_.find(f.path);
+  // files_: manifest.json, state.safetensors, then the field files in the
+  // order of spans_.
+  if (it == file_index_.end() || &files_[it->second] != &f || it->second < 2) return std::nullopt;
+  return st_header_.size() + spans_[it->second - 2].data_offset;
 }
 
 const CheckpointFile* CheckpointLayout::FindFile(std::string_view path) const {

@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -134,8 +135,17 @@ class CheckpointLayout {
   const GenerationView& view() const { return *view_; }
   const Manifest& manifest() const { return manifest_; }
   const std::string& manifest_json() const { return manifest_json_; }
-  // The 8-byte length + JSON header (space padded) of state.safetensors.
+  // The 8-byte length + JSON header of state.safetensors, space padded to a
+  // multiple of kSafetensorsDataAlignBytes, so that the data section starts
+  // on a page: a field whose bytes are a whole number of pages then lies on
+  // whole pages of state.safetensors as it does in its own file, and the
+  // mount can fill one file's page cache from the other's
+  // (mount/fuse_mount.cc, the state.safetensors fill).
+  static constexpr uint64_t kSafetensorsDataAlignBytes = 4096;
   const std::string& safetensors_header() const { return st_header_; }
+  // Where byte 0 of field file f lies in state.safetensors; nullopt unless f
+  // is one of this layout's field files.
+  std::optional<uint64_t> SafetensorsOffsetOf(const CheckpointFile& f) const;
 
   // Files in a stable order: manifest.json, state.safetensors, then fields by
   // tensor name and field order.

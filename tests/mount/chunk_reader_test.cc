@@ -295,10 +295,14 @@ TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   auto n = tree_->Resolve("/p/latest/tensors/t0/main");
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   const std::shared_ptr<const Generation> gen = n->gen;
-  // Tree order: depth first, siblings by name (independent of IndexTree: the paths, sorted).
+  // Tree order: depth first, siblings by name, but state.safetensors after
+  // tensors/ (independent of IndexTree: the paths, sorted, with that one moved
+  // to the end).
   std::vector<std::string> want_order;
   for (const vfs::CheckpointFile& f : gen->layout->files()) want_order.push_back(f.path);
   std::sort(want_order.begin(), want_order.end());  // no name here sorts between a dir and its files
+  std::erase(want_order, std::string("state.safetensors"));
+  want_order.push_back("state.safetensors");
   std::vector<std::string> order;
   for (const vfs::CheckpointFile* f : gen->files_in_tree_order) order.push_back(f->path);
   ASSERT_EQ(order, want_order);

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -181,6 +182,19 @@ TEST(CheckpointLayout, FilesMatchReference) {
     covered += e.end - e.begin;
   }
   EXPECT_EQ(data_start + covered, st.size());
+  // The data section starts on a page (the mount fills state.safetensors'
+  // page cache from the field files' pages), and each field file's place in
+  // it is where the header says.
+  EXPECT_EQ(data_start % CheckpointLayout::kSafetensorsDataAlignBytes, 0u);
+  for (size_t i = 2; i < files.size(); ++i) {
+    const auto& t = v->tensors()[files[i].tensor_index];
+    const StEntry& e = entries[t.name + "/" + t.fields[files[i].field].name];
+    EXPECT_EQ((*l)->SafetensorsOffsetOf(files[i]), std::optional<uint64_t>(data_start + e.begin)) << files[i].path;
+  }
+  EXPECT_EQ((*l)->SafetensorsOffsetOf(files[0]), std::nullopt);
+  EXPECT_EQ((*l)->SafetensorsOffsetOf(files[1]), std::nullopt);
+  CheckpointFile stranger = files[2];
+  EXPECT_EQ((*l)->SafetensorsOffsetOf(stranger), std::nullopt);  // not the layout's own
   EXPECT_EQ(entries["model.layers.0/attn.weight/main"].shape, (std::vector<uint64_t>{600, 1000}));
   EXPECT_EQ(entries["bias/exp_avg"].shape, (std::vector<uint64_t>{3}));
 

@@ -6,6 +6,8 @@
 # step in the same call. Logs and a summary go to OUT.
 #   bash tools/device/h200_bench.sh CARRY OUT step   # io engine; step: ours, old, ours (floor + first version each)
 #   bash tools/device/h200_bench.sh CARRY OUT rest   # host-cache step, sleep, mount (one tensor, trainer mix x2), gpu tests
+#   bash tools/device/h200_bench.sh CARRY OUT views  # where a cold cp -r of the trainer snapshot waits; a hidden-4096 mix
+#   bash tools/device/h200_bench.sh CARRY OUT fill   # cp -r with the state.safetensors fill on and off
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -34,6 +36,44 @@ case $PART in
     W=$M run step_fast_nohash 170 optstate-bench step --dir "$M" --state 4G --budget 2G --backend cuda \
         --rounds 3 --hash-threads 0
     rm -rf "$M"
+    ;;
+  views)
+    # Which part of a cold `cp -r` of the trainer's snapshot waits (session 16): per round, fio's
+    # read of the same bytes; the copy cold; with only tensors/ already in the page cache; with
+    # only state.safetensors in it; warm; and each view copied alone, cold.
+    optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 1 --keep > "$OUTD/views_bench.log" 2>&1
+    R=$W/bench-mount; M=$R/mnt; S=$M/bench/snapshots/bench; D=/dev/shm/views-copy
+    optstate-mount -f "$R/root" "$M" > "$OUTD/views_mount.log" 2>&1 &
+    for _ in $(seq 100); do mountpoint -q "$M" && break; sleep 0.1; done
+    B=$(python3 -c "import os,sys; print(sum(os.path.getsize(os.path.join(d,f)) for d,_,fs in os.walk(sys.argv[1]) for f in fs))" "$S")
+    fio --name=lay --filename="$R/fio.dat" --rw=write --bs=1M --size=$((B/4096*4096)) --direct=1 > /dev/null 2>&1
+    drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+    secs() { local s e; s=$(date +%s.%N); "$@" > /dev/null 2>&1; e=$(date +%s.%N); awk "BEGIN{printf \"%.3f\", $e-$s}"; }
+    fiot() { fio --name=r --filename="$R/fio.dat" --rw=read --bs=1M --iodepth=32 --ioengine=io_uring --direct=1 \
+        --size=$((B/4096*4096)) --output-format=json | python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["runtime"]/1000)'; }
+    warm_tensors() { find "$S/tensors" -type f -exec cat {} + > /dev/null; }
+    echo "bytes $B" | tee -a "$OUTD/summary.txt"
+    for r in 1 2 3 4; do
+      drop; f=$(fiot)
+      drop; c=$(secs cp -r "$S" "$D"); rm -rf "$D"
+      drop; warm_tensors; a=$(secs cp -r "$S" "$D"); rm -rf "$D"
+      drop; cat "$S/state.safetensors" > /dev/null; b=$(secs cp -r "$S" "$D"); rm -rf "$D"
+      w=$(secs cp -r "$S" "$D"); rm -rf "$D"
+      drop; st=$(secs cp "$S/state.safetensors" /dev/shm/views-st); rm -f /dev/shm/views-st
+      drop; tt=$(secs cp -r "$S/tensors" "$D"); rm -rf "$D"
+      echo "round $r: fio $f cold $c tensors-warm $a state-warm $b warm $w | alone cold: state $st tensors $tt" | tee -a "$OUTD/summary.txt"
+    done
+    fusermount3 -u "$M"; wait; rm -rf "${W:?}"/*
+    run mount_mix4096 200 optstate-bench mount --dir "$W" --hidden 4096 --state 4G --rounds 3
+    ;;
+  fill)
+    # The state.safetensors fill (session 16), interleaved A/B: on (the default) and off.
+    for i in 1 2; do
+      run fill_on_$i 100 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
+      run fill_off_$i 100 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3 --no-fill-safetensors
+    done
+    run fill_on_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3
+    run fill_off_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --no-fill-safetensors
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
