@@ -121,9 +121,9 @@ struct Context {
   std::shared_ptr<PushGate> push_gate;
 };
 
-// The fill of one state.safetensors node: whether its header pages went in,
-// and the pages that two field files share (a field whose size is not a whole
-// number of pages ends inside one), assembled until both halves came.
+// The fill of one state.safetensors node: the pages that two field files
+// share (a field whose size is not a whole number of pages ends inside one),
+// assembled until both halves came.
 struct SafetensorsPages {
   static constexpr uint64_t kPage = CachePusher::kPageBytes;
   // Pages left half filled (a field file read only in part) are dropped,
@@ -134,15 +134,14 @@ struct SafetensorsPages {
     char bytes[kPage];
   };
   std::mutex mu;
-  bool header_stored = false;                               // guarded by mu
   std::map<uint64_t, std::unique_ptr<Partial>> partial;     // page index -> bytes so far; guarded by mu
 };
 
 // Fills state.safetensors' page cache from one field file's bytes as the
 // kernel gets them (MountOptions::fill_safetensors): every range the field
 // file's READs and CachePusher hand the kernel is stored again at its place in
-// state.safetensors, and once per node the header pages from the layout's
-// memory. A `cp -r` of a generation directory reads tensors/ before
+// state.safetensors, and the header pages from the layout's memory (once per
+// field file: the kernel may have dropped them since the last one). A `cp -r` of a generation directory reads tensors/ before
 // state.safetensors (GenerationDirNames), so state.safetensors is then read
 // from memory, not from the disk a second time: the two views hold the same
 // bytes. The kernel marks a page up to date only when one store fills it whole
@@ -166,7 +165,7 @@ class SafetensorsFill {
     for (const iovec& v : iov) len += v.iov_len;
     len = std::min(len, field_bytes_ - offset);
     std::shared_ptr<SafetensorsPages> pages = Pages();
-    if (pages == nullptr || len == 0 || !StoreHeader(pages.get())) return;
+    if (pages == nullptr || len == 0 || !StoreHeader()) return;
     // [s, e) in state.safetensors; whole pages [ps, pe) go straight in.
     const uint64_t s = base_ + offset, e = s + len;
     const uint64_t ps = (s + kPage - 1) / kPage * kPage;
@@ -195,12 +194,8 @@ class SafetensorsFill {
     if (p == nullptr) p = std::make_shared<SafetensorsPages>();
     return p;
   }
-  bool StoreHeader(SafetensorsPages* pages) {
-    {
-      std::lock_guard<std::mutex> l(pages->mu);
-      if (pages->header_stored) return true;
-      pages->header_stored = true;
-    }
+  bool StoreHeader() {
+    if (header_stored_.exchange(true, std::memory_order_relaxed)) return true;
     const iovec v{const_cast<char*>(header_->data()), header_->size()};  // whole pages: padded to one
     return Check(gate_->Store(st_ino_, 0, std::span<const iovec>(&v, 1)));
   }
@@ -266,6 +261,7 @@ class SafetensorsFill {
   const uint64_t st_bytes_;     // state.safetensors' size
   const std::string* const header_;  // the layout's; the handle's reader holds the generation
   std::atomic<bool> stopped_{false};
+  std::atomic<bool> header_stored_{false};
 };
 
 struct FileHandle {
