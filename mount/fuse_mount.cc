@@ -745,7 +745,7 @@ bool CachedFile(const MountOptions& o, const vfs::CheckpointFile& f) {
 // not a field file, or state.safetensors not read through the page cache.
 std::shared_ptr<SafetensorsFill> MakeSafetensorsFill(Context* c, const std::string& path, const Node& n) {
   const MountOptions& o = c->tree->options();
-  if (!o.fill_safetensors || n.gen == nullptr || n.file->kind != vfs::CheckpointFileKind::kField) return nullptr;
+  if (!FillsSafetensors(o) || n.gen == nullptr || n.file->kind != vfs::CheckpointFileKind::kField) return nullptr;
   const vfs::CheckpointLayout& layout = *n.gen->layout;
   const vfs::CheckpointFile* st = layout.FindFile(vfs::kSafetensorsFileName);
   std::optional<uint64_t> base = layout.SafetensorsOffsetOf(*n.file);

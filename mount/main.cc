@@ -1,7 +1,7 @@
 // optstate-mount STORE_ROOT MOUNTPOINT [-f] [-d] [-s] [--allow-other] [-o OPT[,OPT...]]
 //                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--blksize-kib N]
 //                [--prefetch-files N] [--prefetch-mib N] [--page-cache none|small|mappable|all]
-//                [--kernel-readahead-mib N] [--no-fill-safetensors]
+//                [--kernel-readahead-mib N] [--fill-safetensors | --no-fill-safetensors]
 //                [--threads N] [--log FILE]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
 #include <climits>
@@ -57,9 +57,11 @@ const char kUsage[] =
     "  --kernel-readahead-mib N  the kernel's read-ahead for the mount's cached files\n"
     "                        (root only; default 0: the kernel's own, 128 KiB; the\n"
     "                        daemon fills the page cache ahead of a sequential reader)\n"
-    "  --no-fill-safetensors do not fill state.safetensors' page cache from the bytes\n"
-    "                        read from the field files (by default a cp -r of a snapshot\n"
-    "                        reads every chunk off the disk once, not twice)\n"
+    "  --fill-safetensors    fill state.safetensors' page cache from the bytes read from\n"
+    "                        the field files, so a cp -r of a snapshot reads every chunk\n"
+    "                        off the disk once, not twice (default: on with 8 or more\n"
+    "                        cores; it costs CPU beside the reader's)\n"
+    "  --no-fill-safetensors do not\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  --log FILE            append the daemon's log to FILE (default: stderr, which a\n"
     "                        daemon without -f closes); also -o log=FILE (fstab)\n"
@@ -189,7 +191,9 @@ int main(int argc, char** argv) {
       }
       cmd.tree.kernel_readahead_bytes = uint64_t{mib} << 20;
     } else if (a == "--no-fill-safetensors") {
-      cmd.tree.fill_safetensors = false;
+      cmd.tree.fill_safetensors = optstate::mount::MountOptions::Fill::kOff;
+    } else if (a == "--fill-safetensors") {
+      cmd.tree.fill_safetensors = optstate::mount::MountOptions::Fill::kOn;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
         fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -47,6 +48,15 @@ uint64_t TreeInodeOf(const Generation& g, std::string_view rel, std::string_view
   constexpr uint64_t kRankBits = 24;
   if (it == g.tree_rank.end() || it->second + 1 >= (1ull << kRankBits)) return InodeOf(path);
   return (g.inode_base << kRankBits) | (it->second + 1);  // never 0 or 1: base >= 1
+}
+
+bool FillsSafetensors(const MountOptions& o) {
+  switch (o.fill_safetensors) {
+    case MountOptions::Fill::kOn: return true;
+    case MountOptions::Fill::kOff: return false;
+    case MountOptions::Fill::kAuto: return std::thread::hardware_concurrency() >= 8;
+  }
+  return false;
 }
 
 Result<std::vector<std::string>> GenerationDirNames(const vfs::CheckpointLayout& layout, std::string_view rel) {

@@ -114,9 +114,15 @@ struct MountOptions {
   // read from memory. Costs a second copy into the page cache (memory, not
   // disk) of what the field files' readers get, also when nobody reads
   // state.safetensors afterwards, and only once the kernel holds its node (a
-  // listing of the generation directory). Default true (--no-fill-safetensors).
-  // Why: README, "Defaults and why".
-  bool fill_safetensors = true;
+  // listing of the generation directory). Default kAuto: on with 8 or more
+  // cores, off on fewer (FillsSafetensors; --fill-safetensors,
+  // --no-fill-safetensors). Why: on the H200 machine (16 cores) a cold
+  // `cp -r` of a trainer's snapshot read half the bytes and was 1-15% faster;
+  // on the 2-core dev VM the second copy competes with cp for the cores (the
+  // push falls behind: READs 339-354 -> 609-743 per copy) and the copy took
+  // 3.1-4.4 s instead of 2.2 s (README, "Defaults and why").
+  enum class Fill : uint8_t { kAuto, kOn, kOff };
+  Fill fill_safetensors = Fill::kAuto;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
   uint32_t catchup_interval_ms = 20;
   // A path inside a snapshot already held (immutable while it exists) is
@@ -198,6 +204,10 @@ class StoreTree {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<StoreEntry>> stores_;  // guarded by mu_
 };
+
+// Whether the mount fills state.safetensors' page cache from the field files'
+// reads (MountOptions::fill_safetensors, kAuto resolved by core count).
+bool FillsSafetensors(const MountOptions& o);
 
 // The names in directory `rel` of a generation, in listing (and tree) order:
 // siblings by name, except that state.safetensors comes last in the

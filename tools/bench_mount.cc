@@ -39,6 +39,7 @@ struct MountOptions {
   uint64_t hidden = 0;            // 0: one tensor; else ParamMix of this hidden size
   std::string log;                // the daemon's log (default: in the scratch dir, removed)
   std::string cache;              // "" (optstate-mount's default), else its --page-cache
+  bool fill = false;              // optstate-mount --fill-safetensors
   bool no_fill = false;           // optstate-mount --no-fill-safetensors
   bool keep = false;              // keep the test store (DIR/bench-mount/root) for manual runs
   bool json = false;
@@ -182,6 +183,7 @@ int RunMount(const MountOptions& o) {
     mount_argv.push_back("--blksize-kib");
     mount_argv.push_back(std::to_string(o.blksize_kib));
   }
+  if (o.fill) mount_argv.push_back("--fill-safetensors");
   if (o.no_fill) mount_argv.push_back("--no-fill-safetensors");
   if (!o.cache.empty()) {
     mount_argv.push_back("--page-cache");
@@ -318,7 +320,7 @@ int RunMount(const MountOptions& o) {
                         {"blksize_kib", o.blksize_kib},
                         {"hidden", o.hidden},
                         {"prefetch_files", o.prefetch_files}, {"prefetch_mib", o.prefetch_mib},
-                        {"fill_safetensors", !o.no_fill},
+                        {"fill_safetensors", o.fill ? "on" : o.no_fill ? "off" : "default"},
                         {"cache", o.cache.empty() ? "default" : o.cache}};
   if (o.json) {
     PrintJson(out);
@@ -382,6 +384,7 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--page-cache", o->cache,
                   "none, small, mappable or all: passed to optstate-mount --page-cache (default: its default)")
       ->check(CLI::IsMember({"none", "small", "mappable", "all"}));
+  sub->add_flag("--fill-safetensors", o->fill, "passed to optstate-mount (an A/B of the fill)");
   sub->add_flag("--no-fill-safetensors", o->no_fill, "passed to optstate-mount (an A/B of the fill)");
   sub->add_flag("--keep", o->keep, "keep the test store under DIR/bench-mount/root (with --dir)");
   sub->add_option("--log", o->log, "write the daemon's log here and keep it (default: scratch dir, removed)");

@@ -921,6 +921,8 @@ TEST_F(MountTest, FilesAreMappableByDefaultAndBigOnesPushedToACopy) {
     }
   }
   ASSERT_GE(big_files, 3u);
+  StopDaemon();
+  StartDaemon({"--fill-safetensors"});  // the default only with 8 or more cores
   ASSERT_EQ(WaitExit(Spawn({"/bin/cp", "-r", M("latest"), root_ + "/copy"}, root_ + "/cp.log")), 0)
       << ReadFile(root_ + "/cp.log");
   ExpectDirEqualsLatest(root_ + "/copy");
@@ -978,6 +980,8 @@ uint64_t ResidentPages(const std::string& path, uint64_t from, uint64_t to) {
 // of a few KiB share, and they hold the library's bytes. With
 // --no-fill-safetensors none are.
 TEST_F(MountTest, ReadingTheFieldFilesFillsStateSafetensors) {
+  StopDaemon();
+  StartDaemon({"--fill-safetensors"});  // the default only with 8 or more cores
   const std::string store = "rank1.fill";
   {
     auto s = CreateStore(stores_ + "/" + store);
