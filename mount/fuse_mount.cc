@@ -140,23 +140,26 @@ struct SafetensorsPages {
 // Fills state.safetensors' page cache from one field file's bytes as the
 // kernel gets them (MountOptions::fill_safetensors): every range the field
 // file's READs and CachePusher hand the kernel is stored again at its place in
-// state.safetensors, and the header pages from the layout's memory (once per
-// field file: the kernel may have dropped them since the last one). A `cp -r` of a generation directory reads tensors/ before
-// state.safetensors (GenerationDirNames), so state.safetensors is then read
-// from memory, not from the disk a second time: the two views hold the same
-// bytes. The kernel marks a page up to date only when one store fills it whole
-// (or up to EOF), so a page that two fields share is assembled in
-// SafetensorsPages until both halves came. It needs the kernel to hold
-// state.safetensors' node: a READDIRPLUS of the generation directory (cp's
-// listing) gives it; without one the fill stops at its first store. A store
-// that fails stops this file's fill; the kernel READs what is missing, as
-// without a fill. Thread-safe.
+// state.safetensors; the first field's first range brings the header pages
+// with it (from the layout's memory), so every pass over the field files
+// stores them once, also after the kernel dropped them. A `cp -r` of a
+// generation directory reads tensors/ before state.safetensors
+// (GenerationDirNames), so state.safetensors is then read from memory, not
+// from the disk a second time: the two views hold the same bytes. The kernel
+// marks a page up to date only when one store fills it whole (or up to EOF),
+// so a page that two fields share is assembled in SafetensorsPages until both
+// halves came. It needs the kernel to hold state.safetensors' node, which a
+// READDIRPLUS of the generation directory (cp's listing) gives: a field file
+// opened while it does not gets no fill (MakeSafetensorsFill). A store that
+// fails (the node forgotten since, the daemon exiting) stops this file's
+// fill; the kernel READs what is missing, as without a fill. Thread-safe.
 class SafetensorsFill {
  public:
-  SafetensorsFill(std::shared_ptr<PushGate> gate, Context* c, fuse_ino_t st_ino, uint64_t base,
-                  uint64_t field_bytes, uint64_t st_bytes, const std::string* header)
-      : gate_(std::move(gate)), ctx_(c), st_ino_(st_ino), base_(base), field_bytes_(field_bytes),
-        st_bytes_(st_bytes), header_(header) {}
+  SafetensorsFill(std::shared_ptr<PushGate> gate, std::shared_ptr<SafetensorsPages> pages, ReadStats* stats,
+                  fuse_ino_t st_ino, uint64_t base, uint64_t field_bytes, uint64_t st_bytes,
+                  const std::string* header)
+      : gate_(std::move(gate)), pages_(std::move(pages)), stats_(stats), st_ino_(st_ino), base_(base),
+        field_bytes_(field_bytes), st_bytes_(st_bytes), header_(header) {}
 
   // The kernel got the bytes of iov at `offset` of the field file.
   void Store(uint64_t offset, std::span<const iovec> iov) {
@@ -164,8 +167,11 @@ class SafetensorsFill {
     uint64_t len = 0;
     for (const iovec& v : iov) len += v.iov_len;
     len = std::min(len, field_bytes_ - offset);
-    std::shared_ptr<SafetensorsPages> pages = Pages();
-    if (pages == nullptr || len == 0 || !StoreHeader()) return;
+    if (len == 0) return;
+    if (offset == 0 && base_ == header_->size()) {  // the first field: the header pages too
+      const iovec h{const_cast<char*>(header_->data()), header_->size()};  // whole pages: padded to one
+      if (!Check(gate_->Store(st_ino_, 0, std::span<const iovec>(&h, 1)))) return;
+    }
     // [s, e) in state.safetensors; whole pages [ps, pe) go straight in.
     const uint64_t s = base_ + offset, e = s + len;
     const uint64_t ps = (s + kPage - 1) / kPage * kPage;
@@ -173,35 +179,19 @@ class SafetensorsFill {
     if (ps < pe) {
       std::vector<iovec> cut = Slice(iov, ps - s, pe - ps);
       if (!Check(gate_->Store(st_ino_, ps, cut))) return;
-      ctx_->stats.filled_bytes.fetch_add(pe - ps, std::memory_order_relaxed);
+      stats_->filled_bytes.fetch_add(pe - ps, std::memory_order_relaxed);
     }
-    if (s < ps) Assemble(pages.get(), iov, s, std::min(e, ps), s);
-    if (pe < e && pe >= ps) Assemble(pages.get(), iov, pe, e, s);
+    if (s < ps) Assemble(iov, s, std::min(e, ps), s);
+    if (pe < e && pe >= ps) Assemble(iov, pe, e, s);
   }
 
  private:
   static constexpr uint64_t kPage = SafetensorsPages::kPage;
 
-  // This node's shared state, or null (and the fill stops) when the kernel
-  // does not hold it.
-  std::shared_ptr<SafetensorsPages> Pages() {
-    std::lock_guard<std::mutex> l(ctx_->mu);
-    if (!ctx_->nodes.count(st_ino_)) {
-      stopped_.store(true, std::memory_order_relaxed);
-      return nullptr;
-    }
-    std::shared_ptr<SafetensorsPages>& p = ctx_->safetensors_pages[st_ino_];
-    if (p == nullptr) p = std::make_shared<SafetensorsPages>();
-    return p;
-  }
-  bool StoreHeader() {
-    if (header_stored_.exchange(true, std::memory_order_relaxed)) return true;
-    const iovec v{const_cast<char*>(header_->data()), header_->size()};  // whole pages: padded to one
-    return Check(gate_->Store(st_ino_, 0, std::span<const iovec>(&v, 1)));
-  }
   // [a, b) of state.safetensors, inside one page, from iov (whose byte 0 is
   // at s): into that page's partial copy; stores the page once it is whole.
-  void Assemble(SafetensorsPages* pages, std::span<const iovec> iov, uint64_t a, uint64_t b, uint64_t s) {
+  void Assemble(std::span<const iovec> iov, uint64_t a, uint64_t b, uint64_t s) {
+    SafetensorsPages* pages = pages_.get();
     const uint64_t page = a / kPage, start = page * kPage;
     const uint64_t want = std::min(kPage, st_bytes_ - start);  // the last page ends at EOF
     char whole[kPage];
@@ -224,7 +214,7 @@ class SafetensorsFill {
     }
     const iovec v{whole, want};
     if (Check(gate_->Store(st_ino_, start, std::span<const iovec>(&v, 1)))) {
-      ctx_->stats.filled_bytes.fetch_add(want, std::memory_order_relaxed);
+      stats_->filled_bytes.fetch_add(want, std::memory_order_relaxed);
     }
   }
   // The bytes [from, from + n) of iov, as iovecs into it.
@@ -254,14 +244,14 @@ class SafetensorsFill {
   }
 
   const std::shared_ptr<PushGate> gate_;
-  Context* const ctx_;
+  const std::shared_ptr<SafetensorsPages> pages_;  // this node's, shared with the other field files' fills
+  ReadStats* const stats_;                          // the Context's
   const fuse_ino_t st_ino_;
   const uint64_t base_;         // where byte 0 of the field lies in state.safetensors
   const uint64_t field_bytes_;
   const uint64_t st_bytes_;     // state.safetensors' size
   const std::string* const header_;  // the layout's; the handle's reader holds the generation
   std::atomic<bool> stopped_{false};
-  std::atomic<bool> header_stored_{false};
 };
 
 struct FileHandle {
@@ -742,7 +732,8 @@ bool CachedFile(const MountOptions& o, const vfs::CheckpointFile& f) {
 }
 
 // The fill of state.safetensors from field file n (at `path`), or null: off,
-// not a field file, or state.safetensors not read through the page cache.
+// not a field file, state.safetensors not read through the page cache, or its
+// node not held by the kernel.
 std::shared_ptr<SafetensorsFill> MakeSafetensorsFill(Context* c, const std::string& path, const Node& n) {
   const MountOptions& o = c->tree->options();
   if (!FillsSafetensors(o) || n.gen == nullptr || n.file->kind != vfs::CheckpointFileKind::kField) return nullptr;
@@ -752,8 +743,16 @@ std::shared_ptr<SafetensorsFill> MakeSafetensorsFill(Context* c, const std::stri
   if (st == nullptr || !CachedFile(o, *st) || !base.has_value() || path.size() <= n.rel.size()) return nullptr;
   const std::string dir = path.substr(0, path.size() - n.rel.size() - 1);
   const fuse_ino_t st_ino = NodeIdOf(JoinPath(dir, vfs::kSafetensorsFileName), n.gen->generation());
-  return std::make_shared<SafetensorsFill>(c->push_gate, c, st_ino, *base, n.file->size_bytes, st->size_bytes,
-                                           &layout.safetensors_header());
+  std::shared_ptr<SafetensorsPages> pages;
+  {
+    std::lock_guard<std::mutex> l(c->mu);
+    if (!c->nodes.count(st_ino)) return nullptr;  // the kernel could not take the stores
+    std::shared_ptr<SafetensorsPages>& p = c->safetensors_pages[st_ino];
+    if (p == nullptr) p = std::make_shared<SafetensorsPages>();
+    pages = p;
+  }
+  return std::make_shared<SafetensorsFill>(c->push_gate, std::move(pages), &c->stats, st_ino, *base,
+                                           n.file->size_bytes, st->size_bytes, &layout.safetensors_header());
 }
 
 void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
