@@ -8,6 +8,7 @@
 #   bash tools/device/h200_bench.sh CARRY OUT rest   # host-cache step, sleep, mount (one tensor, trainer mix x2), gpu tests
 #   bash tools/device/h200_bench.sh CARRY OUT views  # where a cold cp -r of the trainer snapshot waits; a hidden-4096 mix
 #   bash tools/device/h200_bench.sh CARRY OUT fill   # cp -r with the state.safetensors fill on and off
+#   bash tools/device/h200_bench.sh CARRY OUT probe  # chunks loaded per copy and state.safetensors' residency, fill on / off
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -20,6 +21,25 @@ run() { local name=$1 t=$2; shift 2; echo "== $name: $*" | tee -a "$OUTD/summary
   timeout "$t" "$@" > "$OUTD/$name.log" 2>&1; echo "rc=$?" >> "$OUTD/$name.log"
   tail -n 14 "$OUTD/$name.log" >> "$OUTD/summary.txt"; rm -rf "${W:?}"/*; }
 STEP=(step --dir "$W" --state 8G --budget 2G --backend cuda --rounds 3)
+# For the by-hand parts (views, probe): the trainer's snapshot kept under $W (sets R, M, S), the
+# page cache dropped, a command's seconds, optstate-mount on $M (LOG, then its options), and how
+# much of a file is in the page cache ("N of M pages": mincore; no fincore on Ubuntu's image).
+keep_store() { optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 1 --keep > "$OUTD/$1" 2>&1
+  R=$W/bench-mount; M=$R/mnt; S=$M/bench/snapshots/bench; }
+drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+secs() { local s e; s=$(date +%s.%N); "$@" > /dev/null 2>&1; e=$(date +%s.%N); awk "BEGIN{printf \"%.3f\", $e-$s}"; }
+mnt() { local log=$1; shift; OPTSTATE_LOG_LEVEL=info optstate-mount -f "$@" "$R/root" "$M" > "$log" 2>&1 &
+  for _ in $(seq 100); do mountpoint -q "$M" && break; sleep 0.1; done; }
+resident() { python3 - "$1" <<'PY'
+import ctypes, mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY); size = os.fstat(fd).st_size
+m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+pages = (size + 4095) // 4096; vec = (ctypes.c_ubyte * pages)()
+ctypes.CDLL("libc.so.6").mincore(ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(m))),
+                                  ctypes.c_size_t(size), vec)
+print(f"{sum(v & 1 for v in vec)} of {pages} pages")
+PY
+}
 case $PART in
   step)
     run io 150 optstate-bench io --dir "$W" --size 2G --chunk-sizes 8M --rounds 3
@@ -41,14 +61,10 @@ case $PART in
     # Which part of a cold `cp -r` of the trainer's snapshot waits (session 16): per round, fio's
     # read of the same bytes; the copy cold; with only tensors/ already in the page cache; with
     # only state.safetensors in it; warm; and each view copied alone, cold.
-    optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 1 --keep > "$OUTD/views_bench.log" 2>&1
-    R=$W/bench-mount; M=$R/mnt; S=$M/bench/snapshots/bench; D=/dev/shm/views-copy
-    optstate-mount -f "$R/root" "$M" > "$OUTD/views_mount.log" 2>&1 &
-    for _ in $(seq 100); do mountpoint -q "$M" && break; sleep 0.1; done
+    keep_store views_bench.log; D=/dev/shm/views-copy
+    mnt "$OUTD/views_mount.log"
     B=$(python3 -c "import os,sys; print(sum(os.path.getsize(os.path.join(d,f)) for d,_,fs in os.walk(sys.argv[1]) for f in fs))" "$S")
     fio --name=lay --filename="$R/fio.dat" --rw=write --bs=1M --size=$((B/4096*4096)) --direct=1 > /dev/null 2>&1
-    drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
-    secs() { local s e; s=$(date +%s.%N); "$@" > /dev/null 2>&1; e=$(date +%s.%N); awk "BEGIN{printf \"%.3f\", $e-$s}"; }
     fiot() { fio --name=r --filename="$R/fio.dat" --rw=read --bs=1M --iodepth=32 --ioengine=io_uring --direct=1 \
         --size=$((B/4096*4096)) --output-format=json | python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["runtime"]/1000)'; }
     warm_tensors() { find "$S/tensors" -type f -exec cat {} + > /dev/null; }
@@ -69,11 +85,25 @@ case $PART in
   fill)
     # The state.safetensors fill (session 16), interleaved A/B: on (the default) and off.
     for i in 1 2; do
-      run fill_on_$i 100 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
+      run fill_on_$i 100 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3 --fill-safetensors
       run fill_off_$i 100 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3 --no-fill-safetensors
     done
-    run fill_on_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3
+    run fill_on_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --fill-safetensors
     run fill_off_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --no-fill-safetensors
+    ;;
+  probe)
+    # Does the state.safetensors fill take on this machine (session 16)? Per option set: a cold
+    # cp -r of the snapshot (chunks the daemon loaded), and after reading tensors/ only, how much
+    # of state.safetensors is in the page cache.
+    keep_store probe_bench.log; L=$OUTD/probe_mount.log
+    loaded() { fusermount3 -u "$M"; wait; grep -o '[0-9]* chunks loaded' "$L"; }
+    for opt in --fill-safetensors --no-fill-safetensors --fill-safetensors --no-fill-safetensors; do
+      mnt "$L" "$opt"; drop; c=$(secs cp -r "$S" /dev/shm/probe); rm -rf /dev/shm/probe; a=$(loaded)
+      mnt "$L" "$opt"; drop; ls "$S" > /dev/null; find "$S/tensors" -type f -exec cat {} + > /dev/null; sleep 0.5
+      fc=$(resident "$S/state.safetensors"); b=$(loaded)
+      echo "$opt: cp $c s, $a; tensors/ only: $b, state.safetensors resident after: $fc" | tee -a "$OUTD/summary.txt"
+    done
+    rm -rf "${W:?}"/*
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
