@@ -9,6 +9,9 @@
 #   bash tools/device/h200_bench.sh CARRY OUT views  # where a cold cp -r of the trainer snapshot waits; a hidden-4096 mix
 #   bash tools/device/h200_bench.sh CARRY OUT fill   # cp -r with the state.safetensors fill on and off
 #   bash tools/device/h200_bench.sh CARRY OUT probe  # chunks loaded per copy and state.safetensors' residency, fill on / off
+#   bash tools/device/h200_bench.sh CARRY OUT prefetch  # cp -r with the Prefetcher at 32 MiB, 256 MiB and 1 GiB ahead
+#   bash tools/device/h200_bench.sh CARRY OUT profile  # strace and perf of a warm and a cold cp -r (perf, strace packed)
+#   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -104,6 +107,57 @@ case $PART in
       echo "$opt: cp $c s, $a; tensors/ only: $b, state.safetensors resident after: $fc" | tee -a "$OUTD/summary.txt"
     done
     rm -rf "${W:?}"/*
+    ;;
+  prefetch)
+    # Files opened ahead of cp (session 17): with the fill the disk is 40-45% busy during a copy;
+    # does a deeper Prefetcher use that headroom? Interleaved: the default (32 files, 32 MiB),
+    # 64 files / 256 MiB, 64 files / 1 GiB (64 files: the most optstate-mount takes).
+    MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
+    for i in 1 2; do
+      run pf_default_$i 100 optstate-bench "${MIX[@]}"
+      run pf_256_$i 100 optstate-bench "${MIX[@]}" --prefetch-files 64 --prefetch-mib 256
+      run pf_1024_$i 100 optstate-bench "${MIX[@]}" --prefetch-files 64 --prefetch-mib 1024
+    done
+    run pf_default_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3
+    run pf_1024_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 \
+        --prefetch-files 64 --prefetch-mib 1024
+    ;;
+  profile)
+    # Where a copy of the trainer's snapshot spends its time (session 17): strace's per-call
+    # summary of cp and perf's system-wide profile (cp, the daemon, the kernel), warm and cold.
+    # Needs perf and strace packed into CARRY (pack.sh /usr/bin/perf /usr/bin/strace).
+    keep_store profile_bench.log; D=/dev/shm/profile-copy
+    mnt "$OUTD/profile_mount.log"; cp -r "$S" "$D"; rm -rf "$D"
+    for kind in warm cold warm2 cold2; do
+      case $kind in cold*) drop ;; esac
+      strace -c -w -f -o "$OUTD/strace_$kind.txt" cp -r "$S" "$D"; rm -rf "$D"
+      case $kind in cold*) drop ;; esac
+      perf record -a -g -e cpu-clock -o "$W/perf.data" -- cp -r "$S" "$D" > /dev/null 2>&1; rm -rf "$D"
+      perf report -i "$W/perf.data" --stdio --no-children --sort comm,sym --percent-limit 0.5 -g none \
+          > "$OUTD/perf_$kind.txt" 2>&1
+      perf report -i "$W/perf.data" --stdio --no-children --sort comm --percent-limit 0.5 -g none \
+          > "$OUTD/perf_comm_$kind.txt" 2>&1
+    done
+    fusermount3 -u "$M"; wait
+    rm -rf "${W:?}"/*
+    ;;
+  blksize)
+    # st_blksize, the buffer cp copies with (session 17: a warm copy spends ~10% of cp's time in
+    # shmem_write_end, zeroing the rest of tmpfs' large folios after each 1 MiB write).
+    MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
+    for i in 1 2; do
+      for kib in 1024 2048 4096; do run bs${kib}_$i 100 optstate-bench "${MIX[@]}" --blksize-kib $kib; done
+    done
+    ;;
+  pushopen)
+    # The push of a field file opened in a tree-order walk from its open instead of its first
+    # READ (session 17, OPTSTATE_PUSH_AT_OPEN while it is an experiment), interleaved A/B.
+    MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
+    for i in 1 2; do
+      run po_on_$i 100 env OPTSTATE_PUSH_AT_OPEN=1 optstate-bench "${MIX[@]}"
+      run po_check_$i 100 env OPTSTATE_PUSH_AT_OPEN=1 OPTSTATE_PUSH_CHECK=1 optstate-bench "${MIX[@]}"
+      run po_off_$i 100 optstate-bench "${MIX[@]}"
+    done
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
