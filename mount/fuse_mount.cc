@@ -830,19 +830,25 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
         },
         &c->stats);
   }
-  static const bool push_at_open = getenv("OPTSTATE_PUSH_AT_OPEN") != nullptr;
-  std::shared_ptr<FileHandle> keep = push_at_open && taken && n->file->kind == vfs::CheckpointFileKind::kField &&
-                                             fh->pusher != nullptr ? fh : nullptr;
+  // A field file opened in a tree-order walk is read whole: its push starts
+  // now (MountOptions::push_at_open). Started after the reply (the kernel may
+  // release the handle at once: `at_open` keeps it).
+  std::shared_ptr<FileHandle> at_open =
+      c->tree->options().push_at_open && taken && n->file->kind == vfs::CheckpointFileKind::kField &&
+              fh->pusher != nullptr
+          ? fh
+          : nullptr;
   fi->fh = NewHandle(std::move(fh));
   fi->direct_io = cached ? 0 : 1;
   fi->keep_cache = cached ? 1 : 0;  // a pinned node's bytes never change
   fi->nonseekable = 0;
   if (fuse_reply_open(req, fi) != 0) return DeleteHandle<FileHandle>(fi);  // no release will come
-  if (keep != nullptr) {
-    static const bool check = getenv("OPTSTATE_PUSH_CHECK") != nullptr;
+  if (at_open != nullptr) {
+    // A file copied before (the kernel kept its pages and node) is not pushed
+    // again: its first and last pages stand for the whole.
     std::shared_ptr<PushGate> gate = c->push_gate;
     const uint64_t last_page = (n->file->size_bytes - 1) / CachePusher::kPageBytes * CachePusher::kPageBytes;
-    keep->pusher->StartAtOpen(!check ? CachePusher::CachedFn() : [gate, ino, last_page] {
+    at_open->pusher->StartAtOpen([gate, ino, last_page] {
       return gate->Cached(ino, 0) && gate->Cached(ino, last_page);
     });
   }

@@ -12,6 +12,7 @@
 #   bash tools/device/h200_bench.sh CARRY OUT prefetch  # cp -r with the Prefetcher at 32 MiB, 256 MiB and 1 GiB ahead
 #   bash tools/device/h200_bench.sh CARRY OUT profile  # strace and perf of a warm and a cold cp -r (perf, strace packed)
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
+#   bash tools/device/h200_bench.sh CARRY OUT pushopen  # cp -r with the push from a walked file's open and from its first READ
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -150,14 +151,15 @@ case $PART in
     done
     ;;
   pushopen)
-    # The push of a field file opened in a tree-order walk from its open instead of its first
-    # READ (session 17, OPTSTATE_PUSH_AT_OPEN while it is an experiment), interleaved A/B.
+    # The push of a field file opened in a tree-order walk from its open (the default since
+    # session 17) against its first READ (--no-push-at-open), interleaved A/B.
     MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
-    for i in 1 2; do
-      run po_on_$i 100 env OPTSTATE_PUSH_AT_OPEN=1 optstate-bench "${MIX[@]}"
-      run po_check_$i 100 env OPTSTATE_PUSH_AT_OPEN=1 OPTSTATE_PUSH_CHECK=1 optstate-bench "${MIX[@]}"
-      run po_off_$i 100 optstate-bench "${MIX[@]}"
+    for i in 1 2 3; do
+      run po_on_$i 100 optstate-bench "${MIX[@]}"
+      run po_off_$i 100 optstate-bench "${MIX[@]}" --no-push-at-open
     done
+    run po_on_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3
+    run po_off_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --no-push-at-open
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
