@@ -44,20 +44,6 @@ void CachePusher::OnRead(uint64_t offset, uint64_t bytes) {
   if (offset + far_bytes_ < front || offset > front + far_bytes_) stop_.store(true, std::memory_order_relaxed);
 }
 
-void CachePusher::StartAtOpen(CachedFn cached) {
-  std::lock_guard<std::mutex> l(mu_);
-  if (started_ || Stopped()) return;
-  started_ = true;
-  thread_ = std::thread([this, cached = std::move(cached)] {
-    if (cached != nullptr && cached()) {
-      front_.store(reader_->file().size_bytes, std::memory_order_relaxed);
-      return;
-    }
-    if (stats_ != nullptr) stats_->pushes.fetch_add(1, std::memory_order_relaxed);
-    Loop(0);
-  });
-}
-
 void CachePusher::Loop(uint64_t from) {
   const vfs::CheckpointFile& f = reader_->file();
   const vfs::CheckpointLayout& layout = *reader_->generation().layout;

@@ -63,14 +63,6 @@ class CachePusher {
 
   // The kernel READs [offset, offset + bytes): may start or end the push.
   void OnRead(uint64_t offset, uint64_t bytes);
-  // Whether the kernel's page cache holds the file already (asked on the push
-  // thread).
-  using CachedFn = std::function<bool()>;
-
-  // Starts the push from the file's start now, before any READ (a file opened
-  // in a tree-order walk is read whole), unless `cached` (may be null) says
-  // the kernel holds the file already; no-op once started or ended.
-  void StartAtOpen(CachedFn cached);
   // Waits until the push thread has ended (tests: the push ran to the end).
   void Join();
   // Bytes stored into the page cache so far.

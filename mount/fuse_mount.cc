@@ -15,7 +15,6 @@
 #include <bitset>
 #include <chrono>
 #include <climits>
-#include <condition_variable>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -86,34 +85,6 @@ class PushGate {
     --in_flight_;
     return rc;
   }
-  // Whether the kernel's page cache holds the page at `offset` of node ino
-  // (FUSE_NOTIFY_RETRIEVE: the kernel answers with the cached bytes from
-  // there, as a request that OpRetrieveReply hands to Answer). False when it
-  // does not, when the node is not held, when no answer came within
-  // kRetrieveWait, or once the daemon is exiting.
-  bool Cached(fuse_ino_t ino, uint64_t offset) {
-    uint64_t cookie;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (refused_) return false;
-      cookie = ++next_cookie_;
-      answers_.emplace(cookie, std::nullopt);
-    }
-    const int rc = fuse_lowlevel_notify_retrieve(se_, ino, kPageBytes, static_cast<off_t>(offset),
-                                                 reinterpret_cast<void*>(cookie));
-    std::unique_lock<std::mutex> l(mu_);
-    if (rc == 0) cv_.wait_for(l, kRetrieveWait, [&] { return answers_[cookie].has_value(); });
-    const size_t got = answers_[cookie].value_or(0);
-    answers_.erase(cookie);
-    return got > 0;
-  }
-  void Answer(uint64_t cookie, size_t bytes) {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = answers_.find(cookie);
-    if (it == answers_.end()) return;  // the asker stopped waiting
-    it->second = bytes;
-    cv_.notify_all();
-  }
   void Refuse() {
     std::lock_guard<std::mutex> l(mu_);
     refused_ = true;
@@ -124,18 +95,10 @@ class PushGate {
   }
 
  private:
-  static constexpr uint64_t kPageBytes = CachePusher::kPageBytes;
-  // An answer is a round trip through the FUSE loop (tens of us); beyond this
-  // the page counts as not cached.
-  static constexpr std::chrono::milliseconds kRetrieveWait{20};
-
   struct fuse_session* const se_;
   std::mutex mu_;
-  std::condition_variable cv_;
   bool refused_ = false;  // guarded by mu_
   int in_flight_ = 0;     // guarded by mu_
-  uint64_t next_cookie_ = 0;                                        // guarded by mu_
-  std::unordered_map<uint64_t, std::optional<size_t>> answers_;  // cookie -> bytes retrieved; guarded by mu_
 };
 
 // The low-level API (not the path-based one): a read is answered with
@@ -830,28 +793,11 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
         },
         &c->stats);
   }
-  // A field file opened in a tree-order walk is read whole: its push starts
-  // now (MountOptions::push_at_open). Started after the reply (the kernel may
-  // release the handle at once: `at_open` keeps it).
-  std::shared_ptr<FileHandle> at_open =
-      c->tree->options().push_at_open && taken && n->file->kind == vfs::CheckpointFileKind::kField &&
-              fh->pusher != nullptr
-          ? fh
-          : nullptr;
   fi->fh = NewHandle(std::move(fh));
   fi->direct_io = cached ? 0 : 1;
   fi->keep_cache = cached ? 1 : 0;  // a pinned node's bytes never change
   fi->nonseekable = 0;
-  if (fuse_reply_open(req, fi) != 0) return DeleteHandle<FileHandle>(fi);  // no release will come
-  if (at_open != nullptr) {
-    // A file copied before (the kernel kept its pages and node) is not pushed
-    // again: its first and last pages stand for the whole.
-    std::shared_ptr<PushGate> gate = c->push_gate;
-    const uint64_t last_page = (n->file->size_bytes - 1) / CachePusher::kPageBytes * CachePusher::kPageBytes;
-    at_open->pusher->StartAtOpen([gate, ino, last_page] {
-      return gate->Cached(ino, 0) && gate->Cached(ino, last_page);
-    });
-  }
+  if (fuse_reply_open(req, fi) != 0) DeleteHandle<FileHandle>(fi);  // no release will come
 }
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
@@ -884,11 +830,6 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
   if (!replied) ReplyStatus(req, n.ok() ? Internal("read replied nothing") : n.status());
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
   c->stats.serve_ns.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
-}
-
-void OpRetrieveReply(fuse_req_t req, void* cookie, fuse_ino_t, off_t, struct fuse_bufvec* bufv) {
-  Ctx(req)->push_gate->Answer(reinterpret_cast<uint64_t>(cookie), fuse_buf_size(bufv));
-  fuse_reply_none(req);
 }
 
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
@@ -948,7 +889,6 @@ struct fuse_lowlevel_ops MakeOps() {
   ops.open = OpOpen;
   ops.read = OpRead;
   ops.release = OpRelease;
-  ops.retrieve_reply = OpRetrieveReply;
   ops.statfs = OpStatfs;
   ops.setattr = RoSetattr;
   ops.mknod = RoMknod;

@@ -62,8 +62,6 @@ const char kUsage[] =
     "                        off the disk once, not twice (default: on with 8 or more\n"
     "                        cores; it costs CPU beside the reader's)\n"
     "  --no-fill-safetensors do not\n"
-    "  --no-push-at-open     push a file opened in a walk (cp -r, tar) into the page cache\n"
-    "                        from its first READ, not from its open (an A/B of the default)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  --log FILE            append the daemon's log to FILE (default: stderr, which a\n"
     "                        daemon without -f closes); also -o log=FILE (fstab)\n"
@@ -196,8 +194,6 @@ int main(int argc, char** argv) {
       cmd.tree.fill_safetensors = optstate::mount::MountOptions::Fill::kOff;
     } else if (a == "--fill-safetensors") {
       cmd.tree.fill_safetensors = optstate::mount::MountOptions::Fill::kOn;
-    } else if (a == "--no-push-at-open") {
-      cmd.tree.push_at_open = false;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
         fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");

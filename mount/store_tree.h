@@ -123,15 +123,6 @@ struct MountOptions {
   // 3.1-4.4 s instead of 2.2 s (README, "Defaults and why").
   enum class Fill : uint8_t { kAuto, kOn, kOff };
   Fill fill_safetensors = Fill::kAuto;
-  // Push a field file opened in a tree-order walk (its reader came from the
-  // Prefetcher: cp -r, tar, a script reading every file) into the page cache
-  // from its open instead of its first READ, unless the kernel holds its
-  // first and last pages already (a file copied before: asked with
-  // FUSE_NOTIFY_RETRIEVE). Default true (--no-push-at-open). Why: with the
-  // push started by the first READ, every big field file began with cp
-  // waiting for a READ round trip and a race between the kernel's read-ahead
-  // and the push (README, "Defaults and why").
-  bool push_at_open = true;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
   uint32_t catchup_interval_ms = 20;
   // A path inside a snapshot already held (immutable while it exists) is

@@ -41,7 +41,6 @@ struct MountOptions {
   std::string cache;              // "" (optstate-mount's default), else its --page-cache
   bool fill = false;              // optstate-mount --fill-safetensors
   bool no_fill = false;           // optstate-mount --no-fill-safetensors
-  bool no_push_at_open = false;   // optstate-mount --no-push-at-open
   bool keep = false;              // keep the test store (DIR/bench-mount/root) for manual runs
   bool json = false;
 };
@@ -186,7 +185,6 @@ int RunMount(const MountOptions& o) {
   }
   if (o.fill) mount_argv.push_back("--fill-safetensors");
   if (o.no_fill) mount_argv.push_back("--no-fill-safetensors");
-  if (o.no_push_at_open) mount_argv.push_back("--no-push-at-open");
   if (!o.cache.empty()) {
     mount_argv.push_back("--page-cache");
     mount_argv.push_back(o.cache);
@@ -323,7 +321,6 @@ int RunMount(const MountOptions& o) {
                         {"hidden", o.hidden},
                         {"prefetch_files", o.prefetch_files}, {"prefetch_mib", o.prefetch_mib},
                         {"fill_safetensors", o.fill ? "on" : o.no_fill ? "off" : "default"},
-                        {"push_at_open", !o.no_push_at_open},
                         {"cache", o.cache.empty() ? "default" : o.cache}};
   if (o.json) {
     PrintJson(out);
@@ -389,7 +386,6 @@ void AddMountCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"none", "small", "mappable", "all"}));
   sub->add_flag("--fill-safetensors", o->fill, "passed to optstate-mount (an A/B of the fill)");
   sub->add_flag("--no-fill-safetensors", o->no_fill, "passed to optstate-mount (an A/B of the fill)");
-  sub->add_flag("--no-push-at-open", o->no_push_at_open, "passed to optstate-mount (an A/B of the push at open)");
   sub->add_flag("--keep", o->keep, "keep the test store under DIR/bench-mount/root (with --dir)");
   sub->add_option("--log", o->log, "write the daemon's log here and keep it (default: scratch dir, removed)");
   sub->add_flag("--json", o->json, "print JSON");

@@ -542,8 +542,7 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
 }
 
 // The pusher stores a sequential reader's file into the page cache from the
-// end of its first READ (at offset 0), or from offset 0 when started at open,
-// to EOF: contiguous, page-aligned
+// end of its first READ (at offset 0) to EOF: contiguous, page-aligned
 // ranges, each one notification (the kernel marks a page up to date only when
 // one notification fills it whole), with the library's bytes. state.safetensors
 // of odd-sized fields puts most chunk boundaries inside a page; a pusher that
@@ -566,57 +565,48 @@ TEST_F(ChunkReaderTest, PusherStoresPageAlignedRangesWithTheLibrarysBytes) {
   ASSERT_TRUE(n->gen->layout->Read(*n->file, 0, want.data(), want.size()).ok());
   const uint64_t seqs = n->gen->layout->ChunkSequenceLength(*n->file);
 
-  // Started by the first READ (at offset 0), or at open (a file opened in a
-  // tree-order walk: from offset 0, before any READ).
-  for (const bool at_open : {false, true}) {
-    SCOPED_TRACE(at_open ? "started at open" : "started by the first READ");
-    ChunkBufferPool pool(1ull << 30);
-    ReadStats stats;
-    auto r = ChunkReader::Open(n->gen, n->file, Reading(4), &pool, &stats);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    std::shared_ptr<ChunkReader> reader(std::move(r).value());
-    struct Stored {
-      uint64_t offset;
-      std::string bytes;
-    };
-    std::mutex mu;
-    std::vector<Stored> stored;
-    CachePusher pusher(reader, [&](uint64_t offset, std::span<const iovec> iov) {
-      Stored st{offset, {}};
-      for (const iovec& v : iov) st.bytes.append(static_cast<const char*>(v.iov_base), v.iov_len);
-      std::lock_guard<std::mutex> l(mu);
-      stored.push_back(std::move(st));
-      return 0;
-    }, &stats);
-    const uint64_t first_read = at_open ? 0 : 128 << 10;  // the kernel's first READ, served by the reader
-    if (at_open) {
-      pusher.StartAtOpen(nullptr);
-    } else {
-      std::string first;
-      ASSERT_TRUE(reader->ReadWith(0, first_read, [&](std::span<const iovec> iov) {
-        for (const iovec& v : iov) first.append(static_cast<const char*>(v.iov_base), v.iov_len);
-        return Status();
-      }).ok());
-      pusher.OnRead(0, first_read);
-    }
-    pusher.Join();
+  ChunkBufferPool pool(1ull << 30);
+  ReadStats stats;
+  auto r = ChunkReader::Open(n->gen, n->file, Reading(4), &pool, &stats);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::shared_ptr<ChunkReader> reader(std::move(r).value());
+  struct Stored {
+    uint64_t offset;
+    std::string bytes;
+  };
+  std::mutex mu;
+  std::vector<Stored> stored;
+  CachePusher pusher(reader, [&](uint64_t offset, std::span<const iovec> iov) {
+    Stored st{offset, {}};
+    for (const iovec& v : iov) st.bytes.append(static_cast<const char*>(v.iov_base), v.iov_len);
+    std::lock_guard<std::mutex> l(mu);
+    stored.push_back(std::move(st));
+    return 0;
+  }, &stats);
+  constexpr uint64_t kFirstRead = 128 << 10;  // the kernel's first READ, served by the reader
+  std::string first;
+  ASSERT_TRUE(reader->ReadWith(0, kFirstRead, [&](std::span<const iovec> iov) {
+    for (const iovec& v : iov) first.append(static_cast<const char*>(v.iov_base), v.iov_len);
+    return Status();
+  }).ok());
+  pusher.OnRead(0, kFirstRead);
+  pusher.Join();
 
-    ASSERT_FALSE(stored.empty());
-    uint64_t at = first_read;
-    for (const Stored& st : stored) {
-      EXPECT_EQ(st.offset, at) << "ranges are contiguous from the first READ's end";
-      EXPECT_EQ(st.offset % CachePusher::kPageBytes, 0u) << st.offset;
-      const uint64_t end = st.offset + st.bytes.size();
-      EXPECT_TRUE(end % CachePusher::kPageBytes == 0 || end == size) << "a range ends inside page " << end / 4096;
-      EXPECT_TRUE(st.bytes == want.substr(st.offset, st.bytes.size())) << "bytes at " << st.offset;
-      at = end;
-    }
-    EXPECT_EQ(at, size) << "the push reaches EOF";
-    EXPECT_EQ(pusher.pushed_bytes(), size - first_read);
-    EXPECT_EQ(stats.pushes.load(), 1u);
-    EXPECT_EQ(stats.requests.load(), at_open ? 0u : 1u) << "only the kernel's READ counts as a read";
-    EXPECT_EQ(stats.chunks_loaded.load(), seqs) << "each chunk loaded once";
+  ASSERT_FALSE(stored.empty());
+  uint64_t at = kFirstRead;
+  for (const Stored& st : stored) {
+    EXPECT_EQ(st.offset, at) << "ranges are contiguous from the first READ's end";
+    EXPECT_EQ(st.offset % CachePusher::kPageBytes, 0u) << st.offset;
+    const uint64_t end = st.offset + st.bytes.size();
+    EXPECT_TRUE(end % CachePusher::kPageBytes == 0 || end == size) << "a range ends inside page " << end / 4096;
+    EXPECT_TRUE(st.bytes == want.substr(st.offset, st.bytes.size())) << "bytes at " << st.offset;
+    at = end;
   }
+  EXPECT_EQ(at, size) << "the push reaches EOF";
+  EXPECT_EQ(pusher.pushed_bytes(), size - kFirstRead);
+  EXPECT_EQ(stats.pushes.load(), 1u);
+  EXPECT_EQ(stats.requests.load(), 1u) << "only the kernel's READ counts as a read";
+  EXPECT_EQ(stats.chunks_loaded.load(), seqs) << "each chunk loaded once";
 }
 
 // A file whose first READ is not at offset 0 (a reader that seeks: a header

@@ -187,7 +187,8 @@ class MountTest : public ::testing::Test {
 
 // Tests that assert what the kernel's page cache holds, and drop it: they run
 // alone (RUN_SERIAL, tests/mount/CMakeLists.txt), since another test's
-// drop_caches or copy would change what they see.
+// drop_caches (optstate-bench mount in tools_test drops the page cache
+// between rounds) would empty it under them.
 class MountPageCacheTest : public MountTest {};
 
 // Independent safetensors reader: checks state.safetensors against raw files.
@@ -909,7 +910,7 @@ TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
 // By default every file goes through the page cache: each maps (MAP_SHARED)
 // with the library's bytes. A `cp -r` reads the big ones (over 128 KiB) from
 // what the daemon pushed into the page cache (CachePusher), not by the
-// kernel's read-ahead READs of 128 KiB: each such file pushed at most once, and the
+// kernel's read-ahead READs of 128 KiB: each such file pushed once, and the
 // READs the daemon served during the copy fewer than one per 256 KiB of them.
 // (The copy's daemon is stopped before the maps, which a fresh one serves:
 // under ASan a map that found pages gone started a push of its own and READs
@@ -933,11 +934,9 @@ TEST_F(MountTest, FilesAreMappableByDefaultAndBigOnesPushedToACopy) {
   ExpectDirEqualsLatest(root_ + "/copy");
   StopDaemon();
   const std::string log = ReadFile(root_ + "/daemon.log");
-  // Every big field file is pushed at most once (from its open, or from its
-  // first READ; none where cp's first READs got the whole file before the
-  // push began); state.safetensors is not: cp reads it last, and its pages,
-  // header first, were filled from the field files'.
-  EXPECT_LE(SummaryCount(log, " files pushed into the page cache"), big_files - 1) << log;
+  // Every big field file is pushed; state.safetensors is not: cp reads it
+  // last, and its pages, header first, were filled from the field files'.
+  EXPECT_EQ(SummaryCount(log, " files pushed into the page cache"), big_files - 1) << log;
   EXPECT_GE(SummaryCount(log, " names listed as nodes"), files.size()) << log;
   // Measured: 27-32 READs with the push (81 under ASan with the maps
   // counted too), 121 by the kernel's read-ahead alone.
@@ -1065,88 +1064,6 @@ TEST_F(MountPageCacheTest, ReadingTheFieldFilesFillsStateSafetensors) {
   ASSERT_EQ(read_fields(), size);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_EQ(ResidentPages(st, 0, size), 0u);
-}
-
-// A field file opened in a tree-order walk (after the files before it: cp -r,
-// tar) is pushed into the page cache from its open, before any READ: its
-// pages become resident while the reader has not read a byte. A second walk
-// over files the kernel still holds is not pushed again (the daemon asks the
-// kernel for their first and last pages), and the file reads the library's
-// bytes. With --no-push-at-open nothing is pushed until a READ.
-TEST_F(MountPageCacheTest, AFileOpenedInAWalkIsPushedFromItsOpenOnce) {
-  const std::string store = "rank2.walk";
-  {
-    auto s = CreateStore(stores_ + "/" + store);
-    ASSERT_NE(s, nullptr);
-    CreateTensors(s.get(), {{"a", 1000, {}}, {"b", 786432, {}}});  // b: 3 MiB a field
-    WriteStep(s.get(), 2);
-  }
-  const std::string gen = mnt_ + "/" + store + "/latest/tensors/";
-  const std::string big = gen + "b/exp_avg";
-  const uint64_t size = 786432 * 4, pages = size / 4096;
-  // The walk up to b/exp_avg, which it leaves open without reading.
-  auto walk = [&]() -> int {
-    for (const char* f : {"a/exp_avg", "a/exp_avg_sq", "a/main"}) {
-      int fd = open((gen + f).c_str(), O_RDONLY);
-      EXPECT_GE(fd, 0) << f << ": " << std::strerror(errno);
-      close(fd);
-      // The Prefetcher opens the files after the walk's second on its thread.
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    }
-    return open(big.c_str(), O_RDONLY);
-  };
-  auto resident_after = [&](int max_polls) {
-    uint64_t n = 0;
-    for (int i = 0; i < max_polls && n < pages; ++i) {
-      if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      n = ResidentPages(big, 0, size);
-    }
-    return n;
-  };
-  for (const bool at_open : {true, false}) {
-    SCOPED_TRACE(at_open ? "push at open" : "--no-push-at-open");
-    StopDaemon();
-    if (at_open) {
-      StartDaemon();
-    } else {
-      StartDaemon({"--no-push-at-open"});
-    }
-    if (!at_open) {  // the first round pushed the file: drop its pages, keep its node
-      std::ofstream drop("/proc/sys/vm/drop_caches");
-      if (!(drop << "1\n" && drop.flush())) GTEST_SKIP() << "cannot drop the page cache (not root)";
-    }
-    int fd = walk();
-    ASSERT_GE(fd, 0) << std::strerror(errno);
-    if (at_open) {
-      // At least 90% where this VM's reclaimer takes a few pages back.
-      const uint64_t n = resident_after(200);
-      EXPECT_GE(n * 10, pages * 9) << n << " of " << pages << " pages before any read";
-      close(fd);
-      fd = walk();  // again: the kernel holds the file
-      ASSERT_GE(fd, 0) << std::strerror(errno);
-    } else {
-      EXPECT_EQ(resident_after(20), 0u) << "pushed with --no-push-at-open before any read";
-    }
-    {
-      auto ro = Store::OpenReadOnly(stores_ + "/" + store, StoreOptions{});
-      ASSERT_TRUE(ro.ok()) << ro.status().ToString();
-      auto v = (*ro)->OpenGeneration(kLatest);
-      ASSERT_TRUE(v.ok()) << v.status().ToString();
-      auto l = CheckpointLayout::Build(v->get());
-      ASSERT_TRUE(l.ok()) << l.status().ToString();
-      const CheckpointFile* f = (*l)->FindFile("tensors/b/exp_avg");
-      ASSERT_NE(f, nullptr);
-      std::string want(f->size_bytes, '\0');
-      ASSERT_TRUE((*l)->Read(*f, 0, want.data(), want.size()).ok());
-      EXPECT_TRUE(ReadAndClose(fd) == want) << "b/exp_avg differs from the library's bytes";
-    }
-    StopDaemon();
-    const std::string log = ReadFile(root_ + "/daemon.log");
-    // At open: the first walk's push only (the second found the file cached).
-    // Without: the push the read started.
-    EXPECT_EQ(SummaryCount(log, " files pushed into the page cache"), 1u) << log;
-  }
-  StartDaemon();
 }
 
 // A SIGTERM while files and a directory are still open (the kernel never

@@ -12,7 +12,6 @@
 #   bash tools/device/h200_bench.sh CARRY OUT prefetch  # cp -r with the Prefetcher at 32 MiB, 256 MiB and 1 GiB ahead
 #   bash tools/device/h200_bench.sh CARRY OUT profile  # strace and perf of a warm and a cold cp -r (perf, strace packed)
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
-#   bash tools/device/h200_bench.sh CARRY OUT pushopen  # cp -r with the push from a walked file's open and from its first READ
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -140,26 +139,17 @@ case $PART in
           > "$OUTD/perf_comm_$kind.txt" 2>&1
     done
     fusermount3 -u "$M"; wait
+    # The device tool brings back only a few files: one archive.
+    (cd "$OUTD" && tar czf profile.tgz strace_* perf_* profile_mount.log && rm -f strace_* perf_*)
     rm -rf "${W:?}"/*
     ;;
   blksize)
-    # st_blksize, the buffer cp copies with (session 17: a warm copy spends ~10% of cp's time in
-    # shmem_write_end, zeroing the rest of tmpfs' large folios after each 1 MiB write).
+    # st_blksize, the buffer cp copies with (session 17, asked because a warm copy spent ~10% of
+    # cp's time in shmem_write_end: no difference between the sizes; that tmpfs has no large folios).
     MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
     for i in 1 2; do
       for kib in 1024 2048 4096; do run bs${kib}_$i 100 optstate-bench "${MIX[@]}" --blksize-kib $kib; done
     done
-    ;;
-  pushopen)
-    # The push of a field file opened in a tree-order walk from its open (the default since
-    # session 17) against its first READ (--no-push-at-open), interleaved A/B.
-    MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
-    for i in 1 2 3; do
-      run po_on_$i 100 optstate-bench "${MIX[@]}"
-      run po_off_$i 100 optstate-bench "${MIX[@]}" --no-push-at-open
-    done
-    run po_on_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3
-    run po_off_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --no-push-at-open
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
