@@ -24,6 +24,7 @@ run() { local name=$1 t=$2; shift 2; echo "== $name: $*" | tee -a "$OUTD/summary
   timeout "$t" "$@" > "$OUTD/$name.log" 2>&1; echo "rc=$?" >> "$OUTD/$name.log"
   tail -n 14 "$OUTD/$name.log" >> "$OUTD/summary.txt"; rm -rf "${W:?}"/*; }
 STEP=(step --dir "$W" --state 8G --budget 2G --backend cuda --rounds 3)
+MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)  # the trainer's snapshot, 2 GiB in 263 files
 # For the by-hand parts (views, probe): the trainer's snapshot kept under $W (sets R, M, S), the
 # page cache dropped, a command's seconds, optstate-mount on $M (LOG, then its options), and how
 # much of a file is in the page cache ("N of M pages": mincore; no fincore on Ubuntu's image).
@@ -88,8 +89,8 @@ case $PART in
   fill)
     # The state.safetensors fill (session 16), interleaved A/B: on (the default) and off.
     for i in 1 2; do
-      run fill_on_$i 100 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3 --fill-safetensors
-      run fill_off_$i 100 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3 --no-fill-safetensors
+      run fill_on_$i 100 optstate-bench "${MIX[@]}" --fill-safetensors
+      run fill_off_$i 100 optstate-bench "${MIX[@]}" --no-fill-safetensors
     done
     run fill_on_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --fill-safetensors
     run fill_off_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --no-fill-safetensors
@@ -112,7 +113,6 @@ case $PART in
     # Files opened ahead of cp (session 17): with the fill the disk is 40-45% busy during a copy;
     # does a deeper Prefetcher use that headroom? Interleaved: the default (32 files, 32 MiB),
     # 64 files / 256 MiB, 64 files / 1 GiB (64 files: the most optstate-mount takes).
-    MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
     for i in 1 2; do
       run pf_default_$i 100 optstate-bench "${MIX[@]}"
       run pf_256_$i 100 optstate-bench "${MIX[@]}" --prefetch-files 64 --prefetch-mib 256
@@ -146,7 +146,6 @@ case $PART in
   blksize)
     # st_blksize, the buffer cp copies with (session 17, asked because a warm copy spent ~10% of
     # cp's time in shmem_write_end: no difference between the sizes; that tmpfs has no large folios).
-    MIX=(mount --dir "$W" --hidden 1024 --state 1G --rounds 3)
     for i in 1 2; do
       for kib in 1024 2048 4096; do run bs${kib}_$i 100 optstate-bench "${MIX[@]}" --blksize-kib $kib; done
     done
@@ -156,8 +155,8 @@ case $PART in
         --host-cache-bytes 8G --durable-every 100 --rounds 5 --no-fio --no-first-version
     run sleep 60 optstate-bench sleep --dir "$W" --budget 2G --backend cuda --rounds 5
     run mount 130 optstate-bench mount --dir "$W" --state 3G --rounds 3
-    run mount_mix_new1 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
-    run mount_mix_new2 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3
+    run mount_mix_new1 70 optstate-bench "${MIX[@]}"
+    run mount_mix_new2 70 optstate-bench "${MIX[@]}"
     [ -x "$C/bin/memmgr_gpu_test" ] && run gpu_test 150 memmgr_gpu_test
     ;;
 esac
