@@ -187,11 +187,34 @@ uint64_t ChunkReader::WindowEnd(uint64_t bytes) const {
 }
 
 void ChunkReader::DropBuffer(Slot* s) {
-  pool_->Give(s->buf, s->buf_bytes);
+  if (s->lends > 0) {
+    detached_.push_back({s->buf, s->buf_bytes, s->lends});
+  } else {
+    pool_->Give(s->buf, s->buf_bytes);
+  }
   held_bytes_ -= s->buf_bytes;
   s->buf = nullptr;
   s->buf_bytes = 0;
+  s->lends = 0;
   s->state = SlotState::kEmpty;
+}
+
+void ChunkReader::Return(char* buf) {
+  for (Slot& s : slots_) {
+    if (s.buf == buf && s.lends > 0) {
+      --s.lends;
+      return;
+    }
+  }
+  for (auto it = detached_.begin(); it != detached_.end(); ++it) {
+    if (it->buf != buf) continue;
+    if (--it->lends == 0) {
+      pool_->Give(it->buf, it->bytes);
+      detached_.erase(it);
+      if (!waiting_.empty()) Kick();  // the pool has room again
+    }
+    return;
+  }
 }
 
 Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Generation> gen,
@@ -230,6 +253,7 @@ ChunkReader::~ChunkReader() {
     if (s.state == SlotState::kInFlight) continue;
     pool_->Give(s.buf, s.buf_bytes);
   }
+  for (const Detached& d : detached_) pool_->Give(d.buf, d.bytes);  // none: lends end before the reader does
 }
 
 ChunkReader::Slot* ChunkReader::Find(uint64_t seq) {
@@ -320,7 +344,7 @@ ChunkReader::Slot* ChunkReader::NextSubmission() {
 
 bool ChunkReader::AllBuffersPinned() const {
   for (const Slot& s : slots_) {
-    if (s.buf != nullptr && s.pins == 0) return false;
+    if (s.buf != nullptr && s.pins == 0) return false;  // a lent one: detached for a waited chunk instead
   }
   return true;
 }
@@ -338,7 +362,7 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
   // buffers of other evictable slots (in the same order) make room under
   // cap_bytes_ for the new one.
   const uint64_t need = BufBytesFor(seq);
-  enum Rank : int { kEmptySized, kBehindSized, kEmptyBuffered, kBehind, kGrow, kTrail, kAhead, kNone };
+  enum Rank : int { kEmptySized, kBehindSized, kEmptyBuffered, kBehind, kGrow, kTrail, kAhead, kLent, kNone };
   auto rank_of = [&](const Slot& s) -> Rank {
     if (s.state == SlotState::kEmpty) {
       if (s.buf == nullptr) return kGrow;
@@ -348,6 +372,10 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
         s.buf == nullptr || waiting_.count(s.seq) > 0) {
       return kNone;
     }
+    // Lent (a CachePusher stores it): kept for read-ahead, as a pinned chunk
+    // was; taken last for a chunk a reader waits for, whose READ the lend's
+    // store may wait for in the kernel (its buffer is detached, below).
+    if (s.lends > 0) return demand ? kLent : kNone;
     if (s.seq < pos_ && InTrail(s.seq) && s.served_bytes < chunk_bytes_[s.seq]) {
       return demand ? kTrail : kNone;  // late requests of the stream may still come for it
     }
@@ -370,7 +398,7 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
   };
   Slot* victim = best_slot(nullptr, false);
   if (victim == nullptr) return nullptr;  // loaded as far as slots allow
-  if (victim->buf != nullptr && victim->buf_bytes != need) DropBuffer(victim);
+  if (victim->buf != nullptr && (victim->buf_bytes != need || victim->lends > 0)) DropBuffer(victim);
   if (victim->buf == nullptr) {
     // A new buffer, within cap_bytes_ and the pool's budget: other evictable
     // slots give theirs back (best first) until one can be had; holding none,
@@ -619,7 +647,8 @@ Result<uint64_t> ChunkReader::CopyOut(uint64_t offset, uint64_t len, char* out, 
 }
 
 Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
-                                       const std::function<Status(std::span<const iovec>)>& consume, bool count) {
+                                       const std::function<Status(std::span<const iovec>)>& consume, bool count,
+                                       bool lend) {
   std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
   std::vector<iovec> iov;
   iov.reserve(segs.size());
@@ -676,8 +705,27 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
     OPTSTATE_RETURN_IF_ERROR(consume(std::span<const iovec>(&v, n > 0 ? 1 : 0)));
     return n;
   }
-  Status st = consume(iov);
+  if (!lend) {
+    Status st = consume(iov);
+    unpin_all(true);
+    if (!st.ok()) return st;
+    if (count) Count(total);
+    return total;
+  }
+  // Lent instead of pinned while consume runs (see the header).
+  std::vector<char*> lent;
+  lent.reserve(pinned.size());
+  l.lock();
+  for (Slot* s : pinned) {
+    ++s->lends;
+    lent.push_back(s->buf);
+  }
+  l.unlock();
   unpin_all(true);
+  Status st = consume(iov);
+  l.lock();
+  for (char* buf : lent) Return(buf);
+  l.unlock();
   if (!st.ok()) return st;
   if (count) Count(total);
   return total;

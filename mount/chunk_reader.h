@@ -153,8 +153,15 @@ class ChunkReader {
   // crosses into a chunk that is not verified yet. Returns the byte count, or
   // consume's error. Lets the FUSE reply go straight from the chunk buffers.
   // `count`: counted in ReadStats::requests/bytes (a CachePusher's are not).
+  // `lend`: for a consume that may wait on something a READ of this file has
+  // to do first (a store into the kernel's page cache waits for pages whose
+  // READ is in flight): the chunks are not pinned while consume runs but
+  // their buffers lent, so the read-ahead may still reuse those slots (with
+  // new buffers, past the pool's budget if need be: at most one per lent
+  // chunk); a lent buffer goes back to the pool when consume has returned.
   Result<uint64_t> ReadWith(uint64_t offset, uint64_t len,
-                            const std::function<Status(std::span<const iovec>)>& consume, bool count = true);
+                            const std::function<Status(std::span<const iovec>)>& consume, bool count = true,
+                            bool lend = false);
 
   const Generation& generation() const { return *gen_; }
   const std::shared_ptr<const Generation>& shared_generation() const { return gen_; }
@@ -170,6 +177,7 @@ class ChunkReader {
     uint64_t seq = 0;
     SlotState state = SlotState::kEmpty;
     uint32_t pins = 0;     // readers copying out of buf: not evictable while > 0
+    uint32_t lends = 0;    // lent to a ReadWith(lend): buf goes to detached_ if the slot is reused
     uint64_t served_bytes = 0;  // handed out since seq was loaded (a trail chunk is done once all are)
     Status status;         // kFailed: why
     vfs::ChunkCompletion loaded;  // kLoaded/kVerifying: what VerifyChunkRead needs
@@ -201,8 +209,11 @@ class ChunkReader {
   // The bytes of the buffer chunk seq is read into (from buf_ends_; sizes:
   // see the constructor).
   uint64_t BufBytesFor(uint64_t seq) const;
-  // REQUIRES: mu_ held. Gives s's buffer back to the pool (s becomes kEmpty).
+  // REQUIRES: mu_ held. Gives s's buffer back to the pool, or to detached_
+  // while it is lent (s becomes kEmpty).
   void DropBuffer(Slot* s);
+  // REQUIRES: mu_ held. A lend of buf (ReadWith) has ended.
+  void Return(char* buf);
   // REQUIRES: mu_ held (through l). Waits until chunk seq is verified, pins it.
   Result<Slot*> PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l);
   // REQUIRES: mu_ held. `bytes` of s went out to the reader.
@@ -242,6 +253,12 @@ class ChunkReader {
   uint64_t pos_ = 0;                   // chunk a reader needs now: window start
   uint64_t window_bytes_ = 0;          // buffer bytes kept loaded after pos_ (ramps up)
   std::map<uint64_t, uint32_t> waiting_;  // chunk -> readers waiting for it to load
+  struct Detached {
+    char* buf;
+    uint64_t bytes;
+    uint32_t lends;
+  };
+  std::vector<Detached> detached_;     // lent buffers no slot holds any more (not in held_bytes_)
   bool stop_ = false;
   bool reaping_ = false;               // the I/O thread is in io_->Reap (io_ is set)
   bool wake_sent_ = false;             // Kick() woke that Reap already

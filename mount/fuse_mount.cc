@@ -821,12 +821,15 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
                            fuse_reply_buf(req, nullptr, 0);  // EOF
                          } else {
                            fuse_reply_iov(req, iov.data(), static_cast<int>(iov.size()));
-                           // The reader has its bytes; the fill's store is off its path.
+                           // The reader has its bytes; the fill's store is off
+                           // its path (with the chunks lent, not pinned: that
+                           // store may wait in the kernel for another READ).
                            if (fh->fill != nullptr) fh->fill->Store(static_cast<uint64_t>(off), iov);
                          }
                          AfterReply();
                          return Status();
-                       });
+                       },
+                       /*count=*/true, /*lend=*/fh->fill != nullptr);
   if (!replied) ReplyStatus(req, n.ok() ? Internal("read replied nothing") : n.status());
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
   c->stats.serve_ns.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);

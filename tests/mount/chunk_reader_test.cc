@@ -282,6 +282,73 @@ TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
   EXPECT_EQ(a_got.compare(0, a_got.size(), want_, 10 * cs + 123, a_got.size()), 0);
 }
 
+// A range lent to a consume that waits (a CachePusher's store waiting in the
+// kernel for a READ) holds no pin: with a pool of one chunk buffer, reads of
+// other chunks go on meanwhile (the lent chunk's slot gets a new buffer, past
+// the budget), and the lent buffer keeps its bytes until the consume returns
+// and then goes back to the pool.
+TEST_F(ChunkReaderTest, ALentChunkKeepsItsBytesWhileOtherChunksLoadInATightPool) {
+  const uint64_t cs = 2ull << 20;
+  ChunkBufferPool pool(cs);
+  ReadStats stats;
+  auto r = ChunkReader::Open(node_.gen, node_.file, Reading(1), &pool, &stats);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::mutex mu;
+  std::condition_variable cv;
+  bool in_consume = false, release = false;
+  std::string lent_got;
+  Result<uint64_t> lent_n = 0;
+  std::thread lender([&] {
+    lent_n = (*r)->ReadWith(100, 4096, [&](std::span<const iovec> iov) {
+      std::unique_lock<std::mutex> l(mu);
+      in_consume = true;
+      cv.notify_all();
+      cv.wait(l, [&] { return release; });
+      for (const iovec& v : iov) lent_got.append(static_cast<const char*>(v.iov_base), v.iov_len);
+      return Status();
+    }, /*count=*/true, /*lend=*/true);
+  });
+  {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return in_consume; });
+  }
+  // Chunks 2..9 while chunk 0 is lent; a reader left waiting fails the test
+  // through the watchdog instead of hanging CI.
+  std::atomic<bool> reads_done{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 400 && !reads_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (!reads_done) {
+      std::fprintf(stderr, "FAILED: reads of other chunks wait while chunk 0 is lent\n");
+      std::fflush(stderr);
+      std::_Exit(1);
+    }
+  });
+  std::string got(4096, '\0');
+  for (uint64_t c = 2; c < 10; ++c) {
+    auto n = (*r)->Read(c * cs + 7, got.size(), got.data());
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    EXPECT_EQ(got.compare(0, got.size(), want_, c * cs + 7, got.size()), 0) << "chunk " << c;
+  }
+  reads_done = true;
+  watchdog.join();
+  {
+    std::lock_guard<std::mutex> l(mu);
+    release = true;
+    cv.notify_all();
+  }
+  lender.join();
+  ASSERT_TRUE(lent_n.ok()) << lent_n.status().ToString();
+  EXPECT_EQ(*lent_n, 4096u);
+  EXPECT_TRUE(lent_got == want_.substr(100, 4096)) << "the lent buffer was reused while lent";
+  // At most one buffer past the budget while lent; none lost after.
+  EXPECT_LE(pool.allocated_bytes(), 2 * cs);
+  auto n = (*r)->Read(5, got.size(), got.data());
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(got.compare(0, got.size(), want_, 5, got.size()), 0);
+  r->reset();
+  EXPECT_LE(pool.allocated_bytes(), 2 * cs);
+}
+
 // The Prefetcher: once files are opened in tree order (the order cp -r, tar
 // and rsync read a generation in), the next ones are opened and start loading
 // before their reader comes; a reader taken from it gets the library's bytes;

@@ -12,6 +12,8 @@
 #   bash tools/device/h200_bench.sh CARRY OUT prefetch  # cp -r with the Prefetcher at 32 MiB, 256 MiB and 1 GiB ahead
 #   bash tools/device/h200_bench.sh CARRY OUT profile  # strace and perf of a warm and a cold cp -r (perf, strace packed)
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
+#   bash tools/device/h200_bench.sh CARRY OUT ab     # cp -r of the trainer snapshot: this build vs CARRY/old, interleaved
+#   bash tools/device/h200_bench.sh CARRY OUT folios # warm read(2) of a field file the push filled vs the kernel's read-ahead
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -149,6 +151,36 @@ case $PART in
     for i in 1 2; do
       for kib in 1024 2048 4096; do run bs${kib}_$i 100 optstate-bench "${MIX[@]}" --blksize-kib $kib; done
     done
+    ;;
+  ab)
+    # This build's mount against an earlier one (CARRY/old: optstate-bench and optstate-mount side
+    # by side, so the bench finds that mount) and a variant (CARRY/alt, the same), interleaved, two
+    # rounds per call.
+    for i in 1 2; do
+      run ab_new_$i 100 optstate-bench "${MIX[@]}"
+      [ -x "$C/old/optstate-bench" ] && run ab_old_$i 100 "$C/old/optstate-bench" "${MIX[@]}"
+      [ -x "$C/alt/optstate-bench" ] && run ab_alt_$i 100 "$C/alt/optstate-bench" "${MIX[@]}"
+    done
+    ;;
+  folios)
+    # Does a page cache the kernel's read-ahead filled read faster than one the push filled
+    # (session 18: pushed pages are order-0 folios; read-ahead may allocate large ones)? The
+    # trainer snapshot's state.safetensors (1 GiB), filled each way, then read warm three times;
+    # a tmpfs copy of it (this tmpfs: order-0 only) is the reference.
+    keep_store folios_bench.log
+    mnt "$OUTD/folios_mount1.log"; F=$S/state.safetensors
+    warm() { for i in 1 2 3; do echo -n " $(secs dd if="$1" of=/dev/null bs=1M)"; done; }
+    drop; echo "push fill: $(secs cat "$F") s; warm:$(warm "$F")" | tee -a "$OUTD/summary.txt"
+    cp "$F" /dev/shm/folios-ref; echo "tmpfs copy warm:$(warm /dev/shm/folios-ref)" | tee -a "$OUTD/summary.txt"
+    rm -f /dev/shm/folios-ref; fusermount3 -u "$M"; wait
+    mnt "$OUTD/folios_mount2.log" --kernel-readahead-mib 16; drop
+    # A READ at a nonzero offset first: that open never pushes, so the kernel's read-ahead fills.
+    t=$(secs python3 -c "import os,sys; fd=os.open(sys.argv[1],os.O_RDONLY); n=os.fstat(fd).st_size
+os.pread(fd,4096,n-4096)
+while os.read(fd,1<<20): pass" "$F")
+    echo "read-ahead fill: $t s; warm:$(warm "$F")" | tee -a "$OUTD/summary.txt"
+    ls -l "$F" >> "$OUTD/summary.txt"; fusermount3 -u "$M"; wait
+    rm -rf "${W:?}"/*
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
