@@ -85,7 +85,8 @@ std::string ReadStats::Summary() const {
   const uint64_t n = requests.load();
   return fmt::format("{} reads ({:.2f} GiB), {} waited for a chunk to load ({:.3f} s in all), "
                      "{:.0f} us per read in the daemon, "
-                     "{} chunks loaded, {} copied across a chunk boundary, {} opens ({} prefetched), "
+                     "{} chunks loaded, {} copied across a chunk boundary, {} opens ({} prefetched, {} of the files held "
+                     "by the kernel), "
                      "{} lookups, {} names listed as nodes, {} getattrs, "
                      "{} files pushed into the page cache ({:.2f} GiB), "
                      "{:.2f} GiB filled into state.safetensors",
@@ -93,7 +94,7 @@ std::string ReadStats::Summary() const {
                      static_cast<double>(wait_ns.load()) * 1e-9,
                      n == 0 ? 0.0 : static_cast<double>(serve_ns.load()) * 1e-3 / static_cast<double>(n),
                      chunks_loaded.load(), bounced.load(),
-                     opens.load(), prefetched.load(), lookups.load(), listed.load(), getattrs.load(), pushes.load(),
+                     opens.load(), prefetched.load(), held.load(), lookups.load(), listed.load(), getattrs.load(), pushes.load(),
                      static_cast<double>(pushed_bytes.load()) / (1ull << 30),
                      static_cast<double>(filled_bytes.load()) / (1ull << 30));
 }
@@ -220,9 +221,10 @@ void ChunkReader::Return(char* buf) {
 Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Generation> gen,
                                                        const vfs::CheckpointFile* file,
                                                        const MountOptions& opts,
-                                                       ChunkBufferPool* pool, ReadStats* stats) {
+                                                       ChunkBufferPool* pool, ReadStats* stats, bool start) {
   std::unique_ptr<ChunkReader> r(new ChunkReader(std::move(gen), file, opts, pool, stats));
   if (r->seq_len_ == 0) return r;  // manifest.json: bytes held by the layout
+  r->started_ = start;  // before the I/O thread exists
   try {
     r->thread_ = std::thread([p = r.get()] { p->IoLoop(); });
     // A file of one chunk (most of a trainer's files: norms, biases, small
@@ -313,6 +315,13 @@ void ChunkReader::VerifyLoop() {
   }
 }
 
+void ChunkReader::Start() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (started_) return;
+  started_ = true;
+  Kick();
+}
+
 void ChunkReader::Kick() {
   io_cv_.notify_one();
   // The I/O thread may instead sleep in Reap until the disk completes a chunk
@@ -327,7 +336,7 @@ void ChunkReader::Kick() {
 }
 
 ChunkReader::Slot* ChunkReader::NextSubmission() {
-  if (!io_error_.ok()) return nullptr;
+  if (!io_error_.ok() || !started_) return nullptr;
   const uint64_t hi = WindowEnd(window_bytes_);
   // Chunks readers wait for come first: the window follows the reader that
   // moved last, and a reader waiting elsewhere must not depend on it.
@@ -546,6 +555,7 @@ Status ChunkReader::SlotError(const Slot& s) const {
 }
 
 Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l) {
+  started_ = true;  // a read: the kernel did not hold these pages after all
   MoveTo(seq);
   // While this reader waits, seq is in waiting_: the I/O thread loads it even
   // when another reader has moved the window elsewhere, and does not evict it
@@ -739,8 +749,8 @@ void ChunkReader::Count(uint64_t bytes) {
 
 // ---- Prefetcher -------------------------------------------------------------
 
-Prefetcher::Prefetcher(const MountOptions& opts, ChunkBufferPool* pool, ReadStats* stats)
-    : opts_(opts), pool_(pool), stats_(stats) {
+Prefetcher::Prefetcher(const MountOptions& opts, ChunkBufferPool* pool, ReadStats* stats, HeldFn held)
+    : opts_(opts), pool_(pool), stats_(stats), held_(std::move(held)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -838,7 +848,14 @@ void Prefetcher::Loop() {
       if (have) continue;
       opening_ = f;
       l.unlock();
-      auto r = ChunkReader::Open(gen, f, opts_, pool_, stats_);
+      auto r = ChunkReader::Open(gen, f, opts_, pool_, stats_, /*start=*/held_ == nullptr);
+      if (r.ok() && held_ != nullptr) {
+        if (held_(*gen, *f)) {
+          if (stats_ != nullptr) ++stats_->held;
+        } else {
+          (*r)->Start();
+        }
+      }
       l.lock();
       opening_ = nullptr;
       cv_.notify_all();

@@ -117,6 +117,7 @@ struct ReadStats {
   std::atomic<uint64_t> bounced{0};        // requests copied: across into a chunk not yet verified
   std::atomic<uint64_t> opens{0};          // files opened (with chunks to read)
   std::atomic<uint64_t> prefetched{0};     // ... that found a reader the Prefetcher had opened
+  std::atomic<uint64_t> held{0};           // readers the Prefetcher opened without loading (the kernel held the file)
   std::atomic<uint64_t> lookups{0};        // FUSE LOOKUPs (path components the kernel did not cache)
   std::atomic<uint64_t> listed{0};         // names READDIRPLUS gave the kernel as nodes (no LOOKUP follows)
   std::atomic<uint64_t> getattrs{0};       // FUSE GETATTRs
@@ -126,7 +127,7 @@ struct ReadStats {
 
   // "N reads (X GiB), W waited for a chunk (T s in all), S us per read in the
   // daemon, C chunks loaded, B copied across a chunk boundary, O opens (P
-  // prefetched), L lookups, D names listed as nodes, G getattrs, F files
+  // prefetched, H of the files held by the kernel), L lookups, D names listed as nodes, G getattrs, F files
   // pushed into the page cache (Y GiB), Z GiB filled into state.safetensors"
   std::string Summary() const;
 };
@@ -135,11 +136,14 @@ class ChunkReader {
  public:
   // Starts the reader's I/O thread (none for a file without chunks). Uses
   // opts.readahead_chunks and opts.max_sqe_bytes. `stats` (may be null) must
-  // outlive the reader.
+  // outlive the reader. `start`: the first chunks load at once; else nothing
+  // loads until the first read or Start().
   static Result<std::unique_ptr<ChunkReader>> Open(std::shared_ptr<const Generation> gen,
                                                    const vfs::CheckpointFile* file,
                                                    const MountOptions& opts, ChunkBufferPool* pool,
-                                                   ReadStats* stats = nullptr);
+                                                   ReadStats* stats = nullptr, bool start = true);
+  // The read-ahead window starts loading (a no-op once it has).
+  void Start();
   ~ChunkReader();
   ChunkReader(const ChunkReader&) = delete;
   ChunkReader& operator=(const ChunkReader&) = delete;
@@ -260,6 +264,7 @@ class ChunkReader {
   };
   std::vector<Detached> detached_;     // lent buffers no slot holds any more (not in held_bytes_)
   bool stop_ = false;
+  bool started_ = true;                // read-ahead may load (Open's `start`, Start, or a read)
   bool reaping_ = false;               // the I/O thread is in io_->Reap (io_ is set)
   bool wake_sent_ = false;             // Kick() woke that Reap already
   Status io_error_;                    // the ChunkIo itself failed: reads fail with it
@@ -287,9 +292,16 @@ class Prefetcher {
  public:
   static constexpr std::chrono::milliseconds kIdle{2000};
 
+  // Whether the kernel's page cache holds a file of a generation (its first
+  // and last pages): its reader is opened without loading, since cp will
+  // read it from there (a second copy of a snapshot used to read every
+  // file's first chunks off the disk again). Called on the Prefetcher's
+  // thread, without its lock.
+  using HeldFn = std::function<bool(const Generation&, const vfs::CheckpointFile&)>;
+
   // opts (prefetch_files > 0), pool and stats as for ChunkReader::Open; pool
-  // and stats must outlive this.
-  Prefetcher(const MountOptions& opts, ChunkBufferPool* pool, ReadStats* stats);
+  // and stats must outlive this. `held` may be null (every reader loads).
+  Prefetcher(const MountOptions& opts, ChunkBufferPool* pool, ReadStats* stats, HeldFn held = nullptr);
   ~Prefetcher();  // closes every parked reader
   Prefetcher(const Prefetcher&) = delete;
   Prefetcher& operator=(const Prefetcher&) = delete;
@@ -315,6 +327,7 @@ class Prefetcher {
   const MountOptions opts_;
   ChunkBufferPool* const pool_;
   ReadStats* const stats_;
+  const HeldFn held_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;

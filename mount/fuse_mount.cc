@@ -15,6 +15,7 @@
 #include <bitset>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -85,6 +86,34 @@ class PushGate {
     --in_flight_;
     return rc;
   }
+  // Whether the kernel's page cache holds the page at `offset` of node ino
+  // (FUSE_NOTIFY_RETRIEVE: the kernel answers with the cached bytes from
+  // there, as a request that OpRetrieveReply hands to Answer). False when it
+  // does not, when the kernel does not hold the node, when no answer came
+  // within kRetrieveWait, or once the daemon is exiting.
+  bool Cached(fuse_ino_t ino, uint64_t offset) {
+    uint64_t cookie;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (refused_) return false;
+      cookie = ++next_cookie_;
+      answers_.emplace(cookie, std::nullopt);
+    }
+    const int rc = fuse_lowlevel_notify_retrieve(se_, ino, kPageBytes, static_cast<off_t>(offset),
+                                                 reinterpret_cast<void*>(cookie));
+    std::unique_lock<std::mutex> l(mu_);
+    if (rc == 0) answered_.wait_for(l, kRetrieveWait, [&] { return answers_[cookie].has_value(); });
+    const size_t got = answers_[cookie].value_or(0);
+    answers_.erase(cookie);
+    return got > 0;
+  }
+  void Answer(uint64_t cookie, size_t bytes) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = answers_.find(cookie);
+    if (it == answers_.end()) return;  // the asker stopped waiting
+    it->second = bytes;
+    answered_.notify_all();
+  }
   void Refuse() {
     std::lock_guard<std::mutex> l(mu_);
     refused_ = true;
@@ -95,10 +124,18 @@ class PushGate {
   }
 
  private:
+  static constexpr uint64_t kPageBytes = CachePusher::kPageBytes;
+  // An answer is a round trip through the FUSE loop (tens of us); beyond this
+  // the page counts as not cached.
+  static constexpr std::chrono::milliseconds kRetrieveWait{20};
+
   struct fuse_session* const se_;
   std::mutex mu_;
+  std::condition_variable answered_;
   bool refused_ = false;  // guarded by mu_
   int in_flight_ = 0;     // guarded by mu_
+  uint64_t next_cookie_ = 0;                                     // guarded by mu_
+  std::unordered_map<uint64_t, std::optional<size_t>> answers_;  // cookie -> bytes retrieved; guarded by mu_
 };
 
 // The low-level API (not the path-based one): a read is answered with
@@ -835,6 +872,21 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
   c->stats.serve_ns.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
 }
 
+void OpRetrieveReply(fuse_req_t req, void* cookie, fuse_ino_t, off_t, struct fuse_bufvec* bufv) {
+  Ctx(req)->push_gate->Answer(reinterpret_cast<uint64_t>(cookie), fuse_buf_size(bufv));
+  fuse_reply_none(req);
+}
+
+// Whether the kernel holds the first and last pages of file f of g in its
+// page cache (Prefetcher::HeldFn), asked through the node a path walk into g
+// gives it.
+bool KernelHolds(Context* c, const Generation& g, const vfs::CheckpointFile& f) {
+  if (!CachedFile(c->tree->options(), f) || f.size_bytes == 0 || c->push_gate == nullptr) return false;
+  const fuse_ino_t ino = NodeIdOf("/" + g.store_name + "/" + g.dir_label + "/" + f.path, g.generation());
+  const uint64_t last_page = (f.size_bytes - 1) / CachePusher::kPageBytes * CachePusher::kPageBytes;
+  return c->push_gate->Cached(ino, 0) && (last_page == 0 || c->push_gate->Cached(ino, last_page));
+}
+
 void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   // The last reference (ours, or a read handler's still returning) stops the
   // reader's I/O thread.
@@ -892,6 +944,7 @@ struct fuse_lowlevel_ops MakeOps() {
   ops.open = OpOpen;
   ops.read = OpRead;
   ops.release = OpRelease;
+  ops.retrieve_reply = OpRetrieveReply;
   ops.statfs = OpStatfs;
   ops.setattr = RoSetattr;
   ops.mknod = RoMknod;
@@ -1208,7 +1261,13 @@ int RunMount(const MountCommand& cmd) {
     // had no thread in the daemon: nothing was ever opened ahead, and its
     // destructor joined a thread of another process).
     if (cmd.tree.prefetch_files > 0) {
-      ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats);
+      // A file the kernel holds is opened without loading; asking needs a
+      // FUSE worker free to take the kernel's answer (not with -s).
+      Prefetcher::HeldFn held;
+      if (!cmd.single_thread) {
+        held = [c = &ctx](const Generation& g, const vfs::CheckpointFile& f) { return KernelHolds(c, g, f); };
+      }
+      ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats, std::move(held));
     }
     OPTSTATE_LOG_INFO("optstate-mount: serving {} at {} (pid {})", cmd.tree.store_root,
                       cmd.mountpoint, getpid());

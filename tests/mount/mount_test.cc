@@ -1066,6 +1066,54 @@ TEST_F(MountPageCacheTest, ReadingTheFieldFilesFillsStateSafetensors) {
   EXPECT_EQ(ResidentPages(st, 0, size), 0u);
 }
 
+// A second `cp -r` of a generation whose pages the kernel still holds reads
+// nothing off the disk: the Prefetcher asks the kernel (FUSE_NOTIFY_RETRIEVE)
+// and opens such files' readers without loading (it used to load every
+// file's first chunks again). Both copies have the library's bytes.
+TEST_F(MountPageCacheTest, ASecondCopyLoadsNoChunksTheKernelHolds) {
+  StopDaemon();
+  const std::string store = "rank2.warm";
+  {
+    auto s = CreateStore(stores_ + "/" + store);
+    ASSERT_NE(s, nullptr);
+    std::vector<TensorDef> defs;
+    for (int i = 0; i < 16; ++i) defs.push_back({"t." + std::to_string(100 + i), 150000, {}});  // 600 KB a field
+    CreateTensors(s.get(), defs);
+    WriteStep(s.get(), 3);
+  }
+  auto ro = Store::OpenReadOnly(stores_ + "/" + store, StoreOptions{});
+  ASSERT_TRUE(ro.ok()) << ro.status().ToString();
+  auto v = (*ro)->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  uint64_t with_chunks = 0;
+  for (const CheckpointFile& f : (*l)->files()) with_chunks += (*l)->ChunkSequenceLength(f) > 0 ? 1 : 0;
+  ASSERT_GE(with_chunks, 49u);
+  const std::string gen = mnt_ + "/" + store + "/latest";
+  auto copy = [&](const std::string& to) {
+    ASSERT_EQ(WaitExit(Spawn({"/bin/cp", "-r", gen, to}, root_ + "/cp.log")), 0) << ReadFile(root_ + "/cp.log");
+    ExpectDirEqualsLayout(**l, to);
+  };
+  // What one cold copy loads (a fresh mount: nothing cached).
+  StartDaemon();
+  copy(root_ + "/c0");
+  StopDaemon();
+  const uint64_t cold = SummaryCount(ReadFile(root_ + "/daemon.log"), " chunks loaded");
+  ASSERT_NE(cold, UINT64_MAX);
+  StartDaemon();
+  copy(root_ + "/c1");
+  copy(root_ + "/c2");
+  StopDaemon();
+  const std::string log = ReadFile(root_ + "/daemon.log");
+  const uint64_t both = SummaryCount(log, " chunks loaded");
+  // The second copy's files but its first (opened by cp before any walk) and
+  // a page or two the dev VM's reclaimer may take back; without the check
+  // each of them loaded its first chunk again (both >= cold + 48).
+  EXPECT_GE(SummaryCount(log, " of the files held by the kernel"), with_chunks - 3) << log;
+  EXPECT_LE(both, cold + with_chunks / 4) << "cold copy alone: " << cold << " chunks; " << log;
+}
+
 // A SIGTERM while files and a directory are still open (the kernel never
 // sent their RELEASEs: a reader holding a file, a `cp -r` whose last close
 // races the unmount) exits cleanly and frees their handles, readers and
