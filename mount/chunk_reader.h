@@ -46,7 +46,8 @@
 //
 // Chunk buffers come from a ChunkBufferPool shared by all readers: memory for
 // read-ahead is bounded by the pool's budget (each reader may exceed it by one
-// chunk so that it can always make progress).
+// chunk so that it can always make progress, and by one more per chunk it has
+// lent: ReadWith's `lend`).
 //
 // Ownership: holds a reference on its Generation (so the file reads that
 // generation until closed). Thread-safety: Read/ReadWith may be called from
@@ -285,9 +286,11 @@ class ChunkReader {
 // opts.prefetch_files files with chunks, so their first chunks are loading
 // while the current one is copied, and OpOpen takes such a parked reader
 // instead of opening its own. A process that opens files in any other order
-// (one tensor here, one there) costs no extra I/O. Parked readers are bounded
-// (twice prefetch_files; their chunk buffers come from the shared pool like
-// any reader's) and closed after kIdle unused. Thread-safe.
+// (one tensor here, one there) costs no extra I/O. A file whose pages the
+// kernel still holds (HeldFn: a second copy) is parked without loading.
+// Parked readers are bounded (twice prefetch_files; their chunk buffers come
+// from the shared pool like any reader's) and closed after kIdle unused.
+// Thread-safe.
 class Prefetcher {
  public:
   static constexpr std::chrono::milliseconds kIdle{2000};
