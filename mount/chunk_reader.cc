@@ -715,27 +715,25 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
     OPTSTATE_RETURN_IF_ERROR(consume(std::span<const iovec>(&v, n > 0 ? 1 : 0)));
     return n;
   }
-  if (!lend) {
-    Status st = consume(iov);
-    unpin_all(true);
-    if (!st.ok()) return st;
-    if (count) Count(total);
-    return total;
-  }
-  // Lent instead of pinned while consume runs (see the header).
+  // `lend`: the buffers are lent instead of pinned while consume runs (see the header).
   std::vector<char*> lent;
-  lent.reserve(pinned.size());
-  l.lock();
-  for (Slot* s : pinned) {
-    ++s->lends;
-    lent.push_back(s->buf);
+  if (lend) {
+    l.lock();
+    for (Slot* s : pinned) {
+      ++s->lends;
+      lent.push_back(s->buf);
+    }
+    l.unlock();
+    unpin_all(true);
   }
-  l.unlock();
-  unpin_all(true);
   Status st = consume(iov);
-  l.lock();
-  for (char* buf : lent) Return(buf);
-  l.unlock();
+  if (lend) {
+    l.lock();
+    for (char* buf : lent) Return(buf);
+    l.unlock();
+  } else {
+    unpin_all(true);
+  }
   if (!st.ok()) return st;
   if (count) Count(total);
   return total;

@@ -96,12 +96,14 @@ class PushGate {
     {
       std::lock_guard<std::mutex> l(mu_);
       if (refused_) return false;
+      ++in_flight_;  // the session stays until the call returns (as for Store)
       cookie = ++next_cookie_;
       answers_.emplace(cookie, std::nullopt);
     }
     const int rc = fuse_lowlevel_notify_retrieve(se_, ino, kPageBytes, static_cast<off_t>(offset),
                                                  reinterpret_cast<void*>(cookie));
     std::unique_lock<std::mutex> l(mu_);
+    --in_flight_;
     if (rc == 0) answered_.wait_for(l, kRetrieveWait, [&] { return answers_[cookie].has_value(); });
     const size_t got = answers_[cookie].value_or(0);
     answers_.erase(cookie);
