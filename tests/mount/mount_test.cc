@@ -149,6 +149,28 @@ class MountTest : public ::testing::Test {
     argv.insert(argv.end(), extra.begin(), extra.end());
     return Spawn(argv, root_ + "/writer.log");
   }
+  // The latest generation of the store at `dir`, opened read-only, and its
+  // checkpoint layout (valid while this lives).
+  struct LatestLayout {
+    std::unique_ptr<Store> store;
+    std::unique_ptr<GenerationView> view;
+    std::unique_ptr<CheckpointLayout> layout;
+  };
+  static LatestLayout LatestLayoutOf(const std::string& dir) {
+    LatestLayout out;
+    auto ro = Store::OpenReadOnly(dir, StoreOptions{});
+    EXPECT_TRUE(ro.ok()) << ro.status().ToString();
+    if (!ro.ok()) return out;
+    out.store = std::move(ro).value();
+    auto v = out.store->OpenGeneration(kLatest);
+    EXPECT_TRUE(v.ok()) << v.status().ToString();
+    if (!v.ok()) return out;
+    out.view = std::move(v).value();
+    auto l = CheckpointLayout::Build(out.view.get());
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    if (l.ok()) out.layout = std::move(l).value();
+    return out;
+  }
   std::unique_ptr<Store> OpenRo() {
     auto s = Store::OpenReadOnly(StorePath(), StoreOptions{});
     EXPECT_TRUE(s.ok()) << s.status().ToString();
@@ -1029,16 +1051,12 @@ TEST_F(MountPageCacheTest, ReadingTheFieldFilesFillsStateSafetensors) {
   EXPECT_GE(resident * 10, pages * 9) << resident << " of " << pages << " pages";
   EXPECT_GE(small * 10, (pages - small_first) * 9) << small << " of " << pages - small_first << " pages";
   {
-    auto ro = Store::OpenReadOnly(stores_ + "/" + store, StoreOptions{});
-    ASSERT_TRUE(ro.ok()) << ro.status().ToString();
-    auto v = (*ro)->OpenGeneration(kLatest);
-    ASSERT_TRUE(v.ok()) << v.status().ToString();
-    auto l = CheckpointLayout::Build(v->get());
-    ASSERT_TRUE(l.ok()) << l.status().ToString();
-    const CheckpointFile* f = (*l)->FindFile("state.safetensors");
+    const LatestLayout l = LatestLayoutOf(stores_ + "/" + store);
+    ASSERT_NE(l.layout, nullptr);
+    const CheckpointFile* f = l.layout->FindFile("state.safetensors");
     ASSERT_NE(f, nullptr);
     std::string want(f->size_bytes, '\0');
-    ASSERT_TRUE((*l)->Read(*f, 0, want.data(), want.size()).ok());
+    ASSERT_TRUE(l.layout->Read(*f, 0, want.data(), want.size()).ok());
     EXPECT_TRUE(ReadFile(st) == want) << "state.safetensors differs from the library's bytes";
   }
   // The kernel drops the pages but keeps the nodes (memory pressure; here
@@ -1082,15 +1100,11 @@ TEST_F(MountPageCacheTest, ASecondCopyLoadsNoChunksTheKernelHolds) {
     CreateTensors(s.get(), defs);
     WriteStep(s.get(), 3);
   }
-  auto ro = Store::OpenReadOnly(stores_ + "/" + store, StoreOptions{});
-  ASSERT_TRUE(ro.ok()) << ro.status().ToString();
-  auto v = (*ro)->OpenGeneration(kLatest);
-  ASSERT_TRUE(v.ok()) << v.status().ToString();
-  auto l = CheckpointLayout::Build(v->get());
-  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  const LatestLayout l = LatestLayoutOf(stores_ + "/" + store);
+  ASSERT_NE(l.layout, nullptr);
   uint64_t with_chunks = 0, field_bytes = 0;
-  for (const CheckpointFile& f : (*l)->files()) {
-    with_chunks += (*l)->ChunkSequenceLength(f) > 0 ? 1 : 0;
+  for (const CheckpointFile& f : l.layout->files()) {
+    with_chunks += l.layout->ChunkSequenceLength(f) > 0 ? 1 : 0;
     field_bytes += f.kind == CheckpointFileKind::kField ? f.size_bytes : 0;
   }
   ASSERT_GE(with_chunks, 49u);
@@ -1103,7 +1117,7 @@ TEST_F(MountPageCacheTest, ASecondCopyLoadsNoChunksTheKernelHolds) {
   };
   auto copy = [&](const std::string& to) {
     ASSERT_EQ(WaitExit(Spawn({"/bin/cp", "-r", gen, to}, root_ + "/cp.log")), 0) << ReadFile(root_ + "/cp.log");
-    ExpectDirEqualsLayout(**l, to);
+    ExpectDirEqualsLayout(*l.layout, to);
   };
   const uint64_t before = disk_read();
   ASSERT_NE(before, UINT64_MAX);
