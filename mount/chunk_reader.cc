@@ -94,7 +94,8 @@ std::string ReadStats::Summary() const {
                      static_cast<double>(wait_ns.load()) * 1e-9,
                      n == 0 ? 0.0 : static_cast<double>(serve_ns.load()) * 1e-3 / static_cast<double>(n),
                      chunks_loaded.load(), bounced.load(),
-                     opens.load(), prefetched.load(), held.load(), lookups.load(), listed.load(), getattrs.load(), pushes.load(),
+                     opens.load(), prefetched.load(), held.load(), lookups.load(), listed.load(), getattrs.load(),
+                     pushes.load(),
                      static_cast<double>(pushed_bytes.load()) / (1ull << 30),
                      static_cast<double>(filled_bytes.load()) / (1ull << 30));
 }
@@ -414,11 +415,11 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
     // this reader may take one past the pool's budget (`must`). None left to
     // give: wait until a chunk is unpinned or loaded (Kick comes then).
     for (;;) {
-      // Past both budgets (`must`) when this reader holds no buffer, or when
-      // a reader waits for seq and every buffer held is pinned: the chunks
-      // are being copied out, and one of those copies may wait for seq (a
-      // CachePusher's store waits in the kernel for pages whose READ wants
-      // seq). At most one buffer per pin.
+      // Past both budgets (`must`) when this reader holds no buffer (a lent
+      // one detached above counts as none: the store it was lent to may wait
+      // in the kernel for pages whose READ wants seq), or when a reader waits
+      // for seq and every buffer held is pinned (copies out, which end
+      // without waiting for anything). At most one buffer per pin or lend.
       const bool must = held_bytes_ == 0 || (demand && AllBuffersPinned());
       if (must || held_bytes_ + need <= cap_bytes_) {
         victim->buf = pool_->Take(need, must);

@@ -128,8 +128,9 @@ struct ReadStats {
 
   // "N reads (X GiB), W waited for a chunk (T s in all), S us per read in the
   // daemon, C chunks loaded, B copied across a chunk boundary, O opens (P
-  // prefetched, H of the files held by the kernel), L lookups, D names listed as nodes, G getattrs, F files
-  // pushed into the page cache (Y GiB), Z GiB filled into state.safetensors"
+  // prefetched, H of the files held by the kernel), L lookups, D names listed
+  // as nodes, G getattrs, F files pushed into the page cache (Y GiB), Z GiB
+  // filled into state.safetensors"
   std::string Summary() const;
 };
 

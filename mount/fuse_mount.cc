@@ -62,7 +62,8 @@ struct NodeRef {
 // whose READ is in flight, so at exit, once the loop has ended, one can wait
 // for a READ that nobody will answer: RunMount refuses new stores, answers
 // what the kernel still sends until the stores in flight are done, and aborts
-// the connection if one still waits (DrainPushes). Thread-safe.
+// the connection if one still waits (DrainPushes). The Prefetcher asks
+// through it too, whether the kernel holds a page (Cached). Thread-safe.
 class PushGate {
  public:
   explicit PushGate(struct fuse_session* se) : se_(se) {}
