@@ -697,11 +697,18 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
     }
     total += seg.length_bytes;
   }
-  // served: the range went out from these slots (not when it is copied instead).
-  auto unpin_all = [&](bool served) {
+  // served: the range went out from these slots (not when it is copied
+  // instead). lent_to: the buffers are lent (recorded there) as they unpin.
+  auto unpin_all = [&](bool served, std::vector<char*>* lent_to = nullptr) {
     if (pinned.empty()) return;
     l.lock();
-    for (size_t i = 0; i < pinned.size(); ++i) Unpin(pinned[i], served ? pinned_bytes[i] : 0);
+    for (size_t i = 0; i < pinned.size(); ++i) {
+      if (lent_to != nullptr) {
+        ++pinned[i]->lends;
+        lent_to->push_back(pinned[i]->buf);
+      }
+      Unpin(pinned[i], served ? pinned_bytes[i] : 0);
+    }
     l.unlock();
     pinned.clear();
   };
@@ -718,15 +725,7 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
   }
   // `lend`: the buffers are lent instead of pinned while consume runs (see the header).
   std::vector<char*> lent;
-  if (lend) {
-    l.lock();
-    for (Slot* s : pinned) {
-      ++s->lends;
-      lent.push_back(s->buf);
-    }
-    l.unlock();
-    unpin_all(true);
-  }
+  if (lend) unpin_all(true, &lent);
   Status st = consume(iov);
   if (lend) {
     l.lock();

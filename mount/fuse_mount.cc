@@ -886,6 +886,10 @@ void OpRetrieveReply(fuse_req_t req, void* cookie, fuse_ino_t, off_t, struct fus
 bool KernelHolds(Context* c, const Generation& g, const vfs::CheckpointFile& f) {
   if (!CachedFile(c->tree->options(), f) || f.size_bytes == 0 || c->push_gate == nullptr) return false;
   const fuse_ino_t ino = NodeIdOf("/" + g.store_name + "/" + g.dir_label + "/" + f.path, g.generation());
+  {
+    std::lock_guard<std::mutex> l(c->mu);
+    if (!c->nodes.count(ino)) return false;  // not a node the kernel holds: no pages either
+  }
   const uint64_t last_page = (f.size_bytes - 1) / CachePusher::kPageBytes * CachePusher::kPageBytes;
   return c->push_gate->Cached(ino, 0) && (last_page == 0 || c->push_gate->Cached(ino, last_page));
 }

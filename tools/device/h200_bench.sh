@@ -13,7 +13,7 @@
 #   bash tools/device/h200_bench.sh CARRY OUT profile  # strace and perf of a warm and a cold cp -r (perf, strace packed)
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
 #   bash tools/device/h200_bench.sh CARRY OUT ab     # cp -r of the trainer snapshot: this build vs CARRY/old, interleaved
-#   bash tools/device/h200_bench.sh CARRY OUT folios # warm read(2) of a field file the push filled vs the kernel's read-ahead
+#   bash tools/device/h200_bench.sh CARRY OUT folios # warm read of state.safetensors the push filled vs the kernel's read-ahead
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
