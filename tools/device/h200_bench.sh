@@ -11,6 +11,7 @@
 #   bash tools/device/h200_bench.sh CARRY OUT probe  # chunks loaded per copy and state.safetensors' residency, fill on / off
 #   bash tools/device/h200_bench.sh CARRY OUT prefetch  # cp -r with the Prefetcher at 32 MiB, 256 MiB and 1 GiB ahead
 #   bash tools/device/h200_bench.sh CARRY OUT profile  # strace and perf of a warm and a cold cp -r (perf, strace packed)
+#   bash tools/device/h200_bench.sh CARRY OUT waits  # strace -tt -T of cold and warm cp -r, the daemon's CPU per thread (strace packed)
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
 #   bash tools/device/h200_bench.sh CARRY OUT ab     # cp -r of the trainer snapshot: this build vs CARRY/old, interleaved
 #   bash tools/device/h200_bench.sh CARRY OUT folios # warm read of state.safetensors the push filled vs the kernel's read-ahead
@@ -143,6 +144,27 @@ case $PART in
     fusermount3 -u "$M"; wait
     # The device tool brings back only a few files: one archive.
     (cd "$OUTD" && tar czf profile.tgz strace_* perf_* profile_mount.log && rm -f strace_* perf_*)
+    rm -rf "${W:?}"/*
+    ;;
+  waits)
+    # Where a cold copy waits (session 19): every openat/read/write/close of cp with its time
+    # (strace -tt -T), cold twice and warm once, and the daemon's CPU seconds per thread (utime,
+    # stime from /proc) over an untraced cold and warm copy; analysed off the machine.
+    keep_store waits_bench.log; D=/dev/shm/waits-copy
+    mnt "$OUTD/waits_mount.log"; cp -r "$S" "$D"; rm -rf "$D"; P=$(pgrep -f "optstate-mount -f" | head -1)
+    cpu() { for t in /proc/$P/task/*; do echo "$(cat $t/comm) $(awk '{print $14, $15}' $t/stat)"; done; }
+    for kind in cold1 warm cold2; do
+      case $kind in cold*) drop ;; esac
+      strace -f -tt -T -e trace=openat,read,write,close -o "$OUTD/st_$kind.txt" cp -r "$S" "$D"; rm -rf "$D"
+    done
+    for kind in cold warm; do
+      case $kind in cold*) drop ;; esac
+      cpu > "$OUTD/cpu_${kind}_0.txt"; head -1 /proc/stat > "$OUTD/stat_${kind}_0.txt"
+      echo "$kind untraced: $(secs cp -r "$S" "$D") s" | tee -a "$OUTD/summary.txt"; rm -rf "$D"
+      cpu > "$OUTD/cpu_${kind}_1.txt"; head -1 /proc/stat > "$OUTD/stat_${kind}_1.txt"
+    done
+    fusermount3 -u "$M"; wait
+    (cd "$OUTD" && tar czf waits.tgz st_* cpu_* stat_* waits_mount.log && rm -f st_* cpu_* stat_*)
     rm -rf "${W:?}"/*
     ;;
   blksize)
