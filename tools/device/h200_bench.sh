@@ -14,6 +14,7 @@
 #   bash tools/device/h200_bench.sh CARRY OUT waits  # strace -tt -T of cold and warm cp -r, the daemon's CPU per thread (strace packed)
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
 #   bash tools/device/h200_bench.sh CARRY OUT ab     # cp -r of the trainer snapshot: this build vs CARRY/old, interleaved
+#   bash tools/device/h200_bench.sh CARRY OUT ahead  # cp -r: this build, CARRY/old, this build with 64 files / 128 MiB ahead
 #   bash tools/device/h200_bench.sh CARRY OUT folios # warm read of state.safetensors the push filled vs the kernel's read-ahead
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
@@ -182,6 +183,15 @@ case $PART in
       run ab_new_$i 100 optstate-bench "${MIX[@]}"
       [ -x "$C/old/optstate-bench" ] && run ab_old_$i 100 "$C/old/optstate-bench" "${MIX[@]}"
       [ -x "$C/alt/optstate-bench" ] && run ab_alt_$i 100 "$C/alt/optstate-bench" "${MIX[@]}"
+    done
+    ;;
+  ahead)
+    # The push ahead of a walk (session 19): this build, CARRY/old (without it) and this build
+    # with more opened ahead (64 files, 128 MiB, so more pushed ahead), interleaved, two rounds.
+    for i in 1 2; do
+      run ahead_new_$i 100 optstate-bench "${MIX[@]}"
+      [ -x "$C/old/optstate-bench" ] && run ahead_old_$i 100 "$C/old/optstate-bench" "${MIX[@]}"
+      run ahead_128_$i 100 optstate-bench "${MIX[@]}" --prefetch-files 64 --prefetch-mib 128
     done
     ;;
   folios)
