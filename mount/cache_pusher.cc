@@ -15,29 +15,7 @@ CachePusher::CachePusher(std::shared_ptr<ChunkReader> reader, StoreFn store, Rea
 
 CachePusher::~CachePusher() {
   stop_.store(true, std::memory_order_relaxed);
-  Lift();
   Join();
-}
-
-void CachePusher::Lift() {
-  {
-    std::lock_guard<std::mutex> l(limit_mu_);
-    if (limit_ == UINT64_MAX) return;
-    limit_ = UINT64_MAX;
-  }
-  limit_cv_.notify_all();
-}
-
-void CachePusher::StartAhead(uint64_t limit_bytes) {
-  std::lock_guard<std::mutex> l(mu_);
-  if (started_) return;
-  started_ = true;
-  {
-    std::lock_guard<std::mutex> ll(limit_mu_);
-    limit_ = limit_bytes;
-  }
-  if (stats_ != nullptr) stats_->pushes_ahead.fetch_add(1, std::memory_order_relaxed);
-  thread_ = std::thread([this] { Loop(0); });
 }
 
 void CachePusher::Join() {
@@ -51,7 +29,6 @@ void CachePusher::OnRead(uint64_t offset, uint64_t bytes) {
   while (cur < end && !read_end_.compare_exchange_weak(cur, end, std::memory_order_relaxed)) {
   }
   if (Stopped()) return;
-  Lift();
   std::lock_guard<std::mutex> l(mu_);
   if (!started_) {
     started_ = true;
@@ -77,15 +54,6 @@ void CachePusher::Loop(uint64_t from) {
     off = std::max(off, read_end_.load(std::memory_order_relaxed) / kPageBytes * kPageBytes);
     if (off >= f.size_bytes) break;
     front_.store(off, std::memory_order_relaxed);
-    uint64_t limit;
-    {
-      std::unique_lock<std::mutex> l(limit_mu_);
-      if (off >= limit_) {  // pushed ahead as far as it may: wait for the reader
-        limit_cv_.wait(l, [&] { return off < limit_ || Stopped(); });
-        continue;
-      }
-      limit = limit_;
-    }
     // Up to the last whole page of the segment at `off` (one chunk, no copy);
     // a page that spans segments goes by itself.
     const std::vector<vfs::CheckpointSegment> segs = layout.MapRange(f, off, chunk_bytes);
@@ -93,7 +61,6 @@ void CachePusher::Loop(uint64_t from) {
     const uint64_t seg_end = off + segs.front().length_bytes;
     uint64_t end = seg_end == f.size_bytes ? seg_end : seg_end / kPageBytes * kPageBytes;
     if (end <= off) end = std::min(f.size_bytes, off + kPageBytes);
-    if (end > limit) end = std::min(f.size_bytes, std::max(off + kPageBytes, limit / kPageBytes * kPageBytes));
     // Lent, not pinned: the store may wait in the kernel for pages whose READ
     // waits for a chunk of this file, and a pin held across that wait kept its
     // buffer from the READ's chunk (4 cp -r on a 2 MiB pool hung so, rarely).

@@ -15,10 +15,7 @@
 // When: the push starts at the file's first READ at offset 0 (cp, cat, tar,
 // rsync, a Python read() all start there) and goes from the end of that READ
 // to the end of the file, as fast as the chunks load, until the file is
-// closed. A file the Prefetcher opened ahead of a tree-order walk is pushed
-// before its open (StartAhead): its first bytes, up to a limit, so that the
-// walk finds them in the page cache instead of waiting for its first READ;
-// the reader's first READ lifts the limit. A READ far from the push front (more than kFarBytes either way: a
+// closed. A READ far from the push front (more than kFarBytes either way: a
 // seek, or pages the kernel dropped before the reader got to them) ends it:
 // a reader that jumps around gets what it asks for and nothing more, one
 // that reads a header and seeks costs at most kFarBytes of pushing.
@@ -35,7 +32,6 @@
 #include <sys/uio.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -65,12 +61,8 @@ class CachePusher {
   CachePusher(const CachePusher&) = delete;
   CachePusher& operator=(const CachePusher&) = delete;
 
-  // The kernel READs [offset, offset + bytes): may start or end the push,
-  // or lift StartAhead's limit.
+  // The kernel READs [offset, offset + bytes): may start or end the push.
   void OnRead(uint64_t offset, uint64_t bytes);
-  // Starts the push before any READ: from byte 0, and up to `limit_bytes`
-  // until a READ comes. REQUIRES: no OnRead or StartAhead before.
-  void StartAhead(uint64_t limit_bytes);
   // Waits until the push thread has ended (tests: the push ran to the end).
   void Join();
   // Bytes stored into the page cache so far.
@@ -78,7 +70,6 @@ class CachePusher {
 
  private:
   void Loop(uint64_t from);
-  void Lift();  // StartAhead's limit goes (a READ came, or the push is stopping)
   bool Stopped() const { return stop_.load(std::memory_order_relaxed); }
 
   const std::shared_ptr<ChunkReader> reader_;
@@ -92,11 +83,6 @@ class CachePusher {
   std::mutex mu_;                        // guards started_ and thread_
   bool started_ = false;
   std::thread thread_;
-  // StartAhead's limit: the push waits at it (on limit_cv_) until a READ or
-  // the destructor. Lock order: mu_, then limit_mu_.
-  std::mutex limit_mu_;
-  std::condition_variable limit_cv_;
-  uint64_t limit_ = UINT64_MAX;  // guarded by limit_mu_
 };
 
 }  // namespace optstate::mount

@@ -32,7 +32,6 @@
 
 #include "mount/cache_pusher.h"
 #include "mount/chunk_reader.h"
-#include "mount/prefetcher.h"
 #include "vfs/log.h"
 
 namespace optstate::mount {
@@ -796,46 +795,6 @@ std::shared_ptr<SafetensorsFill> MakeSafetensorsFill(Context* c, const std::stri
                                            n.file->size_bytes, st->size_bytes, &layout.safetensors_header());
 }
 
-// The pusher of file node `ino` into the page cache, from `reader`: what
-// it stores also fills state.safetensors through `fill` (may be null).
-std::unique_ptr<CachePusher> MakePusher(Context* c, fuse_ino_t ino, std::shared_ptr<ChunkReader> reader,
-                                        std::shared_ptr<SafetensorsFill> fill) {
-  std::shared_ptr<PushGate> gate = c->push_gate;
-  return std::make_unique<CachePusher>(
-      std::move(reader),
-      [gate, ino, fill](uint64_t offset, std::span<const iovec> iov) {
-        const int rc = gate->Store(ino, offset, iov);
-        if (rc == 0 && fill != nullptr) fill->Store(offset, iov);
-        return rc;
-      },
-      &c->stats);
-}
-
-// A pusher for file f of g before its open (Prefetcher::PushFn), or null
-// where OpOpen would not push it either (not read through the page cache, or
-// small: its first READ takes it whole), for a node the kernel does not hold
-// (it has nowhere to put the pages), and for state.safetensors while the
-// field files fill it.
-std::unique_ptr<CachePusher> PushAhead(Context* c, const Generation& g, const vfs::CheckpointFile& f,
-                                       std::shared_ptr<ChunkReader> reader) {
-  const MountOptions& o = c->tree->options();
-  if (!CachedFile(o, f) || f.size_bytes <= MountOptions::kSmallFileBytes || c->push_gate == nullptr) return nullptr;
-  if (f.kind != vfs::CheckpointFileKind::kField && FillsSafetensors(o)) return nullptr;
-  const std::string path = "/" + g.store_name + "/" + g.dir_label + "/" + f.path;
-  const fuse_ino_t ino = NodeIdOf(path, g.generation());
-  {
-    std::lock_guard<std::mutex> l(c->mu);
-    if (!c->nodes.count(ino)) return nullptr;
-  }
-  Node n;
-  n.kind = NodeKind::kGenFile;
-  n.store = g.store_name;
-  n.gen = reader->shared_generation();
-  n.rel = f.path;
-  n.file = &f;
-  return MakePusher(c, ino, std::move(reader), MakeSafetensorsFill(c, path, n));
-}
-
 void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC) != 0) {
     return (void)fuse_reply_err(req, EROFS);
@@ -845,9 +804,8 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind != NodeKind::kGenFile) return (void)fuse_reply_err(req, EISDIR);
   Context* c = Ctx(req);
-  Prefetcher::Taken parked;
-  if (c->prefetch != nullptr) parked = c->prefetch->Take(n->gen.get(), n->file);
-  std::shared_ptr<ChunkReader> reader = std::move(parked.reader);
+  std::unique_ptr<ChunkReader> reader;
+  if (c->prefetch != nullptr) reader = c->prefetch->Take(n->gen.get(), n->file);
   const bool taken = reader != nullptr;
   if (reader == nullptr) {
     auto r = ChunkReader::Open(n->gen, n->file, c->tree->options(), c->pool.get(), &c->stats);
@@ -861,12 +819,19 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (c->prefetch != nullptr) c->prefetch->Opened(n->gen, n->file, taken);
   const bool cached = CachedFile(c->tree->options(), *n->file);
   auto fh = std::make_shared<FileHandle>();
-  fh->reader = std::move(reader);
+  fh->reader = std::shared_ptr<ChunkReader>(std::move(reader));
   fh->fill = MakeSafetensorsFill(c, path, *n);
-  if (parked.pusher != nullptr) {
-    fh->pusher = std::move(parked.pusher);  // pushing since before this open
-  } else if (cached && n->file->size_bytes > MountOptions::kSmallFileBytes) {
-    fh->pusher = MakePusher(c, ino, fh->reader, fh->fill);
+  if (cached && n->file->size_bytes > MountOptions::kSmallFileBytes) {
+    std::shared_ptr<PushGate> gate = c->push_gate;
+    std::shared_ptr<SafetensorsFill> fill = fh->fill;
+    fh->pusher = std::make_unique<CachePusher>(
+        fh->reader,
+        [gate, ino, fill](uint64_t offset, std::span<const iovec> iov) {
+          const int rc = gate->Store(ino, offset, iov);
+          if (rc == 0 && fill != nullptr) fill->Store(offset, iov);
+          return rc;
+        },
+        &c->stats);
   }
   fi->fh = NewHandle(std::move(fh));
   fi->direct_io = cached ? 0 : 1;
@@ -1309,12 +1274,7 @@ int RunMount(const MountCommand& cmd) {
       if (!cmd.single_thread) {
         held = [c = &ctx](const Generation& g, const vfs::CheckpointFile& f) { return KernelHolds(c, g, f); };
       }
-      Prefetcher::PushFn push = [c = &ctx](const Generation& g, const vfs::CheckpointFile& f,
-                                           std::shared_ptr<ChunkReader> r) {
-        return PushAhead(c, g, f, std::move(r));
-      };
-      ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats, std::move(held),
-                                                  std::move(push));
+      ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats, std::move(held));
     }
     OPTSTATE_LOG_INFO("optstate-mount: serving {} at {} (pid {})", cmd.tree.store_root,
                       cmd.mountpoint, getpid());

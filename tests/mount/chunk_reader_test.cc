@@ -18,7 +18,6 @@
 
 #include "mount/cache_pusher.h"
 #include "mount/chunk_reader.h"
-#include "mount/prefetcher.h"
 #include "mount/store_tree.h"
 #include "tests/vfs/checkpoint_test_util.h"
 
@@ -398,16 +397,16 @@ TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   // Loaded before any reader asked: only the Prefetcher's readers exist.
   EXPECT_GE(stats.chunks_loaded.load(), 2u);
   EXPECT_EQ(stats.requests.load(), 0u);
-  EXPECT_EQ(pf.Take(gen.get(), files[first + 1]).reader, nullptr);  // the opened one: not parked
-  EXPECT_EQ(pf.Take(gen.get(), files[first + 4]).reader, nullptr);  // beyond prefetch_files
+  EXPECT_EQ(pf.Take(gen.get(), files[first + 1]), nullptr);  // the opened one: not parked
+  EXPECT_EQ(pf.Take(gen.get(), files[first + 4]), nullptr);  // beyond prefetch_files
   // Another Generation object of the same store (a snapshot) does not match.
   ASSERT_TRUE(s->CreateSnapshot("snap").ok());
   auto other = tree_->Resolve("/p/snapshots/snap/" + order[first + 2]);
   ASSERT_TRUE(other.ok()) << other.status().ToString();
-  EXPECT_EQ(pf.Take(other->gen.get(), other->file).reader, nullptr);
+  EXPECT_EQ(pf.Take(other->gen.get(), other->file), nullptr);
 
   const vfs::CheckpointFile* next = files[first + 2];
-  std::shared_ptr<ChunkReader> r = pf.Take(gen.get(), next).reader;
+  std::unique_ptr<ChunkReader> r = pf.Take(gen.get(), next);
   ASSERT_NE(r, nullptr);
   EXPECT_EQ(&r->file(), next);
   EXPECT_EQ(pf.parked(), 1u);
@@ -604,7 +603,7 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
     EXPECT_EQ(pf.parked(), c.parked) << "prefetch_bytes " << c.bytes;
     // Exactly the files right after the opened one.
     for (size_t k = 0; k < c.parked; ++k) {
-      EXPECT_NE(pf.Take(gen.get(), files[first + 2 + k]).reader, nullptr) << c.bytes << ": " << files[first + 2 + k]->path;
+      EXPECT_NE(pf.Take(gen.get(), files[first + 2 + k]), nullptr) << c.bytes << ": " << files[first + 2 + k]->path;
     }
   }
 }
@@ -616,14 +615,8 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
 // of odd-sized fields puts most chunk boundaries inside a page; a pusher that
 // stored each chunk's piece by itself left those pages half-filled. Chunks
 // load once each; the pusher's reads are not counted as the kernel's.
-// A generation with a state.safetensors of odd-sized fields in 2 MiB chunks
-// (most chunk boundaries inside a page), its node and its bytes.
-struct PushFile {
-  Node node;
-  std::string bytes;
-};
-void MakePushFile(const std::string& root, StoreTree* tree, PushFile* out) {
-  auto s = CreateStore(root + "/push");  // 2 MiB chunks
+TEST_F(ChunkReaderTest, PusherStoresPageAlignedRangesWithTheLibrarysBytes) {
+  auto s = CreateStore(root_ + "/push");  // 2 MiB chunks
   ASSERT_NE(s, nullptr);
   std::vector<TensorDef> defs;
   for (int i = 0; i < 3; ++i) {
@@ -632,54 +625,11 @@ void MakePushFile(const std::string& root, StoreTree* tree, PushFile* out) {
   }
   CreateTensors(s.get(), defs);
   WriteStep(s.get(), 1);
-  auto n = tree->Resolve("/push/latest/state.safetensors");
+  auto n = tree_->Resolve("/push/latest/state.safetensors");
   ASSERT_TRUE(n.ok()) << n.status().ToString();
-  out->node = *n;
-  out->bytes.assign(n->file->size_bytes, '\0');
-  ASSERT_TRUE(n->gen->layout->Read(*n->file, 0, out->bytes.data(), out->bytes.size()).ok());
-}
-
-// What a CachePusher stored, in order (its StoreFn).
-struct StoredRanges {
-  struct Stored {
-    uint64_t offset;
-    std::string bytes;
-  };
-  std::mutex mu;
-  std::vector<Stored> stored;
-  CachePusher::StoreFn Fn() {
-    return [this](uint64_t offset, std::span<const iovec> iov) {
-      Stored st{offset, {}};
-      for (const iovec& v : iov) st.bytes.append(static_cast<const char*>(v.iov_base), v.iov_len);
-      std::lock_guard<std::mutex> l(mu);
-      stored.push_back(std::move(st));
-      return 0;
-    };
-  }
-  // Contiguous page-aligned ranges from `from` to the end of `want`, with its
-  // bytes.
-  void ExpectCover(uint64_t from, const std::string& want) {
-    std::lock_guard<std::mutex> l(mu);
-    ASSERT_FALSE(stored.empty());
-    uint64_t at = from;
-    for (const Stored& st : stored) {
-      EXPECT_EQ(st.offset, at) << "ranges are contiguous";
-      EXPECT_EQ(st.offset % CachePusher::kPageBytes, 0u) << st.offset;
-      const uint64_t end = st.offset + st.bytes.size();
-      EXPECT_TRUE(end % CachePusher::kPageBytes == 0 || end == want.size()) << "a range ends inside page " << end / 4096;
-      EXPECT_TRUE(st.bytes == want.substr(st.offset, st.bytes.size())) << "bytes at " << st.offset;
-      at = end;
-    }
-    EXPECT_EQ(at, want.size()) << "the push reaches EOF";
-  }
-};
-
-TEST_F(ChunkReaderTest, PusherStoresPageAlignedRangesWithTheLibrarysBytes) {
-  PushFile pf;
-  ASSERT_NO_FATAL_FAILURE(MakePushFile(root_, tree_.get(), &pf));
-  const Node* n = &pf.node;
   const uint64_t size = n->file->size_bytes;
-  const std::string& want = pf.bytes;
+  std::string want(size, '\0');
+  ASSERT_TRUE(n->gen->layout->Read(*n->file, 0, want.data(), want.size()).ok());
   const uint64_t seqs = n->gen->layout->ChunkSequenceLength(*n->file);
 
   ChunkBufferPool pool(1ull << 30);
@@ -687,8 +637,19 @@ TEST_F(ChunkReaderTest, PusherStoresPageAlignedRangesWithTheLibrarysBytes) {
   auto r = ChunkReader::Open(n->gen, n->file, Reading(4), &pool, &stats);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   std::shared_ptr<ChunkReader> reader(std::move(r).value());
-  StoredRanges stored;
-  CachePusher pusher(reader, stored.Fn(), &stats);
+  struct Stored {
+    uint64_t offset;
+    std::string bytes;
+  };
+  std::mutex mu;
+  std::vector<Stored> stored;
+  CachePusher pusher(reader, [&](uint64_t offset, std::span<const iovec> iov) {
+    Stored st{offset, {}};
+    for (const iovec& v : iov) st.bytes.append(static_cast<const char*>(v.iov_base), v.iov_len);
+    std::lock_guard<std::mutex> l(mu);
+    stored.push_back(std::move(st));
+    return 0;
+  }, &stats);
   constexpr uint64_t kFirstRead = 128 << 10;  // the kernel's first READ, served by the reader
   std::string first;
   ASSERT_TRUE(reader->ReadWith(0, kFirstRead, [&](std::span<const iovec> iov) {
@@ -698,41 +659,21 @@ TEST_F(ChunkReaderTest, PusherStoresPageAlignedRangesWithTheLibrarysBytes) {
   pusher.OnRead(0, kFirstRead);
   pusher.Join();
 
-  stored.ExpectCover(kFirstRead, want);  // from the first READ's end
+  ASSERT_FALSE(stored.empty());
+  uint64_t at = kFirstRead;
+  for (const Stored& st : stored) {
+    EXPECT_EQ(st.offset, at) << "ranges are contiguous from the first READ's end";
+    EXPECT_EQ(st.offset % CachePusher::kPageBytes, 0u) << st.offset;
+    const uint64_t end = st.offset + st.bytes.size();
+    EXPECT_TRUE(end % CachePusher::kPageBytes == 0 || end == size) << "a range ends inside page " << end / 4096;
+    EXPECT_TRUE(st.bytes == want.substr(st.offset, st.bytes.size())) << "bytes at " << st.offset;
+    at = end;
+  }
+  EXPECT_EQ(at, size) << "the push reaches EOF";
   EXPECT_EQ(pusher.pushed_bytes(), size - kFirstRead);
   EXPECT_EQ(stats.pushes.load(), 1u);
   EXPECT_EQ(stats.requests.load(), 1u) << "only the kernel's READ counts as a read";
   EXPECT_EQ(stats.chunks_loaded.load(), seqs) << "each chunk loaded once";
-}
-
-// A pusher started ahead of the file's open (the Prefetcher's) stores the
-// file from byte 0 up to its limit and no further until a READ comes, then
-// to EOF: the page cache ahead of a walk stays within what the Prefetcher
-// opened ahead.
-TEST_F(ChunkReaderTest, PusherStartedAheadStopsAtItsLimitUntilARead) {
-  PushFile pf;
-  ASSERT_NO_FATAL_FAILURE(MakePushFile(root_, tree_.get(), &pf));
-  const uint64_t size = pf.node.file->size_bytes;
-  constexpr uint64_t kLimit = 4ull << 20;  // two chunks
-  ASSERT_GT(size, 2 * kLimit);
-  ChunkBufferPool pool(1ull << 30);
-  ReadStats stats;
-  auto r = ChunkReader::Open(pf.node.gen, pf.node.file, Reading(4), &pool, &stats);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  StoredRanges stored;
-  CachePusher pusher(std::shared_ptr<ChunkReader>(std::move(r).value()), stored.Fn(), &stats);
-  pusher.StartAhead(kLimit);
-  for (int i = 0; i < 1000 && pusher.pushed_bytes() < kLimit; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a push past the limit has time to show
-  EXPECT_EQ(pusher.pushed_bytes(), kLimit);
-  pusher.OnRead(0, 128 << 10);  // the reader's first READ: on to EOF
-  pusher.Join();
-  stored.ExpectCover(0, pf.bytes);
-  EXPECT_EQ(pusher.pushed_bytes(), size);
-  EXPECT_EQ(stats.pushes_ahead.load(), 1u);
-  EXPECT_EQ(stats.pushes.load(), 0u);
 }
 
 // A file whose first READ is not at offset 0 (a reader that seeks: a header

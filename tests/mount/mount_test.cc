@@ -1077,10 +1077,8 @@ TEST_F(MountPageCacheTest, ReadingTheFieldFilesFillsStateSafetensors) {
     EXPECT_GE(again * 10, pages * 9) << again << " of " << pages << " pages";
     EXPECT_EQ(header, 1u);
   }
-  // Without the fill nothing of it comes (nor opened ahead of the walk: the
-  // Prefetcher would push state.safetensors' first chunks before its open).
   StopDaemon();
-  StartDaemon({"--no-fill-safetensors", "--prefetch-files", "0"});
+  StartDaemon({"--no-fill-safetensors"});
   ASSERT_EQ(read_fields(), size);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_EQ(ResidentPages(st, 0, size), 0u);
@@ -1143,53 +1141,6 @@ TEST_F(MountPageCacheTest, ASecondCopyLoadsNoChunksTheKernelHolds) {
   EXPECT_LE(warm.back(), 8u << 20) << "cold copy read " << cold - before << " bytes, the next "
                                    << ::testing::PrintToString(warm) << "; " << log;
   EXPECT_GE(SummaryCount(log, " of the files held by the kernel"), with_chunks - 3) << log;
-}
-
-// Once a tree-order walk of a generation has begun (a listing, then the
-// first field files read in order), the Prefetcher pushes the files it opens
-// ahead into the page cache before they are opened: a later file of the walk
-// is resident, whole, without any READ of its own, and reads the library's
-// bytes. Without the push ahead nothing of it is resident until it is read.
-TEST_F(MountPageCacheTest, FilesAheadOfAWalkArePushedBeforeTheirOpen) {
-  StopDaemon();
-  const std::string store = "rank3.ahead";
-  {
-    auto s = CreateStore(stores_ + "/" + store);
-    ASSERT_NE(s, nullptr);
-    std::vector<TensorDef> defs;
-    for (int i = 0; i < 4; ++i) defs.push_back({"t." + std::to_string(100 + i), 150000, {}});  // 600 KB a field
-    CreateTensors(s.get(), defs);
-    WriteStep(s.get(), 3);
-  }
-  const LatestLayout l = LatestLayoutOf(stores_ + "/" + store);
-  ASSERT_NE(l.layout, nullptr);
-  const std::string gen = mnt_ + "/" + store + "/latest";
-  StartDaemon();
-  // The listing gives the kernel every node (READDIRPLUS); the walk reads
-  // tensors/ in name order, as cp -r and tar do.
-  ASSERT_EQ(Sh("find " + gen + " > /dev/null"), 0);
-  const std::vector<std::string> walk = {"tensors/t.100/exp_avg", "tensors/t.100/exp_avg_sq"};
-  for (const std::string& rel : walk) {
-    const CheckpointFile* f = l.layout->FindFile(rel);
-    ASSERT_NE(f, nullptr) << rel;
-    EXPECT_EQ(ReadFile(gen + "/" + rel).size(), f->size_bytes) << rel;
-  }
-  const std::string ahead = "tensors/t.101/main";  // four files on
-  const CheckpointFile* f = l.layout->FindFile(ahead);
-  ASSERT_NE(f, nullptr);
-  const uint64_t pages = (f->size_bytes + 4095) / 4096;
-  uint64_t resident = 0;
-  for (int i = 0; i < 100 && resident < pages; ++i) {
-    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    resident = ResidentPages(gen + "/" + ahead, 0, f->size_bytes);
-  }
-  EXPECT_EQ(resident, pages) << ahead << " before anything read it";
-  std::string want(f->size_bytes, '\0');
-  ASSERT_TRUE(l.layout->Read(*f, 0, want.data(), want.size()).ok());
-  EXPECT_TRUE(ReadFile(gen + "/" + ahead) == want) << ahead << " differs from the library's bytes";
-  StopDaemon();
-  const std::string log = ReadFile(root_ + "/daemon.log");
-  EXPECT_GE(SummaryCount(log, " of them from before their open"), 1u) << log;
 }
 
 // A SIGTERM while files and a directory are still open (the kernel never

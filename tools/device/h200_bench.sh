@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The benchmark run on the H200 machine (issue 8), in parts that each fit one
 # device call (10 minutes). Binaries packed into CARRY by tools/device/pack.sh
-# (optstate-bench, optstate-mount, memmgr_gpu_test, a static fio, fusermount3);
+# (optstate-bench, optstate-mount, memmgr_gpu_test, a static fio, fusermount3; BIN=DIR puts
+# DIR's binaries first, e.g. BIN=CARRY/old for a by-hand part with the earlier build);
 # CARRY/old/optstate-bench, if present, is an earlier build for an A/B of the
 # step in the same call. Logs and a summary go to OUT.
 #   bash tools/device/h200_bench.sh CARRY OUT step   # io engine; step: ours, old, ours (floor + first version each)
@@ -20,7 +21,7 @@
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
 C=$(cd "$1" && pwd); OUTD=$2; PART=${3:-step}; W=${W:-/root/osb}
-export PATH=$C/bin:$PATH LD_LIBRARY_PATH=$C/lib OPTSTATE_LOG_LEVEL=warn OPTSTATE_NO_PROGRESS=1
+export PATH=${BIN:-$C/bin}:$C/bin:$PATH LD_LIBRARY_PATH=$C/lib OPTSTATE_LOG_LEVEL=warn OPTSTATE_NO_PROGRESS=1
 mkdir -p "$W" "$OUTD"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; nproc; df -h "$W" | tail -1
   cat /sys/block/*/queue/max_sectors_kb 2>/dev/null | head -1; date -u; } > "$OUTD/env-$PART.txt" 2>&1
