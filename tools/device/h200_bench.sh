@@ -12,10 +12,9 @@
 #   bash tools/device/h200_bench.sh CARRY OUT probe  # chunks loaded per copy and state.safetensors' residency, fill on / off
 #   bash tools/device/h200_bench.sh CARRY OUT prefetch  # cp -r with the Prefetcher at 32 MiB, 256 MiB and 1 GiB ahead
 #   bash tools/device/h200_bench.sh CARRY OUT profile  # strace and perf of a warm and a cold cp -r (perf, strace packed)
-#   bash tools/device/h200_bench.sh CARRY OUT waits  # strace -tt -T of cold and warm cp -r, the daemon's CPU per thread (strace packed)
+#   bash tools/device/h200_bench.sh CARRY OUT waits  # strace -tt -T of cold and warm cp -r (strace packed; waits_summary.py), CPU
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
 #   bash tools/device/h200_bench.sh CARRY OUT ab     # cp -r of the trainer snapshot: this build vs CARRY/old, interleaved
-#   bash tools/device/h200_bench.sh CARRY OUT ahead  # cp -r: this build, CARRY/old, this build with 64 files / 128 MiB ahead
 #   bash tools/device/h200_bench.sh CARRY OUT folios # warm read of state.safetensors the push filled vs the kernel's read-ahead
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
@@ -150,8 +149,10 @@ case $PART in
     ;;
   waits)
     # Where a cold copy waits (session 19): every openat/read/write/close of cp with its time
-    # (strace -tt -T), cold twice and warm once, and the daemon's CPU seconds per thread (utime,
-    # stime from /proc) over an untraced cold and warm copy; analysed off the machine.
+    # (strace -tt -T), cold twice and warm once, summed per kind of call by
+    # tools/device/waits_summary.py off the machine; and the CPU over an untraced cold and warm
+    # copy: /proc/stat's first line (every core; the per-thread counts of the daemon miss its
+    # short-lived reader and pusher threads).
     keep_store waits_bench.log; D=/dev/shm/waits-copy
     mnt "$OUTD/waits_mount.log"; cp -r "$S" "$D"; rm -rf "$D"; P=$(pgrep -f "optstate-mount -f" | head -1)
     cpu() { for t in /proc/$P/task/*; do echo "$(cat $t/comm) $(awk '{print $14, $15}' $t/stat)"; done; }
