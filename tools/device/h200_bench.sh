@@ -150,24 +150,23 @@ case $PART in
   waits)
     # Where a cold copy waits (session 19): every openat/read/write/close of cp with its time
     # (strace -tt -T), cold twice and warm once, summed per kind of call by
-    # tools/device/waits_summary.py off the machine; and the CPU over an untraced cold and warm
-    # copy: /proc/stat's first line (every core; the per-thread counts of the daemon miss its
-    # short-lived reader and pusher threads).
+    # tools/device/waits_summary.py off the machine; and the CPU of every core over an untraced
+    # cold and warm copy (/proc/stat's first line: the daemon's reader and pusher threads are
+    # short-lived, so its own per-thread counts miss them).
     keep_store waits_bench.log; D=/dev/shm/waits-copy
-    mnt "$OUTD/waits_mount.log"; cp -r "$S" "$D"; rm -rf "$D"; P=$(pgrep -f "optstate-mount -f" | head -1)
-    cpu() { for t in /proc/$P/task/*; do echo "$(cat $t/comm) $(awk '{print $14, $15}' $t/stat)"; done; }
+    mnt "$OUTD/waits_mount.log"; cp -r "$S" "$D"; rm -rf "$D"
     for kind in cold1 warm cold2; do
       case $kind in cold*) drop ;; esac
       strace -f -tt -T -e trace=openat,read,write,close -o "$OUTD/st_$kind.txt" cp -r "$S" "$D"; rm -rf "$D"
     done
     for kind in cold warm; do
       case $kind in cold*) drop ;; esac
-      cpu > "$OUTD/cpu_${kind}_0.txt"; head -1 /proc/stat > "$OUTD/stat_${kind}_0.txt"
+      head -1 /proc/stat > "$OUTD/stat_${kind}_0.txt"
       echo "$kind untraced: $(secs cp -r "$S" "$D") s" | tee -a "$OUTD/summary.txt"; rm -rf "$D"
-      cpu > "$OUTD/cpu_${kind}_1.txt"; head -1 /proc/stat > "$OUTD/stat_${kind}_1.txt"
+      head -1 /proc/stat > "$OUTD/stat_${kind}_1.txt"
     done
     fusermount3 -u "$M"; wait
-    (cd "$OUTD" && tar czf waits.tgz st_* cpu_* stat_* waits_mount.log && rm -f st_* cpu_* stat_*)
+    (cd "$OUTD" && tar czf waits.tgz st_* stat_* waits_mount.log && rm -f st_* stat_*)
     rm -rf "${W:?}"/*
     ;;
   blksize)
@@ -185,15 +184,6 @@ case $PART in
       run ab_new_$i 100 optstate-bench "${MIX[@]}"
       [ -x "$C/old/optstate-bench" ] && run ab_old_$i 100 "$C/old/optstate-bench" "${MIX[@]}"
       [ -x "$C/alt/optstate-bench" ] && run ab_alt_$i 100 "$C/alt/optstate-bench" "${MIX[@]}"
-    done
-    ;;
-  ahead)
-    # The push ahead of a walk (session 19): this build, CARRY/old (without it) and this build
-    # with more opened ahead (64 files, 128 MiB, so more pushed ahead), interleaved, two rounds.
-    for i in 1 2; do
-      run ahead_new_$i 100 optstate-bench "${MIX[@]}"
-      [ -x "$C/old/optstate-bench" ] && run ahead_old_$i 100 "$C/old/optstate-bench" "${MIX[@]}"
-      run ahead_128_$i 100 optstate-bench "${MIX[@]}" --prefetch-files 64 --prefetch-mib 128
     done
     ;;
   folios)
