@@ -16,6 +16,9 @@
 #   bash tools/device/h200_bench.sh CARRY OUT blksize  # cp -r with st_blksize 1, 2 and 4 MiB
 #   bash tools/device/h200_bench.sh CARRY OUT ab     # cp -r of the trainer snapshot: this build vs CARRY/old, interleaved
 #   bash tools/device/h200_bench.sh CARRY OUT folios # warm read of state.safetensors the push filled vs the kernel's read-ahead
+#   bash tools/device/h200_bench.sh CARRY OUT fresh  # does memory the VM gave back cost cp? tmpfs cp, cold cp -r 3 ways
+#   bash tools/device/h200_bench.sh CARRY OUT load   # warm cp -r and tmpfs cp with 0-8 other processes copying memory
+#   bash tools/device/h200_bench.sh CARRY OUT pagecache  # cp -r with --page-cache all, mappable, small
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -205,6 +208,67 @@ while os.read(fd,1<<20): pass" "$F")
     echo "read-ahead fill: $t s; warm:$(warm "$F")" | tee -a "$OUTD/summary.txt"
     ls -l "$F" >> "$OUTD/summary.txt"; fusermount3 -u "$M"; wait
     rm -rf "${W:?}"/*
+    ;;
+  fresh)
+    # Does memory the guest has not touched lately cost a copy (session 20)? These machines are
+    # Firecracker VMs booted with free page reporting (page_reporting.page_reporting_order=11 on
+    # the dev VM's command line): memory freed for a few seconds goes back to the host, and
+    # touching it again faults it in. fio allocates nothing; cp -r allocates its tmpfs copy and,
+    # from the mount, the mount's page cache. First a 2 GiB tmpfs-to-tmpfs cp: into memory idle
+    # for 20 s, right after freeing a copy, and 20 s later. Then per round: fio; the trainer
+    # snapshot's cold cp -r into memory idle 20 s ("stale"), right after dropping the caches
+    # ("bench": optstate-bench's own order), and right after touching and freeing 5 GiB ("recent").
+    cat /proc/cmdline >> "$OUTD/env-$PART.txt"; free -g >> "$OUTD/env-$PART.txt"
+    A=/dev/shm/fresh-a; head -c 2G /dev/urandom > $A
+    sleep 20; x=$(secs cp $A $A.b); rm -f $A.b; y=$(secs cp $A $A.b); rm -f $A.b
+    sleep 20; z=$(secs cp $A $A.b); rm -f $A.b $A
+    echo "tmpfs 2 GiB cp: idle 20 s $x, right after a free $y, idle 20 s $z" | tee -a "$OUTD/summary.txt"
+    keep_store fresh_bench.log; D=/dev/shm/fresh-copy
+    mnt "$OUTD/fresh_mount.log"
+    B=$(python3 -c "import os,sys; print(sum(os.path.getsize(os.path.join(d,f)) for d,_,fs in os.walk(sys.argv[1]) for f in fs))" "$S")
+    fio --name=lay --filename="$R/fio.dat" --rw=write --bs=1M --size=$((B/4096*4096)) --direct=1 > /dev/null 2>&1
+    fiot() { fio --name=r --filename="$R/fio.dat" --rw=read --bs=1M --iodepth=32 --ioengine=io_uring --direct=1 \
+        --size=$((B/4096*4096)) --output-format=json | python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["runtime"]/1000)'; }
+    touch5() { head -c 5G /dev/zero > /dev/shm/fresh-touch; rm -f /dev/shm/fresh-touch; }
+    for r in 1 2 3 4; do
+      drop; f=$(fiot)
+      drop; sleep 20; s=$(secs cp -r "$S" "$D"); rm -rf "$D"
+      drop; b=$(secs cp -r "$S" "$D"); rm -rf "$D"
+      drop; touch5; n=$(secs cp -r "$S" "$D"); rm -rf "$D"
+      echo "round $r: fio $f cold cp: stale $s bench $b recent $n" | tee -a "$OUTD/summary.txt"
+    done
+    fusermount3 -u "$M"; wait; rm -rf "${W:?}"/*
+    ;;
+  load)
+    # Is a cold copy's extra time the daemon's CPU beside cp (session 20)? A warm copy of the
+    # trainer snapshot (nothing for the daemon to do) and a tmpfs-to-tmpfs copy of it, alone and
+    # with N other processes copying memory meanwhile (cat of a 512 MiB tmpfs file in a loop:
+    # page-cache copies, as the daemon's pushes and fills are); a cold copy per round for scale.
+    keep_store load_bench.log; D=/dev/shm/load-copy; L=/dev/shm/load-src
+    mnt "$OUTD/load_mount.log"; head -c 512M /dev/zero > $L
+    cp -r "$S" /dev/shm/load-ref
+    for r in $(seq "${ROUNDS:-3}"); do
+      drop; c=$(secs cp -r "$S" "$D"); rm -rf "$D"; line="round $r: cold $c"
+      for n in ${LOADN:-0 2 4 8}; do
+        pids=(); for _ in $(seq $n); do (while :; do cat $L > /dev/null; done) & pids+=($!); done
+        sleep 0.2; w=$(secs cp -r "$S" "$D"); rm -rf "$D"; t=$(secs cp -r /dev/shm/load-ref "$D"); rm -rf "$D"
+        # (A bare `wait` would wait for the daemon too.)
+        [ $n -gt 0 ] && { kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}" 2> /dev/null; }
+        line="$line | $n busy: warm $w tmpfs $t"
+      done
+      echo "$line" | tee -a "$OUTD/summary.txt"
+    done
+    rm -rf /dev/shm/load-ref $L; fusermount3 -u "$M"; wait; rm -rf "${W:?}"/*
+    ;;
+  pagecache)
+    # Which files go through the page cache (session 20), interleaved: all (the default); mappable
+    # (field files straight to the daemon, state.safetensors cached and filled from their bytes);
+    # small (only files of at most 128 KiB cached).
+    for i in 1 2; do
+      run pc_all_$i 100 optstate-bench "${MIX[@]}"
+      run pc_mappable_$i 100 optstate-bench "${MIX[@]}" --page-cache mappable
+      run pc_small_$i 100 optstate-bench "${MIX[@]}" --page-cache small
+    done
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
