@@ -41,6 +41,12 @@ drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 secs() { local s e; s=$(date +%s.%N); "$@" > /dev/null 2>&1; e=$(date +%s.%N); awk "BEGIN{printf \"%.3f\", $e-$s}"; }
 mnt() { local log=$1; shift; OPTSTATE_LOG_LEVEL=info optstate-mount -f "$@" "$R/root" "$M" > "$log" 2>&1 &
   for _ in $(seq 100); do mountpoint -q "$M" && break; sleep 0.1; done; }
+# fio's reference for the kept snapshot: fio_ref sets B (its bytes) and lays $R/fio.dat of that
+# size once; fiot prints the seconds of one sequential read of it (1 MiB, QD 32, O_DIRECT).
+fio_ref() { B=$(python3 -c "import os,sys; print(sum(os.path.getsize(os.path.join(d,f)) for d,_,fs in os.walk(sys.argv[1]) for f in fs))" "$S")
+  fio --name=lay --filename="$R/fio.dat" --rw=write --bs=1M --size=$((B/4096*4096)) --direct=1 > /dev/null 2>&1; }
+fiot() { fio --name=r --filename="$R/fio.dat" --rw=read --bs=1M --iodepth=32 --ioengine=io_uring --direct=1 \
+    --size=$((B/4096*4096)) --output-format=json | python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["runtime"]/1000)'; }
 resident() { python3 - "$1" <<'PY'
 import ctypes, mmap, os, sys
 fd = os.open(sys.argv[1], os.O_RDONLY); size = os.fstat(fd).st_size
@@ -74,10 +80,7 @@ case $PART in
     # only state.safetensors in it; warm; and each view copied alone, cold.
     keep_store views_bench.log; D=/dev/shm/views-copy
     mnt "$OUTD/views_mount.log"
-    B=$(python3 -c "import os,sys; print(sum(os.path.getsize(os.path.join(d,f)) for d,_,fs in os.walk(sys.argv[1]) for f in fs))" "$S")
-    fio --name=lay --filename="$R/fio.dat" --rw=write --bs=1M --size=$((B/4096*4096)) --direct=1 > /dev/null 2>&1
-    fiot() { fio --name=r --filename="$R/fio.dat" --rw=read --bs=1M --iodepth=32 --ioengine=io_uring --direct=1 \
-        --size=$((B/4096*4096)) --output-format=json | python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["runtime"]/1000)'; }
+    fio_ref
     warm_tensors() { find "$S/tensors" -type f -exec cat {} + > /dev/null; }
     echo "bytes $B" | tee -a "$OUTD/summary.txt"
     for r in 1 2 3 4; do
@@ -225,10 +228,7 @@ while os.read(fd,1<<20): pass" "$F")
     echo "tmpfs 2 GiB cp: idle 20 s $x, right after a free $y, idle 20 s $z" | tee -a "$OUTD/summary.txt"
     keep_store fresh_bench.log; D=/dev/shm/fresh-copy
     mnt "$OUTD/fresh_mount.log"
-    B=$(python3 -c "import os,sys; print(sum(os.path.getsize(os.path.join(d,f)) for d,_,fs in os.walk(sys.argv[1]) for f in fs))" "$S")
-    fio --name=lay --filename="$R/fio.dat" --rw=write --bs=1M --size=$((B/4096*4096)) --direct=1 > /dev/null 2>&1
-    fiot() { fio --name=r --filename="$R/fio.dat" --rw=read --bs=1M --iodepth=32 --ioengine=io_uring --direct=1 \
-        --size=$((B/4096*4096)) --output-format=json | python3 -c 'import json,sys; print(json.load(sys.stdin)["jobs"][0]["read"]["runtime"]/1000)'; }
+    fio_ref
     touch5() { head -c 5G /dev/zero > /dev/shm/fresh-touch; rm -f /dev/shm/fresh-touch; }
     for r in 1 2 3 4; do
       drop; f=$(fiot)
