@@ -215,7 +215,7 @@ while os.read(fd,1<<20): pass" "$F")
   fresh)
     # Does memory the guest has not touched lately cost a copy (session 20)? These machines are
     # Firecracker VMs booted with free page reporting (page_reporting.page_reporting_order=11 on
-    # the dev VM's command line): memory freed for a few seconds goes back to the host, and
+    # both kernel command lines): memory freed for a few seconds goes back to the host, and
     # touching it again faults it in. fio allocates nothing; cp -r allocates its tmpfs copy and,
     # from the mount, the mount's page cache. First a 2 GiB tmpfs-to-tmpfs cp: into memory idle
     # for 20 s, right after freeing a copy, and 20 s later. Then per round: fio; the trainer
@@ -244,6 +244,7 @@ while os.read(fd,1<<20): pass" "$F")
     # trainer snapshot (nothing for the daemon to do) and a tmpfs-to-tmpfs copy of it, alone and
     # with N other processes copying memory meanwhile (cat of a 512 MiB tmpfs file in a loop:
     # page-cache copies, as the daemon's pushes and fills are); a cold copy per round for scale.
+    # ROUNDS (default 3) and LOADN (default "0 2 4 8") shorten it, e.g. on the 2-core dev VM.
     keep_store load_bench.log; D=/dev/shm/load-copy; L=/dev/shm/load-src
     mnt "$OUTD/load_mount.log"; head -c 512M /dev/zero > $L
     cp -r "$S" /dev/shm/load-ref
