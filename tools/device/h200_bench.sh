@@ -253,8 +253,9 @@ while os.read(fd,1<<20): pass" "$F")
       for n in ${LOADN:-0 2 4 8}; do
         pids=(); for _ in $(seq $n); do (while :; do cat $L > /dev/null; done) & pids+=($!); done
         sleep 0.2; w=$(secs cp -r "$S" "$D"); rm -rf "$D"; t=$(secs cp -r /dev/shm/load-ref "$D"); rm -rf "$D"
-        # (A bare `wait` would wait for the daemon too.)
-        [ $n -gt 0 ] && { kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}" 2> /dev/null; }
+        # The loops first (so that no new cat starts), then the cat each was in: killing a loop
+        # orphans its cat. (A bare `wait` would wait for the daemon too.)
+        [ $n -gt 0 ] && { kill "${pids[@]}" 2> /dev/null; wait "${pids[@]}" 2> /dev/null; pkill -x -f "cat $L"; }
         line="$line | $n busy: warm $w tmpfs $t"
       done
       echo "$line" | tee -a "$OUTD/summary.txt"
