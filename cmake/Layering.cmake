@@ -1,7 +1,8 @@
 # optstate_check_layering(FOLDER ALLOWED): fails configure when a source file in
 # FOLDER includes a header of one of our folders not listed in ALLOWED, or when
-# a third-party header appears outside the folder that owns it (STYLE.md).
-set(OPTSTATE_FOLDERS vfs memmgr kernels mount tools)
+# a third-party header appears outside the folder that owns it, or when it
+# includes another folder's internal/ headers (STYLE.md).
+set(OPTSTATE_FOLDERS vfs memmgr kernels mount tools capi)
 function(optstate_check_layering folder allowed)
   file(GLOB_RECURSE srcs CONFIGURE_DEPENDS
        ${CMAKE_SOURCE_DIR}/${folder}/*.h ${CMAKE_SOURCE_DIR}/${folder}/*.cc
@@ -14,6 +15,9 @@ function(optstate_check_layering folder allowed)
           list(FIND allowed ${other} idx)
           if(idx EQUAL -1)
             message(FATAL_ERROR "layering: ${src} includes ${other}/ (${folder} may include: '${allowed}')")
+          endif()
+          if(line MATCHES "#[ \t]*include[ \t]*\"${other}/internal/")
+            message(FATAL_ERROR "layering: ${src} includes ${other}/internal/: only ${other}/ may (use its public headers)")
           endif()
         endif()
       endforeach()

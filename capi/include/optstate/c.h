@@ -1,0 +1,286 @@
+/* optstate C ABI: liboptstate.so, for Python (ctypes) and any trainer that
+ * cannot link C++.
+ *
+ * A thin wrapper of the public C++ headers (vfs/store.h,
+ * memmgr/memory_manager.h, memmgr/streamed_adam.h, kernels/adam.h): opaque
+ * handles, optstate_* names, no C++ type crosses it.
+ *
+ * Errors. Every call that can fail returns an optstate_code (OPTSTATE_OK = 0,
+ * else the code of the failure) and takes `char** errptr` last. On failure
+ * *errptr is set to a malloc'ed, NUL-terminated message naming the thing
+ * (store path, tensor, field, chunk, generation, errno text) that the caller
+ * releases with optstate_free(); a message already in *errptr is freed first
+ * (google/leveldb include/leveldb/c.h). On success *errptr is left alone.
+ * errptr may be NULL when the caller only wants the code.
+ *
+ * Ownership and lifetime. Each create or open call returns a handle the caller
+ * destroys with the matching destroy or close call. A store must outlive the
+ * memory managers and optimizers made on it; a memory manager must outlive
+ * the optimizers made with it. Destroying an optimizer writes and commits
+ * steps held only in the host cache (durable_every_steps > 1).
+ *
+ * Pointers. Gradients, parameter copies, initial values and found-inf flags
+ * are device pointers on the cuda backend and host pointers on the host
+ * backend (optstate_mm_backend says which). On cuda, a gradient must be
+ * complete before optstate_adam_step is called (synchronise the stream that
+ * produced it); parameter copies are complete when it returns.
+ *
+ * Thread-safety: a store handle may be used from any thread; an optimizer is
+ * driven by one thread at a time (it is not thread-safe).
+ *
+ * Versioning: OPTSTATE_C_ABI_VERSION grows when a signature or struct here
+ * changes; optstate_abi_version() is the library's, to check at load time. */
+#ifndef OPTSTATE_C_H_
+#define OPTSTATE_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(OPTSTATE_C_BUILD)
+#define OPTSTATE_EXPORT __attribute__((visibility("default")))
+#else
+#define OPTSTATE_EXPORT
+#endif
+
+#define OPTSTATE_C_ABI_VERSION 1
+
+/* Codes: the values of optstate::StatusCode (vfs/status.h). */
+typedef enum optstate_code {
+  OPTSTATE_OK = 0,
+  OPTSTATE_INVALID_ARGUMENT = 1,    /* bad input from the caller */
+  OPTSTATE_NOT_FOUND = 2,           /* store, tensor, field, snapshot missing */
+  OPTSTATE_ALREADY_EXISTS = 3,
+  OPTSTATE_FAILED_PRECONDITION = 4, /* wrong state: pins outstanding, poisoned, ... */
+  OPTSTATE_BUSY = 5,                /* the store is open in another process or handle */
+  OPTSTATE_RESOURCE_EXHAUSTED = 6,  /* budget, memlock, fds */
+  OPTSTATE_NO_SPACE = 7,
+  OPTSTATE_IO_ERROR = 8,
+  OPTSTATE_CORRUPTION = 9,          /* checksum mismatch, damaged store */
+  OPTSTATE_DATA_LOSS = 10,          /* acknowledged data is gone (failed fsync) */
+  OPTSTATE_CANCELLED = 11,
+  OPTSTATE_UNIMPLEMENTED = 12,
+  OPTSTATE_INTERNAL = 13
+} optstate_code;
+
+/* Element types: the values of kernels::ScalarType. */
+typedef enum optstate_dtype {
+  OPTSTATE_F32 = 0,
+  OPTSTATE_BF16 = 1,
+  OPTSTATE_F16 = 2,
+  OPTSTATE_NONE = 255
+} optstate_dtype;
+
+typedef struct optstate_store_options_t optstate_store_options_t;
+typedef struct optstate_store_t optstate_store_t;
+typedef struct optstate_snapshot_list_t optstate_snapshot_list_t;
+typedef struct optstate_mm_options_t optstate_mm_options_t;
+typedef struct optstate_mm_t optstate_mm_t;
+typedef struct optstate_adam_options_t optstate_adam_options_t;
+typedef struct optstate_adam_t optstate_adam_t;
+
+/* ---- library ---- */
+
+/* "MAJOR.MINOR.PATCH" of the library; static storage. */
+OPTSTATE_EXPORT const char* optstate_version(void);
+/* OPTSTATE_C_ABI_VERSION the library was built with. */
+OPTSTATE_EXPORT int optstate_abi_version(void);
+/* Name of a code ("InvalidArgument", ...); static storage. */
+OPTSTATE_EXPORT const char* optstate_code_name(int code);
+/* Frees a message or any other buffer this library returned. */
+OPTSTATE_EXPORT void optstate_free(void* ptr);
+
+/* ---- store (vfs::Store) ---- */
+
+OPTSTATE_EXPORT optstate_store_options_t* optstate_store_options_create(void);
+OPTSTATE_EXPORT void optstate_store_options_destroy(optstate_store_options_t* opts);
+/* Create only. Default: the directory's base name. */
+OPTSTATE_EXPORT void optstate_store_options_set_name(optstate_store_options_t* opts, const char* name);
+/* Create only. A multiple of 2 MiB. Default 8 MiB. */
+OPTSTATE_EXPORT void optstate_store_options_set_chunk_size_bytes(optstate_store_options_t* opts,
+                                                                 uint64_t bytes);
+/* Create only. Adds a data directory (one per NVMe drive); default <path>/data. */
+OPTSTATE_EXPORT void optstate_store_options_add_data_dir(optstate_store_options_t* opts, const char* dir);
+/* Committed generations kept besides snapshots and leases (>= 1). Default 1. */
+OPTSTATE_EXPORT void optstate_store_options_set_retained_generations(optstate_store_options_t* opts,
+                                                                     uint32_t n);
+/* O_DIRECT data files (nonzero, default) or buffered. */
+OPTSTATE_EXPORT void optstate_store_options_set_direct_io(optstate_store_options_t* opts, int on);
+
+/* Creates a store at path (must not exist; its parent must). opts may be NULL. */
+OPTSTATE_EXPORT int optstate_store_create(const char* path, const optstate_store_options_t* opts,
+                                          optstate_store_t** out, char** errptr);
+/* Opens an existing store read-write. In use elsewhere: OPTSTATE_BUSY naming the holder. */
+OPTSTATE_EXPORT int optstate_store_open(const char* path, const optstate_store_options_t* opts,
+                                        optstate_store_t** out, char** errptr);
+/* Closes the store (NULL is a no-op). REQUIRES: its managers and optimizers are destroyed. */
+OPTSTATE_EXPORT void optstate_store_close(optstate_store_t* store);
+
+/* Identity, valid while the store is open. */
+OPTSTATE_EXPORT const char* optstate_store_path(const optstate_store_t* store);
+OPTSTATE_EXPORT const char* optstate_store_name(const optstate_store_t* store);
+OPTSTATE_EXPORT const char* optstate_store_uuid(const optstate_store_t* store);
+OPTSTATE_EXPORT uint64_t optstate_store_chunk_size_bytes(const optstate_store_t* store);
+
+/* The newest committed generation and the trainer step recorded with it. */
+OPTSTATE_EXPORT void optstate_store_latest_generation(const optstate_store_t* store, uint64_t* generation,
+                                                      uint64_t* step);
+/* Step count of a group in the newest committed generation (0 when unknown). */
+OPTSTATE_EXPORT uint64_t optstate_store_group_step_count(const optstate_store_t* store, uint32_t group);
+
+/* Reads elements [first, first + count) of a tensor field of the newest
+ * committed generation into out (host memory, count fp32 values). Fields:
+ * "main", "exp_avg", "exp_avg_sq". Every chunk read is checksum-verified. */
+OPTSTATE_EXPORT int optstate_store_read_field(optstate_store_t* store, const char* tensor, const char* field,
+                                              uint64_t first, uint64_t count, float* out, char** errptr);
+/* numel of a tensor (NOT_FOUND naming near names when absent). */
+OPTSTATE_EXPORT int optstate_store_tensor_numel(const optstate_store_t* store, const char* tensor,
+                                                uint64_t* numel, char** errptr);
+
+/* Snapshots of the newest committed generation (an O(1) metadata write). */
+OPTSTATE_EXPORT int optstate_store_snapshot_create(optstate_store_t* store, const char* name,
+                                                   uint64_t* generation, char** errptr);
+OPTSTATE_EXPORT int optstate_store_snapshot_release(optstate_store_t* store, const char* name, char** errptr);
+OPTSTATE_EXPORT int optstate_store_snapshot_list(const optstate_store_t* store, optstate_snapshot_list_t** out,
+                                                 char** errptr);
+OPTSTATE_EXPORT size_t optstate_snapshot_list_count(const optstate_snapshot_list_t* list);
+/* REQUIRES: i < count. Valid until the list is destroyed. */
+OPTSTATE_EXPORT const char* optstate_snapshot_list_name(const optstate_snapshot_list_t* list, size_t i);
+OPTSTATE_EXPORT uint64_t optstate_snapshot_list_generation(const optstate_snapshot_list_t* list, size_t i);
+OPTSTATE_EXPORT void optstate_snapshot_list_destroy(optstate_snapshot_list_t* list);
+
+typedef struct optstate_store_stats_t {
+  uint64_t latest_generation;
+  uint64_t live_bytes;              /* logical bytes of written chunks in latest */
+  uint64_t referenced_extent_bytes; /* disk space of every retained version */
+  uint64_t pending_bytes;           /* written in the uncommitted generation */
+  uint64_t lifetime_bytes_written;
+  uint64_t generations_retained;
+  uint64_t snapshots;
+  uint64_t leases;
+} optstate_store_stats_t;
+OPTSTATE_EXPORT int optstate_store_stats(const optstate_store_t* store, optstate_store_stats_t* out,
+                                         char** errptr);
+
+/* ---- memory manager (memmgr::MemoryManager) ---- */
+
+OPTSTATE_EXPORT optstate_mm_options_t* optstate_mm_options_create(void);
+OPTSTATE_EXPORT void optstate_mm_options_destroy(optstate_mm_options_t* opts);
+/* "auto" (default: cuda when a device is visible), "host" or "cuda". */
+OPTSTATE_EXPORT int optstate_mm_options_set_backend(optstate_mm_options_t* opts, const char* backend,
+                                                    char** errptr);
+/* Hard cap on device pages for state, bytes. Default 2 GiB. */
+OPTSTATE_EXPORT void optstate_mm_options_set_device_budget_bytes(optstate_mm_options_t* opts, uint64_t bytes);
+/* Pinned host cache of chunks, bytes; 0 = off (default). */
+OPTSTATE_EXPORT void optstate_mm_options_set_host_cache_bytes(optstate_mm_options_t* opts, uint64_t bytes);
+/* CUDA device ordinal (cuda backend). Default 0. */
+OPTSTATE_EXPORT void optstate_mm_options_set_cuda_device(optstate_mm_options_t* opts, int device);
+
+/* opts may be NULL (defaults). */
+OPTSTATE_EXPORT int optstate_mm_create(optstate_store_t* store, const optstate_mm_options_t* opts,
+                                       optstate_mm_t** out, char** errptr);
+OPTSTATE_EXPORT void optstate_mm_destroy(optstate_mm_t* mm);
+/* "host" or "cuda"; static storage. */
+OPTSTATE_EXPORT const char* optstate_mm_backend(const optstate_mm_t* mm);
+/* Sleep: writes dirty chunks back and releases every device page
+ * (FAILED_PRECONDITION while ranges are pinned). Waking is free: the next
+ * step or pin maps pages again. */
+OPTSTATE_EXPORT int optstate_mm_release_all(optstate_mm_t* mm, char** errptr);
+
+typedef struct optstate_mm_stats_t {
+  uint64_t resident_bytes;      /* device pages in use now */
+  uint64_t peak_resident_bytes; /* max since creation; <= budget_bytes */
+  uint64_t budget_bytes;
+  uint64_t nvme_read_bytes;
+  uint64_t nvme_write_bytes;
+  uint64_t cache_hit_bytes;
+  uint64_t cache_bytes;
+  uint64_t h2d_bytes;
+  uint64_t d2h_bytes;
+  double io_stall_seconds;
+  uint64_t pins;
+  uint64_t evictions;
+} optstate_mm_stats_t;
+OPTSTATE_EXPORT void optstate_mm_stats(const optstate_mm_t* mm, optstate_mm_stats_t* out);
+
+/* ---- streamed Adam / AdamW (memmgr::StreamedAdam) ---- */
+
+OPTSTATE_EXPORT optstate_adam_options_t* optstate_adam_options_create(void);
+OPTSTATE_EXPORT void optstate_adam_options_destroy(optstate_adam_options_t* opts);
+/* Gradients are multiplied by 1/grad_scale. Default 1. */
+OPTSTATE_EXPORT void optstate_adam_options_set_grad_scale(optstate_adam_options_t* opts, float grad_scale);
+/* CPU threads of the host backend's kernel. Default 1. */
+OPTSTATE_EXPORT void optstate_adam_options_set_cpu_threads(optstate_adam_options_t* opts, int threads);
+/* Commit every N-th step when the host cache holds the whole state. Default 1. */
+OPTSTATE_EXPORT void optstate_adam_options_set_durable_every_steps(optstate_adam_options_t* opts, uint32_t n);
+
+/* On a store that already holds tensors, their state, groups and step counts
+ * are restored (resume). opts may be NULL. */
+OPTSTATE_EXPORT int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm,
+                                         const optstate_adam_options_t* opts, optstate_adam_t** out,
+                                         char** errptr);
+OPTSTATE_EXPORT void optstate_adam_destroy(optstate_adam_t* adam);
+
+/* Adds or updates a group's hyperparameters; they apply from the next step.
+ * adamw nonzero: decoupled weight decay (AdamW); zero: L2 (Adam). */
+OPTSTATE_EXPORT int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, double beta1,
+                                            double beta2, double eps, double weight_decay, int adamw,
+                                            char** errptr);
+/* The group's hyperparameters as the optimizer holds them (restored from the
+ * store on resume). Any output pointer may be NULL. */
+OPTSTATE_EXPORT int optstate_adam_get_group(const optstate_adam_t* adam, uint32_t group, double* lr,
+                                            double* beta1, double* beta2, double* eps, double* weight_decay,
+                                            int* adamw, char** errptr);
+
+/* Registers a parameter shard and returns its id (*id, for optstate_adam_step).
+ * initial: numel elements of initial_dtype (f32/bf16/f16) that become the fp32
+ * main; NULL = zeros. shape: ndim extents whose product is numel (NULL/0 =
+ * {numel}). When the store already holds the param (resume) its state is kept,
+ * initial is ignored and *existed is set to 1 (else 0; existed may be NULL). */
+OPTSTATE_EXPORT int optstate_adam_register_param(optstate_adam_t* adam, const char* name, uint64_t numel,
+                                                 uint32_t group, const void* initial, int initial_dtype,
+                                                 const uint64_t* shape, size_t ndim, uint32_t* id,
+                                                 int* existed, char** errptr);
+/* numel of a registered param (NOT_FOUND otherwise). */
+OPTSTATE_EXPORT int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel,
+                                              char** errptr);
+
+/* One step over n params: ids[i] from register_param, grads[i] of
+ * grad_dtypes[i], and the model copy params[i] of param_dtypes[i] updated in
+ * the same pass (params may be NULL: no copies; an entry may be NULL with
+ * OPTSTATE_NONE). Registered params not listed keep their state. found_inf:
+ * a float flag (NULL = none); nonzero skips the step (nothing changes,
+ * nothing is committed). grad_scale must be 1 or the optimizer's grad_scale
+ * option today (grads are divided by it). Commits one generation, unless
+ * skipped. On error nothing is committed and the last committed state stays. */
+OPTSTATE_EXPORT int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids,
+                                       const void* const* grads, const int* grad_dtypes, void* const* params,
+                                       const int* param_dtypes, const float* found_inf, float grad_scale,
+                                       char** errptr);
+/* Whether the last step was skipped by found_inf. */
+OPTSTATE_EXPORT int optstate_adam_last_step_skipped(const optstate_adam_t* adam);
+
+/* Replaces a param's fp32 main from model weights (numel elements of dtype),
+ * e.g. after the model's weights were loaded separately. Moments are kept. */
+OPTSTATE_EXPORT int optstate_adam_load_main(optstate_adam_t* adam, uint32_t id, const void* weights, int dtype,
+                                            char** errptr);
+/* Writes and commits steps held only in the host cache; *generation = the
+ * newest committed generation (may be NULL). */
+OPTSTATE_EXPORT int optstate_adam_make_durable(optstate_adam_t* adam, uint64_t* generation, char** errptr);
+
+OPTSTATE_EXPORT uint64_t optstate_adam_step_count(const optstate_adam_t* adam, uint32_t group);
+OPTSTATE_EXPORT uint64_t optstate_adam_last_generation(const optstate_adam_t* adam);
+/* The trainer step recorded with the last commit; the next commit records +1. */
+OPTSTATE_EXPORT uint64_t optstate_adam_global_step(const optstate_adam_t* adam);
+OPTSTATE_EXPORT void optstate_adam_set_global_step(optstate_adam_t* adam, uint64_t step);
+/* Steps taken since the last commit (0 unless durable_every_steps > 1). */
+OPTSTATE_EXPORT uint64_t optstate_adam_uncommitted_steps(const optstate_adam_t* adam);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* OPTSTATE_C_H_ */
