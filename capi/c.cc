@@ -328,6 +328,9 @@ void optstate_mm_options_set_device_budget_bytes(optstate_mm_options_t* opts, ui
 void optstate_mm_options_set_host_cache_bytes(optstate_mm_options_t* opts, uint64_t bytes) {
   opts->rep.host_cache_bytes = bytes;
 }
+void optstate_mm_options_set_read_ahead_chunks(optstate_mm_options_t* opts, uint32_t n) {
+  opts->rep.read_ahead_chunks = n;
+}
 void optstate_mm_options_set_cuda_device(optstate_mm_options_t* opts, int device) {
   opts->rep.cuda_device = device;
 }

@@ -176,6 +176,9 @@ OPTSTATE_EXPORT int optstate_mm_options_set_backend(optstate_mm_options_t* opts,
 OPTSTATE_EXPORT void optstate_mm_options_set_device_budget_bytes(optstate_mm_options_t* opts, uint64_t bytes);
 /* Pinned host cache of chunks, bytes; 0 = off (default). */
 OPTSTATE_EXPORT void optstate_mm_options_set_host_cache_bytes(optstate_mm_options_t* opts, uint64_t bytes);
+/* Chunk slices the step pipeline stages at once (staging buffers: 3n + 4);
+ * 0 = auto (default: enough to keep the I/O queues full). */
+OPTSTATE_EXPORT void optstate_mm_options_set_read_ahead_chunks(optstate_mm_options_t* opts, uint32_t n);
 /* CUDA device ordinal (cuda backend). Default 0. */
 OPTSTATE_EXPORT void optstate_mm_options_set_cuda_device(optstate_mm_options_t* opts, int device);
 

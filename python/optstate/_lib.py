@@ -1,0 +1,162 @@
+"""Loads liboptstate.so and declares the C ABI's signatures (<optstate/c.h>).
+
+Where the library is looked for, in order:
+  1. $OPTSTATE_LIB (a path to the library; nothing else is tried when it is set);
+  2. next to this package (optstate/liboptstate.so, e.g. copied in by a wheel);
+  3. a CMake build tree of the source checkout this package sits in
+     (<repo>/build/*/capi/liboptstate.so);
+  4. the dynamic loader's search path (an installed liboptstate.so.1).
+"""
+import ctypes
+import glob
+import os
+
+from . import errors
+
+ABI_VERSION = 1
+
+_c = ctypes
+_u8p = _c.c_char_p
+_vp = _c.c_void_p
+_errp = _c.POINTER(_c.c_void_p)
+_u32 = _c.c_uint32
+_u64 = _c.c_uint64
+_int = _c.c_int
+_dbl = _c.c_double
+
+
+class StoreStats(_c.Structure):
+    _fields_ = [(n, _u64) for n in (
+        "latest_generation", "live_bytes", "referenced_extent_bytes", "pending_bytes",
+        "lifetime_bytes_written", "generations_retained", "snapshots", "leases")]
+
+
+class MemoryStats(_c.Structure):
+    _fields_ = [("resident_bytes", _u64), ("peak_resident_bytes", _u64), ("budget_bytes", _u64),
+                ("nvme_read_bytes", _u64), ("nvme_write_bytes", _u64), ("cache_hit_bytes", _u64),
+                ("cache_bytes", _u64), ("h2d_bytes", _u64), ("d2h_bytes", _u64),
+                ("io_stall_seconds", _dbl), ("pins", _u64), ("evictions", _u64)]
+
+
+# name: (restype, argtypes). Functions whose restype is _int and whose last
+# argument is _errp return an optstate_code.
+_SIGNATURES = {
+    "optstate_version": (_u8p, []),
+    "optstate_abi_version": (_int, []),
+    "optstate_code_name": (_u8p, [_int]),
+    "optstate_free": (None, [_vp]),
+    # store
+    "optstate_store_options_create": (_vp, []),
+    "optstate_store_options_destroy": (None, [_vp]),
+    "optstate_store_options_set_name": (None, [_vp, _u8p]),
+    "optstate_store_options_set_chunk_size_bytes": (None, [_vp, _u64]),
+    "optstate_store_options_add_data_dir": (None, [_vp, _u8p]),
+    "optstate_store_options_set_retained_generations": (None, [_vp, _u32]),
+    "optstate_store_options_set_direct_io": (None, [_vp, _int]),
+    "optstate_store_create": (_int, [_u8p, _vp, _c.POINTER(_vp), _errp]),
+    "optstate_store_open": (_int, [_u8p, _vp, _c.POINTER(_vp), _errp]),
+    "optstate_store_close": (None, [_vp]),
+    "optstate_store_path": (_u8p, [_vp]),
+    "optstate_store_name": (_u8p, [_vp]),
+    "optstate_store_uuid": (_u8p, [_vp]),
+    "optstate_store_chunk_size_bytes": (_u64, [_vp]),
+    "optstate_store_latest_generation": (None, [_vp, _c.POINTER(_u64), _c.POINTER(_u64)]),
+    "optstate_store_group_step_count": (_u64, [_vp, _u32]),
+    "optstate_store_read_field": (_int, [_vp, _u8p, _u8p, _u64, _u64, _vp, _errp]),
+    "optstate_store_tensor_numel": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
+    "optstate_store_snapshot_create": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
+    "optstate_store_snapshot_release": (_int, [_vp, _u8p, _errp]),
+    "optstate_store_snapshot_list": (_int, [_vp, _c.POINTER(_vp), _errp]),
+    "optstate_snapshot_list_count": (_c.c_size_t, [_vp]),
+    "optstate_snapshot_list_name": (_u8p, [_vp, _c.c_size_t]),
+    "optstate_snapshot_list_generation": (_u64, [_vp, _c.c_size_t]),
+    "optstate_snapshot_list_destroy": (None, [_vp]),
+    "optstate_store_stats": (_int, [_vp, _c.POINTER(StoreStats), _errp]),
+    # memory manager
+    "optstate_mm_options_create": (_vp, []),
+    "optstate_mm_options_destroy": (None, [_vp]),
+    "optstate_mm_options_set_backend": (_int, [_vp, _u8p, _errp]),
+    "optstate_mm_options_set_device_budget_bytes": (None, [_vp, _u64]),
+    "optstate_mm_options_set_host_cache_bytes": (None, [_vp, _u64]),
+    "optstate_mm_options_set_read_ahead_chunks": (None, [_vp, _u32]),
+    "optstate_mm_options_set_cuda_device": (None, [_vp, _int]),
+    "optstate_mm_create": (_int, [_vp, _vp, _c.POINTER(_vp), _errp]),
+    "optstate_mm_destroy": (None, [_vp]),
+    "optstate_mm_backend": (_u8p, [_vp]),
+    "optstate_mm_release_all": (_int, [_vp, _errp]),
+    "optstate_mm_stats": (None, [_vp, _c.POINTER(MemoryStats)]),
+    # streamed Adam
+    "optstate_adam_options_create": (_vp, []),
+    "optstate_adam_options_destroy": (None, [_vp]),
+    "optstate_adam_options_set_grad_scale": (None, [_vp, _c.c_float]),
+    "optstate_adam_options_set_cpu_threads": (None, [_vp, _int]),
+    "optstate_adam_options_set_durable_every_steps": (None, [_vp, _u32]),
+    "optstate_adam_create": (_int, [_vp, _vp, _vp, _c.POINTER(_vp), _errp]),
+    "optstate_adam_destroy": (None, [_vp]),
+    "optstate_adam_set_group": (_int, [_vp, _u32, _dbl, _dbl, _dbl, _dbl, _dbl, _int, _errp]),
+    "optstate_adam_get_group": (_int, [_vp, _u32] + [_c.POINTER(_dbl)] * 5 + [_c.POINTER(_int), _errp]),
+    "optstate_adam_register_param": (_int, [_vp, _u8p, _u64, _u32, _vp, _int, _c.POINTER(_u64),
+                                            _c.c_size_t, _c.POINTER(_u32), _c.POINTER(_int), _errp]),
+    "optstate_adam_param_numel": (_int, [_vp, _u32, _c.POINTER(_u64), _errp]),
+    "optstate_adam_step": (_int, [_vp, _c.c_size_t, _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
+                                  _c.POINTER(_vp), _c.POINTER(_int), _vp, _c.c_float, _errp]),
+    "optstate_adam_last_step_skipped": (_int, [_vp]),
+    "optstate_adam_load_main": (_int, [_vp, _u32, _vp, _int, _errp]),
+    "optstate_adam_make_durable": (_int, [_vp, _c.POINTER(_u64), _errp]),
+    "optstate_adam_step_count": (_u64, [_vp, _u32]),
+    "optstate_adam_last_generation": (_u64, [_vp]),
+    "optstate_adam_global_step": (_u64, [_vp]),
+    "optstate_adam_set_global_step": (None, [_vp, _u64]),
+    "optstate_adam_uncommitted_steps": (_u64, [_vp]),
+}
+
+
+def _candidates():
+    env = os.environ.get("OPTSTATE_LIB")
+    if env:
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = [os.path.join(here, "liboptstate.so")]
+    repo = os.path.dirname(os.path.dirname(here))  # <repo>/python/optstate -> <repo>
+    found += sorted(glob.glob(os.path.join(repo, "build", "*", "capi", "liboptstate.so")))
+    found.append("liboptstate.so.%d" % ABI_VERSION)
+    return found
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            tried.append(path + " (missing)")
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            tried.append("%s (%s)" % (path, e))
+            continue
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        abi = lib.optstate_abi_version()
+        if abi != ABI_VERSION:
+            raise errors.FailedPrecondition(
+                "liboptstate at %s has C ABI version %d, this package needs %d" % (path, abi, ABI_VERSION))
+        lib.path = path
+        return lib
+    raise errors.NotFound("liboptstate.so not found; set OPTSTATE_LIB to its path. Tried: " + "; ".join(tried))
+
+
+lib = _load()
+
+
+def call(fn, *args):
+    """Calls a C ABI function that ends in char** errptr; raises optstate.Error on failure."""
+    err = ctypes.c_void_p()
+    code = fn(*args, ctypes.byref(err))
+    if code != 0:
+        message = ""
+        if err.value:
+            message = ctypes.string_at(err.value).decode("utf-8", "replace")
+            lib.optstate_free(err)
+        raise errors.from_code(code, message)

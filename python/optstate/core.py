@@ -1,0 +1,310 @@
+"""Python handles over the C ABI: Store, MemoryManager, StreamedAdam.
+
+These are thin: each method is one C call and raises an optstate.Error
+subclass on failure. Pointers are plain integers (a tensor's data_ptr(), a
+numpy array's ctypes.data). Closing a Store first closes the managers and
+optimizers made on it, so the C lifetime rules (<optstate/c.h>) hold whatever
+order Python drops its references in."""
+import ctypes
+import os
+import weakref
+
+from . import errors
+from ._lib import MemoryStats, StoreStats, call, lib
+
+F32, BF16, F16, NONE = 0, 1, 2, 255
+
+
+def _b(s):
+    return os.fsencode(s) if not isinstance(s, bytes) else s
+
+
+class _Handle:
+    _what = "handle"
+
+    def __init__(self):
+        self._h = None
+
+    def _live(self):
+        if self._h is None:
+            raise errors.FailedPrecondition("%s %s is closed" % (self._what, self._describe()))
+        return self._h
+
+    def _describe(self):
+        return ""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to report to
+            pass
+
+
+class Store(_Handle):
+    """One optimizer instance of one rank on local NVMe (vfs::Store).
+
+    create: True = create (the path must not exist), False = open an existing
+    store, None (default) = open it when it exists, else create it."""
+
+    _what = "store"
+
+    def __init__(self, path, *, create=None, name=None, chunk_size_bytes=None, data_dirs=(),
+                 retained_generations=None, direct_io=True):
+        super().__init__()
+        self._path = os.fspath(path)
+        self._children = weakref.WeakSet()
+        if create is None:
+            create = not os.path.exists(self._path)
+        opts = lib.optstate_store_options_create()
+        try:
+            if name is not None:
+                lib.optstate_store_options_set_name(opts, _b(name))
+            if chunk_size_bytes is not None:
+                lib.optstate_store_options_set_chunk_size_bytes(opts, int(chunk_size_bytes))
+            for d in data_dirs or ():
+                lib.optstate_store_options_add_data_dir(opts, _b(d))
+            if retained_generations is not None:
+                lib.optstate_store_options_set_retained_generations(opts, int(retained_generations))
+            lib.optstate_store_options_set_direct_io(opts, 1 if direct_io else 0)
+            h = ctypes.c_void_p()
+            fn = lib.optstate_store_create if create else lib.optstate_store_open
+            call(fn, _b(self._path), opts, ctypes.byref(h))
+            self._h = h.value
+        finally:
+            lib.optstate_store_options_destroy(opts)
+
+    def _describe(self):
+        return self._path
+
+    def close(self):
+        """Closes the optimizers and managers made on this store, then the store (releases its lock)."""
+        for child in sorted(self._children, key=lambda c: c._close_order):
+            child.close()
+        if self._h is not None:
+            lib.optstate_store_close(self._h)
+            self._h = None
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    @property
+    def path(self):
+        return lib.optstate_store_path(self._live()).decode()
+
+    @property
+    def name(self):
+        return lib.optstate_store_name(self._live()).decode()
+
+    @property
+    def uuid(self):
+        return lib.optstate_store_uuid(self._live()).decode()
+
+    @property
+    def chunk_size_bytes(self):
+        return lib.optstate_store_chunk_size_bytes(self._live())
+
+    def latest_generation(self):
+        """(generation, trainer step) of the newest committed generation."""
+        gen, step = ctypes.c_uint64(), ctypes.c_uint64()
+        lib.optstate_store_latest_generation(self._live(), ctypes.byref(gen), ctypes.byref(step))
+        return gen.value, step.value
+
+    def group_step_count(self, group):
+        return lib.optstate_store_group_step_count(self._live(), group)
+
+    def tensor_numel(self, tensor):
+        n = ctypes.c_uint64()
+        call(lib.optstate_store_tensor_numel, self._live(), _b(tensor), ctypes.byref(n))
+        return n.value
+
+    def read_into(self, tensor, field, out_ptr, first, count):
+        """Reads count fp32 values of a field of the newest committed generation into host memory at out_ptr."""
+        call(lib.optstate_store_read_field, self._live(), _b(tensor), _b(field), first, count, out_ptr)
+
+    def read(self, tensor, field, first=0, count=None):
+        """A field's values (fp32) of the newest committed generation, as a numpy array."""
+        import numpy as np
+        if count is None:
+            count = self.tensor_numel(tensor) - first
+        out = np.empty(count, dtype=np.float32)
+        self.read_into(tensor, field, out.ctypes.data, first, count)
+        return out
+
+    def snapshot(self, name):
+        """Pins the newest committed generation under `name`; returns that generation."""
+        gen = ctypes.c_uint64()
+        call(lib.optstate_store_snapshot_create, self._live(), _b(name), ctypes.byref(gen))
+        return gen.value
+
+    def release_snapshot(self, name):
+        call(lib.optstate_store_snapshot_release, self._live(), _b(name))
+
+    def snapshots(self):
+        """[(name, generation), ...]"""
+        lst = ctypes.c_void_p()
+        call(lib.optstate_store_snapshot_list, self._live(), ctypes.byref(lst))
+        try:
+            n = lib.optstate_snapshot_list_count(lst)
+            return [(lib.optstate_snapshot_list_name(lst, i).decode(),
+                     lib.optstate_snapshot_list_generation(lst, i)) for i in range(n)]
+        finally:
+            lib.optstate_snapshot_list_destroy(lst)
+
+    def stats(self):
+        s = StoreStats()
+        call(lib.optstate_store_stats, self._live(), ctypes.byref(s))
+        return {name: getattr(s, name) for name, _ in s._fields_}
+
+
+class MemoryManager(_Handle):
+    """The device window of a store (memmgr::MemoryManager). backend: "auto", "host" or "cuda"."""
+
+    _what = "memory manager"
+    _close_order = 1
+
+    def __init__(self, store, *, backend="auto", device_budget_bytes=2 << 30, host_cache_bytes=0,
+                 read_ahead_chunks=0, cuda_device=0):
+        super().__init__()
+        self.store = store
+        opts = lib.optstate_mm_options_create()
+        try:
+            call(lib.optstate_mm_options_set_backend, opts, _b(backend))
+            lib.optstate_mm_options_set_device_budget_bytes(opts, int(device_budget_bytes))
+            lib.optstate_mm_options_set_host_cache_bytes(opts, int(host_cache_bytes))
+            lib.optstate_mm_options_set_read_ahead_chunks(opts, int(read_ahead_chunks))
+            lib.optstate_mm_options_set_cuda_device(opts, int(cuda_device))
+            h = ctypes.c_void_p()
+            call(lib.optstate_mm_create, store._live(), opts, ctypes.byref(h))
+            self._h = h.value
+        finally:
+            lib.optstate_mm_options_destroy(opts)
+        store._children.add(self)
+
+    def _describe(self):
+        return "of store " + self.store._path
+
+    def close(self):
+        for child in list(self.store._children):
+            if isinstance(child, StreamedAdam) and child.mm is self:
+                child.close()
+        if self._h is not None:
+            lib.optstate_mm_destroy(self._h)
+            self._h = None
+
+    @property
+    def backend(self):
+        return lib.optstate_mm_backend(self._live()).decode()
+
+    def release_all(self):
+        """Writes dirty pages back and releases every device page (sleep)."""
+        call(lib.optstate_mm_release_all, self._live())
+
+    def stats(self):
+        s = MemoryStats()
+        lib.optstate_mm_stats(self._live(), ctypes.byref(s))
+        return {name: getattr(s, name) for name, _ in s._fields_}
+
+
+class StreamedAdam(_Handle):
+    """Adam/AdamW with its state in the store (memmgr::StreamedAdam). On a store
+    that holds tensors, their state, groups and step counts are restored."""
+
+    _what = "optimizer"
+    _close_order = 0
+
+    def __init__(self, store, mm, *, grad_scale=1.0, cpu_threads=1, durable_every_steps=1):
+        super().__init__()
+        self.store, self.mm = store, mm
+        opts = lib.optstate_adam_options_create()
+        try:
+            lib.optstate_adam_options_set_grad_scale(opts, float(grad_scale))
+            lib.optstate_adam_options_set_cpu_threads(opts, int(cpu_threads))
+            lib.optstate_adam_options_set_durable_every_steps(opts, int(durable_every_steps))
+            h = ctypes.c_void_p()
+            call(lib.optstate_adam_create, store._live(), mm._live(), opts, ctypes.byref(h))
+            self._h = h.value
+        finally:
+            lib.optstate_adam_options_destroy(opts)
+        store._children.add(self)
+
+    def _describe(self):
+        return "on store " + self.store._path
+
+    def close(self):
+        """Writes steps held only in the host cache, commits them, and frees the optimizer."""
+        if self._h is not None:
+            lib.optstate_adam_destroy(self._h)
+            self._h = None
+
+    def set_group(self, group, lr, beta1, beta2, eps, weight_decay, adamw=True):
+        call(lib.optstate_adam_set_group, self._live(), group, lr, beta1, beta2, eps, weight_decay,
+             1 if adamw else 0)
+
+    def get_group(self, group):
+        vals = [ctypes.c_double() for _ in range(5)]
+        adamw = ctypes.c_int()
+        call(lib.optstate_adam_get_group, self._live(), group, *[ctypes.byref(v) for v in vals],
+             ctypes.byref(adamw))
+        lr, beta1, beta2, eps, wd = (v.value for v in vals)
+        return dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, adamw=bool(adamw.value))
+
+    def register_param(self, name, numel, group, initial_ptr=None, initial_dtype=NONE, shape=()):
+        """Returns (id, existed): existed is True when the store already held the param (resume)."""
+        pid, existed = ctypes.c_uint32(), ctypes.c_int()
+        shape_arr = (ctypes.c_uint64 * len(shape))(*shape) if shape else None
+        call(lib.optstate_adam_register_param, self._live(), _b(name), int(numel), int(group),
+             initial_ptr, int(initial_dtype), shape_arr, len(shape), ctypes.byref(pid), ctypes.byref(existed))
+        return pid.value, bool(existed.value)
+
+    def step_raw(self, n, ids, grads, grad_dtypes, params, param_dtypes, found_inf_ptr=None, grad_scale=1.0):
+        """One step over n params given as ctypes arrays (see optstate_adam_step)."""
+        call(lib.optstate_adam_step, self._live(), n, ids, grads, grad_dtypes, params, param_dtypes,
+             found_inf_ptr, grad_scale)
+
+    def step(self, ids, grads, grad_dtypes, params=None, param_dtypes=None, found_inf_ptr=None, grad_scale=1.0):
+        """One step; lists of ids, grad pointers and dtypes (and param pointers and dtypes)."""
+        n = len(ids)
+        c_params = c_pdt = None
+        if params is not None:
+            c_params = (ctypes.c_void_p * n)(*params)
+            c_pdt = (ctypes.c_int * n)(*param_dtypes)
+        self.step_raw(n, (ctypes.c_uint32 * n)(*ids), (ctypes.c_void_p * n)(*grads),
+                      (ctypes.c_int * n)(*grad_dtypes), c_params, c_pdt, found_inf_ptr, grad_scale)
+
+    @property
+    def last_step_skipped(self):
+        return bool(lib.optstate_adam_last_step_skipped(self._live()))
+
+    def load_main(self, pid, ptr, dtype):
+        call(lib.optstate_adam_load_main, self._live(), pid, ptr, dtype)
+
+    def make_durable(self):
+        gen = ctypes.c_uint64()
+        call(lib.optstate_adam_make_durable, self._live(), ctypes.byref(gen))
+        return gen.value
+
+    def step_count(self, group):
+        return lib.optstate_adam_step_count(self._live(), group)
+
+    @property
+    def last_generation(self):
+        return lib.optstate_adam_last_generation(self._live())
+
+    @property
+    def global_step(self):
+        return lib.optstate_adam_global_step(self._live())
+
+    @global_step.setter
+    def global_step(self, step):
+        lib.optstate_adam_set_global_step(self._live(), step)
+
+    @property
+    def uncommitted_steps(self):
+        return lib.optstate_adam_uncommitted_steps(self._live())

@@ -1,0 +1,437 @@
+"""optstate.torch.AdamW: a torch.optim.Optimizer whose state lives on NVMe.
+
+    opt = optstate.torch.AdamW(model.parameters(), store="/nvme/optstate/rank{rank}.dense",
+                               budget=2 << 30, lr=1e-4, weight_decay=0.1)
+
+The fp32 main weights, exp_avg and exp_avg_sq of every parameter live in an
+optstate store (12 bytes a parameter) and are streamed through a device
+window of `budget` bytes during step(); the parameters themselves (fp32, bf16
+or fp16) are updated in place in the same pass. Nothing of the state is kept
+in torch tensors: `opt.state` stays empty and state_dict() holds only the
+store's identity, generation, step counts and hyperparameters.
+
+Param groups work as in torch.optim.AdamW: lr, betas, eps and weight_decay
+are read from param_groups at every step, so torch.optim.lr_scheduler works
+unchanged. Parameters whose .grad is None in a step keep their state.
+
+Mixed precision: pass unscaled gradients (torch.cuda.amp.GradScaler.step
+unscales them and skips the step on inf/NaN without calling this optimizer),
+or pass found_inf=<float32 tensor> to step(): when it is nonzero the step
+changes and commits nothing.
+
+Resume: a store that already holds a parameter keeps its state; the
+parameter is then overwritten with the stored fp32 main (cast to its dtype),
+so training continues exactly where the last committed step left it.
+
+Each rank and optimizer instance needs a store of its own: `{rank}` in the
+path is replaced by torch.distributed's rank (0 when not initialised). A
+second optimizer or process opening a store in use gets optstate.Busy.
+"""
+import ctypes
+import os
+import weakref
+
+import torch
+
+from . import errors
+from .core import BF16, F16, F32, MemoryManager, Store, StreamedAdam
+
+__all__ = ["AdamW"]
+
+_DTYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
+
+
+def _dtype_code(dtype, what):
+    code = _DTYPES.get(dtype)
+    if code is None:
+        raise errors.InvalidArgument("%s has dtype %s; optstate takes float32, bfloat16 or float16" % (what, dtype))
+    return code
+
+
+def _rank():
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # a torch build without distributed
+        pass
+    return 0
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay; adamw=False gives Adam with L2) with its state in an optstate store.
+
+    Arguments as torch.optim.AdamW, plus:
+      store: the store's directory (str or PathLike); "{rank}" is replaced by the rank.
+             Created when missing, reopened (resume) when present.
+      budget: device bytes the state may occupy during step() (hard cap). Default 2 GiB.
+      backend: "auto" (cuda when a GPU is visible), "cuda" or "host" (CPU tensors).
+      host_cache_bytes: pinned host cache of state chunks; 0 = off.
+      chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
+      cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
+      params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
+      tensors' names in the store. Otherwise they are "param<i>" in the order given.
+    """
+
+    def __init__(self, params, store, budget=2 << 30, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
+                 host_cache_bytes=0, chunk_size_bytes=None, data_dirs=None, store_name=None,
+                 cpu_threads=None, durable_every_steps=1, read_ahead_chunks=0, cuda_device=None,
+                 foreach=None, fused=None, capturable=False, differentiable=False):
+        if not 0.0 <= float(lr):
+            raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
+        if not 0.0 <= eps:
+            raise errors.InvalidArgument("Invalid epsilon value: {}".format(eps))
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise errors.InvalidArgument("Invalid beta parameters: {}".format(betas))
+        if not 0.0 <= weight_decay:
+            raise errors.InvalidArgument("Invalid weight_decay value: {}".format(weight_decay))
+        for flag, value in (("amsgrad", amsgrad), ("maximize", maximize), ("capturable", capturable),
+                            ("differentiable", differentiable)):
+            if value:
+                raise errors.Unimplemented("optstate.torch.AdamW: %s=True is not supported" % flag)
+        self._handles = None
+        self._adamw = bool(adamw)
+        path = os.fspath(store).replace("{rank}", str(_rank()))
+        if cuda_device is None:
+            cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or ())
+        try:
+            self._mm = MemoryManager(self._store, backend=backend, device_budget_bytes=budget,
+                                     host_cache_bytes=host_cache_bytes, read_ahead_chunks=read_ahead_chunks,
+                                     cuda_device=cuda_device)
+            self._cuda = self._mm.backend == "cuda"
+            self._device = torch.device("cuda", cuda_device) if self._cuda else torch.device("cpu")
+            if cpu_threads is None:
+                cpu_threads = 1 if self._cuda else max(1, min(4, torch.get_num_threads()))
+            self._adam = StreamedAdam(self._store, self._mm, cpu_threads=cpu_threads,
+                                      durable_every_steps=durable_every_steps)
+            self._handles = (self._adam, self._mm, self._store)
+            # Per registered param, in registration order (the step's array order).
+            self._plist, self._names, self._ids, self._pgroup = [], [], [], []
+            self._by_tensor = {}       # id(tensor) -> index in _plist
+            self._given_names = {}     # id(tensor) -> name from (name, tensor) input
+            self._hyper = {}           # group index -> hyperparameters last sent
+            self._batch_key = None     # the grads the cached step arrays were built for
+            defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                            maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+            super().__init__(self._take_names(params), defaults)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- construction ----
+
+    def _take_names(self, params):
+        """Accepts (name, tensor) pairs anywhere torch accepts tensors; records the names."""
+        if isinstance(params, torch.Tensor):
+            raise errors.InvalidArgument("params argument given to the optimizer should be an iterable of "
+                                         "Tensors or dicts, but got " + torch.typename(params))
+        groups = list(params)
+        if not groups:
+            raise errors.InvalidArgument("optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        return [self._strip_names(dict(g)) for g in groups]
+
+    def _strip_names(self, group):
+        ps = group["params"]
+        if isinstance(ps, torch.Tensor):
+            ps = [ps]
+        tensors = []
+        for p in ps:
+            if isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], torch.Tensor):
+                name, p = p
+                self._given_names[id(p)] = str(name)
+            tensors.append(p)
+        group["params"] = tensors
+        return group
+
+    def add_param_group(self, param_group):
+        """Adds a group and registers its params in the store (resume: their stored state is kept)."""
+        if self._handles is None:
+            raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+        param_group = self._strip_names(dict(param_group))
+        seen = set()
+        for i, p in enumerate(param_group["params"]):
+            if not isinstance(p, torch.Tensor):
+                raise errors.InvalidArgument("optstate.torch.AdamW: param %d of the group is a %s, not a Tensor"
+                                             % (i, torch.typename(p)))
+            if id(p) in self._by_tensor or id(p) in seen:
+                name = self._names[self._by_tensor[id(p)]] if id(p) in self._by_tensor else "param %d" % i
+                raise errors.InvalidArgument("optstate.torch.AdamW: %s (shape %s) is registered twice; a tensor "
+                                             "may appear once in one param group" % (name, tuple(p.shape)))
+            seen.add(id(p))
+        gid = len(self.param_groups)
+        for i, p in enumerate(param_group["params"]):
+            self._check_param(p, self._given_names.get(id(p), "param %d of group %d" % (i, gid)))
+        super().add_param_group(param_group)
+        group = self.param_groups[gid]
+        self._send_hyper(gid, group)
+        for p in group["params"]:
+            self._register(p, gid)
+
+    def _check_param(self, p, name):
+        _dtype_code(p.dtype, "optstate.torch.AdamW: param " + name)
+        if p.is_sparse:
+            raise errors.InvalidArgument("optstate.torch.AdamW: param %s is sparse" % name)
+        if not p.is_contiguous():
+            raise errors.InvalidArgument("optstate.torch.AdamW: param %s (shape %s, stride %s) is not contiguous; "
+                                         "optstate updates params in place through their memory"
+                                         % (name, tuple(p.shape), p.stride()))
+        if p.device != self._device:
+            raise errors.InvalidArgument("optstate.torch.AdamW: param %s is on %s; the %s backend of store %s "
+                                         "needs params on %s" % (name, p.device, self._mm.backend,
+                                                                 self._store._path, self._device))
+        if p.numel() == 0:
+            raise errors.InvalidArgument("optstate.torch.AdamW: param %s has no elements" % name)
+
+    def _register(self, p, gid):
+        index = len(self._plist)
+        name = self._given_names.get(id(p), "param%d" % index)
+        if name in self._names:
+            raise errors.InvalidArgument("optstate.torch.AdamW: two params are named %s" % name)
+        pid, existed = self._adam.register_param(name, p.numel(), gid, p.data_ptr(), _DTYPES[p.dtype],
+                                                 tuple(p.shape))
+        if existed:  # resume: the model continues from the stored fp32 main
+            self._copy_main_to(name, p)
+        self._plist.append(p)
+        self._names.append(name)
+        self._ids.append(pid)
+        self._pgroup.append(gid)
+        self._by_tensor[id(p)] = index
+        self._batch_key = None
+
+    def _copy_main_to(self, name, p):
+        main = torch.empty(p.numel(), dtype=torch.float32)
+        self._store.read_into(name, "main", main.data_ptr(), 0, p.numel())
+        with torch.no_grad():
+            p.copy_(main.view(p.shape))
+
+    # ---- the step ----
+
+    def _send_hyper(self, gid, group):
+        beta1, beta2 = group["betas"]
+        h = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+        if self._hyper.get(gid) != h:
+            self._adam.set_group(gid, *h, adamw=self._adamw)
+            self._hyper[gid] = h
+
+    def _build_batch(self, grads):
+        """Validates the grads and builds the step's arrays (reused while the grads stay the same tensors)."""
+        sel = []
+        for i, (p, g) in enumerate(zip(self._plist, grads)):
+            if g is None:
+                continue
+            name = self._names[i]
+            if g.is_sparse:
+                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s is sparse" % name)
+            _dtype_code(g.dtype, "optstate.torch.AdamW: grad of " + name)
+            if g.shape != p.shape:
+                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s has shape %s, the param %s"
+                                             % (name, tuple(g.shape), tuple(p.shape)))
+            if not g.is_contiguous():
+                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s (stride %s) is not contiguous"
+                                             % (name, g.stride()))
+            if g.device != self._device:
+                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s is on %s, expected %s"
+                                             % (name, g.device, self._device))
+            self._check_param(p, name)
+            sel.append(i)
+        n = len(sel)
+        self._sel = sel
+        self._n = n
+        self._c_ids = (ctypes.c_uint32 * n)(*[self._ids[i] for i in sel])
+        self._c_gdt = (ctypes.c_int * n)(*[_DTYPES[grads[i].dtype] for i in sel])
+        self._c_pdt = (ctypes.c_int * n)(*[_DTYPES[self._plist[i].dtype] for i in sel])
+        self._c_grads = (ctypes.c_void_p * n)()
+        self._c_params = (ctypes.c_void_p * n)()
+        # Weak references: holding the grads would keep their memory after zero_grad(set_to_none=True).
+        self._batch_key = [None if g is None else weakref.ref(g) for g in grads]
+
+    @torch.no_grad()
+    def step(self, closure=None, *, found_inf=None):
+        """One AdamW step over every param that has a grad: one C call, one committed generation.
+
+        found_inf: optional float32 tensor of one element (on the params' device); nonzero skips the
+        step (nothing changes, nothing is committed)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._handles is None:
+            raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+        for gid, group in enumerate(self.param_groups):
+            self._send_hyper(gid, group)
+        grads = [p.grad for p in self._plist]
+        key = self._batch_key
+        if key is None or len(key) != len(grads) or not all(map(_same, key, grads)):
+            self._build_batch(grads)
+        sel = self._sel
+        self._c_grads[:] = [grads[i].data_ptr() for i in sel]
+        self._c_params[:] = [self._plist[i].data_ptr() for i in sel]
+        found_ptr = None
+        if found_inf is not None:
+            if found_inf.dtype != torch.float32 or found_inf.numel() != 1 or found_inf.device != self._device:
+                raise errors.InvalidArgument("optstate.torch.AdamW: found_inf must be one float32 element on %s, "
+                                             "got %s %s on %s" % (self._device, found_inf.dtype,
+                                                                  tuple(found_inf.shape), found_inf.device))
+            found_ptr = found_inf.data_ptr()
+        if self._cuda:  # the optimizer's streams read the grads: they must be complete
+            torch.cuda.current_stream(self._device).synchronize()
+        self._adam.step_raw(self._n, self._c_ids, self._c_grads, self._c_gdt, self._c_params, self._c_pdt,
+                            found_ptr, 1.0)
+        return loss
+
+    # ---- state ----
+
+    def state_dict(self):
+        """Torch's shape ({"state", "param_groups"}) with an empty "state" plus "optstate": the store's
+        identity, the committed generation, step counts and param names (never the state itself)."""
+        sd = super().state_dict()
+        gen = self._live().make_durable()
+        sd["optstate"] = {
+            "format": 1,
+            "store_path": self._store.path,
+            "store_name": self._store.name,
+            "store_uuid": self._store.uuid,
+            "generation": gen,
+            "global_step": self._adam.global_step,
+            "step_counts": [self._adam.step_count(g) for g in range(len(self.param_groups))],
+            "param_names": list(self._names),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Checks that state_dict describes this store at its newest committed generation, with the
+        same params, and loads its hyperparameters."""
+        meta = state_dict.get("optstate")
+        if meta is None:
+            raise errors.InvalidArgument("optstate.torch.AdamW.load_state_dict: not a state_dict of "
+                                         "optstate.torch.AdamW (no 'optstate' entry)")
+        if meta.get("store_uuid") != self._store.uuid:
+            raise errors.InvalidArgument(
+                "optstate.torch.AdamW.load_state_dict: state_dict is of store %s (%s, uuid %s), this optimizer "
+                "uses store %s (uuid %s)" % (meta.get("store_path"), meta.get("store_name"),
+                                             meta.get("store_uuid"), self._store.path, self._store.uuid))
+        gen, _ = self._store.latest_generation()
+        if meta["generation"] != gen:
+            raise errors.FailedPrecondition(
+                "optstate.torch.AdamW.load_state_dict: state_dict is of generation %d of store %s, which is at "
+                "generation %d; restore that generation's snapshot into the store first (optstate-restore)"
+                % (meta["generation"], self._store.path, gen))
+        if list(meta["param_names"]) != self._names:
+            raise errors.InvalidArgument(
+                "optstate.torch.AdamW.load_state_dict: state_dict has %d params %s, this optimizer %d %s"
+                % (len(meta["param_names"]), _few(meta["param_names"]), len(self._names), _few(self._names)))
+        counts = [self._adam.step_count(g) for g in range(len(self.param_groups))]
+        if list(meta["step_counts"]) != counts:
+            raise errors.FailedPrecondition("optstate.torch.AdamW.load_state_dict: step counts %s in state_dict, "
+                                            "%s in store %s" % (meta["step_counts"], counts, self._store.path))
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._hyper.clear()
+
+    def __setstate__(self, state):
+        # torch's load_state_dict rebuilds state through here; optstate's state stays in the store.
+        state = dict(state)
+        state["state"] = state.get("state") or {}
+        super().__setstate__(state)
+
+    # ---- store operations ----
+
+    def _live(self):
+        if self._handles is None:
+            raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+        return self._adam
+
+    @property
+    def store(self):
+        """The optstate.Store (path, uuid, snapshots, read(...))."""
+        return self._store
+
+    def step_count(self, group=0):
+        """Steps taken by a param group (bias correction uses it)."""
+        return self._live().step_count(group)
+
+    @property
+    def generation(self):
+        """The newest committed generation of the store."""
+        return self._live().last_generation
+
+    def param_name(self, p):
+        """The name of a param in the store."""
+        return self._names[self._by_tensor[id(p)]]
+
+    def snapshot(self, name):
+        """Makes the state durable and pins the newest committed generation as snapshot `name`
+        (visible under <mount>/<store>/snapshots/<name>/); returns its generation."""
+        self._live().make_durable()
+        return self._store.snapshot(name)
+
+    def release_snapshot(self, name):
+        self._live()
+        self._store.release_snapshot(name)
+
+    def sleep(self):
+        """Releases every device page the state uses (the store on NVMe is its home: nothing to back up)."""
+        self._live()
+        self._mm.release_all()
+
+    def wake(self):
+        """Counterpart of sleep(): pages are mapped again by the next step, so nothing is needed."""
+        self._live()
+
+    def load_main_from_params(self):
+        """Replaces every param's fp32 main with the param's current values (after the model's weights
+        were loaded separately); moments and step counts are kept."""
+        adam = self._live()
+        if self._cuda:
+            torch.cuda.current_stream(self._device).synchronize()
+        for i, p in enumerate(self._plist):
+            self._check_param(p, self._names[i])
+            adam.load_main(self._ids[i], p.data_ptr(), _DTYPES[p.dtype])
+
+    def read_state(self, p, field):
+        """A copy (fp32, CPU, p's shape) of a param's "main", "exp_avg" or "exp_avg_sq" as committed.
+        For tests and inspection; it materialises that one tensor."""
+        name = self.param_name(p)
+        self._live()
+        out = torch.empty(p.numel(), dtype=torch.float32)
+        self._store.read_into(name, field, out.data_ptr(), 0, p.numel())
+        return out.view(p.shape)
+
+    def stats(self):
+        """Device memory (resident, peak <= budget) and I/O counters of the memory manager."""
+        self._live()
+        return self._mm.stats()
+
+    def close(self):
+        """Commits what the host cache holds, frees the optimizer and closes the store (releases its lock)."""
+        handles, self._handles = self._handles, None
+        if handles is None:
+            store = getattr(self, "_store", None)
+            if store is not None:
+                store.close()
+            return
+        store = handles[2]
+        store.close()  # closes the optimizer and manager first
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _same(ref, g):
+    return g is None if ref is None else ref() is g
+
+
+def _few(names):
+    return "[" + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") + "]"
