@@ -29,7 +29,6 @@ second optimizer or process opening a store in use gets optstate.Busy.
 """
 import ctypes
 import os
-import weakref
 
 import torch
 
@@ -108,14 +107,18 @@ class AdamW(torch.optim.Optimizer):
                                       durable_every_steps=durable_every_steps)
             self._handles = (self._adam, self._mm, self._store)
             # Per registered param, in registration order (the step's array order).
-            self._plist, self._names, self._ids, self._pgroup = [], [], [], []
+            self._plist, self._numels, self._names, self._ids, self._pgroup = [], [], [], [], []
             self._by_tensor = {}       # id(tensor) -> index in _plist
             self._given_names = {}     # id(tensor) -> name from (name, tensor) input
             self._hyper = {}           # group index -> hyperparameters last sent
-            self._batch_key = None     # the grads the cached step arrays were built for
+            self._batch_key = None     # (grad ptr, shape, dtype, param ptr) the step arrays were built for
             defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                             maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+            self._constructing = True
+            self._new_registrations = False
             super().__init__(self._take_names(params), defaults)
+            self._constructing = False
+            self._commit_registrations()
         except BaseException:
             self.close()
             raise
@@ -170,6 +173,19 @@ class AdamW(torch.optim.Optimizer):
         self._send_hyper(gid, group)
         for p in group["params"]:
             self._register(p, gid)
+        if not self._constructing:
+            self._commit_registrations()
+
+    def _commit_registrations(self):
+        """Commits newly registered params (their initial mains) at once as a generation of their own,
+        so that a process that dies before its first step does not leave them registered without values.
+        The trainer step recorded with the next real step stays what it would have been."""
+        if not self._new_registrations:
+            return
+        step = self._adam.global_step
+        self._adam.step_raw(0, None, None, None, None, None, None, 1.0)
+        self._adam.global_step = step
+        self._new_registrations = False
 
     def _check_param(self, p, name):
         _dtype_code(p.dtype, "optstate.torch.AdamW: param " + name)
@@ -195,7 +211,10 @@ class AdamW(torch.optim.Optimizer):
                                                  tuple(p.shape))
         if existed:  # resume: the model continues from the stored fp32 main
             self._copy_main_to(name, p)
+        else:
+            self._new_registrations = True
         self._plist.append(p)
+        self._numels.append(p.numel())
         self._names.append(name)
         self._ids.append(pid)
         self._pgroup.append(gid)
@@ -237,6 +256,9 @@ class AdamW(torch.optim.Optimizer):
                 raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s is on %s, expected %s"
                                              % (name, g.device, self._device))
             self._check_param(p, name)
+            if p.numel() != self._numels[i]:
+                raise errors.InvalidArgument("optstate.torch.AdamW: param %s now has %d elements, registered with %d"
+                                             % (name, p.numel(), self._numels[i]))
             sel.append(i)
         n = len(sel)
         self._sel = sel
@@ -246,8 +268,6 @@ class AdamW(torch.optim.Optimizer):
         self._c_pdt = (ctypes.c_int * n)(*[_DTYPES[self._plist[i].dtype] for i in sel])
         self._c_grads = (ctypes.c_void_p * n)()
         self._c_params = (ctypes.c_void_p * n)()
-        # Weak references: holding the grads would keep their memory after zero_grad(set_to_none=True).
-        self._batch_key = [None if g is None else weakref.ref(g) for g in grads]
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf=None):
@@ -264,12 +284,16 @@ class AdamW(torch.optim.Optimizer):
         for gid, group in enumerate(self.param_groups):
             self._send_hyper(gid, group)
         grads = [p.grad for p in self._plist]
-        key = self._batch_key
-        if key is None or len(key) != len(grads) or not all(map(_same, key, grads)):
+        # What the cached arrays were built for: any new grad or param memory, shape or dtype rebuilds
+        # (and revalidates) them; otherwise only the pointers are copied.
+        sig = [None if g is None else (g.data_ptr(), g.shape, g.dtype, p.data_ptr())
+               for p, g in zip(self._plist, grads)]
+        if sig != self._batch_key:
             self._build_batch(grads)
+            self._batch_key = sig
         sel = self._sel
-        self._c_grads[:] = [grads[i].data_ptr() for i in sel]
-        self._c_params[:] = [self._plist[i].data_ptr() for i in sel]
+        self._c_grads[:] = [sig[i][0] for i in sel]
+        self._c_params[:] = [sig[i][3] for i in sel]
         found_ptr = None
         if found_inf is not None:
             if found_inf.dtype != torch.float32 or found_inf.numel() != 1 or found_inf.device != self._device:
@@ -427,10 +451,6 @@ class AdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _same(ref, g):
-    return g is None if ref is None else ref() is g
 
 
 def _few(names):

@@ -1,0 +1,123 @@
+"""The C ABI through the optstate package's handles (no torch): a streamed
+AdamW against a float64 numpy loop, snapshots, stats, errors with codes."""
+import unittest
+
+import numpy as np
+
+from common import STORE_KW, TempDirTest, optstate
+
+
+def adamw_reference(p, m, v, g, step, lr, b1, b2, eps, wd):
+    """torch.optim.AdamW's update in float64."""
+    p = p * (1 - lr * wd)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = np.sqrt(v) / np.sqrt(1 - b2 ** step) + eps
+    return p - (lr / (1 - b1 ** step)) * m / denom, m, v
+
+
+class CapiTest(TempDirTest):
+    def open(self, name="s"):
+        store = optstate.Store(self.path(name), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+        return store, mm, optstate.StreamedAdam(store, mm)
+
+    def test_version(self):
+        self.assertRegex(optstate.library_version(), r"^\d+\.\d+\.\d+$")
+        self.assertEqual(optstate._lib_handle.optstate_abi_version(), 1)
+
+    def test_steps_match_float64_reference_and_read_back(self):
+        store, mm, adam = self.open()
+        rng = np.random.default_rng(1)
+        # Two params; one spans two chunks (2 MiB = 524288 fp32), so reads cross a chunk edge.
+        sizes = {"a": 600_000, "b": 1000}
+        w = {k: rng.standard_normal(n).astype(np.float32) for k, n in sizes.items()}
+        ids = {}
+        for gid, (k, n) in enumerate(sizes.items()):
+            adam.set_group(gid, 1e-2, 0.9, 0.999, 1e-8, 0.1 * gid)
+            ids[k], existed = adam.register_param(k, n, gid, w[k].ctypes.data, optstate.F32)
+            self.assertFalse(existed)
+        ref = {k: (w[k].astype(np.float64), np.zeros(n), np.zeros(n)) for k, n in sizes.items()}
+        for step in range(1, 6):
+            grads = {k: rng.standard_normal(n).astype(np.float32) for k, n in sizes.items()}
+            adam.step([ids[k] for k in sizes], [grads[k].ctypes.data for k in sizes], [optstate.F32] * 2,
+                      [w[k].ctypes.data for k in sizes], [optstate.F32] * 2)
+            for gid, k in enumerate(sizes):
+                ref[k] = adamw_reference(*ref[k], grads[k].astype(np.float64), step, 1e-2, 0.9, 0.999, 1e-8,
+                                         0.1 * gid)
+        self.assertEqual(adam.step_count(0), 5)
+        self.assertEqual(store.latest_generation(), (adam.last_generation, 5))
+        for k in sizes:
+            p64, m64, v64 = ref[k]
+            # fp32 arithmetic against float64: a few ulps a step, 5 steps (|p| < 6, ulp 4.8e-7).
+            np.testing.assert_allclose(w[k], p64, rtol=0, atol=2e-5)
+            np.testing.assert_array_equal(store.read(k, "main"), w[k])  # the param copy is the main, fp32
+            np.testing.assert_allclose(store.read(k, "exp_avg"), m64, rtol=1e-5, atol=1e-7)
+            # The kernel takes betas as fp32, and 1 - float32(0.999) is 1.3e-5 off 0.001.
+            np.testing.assert_allclose(store.read(k, "exp_avg_sq"), v64, rtol=3e-5, atol=1e-9)
+        # A range across the chunk edge reads the same as the whole field's slice.
+        np.testing.assert_array_equal(store.read("a", "main", 524_000, 1000), w["a"][524_000:525_000])
+
+    def test_snapshots_stats_and_sleep(self):
+        store, mm, adam = self.open()
+        w = np.ones(100, dtype=np.float32)
+        pid, _ = adam.register_param("w", 100, 0, w.ctypes.data, optstate.F32, (10, 10))
+        g = np.full(100, 0.5, dtype=np.float32)
+        adam.step([pid], [g.ctypes.data], [optstate.F32])
+        gen = store.snapshot("one")
+        self.assertEqual(store.snapshots(), [("one", gen)])
+        with self.assertRaises(optstate.AlreadyExists):
+            store.snapshot("one")
+        adam.step([pid], [g.ctypes.data], [optstate.F32])
+        self.assertGreater(store.latest_generation()[0], gen)
+        store.release_snapshot("one")
+        self.assertEqual(store.snapshots(), [])
+        with self.assertRaises(optstate.NotFound) as cm:
+            store.release_snapshot("one")
+        self.assertIn("one", str(cm.exception))
+        st = mm.stats()
+        self.assertLessEqual(st["peak_resident_bytes"], st["budget_bytes"])
+        self.assertGreater(st["nvme_write_bytes"], 0)
+        mm.release_all()
+        self.assertEqual(mm.stats()["resident_bytes"], 0)
+        adam.step([pid], [g.ctypes.data], [optstate.F32])  # wakes by itself
+        self.assertEqual(adam.step_count(0), 3)
+        self.assertGreater(store.stats()["live_bytes"], 0)
+
+    def test_errors_carry_code_and_message(self):
+        store, mm, adam = self.open()
+        with self.assertRaises(optstate.Busy) as cm:
+            optstate.Store(self.path("s"))
+        self.assertIn(self.path("s"), str(cm.exception))
+        with self.assertRaises(optstate.NotFound) as cm:
+            store.read("nope", "main")
+        self.assertIn("nope", str(cm.exception))
+        w = np.ones(10, dtype=np.float32)
+        pid, _ = adam.register_param("w", 10, 0, w.ctypes.data, optstate.F32)
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            adam.register_param("w", 11, 0, w.ctypes.data, optstate.F32)
+        self.assertIn("w", str(cm.exception))
+        self.assertIn(self.path("s"), str(cm.exception))
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            adam.step([pid], [w.ctypes.data], [7])
+        self.assertIn("gradient dtype", str(cm.exception))
+        with self.assertRaises(optstate.NotFound):
+            adam.step([pid + 5], [w.ctypes.data], [optstate.F32])
+        self.assertEqual(adam.step_count(0), 0)  # bad input stepped nothing
+        adam.step([pid], [w.ctypes.data], [optstate.F32])
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            store.read("w", "main", 5, 6)
+        self.assertIn("outside its 10 elements", str(cm.exception))
+        with self.assertRaises(optstate.InvalidArgument):
+            optstate.MemoryManager(store, backend="tpu")
+        store.close()
+        with self.assertRaises(optstate.FailedPrecondition) as cm:
+            adam.step([pid], [w.ctypes.data], [optstate.F32])
+        self.assertIn("closed", str(cm.exception))
+        with self.assertRaises(optstate.Error) as cm:
+            optstate.Store(self.path("missing/parent/s"), create=True)
+        self.assertIn("missing/parent", str(cm.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,28 @@
+"""Shared by the Python tests: makes the source tree's package importable and
+gives each test a fresh directory and small, fast store settings."""
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.join(_REPO, "python") not in sys.path:
+    sys.path.insert(0, os.path.join(_REPO, "python"))
+
+import optstate  # noqa: E402
+
+# 2 MiB chunks, a small pipeline: every store in these tests is a few MiB.
+STORE_KW = dict(chunk_size_bytes=2 << 20)
+OPT_KW = dict(backend="host", budget=64 << 20, chunk_size_bytes=2 << 20, read_ahead_chunks=2)
+
+
+class TempDirTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="optstate-py-")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
