@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <thread>
 
 #include "memmgr/internal/manager_impl.h"
@@ -47,6 +48,41 @@ const char* ScalarName(kernels::ScalarType t) {
 
 bool IsFloatType(kernels::ScalarType t) {
   return t == kernels::ScalarType::kF32 || t == kernels::ScalarType::kBF16 || t == kernels::ScalarType::kF16;
+}
+
+vfs::DType StoredDType(kernels::ScalarType t) {
+  return t == kernels::ScalarType::kBF16  ? vfs::DType::kBF16
+         : t == kernels::ScalarType::kF16 ? vfs::DType::kF16
+                                          : vfs::DType::kF32;
+}
+
+// s with "; note" appended to its message (s unchanged when note is empty).
+Status WithNote(const Status& s, const std::string& note) {
+  if (s.ok() || note.empty()) return s;
+  return Status(s.code(), s.message() + "; " + note, s.err());
+}
+
+std::string DimsText(const std::vector<uint64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+// "'a' (10 elements), 'b' (3 elements), ..." of at most 8 names.
+template <typename It, typename Numel>
+std::string NameList(It first, It last, Numel numel) {
+  std::string out;
+  size_t n = 0;
+  for (It it = first; it != last; ++it, ++n) {
+    if (n == 8) {
+      out += ", ...";
+      break;
+    }
+    out += (n ? ", '" : "'") + *it + "'";
+    const uint64_t e = numel(*it);
+    if (e != 0) out += " (" + std::to_string(e) + " elements)";
+  }
+  return out;
 }
 
 float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
@@ -714,6 +750,10 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     sa->step_counts_[g.id] = g.step_count;
   }
   for (const vfs::TensorInfo& t : store->ListTensors()) {
+    // An entry no generation has committed (a registration dropped by a
+    // failed step, or a crash before the first commit) holds no state: it is
+    // not a param until RegisterParam takes it over with its initial weights.
+    if (t.created_generation > gen.generation) continue;
     Param p;
     p.info = t;
     auto a = store->FieldIndex(t, "main");
@@ -773,6 +813,148 @@ std::vector<std::string> StreamedAdam::ParamNames() const {
   std::vector<std::string> out;
   for (const auto& [n, p] : params_) out.push_back(n);
   return out;
+}
+
+std::vector<std::string> StreamedAdam::UnregisteredParams() const {
+  std::vector<std::string> out;
+  if (!any_registered_) return out;
+  for (const auto& [n, p] : params_) {
+    if (!p.registered) out.push_back(n);
+  }
+  return out;
+}
+
+Status StreamedAdam::RetireParam(const std::string& name) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::RetireParam '" + name + "': a step is in progress");
+  auto it = params_.find(name);
+  if (it == params_.end()) {
+    return NotFound("StreamedAdam::RetireParam: store " + store_->path() + " has no param '" + name + "'" +
+                    (retired_.count(name) ? " (already retired in this run)" : ""));
+  }
+  if (it->second.registered || !it->second.committed) {
+    return FailedPrecondition("StreamedAdam::RetireParam '" + name + "': registered in this run (store " +
+                              store_->path() + "); only a param restored from the store and not registered can be "
+                              "retired");
+  }
+  retired_.insert(name);
+  params_.erase(it);
+  OPTSTATE_LOG_INFO("StreamedAdam: param {} of store {} retired for this run; its state stays in the store unchanged",
+                    name, store_->path());
+  return Status::Ok();
+}
+
+Status StreamedAdam::CheckModelComplete() const {
+  if (!any_registered_) return Status::Ok();
+  std::vector<std::string> missing = UnregisteredParams();
+  if (missing.empty()) return Status::Ok();
+  return FailedPrecondition(
+      "StreamedAdam: store " + store_->path() + " holds " + std::to_string(missing.size()) +
+      " param(s) that this run did not register: " +
+      NameList(missing.begin(), missing.end(), [&](const std::string& n) { return params_.at(n).info.numel; }) +
+      "; register them (their stored state is kept) or RetireParam them (their state stays in the store, "
+      "unchanged); nothing was stepped or committed");
+}
+
+Status StreamedAdam::CheckGrad(const ParamGrad& g) const {
+  auto it = params_.find(g.name);
+  if (it == params_.end()) {
+    if (retired_.count(g.name)) {
+      return InvalidArgument("StreamedAdam: gradient for param '" + g.name + "' of store " + store_->path() +
+                             ", which was retired in this run");
+    }
+    std::string some;
+    int n = 0;
+    for (const auto& [name, p] : params_) {
+      if (n++ == 5) break;
+      some += (some.empty() ? "" : ", ") + name;
+    }
+    return NotFound("StreamedAdam::StepParam: unknown param '" + g.name + "' (store " + store_->path() + " has " +
+                    std::to_string(params_.size()) + " params: " + some + (params_.size() > 5 ? ", ..." : "") + ")");
+  }
+  if (!IsFloatType(g.grad_type)) {
+    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": gradient dtype " + ScalarName(g.grad_type) +
+                           " not supported (f32, bf16, f16)");
+  }
+  if (g.d_param != nullptr && !IsFloatType(g.param_type)) {
+    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": param dtype " + ScalarName(g.param_type) +
+                           " not supported (f32, bf16, f16)");
+  }
+  if (g.d_grad == nullptr) return InvalidArgument("StreamedAdam::StepParam " + g.name + ": null gradient");
+  if (g.numel != 0 && g.numel != it->second.info.numel) {
+    return InvalidArgument("StreamedAdam::StepParam '" + g.name + "': the gradient has " + std::to_string(g.numel) +
+                           " elements; store " + store_->path() + " has the param with numel " +
+                           std::to_string(it->second.info.numel));
+  }
+  return Status::Ok();
+}
+
+Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel,
+                                       uint32_t group, kernels::ScalarType initial_type,
+                                       const ShardInfo& shard) const {
+  auto mismatch = [&](const std::string& field, const std::string& stored, const std::string& given) {
+    return InvalidArgument("StreamedAdam::RegisterParam '" + t.name + "': store " + store_->path() + " has " + what +
+                           " with " + field + " " + stored + ", registered with " + field + " " + given +
+                           " (the model no longer matches the store; nothing changed)");
+  };
+  if (t.numel != numel) return mismatch("numel", std::to_string(t.numel), std::to_string(numel));
+  if (t.group != group) return mismatch("group", std::to_string(t.group), std::to_string(group));
+  if (initial_type != kernels::ScalarType::kNone && t.dtype != StoredDType(initial_type)) {
+    return mismatch("dtype", vfs::DTypeName(t.dtype), vfs::DTypeName(StoredDType(initial_type)));
+  }
+  // The same defaults as Store::CreateTensor.
+  std::vector<uint64_t> shape = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
+  std::vector<uint64_t> global = shard.global_shape.empty() ? shape : shard.global_shape;
+  std::vector<uint64_t> offset =
+      shard.shard_offset.empty() ? std::vector<uint64_t>(global.size(), 0) : shard.shard_offset;
+  if (t.shape != shape) return mismatch("shape", DimsText(t.shape), DimsText(shape));
+  if (t.global_shape != global) return mismatch("global shape", DimsText(t.global_shape), DimsText(global));
+  if (t.shard_offset != offset) return mismatch("shard offset", DimsText(t.shard_offset), DimsText(offset));
+  return Status::Ok();
+}
+
+std::string StreamedAdam::DropUncommittedRegistrations() {
+  std::vector<std::string> dropped, reloaded;
+  std::map<std::string, uint64_t> numels;
+  for (auto it = params_.begin(); it != params_.end();) {
+    Param& p = it->second;
+    if (!p.committed) {
+      dropped.push_back(it->first);
+      numels[it->first] = p.info.numel;
+      mm_->impl()->cache()->EraseTensor(p.info.id);
+      (void)mm_->impl()->DropTensor(p.info.id);
+      dropped_.insert(it->first);
+      it = params_.erase(it);
+      continue;
+    }
+    if (p.main_pending) {
+      reloaded.push_back(it->first);
+      p.main_pending = false;
+      mm_->impl()->cache()->EraseTensor(p.info.id);
+      (void)mm_->impl()->DropTensor(p.info.id);
+    }
+    ++it;
+  }
+  registrations_pending_ = false;
+  std::string msg;
+  if (!dropped.empty()) {
+    msg = "the registration of " + std::to_string(dropped.size()) + " new param(s) not yet committed was dropped (" +
+          NameList(dropped.begin(), dropped.end(), [&](const std::string& n) { return numels[n]; }) +
+          "): register them again";
+  }
+  if (!reloaded.empty()) {
+    msg += (msg.empty() ? "" : "; ") + std::string("the weights LoadMainFrom loaded into ") +
+           NameList(reloaded.begin(), reloaded.end(), [](const std::string&) { return uint64_t{0}; }) +
+           " were dropped (main is back at generation " + std::to_string(last_generation_) + "): load them again";
+  }
+  return msg;
+}
+
+Status StreamedAdam::AbortUncommitted(Status s) {
+  Status a = store_->AbortPending();
+  if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed write: {}", a.ToString());
+  mm_->impl()->OnAbortPending();
+  return WithNote(s, DropUncommittedRegistrations());
 }
 
 uint64_t StreamedAdam::step_count(uint32_t group) const {
@@ -871,26 +1053,36 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
   if (in_step_) return FailedPrecondition("StreamedAdam::RegisterParam " + name + ": a step is in progress");
   auto it = params_.find(name);
   if (it != params_.end()) {
-    if (it->second.info.numel != numel) {
-      return InvalidArgument("StreamedAdam::RegisterParam " + name + ": store " + store_->path() + " has it with " +
-                             std::to_string(it->second.info.numel) + " elements, registered with " +
-                             std::to_string(numel));
-    }
-    if (it->second.info.group != group) {
-      return InvalidArgument("StreamedAdam::RegisterParam " + name + ": store has it in group " +
-                             std::to_string(it->second.info.group) + ", registered in group " +
-                             std::to_string(group));
-    }
+    OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(it->second.info, "it", numel, group, initial_type, shard));
+    it->second.registered = true;
+    any_registered_ = true;
     return Status::Ok();  // existing state is kept
   }
-  if (numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
-  if (uncommitted_steps_ > 0) {  // the new tensor is committed with state that is on disk
-    auto d = MakeDurable();
-    if (!d.ok()) return d.status().WithContext("StreamedAdam::RegisterParam " + name);
+  if (retired_.count(name)) {
+    return FailedPrecondition("StreamedAdam::RegisterParam '" + name + "': retired in this run (store " +
+                              store_->path() + ")");
   }
+  if (numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
   if (d_initial != nullptr && !IsFloatType(initial_type)) {
     return InvalidArgument("StreamedAdam::RegisterParam " + name + ": initial weights dtype " +
                            ScalarName(initial_type) + " not supported (f32, bf16, f16)");
+  }
+  // An entry in the index that is not a param: one no generation committed
+  // (it holds no state), or one whose registration a failed step dropped.
+  // Taken over when the geometry matches; its main is written again.
+  std::optional<vfs::TensorInfo> entry;
+  if (auto found = store_->FindTensor(name); found.ok()) {
+    if (found->created_generation <= last_generation_ && !dropped_.count(name)) {
+      return AlreadyExists("StreamedAdam::RegisterParam '" + name + "': store " + store_->path() +
+                           " has a tensor of that name that is not an Adam param (no main/exp_avg/exp_avg_sq)");
+    }
+    OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(*found, "an uncommitted entry for it (a registration that was never "
+                                               "committed)", numel, group, initial_type, shard));
+    entry = *found;
+  }
+  if (uncommitted_steps_ > 0) {  // the new tensor is committed with state that is on disk
+    auto d = MakeDurable();
+    if (!d.ok()) return d.status().WithContext("StreamedAdam::RegisterParam " + name);
   }
   if (!groups_.count(group)) {
     OPTSTATE_LOG_INFO("StreamedAdam: param {} uses group {} that has no SetGroup; default hyperparameters", name,
@@ -898,25 +1090,36 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
     groups_[group] = ParamGroup{.id = group};
     step_counts_.emplace(group, 0);
   }
-  vfs::TensorSpec spec;
-  spec.name = name;
-  spec.dtype = initial_type == kernels::ScalarType::kBF16  ? vfs::DType::kBF16
-               : initial_type == kernels::ScalarType::kF16 ? vfs::DType::kF16
-                                                           : vfs::DType::kF32;
-  spec.numel = numel;
-  spec.group = group;
-  spec.shape = shard.shape;
-  spec.global_shape = shard.global_shape;
-  spec.shard_offset = shard.shard_offset;
-  OPTSTATE_ASSIGN_OR_RETURN(vfs::TensorInfo info, store_->CreateTensor(spec));
+  vfs::TensorInfo info;
+  if (entry) {
+    info = *entry;
+  } else {
+    vfs::TensorSpec spec;
+    spec.name = name;
+    spec.dtype = StoredDType(initial_type);
+    spec.numel = numel;
+    spec.group = group;
+    spec.shape = shard.shape;
+    spec.global_shape = shard.global_shape;
+    spec.shard_offset = shard.shard_offset;
+    OPTSTATE_ASSIGN_OR_RETURN(info, store_->CreateTensor(spec));
+  }
   Param p;
   p.info = info;
   OPTSTATE_ASSIGN_OR_RETURN(p.f_main, store_->FieldIndex(info, "main"));
   OPTSTATE_ASSIGN_OR_RETURN(p.f_m, store_->FieldIndex(info, "exp_avg"));
   OPTSTATE_ASSIGN_OR_RETURN(p.f_v, store_->FieldIndex(info, "exp_avg_sq"));
+  p.committed = false;
+  p.registered = true;
+  any_registered_ = true;
   registrations_pending_ = true;
-  if (d_initial != nullptr) OPTSTATE_RETURN_IF_ERROR(WriteMain(p, d_initial, initial_type));
-  params_.emplace(name, std::move(p));
+  dropped_.erase(name);
+  auto [pit, inserted] = params_.emplace(name, std::move(p));
+  (void)inserted;
+  if (d_initial != nullptr) {
+    Status ws = WriteMain(pit->second, d_initial, initial_type);
+    if (!ws.ok()) return AbortUncommitted(ws.WithContext("StreamedAdam::RegisterParam " + name));
+  }
   return Status::Ok();
 }
 
@@ -937,8 +1140,11 @@ Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights
     if (!d.ok()) return d.status().WithContext("StreamedAdam::LoadMainFrom " + name);
   }
   OPTSTATE_RETURN_IF_ERROR(mm_->impl()->DropTensor(it->second.info.id));
+  it->second.main_pending = true;
   registrations_pending_ = true;
-  return WriteMain(it->second, d_weights, type);
+  Status ws = WriteMain(it->second, d_weights, type);
+  if (!ws.ok()) return AbortUncommitted(ws.WithContext("StreamedAdam::LoadMainFrom " + name));
+  return Status::Ok();
 }
 
 vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
@@ -958,15 +1164,6 @@ vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
   return ci;
 }
 
-Status StreamedAdam::CommitPendingRegistrations() {
-  if (!registrations_pending_) return Status::Ok();
-  OPTSTATE_RETURN_IF_ERROR(mm_->Flush());
-  OPTSTATE_ASSIGN_OR_RETURN(uint64_t gen, store_->Commit(MakeCommitInfo(false)));
-  NoteCommitted(gen);
-  registrations_pending_ = false;
-  return Status::Ok();
-}
-
 bool StreamedAdam::CacheHoldsState() const {
   const HostCache* c = mm_->impl()->cache();
   if (!c->enabled()) return false;
@@ -982,6 +1179,12 @@ void StreamedAdam::NoteCommitted(uint64_t gen) {
   uncommitted_steps_ = 0;
   committed_step_counts_ = step_counts_;
   committed_global_step_ = global_step_;
+  for (auto& [name, p] : params_) {
+    p.committed = true;
+    p.main_pending = false;
+  }
+  registrations_pending_ = false;
+  dropped_.clear();
 }
 
 std::string StreamedAdam::RevertUncommitted() {
@@ -1037,7 +1240,7 @@ Status StreamedAdam::WriteDirtyCache() {
 Result<uint64_t> StreamedAdam::MakeDurable() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::MakeDurable: a step is in progress");
-  if (uncommitted_steps_ == 0) return last_generation_;
+  if (uncommitted_steps_ == 0 && !registrations_pending_) return last_generation_;
   const uint64_t n = uncommitted_steps_;
   Status s = WriteDirtyCache();
   if (s.ok()) s = mm_->Flush();
@@ -1045,9 +1248,13 @@ Result<uint64_t> StreamedAdam::MakeDurable() {
   if (!gen.ok()) {
     Status a = store_->AbortPending();
     if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed MakeDurable: {}", a.ToString());
-    // The cache still holds the steps: keep them (dirty) and let the caller retry.
-    return gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) + " cached step(s) of store " +
-                                    store_->path());
+    // The cache still holds the steps: keep them (dirty) and let the caller
+    // retry. Registrations and loaded mains were only in the pending
+    // generation: they are gone, and the error says so.
+    const std::string dropped = DropUncommittedRegistrations();
+    return WithNote(gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
+                                             " cached step(s) of store " + store_->path()),
+                    dropped);
   }
   NoteCommitted(*gen);
   return *gen;
@@ -1065,6 +1272,7 @@ Status StreamedAdam::Fail(Status s) {
   stepped_.clear();
   const std::string lost = RevertUncommitted();
   if (!lost.empty()) s = s.WithContext(lost);
+  s = WithNote(s, DropUncommittedRegistrations());
   // A CUDA error is sticky for the process: refuse to continue.
   if (mm_->backend() == Backend::kCuda && s.message().find("CUDA") != std::string::npos) {
     poisoned_ = true;
@@ -1077,6 +1285,7 @@ Status StreamedAdam::Fail(Status s) {
 Status StreamedAdam::BeginStep(const float* d_found_inf) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
+  OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
   step_found_inf_ = d_found_inf;
   step_skip_ = false;
   groups_stepped_.clear();
@@ -1092,7 +1301,8 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
       return Status::Ok();
     }
   }
-  OPTSTATE_RETURN_IF_ERROR(CommitPendingRegistrations());
+  // Registrations and LoadMainFrom since the last commit are in the pending
+  // generation: this step's commit publishes them with its own writes.
   OPTSTATE_RETURN_IF_ERROR(EnsureIo());
   step_cache_mode_ = CacheHoldsState();
   if (!step_cache_mode_ && opts_.durable_every_steps > 1 && !warned_cache_small_) {
@@ -1120,27 +1330,8 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
 Status StreamedAdam::StepParam(const ParamGrad& g) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (!in_step_) return FailedPrecondition("StreamedAdam::StepParam " + g.name + ": no BeginStep");
+  if (Status cs = CheckGrad(g); !cs.ok()) return Fail(cs);
   auto it = params_.find(g.name);
-  if (it == params_.end()) {
-    std::string some;
-    int n = 0;
-    for (const auto& [name, p] : params_) {
-      if (n++ == 5) break;
-      some += (some.empty() ? "" : ", ") + name;
-    }
-    return Fail(NotFound("StreamedAdam::StepParam: unknown param '" + g.name + "' (store " + store_->path() + " has " +
-                         std::to_string(params_.size()) + " params: " + some + (params_.size() > 5 ? ", ..." : "") +
-                         ")"));
-  }
-  if (!IsFloatType(g.grad_type)) {
-    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": gradient dtype " + ScalarName(g.grad_type) +
-                                " not supported (f32, bf16, f16)"));
-  }
-  if (g.d_param != nullptr && !IsFloatType(g.param_type)) {
-    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": param dtype " + ScalarName(g.param_type) +
-                                " not supported (f32, bf16, f16)"));
-  }
-  if (g.d_grad == nullptr) return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": null gradient"));
   const Param& p = it->second;
   if (step_skip_) return Status::Ok();
   if (stepped_.count(g.name)) {
@@ -1231,6 +1422,14 @@ Result<uint64_t> StreamedAdam::EndStep() {
                           lost.empty() ? "" : "; ", lost);
       }
       if (!a.ok()) return a;
+      // The dropped pending generation also held what this step was to commit
+      // with it: say so rather than return OK without it.
+      const std::string dropped = DropUncommittedRegistrations();
+      if (!dropped.empty()) {
+        return FailedPrecondition("StreamedAdam: found-inf was raised after BeginStep; the step was dropped and "
+                                  "nothing committed (store " + store_->path() + ", generation " +
+                                  std::to_string(last_generation_) + "); " + dropped);
+      }
       return last_generation_;
     }
   }
@@ -1265,6 +1464,18 @@ Result<uint64_t> StreamedAdam::EndStep() {
 }
 
 Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
+  // Every gradient is checked before the step starts: a mismatch leaves the
+  // optimizer, the store and the pending registrations as they were.
+  std::set<std::string_view> seen;
+  for (const ParamGrad& g : grads) {
+    OPTSTATE_RETURN_IF_ERROR(CheckGrad(g));
+    if (!seen.insert(g.name).second) {
+      return InvalidArgument("StreamedAdam::Step: param '" + g.name + "' of store " + store_->path() +
+                             " given twice in one step");
+    }
+  }
   OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf));
   for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
   auto r = EndStep();

@@ -29,11 +29,38 @@
 //    write-backs) and is returned; nothing is committed. After a CUDA error the
 //    optimizer is poisoned: every later call fails (sticky CUDA errors).
 //  - Reopening: Create() on a store with tensors restores groups, step counts
-//    and every tensor that has main/exp_avg/exp_avg_sq as a registered param.
-//    RegisterParam of an existing param with the same numel is a no-op that
-//    keeps the stored state; a different numel is kInvalidArgument.
-//  - New registrations and LoadMainFrom are committed (as a generation with
-//    unchanged step counts) at the start of the next step.
+//    and every committed tensor that has main/exp_avg/exp_avg_sq as a param.
+//    RegisterParam of an existing param with the same geometry (numel, group,
+//    dtype when initial_type is given, shape, global shape, shard offset) is a
+//    no-op that keeps the stored state; any difference is kInvalidArgument
+//    naming the store, the tensor, the field and both values, and changes
+//    nothing. A tensor entry that no generation committed (a registration
+//    that a failed step dropped, or a crash before the first commit) is not
+//    restored: RegisterParam with the same geometry takes it over and writes
+//    the initial weights again.
+//  - A model that lost a tensor: a run that registers no params steps every
+//    restored one. Once a run has registered a param, its model is what it
+//    registered: a step fails (kFailedPrecondition, before anything runs,
+//    nothing committed) while the store holds a param this run neither
+//    registered nor retired, naming them. RetireParam keeps such a param's
+//    state in the store, unchanged in every later generation, and leaves it
+//    out of this run. State is never dropped silently.
+//  - Gradients are checked before any kernel runs: Step() checks the whole
+//    list (known names, each at most once, non-null f32/bf16/f16 gradients,
+//    param copies of a float dtype, ParamGrad::numel equal to the registered
+//    numel when given) before it starts; a mismatch fails the step and
+//    commits nothing. StepParam checks its one gradient the same way before
+//    queueing it (earlier params of the step may have been computed; the
+//    step is aborted).
+//  - New registrations and LoadMainFrom are committed with the next
+//    generation: the next committed step's, or MakeDurable()'s on their own. A
+//    step that fails, or is dropped because found-inf was raised after
+//    BeginStep, commits nothing at all: the pending generation is dropped and
+//    with it the registrations and loaded weights not yet committed. Those
+//    new params are unregistered again (HasParam is false) and loaded mains
+//    are back at their last commit; the returned error names them (register
+//    or load them again). To make registrations independent of the first
+//    step, call MakeDurable() after registering.
 //  - Host cache tier (MemoryManagerOptions::host_cache_bytes >= the whole
 //    state): the cache's pinned buffers are the slices' buffers (H2D from and
 //    D2H into them, no staging copies). With durable_every_steps = N > 1 a
@@ -43,7 +70,8 @@
 //    tools show the last committed generation; a crash or an aborted step
 //    loses the uncommitted steps (at most N-1; the error says how many) and
 //    the optimizer returns to the last commit. With a smaller cache, every
-//    step commits (logged once).
+//    step commits (logged once). Registrations and LoadMainFrom stay pending
+//    until the next commit, which publishes them with the cached steps.
 //
 // Ownership: store and mm are not owned and must outlive the optimizer.
 // Gradient/param pointers passed to StepParam must stay valid until EndStep.
@@ -91,6 +119,11 @@ struct ParamGrad {
   kernels::ScalarType grad_type = kernels::ScalarType::kF32;
   void* d_param = nullptr;                          // model copy to update; may be null
   kernels::ScalarType param_type = kernels::ScalarType::kNone;
+  // Elements in d_grad (and d_param). Checked against the registered numel
+  // before the step starts: set it, so a model that no longer matches its
+  // store fails cleanly instead of reading past the gradient. Default 0 = not
+  // given (the caller guarantees the registered numel).
+  uint64_t numel = 0;
 };
 
 struct StreamedAdamOptions {
@@ -129,6 +162,14 @@ class StreamedAdam {
                        const ShardInfo& shard = {});
   bool HasParam(const std::string& name) const;
   std::vector<std::string> ParamNames() const;
+  // Params restored from the store that this run has neither registered nor
+  // retired (sorted). Empty while the run has registered nothing.
+  std::vector<std::string> UnregisteredParams() const;
+  // Leaves a param restored from the store out of this run's model (a model
+  // that no longer has the tensor): its state stays in the store, unchanged
+  // in every later generation, and it is never stepped. REQUIRES: not
+  // registered in this run, no step in progress.
+  Status RetireParam(const std::string& name);
 
   // One full step over the given parameters; commits one generation unless
   // *d_found_inf != 0 (then nothing changes; last_step_skipped() is true).
@@ -146,7 +187,8 @@ class StreamedAdam {
   Status LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type);
 
   // Writes steps held only in the host cache (durable_every_steps > 1) and
-  // commits them; returns the latest generation (unchanged when none).
+  // commits them, with any registrations and LoadMainFrom not yet committed;
+  // returns the latest generation (unchanged when nothing was pending).
   Result<uint64_t> MakeDurable();
   // Steps taken since the last commit (0 unless durable_every_steps > 1).
   uint64_t uncommitted_steps() const { return uncommitted_steps_; }
@@ -184,10 +226,27 @@ class StreamedAdam {
   struct Param {
     vfs::TensorInfo info;
     uint32_t f_main = 0, f_m = 1, f_v = 2;
+    bool committed = true;      // in the last committed generation
+    bool registered = false;    // RegisterParam'd in this run
+    bool main_pending = false;  // LoadMainFrom not yet committed
   };
   StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts);
   Status CheckUsable() const;
-  Status CommitPendingRegistrations();
+  // The first mismatch between g and the registered params, before a step.
+  Status CheckGrad(const ParamGrad& g) const;
+  // A restored param this run neither registered nor retired (when the run
+  // registered any): kFailedPrecondition naming them.
+  Status CheckModelComplete() const;
+  // Compares a registration with the stored tensor t.
+  Status CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel, uint32_t group,
+                           kernels::ScalarType initial_type, const ShardInfo& shard) const;
+  // After the pending generation was dropped: unregisters the params whose
+  // registration was not committed and forgets uncommitted LoadMainFrom;
+  // returns a sentence for messages ("" when there were none).
+  std::string DropUncommittedRegistrations();
+  // Outside a step: drops the pending generation (and with it what
+  // DropUncommittedRegistrations forgets); s with what was dropped.
+  Status AbortUncommitted(Status s);
   Status WriteMain(const Param& p, const void* d_src, kernels::ScalarType type);
   Status Fail(Status s);
   vfs::CommitInfo MakeCommitInfo(bool advance) const;
@@ -215,7 +274,10 @@ class StreamedAdam {
   bool step_cache_mode_ = false;                    // the current step's slices live in the cache
   bool step_write_through_ = true;                  // the current step writes and commits
   bool warned_cache_small_ = false;
-  bool registrations_pending_ = false;
+  bool registrations_pending_ = false;              // a Param is !committed or main_pending
+  bool any_registered_ = false;                     // RegisterParam succeeded in this run
+  std::set<std::string> retired_;                   // RetireParam'd in this run
+  std::set<std::string> dropped_;                   // registrations dropped by a failed step in this run
   bool in_step_ = false;
   bool step_skip_ = false;
   bool last_step_skipped_ = false;

@@ -4,6 +4,8 @@
 // Adam kernel on fully resident arrays for StreamedAdam.
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
@@ -615,8 +617,8 @@ TEST(StreamedAdam, ReopenAfterStepKAndContinueEqualsUninterruptedRun) {
   auto g1 = MUST(sa->GetGroup(1));
   EXPECT_DOUBLE_EQ(g1.beta1, 0.8);
   EXPECT_FALSE(g1.adamw);
-  // Registering again with the same numel keeps the stored state; with another numel is an error.
-  ASSERT_OK(sa->RegisterParam("w1", defs[0].numel, 0, nullptr, ScalarType::kF32));
+  // Registering again with the same geometry keeps the stored state; with another numel is an error.
+  for (const auto& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, d.group, nullptr, d.init_type));
   auto bad = sa->RegisterParam("w1", defs[0].numel + 1, 0, nullptr, ScalarType::kF32);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.message().find("w1"), std::string::npos);
@@ -802,6 +804,351 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   EXPECT_EQ(sa->step_count(0), 7u);
   EXPECT_EQ(sa->step_count(1), 7u);  // group 1 (w2, b): b stepped every step
+}
+
+// Every byte of every field of every tensor in the latest committed
+// generation, read through a GenerationView (independent of the optimizer
+// and of the manager's pins), keyed "tensor/field"; plus "#generation".
+std::map<std::string, std::vector<uint8_t>> CommittedBytes(vfs::Store* store) {
+  std::map<std::string, std::vector<uint8_t>> out;
+  auto view = store->OpenGeneration(vfs::kLatest);
+  if (!view.ok()) {
+    ADD_FAILURE() << "open latest generation: " << view.status().ToString();
+    return out;
+  }
+  const uint64_t chunk = store->chunk_size_bytes();
+  void* buf = std::aligned_alloc(4096, chunk);
+  for (const vfs::TensorInfo& t : (*view)->tensors()) {
+    for (uint32_t f = 0; f < t.fields.size(); ++f) {
+      std::vector<uint8_t>& bytes = out[t.name + "/" + t.fields[f].name];
+      const uint64_t total = t.field_bytes(f);
+      for (uint64_t c = 0, off = 0; off < total; ++c, off += chunk) {
+        Status st = (*view)->ReadChunk(vfs::ChunkRef{t.id, f, c}, buf);
+        if (!st.ok()) ADD_FAILURE() << t.name << " chunk " << c << ": " << st.ToString();
+        const uint8_t* p = static_cast<const uint8_t*>(buf);
+        bytes.insert(bytes.end(), p, p + std::min(chunk, total - off));
+      }
+    }
+  }
+  std::free(buf);
+  const uint64_t g = (*view)->info().generation;
+  out["#generation"] = std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(&g),
+                                            reinterpret_cast<const uint8_t*>(&g) + sizeof(g));
+  return out;
+}
+
+bool Contains(const Status& s, const std::string& part) { return s.message().find(part) != std::string::npos; }
+
+// Resuming with a changed model: a store made by a run of two tensors
+// param.0/param.1 of 3,000,017 parameters, then a run of 999 parameters
+// (500 + 499 elements) on it. Registering the new sizes is refused, naming the
+// store, the tensor and both numels; a trainer that skips registration and
+// steps anyway (as optstate-bench did) is refused before any kernel runs: the
+// committed generation and every byte of it are unchanged.
+TEST(StreamedAdam, ResumeWithChangedModelIsRefusedBeforeAnyKernel) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  const uint64_t big[2] = {1500009, 1500008};
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    std::vector<std::unique_ptr<DeviceBuffer>> grads;
+    std::vector<ParamGrad> list;
+    for (int k = 0; k < 2; ++k) {
+      const std::string name = "param." + std::to_string(k);
+      ASSERT_OK(sa->RegisterParam(name, big[k], 0, nullptr, ScalarType::kF32));
+      std::vector<float> g(big[k]);
+      for (uint64_t i = 0; i < big[k]; ++i) g[i] = RandF(k, i);
+      grads.push_back(std::make_unique<DeviceBuffer>(env.mm.get(), big[k] * 4));
+      grads.back()->Upload(g.data());
+      ParamGrad pg;
+      pg.name = name;
+      pg.d_grad = grads.back()->get();
+      pg.numel = big[k];
+      list.push_back(pg);
+    }
+    ASSERT_OK(sa->Step(list));
+  }
+  env.Close();
+  env.Open(6 * kChunk, false);
+  const auto before = CommittedBytes(env.store.get());
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  const uint64_t small[2] = {500, 499};
+  Status reg = sa->RegisterParam("param.0", small[0], 0, nullptr, ScalarType::kF32);
+  EXPECT_EQ(reg.code(), StatusCode::kInvalidArgument) << reg.ToString();
+  for (const std::string& part : {env.store->path(), std::string("param.0"), std::string("1500009"),
+                                  std::string("500")}) {
+    EXPECT_TRUE(Contains(reg, part)) << "'" << part << "' missing from: " << reg.ToString();
+  }
+  // The trainer steps without registering: gradients of the new sizes, with
+  // a model-parameter copy that a kernel would overwrite.
+  std::vector<std::unique_ptr<DeviceBuffer>> grads, params;
+  std::vector<ParamGrad> list;
+  const std::vector<float> sentinel(small[0], 7.0f);
+  for (int k = 0; k < 2; ++k) {
+    std::vector<float> g(small[k], 0.5f);
+    grads.push_back(std::make_unique<DeviceBuffer>(env.mm.get(), small[k] * 4));
+    grads.back()->Upload(g.data());
+    params.push_back(std::make_unique<DeviceBuffer>(env.mm.get(), small[k] * 4));
+    params.back()->Upload(sentinel.data());
+    ParamGrad pg;
+    pg.name = "param." + std::to_string(k);
+    pg.d_grad = grads.back()->get();
+    pg.d_param = params.back()->get();
+    pg.param_type = ScalarType::kF32;
+    pg.numel = small[k];
+    list.push_back(pg);
+  }
+  Status st = sa->Step(list);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  for (const std::string& part : {env.store->path(), std::string("param.0"), std::string("1500009"),
+                                  std::string("500")}) {
+    EXPECT_TRUE(Contains(st, part)) << "'" << part << "' missing from: " << st.ToString();
+  }
+  std::vector<float> p0(small[0]);
+  params[0]->Download(p0.data());
+  EXPECT_EQ(p0, sentinel) << "a kernel ran";
+  EXPECT_EQ(sa->step_count(0), 1u);
+  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  // The same through the incremental form: refused at StepParam, nothing committed.
+  ASSERT_OK(sa->BeginStep());
+  EXPECT_EQ(sa->StepParam(list[0]).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(sa->EndStep().status().code(), StatusCode::kFailedPrecondition);  // the step was aborted
+  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+}
+
+// Registering an existing param with any other geometry is kInvalidArgument
+// naming the store, the tensor, the field and both values, and changes
+// nothing; the same geometry keeps the stored state.
+TEST(StreamedAdam, ReregisterWithOtherGeometryIsRefused) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  const uint64_t numel = 6 * 1000;
+  ShardInfo shard;
+  shard.shape = {6, 1000};
+  shard.global_shape = {12, 1000};
+  shard.shard_offset = {6, 0};
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    std::vector<uint16_t> w(numel, kernels::FloatToBf16(0.25f));
+    DeviceBuffer dw(env.mm.get(), numel * 2);
+    dw.Upload(w.data());
+    ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, dw.get(), ScalarType::kBF16, shard));
+    std::vector<float> g(numel, 0.125f);
+    DeviceBuffer dg(env.mm.get(), numel * 4);
+    dg.Upload(g.data());
+    ParamGrad pg;
+    pg.name = "layer.w";
+    pg.d_grad = dg.get();
+    pg.numel = numel;
+    ASSERT_OK(sa->Step(std::span<const ParamGrad>(&pg, 1)));
+  }
+  env.Close();
+  env.Open(6 * kChunk, false);
+  const auto before = CommittedBytes(env.store.get());
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  struct Case {
+    const char* what;
+    uint64_t numel;
+    uint32_t group;
+    ScalarType type;
+    ShardInfo shard;
+    std::vector<std::string> parts;  // besides the store path and the tensor
+  };
+  ShardInfo other_shape = shard, other_global = shard, other_offset = shard;
+  other_shape.shape = {1000, 6};
+  other_global.global_shape = {18, 1000};
+  other_offset.shard_offset = {0, 0};
+  const std::vector<Case> cases = {
+      {"numel", numel + 1, 1, ScalarType::kBF16, shard, {"numel 6000", "numel 6001"}},
+      {"group", numel, 0, ScalarType::kBF16, shard, {"group 1", "group 0"}},
+      {"dtype", numel, 1, ScalarType::kF16, shard, {"dtype bf16", "dtype f16"}},
+      {"shape", numel, 1, ScalarType::kBF16, other_shape, {"shape [6, 1000]", "shape [1000, 6]"}},
+      {"global shape", numel, 1, ScalarType::kBF16, other_global, {"global shape [12, 1000]", "[18, 1000]"}},
+      {"shard offset", numel, 1, ScalarType::kBF16, other_offset, {"shard offset [6, 0]", "[0, 0]"}},
+      {"no shard info", numel, 1, ScalarType::kBF16, ShardInfo{}, {"shape [6, 1000]", "shape [6000]"}},
+  };
+  for (const Case& c : cases) {
+    Status st = sa->RegisterParam("layer.w", c.numel, c.group, nullptr, c.type, c.shard);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.what << ": " << st.ToString();
+    std::vector<std::string> parts = c.parts;
+    parts.push_back(env.store->path());
+    parts.push_back("layer.w");
+    for (const auto& part : parts) {
+      EXPECT_TRUE(Contains(st, part)) << c.what << ": '" << part << "' missing from: " << st.ToString();
+    }
+  }
+  // The matching registration (dtype not given: not compared) keeps the state.
+  ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, ScalarType::kNone, shard));
+  ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, ScalarType::kBF16, shard));
+  EXPECT_EQ(sa->step_count(1), 1u);
+  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+}
+
+// A step whose gradients do not match the registered params fails before any
+// kernel runs and commits nothing: not the step, and not the registrations
+// still pending from before it (they stay pending for the next good step).
+TEST(StreamedAdam, StepWithWrongGradsCommitsNothing) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);  // pending: no generation yet
+  Reference ref(env.mm.get(), defs);
+  auto groups = TestGroups();
+  StepGrads sg(env.mm.get(), defs, 1);
+  std::vector<uint8_t> w1_param_before(defs[0].numel * Size(defs[0].param_type), 0xA5);
+  sg.param[0]->Upload(w1_param_before.data());
+  DeviceBuffer other(env.mm.get(), 4 * 4);
+  using Edit = std::function<void(std::vector<ParamGrad>*)>;
+  const std::vector<std::pair<std::string, Edit>> bad = {
+      {"wrong numel", [](std::vector<ParamGrad>* l) { l->back().numel = 776; }},
+      {"null gradient", [](std::vector<ParamGrad>* l) { l->back().d_grad = nullptr; }},
+      {"gradient dtype", [](std::vector<ParamGrad>* l) { l->back().grad_type = ScalarType::kNone; }},
+      {"param dtype",
+       [&](std::vector<ParamGrad>* l) {
+         l->back().d_param = other.get();
+         l->back().param_type = ScalarType::kNone;
+       }},
+      {"unknown name", [](std::vector<ParamGrad>* l) { l->back().name = "w3"; }},
+      {"given twice", [](std::vector<ParamGrad>* l) { l->push_back(l->front()); }},
+  };
+  for (int round = 0; round < 2; ++round) {
+    // Round 0: registrations pending; round 1: after a committed step.
+    const auto before = CommittedBytes(env.store.get());
+    const uint64_t gen = env.store->LatestGeneration().generation;
+    for (const auto& [what, edit] : bad) {
+      std::vector<ParamGrad> list = sg.List(defs);
+      for (size_t i = 0; i < defs.size(); ++i) list[i].numel = defs[i].numel;
+      edit(&list);
+      Status st = sa->Step(list);
+      EXPECT_FALSE(st.ok()) << what;
+      EXPECT_TRUE(Contains(st, list.back().name)) << what << ": " << st.ToString();
+      EXPECT_EQ(env.store->LatestGeneration().generation, gen) << what << " committed";
+      EXPECT_EQ(CommittedBytes(env.store.get()), before) << what;
+      std::vector<uint8_t> w1_param(w1_param_before.size());
+      sg.param[0]->Download(w1_param.data());
+      EXPECT_EQ(w1_param, w1_param_before) << what << ": a kernel ran";
+      for (const auto& d : defs) EXPECT_TRUE(sa->HasParam(d.name)) << what << ": " << d.name << " was dropped";
+    }
+    if (round == 0) {
+      // The next good step commits the registrations with it and equals the reference.
+      auto sg1 = StepWithReference(sa.get(), env.mm.get(), defs, &ref, 1, 1.0f);
+      EXPECT_EQ(env.store->LatestGeneration().step, 1u);
+      ExpectStateEquals(env.mm.get(), ref, defs);
+      sg.param[0]->Upload(w1_param_before.data());
+    }
+  }
+  (void)groups;
+}
+
+// A step that fails after new params were registered commits nothing at all:
+// the registrations were only pending, so they are dropped (the error names
+// them) and registering them again takes over their index entries.
+TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  std::vector<ParamDef> first(defs.begin(), defs.begin() + 1), added(defs.begin() + 1, defs.end());
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), first);
+  Reference ref(env.mm.get(), defs);
+  auto groups = TestGroups();
+  StepGrads sg1(env.mm.get(), defs, 1);
+  ASSERT_OK(sa->Step(sg1.List(first)));
+  ref.Step(0, sg1.grad[0]->get(), 1, groups[defs[0].group], 1.0f);
+  const auto before = CommittedBytes(env.store.get());
+  const uint64_t gen1 = env.store->LatestGeneration().generation;
+
+  RegisterAll(sa.get(), env.mm.get(), added);  // w2 and b, pending
+  StepGrads sg2(env.mm.get(), defs, 2);
+  sa->InjectKernelFailureAfter(2);
+  Status st = sa->Step(sg2.List(defs));
+  ASSERT_FALSE(st.ok());
+  EXPECT_TRUE(Contains(st, "injected")) << st.ToString();
+  EXPECT_TRUE(Contains(st, "'w2'") && Contains(st, "'b'") && Contains(st, "register them again")) << st.ToString();
+  EXPECT_EQ(env.store->LatestGeneration().generation, gen1) << "the aborted step committed something";
+  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  EXPECT_FALSE(sa->HasParam("w2"));
+  EXPECT_FALSE(sa->HasParam("b"));
+  EXPECT_TRUE(sa->HasParam("w1"));
+  EXPECT_EQ(sa->step_count(0), 1u);
+
+  // A new process after a crash before any commit finds the entries in the
+  // index but no state: they are not restored, and registering them again
+  // (with the same geometry) writes their initial weights.
+  sa.reset();
+  env.Close();
+  env.Open(6 * kChunk, false);
+  sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  EXPECT_EQ(sa->ParamNames(), std::vector<std::string>{"w1"});
+  // Another geometry for an uncommitted entry: refused, naming both.
+  Status other = sa->RegisterParam("b", 778, 1, nullptr, ScalarType::kF32);
+  EXPECT_EQ(other.code(), StatusCode::kInvalidArgument) << other.ToString();
+  EXPECT_TRUE(Contains(other, "777") && Contains(other, "778")) << other.ToString();
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  for (uint64_t step = 2; step <= 3; ++step) {
+    StepGrads sg(env.mm.get(), defs, step);
+    ASSERT_OK(sa->Step(sg.List(defs)));
+    // w1 is at its step `step`; w2 and b start now (group 1 counts from here).
+    ref.Step(0, sg.grad[0]->get(), step, groups[0], 1.0f);
+    for (size_t i = 1; i < defs.size(); ++i) ref.Step(i, sg.grad[i]->get(), step - 1, groups[1], 1.0f);
+  }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// A model that lost a tensor: the store's param that this run did not
+// register stops the step with an error naming it, until the run registers it
+// or retires it; a retired param keeps its state, unchanged, in every later
+// generation. A run that registers nothing steps every restored param.
+TEST(StreamedAdam, StoredParamMissingFromModelIsAnErrorUntilRetired) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    StepGrads sg(env.mm.get(), defs, 1);
+    ASSERT_OK(sa->Step(sg.List(defs)));
+  }
+  env.Close();
+  env.Open(6 * kChunk, false);
+  const auto before = CommittedBytes(env.store.get());
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  EXPECT_TRUE(sa->UnregisteredParams().empty());  // nothing registered yet: all in use
+  std::vector<ParamDef> kept = {defs[0], defs[2]};  // the model lost w2
+  RegisterAll(sa.get(), env.mm.get(), kept);
+  EXPECT_EQ(sa->UnregisteredParams(), std::vector<std::string>{"w2"});
+  StepGrads sg(env.mm.get(), kept, 2);
+  Status st = sa->Step(sg.List(kept));
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+  EXPECT_TRUE(Contains(st, env.store->path()) && Contains(st, "'w2' (" + std::to_string(defs[1].numel) + " elements)"))
+      << st.ToString();
+  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  EXPECT_EQ(sa->BeginStep().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(sa->RetireParam("w1").code(), StatusCode::kFailedPrecondition);  // registered in this run
+  ASSERT_OK(sa->RetireParam("w2"));
+  EXPECT_FALSE(sa->HasParam("w2"));
+  EXPECT_EQ(sa->RegisterParam("w2", defs[1].numel, 1, nullptr, ScalarType::kBF16).code(),
+            StatusCode::kFailedPrecondition);
+  ASSERT_OK(sa->Step(sg.List(kept)));
+  EXPECT_EQ(env.store->LatestGeneration().step, 2u);
+  auto after = CommittedBytes(env.store.get());
+  for (const char* f : {"main", "exp_avg", "exp_avg_sq"}) {
+    const std::string k = std::string("w2/") + f;
+    ASSERT_EQ(after.count(k), 1u) << k << " dropped from the store";
+    EXPECT_EQ(after[k], before.at(k)) << k << " changed";
+    EXPECT_NE(after["w1/" + std::string(f)], before.at("w1/" + std::string(f))) << "w1 did not step";
+  }
+  // A gradient for the retired param is refused, naming it.
+  StepGrads sg3(env.mm.get(), defs, 3);
+  st = sa->Step(sg3.List(defs));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_TRUE(Contains(st, "w2") && Contains(st, "retired")) << st.ToString();
 }
 
 TEST(StreamedAdam, ClearErrors) {
