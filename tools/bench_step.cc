@@ -15,6 +15,7 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -123,6 +124,59 @@ std::vector<uint64_t> SplitSizes(uint64_t n, uint32_t t) {
   return sizes;
 }
 
+// An existing store continues only the run that made it: the same tensors of
+// the same sizes. Otherwise the error names the store, each differing tensor
+// with both sizes, and the flags that continue the store.
+Status CheckStoreMatches(const vfs::Store& store, const StepOptions& o, const std::vector<uint64_t>& sizes) {
+  const uint64_t committed = store.LatestGeneration().generation;
+  std::map<std::string, uint64_t> stored;
+  for (const vfs::TensorInfo& t : store.ListTensors()) {
+    if (t.created_generation <= committed) stored[t.name] = t.numel;  // not an uncommitted entry
+  }
+  if (stored.empty()) return Status::Ok();  // nothing committed yet: the registrations make it
+  std::map<std::string, uint64_t> wanted;
+  for (uint32_t k = 0; k < sizes.size(); ++k) wanted[fmt::format("param.{}", k)] = sizes[k];
+  std::vector<std::string> diffs;
+  for (const auto& [name, n] : wanted) {
+    auto it = stored.find(name);
+    if (it == stored.end()) {
+      diffs.push_back(fmt::format("tensor {} ({} elements here) is not in the store", name, n));
+    } else if (it->second != n) {
+      diffs.push_back(fmt::format("tensor {} has {} elements in the store, {} here", name, it->second, n));
+    }
+  }
+  for (const auto& [name, n] : stored) {
+    if (!wanted.count(name)) {
+      diffs.push_back(fmt::format("tensor {} ({} elements) is in the store, not in --tensors {}", name, n, o.tensors));
+    }
+  }
+  if (diffs.empty()) return Status::Ok();
+  std::string msg = fmt::format("store {} does not match --params {} --tensors {}: ", o.store, o.params, o.tensors);
+  for (size_t i = 0; i < diffs.size() && i < 4; ++i) msg += (i ? "; " : "") + diffs[i];
+  if (diffs.size() > 4) msg += fmt::format("; and {} more", diffs.size() - 4);
+  // The flags of the run that made the store, when it is one of ours.
+  uint64_t total = 0;
+  bool ours = true;
+  std::vector<uint64_t> stored_sizes;
+  for (uint32_t k = 0; k < stored.size() && ours; ++k) {
+    auto it = stored.find(fmt::format("param.{}", k));
+    ours = it != stored.end();
+    if (ours) {
+      total += it->second;
+      stored_sizes.push_back(it->second);
+    }
+  }
+  ours = ours && stored_sizes == SplitSizes(total, static_cast<uint32_t>(stored.size()));
+  if (ours) {
+    msg += fmt::format(". It holds {} params in {} tensor(s): continue it with --params {} --tensors {}, or use a new "
+                       "--store",
+                       total, stored.size(), total, stored.size());
+  } else {
+    msg += ". Use a new --store";
+  }
+  return InvalidArgument(msg);
+}
+
 int RunSynthetic(const StepOptions& o) {
   auto c = ParseCommon(o);
   if (!c.ok()) return FailWith(kTool, c.status());
@@ -161,6 +215,9 @@ int RunSynthetic(const StepOptions& o) {
   g.adamw = true;
   if (Status s = (*opt)->SetGroup(g); !s.ok()) return FailWith(kTool, s);
   std::vector<uint64_t> sizes = SplitSizes(o.params, o.tensors);
+  if (!created) {
+    if (Status s = CheckStoreMatches(*store, o, sizes); !s.ok()) return FailWith(kTool, s);
+  }
   std::vector<DeviceBuffer> grads;
   std::vector<float> host;
   for (uint32_t k = 0; k < o.tensors; ++k) {
@@ -168,14 +225,17 @@ int RunSynthetic(const StepOptions& o) {
     host.resize(sizes[k]);
     auto d = DeviceBuffer::Make(mm->get(), sizes[k] * 4);
     if (!d.ok()) return FailWith(kTool, d.status());
-    if (!(*opt)->HasParam(name)) {
+    // Registered every run: a continued param keeps its stored state (its
+    // sizes were checked above, and StreamedAdam checks them again).
+    const bool fresh = !(*opt)->HasParam(name);
+    if (fresh) {
       for (uint64_t i = 0; i < sizes[k]; ++i) {
         host[i] = static_cast<float>(0.1 * std::cos(0.25 * static_cast<double>(i) + k));
       }
-      Status s = (*mm)->CopyToDevice(d->get(), host.data(), sizes[k] * 4);
-      if (s.ok()) s = (*opt)->RegisterParam(name, sizes[k], 0, d->get(), ScalarType::kF32);
-      if (!s.ok()) return FailWith(kTool, s.WithContext(name));
     }
+    Status s = fresh ? (*mm)->CopyToDevice(d->get(), host.data(), sizes[k] * 4) : Status::Ok();
+    if (s.ok()) s = (*opt)->RegisterParam(name, sizes[k], 0, fresh ? d->get() : nullptr, ScalarType::kF32);
+    if (!s.ok()) return FailWith(kTool, s.WithContext(name));
     grads.push_back(std::move(*d));
   }
   const uint64_t t0_count = (*opt)->step_count(0);
@@ -197,6 +257,7 @@ int RunSynthetic(const StepOptions& o) {
       p.name = fmt::format("param.{}", k);
       p.d_grad = grads[k].get();
       p.grad_type = ScalarType::kF32;
+      p.numel = sizes[k];
       pg.push_back(p);
     }
     if (Status st = (*opt)->Step(pg); !st.ok()) return FailWith(kTool, st.WithContext(fmt::format("step {}", t)));
@@ -449,6 +510,7 @@ int RunCompare(const StepOptions& o) {
     x.name = params[p].first;
     x.d_grad = grad_ptrs[p];
     x.grad_type = ScalarType::kF32;
+    x.numel = params[p].second;
     pg.push_back(x);
   }
   // Warm-up step: commits the registrations and writes the moments, so every

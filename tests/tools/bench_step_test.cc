@@ -85,6 +85,80 @@ TEST(BenchStepTest, SyntheticModeMatchesAnFp64AdamW) {
   EXPECT_EQ(v.exit_code, 0) << v.err << v.out;
 }
 
+// Continuing a store with other --params/--tensors: refused with exit 1 and
+// a message naming the store, the tensor and both sizes (it used to keep the
+// stored sizes silently, or crash reading past the smaller gradients); the
+// store's latest generation and bytes stay as they were.
+TEST(BenchStepTest, ContinuingWithOtherSizesIsRefusedAndChangesNothing) {
+  TempDir dir;
+  const std::string store_path = dir / "resumed";
+  const std::vector<std::string> common = {"--chunk-size", "2M", "--budget", "16M", "--backend", "host"};
+  auto run = [&](const std::string& params, const std::string& tensors) {
+    std::vector<std::string> args = {"step", "--store", store_path, "--params", params, "--steps", "1",
+                                     "--tensors", tensors};
+    args.insert(args.end(), common.begin(), common.end());
+    return Tool("optstate-bench", args);
+  };
+  auto made = run("3000017", "2");
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  // The committed state, read independently of the bench.
+  auto snapshot = [&](uint64_t* generation) {
+    std::vector<float> all;
+    auto s = vfs::Store::OpenReadOnly(store_path, vfs::StoreOptions{});
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (!s.ok()) return all;
+    auto view = (*s)->OpenGeneration(vfs::kLatest);
+    EXPECT_TRUE(view.ok()) << view.status().ToString();
+    if (!view.ok()) return all;
+    *generation = (*view)->info().generation;
+    for (const vfs::TensorInfo& t : (*view)->tensors()) {
+      for (uint32_t f = 0; f < 3; ++f) {
+        EXPECT_TRUE(ForEachRange(**view, t, f, 0, t.numel, [&](uint64_t, const void* d, uint64_t cnt) -> Status {
+                      const float* p = static_cast<const float*>(d);
+                      all.insert(all.end(), p, p + cnt);
+                      return Status::Ok();
+                    }).ok());
+      }
+    }
+    return all;
+  };
+  uint64_t gen_before = 0;
+  const std::vector<float> before = snapshot(&gen_before);
+  ASSERT_EQ(before.size(), 3u * 3000017u);
+
+  struct Case {
+    std::string params, tensors;
+    std::vector<std::string> parts;
+  };
+  const std::vector<Case> cases = {
+      // The reported crash: 999 params in 2 tensors (500 + 499).
+      {"999", "2", {"param.0", "1500009", "500", "param.1", "1500008", "499"}},
+      // A model that lost a tensor: param.1 is in the store only.
+      {"1500009", "1", {"param.1", "1500008", "not in --tensors 1"}},
+      // One more tensor, with other sizes.
+      {"3000017", "3", {"param.2", "not in the store", "1000006"}},
+  };
+  for (const Case& c : cases) {
+    auto r = run(c.params, c.tensors);
+    const std::string what = "--params " + c.params + " --tensors " + c.tensors;
+    EXPECT_EQ(r.exit_code, 1) << what << "\n" << r.err;
+    EXPECT_NE(r.err.find("optstate-bench step: error:"), std::string::npos) << what << "\n" << r.err;
+    EXPECT_NE(r.err.find(store_path), std::string::npos) << what << "\n" << r.err;
+    for (const auto& part : c.parts) EXPECT_NE(r.err.find(part), std::string::npos) << what << ": " << part << "\n" << r.err;
+    // It says how to continue the store.
+    EXPECT_NE(r.err.find("--params 3000017 --tensors 2"), std::string::npos) << what << "\n" << r.err;
+    uint64_t gen = 0;
+    EXPECT_EQ(snapshot(&gen), before) << what << " changed the store";
+    EXPECT_EQ(gen, gen_before) << what << " committed";
+  }
+  // The matching flags continue it.
+  auto again = run("3000017", "2");
+  EXPECT_EQ(again.exit_code, 0) << again.err;
+  uint64_t gen_after = 0;
+  snapshot(&gen_after);
+  EXPECT_EQ(gen_after, gen_before + 1);
+}
+
 TEST(BenchStepTest, RejectsMalformedArguments) {
   TempDir dir;
   auto r = Tool("optstate-bench", {"step", "--store", dir / "x", "--params", "0"});
