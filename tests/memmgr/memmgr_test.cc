@@ -839,6 +839,21 @@ std::map<std::string, std::vector<uint8_t>> CommittedBytes(vfs::Store* store) {
 
 bool Contains(const Status& s, const std::string& part) { return s.message().find(part) != std::string::npos; }
 
+// The keys of two CommittedBytes results that differ ("" when none): short
+// failure messages instead of the bytes.
+std::string DiffKeys(const std::map<std::string, std::vector<uint8_t>>& a,
+                     const std::map<std::string, std::vector<uint8_t>>& b) {
+  std::string out;
+  for (const auto& [k, v] : a) {
+    auto it = b.find(k);
+    if (it == b.end() || it->second != v) out += (out.empty() ? "" : ", ") + k;
+  }
+  for (const auto& [k, v] : b) {
+    if (!a.count(k)) out += (out.empty() ? "" : ", ") + k;
+  }
+  return out;
+}
+
 // Resuming with a changed model: a store made by a run of two tensors
 // param.0/param.1 of 3,000,017 parameters, then a run of 999 parameters
 // (500 + 499 elements) on it. Registering the new sizes is refused, naming the
@@ -909,12 +924,12 @@ TEST(StreamedAdam, ResumeWithChangedModelIsRefusedBeforeAnyKernel) {
   params[0]->Download(p0.data());
   EXPECT_EQ(p0, sentinel) << "a kernel ran";
   EXPECT_EQ(sa->step_count(0), 1u);
-  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  EXPECT_EQ(DiffKeys(CommittedBytes(env.store.get()), before), "");
   // The same through the incremental form: refused at StepParam, nothing committed.
   ASSERT_OK(sa->BeginStep());
   EXPECT_EQ(sa->StepParam(list[0]).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(sa->EndStep().status().code(), StatusCode::kFailedPrecondition);  // the step was aborted
-  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  EXPECT_EQ(DiffKeys(CommittedBytes(env.store.get()), before), "");
 }
 
 // Registering an existing param with any other geometry is kInvalidArgument
@@ -983,7 +998,7 @@ TEST(StreamedAdam, ReregisterWithOtherGeometryIsRefused) {
   ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, ScalarType::kNone, shard));
   ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, ScalarType::kBF16, shard));
   EXPECT_EQ(sa->step_count(1), 1u);
-  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  EXPECT_EQ(DiffKeys(CommittedBytes(env.store.get()), before), "");
 }
 
 // A step whose gradients do not match the registered params fails before any
@@ -1027,7 +1042,7 @@ TEST(StreamedAdam, StepWithWrongGradsCommitsNothing) {
       EXPECT_FALSE(st.ok()) << what;
       EXPECT_TRUE(Contains(st, list.back().name)) << what << ": " << st.ToString();
       EXPECT_EQ(env.store->LatestGeneration().generation, gen) << what << " committed";
-      EXPECT_EQ(CommittedBytes(env.store.get()), before) << what;
+      EXPECT_EQ(DiffKeys(CommittedBytes(env.store.get()), before), "") << what;
       std::vector<uint8_t> w1_param(w1_param_before.size());
       sg.param[0]->Download(w1_param.data());
       EXPECT_EQ(w1_param, w1_param_before) << what << ": a kernel ran";
@@ -1049,29 +1064,34 @@ TEST(StreamedAdam, StepWithWrongGradsCommitsNothing) {
 // them) and registering them again takes over their index entries.
 TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
   MEMMGR_REQUIRE_BACKEND();
+  // The reference and the gradients live in a scratch manager that outlives
+  // the reopened store's manager.
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
   Env env;
   env.Open(6 * kChunk, true);
   std::vector<ParamDef> defs = SmallMix();
   std::vector<ParamDef> first(defs.begin(), defs.begin() + 1), added(defs.begin() + 1, defs.end());
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), first);
-  Reference ref(env.mm.get(), defs);
+  Reference ref(smm, defs);
   auto groups = TestGroups();
-  StepGrads sg1(env.mm.get(), defs, 1);
+  StepGrads sg1(smm, defs, 1);
   ASSERT_OK(sa->Step(sg1.List(first)));
   ref.Step(0, sg1.grad[0]->get(), 1, groups[defs[0].group], 1.0f);
   const auto before = CommittedBytes(env.store.get());
   const uint64_t gen1 = env.store->LatestGeneration().generation;
 
   RegisterAll(sa.get(), env.mm.get(), added);  // w2 and b, pending
-  StepGrads sg2(env.mm.get(), defs, 2);
+  StepGrads sg2(smm, defs, 2);
   sa->InjectKernelFailureAfter(2);
   Status st = sa->Step(sg2.List(defs));
   ASSERT_FALSE(st.ok());
   EXPECT_TRUE(Contains(st, "injected")) << st.ToString();
   EXPECT_TRUE(Contains(st, "'w2'") && Contains(st, "'b'") && Contains(st, "register them again")) << st.ToString();
   EXPECT_EQ(env.store->LatestGeneration().generation, gen1) << "the aborted step committed something";
-  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  EXPECT_EQ(DiffKeys(CommittedBytes(env.store.get()), before), "");
   EXPECT_FALSE(sa->HasParam("w2"));
   EXPECT_FALSE(sa->HasParam("b"));
   EXPECT_TRUE(sa->HasParam("w1"));
@@ -1091,7 +1111,7 @@ TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
   EXPECT_TRUE(Contains(other, "777") && Contains(other, "778")) << other.ToString();
   RegisterAll(sa.get(), env.mm.get(), defs);
   for (uint64_t step = 2; step <= 3; ++step) {
-    StepGrads sg(env.mm.get(), defs, step);
+    StepGrads sg(smm, defs, step);
     ASSERT_OK(sa->Step(sg.List(defs)));
     // w1 is at its step `step`; w2 and b start now (group 1 counts from here).
     ref.Step(0, sg.grad[0]->get(), step, groups[0], 1.0f);
@@ -1128,7 +1148,7 @@ TEST(StreamedAdam, StoredParamMissingFromModelIsAnErrorUntilRetired) {
   EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
   EXPECT_TRUE(Contains(st, env.store->path()) && Contains(st, "'w2' (" + std::to_string(defs[1].numel) + " elements)"))
       << st.ToString();
-  EXPECT_EQ(CommittedBytes(env.store.get()), before);
+  EXPECT_EQ(DiffKeys(CommittedBytes(env.store.get()), before), "");
   EXPECT_EQ(sa->BeginStep().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(sa->RetireParam("w1").code(), StatusCode::kFailedPrecondition);  // registered in this run
   ASSERT_OK(sa->RetireParam("w2"));
