@@ -690,14 +690,17 @@ StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedA
     : store_(store), mm_(mm), opts_(opts) {}
 
 StreamedAdam::~StreamedAdam() {
-  if (!pipeline_ && !in_step_ && uncommitted_steps_ > 0 && !poisoned_) {
+  if (!pipeline_ && !in_step_ && (uncommitted_steps_ > 0 || registrations_pending_) && !poisoned_) {
     const uint64_t n = uncommitted_steps_;
     auto g = MakeDurable();
     if (g.ok()) {
-      OPTSTATE_LOG_INFO("StreamedAdam: committed {} cached step(s) at destruction as generation {}", n, *g);
+      OPTSTATE_LOG_INFO("StreamedAdam: committed {} cached step(s) and pending registrations at destruction as "
+                        "generation {} of store {}",
+                        n, *g, store_->path());
     } else {
-      OPTSTATE_LOG_ERROR("StreamedAdam: {} step(s) held in the host cache were lost at destruction: {}", n,
-                         g.status().ToString());
+      OPTSTATE_LOG_ERROR("StreamedAdam: {} step(s) held in the host cache and pending registrations were lost at "
+                         "destruction of the optimizer of store {}: {}",
+                         n, store_->path(), g.status().ToString());
     }
   }
   if (pipeline_) {

@@ -60,7 +60,8 @@
 //    new params are unregistered again (HasParam is false) and loaded mains
 //    are back at their last commit; the returned error names them (register
 //    or load them again). To make registrations independent of the first
-//    step, call MakeDurable() after registering.
+//    step, call MakeDurable() after registering; the destructor commits
+//    registrations still pending (as it commits cached steps).
 //  - Host cache tier (MemoryManagerOptions::host_cache_bytes >= the whole
 //    state): the cache's pinned buffers are the slices' buffers (H2D from and
 //    D2H into them, no staging copies). With durable_every_steps = N > 1 a

@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
     CHECK_OK(scratch_mm->CopyToDevice(d_param, h.data(), max_numel * 2));
   }
 
-  // Register (writes every fp32 main through the store), committed at the first step.
+  // Register (writes every fp32 main through the store), committed when the optimizer is destroyed.
   double t0 = Now();
   {
     auto sa = Must(StreamedAdam::Create(store.get(), scratch_mm.get(), {}), "StreamedAdam::Create");

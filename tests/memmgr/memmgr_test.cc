@@ -1097,9 +1097,10 @@ TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
   EXPECT_TRUE(sa->HasParam("w1"));
   EXPECT_EQ(sa->step_count(0), 1u);
 
-  // A new process after a crash before any commit finds the entries in the
-  // index but no state: they are not restored, and registering them again
-  // (with the same geometry) writes their initial weights.
+  // A new optimizer (after a restart, or a crash before any commit) finds
+  // the entries in the index but no state: they are not restored, and
+  // registering them again (with the same geometry) writes their initial
+  // weights.
   sa.reset();
   env.Close();
   env.Open(6 * kChunk, false);
@@ -1117,6 +1118,27 @@ TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
     ref.Step(0, sg.grad[0]->get(), step, groups[0], 1.0f);
     for (size_t i = 1; i < defs.size(); ++i) ref.Step(i, sg.grad[i]->get(), step - 1, groups[1], 1.0f);
   }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// Registrations still pending when the optimizer is destroyed are committed
+// then (like cached steps), so a new optimizer on the store restores them
+// with their initial weights.
+TEST(StreamedAdam, RegistrationsPendingAtDestructionAreCommitted) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(6 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    EXPECT_EQ(env.store->LatestGeneration().generation, 0u);
+  }
+  EXPECT_EQ(env.store->LatestGeneration().generation, 1u);
+  EXPECT_EQ(env.store->LatestGeneration().step, 0u);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  EXPECT_EQ(sa->ParamNames().size(), defs.size());
+  Reference ref(env.mm.get(), defs);
   ExpectStateEquals(env.mm.get(), ref, defs);
 }
 
