@@ -295,6 +295,7 @@ class SafetensorsFill {
 };
 
 struct FileHandle {
+  std::unique_ptr<PinUse> pin_use;  // under latest/ pinned for the opener's process: keeps the pin
   std::shared_ptr<ChunkReader> reader;
   std::shared_ptr<SafetensorsFill> fill;  // a field file's, or null
   std::unique_ptr<CachePusher> pusher;
@@ -413,12 +414,15 @@ void BeforeRead() {
 // snapshot's paths still go within about that long. A store's snapshots/ is
 // there as long as the store is, and its node id is its path's: an hour too
 // (a path walk looks the store up again within a second, which fails once it
-// is gone). latest/: as long as the daemon itself goes without a catch-up
-// (catchup_interval_ms), so a new commit shows within twice that instead of
-// once: a walk inside it resolved latest/ to the generation of the last
-// catch-up anyway, and a LOOKUP of latest/ on every walk was a quarter of a
-// `cp -r` of latest/'s requests (dev VM, 4000 files: 43k -> 33k lookups,
-// 4.3-4.5 -> 3.8-4.3 s). A store's name: a second, like its attributes, so a
+// is gone); generations/ likewise, and a generation's directory name as a
+// snapshot's. latest/: not at all. It names another generation for each
+// process (StoreTree: pinned at the process's first walk), and the kernel's
+// dentry is shared by all of them: every walk through latest/ must reach the
+// daemon with its caller's pid, or a copier would start on (and then leave)
+// another process's generation. The cost: one LOOKUP per path walk, cheap
+// for a pinned process (no catch-up), about a quarter of a `cp -r` of
+// latest/'s requests (dev VM, 4000 files: 33k -> 43k lookups, 3.8-4.3 ->
+// 4.3-4.5 s when that was measured). A store's name: a second, like its attributes, so a
 // removed store's paths go within a second (a new one shows at once: a
 // failed lookup is not cached); looked up again on every path walk, the
 // store's name was three of a `cp -r`'s four LOOKUPs per file (dev VM, a
@@ -445,6 +449,13 @@ fuse_ino_t NodeIdOf(const std::string& path, uint64_t generation) {
 
 Status StaleNode(const std::string& what) { return ErrnoStatus(what, ESTALE); }
 
+// The thread that sent req (0 when it is not in our pid namespace), which
+// latest/ is resolved for (StoreTree).
+uint32_t CallerTid(fuse_req_t req) {
+  const struct fuse_ctx* x = fuse_req_ctx(req);
+  return x != nullptr && x->pid > 0 ? static_cast<uint32_t>(x->pid) : 0;
+}
+
 // A copy of the kernel-held node ino (the root: path "/"), or ESTALE.
 Result<NodeRef> RefOf(Context* c, fuse_ino_t ino) {
   NodeRef ref;
@@ -464,12 +475,12 @@ Result<NodeRef> RefOf(Context* c, fuse_ino_t ino) {
 // directory still shows that generation: ESTALE once it does not (a shell
 // whose working directory was latest/ before the commits that retired its
 // generation).
-Result<Node> NodeFromRef(Context* c, const NodeRef& ref) {
-  if (ref.generation == 0) return c->tree->Resolve(ref.path);
+Result<Node> NodeFromRef(Context* c, const NodeRef& ref, uint32_t caller_tid) {
+  if (ref.generation == 0) return c->tree->Resolve(ref.path, caller_tid);
   std::shared_ptr<const Generation> g = ref.gen.lock();
   if (g == nullptr) {
     const std::string dir = ref.path.substr(0, ref.path.size() - ref.rel.size() - (ref.rel.empty() ? 0 : 1));
-    OPTSTATE_ASSIGN_OR_RETURN(Node d, c->tree->Resolve(dir));
+    OPTSTATE_ASSIGN_OR_RETURN(Node d, c->tree->Resolve(dir, caller_tid));
     if (d.gen == nullptr || d.gen->generation() != ref.generation) {
       return StaleNode(fmt::format("{}: generation {} is no longer served there (now {})", ref.path,
                                    ref.generation, d.gen != nullptr ? d.gen->generation() : 0));
@@ -480,17 +491,20 @@ Result<Node> NodeFromRef(Context* c, const NodeRef& ref) {
 }
 
 // The node of a node id the kernel holds, and its path.
-Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path) {
+Result<Node> NodeOf(Context* c, fuse_ino_t ino, std::string* path, uint32_t caller_tid) {
   OPTSTATE_ASSIGN_OR_RETURN(NodeRef ref, RefOf(c, ino));
   *path = ref.path;
-  return NodeFromRef(c, ref);
+  return NodeFromRef(c, ref, caller_tid);
 }
 
 // Timeouts for a node the kernel gets from a lookup (see kInGenerationTimeoutS).
 double EntryTimeoutS(const Context& c, const Node& n) {
-  if (n.gen == nullptr) return n.kind == NodeKind::kSnapshotsDir ? kInGenerationTimeoutS : kOutsideAttrTimeoutS;
+  if (n.gen == nullptr) {
+    return n.kind == NodeKind::kSnapshotsDir || n.kind == NodeKind::kGenerationsDir ? kInGenerationTimeoutS
+                                                                                    : kOutsideAttrTimeoutS;
+  }
   if (!n.rel.empty()) return kInGenerationTimeoutS;
-  if (n.gen->dir_label == "latest") return c.tree->options().catchup_interval_ms / 1000.0;
+  if (n.gen->dir_label == "latest") return 0;
   return c.tree->options().snapshot_recheck_ms / 1000.0;
 }
 double AttrTimeoutS(const Node& n) { return n.gen != nullptr ? kInGenerationTimeoutS : kOutsideAttrTimeoutS; }
@@ -591,8 +605,8 @@ void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   // Under a pinned node the child comes from the same generation's layout;
   // elsewhere the tree resolves the path (and may move latest/ on).
   Result<Node> n = [&]() -> Result<Node> {
-    if (ref->generation == 0) return c->tree->Resolve(path);
-    OPTSTATE_ASSIGN_OR_RETURN(Node p, NodeFromRef(c, *ref));
+    if (ref->generation == 0) return c->tree->Resolve(path, CallerTid(req));
+    OPTSTATE_ASSIGN_OR_RETURN(Node p, NodeFromRef(c, *ref, CallerTid(req)));
     return StoreTree::ResolveIn(p.gen, p.rel.empty() ? std::string(name) : p.rel + "/" + name, path);
   }();
   if (!n.ok()) return ReplyStatus(req, n.status());
@@ -643,7 +657,7 @@ void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     return;
   }
   std::string path;
-  auto n = NodeOf(c, ino, &path);
+  auto n = NodeOf(c, ino, &path, CallerTid(req));
   if (!n.ok()) return ReplyStatus(req, n.status());
   FillStat(path, *n, c->tree->options().st_blksize_bytes, &st);
   fuse_reply_attr(req, &st, AttrTimeoutS(*n));
@@ -661,11 +675,12 @@ struct DirHandle {
   std::string path;            // the directory's
   std::shared_ptr<const Generation> gen;  // set inside a generation: READDIRPLUS gives its entries as nodes
   std::string rel;             // the directory's path inside gen
+  std::unique_ptr<PinUse> pin_use;  // inside latest/ pinned for the opener's process: keeps the pin
 };
 
 void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   std::string path;
-  auto n = NodeOf(Ctx(req), ino, &path);
+  auto n = NodeOf(Ctx(req), ino, &path, CallerTid(req));
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind == NodeKind::kGenFile) return (void)fuse_reply_err(req, ENOTDIR);
   auto names = Ctx(req)->tree->List(*n);
@@ -675,6 +690,9 @@ void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (n->kind == NodeKind::kGenDir) {
     h->gen = n->gen;
     h->rel = n->rel;
+    if (std::shared_ptr<LatestPin> pin = Ctx(req)->tree->PinOf(*n->gen, CallerTid(req)); pin != nullptr) {
+      h->pin_use = std::make_unique<PinUse>(std::move(pin));
+    }
   }
   h->entries.reserve(names->size() + 2);
   h->entries.push_back({".", {}});
@@ -800,7 +818,7 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
     return (void)fuse_reply_err(req, EROFS);
   }
   std::string path;
-  auto n = NodeOf(Ctx(req), ino, &path);
+  auto n = NodeOf(Ctx(req), ino, &path, CallerTid(req));
   if (!n.ok()) return ReplyStatus(req, n.status());
   if (n->kind != NodeKind::kGenFile) return (void)fuse_reply_err(req, EISDIR);
   Context* c = Ctx(req);
@@ -819,6 +837,9 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (c->prefetch != nullptr) c->prefetch->Opened(n->gen, n->file, taken);
   const bool cached = CachedFile(c->tree->options(), *n->file);
   auto fh = std::make_shared<FileHandle>();
+  if (std::shared_ptr<LatestPin> pin = c->tree->PinOf(*n->gen, CallerTid(req)); pin != nullptr) {
+    fh->pin_use = std::make_unique<PinUse>(std::move(pin));
+  }
   fh->reader = std::shared_ptr<ChunkReader>(std::move(reader));
   fh->fill = MakeSafetensorsFill(c, path, *n);
   if (cached && n->file->size_bytes > MountOptions::kSmallFileBytes) {
@@ -847,6 +868,7 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
   if (fh == nullptr) return (void)fuse_reply_err(req, EBADF);
   if (off < 0) return (void)fuse_reply_err(req, EINVAL);
   const std::shared_ptr<ChunkReader>& r = fh->reader;
+  if (fh->pin_use != nullptr) fh->pin_use->Touch();
   if (fh->pusher != nullptr) fh->pusher->OnRead(static_cast<uint64_t>(off), size);
   BeforeRead();
   const auto start = std::chrono::steady_clock::now();
@@ -1087,6 +1109,38 @@ bool DrainPushes(struct fuse_session* se, PushGate* gate, const std::string& abo
 
 void NoOpSignal(int) {}
 
+// Ends the latest/ pins of processes that exited or went idle
+// (StoreTree::SweepPins) once a second, so that a finished copier's
+// generation goes back to the writer's GC without waiting for another lookup.
+class PinSweeper {
+ public:
+  explicit PinSweeper(StoreTree* tree) : tree_(tree), thread_([this] { Run(); }) {}
+  ~PinSweeper() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> l(mu_);
+    while (!cv_.wait_for(l, std::chrono::seconds(1), [&] { return stop_; })) {
+      l.unlock();
+      tree_->SweepPins();
+      l.lock();
+    }
+  }
+
+  StoreTree* const tree_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 // A process that outlives an unclean death of this daemon (SIGKILL, a crash)
 // to abort its connection. Without it a push that waits in the kernel for the
 // pages of a READ keeps the dead daemon a zombie that holds /dev/fuse open:
@@ -1276,6 +1330,7 @@ int RunMount(const MountCommand& cmd) {
       }
       ctx.prefetch = std::make_unique<Prefetcher>(cmd.tree, ctx.pool.get(), &ctx.stats, std::move(held));
     }
+    PinSweeper sweeper(ctx.tree.get());
     OPTSTATE_LOG_INFO("optstate-mount: serving {} at {} (pid {})", cmd.tree.store_root,
                       cmd.mountpoint, getpid());
     if (cmd.single_thread) {

@@ -2,7 +2,7 @@
 //                [--readahead-chunks N] [--buffer-pool-mib N] [--max-sqe-kib N] [--blksize-kib N]
 //                [--prefetch-files N] [--prefetch-mib N] [--page-cache none|small|mappable|all]
 //                [--kernel-readahead-mib N] [--fill-safetensors | --no-fill-safetensors]
-//                [--threads N] [--log FILE]
+//                [--latest-pin-s N] [--threads N] [--log FILE]
 // Serves every store under STORE_ROOT read-only at MOUNTPOINT (see mount/fuse_mount.h).
 #include <climits>
 #include <cstdio>
@@ -21,7 +21,9 @@ const char kUsage[] =
     "\n"
     "Serves every optimizer-state store under STORE_ROOT (directories with an IDENTITY file)\n"
     "as read-only files at MOUNTPOINT:\n"
-    "  MOUNTPOINT/<store>/latest/            newest committed generation\n"
+    "  MOUNTPOINT/<store>/latest/            newest committed generation; one process sees\n"
+    "                                        one generation there (see --latest-pin-s)\n"
+    "  MOUNTPOINT/<store>/generations/<g>/   each generation the store retains\n"
     "  MOUNTPOINT/<store>/snapshots/<name>/  each snapshot\n"
     "      manifest.json  state.safetensors  tensors/<tensor>/{main,exp_avg,exp_avg_sq}\n"
     "Stores are opened without their lock, so a trainer may keep writing. Unmount with\n"
@@ -62,6 +64,9 @@ const char kUsage[] =
     "                        off the disk once, not twice (default: on with 8 or more\n"
     "                        cores; it costs CPU beside the reader's)\n"
     "  --no-fill-safetensors do not\n"
+    "  --latest-pin-s N      latest/ stays on the generation a process first saw there\n"
+    "                        until the process exits or has had nothing open there and\n"
+    "                        sent no request for N seconds (1..86400; default 60)\n"
     "  --threads N           maximum FUSE worker threads (default 16)\n"
     "  --log FILE            append the daemon's log to FILE (default: stderr, which a\n"
     "                        daemon without -f closes); also -o log=FILE (fstab)\n"
@@ -194,6 +199,13 @@ int main(int argc, char** argv) {
       cmd.tree.fill_safetensors = optstate::mount::MountOptions::Fill::kOff;
     } else if (a == "--fill-safetensors") {
       cmd.tree.fill_safetensors = optstate::mount::MountOptions::Fill::kOn;
+    } else if (a == "--latest-pin-s") {
+      uint32_t secs = 0;
+      if (!ParseU32(need(a.c_str()), &secs, 86400)) {
+        fmt::print(stderr, "optstate-mount: --latest-pin-s wants 1..86400\n");
+        return 2;
+      }
+      cmd.tree.latest_pin_idle_ms = secs * 1000;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
         fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");

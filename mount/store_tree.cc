@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -35,7 +37,58 @@ bool HasIdentity(const std::string& dir) {
   return ::stat((dir + "/IDENTITY").c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+// Field `n` (1-based, as proc(5) counts) of /proc/<pid>/stat, or none.
+std::optional<uint64_t> ProcStatField(uint32_t pid, int n) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return std::nullopt;
+  // The command name (field 2) is in parentheses and may hold spaces.
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream rest(line.substr(close + 1));
+  std::string v;
+  for (int i = 3; i <= n; ++i) {
+    if (!(rest >> v)) return std::nullopt;
+  }
+  return std::strtoull(v.c_str(), nullptr, 10);
+}
+
+// The thread group (process) of thread `tid`, from /proc/<tid>/status, or none.
+std::optional<uint32_t> ThreadGroupOf(uint32_t tid) {
+  std::ifstream in("/proc/" + std::to_string(tid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("Tgid:", 0) == 0) return static_cast<uint32_t>(std::strtoul(line.c_str() + 5, nullptr, 10));
+  }
+  return std::nullopt;
+}
+
+// A generation's directory name under generations/ ("17"), or none.
+std::optional<uint64_t> ParseGenerationName(const std::string& name) {
+  if (name.empty() || name.size() > 19 || (name.size() > 1 && name[0] == '0')) return std::nullopt;
+  for (char ch : name) {
+    if (ch < '0' || ch > '9') return std::nullopt;
+  }
+  return std::strtoull(name.c_str(), nullptr, 10);
+}
+
 }  // namespace
+
+int64_t SteadyNowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+}
+
+void LatestPin::Touch() { last_use_ms.store(SteadyNowMs(), std::memory_order_relaxed); }
+
+PinUse::PinUse(std::shared_ptr<LatestPin> pin) : pin_(std::move(pin)) {
+  pin_->open_handles.fetch_add(1, std::memory_order_relaxed);
+  pin_->Touch();
+}
+
+PinUse::~PinUse() {
+  pin_->Touch();  // idles from the last close on
+  pin_->open_handles.fetch_sub(1, std::memory_order_relaxed);
+}
 
 uint64_t InodeOf(std::string_view path) {
   uint64_t h = vfs::ChunkChecksum(path.data(), path.size());
@@ -69,7 +122,12 @@ Result<std::vector<std::string>> GenerationDirNames(const vfs::CheckpointLayout&
 }
 
 Status IndexTree(Generation* g) {
-  uint64_t h = InodeOf("/" + g->store_name + "/" + g->dir_label) >> 24;
+  // The generation's number in the hash: latest/'s files have other inode
+  // numbers in each generation, as they have other node ids.
+  std::string key = "/" + g->store_name + "/" + g->dir_label;
+  key.push_back('\0');
+  key += std::to_string(g->generation());
+  uint64_t h = InodeOf(key) >> 24;
   g->inode_base = h == 0 ? 1 : h;
   auto visit = [&](auto&& self, const std::string& dir) -> Status {
     OPTSTATE_ASSIGN_OR_RETURN(std::vector<std::string> names, GenerationDirNames(*g->layout, dir));
@@ -98,6 +156,11 @@ struct StoreTree::StoreEntry {
   std::shared_ptr<const Generation> latest;
   std::map<std::string, vfs::SnapshotInfo> snapshot_list;  // escaped name -> info
   std::map<std::string, std::shared_ptr<const Generation>> snapshots;  // escaped name
+  std::vector<uint64_t> retained;                                      // ascending
+  std::map<uint64_t, std::shared_ptr<const Generation>> generations;   // generations/<g> served
+  // latest/ per process (StoreTree's header comment).
+  std::mutex pins_mu;  // guards pins; after mu
+  std::map<ProcessKey, std::shared_ptr<LatestPin>> pins;
 };
 
 StoreTree::StoreTree(MountOptions opts) : opts_(std::move(opts)) {}
@@ -107,6 +170,9 @@ static void DropCached(StoreTree::StoreEntry* e) {
   std::lock_guard<std::mutex> lock(e->mu);
   e->latest.reset();
   e->snapshots.clear();
+  e->generations.clear();
+  std::lock_guard<std::mutex> pl(e->pins_mu);
+  e->pins.clear();
 }
 
 StoreTree::~StoreTree() {
@@ -143,6 +209,21 @@ Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::st
   return e;
 }
 
+// A Generation of store e served at dir_label, over view.
+static Result<std::shared_ptr<const Generation>> MakeGeneration(StoreTree::StoreEntry* e, std::string dir_label,
+                                                                std::unique_ptr<vfs::GenerationView> view) {
+  auto gen = std::make_shared<Generation>();
+  gen->store_keepalive = e->self.lock();
+  gen->store_name = e->name;
+  gen->dir_label = std::move(dir_label);
+  gen->view = std::move(view);
+  auto layout = vfs::CheckpointLayout::Build(gen->view.get());
+  if (!layout.ok()) return layout.status();
+  gen->layout = std::move(layout).value();
+  OPTSTATE_RETURN_IF_ERROR(IndexTree(gen.get()));
+  return std::shared_ptr<const Generation>(std::move(gen));
+}
+
 // REQUIRES: e->mu held.
 Status StoreTree::Refresh(StoreEntry* e, bool force) {
   auto now = Clock::now();
@@ -158,16 +239,16 @@ Status StoreTree::Refresh(StoreEntry* e, bool force) {
   } else if (!e->latest || e->latest->generation() != g) {
     auto view = e->store->OpenGeneration(vfs::kLatest);
     if (!view.ok()) return view.status();
-    auto gen = std::make_shared<Generation>();
-    gen->store_keepalive = e->self.lock();
-    gen->store_name = e->name;
-    gen->dir_label = "latest";
-    gen->view = std::move(view).value();
-    auto layout = vfs::CheckpointLayout::Build(gen->view.get());
-    if (!layout.ok()) return layout.status();
-    gen->layout = std::move(layout).value();
-    OPTSTATE_RETURN_IF_ERROR(IndexTree(gen.get()));
-    e->latest = std::move(gen);
+    OPTSTATE_ASSIGN_OR_RETURN(e->latest, MakeGeneration(e, "latest", std::move(view).value()));
+  }
+  e->retained.clear();
+  for (const vfs::GenerationInfo& i : e->store->ListGenerations()) e->retained.push_back(i.generation);
+  for (auto it = e->generations.begin(); it != e->generations.end();) {
+    if (!std::binary_search(e->retained.begin(), e->retained.end(), it->first)) {
+      it = e->generations.erase(it);  // no longer retained: open files keep their Generation
+    } else {
+      ++it;
+    }
   }
   std::map<std::string, vfs::SnapshotInfo> list;
   for (vfs::SnapshotInfo& s : e->store->ListSnapshots()) {
@@ -185,10 +266,134 @@ Status StoreTree::Refresh(StoreEntry* e, bool force) {
   return Status();
 }
 
-Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e) {
+std::optional<StoreTree::ProcessKey> StoreTree::Identify(uint32_t caller_tid) {
+  if (caller_tid == 0) return std::nullopt;
+  const int64_t now = SteadyNowMs();
+  {
+    std::lock_guard<std::mutex> l(ids_mu_);
+    auto it = threads_.find(caller_tid);
+    // A thread id is reused only after its thread ended and the pid space
+    // wrapped around: a second's trust costs nothing.
+    if (it != threads_.end() && now - it->second.checked_ms < 1000) return it->second.process;
+  }
+  std::optional<uint32_t> tgid = ThreadGroupOf(caller_tid);
+  if (!tgid) return std::nullopt;
+  std::optional<uint64_t> start = ProcStatField(*tgid, 22);  // starttime
+  if (!start) return std::nullopt;
+  ProcessKey key{*tgid, *start};
+  std::lock_guard<std::mutex> l(ids_mu_);
+  if (threads_.size() > 4096) {
+    for (auto it = threads_.begin(); it != threads_.end();) {
+      it = now - it->second.checked_ms >= 1000 ? threads_.erase(it) : std::next(it);
+    }
+  }
+  threads_[caller_tid] = KnownThread{key, now};
+  return key;
+}
+
+bool StoreTree::PinExpired(const ProcessKey& who, const LatestPin& pin, int64_t now_ms) const {
+  if (pin.open_handles.load(std::memory_order_relaxed) <= 0 &&
+      now_ms - pin.last_use_ms.load(std::memory_order_relaxed) > static_cast<int64_t>(opts_.latest_pin_idle_ms)) {
+    return true;
+  }
+  std::optional<uint64_t> start = ProcStatField(who.tgid, 22);
+  return !start || *start != who.start_ticks;  // exited (or its pid reused)
+}
+
+// REQUIRES: e->mu held.
+Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e, uint32_t caller_tid) {
+  const std::optional<ProcessKey> who = Identify(caller_tid);
+  std::shared_ptr<LatestPin> ended;  // destroyed after pins_mu is released
+  if (who) {
+    std::lock_guard<std::mutex> l(e->pins_mu);
+    auto it = e->pins.find(*who);
+    if (it != e->pins.end()) {
+      // The caller is alive (it asks): only idleness can end its pin here.
+      const LatestPin& p = *it->second;
+      if (p.open_handles.load(std::memory_order_relaxed) > 0 ||
+          SteadyNowMs() - p.last_use_ms.load(std::memory_order_relaxed) <=
+              static_cast<int64_t>(opts_.latest_pin_idle_ms)) {
+        it->second->Touch();
+        return it->second->gen;
+      }
+      ended = std::move(it->second);
+      e->pins.erase(it);
+    }
+  }
   OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
   if (!e->latest) return NotFound(fmt::format("store {}: no committed generation yet", e->name));
+  if (who) {
+    auto pin = std::make_shared<LatestPin>();
+    pin->gen = e->latest;
+    pin->Touch();
+    std::lock_guard<std::mutex> l(e->pins_mu);
+    e->pins[*who] = std::move(pin);
+  }
   return e->latest;
+}
+
+std::shared_ptr<LatestPin> StoreTree::PinOf(const Generation& gen, uint32_t caller_tid) {
+  if (gen.dir_label != "latest") return nullptr;
+  const std::optional<ProcessKey> who = Identify(caller_tid);
+  if (!who) return nullptr;
+  auto* e = static_cast<StoreEntry*>(gen.store_keepalive.get());
+  std::lock_guard<std::mutex> l(e->pins_mu);
+  auto it = e->pins.find(*who);
+  if (it == e->pins.end() || it->second->gen.get() != &gen) return nullptr;
+  it->second->Touch();
+  return it->second;
+}
+
+size_t StoreTree::SweepPins() {
+  std::vector<std::shared_ptr<StoreEntry>> entries;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const auto& [name, e] : stores_) entries.push_back(e);
+  }
+  const int64_t now = SteadyNowMs();
+  size_t left = 0;
+  for (const std::shared_ptr<StoreEntry>& e : entries) {
+    std::vector<std::shared_ptr<LatestPin>> ended;  // destroyed after pins_mu is released
+    std::lock_guard<std::mutex> l(e->pins_mu);
+    for (auto it = e->pins.begin(); it != e->pins.end();) {
+      if (PinExpired(it->first, *it->second, now)) {
+        ended.push_back(std::move(it->second));
+        it = e->pins.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    left += e->pins.size();
+  }
+  return left;
+}
+
+// REQUIRES: e->mu held.
+Result<std::shared_ptr<const Generation>> StoreTree::Retained(StoreEntry* e, const std::string& name) {
+  const std::optional<uint64_t> g = ParseGenerationName(name);
+  if (!g) return NotFound(fmt::format("store {}: no generation {} (generations are numbers)", e->name, name));
+  auto it = e->generations.find(*g);
+  if (it != e->generations.end() &&
+      Clock::now() - e->last_catchup < std::chrono::milliseconds(opts_.snapshot_recheck_ms)) {
+    return it->second;  // held and recently confirmed retained, as for snapshots
+  }
+  OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
+  it = e->generations.find(*g);
+  if (it != e->generations.end()) return it->second;
+  if (!std::binary_search(e->retained.begin(), e->retained.end(), *g)) {
+    OPTSTATE_RETURN_IF_ERROR(Refresh(e, true));  // committed since the last catch-up?
+    if (!std::binary_search(e->retained.begin(), e->retained.end(), *g)) {
+      return NotFound(fmt::format("store {}: generation {} is not retained", e->name, *g));
+    }
+  }
+  // The latest/ Generation of the same number shares nothing with this one
+  // but the store: its node ids and inode numbers come from its own path.
+  auto view = e->store->OpenGeneration(*g);
+  if (!view.ok()) return view.status();
+  OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen,
+                            MakeGeneration(e, "generations/" + name, std::move(view).value()));
+  e->generations[*g] = gen;
+  return gen;
 }
 
 Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, const std::string& name) {
@@ -211,20 +416,13 @@ Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, con
   }
   auto view = e->store->OpenSnapshot(l->second.name);
   if (!view.ok()) return view.status();
-  auto gen = std::make_shared<Generation>();
-  gen->store_keepalive = e->self.lock();
-  gen->store_name = e->name;
-  gen->dir_label = "snapshots/" + name;
-  gen->view = std::move(view).value();
-  auto layout = vfs::CheckpointLayout::Build(gen->view.get());
-  if (!layout.ok()) return layout.status();
-  gen->layout = std::move(layout).value();
-  OPTSTATE_RETURN_IF_ERROR(IndexTree(gen.get()));
+  OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen,
+                            MakeGeneration(e, "snapshots/" + name, std::move(view).value()));
   e->snapshots[name] = gen;
-  return std::shared_ptr<const Generation>(gen);
+  return gen;
 }
 
-Result<Node> StoreTree::Resolve(std::string_view path) {
+Result<Node> StoreTree::Resolve(std::string_view path, uint32_t caller_tid) {
   std::vector<std::string> parts = SplitPath(path);
   Node n;
   if (parts.empty()) return n;
@@ -249,8 +447,17 @@ Result<Node> StoreTree::Resolve(std::string_view path) {
   }
   size_t rel_start;
   if (parts[1] == "latest") {
-    OPTSTATE_ASSIGN_OR_RETURN(n.gen, Latest(e.get()));
+    OPTSTATE_ASSIGN_OR_RETURN(n.gen, Latest(e.get(), caller_tid));
     rel_start = 2;
+  } else if (parts[1] == "generations") {
+    if (parts.size() == 2) {
+      n.kind = NodeKind::kGenerationsDir;
+      OPTSTATE_RETURN_IF_ERROR(first_refresh());
+      n.mtime_unix_ms = e->latest ? e->latest->view->info().commit_time_unix_ms : 0;
+      return n;
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(n.gen, Retained(e.get(), parts[2]));
+    rel_start = 3;
   } else if (parts[1] == "snapshots") {
     if (parts.size() == 2) {
       n.kind = NodeKind::kSnapshotsDir;
@@ -308,8 +515,16 @@ Result<std::vector<std::string>> StoreTree::List(const Node& dir) {
       OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
       std::lock_guard<std::mutex> lock(e->mu);
       OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), false));
-      if (!e->latest) return std::vector<std::string>{"snapshots"};
-      return std::vector<std::string>{"latest", "snapshots"};
+      if (!e->latest) return std::vector<std::string>{"generations", "snapshots"};
+      return std::vector<std::string>{"generations", "latest", "snapshots"};
+    }
+    case NodeKind::kGenerationsDir: {
+      OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
+      std::lock_guard<std::mutex> lock(e->mu);
+      OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), true));
+      std::vector<std::string> out;
+      for (uint64_t g : e->retained) out.push_back(std::to_string(g));
+      return out;  // by number, ascending: the newest last
     }
     case NodeKind::kSnapshotsDir: {
       OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));

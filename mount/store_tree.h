@@ -2,7 +2,9 @@
 //
 //   /                                   every store under STORE_ROOT (a directory
 //                                       holding an IDENTITY file), sorted
-//   /<store>/latest/...                 newest committed generation
+//   /<store>/latest/...                 the newest committed generation, as the
+//                                       calling process first saw it (below)
+//   /<store>/generations/<g>/...        each generation the store retains
 //   /<store>/snapshots/<snapshot>/...   each snapshot (name escaped, vfs/checkpoint.h)
 // and under each generation directory the files of a CheckpointLayout.
 //
@@ -14,15 +16,29 @@
 // it, so a file opened under latest/ keeps reading the generation it was opened
 // on (the view's lease keeps its extents from the writer's GC).
 //
+// latest/ is per process. The first resolution of latest/ by a process (the
+// caller's thread id, mapped to its thread group) pins the newest generation
+// for that process (a LatestPin holds its Generation, and so its lease); every
+// later resolution by the same process gets that generation again, so a
+// copier that walks latest/ by path for each file (cp -r, cp -a,
+// shutil.copytree) copies one generation. A pin ends when its process exits
+// (pid and start time, so a reused pid is another process) or when it has no
+// open file or directory under it and no request for
+// MountOptions::latest_pin_idle_ms; the process's next resolution then pins
+// the newest generation again. Callers that are not a process we can see
+// (thread id 0) get the newest generation, unpinned.
+//
 // Thread-safety: all methods are thread-safe. Lock order: tree mu_ before a
-// StoreEntry's mu.
+// StoreEntry's mu before its pins_mu; ids_mu_ is taken alone.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -133,6 +149,13 @@ struct MountOptions {
   // snapshot (dev VM: 0.95 -> 0.2-0.6 ms per stat, 0.7-0.9 -> 0.3-0.5 ms per
   // open and close without them).
   uint32_t snapshot_recheck_ms = 1000;
+  // A process's pin of latest/ (StoreTree) ends once it has no file or
+  // directory open under it and has sent no request under it for this long.
+  // Default 60000 ms (--latest-pin-s). Why: long enough that a copier that
+  // stalls between two files (a slow destination, rsync's sender waiting for
+  // its receiver) still finishes on one generation; short enough that a
+  // long-running process that looks at latest/ now and then moves on.
+  uint32_t latest_pin_idle_ms = 60000;
 };
 
 // One generation as files. Immutable; shared by open file handles.
@@ -141,7 +164,7 @@ struct Generation {
   // after the store vanished from the tree. Declared first: destroyed last.
   std::shared_ptr<void> store_keepalive;
   std::string store_name;
-  std::string dir_label;              // "latest" or "snapshots/<name>"
+  std::string dir_label;              // "latest", "generations/<g>" or "snapshots/<name>"
   std::unique_ptr<vfs::GenerationView> view;
   std::unique_ptr<vfs::CheckpointLayout> layout;  // refers to *view
   // Tree order (IndexTree): every path inside the generation directory, dirs
@@ -161,6 +184,7 @@ enum class NodeKind : uint8_t {
   kRoot,          // /
   kStore,         // /<store>
   kSnapshotsDir,  // /<store>/snapshots
+  kGenerationsDir,  // /<store>/generations
   kGenDir,        // a directory inside a generation (rel "" = the generation dir)
   kGenFile,       // a file inside a generation
 };
@@ -174,20 +198,50 @@ struct Node {
   int64_t mtime_unix_ms = 0;
 };
 
+// A process's hold on the generation latest/ showed it first (StoreTree).
+// Shared with the file and directory handles it opens under that generation
+// (PinUse), which keep it from idling out and mark it used.
+struct LatestPin {
+  std::shared_ptr<const Generation> gen;
+  std::atomic<int64_t> last_use_ms{0};  // steady clock
+  std::atomic<int32_t> open_handles{0};
+  void Touch();
+};
+
+// An open handle's use of a pin: counted while it lives.
+class PinUse {
+ public:
+  explicit PinUse(std::shared_ptr<LatestPin> pin);
+  ~PinUse();
+  PinUse(const PinUse&) = delete;
+  PinUse& operator=(const PinUse&) = delete;
+  void Touch() { pin_->Touch(); }
+
+ private:
+  const std::shared_ptr<LatestPin> pin_;
+};
+
 class StoreTree {
  public:
   explicit StoreTree(MountOptions opts);
   ~StoreTree();
 
-  // Resolves an absolute path ("/", "/s", "/s/latest/tensors/x/main").
-  // NotFound for anything that does not exist.
-  Result<Node> Resolve(std::string_view path);
+  // Resolves an absolute path ("/", "/s", "/s/latest/tensors/x/main") for the
+  // thread caller_tid (a FUSE request's pid; 0 = unknown: latest/ is then the
+  // newest generation, unpinned). NotFound for anything that does not exist.
+  Result<Node> Resolve(std::string_view path, uint32_t caller_tid = 0);
+  // The pin of caller_tid's process on `gen`, if latest/ is pinned to gen for
+  // it (a file or directory it opens there then counts as a use), else null.
+  std::shared_ptr<LatestPin> PinOf(const Generation& gen, uint32_t caller_tid);
+  // Ends the pins whose process exited or that idled out (their generations
+  // go once no open file uses them). Returns how many pins are left.
+  size_t SweepPins();
   // The node at `rel` inside generation `gen` (rel "" = its directory), from
   // the generation's layout alone: no store lock, no catch-up. `path` (the
   // path the user asked for) names it in errors. NotFound if there is none.
   static Result<Node> ResolveIn(std::shared_ptr<const Generation> gen, std::string_view rel,
                                 std::string_view path);
-  // Sorted child names of a directory node.
+  // Sorted child names of a directory node (generations/: by number).
   Result<std::vector<std::string>> List(const Node& dir);
 
   const MountOptions& options() const { return opts_; }
@@ -197,13 +251,34 @@ class StoreTree {
  private:
   Result<std::shared_ptr<StoreEntry>> GetStore(const std::string& name);
   Status Refresh(StoreEntry* e, bool force);
-  Result<std::shared_ptr<const Generation>> Latest(StoreEntry* e);
+  Result<std::shared_ptr<const Generation>> Latest(StoreEntry* e, uint32_t caller_tid);
   Result<std::shared_ptr<const Generation>> Snapshot(StoreEntry* e, const std::string& name);
+  Result<std::shared_ptr<const Generation>> Retained(StoreEntry* e, const std::string& name);
+
+  // A process as pins know it: its thread group id and start time (so that a
+  // reused pid is another process).
+  struct ProcessKey {
+    uint32_t tgid = 0;
+    uint64_t start_ticks = 0;
+    auto operator<=>(const ProcessKey&) const = default;
+  };
+  // caller_tid's process, from /proc (cached for a second), or none.
+  std::optional<ProcessKey> Identify(uint32_t caller_tid);
+  bool PinExpired(const ProcessKey& who, const LatestPin& pin, int64_t now_ms) const;
 
   const MountOptions opts_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<StoreEntry>> stores_;  // guarded by mu_
+  struct KnownThread {
+    ProcessKey process;
+    int64_t checked_ms = 0;
+  };
+  std::mutex ids_mu_;
+  std::unordered_map<uint32_t, KnownThread> threads_;  // tid -> its process; guarded by ids_mu_
 };
+
+// Milliseconds of the steady clock (LatestPin's times).
+int64_t SteadyNowMs();
 
 // Whether the mount fills state.safetensors' page cache from the field files'
 // reads (MountOptions::fill_safetensors, kAuto resolved by core count).

@@ -1302,6 +1302,179 @@ TEST_F(MountTest, CorruptChunkIsEio) {
   EXPECT_NE(log.find(kStore), std::string::npos);
 }
 
+// What one copy of a generation directory holds, checked against independent
+// references: its manifest names a generation and step; every field file must
+// be the writer's pattern of that step (mount_test_writer: WriteStep), match
+// the manifest's per-chunk XXH3, and be the bytes state.safetensors holds for
+// it; no file is missing or extra. "" if all of that holds, else what is not.
+struct CopyCheck {
+  std::string problem;  // "" = one generation, complete
+  uint64_t generation = 0;
+  uint64_t step = 0;
+};
+CopyCheck CheckGenerationCopy(const std::string& dir, const std::map<std::string, uint32_t>& tensor_ids) {
+  CopyCheck out;
+  auto fail = [&](const std::string& why) {
+    out.problem = why;
+    return out;
+  };
+  const std::string mtext = ReadFile(dir + "/manifest.json");
+  auto m = nlohmann::json::parse(mtext, nullptr, /*allow_exceptions=*/false);
+  if (m.is_discarded()) return fail("manifest.json is not JSON");
+  out.generation = m.value("generation", uint64_t{0});
+  out.step = m.value("step", uint64_t{0});
+  const std::string st = ReadFile(dir + "/state.safetensors");
+  if (st.size() < 8) return fail("state.safetensors is too short");
+  uint64_t hn = 0;
+  for (int i = 7; i >= 0; --i) hn = (hn << 8) | static_cast<unsigned char>(st[i]);
+  if (8 + hn > st.size()) return fail("state.safetensors' header is cut");
+  auto h = nlohmann::json::parse(st.substr(8, hn), nullptr, false);
+  if (h.is_discarded()) return fail("state.safetensors' header is not JSON");
+  size_t files = 2;  // manifest.json, state.safetensors
+  for (auto& t : m["tensors"]) {
+    const std::string name = t["name"];
+    if (!tensor_ids.count(name)) return fail("unknown tensor " + name);
+    const uint64_t id = tensor_ids.at(name);
+    uint32_t f = 0;
+    for (auto& jf : t["fields"]) {
+      const std::string file = jf["file"];
+      const std::string got = ReadFile(dir + "/" + file);
+      if (got.size() != t["numel"].get<uint64_t>() * 4) return fail(file + ": size " + std::to_string(got.size()));
+      std::string want(got.size(), '\0');
+      FillPattern(want.data(), want.size(), out.step * 1000 + id * 10 + f, 0);
+      if (got != want) return fail(file + " is not step " + std::to_string(out.step) + "'s bytes");
+      for (auto& c : jf["chunks"]) {
+        const uint64_t off = c["offset"], len = c["length"];
+        char hex[17];
+        std::snprintf(hex, sizeof(hex), "%016llx",
+                      static_cast<unsigned long long>(ChunkChecksum(got.data() + off, len)));
+        if (c["xxh3"] != hex) return fail(file + ": a chunk's XXH3 differs from the manifest's");
+      }
+      const std::string key = name + "/" + jf["name"].get<std::string>();
+      if (!h.contains(key)) return fail("state.safetensors lacks " + key);
+      const uint64_t b = h[key]["data_offsets"][0], e = h[key]["data_offsets"][1];
+      if (8 + hn + e > st.size() || st.compare(8 + hn + b, e - b, got) != 0) {
+        return fail("state.safetensors' " + key + " differs from " + file);
+      }
+      ++files;
+      ++f;
+    }
+  }
+  size_t have = 0;
+  for (auto& e : fs::recursive_directory_iterator(dir)) have += e.is_regular_file();
+  if (have != files) return fail(std::to_string(have) + " files, the manifest names " + std::to_string(files));
+  return out;
+}
+
+// Every way of copying latest/ while a trainer commits as fast as it can
+// (cp -r, cp -a, Python's shutil.copytree, rsync -a, tar from the store's
+// directory, 4 at a time) yields one generation: copiers that resolve
+// latest/ by path for each file they open keep seeing the generation it
+// showed them first. The old daemon moved latest/ on between their files:
+// most cp -r, cp -a and copytree copies mixed the manifest of one generation
+// with field files and state.safetensors of others.
+TEST_F(MountTest, EveryCopyOfLatestIsOneGeneration) {
+  if (access("/usr/bin/rsync", X_OK) != 0) GTEST_SKIP() << "rsync is not installed (tools/setup.sh installs it)";
+  const std::string store = "rank0.live", stop = root_ + "/stop", prog = root_ + "/progress";
+  pid_t w = Spawn({OPTSTATE_MOUNT_TEST_WRITER, stores_ + "/" + store, "--create", "a:250000", "--create",
+                   "b:50000", "--create", "c:20000", "--create", "d:5000", "--create", "e:1000", "--create",
+                   "f:100", "--create", "g:7", "--create", "h:3", "--chunk-mib", "2", "--first-step", "1",
+                   "--steps", "1", "--until", stop, "--progress", prog},
+                  root_ + "/writer.log");
+  const std::string src = mnt_ + "/" + store + "/latest";
+  struct stat st;
+  for (int i = 0; i < 1500 && stat((src + "/manifest.json").c_str(), &st) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(stat((src + "/manifest.json").c_str(), &st), 0) << ReadFile(root_ + "/writer.log");
+  std::map<std::string, uint32_t> ids;
+  {
+    auto ro = Store::OpenReadOnly(stores_ + "/" + store, StoreOptions{});
+    ASSERT_TRUE(ro.ok()) << ro.status().ToString();
+    for (const TensorInfo& t : (*ro)->ListTensors()) ids[t.name] = t.id;
+  }
+  ASSERT_EQ(ids.size(), 8u);
+
+  const char* kNames[] = {"cp -r", "cp -a", "shutil.copytree", "rsync -a", "tar"};
+  auto copy = [&](int how, const std::string& dst) -> pid_t {
+    const std::string log = root_ + "/copy.log";
+    switch (how) {
+      case 0: return Spawn({"/bin/cp", "-r", src, dst}, log);
+      case 1: return Spawn({"/bin/cp", "-a", src, dst}, log);
+      case 2:
+        return Spawn({"/usr/bin/python3", "-c", "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])",
+                      src, dst},
+                     log);
+      case 3: return Spawn({"/usr/bin/rsync", "-a", src + "/", dst}, log);
+      default:
+        return Spawn({"/bin/sh", "-c",
+                      "mkdir " + dst + " && tar -cf - -C " + mnt_ + "/" + store + " latest | tar -xf - -C " + dst +
+                          " --strip-components=1"},
+                     log);
+    }
+  };
+  constexpr int kCopies = 200, kParallel = 4;
+  int torn[5] = {0, 0, 0, 0, 0}, failed[5] = {0, 0, 0, 0, 0};
+  std::set<uint64_t> generations;
+  std::string first_problem;
+  for (int i = 0; i < kCopies; i += kParallel) {
+    std::vector<std::pair<pid_t, int>> running;
+    for (int j = i; j < i + kParallel && j < kCopies; ++j) {
+      running.emplace_back(copy(j % 5, root_ + "/copy" + std::to_string(j)), j);
+    }
+    for (auto [pid, j] : running) {
+      const std::string dst = root_ + "/copy" + std::to_string(j);
+      const int how = j % 5;
+      if (WaitExit(pid) != 0) {
+        ++failed[how];  // loud: allowed, but counted and shown
+      } else {
+        CopyCheck c = CheckGenerationCopy(dst, ids);
+        generations.insert(c.generation);
+        if (!c.problem.empty()) {
+          ++torn[how];
+          if (first_problem.empty()) {
+            first_problem = std::string(kNames[how]) + " copy " + std::to_string(j) + " (manifest: generation " +
+                            std::to_string(c.generation) + "): " + c.problem;
+          }
+        } else if (j % 25 == 0) {
+          // An independent restore of the copy holds the manifest's step.
+          auto r = CreateStoreFromCheckpoint(dst, root_ + "/restored", StoreOptions{});
+          EXPECT_TRUE(r.ok()) << kNames[how] << ": " << r.status().ToString();
+          if (r.ok()) {
+            EXPECT_EQ((*r)->LatestGeneration().step, c.step);
+            for (const auto& [key, bytes] : DumpLatest(r->get())) {
+              const std::string name = key.substr(0, key.rfind('/'));
+              const std::string field = key.substr(key.rfind('/') + 1);
+              const uint32_t f = field == "main" ? 0 : field == "exp_avg" ? 1 : 2;
+              std::string want(bytes.size(), '\0');
+              FillPattern(want.data(), want.size(), c.step * 1000 + ids.at(name) * 10 + f, 0);
+              EXPECT_TRUE(bytes == want) << kNames[how] << " copy " << j << ": restored " << key;
+            }
+          }
+          fs::remove_all(root_ + "/restored");
+        }
+      }
+      fs::remove_all(dst);
+    }
+  }
+  std::ofstream(stop) << "stop\n";
+  ASSERT_EQ(WaitExit(w), 0) << ReadFile(root_ + "/writer.log");
+  std::string counts;
+  int torn_total = 0, failed_total = 0;
+  for (int k = 0; k < 5; ++k) {
+    counts += std::string(kNames[k]) + ": " + std::to_string(torn[k]) + " torn, " + std::to_string(failed[k]) +
+              " failed of " + std::to_string(kCopies / 5) + "; ";
+    torn_total += torn[k];
+    failed_total += failed[k];
+  }
+  std::fprintf(stderr, "%s%zu generations seen, writer at step %s", counts.c_str(), generations.size(),
+               ReadFile(prog).c_str());
+  EXPECT_EQ(torn_total, 0) << counts << first_problem;
+  EXPECT_EQ(failed_total, 0) << counts << ReadFile(root_ + "/copy.log");
+  // The writer moved on while the copies ran, or this proved nothing.
+  EXPECT_GE(generations.size(), 10u) << counts;
+}
+
 TEST_F(MountTest, OtherUserWithoutAllowOtherGetsEacces) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to switch to another user";
   pid_t p = fork();
