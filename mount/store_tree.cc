@@ -157,7 +157,13 @@ struct StoreTree::StoreEntry {
   std::map<std::string, vfs::SnapshotInfo> snapshot_list;  // escaped name -> info
   std::map<std::string, std::shared_ptr<const Generation>> snapshots;  // escaped name
   std::vector<uint64_t> retained;                                      // ascending
-  std::map<uint64_t, std::shared_ptr<const Generation>> generations;   // generations/<g> served
+  // generations/<g> served, each kept (with its lease) until it has gone
+  // unused for latest_pin_idle_ms (SweepPins); open files hold their own.
+  struct Served {
+    std::shared_ptr<const Generation> gen;
+    int64_t last_use_ms = 0;  // steady clock
+  };
+  std::map<uint64_t, Served> generations;
   // latest/ per process (StoreTree's header comment).
   std::mutex pins_mu;  // guards pins; after mu
   std::map<ProcessKey, std::shared_ptr<LatestPin>> pins;
@@ -353,6 +359,18 @@ size_t StoreTree::SweepPins() {
   const int64_t now = SteadyNowMs();
   size_t left = 0;
   for (const std::shared_ptr<StoreEntry>& e : entries) {
+    std::vector<std::shared_ptr<const Generation>> unused;  // destroyed after e->mu is released
+    {
+      std::lock_guard<std::mutex> l(e->mu);
+      for (auto it = e->generations.begin(); it != e->generations.end();) {
+        if (now - it->second.last_use_ms > static_cast<int64_t>(opts_.latest_pin_idle_ms)) {
+          unused.push_back(std::move(it->second.gen));
+          it = e->generations.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
     std::vector<std::shared_ptr<LatestPin>> ended;  // destroyed after pins_mu is released
     std::lock_guard<std::mutex> l(e->pins_mu);
     for (auto it = e->pins.begin(); it != e->pins.end();) {
@@ -375,11 +393,15 @@ Result<std::shared_ptr<const Generation>> StoreTree::Retained(StoreEntry* e, con
   auto it = e->generations.find(*g);
   if (it != e->generations.end() &&
       Clock::now() - e->last_catchup < std::chrono::milliseconds(opts_.snapshot_recheck_ms)) {
-    return it->second;  // held and recently confirmed retained, as for snapshots
+    it->second.last_use_ms = SteadyNowMs();
+    return it->second.gen;  // held and recently confirmed retained, as for snapshots
   }
   OPTSTATE_RETURN_IF_ERROR(Refresh(e, false));
   it = e->generations.find(*g);
-  if (it != e->generations.end()) return it->second;
+  if (it != e->generations.end()) {
+    it->second.last_use_ms = SteadyNowMs();
+    return it->second.gen;
+  }
   if (!std::binary_search(e->retained.begin(), e->retained.end(), *g)) {
     OPTSTATE_RETURN_IF_ERROR(Refresh(e, true));  // committed since the last catch-up?
     if (!std::binary_search(e->retained.begin(), e->retained.end(), *g)) {
@@ -392,7 +414,7 @@ Result<std::shared_ptr<const Generation>> StoreTree::Retained(StoreEntry* e, con
   if (!view.ok()) return view.status();
   OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<const Generation> gen,
                             MakeGeneration(e, "generations/" + name, std::move(view).value()));
-  e->generations[*g] = gen;
+  e->generations[*g] = StoreEntry::Served{gen, SteadyNowMs()};
   return gen;
 }
 

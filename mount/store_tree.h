@@ -233,8 +233,9 @@ class StoreTree {
   // The pin of caller_tid's process on `gen`, if latest/ is pinned to gen for
   // it (a file or directory it opens there then counts as a use), else null.
   std::shared_ptr<LatestPin> PinOf(const Generation& gen, uint32_t caller_tid);
-  // Ends the pins whose process exited or that idled out (their generations
-  // go once no open file uses them). Returns how many pins are left.
+  // Ends the pins whose process exited or that idled out, and drops the
+  // generations/<g> directories unused for as long (their generations go once
+  // no open file uses them). Returns how many pins are left.
   size_t SweepPins();
   // The node at `rel` inside generation `gen` (rel "" = its directory), from
   // the generation's layout alone: no store lock, no catch-up. `path` (the

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <nlohmann/json.hpp>
@@ -273,7 +274,7 @@ TEST_F(MountTest, TreeSizesInodesAndListings) {
   };
   EXPECT_EQ(list(M("latest/tensors")),
             (std::vector<std::string>{"emb", "layers.0%2Fb", "layers.0%2Fw", "odd%20name%20%25.."}));
-  EXPECT_EQ(list(M("")), (std::vector<std::string>{"latest", "snapshots"}));
+  EXPECT_EQ(list(M("")), (std::vector<std::string>{"generations", "latest", "snapshots"}));
   EXPECT_EQ(list(M("latest/tensors")), list(M("latest/tensors")));
   // Inside a generation, sorting a directory's entries by inode number (what
   // GNU cp -r does before copying them) gives listing order, the tree order
@@ -312,7 +313,7 @@ TEST_F(MountTest, TreeSizesInodesAndListings) {
   EXPECT_EQ(st.st_size, 40);
   // A store without a committed generation has no latest/ yet.
   { auto s3 = CreateStore(stores_ + "/rank2.empty"); CreateTensors(s3.get(), {{"y", 10, {}}}); }
-  EXPECT_EQ(list(mnt_ + "/rank2.empty"), std::vector<std::string>{"snapshots"});
+  EXPECT_EQ(list(mnt_ + "/rank2.empty"), (std::vector<std::string>{"generations", "snapshots"}));
   EXPECT_NE(stat((mnt_ + "/rank2.empty/latest").c_str(), &st), 0);
   EXPECT_EQ(errno, ENOENT);
   fs::remove_all(stores_ + "/rank2.empty");
@@ -789,12 +790,12 @@ TEST_F(MountTest, RepeatedPathWalksInsideAGenerationAreCached) {
   const uint64_t getattrs = SummaryCount(log, " getattrs");
   ASSERT_NE(lookups, UINT64_MAX) << log;
   ASSERT_NE(getattrs, UINT64_MAX) << log;
-  // The store's name at most once a second, latest/ at most once per
-  // catchup_interval_ms (20 ms; before, both on every walk); each name inside
+  // The store's name at most once a second, latest/ on every walk (never
+  // cached: it names another generation for each process); each name inside
   // the generation once (again after a commit: none here). The uncached
   // daemon: 4-6 per walk here.
   const uint64_t nodes = want.size() + dirs.size() + 1;  // + the generation directory
-  EXPECT_LE(lookups, nodes + static_cast<uint64_t>(ms) / 20 + static_cast<uint64_t>(ms) / 1000 + 4)
+  EXPECT_LE(lookups, nodes + walks + static_cast<uint64_t>(ms) / 1000 + 4)
       << log << " in " << ms << " ms, " << walks << " walks";
   EXPECT_GE(lookups, nodes) << log;
   // The root's and the store's attributes may be re-fetched once a second
@@ -877,10 +878,21 @@ TEST_F(MountTest, BlockSizeIsOneMibByDefaultAndSettable) {
       << ReadFile(root_ + "/bad.log");
 }
 
-// latest/ moves on after a commit although the kernel caches the names inside
-// a generation; a directory opened on the old generation never shows the new
-// generation's bytes (its files read the old bytes while that generation is in
-// use, else fail with ESTALE), and a released snapshot's paths go within about
+// Whether a new process (a fork of this one) reads `want` at `path`, the way
+// a process that never looked at latest/ before sees it.
+bool NewProcessReads(const std::string& path, const std::string& want,
+                     const std::function<std::string(const std::string&)>& read = ReadFile) {
+  pid_t p = fork();
+  if (p == 0) _exit(read(path) == want ? 0 : 1);
+  return p > 0 && WaitExit(p) == 0;
+}
+
+// latest/ moves on after a commit for a process that looks at it afresh,
+// although the kernel caches the names inside a generation, and stays on the
+// generation a process first saw while that process keeps using it; a
+// directory opened on the old generation never shows the new generation's
+// bytes (its files read the old bytes while that generation is in use, else
+// fail with ESTALE), and a released snapshot's paths go within about
 // snapshot_recheck_ms although its directory's name is cached that long.
 TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
   auto ro = OpenRo();
@@ -899,13 +911,13 @@ TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
   const std::map<std::string, std::string> gen2 = LatestFiles(s->get());
   ASSERT_FALSE(gen2.at(file) == gen1.at(file));
   // The daemon catches up at most every catchup_interval_ms (20 ms): poll.
-  std::string got;
-  for (int i = 0; i < 250; ++i) {
-    got = ReadFile(M("latest/" + file));
-    if (got == gen2.at(file)) break;
+  bool moved = false;
+  for (int i = 0; i < 250 && !(moved = NewProcessReads(M("latest/" + file), gen2.at(file))); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  EXPECT_TRUE(got == gen2.at(file)) << "latest/ did not move on to generation 2";
+  EXPECT_TRUE(moved) << "latest/ did not move on to generation 2 for a new process";
+  // This process keeps its generation (pinned at its first walk).
+  EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen1.at(file)) << "latest/ changed under a process using it";
   int fd = openat(dir, "emb/main", O_RDONLY);
   if (fd < 0) {
     EXPECT_EQ(errno, ESTALE) << std::strerror(errno);
@@ -1251,13 +1263,15 @@ TEST_F(MountTest, SafetensorsAndManifestCanBeMapped) {
   WriteStep(s->get(), 2);
   const std::map<std::string, std::string> gen2 = LatestFiles(s->get());
   ASSERT_FALSE(gen2.at("state.safetensors") == gen1.at("state.safetensors"));
-  std::string got;
-  for (int i = 0; i < 250 && !(got == gen2.at("state.safetensors")); ++i) {
+  // A new process maps generation 2 (this one stays on generation 1).
+  bool moved = false;
+  const std::string st_path = M("latest/state.safetensors");
+  for (int i = 0; i < 250 && !(moved = NewProcessReads(st_path, gen2.at("state.safetensors"), mapped)); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    got = mapped(M("latest/state.safetensors"));
   }
-  EXPECT_TRUE(got == gen2.at("state.safetensors")) << "the mapping kept generation 1's cached pages";
-  EXPECT_TRUE(mapped(M("latest/state.safetensors")) == gen2.at("state.safetensors"));  // cached now
+  EXPECT_TRUE(moved) << "the mapping kept generation 1's cached pages";
+  EXPECT_TRUE(NewProcessReads(st_path, gen2.at("state.safetensors"), mapped));  // cached now
+  EXPECT_TRUE(mapped(st_path) == gen1.at("state.safetensors"));
   ExpectSafetensorsMatchesRaw(M("latest"));
 }
 
@@ -1473,6 +1487,72 @@ TEST_F(MountTest, EveryCopyOfLatestIsOneGeneration) {
   EXPECT_EQ(failed_total, 0) << counts << ReadFile(root_ + "/copy.log");
   // The writer moved on while the copies ran, or this proved nothing.
   EXPECT_GE(generations.size(), 10u) << counts;
+}
+
+// generations/ lists the generations the store retains (the newest, and older
+// ones while a reader holds them), each a directory with that generation's
+// files; a process's latest/ leaves the generation it pinned once the process
+// has been idle for --latest-pin-s, and the generation of a process that
+// exited goes back to the writer's GC without any other request.
+TEST_F(MountTest, GenerationsAndTheEndOfALatestPin) {
+  StopDaemon();
+  StartDaemon({"--latest-pin-s", "1"});
+  auto list = [&](const std::string& p) {
+    std::vector<std::string> out;
+    for (auto& e : fs::directory_iterator(p)) out.push_back(e.path().filename());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> gen1 = LatestFiles(ro.get());
+  ro.reset();
+  EXPECT_EQ(list(M("generations")), std::vector<std::string>{"1"});
+  const std::string file = "tensors/emb/main";
+  EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen1.at(file));  // pins generation 1 for this process
+
+  auto s = Store::Open(StorePath(), StoreOptions{});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  WriteStep(s->get(), 2);
+  const std::map<std::string, std::string> gen2 = LatestFiles(s->get());
+  // Generation 1 stays retained while this process's latest/ holds it, and is
+  // readable under its own name too.
+  EXPECT_EQ(list(M("generations")), (std::vector<std::string>{"1", "2"}));
+  ExpectDirEqualsLayout(*LatestLayoutOf(StorePath()).layout, M("generations/2"));
+  for (const auto& [path, bytes] : gen1) EXPECT_TRUE(ReadFile(M("generations/1/" + path)) == bytes) << path;
+  struct stat a, b;
+  ASSERT_EQ(stat(M("generations/1/" + file).c_str(), &a), 0);
+  ASSERT_EQ(stat(M("generations/2/" + file).c_str(), &b), 0);
+  EXPECT_NE(a.st_ino, b.st_ino);
+  EXPECT_NE(stat(M("generations/3").c_str(), &a), 0);
+  EXPECT_EQ(errno, ENOENT);
+  EXPECT_NE(stat(M("generations/01").c_str(), &a), 0);
+  EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen1.at(file));
+  EXPECT_TRUE(NewProcessReads(M("latest/" + file), gen2.at(file)));
+
+  // Idle for longer than --latest-pin-s (1 s): the next walk gets the newest.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen2.at(file)) << "latest/ stayed pinned after the idle period";
+
+  // A process that pinned generation 2 and exited: the daemon's sweeper ends
+  // its pin, so the writer's GC drops generation 2 after later commits.
+  WriteStep(s->get(), 3);
+  EXPECT_TRUE(NewProcessReads(M("latest/" + file), LatestFiles(s->get()).at(file)));  // pins 3, exits
+  // (The daemon's own latest, the newest it caught up with, stays retained
+  // until the next commit: the listing shows at most two.)
+  std::vector<std::string> now;
+  auto held = [&] {
+    return std::count(now.begin(), now.end(), "2") + std::count(now.begin(), now.end(), "3") > 0;
+  };
+  for (int i = 0; i < 100; ++i) {
+    WriteStep(s->get(), 4 + i);
+    now = list(M("generations"));
+    if (!held()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_FALSE(held()) << "generations of exited or idle readers are still retained: "
+                       << ::testing::PrintToString(now);
+  EXPECT_LE(now.size(), 2u) << ::testing::PrintToString(now);
 }
 
 TEST_F(MountTest, OtherUserWithoutAllowOtherGetsEacces) {
