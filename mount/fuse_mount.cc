@@ -2,6 +2,7 @@
 #include "mount/fuse_mount.h"
 
 #include <fuse3/fuse_lowlevel.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mount.h>
@@ -1249,17 +1250,51 @@ Status CheckMountpoint(const std::string& mountpoint) {
       mountpoint, m->fstype, m->source, mountpoint));
 }
 
+Status CheckStoreRoot(const std::string& store_root) {
+  struct stat rs;
+  if (::stat(store_root.c_str(), &rs) != 0 || !S_ISDIR(rs.st_mode)) {
+    return InvalidArgument(fmt::format("STORE_ROOT {} is not a directory", store_root));
+  }
+  struct stat id;
+  if (::stat((store_root + "/IDENTITY").c_str(), &id) == 0 && S_ISREG(id.st_mode)) {
+    const size_t slash = store_root.find_last_of('/');
+    const std::string parent = slash == std::string::npos || slash == 0 ? "/" : store_root.substr(0, slash);
+    return InvalidArgument(fmt::format(
+        "{} is a store; mount its parent ({}), which serves every store in it as MOUNTPOINT/<store>/", store_root,
+        parent));
+  }
+  return Status();
+}
+
+std::optional<std::string> HiddenByMountWarning(const std::string& mountpoint) {
+  DIR* d = ::opendir(mountpoint.c_str());
+  if (d == nullptr) return std::nullopt;
+  size_t n = 0;
+  std::string first;
+  while (dirent* de = ::readdir(d)) {
+    const std::string name = de->d_name;
+    if (name == "." || name == "..") continue;
+    if (n++ == 0) first = name;
+  }
+  ::closedir(d);
+  if (n == 0) return std::nullopt;
+  return fmt::format("mountpoint {} is not empty ({} entr{}, e.g. '{}'): hidden while the mount is up", mountpoint,
+                     n, n == 1 ? "y" : "ies", first);
+}
+
 int RunMount(const MountCommand& cmd) {
   Status st = CheckMountpoint(cmd.mountpoint);
   if (!st.ok()) {
     fmt::print(stderr, "optstate-mount: {}\n", st.message());
     return 1;
   }
-  struct stat rs;
-  if (::stat(cmd.tree.store_root.c_str(), &rs) != 0 || !S_ISDIR(rs.st_mode)) {
-    fmt::print(stderr, "optstate-mount: STORE_ROOT {} is not a directory\n", cmd.tree.store_root);
+  st = CheckStoreRoot(cmd.tree.store_root);
+  if (!st.ok()) {
+    fmt::print(stderr, "optstate-mount: {}\n", st.message());
     return 1;
   }
+  const std::optional<std::string> hidden = HiddenByMountWarning(cmd.mountpoint);
+  if (hidden) fmt::print(stderr, "optstate-mount: warning: {}\n", *hidden);
 
   std::string opts = fmt::format("ro,default_permissions,max_read={},fsname=optstate:{},subtype=optstate",
                                  kMaxReadBytes, cmd.tree.store_root);
@@ -1277,6 +1312,7 @@ int RunMount(const MountCommand& cmd) {
       fmt::print(stderr, "optstate-mount: --log {}: {}\n", cmd.log_file, why);
       return 1;
     }
+    if (hidden) OPTSTATE_LOG_WARN("optstate-mount: {}", *hidden);
   }
   Context ctx;
   ctx.tree = std::make_unique<StoreTree>(cmd.tree);

@@ -20,6 +20,7 @@
 // Thread-safety: Run() blocks until unmounted; one per process.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,15 @@ struct MountCommand {
 // already a mount point (per /proc/self/mountinfo) and is not a dead FUSE mount
 // (ENOTCONN); the error says what to do.
 Status CheckMountpoint(const std::string& mountpoint);
+
+// Checks that `store_root` (a realpath) is a directory of stores, not a store
+// itself (it holds an IDENTITY file): a store's own directory would show its
+// RocksDB index as a store. The error names the parent to mount instead.
+Status CheckStoreRoot(const std::string& store_root);
+
+// The entries of `mountpoint` (a directory) that a mount there hides, or
+// none: a warning names it and how many.
+std::optional<std::string> HiddenByMountWarning(const std::string& mountpoint);
 
 // Mounts and serves until unmounted or signalled. Returns the process exit code.
 int RunMount(const MountCommand& cmd);

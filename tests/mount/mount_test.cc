@@ -1555,6 +1555,43 @@ TEST_F(MountTest, GenerationsAndTheEndOfALatestPin) {
   EXPECT_LE(now.size(), 2u) << ::testing::PrintToString(now);
 }
 
+// Mounting a store's own directory instead of the directory of stores is
+// refused, naming the parent to mount (it used to serve the store's RocksDB
+// index as a store that failed with EIO); mounting over a non-empty
+// directory works but warns, naming it.
+TEST_F(MountTest, AStoreAsStoreRootIsRefusedAndANonEmptyMountpointWarned) {
+  StopDaemon();
+  const std::string log = root_ + "/refused.log";
+  const pid_t p = Spawn({OPTSTATE_MOUNT_BINARY, StorePath(), mnt_, "-f"}, log);
+  // It must exit at once; one that mounts serves until stopped.
+  int status = 0;
+  for (int i = 0; i < 500 && waitpid(p, &status, WNOHANG) == 0 && !IsMounted(mnt_); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (IsMounted(mnt_)) {
+    kill(p, SIGTERM);
+    WaitExit(p);
+    FAIL() << "optstate-mount served a store's own directory: " << ReadFile(log);
+  }
+  if (waitpid(p, &status, 0) == p) {
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  }
+  EXPECT_NE(ReadFile(log).find(StorePath() + " is a store; mount its parent (" + stores_ + ")"), std::string::npos)
+      << ReadFile(log);
+  EXPECT_FALSE(IsMounted(mnt_));
+
+  std::ofstream(mnt_ + "/left-behind") << "x\n";
+  StartDaemon();
+  const std::string daemon_log = ReadFile(root_ + "/daemon.log");
+  EXPECT_NE(daemon_log.find("warning: mountpoint " + mnt_ + " is not empty (1 entry, e.g. 'left-behind')"),
+            std::string::npos)
+      << daemon_log;
+  struct stat st;
+  EXPECT_EQ(stat(M("latest/manifest.json").c_str(), &st), 0);
+  StopDaemon();
+  fs::remove(mnt_ + "/left-behind");
+}
+
 TEST_F(MountTest, OtherUserWithoutAllowOtherGetsEacces) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to switch to another user";
   pid_t p = fork();
