@@ -6,7 +6,7 @@ PKGS=(build-essential g++ cmake ninja-build pkg-config git
       librocksdb-dev liburing-dev libfuse3-dev fuse3
       libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libxxhash-dev
       nlohmann-json3-dev libcli11-dev fio clang libclang-rt-dev
-      python3 python3-torch python3-numpy e2fsprogs util-linux systemd)
+      python3 python3-torch python3-numpy e2fsprogs util-linux systemd rsync)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
