@@ -394,7 +394,7 @@ Status CheckCreatePath(const std::string& store_path) {
   if (std::filesystem::is_directory(fst)) {
     if (std::filesystem::exists(std::filesystem::path(store_path) / "IDENTITY", ec)) {
       return AlreadyExists(fmt::format(
-          "restore --create: {} is already a store; to restore into it, leave out --create "
+          "restore --create: {} is already a store; to restore into it, run without --create "
           "(its layout must match the checkpoint), or give a new path",
           store_path));
     }
