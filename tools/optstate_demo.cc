@@ -24,6 +24,7 @@
 #include <iostream>
 #include <memory>
 #include <random>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -510,10 +511,8 @@ int main(int argc, char** argv) {
   app.add_flag("--keep", o.keep, "keep the store, the copy and the restored store");
   app.add_flag("--no-mount", o.no_mount, "skip FUSE; export the snapshot directly");
   app.add_flag("--json", o.json, "also print a JSON summary line on stderr");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (std::optional<int> code = optstate::tools::ParseCommandLine(app, argc, argv, "optstate-demo")) {
+    return *code;
   }
   return optstate::tools::Run(o);
 }

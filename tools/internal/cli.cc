@@ -362,8 +362,16 @@ std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv, std::s
           continue;
         }
         msg += fmt::format("unknown option '{}'", name);
-        std::vector<std::string> near = ClosestMatches(name, known, 1);
-        if (!near.empty()) msg += fmt::format(" (did you mean '{}'?)", near[0]);
+        // Closest known option by the words after the dashes, within a third
+        // of their length (the shared "--" would make every option look near).
+        const std::string bare = name.substr(name.find_first_not_of('-'));
+        std::string best;
+        size_t best_d = std::max<size_t>(1, bare.size() / 3) + 1;
+        for (const std::string& k : known) {
+          const size_t d = EditDistance(bare, k.substr(k.find_first_not_of('-')));
+          if (d < best_d) best_d = d, best = k;
+        }
+        if (!best.empty()) msg += fmt::format(" (did you mean '{}'?)", best);
       }
       if (options.empty()) {
         for (const std::string& x : others) {
