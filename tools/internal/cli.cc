@@ -350,7 +350,7 @@ std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv, std::s
       OptionNames(app, &known);
       std::vector<std::string> options, others;
       for (const std::string& x : extras) {
-        (x.size() > 1 && x[0] == '-' ? options : others).push_back(x);
+        (x.size() > 1 && x[0] == '-' && x != "--" ? options : others).push_back(x);
       }
       msg.clear();
       // An unknown option explains the arguments after it (its values).
@@ -364,11 +364,16 @@ std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv, std::s
         msg += fmt::format("unknown option '{}'", name);
         // Closest known option by the words after the dashes, within a third
         // of their length (the shared "--" would make every option look near).
-        const std::string bare = name.substr(name.find_first_not_of('-'));
+        auto words = [](const std::string& o) {
+          const size_t b = o.find_first_not_of('-');
+          return b == std::string::npos ? std::string() : o.substr(b);
+        };
+        const std::string bare = words(name);
         std::string best;
         size_t best_d = std::max<size_t>(1, bare.size() / 3) + 1;
         for (const std::string& k : known) {
-          const size_t d = EditDistance(bare, k.substr(k.find_first_not_of('-')));
+          if (bare.empty()) break;  // "--" or "-": nothing to compare
+          const size_t d = EditDistance(bare, words(k));
           if (d < best_d) best_d = d, best = k;
         }
         if (!best.empty()) msg += fmt::format(" (did you mean '{}'?)", best);
