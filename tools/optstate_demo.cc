@@ -223,17 +223,18 @@ void Say(const std::string& s) {
 
 int Run(const DemoOptions& o) {
   const double t_start = NowSeconds();
+  // Bad option values are a malformed command line (exit 2), as in every tool.
   auto budget = ParseBytes(o.budget_text);
-  if (!budget.ok()) return FailWith(kTool, budget.status().WithContext("--budget"));
+  if (!budget.ok()) return FailUsage(kTool, "--budget: " + budget.status().message());
   auto chunk = ParseBytes(o.chunk_text);
-  if (!chunk.ok()) return FailWith(kTool, chunk.status().WithContext("--chunk-size"));
+  if (!chunk.ok()) return FailUsage(kTool, "--chunk-size: " + chunk.status().message());
   if (*chunk == 0 || *chunk % vfs::kChunkAlignBytes) {
-    return FailWith(kTool, InvalidArgument("--chunk-size must be a multiple of 2 MiB"));
+    return FailUsage(kTool, "--chunk-size must be a multiple of 2 MiB");
   }
-  if (o.params < 10'000) return FailWith(kTool, InvalidArgument("--params must be >= 10000"));
-  if (o.steps < 1) return FailWith(kTool, InvalidArgument("--steps must be >= 1"));
+  if (o.params < 10'000) return FailUsage(kTool, "--params must be >= 10000");
+  if (o.steps < 1) return FailUsage(kTool, "--steps must be >= 1");
   auto parsed_backend = memmgr::ParseBackend(o.backend);
-  if (!parsed_backend.ok()) return FailWith(kTool, parsed_backend.status().WithContext("--backend"));
+  if (!parsed_backend.ok()) return FailUsage(kTool, "--backend: " + parsed_backend.status().message());
   const memmgr::Backend backend = *parsed_backend;
 
   std::string dir = o.dir;

@@ -47,6 +47,15 @@ TEST(CliTest, JsonNumberTellsNanFromInfinity) {
   EXPECT_EQ(JsonNumber(-0.0).dump(), "-0.0");
 }
 
+TEST(CliTest, BenchCommandLineErrorsExitTwoWithThePrefix) {
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{}, {"iox"}, {"io", "--frobnicate"}, {"io", "--rounds", "x"}}) {
+    auto r = Tool("optstate-bench", args);
+    EXPECT_EQ(r.exit_code, 2) << JoinCommand(args) << "\n" << r.err;
+    EXPECT_EQ(r.err.rfind("optstate-bench: error: ", 0), 0u) << JoinCommand(args) << "\n" << r.err;
+  }
+}
+
 TEST(CliTest, BenchRejectsMalformedArguments) {
   ExpectUsageError("optstate-bench", {}, "subcommand");
   ExpectUsageError("optstate-bench", {"iox"}, "iox");
