@@ -215,15 +215,15 @@ if [[ -n ${MULTIRANK_SELFTEST_CORRUPT:-} ]]; then
 fi
 start_mount "$REST" "$MNT2" "$OUT/optstate-mount-restored.log"
 
-# state.safetensors: the header's __metadata__ names the generation, which the
-# restored store numbers itself; compare the header with that value masked and
+# state.safetensors: the header's __metadata__ names the generation and store,
+# which the restored store has its own of; compare the header with that value masked and
 # the data section (every tensor field) byte for byte.
 st_hlen() { od -An -t u8 -N8 "$1" | tr -d ' '; }
 safetensors_cmp() {
   local a=$1 b=$2 ha hb
   ha=$(st_hlen "$a") hb=$(st_hlen "$b")
-  if ! diff <(head -c $((8 + ha)) "$a" | tail -c "$ha" | sed 's/"optstate.generation":"[0-9]*"/"optstate.generation":"G"/') \
-            <(head -c $((8 + hb)) "$b" | tail -c "$hb" | sed 's/"optstate.generation":"[0-9]*"/"optstate.generation":"G"/') \
+  if ! diff <(head -c $((8 + ha)) "$a" | tail -c "$ha" | sed 's/"optstate.generation":"[0-9]*"/"optstate.generation":"G"/; s/"optstate.store_uuid":"[^"]*"/"optstate.store_uuid":"U"/') \
+            <(head -c $((8 + hb)) "$b" | tail -c "$hb" | sed 's/"optstate.generation":"[0-9]*"/"optstate.generation":"G"/; s/"optstate.store_uuid":"[^"]*"/"optstate.store_uuid":"U"/') \
             >>"$OUT/verify.log"; then
     echo "$a vs $b: safetensors headers differ beyond the generation" >>"$OUT/verify.log"; return 1
   fi

@@ -1,6 +1,7 @@
 // optstate-bench: the performance harness. Subcommands io, step, sleep,
 // mount, kernel; each prints a table of ratios (or --json). See docs/CLI.md.
 #include <iostream>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 
@@ -27,15 +28,10 @@ int main(int argc, char** argv) {
     std::vector<std::string> names;
     for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
     std::string msg = optstate::tools::UnknownCommandMessage(argv[1], names);
-    if (!msg.empty()) {
-      std::cerr << "optstate-bench: error: " << msg << "\nRun with --help for more information.\n";
-      return static_cast<int>(CLI::ExitCodes::ExtrasError);
-    }
+    if (!msg.empty()) return optstate::tools::FailUsage("optstate-bench", msg);
   }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (std::optional<int> code = optstate::tools::ParseCommandLine(app, argc, argv, "optstate-bench")) {
+    return *code;
   }
   return exit_code;
 }

@@ -24,6 +24,7 @@
 #include <iostream>
 #include <memory>
 #include <random>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -222,17 +223,18 @@ void Say(const std::string& s) {
 
 int Run(const DemoOptions& o) {
   const double t_start = NowSeconds();
+  // Bad option values are a malformed command line (exit 2), as in every tool.
   auto budget = ParseBytes(o.budget_text);
-  if (!budget.ok()) return FailWith(kTool, budget.status().WithContext("--budget"));
+  if (!budget.ok()) return FailUsage(kTool, "--budget: " + budget.status().message());
   auto chunk = ParseBytes(o.chunk_text);
-  if (!chunk.ok()) return FailWith(kTool, chunk.status().WithContext("--chunk-size"));
+  if (!chunk.ok()) return FailUsage(kTool, "--chunk-size: " + chunk.status().message());
   if (*chunk == 0 || *chunk % vfs::kChunkAlignBytes) {
-    return FailWith(kTool, InvalidArgument("--chunk-size must be a multiple of 2 MiB"));
+    return FailUsage(kTool, "--chunk-size must be a multiple of 2 MiB");
   }
-  if (o.params < 10'000) return FailWith(kTool, InvalidArgument("--params must be >= 10000"));
-  if (o.steps < 1) return FailWith(kTool, InvalidArgument("--steps must be >= 1"));
+  if (o.params < 10'000) return FailUsage(kTool, "--params must be >= 10000");
+  if (o.steps < 1) return FailUsage(kTool, "--steps must be >= 1");
   auto parsed_backend = memmgr::ParseBackend(o.backend);
-  if (!parsed_backend.ok()) return FailWith(kTool, parsed_backend.status().WithContext("--backend"));
+  if (!parsed_backend.ok()) return FailUsage(kTool, "--backend: " + parsed_backend.status().message());
   const memmgr::Backend backend = *parsed_backend;
 
   std::string dir = o.dir;
@@ -510,10 +512,8 @@ int main(int argc, char** argv) {
   app.add_flag("--keep", o.keep, "keep the store, the copy and the restored store");
   app.add_flag("--no-mount", o.no_mount, "skip FUSE; export the snapshot directly");
   app.add_flag("--json", o.json, "also print a JSON summary line on stderr");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (std::optional<int> code = optstate::tools::ParseCommandLine(app, argc, argv, "optstate-demo")) {
+    return *code;
   }
   return optstate::tools::Run(o);
 }

@@ -4,13 +4,18 @@
 // LOCK), so it works while a trainer has the store open and after the trainer
 // died. Commands: ls, stat, show, verify, diff; --json on every one. When
 // STORE is a directory of stores (a store root), `ls` lists the stores.
-// Exit codes: 0 success, 1 error (message on stderr), 2 verify found problems,
-// CLI11's codes (>= 100) for malformed arguments.
+// Exit codes: every tool's (tools/internal/cli.h: 0 success, 1 error, 2 a
+// malformed command line), and 3 when verify found problems.
+#include <sys/statvfs.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +25,7 @@
 #include "tools/internal/cli.h"
 #include "tools/internal/process.h"
 #include "tools/internal/store_read.h"
+#include "vfs/checkpoint.h"
 #include "vfs/store.h"
 
 namespace optstate::tools {
@@ -29,7 +35,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kTool = "optstate-inspect";
-constexpr int kExitProblems = 2;
+constexpr int kExitProblems = 3;
 
 struct Args {
   std::string store;
@@ -58,11 +64,27 @@ std::vector<uint64_t> EffectiveShape(const vfs::TensorInfo& t) {
   return t.shape.empty() ? std::vector<uint64_t>{t.numel} : t.shape;
 }
 
-json NumberOrNull(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+// A statistic over the finite values: null when there are none.
+json FiniteOrNull(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
+
+// Hyperparameters as the manifest writes them: flags (adamw) as booleans.
+json HyperJson(const std::map<std::string, double>& hyper) {
+  json h = json::object();
+  for (const auto& [k, v] : hyper) {
+    if (vfs::IsFlagHyperparameter(k) && (v == 0.0 || v == 1.0)) {
+      h[k] = (v == 1.0);
+    } else {
+      h[k] = JsonNumber(v);
+    }
+  }
+  return h;
+}
 
 json GroupsJson(const std::vector<vfs::GroupInfo>& groups) {
   json g = json::array();
-  for (const auto& x : groups) g.push_back({{"id", x.id}, {"step_count", x.step_count}, {"hyper", x.hyper}});
+  for (const auto& x : groups) {
+    g.push_back({{"id", x.id}, {"step_count", x.step_count}, {"hyper", HyperJson(x.hyper)}});
+  }
   return g;
 }
 
@@ -82,18 +104,40 @@ std::vector<std::string> SnapshotNames(const vfs::Store& s) {
   return names;
 }
 
-// "latest", a snapshot name, or "gen:N".
+// "latest", a snapshot name, or "gen:N" of a retained generation. A name
+// that is none of these gets the closest of all of them.
 Result<std::unique_ptr<vfs::GenerationView>> OpenNamed(vfs::Store& s, const std::string& name) {
   std::vector<std::string> snaps = SnapshotNames(s);
   if (std::find(snaps.begin(), snaps.end(), name) != snaps.end()) return s.OpenSnapshot(name);
   if (name == "latest") return s.OpenGeneration(vfs::kLatest);
+  std::vector<std::string> retained;
+  for (const auto& g : s.ListGenerations()) retained.push_back(std::to_string(g.generation));
   if (name.rfind("gen:", 0) == 0) {
     char* end = nullptr;
+    errno = 0;
     unsigned long long g = std::strtoull(name.c_str() + 4, &end, 10);
-    if (end && *end == '\0' && name.size() > 4) return s.OpenGeneration(g);
+    if (end && *end == '\0' && name.size() > 4 && name[4] != '-' && errno == 0) {
+      auto v = s.OpenGeneration(g);
+      if (v.ok() || !v.status().IsNotFound()) return v;
+      return NotFound(fmt::format("generation {} is not retained by store {} (retained: {})", g,
+                                  s.path(), retained.empty() ? "none" : fmt::format("{}", fmt::join(retained, ", "))));
+    }
   }
-  return NotFound(UnknownNameMessage("snapshot", name, snaps) +
-                  " (also accepted: latest, gen:N)");
+  std::vector<std::string> candidates = snaps;
+  candidates.push_back("latest");
+  for (const auto& g : retained) candidates.push_back("gen:" + g);
+  if (!ClosestMatches(name, candidates).empty()) {
+    return NotFound(UnknownNameMessage("snapshot", name, candidates));
+  }
+  auto list = [](const std::vector<std::string>& v, const char* none) {
+    if (v.empty()) return std::string(none);
+    std::string out;
+    for (size_t i = 0; i < v.size() && i < 10; ++i) out += (i ? ", " : "") + v[i];
+    return v.size() > 10 ? out + fmt::format(", ... ({} in all)", v.size()) : out;
+  };
+  return NotFound(fmt::format("unknown snapshot '{}' (snapshots: {}; also accepted: latest, and "
+                              "gen:N for a retained generation N: {})",
+                              name, list(snaps, "none"), list(retained, "none")));
 }
 
 Result<std::unique_ptr<vfs::GenerationView>> OpenView(vfs::Store& s, const Args& a) {
@@ -228,11 +272,23 @@ int Stat(const Args& a) {
     out["snapshots"].push_back({{"name", x.name}, {"generation", x.generation},
                                 {"create_time_unix_ms", x.create_time_unix_ms}});
   }
+  // Free space of each data dir's filesystem (statvfs: the bytes an
+  // unprivileged writer may still use). The store's own account of free
+  // space inside its data files is only known to the writer that holds it.
   json dirs = json::array();
   for (size_t i = 0; i < id.data_dirs.size(); ++i) {
-    dirs.push_back({{"path", id.data_dirs[i]},
-                    {"file_bytes", i < st->data_file_bytes.size() ? st->data_file_bytes[i] : 0},
-                    {"free_bytes", i < st->data_free_bytes.size() ? st->data_free_bytes[i] : 0}});
+    fs::path dir = id.data_dirs[i];
+    if (dir.is_relative()) dir = fs::path(a.store) / dir;
+    json d = {{"path", id.data_dirs[i]},
+              {"file_bytes", i < st->data_file_bytes.size() ? st->data_file_bytes[i] : 0}};
+    struct statvfs sv {};
+    if (::statvfs(dir.c_str(), &sv) == 0) {
+      d["fs_free_bytes"] = static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize;
+      d["fs_size_bytes"] = static_cast<uint64_t>(sv.f_blocks) * sv.f_frsize;
+    } else {
+      d["fs_error"] = ErrnoStatus(fmt::format("statvfs {}", dir.string()), errno).ToString();
+    }
+    dirs.push_back(std::move(d));
   }
   out["disk"] = {{"data_dirs", dirs},
                  {"index_bytes", index_bytes},
@@ -254,7 +310,10 @@ int Stat(const Args& a) {
   std::cout << fmt::format("latest     generation {}, step {}\n", latest.generation, latest.step);
   for (const auto& g : latest.groups) {
     std::string hyper;
-    for (const auto& [k, v] : g.hyper) hyper += fmt::format(" {}={}", k, FormatDouble(v, 6));
+    for (const auto& [k, v] : g.hyper) {
+      const bool flag = vfs::IsFlagHyperparameter(k) && (v == 0.0 || v == 1.0);
+      hyper += fmt::format(" {}={}", k, flag ? (v == 1.0 ? "true" : "false") : FormatDouble(v, 6));
+    }
     std::cout << fmt::format("  group {}: step count {}{}\n", g.id, g.step_count, hyper);
   }
   std::cout << "\ngenerations retained:";
@@ -263,10 +322,12 @@ int Stat(const Args& a) {
   std::cout << fmt::format("snapshots: {}\n", snaps.empty() ? "none" : "");
   for (const auto& x : snaps) std::cout << fmt::format("  {} -> generation {}\n", x.name, x.generation);
   std::cout << "\ndisk use:\n";
-  Table t({"data dir", "file", "free"}, {false, true, true});
+  Table t({"data dir", "data file", "filesystem free", "filesystem size"}, {false, true, true, true});
   for (const auto& d : dirs) {
+    bool have = d.contains("fs_free_bytes");
     t.AddRow({d["path"].get<std::string>(), FormatBytes(d["file_bytes"].get<uint64_t>()),
-              FormatBytes(d["free_bytes"].get<uint64_t>())});
+              have ? FormatBytes(d["fs_free_bytes"].get<uint64_t>()) : "? (" + d["fs_error"].get<std::string>() + ")",
+              have ? FormatBytes(d["fs_size_bytes"].get<uint64_t>()) : "?"});
   }
   std::cout << t.Render();
   std::cout << fmt::format(
@@ -278,10 +339,12 @@ int Stat(const Args& a) {
   return 0;
 }
 
+// min, max and mean are over the finite values (null when there are none);
+// l2 may overflow to "Infinity".
 json StatsJson(const FieldStats& s) {
-  return {{"count", s.count}, {"min", NumberOrNull(s.finite() ? s.min : NAN)},
-          {"max", NumberOrNull(s.finite() ? s.max : NAN)}, {"mean", NumberOrNull(s.mean())},
-          {"l2", s.l2()}, {"nan", s.nan}, {"inf", s.inf}};
+  return {{"count", s.count}, {"min", FiniteOrNull(s.finite() ? s.min : NAN)},
+          {"max", FiniteOrNull(s.finite() ? s.max : NAN)}, {"mean", FiniteOrNull(s.mean())},
+          {"l2", JsonNumber(s.l2())}, {"nan", s.nan}, {"inf", s.inf}};
 }
 
 int Show(const Args& a) {
@@ -336,7 +399,7 @@ int Show(const Args& a) {
       return FailWith(kTool, rs.WithContext(fmt::format("tensor {} field {}", t->name, t->fields[f].name)));
     }
     json jv = json::array();
-    for (double x : vals) jv.push_back(NumberOrNull(x));
+    for (double x : vals) jv.push_back(JsonNumber(x));
     out["fields"].push_back({{"name", t->fields[f].name}, {"dtype", vfs::DTypeName(d)},
                              {"values", jv}, {"stats", StatsJson(st)}});
     text += fmt::format("\n{} ({}):\n  values[{}..{}):", t->fields[f].name, vfs::DTypeName(d),
@@ -382,8 +445,12 @@ int Diff(const Args& a) {
   auto s = OpenStore(a.store);
   if (!s.ok()) return FailWith(kTool, s.status());
   auto va = OpenNamed(**s, a.snap_a);
-  if (!va.ok()) return FailWith(kTool, va.status());
   auto vb = OpenNamed(**s, a.snap_b);
+  if (!va.ok() && !vb.ok()) {
+    return FailWith(kTool, NotFound(fmt::format("{}; and {}", va.status().message(),
+                                                vb.status().message())));
+  }
+  if (!va.ok()) return FailWith(kTool, va.status());
   if (!vb.ok()) return FailWith(kTool, vb.status());
   json out = {{"store", a.store},
               {"a", {{"name", a.snap_a}, {"generation", (*va)->info().generation}, {"step", (*va)->info().step}}},
@@ -455,9 +522,9 @@ int Diff(const Args& a) {
         return FailWith(kTool, st.WithContext(fmt::format("tensor {} field {}", ta.name, ta.fields[f].name)));
       }
       if (differing) any_diff = true;
-      fields.push_back({{"name", ta.fields[f].name}, {"max_abs_diff", NumberOrNull(max_abs)},
-                        {"l2_diff", std::sqrt(diff_sq)}, {"l2_a", std::sqrt(na)},
-                        {"l2_b", std::sqrt(nb)}, {"differing_elements", differing}});
+      fields.push_back({{"name", ta.fields[f].name}, {"max_abs_diff", JsonNumber(max_abs)},
+                        {"l2_diff", JsonNumber(std::sqrt(diff_sq))}, {"l2_a", JsonNumber(std::sqrt(na))},
+                        {"l2_b", JsonNumber(std::sqrt(nb))}, {"differing_elements", differing}});
       table.AddRow({ta.name, ta.fields[f].name, FormatDouble(max_abs, 4),
                     FormatDouble(std::sqrt(diff_sq), 4), FormatDouble(std::sqrt(na), 6),
                     FormatDouble(std::sqrt(nb), 6), std::to_string(differing)});
@@ -494,13 +561,16 @@ int main(int argc, char** argv) {
   Args a;
   CLI::App app{"optstate-inspect: look inside an optstate store (read-only; safe while a trainer "
                "runs and after it died)"};
-  app.name("optstate-inspect");
+  app.name(optstate::tools::kTool);
   app.add_option("store", a.store, "store directory (or, for ls, a directory of stores)")->required();
   app.require_subcommand(1, 1);
   auto add_json = [&](CLI::App* c) { c->add_flag("--json", a.json, "print JSON"); };
   auto add_which = [&](CLI::App* c) {
-    c->add_option("--snapshot", a.snapshot, "read this snapshot (or latest, gen:N) instead of the latest generation");
-    c->add_option("--generation", a.generation, "read this retained generation");
+    CLI::Option* snap = c->add_option(
+        "--snapshot", a.snapshot, "read this snapshot (or latest, gen:N) instead of the latest generation");
+    c->add_option("--generation", a.generation, "read this retained generation")
+        ->check(CLI::NonNegativeNumber)
+        ->excludes(snap);
   };
   CLI::App* ls = app.add_subcommand("ls", "tensors with dtype, numel, shape, bytes per field (or the stores under a root)");
   add_json(ls);
@@ -514,7 +584,7 @@ int main(int argc, char** argv) {
   show->add_option("--values", a.values, "how many values to print (default 8)");
   add_json(show);
   add_which(show);
-  CLI::App* verify = app.add_subcommand("verify", "check every checksum and reference, count leaked extents; exit 2 on problems");
+  CLI::App* verify = app.add_subcommand("verify", "check every checksum and reference, count leaked extents; exit 3 on problems");
   add_json(verify);
   CLI::App* diff = app.add_subcommand("diff", "per tensor and field: max abs difference and norms between two snapshots");
   diff->add_option("snap_a", a.snap_a, "snapshot name (or latest, gen:N)")->required();
@@ -525,15 +595,10 @@ int main(int argc, char** argv) {
     std::vector<std::string> names;
     for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
     std::string msg = optstate::tools::UnknownCommandMessage(argv[2], names);
-    if (!msg.empty()) {
-      std::cerr << "optstate-inspect: error: " << msg << "\nRun with --help for more information.\n";
-      return static_cast<int>(CLI::ExitCodes::ExtrasError);
-    }
+    if (!msg.empty()) return optstate::tools::FailUsage(optstate::tools::kTool, msg);
   }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (std::optional<int> code = optstate::tools::ParseCommandLine(app, argc, argv, optstate::tools::kTool)) {
+    return *code;
   }
   if (*ls) return optstate::tools::Ls(a);
   if (*stat) return optstate::tools::Stat(a);

@@ -1,48 +1,53 @@
 // optstate-restore CHECKPOINT_DIR STORE [--create NAME] [--data-dir DIR ...] [--queue-depth N] [-q]
 //
-// Verifies a checkpoint directory (manifest.json + tensors/..., e.g. a `cp -r`
-// of a mounted snapshot) against its manifest, chunk by chunk, and imports it
-// as one new committed generation of STORE (with its step counts and
-// hyperparameters). With --create, makes STORE from the manifest first. A
-// layout mismatch, a truncated or altered file is refused and nothing is
-// imported. Exit code 0 on success, 1 on a refused/failed restore, 2 on usage.
+// Verifies a checkpoint directory (manifest.json, state.safetensors and
+// tensors/..., e.g. a `cp -r` of a mounted snapshot) against its manifest,
+// chunk by chunk, and imports it as one new committed generation of STORE
+// (with its step counts and hyperparameters). With --create, makes STORE from
+// the manifest first. A layout mismatch, a truncated or altered file, files of
+// different generations are refused and nothing is imported. Exit codes as
+// every tool's (tools/internal/cli.h): 0 restored, 1 refused or failed, 2 a
+// malformed command line.
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "tools/internal/cli.h"
 #include "vfs/checkpoint.h"
 #include "vfs/store.h"
 
 namespace optstate::tools {
 namespace {
 
+constexpr const char* kTool = "optstate-restore";
+
 int Main(int argc, char** argv) {
   CLI::App app{"Import a checkpoint directory into an optstate store as a new generation"};
+  app.name(kTool);
   std::string dir, store_path, create_name;
   std::vector<std::string> data_dirs;
   uint32_t depth = 16;
   bool quiet = false;
   app.add_option("CHECKPOINT_DIR", dir, "directory with manifest.json (e.g. a copied snapshot)")
       ->required();
-  app.add_option("STORE", store_path, "store directory")->required();
-  app.add_option("--create", create_name, "create STORE with this name from the manifest");
-  app.add_option("--data-dir", data_dirs, "data directory for --create (repeatable)");
+  app.add_option("STORE", store_path, "store directory (with --create: a path that does not exist yet)")
+      ->required();
+  CLI::Option* create =
+      app.add_option("--create", create_name, "create STORE with this name from the manifest");
+  app.add_option("--data-dir", data_dirs, "data directory for --create (repeatable)")->needs(create);
   app.add_option("--queue-depth", depth, "chunk writes in flight")->check(CLI::Range(1, 1024));
   app.add_flag("-q,--quiet", quiet, "no progress output");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  if (!data_dirs.empty() && create_name.empty()) {
-    fmt::print(stderr, "optstate-restore: --data-dir only applies with --create\n");
-    return 2;
+  if (std::optional<int> code = ParseCommandLine(app, argc, argv, kTool)) return *code;
+  if (create->count() > 0 && create_name.empty()) {
+    return FailUsage(kTool, "--create needs a store name");
   }
 
   const bool tty = !quiet && isatty(STDERR_FILENO);
@@ -67,21 +72,25 @@ int Main(int argc, char** argv) {
     auto store = vfs::CreateStoreFromCheckpoint(dir, store_path, so, ro);
     if (tty) fmt::print(stderr, "\n");
     if (!store.ok()) {
-      fmt::print(stderr, "optstate-restore: {}\n", store.status().ToString());
-      return 1;
+      return FailWith(kTool, store.status());
     }
     generation = (*store)->LatestGeneration().generation;
   } else {
+    std::error_code ec;
+    if (!std::filesystem::exists(store_path, ec)) {
+      return FailWith(kTool, NotFound(fmt::format(
+                                 "store {} does not exist; to make a new store from the "
+                                 "checkpoint, add --create NAME",
+                                 store_path)));
+    }
     auto store = vfs::Store::Open(store_path, vfs::StoreOptions{});
     if (!store.ok()) {
-      fmt::print(stderr, "optstate-restore: {}\n", store.status().ToString());
-      return 1;
+      return FailWith(kTool, store.status());
     }
     auto g = vfs::RestoreCheckpoint(store->get(), dir, ro);
     if (tty) fmt::print(stderr, "\n");
     if (!g.ok()) {
-      fmt::print(stderr, "optstate-restore: {}\n", g.status().ToString());
-      return 1;
+      return FailWith(kTool, g.status());
     }
     generation = *g;
   }

@@ -138,6 +138,28 @@ std::string FileNameForName(std::string_view name) {
 
 // ---- manifest -----------------------------------------------------------------
 
+bool IsFlagHyperparameter(std::string_view name) { return name == "adamw"; }
+
+Status ValidateHyperparameters(const GroupInfo& g) {
+  for (const auto& [k, v] : g.hyper) {
+    auto bad = [&](std::string_view want) {
+      return InvalidArgument(
+          fmt::format("group {}: hyperparameter {} = {} is out of range ({})", g.id, k, v, want));
+    };
+    if (!std::isfinite(v)) return bad("must be finite");
+    if (IsFlagHyperparameter(k)) {
+      if (v != 0.0 && v != 1.0) return bad("a flag: 0 or 1");
+    } else if (k == "lr" || k == "weight_decay") {
+      if (!(v >= 0)) return bad("must be >= 0");
+    } else if (k == "beta1" || k == "beta2") {
+      if (!(v >= 0 && v < 1)) return bad("must be in [0, 1)");
+    } else if (k == "eps") {
+      if (!(v > 0)) return bad("must be > 0");
+    }
+  }
+  return Status();
+}
+
 Result<Manifest> ManifestFromView(const GenerationView& view) {
   Manifest m;
   m.format_version = kCheckpointFormatVersion;
@@ -193,7 +215,13 @@ std::string SerializeManifest(const Manifest& m) {
   OJson groups = OJson::array();
   for (const GroupInfo& g : m.groups) {
     OJson hyper = OJson::object();
-    for (const auto& [k, v] : g.hyper) hyper[k] = v;  // std::map: sorted
+    for (const auto& [k, v] : g.hyper) {  // std::map: sorted
+      if (IsFlagHyperparameter(k) && (v == 0.0 || v == 1.0)) {
+        hyper[k] = (v == 1.0);
+      } else {
+        hyper[k] = v;
+      }
+    }
     groups.push_back(OJson{{"id", g.id}, {"step_count", g.step_count}, {"hyper", hyper}});
   }
   j["groups"] = groups;
@@ -363,14 +391,33 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
     if (!hyper) return st;
     OPTSTATE_RETURN_IF_ERROR(p.Object(*hyper, path + "hyper"));
     for (const auto& [k, hv] : hyper->items()) {
-      if (!hv.is_number() || !std::isfinite(hv.get<double>())) {
-        return p.Err(path + "hyper." + k, "expected a finite number");
-      }
       if (k.empty() || k.size() > 256) return p.Err(path + "hyper", "bad hyperparameter name");
+      if (IsFlagHyperparameter(k)) {
+        // A boolean; manifests written before held 1.0 / 0.0.
+        if (hv.is_boolean()) {
+          g.hyper[k] = hv.get<bool>() ? 1.0 : 0.0;
+          continue;
+        }
+        if (!hv.is_number() || (hv.get<double>() != 0.0 && hv.get<double>() != 1.0)) {
+          return p.Err(path + "hyper." + k,
+                       fmt::format("expected true or false (group {})", g.id));
+        }
+      } else if (!hv.is_number() || !std::isfinite(hv.get<double>())) {
+        return p.Err(path + "hyper." + k, fmt::format("expected a finite number (group {})", g.id));
+      }
       g.hyper[k] = hv.get<double>();
+    }
+    if (Status hs = ValidateHyperparameters(g); !hs.ok()) {
+      return InvalidArgument(fmt::format("manifest {}: key '{}hyper': {}", p.source(), path,
+                                         hs.message()));
     }
     if (!m->groups.empty() && m->groups.back().id > g.id) {
       return p.Err(path + "id", "groups are not sorted by id");
+    }
+    if (g.step_count > m->step) {
+      return p.Err(path + "step_count",
+                   fmt::format("group {} took {} steps, more than the checkpoint's step {}", g.id,
+                               g.step_count, m->step));
     }
     m->groups.push_back(std::move(g));
   }
@@ -404,6 +451,10 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
     OPTSTATE_RETURN_IF_ERROR(p.U64(jt, path, "numel", 1ull << 56, &t.numel));
     OPTSTATE_RETURN_IF_ERROR(p.U64(jt, path, "group", UINT32_MAX, &v));
     t.group = static_cast<uint32_t>(v);
+    if (!group_ids.empty() && group_ids.count(t.group) == 0) {
+      return p.Err(path + "group", fmt::format("group {} is not among the manifest's groups ({})",
+                                               t.group, fmt::join(group_ids, ", ")));
+    }
     OPTSTATE_RETURN_IF_ERROR(p.U64Array(jt, path, "shape", &t.shape));
     OPTSTATE_RETURN_IF_ERROR(p.U64Array(jt, path, "global_shape", &t.global_shape));
     OPTSTATE_RETURN_IF_ERROR(p.U64Array(jt, path, "shard_offset", &t.shard_offset));
@@ -531,9 +582,10 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
   OJson header;
   OJson meta = OJson::object();
   meta["format"] = "pt";
-  meta["optstate.store"] = l->manifest_.store_name;
-  meta["optstate.generation"] = std::to_string(l->manifest_.generation);
-  meta["optstate.step"] = std::to_string(l->manifest_.step);
+  meta[kSafetensorsStoreKey] = l->manifest_.store_name;
+  meta[kSafetensorsStoreUuidKey] = l->manifest_.store_uuid;
+  meta[kSafetensorsGenerationKey] = std::to_string(l->manifest_.generation);
+  meta[kSafetensorsStepKey] = std::to_string(l->manifest_.step);
   header["__metadata__"] = meta;
   uint64_t data_off = 0, seq = 0;
   std::vector<CheckpointFile> field_files;

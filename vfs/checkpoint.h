@@ -39,6 +39,11 @@ inline constexpr uint32_t kCheckpointFormatVersion = 1;
 inline constexpr const char* kManifestFileName = "manifest.json";
 inline constexpr const char* kSafetensorsFileName = "state.safetensors";
 inline constexpr const char* kTensorsDirName = "tensors";
+// state.safetensors' __metadata__ keys (string values).
+inline constexpr const char* kSafetensorsStoreKey = "optstate.store";
+inline constexpr const char* kSafetensorsStoreUuidKey = "optstate.store_uuid";
+inline constexpr const char* kSafetensorsGenerationKey = "optstate.generation";
+inline constexpr const char* kSafetensorsStepKey = "optstate.step";
 // Escaped names longer than this are shortened: a prefix + "~" + 16 hex digits
 // of the XXH3 of the name (file systems cap a name at 255 bytes). The manifest
 // maps each file name back to the tensor name.
@@ -93,12 +98,25 @@ struct Manifest {
   std::vector<ManifestTensor> tensors; // sorted by name
 };
 
+// Hyperparameters that are flags ("adamw": AdamW's decoupled decay vs Adam's
+// L2 term). The manifest writes them as JSON booleans; the parser also reads
+// the 0/1 numbers that manifests written before held.
+bool IsFlagHyperparameter(std::string_view name);
+// Range check of a group's known hyperparameters (those present; unknown
+// names only need to be finite): lr >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1,
+// eps > 0, weight_decay >= 0, all finite; flags 0 or 1. InvalidArgument
+// naming the group, the name and the value.
+Status ValidateHyperparameters(const GroupInfo& g);
+
 // Builds the manifest of a generation (reads chunk metadata only, no data).
 Result<Manifest> ManifestFromView(const GenerationView& view);
 // Deterministic JSON (same Manifest -> same bytes), newline-terminated.
 std::string SerializeManifest(const Manifest& m);
-// Strict parse + validation: every key present and typed, ranges checked,
-// chunks contiguous and covering each field, file names consistent, no
+// Strict parse + validation: every key present and typed, ranges checked
+// (hyperparameters by ValidateHyperparameters; a group's step_count at most
+// the manifest's step), every tensor's group listed in groups[] (unless
+// groups[] is empty: a store that records no optimizer groups), chunks
+// contiguous and covering each field, file names consistent, no
 // duplicates. Errors are kInvalidArgument/kCorruption naming `source` (the
 // manifest path) and the JSON key. Never throws, never crashes on any input
 // (fuzzed: tests/vfs/fuzz/manifest_fuzz.cc).
@@ -135,8 +153,11 @@ class CheckpointLayout {
   const GenerationView& view() const { return *view_; }
   const Manifest& manifest() const { return manifest_; }
   const std::string& manifest_json() const { return manifest_json_; }
-  // The 8-byte length + JSON header of state.safetensors, space padded to a
-  // multiple of kSafetensorsDataAlignBytes, so that the data section starts
+  // The 8-byte length + JSON header of state.safetensors. Its __metadata__
+  // names the generation and the store (kSafetensorsGenerationKey,
+  // kSafetensorsStoreUuidKey), so that restore can tell a state.safetensors
+  // copied from another generation than manifest.json. The header is space
+  // padded to a multiple of kSafetensorsDataAlignBytes, so that the data section starts
   // on a page: a field whose bytes are a whole number of pages then lies on
   // whole pages of state.safetensors as it does in its own file, and the
   // mount can fill one file's page cache from the other's

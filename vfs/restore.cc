@@ -1,16 +1,23 @@
 // Restore: import a checkpoint directory as one new committed generation.
 //
-// Order: parse + validate the manifest; compare its layout with the store (all
-// differences listed); then for every field, read each chunk from the field
-// file, check it against the manifest's XXH3, and write it through ChunkIo at
-// queue depth; one Commit at the end. Any error aborts the pending generation,
-// so the store is exactly as before.
+// Order: parse + validate the manifest; check state.safetensors' header
+// against it (same generation and store, one entry per field at its place);
+// compare the manifest's layout with the store (all differences listed); then
+// for every field, read each chunk from the field file and the same bytes
+// from state.safetensors, check both against the manifest's XXH3, and write
+// the chunk through ChunkIo at queue depth; one Commit at the end. Any error
+// aborts the pending generation, so the store is exactly as before.
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <map>
 #include <set>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <xxhash.h>
 
 #include "vfs/checkpoint.h"
@@ -73,9 +80,156 @@ std::vector<std::string> LayoutDifferences(const Store& store, const Manifest& m
   return diffs;
 }
 
+// What a copy of latest/ taken while a trainer commits looks like, and the fix.
+constexpr const char* kTornCopyHint =
+    "a copy of a mount's latest/ taken while a trainer commits can mix generations; "
+    "copy snapshots/<name>/ instead, or copy latest/ again";
+
+// Where each field lies in state.safetensors, once its header was checked
+// against the manifest. present == false: the checkpoint has no
+// state.safetensors (the field files alone hold all of the data).
+struct SafetensorsPlan {
+  bool present = false;
+  std::string path;
+  uint64_t data_start = 0;                          // 8 + header length
+  std::vector<std::vector<uint64_t>> field_offsets;  // [tensor][field], in the data section
+};
+
+const char* SafetensorsDtype(DType d) {
+  switch (d) {
+    case DType::kF32: return "F32";
+    case DType::kBF16: return "BF16";
+    case DType::kF16: return "F16";
+  }
+  return "?";
+}
+
+// Checks state.safetensors' header against the manifest: the generation and
+// store in __metadata__ (checkpoints written before the store uuid was
+// recorded there have only the generation), one entry per manifest field with
+// its dtype, shape and data_offsets in manifest order, and the file's size.
+// A generation or store that differs is reported as such: the files were
+// copied from different generations, which is not damage to either.
+Result<SafetensorsPlan> CheckSafetensors(const Manifest& m, const std::string& dir) {
+  FileSystem* fs = FileSystem::Default();
+  SafetensorsPlan plan;
+  plan.path = dir + "/" + kSafetensorsFileName;
+  OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(plan.path));
+  if (!exists) {
+    OPTSTATE_LOG_WARN("restore: {} is missing; restoring from the field files under {}/{}",
+                      plan.path, dir, kTensorsDirName);
+    return plan;
+  }
+  plan.present = true;
+  const std::string& path = plan.path;
+  auto bad = [&](const std::string& what) {
+    return Corruption(fmt::format("restore: {}: {}", path, what));
+  };
+  OpenOptions oo;
+  oo.read_only = true;
+  OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<File> file, fs->Open(path, oo));
+  OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, file->Size());
+  if (size < 8) return bad(fmt::format("{} bytes: too short for a safetensors header", size));
+  unsigned char len_bytes[8];
+  OPTSTATE_RETURN_IF_ERROR(file->Pread(0, len_bytes, 8));
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | len_bytes[i];
+  constexpr uint64_t kMaxHeaderBytes = 1ull << 30;
+  if (hlen > size - 8 || hlen > kMaxHeaderBytes) {
+    return bad(fmt::format("header length {} does not fit the file's {} bytes (truncated or "
+                           "not a safetensors file)",
+                           hlen, size));
+  }
+  std::string text(hlen, '\0');
+  OPTSTATE_RETURN_IF_ERROR(file->Pread(8, text.data(), hlen));
+  nlohmann::json h = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (h.is_discarded() || !h.is_object()) return bad("the header is not a JSON object");
+
+  // Generation and store first: a torn copy is named as one before any
+  // entry or byte is compared.
+  auto meta = h.find("__metadata__");
+  if (meta != h.end() && meta->is_object()) {
+    auto str = [&](const char* key) -> std::optional<std::string> {
+      auto it = meta->find(key);
+      if (it == meta->end() || !it->is_string()) return std::nullopt;
+      return it->get<std::string>();
+    };
+    if (auto uuid = str(kSafetensorsStoreUuidKey); uuid && *uuid != m.store_uuid) {
+      return Corruption(fmt::format(
+          "restore: checkpoint {}: its files come from different stores: manifest.json is of "
+          "store {} ('{}'), state.safetensors of store {} ('{}')",
+          dir, m.store_uuid, m.store_name, *uuid, str(kSafetensorsStoreKey).value_or("?")));
+    }
+    if (auto gen = str(kSafetensorsGenerationKey)) {
+      char* end = nullptr;
+      errno = 0;
+      unsigned long long g = std::strtoull(gen->c_str(), &end, 10);
+      if (gen->empty() || *end != '\0' || errno == ERANGE) {
+        return bad(fmt::format("__metadata__ {} '{}' is not a generation number",
+                               kSafetensorsGenerationKey, *gen));
+      }
+      if (g != m.generation) {
+        return Corruption(fmt::format(
+            "restore: checkpoint {}: its files come from different generations: manifest.json "
+            "is of generation {}, state.safetensors of generation {} (store '{}'; {})",
+            dir, m.generation, g, m.store_name, kTornCopyHint));
+      }
+    }
+  }
+
+  plan.data_start = 8 + hlen;
+  uint64_t off = 0, entries = 0;
+  plan.field_offsets.resize(m.tensors.size());
+  for (size_t ti = 0; ti < m.tensors.size(); ++ti) {
+    const ManifestTensor& mt = m.tensors[ti];
+    for (const ManifestField& f : mt.fields) {
+      const std::string key = mt.name + "/" + f.name;
+      auto it = h.find(key);
+      if (it == h.end()) {
+        return bad(fmt::format("no entry '{}' (tensor '{}' field '{}' of the manifest)", key,
+                               mt.name, f.name));
+      }
+      ++entries;
+      const nlohmann::json& e = *it;
+      const nlohmann::json want_offsets = {off, off + f.bytes};
+      if (!e.is_object() || e.value("dtype", nlohmann::json()) != SafetensorsDtype(f.dtype) ||
+          e.value("shape", nlohmann::json()) != nlohmann::json(mt.shape) ||
+          e.value("data_offsets", nlohmann::json()) != want_offsets) {
+        return bad(fmt::format(
+            "entry '{}' is {}, the manifest says dtype {}, shape {}, data_offsets {} (tensor "
+            "'{}' field '{}')",
+            key, e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+            SafetensorsDtype(f.dtype), nlohmann::json(mt.shape).dump(), want_offsets.dump(),
+            mt.name, f.name));
+      }
+      plan.field_offsets[ti].push_back(off);
+      off += f.bytes;
+    }
+  }
+  const uint64_t in_header = h.size() - (meta != h.end() ? 1 : 0);
+  if (in_header != entries) {
+    for (const auto& [k, v] : h.items()) {
+      (void)v;
+      if (k == "__metadata__") continue;
+      bool known = false;
+      for (const ManifestTensor& mt : m.tensors) {
+        for (const ManifestField& f : mt.fields) known = known || (mt.name + "/" + f.name == k);
+      }
+      if (!known) return bad(fmt::format("entry '{}' is not a field of the manifest", k));
+    }
+  }
+  if (size != plan.data_start + off) {
+    return bad(fmt::format("size {} bytes, its header and the manifest say {}: {}", size,
+                           plan.data_start + off,
+                           size < plan.data_start + off ? "truncated" : "too long"));
+  }
+  return plan;
+}
+
 // The import proper. REQUIRES: layout matches (checked by the caller).
-Result<uint64_t> Import(Store* store, const Manifest& m, const std::string& dir,
-                        const RestoreOptions& opts, bool skip_zero_chunks) {
+Result<uint64_t> Import(Store* store, const Manifest& m, const SafetensorsPlan& st_plan,
+                        const std::string& dir, const RestoreOptions& opts,
+                        bool skip_zero_chunks) {
   FileSystem* fs = FileSystem::Default();
   const uint64_t cs = store->chunk_size_bytes();
   const uint64_t buf_bytes = (cs + 4095) / 4096 * 4096;
@@ -95,6 +249,17 @@ Result<uint64_t> Import(Store* store, const Manifest& m, const std::string& dir,
     if (!bufs.back().ok()) return ResourceExhausted("restore: out of memory for chunk buffers");
     free_bufs.push_back(i);
   }
+  // state.safetensors holds the same bytes as the field files: each chunk is
+  // read from it too and checked against the manifest.
+  std::unique_ptr<File> st_file;
+  IoBuffer st_buf;
+  if (st_plan.present) {
+    OpenOptions oo;
+    oo.read_only = true;
+    OPTSTATE_ASSIGN_OR_RETURN(st_file, fs->Open(st_plan.path, oo));
+    st_buf = IoBuffer(buf_bytes);
+    if (!st_buf.ok()) return ResourceExhausted("restore: out of memory for a chunk buffer");
+  }
   std::vector<ChunkCompletion> comps;
   auto reap = [&](size_t min) -> Status {
     comps.clear();
@@ -112,7 +277,8 @@ Result<uint64_t> Import(Store* store, const Manifest& m, const std::string& dir,
     }
   };
 
-  for (const ManifestTensor& mt : m.tensors) {
+  for (size_t ti = 0; ti < m.tensors.size(); ++ti) {
+    const ManifestTensor& mt = m.tensors[ti];
     OPTSTATE_ASSIGN_OR_RETURN(TensorInfo t, store->FindTensor(mt.name));
     for (uint32_t fi = 0; fi < mt.fields.size(); ++fi) {
       const ManifestField& f = mt.fields[fi];
@@ -157,10 +323,31 @@ Result<uint64_t> Import(Store* store, const Manifest& m, const std::string& dir,
         if (h != c.xxh3) {
           drain();
           return Corruption(fmt::format(
-              "restore: {}: chunk {} (bytes {}..{}) has XXH3 {:016x}, manifest says {:016x} "
-              "(tensor '{}' field '{}'): the file was altered or damaged",
-              path, ci, c.offset_bytes, c.offset_bytes + c.length_bytes, h, c.xxh3, mt.name,
-              f.name));
+              "restore: {}: chunk {} (bytes {}..{}) has XXH3 {:016x}, generation {} of the "
+              "manifest says {:016x} (tensor '{}' field '{}'): the file is damaged, or it was "
+              "copied from another generation than manifest.json ({})",
+              path, ci, c.offset_bytes, c.offset_bytes + c.length_bytes, h, m.generation,
+              c.xxh3, mt.name, f.name, kTornCopyHint));
+        }
+        if (st_file) {
+          const uint64_t at = st_plan.data_start + st_plan.field_offsets[ti][fi] + c.offset_bytes;
+          char* q = st_buf.as<char>();
+          st = st_file->Pread(at, q, c.length_bytes);
+          if (!st.ok()) {
+            drain();
+            return st.WithContext(fmt::format("restore: tensor '{}' field '{}' chunk {}",
+                                              mt.name, f.name, ci));
+          }
+          uint64_t hs = XXH3_64bits(q, c.length_bytes);
+          if (hs != c.xxh3) {
+            drain();
+            return Corruption(fmt::format(
+                "restore: {}: bytes {}..{} (tensor '{}' field '{}' chunk {}) have XXH3 {:016x}, "
+                "generation {} of the manifest says {:016x}: the file is damaged, or it was "
+                "copied from another generation than manifest.json ({})",
+                st_plan.path, at, at + c.length_bytes, mt.name, f.name, ci, hs, m.generation,
+                c.xxh3, kTornCopyHint));
+          }
         }
         if (skip_zero_chunks) {
           bool zero = true;
@@ -199,6 +386,31 @@ Result<uint64_t> Import(Store* store, const Manifest& m, const std::string& dir,
   return store->Commit(ci);
 }
 
+// --create makes the store directory itself: say what is in the way.
+Status CheckCreatePath(const std::string& store_path) {
+  std::error_code ec;
+  const std::filesystem::file_status fst = std::filesystem::symlink_status(store_path, ec);
+  if (ec || !std::filesystem::exists(fst)) return Status();  // Store::Create reports the rest
+  if (std::filesystem::is_directory(fst)) {
+    if (std::filesystem::exists(std::filesystem::path(store_path) / "IDENTITY", ec)) {
+      return AlreadyExists(fmt::format(
+          "restore --create: {} is already a store; to restore into it, run without --create "
+          "(its layout must match the checkpoint), or give a new path",
+          store_path));
+    }
+    const bool empty = std::filesystem::is_empty(store_path, ec);
+    return AlreadyExists(fmt::format(
+        "restore --create: {} is an existing {}directory; --create makes the store directory "
+        "itself: give a path that does not exist yet (e.g. {}/<name>){}",
+        store_path, empty ? "empty " : "", store_path,
+        empty ? ", or remove the empty directory first" : ""));
+  }
+  return AlreadyExists(fmt::format(
+      "restore --create: {} is a {}, not a directory; --create makes a new store directory: "
+      "give a path that does not exist yet",
+      store_path, std::filesystem::is_regular_file(fst) ? "regular file" : "file of another type"));
+}
+
 Result<Manifest> LoadManifest(const std::string& dir) {
   const std::string path = dir + "/" + kManifestFileName;
   auto text = FileSystem::Default()->ReadFileToString(path);
@@ -213,6 +425,7 @@ Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir, const R
     return FailedPrecondition("restore: store " + store->path() + " is open read-only");
   }
   OPTSTATE_ASSIGN_OR_RETURN(Manifest m, LoadManifest(dir));
+  OPTSTATE_ASSIGN_OR_RETURN(SafetensorsPlan st_plan, CheckSafetensors(m, dir));
   std::vector<std::string> diffs = LayoutDifferences(*store, m);
   if (!diffs.empty()) {
     std::string msg = fmt::format(
@@ -222,7 +435,7 @@ Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir, const R
     if (diffs.size() > 20) msg += fmt::format("\n  ... and {} more", diffs.size() - 20);
     return InvalidArgument(msg);
   }
-  auto gen = Import(store, m, dir, opts, /*skip_zero_chunks=*/false);
+  auto gen = Import(store, m, st_plan, dir, opts, /*skip_zero_chunks=*/false);
   if (!gen.ok()) {
     Status ab = store->AbortPending();
     if (!ab.ok()) OPTSTATE_LOG_ERROR("restore: AbortPending after a failed restore: {}", ab.ToString());
@@ -238,6 +451,8 @@ Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
                                                          StoreOptions opts,
                                                          const RestoreOptions& ropts) {
   OPTSTATE_ASSIGN_OR_RETURN(Manifest m, LoadManifest(dir));
+  OPTSTATE_ASSIGN_OR_RETURN(SafetensorsPlan st_plan, CheckSafetensors(m, dir));
+  OPTSTATE_RETURN_IF_ERROR(CheckCreatePath(store_path));
   opts.chunk_size_bytes = m.chunk_size_bytes;
   OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<Store> store, Store::Create(store_path, opts));
   auto cleanup = [&](const Status& st) -> Status {
@@ -261,7 +476,7 @@ Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
     auto t = store->CreateTensor(spec);
     if (!t.ok()) return cleanup(t.status());
   }
-  auto gen = Import(store.get(), m, dir, ropts, /*skip_zero_chunks=*/true);
+  auto gen = Import(store.get(), m, st_plan, dir, ropts, /*skip_zero_chunks=*/true);
   if (!gen.ok()) {
     (void)store->AbortPending();
     return cleanup(gen.status());

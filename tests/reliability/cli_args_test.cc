@@ -44,13 +44,32 @@ Result RunTool(const std::string& exe, const std::vector<std::string>& args) {
   return r;
 }
 
-void ExpectRejected(const std::string& exe, const std::vector<std::string>& args) {
-  std::string line = std::filesystem::path(exe).filename().string();
+// `common_convention`: the tool follows docs/CLI.md's error convention:
+// "<tool>: error: " first, exit 1 (an error) or 2 (a malformed command line).
+void ExpectRejected(const std::string& exe, const std::vector<std::string>& args,
+                    bool common_convention = false) {
+  const std::string tool = std::filesystem::path(exe).filename().string();
+  std::string line = tool;
   for (const auto& a : args) line += " '" + a.substr(0, 40) + (a.size() > 40 ? "...'" : "'");
   Result r = RunTool(exe, args);
   ASSERT_TRUE(WIFEXITED(r.status)) << line << ": killed by signal " << WTERMSIG(r.status) << "\n" << r.out;
   EXPECT_NE(WEXITSTATUS(r.status), 0) << line << ": accepted\n" << r.out;
   EXPECT_FALSE(r.out.empty()) << line << ": no message";
+  if (common_convention) {
+    EXPECT_TRUE(WEXITSTATUS(r.status) == 1 || WEXITSTATUS(r.status) == 2)
+        << line << ": exit " << WEXITSTATUS(r.status) << "\n" << r.out;
+    EXPECT_NE(r.out.find(tool + ": error: "), std::string::npos) << line << "\n" << r.out;
+  }
+}
+
+// An option no tool has: exit 2 and the option named as unknown, whatever
+// else is missing.
+void ExpectUnknownOptionNamed(const std::string& exe, const std::vector<std::string>& args) {
+  Result r = RunTool(exe, args);
+  ASSERT_TRUE(WIFEXITED(r.status)) << r.out;
+  EXPECT_EQ(WEXITSTATUS(r.status), 2) << r.out;
+  EXPECT_NE(r.out.find("unknown option '--frobnicate'"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("is required"), std::string::npos) << r.out;
 }
 
 const std::string kMissing = "/nonexistent/optstate-rel-missing";
@@ -78,19 +97,23 @@ std::vector<std::vector<std::string>> Common() {
 
 #ifdef OPTSTATE_REL_INSPECT
 TEST(CliArgsTest, InspectRejectsMalformedArguments) {
-  for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_INSPECT, a);
-  ExpectRejected(OPTSTATE_REL_INSPECT, {"ls", kMissing});
-  ExpectRejected(OPTSTATE_REL_INSPECT, {"cat", kMissing, "x"});
-  ExpectRejected(OPTSTATE_REL_INSPECT, {"verify", "/proc"});
+  for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_INSPECT, a, true);
+  ExpectRejected(OPTSTATE_REL_INSPECT, {"ls", kMissing}, true);
+  ExpectRejected(OPTSTATE_REL_INSPECT, {"cat", kMissing, "x"}, true);
+  ExpectRejected(OPTSTATE_REL_INSPECT, {"verify", "/proc"}, true);
+  ExpectUnknownOptionNamed(OPTSTATE_REL_INSPECT, {"--frobnicate"});
+  ExpectUnknownOptionNamed(OPTSTATE_REL_INSPECT, {"/tmp", "stat", "--frobnicate"});
 }
 #endif
 
 #ifdef OPTSTATE_REL_RESTORE
 TEST(CliArgsTest, RestoreRejectsMalformedArguments) {
-  for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_RESTORE, a);
-  ExpectRejected(OPTSTATE_REL_RESTORE, {kMissing, kMissing + "2"});
-  ExpectRejected(OPTSTATE_REL_RESTORE, {"/proc", "/proc/self"});
-  ExpectRejected(OPTSTATE_REL_RESTORE, {"/etc", kMissing});
+  for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_RESTORE, a, true);
+  ExpectRejected(OPTSTATE_REL_RESTORE, {kMissing, kMissing + "2"}, true);
+  ExpectRejected(OPTSTATE_REL_RESTORE, {"/proc", "/proc/self"}, true);
+  ExpectRejected(OPTSTATE_REL_RESTORE, {"/etc", kMissing}, true);
+  ExpectUnknownOptionNamed(OPTSTATE_REL_RESTORE, {"--frobnicate"});
+  ExpectUnknownOptionNamed(OPTSTATE_REL_RESTORE, {"/tmp", "--frobnicate"});
 }
 #endif
 

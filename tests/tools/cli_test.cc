@@ -3,11 +3,13 @@
 // no fio) whose JSON must account for every byte, and of `optstate-bench
 // mount`; no timing is asserted.
 #include <fcntl.h>
+#include <math.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include "tests/tools/tools_test_util.h"
+#include "tools/internal/cli.h"
 #include "tools/internal/process.h"
 
 namespace optstate::tools {
@@ -35,6 +37,23 @@ TEST(CliTest, InspectRejectsMalformedArguments) {
   ExpectUsageError("optstate-inspect", {"/tmp", "show"}, "tensor");
   ExpectUsageError("optstate-inspect", {"/tmp", "diff", "a"}, "snap_b");
   ExpectUsageError("optstate-inspect", {"/tmp", "show", "x", "--values", "many"}, "many");
+}
+
+TEST(CliTest, JsonNumberTellsNanFromInfinity) {
+  EXPECT_EQ(JsonNumber(1.5), nlohmann::json(1.5));
+  EXPECT_EQ(JsonNumber(std::nan("")), nlohmann::json("NaN"));
+  EXPECT_EQ(JsonNumber(HUGE_VAL), nlohmann::json("Infinity"));
+  EXPECT_EQ(JsonNumber(-HUGE_VAL), nlohmann::json("-Infinity"));
+  EXPECT_EQ(JsonNumber(-0.0).dump(), "-0.0");
+}
+
+TEST(CliTest, BenchCommandLineErrorsExitTwoWithThePrefix) {
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{}, {"iox"}, {"io", "--frobnicate"}, {"io", "--rounds", "x"}}) {
+    auto r = Tool("optstate-bench", args);
+    EXPECT_EQ(r.exit_code, 2) << JoinCommand(args) << "\n" << r.err;
+    EXPECT_EQ(r.err.rfind("optstate-bench: error: ", 0), 0u) << JoinCommand(args) << "\n" << r.err;
+  }
 }
 
 TEST(CliTest, BenchRejectsMalformedArguments) {

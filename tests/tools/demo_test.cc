@@ -55,12 +55,17 @@ TEST(DemoFuseTest, RunsEndToEndThroughTheMount) {
 }
 
 TEST(DemoTest, RejectsMalformedArguments) {
-  auto r = Tool("optstate-demo", {"--params", "lots"});
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("lots"), std::string::npos) << r.err;
-  r = Tool("optstate-demo", {"--budget", "12Q"});
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("--budget"), std::string::npos) << r.err;
+  // A malformed command line: exit 2 and the tools' common prefix (docs/CLI.md).
+  for (const auto& [args, needle] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--params", "lots"}, "lots"},
+           {{"--budget", "12Q"}, "--budget"},
+           {{"--params", "5"}, "--params must be >= 10000"},
+           {{"--frobnicate"}, "unknown option '--frobnicate'"}}) {
+    auto r = Tool("optstate-demo", args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err.rfind("optstate-demo: error: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // optstate-inspect on a small real store: every command's --json output is
 // parsed back and compared with values computed here from the data written
 // (the independent reference) and with the library's own answers.
+#include <sys/statvfs.h>
+
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -92,7 +94,7 @@ class InspectTest : public ::testing::Test {
     vfs::GroupInfo g;
     g.id = 0;
     g.step_count = step;
-    g.hyper = {{"lr", 1e-3}, {"beta1", 0.9}};
+    g.hyper = {{"lr", 1e-3}, {"beta1", 0.9}, {"adamw", 1.0}};
     ci.groups.push_back(g);
     auto r = store_->Commit(ci);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -155,6 +157,8 @@ TEST_F(InspectTest, StatMatchesTheLibrary) {
   EXPECT_EQ(j["latest"]["step"].get<uint64_t>(), 2u);
   EXPECT_EQ(j["latest"]["groups"][0]["step_count"].get<uint64_t>(), 2u);
   EXPECT_DOUBLE_EQ(j["latest"]["groups"][0]["hyper"]["lr"].get<double>(), 1e-3);
+  // A flag is a JSON boolean, as in manifest.json.
+  EXPECT_EQ(j["latest"]["groups"][0]["hyper"]["adamw"], true) << j["latest"]["groups"][0]["hyper"];
   EXPECT_EQ(j["identity"]["chunk_size_bytes"].get<uint64_t>(), kChunk);
   EXPECT_EQ(j["identity"]["uuid"], store_->identity().uuid);
   ASSERT_EQ(j["snapshots"].size(), 2u);
@@ -169,6 +173,27 @@ TEST_F(InspectTest, StatMatchesTheLibrary) {
   for (auto& [n, numel] : numel_) logical += 2 * numel * 4;
   EXPECT_EQ(st->live_bytes, logical);
   EXPECT_GE(j["lifetime_bytes_written"].get<uint64_t>(), 2 * logical);
+
+  // Free space of the data dir's filesystem, although inspect opens the
+  // store read-only: against statvfs here (other writers on the machine move
+  // it a little between the two calls).
+  ASSERT_EQ(j["disk"]["data_dirs"].size(), 1u);
+  const auto& d = j["disk"]["data_dirs"][0];
+  struct statvfs sv {};
+  ASSERT_EQ(::statvfs(store_->identity().data_dirs[0].c_str(), &sv), 0);
+  const double want = static_cast<double>(sv.f_bavail) * sv.f_frsize;
+  ASSERT_TRUE(d["fs_free_bytes"].is_number()) << d;
+  EXPECT_GT(d["fs_free_bytes"].get<uint64_t>(), 0u);
+  EXPECT_NEAR(d["fs_free_bytes"].get<double>(), want, 1024.0 * 1024 * 1024) << d;
+  EXPECT_EQ(d["fs_size_bytes"].get<uint64_t>(), static_cast<uint64_t>(sv.f_blocks) * sv.f_frsize);
+  auto text = Tool("optstate-inspect", {path_, "stat"});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("filesystem free"), std::string::npos) << text.out;
+  const size_t row = text.out.find(store_->identity().data_dirs[0] + " ");
+  ASSERT_NE(row, std::string::npos) << text.out;
+  const std::string line = text.out.substr(row, text.out.find('\n', row) - row);
+  EXPECT_EQ(line.find(" 0 B"), std::string::npos) << line;
+  EXPECT_NE(text.out.find("adamw=true"), std::string::npos) << text.out;
 }
 
 TEST_F(InspectTest, ShowValuesAndStatisticsMatchTheReference) {
@@ -218,7 +243,11 @@ TEST_F(InspectTest, ShowCountsNanAndInfAndReadsSnapshots) {
   auto j = ParseJson(r);
   EXPECT_EQ(j["fields"][0]["stats"]["nan"].get<uint64_t>(), 1u);
   EXPECT_EQ(j["fields"][0]["stats"]["inf"].get<uint64_t>(), 1u);
-  EXPECT_TRUE(j["fields"][0]["values"][5].is_null());  // NaN -> null in JSON
+  // JSON has no NaN or Inf: they are the strings "NaN" / "Infinity", told apart.
+  EXPECT_EQ(j["fields"][0]["values"][5], "NaN") << j["fields"][0]["values"];
+  EXPECT_EQ(j["fields"][0]["values"][6], "Infinity") << j["fields"][0]["values"];
+  EXPECT_TRUE(j["fields"][0]["values"][4].is_number());
+  EXPECT_TRUE(j["fields"][0]["stats"]["min"].is_number());  // over the finite values
   // Snapshot s1 has the version-1 values and no NaN.
   auto s1 = Tool("optstate-inspect", {path_, "show", "layer.0.bias", "--snapshot", "s1",
                                       "--field", "main", "--json"});
@@ -290,7 +319,7 @@ TEST_F(InspectTest, VerifyIsCleanThenCatchesAFlippedByte) {
   fdata.write(&c, 1);
   fdata.close();
   auto bad = Tool("optstate-inspect", {path_, "verify", "--json"});
-  EXPECT_EQ(bad.exit_code, 2) << bad.err << bad.out;
+  EXPECT_EQ(bad.exit_code, 3) << bad.err << bad.out;  // problems found (2: bad usage)
   auto jb = ParseJson(bad);
   EXPECT_FALSE(jb["ok"].get<bool>());
   ASSERT_FALSE(jb["problems"].empty());
@@ -313,6 +342,20 @@ TEST_F(InspectTest, UnknownNamesGetClosestMatches) {
   auto f = Tool("optstate-inspect", {path_, "show", "layer.0.bias", "--field", "exp_avgsq"});
   EXPECT_EQ(f.exit_code, 1);
   EXPECT_NE(f.err.find("exp_avg_sq"), std::string::npos) << f.err;
+  // Generation names are suggested like snapshot names; both bad names are
+  // reported at once.
+  auto l = Tool("optstate-inspect", {path_, "diff", "five", "lates"});
+  EXPECT_EQ(l.exit_code, 1);
+  EXPECT_NE(l.err.find("'five'"), std::string::npos) << l.err;
+  EXPECT_NE(l.err.find("unknown snapshot 'lates'; did you mean: 'latest'"), std::string::npos) << l.err;
+  const std::string g = std::to_string(store_->LatestGeneration().generation);
+  auto gs = Tool("optstate-inspect", {path_, "show", "layer.0.bias", "--snapshot", "gen" + g});
+  EXPECT_EQ(gs.exit_code, 1);
+  EXPECT_NE(gs.err.find("'gen:" + g + "'"), std::string::npos) << gs.err;
+  auto gone = Tool("optstate-inspect", {path_, "diff", "gen:999", "latest"});
+  EXPECT_EQ(gone.exit_code, 1);
+  EXPECT_NE(gone.err.find("generation 999 is not retained"), std::string::npos) << gone.err;
+  EXPECT_NE(gone.err.find(g), std::string::npos) << gone.err;
 }
 
 TEST_F(InspectTest, WorksWhileTheWriterHoldsTheStore) {

@@ -120,9 +120,52 @@ TEST(CheckpointManifest, StrictValidation) {
   ExpectRejected([](auto& j) { j["tensors"][2]["fields"][1]["name"] = "main"; }, "duplicate");
   ExpectRejected([](auto& j) { j["tensors"][2] = j["tensors"][1]; }, "duplicate");
   ExpectRejected([](auto& j) { j["tensors"] = 5; }, "tensors");
+  // Hyperparameters out of range, named with their group.
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["beta1"] = 7; }, "beta1 = 7");
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["beta1"] = 1.0; }, "group 0");
+  ExpectRejected([](auto& j) { j["groups"][1]["hyper"]["beta2"] = -0.5; }, "beta2");
+  ExpectRejected([](auto& j) { j["groups"][1]["hyper"]["eps"] = 0; }, "eps = 0");
+  ExpectRejected([](auto& j) { j["groups"][1]["hyper"]["lr"] = -5; }, "lr = -5");
+  ExpectRejected([](auto& j) { j["groups"][1]["hyper"]["weight_decay"] = -1e-3; }, "weight_decay");
+  ExpectRejected([](auto& j) { j["groups"][1]["hyper"]["lr"] = 1e300 * 1e300; }, "hyper.lr");
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["adamw"] = 0.5; }, "hyper.adamw");
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["adamw"] = "yes"; }, "hyper.adamw");
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["eps"] = true; }, "hyper.eps");
+  // A group that took more steps than the trainer.
+  ExpectRejected([](auto& j) { j["groups"][0]["step_count"] = 43; }, "groups[0].step_count");
+  // A tensor in a group the manifest does not have.
+  ExpectRejected([](auto& j) { j["tensors"][1]["group"] = 5; }, "group 5 is not among");
   EXPECT_FALSE(ParseManifest("{", "m").ok());
   EXPECT_FALSE(ParseManifest("", "m").ok());
   EXPECT_FALSE(ParseManifest("[]", "m").ok());
+}
+
+TEST(CheckpointManifest, HyperparametersInRangeAndFlagsAsBooleans) {
+  auto v = MakeView();
+  nlohmann::json j = nlohmann::json::parse(SerializeManifest(*ManifestFromView(*v)));
+  auto& h = j["groups"][0]["hyper"];
+  h = {{"lr", 0.0}, {"beta1", 0.0}, {"beta2", 0.999}, {"eps", 1e-30}, {"weight_decay", 0.0},
+       {"adamw", 1.0}, {"momentum_future", -3.0}};
+  // A manifest written before flags were booleans ("adamw": 1.0) still reads.
+  auto p = ParseManifest(j.dump(), "/old/manifest.json");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->groups[0].hyper.at("adamw"), 1.0);
+  EXPECT_EQ(p->groups[0].hyper.at("momentum_future"), -3.0);
+  // Written back, the flag is a JSON boolean; other values stay numbers.
+  nlohmann::json w = nlohmann::json::parse(SerializeManifest(*p));
+  EXPECT_TRUE(w["groups"][0]["hyper"]["adamw"].is_boolean()) << w["groups"][0]["hyper"].dump();
+  EXPECT_EQ(w["groups"][0]["hyper"]["adamw"], true);
+  EXPECT_TRUE(w["groups"][0]["hyper"]["lr"].is_number());
+  h["adamw"] = false;
+  p = ParseManifest(j.dump(), "/new/manifest.json");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->groups[0].hyper.at("adamw"), 0.0);
+  EXPECT_EQ(nlohmann::json::parse(SerializeManifest(*p))["groups"][0]["hyper"]["adamw"], false);
+  EXPECT_TRUE(IsFlagHyperparameter("adamw"));
+  EXPECT_FALSE(IsFlagHyperparameter("lr"));
+  // A store that records no groups: its tensors' group ids are labels only.
+  j["groups"] = nlohmann::json::array();
+  EXPECT_TRUE(ParseManifest(j.dump(), "/nogroups/manifest.json").ok());
 }
 
 // Independent safetensors reader: 8-byte LE length, JSON header, data.
@@ -197,6 +240,13 @@ TEST(CheckpointLayout, FilesMatchReference) {
   EXPECT_EQ((*l)->SafetensorsOffsetOf(stranger), std::nullopt);  // not the layout's own
   EXPECT_EQ(entries["model.layers.0/attn.weight/main"].shape, (std::vector<uint64_t>{600, 1000}));
   EXPECT_EQ(entries["bias/exp_avg"].shape, (std::vector<uint64_t>{3}));
+  // __metadata__ names the generation and the store it came from, so that a
+  // restore can tell a state.safetensors copied from another generation.
+  auto meta = nlohmann::json::parse(st.substr(8, data_start - 8))["__metadata__"];
+  EXPECT_EQ(meta["optstate.generation"], "7");
+  EXPECT_EQ(meta["optstate.step"], "42");
+  EXPECT_EQ(meta["optstate.store_uuid"], v->identity().uuid);
+  EXPECT_FALSE(v->identity().uuid.empty());
 
   // Random ranges equal slices of the whole file; sequence numbers are monotone.
   std::mt19937_64 rng(5);

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "tests/vfs/checkpoint_test_util.h"
@@ -147,6 +148,204 @@ TEST_F(RestoreTest, RefusesEditedManifest) {
   std::string d2 = CopyCkpt("missing");
   fs::remove(d2 + "/tensors/emb/exp_avg_sq");
   ExpectRefused(src_.get(), d2, {"emb", "exp_avg_sq"});
+}
+
+// state.safetensors holds the same bytes as the field files; a restore reads
+// and checks it too, so damage there is refused like damage anywhere else.
+TEST_F(RestoreTest, RefusesCorruptSafetensors) {
+  WriteStep(src_.get(), 12);
+  const std::string st_name = std::string("/") + kSafetensorsFileName;
+  uint64_t hlen = 0;
+  {
+    std::string st = ReadFile(ckpt_ + st_name);
+    for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | static_cast<unsigned char>(st[i]);
+  }
+  // One byte of the data section: "emb" is the first tensor by name, its
+  // main field the first 2 MiB of data; flip a byte in its only chunk.
+  std::string d = CopyCkpt("stflip");
+  {
+    std::fstream f(d + st_name, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(8 + hlen + 1000));
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(8 + hlen + 1000));
+    f.put(static_cast<char>(c ^ 0x10));
+  }
+  ExpectRefused(src_.get(), d, {d + st_name, "tensor 'emb' field 'main' chunk 0", "XXH3"});
+  auto b = CreateStoreFromCheckpoint(d, root_ + "/never", StoreOptions{});
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find(st_name), std::string::npos) << b.status().message();
+  EXPECT_FALSE(fs::exists(root_ + "/never"));
+  // Truncated.
+  std::string t = CopyCkpt("sttrunc");
+  fs::resize_file(t + st_name, fs::file_size(t + st_name) - 1);
+  ExpectRefused(src_.get(), t, {t + st_name, "truncated"});
+  // A header entry that does not match the manifest (same length: F32 -> F16).
+  std::string e = CopyCkpt("stentry");
+  {
+    std::string st = ReadFile(e + st_name);
+    size_t at = st.find("\"F32\"");
+    ASSERT_NE(at, std::string::npos);
+    st[at + 2] = '1';
+    st[at + 3] = '6';
+    std::ofstream(e + st_name, std::ios::binary | std::ios::trunc) << st;
+  }
+  ExpectRefused(src_.get(), e, {e + st_name, "entry", "F16", "dtype F32"});
+  // Garbage instead of a header.
+  std::string g = CopyCkpt("stgarbage");
+  std::ofstream(g + st_name, std::ios::binary | std::ios::trunc) << "not a safetensors file";
+  ExpectRefused(src_.get(), g, {g + st_name});
+}
+
+// A copy of a mount's latest/ taken while the trainer committed: the
+// manifest of one generation, other files of another. The restore says so
+// and names both generations (not "damaged").
+TEST_F(RestoreTest, TornCopyIsNamedAsMixedGenerations) {
+  const uint64_t gen2 = WriteStep(src_.get(), 12);
+  ASSERT_GT(gen2, gen1_);
+  auto v2 = src_->OpenGeneration(kLatest);
+  ASSERT_TRUE(v2.ok());
+  const std::string ckpt2 = root_ + "/ckpt2";
+  WriteCheckpointDir(**v2, ckpt2);
+  v2->reset();
+  const std::string st_name = std::string("/") + kSafetensorsFileName;
+
+  // manifest.json of generation 1, state.safetensors of generation 2.
+  std::string d = CopyCkpt("torn_st");
+  fs::copy_file(ckpt2 + st_name, d + st_name, fs::copy_options::overwrite_existing);
+  ExpectRefused(src_.get(), d,
+                {d, "different generations", "manifest.json is of generation " + std::to_string(gen1_),
+                 "state.safetensors of generation " + std::to_string(gen2), "snapshots/"});
+  {
+    auto r = RestoreCheckpoint(src_.get(), d);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().message().find("damaged"), std::string::npos) << r.status().message();
+  }
+  auto b = CreateStoreFromCheckpoint(d, root_ + "/never", StoreOptions{});
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("different generations"), std::string::npos)
+      << b.status().message();
+  EXPECT_FALSE(fs::exists(root_ + "/never"));
+
+  // The manifest of generation 2 with everything else of generation 1.
+  std::string m = CopyCkpt("torn_manifest");
+  fs::copy_file(ckpt2 + "/manifest.json", m + "/manifest.json", fs::copy_options::overwrite_existing);
+  ExpectRefused(src_.get(), m,
+                {"different generations", "manifest.json is of generation " + std::to_string(gen2),
+                 "state.safetensors of generation " + std::to_string(gen1_)});
+
+  // One field file of generation 2: no header to tell, but the message says
+  // which generation the manifest is of and that a copy can be the cause.
+  std::string f = CopyCkpt("torn_field");
+  fs::copy_file(ckpt2 + "/tensors/layers.0%2Fw/exp_avg", f + "/tensors/layers.0%2Fw/exp_avg",
+                fs::copy_options::overwrite_existing);
+  ExpectRefused(src_.get(), f,
+                {"tensors/layers.0%2Fw/exp_avg", "generation " + std::to_string(gen1_) + " of the manifest",
+                 "copied from another generation", "snapshots/"});
+
+  // The same generation number of another store.
+  auto other = CreateStore(root_ + "/other");
+  CreateTensors(other.get(), DefaultTensors());
+  ASSERT_EQ(WriteStep(other.get(), 11, /*sparse=*/true), gen1_);
+  auto vo = other->OpenGeneration(kLatest);
+  ASSERT_TRUE(vo.ok());
+  const std::string ckpt_other = root_ + "/ckpt_other";
+  WriteCheckpointDir(**vo, ckpt_other);
+  std::string o = CopyCkpt("torn_store");
+  fs::copy_file(ckpt_other + st_name, o + st_name, fs::copy_options::overwrite_existing);
+  ExpectRefused(src_.get(), o, {"different stores", src_->identity().uuid, other->identity().uuid});
+}
+
+// Checkpoints written before the store uuid was in state.safetensors'
+// metadata, with its header padded to 8 bytes (the layout before the data
+// section was page aligned) and "adamw": 1.0 in the manifest, still restore;
+// so does one without state.safetensors (the field files hold all data).
+TEST_F(RestoreTest, OlderCheckpointsStillRestore) {
+  const std::string st_name = std::string("/") + kSafetensorsFileName;
+  std::string d = CopyCkpt("old");
+  {
+    std::string st = ReadFile(d + st_name);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | static_cast<unsigned char>(st[i]);
+    auto h = nlohmann::json::parse(st.substr(8, hlen));
+    h["__metadata__"].erase("optstate.store_uuid");
+    std::string hj = h.dump();
+    while ((8 + hj.size()) % 8 != 0) hj.push_back(' ');
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((hj.size() >> (8 * i)) & 0xff);
+    out += hj;
+    out += st.substr(8 + hlen);
+    std::ofstream(d + st_name, std::ios::binary | std::ios::trunc) << out;
+    auto j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
+    j["groups"][0]["hyper"]["adamw"] = 1.0;
+    std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump(1);
+  }
+  auto b = CreateStoreFromCheckpoint(d, root_ + "/from_old", StoreOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_TRUE(DumpLatest(b->get()) == want_);
+  EXPECT_EQ((*b)->LatestGeneration().groups[0].hyper.at("adamw"), 1.0);
+
+  std::string n = CopyCkpt("no_st");
+  fs::remove(n + st_name);
+  WriteStep(src_.get(), 12);
+  auto g = RestoreCheckpoint(src_.get(), n);
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_TRUE(DumpLatest(src_.get()) == want_);
+}
+
+// beta1 = 7, eps = 0, lr = -5, a tensor in a group that does not exist:
+// refused before anything is written, naming the manifest, group and key.
+TEST_F(RestoreTest, RefusesOutOfRangeHyperparametersAndUnknownGroups) {
+  WriteStep(src_.get(), 12);
+  auto edit = [&](const std::string& name, const std::function<void(nlohmann::json&)>& f) {
+    std::string d = CopyCkpt(name);
+    auto j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
+    f(j);
+    std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump(1);
+    return d;
+  };
+  std::string d = edit("beta1", [](auto& j) { j["groups"][0]["hyper"]["beta1"] = 7; });
+  ExpectRefused(src_.get(), d, {d + "/manifest.json", "group 0", "beta1 = 7", "[0, 1)"});
+  d = edit("eps", [](auto& j) { j["groups"][1]["hyper"]["eps"] = 0; });
+  ExpectRefused(src_.get(), d, {d + "/manifest.json", "group 1", "eps = 0", "> 0"});
+  d = edit("lr", [](auto& j) { j["groups"][1]["hyper"]["lr"] = -5; });
+  ExpectRefused(src_.get(), d, {d + "/manifest.json", "group 1", "lr = -5", ">= 0"});
+  d = edit("group", [](auto& j) {
+    for (auto& t : j["tensors"]) {
+      if (t["name"] == "emb") t["group"] = 9;
+    }
+  });
+  ExpectRefused(src_.get(), d, {d + "/manifest.json", "'emb'", "group 9 is not among"});
+  d = edit("steps", [](auto& j) { j["groups"][0]["step_count"] = 12; });
+  ExpectRefused(src_.get(), d, {d + "/manifest.json", "step_count", "step 11"});
+  auto b = CreateStoreFromCheckpoint(d, root_ + "/never", StoreOptions{});
+  ASSERT_FALSE(b.ok());
+  EXPECT_FALSE(fs::exists(root_ + "/never"));
+}
+
+// --create makes the store directory itself; what is in the way is named.
+TEST_F(RestoreTest, CreateSaysWhatIsInTheWay) {
+  const std::string empty = root_ + "/empty";
+  fs::create_directory(empty);
+  auto b = CreateStoreFromCheckpoint(ckpt_, empty, StoreOptions{});
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("is an existing empty directory"), std::string::npos)
+      << b.status().message();
+  EXPECT_NE(b.status().message().find("does not exist yet"), std::string::npos) << b.status().message();
+  EXPECT_TRUE(fs::is_directory(empty));
+  EXPECT_TRUE(fs::is_empty(empty));
+
+  const std::string file = root_ + "/file";
+  std::ofstream(file) << "keep me";
+  b = CreateStoreFromCheckpoint(ckpt_, file, StoreOptions{});
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("is a regular file"), std::string::npos) << b.status().message();
+  EXPECT_EQ(ReadFile(file), "keep me");
+
+  b = CreateStoreFromCheckpoint(ckpt_, root_ + "/src", StoreOptions{});
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("is already a store"), std::string::npos) << b.status().message();
+  EXPECT_NE(b.status().message().find("without --create"), std::string::npos) << b.status().message();
 }
 
 TEST_F(RestoreTest, CreateRefusesBadCheckpointAndLeavesNothing) {

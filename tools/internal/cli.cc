@@ -308,6 +308,86 @@ int FailWith(std::string_view tool, const Status& status) {
   return 1;
 }
 
+nlohmann::json JsonNumber(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  return v;
+}
+
+int FailUsage(std::string_view tool, std::string_view message) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "%.*s: error: %.*s\nRun with --help for more information.\n",
+               static_cast<int>(tool.size()), tool.data(), static_cast<int>(message.size()),
+               message.data());
+  return kExitUsage;
+}
+
+namespace {
+
+// Every option name of app and its subcommands ("--json", "-q", ...).
+void OptionNames(const CLI::App& app, std::vector<std::string>* out) {
+  for (const CLI::Option* o : app.get_options()) {
+    for (const std::string& n : o->get_lnames()) out->push_back("--" + n);
+    for (const std::string& n : o->get_snames()) out->push_back("-" + n);
+  }
+  for (const CLI::App* sub : app.get_subcommands({})) OptionNames(*sub, out);
+}
+
+}  // namespace
+
+std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv, std::string_view tool) {
+  try {
+    app.parse(argc, argv);
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help
+    std::string msg = e.what();
+    const int code = e.get_exit_code();
+    std::vector<std::string> extras = app.remaining(true);
+    if (!extras.empty() && (code == static_cast<int>(CLI::ExitCodes::RequiredError) ||
+                            code == static_cast<int>(CLI::ExitCodes::ExtrasError))) {
+      std::vector<std::string> known;
+      OptionNames(app, &known);
+      std::vector<std::string> options, others;
+      for (const std::string& x : extras) {
+        (x.size() > 1 && x[0] == '-' && x != "--" ? options : others).push_back(x);
+      }
+      msg.clear();
+      // An unknown option explains the arguments after it (its values).
+      for (const std::string& x : options) {
+        if (!msg.empty()) msg += "; ";
+        const std::string name = x.substr(0, x.find('='));
+        if (std::find(known.begin(), known.end(), name) != known.end()) {
+          msg += fmt::format("option '{}' does not apply here (see --help of the command)", name);
+          continue;
+        }
+        msg += fmt::format("unknown option '{}'", name);
+        // Closest known option by the words after the dashes, within a third
+        // of their length (the shared "--" would make every option look near).
+        auto words = [](const std::string& o) {
+          const size_t b = o.find_first_not_of('-');
+          return b == std::string::npos ? std::string() : o.substr(b);
+        };
+        const std::string bare = words(name);
+        std::string best;
+        size_t best_d = std::max<size_t>(1, bare.size() / 3) + 1;
+        for (const std::string& k : known) {
+          if (bare.empty()) break;  // "--" or "-": nothing to compare
+          const size_t d = EditDistance(bare, words(k));
+          if (d < best_d) best_d = d, best = k;
+        }
+        if (!best.empty()) msg += fmt::format(" (did you mean '{}'?)", best);
+      }
+      if (options.empty()) {
+        for (const std::string& x : others) {
+          msg += fmt::format("{}unexpected argument '{}'", msg.empty() ? "" : "; ", x);
+        }
+      }
+    }
+    return FailUsage(tool, msg);
+  }
+}
+
 double NowSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

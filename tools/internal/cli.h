@@ -1,6 +1,12 @@
 // Shared helpers of the optstate command-line tools: byte sizes, suggestions
 // for mistyped names, aligned tables, a progress bar that only draws on a TTY,
-// JSON printing, medians, and the error exit every tool uses.
+// JSON printing, medians, and the command-line parse and error exits every
+// tool uses.
+//
+// Exit codes of every tool (docs/CLI.md): 0 success, 1 the command failed or
+// was refused ("<tool>: error: <message>" on stderr), 2 a malformed command
+// line (the same prefix, then a hint to run with --help); tools add their own
+// codes above 2 (optstate-inspect verify: 3 when it found problems).
 //
 // Everything here is a value type or a free function; none of it is
 // thread-safe unless said otherwise. tools/ only; no library code uses it.
@@ -8,10 +14,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "vfs/status.h"
@@ -94,8 +102,28 @@ double Median(std::vector<double> values);
 // Prints j (indented 2) and a newline to stdout.
 void PrintJson(const nlohmann::json& j);
 
-// Prints "<tool>: error: <status>" to stderr and returns the exit code 1.
+// A number for JSON output: finite values as numbers; NaN, +Inf and -Inf as
+// the strings "NaN", "Infinity" and "-Infinity" (JSON has no such numbers;
+// nlohmann would write all three as null, and Python's json.loads reads the
+// same words back with parse_constant).
+nlohmann::json JsonNumber(double v);
+
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+
+// Prints "<tool>: error: <status>" to stderr and returns kExitFailure.
 int FailWith(std::string_view tool, const Status& status);
+// Prints "<tool>: error: <message>" and the --help hint to stderr and returns
+// kExitUsage: for a command line that is malformed in a way CLI11 cannot see.
+int FailUsage(std::string_view tool, std::string_view message);
+
+// Parses argv into app. nullopt: go on; otherwise the exit code to return at
+// once: 0 after --help (printed on stdout), kExitUsage after a malformed
+// command line (the error on stderr, prefixed like FailWith's). An unknown
+// option or a surplus argument is named as such (with the closest known
+// options), also where a required argument is missing as well (CLI11 checks
+// requirements first and would only say that one is required).
+std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv, std::string_view tool);
 
 // Monotonic seconds.
 double NowSeconds();
