@@ -216,7 +216,7 @@ fi
 start_mount "$REST" "$MNT2" "$OUT/optstate-mount-restored.log"
 
 # state.safetensors: the header's __metadata__ names the generation and store,
-# which the restored store has its own of; compare the header with that value masked and
+# which the restored store has its own of; compare the header with those masked and
 # the data section (every tensor field) byte for byte.
 st_hlen() { od -An -t u8 -N8 "$1" | tr -d ' '; }
 safetensors_cmp() {
