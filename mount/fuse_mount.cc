@@ -1285,12 +1285,12 @@ std::optional<std::string> HiddenByMountWarning(const std::string& mountpoint) {
 int RunMount(const MountCommand& cmd) {
   Status st = CheckMountpoint(cmd.mountpoint);
   if (!st.ok()) {
-    fmt::print(stderr, "optstate-mount: {}\n", st.message());
+    fmt::print(stderr, "optstate-mount: error: {}\n", st.message());
     return 1;
   }
   st = CheckStoreRoot(cmd.tree.store_root);
   if (!st.ok()) {
-    fmt::print(stderr, "optstate-mount: {}\n", st.message());
+    fmt::print(stderr, "optstate-mount: error: {}\n", st.message());
     return 1;
   }
   const std::optional<std::string> hidden = HiddenByMountWarning(cmd.mountpoint);
@@ -1309,7 +1309,7 @@ int RunMount(const MountCommand& cmd) {
   if (!cmd.log_file.empty()) {
     std::string why;
     if (!LogToFile(cmd.log_file, &why)) {
-      fmt::print(stderr, "optstate-mount: --log {}: {}\n", cmd.log_file, why);
+      fmt::print(stderr, "optstate-mount: error: --log {}: {}\n", cmd.log_file, why);
       return 1;
     }
     if (hidden) OPTSTATE_LOG_WARN("optstate-mount: {}", *hidden);
@@ -1321,7 +1321,7 @@ int RunMount(const MountCommand& cmd) {
   struct fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &ctx);
   fuse_opt_free_args(&args);
   if (se == nullptr) {
-    fmt::print(stderr, "optstate-mount: bad FUSE options '{}'\n", opts);
+    fmt::print(stderr, "optstate-mount: error: bad FUSE options '{}'\n", opts);
     return 1;
   }
   ctx.push_gate = std::make_shared<PushGate>(se);
@@ -1329,12 +1329,12 @@ int RunMount(const MountCommand& cmd) {
   // visible (a supervisor, a test) must end the loop and unmount, not kill the
   // process with the default action and leave a dead mount behind.
   if (fuse_set_signal_handlers(se) != 0) {
-    fmt::print(stderr, "optstate-mount: cannot install signal handlers\n");
+    fmt::print(stderr, "optstate-mount: error: cannot install signal handlers\n");
     fuse_session_destroy(se);
     return 1;
   }
   if (fuse_session_mount(se, cmd.mountpoint.c_str()) != 0) {
-    fmt::print(stderr, "optstate-mount: cannot mount on {} (see the message above)\n",
+    fmt::print(stderr, "optstate-mount: error: cannot mount on {} (see the message above)\n",
                cmd.mountpoint);
     fuse_remove_signal_handlers(se);
     fuse_session_destroy(se);

@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     std::string a = argv[i];
     auto need = [&](const char* what) -> const char* {
       if (i + 1 >= argc) {
-        fmt::print(stderr, "optstate-mount: {} needs a value\n{}", what, kUsage);
+        fmt::print(stderr, "optstate-mount: error: {} needs a value\n{}", what, kUsage);
         std::exit(2);
       }
       return argv[++i];
@@ -130,20 +130,20 @@ int main(int argc, char** argv) {
       TakeOptions(a.substr(2), &cmd);
     } else if (a == "--readahead-chunks") {
       if (!ParseU32(need(a.c_str()), &cmd.tree.readahead_chunks)) {
-        fmt::print(stderr, "optstate-mount: --readahead-chunks wants 1..4096\n");
+        fmt::print(stderr, "optstate-mount: error: --readahead-chunks wants 1..4096\n");
         return 2;
       }
     } else if (a == "--buffer-pool-mib") {
       uint32_t mib = 0;
       if (!ParseU32(need(a.c_str()), &mib)) {
-        fmt::print(stderr, "optstate-mount: --buffer-pool-mib wants 1..4096\n");
+        fmt::print(stderr, "optstate-mount: error: --buffer-pool-mib wants 1..4096\n");
         return 2;
       }
       cmd.tree.buffer_pool_bytes = uint64_t{mib} << 20;
     } else if (a == "--max-sqe-kib") {
       uint32_t kib = 0;
       if (!ParseU32(need(a.c_str()), &kib) || kib % 4 != 0) {
-        fmt::print(stderr, "optstate-mount: --max-sqe-kib wants a multiple of 4 in 4..4096\n");
+        fmt::print(stderr, "optstate-mount: error: --max-sqe-kib wants a multiple of 4 in 4..4096\n");
         return 2;
       }
       cmd.tree.max_sqe_bytes = uint64_t{kib} << 10;
@@ -152,13 +152,13 @@ int main(int argc, char** argv) {
       if (std::string(v) == "0") {
         cmd.tree.prefetch_files = 0;
       } else if (!ParseU32(v, &cmd.tree.prefetch_files) || cmd.tree.prefetch_files > 64) {
-        fmt::print(stderr, "optstate-mount: --prefetch-files wants 0..64\n");
+        fmt::print(stderr, "optstate-mount: error: --prefetch-files wants 0..64\n");
         return 2;
       }
     } else if (a == "--prefetch-mib") {
       uint32_t mib = 0;
       if (!ParseU32(need(a.c_str()), &mib)) {
-        fmt::print(stderr, "optstate-mount: --prefetch-mib wants 1..4096\n");
+        fmt::print(stderr, "optstate-mount: error: --prefetch-mib wants 1..4096\n");
         return 2;
       }
       cmd.tree.prefetch_bytes = uint64_t{mib} << 20;
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
       // Up to 64 MiB: the chunk sizes a store may have (8 MiB, the old
       // default, is still best for cp -r of one big tensor).
       if (!ParseU32(need(a.c_str()), &kib, 65536) || kib % 4 != 0) {
-        fmt::print(stderr, "optstate-mount: --blksize-kib wants a multiple of 4 in 4..65536\n");
+        fmt::print(stderr, "optstate-mount: error: --blksize-kib wants a multiple of 4 in 4..65536\n");
         return 2;
       }
       cmd.tree.st_blksize_bytes = uint64_t{kib} << 10;
@@ -185,13 +185,13 @@ int main(int argc, char** argv) {
       } else if (v == "all") {
         cmd.tree.page_cache = PageCache::kAll;
       } else {
-        fmt::print(stderr, "optstate-mount: --page-cache wants none, small, mappable or all (got '{}')\n", v);
+        fmt::print(stderr, "optstate-mount: error: --page-cache wants none, small, mappable or all (got '{}')\n", v);
         return 2;
       }
     } else if (a == "--kernel-readahead-mib") {
       uint32_t mib = 0;
       if (!ParseU32(need(a.c_str()), &mib) || mib > 1024) {
-        fmt::print(stderr, "optstate-mount: --kernel-readahead-mib wants 0..1024\n");
+        fmt::print(stderr, "optstate-mount: error: --kernel-readahead-mib wants 0..1024\n");
         return 2;
       }
       cmd.tree.kernel_readahead_bytes = uint64_t{mib} << 20;
@@ -202,29 +202,29 @@ int main(int argc, char** argv) {
     } else if (a == "--latest-pin-s") {
       uint32_t secs = 0;
       if (!ParseU32(need(a.c_str()), &secs, 86400)) {
-        fmt::print(stderr, "optstate-mount: --latest-pin-s wants 1..86400\n");
+        fmt::print(stderr, "optstate-mount: error: --latest-pin-s wants 1..86400\n");
         return 2;
       }
       cmd.tree.latest_pin_idle_ms = secs * 1000;
     } else if (a == "--threads") {
       if (!ParseU32(need(a.c_str()), &cmd.max_threads)) {
-        fmt::print(stderr, "optstate-mount: --threads wants 1..4096\n");
+        fmt::print(stderr, "optstate-mount: error: --threads wants 1..4096\n");
         return 2;
       }
     } else if (!a.empty() && a[0] == '-') {
-      fmt::print(stderr, "optstate-mount: unknown option {}\n{}", a, kUsage);
+      fmt::print(stderr, "optstate-mount: error: unknown option {}\n{}", a, kUsage);
       return 2;
     } else {
       pos.push_back(a);
     }
   }
   if (pos.size() != 2) {
-    fmt::print(stderr, "optstate-mount: expected STORE_ROOT and MOUNTPOINT\n{}", kUsage);
+    fmt::print(stderr, "optstate-mount: error: expected STORE_ROOT and MOUNTPOINT\n{}", kUsage);
     return 2;
   }
   char real[PATH_MAX];
   if (::realpath(pos[0].c_str(), real) == nullptr) {
-    fmt::print(stderr, "optstate-mount: STORE_ROOT {}: {}\n", pos[0], std::strerror(errno));
+    fmt::print(stderr, "optstate-mount: error: STORE_ROOT {}: {}\n", pos[0], std::strerror(errno));
     return 1;
   }
   cmd.tree.store_root = real;
