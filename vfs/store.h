@@ -291,7 +291,11 @@ struct StoreStats {
 struct VerifyReport {
   uint64_t chunks_checked = 0;
   uint64_t bytes_checked = 0;
-  std::vector<std::string> problems;   // each names store, tensor, field, chunk, generation
+  uint64_t generations_checked = 0;    // each read under a lease
+  uint64_t generations_skipped = 0;    // collected by a running writer before they could be leased
+  // Each names what is damaged (store, tensor, field, chunk, generation, or
+  // file) and, for damage to the store's own files, what the user can do.
+  std::vector<std::string> problems;
   uint64_t leaked_slots = 0;           // slots or pieces allocated, unreferenced and not free-listed
   bool ok() const { return problems.empty() && leaked_slots == 0; }
 };
