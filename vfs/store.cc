@@ -2499,12 +2499,21 @@ Result<VerifyReport> StoreImpl::Verify() {
   // writer (another process, or this one on another thread) never reuses an
   // extent that is being checked. A generation the writer collected before its
   // lease could be taken is skipped: it is no longer part of the store.
+  // The latest generation first: leasing it retries with a newer one when
+  // the writer collects it meanwhile, so at least one is always checked.
+  std::vector<std::unique_ptr<GenerationView>> views;
+  {
+    auto v = OpenView(kLatest, "");
+    if (!v.ok()) return v.status().WithContext("store " + c->path_ + ": verify: lease on the latest generation");
+    views.push_back(std::move(*v));
+  }
   std::vector<uint64_t> gens;
   {
     std::lock_guard l(c->mu_);
-    for (const auto& [g, i] : c->generations_) gens.push_back(g);
+    for (const auto& [g, i] : c->generations_) {
+      if (g != views[0]->info().generation) gens.push_back(g);
+    }
   }
-  std::vector<std::unique_ptr<GenerationView>> views;
   for (uint64_t g : gens) {
     auto v = OpenView(g, "");
     if (v.ok()) {
