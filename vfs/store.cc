@@ -2058,8 +2058,10 @@ Status ClaimDataFiles(Core* c) {
             (other_exists ? " (which still exists)" : " (which is no longer there)") +
             ": this store is a copy of it, or it was moved or restored from a backup, and its data dir " +
             c->identity_.data_dirs[d] +
-            " lies outside the store directory, so a copy would write the same data file. A store with external "
-            "data dirs cannot be copied with cp; " + kIndependentCopyHint +
+            (c->internal_dirs_[d] ? " is the same directory for both (a symbolic link or mount copied as such)"
+                                  : " lies outside the store directory") +
+            ", so a copy would write the same data file. A store whose data dirs are not its own cannot be "
+            "copied with cp; " + kIndependentCopyHint +
             ". If this directory replaces " + owner->store_path + " (moved, or the only copy left) and no other "
             "copy will be opened, delete " + owner_path + " and open it again");
       }
