@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -233,6 +234,7 @@ class Core {
     db_.reset();
     env_.reset();
     data_files_.clear();
+    data_locks_.clear();
     lease_lock_file_.reset();
     if (!secondary_dir_.empty()) (void)fs_->RemoveAll(secondary_dir_);
     lock_file_.reset();
@@ -250,6 +252,20 @@ class Core {
   std::shared_ptr<rocksdb::Logger> logger_;
   std::unique_ptr<rocksdb::DB> db_;
   std::vector<std::unique_ptr<File>> data_files_;  // per data dir; null if absent (read-only)
+  // Per data dir: it lies inside the store directory (a copy of the store
+  // directory has its own copy of it), as opposed to an external one.
+  std::vector<bool> internal_dirs_;
+  // Writer, per data dir: the data file is flock'ed and its owner record
+  // names this store directory (ClaimDataFiles).
+  std::vector<bool> claimed_;
+  // Writer, per data dir: a second descriptor of the data file that holds its
+  // flock. Never given to io_uring: a ring of a killed process keeps the files
+  // of its requests referenced until its teardown (asynchronous, after the
+  // process is reaped), and a flock lives as long as its open file.
+  std::vector<std::unique_ptr<File>> data_locks_;
+  // IDENTITY records a data dir inside the store directory as an absolute
+  // path (written by an older version): the writer rewrites it at open.
+  bool identity_needs_rewrite_ = false;
   std::unique_ptr<File> lock_file_;
   // COMMITTED: the newest acknowledged generation, written and synced after
   // each commit batch. Open refuses an index older than it, so a damaged or
@@ -950,22 +966,66 @@ class Core {
     return FlockGuard::Take(lease_lock_file_.get(), op);
   }
 
-  // Generations leased by live readers (files leases/<pid>.<gen>.<nonce>);
-  // removes leases of dead processes. Call with the exclusive lease flock held.
+  // Generations leased by live readers; removes the leases of dead ones. A
+  // lease file leases/<pid>.<gen>.<nonce>.flock is flock'ed by its reader for
+  // the lease's life, and the kernel drops the flock when the reader's process
+  // ends however it ends: a lease file that can be locked here is dead. (A pid
+  // cannot tell: a killed reader not yet waited for is a zombie that kill(pid,
+  // 0) finds, its pid can be reused, and it means nothing in another pid
+  // namespace.) Files leases/<pid>.<gen>.<nonce> of readers of an older
+  // version, which held no flock, are judged by their pid. Call with the
+  // exclusive lease flock held (no reader is between making its lease file
+  // and locking it).
   Result<std::vector<uint64_t>> LeasedGenerations() {
     std::vector<uint64_t> gens;
     OPTSTATE_ASSIGN_OR_RETURN(auto names, fs_->ListDir(leases_dir_));
     for (const auto& name : names) {
       if (name.empty() || name[0] == '.') continue;
       unsigned long long pid = 0, gen = 0, nonce = 0;
-      if (sscanf(name.c_str(), "%llu.%llu.%llu", &pid, &gen, &nonce) != 3) continue;
+      int used = 0;
+      if (sscanf(name.c_str(), "%llu.%llu.%llu%n", &pid, &gen, &nonce, &used) != 3) continue;
+      const std::string_view rest = std::string_view(name).substr(static_cast<size_t>(used));
+      const std::string file = JoinPath(leases_dir_, name);
+      if (rest == kLeaseSuffix) {
+        if (LeaseFileHeld(file)) gens.push_back(gen);
+        continue;
+      }
+      if (!rest.empty()) continue;
       if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-        (void)fs_->Remove(JoinPath(leases_dir_, name));
+        (void)fs_->Remove(file);
         continue;
       }
       gens.push_back(gen);
     }
     return gens;
+  }
+
+  static constexpr std::string_view kLeaseSuffix = ".flock";
+
+  // Whether a reader holds the flock of lease file `file`; removes it if not.
+  // Lease flock held (LOCK_EX).
+  bool LeaseFileHeld(const std::string& file) {
+    OpenOptions oo;
+    oo.read_only = true;
+    auto f = fs_->Open(file, oo);
+    if (!f.ok()) {
+      if (f.status().IsNotFound()) return false;  // its reader released it just now
+      OPTSTATE_LOG_WARN("store {}: cannot check reader lease {} ({}); keeping its generation", path_, file,
+                        f.status().ToString());
+      return true;
+    }
+    for (;;) {
+      if (::flock((*f)->fd(), LOCK_EX | LOCK_NB) == 0) break;
+      if (errno == EINTR) continue;
+      if (errno != EWOULDBLOCK) {
+        OPTSTATE_LOG_WARN("store {}: flock of reader lease {}: {}; keeping its generation", path_, file,
+                          std::strerror(errno));
+      }
+      return true;
+    }
+    OPTSTATE_LOG_INFO("store {}: removing the lease {} of a reader that has ended", path_, file);
+    (void)fs_->Remove(file);
+    return false;
   }
 
   // --- GC ------------------------------------------------------------------
@@ -1062,6 +1122,104 @@ class Core {
     }
     return best;
   }
+  // COMMITTED's full size: both slots written (at the first open, and again at
+  // every open that finds the index ahead of it). Commits rewrite one slot in
+  // place, so a crash can tear a slot but never shorten the file.
+  static constexpr uint64_t kCommittedBytes = kMarkSlotBytes + 32;
+
+  // What a user can do about a store whose COMMITTED is damaged while its
+  // index holds committed generations up to `latest`.
+  std::string CommittedRecoveryHint(uint64_t latest) const {
+    auto g = generations_.find(latest);
+    const std::string step = g == generations_.end() ? "" : " (step " + std::to_string(g->second.step) + ")";
+    return "What you can do: if `optstate-inspect " + path_ + " verify` finds no other problem and generation " +
+           std::to_string(latest) + step + " is the last one you committed, accept the index as it is with `touch " +
+           JoinPath(path_, kAcceptIndexFile) + "` and open the store again; otherwise copy its newest good "
+           "generation or a snapshot out (optstate-mount: `cp -r MOUNT/<store>/latest DIR`) and restore it into a "
+           "new store with `optstate-restore DIR NEW_STORE --create NAME`";
+  }
+  // Made by the user to accept the index as it is when COMMITTED is damaged;
+  // the writer removes it once COMMITTED is rewritten.
+  static constexpr const char* kAcceptIndexFile = "COMMITTED.accept-index";
+
+  // Verify's check of COMMITTED and RETAINED against an index whose latest
+  // generation is index_latest. A read-only store may read a slot the writer
+  // is rewriting: a damaged slot counts only if it reads damaged three times.
+  void VerifyMarks(uint64_t index_latest, std::vector<std::string>* problems) {
+    const std::string name = JoinPath(path_, "COMMITTED");
+    std::string hint;
+    {
+      std::lock_guard l(mu_);
+      hint = CommittedRecoveryHint(index_latest);
+    }
+    for (int attempt = 0;; ++attempt) {
+      auto text = fs_->ReadFileToString(name);
+      std::string problem;
+      if (!text.ok()) {
+        if (!text.status().IsNotFound()) {
+          problem = "store " + path_ + ": COMMITTED is unreadable: " + text.status().ToString();
+        } else if (index_latest > 0) {
+          problem = "store " + path_ + " is damaged: COMMITTED is missing, but the index holds committed "
+                    "generations up to " + std::to_string(index_latest) + ". " + hint;
+        }
+      } else if (index_latest > 0 || !text->empty()) {
+        std::string why;
+        const auto best = NewestCommittedMark(*text, "COMMITTED", &why);
+        if (text->size() < kCommittedBytes) {
+          problem = "store " + path_ + " is damaged: COMMITTED is " +
+                    (text->empty() ? std::string("empty") : "truncated to " + std::to_string(text->size()) +
+                                                                " bytes (" + std::to_string(kCommittedBytes) +
+                                                                " written)") +
+                    ". " + hint;
+        } else if (!best || !why.empty()) {
+          problem = "store " + path_ + " is damaged: COMMITTED " +
+                    (best ? "has a damaged slot (" + why + "; the other holds generation " +
+                                std::to_string(*best) + ")"
+                          : "holds no valid record (" + why + ")") +
+                    ". " + hint;
+        } else if (!read_only_ && *best != index_latest) {
+          problem = "store " + path_ + ": COMMITTED acknowledges generation " + std::to_string(*best) +
+                    " but the index's latest is " + std::to_string(index_latest);
+        }
+      }
+      if (problem.empty()) break;
+      if (!read_only_ || attempt == 2) {
+        problems->push_back(problem);
+        break;
+      }
+    }
+    // RETAINED, read as readers read it (under the shared lease flock).
+    Result<std::string> text = std::string();
+    {
+      std::lock_guard ll(lease_lock_mu_);
+      auto guard = LockLeases(LOCK_SH);
+      if (!guard.ok()) {
+        problems->push_back(guard.status().ToString());
+        return;
+      }
+      text = fs_->ReadFileToString(JoinPath(path_, "RETAINED"));
+    }
+    const std::string fix = ": readers then check their leases against their own copy of the index only. Opening "
+                            "the store read-write (any training step, or `optstate-restore`) rewrites it";
+    if (!text.ok()) {
+      problems->push_back("store " + path_ + ": RETAINED is " +
+                          (text.status().IsNotFound() ? std::string("missing") : "unreadable (" + text.status().ToString() + ")") + fix);
+      return;
+    }
+    auto gens = DecodeRetained(*text, "store " + path_ + ": RETAINED");
+    if (!gens.ok()) {
+      problems->push_back(gens.status().ToString() + fix);
+      return;
+    }
+    if (read_only_) return;  // the writer may have moved on since this reader's index
+    std::lock_guard l(mu_);
+    for (const auto& [g, info] : generations_) {
+      if (!std::binary_search(gens->begin(), gens->end(), g)) {
+        problems->push_back("store " + path_ + ": RETAINED lacks retained generation " + std::to_string(g) + fix);
+      }
+    }
+  }
+
   // Read-only stores: the newest acknowledged generation, 0 if unknown.
   uint64_t ReadAckedGeneration() {
     auto text = fs_->ReadFileToString(JoinPath(path_, "COMMITTED"));
@@ -1227,6 +1385,7 @@ struct ViewData {
   std::map<uint32_t, TensorInfo> by_id;
   std::map<Key, Version> chunks;          // written chunks only
   std::string lease_file;                 // read-only stores: the lease file
+  std::unique_ptr<File> lease_handle;     // open, flock'ed: the lease is alive
   bool in_process_ref = false;            // writable stores: Core::view_refs_
 
   ~ViewData() {
@@ -1235,6 +1394,7 @@ struct ViewData {
       if (--core->view_refs_[info.generation] <= 0) core->view_refs_.erase(info.generation);
     }
     if (!lease_file.empty()) (void)core->fs_->Remove(lease_file);
+    lease_handle.reset();  // after the removal: never an unlocked lease file the writer could misjudge
   }
 };
 
@@ -1663,6 +1823,7 @@ class GenerationViewImpl final : public GenerationView {
   Result<std::unique_ptr<ChunkIo>> NewChunkIo(const ChunkIoOptions& opts) const override {
     return MakeChunkIo(v_->core, v_, opts);
   }
+  const ViewData& data() const { return *v_; }
 
  private:
   uint64_t ZeroChecksum(uint64_t len) const {
@@ -1729,6 +1890,188 @@ Status OpenDataFiles(Core* core, bool create_missing) {
       OPTSTATE_RETURN_IF_ERROR(core->data_files_[d]->Fsync());
       OPTSTATE_RETURN_IF_ERROR(core->fs_->SyncDir(dirs[d]));
     }
+  }
+  return Status();
+}
+
+// What a user can do to get a second, independent store from one.
+constexpr const char* kIndependentCopyHint =
+    "to make an independent copy of a store, copy a checkpoint of it (`cp -r MOUNT/<store>/latest DIR` from "
+    "optstate-mount, or a snapshot's directory) and import it with `optstate-restore DIR NEW_STORE --create NAME`";
+
+// Turns the data dirs recorded in IDENTITY into absolute paths for this store
+// directory (identity_.data_dirs) and marks which lie inside it. A relative
+// dir is inside. An absolute one was written by an older version, which
+// recorded every dir absolute: inside this directory, it is inside; naming a
+// dir of the directory the store was created in (this one is a copy or was
+// moved), this directory's own copy of it is used, recognised by this store's
+// data file being there; inside any other store directory, refused (the copy
+// would write another store's data file). Others are external.
+Status ResolveDataDirs(Core* c) {
+  auto& dirs = c->identity_.data_dirs;
+  c->internal_dirs_.assign(dirs.size(), false);
+  const std::string data_file = c->identity_.uuid + ".chunks";
+  for (size_t d = 0; d < dirs.size(); ++d) {
+    const std::string rec = dirs[d];
+    if (!rec.starts_with("/")) {
+      dirs[d] = rec == "." ? c->path_ : AbsPath(JoinPath(c->path_, rec));
+      c->internal_dirs_[d] = true;
+      continue;
+    }
+    if (internal::RelativeToStore(rec, c->path_)) {
+      c->internal_dirs_[d] = true;
+      c->identity_needs_rewrite_ = true;
+      continue;
+    }
+    std::vector<std::string> parts;
+    for (const auto& part : std::filesystem::path(rec)) {
+      if (!part.empty() && part != "/") parts.push_back(part.string());
+    }
+    std::string rel;
+    for (size_t k = parts.size(); k-- > 0 && !c->internal_dirs_[d];) {
+      rel = rel.empty() ? parts[k] : parts[k] + "/" + rel;
+      const std::string here = JoinPath(c->path_, rel);
+      auto e = c->fs_->Exists(JoinPath(here, data_file));
+      if (e.ok() && *e) {
+        OPTSTATE_LOG_INFO("store {}: data dir {} recorded by an older version is this store directory's {}", c->path_,
+                          rec, here);
+        dirs[d] = here;
+        c->internal_dirs_[d] = true;
+        c->identity_needs_rewrite_ = true;
+      }
+    }
+    if (c->internal_dirs_[d]) continue;
+    for (std::filesystem::path a(rec); !a.empty(); a = a.parent_path()) {
+      const std::string anc = a.string();
+      auto e = c->fs_->Exists(JoinPath(anc, "IDENTITY"));
+      if (e.ok() && *e && anc != c->path_) {
+        return FailedPrecondition(
+            "store " + c->path_ + ": IDENTITY names data dir " + rec + ", which lies inside the store directory " +
+            anc + ", and this directory has no copy of it (no " + rel + "/" + data_file +
+            "): this store is a copy of " + anc + " (or was moved from there) made without its data, and opening it "
+            "would use that store's data file. Copy the whole store directory with `cp -a`, or " +
+            kIndependentCopyHint);
+      }
+      if (anc == "/") break;
+    }
+  }
+  return Status();
+}
+
+// Writer: makes each open data file this store directory's, or refuses. The
+// data file is flock'ed (LOCK_EX) for as long as it is open, so no two
+// processes ever write it; its owner record (<uuid>.owner) names the store
+// directory that writes it. A record naming another directory is taken over
+// when the data file is not the one that directory wrote (a copy of the store
+// directory copied it: its inode differs); the same data file owned by another
+// directory (a copied store sharing an external data dir, or a hard-linked
+// copy) is refused.
+Status ClaimDataFiles(Core* c) {
+  struct stat self;
+  if (::stat(c->path_.c_str(), &self) != 0) return ErrnoStatus("store " + c->path_ + ": stat", errno);
+  c->claimed_.resize(c->data_files_.size(), false);
+  c->data_locks_.resize(c->data_files_.size());
+  for (uint32_t d = 0; d < c->data_files_.size(); ++d) {
+    File* f = c->data_files_[d].get();
+    if (f == nullptr || c->claimed_[d]) continue;
+    const std::string file = c->FileName(d);
+    const std::string owner_path = JoinPath(c->identity_.data_dirs[d], c->identity_.uuid + ".owner");
+    auto owner_text = c->fs_->ReadFileToString(owner_path);
+    std::optional<internal::DataFileOwner> owner;
+    if (owner_text.ok()) {
+      auto o = internal::DecodeDataFileOwner(*owner_text, owner_path);
+      if (o.ok()) {
+        owner = std::move(*o);
+      } else {
+        OPTSTATE_LOG_WARN("store {}: {}; rewriting it", c->path_, o.status().ToString());
+      }
+    } else if (!owner_text.status().IsNotFound()) {
+      return owner_text.status().WithContext("store " + c->path_ + ": owner record of data file " + file);
+    }
+    const std::string other = owner ? owner->store_path : std::string("unknown (no owner record)");
+    OpenOptions lo;
+    lo.read_only = true;
+    auto lock = c->fs_->Open(file, lo);
+    if (!lock.ok()) return lock.status().WithContext("store " + c->path_ + ": lock of data file");
+    for (;;) {
+      if (::flock((*lock)->fd(), LOCK_EX | LOCK_NB) == 0) break;
+      const int e = errno;
+      if (e == EINTR) continue;
+      if (e == EWOULDBLOCK) {
+        return Status(StatusCode::kBusy,
+                      "store " + c->path_ + ": data file " + file + " is open for writing by another process, a "
+                      "writer of store " + other + ": two stores never write one data file. The two are copies "
+                      "of one store that share a data dir outside them (or hard-linked copies); close the other "
+                      "writer and use one of them, or " + kIndependentCopyHint,
+                      e);
+      }
+      return ErrnoStatus("store " + c->path_ + ": flock data file " + file, e);
+    }
+    struct statx st;
+    if (::statx(f->fd(), "", AT_EMPTY_PATH, STATX_INO | STATX_NLINK | STATX_BTIME, &st) != 0) {
+      return ErrnoStatus("store " + c->path_ + ": statx " + file, errno);
+    }
+    if (st.stx_nlink > 1) {
+      return FailedPrecondition("store " + c->path_ + ": data file " + file + " has " +
+                                std::to_string(st.stx_nlink) +
+                                " hard links: another store directory may share it (a copy made with `cp -l` "
+                                "or `rsync --link-dest`). Copy a store with `cp -a`, or " + kIndependentCopyHint);
+    }
+    internal::DataFileOwner mine;
+    mine.uuid = c->identity_.uuid;
+    mine.store_path = c->path_;
+    mine.store_dev = static_cast<uint64_t>(self.st_dev);
+    mine.store_ino = static_cast<uint64_t>(self.st_ino);
+    mine.data_dev = (uint64_t{st.stx_dev_major} << 32) | st.stx_dev_minor;
+    mine.data_ino = st.stx_ino;
+    if (st.stx_mask & STATX_BTIME) {
+      mine.data_btime_ns = static_cast<uint64_t>(st.stx_btime.tv_sec) * 1000000000ull + st.stx_btime.tv_nsec;
+    }
+    bool write = true;
+    if (owner) {
+      // Same directory: same inode, and same device or same path (device
+      // numbers of drives can change across reboots; a rename keeps both).
+      const bool same_dir = owner->store_ino == mine.store_ino &&
+                            (owner->store_dev == mine.store_dev || owner->store_path == mine.store_path);
+      const bool same_file = owner->data_ino == mine.data_ino &&
+                             (owner->data_btime_ns == 0 || mine.data_btime_ns == 0 ||
+                              owner->data_btime_ns == mine.data_btime_ns) &&
+                             (owner->data_dev == mine.data_dev || same_dir);
+      if (owner->uuid != mine.uuid) {
+        return FailedPrecondition("store " + c->path_ + ": data file " + file + " has an owner record (" +
+                                  owner_path + ") of another store, uuid " + owner->uuid +
+                                  "; the data directory was tampered with: " + kIndependentCopyHint);
+      }
+      if (same_dir) {
+        write = owner->store_path != mine.store_path || owner->store_dev != mine.store_dev ||
+                owner->data_dev != mine.data_dev || owner->data_ino != mine.data_ino ||
+                owner->data_btime_ns != mine.data_btime_ns;
+      } else if (!same_file) {
+        OPTSTATE_LOG_INFO("store {}: data file {} is this store directory's own copy (its owner record named {}); "
+                          "taking it over", c->path_, file, owner->store_path);
+      } else {
+        struct stat o;
+        const bool other_exists = ::stat(owner->store_path.c_str(), &o) == 0 &&
+                                  static_cast<uint64_t>(o.st_ino) == owner->store_ino;
+        return FailedPrecondition(
+            "store " + c->path_ + ": data file " + file + " belongs to the store directory " + owner->store_path +
+            (other_exists ? " (which still exists)" : " (which is no longer there)") +
+            ": this store is a copy of it, or it was moved or restored from a backup, and its data dir " +
+            c->identity_.data_dirs[d] +
+            (c->internal_dirs_[d] ? " is the same directory for both (a symbolic link or mount copied as such)"
+                                  : " lies outside the store directory") +
+            ", so a copy would write the same data file. A store whose data dirs are not its own cannot be "
+            "copied with cp; " + kIndependentCopyHint +
+            ". If this directory replaces " + owner->store_path + " (moved, or the only copy left) and no other "
+            "copy will be opened, delete " + owner_path + " and open it again");
+      }
+    }
+    if (write) {
+      OPTSTATE_RETURN_IF_ERROR(c->fs_->WriteFileAtomic(owner_path, internal::EncodeDataFileOwner(mine))
+                                   .WithContext("store " + c->path_ + ": owner record of data file " + file));
+    }
+    c->data_locks_[d] = std::move(*lock);
+    c->claimed_[d] = true;
   }
   return Status();
 }
@@ -2086,9 +2429,12 @@ Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation,
       std::lock_guard l(c->mu_);
       OPTSTATE_RETURN_IF_ERROR(resolve(&g));
     }
-    const std::string lease = JoinPath(c->leases_dir_, std::to_string(getpid()) + "." + std::to_string(g) + "." +
-                                                           std::to_string((rng() & 0xffffffffull) * 1000 + nonce++ % 1000));
+    const std::string lease =
+        JoinPath(c->leases_dir_, std::to_string(getpid()) + "." + std::to_string(g) + "." +
+                                     std::to_string((rng() & 0xffffffffull) * 1000 + nonce++ % 1000) +
+                                     std::string(Core::kLeaseSuffix));
     std::optional<std::vector<uint64_t>> retained;
+    std::unique_ptr<File> handle;
     {
       std::lock_guard ll(c->lease_lock_mu_);
       OPTSTATE_ASSIGN_OR_RETURN(auto guard, c->LockLeases(LOCK_SH));
@@ -2097,6 +2443,16 @@ Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation,
       oo.exclusive = true;
       auto f = c->fs_->Open(lease, oo);
       if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": take reader lease");
+      handle = std::move(*f);
+      // Locked before the lease flock is released: the writer's GC, which
+      // lists leases under LOCK_EX, never sees this file unlocked while we live.
+      while (::flock(handle->fd(), LOCK_EX | LOCK_NB) != 0) {
+        if (errno == EINTR) continue;
+        const int e = errno;
+        handle.reset();
+        (void)c->fs_->Remove(lease);
+        return ErrnoStatus("store " + c->path_ + ": flock reader lease " + lease, e);
+      }
       retained = c->ReadRetained();
     }
     // Without RETAINED (a store last opened by an older writer): a GC that
@@ -2109,6 +2465,7 @@ Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation,
       if (s.ok()) {
         auto v = BuildView(core_, g);
         v->lease_file = lease;
+        v->lease_handle = std::move(handle);
         l.unlock();
         return std::unique_ptr<GenerationView>(new GenerationViewImpl(std::move(v)));
       }
@@ -2119,6 +2476,7 @@ Result<std::unique_ptr<GenerationView>> StoreImpl::OpenView(uint64_t generation,
     }
     l.unlock();
     (void)c->fs_->Remove(lease);
+    handle.reset();
     if (!s.ok() && s.code() != StatusCode::kBusy) return s;
     if (!kept && generation != kLatest && snapshot.empty()) {
       return NotFound("store " + c->path_ + ": generation " + std::to_string(g) +
@@ -2136,7 +2494,50 @@ Result<VerifyReport> StoreImpl::Verify() {
     uint64_t expected_len;
   };
   VerifyReport rep;
+  Core* c = core_.get();
+  if (c->read_only_) OPTSTATE_RETURN_IF_ERROR(c->CatchUpChecked(/*reopen_first=*/false));
+  // Every generation is read through a view that holds a lease on it (a read-
+  // only store's lease file, a writable store's in-process reference), so the
+  // writer (another process, or this one on another thread) never reuses an
+  // extent that is being checked. A generation the writer collected before its
+  // lease could be taken is skipped: it is no longer part of the store.
+  // The latest generation first: leasing it retries with a newer one when
+  // the writer collects it meanwhile, so at least one is always checked.
+  std::vector<std::unique_ptr<GenerationView>> views;
+  {
+    auto v = OpenView(kLatest, "");
+    if (!v.ok()) return v.status().WithContext("store " + c->path_ + ": verify: lease on the latest generation");
+    views.push_back(std::move(*v));
+  }
+  std::vector<uint64_t> gens;
+  {
+    std::lock_guard l(c->mu_);
+    for (const auto& [g, i] : c->generations_) {
+      if (g != views[0]->info().generation) gens.push_back(g);
+    }
+  }
+  for (uint64_t g : gens) {
+    auto v = OpenView(g, "");
+    if (v.ok()) {
+      views.push_back(std::move(*v));
+    } else if (v.status().IsNotFound()) {
+      ++rep.generations_skipped;
+    } else {
+      return v.status().WithContext("store " + c->path_ + ": verify: lease on generation " + std::to_string(g));
+    }
+  }
   std::vector<Item> items;
+  std::set<std::tuple<Key, uint64_t>> planned;
+  for (const auto& view : views) {
+    const ViewData& d = static_cast<const GenerationViewImpl&>(*view).data();
+    ++rep.generations_checked;
+    for (const auto& [k, v] : d.chunks) {
+      if (!planned.insert({k, v.gen}).second) continue;
+      const TensorInfo& t = d.by_id.at(k.t);
+      if (k.f >= t.fields.size() || k.c >= Core::ChunkCountOf(t, k.f, c->chunk())) continue;  // reported below
+      items.push_back(Item{t, k, v, c->ChunkLen(t, k.f, k.c)});
+    }
+  }
   // (dir, offset) -> the version using it and its allocation (slot or piece) size.
   struct Owner {
     const TensorInfo* tensor;
@@ -2146,32 +2547,14 @@ Result<VerifyReport> StoreImpl::Verify() {
   };
   std::map<std::pair<uint32_t, uint64_t>, Owner> owner;
   uint64_t allocated = 0, free_bytes = 0, owned_bytes = 0;
+  uint64_t index_latest = 0;
   {
     std::lock_guard l(core_->mu_);
-    Core* c = core_.get();
-    std::set<uint64_t> gens;
-    for (const auto& [g, i] : c->generations_) gens.insert(g);
+    index_latest = c->latest_.generation;
     for (const auto& [n, s] : c->snapshots_) {
       if (!c->generations_.count(s.generation)) {
         rep.problems.push_back("store " + c->path_ + ": snapshot '" + n + "' pins generation " +
                                std::to_string(s.generation) + " which has no record");
-      }
-    }
-    std::set<std::tuple<Key, uint64_t>> planned;
-    for (uint64_t g : gens) {
-      for (const auto& [id, t] : c->tensors_) {
-        if (t.created_generation > g) continue;
-        for (uint32_t f = 0; f < t.fields.size(); ++f) {
-          const uint64_t n = Core::ChunkCountOf(t, f, c->chunk());
-          for (uint64_t i = 0; i < n; ++i) {
-            const Key k{id, f, i};
-            auto v = c->AtGeneration(k, g);
-            if (!v) continue;
-            if (planned.insert({k, v->gen}).second) {
-              items.push_back(Item{t, k, *v, c->ChunkLen(t, f, i)});
-            }
-          }
-        }
       }
     }
     // References: every committed and pending version, inside the files, no
@@ -2276,6 +2659,7 @@ Result<VerifyReport> StoreImpl::Verify() {
                            " bytes referenced/pending + " + std::to_string(free_bytes) + " free but only " +
                            std::to_string(allocated) + " allocated");
   }
+  c->VerifyMarks(index_latest, &rep.problems);
   return rep;
 }
 
@@ -2306,42 +2690,85 @@ Result<std::shared_ptr<Core>> NewCore(const std::string& path, const StoreOption
 }
 
 // Opens (creating if absent) COMMITTED and refuses an index older than the
-// generation it records: the acknowledged generations must all be there.
+// generation it records: the acknowledged generations must all be there. A
+// store whose index holds committed generations must have a whole COMMITTED
+// (missing, empty, truncated or with no valid slot is damage: no crash makes
+// it so, and without it a lost index write-ahead log would go unnoticed),
+// unless the user accepted the index as it is (kAcceptIndexFile).
 Status OpenCommittedMark(Core* c) {
   const std::string name = JoinPath(c->path_, "COMMITTED");
+  const std::string accept = JoinPath(c->path_, Core::kAcceptIndexFile);
   OPTSTATE_ASSIGN_OR_RETURN(bool exists, c->fs_->Exists(name));
+  OPTSTATE_ASSIGN_OR_RETURN(bool accepted, c->fs_->Exists(accept));
   OpenOptions oo;
   oo.create = !exists;
-  auto f = c->fs_->Open(name, oo);
-  if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": COMMITTED");
+  std::unique_ptr<File> f;
+  uint64_t size = 0;
+  if (exists || c->latest_.generation == 0 || accepted) {
+    auto opened = c->fs_->Open(name, oo);
+    if (!opened.ok()) return opened.status().WithContext("store " + c->path_ + ": COMMITTED");
+    f = std::move(*opened);
+    OPTSTATE_ASSIGN_OR_RETURN(size, f->Size());
+  }
   std::lock_guard l(c->mu_);
   const uint64_t index_latest = c->latest_.generation;
-  OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*f)->Size());
-  if (exists && size > 0) {
+  std::string damage;  // what is wrong with COMMITTED, if anything
+  std::optional<uint64_t> acked;
+  bool both_valid = false;
+  if (!exists) {
+    damage = "is missing";
+  } else if (size == 0) {
+    damage = "is empty";
+  } else {
     // The newest valid slot; an invalid slot is a torn or lost unsynced write.
-    std::string contents(std::min<uint64_t>(size, Core::kMarkSlotBytes + 32), '\0');
-    Status rs = (*f)->Pread(0, contents.data(), contents.size());
+    std::string contents(std::min<uint64_t>(size, Core::kCommittedBytes), '\0');
+    Status rs = f->Pread(0, contents.data(), contents.size());
     if (!rs.ok()) return rs.WithContext("store " + c->path_ + ": COMMITTED");
     std::string why;
-    const std::optional<uint64_t> best =
-        Core::NewestCommittedMark(contents, "store " + c->path_ + ": COMMITTED", &why);
-    if (!best) return Corruption("store " + c->path_ + " is damaged: COMMITTED holds no valid record (" + why + ")");
-    const uint64_t acked = *best;
-    if (index_latest < acked) {
-      return Corruption("store " + c->path_ + " is damaged: its index (RocksDB, index/) holds generation " +
-                        std::to_string(index_latest) + " but generation " + std::to_string(acked) +
-                        " was committed and acknowledged (COMMITTED); the index write-ahead log was lost or "
-                        "damaged. Restore from a checkpoint; refusing to open an older state silently");
-    }
-    if (index_latest == acked) {
-      c->committed_file_ = std::move(*f);
-      return Status();
+    acked = Core::NewestCommittedMark(contents, "slot", &why);
+    both_valid = acked && why.empty();
+    if (size < Core::kCommittedBytes) {
+      damage = "is truncated to " + std::to_string(size) + " bytes (" + std::to_string(Core::kCommittedBytes) +
+               " written)";
+    } else if (!acked) {
+      damage = "holds no valid record (" + why + ")";
     }
   }
-  c->committed_file_ = std::move(*f);
-  OPTSTATE_RETURN_IF_ERROR(
-      c->WriteCommittedMark(index_latest, /*both_slots=*/true).WithContext("store " + c->path_ + ": COMMITTED"));
-  if (!exists) OPTSTATE_RETURN_IF_ERROR(c->fs_->SyncDir(c->path_));
+  std::string problem;
+  if (!damage.empty() && index_latest > 0) {
+    problem = "store " + c->path_ + " is damaged: COMMITTED " + damage +
+              ", but the index (index/) holds committed generations up to " + std::to_string(index_latest) +
+              ": the store cannot tell whether the index lost acknowledged generations. ";
+  } else if (acked && index_latest < *acked) {
+    problem = "store " + c->path_ + " is damaged: its index (RocksDB, index/) holds generation " +
+              std::to_string(index_latest) + " but generation " + std::to_string(*acked) +
+              " was committed and acknowledged (COMMITTED): the index write-ahead log was lost or damaged; "
+              "refusing to open an older state silently. ";
+  }
+  if (!problem.empty()) {
+    if (!accepted) return Corruption(problem + c->CommittedRecoveryHint(index_latest));
+    OPTSTATE_LOG_WARN("{}{} exists: accepting the index as it is, generation {}", problem, accept, index_latest);
+  }
+  if (damage.empty() && both_valid && acked == index_latest) {
+    c->committed_file_ = std::move(f);
+  } else {
+    // A fresh store (or one whose creation crashed before COMMITTED was
+    // written), an index ahead of the mark (a crash after the commit batch,
+    // before the mark), a torn slot, or the user's acceptance: both slots anew.
+    if (f == nullptr) {
+      auto opened = c->fs_->Open(name, oo);
+      if (!opened.ok()) return opened.status().WithContext("store " + c->path_ + ": COMMITTED");
+      f = std::move(*opened);
+    }
+    c->committed_file_ = std::move(f);
+    OPTSTATE_RETURN_IF_ERROR(
+        c->WriteCommittedMark(index_latest, /*both_slots=*/true).WithContext("store " + c->path_ + ": COMMITTED"));
+    if (!exists) OPTSTATE_RETURN_IF_ERROR(c->fs_->SyncDir(c->path_));
+  }
+  if (accepted) {
+    OPTSTATE_RETURN_IF_ERROR(c->fs_->Remove(accept).WithContext("store " + c->path_));
+    OPTSTATE_RETURN_IF_ERROR(c->fs_->SyncDir(c->path_));
+  }
   return Status();
 }
 
@@ -2401,7 +2828,7 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
     for (const auto& d : opts.data_dirs) {
       const std::string a = AbsPath(d);
       id.data_dirs.push_back(a);
-      real_dirs.push_back(a.starts_with(path + "/") ? tmp + a.substr(path.size()) : a);
+      real_dirs.push_back(a == path || a.starts_with(path + "/") ? tmp + a.substr(path.size()) : a);
     }
   }
   auto fail = [&](const Status& s) {
@@ -2421,7 +2848,7 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
     if (!s.ok()) return fail(s);
   }
   {
-    Status s = fs->WriteFileAtomic(JoinPath(tmp, "IDENTITY"), internal::EncodeIdentity(id));
+    Status s = fs->WriteFileAtomic(JoinPath(tmp, "IDENTITY"), internal::EncodeIdentity(id, path));
     if (!s.ok()) return fail(s);
   }
   CrashPoint("store.create.identity");
@@ -2440,7 +2867,7 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
     GenerationInfo g0;
     g0.commit_time_unix_ms = id.create_time_unix_ms;
     rocksdb::WriteBatch b;
-    b.Put(internal::kIdentityKey, internal::EncodeIdentity(id));
+    b.Put(internal::kIdentityKey, internal::EncodeIdentity(id, path));
     b.Put(internal::kLatestKey, internal::EncodeU64(0));
     b.Put(internal::kNextTensorIdKey, internal::EncodeU64(0));
     b.Put(internal::kLifetimeKey, internal::EncodeU64(0));
@@ -2467,6 +2894,7 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
   const std::string& path = core->path_;
   FileSystem* fs = core->fs_;
   OPTSTATE_ASSIGN_OR_RETURN(core->identity_, ReadIdentity(fs, path));
+  OPTSTATE_RETURN_IF_ERROR(ResolveDataDirs(core.get()));
 
   // LOCK: one writer per store; the holder's pid inside for the error message.
   {
@@ -2509,6 +2937,7 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
     core->db_.reset(raw);
   }
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/false));
+  OPTSTATE_RETURN_IF_ERROR(ClaimDataFiles(core.get()));
   {
     std::lock_guard l(core->mu_);
     OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
@@ -2523,6 +2952,13 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
     core->retained_file_ = std::move(*f);
   }
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/true));
+  OPTSTATE_RETURN_IF_ERROR(ClaimDataFiles(core.get()));
+  if (core->identity_needs_rewrite_) {
+    // Data dirs inside the store directory recorded relative to it from now on.
+    OPTSTATE_RETURN_IF_ERROR(fs->WriteFileAtomic(JoinPath(path, "IDENTITY"),
+                                                 internal::EncodeIdentity(core->identity_, path))
+                                 .WithContext("store " + path + ": rewrite of IDENTITY"));
+  }
   {
     std::lock_guard l(core->mu_);
     OPTSTATE_RETURN_IF_ERROR(core->BuildFreeLists());
@@ -2537,6 +2973,7 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
   const std::string& path = core->path_;
   FileSystem* fs = core->fs_;
   OPTSTATE_ASSIGN_OR_RETURN(core->identity_, ReadIdentity(fs, path));
+  OPTSTATE_RETURN_IF_ERROR(ResolveDataDirs(core.get()));
   {
     OpenOptions oo;
     oo.create = true;  // a store created before leases/ existed has none yet

@@ -1,7 +1,8 @@
 // Store: one optimizer instance of one rank, kept on local NVMe.
 //
 // A store is a directory:
-//   <path>/IDENTITY          format version, uuid, name, chunk size, data dirs (JSON)
+//   <path>/IDENTITY          format version, uuid, name, chunk size, data dirs (JSON;
+//                            a data dir inside <path> is recorded relative to it)
 //   <path>/LOCK              flock'ed by the one process that has it open read-write;
 //                            holds that process's pid (named in the Busy error)
 //   <path>/index/            RocksDB: tensors, generations, snapshots, chunk maps,
@@ -12,6 +13,24 @@
 //                            exclusive lease flock around each GC batch and at open)
 //   <data_dir>/<uuid>.chunks preallocated data file per data directory (default
 //                            data dir: <path>/data); chunks striped across dirs
+//   <data_dir>/<uuid>.owner  the store directory that writes that data file (path,
+//                            dev/ino) and the data file's own identity (dev/ino/birth)
+//
+// Copies and moves. A store directory whose data dirs lie inside it (the
+// default) can be copied (`cp -a`, while no writer has it open) and moved: the
+// copy is a separate store that writes only its own data files. A store with
+// an external data dir (given at Create, e.g. a second NVMe drive) can be
+// moved within its file system, but a copy of its directory would share the
+// external data file: Open of the copy is refused (kFailedPrecondition, or
+// kBusy while the original is open), saying how to make an independent copy
+// (a checkpoint copied from the mount, imported with optstate-restore). Two
+// processes can never write one data file: the writer flocks each of its data
+// files while it has the store open, and refuses a data file whose owner
+// record names another store directory for the very same file (same inode and
+// birth time), or that has more than one hard link. Stores written by older
+// versions (absolute data dirs) keep working and are rewritten relative at the
+// first read-write open; one whose recorded data dir lies inside another store
+// directory, with no copy of it here, is refused.
 //
 // Model. A virtual tensor (one parameter shard) has `numel` elements in each of
 // its named fields (the optimizer uses main, exp_avg, exp_avg_sq; fp32). Each
@@ -40,7 +59,15 @@
 // leases/.lock and, under the same flock, checked against RETAINED; GC lists
 // leases and writes RETAINED under the exclusive flock, so a generation is
 // either leased before GC looks or already gone from RETAINED when the reader
-// checks (then the reader retries with the newer latest). The secondary
+// checks (then the reader retries with the newer latest). A lease is alive
+// exactly as long as its reader holds the flock of its lease file: the kernel
+// drops it when the reader's process ends, however it ends (SIGKILL, a zombie
+// not yet waited for, another pid namespace), and GC removes every lease file
+// it can lock. Open (read-write) runs GC, so the space that dead readers' or
+// released leases held is reclaimed at the next open without waiting for a
+// commit. Verify() leases every generation it reads (those the writer
+// collects first are skipped and counted), so it never reads an extent a
+// running writer reuses. The secondary
 // instance itself is not trusted to be current (it can show an older state
 // after the writer flushes or reopens): each catch-up must show at least the
 // generation COMMITTED acknowledges, never less than before, and the index
@@ -48,6 +75,15 @@
 //
 // Every chunk carries an XXH3-64 of its logical bytes, verified on every read:
 // a mismatch is kCorruption naming store, tensor, field, chunk and generation.
+//
+// Damage. Open (read-write) refuses a store whose index holds committed
+// generations while COMMITTED is missing, empty, truncated or holds no valid
+// slot (no crash leaves it so), or acknowledges a generation the index lacks;
+// the error says what is damaged and what to do: restore a copied checkpoint
+// into a new store, or, when Verify finds nothing else, accept the index as it
+// is by creating <path>/COMMITTED.accept-index (removed once COMMITTED is
+// rewritten). Verify (read-only too) reports the same, and a damaged or
+// incomplete RETAINED (rewritten by the next read-write open).
 //
 // Thread-safety: Store and GenerationView methods are thread-safe. A ChunkIo
 // is used by one thread at a time.
@@ -157,7 +193,9 @@ struct StoreIdentity {
   std::string uuid;
   std::string name;
   uint64_t chunk_size_bytes = kDefaultChunkBytes;
-  std::vector<std::string> data_dirs;  // absolute
+  // Absolute, where they are now (IDENTITY records those inside the store
+  // directory relative to it).
+  std::vector<std::string> data_dirs;
   int64_t create_time_unix_ms = 0;
 };
 
@@ -167,6 +205,7 @@ struct StoreOptions {
   // Create only. Multiple of 2 MiB. Default 8 MiB (README "Defaults").
   uint64_t chunk_size_bytes = kDefaultChunkBytes;
   // Create only. Data directories (one per NVMe drive); default {<path>/data}.
+  // One outside <path> is external: the store cannot then be copied with cp.
   std::vector<std::string> data_dirs;
   // Data files grow by this many bytes at a time (fallocate). Default 1 GiB.
   uint64_t preallocate_step_bytes = 1ull << 30;
@@ -291,7 +330,11 @@ struct StoreStats {
 struct VerifyReport {
   uint64_t chunks_checked = 0;
   uint64_t bytes_checked = 0;
-  std::vector<std::string> problems;   // each names store, tensor, field, chunk, generation
+  uint64_t generations_checked = 0;    // each read under a lease
+  uint64_t generations_skipped = 0;    // collected by a running writer before they could be leased
+  // Each names what is damaged (store, tensor, field, chunk, generation, or
+  // file) and, for damage to the store's own files, what the user can do.
+  std::vector<std::string> problems;
   uint64_t leaked_slots = 0;           // slots or pieces allocated, unreferenced and not free-listed
   bool ok() const { return problems.empty() && leaked_slots == 0; }
 };
@@ -304,8 +347,10 @@ class Store {
   // Atomic: built in a temporary sibling directory and renamed, so a crash
   // leaves either no store or a complete empty one.
   static Result<std::unique_ptr<Store>> Create(const std::string& path, const StoreOptions& opts);
-  // Opens an existing store read-write; takes LOCK. Missing/damaged -> error
-  // with the path and reason (never creates). In use -> kBusy naming the pid.
+  // Opens an existing store read-write; takes LOCK and its data files' flocks.
+  // Missing/damaged -> error with the path, the reason and what to do (never
+  // creates). In use -> kBusy naming the pid. A copy sharing a data file with
+  // another store directory -> refused (see "Copies and moves").
   static Result<std::unique_ptr<Store>> Open(const std::string& path, const StoreOptions& opts);
   // Opens without taking LOCK (RocksDB secondary instance). Writes, Commit,
   // snapshots and GC return kFailedPrecondition.
@@ -362,8 +407,10 @@ class Store {
   // Runs on its own after Commit and ReleaseSnapshot; callable explicitly.
   virtual Status CollectGarbage() = 0;
   virtual Result<StoreStats> Stats() const = 0;
-  // Reads every chunk of every retained generation and snapshot, checks every
-  // checksum and reference, counts leaked extents.
+  // Reads every chunk of every retained generation and snapshot under a lease
+  // (safe while a writer runs: generations it collects meanwhile are skipped),
+  // checks every checksum and reference, COMMITTED and RETAINED, and counts
+  // leaked extents. Read-only stores catch up with the writer first.
   virtual Result<VerifyReport> Verify() = 0;
 
   // Imports a checkpoint directory (manifest.json + tensors/...) as a new

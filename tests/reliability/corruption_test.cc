@@ -199,7 +199,9 @@ TEST_F(CorruptionTest, ExtentsFlippedZeroedTruncated) {
   ASSERT_GE(targets.size(), 4u);
   const auto data_dir = fs::path(path_) / "data";
   std::string data_file;
-  for (const auto& e : fs::directory_iterator(data_dir)) data_file = e.path().string();
+  for (const auto& e : fs::directory_iterator(data_dir)) {
+    if (e.path().extension() == ".chunks") data_file = e.path().string();  // not <uuid>.owner
+  }
   ASSERT_FALSE(data_file.empty());
   uint64_t cases = 0, bytes = 0, open_failed = 0;
   for (const auto& t : targets) {

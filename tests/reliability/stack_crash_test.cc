@@ -13,7 +13,9 @@
 //     from k +- 1 (stack_workload.h, docs/RELIABILITY.md);
 //   - Verify() is clean and, after GC, no extent is leaked;
 //   - a store killed during creation is absent or opens cleanly, and can be
-//     created again.
+//     created again;
+//   - a copy of the store (cp -a, then moved) trains on from the step it was
+//     copied at, matching the reference, and leaves the original exact.
 // The reader checks every copied field file against the XXH3 of each chunk in
 // the manifest it read; a mismatch while latest/ did not move is a failure
 // (wrong bytes served).
@@ -263,6 +265,7 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
   }
   std::mt19937_64 rng(seed);
   uint64_t max_ack = 1, random_kills = 0, point_kills = 0, create_kills = 0, finished = 0, creates_absent = 0;
+  uint64_t copies = 0;
   std::map<std::string, uint64_t> per_point;
   const auto start = std::chrono::steady_clock::now();
   for (uint64_t i = 0; i < kills && !::testing::Test::HasFailure(); ++i) {
@@ -287,6 +290,32 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
             << what << ": create after the crash failed\n" << again.output;
       }
       fs::remove_all(cpath);
+      continue;
+    }
+    if (kind < 10) {
+      // A copy of the store (cp -a, as a user backs one up), then moved, then
+      // trained on, then the original trained on: each must follow the
+      // reference from the step it was copied at (each writes its own data
+      // file, never the other's).
+      const std::string copy = scratch + "/copy" + std::to_string(i), moved = copy + ".moved";
+      const std::string what = "copy " + std::to_string(i) + " of the store at step " + std::to_string(ref.step());
+      ASSERT_EQ(std::system(("cp -a " + path + " " + copy).c_str()), 0) << what;
+      fs::rename(copy, moved);
+      StackReference copy_ref = ref;
+      uint64_t copy_bytes = 0;
+      const uint64_t from = CheckStore(moved, max_ack, &copy_ref, &copy_bytes, what + " (before training it)");
+      ChildResult r = RunChild({moved, "2"}, "", -1);
+      ASSERT_TRUE(WIFEXITED(r.wait_status) && WEXITSTATUS(r.wait_status) == 0) << what << "\n" << r.output;
+      CheckStore(moved, from + 2, &copy_ref, &copy_bytes, what + " (after 2 steps on the copy)");
+      // The original trains on too; then both must still be exact (a shared
+      // data file would have the second writer overwrite the first's extents).
+      ChildResult o = RunChild({path, "2"}, "", -1);
+      ASSERT_TRUE(WIFEXITED(o.wait_status) && WEXITSTATUS(o.wait_status) == 0) << what << "\n" << o.output;
+      max_ack = std::max(max_ack, o.last_ack);
+      CheckStore(path, max_ack, &ref, &bytes, what + ": the original, trained after the copy");
+      CheckStore(moved, from + 2, &copy_ref, &copy_bytes, what + ": the copy, after the original trained");
+      fs::remove_all(moved);
+      ++copies;
       continue;
     }
     ChildResult r;
@@ -337,12 +366,13 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
   for (const auto& [p, n] : per_point) points += p + "=" + std::to_string(n) + " ";
   std::printf("stack crash loop: %llu kills in %.1f s (random instants %llu, crash points %llu, store creation %llu "
               "[absent afterwards %llu]; runs that ended before their point %llu); final step %llu; "
-              "%llu state bytes compared with the fp64 reference\npoints: %s\n",
+              "%llu state bytes compared with the fp64 reference; %llu copies of the store (cp -a, moved) trained "
+              "and checked\npoints: %s\n",
               static_cast<unsigned long long>(random_kills + point_kills + create_kills), secs,
               static_cast<unsigned long long>(random_kills), static_cast<unsigned long long>(point_kills),
               static_cast<unsigned long long>(create_kills), static_cast<unsigned long long>(creates_absent),
               static_cast<unsigned long long>(finished), static_cast<unsigned long long>(ref.step()),
-              static_cast<unsigned long long>(bytes), points.c_str());
+              static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(copies), points.c_str());
   if (reader) {
     std::printf("mount reader: %llu full copies of latest/ verified (%llu bytes), %llu raced with a commit, "
                 "%llu with an I/O error, %zu wrong\n",

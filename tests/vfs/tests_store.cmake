@@ -1,7 +1,7 @@
 # Store tests: part of vfs_test (label unit), plus the crash-loop child process
 # and a slow binary with the long crash loop (label slow).
 list(APPEND OPTSTATE_VFS_TEST_SOURCES store_basic_test.cc store_crash_test.cc store_fault_test.cc
-     store_enospc_test.cc store_alloc_test.cc)
+     store_enospc_test.cc store_alloc_test.cc store_copy_test.cc)
 
 # The child the crash tests fork+exec; found next to the test binary.
 add_executable(store_crash_child crash_child.cc)

@@ -128,13 +128,28 @@ Result<Extent> DecodeExtent(std::string_view v) {
   return e;
 }
 
-std::string EncodeIdentity(const StoreIdentity& id) {
+std::optional<std::string> RelativeToStore(std::string_view dir, std::string_view store_path) {
+  while (store_path.size() > 1 && store_path.back() == '/') store_path.remove_suffix(1);
+  if (store_path.empty() || !dir.starts_with(store_path)) return std::nullopt;
+  std::string_view rest = dir.substr(store_path.size());
+  if (rest.empty()) return std::string();
+  if (rest[0] != '/' && store_path != "/") return std::nullopt;
+  while (!rest.empty() && rest[0] == '/') rest.remove_prefix(1);
+  return std::string(rest);
+}
+
+std::string EncodeIdentity(const StoreIdentity& id, std::string_view store_path) {
   json j;
   j["format_version"] = id.format_version;
   j["uuid"] = id.uuid;
   j["name"] = id.name;
   j["chunk_size_bytes"] = id.chunk_size_bytes;
-  j["data_dirs"] = id.data_dirs;
+  std::vector<std::string> dirs;
+  for (const auto& d : id.data_dirs) {
+    auto rel = d.starts_with("/") ? RelativeToStore(d, store_path) : std::optional<std::string>(d);
+    dirs.push_back(rel ? (rel->empty() ? "." : *rel) : d);
+  }
+  j["data_dirs"] = dirs;
   j["create_time_unix_ms"] = id.create_time_unix_ms;
   return j.dump(2) + "\n";
 }
@@ -155,7 +170,39 @@ Result<StoreIdentity> DecodeIdentity(std::string_view text, std::string_view whe
         id.chunk_size_bytes % kChunkAlignBytes != 0) {
       return Corruption(std::string(where) + ": identity has an empty uuid, no data dirs or a bad chunk size");
     }
+    for (const auto& d : id.data_dirs) {
+      if (d.empty() || (d[0] != '/' && (d == ".." || d.starts_with("../") || d.find("/../") != std::string::npos ||
+                                        d.ends_with("/..")))) {
+        return Corruption(std::string(where) + ": data dir '" + d +
+                          "' is empty or leaves the store directory (a relative data dir lies inside it)");
+      }
+    }
     return id;
+  });
+}
+
+std::string EncodeDataFileOwner(const DataFileOwner& o) {
+  json j;
+  j["uuid"] = o.uuid;
+  j["store"] = o.store_path;
+  j["store_dev"] = o.store_dev;
+  j["store_ino"] = o.store_ino;
+  j["data_dev"] = o.data_dev;
+  j["data_ino"] = o.data_ino;
+  j["data_btime_ns"] = o.data_btime_ns;
+  return j.dump(2) + "\n";
+}
+Result<DataFileOwner> DecodeDataFileOwner(std::string_view text, std::string_view where) {
+  return ParseJson(text, where, [&](const json& j) -> Result<DataFileOwner> {
+    DataFileOwner o;
+    o.uuid = j.at("uuid").get<std::string>();
+    o.store_path = j.at("store").get<std::string>();
+    o.store_dev = j.at("store_dev").get<uint64_t>();
+    o.store_ino = j.at("store_ino").get<uint64_t>();
+    o.data_dev = j.at("data_dev").get<uint64_t>();
+    o.data_ino = j.at("data_ino").get<uint64_t>();
+    o.data_btime_ns = j.value("data_btime_ns", uint64_t{0});
+    return o;
   });
 }
 

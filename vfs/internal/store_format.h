@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -58,8 +59,34 @@ Result<uint64_t> ParseGenerationKey(std::string_view key);
 std::string EncodeExtent(const Extent& e);
 Result<Extent> DecodeExtent(std::string_view v);
 
-std::string EncodeIdentity(const StoreIdentity& id);
+// IDENTITY's JSON. Data dirs at or under `store_path` are written relative to
+// it ("data"), so a copied or moved store directory finds its own data files;
+// others stay absolute. DecodeIdentity returns the dirs as recorded (relative
+// or absolute; a relative one may not leave the store directory).
+std::string EncodeIdentity(const StoreIdentity& id, std::string_view store_path);
 Result<StoreIdentity> DecodeIdentity(std::string_view json, std::string_view where);
+// `dir` relative to `store_path` when it lies at or under it ("" for the store
+// directory itself), else nullopt. Both absolute and normalised.
+std::optional<std::string> RelativeToStore(std::string_view dir, std::string_view store_path);
+// <data_dir>/<uuid>.owner: which store directory owns (writes) the data file
+// <uuid>.chunks next to it. A copy of a store directory keeps the uuid, so
+// the directory itself is named: its path and its inode (dev, ino), which a
+// copy or a restore from a backup does not keep and a rename does.
+struct DataFileOwner {
+  std::string uuid;
+  std::string store_path;
+  uint64_t store_dev = 0;
+  uint64_t store_ino = 0;
+  // The data file's own identity: (dev, ino, birth time) are the same for a
+  // store that shares the file and differ for a copy of it (a copy is a new
+  // file; the birth time tells a new file that reused a freed inode number).
+  uint64_t data_dev = 0;
+  uint64_t data_ino = 0;
+  uint64_t data_btime_ns = 0;   // 0: the file system does not report it
+};
+std::string EncodeDataFileOwner(const DataFileOwner& o);
+Result<DataFileOwner> DecodeDataFileOwner(std::string_view json, std::string_view where);
+
 std::string EncodeTensor(const TensorInfo& t);
 Result<TensorInfo> DecodeTensor(std::string_view json);
 std::string EncodeGeneration(const GenerationInfo& g);
