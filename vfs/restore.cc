@@ -459,7 +459,10 @@ Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
     StoreIdentity id = store->identity();
     store.reset();
     FileSystem* fs = FileSystem::Default();
-    for (const std::string& d : id.data_dirs) (void)fs->Remove(d + "/" + id.uuid + ".chunks");
+    for (const std::string& d : id.data_dirs) {
+      (void)fs->Remove(d + "/" + id.uuid + ".chunks");
+      (void)fs->Remove(d + "/" + id.uuid + ".owner");
+    }
     (void)fs->RemoveAll(store_path);
     return st.WithContext("restore --create: store " + store_path + " removed again");
   };

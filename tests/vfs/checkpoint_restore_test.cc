@@ -357,5 +357,27 @@ TEST_F(RestoreTest, CreateRefusesBadCheckpointAndLeavesNothing) {
   EXPECT_FALSE(fs::exists(root_ + "/never"));
 }
 
+// A refused --create into an external data dir leaves that dir as it found it:
+// neither the data file nor its owner record stays behind.
+TEST_F(RestoreTest, CreateRefusedAfterImportStartedLeavesNoDataFiles) {
+  std::string d = CopyCkpt("flip-ext");
+  {
+    std::fstream f(d + "/tensors/layers.0%2Fw/main", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(2 * kMiB + 100);
+    f.put('\x7f');
+  }
+  const std::string ext = root_ + "/ext";
+  fs::create_directory(ext);
+  StoreOptions opts;
+  opts.data_dirs = {ext};
+  auto b = CreateStoreFromCheckpoint(d, root_ + "/never", opts);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("XXH3"), std::string::npos) << b.status().message();
+  EXPECT_FALSE(fs::exists(root_ + "/never"));
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(ext)) left.push_back(e.path().filename().string());
+  EXPECT_TRUE(left.empty()) << "left in the data dir: " << ::testing::PrintToString(left);
+}
+
 }  // namespace
 }  // namespace optstate::vfs
