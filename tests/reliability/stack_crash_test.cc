@@ -1,8 +1,8 @@
 // Full-stack kill-point crash loop (issue 7): a child process
 // (reliability_stack_child) trains with StreamedAdam (host backend, small
 // budget, deterministic gradients) and commits one generation per step, while
-// a live optstate-mount serves the store and a reader thread copies latest/
-// over and over. The child is SIGKILLed at random instants and at the named
+// a live optstate-mount serves the store and a reader thread copies the
+// newest of generations/<g>/ over and over. The child is SIGKILLed at random instants and at the named
 // crash points (vfs::CrashPoint: extent write before/after, commit
 // before sync/batch and after batch, GC before/after its batch, snapshot
 // create/release, store creation). After each kill the parent reopens the
@@ -17,8 +17,10 @@
 //   - a copy of the store (cp -a, then moved) trains on from the step it was
 //     copied at, matching the reference, and leaves the original exact.
 // The reader checks every copied field file against the XXH3 of each chunk in
-// the manifest it read; a mismatch while latest/ did not move is a failure
-// (wrong bytes served).
+// the manifest it read; any mismatch is a failure (wrong bytes served). It
+// reads generations/<g>/, not latest/: latest/ stays on one generation for the
+// life of a process (mount/store_tree.h), and this reader is a thread of the
+// test process.
 //
 // OPTSTATE_REL_KILLS overrides the number of kills (default 200; the slow
 // binary reliability_stack_slow_test is built with 2000).
@@ -87,7 +89,8 @@ std::string ReadWholeFile(const std::string& p, bool* ok) {
 // of every field file against the manifest it read.
 class MountReader {
  public:
-  explicit MountReader(std::string latest) : latest_(std::move(latest)) {
+  // store_dir: MOUNTPOINT/<store>.
+  explicit MountReader(std::string store_dir) : store_dir_(std::move(store_dir)) {
     thread_ = std::thread([this] { Loop(); });
   }
   ~MountReader() { Stop(); }
@@ -108,7 +111,8 @@ class MountReader {
   void Loop() {
     while (!stop_) {
       bool ok = true;
-      const std::string m1 = ReadWholeFile(latest_ + "/manifest.json", &ok);
+      const std::string latest_ = NewestGeneration();
+      const std::string m1 = latest_.empty() ? std::string() : ReadWholeFile(latest_ + "/manifest.json", &ok);
       if (!ok || m1.empty()) {
         ++errors_;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -145,9 +149,9 @@ class MountReader {
       if (io_error) ++errors_;
       if (!bad.empty()) {
         if (ok && m2 == m1) {
-          wrong_.push_back("latest/ did not move but served wrong bytes: " + bad[0]);
+          wrong_.push_back(latest_ + " served wrong bytes: " + bad[0]);
         } else {
-          ++raced_;  // latest/ moved to a newer generation during the copy
+          ++raced_;  // the generation went away during the copy (its files fail instead)
         }
       } else if (!io_error) {
         ++copies_;
@@ -156,7 +160,22 @@ class MountReader {
     }
   }
 
-  std::string latest_;
+  // MOUNTPOINT/<store>/generations/<newest g>, or "" when none is listed.
+  std::string NewestGeneration() const {
+    std::error_code ec;
+    uint64_t newest = 0;
+    bool any = false;
+    for (const auto& e : std::filesystem::directory_iterator(store_dir_ + "/generations", ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos) continue;
+      const uint64_t g = std::stoull(n);
+      if (!any || g > newest) newest = g;
+      any = true;
+    }
+    return any && !ec ? store_dir_ + "/generations/" + std::to_string(newest) : std::string();
+  }
+
+  std::string store_dir_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> copies_{0}, bytes_{0}, errors_{0}, raced_{0};
   std::vector<std::string> wrong_;
@@ -251,14 +270,18 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
       ::dup2(fd, 1);
       ::dup2(fd, 2);
       ::execl(OPTSTATE_REL_MOUNT_BINARY, OPTSTATE_REL_MOUNT_BINARY, stores.c_str(), mnt.c_str(), "-f",
-              "--readahead-chunks", "2", static_cast<char*>(nullptr));
+              "--readahead-chunks", "2",
+              // The reader walks a new generations/<g>/ each copy: hold each
+              // for 1 s after its last use, not the default 60 s, so the
+              // writer's GC keeps few of them.
+              "--latest-pin-s", "1", static_cast<char*>(nullptr));
       _exit(127);
     }
     for (int i = 0; i < 200 && ::access((mnt + "/train/latest/manifest.json").c_str(), R_OK) != 0; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     ASSERT_EQ(::access((mnt + "/train/latest/manifest.json").c_str(), R_OK), 0) << "mount did not come up";
-    reader = std::make_unique<MountReader>(mnt + "/train/latest");
+    reader = std::make_unique<MountReader>(mnt + "/train");
 #endif
   } else {
     std::printf("no live mount (needs root, /dev/fuse, fusermount3 and optstate-mount): readers not run\n");
@@ -374,7 +397,7 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
               static_cast<unsigned long long>(finished), static_cast<unsigned long long>(ref.step()),
               static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(copies), points.c_str());
   if (reader) {
-    std::printf("mount reader: %llu full copies of latest/ verified (%llu bytes), %llu raced with a commit, "
+    std::printf("mount reader: %llu full copies of generations/<g>/ verified (%llu bytes), %llu raced with a commit, "
                 "%llu with an I/O error, %zu wrong\n",
                 static_cast<unsigned long long>(reader->copies()), static_cast<unsigned long long>(reader->bytes()),
                 static_cast<unsigned long long>(reader->raced()), static_cast<unsigned long long>(reader->errors()),
