@@ -957,6 +957,29 @@ class Core {
     return std::move(gens).value();
   }
 
+  // Forgets the tensors that only the pending generation holds (created after
+  // the latest commit): an aborted step's or a crashed writer's registrations
+  // must not reach the next commit as tensors of zeros. Writer, mu_ held.
+  Status DropUncommittedTensors() {
+    rocksdb::WriteBatch b;
+    std::vector<uint32_t> ids;
+    for (const auto& [id, t] : tensors_) {
+      if (t.created_generation > latest_.generation) {
+        b.Delete(internal::TensorKey(t.name));
+        ids.push_back(id);
+      }
+    }
+    if (ids.empty()) return Status();
+    // Not synced: an entry that survives a crash is dropped again at Open.
+    OPTSTATE_RETURN_IF_ERROR(RocksStatus("store " + path_ + ": drop uncommitted tensors",
+                                         db_->Write(rocksdb::WriteOptions(), &b)));
+    for (uint32_t id : ids) {
+      names_.erase(tensors_.at(id).name);
+      tensors_.erase(id);
+    }
+    return Status();
+  }
+
   // --- leases --------------------------------------------------------------
 
   Result<FlockGuard> LockLeases(int op) {
@@ -2240,7 +2263,7 @@ class StoreImpl final : public Store {
     }
     for (const auto& [k, e] : core_->pending_) core_->FreeSlot(e);
     core_->pending_.clear();
-    return Status();
+    return core_->DropUncommittedTensors();
   }
 
   GenerationInfo LatestGeneration() const override {
@@ -2942,6 +2965,7 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
     std::lock_guard l(core->mu_);
     OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
     OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
+    OPTSTATE_RETURN_IF_ERROR(core->DropUncommittedTensors());
   }
   OPTSTATE_RETURN_IF_ERROR(OpenCommittedMark(core.get()));
   {

@@ -388,7 +388,9 @@ class Store {
   // runs), so a long step can overlap the device's flush with its remaining
   // I/O and leave Commit little to sync. Thread-safe; optional.
   virtual Status SyncData() = 0;
-  // Drops the pending generation's writes (their extents become free).
+  // Drops the pending generation: its writes (their extents become free) and
+  // the tensors it created. (Open drops those too: a writer that died before
+  // its commit leaves none behind.)
   virtual Status AbortPending() = 0;
   virtual GenerationInfo LatestGeneration() const = 0;
   virtual std::vector<GenerationInfo> ListGenerations() const = 0;  // retained, ascending

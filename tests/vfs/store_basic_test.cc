@@ -391,6 +391,45 @@ TEST(StoreTest, AbortPendingFreesExtentsAndKeepsCommittedData) {
   EXPECT_EQ(Unwrap(s->Stats()).pending_bytes, 0u);
 }
 
+// A tensor that only the pending generation holds is gone after an abort, and
+// after a writer closed without committing: the next commit never publishes it
+// as a tensor of zeros.
+TEST(StoreTest, TensorsOfAnUncommittedGenerationAreNeverPublished) {
+  TempDir dir;
+  TensorSpec kept, aborted, unclosed;
+  kept.name = "kept";
+  aborted.name = "aborted";
+  unclosed.name = "unclosed";
+  kept.numel = aborted.numel = unclosed.numel = kTestChunk / 4 + 3;
+  Buf buf(kTestChunk);
+  {
+    auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+    auto t = Unwrap(s->CreateTensor(kept));
+    WriteAll(s.get(), t, 1, &buf);
+    ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
+    auto a = Unwrap(s->CreateTensor(aborted));
+    WriteAll(s.get(), a, 2, &buf);
+    ASSERT_OK(s->AbortPending());
+    EXPECT_EQ(s->FindTensor("aborted").status().code(), StatusCode::kNotFound);
+    ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 2u);
+    (void)Unwrap(s->CreateTensor(unclosed));  // the writer goes away before a commit
+  }
+  auto s = Unwrap(Store::Open(dir / "s", TestOptions()));
+  ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 3u);
+  std::vector<std::string> names;
+  for (const auto& t : s->ListTensors()) names.push_back(t.name);
+  EXPECT_EQ(names, std::vector<std::string>{"kept"});
+  auto v = Unwrap(s->OpenGeneration(kLatest));
+  names.clear();
+  for (const auto& t : v->tensors()) names.push_back(t.name);
+  EXPECT_EQ(names, std::vector<std::string>{"kept"});
+  // The names are free again.
+  EXPECT_TRUE(s->CreateTensor(aborted).ok());
+  EXPECT_TRUE(s->CreateTensor(unclosed).ok());
+  CheckAll([&](const ChunkRef& r, void* b) { return v->ReadChunk(r, b); }, Unwrap(v->FindTensor("kept")), 0, 1);
+  EXPECT_TRUE(Unwrap(s->Verify()).ok());
+}
+
 TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
