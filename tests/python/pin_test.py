@@ -153,6 +153,36 @@ class AdamWPinTest(TempDirTest):
         tight.close()
 
 
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device visible to torch: the cuda backend's pins")
+class CudaPinTest(TempDirTest):
+    """The cuda backend: the pinned range is device memory, seen by torch through __cuda_array_interface__."""
+
+    def test_device_pins_read_and_write(self):
+        dev = torch.device("cuda", torch.cuda.current_device())
+        torch.manual_seed(0)
+        big = torch.nn.Parameter(torch.randn(BIG, device=dev))
+        half = torch.nn.Parameter(torch.randn(64, 3, device=dev).to(torch.bfloat16))
+        opt = ot.AdamW([("big", big), ("half", half)], store=self.path("s"), lr=1e-2,
+                       **dict(OPT_KW, backend="cuda"))
+        for k in range(1, 4):
+            big.grad = det_grad(BIG, k).to(dev)
+            half.grad = det_grad(half.numel(), k, 1).view(64, 3).to(dev, torch.bfloat16)
+            opt.step()
+        for p in (big, half):
+            for field in ("main", "exp_avg", "exp_avg_sq"):
+                with opt.pin(p, field) as t:
+                    self.assertEqual((t.device, t.dtype, t.shape), (dev, torch.float32, p.shape))
+                    self.assertTrue(torch.equal(t.cpu(), opt.read_state(p, field)), field)
+        main = opt.read_state(big, "main").clone()
+        with opt.pin(big, "main", EDGE - 10, EDGE + 10, access="readwrite") as t:
+            t.mul_(2)  # a kernel on torch's stream: finished before the range is unpinned
+        main[EDGE - 10:EDGE + 10] *= 2
+        self.assertTrue(torch.equal(opt.read_state(big, "main"), main))
+        self.assertTrue(torch.equal(big.detach().cpu(), main))
+        self.assertEqual(opt.step_count(), 3)
+        opt.close()
+
+
 class ManagerPinTest(TempDirTest):
     """The same through the package's thin handles (no torch on the hot path)."""
 
