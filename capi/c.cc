@@ -9,7 +9,9 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <set>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -45,6 +47,16 @@ struct optstate_mm_options_t {
 };
 struct optstate_mm_t {
   std::unique_ptr<memmgr::MemoryManager> rep;
+  // Pins not yet released through optstate_unpin; optstate_mm_destroy
+  // releases them first (a PinnedRange must not outlive its manager).
+  std::mutex pins_mu;
+  std::set<optstate_pin_t*> pins;  // guarded by pins_mu
+};
+struct optstate_pin_t {
+  memmgr::PinnedRange rep;
+  optstate_mm_t* mm = nullptr;  // null once the manager was destroyed
+  uint64_t count = 0;
+  int dtype = OPTSTATE_NONE;
 };
 struct optstate_adam_options_t {
   memmgr::StreamedAdamOptions rep;
@@ -52,6 +64,7 @@ struct optstate_adam_options_t {
 struct optstate_adam_t {
   std::unique_ptr<memmgr::StreamedAdam> rep;
   vfs::Store* store = nullptr;
+  memmgr::MemoryManager* mm = nullptr;
   float grad_scale = 1.0f;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
@@ -345,14 +358,101 @@ int optstate_mm_create(optstate_store_t* store, const optstate_mm_options_t* opt
     auto mm = memmgr::MemoryManager::Create(store->rep.get(),
                                             opts == nullptr ? memmgr::MemoryManagerOptions{} : opts->rep);
     if (!mm.ok()) return mm.status();
-    *out = new optstate_mm_t{std::move(*mm)};
+    auto h = std::make_unique<optstate_mm_t>();
+    h->rep = std::move(*mm);
+    *out = h.release();
     return Status::Ok();
   });
 }
-void optstate_mm_destroy(optstate_mm_t* mm) { delete mm; }
+void optstate_mm_destroy(optstate_mm_t* mm) {
+  if (mm == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(mm->pins_mu);
+    for (optstate_pin_t* pin : mm->pins) {
+      // Unpin errors are those of scheduling a write-back, which the
+      // manager's destruction below drops anyway.
+      (void)pin->rep.Unpin();
+      pin->mm = nullptr;
+    }
+    mm->pins.clear();
+  }
+  delete mm;
+}
 const char* optstate_mm_backend(const optstate_mm_t* mm) { return memmgr::BackendName(mm->rep->backend()); }
 int optstate_mm_release_all(optstate_mm_t* mm, char** errptr) {
   return Guard(errptr, "optstate_mm_release_all", [&] { return mm->rep->ReleaseAll(); });
+}
+
+int optstate_mm_flush(optstate_mm_t* mm, char** errptr) {
+  return Guard(errptr, "optstate_mm_flush", [&] {
+    Status s = mm->rep->Flush();
+    return s.ok() ? s : s.WithContext("optstate_mm_flush: store " + mm->rep->store()->path());
+  });
+}
+
+// ---- pinned ranges ----
+
+int optstate_pin(optstate_mm_t* mm, const char* tensor, const char* field, uint64_t first, uint64_t count,
+                 int access, optstate_pin_t** out, char** errptr) {
+  const char* what = "optstate_pin";
+  return Guard(errptr, what, [&]() -> Status {
+    if (out == nullptr) return NullArgument(what, "out");
+    *out = nullptr;
+    if (mm == nullptr) return NullArgument(what, "mm");
+    if (tensor == nullptr) return NullArgument(what, "tensor");
+    if (field == nullptr) return NullArgument(what, "field");
+    vfs::Store* store = mm->rep->store();
+    const std::string where = std::string(what) + ": store " + store->path() + " tensor " + tensor + " field " +
+                              field;
+    memmgr::Access a;
+    switch (access) {
+      case OPTSTATE_ACCESS_READ: a = memmgr::Access::kRead; break;
+      case OPTSTATE_ACCESS_WRITE: a = memmgr::Access::kWrite; break;
+      case OPTSTATE_ACCESS_READ_WRITE: a = memmgr::Access::kReadWrite; break;
+      default:
+        return InvalidArgument(where + ": access " + std::to_string(access) +
+                               " is none of OPTSTATE_ACCESS_READ (0), _WRITE (1), _READ_WRITE (2)");
+    }
+    auto info = store->FindTensor(tensor);
+    if (!info.ok()) return info.status().WithContext(what);
+    int dtype = OPTSTATE_NONE;
+    for (const vfs::FieldSpec& f : info->fields) {
+      if (f.name == field) dtype = static_cast<int>(f.dtype);
+    }
+    // An unknown field is reported by Pin itself, naming the fields there are.
+    auto range = mm->rep->Pin(tensor, field, first, count, a);
+    if (!range.ok()) return range.status().WithContext(where);
+    auto pin = std::make_unique<optstate_pin_t>();
+    pin->rep = std::move(*range);
+    pin->mm = mm;
+    pin->count = count;
+    pin->dtype = dtype;
+    std::lock_guard<std::mutex> lock(mm->pins_mu);
+    mm->pins.insert(pin.get());
+    *out = pin.release();
+    return Status::Ok();
+  });
+}
+
+void* optstate_pin_data(const optstate_pin_t* pin) { return pin->mm == nullptr ? nullptr : pin->rep.data(); }
+uint64_t optstate_pin_count(const optstate_pin_t* pin) { return pin->count; }
+uint64_t optstate_pin_size_bytes(const optstate_pin_t* pin) { return pin->rep.size_bytes(); }
+int optstate_pin_dtype(const optstate_pin_t* pin) { return pin->dtype; }
+void* optstate_pin_stream(const optstate_pin_t* pin) { return pin->mm == nullptr ? nullptr : pin->rep.stream(); }
+
+int optstate_unpin(optstate_pin_t* pin, char** errptr) {
+  if (pin == nullptr) return OPTSTATE_OK;
+  std::unique_ptr<optstate_pin_t> owned(pin);
+  return Guard(errptr, "optstate_unpin", [&]() -> Status {
+    if (owned->mm == nullptr) return Status::Ok();  // released with its manager
+    optstate_mm_t* mm = owned->mm;
+    {
+      std::lock_guard<std::mutex> lock(mm->pins_mu);
+      mm->pins.erase(owned.get());
+    }
+    Status s = owned->rep.Unpin();
+    return s.ok() ? s : s.WithContext("optstate_unpin: store " + mm->rep->store()->path());
+  });
 }
 
 void optstate_mm_stats(const optstate_mm_t* mm, optstate_mm_stats_t* out) {
@@ -399,6 +499,7 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     auto h = std::make_unique<optstate_adam_t>();
     h->rep = std::move(*adam);
     h->store = store->rep.get();
+    h->mm = mm->rep.get();
     h->grad_scale = ao.grad_scale;
     *out = h.release();
     return Status::Ok();
@@ -544,6 +645,40 @@ int optstate_adam_make_durable(optstate_adam_t* adam, uint64_t* generation, char
     auto g = adam->rep->MakeDurable();
     if (!g.ok()) return g.status();
     if (generation != nullptr) *generation = *g;
+    return Status::Ok();
+  });
+}
+
+int optstate_adam_commit(optstate_adam_t* adam, uint64_t* generation, char** errptr) {
+  const char* what = "optstate_adam_commit";
+  return Guard(errptr, what, [&]() -> Status {
+    memmgr::StreamedAdam* a = adam->rep.get();
+    const uint64_t before = a->last_generation();
+    // Cached steps, registrations and loaded mains: MakeDurable flushes the
+    // manager and publishes pinned writes with them.
+    auto g = a->MakeDurable();
+    if (!g.ok()) return g.status();
+    if (*g == before) {
+      OPTSTATE_RETURN_IF_ERROR(adam->mm->Flush());
+      auto st = adam->store->Stats();
+      if (!st.ok()) return st.status();
+      if (st->pending_bytes > 0) {
+        // Pinned writes alone: a step over no params flushes and commits them
+        // through the optimizer (its generation and counts stay current) with
+        // the step counts unchanged; it records the last commit's trainer step.
+        const uint64_t step = a->global_step();
+        a->set_global_step(step > 0 ? step - 1 : 0);
+        Status s = a->Step(std::span<const memmgr::ParamGrad>());
+        a->set_global_step(step);
+        OPTSTATE_RETURN_IF_ERROR(s);
+        // With durable_every_steps > 1 that step may live in the host cache only.
+        if (a->last_generation() == before) {
+          g = a->MakeDurable();
+          if (!g.ok()) return g.status();
+        }
+      }
+    }
+    if (generation != nullptr) *generation = a->last_generation();
     return Status::Ok();
   });
 }

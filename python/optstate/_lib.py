@@ -85,6 +85,15 @@ _SIGNATURES = {
     "optstate_mm_backend": (_u8p, [_vp]),
     "optstate_mm_release_all": (_int, [_vp, _errp]),
     "optstate_mm_stats": (None, [_vp, _c.POINTER(MemoryStats)]),
+    "optstate_mm_flush": (_int, [_vp, _errp]),
+    # pinned ranges
+    "optstate_pin": (_int, [_vp, _u8p, _u8p, _u64, _u64, _int, _c.POINTER(_vp), _errp]),
+    "optstate_pin_data": (_vp, [_vp]),
+    "optstate_pin_count": (_u64, [_vp]),
+    "optstate_pin_size_bytes": (_u64, [_vp]),
+    "optstate_pin_dtype": (_int, [_vp]),
+    "optstate_pin_stream": (_vp, [_vp]),
+    "optstate_unpin": (_int, [_vp, _errp]),
     # streamed Adam
     "optstate_adam_options_create": (_vp, []),
     "optstate_adam_options_destroy": (None, [_vp]),
@@ -103,6 +112,7 @@ _SIGNATURES = {
     "optstate_adam_last_step_skipped": (_int, [_vp]),
     "optstate_adam_load_main": (_int, [_vp, _u32, _vp, _int, _errp]),
     "optstate_adam_make_durable": (_int, [_vp, _c.POINTER(_u64), _errp]),
+    "optstate_adam_commit": (_int, [_vp, _c.POINTER(_u64), _errp]),
     "optstate_adam_step_count": (_u64, [_vp, _u32]),
     "optstate_adam_last_generation": (_u64, [_vp]),
     "optstate_adam_global_step": (_u64, [_vp]),

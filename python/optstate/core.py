@@ -13,6 +13,20 @@ from . import errors
 from ._lib import MemoryStats, StoreStats, call, lib
 
 F32, BF16, F16, NONE = 0, 1, 2, 255
+READ, WRITE, READ_WRITE = 0, 1, 2
+
+_ACCESS = {"read": READ, "r": READ, "write": WRITE, "w": WRITE, "readwrite": READ_WRITE,
+           "read_write": READ_WRITE, "rw": READ_WRITE}
+
+
+def access_code(access):
+    """READ, WRITE or READ_WRITE from a code or a name ("read", "write", "readwrite"/"rw")."""
+    if isinstance(access, int) and access in (READ, WRITE, READ_WRITE):
+        return access
+    code = _ACCESS.get(str(access).lower()) if isinstance(access, str) else None
+    if code is None:
+        raise errors.InvalidArgument("access %r is none of 'read', 'write', 'readwrite' (or 0, 1, 2)" % (access,))
+    return code
 
 
 def _b(s):
@@ -173,6 +187,7 @@ class MemoryManager(_Handle):
                  read_ahead_chunks=0, cuda_device=0):
         super().__init__()
         self.store = store
+        self._pins = weakref.WeakSet()
         opts = lib.optstate_mm_options_create()
         try:
             call(lib.optstate_mm_options_set_backend, opts, _b(backend))
@@ -194,6 +209,11 @@ class MemoryManager(_Handle):
         for child in list(self.store._children):
             if isinstance(child, StreamedAdam) and child.mm is self:
                 child.close()
+        for pin in list(self._pins):
+            try:
+                pin.unpin()
+            except errors.Error:  # a write-back the manager's destruction drops anyway
+                pass
         if self._h is not None:
             lib.optstate_mm_destroy(self._h)
             self._h = None
@@ -206,10 +226,85 @@ class MemoryManager(_Handle):
         """Writes dirty pages back and releases every device page (sleep)."""
         call(lib.optstate_mm_release_all, self._live())
 
+    def flush(self):
+        """Waits until every chunk written through an unpinned range is in the store's pending generation
+        (a commit publishes it: StreamedAdam.commit)."""
+        call(lib.optstate_mm_flush, self._live())
+
+    def pin(self, tensor, field, first=0, count=None, access=READ):
+        """Pins elements [first, first + count) of a tensor field (count None: to the end) and returns
+        its PinnedRange; see optstate_pin in <optstate/c.h>. access: "read", "write" or "readwrite"."""
+        code = access_code(access)
+        h = self._live()
+        if count is None:
+            count = self.store.tensor_numel(tensor) - int(first)
+        out = ctypes.c_void_p()
+        call(lib.optstate_pin, h, _b(tensor), _b(field), int(first), int(count), code, ctypes.byref(out))
+        pin = PinnedRange(self, out.value, tensor, field, int(first), code)
+        self._pins.add(pin)
+        return pin
+
     def stats(self):
         s = MemoryStats()
         lib.optstate_mm_stats(self._live(), ctypes.byref(s))
         return {name: getattr(s, name) for name, _ in s._fields_}
+
+
+class PinnedRange:
+    """A pinned range of a tensor field: `data_ptr` (a device pointer, a host pointer on the host
+    backend) holds `count` elements of `dtype` (F32, BF16, F16) and stays valid until unpin().
+    A context manager: unpinned on exit."""
+
+    def __init__(self, mm, handle, tensor, field, first, access):
+        self._h = handle
+        self.mm = mm
+        self.tensor, self.field, self.first, self.access = tensor, field, first, access
+        self.count = lib.optstate_pin_count(handle)
+        self.size_bytes = lib.optstate_pin_size_bytes(handle)
+        self.dtype = lib.optstate_pin_dtype(handle)
+
+    def _live(self):
+        if self._h is None:
+            raise errors.FailedPrecondition("pinned range %s/%s [%d, %d) of store %s is unpinned"
+                                            % (self.tensor, self.field, self.first, self.first + self.count,
+                                               self.mm.store._path))
+        return self._h
+
+    @property
+    def pinned(self):
+        return self._h is not None
+
+    @property
+    def data_ptr(self):
+        ptr = lib.optstate_pin_data(self._live())
+        if not ptr:
+            raise errors.FailedPrecondition("pinned range %s/%s of store %s: its memory manager is closed"
+                                            % (self.tensor, self.field, self.mm.store._path))
+        return ptr
+
+    @property
+    def stream(self):
+        """The cudaStream_t (an int) the contents are ready on, or None."""
+        return lib.optstate_pin_stream(self._live()) or None
+
+    def unpin(self):
+        """Releases the range (idempotent); a written range is scheduled for write-back."""
+        h, self._h = self._h, None
+        if h is not None:
+            self.mm._pins.discard(self)
+            call(lib.optstate_unpin, h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unpin()
+
+    def __del__(self):
+        try:
+            self.unpin()
+        except Exception:  # interpreter shutdown, or a write-back error nobody can receive
+            pass
 
 
 class StreamedAdam(_Handle):
@@ -288,6 +383,13 @@ class StreamedAdam(_Handle):
     def make_durable(self):
         gen = ctypes.c_uint64()
         call(lib.optstate_adam_make_durable, self._live(), ctypes.byref(gen))
+        return gen.value
+
+    def commit(self):
+        """Commits what is pending (cached steps, registrations, chunks written through pinned ranges)
+        and returns the newest committed generation; see optstate_adam_commit."""
+        gen = ctypes.c_uint64()
+        call(lib.optstate_adam_commit, self._live(), ctypes.byref(gen))
         return gen.value
 
     def step_count(self, group):

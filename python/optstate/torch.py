@@ -27,17 +27,21 @@ Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
 second optimizer or process opening a store in use gets optstate.Busy.
 """
+import contextlib
 import ctypes
 import os
 
 import torch
 
 from . import errors
-from .core import BF16, F16, F32, MemoryManager, Store, StreamedAdam
+from .core import BF16, F16, F32, READ, MemoryManager, Store, StreamedAdam, access_code
 
 __all__ = ["AdamW"]
 
 _DTYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
+_TORCH_DTYPES = {code: dt for dt, code in _DTYPES.items()}
+# __cuda_array_interface__ has no bfloat16: such a range is described as int16 and viewed as bfloat16.
+_CAI_TYPESTR = {F32: ("<f4", torch.float32), F16: ("<f2", torch.float16), BF16: ("<i2", torch.int16)}
 
 
 def _dtype_code(dtype, what):
@@ -424,6 +428,79 @@ class AdamW(torch.optim.Optimizer):
         self._store.read_into(name, field, out.data_ptr(), 0, p.numel())
         return out.view(p.shape)
 
+    def _param_of(self, param):
+        """(index, name) of a registered param given as a tensor or its name in the store."""
+        if isinstance(param, str):
+            if param not in self._names:
+                raise errors.NotFound("optstate.torch.AdamW: no param named %s in store %s (%d params: %s)"
+                                      % (param, self._store._path, len(self._names), _few(self._names)))
+            index = self._names.index(param)
+        else:
+            index = self._by_tensor.get(id(param))
+            if index is None:
+                raise errors.NotFound("optstate.torch.AdamW: the tensor (shape %s) is not a param of this optimizer "
+                                      "(store %s)" % (tuple(getattr(param, "shape", ())), self._store._path))
+        return index, self._names[index]
+
+    @contextlib.contextmanager
+    def pin(self, param, field="main", start=0, stop=None, *, access="read", commit=True):
+        """Pins elements [start, stop) of a param's "main", "exp_avg" or "exp_avg_sq" and yields a torch
+        tensor over that memory (on the params' device; the param's shape when the whole param is
+        pinned, else 1-D); unpinned when the block exits, and the tensor is emptied then.
+
+            with opt.pin(p, "exp_avg_sq", 0, 1024) as v:
+                print(v.max())
+
+        param: a param tensor or its name in the store. access: "read" (contents loaded; writes to it
+        are never stored), "write" (contents undefined until written) or "readwrite"; a written range
+        is written back at exit and, with commit=True (default), committed as a generation of its own
+        that keeps the step counts; a written "main" is then copied into the param too. While a range
+        of a param is pinned, step() over that param and sleep() fail; pin between steps. The range
+        counts against the budget while pinned."""
+        code = access_code(access)
+        adam = self._live()
+        index, name = self._param_of(param)
+        p, numel = self._plist[index], self._numels[index]
+        stop = numel if stop is None else stop
+        if not 0 <= start < stop <= numel:
+            raise errors.InvalidArgument("optstate.torch.AdamW.pin: range [%s, %s) of param %s (store %s) is empty "
+                                         "or outside its %d elements" % (start, stop, name, self._store._path, numel))
+        if self._cuda:  # the range is loaded on the manager's stream; torch's pending work must not race it
+            torch.cuda.current_stream(self._device).synchronize()
+        pinned = self._mm.pin(name, field, start, stop - start, code)
+        view = None
+        try:
+            view = self._tensor_over(pinned)
+            if start == 0 and stop == numel:
+                view = view.view(p.shape)
+            yield view
+            if self._cuda:  # kernels the caller queued on the range finish before it is unpinned
+                torch.cuda.current_stream(self._device).synchronize()
+        finally:
+            if view is not None:
+                view.set_()  # the memory may be unmapped once unpinned: leave no tensor over it
+            pinned.unpin()
+        if code != READ and commit:
+            adam.commit()
+            if field == "main":
+                self._copy_main_to(name, p)
+
+    def _tensor_over(self, pinned):
+        if pinned.dtype not in _TORCH_DTYPES:
+            raise errors.Unimplemented("optstate.torch.AdamW.pin: field %s of %s is stored as dtype code %d, "
+                                       "which has no torch dtype here" % (pinned.field, pinned.tensor, pinned.dtype))
+        if not self._cuda:
+            buf = (ctypes.c_char * pinned.size_bytes).from_address(pinned.data_ptr)
+            return torch.frombuffer(buf, dtype=_TORCH_DTYPES[pinned.dtype], count=pinned.count)
+        typestr, as_dtype = _CAI_TYPESTR[pinned.dtype]
+        t = torch.as_tensor(_CudaArray(pinned.data_ptr, pinned.count, typestr), device=self._device)
+        return t.view(_TORCH_DTYPES[pinned.dtype]) if as_dtype != _TORCH_DTYPES[pinned.dtype] else t
+
+    def commit(self):
+        """Commits what is pending (chunks written through pin(..., commit=False), registrations, steps
+        held in the host cache) and returns the newest committed generation."""
+        return self._live().commit()
+
     def stats(self):
         """Device memory (resident, peak <= budget) and I/O counters of the memory manager."""
         self._live()
@@ -451,6 +528,14 @@ class AdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _CudaArray:
+    """A device range as __cuda_array_interface__ (version 2: the contents are ready when pinned)."""
+
+    def __init__(self, ptr, count, typestr):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False),
+                                         "strides": None, "version": 2}
 
 
 def _few(names):

@@ -81,6 +81,7 @@ typedef struct optstate_mm_options_t optstate_mm_options_t;
 typedef struct optstate_mm_t optstate_mm_t;
 typedef struct optstate_adam_options_t optstate_adam_options_t;
 typedef struct optstate_adam_t optstate_adam_t;
+typedef struct optstate_pin_t optstate_pin_t;
 
 /* ---- library ---- */
 
@@ -209,6 +210,50 @@ typedef struct optstate_mm_stats_t {
 } optstate_mm_stats_t;
 OPTSTATE_EXPORT void optstate_mm_stats(const optstate_mm_t* mm, optstate_mm_stats_t* out);
 
+/* Waits until every unpinned dirty chunk (written through a WRITE or
+ * READ_WRITE pin) is written to the store's pending generation. Durability and
+ * publication are a commit's (optstate_adam_commit). */
+OPTSTATE_EXPORT int optstate_mm_flush(optstate_mm_t* mm, char** errptr);
+
+/* ---- pinned ranges (memmgr::MemoryManager::Pin) ---- */
+
+typedef enum optstate_access {
+  OPTSTATE_ACCESS_READ = 0,       /* contents loaded; never written back */
+  OPTSTATE_ACCESS_WRITE = 1,      /* contents undefined until written; written back on unpin */
+  OPTSTATE_ACCESS_READ_WRITE = 2  /* contents loaded; written back on unpin */
+} optstate_access;
+
+/* Pins elements [first, first + count) of a tensor field ("main",
+ * "exp_avg", "exp_avg_sq"): the whole chunks that hold the range become
+ * resident within the device budget (loaded from the newest state unless
+ * OPTSTATE_ACCESS_WRITE) and stay at a stable address until optstate_unpin.
+ * A range larger than the budget fails at once (RESOURCE_EXHAUSTED); one that
+ * does not fit yet waits for other pins to be released (a thread that holds
+ * pins and asks for more than the rest of the budget deadlocks itself).
+ * While a range of a param is pinned, a step over that param fails
+ * (FAILED_PRECONDITION, nothing committed), and so does
+ * optstate_mm_release_all. Writing through a READ pin is undefined: the bytes
+ * are never stored and later pins may see them. */
+OPTSTATE_EXPORT int optstate_pin(optstate_mm_t* mm, const char* tensor, const char* field, uint64_t first,
+                                 uint64_t count, int access, optstate_pin_t** out, char** errptr);
+/* Device pointer (host pointer on the host backend) of element `first`;
+ * NULL once the pin's manager was destroyed. */
+OPTSTATE_EXPORT void* optstate_pin_data(const optstate_pin_t* pin);
+OPTSTATE_EXPORT uint64_t optstate_pin_count(const optstate_pin_t* pin);
+OPTSTATE_EXPORT uint64_t optstate_pin_size_bytes(const optstate_pin_t* pin);
+/* Element type of the field (optstate_dtype). */
+OPTSTATE_EXPORT int optstate_pin_dtype(const optstate_pin_t* pin);
+/* The cudaStream_t the contents are ready on, or NULL (host backend, or
+ * already synchronised when optstate_pin returned). */
+OPTSTATE_EXPORT void* optstate_pin_stream(const optstate_pin_t* pin);
+/* Releases the pin and frees the handle, also when it fails (the error is
+ * then that of scheduling the write-back). WRITE and READ_WRITE ranges are
+ * written back to the pending generation (optstate_mm_flush waits for it)
+ * and published by the next commit. NULL is a no-op. Pins still held when
+ * their manager is destroyed are released by optstate_mm_destroy; the
+ * handles must still be freed with optstate_unpin. */
+OPTSTATE_EXPORT int optstate_unpin(optstate_pin_t* pin, char** errptr);
+
 /* ---- streamed Adam / AdamW (memmgr::StreamedAdam) ---- */
 
 OPTSTATE_EXPORT optstate_adam_options_t* optstate_adam_options_create(void);
@@ -273,6 +318,15 @@ OPTSTATE_EXPORT int optstate_adam_load_main(optstate_adam_t* adam, uint32_t id, 
 /* Writes and commits steps held only in the host cache; *generation = the
  * newest committed generation (may be NULL). */
 OPTSTATE_EXPORT int optstate_adam_make_durable(optstate_adam_t* adam, uint64_t* generation, char** errptr);
+
+/* Commits everything pending as one generation: steps held only in the host
+ * cache, registrations, loaded mains, and chunks written through pinned
+ * ranges (the manager is flushed first). A commit of pinned writes alone
+ * records the trainer step and the step counts of the last commit (a write
+ * through a pin is not a training step). Ranges still pinned are not part of
+ * it. *generation = the newest committed generation (unchanged when nothing
+ * was pending; may be NULL). On error nothing is committed. */
+OPTSTATE_EXPORT int optstate_adam_commit(optstate_adam_t* adam, uint64_t* generation, char** errptr);
 
 OPTSTATE_EXPORT uint64_t optstate_adam_step_count(const optstate_adam_t* adam, uint32_t group);
 OPTSTATE_EXPORT uint64_t optstate_adam_last_generation(const optstate_adam_t* adam);

@@ -1,0 +1,176 @@
+"""A trainer process killed with SIGKILL (between steps or while a step runs)
+loses nothing committed: the store reopens at its last committed step, holds
+exactly the state an uninterrupted run had after that step, and training
+resumed from it continues bit for bit like the uninterrupted run.
+
+The child (this file run as a script) trains with optstate.torch.AdamW and
+reports "begin k", "step k" (opt.step() starts) and "done k" through a
+pipe; the parent kills it at a chosen point, optionally a random fraction of
+the previous opt.step()'s duration after "step k". Data and
+learning rates are functions of the step number, so every run sees the same
+inputs. OPTSTATE_KILL_TEST_SEED fixes the random kill points (the seed used
+is printed with any failure)."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+import torch
+
+from common import OPT_KW, TempDirTest, optstate
+import optstate.torch as ot
+
+STEPS = 8
+
+
+def build_model(seed):
+    """About 1.1M fp32 params: the big layer spans two 2 MiB chunks a field, so a step takes a while."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),
+                               torch.nn.Tanh(), torch.nn.Linear(1024, 4))
+
+
+def groups(model):
+    named = list(model.named_parameters())
+    return [{"params": [(n, p) for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [(n, p) for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+def open_optimizer(model, store):
+    return ot.AdamW(groups(model), store=store, lr=1e-3, **OPT_KW)
+
+
+def train_step(model, opt, k, report=None):
+    """Step k (1-based): its batch and learning rates depend on k alone."""
+    gen = torch.Generator().manual_seed(k)
+    x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 4, generator=gen)
+    lr = 1e-3 / (1.0 + 0.2 * k)
+    opt.param_groups[0]["lr"] = lr
+    opt.param_groups[1]["lr"] = 2 * lr
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    if report is not None:
+        report.write("step %d\n" % k)
+    opt.step()
+
+
+def child(store, fd):
+    report = os.fdopen(fd, "w", buffering=1)
+    model = build_model(0)
+    opt = open_optimizer(model, store)
+    report.write("ready\n")
+    for k in range(1, STEPS + 1):
+        report.write("begin %d\n" % k)
+        train_step(model, opt, k, report)
+        report.write("done %d\n" % k)
+    opt.close()
+    report.write("closed\n")
+
+
+def state_of(model, opt):
+    """Params and every state field, by name (copies)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.detach().clone()
+        for field in ("main", "exp_avg", "exp_avg_sq"):
+            out[name + "/" + field] = opt.read_state(p, field).clone()
+    return out
+
+
+class KillTest(TempDirTest):
+    def setUp(self):
+        super().setUp()
+        env_seed = os.environ.get("OPTSTATE_KILL_TEST_SEED")
+        self.seed = int(env_seed) if env_seed else random.SystemRandom().randrange(1 << 30)
+        self.rng = random.Random(self.seed)
+
+    def kill_during(self, store, event, step, delay_fraction=None):
+        """Runs the child until it reports `event` (and `step`), then SIGKILLs it, after delay_fraction
+        of the last opt.step()'s duration when given. Returns the lines the child reported."""
+        r, w = os.pipe()
+        err = open(os.path.join(self.dir, "child.err"), "w")
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", store, str(w)],
+                                pass_fds=(w,), stderr=err, stdout=err, cwd=os.path.dirname(__file__))
+        os.close(w)
+        lines, last_step_s, begun = [], None, None
+        target = event if step is None else "%s %d" % (event, step)
+        with os.fdopen(r) as reader:
+            for line in reader:
+                line = line.strip()
+                lines.append(line)
+                if line.startswith("step"):
+                    begun = time.monotonic()
+                elif line.startswith("done") and begun is not None:
+                    last_step_s = time.monotonic() - begun
+                if line == target:
+                    if delay_fraction is not None and last_step_s is not None:
+                        # A kill point, not synchronisation: somewhere inside the running step.
+                        time.sleep(delay_fraction * last_step_s)
+                    proc.send_signal(signal.SIGKILL)
+                    break
+        proc.wait()
+        err.close()
+        with open(os.path.join(self.dir, "child.err")) as f:
+            child_err = f.read()
+        self.assertEqual(proc.returncode, -signal.SIGKILL,
+                         "child exited before %r (seed %d); it reported %s; stderr:\n%s"
+                         % (target, self.seed, lines, child_err[-3000:]))
+        return lines
+
+    def check_resume(self, label, store, allowed):
+        """Reopens the killed store (a differently initialised model: the stored mains must win) and
+        checks it against an uninterrupted run, at the committed step and after the remaining steps."""
+        msg = "%s, seed %d" % (label, self.seed)
+        model = build_model(1)
+        opt = open_optimizer(model, store)  # no Busy: the dead child's lock is gone
+        committed = opt.step_count(0)
+        self.assertIn(committed, allowed, msg)
+        self.assertEqual(opt.step_count(1), committed, msg)
+
+        ref_model = build_model(0)
+        ref = open_optimizer(ref_model, self.path("ref-" + label))
+        for k in range(1, committed + 1):
+            train_step(ref_model, ref, k)
+        got, want = state_of(model, opt), state_of(ref_model, ref)
+        for key in want:
+            self.assertTrue(torch.equal(got[key], want[key]), "%s at committed step %d: %s differs"
+                            % (msg, committed, key))
+        for k in range(committed + 1, STEPS + 1):
+            train_step(model, opt, k)
+            train_step(ref_model, ref, k)
+        got, want = state_of(model, opt), state_of(ref_model, ref)
+        for key in want:
+            self.assertTrue(torch.equal(got[key], want[key]), "%s after step %d: %s differs" % (msg, STEPS, key))
+        self.assertEqual((opt.step_count(0), ref.step_count(0)), (STEPS, STEPS), msg)
+        opt.close()
+        ref.close()
+        return committed
+
+    def test_sigkill_then_resume_equals_uninterrupted(self):
+        mid_step = self.rng.uniform(0.0, 1.0)
+        trials = [
+            # (label, event, step, delay fraction of a step, committed steps it may leave)
+            ("before-first-step", "ready", None, None, (0, 1)),
+            ("between-steps", "done", 4, None, (4, 5)),
+            ("in-step-3", "step", 3, mid_step, (2, 3)),
+        ]
+        k = self.rng.randint(2, STEPS - 1)
+        trials.append(("in-step-%d-random" % k, "step", k, self.rng.uniform(0.0, 1.0), (k - 1, k)))
+        for label, event, step, delay, allowed in trials:
+            with self.subTest(trial=label):
+                store = self.path("s-" + label)
+                lines = self.kill_during(store, event, step, delay)
+                self.assertNotIn("closed", lines)
+                committed = self.check_resume(label, store, allowed)
+                sys.stderr.write("kill_test: %s: killed after %r, %d step(s) committed (seed %d)\n"
+                                 % (label, lines[-1], committed, self.seed))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "child":
+        child(sys.argv[2], int(sys.argv[3]))
+    else:
+        unittest.main()
