@@ -627,6 +627,7 @@ int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids, con
 }
 
 int optstate_adam_last_step_skipped(const optstate_adam_t* adam) { return adam->rep->last_step_skipped() ? 1 : 0; }
+double optstate_adam_last_step_seconds(const optstate_adam_t* adam) { return adam->rep->last_step_stats().seconds; }
 
 int optstate_adam_load_main(optstate_adam_t* adam, uint32_t id, const void* weights, int dtype, char** errptr) {
   const char* what = "optstate_adam_load_main";

@@ -110,6 +110,7 @@ _SIGNATURES = {
     "optstate_adam_step": (_int, [_vp, _c.c_size_t, _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
                                   _c.POINTER(_vp), _c.POINTER(_int), _vp, _c.c_float, _errp]),
     "optstate_adam_last_step_skipped": (_int, [_vp]),
+    "optstate_adam_last_step_seconds": (_dbl, [_vp]),
     "optstate_adam_load_main": (_int, [_vp, _u32, _vp, _int, _errp]),
     "optstate_adam_make_durable": (_int, [_vp, _c.POINTER(_u64), _errp]),
     "optstate_adam_commit": (_int, [_vp, _c.POINTER(_u64), _errp]),

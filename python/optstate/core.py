@@ -377,6 +377,11 @@ class StreamedAdam(_Handle):
     def last_step_skipped(self):
         return bool(lib.optstate_adam_last_step_skipped(self._live()))
 
+    @property
+    def last_step_seconds(self):
+        """Seconds the last step took inside the library."""
+        return lib.optstate_adam_last_step_seconds(self._live())
+
     def load_main(self, pid, ptr, dtype):
         call(lib.optstate_adam_load_main, self._live(), pid, ptr, dtype)
 

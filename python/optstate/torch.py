@@ -381,6 +381,10 @@ class AdamW(torch.optim.Optimizer):
         """Steps taken by a param group (bias correction uses it)."""
         return self._live().step_count(group)
 
+    def last_step_seconds(self):
+        """Seconds the last step() spent inside the library (pipeline and commit), for overhead checks."""
+        return self._live().last_step_seconds
+
     @property
     def generation(self):
         """The newest committed generation of the store."""

@@ -193,6 +193,8 @@ class AdamWTest(TempDirTest):
             p.grad = torch.ones_like(p)
         opt.step(found_inf=torch.zeros(1))
         self.assertEqual(opt.step_count(), 3)
+        # The library timed that step: a positive, finite number of seconds.
+        self.assertTrue(0.0 < opt.last_step_seconds() < float("inf"), opt.last_step_seconds())
 
     def test_snapshot_sleep_wake_and_load_main(self):
         model = make_model(0)

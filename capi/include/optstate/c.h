@@ -310,6 +310,9 @@ OPTSTATE_EXPORT int optstate_adam_step(optstate_adam_t* adam, size_t n, const ui
                                        char** errptr);
 /* Whether the last step was skipped by found_inf. */
 OPTSTATE_EXPORT int optstate_adam_last_step_skipped(const optstate_adam_t* adam);
+/* Seconds the last step took inside the library (the pipeline and its
+ * commit): what a caller's own per-step overhead is measured against. */
+OPTSTATE_EXPORT double optstate_adam_last_step_seconds(const optstate_adam_t* adam);
 
 /* Replaces a param's fp32 main from model weights (numel elements of dtype),
  * e.g. after the model's weights were loaded separately. Moments are kept. */
