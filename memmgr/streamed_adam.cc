@@ -1252,12 +1252,19 @@ Result<uint64_t> StreamedAdam::MakeDurable() {
     Status a = store_->AbortPending();
     if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed MakeDurable: {}", a.ToString());
     // The cache still holds the steps: keep them (dirty) and let the caller
-    // retry. Registrations and loaded mains were only in the pending
-    // generation: they are gone, and the error says so.
+    // retry. Their chunks written before the failure went with the dropped
+    // generation, so every dirty entry must be written again by the retry.
+    // Registrations and loaded mains were only in the pending generation:
+    // they are gone, and the error says so.
+    mm_->impl()->OnAbortPending(/*keep_dirty_cache=*/true);
     const std::string dropped = DropUncommittedRegistrations();
-    return WithNote(gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
-                                             " cached step(s) of store " + store_->path()),
-                    dropped);
+    Status err = gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
+                                          " cached step(s) of store " + store_->path());
+    if (n > 0) {
+      err = WithNote(err, "the " + std::to_string(n) + " step(s) stay in the host cache (generation " +
+                              std::to_string(last_generation_) + " is the last commit): call MakeDurable again");
+    }
+    return WithNote(err, dropped);
   }
   NoteCommitted(*gen);
   return *gen;

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "memmgr_test_util.h"
+#include "vfs/fault_injection.h"
 
 namespace optstate::memmgr::testing {
 namespace {
@@ -23,12 +24,14 @@ struct Env {
   std::unique_ptr<MemoryManager> mm;
 
   void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0, bool huge_page_staging = false,
-            uint32_t hash_threads = MemoryManagerOptions::kAutoHashThreads) {
+            uint32_t hash_threads = MemoryManagerOptions::kAutoHashThreads, vfs::FileSystem* fs = nullptr) {
     std::string p = dir.path() + "/store";
+    vfs::StoreOptions so = TestStoreOptions();
+    so.fs = fs;
     if (create) {
-      store = MUST(vfs::Store::Create(p, TestStoreOptions()));
+      store = MUST(vfs::Store::Create(p, so));
     } else {
-      store = MUST(vfs::Store::Open(p, TestStoreOptions()));
+      store = MUST(vfs::Store::Open(p, so));
     }
     MemoryManagerOptions o = TestMmOptions(budget);
     o.host_cache_bytes = host_cache_bytes;
@@ -852,6 +855,84 @@ std::string DiffKeys(const std::map<std::string, std::vector<uint8_t>>& a,
     if (!a.count(k)) out += (out.empty() ? "" : ", ") + k;
   }
   return out;
+}
+
+// Every field of every param of the reference, keyed like CommittedBytes.
+std::map<std::string, std::vector<uint8_t>> ReferenceBytes(const Reference& ref, const std::vector<ParamDef>& defs) {
+  static const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
+  std::map<std::string, std::vector<uint8_t>> out;
+  for (size_t i = 0; i < defs.size(); ++i) {
+    for (int f = 0; f < 3; ++f) {
+      std::vector<float> v = ref.Field(i, f);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(v.data());
+      out[defs[i].name + "/" + kFields[f]] = std::vector<uint8_t>(b, b + v.size() * 4);
+    }
+  }
+  return out;
+}
+
+// A MakeDurable whose chunk writes fail (an injected EIO on the nth write of
+// the data file, so the writes before it completed and went with the dropped
+// generation) keeps the cached steps; the retry writes every one of them and
+// the committed generation equals the reference run of all the steps, read
+// back through a GenerationView (not through the optimizer or its cache).
+TEST(StreamedAdam, FailedMakeDurableKeepsCachedStepsAndTheRetryCommitsAllOfThem) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  const std::vector<ParamDef> defs = SmallMix();
+  const auto groups = TestGroups();
+  constexpr uint64_t kSteps = 3;
+  std::vector<std::unique_ptr<StepGrads>> grads;
+  for (uint64_t step = 1; step <= kSteps; ++step) grads.push_back(std::make_unique<StepGrads>(smm, defs, step));
+  Reference ref(smm, defs);
+  for (uint64_t step = 1; step <= kSteps; ++step) {
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, grads[step - 1]->grad[i]->get(), step, groups[defs[i].group], 1.0f);
+  }
+  const auto want = ReferenceBytes(ref, defs);
+  const uint64_t state_chunks = 3 * (4 + 2 + 1);  // w1 4 chunks, w2 2, b 1; x3 fields
+  // The first, a middle and the last of the 21 dirty chunks' writes fails.
+  for (uint64_t nth : {uint64_t{1}, uint64_t{9}, state_chunks}) {
+    SCOPED_TRACE("write " + std::to_string(nth) + " of " + std::to_string(state_chunks) + " fails");
+    vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
+    Env env;
+    env.Open(6 * kChunk, true, (state_chunks + 2) * kChunk, false, MemoryManagerOptions::kAutoHashThreads, &fs);
+    StreamedAdamOptions so;
+    so.durable_every_steps = 100;
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    const uint64_t registered_gen = MUST(sa->MakeDurable());
+    for (uint64_t step = 1; step <= kSteps; ++step) ASSERT_OK(sa->Step(grads[step - 1]->List(defs)));
+    ASSERT_EQ(sa->uncommitted_steps(), kSteps);
+
+    vfs::FaultRule rule = vfs::FaultRule::FailNth(vfs::OpClass::kWrite, nth);
+    rule.path_contains = ".chunks";
+    fs.AddRule(rule);
+    auto failed = sa->MakeDurable();
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(fs.InjectedCount(), 1u);
+    EXPECT_TRUE(Contains(failed.status(), "injected fault")) << failed.status().ToString();
+    EXPECT_TRUE(Contains(failed.status(), "3 step(s) stay in the host cache")) << failed.status().ToString();
+    EXPECT_TRUE(Contains(failed.status(), env.store->path())) << failed.status().ToString();
+    EXPECT_EQ(sa->uncommitted_steps(), kSteps);
+    EXPECT_EQ(sa->global_step(), kSteps);
+    EXPECT_EQ(env.store->LatestGeneration().generation, registered_gen);
+
+    fs.ClearRules();
+    const uint64_t gen = MUST(sa->MakeDurable());
+    EXPECT_GT(gen, registered_gen);
+    EXPECT_EQ(sa->uncommitted_steps(), 0u);
+    EXPECT_EQ(env.store->LatestGeneration().step, kSteps);
+    auto got = CommittedBytes(env.store.get());
+    got.erase("#generation");
+    EXPECT_EQ(DiffKeys(got, want), "") << "committed fields that differ from the reference of all steps";
+    sa.reset();
+    // Reopened without the cache: the store alone holds all the steps.
+    env.Close();
+    env.Open(6 * kChunk, false);
+    ExpectStateEquals(env.mm.get(), ref, defs);
+  }
 }
 
 // Resuming with a changed model: a store made by a run of two tensors
