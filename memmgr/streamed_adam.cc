@@ -1352,11 +1352,11 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   stepped_.insert(g.name);
   const ParamGroup& grp = groups_.at(p.info.group);
   kernels::AdamParams ap;
-  ap.lr = static_cast<float>(grp.lr);
-  ap.beta1 = static_cast<float>(grp.beta1);
-  ap.beta2 = static_cast<float>(grp.beta2);
-  ap.eps = static_cast<float>(grp.eps);
-  ap.weight_decay = static_cast<float>(grp.weight_decay);
+  ap.lr = grp.lr;
+  ap.beta1 = grp.beta1;
+  ap.beta2 = grp.beta2;
+  ap.eps = grp.eps;
+  ap.weight_decay = grp.weight_decay;
   ap.mode = grp.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
   ap.step = step_count(p.info.group) + 1;
   ap.grad_scale = opts_.grad_scale;

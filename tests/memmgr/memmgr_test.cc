@@ -327,11 +327,11 @@ class Reference {
     t.param = p.param ? p.param->get() : nullptr;
     t.param_type = d.param_type;
     kernels::AdamParams ap;
-    ap.lr = static_cast<float>(g.lr);
-    ap.beta1 = static_cast<float>(g.beta1);
-    ap.beta2 = static_cast<float>(g.beta2);
-    ap.eps = static_cast<float>(g.eps);
-    ap.weight_decay = static_cast<float>(g.weight_decay);
+    ap.lr = g.lr;
+    ap.beta1 = g.beta1;
+    ap.beta2 = g.beta2;
+    ap.eps = g.eps;
+    ap.weight_decay = g.weight_decay;
     ap.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
     ap.step = step;
     ap.grad_scale = grad_scale;
