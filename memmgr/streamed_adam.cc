@@ -9,6 +9,8 @@
 #include <optional>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "memmgr/internal/manager_impl.h"
 #include "vfs/log.h"
 
@@ -92,6 +94,13 @@ float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
     case kernels::ScalarType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(src)[i]);
     default: return 0.0f;
   }
+}
+
+// A gradient scale is usable when finite and > 0.
+Status CheckGradScale(float s, const std::string& what, const std::string& store_path) {
+  if (s > 0.0f && std::isfinite(s)) return Status::Ok();
+  return InvalidArgument(what + ": gradient scale must be finite and > 0, got " + fmt::format("{}", s) + " (store " +
+                         store_path + "); nothing changed");
 }
 
 }  // namespace
@@ -687,7 +696,7 @@ class StepPipeline {
 // ------------------------------------------------------------------ StreamedAdam
 
 StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
-    : store_(store), mm_(mm), opts_(opts) {}
+    : store_(store), mm_(mm), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
 
 StreamedAdam::~StreamedAdam() {
   if (!pipeline_ && !in_step_ && (uncommitted_steps_ > 0 || registrations_pending_) && !poisoned_) {
@@ -1292,7 +1301,16 @@ Status StreamedAdam::Fail(Status s) {
   return s;
 }
 
-Status StreamedAdam::BeginStep(const float* d_found_inf) {
+Status StreamedAdam::SetGradScale(float grad_scale) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::SetGradScale: a step is in progress (store " +
+                                          store_->path() + ")");
+  OPTSTATE_RETURN_IF_ERROR(CheckGradScale(grad_scale, "StreamedAdam::SetGradScale", store_->path()));
+  grad_scale_ = grad_scale;
+  return Status::Ok();
+}
+
+Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
   OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
@@ -1310,6 +1328,13 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
       in_step_ = true;
       return Status::Ok();
     }
+  }
+  step_grad_scale_ = grad_scale_;
+  if (d_grad_scale != nullptr) {
+    float scale = 0;
+    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&scale, d_grad_scale, sizeof(float)));
+    OPTSTATE_RETURN_IF_ERROR(CheckGradScale(scale, "StreamedAdam: the step's d_grad_scale", store_->path()));
+    step_grad_scale_ = scale;
   }
   // Registrations and LoadMainFrom since the last commit are in the pending
   // generation: this step's commit publishes them with its own writes.
@@ -1359,7 +1384,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   ap.weight_decay = grp.weight_decay;
   ap.mode = grp.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
   ap.step = step_count(p.info.group) + 1;
-  ap.grad_scale = opts_.grad_scale;
+  ap.grad_scale = step_grad_scale_;
   groups_stepped_[p.info.group] = true;
   const uint64_t chunk_elems = mm_->impl()->page_bytes() / 4;
   for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += chunk_elems) {
@@ -1473,7 +1498,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
   return *gen;
 }
 
-Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf) {
+Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
   // Every gradient is checked before the step starts: a mismatch leaves the
@@ -1486,7 +1511,7 @@ Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found
                              " given twice in one step");
     }
   }
-  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf));
+  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf, d_grad_scale));
   for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
   auto r = EndStep();
   return r.status();

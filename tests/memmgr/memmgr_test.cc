@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <thread>
@@ -365,7 +366,8 @@ class Reference {
 // Grads for one step, uploaded once and shared by the streamed run and the reference.
 struct StepGrads {
   std::vector<std::unique_ptr<DeviceBuffer>> grad, param;
-  StepGrads(MemoryManager* mm, const std::vector<ParamDef>& defs, uint64_t step) {
+  // scale: the gradients are the step's gradients times scale (loss scaling).
+  StepGrads(MemoryManager* mm, const std::vector<ParamDef>& defs, uint64_t step, float scale = 1.0f) {
     for (const auto& d : defs) {
       // A per-param random base, rotated per step (cheap under ASan, still
       // different every step).
@@ -379,6 +381,7 @@ struct StepGrads {
       uint64_t rot = (step * 7919) % d.numel;
       std::copy(base.begin() + static_cast<long>(rot), base.end(), g.begin());
       std::copy(base.begin(), base.begin() + static_cast<long>(rot), g.begin() + static_cast<long>(d.numel - rot));
+      for (float& x : g) x *= scale;
       std::vector<uint8_t> enc;
       Encode(g, d.grad_type, &enc);
       grad.push_back(std::make_unique<DeviceBuffer>(mm, enc.size()));
@@ -855,6 +858,88 @@ std::string DiffKeys(const std::map<std::string, std::vector<uint8_t>>& a,
     if (!a.count(k)) out += (out.empty() ? "" : ", ") + k;
   }
   return out;
+}
+
+// Loss scaling that changes every step (torch's GradScaler): steps given
+// gradients g * s with the scale s through SetGradScale, through a step's
+// d_grad_scale (which overrides SetGradScale for that step only) and through
+// the incremental form equal the unscaled reference steps on g bit for bit
+// (power-of-two scales: g * s and (g * s) / s are exact in f32 and bf16).
+// A scale that is not finite and > 0 is refused and changes nothing.
+TEST(StreamedAdam, PerStepGradScaleEqualsUnscaledStepsBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  const std::vector<ParamDef> defs = SmallMix();  // f32 and bf16 grads: |g| * 65536 fits both
+  const auto groups = TestGroups();
+  Reference ref(smm, defs);
+  Env env;
+  env.Open(6 * kChunk, true);
+  StreamedAdamOptions so;
+  so.grad_scale = 4.0f;  // the first step's scale
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  EXPECT_EQ(sa->grad_scale(), 4.0f);
+
+  DeviceBuffer d_scale(env.mm.get(), 4);
+  // step: (scale through SetGradScale before it or 0 = keep, scale in d_grad_scale or 0 = none, incremental)
+  struct Plan {
+    float set, device;
+    bool incremental;
+  };
+  const Plan plan[] = {{0, 0, false},   {65536, 0, false}, {65536, 1024, false}, {0, 0, true},
+                       {0.125f, 0, false}, {0, 8, true},  {1, 0, false}};
+  uint64_t step = 0;
+  for (const Plan& pl : plan) {
+    ++step;
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (pl.set != 0) ASSERT_OK(sa->SetGradScale(pl.set));
+    const float scale = pl.device != 0 ? pl.device : sa->grad_scale();
+    if (pl.device != 0) d_scale.Upload(&pl.device);
+    const float* dp = pl.device != 0 ? static_cast<const float*>(d_scale.get()) : nullptr;
+    StepGrads scaled(smm, defs, step, scale);
+    StepGrads plain(smm, defs, step);
+    auto list = scaled.List(defs);
+    if (pl.incremental) {
+      ASSERT_OK(sa->BeginStep(nullptr, dp));
+      for (const ParamGrad& g : list) ASSERT_OK(sa->StepParam(g));
+      ASSERT_TRUE(sa->EndStep().ok());
+    } else {
+      ASSERT_OK(sa->Step(list, nullptr, dp));
+    }
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, plain.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+    if (pl.device != 0) {
+      EXPECT_NE(sa->grad_scale(), pl.device) << "d_grad_scale applies to its step only";
+    }
+  }
+  EXPECT_EQ(env.store->LatestGeneration().step, step);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+
+  // Refused scales change nothing: not the scale, not the state, no commit.
+  const uint64_t gen = sa->last_generation();
+  const float bad[] = {0.0f, -2.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  StepGrads next(smm, defs, step + 1);
+  for (float b : bad) {
+    Status st = sa->SetGradScale(b);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << b << ": " << st.ToString();
+    EXPECT_TRUE(Contains(st, env.store->path())) << st.ToString();
+    EXPECT_EQ(sa->grad_scale(), 1.0f);
+    d_scale.Upload(&b);
+    st = sa->Step(next.List(defs), nullptr, static_cast<const float*>(d_scale.get()));
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << b << ": " << st.ToString();
+    EXPECT_TRUE(Contains(st, "d_grad_scale")) << st.ToString();
+  }
+  EXPECT_EQ(sa->last_generation(), gen);
+  EXPECT_EQ(env.store->LatestGeneration().generation, gen);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  // A step in progress keeps its scale.
+  ASSERT_OK(sa->BeginStep());
+  EXPECT_EQ(sa->SetGradScale(2.0f).code(), StatusCode::kFailedPrecondition);
+  for (const ParamGrad& g : next.List(defs)) ASSERT_OK(sa->StepParam(g));
+  ASSERT_TRUE(sa->EndStep().ok());
+  for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, next.grad[i]->get(), step + 1, groups[defs[i].group], 1.0f);
+  ExpectStateEquals(env.mm.get(), ref, defs);
 }
 
 // Every field of every param of the reference, keyed like CommittedBytes.
