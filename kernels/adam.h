@@ -30,12 +30,17 @@ enum class ScalarType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 255 };
 
 enum class AdamMode : uint8_t { kAdam = 0, kAdamW = 1 };
 
+// Hyperparameters in double, as a trainer holds them (torch's param_groups
+// are Python floats). The launchers derive every per-call constant (1 - beta,
+// bias corrections, lr / (1 - beta1^step), lr * weight_decay) in double and
+// round each to fp32 once, as torch.optim.AdamW does; rounding beta2 = 0.999
+// to fp32 first would put 1 - beta2 1.3e-5 relative off.
 struct AdamParams {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   AdamMode mode = AdamMode::kAdamW;
   uint64_t step = 1;          // step count after this update (>= 1)
   float grad_scale = 1.0f;    // grads are multiplied by 1/grad_scale

@@ -1,6 +1,7 @@
 // C ABI over the Adam kernels, for Python (ctypes) and other foreign callers:
 // liboptstate_kernels_capi.so. Types are ScalarType values (0 = fp32,
 // 1 = bf16, 2 = fp16, 255 = none); mode is AdamMode (0 = Adam, 1 = AdamW).
+// Hyperparameters are doubles (Python floats, passed as they are).
 // Pointers are device pointers for the CUDA entry points and host pointers for
 // the CPU one; nothing is allocated or retained. Thread-safety: as the
 // launchers (any thread; calls on one stream run in order).
@@ -32,7 +33,7 @@ AdamTensors MakeTensors(float* main, void* exp_avg, void* exp_avg_sq, const void
   return t;
 }
 
-AdamParams MakeParams(float lr, float beta1, float beta2, float eps, float weight_decay, int mode,
+AdamParams MakeParams(double lr, double beta1, double beta2, double eps, double weight_decay, int mode,
                       uint64_t step, float grad_scale) {
   AdamParams p;
   p.lr = lr;
@@ -51,8 +52,8 @@ AdamParams MakeParams(float lr, float beta1, float beta2, float eps, float weigh
 // AdamStepCuda; returns a cudaError_t (0 = success). `stream` is a cudaStream_t.
 OPTSTATE_CAPI int optstate_adam_step(float* main, void* exp_avg, void* exp_avg_sq,
                                      const void* grad, int grad_type, void* param, int param_type,
-                                     const float* found_inf, uint64_t count, float lr, float beta1,
-                                     float beta2, float eps, float weight_decay, int mode,
+                                     const float* found_inf, uint64_t count, double lr, double beta1,
+                                     double beta2, double eps, double weight_decay, int mode,
                                      uint64_t step, float grad_scale, void* stream) {
   return optstate::kernels::AdamStepCuda(
       MakeTensors(main, exp_avg, exp_avg_sq, grad, grad_type, param, param_type, found_inf),
@@ -65,8 +66,8 @@ OPTSTATE_CAPI int optstate_adam_step(float* main, void* exp_avg, void* exp_avg_s
 OPTSTATE_CAPI int optstate_adam_step_config(float* main, void* exp_avg, void* exp_avg_sq,
                                             const void* grad, int grad_type, void* param,
                                             int param_type, const float* found_inf,
-                                            uint64_t count, float lr, float beta1, float beta2,
-                                            float eps, float weight_decay, int mode, uint64_t step,
+                                            uint64_t count, double lr, double beta1, double beta2,
+                                            double eps, double weight_decay, int mode, uint64_t step,
                                             float grad_scale, int threads_per_block, int unroll,
                                             int blocks_per_sm, void* stream) {
   optstate::kernels::internal::LaunchConfig c;
@@ -83,8 +84,8 @@ OPTSTATE_CAPI int optstate_adam_step_config(float* main, void* exp_avg, void* ex
 OPTSTATE_CAPI int optstate_adam_step_cpu(float* main, void* exp_avg, void* exp_avg_sq,
                                          const void* grad, int grad_type, void* param,
                                          int param_type, const float* found_inf, uint64_t count,
-                                         float lr, float beta1, float beta2, float eps,
-                                         float weight_decay, int mode, uint64_t step,
+                                         double lr, double beta1, double beta2, double eps,
+                                         double weight_decay, int mode, uint64_t step,
                                          float grad_scale, int threads) {
   return optstate::kernels::AdamStepCpu(
              MakeTensors(main, exp_avg, exp_avg_sq, grad, grad_type, param, param_type, found_inf),

@@ -242,6 +242,22 @@ void HostCache::MarkAllClean() {
   for (auto& [k, e] : entries_) e.dirty = e.written = false;
 }
 
+void HostCache::ForgetPendingWrites() {
+  if (!enabled()) return;
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    Entry& e = it->second;
+    if (e.dirty || e.users != 0) {
+      e.written = false;
+      ++it;
+      continue;
+    }
+    lru_.erase(e.lru);
+    free_bufs_.push_back(e.h_buf);
+    it = entries_.erase(it);
+  }
+}
+
 void HostCache::PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len, void* stream) {
   if (!enabled()) return;
   std::lock_guard<std::mutex> l(mu_);
@@ -1110,10 +1126,14 @@ void ManagerImpl::ReleaseArena(Arena* a) {
   cv_.notify_all();
 }
 
-void ManagerImpl::OnAbortPending() {
+void ManagerImpl::OnAbortPending(bool keep_dirty_cache) {
   // The pending generation's writes are gone: cached copies and clean
   // resident chunks may hold their bytes. Forget both.
-  cache_->Clear();
+  if (keep_dirty_cache) {
+    cache_->ForgetPendingWrites();
+  } else {
+    cache_->Clear();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [rk, r] : regions_) {
     for (uint64_t c = 0; c < r->slots.size(); ++c) {

@@ -9,6 +9,8 @@
 #include <optional>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "memmgr/internal/manager_impl.h"
 #include "vfs/log.h"
 
@@ -92,6 +94,13 @@ float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
     case kernels::ScalarType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(src)[i]);
     default: return 0.0f;
   }
+}
+
+// A gradient scale is usable when finite and > 0.
+Status CheckGradScale(float s, const std::string& what, const std::string& store_path) {
+  if (s > 0.0f && std::isfinite(s)) return Status::Ok();
+  return InvalidArgument(what + ": gradient scale must be finite and > 0, got " + fmt::format("{}", s) + " (store " +
+                         store_path + "); nothing changed");
 }
 
 }  // namespace
@@ -687,7 +696,7 @@ class StepPipeline {
 // ------------------------------------------------------------------ StreamedAdam
 
 StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
-    : store_(store), mm_(mm), opts_(opts) {}
+    : store_(store), mm_(mm), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
 
 StreamedAdam::~StreamedAdam() {
   if (!pipeline_ && !in_step_ && (uncommitted_steps_ > 0 || registrations_pending_) && !poisoned_) {
@@ -1252,12 +1261,19 @@ Result<uint64_t> StreamedAdam::MakeDurable() {
     Status a = store_->AbortPending();
     if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed MakeDurable: {}", a.ToString());
     // The cache still holds the steps: keep them (dirty) and let the caller
-    // retry. Registrations and loaded mains were only in the pending
-    // generation: they are gone, and the error says so.
+    // retry. Their chunks written before the failure went with the dropped
+    // generation, so every dirty entry must be written again by the retry.
+    // Registrations and loaded mains were only in the pending generation:
+    // they are gone, and the error says so.
+    mm_->impl()->OnAbortPending(/*keep_dirty_cache=*/true);
     const std::string dropped = DropUncommittedRegistrations();
-    return WithNote(gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
-                                             " cached step(s) of store " + store_->path()),
-                    dropped);
+    Status err = gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
+                                          " cached step(s) of store " + store_->path());
+    if (n > 0) {
+      err = WithNote(err, "the " + std::to_string(n) + " step(s) stay in the host cache (generation " +
+                              std::to_string(last_generation_) + " is the last commit): call MakeDurable again");
+    }
+    return WithNote(err, dropped);
   }
   NoteCommitted(*gen);
   return *gen;
@@ -1285,7 +1301,16 @@ Status StreamedAdam::Fail(Status s) {
   return s;
 }
 
-Status StreamedAdam::BeginStep(const float* d_found_inf) {
+Status StreamedAdam::SetGradScale(float grad_scale) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::SetGradScale: a step is in progress (store " +
+                                          store_->path() + ")");
+  OPTSTATE_RETURN_IF_ERROR(CheckGradScale(grad_scale, "StreamedAdam::SetGradScale", store_->path()));
+  grad_scale_ = grad_scale;
+  return Status::Ok();
+}
+
+Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
   OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
@@ -1303,6 +1328,13 @@ Status StreamedAdam::BeginStep(const float* d_found_inf) {
       in_step_ = true;
       return Status::Ok();
     }
+  }
+  step_grad_scale_ = grad_scale_;
+  if (d_grad_scale != nullptr) {
+    float scale = 0;
+    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&scale, d_grad_scale, sizeof(float)));
+    OPTSTATE_RETURN_IF_ERROR(CheckGradScale(scale, "StreamedAdam: the step's d_grad_scale", store_->path()));
+    step_grad_scale_ = scale;
   }
   // Registrations and LoadMainFrom since the last commit are in the pending
   // generation: this step's commit publishes them with its own writes.
@@ -1345,14 +1377,14 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   stepped_.insert(g.name);
   const ParamGroup& grp = groups_.at(p.info.group);
   kernels::AdamParams ap;
-  ap.lr = static_cast<float>(grp.lr);
-  ap.beta1 = static_cast<float>(grp.beta1);
-  ap.beta2 = static_cast<float>(grp.beta2);
-  ap.eps = static_cast<float>(grp.eps);
-  ap.weight_decay = static_cast<float>(grp.weight_decay);
+  ap.lr = grp.lr;
+  ap.beta1 = grp.beta1;
+  ap.beta2 = grp.beta2;
+  ap.eps = grp.eps;
+  ap.weight_decay = grp.weight_decay;
   ap.mode = grp.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
   ap.step = step_count(p.info.group) + 1;
-  ap.grad_scale = opts_.grad_scale;
+  ap.grad_scale = step_grad_scale_;
   groups_stepped_[p.info.group] = true;
   const uint64_t chunk_elems = mm_->impl()->page_bytes() / 4;
   for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += chunk_elems) {
@@ -1466,7 +1498,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
   return *gen;
 }
 
-Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf) {
+Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
   // Every gradient is checked before the step starts: a mismatch leaves the
@@ -1479,7 +1511,7 @@ Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found
                              " given twice in one step");
     }
   }
-  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf));
+  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf, d_grad_scale));
   for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
   auto r = EndStep();
   return r.status();

@@ -14,6 +14,13 @@
 //  - Parameters that get no gradient in a step keep their state unchanged; the
 //    group's step count still advances when any of its parameters stepped
 //    (bias correction uses the group's count; the store persists per group).
+//  - Gradient scale (loss scaling, e.g. torch's GradScaler): gradients are
+//    multiplied by 1/scale. The scale starts at StreamedAdamOptions::
+//    grad_scale; SetGradScale changes it from the next step on; a step given
+//    d_grad_scale uses *d_grad_scale for that step only (read at BeginStep,
+//    after found-inf). A scale that is not finite and > 0 is kInvalidArgument
+//    and changes nothing. With a power-of-two scale and gradients g * scale
+//    that did not overflow, the step equals the unscaled step on g bit for bit.
 //  - found-inf (d_found_inf nonzero) skips the step: nothing is written or
 //    committed, step counts stay; Step returns OK and last_step_skipped() is
 //    true. The flag is read at BeginStep (no I/O then) and again at EndStep
@@ -128,7 +135,8 @@ struct ParamGrad {
 };
 
 struct StreamedAdamOptions {
-  // Gradients are multiplied by 1/grad_scale. Default 1.
+  // Gradients are multiplied by 1/grad_scale: the scale of the first steps
+  // (StreamedAdam::SetGradScale or a step's d_grad_scale change it). Default 1.
   float grad_scale = 1.0f;
   // CPU threads for AdamStepCpu (host backend). Default 1.
   int cpu_threads = 1;
@@ -174,15 +182,26 @@ class StreamedAdam {
 
   // One full step over the given parameters; commits one generation unless
   // *d_found_inf != 0 (then nothing changes; last_step_skipped() is true).
-  Status Step(std::span<const ParamGrad> grads, const float* d_found_inf = nullptr);
+  // d_grad_scale (device pointer; host pointer on the host backend; may be
+  // null): this step's gradient scale, e.g. GradScaler's scale tensor;
+  // null = grad_scale().
+  Status Step(std::span<const ParamGrad> grads, const float* d_found_inf = nullptr,
+              const float* d_grad_scale = nullptr);
 
   // Incremental form: BeginStep(); StepParam(g) for each param as its grad is
   // final (the pipeline starts at once and runs during later StepParam
   // calls); EndStep() drains, commits and returns the new generation (or the
-  // current one when the step was skipped by found_inf).
-  Status BeginStep(const float* d_found_inf = nullptr);
+  // current one when the step was skipped by found_inf). Flags as for Step.
+  Status BeginStep(const float* d_found_inf = nullptr, const float* d_grad_scale = nullptr);
   Status StepParam(const ParamGrad& g);
   Result<uint64_t> EndStep();
+
+  // The gradient scale of the steps from the next one on (gradients are
+  // multiplied by 1/grad_scale), until set again; a step's d_grad_scale
+  // overrides it for that step. kInvalidArgument unless finite and > 0;
+  // kFailedPrecondition while a step is in progress; either changes nothing.
+  Status SetGradScale(float grad_scale);
+  float grad_scale() const { return grad_scale_; }
 
   // Replaces a param's fp32 mains from model weights (checkpoint-load path).
   Status LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type);
@@ -285,6 +304,8 @@ class StreamedAdam {
   bool poisoned_ = false;
   Status poison_status_;
   const float* step_found_inf_ = nullptr;
+  float grad_scale_ = 1.0f;       // SetGradScale (from StreamedAdamOptions::grad_scale)
+  float step_grad_scale_ = 1.0f;  // the current step's scale
   std::map<uint32_t, bool> groups_stepped_;
   std::set<std::string> stepped_;  // params stepped in the current step
   std::unique_ptr<internal::StepPipeline> pipeline_;

@@ -35,8 +35,8 @@ _COMMON = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # main, exp_avg, 
            ctypes.c_void_p, ctypes.c_int,                       # grad, grad_type
            ctypes.c_void_p, ctypes.c_int,                       # param, param_type
            ctypes.c_void_p, ctypes.c_uint64,                    # found_inf, count
-           ctypes.c_float, ctypes.c_float, ctypes.c_float,      # lr, beta1, beta2
-           ctypes.c_float, ctypes.c_float, ctypes.c_int,        # eps, weight_decay, mode
+           ctypes.c_double, ctypes.c_double, ctypes.c_double,   # lr, beta1, beta2
+           ctypes.c_double, ctypes.c_double, ctypes.c_int,      # eps, weight_decay, mode
            ctypes.c_uint64, ctypes.c_float]                     # step, grad_scale
 
 
@@ -76,13 +76,12 @@ def cpu_selftest(lib):
     optstate_adam_step_cpu vs a plain-Python fp64 AdamW over 10 steps."""
     import random
     n, h = 1003, Hyper(lr=1e-2, weight_decay=0.1)
-    f32 = lambda x: ctypes.c_float(x).value  # what the C side sees
     rnd = random.Random(0)
     Arr = ctypes.c_float * n
     main = Arr(*[rnd.gauss(0, 1) for _ in range(n)])
     m, v, copy, g = Arr(), Arr(), Arr(), Arr()
     ref_p, ref_m, ref_v = [float(x) for x in main], [0.0] * n, [0.0] * n
-    lr, b1, b2, eps, wd = f32(h.lr), f32(h.beta1), f32(h.beta2), f32(h.eps), f32(h.weight_decay)
+    lr, b1, b2, eps, wd = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay  # doubles, as the C side sees them
     for step in range(1, 11):
         for i in range(n):
             g[i] = rnd.gauss(0, 1)

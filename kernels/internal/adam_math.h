@@ -44,24 +44,25 @@ struct AdamScalars {
 
 inline AdamScalars MakeAdamScalars(const AdamParams& p) {
   AdamScalars s;
-  // Like torch: hyperparameters in double, bias corrections rounded to fp32.
+  // Like torch.optim.AdamW: every derived constant in double from the
+  // hyperparameters' doubles, rounded to fp32 once.
   const double lr = p.lr, wd = p.weight_decay, b1 = p.beta1, b2 = p.beta2;
   const double step = static_cast<double>(p.step);
-  const float bc1 = static_cast<float>(1.0 - std::pow(b1, step));
-  const float bc2 = static_cast<float>(1.0 - std::pow(b2, step));
+  const double bc1 = 1.0 - std::pow(b1, step);
+  const double bc2 = 1.0 - std::pow(b2, step);
   s.lr_wd = static_cast<float>(lr * wd);
-  s.weight_decay = p.weight_decay;
-  s.beta1 = p.beta1;
+  s.weight_decay = static_cast<float>(wd);
+  s.beta1 = static_cast<float>(b1);
   s.one_minus_beta1 = static_cast<float>(1.0 - b1);
-  s.beta2 = p.beta2;
+  s.beta2 = static_cast<float>(b2);
   s.one_minus_beta2 = static_cast<float>(1.0 - b2);
-  s.step_size = static_cast<float>(lr / static_cast<double>(bc1));
-  s.bc2_sqrt = std::sqrt(bc2);
-  s.eps = p.eps;
+  s.step_size = static_cast<float>(lr / bc1);
+  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.eps = static_cast<float>(p.eps);
   s.grad_scale = p.grad_scale;
   s.has_scale = p.grad_scale != 1.0f;
-  s.l2 = p.mode == AdamMode::kAdam && p.weight_decay != 0.0f;
-  s.decoupled = p.mode == AdamMode::kAdamW && p.weight_decay != 0.0f;
+  s.l2 = p.mode == AdamMode::kAdam && wd != 0.0;
+  s.decoupled = p.mode == AdamMode::kAdamW && wd != 0.0;
   return s;
 }
 

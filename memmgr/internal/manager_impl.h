@@ -87,6 +87,11 @@ class HostCache {
   bool HasDirty() const;
   // After a commit: every entry equals the committed state again.
   void MarkAllClean();
+  // After the pending generation was dropped while the uncommitted steps stay
+  // cached (a failed MakeDurable): every dirty entry is unwritten again, so a
+  // retry writes it; clean entries, which may hold bytes of the dropped
+  // generation, are dropped.
+  void ForgetPendingWrites();
 
  private:
   struct Entry {
@@ -162,7 +167,9 @@ class ManagerImpl {
   // Options for a ChunkIo that registers every staging buffer.
   vfs::ChunkIoOptions ChunkIoOpts() const;
   // Called after Store::AbortPending: forget what the pending generation held.
-  void OnAbortPending();
+  // keep_dirty_cache: the host cache's dirty entries (steps not yet committed)
+  // stay, unwritten, for a retry; otherwise the whole cache is dropped.
+  void OnAbortPending(bool keep_dirty_cache = false);
   void AddStats(uint64_t nvme_read, uint64_t nvme_write, uint64_t cache_hit, uint64_t h2d, uint64_t d2h,
                 double stall_s);
 

@@ -147,8 +147,8 @@ void CompareCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType
   ASSERT_CUDA(cudaMemset(d_param.data(), 0xEE, (n + 4) * std::max<size_t>(ps, 1)));
 
   AdamParams p;
-  p.lr = 1e-2f;
-  p.weight_decay = 0.1f;
+  p.lr = 1e-2;
+  p.weight_decay = 0.1;
   p.mode = mode;
   for (int step = 1; step <= 2; ++step) {
     p.step = static_cast<uint64_t>(step + 3);

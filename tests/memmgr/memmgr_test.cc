@@ -6,11 +6,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <thread>
 
 #include "memmgr_test_util.h"
+#include "vfs/fault_injection.h"
 
 namespace optstate::memmgr::testing {
 namespace {
@@ -23,12 +25,14 @@ struct Env {
   std::unique_ptr<MemoryManager> mm;
 
   void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0, bool huge_page_staging = false,
-            uint32_t hash_threads = MemoryManagerOptions::kAutoHashThreads) {
+            uint32_t hash_threads = MemoryManagerOptions::kAutoHashThreads, vfs::FileSystem* fs = nullptr) {
     std::string p = dir.path() + "/store";
+    vfs::StoreOptions so = TestStoreOptions();
+    so.fs = fs;
     if (create) {
-      store = MUST(vfs::Store::Create(p, TestStoreOptions()));
+      store = MUST(vfs::Store::Create(p, so));
     } else {
-      store = MUST(vfs::Store::Open(p, TestStoreOptions()));
+      store = MUST(vfs::Store::Open(p, so));
     }
     MemoryManagerOptions o = TestMmOptions(budget);
     o.host_cache_bytes = host_cache_bytes;
@@ -324,11 +328,11 @@ class Reference {
     t.param = p.param ? p.param->get() : nullptr;
     t.param_type = d.param_type;
     kernels::AdamParams ap;
-    ap.lr = static_cast<float>(g.lr);
-    ap.beta1 = static_cast<float>(g.beta1);
-    ap.beta2 = static_cast<float>(g.beta2);
-    ap.eps = static_cast<float>(g.eps);
-    ap.weight_decay = static_cast<float>(g.weight_decay);
+    ap.lr = g.lr;
+    ap.beta1 = g.beta1;
+    ap.beta2 = g.beta2;
+    ap.eps = g.eps;
+    ap.weight_decay = g.weight_decay;
     ap.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
     ap.step = step;
     ap.grad_scale = grad_scale;
@@ -362,7 +366,8 @@ class Reference {
 // Grads for one step, uploaded once and shared by the streamed run and the reference.
 struct StepGrads {
   std::vector<std::unique_ptr<DeviceBuffer>> grad, param;
-  StepGrads(MemoryManager* mm, const std::vector<ParamDef>& defs, uint64_t step) {
+  // scale: the gradients are the step's gradients times scale (loss scaling).
+  StepGrads(MemoryManager* mm, const std::vector<ParamDef>& defs, uint64_t step, float scale = 1.0f) {
     for (const auto& d : defs) {
       // A per-param random base, rotated per step (cheap under ASan, still
       // different every step).
@@ -376,6 +381,7 @@ struct StepGrads {
       uint64_t rot = (step * 7919) % d.numel;
       std::copy(base.begin() + static_cast<long>(rot), base.end(), g.begin());
       std::copy(base.begin(), base.begin() + static_cast<long>(rot), g.begin() + static_cast<long>(d.numel - rot));
+      for (float& x : g) x *= scale;
       std::vector<uint8_t> enc;
       Encode(g, d.grad_type, &enc);
       grad.push_back(std::make_unique<DeviceBuffer>(mm, enc.size()));
@@ -852,6 +858,166 @@ std::string DiffKeys(const std::map<std::string, std::vector<uint8_t>>& a,
     if (!a.count(k)) out += (out.empty() ? "" : ", ") + k;
   }
   return out;
+}
+
+// Loss scaling that changes every step (torch's GradScaler): steps given
+// gradients g * s with the scale s through SetGradScale, through a step's
+// d_grad_scale (which overrides SetGradScale for that step only) and through
+// the incremental form equal the unscaled reference steps on g bit for bit
+// (power-of-two scales: g * s and (g * s) / s are exact in f32 and bf16).
+// A scale that is not finite and > 0 is refused and changes nothing.
+TEST(StreamedAdam, PerStepGradScaleEqualsUnscaledStepsBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  const std::vector<ParamDef> defs = SmallMix();  // f32 and bf16 grads: |g| * 65536 fits both
+  const auto groups = TestGroups();
+  Reference ref(smm, defs);
+  Env env;
+  env.Open(6 * kChunk, true);
+  StreamedAdamOptions so;
+  so.grad_scale = 4.0f;  // the first step's scale
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  EXPECT_EQ(sa->grad_scale(), 4.0f);
+
+  DeviceBuffer d_scale(env.mm.get(), 4);
+  // step: (scale through SetGradScale before it or 0 = keep, scale in d_grad_scale or 0 = none, incremental)
+  struct Plan {
+    float set, device;
+    bool incremental;
+  };
+  const Plan plan[] = {{0, 0, false},   {65536, 0, false}, {65536, 1024, false}, {0, 0, true},
+                       {0.125f, 0, false}, {0, 8, true},  {1, 0, false}};
+  uint64_t step = 0;
+  for (const Plan& pl : plan) {
+    ++step;
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (pl.set != 0) ASSERT_OK(sa->SetGradScale(pl.set));
+    const float scale = pl.device != 0 ? pl.device : sa->grad_scale();
+    if (pl.device != 0) d_scale.Upload(&pl.device);
+    const float* dp = pl.device != 0 ? static_cast<const float*>(d_scale.get()) : nullptr;
+    StepGrads scaled(smm, defs, step, scale);
+    StepGrads plain(smm, defs, step);
+    auto list = scaled.List(defs);
+    if (pl.incremental) {
+      ASSERT_OK(sa->BeginStep(nullptr, dp));
+      for (const ParamGrad& g : list) ASSERT_OK(sa->StepParam(g));
+      ASSERT_TRUE(sa->EndStep().ok());
+    } else {
+      ASSERT_OK(sa->Step(list, nullptr, dp));
+    }
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, plain.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+    if (pl.device != 0) {
+      EXPECT_NE(sa->grad_scale(), pl.device) << "d_grad_scale applies to its step only";
+    }
+  }
+  EXPECT_EQ(env.store->LatestGeneration().step, step);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+
+  // Refused scales change nothing: not the scale, not the state, no commit.
+  const uint64_t gen = sa->last_generation();
+  const float bad[] = {0.0f, -2.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  StepGrads next(smm, defs, step + 1);
+  for (float b : bad) {
+    Status st = sa->SetGradScale(b);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << b << ": " << st.ToString();
+    EXPECT_TRUE(Contains(st, env.store->path())) << st.ToString();
+    EXPECT_EQ(sa->grad_scale(), 1.0f);
+    d_scale.Upload(&b);
+    st = sa->Step(next.List(defs), nullptr, static_cast<const float*>(d_scale.get()));
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << b << ": " << st.ToString();
+    EXPECT_TRUE(Contains(st, "d_grad_scale")) << st.ToString();
+  }
+  EXPECT_EQ(sa->last_generation(), gen);
+  EXPECT_EQ(env.store->LatestGeneration().generation, gen);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  // A step in progress keeps its scale.
+  ASSERT_OK(sa->BeginStep());
+  EXPECT_EQ(sa->SetGradScale(2.0f).code(), StatusCode::kFailedPrecondition);
+  for (const ParamGrad& g : next.List(defs)) ASSERT_OK(sa->StepParam(g));
+  ASSERT_TRUE(sa->EndStep().ok());
+  for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, next.grad[i]->get(), step + 1, groups[defs[i].group], 1.0f);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// Every field of every param of the reference, keyed like CommittedBytes.
+std::map<std::string, std::vector<uint8_t>> ReferenceBytes(const Reference& ref, const std::vector<ParamDef>& defs) {
+  static const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
+  std::map<std::string, std::vector<uint8_t>> out;
+  for (size_t i = 0; i < defs.size(); ++i) {
+    for (int f = 0; f < 3; ++f) {
+      std::vector<float> v = ref.Field(i, f);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(v.data());
+      out[defs[i].name + "/" + kFields[f]] = std::vector<uint8_t>(b, b + v.size() * 4);
+    }
+  }
+  return out;
+}
+
+// A MakeDurable whose chunk writes fail (an injected EIO on the nth write of
+// the data file, so the writes before it completed and went with the dropped
+// generation) keeps the cached steps; the retry writes every one of them and
+// the committed generation equals the reference run of all the steps, read
+// back through a GenerationView (not through the optimizer or its cache).
+TEST(StreamedAdam, FailedMakeDurableKeepsCachedStepsAndTheRetryCommitsAllOfThem) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  const std::vector<ParamDef> defs = SmallMix();
+  const auto groups = TestGroups();
+  constexpr uint64_t kSteps = 3;
+  std::vector<std::unique_ptr<StepGrads>> grads;
+  for (uint64_t step = 1; step <= kSteps; ++step) grads.push_back(std::make_unique<StepGrads>(smm, defs, step));
+  Reference ref(smm, defs);
+  for (uint64_t step = 1; step <= kSteps; ++step) {
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, grads[step - 1]->grad[i]->get(), step, groups[defs[i].group], 1.0f);
+  }
+  const auto want = ReferenceBytes(ref, defs);
+  const uint64_t state_chunks = 3 * (4 + 2 + 1);  // w1 4 chunks, w2 2, b 1; x3 fields
+  // The first, a middle and the last of the 21 dirty chunks' writes fails.
+  for (uint64_t nth : {uint64_t{1}, uint64_t{9}, state_chunks}) {
+    SCOPED_TRACE("write " + std::to_string(nth) + " of " + std::to_string(state_chunks) + " fails");
+    vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
+    Env env;
+    env.Open(6 * kChunk, true, (state_chunks + 2) * kChunk, false, MemoryManagerOptions::kAutoHashThreads, &fs);
+    StreamedAdamOptions so;
+    so.durable_every_steps = 100;
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    const uint64_t registered_gen = MUST(sa->MakeDurable());
+    for (uint64_t step = 1; step <= kSteps; ++step) ASSERT_OK(sa->Step(grads[step - 1]->List(defs)));
+    ASSERT_EQ(sa->uncommitted_steps(), kSteps);
+
+    vfs::FaultRule rule = vfs::FaultRule::FailNth(vfs::OpClass::kWrite, nth);
+    rule.path_contains = ".chunks";
+    fs.AddRule(rule);
+    auto failed = sa->MakeDurable();
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(fs.InjectedCount(), 1u);
+    EXPECT_TRUE(Contains(failed.status(), "injected fault")) << failed.status().ToString();
+    EXPECT_TRUE(Contains(failed.status(), "3 step(s) stay in the host cache")) << failed.status().ToString();
+    EXPECT_TRUE(Contains(failed.status(), env.store->path())) << failed.status().ToString();
+    EXPECT_EQ(sa->uncommitted_steps(), kSteps);
+    EXPECT_EQ(sa->global_step(), kSteps);
+    EXPECT_EQ(env.store->LatestGeneration().generation, registered_gen);
+
+    fs.ClearRules();
+    const uint64_t gen = MUST(sa->MakeDurable());
+    EXPECT_GT(gen, registered_gen);
+    EXPECT_EQ(sa->uncommitted_steps(), 0u);
+    EXPECT_EQ(env.store->LatestGeneration().step, kSteps);
+    auto got = CommittedBytes(env.store.get());
+    got.erase("#generation");
+    EXPECT_EQ(DiffKeys(got, want), "") << "committed fields that differ from the reference of all steps";
+    sa.reset();
+    // Reopened without the cache: the store alone holds all the steps.
+    env.Close();
+    env.Open(6 * kChunk, false);
+    ExpectStateEquals(env.mm.get(), ref, defs);
+  }
 }
 
 // Resuming with a changed model: a store made by a run of two tensors
