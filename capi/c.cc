@@ -5,6 +5,7 @@
 #include "optstate/c.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -65,7 +66,6 @@ struct optstate_adam_t {
   std::unique_ptr<memmgr::StreamedAdam> rep;
   vfs::Store* store = nullptr;
   memmgr::MemoryManager* mm = nullptr;
-  float grad_scale = 1.0f;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
   std::unordered_map<std::string, uint32_t> ids;
@@ -500,7 +500,6 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     h->rep = std::move(*adam);
     h->store = store->rep.get();
     h->mm = mm->rep.get();
-    h->grad_scale = ao.grad_scale;
     *out = h.release();
     return Status::Ok();
   });
@@ -596,13 +595,10 @@ int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids, con
       return NullArgument(what, "ids, grads or grad_dtypes");
     }
     if (params != nullptr && param_dtypes == nullptr) return NullArgument(what, "param_dtypes");
-    if (grad_scale != 1.0f && grad_scale != adam->grad_scale) {
-      return optstate::Unimplemented(std::string(what) + ": store " + adam->store->path() + ": grad_scale " +
-                                     std::to_string(grad_scale) + " differs from the optimizer's " +
-                                     std::to_string(adam->grad_scale) +
-                                     "; a per-step scale is not supported yet: unscale the gradients first");
+    if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale)) {
+      return InvalidArgument(std::string(what) + ": store " + adam->store->path() + ": grad_scale " +
+                             std::to_string(grad_scale) + " is not a finite number >= 0");
     }
-    // The optimizer divides by its own scale; a caller passing 1 asks for that too.
     auto& pg = adam->grads;
     pg.resize(n);
     for (size_t i = 0; i < n; ++i) {
@@ -622,6 +618,7 @@ int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids, con
                                DTypeArgName(param_dtypes[i]) + " not supported (f32, bf16, f16)");
       }
     }
+    if (grad_scale > 0.0f) OPTSTATE_RETURN_IF_ERROR(adam->rep->SetGradScale(grad_scale));
     return adam->rep->Step(std::span<const memmgr::ParamGrad>(pg.data(), n), found_inf);
   });
 }

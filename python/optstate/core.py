@@ -358,12 +358,12 @@ class StreamedAdam(_Handle):
              initial_ptr, int(initial_dtype), shape_arr, len(shape), ctypes.byref(pid), ctypes.byref(existed))
         return pid.value, bool(existed.value)
 
-    def step_raw(self, n, ids, grads, grad_dtypes, params, param_dtypes, found_inf_ptr=None, grad_scale=1.0):
+    def step_raw(self, n, ids, grads, grad_dtypes, params, param_dtypes, found_inf_ptr=None, grad_scale=0.0):
         """One step over n params given as ctypes arrays (see optstate_adam_step)."""
         call(lib.optstate_adam_step, self._live(), n, ids, grads, grad_dtypes, params, param_dtypes,
              found_inf_ptr, grad_scale)
 
-    def step(self, ids, grads, grad_dtypes, params=None, param_dtypes=None, found_inf_ptr=None, grad_scale=1.0):
+    def step(self, ids, grads, grad_dtypes, params=None, param_dtypes=None, found_inf_ptr=None, grad_scale=0.0):
         """One step; lists of ids, grad pointers and dtypes (and param pointers and dtypes)."""
         n = len(ids)
         c_params = c_pdt = None

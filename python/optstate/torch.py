@@ -182,13 +182,11 @@ class AdamW(torch.optim.Optimizer):
 
     def _commit_registrations(self):
         """Commits newly registered params (their initial mains) at once as a generation of their own,
-        so that a process that dies before its first step does not leave them registered without values.
-        The trainer step recorded with the next real step stays what it would have been."""
+        so that a process that dies before its first step resumes with them; step counts and the
+        trainer step stay as they were."""
         if not self._new_registrations:
             return
-        step = self._adam.global_step
-        self._adam.step_raw(0, None, None, None, None, None, None, 1.0)
-        self._adam.global_step = step
+        self._adam.make_durable()
         self._new_registrations = False
 
     def _check_param(self, p, name):
@@ -308,7 +306,7 @@ class AdamW(torch.optim.Optimizer):
         if self._cuda:  # the optimizer's streams read the grads: they must be complete
             torch.cuda.current_stream(self._device).synchronize()
         self._adam.step_raw(self._n, self._c_ids, self._c_grads, self._c_gdt, self._c_params, self._c_pdt,
-                            found_ptr, 1.0)
+                            found_ptr, 0.0)
         return loss
 
     # ---- state ----

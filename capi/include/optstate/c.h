@@ -301,8 +301,10 @@ OPTSTATE_EXPORT int optstate_adam_param_numel(const optstate_adam_t* adam, uint3
  * the same pass (params may be NULL: no copies; an entry may be NULL with
  * OPTSTATE_NONE). Registered params not listed keep their state. found_inf:
  * a float flag (NULL = none); nonzero skips the step (nothing changes,
- * nothing is committed). grad_scale must be 1 or the optimizer's grad_scale
- * option today (grads are divided by it). Commits one generation, unless
+ * nothing is committed). grad_scale: the step divides the grads by it, and it
+ * stays the optimizer's scale for later steps; 0 keeps the optimizer's
+ * current scale (its grad_scale option until a step sets another); it must be
+ * finite and >= 0 (INVALID_ARGUMENT otherwise, nothing changes). Commits one generation, unless
  * skipped. On error nothing is committed and the last committed state stays. */
 OPTSTATE_EXPORT int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids,
                                        const void* const* grads, const int* grad_dtypes, void* const* params,
