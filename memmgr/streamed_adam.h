@@ -41,10 +41,10 @@
 //    dtype when initial_type is given, shape, global shape, shard offset) is a
 //    no-op that keeps the stored state; any difference is kInvalidArgument
 //    naming the store, the tensor, the field and both values, and changes
-//    nothing. A tensor entry that no generation committed (a registration
-//    that a failed step dropped, or a crash before the first commit) is not
-//    restored: RegisterParam with the same geometry takes it over and writes
-//    the initial weights again.
+//    nothing. A registration that no generation committed (one a failed step
+//    dropped, or a crash before the first commit) leaves nothing behind: the
+//    store drops such tensors (Store::AbortPending, Store::Open), so a later
+//    RegisterParam of that name registers it anew.
 //  - A model that lost a tensor: a run that registers no params steps every
 //    restored one. Once a run has registered a param, its model is what it
 //    registered: a step fails (kFailedPrecondition, before anything runs,
