@@ -35,26 +35,27 @@ int main(int argc, char** argv) {
     else if (a == "--create") create.push_back(argv[++i]);
     else if (a == "--chunk-mib") chunk_mib = std::strtoull(argv[++i], nullptr, 10);
   }
-  if (!create.empty()) {  // benchmarks: a fresh store with NAME:NUMEL tensors
+  // A fresh store with NAME:NUMEL tensors (benchmarks), kept open: tensors
+  // only the pending generation holds do not outlive the writer, so the
+  // first step's commit publishes them.
+  Result<std::unique_ptr<Store>> store = create.empty() ? Store::Open(store_path, StoreOptions{})
+                                                        : Result<std::unique_ptr<Store>>(nullptr);
+  if (!create.empty()) {
     StoreOptions o;
     o.chunk_size_bytes = chunk_mib * kMiB;
-    auto s = Store::Create(store_path, o);
-    if (!s.ok()) {
-      std::fprintf(stderr, "writer: %s\n", s.status().ToString().c_str());
-      return 1;
-    }
-    for (const std::string& c : create) {
+    store = Store::Create(store_path, o);
+    for (size_t i = 0; store.ok() && i < create.size(); ++i) {
+      const std::string& c = create[i];
       TensorSpec spec;
       spec.name = c.substr(0, c.rfind(':'));
       spec.numel = std::strtoull(c.substr(c.rfind(':') + 1).c_str(), nullptr, 10);
-      auto t = (*s)->CreateTensor(spec);
+      auto t = (*store)->CreateTensor(spec);
       if (!t.ok()) {
         std::fprintf(stderr, "writer: %s\n", t.status().ToString().c_str());
         return 1;
       }
     }
   }
-  auto store = Store::Open(store_path, StoreOptions{});
   if (!store.ok()) {
     std::fprintf(stderr, "writer: %s\n", store.status().ToString().c_str());
     return 1;
