@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1509,7 +1510,12 @@ TEST_F(MountTest, GenerationsAndTheEndOfALatestPin) {
   ro.reset();
   EXPECT_EQ(list(M("generations")), std::vector<std::string>{"1"});
   const std::string file = "tensors/emb/main";
-  EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen1.at(file));  // pins generation 1 for this process
+  // Pins generation 1 for this process; the open file keeps the pin however
+  // slowly the checks below run (a pin ends only once nothing is open under it
+  // and it has been idle for --latest-pin-s).
+  const int hold = ::open(M("latest/" + file).c_str(), O_RDONLY);
+  ASSERT_GE(hold, 0) << std::strerror(errno);
+  EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen1.at(file));
 
   auto s = Store::Open(StorePath(), StoreOptions{});
   ASSERT_TRUE(s.ok()) << s.status().ToString();
@@ -1531,6 +1537,7 @@ TEST_F(MountTest, GenerationsAndTheEndOfALatestPin) {
   EXPECT_TRUE(NewProcessReads(M("latest/" + file), gen2.at(file)));
 
   // Idle for longer than --latest-pin-s (1 s): the next walk gets the newest.
+  ::close(hold);
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   EXPECT_TRUE(ReadFile(M("latest/" + file)) == gen2.at(file)) << "latest/ stayed pinned after the idle period";
 
