@@ -262,7 +262,7 @@ int RunMount(const MountOptions& o) {
       // the copy costs once the mount's cached files are all in memory. Cold
       // minus warm is what filling the page cache (disk, daemon, FUSE) still
       // adds to a copy; warm against tmpfs to tmpfs is the kernel's cost of
-      // reading the mount's pages (session 13, docs/BENCHMARKS.md "What bounds `cp -r`").
+      // reading the mount's pages (docs/BENCHMARKS.md "What bounds `cp -r`").
       before = ReadDiskCounters(work);
       auto w = TimedCopy(src, copy2_dir, /*warm=*/true);
       if (!w.ok()) return FailWith(kTool, w.status());

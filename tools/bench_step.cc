@@ -116,7 +116,7 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
 }
 
 // ---------------------------------------------------------------------------
-// Deterministic synthetic mode (issue 6).
+// Deterministic synthetic mode.
 
 std::vector<uint64_t> SplitSizes(uint64_t n, uint32_t t) {
   std::vector<uint64_t> sizes(t, n / t);

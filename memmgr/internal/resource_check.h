@@ -1,6 +1,6 @@
 // Start-up checks of process limits, so that a limit too low for streaming is
 // a clear error when the manager is created, never a failure in the middle of
-// a step (issue 7: "fd limit ... too low at start: a clear message at start").
+// a step: a too-low fd limit is a clear message at start.
 #pragma once
 
 #include <string>

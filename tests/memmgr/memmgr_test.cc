@@ -542,7 +542,7 @@ TEST(StreamedAdam, HashThreadsStepsEqualResidentKernelBitForBit) {
 // sets, so a step's first pass fills the read depth with the big slices'
 // bytes. (With depths counted in requests every small slice took a big set
 // and three of the depth's requests: half the depth moved KiB and the disk's
-// queue ran half empty, issue 8.) Checked by what was in flight, not by time,
+// queue ran half empty.) Checked by what was in flight, not by time,
 // and the state against the resident kernel, bit for bit.
 TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   MEMMGR_REQUIRE_BACKEND();

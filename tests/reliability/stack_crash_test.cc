@@ -1,4 +1,4 @@
-// Full-stack kill-point crash loop (issue 7): a child process
+// Full-stack kill-point crash loop: a child process
 // (reliability_stack_child) trains with StreamedAdam (host backend, small
 // budget, deterministic gradients) and commits one generation per step, while
 // a live optstate-mount serves the store and a reader thread copies the

@@ -1,6 +1,6 @@
 // The full-stack workload of the reliability crash loop, shared by the child
 // (stack_child.cc: StreamedAdam on the host backend) and the parent/tests
-// that check what survived: issue 6's deterministic synthetic training (one
+// that check what survived: the deterministic synthetic training (one
 // AdamW group, lr 1e-3, betas 0.9/0.999, eps 1e-8, weight_decay 0.01;
 // w0[i] = (float)(0.1*cos(0.25*i + k)), g_t[i] = (float)(0.01*sin(0.5*i +
 // 1.3*t + k)) for tensor param.<k>), and an INDEPENDENT plain fp64 Adam

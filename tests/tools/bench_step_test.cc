@@ -1,5 +1,5 @@
 // optstate-bench step's deterministic synthetic mode, checked against an
-// independent fp64 AdamW (torch.optim.AdamW semantics) of issue 6's w0 and g
+// independent fp64 AdamW (torch.optim.AdamW semantics) of the bench's w0 and g
 // formulas, read back from the store it leaves behind.
 #include <cmath>
 

@@ -1,4 +1,4 @@
-// The CI regression check on speed (issue 8): optstate-bench's ratios
+// The CI regression check on speed: optstate-bench's ratios
 // against baselines measured in the same run, interleaved, never absolute
 // times. The bounds are loose on purpose: this 2-core VM's disk swings by 2x
 // between runs, so they only catch what a broken pipeline does (the io

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # Where the disk idles while a tree is read from the mount (docs/BENCHMARKS.md,
-# session 15). Drops the page cache (unless NODROP=1), then either reads every
+# 2026-12-02). Drops the page cache (unless NODROP=1), then either reads every
 # file under SRC in tree order with read(2) of st_blksize (as optstate-bench
 # mount's read pass does) or runs `cp -r SRC DEST` (DEST removed after), while
 # a thread samples /sys/block/DEV/inflight every 0.5 ms. Prints the time, the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark run on the H200 machine (issue 8), in parts that each fit one
+# The benchmark run on the H200 machine (the requirement), in parts that each fit one
 # device call (10 minutes). Binaries packed into CARRY by tools/device/pack.sh
 # (optstate-bench, optstate-mount, memmgr_gpu_test, a static fio, fusermount3; BIN=DIR puts
 # DIR's binaries first, e.g. BIN=CARRY/old for a by-hand part with the earlier build);
@@ -75,7 +75,7 @@ case $PART in
     rm -rf "$M"
     ;;
   views)
-    # Which part of a cold `cp -r` of the trainer's snapshot waits (session 16): per round, fio's
+    # Which part of a cold `cp -r` of the trainer's snapshot waits (run of 2026-12-02): per round, fio's
     # read of the same bytes; the copy cold; with only tensors/ already in the page cache; with
     # only state.safetensors in it; warm; and each view copied alone, cold.
     keep_store views_bench.log; D=/dev/shm/views-copy
@@ -97,7 +97,7 @@ case $PART in
     run mount_mix4096 200 optstate-bench mount --dir "$W" --hidden 4096 --state 4G --rounds 3
     ;;
   fill)
-    # The state.safetensors fill (session 16), interleaved A/B: on (the default) and off.
+    # The state.safetensors fill (run of 2026-12-02), interleaved A/B: on (the default) and off.
     for i in 1 2; do
       run fill_on_$i 100 optstate-bench "${MIX[@]}" --fill-safetensors
       run fill_off_$i 100 optstate-bench "${MIX[@]}" --no-fill-safetensors
@@ -106,7 +106,7 @@ case $PART in
     run fill_off_4096 150 optstate-bench mount --dir "$W" --hidden 4096 --state 2G --rounds 3 --no-fill-safetensors
     ;;
   probe)
-    # Does the state.safetensors fill take on this machine (session 16)? Per option set: a cold
+    # Does the state.safetensors fill take on this machine (run of 2026-12-02)? Per option set: a cold
     # cp -r of the snapshot (chunks the daemon loaded), and after reading tensors/ only, how much
     # of state.safetensors is in the page cache.
     keep_store probe_bench.log; L=$OUTD/probe_mount.log
@@ -120,7 +120,7 @@ case $PART in
     rm -rf "${W:?}"/*
     ;;
   prefetch)
-    # Files opened ahead of cp (session 17): with the fill the disk is 40-45% busy during a copy;
+    # Files opened ahead of cp (run of 2026-12-02): with the fill the disk is 40-45% busy during a copy;
     # does a deeper Prefetcher use that headroom? Interleaved: the default (32 files, 32 MiB),
     # 64 files / 256 MiB, 64 files / 1 GiB (64 files: the most optstate-mount takes).
     for i in 1 2; do
@@ -133,7 +133,7 @@ case $PART in
         --prefetch-files 64 --prefetch-mib 1024
     ;;
   profile)
-    # Where a copy of the trainer's snapshot spends its time (session 17): strace's per-call
+    # Where a copy of the trainer's snapshot spends its time (run of 2026-12-02): strace's per-call
     # summary of cp and perf's system-wide profile (cp, the daemon, the kernel), warm and cold.
     # Needs perf and strace packed into CARRY (pack.sh /usr/bin/perf /usr/bin/strace).
     keep_store profile_bench.log; D=/dev/shm/profile-copy
@@ -154,7 +154,7 @@ case $PART in
     rm -rf "${W:?}"/*
     ;;
   waits)
-    # Where a cold copy waits (session 19): every openat/read/write/close of cp with its time
+    # Where a cold copy waits (run of 2026-12-02): every openat/read/write/close of cp with its time
     # (strace -tt -T), cold twice and warm once, summed per kind of call by
     # tools/device/waits_summary.py off the machine; and the CPU of every core over an untraced
     # cold and warm copy (/proc/stat's first line: the daemon's reader and pusher threads are
@@ -176,7 +176,7 @@ case $PART in
     rm -rf "${W:?}"/*
     ;;
   blksize)
-    # st_blksize, the buffer cp copies with (session 17, asked because a warm copy spent ~10% of
+    # st_blksize, the buffer cp copies with (run of 2026-12-02, asked because a warm copy spent ~10% of
     # cp's time in shmem_write_end: no difference between the sizes; that tmpfs has no large folios).
     for i in 1 2; do
       for kib in 1024 2048 4096; do run bs${kib}_$i 100 optstate-bench "${MIX[@]}" --blksize-kib $kib; done
@@ -194,7 +194,7 @@ case $PART in
     ;;
   folios)
     # Does a page cache the kernel's read-ahead filled read faster than one the push filled
-    # (session 18: pushed pages are order-0 folios; read-ahead may allocate large ones)? The
+    # (run of 2026-12-02: pushed pages are order-0 folios; read-ahead may allocate large ones)? The
     # trainer snapshot's state.safetensors (1 GiB), filled each way, then read warm three times;
     # a tmpfs copy of it (this tmpfs: order-0 only) is the reference.
     keep_store folios_bench.log
@@ -213,7 +213,7 @@ while os.read(fd,1<<20): pass" "$F")
     rm -rf "${W:?}"/*
     ;;
   fresh)
-    # Does memory the guest has not touched lately cost a copy (session 20)? These machines are
+    # Does memory the guest has not touched lately cost a copy (run of 2026-12-02)? These machines are
     # Firecracker VMs booted with free page reporting (page_reporting.page_reporting_order=11 on
     # both kernel command lines): memory freed for a few seconds goes back to the host, and
     # touching it again faults it in. fio allocates nothing; cp -r allocates its tmpfs copy and,
@@ -240,7 +240,7 @@ while os.read(fd,1<<20): pass" "$F")
     fusermount3 -u "$M"; wait; rm -rf "${W:?}"/*
     ;;
   load)
-    # Is a cold copy's extra time the daemon's CPU beside cp (session 20)? A warm copy of the
+    # Is a cold copy's extra time the daemon's CPU beside cp (run of 2026-12-02)? A warm copy of the
     # trainer snapshot (nothing for the daemon to do) and a tmpfs-to-tmpfs copy of it, alone and
     # with N other processes copying memory meanwhile (cat of a 512 MiB tmpfs file in a loop:
     # page-cache copies, as the daemon's pushes and fills are); a cold copy per round for scale.
@@ -263,7 +263,7 @@ while os.read(fd,1<<20): pass" "$F")
     rm -rf /dev/shm/load-ref $L; fusermount3 -u "$M"; wait; rm -rf "${W:?}"/*
     ;;
   pagecache)
-    # Which files go through the page cache (session 20), interleaved: all (the default); mappable
+    # Which files go through the page cache (run of 2026-12-02), interleaved: all (the default); mappable
     # (field files straight to the daemon, state.safetensors cached and filled from their bytes);
     # small (only files of at most 128 KiB cached).
     for i in 1 2; do

@@ -1,6 +1,6 @@
 // optstate-bench subcommands. Each Add*Command registers its subcommand, its
 // options and a callback that stores the exit code in *exit_code. Shared
-// benchmark conventions (DESIGN.md, issue 8): every ratio is the median of
+// benchmark conventions (DESIGN.md): every ratio is the median of
 // >= 3 interleaved rounds (baseline, ours, baseline, ours, ...); our timings
 // include the fdatasync that makes data durable (fio: end_fsync=1); O_DIRECT.
 #pragma once
