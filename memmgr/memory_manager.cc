@@ -85,14 +85,22 @@ const MemoryManagerOptions& MemoryManager::options() const { return impl_->optio
 
 Result<PinnedRange> MemoryManager::Pin(std::string_view tensor, std::string_view field, uint64_t first_elem,
                                        uint64_t count, Access access) {
+  impl_->WaitBackgroundCommit();
   return impl_->Pin(tensor, field, first_elem, count, access);
 }
 Status MemoryManager::Prefetch(std::string_view tensor, std::string_view field, uint64_t first_elem,
                                uint64_t count) {
+  impl_->WaitBackgroundCommit();
   return impl_->Prefetch(tensor, field, first_elem, count);
 }
-Status MemoryManager::Flush() { return impl_->Flush(); }
-Status MemoryManager::ReleaseAll() { return impl_->ReleaseAll(); }
+Status MemoryManager::Flush() {
+  impl_->WaitBackgroundCommit();
+  return impl_->Flush();
+}
+Status MemoryManager::ReleaseAll() {
+  impl_->WaitBackgroundCommit();
+  return impl_->ReleaseAll();
+}
 MemoryStats MemoryManager::stats() const { return impl_->stats(); }
 
 Result<void*> MemoryManager::AllocDevice(uint64_t bytes) { return impl_->device()->Malloc(bytes); }

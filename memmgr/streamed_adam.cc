@@ -241,8 +241,10 @@ class StepPipeline {
   void Enqueue(const Job& j) { queue_.push_back(j); }
 
   // Makes progress. drain: until everything queued is written; otherwise
-  // only what is possible without waiting.
-  Status Pump(bool drain) {
+  // only what is possible without waiting. until_computed (with drain): only
+  // until every queued slice is computed (its kernel, param copy and D2H
+  // done), its writes submitted or waiting for room.
+  Status Pump(bool drain, bool until_computed = false) {
     if (!error_.ok()) return error_;
     for (;;) {
       bool progressed = false;
@@ -297,6 +299,7 @@ class StepPipeline {
           gpu_pending = true;
         }
       }
+      if (until_computed && !gpu_pending && AllComputed()) return Status::Ok();
       bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty();
       if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
         return Status::Ok();
@@ -342,6 +345,22 @@ class StepPipeline {
     for (auto& d : slots_) (void)dev_->SyncStream(d.stream);
     for (Set& st : sets_) ReleaseCached(st, /*dirty=*/true);
     Release();
+  }
+
+  // Once every slice is computed: gives the device slots back (streams,
+  // events, the budgeted arena), so that the write tail can run on another
+  // thread without device work and the trainer has the budget back.
+  Status ReleaseDevice() {
+    Status st;
+    for (auto& d : slots_) {
+      Status ss = dev_->SyncStream(d.stream);
+      if (st.ok() && !ss.ok()) st = ss;
+      dev_->DestroyEvent(d.event);
+      dev_->DestroyStream(d.stream);
+    }
+    slots_.clear();
+    mm_->ReleaseArena(&arena_);
+    return st;
   }
 
   void Release() {
@@ -491,6 +510,17 @@ class StepPipeline {
   }
 
   ChunkKey Key(const Job& j, int f) const { return ChunkKey{j.tensor_id, j.fields[f], j.chunk}; }
+
+  // Every queued slice is past its compute: nothing to read, compute or copy.
+  bool AllComputed() const {
+    if (!queue_.empty() || !ready_.empty()) return false;
+    for (const DevSlot& d : slots_) {
+      if (d.set >= 0) return false;
+    }
+    return std::none_of(sets_.begin(), sets_.end(), [](const Set& s) {
+      return s.stage == Stage::kReading || s.stage == Stage::kReady || s.stage == Stage::kComputing;
+    });
+  }
 
   Status StartReads(size_t i, const Job& j) {
     Set& s = sets_[i];
@@ -695,10 +725,29 @@ class StepPipeline {
 
 // ------------------------------------------------------------------ StreamedAdam
 
+// A step handed to the background: its pipeline (the write tail), the commit
+// to publish, and what the thread found. The thread owns pipeline, the
+// optimizer's io_ and the store's pending generation until it is joined.
+struct StreamedAdam::InFlightCommit {
+  std::thread thread;
+  std::unique_ptr<internal::StepPipeline> pipeline;
+  vfs::CommitInfo info;            // the step's generation (step counts after it)
+  bool cache_mode = false;         // the step's slices lived in the host cache
+  uint64_t generation = 0;         // the generation the commit publishes
+  uint64_t steps = 1;              // steps it makes durable (cached ones too)
+  // Written by the thread, read after join.
+  Status status;
+  uint64_t committed = 0;          // the generation Store::Commit returned
+  uint64_t slices = 0, write_bytes = 0, peak_write_bytes = 0;
+  double io_wait_seconds = 0, commit_seconds = 0;
+};
+
 StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
     : store_(store), mm_(mm), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
 
 StreamedAdam::~StreamedAdam() {
+  // FinishCommit logs a failure; the destructor then commits what is left.
+  (void)FinishCommit();
   if (!pipeline_ && !in_step_ && (uncommitted_steps_ > 0 || registrations_pending_) && !poisoned_) {
     const uint64_t n = uncommitted_steps_;
     auto g = MakeDurable();
@@ -786,6 +835,11 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
   if (sa->opts_.durable_every_steps == 0) {
     return InvalidArgument("StreamedAdam: durable_every_steps must be >= 1");
   }
+  if (sa->opts_.commit_lag_steps > 1) {
+    return InvalidArgument("StreamedAdam: commit_lag_steps must be 0 (commit inside Step) or 1 (commit in the "
+                           "background until the next call), got " + std::to_string(sa->opts_.commit_lag_steps) +
+                           " (store " + store->path() + ")");
+  }
   if (!sa->params_.empty()) {
     OPTSTATE_LOG_INFO("StreamedAdam: store {} restored at generation {} step {}: {} params, {} groups",
                       store->path(), gen.generation, gen.step, sa->params_.size(), sa->groups_.size());
@@ -839,6 +893,7 @@ std::vector<std::string> StreamedAdam::UnregisteredParams() const {
 Status StreamedAdam::RetireParam(const std::string& name) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::RetireParam '" + name + "': a step is in progress");
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit());
   auto it = params_.find(name);
   if (it == params_.end()) {
     return NotFound("StreamedAdam::RetireParam: store " + store_->path() + " has no param '" + name + "'" +
@@ -1063,6 +1118,7 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
                                    kernels::ScalarType initial_type, const ShardInfo& shard) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::RegisterParam " + name + ": a step is in progress");
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit());
   auto it = params_.find(name);
   if (it != params_.end()) {
     OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(it->second.info, "it", numel, group, initial_type, shard));
@@ -1138,6 +1194,7 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
 Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::LoadMainFrom " + name + ": a step is in progress");
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit());
   auto it = params_.find(name);
   if (it == params_.end()) {
     return NotFound("StreamedAdam::LoadMainFrom: unknown param " + name + " (" + std::to_string(params_.size()) +
@@ -1252,6 +1309,7 @@ Status StreamedAdam::WriteDirtyCache() {
 Result<uint64_t> StreamedAdam::MakeDurable() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::MakeDurable: a step is in progress");
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit());
   if (uncommitted_steps_ == 0 && !registrations_pending_) return last_generation_;
   const uint64_t n = uncommitted_steps_;
   Status s = WriteDirtyCache();
@@ -1320,6 +1378,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   stepped_.clear();
   last_stats_ = StepStats{};
   last_stats_.seconds = NowS();
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit(&last_stats_.commit_wait_seconds));
   if (d_found_inf != nullptr) {
     float flag = 0;
     OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, d_found_inf, sizeof(float)));
@@ -1420,8 +1479,43 @@ Result<uint64_t> StreamedAdam::EndStep() {
                       last_generation_);
     return last_generation_;
   }
-  Status ds = pipeline_->Pump(true);
-  if (ds.ok()) ds = pipeline_->FinishSync();
+  // Pipelined commit: once every slice is computed (params updated), the
+  // write tail and the commit go to the background, unless found-inf was
+  // raised meanwhile (then the step is drained and dropped below).
+  const bool pipelined = opts_.commit_lag_steps > 0 && step_write_through_;
+  Status ds = pipeline_->Pump(true, /*until_computed=*/pipelined);
+  if (!ds.ok()) return Fail(ds);
+  if (pipelined) {
+    float flag = 0;
+    if (step_found_inf_ != nullptr) {
+      Status cs = mm_->CopyToHost(&flag, step_found_inf_, sizeof(float));
+      if (!cs.ok()) return Fail(cs);
+    }
+    if (flag == 0.0f) {
+      last_stats_.device_slots = pipeline_->device_slots();
+      Status rs = pipeline_->ReleaseDevice();
+      if (!rs.ok()) return Fail(rs.WithContext("StreamedAdam: end of the step's device work"));
+      const internal::StepPipeline& pl = *pipeline_;
+      last_stats_.read_bytes = pl.read_bytes;
+      last_stats_.slices_in_flight = pl.depth();
+      last_stats_.small_sets = pl.small_depth();
+      last_stats_.small_slices = pl.small_slices;
+      last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
+      last_stats_.compute_seconds = pl.compute_s_;
+      last_stats_.submit_seconds = pl.submit_s_;
+      StartBackgroundCommit();
+      const uint64_t gen = inflight_->generation;
+      for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+      ++global_step_;
+      last_step_skipped_ = false;
+      in_step_ = false;
+      last_stats_.seconds = NowS() - last_stats_.seconds;
+      return gen;
+    }
+    ds = pipeline_->Pump(true);
+    if (!ds.ok()) return Fail(ds);
+  }
+  ds = pipeline_->FinishSync();
   if (!ds.ok()) return Fail(ds);
   internal::StepPipeline& pl = *pipeline_;
   last_stats_.slices = pl.slices;
@@ -1497,6 +1591,101 @@ Result<uint64_t> StreamedAdam::EndStep() {
   last_stats_.seconds = NowS() - last_stats_.seconds;
   return *gen;
 }
+
+void StreamedAdam::StartBackgroundCommit() {
+  auto c = std::make_unique<InFlightCommit>();
+  c->pipeline = std::move(pipeline_);
+  c->info = MakeCommitInfo(true);
+  c->cache_mode = step_cache_mode_;
+  c->generation = store_->LatestGeneration().generation + 1;
+  c->steps = uncommitted_steps_ + 1;
+  uncommitted_steps_ = 0;  // the cached steps are written with this one
+  InFlightCommit* ip = c.get();
+  mm_->impl()->BeginBackgroundCommit();
+  ip->thread = std::thread([this, ip] {
+    internal::StepPipeline& pl = *ip->pipeline;
+    Status s = pl.Pump(true);
+    if (s.ok()) s = pl.FinishSync();
+    ip->slices = pl.slices;
+    ip->write_bytes = pl.write_bytes;
+    ip->peak_write_bytes = pl.peak_write_bytes;
+    ip->io_wait_seconds = pl.stall_s_;
+    if (s.ok()) {
+      mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+      pl.Release();
+    } else {
+      pl.Abort();
+    }
+    ip->pipeline.reset();
+    // Params not stepped now may hold earlier uncommitted steps in the cache.
+    if (s.ok() && ip->cache_mode) s = WriteDirtyCache();
+    if (s.ok()) s = mm_->impl()->Flush();  // not MemoryManager::Flush: that waits for this thread
+    if (s.ok()) {
+      const double t0 = NowS();
+      auto gen = store_->Commit(ip->info);
+      ip->commit_seconds = NowS() - t0;
+      if (gen.ok()) {
+        ip->committed = *gen;
+      } else {
+        s = gen.status();
+      }
+    }
+    if (!s.ok()) {
+      // Drop the step before anyone waiting in the manager reads the store.
+      Status a = store_->AbortPending();
+      if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed background commit: {}", a.ToString());
+      mm_->impl()->OnAbortPending();
+    }
+    ip->status = s;
+    mm_->impl()->EndBackgroundCommit();
+  });
+  inflight_ = std::move(c);
+}
+
+Status StreamedAdam::FinishCommit(double* wait_s) {
+  if (wait_s != nullptr) *wait_s = 0;
+  if (!inflight_) return Status::Ok();
+  const double t0 = NowS();
+  inflight_->thread.join();
+  if (wait_s != nullptr) *wait_s = NowS() - t0;
+  std::unique_ptr<InFlightCommit> c = std::move(inflight_);
+  last_stats_.slices = c->slices;
+  last_stats_.write_bytes = c->write_bytes;
+  last_stats_.peak_write_bytes_in_flight = c->peak_write_bytes;
+  last_stats_.io_wait_seconds = c->io_wait_seconds;
+  last_stats_.commit_seconds = c->commit_seconds;
+  if (c->status.ok()) {
+    NoteCommitted(c->committed);
+    // The counts the generation holds (set_global_step may have moved on).
+    committed_global_step_ = c->info.step;
+    committed_step_counts_.clear();
+    for (const vfs::GroupInfo& g : c->info.groups) committed_step_counts_[g.id] = g.step_count;
+    return Status::Ok();
+  }
+  // The thread dropped the pending generation (and the host cache with it):
+  // back to the last commit, as after an aborted step.
+  for (auto& [id, n] : step_counts_) {
+    auto it = committed_step_counts_.find(id);
+    n = it == committed_step_counts_.end() ? 0 : it->second;
+  }
+  global_step_ = committed_global_step_;
+  uncommitted_steps_ = 0;
+  Status err = c->status.WithContext(
+      "StreamedAdam: the background commit of step " + std::to_string(c->info.step) + " as generation " +
+      std::to_string(c->generation) + " of store " + store_->path() + " failed");
+  err = WithNote(err, "nothing of it was committed" +
+                          (c->steps > 1 ? " (" + std::to_string(c->steps) + " steps, cached ones included)"
+                                        : std::string()) +
+                          "; the optimizer and the store are at generation " + std::to_string(last_generation_) +
+                          " (step " + std::to_string(committed_global_step_) +
+                          "); the params that step updated are ahead of the store: copy the store's mains into "
+                          "them, or resume from the store");
+  err = WithNote(err, DropUncommittedRegistrations());
+  OPTSTATE_LOG_ERROR("{}", err.ToString());
+  return err;
+}
+
+Status StreamedAdam::WaitForCommit() { return FinishCommit(); }
 
 Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());

@@ -80,6 +80,33 @@
 //    the optimizer returns to the last commit. With a smaller cache, every
 //    step commits (logged once). Registrations and LoadMainFrom stay pending
 //    until the next commit, which publishes them with the cached steps.
+//  - Pipelined commits (StreamedAdamOptions::commit_lag_steps = 1, the
+//    default): Step/EndStep returns once every slice's kernel, param copy and
+//    D2H are done (the trainer can use its params) and the remaining writes
+//    are submitted; the rest of the generation (the write tail, the data
+//    sync, the index batch: Store::Commit) completes on a thread of the
+//    optimizer while the trainer runs its next forward/backward. Until then
+//    last_generation() and the store show the previous generation, while
+//    step_count() and global_step() already count the step. The next
+//    BeginStep/Step, MakeDurable, WaitForCommit, RegisterParam, LoadMainFrom,
+//    RetireParam and the destructor wait for that commit, as do the
+//    MemoryManager's Pin, Prefetch, Flush and ReleaseAll (sleep), so nothing
+//    ever sees a half-written generation; a snapshot is taken after
+//    MakeDurable (the Python optimizer does). Only one step is ever in
+//    flight: the next step starts its reads and writes after the previous
+//    commit published, so each generation is written copy-on-write against
+//    a committed one exactly as with commit_lag_steps 0. A crash loses at
+//    most the step whose commit was in flight (the store reopens at that
+//    step or the one before); every generation on disk stays consistent.
+//    A failed background commit is returned by the next call that waits
+//    (naming the step, the generation, the store and the cause; that call
+//    does nothing else): the pending generation was dropped and the
+//    optimizer is back at the last commit (step counts, global step,
+//    uncommitted registrations dropped, as after an aborted step). The
+//    params that the lost step updated are then one step ahead of the
+//    store: reload them from the store's mains (e.g. read "main" and copy
+//    it into the model), or treat the error as fatal and resume from the
+//    store. commit_lag_steps 0 commits inside Step (durable on return).
 //
 // Ownership: store and mm are not owned and must outlive the optimizer.
 // Gradient/param pointers passed to StepParam must stay valid until EndStep.
@@ -150,6 +177,15 @@ struct StreamedAdamOptions {
   uint64_t background_sync_bytes = 512ull << 20;
   // Trainer step recorded in each commit; default: last committed step + 1.
   // (See set_global_step.)
+  // Steps whose commit may still be running when Step returns: 0 = Step
+  // returns once its generation is committed (durable); 1 = Step returns
+  // once the kernels and param copies are done and the commit (write tail,
+  // data sync, index batch) completes in the background (see "Pipelined
+  // commits" above). Default 1: the commit, about the write half of a step's
+  // disk time plus its fdatasync, then overlaps the trainer's
+  // forward/backward instead of adding to the step, and a crash can lose
+  // only that one step. Other values are kInvalidArgument.
+  uint32_t commit_lag_steps = 1;
 };
 
 class StreamedAdam {
@@ -191,7 +227,9 @@ class StreamedAdam {
   // Incremental form: BeginStep(); StepParam(g) for each param as its grad is
   // final (the pipeline starts at once and runs during later StepParam
   // calls); EndStep() drains, commits and returns the new generation (or the
-  // current one when the step was skipped by found_inf). Flags as for Step.
+  // current one when the step was skipped by found_inf); with
+  // commit_lag_steps 1 that generation's commit may still be in flight (it
+  // is last_generation() once waited for). Flags as for Step.
   Status BeginStep(const float* d_found_inf = nullptr, const float* d_grad_scale = nullptr);
   Status StepParam(const ParamGrad& g);
   Result<uint64_t> EndStep();
@@ -212,6 +250,14 @@ class StreamedAdam {
   Result<uint64_t> MakeDurable();
   // Steps taken since the last commit (0 unless durable_every_steps > 1).
   uint64_t uncommitted_steps() const { return uncommitted_steps_; }
+
+  // Waits for the commit of the last step when it runs in the background
+  // (commit_lag_steps 1); its error, if it failed (see "Pipelined commits").
+  // OK at once when none is in flight.
+  Status WaitForCommit();
+  // A step's commit runs in the background now (it may have finished; the
+  // optimizer learns so at the next wait).
+  bool commit_in_flight() const { return inflight_ != nullptr; }
 
   uint64_t step_count(uint32_t group) const;
   uint64_t last_generation() const;
@@ -235,6 +281,12 @@ class StreamedAdam {
     double compute_seconds = 0;     // in copy/kernel launch calls (host: the whole kernel)
     double submit_seconds = 0;      // in SubmitRead/SubmitWrite (checksums, queue-full waits)
     double commit_seconds = 0;      // Store::Commit (fdatasync + index batch)
+    // commit_lag_steps 1: how long this step waited at its start for the
+    // previous step's background commit (0 when it had finished). slices,
+    // write_bytes, peak_write_bytes_in_flight and commit_seconds are then
+    // complete only once this step's own commit was waited for
+    // (WaitForCommit, MakeDurable); the next step starts new stats.
+    double commit_wait_seconds = 0;
   };
   const StepStats& last_step_stats() const { return last_stats_; }
 
@@ -313,6 +365,17 @@ class StreamedAdam {
   // used by WriteMain and the step pipeline, never concurrently).
   std::unique_ptr<vfs::ChunkIo> io_;
   Status EnsureIo();
+  // The step whose commit runs on a thread of the optimizer (defined in the
+  // .cc); only that thread touches io_ and the store's pending generation
+  // until FinishCommit joins it.
+  struct InFlightCommit;
+  std::unique_ptr<InFlightCommit> inflight_;
+  // Hands the computed step in pipeline_ to a background commit.
+  void StartBackgroundCommit();
+  // Joins the background commit, if any, and takes its outcome: on failure
+  // the optimizer returns to the last commit and the error is returned.
+  // *wait_s: seconds spent waiting (may be null).
+  Status FinishCommit(double* wait_s = nullptr);
   StepStats last_stats_;
   uint64_t inject_kernel_failure_after_ = 0;
 };

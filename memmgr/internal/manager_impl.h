@@ -173,6 +173,27 @@ class ManagerImpl {
   void AddStats(uint64_t nvme_read, uint64_t nvme_write, uint64_t cache_hit, uint64_t h2d, uint64_t d2h,
                 double stall_s);
 
+  // A StreamedAdam commit running on the optimizer's thread (commit_lag_steps
+  // 1): MemoryManager's Pin, Prefetch, Flush and ReleaseAll wait for it
+  // first, since until it ends the store's pending generation holds a step
+  // that is half written. Begin/End bracket it; ManagerImpl's own methods do
+  // not wait (the commit itself calls Flush).
+  void BeginBackgroundCommit() {
+    std::lock_guard<std::mutex> lock(commit_mu_);
+    commit_running_ = true;
+  }
+  void EndBackgroundCommit() {
+    {
+      std::lock_guard<std::mutex> lock(commit_mu_);
+      commit_running_ = false;
+    }
+    commit_cv_.notify_all();
+  }
+  void WaitBackgroundCommit() {
+    std::unique_lock<std::mutex> lock(commit_mu_);
+    commit_cv_.wait(lock, [this] { return !commit_running_; });
+  }
+
  private:
   enum class State : uint8_t { kAbsent, kLoading, kResident, kWriting };
   struct Slot {
@@ -277,6 +298,10 @@ class ManagerImpl {
   bool stop_ = false;       // task_mu_
   int busy_ = 0;            // task_mu_
   std::thread worker_;
+
+  std::mutex commit_mu_;  // a leaf
+  std::condition_variable commit_cv_;
+  bool commit_running_ = false;  // commit_mu_
 };
 
 }  // namespace optstate::memmgr::internal

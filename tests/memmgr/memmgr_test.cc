@@ -485,6 +485,7 @@ void TenStepsUnderTinyBudget(bool huge_page_staging, uint32_t hash_threads = 0) 
     }
     EXPECT_EQ(sa->step_count(0), step);
     EXPECT_EQ(sa->step_count(1), step);
+    ASSERT_OK(sa->WaitForCommit());  // the step's commit may still run (commit_lag_steps 1)
     EXPECT_EQ(env.store->LatestGeneration().step, step);
     // The norm and the short last chunks of embed and mlp.up go through
     // small staging sets; bytes in flight stay within the depths.
@@ -707,6 +708,7 @@ TEST(StreamedAdam, IncrementalFormEqualsStep) {
     for (auto it = list.rbegin(); it != list.rend(); ++it) ASSERT_OK(sa->StepParam(*it));
     auto gen = sa->EndStep();
     ASSERT_TRUE(gen.ok()) << gen.status().ToString();
+    ASSERT_OK(sa->WaitForCommit());  // EndStep names the generation its commit publishes
     EXPECT_EQ(*gen, sa->last_generation());
     for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg.grad[i]->get(), step, groups[defs[i].group], 1.0f);
   }
@@ -913,6 +915,7 @@ TEST(StreamedAdam, PerStepGradScaleEqualsUnscaledStepsBitForBit) {
       EXPECT_NE(sa->grad_scale(), pl.device) << "d_grad_scale applies to its step only";
     }
   }
+  ASSERT_OK(sa->WaitForCommit());
   EXPECT_EQ(env.store->LatestGeneration().step, step);
   ExpectStateEquals(env.mm.get(), ref, defs);
 
@@ -1341,6 +1344,7 @@ TEST(StreamedAdam, StoredParamMissingFromModelIsAnErrorUntilRetired) {
   EXPECT_EQ(sa->RegisterParam("w2", defs[1].numel, 1, nullptr, ScalarType::kBF16).code(),
             StatusCode::kFailedPrecondition);
   ASSERT_OK(sa->Step(sg.List(kept)));
+  ASSERT_OK(sa->WaitForCommit());
   EXPECT_EQ(env.store->LatestGeneration().step, 2u);
   auto after = CommittedBytes(env.store.get());
   for (const char* f : {"main", "exp_avg", "exp_avg_sq"}) {
