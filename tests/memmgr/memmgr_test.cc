@@ -1023,6 +1023,217 @@ TEST(StreamedAdam, FailedMakeDurableKeepsCachedStepsAndTheRetryCommitsAllOfThem)
   }
 }
 
+// commit_lag_steps 1 (the write tail and the commit in the background) gives
+// the same params and the same committed state as commit_lag_steps 0 (commit
+// inside Step), bit for bit, step after step, and both equal the resident
+// reference.
+TEST(StreamedAdam, PipelinedCommitsEqualCommitInsideStepBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  const std::vector<ParamDef> defs = SmallMix();
+  const auto groups = TestGroups();
+  Reference ref(smm, defs);
+  Env env0, env1;
+  env0.Open(3 * kChunk, true);
+  env1.Open(3 * kChunk, true);
+  StreamedAdamOptions o0, o1;
+  o0.commit_lag_steps = 0;
+  EXPECT_EQ(o1.commit_lag_steps, 1u) << "the default";
+  auto sa0 = MUST(StreamedAdam::Create(env0.store.get(), env0.mm.get(), o0));
+  auto sa1 = MUST(StreamedAdam::Create(env1.store.get(), env1.mm.get(), o1));
+  RegisterAll(sa0.get(), env0.mm.get(), defs);
+  RegisterAll(sa1.get(), env1.mm.get(), defs);
+  constexpr uint64_t kSteps = 12;
+  for (uint64_t step = 1; step <= kSteps; ++step) {
+    StepGrads g0(env0.mm.get(), defs, step), g1(env1.mm.get(), defs, step);
+    ASSERT_OK(sa0->Step(g0.List(defs)));
+    if (step % 3 == 0) {  // the incremental form too
+      ASSERT_OK(sa1->BeginStep());
+      for (const ParamGrad& g : g1.List(defs)) ASSERT_OK(sa1->StepParam(g));
+      ASSERT_TRUE(sa1->EndStep().ok());
+    } else {
+      ASSERT_OK(sa1->Step(g1.List(defs)));
+    }
+    EXPECT_FALSE(sa0->commit_in_flight());
+    EXPECT_TRUE(sa1->commit_in_flight());
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, g0.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+    // The params are final when Step returns, whatever the commit does.
+    for (size_t i = 0; i < defs.size(); ++i) {
+      if (defs[i].param_type == ScalarType::kNone) continue;
+      std::vector<uint8_t> p0(defs[i].numel * Size(defs[i].param_type)), p1(p0.size());
+      g0.param[i]->Download(p0.data());
+      g1.param[i]->Download(p1.data());
+      EXPECT_EQ(p1, p0) << defs[i].name << " at step " << step;
+      EXPECT_EQ(p1, ref.ParamCopy(i)) << defs[i].name << " at step " << step;
+    }
+    EXPECT_EQ(sa1->step_count(0), step);
+    EXPECT_EQ(sa1->global_step(), step);
+  }
+  ASSERT_OK(sa1->WaitForCommit());
+  EXPECT_FALSE(sa1->commit_in_flight());
+  auto c0 = CommittedBytes(env0.store.get());
+  auto c1 = CommittedBytes(env1.store.get());
+  EXPECT_EQ(DiffKeys(c0, c1), "") << "committed state of lag 0 vs lag 1";
+  c1.erase("#generation");
+  EXPECT_EQ(DiffKeys(c1, ReferenceBytes(ref, defs)), "");
+  EXPECT_EQ(env1.store->LatestGeneration().step, kSteps);
+  EXPECT_EQ(env1.store->LatestGeneration().groups[1].step_count, kSteps);
+}
+
+// With commit_lag_steps 1 the optimizer names the generation a step commits
+// as, counts the step at once, and the store publishes it by the next wait
+// point: the next Step (its BeginStep), MakeDurable, WaitForCommit, a pin
+// through the manager, the destructor. Checked on generation numbers and
+// step counts, not on time.
+TEST(StreamedAdam, PipelinedCommitIsPublishedByTheNextWaitPoint) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  const std::vector<ParamDef> defs = SmallMix();
+  const auto groups = TestGroups();
+  Reference ref(smm, defs);
+  std::vector<std::unique_ptr<StepGrads>> grads;
+  for (uint64_t step = 1; step <= 5; ++step) grads.push_back(std::make_unique<StepGrads>(smm, defs, step));
+  auto ref_step = [&](uint64_t step) {
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, grads[step - 1]->grad[i]->get(), step, groups[defs[i].group], 1.0f);
+  };
+  Env env;
+  env.Open(6 * kChunk, true);
+  StreamedAdamOptions bad;
+  bad.commit_lag_steps = 2;
+  auto refused = StreamedAdam::Create(env.store.get(), env.mm.get(), bad);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(refused.status(), "commit_lag_steps")) << refused.status().ToString();
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    const uint64_t g0 = MUST(sa->MakeDurable());
+    EXPECT_EQ(env.store->LatestGeneration().generation, g0);
+    // Step 1 (incremental): EndStep names generation g0 + 1; until a wait the
+    // optimizer reports g0 and the store holds g0 or g0 + 1.
+    ASSERT_OK(sa->BeginStep());
+    for (const ParamGrad& g : grads[0]->List(defs)) ASSERT_OK(sa->StepParam(g));
+    auto gen1 = sa->EndStep();
+    ASSERT_TRUE(gen1.ok()) << gen1.status().ToString();
+    ref_step(1);
+    EXPECT_EQ(*gen1, g0 + 1);
+    EXPECT_TRUE(sa->commit_in_flight());
+    EXPECT_EQ(sa->last_generation(), g0);
+    EXPECT_EQ(sa->step_count(0), 1u);
+    EXPECT_EQ(sa->step_count(1), 1u);
+    EXPECT_EQ(sa->global_step(), 1u);
+    const uint64_t seen = env.store->LatestGeneration().generation;
+    EXPECT_TRUE(seen == g0 || seen == g0 + 1) << seen;
+    // Step 2 waits for step 1's commit before it starts.
+    ASSERT_OK(sa->Step(grads[1]->List(defs)));
+    ref_step(2);
+    EXPECT_EQ(sa->last_generation(), g0 + 1);
+    EXPECT_GE(sa->last_step_stats().commit_wait_seconds, 0.0);
+    EXPECT_GE(env.store->LatestGeneration().generation, g0 + 1);
+    // MakeDurable waits for step 2's commit and returns its generation.
+    EXPECT_EQ(MUST(sa->MakeDurable()), g0 + 2);
+    EXPECT_FALSE(sa->commit_in_flight());
+    vfs::GenerationInfo latest = env.store->LatestGeneration();
+    EXPECT_EQ(latest.generation, g0 + 2);
+    EXPECT_EQ(latest.step, 2u);
+    EXPECT_EQ(latest.groups[0].step_count, 2u);
+    EXPECT_EQ(latest.groups[1].step_count, 2u);
+    EXPECT_EQ(sa->last_step_stats().write_bytes, StateBytes(defs)) << "the step's stats, once its commit was waited for";
+    // A pin waits for the commit in flight: it sees step 3's state, never a
+    // mix of the pending and the committed generation.
+    ASSERT_OK(sa->Step(grads[2]->List(defs)));
+    ref_step(3);
+    ExpectStateEquals(env.mm.get(), ref, defs);
+    EXPECT_EQ(env.store->LatestGeneration().generation, g0 + 3);
+    EXPECT_EQ(sa->last_generation(), g0 + 2) << "the optimizer learns of the commit at its own next wait";
+    ASSERT_OK(sa->WaitForCommit());
+    EXPECT_EQ(sa->last_generation(), g0 + 3);
+    // Sleep (ReleaseAll) waits too; the destructor commits nothing twice.
+    ASSERT_OK(sa->Step(grads[3]->List(defs)));
+    ref_step(4);
+    ASSERT_OK(env.mm->ReleaseAll());
+    EXPECT_EQ(env.store->LatestGeneration().generation, g0 + 4);
+    ASSERT_OK(sa->Step(grads[4]->List(defs)));
+    ref_step(5);
+  }  // the destructor waits for step 5's commit
+  vfs::GenerationInfo latest = env.store->LatestGeneration();
+  EXPECT_EQ(latest.step, 5u);
+  auto got = CommittedBytes(env.store.get());
+  got.erase("#generation");
+  EXPECT_EQ(DiffKeys(got, ReferenceBytes(ref, defs)), "");
+}
+
+// A background commit that fails (an injected fdatasync error on the data
+// files, which only the commit issues here) is returned by the next call
+// that waits, naming the step, the generation, the store and the cause; the
+// optimizer is back at the last commit and the store at its generation, bit
+// for bit; after a reopen the run continues from there.
+TEST(StreamedAdam, FailedBackgroundCommitSurfacesAtTheNextCallAndKeepsTheLastGeneration) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  MemoryManager* smm = scratch.mm.get();
+  const std::vector<ParamDef> defs = SmallMix();
+  const auto groups = TestGroups();
+  std::vector<std::unique_ptr<StepGrads>> grads;
+  for (uint64_t step = 1; step <= 2; ++step) grads.push_back(std::make_unique<StepGrads>(smm, defs, step));
+  Reference ref(smm, defs);
+  for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, grads[0]->grad[i]->get(), 1, groups[defs[i].group], 1.0f);
+  const auto want1 = ReferenceBytes(ref, defs);
+  for (const char* next_call : {"Step", "MakeDurable"}) {
+    SCOPED_TRACE(std::string("the next call is ") + next_call);
+    vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
+    Env env;
+    env.Open(6 * kChunk, true, 0, false, MemoryManagerOptions::kAutoHashThreads, &fs);
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    ASSERT_OK(sa->Step(grads[0]->List(defs)));
+    ASSERT_OK(sa->WaitForCommit());
+    const vfs::GenerationInfo good = env.store->LatestGeneration();
+    ASSERT_EQ(good.step, 1u);
+
+    vfs::FaultRule rule = vfs::FaultRule::FailNth(vfs::OpClass::kSync, 1);
+    rule.path_contains = ".chunks";
+    fs.AddRule(rule);
+    ASSERT_OK(sa->Step(grads[1]->List(defs)));  // the step succeeds; its commit fails later
+    EXPECT_EQ(sa->step_count(0), 2u);
+    Status st;
+    if (std::string(next_call) == "Step") {
+      st = sa->Step(grads[1]->List(defs));
+    } else {
+      st = sa->MakeDurable().status();
+    }
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(fs.InjectedCount(), 1u);
+    for (const std::string& part : {std::string("background commit of step 2"),
+                                    "generation " + std::to_string(good.generation + 1), env.store->path(),
+                                    std::string("injected fault"),
+                                    "at generation " + std::to_string(good.generation) + " (step 1)"}) {
+      EXPECT_TRUE(Contains(st, part)) << "'" << part << "' missing from: " << st.ToString();
+    }
+    EXPECT_FALSE(sa->commit_in_flight());
+    EXPECT_EQ(sa->step_count(0), 1u);
+    EXPECT_EQ(sa->step_count(1), 1u);
+    EXPECT_EQ(sa->global_step(), 1u);
+    EXPECT_EQ(sa->last_generation(), good.generation);
+    EXPECT_EQ(env.store->LatestGeneration().generation, good.generation);
+    auto got = CommittedBytes(env.store.get());
+    got.erase("#generation");
+    EXPECT_EQ(DiffKeys(got, want1), "") << "the store must hold step 1 exactly";
+    // A failed fdatasync poisons the store until reopened: resume from it.
+    sa.reset();
+    fs.ClearRules();
+    env.Close();
+    env.Open(6 * kChunk, false);
+    sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    EXPECT_EQ(sa->step_count(0), 1u);
+    ExpectStateEquals(env.mm.get(), ref, defs);
+  }
+}
+
 // Resuming with a changed model: a store made by a run of two tensors
 // param.0/param.1 of 3,000,017 parameters, then a run of 999 parameters
 // (500 + 499 elements) on it. Registering the new sizes is refused, naming the
