@@ -5,7 +5,10 @@
 //     backend, 6-chunk budget, 2-slice read-ahead) over the workload of
 //     stack_workload.h: registers param.<k> (a no-op on reopen), and steps
 //     t = step_count+1, ... MAX_STEPS times, printing "ACK <t>" after each Step
-//     returned OK (its generation is committed). Every 3rd step it snapshots
+//     returned OK. The optimizer runs with the default commit_lag_steps (1):
+//     step t's commit may still be in flight after its ACK, while step t-1's
+//     is complete (Step t waited for it); the destructor at a normal exit
+//     waits for the last one. Every 3rd step it snapshots
 //     ("s<t>") and releases snapshots 6 steps old, so snapshot create/release
 //     and GC (after every commit and release) are inside the loop. Killed by
 //     the parent at random instants or by OPTSTATE_CRASH_AT.
@@ -116,7 +119,8 @@ int main(int argc, char** argv) {
   auto mm = memmgr::MemoryManager::Create(store.get(), mo);
   if (!mm.ok()) DieAt("memory manager", mm.status());
   Phase("optimizer");
-  auto sa = memmgr::StreamedAdam::Create(store.get(), mm->get(), memmgr::StreamedAdamOptions{});
+  memmgr::StreamedAdamOptions ao;  // commit_lag_steps: the default, 1 (pipelined commits)
+  auto sa = memmgr::StreamedAdam::Create(store.get(), mm->get(), ao);
   if (!sa.ok()) DieAt("streamed adam", sa.status());
   memmgr::ParamGroup g;
   g.id = 0;
