@@ -484,6 +484,12 @@ void optstate_adam_options_set_cpu_threads(optstate_adam_options_t* opts, int th
 void optstate_adam_options_set_durable_every_steps(optstate_adam_options_t* opts, uint32_t n) {
   opts->rep.durable_every_steps = n;
 }
+void optstate_adam_options_set_commit_lag_steps(optstate_adam_options_t* opts, uint32_t n) {
+  opts->rep.commit_lag_steps = n;
+}
+uint32_t optstate_adam_options_commit_lag_steps(const optstate_adam_options_t* opts) {
+  return opts->rep.commit_lag_steps;
+}
 
 int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optstate_adam_options_t* opts,
                          optstate_adam_t** out, char** errptr) {
@@ -651,6 +657,7 @@ int optstate_adam_commit(optstate_adam_t* adam, uint64_t* generation, char** err
   const char* what = "optstate_adam_commit";
   return Guard(errptr, what, [&]() -> Status {
     memmgr::StreamedAdam* a = adam->rep.get();
+    OPTSTATE_RETURN_IF_ERROR(a->WaitForCommit());  // a step's commit in flight is not "pending" here
     const uint64_t before = a->last_generation();
     // Cached steps, registrations and loaded mains: MakeDurable flushes the
     // manager and publishes pinned writes with them.

@@ -72,6 +72,9 @@ class AdamW(torch.optim.Optimizer):
       host_cache_bytes: pinned host cache of state chunks; 0 = off.
       chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
       cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
+      commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
+             completes in the background until the next call; 0: step() returns once committed.
+             See <optstate/c.h>.
       params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
       tensors' names in the store. Otherwise they are "param<i>" in the order given.
     """
@@ -79,7 +82,7 @@ class AdamW(torch.optim.Optimizer):
     def __init__(self, params, store, budget=2 << 30, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
                  host_cache_bytes=0, chunk_size_bytes=None, data_dirs=None, store_name=None,
-                 cpu_threads=None, durable_every_steps=1, read_ahead_chunks=0, cuda_device=None,
+                 cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0, cuda_device=None,
                  foreach=None, fused=None, capturable=False, differentiable=False):
         if not 0.0 <= float(lr):
             raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
@@ -108,7 +111,7 @@ class AdamW(torch.optim.Optimizer):
             if cpu_threads is None:
                 cpu_threads = 1 if self._cuda else max(1, min(4, torch.get_num_threads()))
             self._adam = StreamedAdam(self._store, self._mm, cpu_threads=cpu_threads,
-                                      durable_every_steps=durable_every_steps)
+                                      durable_every_steps=durable_every_steps, commit_lag_steps=commit_lag_steps)
             self._handles = (self._adam, self._mm, self._store)
             # Per registered param, in registration order (the step's array order).
             self._plist, self._numels, self._names, self._ids, self._pgroup = [], [], [], [], []
@@ -331,6 +334,7 @@ class AdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Checks that state_dict describes this store at its newest committed generation, with the
         same params, and loads its hyperparameters."""
+        self._live().make_durable()  # the last step's commit may still be running
         meta = state_dict.get("optstate")
         if meta is None:
             raise errors.InvalidArgument("optstate.torch.AdamW.load_state_dict: not a state_dict of "
@@ -385,8 +389,10 @@ class AdamW(torch.optim.Optimizer):
 
     @property
     def generation(self):
-        """The newest committed generation of the store."""
-        return self._live().last_generation
+        """The newest committed generation of the store (waits for the last step's commit)."""
+        adam = self._live()
+        adam.make_durable()
+        return adam.last_generation
 
     def param_name(self, p):
         """The name of a param in the store."""
@@ -425,7 +431,7 @@ class AdamW(torch.optim.Optimizer):
         """A copy (fp32, CPU, p's shape) of a param's "main", "exp_avg" or "exp_avg_sq" as committed.
         For tests and inspection; it materialises that one tensor."""
         name = self.param_name(p)
-        self._live()
+        self._live().make_durable()  # the last step's commit may still be running
         out = torch.empty(p.numel(), dtype=torch.float32)
         self._store.read_into(name, field, out.data_ptr(), 0, p.numel())
         return out.view(p.shape)

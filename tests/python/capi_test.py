@@ -46,6 +46,7 @@ class CapiTest(TempDirTest):
                 ref[k] = adamw_reference(*ref[k], grads[k].astype(np.float64), step, 1e-2, 0.9, 0.999, 1e-8,
                                          0.1 * gid)
         self.assertEqual(adam.step_count(0), 5)
+        adam.make_durable()  # the last step's commit may still run in the background (commit_lag_steps 1)
         self.assertEqual(store.latest_generation(), (adam.last_generation, 5))
         for k in sizes:
             p64, m64, v64 = ref[k]
@@ -141,6 +142,7 @@ class CapiTest(TempDirTest):
             adam.step([pid + 5], [w.ctypes.data], [optstate.F32])
         self.assertEqual(adam.step_count(0), 0)  # bad input stepped nothing
         adam.step([pid], [w.ctypes.data], [optstate.F32])
+        adam.make_durable()
         with self.assertRaises(optstate.InvalidArgument) as cm:
             store.read("w", "main", 5, 6)
         self.assertIn("outside its 10 elements", str(cm.exception))

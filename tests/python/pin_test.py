@@ -194,7 +194,7 @@ class ManagerPinTest(TempDirTest):
         pid, _ = adam.register_param("w", BIG, 0, w.ctypes.data, optstate.F32)
         g = np.ones(BIG, dtype=np.float32)
         adam.step([pid], [g.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32])
-        gen = adam.last_generation
+        gen = adam.make_durable()  # the step's commit may still run in the background (commit_lag_steps 1)
         with mm.pin("w", "main", EDGE - 4, 8) as r:
             self.assertEqual((r.count, r.size_bytes, r.dtype, r.stream), (8, 32, optstate.F32, None))
             got = np.ctypeslib.as_array((ctypes.c_float * 8).from_address(r.data_ptr))

@@ -264,6 +264,15 @@ OPTSTATE_EXPORT void optstate_adam_options_set_grad_scale(optstate_adam_options_
 OPTSTATE_EXPORT void optstate_adam_options_set_cpu_threads(optstate_adam_options_t* opts, int threads);
 /* Commit every N-th step when the host cache holds the whole state. Default 1. */
 OPTSTATE_EXPORT void optstate_adam_options_set_durable_every_steps(optstate_adam_options_t* opts, uint32_t n);
+/* Steps whose commit may still run when a step returns: 0 = a step returns
+ * once its generation is committed; 1 = once its kernels and param copies
+ * are done, the commit completing in the background until the next call
+ * (step, make_durable, commit, registration, load_main, pin, release_all,
+ * destroy), which waits for it and returns its error if it failed (the
+ * optimizer is then back at the last commit). Default 1 (memmgr/streamed_adam.h,
+ * "Pipelined commits"); other values: INVALID_ARGUMENT at optstate_adam_create. */
+OPTSTATE_EXPORT void optstate_adam_options_set_commit_lag_steps(optstate_adam_options_t* opts, uint32_t n);
+OPTSTATE_EXPORT uint32_t optstate_adam_options_commit_lag_steps(const optstate_adam_options_t* opts);
 
 /* On a store that already holds tensors, their state, groups and step counts
  * are restored (resume). opts may be NULL. */
