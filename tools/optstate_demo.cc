@@ -356,7 +356,8 @@ int Run(const DemoOptions& o) {
   Say(fmt::format("loss {:.4f} -> {:.4f}; peak device memory {} of a {} budget\n", first_loss, last_loss,
                   FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.budget_bytes)));
 
-  // 3. Snapshot.
+  // 3. Snapshot (of the last step: its commit may still be running).
+  if (auto d = (*opt)->MakeDurable(); !d.ok()) return FailWith(kTool, d.status());
   auto snap = (*store)->CreateSnapshot(kSnapshot);
   if (!snap.ok()) return FailWith(kTool, snap.status());
   Say(fmt::format("\nsnapshot '{}' -> generation {} (step {})\n", kSnapshot, snap->generation,
