@@ -351,13 +351,14 @@ int Run(const DemoOptions& o) {
                       FormatSeconds(dt), FormatRate(static_cast<double>(state_bytes) / dt)));
     }
   }
+  // The last step's commit may still be running (commit_lag_steps 1).
+  if (auto d = (*opt)->MakeDurable(); !d.ok()) return FailWith(kTool, d.status());
   auto ms = (*mm)->stats();
   uint64_t streamed = ms.nvme_read_bytes + ms.nvme_write_bytes;
   Say(fmt::format("loss {:.4f} -> {:.4f}; peak device memory {} of a {} budget\n", first_loss, last_loss,
                   FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.budget_bytes)));
 
-  // 3. Snapshot (of the last step: its commit may still be running).
-  if (auto d = (*opt)->MakeDurable(); !d.ok()) return FailWith(kTool, d.status());
+  // 3. Snapshot.
   auto snap = (*store)->CreateSnapshot(kSnapshot);
   if (!snap.ok()) return FailWith(kTool, snap.status());
   Say(fmt::format("\nsnapshot '{}' -> generation {} (step {})\n", kSnapshot, snap->generation,
