@@ -531,7 +531,7 @@ int RunCompare(const StepOptions& o) {
   if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
 
   std::vector<double> t_floor, t_ours, t_fv;
-  std::vector<double> t_ours_committed;  // t_ours plus the wait for a background commit
+  std::vector<double> t_ours_returned;  // until Step returned (its commit may still run)
   std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
   std::vector<memmgr::StreamedAdam::StepStats> stats;
   // How the disk under --dir was used during the floor and our steps.
@@ -565,12 +565,13 @@ int RunCompare(const StepOptions& o) {
     double t0 = NowSeconds();
     const double unix0 = UnixSeconds();
     if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext(fmt::format("round {}", r + 1)));
-    t_ours.push_back(NowSeconds() - t0);
-    // --commit-lag 1: Step returned with its commit in flight. Wait for it
-    // before anything else touches the disk; with it, the step as a trainer
-    // with no forward/backward to hide it behind would see it.
+    t_ours_returned.push_back(NowSeconds() - t0);
+    // --commit-lag 1: Step returned with its commit in flight. "ours" is the
+    // step with its commit, as before (what a trainer with no forward/backward
+    // to hide the commit behind sees); the wait also keeps our writes out of
+    // the next method's time.
     if (Status s = (*opt)->WaitForCommit(); !s.ok()) return FailWith(kTool, s.WithContext("commit"));
-    t_ours_committed.push_back(NowSeconds() - t0);
+    t_ours.push_back(NowSeconds() - t0);
     ours_unix.push_back({unix0, UnixSeconds()});
     disk_ours.Add(before, ReadDiskCounters(disk_path), t_ours.back());
     stats.push_back((*opt)->last_step_stats());
@@ -613,8 +614,8 @@ int RunCompare(const StepOptions& o) {
   out["rounds"] = o.rounds;
   out["seconds"] = {{"ours", t_ours}, {"fio_floor", t_floor}, {"first_version", t_fv}};
   out["commit_lag_steps"] = o.commit_lag;
-  out["ours_with_commit_seconds"] = t_ours_committed;
-  out["median_ours_with_commit_seconds"] = Median(t_ours_committed);
+  out["ours_step_returned_seconds"] = t_ours_returned;
+  out["median_ours_step_returned_seconds"] = Median(t_ours_returned);
   out["ours_unix_seconds"] = ours_unix;  // [start, end] per round, to match against a disk trace
   out["batch_submit"] = !o.no_batch_submit;
   const std::string& pages = (*mm)->staging_pages();
@@ -684,8 +685,8 @@ int RunCompare(const StepOptions& o) {
       ratio(t_ours, t_floor), ratio(t_fv, t_ours), FormatRate(h2d), FormatRate(d2h),
       Median(t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c->budget));
   if (o.commit_lag > 0) {
-    std::cout << fmt::format("commit lag {}: Step() returned after {} (median); with its background commit {}\n",
-                             o.commit_lag, FormatSeconds(Median(t_ours)), FormatSeconds(Median(t_ours_committed)));
+    std::cout << fmt::format("commit lag {}: Step() returned after {} (median), its commit done after {}\n",
+                             o.commit_lag, FormatSeconds(Median(t_ours_returned)), FormatSeconds(Median(t_ours)));
   }
   if (cached_steps > 0) {
     std::cout << fmt::format(
@@ -755,8 +756,8 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "threads hashing chunks besides the pipeline's (MemoryManagerOptions::hash_threads); "
                   "default: 4 with 8 or more cores, else 0");
   sub->add_option("--commit-lag", o->commit_lag,
-                  "steps whose commit may run after Step returns: 0 or 1 (default 1); ours is timed to Step's "
-                  "return, then its commit is waited for before the next method runs");
+                  "steps whose commit may run after Step returns: 0 or 1 (default 1); ours is timed until its "
+                  "commit is done, and to Step's return on its own");
   sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] {
