@@ -186,6 +186,25 @@ class CudaPinTest(TempDirTest):
 class ManagerPinTest(TempDirTest):
     """The same through the package's thin handles (no torch on the hot path)."""
 
+    def test_commit_right_after_a_pipelined_step_publishes_pinned_writes(self):
+        """commit() while the last step's commit may still run (commit_lag_steps 1) publishes both the
+        step and the chunks written through a pin since, as two generations."""
+        store = optstate.Store(self.path("s"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+        adam = optstate.StreamedAdam(store, mm)
+        w = np.arange(BIG, dtype=np.float32)
+        pid, _ = adam.register_param("w", BIG, 0, w.ctypes.data, optstate.F32)
+        g = np.ones(BIG, dtype=np.float32)
+        gen0 = adam.make_durable()
+        adam.step([pid], [g.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32])
+        r = mm.pin("w", "exp_avg", EDGE, 4, access=optstate.WRITE)
+        (ctypes.c_float * 4).from_address(r.data_ptr)[:] = [1.0, 2.0, 3.0, 4.0]
+        r.unpin()
+        self.assertEqual(adam.commit(), gen0 + 2)
+        np.testing.assert_array_equal(store.read("w", "exp_avg", EDGE, 4), [1, 2, 3, 4])
+        self.assertEqual(store.latest_generation(), (gen0 + 2, 1))
+        store.close()
+
     def test_pin_write_flush_commit_and_close_with_pins_held(self):
         store = optstate.Store(self.path("s"), **STORE_KW)
         mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
