@@ -647,6 +647,7 @@ TEST(StreamedAdam, FoundInfAndKernelFailureCommitNothing) {
   auto groups = TestGroups();
   StepGrads sg1(env.mm.get(), defs, 1);
   ASSERT_OK(sa->Step(sg1.List(defs)));
+  ASSERT_OK(sa->WaitForCommit());  // the step's commit may run in the background (commit_lag_steps 1)
   for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg1.grad[i]->get(), 1, groups[defs[i].group], 1.0f);
   const uint64_t gen1 = env.store->LatestGeneration().generation;
 
@@ -774,6 +775,7 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
         EXPECT_EQ(env.mm->stats().nvme_write_bytes, writes_before) << "cached step " << step << " wrote to disk";
       } else {
         EXPECT_EQ(sa->uncommitted_steps(), 0u);
+        ASSERT_OK(sa->WaitForCommit());  // the commit may run in the background (commit_lag_steps 1)
         EXPECT_EQ(env.store->LatestGeneration().step, 3u);
         EXPECT_EQ(env.store->LatestGeneration().groups[1].step_count, 3u);
       }
@@ -1431,6 +1433,7 @@ TEST(StreamedAdam, StepWithWrongGradsCommitsNothing) {
     if (round == 0) {
       // The next good step commits the registrations with it and equals the reference.
       auto sg1 = StepWithReference(sa.get(), env.mm.get(), defs, &ref, 1, 1.0f);
+      ASSERT_OK(sa->WaitForCommit());
       EXPECT_EQ(env.store->LatestGeneration().step, 1u);
       ExpectStateEquals(env.mm.get(), ref, defs);
       sg.param[0]->Upload(w1_param_before.data());
@@ -1459,6 +1462,7 @@ TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
   auto groups = TestGroups();
   StepGrads sg1(smm, defs, 1);
   ASSERT_OK(sa->Step(sg1.List(first)));
+  ASSERT_OK(sa->WaitForCommit());
   ref.Step(0, sg1.grad[0]->get(), 1, groups[defs[0].group], 1.0f);
   const auto before = CommittedBytes(env.store.get());
   const uint64_t gen1 = env.store->LatestGeneration().generation;
