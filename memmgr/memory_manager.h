@@ -17,7 +17,9 @@
 // PinnedRanges must be destroyed (or Unpin()ed) before the manager.
 // Thread-safety: every method is thread-safe. Pin blocks while the budget is
 // exhausted by other pins until they unpin; a thread that holds pins and asks
-// for more than the rest of the budget can deadlock itself (don't).
+// for more than the rest of the budget can deadlock itself (don't). Pin,
+// Prefetch, Flush and ReleaseAll first wait for a StreamedAdam commit running
+// in the background (StreamedAdamOptions::commit_lag_steps).
 #pragma once
 
 #include <cstdint>

@@ -1371,14 +1371,17 @@ Status StreamedAdam::SetGradScale(float grad_scale) {
 Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
+  const double t_begin = NowS();
+  double wait_s = 0;
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit(&wait_s));  // completes the previous step's stats
   OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
   step_found_inf_ = d_found_inf;
   step_skip_ = false;
   groups_stepped_.clear();
   stepped_.clear();
   last_stats_ = StepStats{};
-  last_stats_.seconds = NowS();
-  OPTSTATE_RETURN_IF_ERROR(FinishCommit(&last_stats_.commit_wait_seconds));
+  last_stats_.seconds = t_begin;
+  last_stats_.commit_wait_seconds = wait_s;
   if (d_found_inf != nullptr) {
     float flag = 0;
     OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, d_found_inf, sizeof(float)));

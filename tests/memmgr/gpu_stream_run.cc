@@ -262,6 +262,7 @@ int main(int argc, char** argv) {
     });
     double ts = Now();
     Status st = sa->Step(grads);
+    if (st.ok()) st = sa->WaitForCommit();  // timed with its commit, as a step without forward/backward sees it
     double dt = Now() - ts;
     stop = true;
     sampler.join();
