@@ -237,6 +237,9 @@ class StepPipeline {
     write_through_ = write_through || !cache_mode;
     read_tier_ = cache_mode || mm_->cache()->enabled();
   }
+  // Test hook: no completion is reaped before the step drains, so what the
+  // depth limits admit (not what the disk happens to finish) is in flight.
+  void SetHoldCompletions(bool hold) { hold_completions_ = hold; }
 
   uint32_t depth() const { return static_cast<uint32_t>(sets_.size() - small_sets_); }
   uint32_t small_depth() const { return static_cast<uint32_t>(small_sets_); }
@@ -248,6 +251,10 @@ class StepPipeline {
   // only what is possible without waiting.
   Status Pump(bool drain) {
     if (!error_.ok()) return error_;
+    if (hold_completions_ && !drain) {
+      bool progressed = false;
+      return SubmitReads(&progressed);
+    }
     for (;;) {
       bool progressed = false;
       // 0. Collect whatever has completed (never blocks), so finished reads
@@ -672,6 +679,7 @@ class StepPipeline {
   bool cache_mode_ = false;
   bool write_through_ = true;
   bool read_tier_ = false;  // slices use host cache entries as buffers where they can
+  bool hold_completions_ = false;  // SetHoldCompletions
   uint64_t next_seq_ = 0;
   Arena arena_;
   std::vector<void*> staging_;
@@ -1366,6 +1374,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
                                                        opts_.background_sync_bytes, d_found_inf,
                                                        &inject_kernel_failure_after_);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
+  pipeline_->SetHoldCompletions(hold_completions_);
   step_write_through_ = write_through;
   Status s = pipeline_->Begin();
   if (!s.ok()) {

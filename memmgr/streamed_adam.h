@@ -248,6 +248,10 @@ class StreamedAdam {
   // Test hook (reliability tests): when >0, the Nth kernel launch from now
   // fails as if the device reported an error.
   void InjectKernelFailureAfter(uint64_t n) { inject_kernel_failure_after_ = n; }
+  // Test hook (pipeline tests): when true, a step reaps no I/O completion
+  // before EndStep drains it, so StepParam submits exactly the reads the
+  // depth limits admit, whatever the disk's speed.
+  void HoldCompletionsUntilDrain(bool hold) { hold_completions_ = hold; }
 
  private:
   struct Param {
@@ -325,6 +329,7 @@ class StreamedAdam {
   Status EnsureIo();
   StepStats last_stats_;
   uint64_t inject_kernel_failure_after_ = 0;
+  bool hold_completions_ = false;
 };
 
 }  // namespace optstate::memmgr
