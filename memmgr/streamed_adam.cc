@@ -1197,7 +1197,8 @@ uint64_t StreamedAdam::StateCacheBytes() const {
   uint64_t need = 0;
   for (const auto& [name, p] : params_) {
     const uint64_t bytes = p.info.numel * 4;
-    need += 3 * ((bytes / chunk) * HostCache::EntryBytes(chunk) + (bytes % chunk ? HostCache::EntryBytes(bytes % chunk) : 0));
+    const uint64_t tail = bytes % chunk ? HostCache::EntryBytes(bytes % chunk) : 0;
+    need += 3 * ((bytes / chunk) * HostCache::EntryBytes(chunk) + tail);
   }
   return need;
 }

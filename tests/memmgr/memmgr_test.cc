@@ -1411,7 +1411,9 @@ std::vector<ParamDef> ManySmallMix() {
     const std::string p = "l" + std::to_string(100 + l);
     defs.push_back({p + ".norm", 1024, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone});
     defs.push_back({p + ".bias", 2048, 0, ScalarType::kF32, ScalarType::kBF16, ScalarType::kBF16});
-    if (l % 8 == 0) defs.push_back({p + ".w", 2 * ce + 4096, 0, ScalarType::kBF16, ScalarType::kF32, ScalarType::kBF16});
+    if (l % 8 == 0) {
+      defs.push_back({p + ".w", 2 * ce + 4096, 0, ScalarType::kBF16, ScalarType::kF32, ScalarType::kBF16});
+    }
   }
   return defs;
 }
