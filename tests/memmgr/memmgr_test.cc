@@ -1504,33 +1504,44 @@ TEST(HostCacheTier, HalfTheStateKeepsItsResidentSetAcrossSteps) {
   ExpectStateEquals(env.mm.get(), ref, defs);
 }
 
-// A step aborted midway (a kernel failure after some slices were computed in
-// their cache entries and written) leaves no bytes of the dropped generation
-// in the tier: the retried step and the ones after equal the reference, for
-// a tier holding the whole state and one holding half of it.
+// A step aborted midway (a kernel failure, or a chunk write that fails,
+// after some slices were computed in their cache entries and written) leaves
+// no bytes of the dropped generation in the tier: the retried step and the
+// ones after equal the reference, for a tier holding the whole state and one
+// holding half of it.
 TEST(HostCacheTier, AbortedStepServesNoStaleBytes) {
   MEMMGR_REQUIRE_BACKEND();
   std::vector<ParamDef> defs = ManySmallMix();
   for (const uint64_t capacity : {TierBytes(defs), TierBytes(defs) / 2}) {
-    SCOPED_TRACE("tier of " + std::to_string(capacity) + " bytes");
-    Env env;
-    env.Open(6 * kChunk, true, capacity);
-    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
-    RegisterAll(sa.get(), env.mm.get(), defs);
-    Reference ref(env.mm.get(), defs);
-    auto groups = TestGroups();
-    for (uint64_t step = 1; step <= 2; ++step) StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
-    const uint64_t gen2 = env.store->LatestGeneration().generation;
-    StepGrads sg3(env.mm.get(), defs, 3);
-    sa->InjectKernelFailureAfter(defs.size() / 2);
-    Status st = sa->Step(sg3.List(defs));
-    ASSERT_FALSE(st.ok());
-    EXPECT_NE(st.message().find("injected"), std::string::npos) << st.ToString();
-    EXPECT_EQ(env.store->LatestGeneration().generation, gen2);
-    ASSERT_OK(sa->Step(sg3.List(defs)));
-    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg3.grad[i]->get(), 3, groups[defs[i].group], 1.0f);
-    StepWithReference(sa.get(), env.mm.get(), defs, &ref, 4, 1.0f);
-    ExpectStateEquals(env.mm.get(), ref, defs);
+    for (const bool io_fault : {false, true}) {
+      SCOPED_TRACE("tier of " + std::to_string(capacity) + " bytes, " + (io_fault ? "write fault" : "kernel failure"));
+      vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
+      Env env;
+      env.Open(6 * kChunk, true, capacity, false, MemoryManagerOptions::kAutoHashThreads, &fs);
+      auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+      RegisterAll(sa.get(), env.mm.get(), defs);
+      Reference ref(env.mm.get(), defs);
+      auto groups = TestGroups();
+      for (uint64_t step = 1; step <= 2; ++step) StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
+      const uint64_t gen2 = env.store->LatestGeneration().generation;
+      StepGrads sg3(env.mm.get(), defs, 3);
+      if (io_fault) {
+        vfs::FaultRule rule = vfs::FaultRule::FailNth(vfs::OpClass::kWrite, 3 * defs.size() / 2);
+        rule.path_contains = ".chunks";
+        fs.AddRule(rule);
+      } else {
+        sa->InjectKernelFailureAfter(defs.size() / 2);
+      }
+      Status st = sa->Step(sg3.List(defs));
+      ASSERT_FALSE(st.ok());
+      EXPECT_TRUE(Contains(st, io_fault ? "injected fault" : "injected")) << st.ToString();
+      EXPECT_EQ(env.store->LatestGeneration().generation, gen2);
+      fs.ClearRules();
+      ASSERT_OK(sa->Step(sg3.List(defs)));
+      for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg3.grad[i]->get(), 3, groups[defs[i].group], 1.0f);
+      StepWithReference(sa.get(), env.mm.get(), defs, &ref, 4, 1.0f);
+      ExpectStateEquals(env.mm.get(), ref, defs);
+    }
   }
 }
 
