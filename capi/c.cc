@@ -338,6 +338,8 @@ int optstate_mm_options_set_backend(optstate_mm_options_t* opts, const char* bac
 void optstate_mm_options_set_device_budget_bytes(optstate_mm_options_t* opts, uint64_t bytes) {
   opts->rep.device_budget_bytes = bytes;
 }
+static_assert(OPTSTATE_HOST_CACHE_AUTO == memmgr::MemoryManagerOptions::kAutoHostCache,
+              "the C ABI's automatic host cache size is memmgr's");
 void optstate_mm_options_set_host_cache_bytes(optstate_mm_options_t* opts, uint64_t bytes) {
   opts->rep.host_cache_bytes = bytes;
 }

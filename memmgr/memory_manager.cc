@@ -1,7 +1,9 @@
 #include "memmgr/memory_manager.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <thread>
 #include <utility>
 
@@ -125,46 +127,83 @@ namespace internal {
 
 // ------------------------------------------------------------------ HostCache
 
-HostCache::HostCache(Device* dev, uint64_t capacity_bytes, uint64_t chunk_bytes)
-    : dev_(dev), chunk_bytes_(chunk_bytes), max_entries_(chunk_bytes ? capacity_bytes / chunk_bytes : 0) {}
+HostCache::HostCache(Device* dev, uint64_t capacity_bytes) : dev_(dev), capacity_(capacity_bytes) {}
 
 HostCache::~HostCache() {
-  for (auto& [k, e] : entries_) dev_->FreePinnedHost(e.h_buf, chunk_bytes_);
-  for (void* b : free_bufs_) dev_->FreePinnedHost(b, chunk_bytes_);
+  for (auto& [k, e] : entries_) dev_->FreePinnedHost(e.h_buf, e.buf_bytes);
+  for (auto& [bytes, bufs] : free_) {
+    for (void* b : bufs) dev_->FreePinnedHost(b, bytes);
+  }
 }
 
-void* HostCache::SlotFor(const ChunkKey& k, uint64_t len) {
+HostCache::EntryMap::iterator HostCache::Drop(EntryMap::iterator it) {
+  lru_.erase(it->second.lru);
+  free_[it->second.buf_bytes].push_back(it->second.h_buf);
+  entry_bytes_ -= it->second.buf_bytes;
+  return entries_.erase(it);
+}
+
+void* HostCache::TakeBuffer(uint64_t bytes, bool may_evict) {
+  for (;;) {
+    auto same = free_.find(bytes);
+    if (same != free_.end() && !same->second.empty()) {
+      void* b = same->second.back();
+      same->second.pop_back();
+      return b;
+    }
+    if (allocated_ + bytes <= capacity_) break;
+    // Over capacity: return free buffers of other sizes first, then (only
+    // when asked) the oldest clean unused entry.
+    auto other = std::find_if(free_.begin(), free_.end(), [](const auto& f) { return !f.second.empty(); });
+    if (other != free_.end()) {
+      dev_->FreePinnedHost(other->second.back(), other->first);
+      other->second.pop_back();
+      allocated_ -= other->first;
+      continue;
+    }
+    if (!may_evict) return nullptr;
+    auto victim = std::find_if(lru_.begin(), lru_.end(), [this](const ChunkKey& k) {
+      const Entry& e = entries_.find(k)->second;
+      return !e.dirty && e.users == 0;
+    });
+    if (victim == lru_.end()) return nullptr;
+    Drop(entries_.find(*victim));
+  }
+  auto r = dev_->AllocPinnedHost(bytes);
+  if (!r.ok()) {
+    if (!warned_alloc_) {
+      warned_alloc_ = true;
+      OPTSTATE_LOG_WARN("memmgr: host cache tier stops growing at {} bytes: {}", allocated_, r.status().ToString());
+    }
+    return nullptr;
+  }
+  allocated_ += bytes;
+  return *r;
+}
+
+void* HostCache::SlotFor(const ChunkKey& k, uint64_t len, bool may_evict) {
+  const uint64_t bytes = EntryBytes(len);
   auto it = entries_.find(k);
   if (it != entries_.end()) {
-    lru_.erase(it->second.lru);
-    lru_.push_back(k);
-    it->second.lru = std::prev(lru_.end());
-    it->second.len = len;
-    return it->second.h_buf;
-  }
-  void* buf = nullptr;
-  if (!free_bufs_.empty()) {
-    buf = free_bufs_.back();
-    free_bufs_.pop_back();
-  } else if (allocated_ < max_entries_) {
-    auto r = dev_->AllocPinnedHost(chunk_bytes_);
-    if (!r.ok()) return nullptr;
-    buf = *r;
-    ++allocated_;
-  } else {
-    // Oldest entry that is clean and not in use.
-    for (auto l = lru_.begin(); l != lru_.end(); ++l) {
-      auto v = entries_.find(*l);
-      if (v->second.dirty || v->second.users != 0) continue;
-      buf = v->second.h_buf;
-      lru_.erase(l);
-      entries_.erase(v);
-      break;
+    Entry& e = it->second;
+    if (e.buf_bytes == bytes) {
+      lru_.splice(lru_.end(), lru_, e.lru);
+      e.len = len;
+      return e.h_buf;
     }
+    if (e.dirty || e.users != 0) return nullptr;
+    Drop(it);
   }
+  void* buf = TakeBuffer(bytes, may_evict);
   if (buf == nullptr) return nullptr;
   lru_.push_back(k);
-  entries_[k] = Entry{buf, len, std::prev(lru_.end())};
+  Entry e;
+  e.h_buf = buf;
+  e.len = len;
+  e.buf_bytes = bytes;
+  e.lru = std::prev(lru_.end());
+  entries_[k] = e;
+  entry_bytes_ += bytes;
   return buf;
 }
 
@@ -173,9 +212,7 @@ bool HostCache::Get(const ChunkKey& k, void* dst, uint64_t len, bool dst_is_devi
   std::lock_guard<std::mutex> l(mu_);
   auto it = entries_.find(k);
   if (it == entries_.end() || it->second.len != len) return false;
-  lru_.erase(it->second.lru);
-  lru_.push_back(k);
-  it->second.lru = std::prev(lru_.end());
+  lru_.splice(lru_.end(), lru_, it->second.lru);
   if (dst_is_device) {
     if (!dev_->CopyH2D(dst, it->second.h_buf, len, stream).ok() || !dev_->SyncStream(stream).ok()) return false;
   } else {
@@ -190,8 +227,12 @@ void HostCache::Put(const ChunkKey& k, const void* src, uint64_t len) {
   auto it = entries_.find(k);
   if (it != entries_.end() && it->second.users != 0) return;  // StreamedAdam's working copy wins
   const bool dirty = it != entries_.end() && it->second.dirty;
-  void* buf = SlotFor(k, len);
-  if (buf == nullptr) return;
+  void* buf = SlotFor(k, len, /*may_evict=*/false);
+  if (buf == nullptr) {
+    // No room for the new bytes: an older copy must not stay behind.
+    if (auto old = entries_.find(k); old != entries_.end() && !old->second.dirty) Drop(old);
+    return;
+  }
   std::memcpy(buf, src, len);
   // Put is called with bytes just written to the store (or read from it): a
   // dirty entry stays dirty (newer than the commit) but is now in the pending
@@ -199,13 +240,17 @@ void HostCache::Put(const ChunkKey& k, const void* src, uint64_t len) {
   if (dirty) entries_[k].written = true;
 }
 
-void* HostCache::Acquire(const ChunkKey& k, uint64_t len, bool* valid) {
+void* HostCache::Acquire(const ChunkKey& k, uint64_t len, bool may_evict, bool* valid) {
+  *valid = false;
   if (!enabled()) return nullptr;
   std::lock_guard<std::mutex> l(mu_);
   auto it = entries_.find(k);
   *valid = it != entries_.end() && it->second.len == len;
-  void* buf = SlotFor(k, len);
-  if (buf == nullptr) return nullptr;
+  void* buf = SlotFor(k, len, may_evict);
+  if (buf == nullptr) {
+    *valid = false;
+    return nullptr;
+  }
   ++entries_[k].users;
   return buf;
 }
@@ -260,23 +305,19 @@ void HostCache::ForgetPendingWrites() {
       ++it;
       continue;
     }
-    lru_.erase(e.lru);
-    free_bufs_.push_back(e.h_buf);
-    it = entries_.erase(it);
+    it = Drop(it);
   }
 }
 
 void HostCache::PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len, void* stream) {
   if (!enabled()) return;
   std::lock_guard<std::mutex> l(mu_);
-  void* buf = SlotFor(k, len);
-  if (buf == nullptr) return;
-  if (!dev_->CopyD2H(buf, d_src, len, stream).ok() || !dev_->SyncStream(stream).ok()) {
-    auto it = entries_.find(k);
-    lru_.erase(it->second.lru);
-    free_bufs_.push_back(it->second.h_buf);
-    entries_.erase(it);
+  void* buf = SlotFor(k, len, /*may_evict=*/false);
+  if (buf == nullptr) {
+    if (auto old = entries_.find(k); old != entries_.end() && !old->second.dirty && old->second.users == 0) Drop(old);
+    return;
   }
+  if (!dev_->CopyD2H(buf, d_src, len, stream).ok() || !dev_->SyncStream(stream).ok()) Drop(entries_.find(k));
 }
 
 void HostCache::Erase(const ChunkKey& k) {
@@ -286,36 +327,26 @@ void HostCache::Erase(const ChunkKey& k) {
   // A dirty entry is the only copy of uncommitted steps: keep it (a Pin for
   // writing then loads it, and its write-back Puts the new bytes).
   if (it == entries_.end() || it->second.dirty || it->second.users != 0) return;
-  lru_.erase(it->second.lru);
-  free_bufs_.push_back(it->second.h_buf);
-  entries_.erase(it);
+  Drop(it);
 }
 
 void HostCache::EraseTensor(uint32_t tensor_id) {
   if (!enabled()) return;
   std::lock_guard<std::mutex> l(mu_);
   for (auto it = entries_.begin(); it != entries_.end();) {
-    if (it->first.tensor_id == tensor_id) {
-      lru_.erase(it->second.lru);
-      free_bufs_.push_back(it->second.h_buf);
-      it = entries_.erase(it);
-    } else {
-      ++it;
-    }
+    it = it->first.tensor_id == tensor_id ? Drop(it) : std::next(it);
   }
 }
 
 void HostCache::Clear() {
   if (!enabled()) return;
   std::lock_guard<std::mutex> l(mu_);
-  for (auto& [k, e] : entries_) free_bufs_.push_back(e.h_buf);
-  entries_.clear();
-  lru_.clear();
+  for (auto it = entries_.begin(); it != entries_.end();) it = Drop(it);
 }
 
 uint64_t HostCache::bytes() const {
   std::lock_guard<std::mutex> l(mu_);
-  return entries_.size() * chunk_bytes_;
+  return entry_bytes_;
 }
 
 // ---------------------------------------------------------------- ManagerImpl
@@ -327,6 +358,31 @@ uint64_t NowNs() {
                                    .count());
 }
 std::string Mib(uint64_t b) { return std::to_string(b >> 20) + " MiB (" + std::to_string(b) + " bytes)"; }
+
+// MemoryManagerOptions::kAutoHostCache: min(MemAvailable / 2, MemAvailable -
+// 4 GiB) / LOCAL_WORLD_SIZE; *why says how it was derived.
+uint64_t AutoHostCacheBytes(std::string* why) {
+  constexpr uint64_t kFreeFloorBytes = 4ull << 30;
+  uint64_t avail = 0;
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") {
+      avail = kib << 10;
+      break;
+    }
+  }
+  uint64_t ranks = 1;
+  if (const char* e = std::getenv("LOCAL_WORLD_SIZE"); e != nullptr && std::strtoull(e, nullptr, 10) > 0) {
+    ranks = std::strtoull(e, nullptr, 10);
+  }
+  const uint64_t bytes = avail > kFreeFloorBytes ? std::min(avail / 2, avail - kFreeFloorBytes) / ranks : 0;
+  *why = "auto: half of MemAvailable " + Mib(avail) + ", at least 4 GiB left free, / " + std::to_string(ranks) +
+         " local rank(s)";
+  return bytes;
+}
 }  // namespace
 
 ManagerImpl::ManagerImpl(vfs::Store* store, const MemoryManagerOptions& opts, std::unique_ptr<Device> dev)
@@ -359,7 +415,13 @@ Result<std::unique_ptr<ManagerImpl>> ManagerImpl::Create(vfs::Store* store, cons
   } else {
     dev = NewHostDevice(huge);
   }
-  auto impl = std::unique_ptr<ManagerImpl>(new ManagerImpl(store, opts, std::move(dev)));
+  MemoryManagerOptions resolved = opts;
+  std::string cache_why;
+  if (resolved.host_cache_bytes == MemoryManagerOptions::kAutoHostCache) {
+    resolved.host_cache_bytes = AutoHostCacheBytes(&cache_why);
+  }
+  auto impl = std::unique_ptr<ManagerImpl>(new ManagerImpl(store, resolved, std::move(dev)));
+  impl->cache_why_ = std::move(cache_why);
   impl->staging_pages_ = std::move(pages);
   OPTSTATE_RETURN_IF_ERROR(impl->Init());
   return impl;
@@ -393,7 +455,7 @@ Status ManagerImpl::Init() {
     staging_.push_back(*r);
   }
   staging_free_ = staging_;
-  cache_ = std::make_unique<HostCache>(dev_.get(), opts_.host_cache_bytes, page_bytes_);
+  cache_ = std::make_unique<HostCache>(dev_.get(), opts_.host_cache_bytes);
   OPTSTATE_ASSIGN_OR_RETURN(copy_stream_, dev_->CreateStream());
   auto io = store_->NewChunkIo(ChunkIoOpts());
   if (!io.ok()) {
@@ -406,9 +468,10 @@ Status ManagerImpl::Init() {
   }
   io_ = std::move(*io);
   worker_ = std::thread([this] { WorkerLoop(); });
-  OPTSTATE_LOG_INFO("memmgr: {} backend, budget {} ({} pages of {}), {} staging buffers, host cache {}",
+  OPTSTATE_LOG_INFO("memmgr: {} backend, budget {} ({} pages of {}), {} staging buffers, host cache {}{}",
                     BackendName(dev_->backend()), Mib(opts_.device_budget_bytes), budget_pages_,
-                    Mib(page_bytes_), staging_.size(), Mib(opts_.host_cache_bytes));
+                    Mib(page_bytes_), staging_.size(), Mib(opts_.host_cache_bytes),
+                    cache_why_.empty() ? "" : " (" + cache_why_ + ")");
   return Status::Ok();
 }
 

@@ -10,8 +10,8 @@
 // the peak is in stats()).
 //
 // Tiers: NVMe (the store, home) -> pinned host staging buffers (registered
-// with io_uring) -> optional pinned host cache of clean chunks (LRU) -> device
-// pages.
+// with io_uring) -> pinned host cache tier (a read tier under write-through
+// commits; MemoryManagerOptions::host_cache_bytes) -> device pages.
 //
 // Ownership: the manager does not own the store; the store must outlive it.
 // PinnedRanges must be destroyed (or Unpin()ed) before the manager.
@@ -55,8 +55,22 @@ struct MemoryManagerOptions {
   Backend backend = Backend::kAuto;
   // Hard cap on device pages used for state, bytes. Default 2 GiB.
   uint64_t device_budget_bytes = 2ull << 30;
-  // Pinned host cache of clean chunk copies, bytes; 0 = off. Default 0.
-  uint64_t host_cache_bytes = 0;
+  // Pinned host cache tier (RAM as a read tier), bytes of chunk state (each
+  // chunk's bytes rounded up to 4 KiB); 0 = off. StreamedAdam steps read the
+  // chunks it holds from RAM and write every new generation through to disk.
+  // Buffers are allocated as chunks are admitted, so a smaller state uses
+  // only its own size. Admission: a chunk is admitted while there is room and,
+  // once the tier is full, a miss evicts nothing (the resident set stays):
+  // a step walks the state in the same order every time, so LRU would evict
+  // exactly the chunks the next step needs first and serve no reads, whereas
+  // a fixed resident set serves capacity/state of every step's reads.
+  // kAutoHostCache (default): half of /proc/meminfo MemAvailable at Create,
+  // leaving at least 4 GiB of it free, divided among the node's ranks
+  // (LOCAL_WORLD_SIZE, as torchrun sets it; 1 when unset): the other half
+  // stays for the trainer, its data loaders and the page cache. The chosen
+  // size is logged; options() reports it.
+  static constexpr uint64_t kAutoHostCache = ~uint64_t{0};
+  uint64_t host_cache_bytes = kAutoHostCache;
   // Chunk-sized pinned staging buffers for Pin/Prefetch/write-back and for the
   // StreamedAdam pipeline (cuda backend); 0 = auto (3 x read-ahead + 4).
   uint32_t staging_buffers = 0;

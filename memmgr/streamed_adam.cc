@@ -228,11 +228,18 @@ class StepPipeline {
 
   // Cache mode: the host cache tier holds the whole state and is the slices'
   // buffers (no staging copies); write_through: computed slices are also
-  // written to the store (else they stay dirty in the cache only).
+  // written to the store (else they stay dirty in the cache only). With a
+  // tier that holds only part of the state (always write-through), a chunk
+  // with an entry is read from it and a missed one is admitted while there is
+  // room (read from disk into the entry); the rest go through staging.
   void SetCacheMode(bool cache_mode, bool write_through) {
     cache_mode_ = cache_mode;
     write_through_ = write_through || !cache_mode;
+    read_tier_ = cache_mode || mm_->cache()->enabled();
   }
+  // Test hook: no completion is reaped before the step drains, so what the
+  // depth limits admit (not what the disk happens to finish) is in flight.
+  void SetHoldCompletions(bool hold) { hold_completions_ = hold; }
 
   uint32_t depth() const { return static_cast<uint32_t>(sets_.size() - small_sets_); }
   uint32_t small_depth() const { return static_cast<uint32_t>(small_sets_); }
@@ -246,6 +253,10 @@ class StepPipeline {
   // done), its writes submitted or waiting for room.
   Status Pump(bool drain, bool until_computed = false) {
     if (!error_.ok()) return error_;
+    if (hold_completions_ && !drain) {
+      bool progressed = false;
+      return SubmitReads(&progressed);
+    }
     for (;;) {
       bool progressed = false;
       // 0. Collect whatever has completed (never blocks), so finished reads
@@ -530,30 +541,28 @@ class StepPipeline {
     s.pending = 0;
     uint64_t len = j.elems * 4;
     for (int f = 0; f < 3; ++f) {
-      if (cache_mode_) {
+      s.buf[f] = s.io[f];
+      if (read_tier_) {
         bool valid = false;
-        void* p = mm_->cache()->Acquire(Key(j, f), len, &valid);
-        if (p == nullptr) {
+        void* p = mm_->cache()->Acquire(Key(j, f), len, /*may_evict=*/cache_mode_, &valid);
+        if (p == nullptr && !write_through_) {
           return ResourceExhausted("StreamedAdam: host cache tier (" +
                                    std::to_string(mm_->cache()->capacity_bytes()) +
                                    " bytes) has no clean entry left for tensor id " + std::to_string(j.tensor_id) +
                                    " chunk " + std::to_string(j.chunk));
         }
-        s.buf[f] = p;
-        s.acquired[f] = true;
-        if (valid) {
-          cache_hits += len;
-          continue;
-        }
-      } else {
-        s.buf[f] = s.io[f];
-        if (mm_->cache()->Get(Key(j, f), s.io[f], len, false, nullptr)) {
-          cache_hits += len;
-          continue;
+        if (p != nullptr) {
+          s.buf[f] = p;
+          s.acquired[f] = true;
+          if (valid) {
+            cache_hits += len;
+            continue;
+          }
         }
       }
       vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
-      const uint64_t buf_bytes = s.small && !s.acquired[f] ? kSmallSliceBytes : 0;  // 0: a whole chunk
+      // 0: a whole chunk.
+      const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
       Status st = io_->SubmitRead(ref, s.buf[f], i * 4 + f, buf_bytes);
       if (!st.ok()) {
         return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
@@ -588,7 +597,6 @@ class StepPipeline {
     if (!c.status.ok()) return c.status;
     if (s.stage == Stage::kReading) {
       read_bytes += len;
-      if (!cache_mode_) mm_->cache()->Put(Key(s.job, f), s.io[f], len);
       if (--s.pending == 0) {
         s.stage = Stage::kReady;
         ready_.push_back(i);
@@ -700,6 +708,8 @@ class StepPipeline {
   bool started_ = false;
   bool cache_mode_ = false;
   bool write_through_ = true;
+  bool read_tier_ = false;  // slices use host cache entries as buffers where they can
+  bool hold_completions_ = false;  // SetHoldCompletions
   uint64_t next_seq_ = 0;
   Arena arena_;
   std::vector<void*> staging_;
@@ -1236,10 +1246,18 @@ vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
 bool StreamedAdam::CacheHoldsState() const {
   const HostCache* c = mm_->impl()->cache();
   if (!c->enabled()) return false;
+  return StateCacheBytes() <= c->capacity_bytes();
+}
+
+uint64_t StreamedAdam::StateCacheBytes() const {
   const uint64_t chunk = mm_->impl()->page_bytes();
   uint64_t need = 0;
-  for (const auto& [name, p] : params_) need += 3 * ((p.info.numel * 4 + chunk - 1) / chunk) * chunk;
-  return need <= c->capacity_bytes();
+  for (const auto& [name, p] : params_) {
+    const uint64_t bytes = p.info.numel * 4;
+    const uint64_t tail = bytes % chunk ? HostCache::EntryBytes(bytes % chunk) : 0;
+    need += 3 * ((bytes / chunk) * HostCache::EntryBytes(chunk) + tail);
+  }
+  return need;
 }
 
 void StreamedAdam::NoteCommitted(uint64_t gen) {
@@ -1408,11 +1426,18 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
                       "state of store {}; every step commits",
                       opts_.durable_every_steps, mm_->impl()->cache()->capacity_bytes(), store_->path());
   }
+  if (!step_cache_mode_ && mm_->impl()->cache()->enabled() && !warned_cache_partial_) {
+    warned_cache_partial_ = true;
+    OPTSTATE_LOG_INFO("StreamedAdam: the host cache tier ({} bytes) holds part of the {} bytes of state of store {}; "
+                      "steps read the chunks it admits from RAM and the rest from disk",
+                      mm_->impl()->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
+  }
   const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
   pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads,
                                                        opts_.background_sync_bytes, d_found_inf,
                                                        &inject_kernel_failure_after_);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
+  pipeline_->SetHoldCompletions(hold_completions_);
   step_write_through_ = write_through;
   Status s = pipeline_->Begin();
   if (!s.ok()) {

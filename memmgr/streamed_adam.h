@@ -80,6 +80,13 @@
 //    the optimizer returns to the last commit. With a smaller cache, every
 //    step commits (logged once). Registrations and LoadMainFrom stay pending
 //    until the next commit, which publishes them with the cached steps.
+//  - Host cache tier smaller than the state (every step durable): it is a
+//    read tier. A slice's chunk that has an entry is computed in it (no disk
+//    read, no staging copy) and written through from it; a missed chunk is
+//    admitted while there is room, and once the tier is full the resident
+//    set stays (MemoryManagerOptions::host_cache_bytes says why), so a step
+//    reads about state - capacity bytes from disk. An aborted step drops the
+//    tier (its entries may hold the dropped generation's bytes).
 //  - Pipelined commits (StreamedAdamOptions::commit_lag_steps = 1, the
 //    default): Step/EndStep returns once every slice's kernel, param copy and
 //    D2H are done (the trainer can use its params) and the remaining writes
@@ -293,6 +300,10 @@ class StreamedAdam {
   // Test hook (reliability tests): when >0, the Nth kernel launch from now
   // fails as if the device reported an error.
   void InjectKernelFailureAfter(uint64_t n) { inject_kernel_failure_after_ = n; }
+  // Test hook (pipeline tests): when true, a step reaps no I/O completion
+  // before EndStep drains it, so StepParam submits exactly the reads the
+  // depth limits admit, whatever the disk's speed.
+  void HoldCompletionsUntilDrain(bool hold) { hold_completions_ = hold; }
 
  private:
   struct Param {
@@ -324,6 +335,8 @@ class StreamedAdam {
   vfs::CommitInfo MakeCommitInfo(bool advance) const;
   // True when the host cache tier can hold every registered param's state.
   bool CacheHoldsState() const;
+  // Bytes the host cache tier needs to hold every registered param's state.
+  uint64_t StateCacheBytes() const;
   // Writes the cache's dirty entries not yet in the pending generation.
   Status WriteDirtyCache();
   // After a commit: the cache is clean and the committed counts are current.
@@ -346,6 +359,7 @@ class StreamedAdam {
   bool step_cache_mode_ = false;                    // the current step's slices live in the cache
   bool step_write_through_ = true;                  // the current step writes and commits
   bool warned_cache_small_ = false;
+  bool warned_cache_partial_ = false;
   bool registrations_pending_ = false;              // a Param is !committed or main_pending
   bool any_registered_ = false;                     // RegisterParam succeeded in this run
   std::set<std::string> retired_;                   // RetireParam'd in this run
@@ -378,6 +392,7 @@ class StreamedAdam {
   Status FinishCommit(double* wait_s = nullptr);
   StepStats last_stats_;
   uint64_t inject_kernel_failure_after_ = 0;
+  bool hold_completions_ = false;
 };
 
 }  // namespace optstate::memmgr

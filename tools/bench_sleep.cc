@@ -82,6 +82,7 @@ int RunSleep(const SleepOptions& o) {
   memmgr::MemoryManagerOptions mo;
   mo.backend = *backend;
   mo.device_budget_bytes = *budget;
+  mo.host_cache_bytes = 0;  // the woken Pin must read the store, as after a sleep without spare RAM
   auto mm = memmgr::MemoryManager::Create(store->get(), mo);
   if (!mm.ok()) return FailWith(kTool, mm.status());
   const uint64_t pages = *budget / *chunk;

@@ -536,6 +536,8 @@ int RunCompare(const StepOptions& o) {
   std::vector<memmgr::StreamedAdam::StepStats> stats;
   // How the disk under --dir was used during the floor and our steps.
   DiskPhase disk_floor, disk_ours;
+  // Per timed step: chunk bytes read from the store / served by the host cache tier.
+  std::vector<std::pair<uint64_t, uint64_t>> step_io;
   const std::string disk_path = dir + "/store";
   ProgressBar bar("step rounds", o.rounds);
   for (uint32_t r = 0; r < o.rounds; ++r) {
@@ -562,6 +564,7 @@ int RunCompare(const StepOptions& o) {
       t_floor.push_back(t * static_cast<double>(state_bytes) / static_cast<double>(rd.size_bytes));
     }
     DiskCounters before = ReadDiskCounters(disk_path);
+    const memmgr::MemoryStats ms0 = (*mm)->stats();
     double t0 = NowSeconds();
     const double unix0 = UnixSeconds();
     if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext(fmt::format("round {}", r + 1)));
@@ -575,6 +578,8 @@ int RunCompare(const StepOptions& o) {
     ours_unix.push_back({unix0, UnixSeconds()});
     disk_ours.Add(before, ReadDiskCounters(disk_path), t_ours.back());
     stats.push_back((*opt)->last_step_stats());
+    const memmgr::MemoryStats ms1 = (*mm)->stats();
+    step_io.push_back({ms1.nvme_read_bytes - ms0.nvme_read_bytes, ms1.cache_hit_bytes - ms0.cache_hit_bytes});
     if (fv) {
       t0 = NowSeconds();
       if (Status s = fv->Step(grad_ptrs, r + 1, cuda); !s.ok()) return FailWith(kTool, s.WithContext("first version"));
@@ -634,8 +639,11 @@ int RunCompare(const StepOptions& o) {
   out["io_wait_seconds"] = stats.empty() ? 0.0 : stats.back().io_wait_seconds;
   // Where each timed step spent its time (StreamedAdam::StepStats).
   nlohmann::json breakdown = nlohmann::json::array();
-  for (const auto& st : stats) {
+  for (size_t i = 0; i < stats.size(); ++i) {
+    const auto& st = stats[i];
     breakdown.push_back({{"seconds", st.seconds},
+                         {"store_read_bytes", step_io[i].first},
+                         {"cache_hit_bytes", step_io[i].second},
                          {"io_wait", st.io_wait_seconds},
                          {"submit", st.submit_seconds},
                          {"compute", st.compute_seconds},
@@ -703,6 +711,12 @@ int RunCompare(const StepOptions& o) {
         st.slices_in_flight, st.small_sets, st.small_slices, FormatBytes(st.peak_read_bytes_in_flight),
         FormatBytes(st.peak_write_bytes_in_flight), st.device_slots);
   }
+  std::string reads, hits;
+  for (const auto& [rd, hit] : step_io) {
+    reads += (reads.empty() ? "" : " ") + FormatBytes(rd);
+    hits += (hits.empty() ? "" : " ") + FormatBytes(hit);
+  }
+  std::cout << fmt::format("per step: read from the store [{}]  served by the host cache [{}]\n", reads, hits);
   for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours}, {"floor", &disk_floor}}) {
     std::string u = d->Describe();
     if (!u.empty()) std::cout << fmt::format("{:<6}{}\n", name, u);

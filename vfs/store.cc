@@ -23,7 +23,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <cerrno>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <random>
 #include <optional>
@@ -237,6 +239,10 @@ class Core {
     data_locks_.clear();
     lease_lock_file_.reset();
     if (!secondary_dir_.empty()) (void)fs_->RemoveAll(secondary_dir_);
+    if (secondary_lock_fd_ >= 0) {
+      (void)::unlink((secondary_base_ + ".lock").c_str());
+      ::close(secondary_lock_fd_);
+    }
     lock_file_.reset();
   }
 
@@ -289,6 +295,7 @@ class Core {
   // shared: so the mount's first catch-up right after open does not reload).
   std::optional<uint64_t> loaded_seq_;
   std::string secondary_base_;      // secondary_dir_ is this plus a reopen count
+  int secondary_lock_fd_ = -1;      // flock'ed <secondary_base_>.lock while this reader lives
   uint64_t secondary_reopens_ = 0;
 
   uint64_t chunk() const { return identity_.chunk_size_bytes; }
@@ -2991,6 +2998,78 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
   return std::unique_ptr<Store>(new StoreImpl(std::move(core)));
 }
 
+namespace {
+
+// Read-only stores keep a RocksDB secondary instance in a directory of their
+// own under /tmp (its info log; the instance holds no data). A reader killed
+// by SIGKILL or a power loss leaves it behind, so each reader flocks
+// <dir>.lock while it lives, and every read-only open removes the directories
+// whose lock nobody holds: the kernel drops a flock when its process ends,
+// however it ends, in any pid namespace. Directories of readers that predate
+// the lock file are removed when their pid (the name's first number) is gone.
+constexpr const char* kSecondaryRoot = "/tmp";
+constexpr const char* kSecondaryPrefix = "optstate-secondary-";
+
+int LockSecondaryBase(const std::string& base) {
+  int fd = ::open((base + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return -1;  // the directory then only ages out by its pid
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Removes <root>/<base> and its reopened instances <base>-r<N>.
+void RemoveSecondaryBase(const std::string& root, const std::string& base) {
+  namespace sfs = std::filesystem;
+  std::error_code ec;
+  std::vector<sfs::path> doomed;
+  for (sfs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name == base || name.rfind(base + "-r", 0) == 0) doomed.push_back(it->path());
+  }
+  for (const auto& p : doomed) sfs::remove_all(p, ec);
+}
+
+void RemoveStaleSecondaryDirs(const std::string& root) {
+  namespace sfs = std::filesystem;
+  std::error_code ec;
+  std::map<std::string, bool> bases;  // base -> has a lock file
+  const size_t prefix = std::strlen(kSecondaryPrefix);
+  for (sfs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kSecondaryPrefix, 0) != 0) continue;
+    if (name.size() > 5 && name.compare(name.size() - 5, 5, ".lock") == 0) {
+      bases[name.substr(0, name.size() - 5)] = true;
+      continue;
+    }
+    const auto r = name.find("-r", prefix);
+    bases.emplace(r == std::string::npos ? name : name.substr(0, r), false);
+  }
+  for (const auto& [base, has_lock] : bases) {
+    const std::string lock_path = root + "/" + base + ".lock";
+    if (has_lock) {
+      const int fd = ::open(lock_path.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd < 0) continue;
+      if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {  // its reader is gone
+        RemoveSecondaryBase(root, base);
+        (void)::unlink(lock_path.c_str());
+      }
+      ::close(fd);
+      continue;
+    }
+    const char* digits = base.c_str() + prefix;
+    char* end = nullptr;
+    const long pid = std::strtol(digits, &end, 10);
+    if (end == digits || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    RemoveSecondaryBase(root, base);
+  }
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, const StoreOptions& opts) {
   OPTSTATE_RETURN_IF_ERROR(ValidateOptions(opts));
   OPTSTATE_ASSIGN_OR_RETURN(auto core, NewCore(path_in, opts, true));
@@ -3006,9 +3085,11 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
     core->lease_lock_file_ = std::move(*f);
   }
   static std::atomic<uint64_t> counter{0};
-  core->secondary_base_ = "/tmp/optstate-secondary-" + std::to_string(getpid()) + "-" +
+  RemoveStaleSecondaryDirs(kSecondaryRoot);
+  core->secondary_base_ = std::string(kSecondaryRoot) + "/" + kSecondaryPrefix + std::to_string(getpid()) + "-" +
                           std::to_string(counter++) + "-" + std::to_string(std::random_device{}());
   core->secondary_dir_ = core->secondary_base_;
+  core->secondary_lock_fd_ = LockSecondaryBase(core->secondary_base_);
   {
     OPTSTATE_ASSIGN_OR_RETURN(bool has_index, fs->Exists(JoinPath(path, "index")));
     if (!has_index) return Corruption("store " + path + " is damaged: index/ is missing");

@@ -53,7 +53,10 @@
 //
 // Readers. OpenReadOnly() opens the index as a RocksDB secondary instance: it
 // never takes LOCK, works while a trainer has the store open (CatchUp() follows
-// it) and after the trainer died. OpenGeneration() returns a GenerationView that
+// it) and after the trainer died; the secondary instance's directory is
+// /tmp/optstate-secondary-<pid>-..., flock'ed while its reader lives, and the
+// next read-only open of any store removes those of readers that died.
+// OpenGeneration() returns a GenerationView that
 // holds a lease on that generation: while it lives, the writer's GC keeps every
 // extent it references. A lease file is made under a shared flock on
 // leases/.lock and, under the same flock, checked against RETAINED; GC lists

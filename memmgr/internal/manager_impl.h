@@ -49,35 +49,46 @@ struct ChunkKeyHash {
   }
 };
 
-// Host cache tier: copies of chunks in pinned host memory, LRU. Clean entries
-// equal the store's newest version. StreamedAdam may also use entries as its
+// Host cache tier: copies of chunks in pinned host memory. Clean entries
+// equal the store's newest version. StreamedAdam also uses entries as its
 // working copy (Acquire/Release): such an entry is `dirty` (newer than the last
-// commit, see StreamedAdamOptions::durable_every_steps) or in use, and is never
-// evicted; `written` marks a dirty entry already written to the pending
-// generation.
+// commit) or in use, and is never evicted; `written` marks a dirty entry
+// already written to the pending generation.
+// Each entry owns a pinned, 4096-aligned buffer of EntryBytes(len) (direct
+// I/O goes to and from it); capacity_bytes bounds the bytes of these buffers,
+// free ones kept per size for reuse included. Admission policy: see
+// MemoryManagerOptions::host_cache_bytes (admit while there is room, never
+// evict a resident entry for a miss, except where a caller asks to: Acquire's
+// may_evict, used when the tier holds the whole state).
 class HostCache {
  public:
-  HostCache(Device* dev, uint64_t capacity_bytes, uint64_t chunk_bytes);
+  HostCache(Device* dev, uint64_t capacity_bytes);
   ~HostCache();
-  bool enabled() const { return max_entries_ > 0; }
+  bool enabled() const { return capacity_ > 0; }
+  // Bytes an entry of a chunk of len bytes occupies (len rounded up to 4096).
+  static uint64_t EntryBytes(uint64_t len) { return (len + 4095) & ~uint64_t{4095}; }
   // Copies the cached chunk (len bytes) to dst with `copy`; false on a miss.
   // dst_is_device: H2D copy on `stream` (synchronised before return).
   bool Get(const ChunkKey& k, void* dst, uint64_t len, bool dst_is_device, void* stream);
-  // Inserts/replaces a clean copy from host memory src.
+  // Replaces k's copy, or admits it when there is room, from host memory src.
   void Put(const ChunkKey& k, const void* src, uint64_t len);
-  // Inserts from device memory (D2H on stream, synchronised).
+  // As Put, from device memory (D2H on stream, synchronised).
   void PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len, void* stream);
   void Erase(const ChunkKey& k);
   void EraseTensor(uint32_t tensor_id);
   // Drops every entry, dirty ones included (after an aborted generation).
   void Clear();
+  // Bytes of the resident entries' buffers.
   uint64_t bytes() const;
-  uint64_t capacity_bytes() const { return max_entries_ * chunk_bytes_; }
+  uint64_t capacity_bytes() const { return capacity_; }
 
-  // The entry's own chunk-sized, 4096-aligned pinned buffer for k, marked in
-  // use (not evictable) until Release; *valid: it holds k's bytes (len). A
-  // new entry is invalid until filled. Null when every entry is dirty or in use.
-  void* Acquire(const ChunkKey& k, uint64_t len, bool* valid);
+  // The entry's own pinned buffer for k (EntryBytes(len), 4096-aligned),
+  // marked in use (not evictable) until Release; *valid: it holds k's bytes
+  // (len). A new entry is invalid until filled. Null when k has no entry and
+  // none can be admitted: the tier is full (may_evict: of dirty or in-use
+  // entries only; else the oldest clean unused entry makes room) or pinned
+  // memory ran out.
+  void* Acquire(const ChunkKey& k, uint64_t len, bool may_evict, bool* valid);
   // Ends a use. dirty: the buffer now holds bytes newer than the last commit.
   void Release(const ChunkKey& k, bool dirty);
   // A dirty entry's bytes reached the pending generation.
@@ -97,21 +108,30 @@ class HostCache {
   struct Entry {
     void* h_buf = nullptr;
     uint64_t len = 0;
+    uint64_t buf_bytes = 0;  // EntryBytes(len) when allocated
     std::list<ChunkKey>::iterator lru;
     bool dirty = false;
     bool written = false;
     uint32_t users = 0;
   };
-  // REQUIRES: mu_ held. Returns a buffer for k (new, recycled, or evicted LRU).
-  void* SlotFor(const ChunkKey& k, uint64_t len);
+  using EntryMap = std::unordered_map<ChunkKey, Entry, ChunkKeyHash>;
+  // REQUIRES: mu_ held. Returns k's buffer for len bytes (its entry, or a new
+  // one when admitted); null when none can be had.
+  void* SlotFor(const ChunkKey& k, uint64_t len, bool may_evict);
+  // REQUIRES: mu_ held. A buffer of `bytes`: a free one, or a new one within
+  // capacity (free buffers of other sizes are returned to the system first).
+  void* TakeBuffer(uint64_t bytes, bool may_evict);
+  // REQUIRES: mu_ held. Moves e's buffer to the free lists and erases it.
+  EntryMap::iterator Drop(EntryMap::iterator it);
   Device* dev_;
-  uint64_t chunk_bytes_;
-  uint64_t max_entries_;
+  uint64_t capacity_;
   mutable std::mutex mu_;
-  std::unordered_map<ChunkKey, Entry, ChunkKeyHash> entries_;  // guarded by mu_
-  std::list<ChunkKey> lru_;                                    // guarded by mu_, front = oldest
-  std::vector<void*> free_bufs_;                               // guarded by mu_
-  uint64_t allocated_ = 0;                                     // guarded by mu_
+  EntryMap entries_;                                 // guarded by mu_
+  std::list<ChunkKey> lru_;                          // guarded by mu_, front = oldest
+  std::map<uint64_t, std::vector<void*>> free_;      // guarded by mu_: free buffers by size
+  uint64_t allocated_ = 0;                           // guarded by mu_: bytes of all buffers
+  uint64_t entry_bytes_ = 0;                         // guarded by mu_: bytes of entries' buffers
+  bool warned_alloc_ = false;                        // guarded by mu_
 };
 
 // A budgeted, contiguous device range of whole pages (StreamedAdam slots).
@@ -251,6 +271,7 @@ class ManagerImpl {
 
   vfs::Store* store_;
   std::string staging_pages_;  // MemoryManager::staging_pages(); set by Create
+  std::string cache_why_;      // how an automatic host_cache_bytes was chosen; set by Create
   MemoryManagerOptions opts_;
   std::unique_ptr<Device> dev_;
   uint64_t page_bytes_ = 0;

@@ -177,13 +177,21 @@ class Store(_Handle):
         return {name: getattr(s, name) for name, _ in s._fields_}
 
 
+# host_cache_bytes="auto": the C ABI's OPTSTATE_HOST_CACHE_AUTO.
+HOST_CACHE_AUTO = (1 << 64) - 1
+
+
 class MemoryManager(_Handle):
-    """The device window of a store (memmgr::MemoryManager). backend: "auto", "host" or "cuda"."""
+    """The device window of a store (memmgr::MemoryManager). backend: "auto", "host" or "cuda".
+
+    host_cache_bytes: the pinned host cache tier (RAM as a read tier), bytes; 0 = off; "auto"
+    (default): half of MemAvailable, leaving at least 4 GiB free, divided among the node's ranks.
+    """
 
     _what = "memory manager"
     _close_order = 1
 
-    def __init__(self, store, *, backend="auto", device_budget_bytes=2 << 30, host_cache_bytes=0,
+    def __init__(self, store, *, backend="auto", device_budget_bytes=2 << 30, host_cache_bytes="auto",
                  read_ahead_chunks=0, cuda_device=0):
         super().__init__()
         self.store = store
@@ -192,7 +200,8 @@ class MemoryManager(_Handle):
         try:
             call(lib.optstate_mm_options_set_backend, opts, _b(backend))
             lib.optstate_mm_options_set_device_budget_bytes(opts, int(device_budget_bytes))
-            lib.optstate_mm_options_set_host_cache_bytes(opts, int(host_cache_bytes))
+            lib.optstate_mm_options_set_host_cache_bytes(opts, HOST_CACHE_AUTO if host_cache_bytes == "auto"
+                                                         else int(host_cache_bytes))
             lib.optstate_mm_options_set_read_ahead_chunks(opts, int(read_ahead_chunks))
             lib.optstate_mm_options_set_cuda_device(opts, int(cuda_device))
             h = ctypes.c_void_p()

@@ -69,7 +69,8 @@ class AdamW(torch.optim.Optimizer):
              Created when missing, reopened (resume) when present.
       budget: device bytes the state may occupy during step() (hard cap). Default 2 GiB.
       backend: "auto" (cuda when a GPU is visible), "cuda" or "host" (CPU tensors).
-      host_cache_bytes: pinned host cache of state chunks; 0 = off.
+      host_cache_bytes: pinned host cache tier (steps read the state from RAM, write to disk);
+             0 = off; "auto" (default): half of MemAvailable, at least 4 GiB left free, per local rank.
       chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
       cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
       commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
@@ -81,8 +82,9 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, store, budget=2 << 30, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
-                 host_cache_bytes=0, chunk_size_bytes=None, data_dirs=None, store_name=None,
-                 cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0, cuda_device=None,
+                 host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
+                 cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0,
+                 cuda_device=None,
                  foreach=None, fused=None, capturable=False, differentiable=False):
         if not 0.0 <= float(lr):
             raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -543,8 +544,9 @@ TEST(StreamedAdam, HashThreadsStepsEqualResidentKernelBitForBit) {
 // sets, so a step's first pass fills the read depth with the big slices'
 // bytes. (With depths counted in requests every small slice took a big set
 // and three of the depth's requests: half the depth moved KiB and the disk's
-// queue ran half empty.) Checked by what was in flight, not by time,
-// and the state against the resident kernel, bit for bit.
+// queue ran half empty.) Checked by what the depth admits, with completions
+// held until the step drains (so the disk's speed does not matter), and the
+// state against the resident kernel, bit for bit.
 TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   MEMMGR_REQUIRE_BACKEND();
   Env env;
@@ -560,21 +562,26 @@ TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
+  sa->HoldCompletionsUntilDrain(true);
+  const uint64_t depth = TestMmOptions(0).queue_depth * kChunk;  // bytes the read depth allows
+  // What a depth counted in bytes admits: slices in order while their bytes
+  // fit (10 of the 16 big slices, 3 chunks each, and the 11 small ones
+  // before the 11th big one). Counted in requests, 32 of them held at most
+  // ~5 big slices here: 16 chunks.
+  uint64_t admitted = 0;
+  for (const auto& d : defs) {
+    if (admitted + 3 * d.numel * 4 > depth) break;
+    admitted += 3 * d.numel * 4;
+  }
+  ASSERT_GE(admitted, 30 * kChunk);
   for (uint64_t step = 1; step <= 3; ++step) {
     StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
     const StreamedAdam::StepStats& st = sa->last_step_stats();
-    const uint64_t depth = TestMmOptions(0).queue_depth * kChunk;  // bytes the read depth allows
     EXPECT_EQ(st.small_slices, 16u) << "step " << step;
     EXPECT_LE(st.peak_read_bytes_in_flight, depth) << "step " << step;
-    // From step 2 every field is on disk (step 1 reads never-written moments
-    // as zeros, at once): the params are handed over in microseconds, each
-    // read takes the disk longer, so the depth fills: 10 of the 16 big
-    // slices (3 chunks each) fit it, the small slices between them do not
-    // count against it. (Counted in requests, 32 of them held at most ~5 big
-    // slices here: 16 chunks.)
-    if (step >= 2) {
-      EXPECT_GE(st.peak_read_bytes_in_flight, 24 * kChunk) << "step " << step;
-    }
+    // The first pass (StepParam, nothing reaped) admits exactly `admitted`;
+    // the drain may top the depth up further as completions free bytes.
+    EXPECT_GE(st.peak_read_bytes_in_flight, admitted) << "step " << step;
   }
   ExpectStateEquals(env.mm.get(), ref, defs);
 }
@@ -1610,6 +1617,179 @@ TEST(StreamedAdam, ClearErrors) {
   bad.beta1 = 1.5;
   EXPECT_EQ(sa->SetGroup(bad).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(sa->EndStep().status().code(), StatusCode::kFailedPrecondition);
+}
+
+// ------------------------------------------------------------ host cache tier
+
+// Many small tensors (norms, biases: a few KiB each) between big ones; every
+// chunk a multiple of 4 KiB, so the tier's entry bytes equal the chunk bytes.
+std::vector<ParamDef> ManySmallMix() {
+  const uint64_t ce = kChunk / 4;
+  std::vector<ParamDef> defs;
+  for (int l = 0; l < 32; ++l) {
+    const std::string p = "l" + std::to_string(100 + l);
+    defs.push_back({p + ".norm", 1024, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone});
+    defs.push_back({p + ".bias", 2048, 0, ScalarType::kF32, ScalarType::kBF16, ScalarType::kBF16});
+    if (l % 8 == 0) {
+      defs.push_back({p + ".w", 2 * ce + 4096, 0, ScalarType::kBF16, ScalarType::kF32, ScalarType::kBF16});
+    }
+  }
+  return defs;
+}
+
+// The tier's bytes for a state: each chunk of each field rounded up to 4 KiB.
+uint64_t TierBytes(const std::vector<ParamDef>& defs) {
+  uint64_t b = 0;
+  for (const auto& d : defs) {
+    for (uint64_t first = 0; first < d.numel; first += kChunk / 4) {
+      b += 3 * ((std::min(kChunk / 4, d.numel - first) * 4 + 4095) / 4096 * 4096);
+    }
+  }
+  return b;
+}
+
+// The policy's prediction for a tier of `capacity` bytes: a step walks the
+// slices in order (params as given, chunks, then main, exp_avg, exp_avg_sq)
+// and each chunk is admitted while it fits; nothing is evicted afterwards.
+uint64_t AdmittedBytes(const std::vector<ParamDef>& defs, uint64_t capacity) {
+  uint64_t used = 0;
+  for (const auto& d : defs) {
+    for (uint64_t first = 0; first < d.numel; first += kChunk / 4) {
+      const uint64_t bytes = (std::min(kChunk / 4, d.numel - first) * 4 + 4095) / 4096 * 4096;
+      for (int f = 0; f < 3; ++f) {
+        if (used + bytes <= capacity) used += bytes;
+      }
+    }
+  }
+  return used;
+}
+
+// A tier that holds the whole state (64 tensors of a few KiB each among big
+// ones; entries sized by their bytes, not by the chunk size): after the
+// first step, a durable step reads nothing from the store, serves every
+// chunk from RAM and still writes every byte through.
+TEST(HostCacheTier, HoldsManySmallTensorsAndServesEveryReadAfterTheFirstStep) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  std::vector<ParamDef> defs = ManySmallMix();
+  ASSERT_EQ(TierBytes(defs), StateBytes(defs));
+  env.Open(6 * kChunk, true, TierBytes(defs));
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  for (uint64_t step = 1; step <= 4; ++step) {
+    const MemoryStats before = env.mm->stats();
+    StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
+    const MemoryStats after = env.mm->stats();
+    EXPECT_EQ(env.store->LatestGeneration().step, step) << "every step is durable";
+    EXPECT_EQ(after.nvme_write_bytes - before.nvme_write_bytes, StateBytes(defs)) << "step " << step;
+    if (step >= 2) {
+      EXPECT_EQ(after.nvme_read_bytes - before.nvme_read_bytes, 0u) << "step " << step;
+      EXPECT_EQ(after.cache_hit_bytes - before.cache_hit_bytes, StateBytes(defs)) << "step " << step;
+    }
+    EXPECT_EQ(after.cache_bytes, TierBytes(defs));
+  }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// A tier of about half the state: the chunks admitted in the first step stay
+// resident and serve the same bytes in every later step; the rest is read
+// from the store. (LRU evicts, during each step's walk, exactly the chunks
+// the next step reads first: it serves nothing here.)
+TEST(HostCacheTier, HalfTheStateKeepsItsResidentSetAcrossSteps) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  std::vector<ParamDef> defs = ManySmallMix();
+  const uint64_t capacity = TierBytes(defs) / 2;
+  const uint64_t resident = AdmittedBytes(defs, capacity);
+  ASSERT_GT(resident, capacity - kChunk);
+  ASSERT_LE(resident, capacity);
+  env.Open(6 * kChunk, true, capacity);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  for (uint64_t step = 1; step <= 5; ++step) {
+    const MemoryStats before = env.mm->stats();
+    StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
+    const MemoryStats after = env.mm->stats();
+    EXPECT_EQ(env.store->LatestGeneration().step, step);
+    EXPECT_EQ(after.nvme_write_bytes - before.nvme_write_bytes, StateBytes(defs)) << "step " << step;
+    EXPECT_EQ(after.cache_bytes, resident) << "step " << step;
+    if (step >= 2) {
+      EXPECT_EQ(after.cache_hit_bytes - before.cache_hit_bytes, resident) << "step " << step;
+      EXPECT_EQ(after.nvme_read_bytes - before.nvme_read_bytes, StateBytes(defs) - resident) << "step " << step;
+    }
+  }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// A step aborted midway (a kernel failure, or a chunk write that fails,
+// after some slices were computed in their cache entries and written) leaves
+// no bytes of the dropped generation in the tier: the retried step and the
+// ones after equal the reference, for a tier holding the whole state and one
+// holding half of it.
+TEST(HostCacheTier, AbortedStepServesNoStaleBytes) {
+  MEMMGR_REQUIRE_BACKEND();
+  std::vector<ParamDef> defs = ManySmallMix();
+  for (const uint64_t capacity : {TierBytes(defs), TierBytes(defs) / 2}) {
+    for (const bool io_fault : {false, true}) {
+      SCOPED_TRACE("tier of " + std::to_string(capacity) + " bytes, " + (io_fault ? "write fault" : "kernel failure"));
+      vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
+      Env env;
+      env.Open(6 * kChunk, true, capacity, false, MemoryManagerOptions::kAutoHashThreads, &fs);
+      auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+      RegisterAll(sa.get(), env.mm.get(), defs);
+      Reference ref(env.mm.get(), defs);
+      auto groups = TestGroups();
+      for (uint64_t step = 1; step <= 2; ++step) StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
+      const uint64_t gen2 = env.store->LatestGeneration().generation;
+      StepGrads sg3(env.mm.get(), defs, 3);
+      if (io_fault) {
+        vfs::FaultRule rule = vfs::FaultRule::FailNth(vfs::OpClass::kWrite, 3 * defs.size() / 2);
+        rule.path_contains = ".chunks";
+        fs.AddRule(rule);
+      } else {
+        sa->InjectKernelFailureAfter(defs.size() / 2);
+      }
+      Status st = sa->Step(sg3.List(defs));
+      ASSERT_FALSE(st.ok());
+      EXPECT_TRUE(Contains(st, io_fault ? "injected fault" : "injected")) << st.ToString();
+      EXPECT_EQ(env.store->LatestGeneration().generation, gen2);
+      fs.ClearRules();
+      ASSERT_OK(sa->Step(sg3.List(defs)));
+      for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg3.grad[i]->get(), 3, groups[defs[i].group], 1.0f);
+      StepWithReference(sa.get(), env.mm.get(), defs, &ref, 4, 1.0f);
+      ExpectStateEquals(env.mm.get(), ref, defs);
+    }
+  }
+}
+
+// host_cache_bytes defaults to kAutoHostCache, which Create resolves from
+// MemAvailable (half of it at most); 0 stays off.
+TEST(HostCacheTier, AutomaticSizeComesFromMemAvailable) {
+  MEMMGR_REQUIRE_BACKEND();
+  EXPECT_EQ(MemoryManagerOptions{}.host_cache_bytes, MemoryManagerOptions::kAutoHostCache);
+  uint64_t avail = 0;
+  std::ifstream in("/proc/meminfo");
+  for (std::string key; in >> key;) {
+    uint64_t kib = 0;
+    in >> kib;
+    if (key == "MemAvailable:") avail = kib << 10;
+    in.ignore(1 << 10, '\n');
+  }
+  ASSERT_GT(avail, 0u);
+  Env env;
+  env.Open(3 * kChunk, true, MemoryManagerOptions::kAutoHostCache);
+  const uint64_t chosen = env.mm->options().host_cache_bytes;
+  EXPECT_NE(chosen, MemoryManagerOptions::kAutoHostCache);
+  // MemAvailable moves between the two reads: allow 1 GiB of drift.
+  EXPECT_LE(chosen, avail / 2 + (1ull << 30));
+  if (avail > (16ull << 30) && std::getenv("LOCAL_WORLD_SIZE") == nullptr) {
+    EXPECT_GT(chosen, 0u);
+  }
+  env.Close();
+  env.Open(3 * kChunk, false, 0);
+  EXPECT_EQ(env.mm->options().host_cache_bytes, 0u);
 }
 
 }  // namespace

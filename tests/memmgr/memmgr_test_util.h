@@ -85,6 +85,7 @@ inline MemoryManagerOptions TestMmOptions(uint64_t budget_bytes) {
   o.backend = kTestBackend;
   o.device_budget_bytes = budget_bytes;
   o.queue_depth = 32;
+  o.host_cache_bytes = 0;  // tests count disk reads; the host cache tier's tests set it
   return o;
 }
 

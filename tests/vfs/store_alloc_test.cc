@@ -28,13 +28,6 @@ namespace {
 
 using namespace store_testing;  // NOLINT
 
-template <typename T>
-T Unwrap(Result<T> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  if (!r.ok()) std::abort();
-  return std::move(*r);
-}
-
 uint64_t Sum(const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), uint64_t{0}); }
 
 // A scaled-down transformer layer like tools/bench_step.cc's ParamMix (h = 512

@@ -25,19 +25,7 @@ using store_testing::FillPattern;
 using store_testing::kTestChunk;
 using store_testing::TempDir;
 using store_testing::TestOptions;
-
-#define ASSERT_OK(expr)                                  \
-  do {                                                   \
-    auto _s = (expr);                                    \
-    ASSERT_TRUE(_s.ok()) << _s.ToString();               \
-  } while (0)
-
-template <typename T>
-T Unwrap(Result<T> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  if (!r.ok()) std::abort();
-  return std::move(r).value();
-}
+using store_testing::Unwrap;
 
 uint64_t Sum(const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), uint64_t{0}); }
 

@@ -35,19 +35,7 @@ using store_testing::FillPattern;
 using store_testing::kTestChunk;
 using store_testing::TempDir;
 using store_testing::TestOptions;
-
-#define ASSERT_OK(expr)                    \
-  do {                                     \
-    auto _s = (expr);                      \
-    ASSERT_TRUE(_s.ok()) << _s.ToString(); \
-  } while (0)
-
-template <typename T>
-T Unwrap(Result<T> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  if (!r.ok()) std::abort();
-  return std::move(r).value();
-}
+using store_testing::Unwrap;
 
 // 2 full chunks and a 12-byte tail per field.
 constexpr uint64_t kNumel = 2 * kTestChunk / 4 + 3;
@@ -389,6 +377,7 @@ class LeaseChild {
     siginfo_t si{};
     ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(pid_), &si, WEXITED | WNOWAIT), 0);
   }
+  pid_t pid() const { return pid_; }
   void Reap() {
     if (pid_ > 0) ::waitpid(pid_, nullptr, 0);
     pid_ = -1;
@@ -428,6 +417,41 @@ TEST(StoreLeaseTest, LeaseOfAKilledReaderIsReclaimedEvenWhileItIsAZombie) {
   child.Reap();
   w.reset();
   ExpectStoreHolds(path, 4);
+}
+
+// The entries a reader process keeps in /tmp: its RocksDB secondary
+// directories and their lock file.
+std::vector<std::string> SecondaryEntriesOf(pid_t pid) {
+  std::vector<std::string> out;
+  const std::string prefix = "optstate-secondary-" + std::to_string(pid) + "-";
+  for (const auto& e : std::filesystem::directory_iterator("/tmp")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) out.push_back(name);
+  }
+  return out;
+}
+
+TEST(StoreLeaseTest, SecondaryDirsOfKilledReadersAreRemovedAtTheNextReadOnlyOpen) {
+  TempDir dir;
+  const std::string path = dir / "s";
+  auto w = Unwrap(Store::Create(path, TestOptions()));
+  Step(w.get(), 1);
+  LeaseChild child(path);
+  ASSERT_EQ(child.Lease(), 1u);
+  const pid_t child_pid = child.pid();
+  ASSERT_EQ(SecondaryEntriesOf(child_pid).size(), 2u) << "a reader's secondary dir and its lock file";
+  auto live = Unwrap(Store::OpenReadOnly(path, TestOptions()));
+  ASSERT_EQ(SecondaryEntriesOf(::getpid()).size(), 2u);
+  child.Kill();
+  child.Reap();
+  ASSERT_EQ(SecondaryEntriesOf(child_pid).size(), 2u) << "SIGKILL leaves them behind";
+  auto next = Unwrap(Store::OpenReadOnly(path, TestOptions()));
+  EXPECT_TRUE(SecondaryEntriesOf(child_pid).empty()) << "the next read-only open removes a dead reader's";
+  EXPECT_EQ(SecondaryEntriesOf(::getpid()).size(), 4u) << "and keeps those of live readers";
+  EXPECT_EQ(Unwrap(next->OpenGeneration(kLatest))->info().generation, 1u);
+  live.reset();
+  next.reset();
+  EXPECT_TRUE(SecondaryEntriesOf(::getpid()).empty()) << "a closed reader removes its own";
 }
 
 TEST(StoreLeaseTest, SpaceOfDeadReadersIsReclaimedAtOpenWithoutACommit) {

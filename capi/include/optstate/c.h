@@ -175,7 +175,12 @@ OPTSTATE_EXPORT int optstate_mm_options_set_backend(optstate_mm_options_t* opts,
                                                     char** errptr);
 /* Hard cap on device pages for state, bytes. Default 2 GiB. */
 OPTSTATE_EXPORT void optstate_mm_options_set_device_budget_bytes(optstate_mm_options_t* opts, uint64_t bytes);
-/* Pinned host cache of chunks, bytes; 0 = off (default). */
+/* Pinned host cache tier (RAM as a read tier: steps read the chunks it
+ * holds from RAM and write every generation through to disk), bytes; 0 = off.
+ * Default OPTSTATE_HOST_CACHE_AUTO: half of MemAvailable, leaving at least
+ * 4 GiB free, divided among the node's ranks (LOCAL_WORLD_SIZE); see
+ * memmgr/memory_manager.h MemoryManagerOptions::host_cache_bytes. */
+#define OPTSTATE_HOST_CACHE_AUTO UINT64_MAX
 OPTSTATE_EXPORT void optstate_mm_options_set_host_cache_bytes(optstate_mm_options_t* opts, uint64_t bytes);
 /* Chunk slices the step pipeline stages at once (staging buffers: 3n + 4);
  * 0 = auto (default: enough to keep the I/O queues full). */
