@@ -14,10 +14,15 @@ Param groups work as in torch.optim.AdamW: lr, betas, eps and weight_decay
 are read from param_groups at every step, so torch.optim.lr_scheduler works
 unchanged. Parameters whose .grad is None in a step keep their state.
 
-Mixed precision: pass unscaled gradients (torch.cuda.amp.GradScaler.step
-unscales them and skips the step on inf/NaN without calling this optimizer),
-or pass found_inf=<float32 tensor> to step(): when it is nonzero the step
-changes and commits nothing.
+Mixed precision: torch's GradScaler works unchanged (`scaler.step(opt)`).
+The optimizer declares `_step_supports_amp_scaling`, so GradScaler does not
+unscale the gradients in a pass of its own: it hands the step its scale and
+found-inf tensors (the `grad_scale` / `found_inf` attributes on torch >= 2.0,
+the `grad_scaler=` argument before), and the step divides the gradients by the
+scale inside the fused kernel, reading both flags on the device (no host
+synchronisation). A step whose found_inf is nonzero changes and commits
+nothing. step(found_inf=..., grad_scale=...) takes the same two inputs
+directly.
 
 Resume: a store that already holds a parameter keeps its state; the
 parameter is then overwritten with the stored fp32 main (cast to its dtype),
@@ -75,6 +80,9 @@ class AdamW(torch.optim.Optimizer):
       params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
       tensors' names in the store. Otherwise they are "param<i>" in the order given.
     """
+
+    # torch's GradScaler: hand the step the scale and found-inf instead of unscaling the grads.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, store, budget=2 << 30, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
@@ -266,23 +274,37 @@ class AdamW(torch.optim.Optimizer):
         self._sel = sel
         self._n = n
         self._c_ids = (ctypes.c_uint32 * n)(*[self._ids[i] for i in sel])
+        self._c_numels = (ctypes.c_uint64 * n)(*[grads[i].numel() for i in sel])
         self._c_gdt = (ctypes.c_int * n)(*[_DTYPES[grads[i].dtype] for i in sel])
         self._c_pdt = (ctypes.c_int * n)(*[_DTYPES[self._plist[i].dtype] for i in sel])
         self._c_grads = (ctypes.c_void_p * n)()
         self._c_params = (ctypes.c_void_p * n)()
 
     @torch.no_grad()
-    def step(self, closure=None, *, found_inf=None):
+    def step(self, closure=None, *, found_inf=None, grad_scale=None, **kwargs):
         """One AdamW step over every param that has a grad: one C call, one committed generation.
 
         found_inf: optional float32 tensor of one element (on the params' device); nonzero skips the
-        step (nothing changes, nothing is committed)."""
+        step (nothing changes, nothing is committed). grad_scale: optional float32 tensor of one
+        element on the params' device (or a positive number): the grads are divided by it for this
+        step. Without them, the `found_inf` / `grad_scale` attributes that torch's GradScaler sets
+        are used (and reset to None after the step). grad_scaler: given by GradScaler of torch < 2.0."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._handles is None:
             raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+        scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError("optstate.torch.AdamW.step() got unexpected keyword arguments %s" % sorted(kwargs))
+        if scaler is not None:
+            found_inf, grad_scale = self._amp_inputs_of(scaler)
+        else:
+            if found_inf is None:
+                found_inf = getattr(self, "found_inf", None)
+            if grad_scale is None:
+                grad_scale = getattr(self, "grad_scale", None)
         for gid, group in enumerate(self.param_groups):
             self._send_hyper(gid, group)
         grads = [p.grad for p in self._plist]
@@ -296,18 +318,39 @@ class AdamW(torch.optim.Optimizer):
         sel = self._sel
         self._c_grads[:] = [sig[i][0] for i in sel]
         self._c_params[:] = [sig[i][3] for i in sel]
-        found_ptr = None
-        if found_inf is not None:
-            if found_inf.dtype != torch.float32 or found_inf.numel() != 1 or found_inf.device != self._device:
-                raise errors.InvalidArgument("optstate.torch.AdamW: found_inf must be one float32 element on %s, "
-                                             "got %s %s on %s" % (self._device, found_inf.dtype,
-                                                                  tuple(found_inf.shape), found_inf.device))
-            found_ptr = found_inf.data_ptr()
-        if self._cuda:  # the optimizer's streams read the grads: they must be complete
+        found_ptr = self._flag_ptr(found_inf, "found_inf") if found_inf is not None else None
+        if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+            if not float(grad_scale) > 0 or float(grad_scale) == float("inf"):
+                raise errors.InvalidArgument("optstate.torch.AdamW: grad_scale %r is not a finite number > 0"
+                                             % (grad_scale,))
+            grad_scale = torch.full((1,), float(grad_scale), dtype=torch.float32, device=self._device)
+        scale_ptr = self._flag_ptr(grad_scale, "grad_scale") if grad_scale is not None else None
+        if self._cuda:  # the optimizer's streams read the grads and flags: they must be complete
             torch.cuda.current_stream(self._device).synchronize()
-        self._adam.step_raw(self._n, self._c_ids, self._c_grads, self._c_gdt, self._c_params, self._c_pdt,
-                            found_ptr, 0.0)
+        self._adam.step2_raw(self._n, self._c_ids, self._c_grads, self._c_gdt, self._c_numels, self._c_params,
+                             self._c_pdt, found_ptr, scale_ptr)
+        # Consumed: a flag left behind would apply to the next step too (GradScaler deletes them itself).
+        for attr in ("found_inf", "grad_scale"):
+            if getattr(self, attr, None) is not None:
+                setattr(self, attr, None)
         return loss
+
+    def _flag_ptr(self, t, what):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1 or t.device != self._device:
+            raise errors.InvalidArgument("optstate.torch.AdamW: %s must be one float32 element on %s, got %s"
+                                         % (what, self._device, _describe(t)))
+        return t.data_ptr()
+
+    def _amp_inputs_of(self, scaler):
+        """(found_inf, grad_scale) from a GradScaler of torch < 2.0, which passes itself to step() instead
+        of setting attributes; mirrors what torch >= 2.0's GradScaler.step sets."""
+        state = scaler._per_optimizer_states[id(self)]
+        unscaled = getattr(state["stage"], "name", "") == "UNSCALED"
+        if not unscaled:
+            scaler._check_inf_per_device(self)  # the finite check without unscaling (inv scale 1)
+        scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler._scale
+        found = sum(t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values())
+        return found, (None if unscaled else scale)
 
     # ---- state ----
 
@@ -397,6 +440,18 @@ class AdamW(torch.optim.Optimizer):
         (visible under <mount>/<store>/snapshots/<name>/); returns its generation."""
         self._live().make_durable()
         return self._store.snapshot(name)
+
+    def retire(self, name):
+        """Leaves a param that the store holds but the model no longer has (given by its name in the
+        store) out of training: its state stays in the store, unchanged in every later generation.
+        Until then step() fails (optstate.FailedPrecondition naming such params), so state is never
+        dropped silently."""
+        adam = self._live()
+        if name in self._names:
+            raise errors.InvalidArgument("optstate.torch.AdamW.retire: %s is a param of this optimizer (store %s); "
+                                         "only a param the model no longer has can be retired"
+                                         % (name, self._store._path))
+        adam.retire_param(name)
 
     def release_snapshot(self, name):
         self._live()
@@ -538,6 +593,12 @@ class _CudaArray:
     def __init__(self, ptr, count, typestr):
         self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False),
                                          "strides": None, "version": 2}
+
+
+def _describe(t):
+    if isinstance(t, torch.Tensor):
+        return "%s %s on %s" % (t.dtype, tuple(t.shape), t.device)
+    return type(t).__name__
 
 
 def _few(names):
