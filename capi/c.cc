@@ -22,6 +22,7 @@
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
+#include "vfs/checkpoint.h"
 #include "vfs/status.h"
 #include "vfs/store.h"
 
@@ -317,6 +318,35 @@ int optstate_store_stats(const optstate_store_t* store, optstate_store_stats_t* 
     out->generations_retained = st->generations_retained;
     out->snapshots = st->snapshots;
     out->leases = st->leases;
+    return Status::Ok();
+  });
+}
+
+// ---- checkpoint directories ----
+
+int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, const char* dest,
+                               uint64_t* generation, char** errptr) {
+  const char* what = "optstate_checkpoint_export";
+  return Guard(errptr, what, [&]() -> Status {
+    if (store == nullptr) return NullArgument(what, "store");
+    if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
+    vfs::ExportOptions opts;
+    if (snapshot != nullptr) opts.snapshot = snapshot;
+    auto r = vfs::ExportCheckpoint(store->rep.get(), dest, opts);
+    if (!r.ok()) return r.status();
+    if (generation != nullptr) *generation = r->generation;
+    return Status::Ok();
+  });
+}
+
+int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation, char** errptr) {
+  const char* what = "optstate_checkpoint_restore";
+  return Guard(errptr, what, [&]() -> Status {
+    if (store == nullptr) return NullArgument(what, "store");
+    if (src == nullptr || *src == '\0') return InvalidArgument(std::string(what) + ": empty checkpoint path");
+    auto r = vfs::RestoreCheckpoint(store->rep.get(), src);
+    if (!r.ok()) return r.status();
+    if (generation != nullptr) *generation = *r;
     return Status::Ok();
   });
 }

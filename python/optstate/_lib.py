@@ -72,6 +72,8 @@ _SIGNATURES = {
     "optstate_snapshot_list_generation": (_u64, [_vp, _c.c_size_t]),
     "optstate_snapshot_list_destroy": (None, [_vp]),
     "optstate_store_stats": (_int, [_vp, _c.POINTER(StoreStats), _errp]),
+    "optstate_checkpoint_export": (_int, [_vp, _u8p, _u8p, _c.POINTER(_u64), _errp]),
+    "optstate_checkpoint_restore": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
     # memory manager
     "optstate_mm_options_create": (_vp, []),
     "optstate_mm_options_destroy": (None, [_vp]),

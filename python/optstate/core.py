@@ -47,6 +47,10 @@ class _Handle:
     def _describe(self):
         return ""
 
+    @property
+    def closed(self):
+        return self._h is None
+
     def __enter__(self):
         return self
 
@@ -170,6 +174,27 @@ class Store(_Handle):
                      lib.optstate_snapshot_list_generation(lst, i)) for i in range(n)]
         finally:
             lib.optstate_snapshot_list_destroy(lst)
+
+    def export_checkpoint(self, dest, snapshot=None):
+        """Writes the newest committed generation (or a snapshot's) as a checkpoint directory at dest,
+        byte for byte what the mount shows; returns its generation (see optstate_checkpoint_export)."""
+        gen = ctypes.c_uint64()
+        call(lib.optstate_checkpoint_export, self._live(), None if snapshot is None else _b(snapshot), _b(dest),
+             ctypes.byref(gen))
+        return gen.value
+
+    def restore_checkpoint(self, src):
+        """Imports a checkpoint directory as a new committed generation after verifying every chunk and
+        the layout; returns the new generation. No manager or optimizer may be open on the store."""
+        live = [c for c in self._children if not c.closed]
+        if live:
+            raise errors.FailedPrecondition(
+                "restore of %s into store %s: close its %s first (an optimizer resumes from the restored "
+                "generation when it is created again)" % (os.fspath(src), self._path,
+                                                          " and ".join(sorted({c._what for c in live}))))
+        gen = ctypes.c_uint64()
+        call(lib.optstate_checkpoint_restore, self._live(), _b(src), ctypes.byref(gen))
+        return gen.value
 
     def stats(self):
         s = StoreStats()

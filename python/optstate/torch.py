@@ -108,15 +108,16 @@ class AdamW(torch.optim.Optimizer):
             cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
         self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or ())
         try:
-            self._mm = MemoryManager(self._store, backend=backend, device_budget_bytes=budget,
-                                     host_cache_bytes=host_cache_bytes, read_ahead_chunks=read_ahead_chunks,
-                                     cuda_device=cuda_device)
+            # Kept to create the manager and optimizer again on the same store (checkpoint load).
+            self._mm_kw = dict(backend=backend, device_budget_bytes=budget, host_cache_bytes=host_cache_bytes,
+                               read_ahead_chunks=read_ahead_chunks, cuda_device=cuda_device)
+            self._mm = MemoryManager(self._store, **self._mm_kw)
             self._cuda = self._mm.backend == "cuda"
             self._device = torch.device("cuda", cuda_device) if self._cuda else torch.device("cpu")
             if cpu_threads is None:
                 cpu_threads = 1 if self._cuda else max(1, min(4, torch.get_num_threads()))
-            self._adam = StreamedAdam(self._store, self._mm, cpu_threads=cpu_threads,
-                                      durable_every_steps=durable_every_steps)
+            self._adam_kw = dict(cpu_threads=cpu_threads, durable_every_steps=durable_every_steps)
+            self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
             self._handles = (self._adam, self._mm, self._store)
             # Per registered param, in registration order (the step's array order).
             self._plist, self._numels, self._names, self._ids, self._pgroup = [], [], [], [], []
@@ -541,6 +542,50 @@ class AdamW(torch.optim.Optimizer):
             adam.commit()
             if field == "main":
                 self._copy_main_to(name, p)
+
+    def _load_checkpoint(self, src):
+        """optstate.checkpoint.load: restores src into this optimizer's store and resumes from it (params
+        take the restored fp32 mains; step counts and hyperparameters are the checkpoint's)."""
+        adam = self._live()
+        adam.make_durable()
+        if self._cuda:
+            torch.cuda.current_stream(self._device).synchronize()
+        # The store takes a restore only with no optimizer or manager on it (their caches would be stale).
+        self._handles = None
+        adam.close()
+        self._mm.close()
+        try:
+            gen = self._store.restore_checkpoint(src)
+        finally:
+            self._reopen()
+        for gid, group in enumerate(self.param_groups):
+            h = self._adam.get_group(gid)
+            group["lr"], group["betas"] = h["lr"], (h["beta1"], h["beta2"])
+            group["eps"], group["weight_decay"] = h["eps"], h["weight_decay"]
+        self._hyper.clear()
+        return gen
+
+    def _reopen(self):
+        """Creates the manager and optimizer again on the store and registers the params in their order;
+        each param takes the store's fp32 main."""
+        try:
+            self._mm = MemoryManager(self._store, **self._mm_kw)
+            self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
+            self._handles = (self._adam, self._mm, self._store)
+            for i, p in enumerate(self._plist):
+                pid, existed = self._adam.register_param(self._names[i], p.numel(), self._pgroup[i], p.data_ptr(),
+                                                         _DTYPES[p.dtype], tuple(p.shape))
+                self._ids[i] = pid
+                if existed:
+                    self._copy_main_to(self._names[i], p)
+                else:
+                    self._new_registrations = True
+            self._commit_registrations()
+            self._hyper.clear()
+            self._batch_key = None
+        except BaseException:
+            self.close()
+            raise
 
     def _tensor_over(self, pinned):
         if pinned.dtype not in _TORCH_DTYPES:

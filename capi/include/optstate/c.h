@@ -166,6 +166,33 @@ typedef struct optstate_store_stats_t {
 OPTSTATE_EXPORT int optstate_store_stats(const optstate_store_t* store, optstate_store_stats_t* out,
                                          char** errptr);
 
+/* ---- checkpoint directories (vfs/checkpoint.h) ---- */
+
+/* Writes a committed generation of the store as a checkpoint directory at
+ * dest: byte for byte what optstate-mount shows for it (manifest.json,
+ * state.safetensors, tensors/<tensor>/<field>), which optstate-restore and
+ * optstate_checkpoint_restore take. snapshot: the snapshot to write, or NULL
+ * for the newest committed generation (held by a reader lease while it is
+ * written, so GC keeps it). Every chunk is verified as it is read; the bytes
+ * never pass through the caller. The directory is written as
+ * "<dest>.partial-XXXXXXXX", fsynced and renamed to dest when complete, so
+ * dest is complete or absent (a crash may leave the .partial directory).
+ * dest must not exist or be an empty directory (ALREADY_EXISTS); its parent
+ * must exist. *generation (may be NULL) = the generation written. */
+OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, const char* dest,
+                                               uint64_t* generation, char** errptr);
+/* Imports the checkpoint directory src into the store as one new committed
+ * generation, with the checkpoint's step, step counts and hyperparameters.
+ * Verifies every chunk of every file against the manifest's XXH3 and the
+ * checkpoint's layout against the store's tensors (a difference is
+ * INVALID_ARGUMENT listing each tensor and field that differs; damage is
+ * CORRUPTION naming the file and chunk); on any error nothing is committed.
+ * REQUIRES: no memory manager or optimizer is open on the store (destroy
+ * them first; a new optimizer resumes from the restored generation).
+ * *generation (may be NULL) = the new generation. */
+OPTSTATE_EXPORT int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation,
+                                                char** errptr);
+
 /* ---- memory manager (memmgr::MemoryManager) ---- */
 
 OPTSTATE_EXPORT optstate_mm_options_t* optstate_mm_options_create(void);
