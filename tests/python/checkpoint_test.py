@@ -127,7 +127,7 @@ class CheckpointTest(TempDirTest):
 
         restore_bin = _binary("OPTSTATE_RESTORE_BIN", "tools", "optstate-restore")
         if restore_bin is not None:
-            subprocess.run([restore_bin, self.path("saved"), self.path("restored"), "--create"], check=True,
+            subprocess.run([restore_bin, self.path("saved"), self.path("restored"), "--create", "r", "-q"], check=True,
                            stdout=subprocess.DEVNULL)
             with optstate.Store(self.path("restored"), create=False) as r, optstate.Store(self.path("s")) as s:
                 self.assertEqual(r.latest_generation()[1], s.latest_generation()[1])
