@@ -66,10 +66,10 @@ class ExportTest : public ::testing::Test {
 };
 
 TEST_F(ExportTest, EqualsTheMountsFilesAndRestoresBitExact) {
-  WriteStep(store_.get(), 12);  // latest moves on; the snapshot below still names gen1_
-  ASSERT_TRUE(store_->OpenGeneration(gen1_).ok());
+  ASSERT_TRUE(store_->CreateSnapshot("s").ok());
+  WriteStep(store_.get(), 12);  // latest moves on; the snapshot still names gen1_
   ExportOptions o;
-  o.generation = gen1_;
+  o.snapshot = "s";
   o.queue_depth = 3;  // fewer buffers than chunks: buffers are reused across files
   uint64_t progress_calls = 0, last_done = 0, last_total = 0;
   o.progress = [&](uint64_t done, uint64_t total) {
@@ -89,15 +89,16 @@ TEST_F(ExportTest, EqualsTheMountsFilesAndRestoresBitExact) {
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   EXPECT_TRUE(DumpLatest(b->get()) == want_);
 
-  // A snapshot by name; an empty existing directory is taken.
-  ASSERT_TRUE(store_->CreateSnapshot("s").ok());
+  // The newest generation (the default), into an existing empty directory.
+  auto latest = store_->OpenGeneration(kLatest);
+  ASSERT_TRUE(latest.ok());
+  WriteCheckpointDir(**latest, root_ + "/latest_view");
   fs::create_directory(root_ + "/empty");
-  ExportOptions so;
-  so.snapshot = "s";
-  auto r2 = ExportCheckpoint(store_.get(), root_ + "/empty/", so);
+  auto r2 = ExportCheckpoint(store_.get(), root_ + "/empty/");
   ASSERT_TRUE(r2.ok()) << r2.status().ToString();
   EXPECT_EQ(r2->generation, store_->LatestGeneration().generation);
-  EXPECT_TRUE(fs::exists(root_ + "/empty/manifest.json"));
+  EXPECT_NE(r2->generation, gen1_);
+  EXPECT_TRUE(Tree(root_ + "/empty") == Tree(root_ + "/latest_view"));
 }
 
 TEST_F(ExportTest, RefusesExistingDestAndMissingSources) {
