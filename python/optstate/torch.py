@@ -28,6 +28,10 @@ Resume: a store that already holds a parameter keeps its state; the
 parameter is then overwritten with the stored fp32 main (cast to its dtype),
 so training continues exactly where the last committed step left it.
 
+Checkpoints: optstate.checkpoint.save(opt, dir) writes the committed state as
+the directory the mount shows for a snapshot; optstate.checkpoint.load(opt,
+dir) restores one and resumes from it.
+
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
 second optimizer or process opening a store in use gets optstate.Busy.
@@ -289,7 +293,8 @@ class AdamW(torch.optim.Optimizer):
         step (nothing changes, nothing is committed). grad_scale: optional float32 tensor of one
         element on the params' device (or a positive number): the grads are divided by it for this
         step. Without them, the `found_inf` / `grad_scale` attributes that torch's GradScaler sets
-        are used (and reset to None after the step). grad_scaler: given by GradScaler of torch < 2.0."""
+        before step() (and deletes after it) are used, as torch's fused AdamW does; set by hand, they
+        apply to every step until deleted. grad_scaler: given by GradScaler of torch < 2.0."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -330,10 +335,8 @@ class AdamW(torch.optim.Optimizer):
             torch.cuda.current_stream(self._device).synchronize()
         self._adam.step2_raw(self._n, self._c_ids, self._c_grads, self._c_gdt, self._c_numels, self._c_params,
                              self._c_pdt, found_ptr, scale_ptr)
-        # Consumed: a flag left behind would apply to the next step too (GradScaler deletes them itself).
-        for attr in ("found_inf", "grad_scale"):
-            if getattr(self, attr, None) is not None:
-                setattr(self, attr, None)
+        # The attributes stay: GradScaler deletes them after step() returns (as for torch's fused AdamW,
+        # which only reads them); resetting them here would make its next `scale * opt.grad_scale` fail.
         return loss
 
     def _flag_ptr(self, t, what):
