@@ -22,6 +22,7 @@
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
+#include "vfs/checkpoint.h"
 #include "vfs/status.h"
 #include "vfs/store.h"
 
@@ -321,6 +322,35 @@ int optstate_store_stats(const optstate_store_t* store, optstate_store_stats_t* 
   });
 }
 
+// ---- checkpoint directories ----
+
+int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, const char* dest,
+                               uint64_t* generation, char** errptr) {
+  const char* what = "optstate_checkpoint_export";
+  return Guard(errptr, what, [&]() -> Status {
+    if (store == nullptr) return NullArgument(what, "store");
+    if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
+    vfs::ExportOptions opts;
+    if (snapshot != nullptr) opts.snapshot = snapshot;
+    auto r = vfs::ExportCheckpoint(store->rep.get(), dest, opts);
+    if (!r.ok()) return r.status();
+    if (generation != nullptr) *generation = r->generation;
+    return Status::Ok();
+  });
+}
+
+int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation, char** errptr) {
+  const char* what = "optstate_checkpoint_restore";
+  return Guard(errptr, what, [&]() -> Status {
+    if (store == nullptr) return NullArgument(what, "store");
+    if (src == nullptr || *src == '\0') return InvalidArgument(std::string(what) + ": empty checkpoint path");
+    auto r = vfs::RestoreCheckpoint(store->rep.get(), src);
+    if (!r.ok()) return r.status();
+    if (generation != nullptr) *generation = *r;
+    return Status::Ok();
+  });
+}
+
 // ---- memory manager ----
 
 optstate_mm_options_t* optstate_mm_options_create(void) { return new (std::nothrow) optstate_mm_options_t; }
@@ -594,40 +624,82 @@ int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t
   });
 }
 
+}  // extern "C"
+
+namespace {
+
+// Both step entry points: builds the ParamGrad list (reused between steps),
+// checks what the C side can, and runs one StreamedAdam::Step.
+Status AdamStep(const char* what, optstate_adam_t* adam, size_t n, const uint32_t* ids, const void* const* grads,
+                const int* grad_dtypes, const uint64_t* numels, void* const* params, const int* param_dtypes,
+                const float* found_inf, float grad_scale, const float* d_grad_scale) {
+  if (n > 0 && (ids == nullptr || grads == nullptr || grad_dtypes == nullptr)) {
+    return NullArgument(what, "ids, grads or grad_dtypes");
+  }
+  if (params != nullptr && param_dtypes == nullptr) return NullArgument(what, "param_dtypes");
+  if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale)) {
+    return InvalidArgument(std::string(what) + ": store " + adam->store->path() + ": grad_scale " +
+                           std::to_string(grad_scale) + " is not a finite number >= 0");
+  }
+  auto& pg = adam->grads;
+  pg.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    OPTSTATE_RETURN_IF_ERROR(ParamId(adam, ids[i], what));
+    memmgr::ParamGrad& g = pg[i];
+    g.name = adam->names[ids[i]];
+    g.d_grad = grads[i];
+    g.grad_type = static_cast<ScalarType>(grad_dtypes[i]);
+    g.d_param = params == nullptr ? nullptr : params[i];
+    g.param_type = params == nullptr ? ScalarType::kNone : static_cast<ScalarType>(param_dtypes[i]);
+    // StreamedAdam checks it against the registered numel before any kernel runs.
+    g.numel = numels == nullptr ? 0 : numels[i];
+    if (numels != nullptr && numels[i] == 0) {
+      return InvalidArgument(std::string(what) + ": param " + g.name + " (store " + adam->store->path() +
+                             "): numels[" + std::to_string(i) + "] is 0; a gradient has the param's elements");
+    }
+    if (!ValidFloatType(grad_dtypes[i])) {
+      return InvalidArgument(std::string(what) + ": param " + g.name + ": gradient dtype " +
+                             DTypeArgName(grad_dtypes[i]) + " not supported (f32, bf16, f16)");
+    }
+    if (g.d_param != nullptr && !ValidFloatType(param_dtypes[i])) {
+      return InvalidArgument(std::string(what) + ": param " + g.name + ": param dtype " +
+                             DTypeArgName(param_dtypes[i]) + " not supported (f32, bf16, f16)");
+    }
+  }
+  if (grad_scale > 0.0f) OPTSTATE_RETURN_IF_ERROR(adam->rep->SetGradScale(grad_scale));
+  return adam->rep->Step(std::span<const memmgr::ParamGrad>(pg.data(), n), found_inf, d_grad_scale);
+}
+
+}  // namespace
+
+extern "C" {
+
 int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids, const void* const* grads,
                        const int* grad_dtypes, void* const* params, const int* param_dtypes,
                        const float* found_inf, float grad_scale, char** errptr) {
   const char* what = "optstate_adam_step";
+  return Guard(errptr, what, [&] {
+    return AdamStep(what, adam, n, ids, grads, grad_dtypes, nullptr, params, param_dtypes, found_inf, grad_scale,
+                    nullptr);
+  });
+}
+
+int optstate_adam_step2(optstate_adam_t* adam, size_t n, const uint32_t* ids, const void* const* grads,
+                        const int* grad_dtypes, const uint64_t* numels, void* const* params,
+                        const int* param_dtypes, const float* found_inf, const float* grad_scale,
+                        char** errptr) {
+  const char* what = "optstate_adam_step2";
+  return Guard(errptr, what, [&] {
+    return AdamStep(what, adam, n, ids, grads, grad_dtypes, numels, params, param_dtypes, found_inf, 0.0f,
+                    grad_scale);
+  });
+}
+
+int optstate_adam_retire_param(optstate_adam_t* adam, const char* name, char** errptr) {
+  const char* what = "optstate_adam_retire_param";
   return Guard(errptr, what, [&]() -> Status {
-    if (n > 0 && (ids == nullptr || grads == nullptr || grad_dtypes == nullptr)) {
-      return NullArgument(what, "ids, grads or grad_dtypes");
-    }
-    if (params != nullptr && param_dtypes == nullptr) return NullArgument(what, "param_dtypes");
-    if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale)) {
-      return InvalidArgument(std::string(what) + ": store " + adam->store->path() + ": grad_scale " +
-                             std::to_string(grad_scale) + " is not a finite number >= 0");
-    }
-    auto& pg = adam->grads;
-    pg.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      OPTSTATE_RETURN_IF_ERROR(ParamId(adam, ids[i], what));
-      memmgr::ParamGrad& g = pg[i];
-      g.name = adam->names[ids[i]];
-      g.d_grad = grads[i];
-      g.grad_type = static_cast<ScalarType>(grad_dtypes[i]);
-      g.d_param = params == nullptr ? nullptr : params[i];
-      g.param_type = params == nullptr ? ScalarType::kNone : static_cast<ScalarType>(param_dtypes[i]);
-      if (!ValidFloatType(grad_dtypes[i])) {
-        return InvalidArgument(std::string(what) + ": param " + g.name + ": gradient dtype " +
-                               DTypeArgName(grad_dtypes[i]) + " not supported (f32, bf16, f16)");
-      }
-      if (g.d_param != nullptr && !ValidFloatType(param_dtypes[i])) {
-        return InvalidArgument(std::string(what) + ": param " + g.name + ": param dtype " +
-                               DTypeArgName(param_dtypes[i]) + " not supported (f32, bf16, f16)");
-      }
-    }
-    if (grad_scale > 0.0f) OPTSTATE_RETURN_IF_ERROR(adam->rep->SetGradScale(grad_scale));
-    return adam->rep->Step(std::span<const memmgr::ParamGrad>(pg.data(), n), found_inf);
+    if (name == nullptr) return NullArgument(what, "name");
+    return adam->rep->RetireParam(name);  // its messages name the store and the param
   });
 }
 

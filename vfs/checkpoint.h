@@ -15,6 +15,9 @@
 // chunk of every field file against the manifest's XXH3, and commit the data as
 // one new generation (or nothing: on any error the pending writes are aborted).
 //
+// ExportCheckpoint writes such a directory from a committed generation of a
+// store without the mount (fsynced, renamed into place when complete).
+//
 // Thread-safety: a CheckpointLayout is immutable after Build and may be shared
 // between threads; Read() uses the view's thread-safe ReadChunk. The free
 // functions are thread-safe. RestoreCheckpoint needs exclusive use of the
@@ -30,6 +33,7 @@
 #include <string_view>
 #include <vector>
 
+#include "vfs/file_system.h"
 #include "vfs/status.h"
 #include "vfs/store.h"
 
@@ -242,5 +246,43 @@ Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
                                                          const std::string& store_path,
                                                          StoreOptions opts,
                                                          const RestoreOptions& ropts = {});
+
+// ---- export --------------------------------------------------------------
+
+struct ExportOptions {
+  // The committed generation to export; kLatest (default) = the newest.
+  // Ignored when snapshot is set.
+  uint64_t generation = kLatest;
+  // Export this snapshot's generation instead. Default: empty (none).
+  std::string snapshot;
+  // Chunk reads in flight; each holds one chunk-size buffer, so the export's
+  // memory is queue_depth x chunk size whatever the state's size. Default 8.
+  uint32_t queue_depth = 8;
+  // Called after each field file with (bytes done, total bytes of the fields).
+  std::function<void(uint64_t, uint64_t)> progress;
+  // The destination's file system (tests inject faults); null = FileSystem::Default().
+  FileSystem* fs = nullptr;
+};
+
+struct ExportResult {
+  uint64_t generation = 0;     // the generation written
+  uint64_t files = 0;          // files written
+  uint64_t bytes = 0;          // bytes written, all files
+};
+
+// Writes one committed generation of `store` as a checkpoint directory at
+// dest: byte for byte what optstate-mount shows for it (CheckpointLayout:
+// manifest.json, state.safetensors, tensors/...), so RestoreCheckpoint and
+// optstate-restore take it. The generation is read under the lease of a
+// GenerationView (GC keeps its extents until the export ends) through a
+// ChunkIo at opts.queue_depth; every chunk's checksum is verified as it is
+// read. The files are written into a sibling directory
+// "<dest>.partial-<8 hex digits>", each file and directory is fsynced, and
+// only then is it renamed to dest (and dest's parent synced): dest appears
+// complete or not at all. A crash can leave the .partial directory behind
+// (never dest); an error removes it. dest must not exist, or be an empty
+// directory (kAlreadyExists otherwise, naming it); its parent must exist.
+// Thread-safe (reads only committed data; may run while a trainer steps).
+Result<ExportResult> ExportCheckpoint(Store* store, const std::string& dest, const ExportOptions& opts = {});
 
 }  // namespace optstate::vfs

@@ -3,7 +3,7 @@
 optstate.torch.AdamW is the torch.optim.Optimizer; Store, MemoryManager and
 StreamedAdam are the handles of the C ABI (liboptstate.so) it is built on.
 This package is pure Python (ctypes) and never compiled against torch."""
-from . import errors
+from . import checkpoint, errors
 from ._lib import lib as _lib_handle
 from .core import (BF16, F16, F32, NONE, READ, READ_WRITE, WRITE, MemoryManager, PinnedRange, Store,
                    StreamedAdam)

@@ -72,6 +72,8 @@ _SIGNATURES = {
     "optstate_snapshot_list_generation": (_u64, [_vp, _c.c_size_t]),
     "optstate_snapshot_list_destroy": (None, [_vp]),
     "optstate_store_stats": (_int, [_vp, _c.POINTER(StoreStats), _errp]),
+    "optstate_checkpoint_export": (_int, [_vp, _u8p, _u8p, _c.POINTER(_u64), _errp]),
+    "optstate_checkpoint_restore": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
     # memory manager
     "optstate_mm_options_create": (_vp, []),
     "optstate_mm_options_destroy": (None, [_vp]),
@@ -110,6 +112,9 @@ _SIGNATURES = {
     "optstate_adam_param_numel": (_int, [_vp, _u32, _c.POINTER(_u64), _errp]),
     "optstate_adam_step": (_int, [_vp, _c.c_size_t, _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
                                   _c.POINTER(_vp), _c.POINTER(_int), _vp, _c.c_float, _errp]),
+    "optstate_adam_step2": (_int, [_vp, _c.c_size_t, _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
+                                   _c.POINTER(_u64), _c.POINTER(_vp), _c.POINTER(_int), _vp, _vp, _errp]),
+    "optstate_adam_retire_param": (_int, [_vp, _u8p, _errp]),
     "optstate_adam_last_step_skipped": (_int, [_vp]),
     "optstate_adam_last_step_seconds": (_dbl, [_vp]),
     "optstate_adam_load_main": (_int, [_vp, _u32, _vp, _int, _errp]),
@@ -147,7 +152,12 @@ def _load():
             tried.append("%s (%s)" % (path, e))
             continue
         for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise errors.FailedPrecondition(
+                    "liboptstate at %s has no %s: it is older than this package (%s); use the library "
+                    "built from the same source tree" % (path, name, os.path.dirname(os.path.abspath(__file__))))
             fn.restype = restype
             fn.argtypes = argtypes
         abi = lib.optstate_abi_version()

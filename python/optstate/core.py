@@ -47,6 +47,10 @@ class _Handle:
     def _describe(self):
         return ""
 
+    @property
+    def closed(self):
+        return self._h is None
+
     def __enter__(self):
         return self
 
@@ -170,6 +174,27 @@ class Store(_Handle):
                      lib.optstate_snapshot_list_generation(lst, i)) for i in range(n)]
         finally:
             lib.optstate_snapshot_list_destroy(lst)
+
+    def export_checkpoint(self, dest, snapshot=None):
+        """Writes the newest committed generation (or a snapshot's) as a checkpoint directory at dest,
+        byte for byte what the mount shows; returns its generation (see optstate_checkpoint_export)."""
+        gen = ctypes.c_uint64()
+        call(lib.optstate_checkpoint_export, self._live(), None if snapshot is None else _b(snapshot), _b(dest),
+             ctypes.byref(gen))
+        return gen.value
+
+    def restore_checkpoint(self, src):
+        """Imports a checkpoint directory as a new committed generation after verifying every chunk and
+        the layout; returns the new generation. No manager or optimizer may be open on the store."""
+        live = [c for c in self._children if not c.closed]
+        if live:
+            raise errors.FailedPrecondition(
+                "restore of %s into store %s: close its %s first (an optimizer resumes from the restored "
+                "generation when it is created again)" % (os.fspath(src), self._path,
+                                                          " and ".join(sorted({c._what for c in live}))))
+        gen = ctypes.c_uint64()
+        call(lib.optstate_checkpoint_restore, self._live(), _b(src), ctypes.byref(gen))
+        return gen.value
 
     def stats(self):
         s = StoreStats()
@@ -373,15 +398,36 @@ class StreamedAdam(_Handle):
         call(lib.optstate_adam_step, self._live(), n, ids, grads, grad_dtypes, params, param_dtypes,
              found_inf_ptr, grad_scale)
 
-    def step(self, ids, grads, grad_dtypes, params=None, param_dtypes=None, found_inf_ptr=None, grad_scale=0.0):
-        """One step; lists of ids, grad pointers and dtypes (and param pointers and dtypes)."""
+    def step(self, ids, grads, grad_dtypes, params=None, param_dtypes=None, found_inf_ptr=None, grad_scale=0.0,
+             numels=None, grad_scale_ptr=None):
+        """One step; lists of ids, grad pointers and dtypes (and param pointers and dtypes). numels: the
+        grads' element counts, checked against the registrations; grad_scale_ptr: a pointer to this step's
+        scale (one float on the backend's device); either selects optstate_adam_step2."""
         n = len(ids)
         c_params = c_pdt = None
         if params is not None:
             c_params = (ctypes.c_void_p * n)(*params)
             c_pdt = (ctypes.c_int * n)(*param_dtypes)
-        self.step_raw(n, (ctypes.c_uint32 * n)(*ids), (ctypes.c_void_p * n)(*grads),
-                      (ctypes.c_int * n)(*grad_dtypes), c_params, c_pdt, found_inf_ptr, grad_scale)
+        c_ids, c_grads, c_gdt = (ctypes.c_uint32 * n)(*ids), (ctypes.c_void_p * n)(*grads), (ctypes.c_int * n)(*grad_dtypes)
+        if numels is None and grad_scale_ptr is None:
+            self.step_raw(n, c_ids, c_grads, c_gdt, c_params, c_pdt, found_inf_ptr, grad_scale)
+            return
+        if grad_scale:
+            raise errors.InvalidArgument("StreamedAdam.step: give grad_scale or grad_scale_ptr, not both")
+        c_numels = None if numels is None else (ctypes.c_uint64 * n)(*numels)
+        self.step2_raw(n, c_ids, c_grads, c_gdt, c_numels, c_params, c_pdt, found_inf_ptr, grad_scale_ptr)
+
+    def step2_raw(self, n, ids, grads, grad_dtypes, numels, params, param_dtypes, found_inf_ptr=None,
+                  grad_scale_ptr=None):
+        """One step over n params given as ctypes arrays, with each grad's numel checked against its
+        registration and an optional pointer to this step's grad scale (see optstate_adam_step2)."""
+        call(lib.optstate_adam_step2, self._live(), n, ids, grads, grad_dtypes, numels, params, param_dtypes,
+             found_inf_ptr, grad_scale_ptr)
+
+    def retire_param(self, name):
+        """Leaves a param the store holds but this run's model lacks out of the run; its state stays in
+        the store unchanged (see optstate_adam_retire_param)."""
+        call(lib.optstate_adam_retire_param, self._live(), _b(name))
 
     @property
     def last_step_skipped(self):

@@ -14,14 +14,23 @@ Param groups work as in torch.optim.AdamW: lr, betas, eps and weight_decay
 are read from param_groups at every step, so torch.optim.lr_scheduler works
 unchanged. Parameters whose .grad is None in a step keep their state.
 
-Mixed precision: pass unscaled gradients (torch.cuda.amp.GradScaler.step
-unscales them and skips the step on inf/NaN without calling this optimizer),
-or pass found_inf=<float32 tensor> to step(): when it is nonzero the step
-changes and commits nothing.
+Mixed precision: torch's GradScaler works unchanged (`scaler.step(opt)`).
+The optimizer declares `_step_supports_amp_scaling`, so GradScaler does not
+unscale the gradients in a pass of its own: it hands the step its scale and
+found-inf tensors (the `grad_scale` / `found_inf` attributes on torch >= 2.0,
+the `grad_scaler=` argument before), and the step divides the gradients by the
+scale inside the fused kernel, reading both flags on the device (no host
+synchronisation). A step whose found_inf is nonzero changes and commits
+nothing. step(found_inf=..., grad_scale=...) takes the same two inputs
+directly.
 
 Resume: a store that already holds a parameter keeps its state; the
 parameter is then overwritten with the stored fp32 main (cast to its dtype),
 so training continues exactly where the last committed step left it.
+
+Checkpoints: optstate.checkpoint.save(opt, dir) writes the committed state as
+the directory the mount shows for a snapshot; optstate.checkpoint.load(opt,
+dir) restores one and resumes from it.
 
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
@@ -80,6 +89,9 @@ class AdamW(torch.optim.Optimizer):
       tensors' names in the store. Otherwise they are "param<i>" in the order given.
     """
 
+    # torch's GradScaler: hand the step the scale and found-inf instead of unscaling the grads.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, store, budget=2 << 30, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
                  host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
@@ -105,15 +117,17 @@ class AdamW(torch.optim.Optimizer):
             cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
         self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or ())
         try:
-            self._mm = MemoryManager(self._store, backend=backend, device_budget_bytes=budget,
-                                     host_cache_bytes=host_cache_bytes, read_ahead_chunks=read_ahead_chunks,
-                                     cuda_device=cuda_device)
+            # Kept to create the manager and optimizer again on the same store (checkpoint load).
+            self._mm_kw = dict(backend=backend, device_budget_bytes=budget, host_cache_bytes=host_cache_bytes,
+                               read_ahead_chunks=read_ahead_chunks, cuda_device=cuda_device)
+            self._mm = MemoryManager(self._store, **self._mm_kw)
             self._cuda = self._mm.backend == "cuda"
             self._device = torch.device("cuda", cuda_device) if self._cuda else torch.device("cpu")
             if cpu_threads is None:
                 cpu_threads = 1 if self._cuda else max(1, min(4, torch.get_num_threads()))
-            self._adam = StreamedAdam(self._store, self._mm, cpu_threads=cpu_threads,
-                                      durable_every_steps=durable_every_steps, commit_lag_steps=commit_lag_steps)
+            self._adam_kw = dict(cpu_threads=cpu_threads, durable_every_steps=durable_every_steps,
+                                 commit_lag_steps=commit_lag_steps)
+            self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
             self._handles = (self._adam, self._mm, self._store)
             # Per registered param, in registration order (the step's array order).
             self._plist, self._numels, self._names, self._ids, self._pgroup = [], [], [], [], []
@@ -271,23 +285,38 @@ class AdamW(torch.optim.Optimizer):
         self._sel = sel
         self._n = n
         self._c_ids = (ctypes.c_uint32 * n)(*[self._ids[i] for i in sel])
+        self._c_numels = (ctypes.c_uint64 * n)(*[grads[i].numel() for i in sel])
         self._c_gdt = (ctypes.c_int * n)(*[_DTYPES[grads[i].dtype] for i in sel])
         self._c_pdt = (ctypes.c_int * n)(*[_DTYPES[self._plist[i].dtype] for i in sel])
         self._c_grads = (ctypes.c_void_p * n)()
         self._c_params = (ctypes.c_void_p * n)()
 
     @torch.no_grad()
-    def step(self, closure=None, *, found_inf=None):
+    def step(self, closure=None, *, found_inf=None, grad_scale=None, **kwargs):
         """One AdamW step over every param that has a grad: one C call, one committed generation.
 
         found_inf: optional float32 tensor of one element (on the params' device); nonzero skips the
-        step (nothing changes, nothing is committed)."""
+        step (nothing changes, nothing is committed). grad_scale: optional float32 tensor of one
+        element on the params' device (or a positive number): the grads are divided by it for this
+        step. Without them, the `found_inf` / `grad_scale` attributes that torch's GradScaler sets
+        before step() (and deletes after it) are used, as torch's fused AdamW does; set by hand, they
+        apply to every step until deleted. grad_scaler: given by GradScaler of torch < 2.0."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._handles is None:
             raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+        scaler = kwargs.pop("grad_scaler", None)
+        if kwargs:
+            raise TypeError("optstate.torch.AdamW.step() got unexpected keyword arguments %s" % sorted(kwargs))
+        if scaler is not None:
+            found_inf, grad_scale = self._amp_inputs_of(scaler)
+        else:
+            if found_inf is None:
+                found_inf = getattr(self, "found_inf", None)
+            if grad_scale is None:
+                grad_scale = getattr(self, "grad_scale", None)
         for gid, group in enumerate(self.param_groups):
             self._send_hyper(gid, group)
         grads = [p.grad for p in self._plist]
@@ -301,18 +330,37 @@ class AdamW(torch.optim.Optimizer):
         sel = self._sel
         self._c_grads[:] = [sig[i][0] for i in sel]
         self._c_params[:] = [sig[i][3] for i in sel]
-        found_ptr = None
-        if found_inf is not None:
-            if found_inf.dtype != torch.float32 or found_inf.numel() != 1 or found_inf.device != self._device:
-                raise errors.InvalidArgument("optstate.torch.AdamW: found_inf must be one float32 element on %s, "
-                                             "got %s %s on %s" % (self._device, found_inf.dtype,
-                                                                  tuple(found_inf.shape), found_inf.device))
-            found_ptr = found_inf.data_ptr()
-        if self._cuda:  # the optimizer's streams read the grads: they must be complete
+        found_ptr = self._flag_ptr(found_inf, "found_inf") if found_inf is not None else None
+        if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+            if not float(grad_scale) > 0 or float(grad_scale) == float("inf"):
+                raise errors.InvalidArgument("optstate.torch.AdamW: grad_scale %r is not a finite number > 0"
+                                             % (grad_scale,))
+            grad_scale = torch.full((1,), float(grad_scale), dtype=torch.float32, device=self._device)
+        scale_ptr = self._flag_ptr(grad_scale, "grad_scale") if grad_scale is not None else None
+        if self._cuda:  # the optimizer's streams read the grads and flags: they must be complete
             torch.cuda.current_stream(self._device).synchronize()
-        self._adam.step_raw(self._n, self._c_ids, self._c_grads, self._c_gdt, self._c_params, self._c_pdt,
-                            found_ptr, 0.0)
+        self._adam.step2_raw(self._n, self._c_ids, self._c_grads, self._c_gdt, self._c_numels, self._c_params,
+                             self._c_pdt, found_ptr, scale_ptr)
+        # The attributes stay: GradScaler deletes them after step() returns (as for torch's fused AdamW,
+        # which only reads them); resetting them here would make its next `scale * opt.grad_scale` fail.
         return loss
+
+    def _flag_ptr(self, t, what):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1 or t.device != self._device:
+            raise errors.InvalidArgument("optstate.torch.AdamW: %s must be one float32 element on %s, got %s"
+                                         % (what, self._device, _describe(t)))
+        return t.data_ptr()
+
+    def _amp_inputs_of(self, scaler):
+        """(found_inf, grad_scale) from a GradScaler of torch < 2.0, which passes itself to step() instead
+        of setting attributes; mirrors what torch >= 2.0's GradScaler.step sets."""
+        state = scaler._per_optimizer_states[id(self)]
+        unscaled = getattr(state["stage"], "name", "") == "UNSCALED"
+        if not unscaled:
+            scaler._check_inf_per_device(self)  # the finite check without unscaling (inv scale 1)
+        scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler._scale
+        found = sum(t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values())
+        return found, (None if unscaled else scale)
 
     # ---- state ----
 
@@ -406,6 +454,18 @@ class AdamW(torch.optim.Optimizer):
         self._live().make_durable()
         return self._store.snapshot(name)
 
+    def retire(self, name):
+        """Leaves a param that the store holds but the model no longer has (given by its name in the
+        store) out of training: its state stays in the store, unchanged in every later generation.
+        Until then step() fails (optstate.FailedPrecondition naming such params), so state is never
+        dropped silently."""
+        adam = self._live()
+        if name in self._names:
+            raise errors.InvalidArgument("optstate.torch.AdamW.retire: %s is a param of this optimizer (store %s); "
+                                         "only a param the model no longer has can be retired"
+                                         % (name, self._store._path))
+        adam.retire_param(name)
+
     def release_snapshot(self, name):
         self._live()
         self._store.release_snapshot(name)
@@ -495,6 +555,50 @@ class AdamW(torch.optim.Optimizer):
             if field == "main":
                 self._copy_main_to(name, p)
 
+    def _load_checkpoint(self, src):
+        """optstate.checkpoint.load: restores src into this optimizer's store and resumes from it (params
+        take the restored fp32 mains; step counts and hyperparameters are the checkpoint's)."""
+        adam = self._live()
+        adam.make_durable()
+        if self._cuda:
+            torch.cuda.current_stream(self._device).synchronize()
+        # The store takes a restore only with no optimizer or manager on it (their caches would be stale).
+        self._handles = None
+        adam.close()
+        self._mm.close()
+        try:
+            gen = self._store.restore_checkpoint(src)
+        finally:
+            self._reopen()
+        for gid, group in enumerate(self.param_groups):
+            h = self._adam.get_group(gid)
+            group["lr"], group["betas"] = h["lr"], (h["beta1"], h["beta2"])
+            group["eps"], group["weight_decay"] = h["eps"], h["weight_decay"]
+        self._hyper.clear()
+        return gen
+
+    def _reopen(self):
+        """Creates the manager and optimizer again on the store and registers the params in their order;
+        each param takes the store's fp32 main."""
+        try:
+            self._mm = MemoryManager(self._store, **self._mm_kw)
+            self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
+            self._handles = (self._adam, self._mm, self._store)
+            for i, p in enumerate(self._plist):
+                pid, existed = self._adam.register_param(self._names[i], p.numel(), self._pgroup[i], p.data_ptr(),
+                                                         _DTYPES[p.dtype], tuple(p.shape))
+                self._ids[i] = pid
+                if existed:
+                    self._copy_main_to(self._names[i], p)
+                else:
+                    self._new_registrations = True
+            self._commit_registrations()
+            self._hyper.clear()
+            self._batch_key = None
+        except BaseException:
+            self.close()
+            raise
+
     def _tensor_over(self, pinned):
         if pinned.dtype not in _TORCH_DTYPES:
             raise errors.Unimplemented("optstate.torch.AdamW.pin: field %s of %s is stored as dtype code %d, "
@@ -546,6 +650,12 @@ class _CudaArray:
     def __init__(self, ptr, count, typestr):
         self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False),
                                          "strides": None, "version": 2}
+
+
+def _describe(t):
+    if isinstance(t, torch.Tensor):
+        return "%s %s on %s" % (t.dtype, tuple(t.shape), t.device)
+    return type(t).__name__
 
 
 def _few(names):

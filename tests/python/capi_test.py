@@ -97,6 +97,74 @@ class CapiTest(TempDirTest):
             self.assertIn("grad_scale", str(cm.exception))
         self.assertEqual(store.latest_generation(), gen)
 
+    def test_step2_checks_numels_and_reads_the_scale_through_a_pointer(self):
+        """A grad whose numel is not the registered one fails in the library (naming the param and both
+        sizes) before anything runs; a scale given by pointer applies to that step only."""
+        store, mm, adam = self.open()
+        adam.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.0)
+        w = np.ones(1000, dtype=np.float32)
+        pid, _ = adam.register_param("w", 1000, 0, w.ctypes.data, optstate.F32)
+        adam.make_durable()
+        gen = store.latest_generation()
+        g = np.ones(1000, dtype=np.float32)
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            adam.step([pid], [g.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32], numels=[999])
+        self.assertIn("'w'", str(cm.exception))
+        self.assertIn("999", str(cm.exception))
+        self.assertIn("1000", str(cm.exception))
+        with self.assertRaises(optstate.InvalidArgument):
+            adam.step([pid], [g.ctypes.data], [optstate.F32], numels=[0])
+        self.assertEqual(store.latest_generation(), gen)
+        np.testing.assert_array_equal(w, np.ones(1000, dtype=np.float32))
+        # A pointer scale of 8 on grads 8*g: the same as the plain step on g, and the next step is unscaled.
+        other_store, _, other = self.open("t")
+        other.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.0)
+        w2 = np.ones(1000, dtype=np.float32)
+        pid2, _ = other.register_param("w", 1000, 0, w2.ctypes.data, optstate.F32)
+        scale = np.full(1, 8.0, dtype=np.float32)
+        g8 = g * 8
+        adam.step([pid], [g8.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32], numels=[1000],
+                  grad_scale_ptr=scale.ctypes.data)
+        other.step([pid2], [g.ctypes.data], [optstate.F32], [w2.ctypes.data], [optstate.F32])
+        adam.step([pid], [g.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32], numels=[1000])
+        other.step([pid2], [g.ctypes.data], [optstate.F32], [w2.ctypes.data], [optstate.F32])
+        np.testing.assert_array_equal(w, w2)
+        for bad in (0.0, -1.0, float("inf")):
+            scale[0] = bad
+            with self.assertRaises(optstate.InvalidArgument):
+                adam.step([pid], [g.ctypes.data], [optstate.F32], grad_scale_ptr=scale.ctypes.data)
+        self.assertEqual(adam.step_count(0), 2)
+
+    def test_retire_param(self):
+        """A param the store holds that this run does not register blocks steps until retired; retired,
+        its state stays unchanged in later generations."""
+        store, mm, adam = self.open()
+        a, b = np.ones(100, dtype=np.float32), np.full(50, 2.0, dtype=np.float32)
+        ida, _ = adam.register_param("a", 100, 0, a.ctypes.data, optstate.F32)
+        idb, _ = adam.register_param("b", 50, 0, b.ctypes.data, optstate.F32)
+        adam.step([ida, idb], [a.ctypes.data, b.ctypes.data], [optstate.F32] * 2)
+        b_state = {f: store.read("b", f) for f in ("main", "exp_avg", "exp_avg_sq")}
+        store.close()
+        store, mm, adam = self.open()  # resume with a model that lost "b"
+        ida, existed = adam.register_param("a", 100, 0, a.ctypes.data, optstate.F32)
+        self.assertTrue(existed)
+        gen = store.latest_generation()
+        with self.assertRaises(optstate.FailedPrecondition) as cm:
+            adam.step([ida], [a.ctypes.data], [optstate.F32])
+        self.assertIn("b", str(cm.exception))
+        self.assertEqual(store.latest_generation(), gen)
+        with self.assertRaises(optstate.NotFound) as cm:
+            adam.retire_param("no_such_param")
+        self.assertIn(store.path, str(cm.exception))
+        with self.assertRaises(optstate.FailedPrecondition):
+            adam.retire_param("a")  # registered in this run
+        adam.retire_param("b")
+        adam.step([ida], [a.ctypes.data], [optstate.F32])
+        adam.step([ida], [a.ctypes.data], [optstate.F32])
+        self.assertEqual(store.latest_generation()[0], gen[0] + 2)
+        for f, v in b_state.items():
+            np.testing.assert_array_equal(store.read("b", f), v, err_msg=f)
+
     def test_snapshots_stats_and_sleep(self):
         store, mm, adam = self.open()
         w = np.ones(100, dtype=np.float32)

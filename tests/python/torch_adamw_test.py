@@ -140,6 +140,36 @@ class AdamWTest(TempDirTest):
         for a, b in zip(full, model.parameters()):
             self.assertTrue(torch.equal(a, b.detach()))
 
+    def test_retire_a_param_the_model_lost(self):
+        """A model that lost a layer: step() refuses while the store holds its state, retire(name) keeps
+        that state unchanged in the store and training goes on; the kept layers resume exactly."""
+        model = make_model(0)
+        with ot.AdamW(list(model.named_parameters()), store=self.path("s"), **OPT_KW) as opt:
+            train(model, opt, 3)
+            lost = opt.read_state(model[4].weight, "exp_avg")
+        smaller = torch.nn.Sequential(*list(make_model(1))[:4])  # no last Linear ("4.weight", "4.bias")
+        with ot.AdamW(list(smaller.named_parameters()), store=self.path("s"), **OPT_KW) as opt:
+            for a, b in zip(smaller.parameters(), list(model.parameters())[:4]):
+                self.assertTrue(torch.equal(a, b))  # resumed from the stored mains
+            gen = opt.generation
+            smaller(torch.ones(2, 16)).sum().backward()
+            with self.assertRaises(optstate.FailedPrecondition) as cm:
+                opt.step()
+            self.assertIn("4.weight", str(cm.exception))
+            self.assertEqual(opt.generation, gen)
+            with self.assertRaises(optstate.InvalidArgument):
+                opt.retire("0.weight")  # a param of this optimizer
+            with self.assertRaises(optstate.NotFound):
+                opt.retire("5.weight")
+            opt.retire("4.weight")
+            opt.retire("4.bias")
+            opt.step()
+            opt.step()
+            self.assertEqual(opt.step_count(), 5)
+            kept = torch.empty(lost.numel())
+            opt.store.read_into("4.weight", "exp_avg", kept.data_ptr(), 0, lost.numel())
+            self.assertTrue(torch.equal(kept.view(lost.shape), lost))
+
     def test_state_dict_round_trip(self):
         model = make_model(0)
         opt = ot.AdamW(two_groups(model), store=self.path("s"), lr=1e-2, **OPT_KW)

@@ -1,5 +1,5 @@
-# Checkpoint format + restore tests. Owned by the mount work.
-list(APPEND OPTSTATE_VFS_TEST_SOURCES checkpoint_format_test.cc checkpoint_restore_test.cc
+# Checkpoint format, restore and export tests. Owned by the mount work.
+list(APPEND OPTSTATE_VFS_TEST_SOURCES checkpoint_format_test.cc checkpoint_restore_test.cc checkpoint_export_test.cc
      checkpoint_fuzz_replay_test.cc)
 
 # libFuzzer target for the manifest parser: clang only. The parser's source is

@@ -166,6 +166,33 @@ typedef struct optstate_store_stats_t {
 OPTSTATE_EXPORT int optstate_store_stats(const optstate_store_t* store, optstate_store_stats_t* out,
                                          char** errptr);
 
+/* ---- checkpoint directories (vfs/checkpoint.h) ---- */
+
+/* Writes a committed generation of the store as a checkpoint directory at
+ * dest: byte for byte what optstate-mount shows for it (manifest.json,
+ * state.safetensors, tensors/<tensor>/<field>), which optstate-restore and
+ * optstate_checkpoint_restore take. snapshot: the snapshot to write, or NULL
+ * for the newest committed generation (held by a reader lease while it is
+ * written, so GC keeps it). Every chunk is verified as it is read; the bytes
+ * never pass through the caller. The directory is written as
+ * "<dest>.partial-XXXXXXXX", fsynced and renamed to dest when complete, so
+ * dest is complete or absent (a crash may leave the .partial directory).
+ * dest must not exist or be an empty directory (ALREADY_EXISTS); its parent
+ * must exist. *generation (may be NULL) = the generation written. */
+OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, const char* dest,
+                                               uint64_t* generation, char** errptr);
+/* Imports the checkpoint directory src into the store as one new committed
+ * generation, with the checkpoint's step, step counts and hyperparameters.
+ * Verifies every chunk of every file against the manifest's XXH3 and the
+ * checkpoint's layout against the store's tensors (a difference is
+ * INVALID_ARGUMENT listing each tensor and field that differs; damage is
+ * CORRUPTION naming the file and chunk); on any error nothing is committed.
+ * REQUIRES: no memory manager or optimizer is open on the store (destroy
+ * them first; a new optimizer resumes from the restored generation).
+ * *generation (may be NULL) = the new generation. */
+OPTSTATE_EXPORT int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation,
+                                                char** errptr);
+
 /* ---- memory manager (memmgr::MemoryManager) ---- */
 
 OPTSTATE_EXPORT optstate_mm_options_t* optstate_mm_options_create(void);
@@ -324,6 +351,28 @@ OPTSTATE_EXPORT int optstate_adam_step(optstate_adam_t* adam, size_t n, const ui
                                        const void* const* grads, const int* grad_dtypes, void* const* params,
                                        const int* param_dtypes, const float* found_inf, float grad_scale,
                                        char** errptr);
+/* As optstate_adam_step, with two more inputs (either may be NULL):
+ * numels[i]: the elements of grads[i] (and params[i]); each is checked against
+ * the param's registered numel before anything runs, so a model that no longer
+ * matches its store fails with INVALID_ARGUMENT naming the param, and nothing
+ * is committed. NULL = the caller guarantees the registered numels.
+ * grad_scale: a pointer to this step's gradient scale, one float (device
+ * pointer on the cuda backend, host pointer on host; e.g. torch's GradScaler
+ * scale tensor); the step divides the grads by it, for this step only (it
+ * needs no host synchronisation). It must be finite and > 0, else
+ * INVALID_ARGUMENT and nothing changes; it is read after found_inf, so a
+ * skipped step never reads it. NULL = the optimizer's current scale. */
+OPTSTATE_EXPORT int optstate_adam_step2(optstate_adam_t* adam, size_t n, const uint32_t* ids,
+                                        const void* const* grads, const int* grad_dtypes, const uint64_t* numels,
+                                        void* const* params, const int* param_dtypes, const float* found_inf,
+                                        const float* grad_scale, char** errptr);
+/* Leaves a param the store holds, but this run's model no longer has, out of
+ * the run: its state stays in the store, unchanged in every later generation,
+ * and it is never stepped. Once a run registered params, a step fails
+ * (FAILED_PRECONDITION naming them) while the store holds a param this run
+ * neither registered nor retired. NOT_FOUND when the store has no such param;
+ * FAILED_PRECONDITION when it is registered in this run. */
+OPTSTATE_EXPORT int optstate_adam_retire_param(optstate_adam_t* adam, const char* name, char** errptr);
 /* Whether the last step was skipped by found_inf. */
 OPTSTATE_EXPORT int optstate_adam_last_step_skipped(const optstate_adam_t* adam);
 /* Seconds the last step took inside the library (the pipeline and its

@@ -1,0 +1,224 @@
+"""optstate.checkpoint.save / load: a checkpoint directory written by the
+library, byte for byte the mount's view of the snapshot, restored into a fresh
+store so that training continues bit for bit; damaged or foreign checkpoints
+are refused with nothing committed."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+import unittest
+
+import torch
+
+from common import OPT_KW, TempDirTest, optstate
+import optstate.checkpoint as ckpt
+import optstate.torch as ot
+from torch_adamw_test import make_model, two_groups
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _binary(env, *rel):
+    path = os.environ.get(env) or os.path.join(_REPO, "build", "default", *rel)
+    return path if os.access(path, os.X_OK) else None
+
+
+def _mounted(mnt):
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == mnt for line in f)
+
+
+def tree(root):
+    """{relative path: sha256} of every file under root, and the set of directories."""
+    files, dirs = {}, set()
+    for d, subdirs, names in os.walk(root):
+        for s in subdirs:
+            dirs.add(os.path.relpath(os.path.join(d, s), root))
+        for n in names:
+            p = os.path.join(d, n)
+            with open(p, "rb") as f:
+                files[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+    return files, dirs
+
+
+class CheckpointTest(TempDirTest):
+    def setUp(self):
+        super().setUp()
+        gen = torch.Generator().manual_seed(7)
+        self.x, self.y = torch.randn(64, 16, generator=gen), torch.randn(64, 4, generator=gen)
+
+    def steps(self, model, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            ((model(self.x) - self.y) ** 2).mean().backward()
+            opt.step()
+
+    def trained(self, name, steps=3, model=None):
+        model = model or make_model(0)
+        opt = ot.AdamW(two_groups(model), store=self.path(name), lr=1e-2, **OPT_KW)
+        self.steps(model, opt, steps)
+        return model, opt
+
+    def test_save_load_continues_bit_for_bit(self):
+        model, opt = self.trained("a", steps=5)
+        gen = ckpt.save(opt, self.path("ck"))
+        self.assertEqual(gen, opt.generation)
+        self.assertEqual(opt.store.snapshots(), [])  # nothing left behind in the store
+        at_save = [p.detach().clone() for p in model.parameters()]
+        self.steps(model, opt, 5)
+
+        # A fresh process: another init, another store, other hyperparameters; the checkpoint wins.
+        fresh = make_model(1)
+        groups = two_groups(fresh)
+        for g in groups:
+            g["lr"], g["weight_decay"] = 0.5, 0.0
+        opt2 = ot.AdamW(groups, store=self.path("b"), lr=0.5, **OPT_KW)
+        before = opt2.generation
+        new_gen = ckpt.load(opt2, self.path("ck"))
+        self.assertGreater(new_gen, before)
+        self.assertEqual(opt2.generation, new_gen)
+        for a, b in zip(at_save, fresh.parameters()):
+            self.assertTrue(torch.equal(a, b))
+        self.assertEqual((opt2.step_count(0), opt2.step_count(1)), (5, 5))
+        self.assertEqual([(g["lr"], g["weight_decay"]) for g in opt2.param_groups],
+                         [(g["lr"], g["weight_decay"]) for g in opt.param_groups])
+        self.steps(fresh, opt2, 5)
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            self.assertTrue(torch.equal(a, b))
+            for field in ("exp_avg", "exp_avg_sq"):
+                self.assertTrue(torch.equal(opt.read_state(a, field), opt2.read_state(b, field)), field)
+        # A named save keeps its snapshot; a Store (no torch needed) saves and loads too.
+        ckpt.save(opt, self.path("named"), name="keep")
+        self.assertEqual([n for n, _ in opt.store.snapshots()], ["keep"])
+        opt.close()
+        opt2.close()
+        with optstate.Store(self.path("a")) as store:
+            with self.assertRaises(optstate.AlreadyExists):
+                ckpt.save(store, self.path("named"))
+            ckpt.save(store, self.path("plain"))
+            self.assertEqual(tree(self.path("named"))[0], tree(self.path("plain"))[0])
+            mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20)
+            with self.assertRaises(optstate.FailedPrecondition):
+                ckpt.load(store, self.path("ck"))  # a manager is open on it
+            mm.close()
+            gen = ckpt.load(store, self.path("ck"))
+            self.assertEqual(store.latest_generation()[0], gen)
+
+    def test_save_equals_the_mounts_snapshot_and_optstate_restore_takes_it(self):
+        model, opt = self.trained("s")
+        ckpt.save(opt, self.path("saved"), name="snap")
+        files, dirs = tree(self.path("saved"))
+        self.assertIn("manifest.json", files)
+        self.assertIn("state.safetensors", files)
+        self.assertEqual(sum(1 for f in files if f.startswith("tensors/")), 3 * len(list(model.parameters())))
+        # The field files hold the committed state (an independent read path: optstate_store_read_field).
+        with open(self.path("saved/manifest.json")) as f:
+            manifest = json.load(f)
+        self.assertEqual(manifest["generation"], opt.generation)
+        for p in model.parameters():
+            name = opt.param_name(p)
+            entry = [t for t in manifest["tensors"] if t["name"] == name][0]
+            for field in entry["fields"]:
+                got = torch.from_file(self.path("saved/" + field["file"]), size=p.numel(), dtype=torch.float32)
+                self.assertTrue(torch.equal(got.view(p.shape), opt.read_state(p, field["name"])), name)
+        opt.close()
+
+        restore_bin = _binary("OPTSTATE_RESTORE_BIN", "tools", "optstate-restore")
+        if restore_bin is not None:
+            subprocess.run([restore_bin, self.path("saved"), self.path("restored"), "--create", "r", "-q"], check=True,
+                           stdout=subprocess.DEVNULL)
+            with optstate.Store(self.path("restored"), create=False) as r, optstate.Store(self.path("s")) as s:
+                self.assertEqual(r.latest_generation()[1], s.latest_generation()[1])
+                for t in manifest["tensors"]:
+                    for field in ("main", "exp_avg", "exp_avg_sq"):
+                        self.assertTrue((r.read(t["name"], field) == s.read(t["name"], field)).all())
+
+        mount_bin = _binary("OPTSTATE_MOUNT_BIN", "mount", "optstate-mount")
+        if (mount_bin is None or not os.access("/dev/fuse", os.R_OK | os.W_OK)
+                or shutil.which("fusermount3") is None):
+            self.skipTest("optstate-mount, /dev/fuse or fusermount3 missing: compared with the store only")
+        mnt = self.path("mnt")
+        os.mkdir(mnt)
+        root = self.path("root")
+        os.mkdir(root)
+        os.rename(self.path("s"), os.path.join(root, "s"))
+        log = self.path("mount.log")
+        daemon = subprocess.Popen([mount_bin, root, mnt, "-f", "--log", log], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while not _mounted(mnt):  # polls the condition itself: the mount table
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    with open(log) as f:
+                        self.fail("optstate-mount did not come up:\n" + f.read()[-3000:])
+                time.sleep(0.02)
+            m_files, m_dirs = tree(os.path.join(mnt, "s", "snapshots", "snap"))
+        finally:
+            if _mounted(mnt):
+                subprocess.run(["fusermount3", "-u", mnt], check=False)
+            daemon.wait(timeout=30)
+        self.assertEqual(files, m_files)
+        self.assertEqual(dirs, m_dirs)
+
+    def test_damaged_or_foreign_checkpoints_commit_nothing(self):
+        model, opt = self.trained("a")
+        ckpt.save(opt, self.path("ck"))
+        with open(self.path("ck/manifest.json")) as f:
+            manifest = json.load(f)
+        field = manifest["tensors"][0]["fields"][1]
+        model2, opt2 = self.trained("b", steps=2, model=make_model(2))
+        gen, params = opt2.generation, [p.detach().clone() for p in model2.parameters()]
+
+        def unchanged():
+            self.assertEqual((opt2.generation, opt2.store.latest_generation()[0], opt2.step_count()), (gen, gen, 2))
+            self.assertTrue(all(torch.equal(a, b) for a, b in zip(params, model2.parameters())))
+
+        damaged = self.path("damaged")
+        shutil.copytree(self.path("ck"), damaged)
+        with open(os.path.join(damaged, field["file"]), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0x40]))
+        with self.assertRaises(optstate.Corruption) as cm:
+            ckpt.load(opt2, damaged)
+        self.assertIn(field["file"], str(cm.exception))
+        self.assertIn("chunk 0", str(cm.exception))
+        unchanged()
+
+        # Another layout: a model whose first layer is wider.
+        other = torch.nn.Sequential(torch.nn.Linear(16, 65), torch.nn.Tanh(), torch.nn.Linear(65, 64),
+                                    torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        with ot.AdamW(two_groups(other), store=self.path("c"), **OPT_KW) as o:
+            ckpt.save(o, self.path("other"))
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            ckpt.load(opt2, self.path("other"))
+        self.assertIn("numel", str(cm.exception))
+        self.assertIn(opt2.param_name(model2[0].weight), str(cm.exception))
+        unchanged()
+        with self.assertRaises(optstate.NotFound):
+            ckpt.load(opt2, self.path("no_such_dir"))
+        # The optimizer still trains after the refusals.
+        self.steps(model2, opt2, 1)
+        self.assertEqual(opt2.step_count(), 3)
+
+    def test_save_refuses_a_non_empty_destination(self):
+        model, opt = self.trained("a", steps=1)
+        os.mkdir(self.path("full"))
+        with open(self.path("full/x"), "w") as f:
+            f.write("x")
+        with self.assertRaises(optstate.AlreadyExists) as cm:
+            ckpt.save(opt, self.path("full"))
+        self.assertIn(self.path("full"), str(cm.exception))
+        self.assertEqual(sorted(os.listdir(self.dir)), ["a", "full"])  # no partial directory left
+        os.mkdir(self.path("empty"))
+        ckpt.save(opt, self.path("empty"))  # an empty directory is taken
+        self.assertIn("manifest.json", os.listdir(self.path("empty")))
+        with self.assertRaises(optstate.NotFound):
+            ckpt.save(opt, self.path("no/such/parent"))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,281 @@
+// Export: one committed generation as a checkpoint directory, without the mount.
+//
+// The files are CheckpointLayout's (the mount serves the same object, so the
+// bytes are the same). manifest.json and the safetensors header come from the
+// layout's memory; every field chunk is read once through a ChunkIo (verified
+// against its checksum) and written twice: into its field file and at its
+// place in state.safetensors. Buffers: queue_depth chunks, whatever the state's
+// size. Everything goes into a .partial sibling directory that is fsynced and
+// renamed to dest only when complete.
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "vfs/checkpoint.h"
+#include "vfs/io_buffer.h"
+#include "vfs/log.h"
+
+namespace optstate::vfs {
+namespace {
+
+std::string ParentDir(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// dest must not exist or be an empty directory; its parent must exist.
+Status CheckDest(FileSystem* fs, const std::string& dest) {
+  OPTSTATE_ASSIGN_OR_RETURN(bool parent_exists, fs->Exists(ParentDir(dest)));
+  if (!parent_exists) {
+    return NotFound(fmt::format("export: the parent directory {} of {} does not exist", ParentDir(dest), dest));
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(dest));
+  if (!exists) return Status::Ok();
+  auto names = fs->ListDir(dest);
+  if (!names.ok()) {
+    return AlreadyExists(fmt::format("export: {} exists and is not a directory ({}); give a new path", dest,
+                                     names.status().ToString()));
+  }
+  if (!names->empty()) {
+    return AlreadyExists(fmt::format("export: {} exists and is not empty ({} entries, e.g. '{}'); a checkpoint "
+                                     "is never written over another: give a new path or remove it",
+                                     dest, names->size(), names->front()));
+  }
+  return Status::Ok();
+}
+
+class Exporter {
+ public:
+  Exporter(FileSystem* fs, const CheckpointLayout& layout, const std::string& dir, const ExportOptions& opts)
+      : fs_(fs), layout_(layout), dir_(dir), opts_(opts) {}
+
+  Status Run(ExportResult* result) {
+    const auto& files = layout_.files();
+    // Directories first: tensors/ and one per tensor.
+    OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(dir_ + "/" + kTensorsDirName));
+    for (const ManifestTensor& t : layout_.manifest().tensors) {
+      OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(dir_ + "/" + kTensorsDirName + "/" + t.file_name));
+    }
+    const CheckpointFile* st_file = nullptr;
+    for (const CheckpointFile& f : files) {
+      if (f.kind == CheckpointFileKind::kManifest) {
+        OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<File> out, Create(f.path));
+        OPTSTATE_RETURN_IF_ERROR(out->Pwrite(0, layout_.manifest_json().data(), layout_.manifest_json().size()));
+        OPTSTATE_RETURN_IF_ERROR(out->Fsync());
+        result->bytes += f.size_bytes;
+        ++result->files;
+      } else if (f.kind == CheckpointFileKind::kSafetensors) {
+        st_file = &f;
+      }
+    }
+    if (st_file != nullptr) {
+      OPTSTATE_ASSIGN_OR_RETURN(st_, Create(st_file->path));
+      const std::string& header = layout_.safetensors_header();
+      OPTSTATE_RETURN_IF_ERROR(st_->Pwrite(0, header.data(), header.size()));
+      result->bytes += header.size();
+      ++result->files;
+    }
+    OPTSTATE_RETURN_IF_ERROR(CopyFields(result));
+    if (st_ != nullptr) OPTSTATE_RETURN_IF_ERROR(st_->Fsync());
+    st_.reset();
+    for (const ManifestTensor& t : layout_.manifest().tensors) {
+      OPTSTATE_RETURN_IF_ERROR(fs_->SyncDir(dir_ + "/" + kTensorsDirName + "/" + t.file_name));
+    }
+    OPTSTATE_RETURN_IF_ERROR(fs_->SyncDir(dir_ + "/" + kTensorsDirName));
+    return fs_->SyncDir(dir_);
+  }
+
+ private:
+  struct Open {
+    std::unique_ptr<File> file;
+    uint64_t chunks_left = 0;  // chunks not yet written
+    uint64_t st_offset = 0;    // where the field's bytes start in state.safetensors
+  };
+  struct Slot {
+    size_t file_index = 0;
+    uint64_t seq = 0;
+  };
+
+  Result<std::unique_ptr<File>> Create(const std::string& rel) {
+    OpenOptions oo;
+    oo.create = true;
+    oo.exclusive = true;
+    return fs_->Open(dir_ + "/" + rel, oo);
+  }
+
+  // Field files in layout order; reads at queue depth across file boundaries,
+  // so a store of many small tensors keeps the disk as busy as one large one.
+  Status CopyFields(ExportResult* result) {
+    const auto& files = layout_.files();
+    const GenerationView& view = layout_.view();
+    const uint64_t cs = view.identity().chunk_size_bytes;
+    const uint32_t depth = std::max<uint32_t>(1, opts_.queue_depth);
+    ChunkIoOptions io_opts;
+    io_opts.queue_depth = depth;
+    OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<ChunkIo> io, view.NewChunkIo(io_opts));
+    std::vector<IoBuffer> bufs;
+    std::vector<Slot> slots(depth);
+    std::vector<size_t> free_bufs;
+    for (uint32_t i = 0; i < depth; ++i) {
+      bufs.emplace_back(cs);
+      if (!bufs.back().ok()) {
+        return ResourceExhausted(fmt::format("export: out of memory for {} chunk buffers of {} bytes", depth, cs));
+      }
+      free_bufs.push_back(i);
+    }
+    uint64_t total = 0, done = 0;
+    for (const CheckpointFile& f : files) {
+      if (f.kind == CheckpointFileKind::kField) total += f.size_bytes;
+    }
+    std::map<size_t, Open> open;  // field files with chunks not yet written, by index in files
+    std::vector<ChunkCompletion> comps;
+    Status failed;  // the first error; later completions only free their buffers
+    // Writes one completed chunk to its field file and state.safetensors;
+    // syncs and closes a field file once its last chunk is written.
+    auto complete = [&](const ChunkCompletion& c) -> Status {
+      const size_t b = static_cast<size_t>(c.tag);
+      free_bufs.push_back(b);
+      const Slot s = slots[b];
+      const CheckpointFile& f = files[s.file_index];
+      if (!c.status.ok()) {
+        const TensorInfo& t = view.tensors()[f.tensor_index];
+        return c.status.WithContext(fmt::format("export: {} (tensor '{}' field '{}' chunk {})", f.path, t.name,
+                                                f.field < t.fields.size() ? t.fields[f.field].name : "?", s.seq));
+      }
+      Open& o = open.at(s.file_index);
+      const uint64_t len = layout_.ChunkLengthAt(f, s.seq);
+      const char* p = bufs[b].as<char>();
+      OPTSTATE_RETURN_IF_ERROR(o.file->Pwrite(s.seq * cs, p, len));
+      if (st_ != nullptr) OPTSTATE_RETURN_IF_ERROR(st_->Pwrite(o.st_offset + s.seq * cs, p, len));
+      result->bytes += len * (st_ != nullptr ? 2 : 1);
+      done += len;
+      CrashPoint("export.after_chunk");
+      if (--o.chunks_left == 0) {
+        OPTSTATE_RETURN_IF_ERROR(o.file->Fdatasync());
+        open.erase(s.file_index);
+        if (opts_.progress) opts_.progress(done, total);
+      }
+      return Status::Ok();
+    };
+    // Hands out completions; after the first failure only frees their buffers.
+    auto reap = [&](size_t min) -> Status {
+      comps.clear();
+      OPTSTATE_RETURN_IF_ERROR(io->Reap(&comps, min));
+      for (const ChunkCompletion& c : comps) {
+        if (failed.ok()) {
+          failed = complete(c);
+        } else {
+          free_bufs.push_back(static_cast<size_t>(c.tag));
+        }
+      }
+      return Status::Ok();
+    };
+    for (size_t i = 0; i < files.size() && failed.ok(); ++i) {
+      const CheckpointFile& f = files[i];
+      if (f.kind != CheckpointFileKind::kField) continue;
+      auto file = Create(f.path);
+      if (!file.ok()) {
+        failed = file.status();
+        break;
+      }
+      ++result->files;
+      const uint64_t n = layout_.ChunkSequenceLength(f);
+      if (n == 0) {
+        failed = (*file)->Fdatasync();
+        continue;
+      }
+      Open& o = open[i];
+      o.file = std::move(*file);
+      o.chunks_left = n;
+      o.st_offset = layout_.SafetensorsOffsetOf(f).value_or(0);
+      for (uint64_t seq = 0; seq < n && failed.ok(); ++seq) {
+        while (free_bufs.empty() && failed.ok()) {
+          Status st = reap(1);
+          if (!st.ok()) failed = st;
+        }
+        if (!failed.ok()) break;
+        const size_t b = free_bufs.back();
+        free_bufs.pop_back();
+        slots[b] = Slot{i, seq};
+        Status st = io->SubmitRead(layout_.ChunkAt(f, seq), bufs[b].as<char>(), b);
+        if (!st.ok()) {
+          free_bufs.push_back(b);
+          failed = st.WithContext(fmt::format("export: {} chunk {}", f.path, seq));
+        }
+      }
+    }
+    // Drain: buffers must not be freed under reads in flight.
+    while (io->in_flight() > 0) {
+      Status st = reap(io->in_flight());
+      if (!st.ok()) {
+        if (failed.ok()) failed = st;
+        break;  // the engine failed: nothing more will complete
+      }
+    }
+    return failed;
+  }
+
+  FileSystem* fs_;
+  const CheckpointLayout& layout_;
+  const std::string dir_;
+  const ExportOptions& opts_;
+  std::unique_ptr<File> st_;  // state.safetensors while it is written
+};
+
+}  // namespace
+
+Result<ExportResult> ExportCheckpoint(Store* store, const std::string& dest_in, const ExportOptions& opts) {
+  FileSystem* fs = opts.fs != nullptr ? opts.fs : FileSystem::Default();
+  std::string dest = dest_in;
+  while (dest.size() > 1 && dest.back() == '/') dest.pop_back();
+  if (dest.empty()) return InvalidArgument("export: empty destination path");
+  OPTSTATE_RETURN_IF_ERROR(CheckDest(fs, dest));
+  // The view's lease keeps every extent of the generation until the export ends.
+  auto view = opts.snapshot.empty() ? store->OpenGeneration(opts.generation) : store->OpenSnapshot(opts.snapshot);
+  if (!view.ok()) return view.status().WithContext("export: store " + store->path());
+  const uint64_t gen = (*view)->info().generation;
+  const std::string where =
+      opts.snapshot.empty()
+          ? fmt::format("export: store {} generation {} to {}", store->path(), gen, dest)
+          : fmt::format("export: store {} snapshot '{}' (generation {}) to {}", store->path(), opts.snapshot, gen,
+                        dest);
+  auto layout = CheckpointLayout::Build(view->get());
+  if (!layout.ok()) return layout.status().WithContext(where);
+
+  std::string partial;
+  std::random_device rd;
+  for (int attempt = 0;; ++attempt) {
+    partial = fmt::format("{}.partial-{:08x}", dest, static_cast<uint32_t>(rd()));
+    OPTSTATE_ASSIGN_OR_RETURN(bool taken, fs->Exists(partial));
+    if (!taken) break;
+    if (attempt == 16) return AlreadyExists(where + ": no free name for the partial directory, e.g. " + partial);
+  }
+  if (Status st = fs->CreateDir(partial); !st.ok()) return st.WithContext(where);
+  ExportResult result;
+  result.generation = gen;
+  Status st = Exporter(fs, **layout, partial, opts).Run(&result);
+  if (st.ok()) {
+    CrashPoint("export.before_rename");
+    st = fs->Rename(partial, dest);
+  }
+  if (!st.ok()) {
+    Status rm = fs->RemoveAll(partial);
+    if (!rm.ok()) OPTSTATE_LOG_ERROR("{}: removing {} after a failed export: {}", where, partial, rm.ToString());
+    return st.WithContext(where);
+  }
+  st = fs->SyncDir(ParentDir(dest));
+  if (!st.ok()) {
+    return st.WithContext(where + ": the checkpoint is complete, but its name in " + ParentDir(dest) +
+                          " may not survive a power loss");
+  }
+  OPTSTATE_LOG_INFO("exported store {} generation {} to {} ({} files, {} bytes)", store->path(), gen, dest,
+                    result.files, result.bytes);
+  return result;
+}
+
+}  // namespace optstate::vfs
