@@ -395,8 +395,8 @@ def main():
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
-    if "fv" in opts:
-        opts["fv"].close()
+    for o in opts.values():
+        o.close()
     opts.clear()
     shutil.rmtree(work, ignore_errors=True)
     if own_dir:
