@@ -1,13 +1,15 @@
 // optstate-bench step: a StreamedAdam step vs the I/O floor (fio reading and
-// writing the same bytes at once) vs the first version's method, and a
-// deterministic synthetic mode that leaves its store behind.
+// writing the same bytes at once) vs the first version's method as it runs
+// (FirstVersionBaseline, tools/bench_first_version.h: buffered I/O, no fsync)
+// with its state in the page cache (warm) and evicted before each step
+// (cold), and a deterministic synthetic mode that leaves its store behind.
 //
-// The first version's method, reproduced here: one private file per parameter
-// field; per parameter, chunk by chunk, synchronous O_DIRECT pread of main,
-// exp_avg and exp_avg_sq through ONE pinned staging buffer, each copied to the
-// device; the fused kernel; each field copied back through the same staging
-// buffer and pwritten in place; fdatasync of every file at the end (so its
-// timing, like ours, includes durability).
+// Optionally (--first-version direct) a synchronous O_DIRECT engine: one
+// private file per parameter field; per parameter, chunk by chunk, O_DIRECT
+// pread of main, exp_avg and exp_avg_sq through one pinned staging buffer,
+// each copied to the device; the fused kernel; each field copied back through
+// the same buffer and pwritten in place; fdatasync of every file at the end.
+// Durable like ours, with no pipelining: what the disk gives a naive engine.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -24,6 +26,7 @@
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
+#include "tools/bench_first_version.h"
 #include "tools/internal/bench.h"
 #include "vfs/io_buffer.h"
 #include "tools/internal/cli.h"
@@ -59,6 +62,7 @@ struct StepOptions {
   bool no_fio = false;
   bool no_batch_submit = false;  // MemoryManagerOptions::batch_submit = false
   bool no_first_version = false;
+  std::string first_version_text = "warm,cold";  // baselines: warm, cold, direct
   // both
   std::string chunk_text = "8M";
   std::string budget_text = "256M";
@@ -300,13 +304,14 @@ int RunSynthetic(const StepOptions& o) {
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-// The first version: private files, one pinned staging buffer, sync I/O.
-class FirstVersion {
+// The synchronous O_DIRECT engine: private files, one pinned staging buffer,
+// sync I/O, fdatasync.
+class SyncDirectEngine {
  public:
-  static Result<std::unique_ptr<FirstVersion>> Create(
+  static Result<std::unique_ptr<SyncDirectEngine>> Create(
       const std::string& dir, const std::vector<std::pair<std::string, uint64_t>>& params,
       uint64_t chunk, memmgr::MemoryManager* mm, const std::vector<float>& w0) {
-    auto fv = std::unique_ptr<FirstVersion>(new FirstVersion);
+    auto fv = std::unique_ptr<SyncDirectEngine>(new SyncDirectEngine);
     fv->mm_ = mm;
     fv->chunk_ = chunk;
     // One pinned buffer (the first version's pin_memory() staging tensor).
@@ -389,10 +394,10 @@ class FirstVersion {
     uint64_t numel = 0;
     std::unique_ptr<vfs::File> files[3];
   };
-  FirstVersion() = default;
+  SyncDirectEngine() = default;
 
  public:
-  ~FirstVersion() {
+  ~SyncDirectEngine() {
     if (h_staging_ != nullptr) mm_->FreePinnedHost(h_staging_, chunk_);
   }
 
@@ -455,12 +460,28 @@ int RunCompare(const StepOptions& o) {
       std::error_code ec;
       if (own) fs::remove_all(d, ec);
       else {
-        for (const char* n : {"store", "first_version", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
+        for (const char* n : {"store", "first_version", "sync_direct", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
       }
     }
   } cleanup{dir, own_dir};
 
   if (o.hidden < 64) return FailWith(kTool, InvalidArgument("--hidden must be >= 64"));
+  bool fv_warm = false, fv_cold = false, fv_direct = false;
+  if (!o.no_first_version) {
+    std::string list = o.first_version_text;
+    for (size_t at = 0; at <= list.size();) {
+      size_t end = std::min(list.find(',', at), list.size());
+      const std::string item = list.substr(at, end - at);
+      if (item == "warm") fv_warm = true;
+      else if (item == "cold") fv_cold = true;
+      else if (item == "direct") fv_direct = true;
+      else if (item != "none" && !item.empty()) {
+        return FailWith(kTool, InvalidArgument(fmt::format(
+                                   "--first-version {}: unknown baseline '{}' (warm, cold, direct or none)", list, item)));
+      }
+      at = end + 1;
+    }
+  }
   auto params = ParamMix(*state, o.hidden);
   uint64_t numel_total = 0, max_numel = 0;
   for (auto& p : params) {
@@ -508,12 +529,24 @@ int RunCompare(const StepOptions& o) {
       grads.push_back(std::move(*d));
     }
   }
+  // The model's bf16 parameters, which both methods update (the first
+  // version's _copy_main_to_model_params; ours in the kernel's pass).
+  std::vector<DeviceBuffer> model_params;
+  std::vector<void*> model_param_ptrs;
+  for (auto& [name, n] : params) {
+    auto d = DeviceBuffer::Make(mm->get(), n * 2);
+    if (!d.ok()) return FailWith(kTool, d.status().WithContext(name));
+    model_param_ptrs.push_back(d->get());
+    model_params.push_back(std::move(*d));
+  }
   std::vector<memmgr::ParamGrad> pg;
   for (size_t p = 0; p < params.size(); ++p) {
     memmgr::ParamGrad x;
     x.name = params[p].first;
     x.d_grad = grad_ptrs[p];
     x.grad_type = ScalarType::kF32;
+    x.d_param = model_param_ptrs[p];
+    x.param_type = ScalarType::kBF16;
     x.numel = params[p].second;
     pg.push_back(x);
   }
@@ -521,17 +554,42 @@ int RunCompare(const StepOptions& o) {
   // timed step reads and writes all 12 bytes per parameter.
   if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step"));
 
-  std::unique_ptr<FirstVersion> fv;
-  if (!o.no_first_version) {
-    auto f = FirstVersion::Create(dir + "/first_version", params, c->chunk, mm->get(), w0);
+  std::unique_ptr<FirstVersionBaseline> fvb;
+  if (fv_warm || fv_cold) {
+    FirstVersionOptions fo;
+    fo.adam.lr = g.lr;
+    fo.adam.beta1 = g.beta1;
+    fo.adam.beta2 = g.beta2;
+    fo.adam.eps = g.eps;
+    fo.adam.weight_decay = g.weight_decay;
+    fo.adam.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
+    fo.cuda = cuda;
+    fo.cpu_threads = o.cpu_threads;
+    auto f = FirstVersionBaseline::Create(dir + "/first_version", params, mm->get(), w0.data(), fo);
     if (!f.ok()) return FailWith(kTool, f.status().WithContext("first-version setup"));
+    fvb = std::move(*f);
+    // Untimed first step (it reads only the mains; it writes every segment,
+    // so the page cache then holds the whole state).
+    std::vector<const void*> g_ptrs(grad_ptrs.begin(), grad_ptrs.end());
+    if (Status s = fvb->Step(g_ptrs, model_param_ptrs); !s.ok()) {
+      return FailWith(kTool, s.WithContext("first version, warm-up step"));
+    }
+  }
+  std::unique_ptr<SyncDirectEngine> fv;
+  if (fv_direct) {
+    auto f = SyncDirectEngine::Create(dir + "/sync_direct", params, c->chunk, mm->get(), w0);
+    if (!f.ok()) return FailWith(kTool, f.status().WithContext("synchronous O_DIRECT engine setup"));
     fv = std::move(*f);
   }
   bool use_fio = !o.no_fio && FioAvailable();
   if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
 
-  std::vector<double> t_floor, t_ours, t_fv;
+  std::vector<double> t_floor, t_ours, t_fv, t_warm, t_cold;
   std::vector<double> t_ours_returned;  // until Step returned (its commit may still run)
+  // The share of the first version's files in the page cache before each
+  // warm step and after each eviction; the eviction's fdatasync time.
+  std::vector<double> warm_resident, cold_resident, cold_writeback;
+  const std::vector<const void*> grad_cptrs(grad_ptrs.begin(), grad_ptrs.end());
   std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
   std::vector<memmgr::StreamedAdam::StepStats> stats;
   // How the disk under --dir was used during the floor and our steps.
@@ -580,9 +638,44 @@ int RunCompare(const StepOptions& o) {
     stats.push_back((*opt)->last_step_stats());
     const memmgr::MemoryStats ms1 = (*mm)->stats();
     step_io.push_back({ms1.nvme_read_bytes - ms0.nvme_read_bytes, ms1.cache_hit_bytes - ms0.cache_hit_bytes});
+    if (fvb && fv_warm) {
+      auto res = fvb->ResidentBytes();
+      if (!res.ok()) return FailWith(kTool, res.status());
+      warm_resident.push_back(static_cast<double>(*res) / static_cast<double>(fvb->file_bytes()));
+      if (warm_resident.back() < 0.9) {
+        Note(fmt::format("first version, warm: only {:.0f}% of its {} of files is in the page cache (RAM too small "
+                         "for the state?)",
+                         100 * warm_resident.back(), FormatBytes(fvb->file_bytes())));
+      }
+      t0 = NowSeconds();
+      if (Status s = fvb->Step(grad_cptrs, model_param_ptrs); !s.ok()) {
+        return FailWith(kTool, s.WithContext("first version, warm"));
+      }
+      t_warm.push_back(NowSeconds() - t0);
+    }
+    if (fvb && fv_cold) {
+      double sync_s = 0;
+      if (Status s = fvb->DropPageCache(&sync_s); !s.ok()) return FailWith(kTool, s.WithContext("first version, cold"));
+      cold_writeback.push_back(sync_s);
+      auto res = fvb->ResidentBytes();
+      if (!res.ok()) return FailWith(kTool, res.status());
+      cold_resident.push_back(static_cast<double>(*res) / static_cast<double>(fvb->file_bytes()));
+      if (cold_resident.back() > 0.01) {
+        Note(fmt::format("first version, cold: {:.1f}% of its files stayed in the page cache after "
+                         "fdatasync + POSIX_FADV_DONTNEED (a tmpfs --dir?); the cold step is partly warm",
+                         100 * cold_resident.back()));
+      }
+      t0 = NowSeconds();
+      if (Status s = fvb->Step(grad_cptrs, model_param_ptrs); !s.ok()) {
+        return FailWith(kTool, s.WithContext("first version, cold"));
+      }
+      t_cold.push_back(NowSeconds() - t0);
+    }
     if (fv) {
       t0 = NowSeconds();
-      if (Status s = fv->Step(grad_ptrs, r + 1, cuda); !s.ok()) return FailWith(kTool, s.WithContext("first version"));
+      if (Status s = fv->Step(grad_ptrs, r + 1, cuda); !s.ok()) {
+        return FailWith(kTool, s.WithContext("synchronous O_DIRECT engine"));
+      }
       t_fv.push_back(NowSeconds() - t0);
     }
     bar.Update(r + 1);
@@ -617,7 +710,17 @@ int RunCompare(const StepOptions& o) {
   out["budget_bytes"] = c->budget;
   out["host_cache_bytes"] = c->host_cache;
   out["rounds"] = o.rounds;
-  out["seconds"] = {{"ours", t_ours}, {"fio_floor", t_floor}, {"first_version", t_fv}};
+  // Baselines by key; "names" says what each is.
+  out["seconds"] = {{"ours", t_ours},
+                    {"fio_floor", t_floor},
+                    {"first_version_warm", t_warm},
+                    {"first_version_cold", t_cold},
+                    {"sync_direct_engine", t_fv}};
+  out["names"] = {{"ours", "StreamedAdam step (ours), O_DIRECT, until its commit is durable"},
+                  {"fio_floor", "I/O floor (fio read+write)"},
+                  {"first_version_warm", "first version, buffered, page cache warm"},
+                  {"first_version_cold", "first version, buffered, page cache cold"},
+                  {"sync_direct_engine", "synchronous O_DIRECT engine"}};
   out["commit_lag_steps"] = o.commit_lag;
   out["ours_step_returned_seconds"] = t_ours_returned;
   out["median_ours_step_returned_seconds"] = Median(t_ours_returned);
@@ -625,10 +728,26 @@ int RunCompare(const StepOptions& o) {
   out["batch_submit"] = !o.no_batch_submit;
   const std::string& pages = (*mm)->staging_pages();
   out["staging_pages"] = pages;
-  out["median_seconds"] = {{"ours", Median(t_ours)}, {"fio_floor", Median(t_floor)},
-                           {"first_version", Median(t_fv)}};
+  out["median_seconds"] = {{"ours", Median(t_ours)},
+                           {"fio_floor", Median(t_floor)},
+                           {"first_version_warm", Median(t_warm)},
+                           {"first_version_cold", Median(t_cold)},
+                           {"sync_direct_engine", Median(t_fv)}};
   out["ours_over_floor"] = ratio(t_ours, t_floor);
-  out["first_version_over_ours"] = ratio(t_fv, t_ours);
+  // ours / each baseline: the median over rounds of the same-round ratios.
+  out["ours_over"] = {{"fio_floor", ratio(t_ours, t_floor)},
+                      {"first_version_warm", ratio(t_ours, t_warm)},
+                      {"first_version_cold", ratio(t_ours, t_cold)},
+                      {"sync_direct_engine", ratio(t_ours, t_fv)}};
+  if (fvb) {
+    out["first_version"] = {{"buckets", fvb->buckets().size()},
+                            {"bucket_numel_limit", fvb->options().bucket_numel_limit},
+                            {"staging_bytes", fvb->options().staging_bytes},
+                            {"file_bytes", fvb->file_bytes()},
+                            {"warm_resident_fraction", warm_resident},
+                            {"cold_resident_fraction_after_drop", cold_resident},
+                            {"cold_writeback_seconds", cold_writeback}};
+  }
   out["h2d_bytes_per_second"] = h2d;
   out["d2h_bytes_per_second"] = d2h;
   out["ours_over_copy_floor"] = Median(t_ours) / copy_floor;
@@ -663,12 +782,12 @@ int RunCompare(const StepOptions& o) {
   }
   std::cout << fmt::format(
       "optstate-bench step: {} of state ({} params in {} tensors), chunk {}, budget {}, host cache "
-      "{}, backend {}, {} interleaved rounds (floor, ours, first version), O_DIRECT, commit "
+      "{}, backend {}, {} interleaved rounds (floor, ours, baselines); ours: O_DIRECT, commit "
       "(fdatasync) included\nstaging pages: {}\nmachine: {}\n\n",
       FormatBytes(state_bytes), numel_total, params.size(), FormatBytes(c->chunk),
       FormatBytes(c->budget), FormatBytes(c->host_cache), memmgr::BackendName((*mm)->backend()),
       o.rounds, pages, MachineLine());
-  Table t({"method", "median step", "state GB/s each way", "vs ours"}, {false, true, true, true});
+  Table t({"method", "median step", "state GB/s each way", "ours / this"}, {false, true, true, true});
   auto row = [&](const std::string& n, const std::vector<double>& v, double r) {
     if (v.empty()) return;
     double m = Median(v);
@@ -676,21 +795,34 @@ int RunCompare(const StepOptions& o) {
               std::isnan(r) ? "-" : fmt::format("{:.2f}x", r)});
   };
   row("StreamedAdam step (ours)", t_ours, 1.0);
-  row("I/O floor (fio read+write)", t_floor, ratio(t_floor, t_ours));
-  row("first version (sync, 1 staging buf)", t_fv, ratio(t_fv, t_ours));
+  row("I/O floor (fio read+write)", t_floor, ratio(t_ours, t_floor));
+  row("first version, buffered, page cache warm", t_warm, ratio(t_ours, t_warm));
+  row("first version, buffered, page cache cold", t_cold, ratio(t_ours, t_cold));
+  row("synchronous O_DIRECT engine", t_fv, ratio(t_ours, t_fv));
   std::cout << t.Render();
   auto list = [](const std::vector<double>& v) {
     std::string out;
     for (double x : v) out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x);
     return out.empty() ? std::string("-") : out;
   };
-  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version [{}]\n", list(t_ours),
-                           list(t_floor), list(t_fv));
+  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}\n",
+                           list(t_ours), list(t_floor), list(t_warm), list(t_cold),
+                           t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(t_fv) + "]");
+  if (fvb) {
+    std::cout << fmt::format(
+        "first version: {} bucket(s) of <= {} elements, {} of files, {} staging buffer; page cache held {} of "
+        "them before the warm steps, {} after each eviction (fdatasync of the previous step's writes: [{}] s, "
+        "untimed)\n",
+        fvb->buckets().size(), fvb->options().bucket_numel_limit, FormatBytes(fvb->file_bytes()),
+        FormatBytes(fvb->options().staging_bytes),
+        warm_resident.empty() ? "-" : fmt::format("{:.0f}%", 100 * Median(warm_resident)),
+        cold_resident.empty() ? "-" : fmt::format("{:.1f}%", 100 * Median(cold_resident)), list(cold_writeback));
+  }
   std::cout << fmt::format(
-      "\nours / floor: {:.2f}x (target <= 1.10)   first version / ours: {:.2f}x (speed-up)\n"
+      "\nours / floor: {:.2f}x (target <= 1.10)   ours / first version warm: {:.2f}x, cold: {:.2f}x\n"
       "H2D {} D2H {} (1 GiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} "
       "(budget {})\n",
-      ratio(t_ours, t_floor), ratio(t_fv, t_ours), FormatRate(h2d), FormatRate(d2h),
+      ratio(t_ours, t_floor), ratio(t_ours, t_warm), ratio(t_ours, t_cold), FormatRate(h2d), FormatRate(d2h),
       Median(t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c->budget));
   if (o.commit_lag > 0) {
     std::cout << fmt::format("commit lag {}: Step() returned after {} (median), its commit done after {}\n",
@@ -740,7 +872,11 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param (default 1G)");
   sub->add_option("--rounds", o->rounds, "comparison mode: interleaved rounds (default 3)");
   sub->add_flag("--no-fio", o->no_fio, "skip the fio floor");
-  sub->add_flag("--no-first-version", o->no_first_version, "skip the first version's method");
+  sub->add_flag("--no-first-version", o->no_first_version, "skip every baseline but the floor (--first-version none)");
+  sub->add_option("--first-version", o->first_version_text,
+                  "baselines, comma-separated: warm (the first version, state in the page cache), cold (its "
+                  "files evicted before each step), direct (a synchronous O_DIRECT engine), none "
+                  "(default warm,cold)");
   sub->add_option("--chunk-size", o->chunk_text, "chunk size, multiple of 2M (default 8M)");
   sub->add_option("--budget", o->budget_text, "device budget (default 256M)");
   sub->add_option("--host-cache-bytes", o->host_cache_text, "pinned host cache tier (default 0)");

@@ -1,11 +1,22 @@
 // optstate-bench step's deterministic synthetic mode, checked against an
 // independent fp64 AdamW (torch.optim.AdamW semantics) of the bench's w0 and g
 // formulas, read back from the store it leaves behind.
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstring>
 
 #include <gtest/gtest.h>
 
+#include "memmgr/memory_manager.h"
+#include "memmgr/streamed_adam.h"
 #include "tests/tools/tools_test_util.h"
+#include "tools/bench_first_version.h"
+#include "tools/internal/device_buffer.h"
 #include "tools/internal/store_read.h"
 #include "vfs/store.h"
 
@@ -157,6 +168,171 @@ TEST(BenchStepTest, ContinuingWithOtherSizesIsRefusedAndChangesNothing) {
   uint64_t gen_after = 0;
   snapshot(&gen_after);
   EXPECT_EQ(gen_after, gen_before + 1);
+}
+
+// The first version's method as the bench runs it does the real work: after
+// two steps (the first reads only the mains, the second all three segments)
+// its bucket files hold, at the offsets of its layout ([main | exp_avg |
+// exp_avg_sq] per bucket, every parameter's region 4096-aligned, buckets
+// closed at the element limit), exactly what StreamedAdam's store holds for
+// the same weights and gradients, and both wrote the same bf16 parameters.
+TEST(BenchStepTest, FirstVersionBaselineComputesWhatStreamedAdamComputes) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, uint64_t>> params = {
+      {"a", 1000}, {"b", 70001}, {"c", 3}, {"d", 300000}};
+  uint64_t max_numel = 0;
+  for (auto& p : params) max_numel = std::max(max_numel, p.second);
+  vfs::StoreOptions so;
+  so.chunk_size_bytes = 2ull << 20;
+  auto store = vfs::Store::Create(dir / "store", so);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  memmgr::MemoryManagerOptions mo;
+  mo.backend = memmgr::Backend::kHost;
+  mo.device_budget_bytes = 16ull << 20;
+  auto mm = memmgr::MemoryManager::Create(store->get(), mo);
+  ASSERT_TRUE(mm.ok()) << mm.status().ToString();
+  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), memmgr::StreamedAdamOptions{});
+  ASSERT_TRUE(opt.ok()) << opt.status().ToString();
+  memmgr::ParamGroup g;
+  g.lr = 1e-2;
+  g.weight_decay = 0.1;
+  ASSERT_TRUE((*opt)->SetGroup(g).ok());
+
+  std::vector<float> w0(max_numel);
+  for (uint64_t i = 0; i < max_numel; ++i) w0[i] = static_cast<float>(0.1 * std::cos(0.25 * static_cast<double>(i)));
+  auto d_w0 = DeviceBuffer::Make(mm->get(), max_numel * 4);
+  ASSERT_TRUE(d_w0.ok());
+  ASSERT_TRUE((*mm)->CopyToDevice(d_w0->get(), w0.data(), max_numel * 4).ok());
+  std::vector<DeviceBuffer> grads, ours_bf16, fv_bf16;
+  for (auto& [name, n] : params) {
+    ASSERT_TRUE((*opt)->RegisterParam(name, n, 0, d_w0->get(), kernels::ScalarType::kF32).ok()) << name;
+    for (auto* v : {&grads, &ours_bf16, &fv_bf16}) {
+      auto d = DeviceBuffer::Make(mm->get(), n * 4);
+      ASSERT_TRUE(d.ok());
+      v->push_back(std::move(*d));
+    }
+  }
+  bench::FirstVersionOptions fo;
+  fo.bucket_numel_limit = 71000;  // buckets {a, b} (closed at 71001) and {c, d}
+  fo.staging_bytes = 64 << 10;    // several staging chunks per parameter
+  fo.adam.lr = g.lr;
+  fo.adam.weight_decay = g.weight_decay;
+  auto fv = bench::FirstVersionBaseline::Create(dir / "fv", params, mm->get(), w0.data(), fo);
+  ASSERT_TRUE(fv.ok()) << fv.status().ToString();
+  ASSERT_EQ((*fv)->buckets().size(), 2u);
+
+  for (uint64_t t = 1; t <= 2; ++t) {
+    std::vector<memmgr::ParamGrad> pg;
+    std::vector<const void*> fv_grads;
+    std::vector<void*> fv_params;
+    for (size_t p = 0; p < params.size(); ++p) {
+      std::vector<float> gh(params[p].second);
+      for (uint64_t i = 0; i < gh.size(); ++i) {
+        gh[i] = static_cast<float>(0.01 * std::sin(0.5 * static_cast<double>(i) + 1.3 * static_cast<double>(t) + p));
+      }
+      ASSERT_TRUE((*mm)->CopyToDevice(grads[p].get(), gh.data(), gh.size() * 4).ok());
+      memmgr::ParamGrad x;
+      x.name = params[p].first;
+      x.d_grad = grads[p].get();
+      x.d_param = ours_bf16[p].get();
+      x.param_type = kernels::ScalarType::kBF16;
+      x.numel = params[p].second;
+      pg.push_back(x);
+      fv_grads.push_back(grads[p].get());
+      fv_params.push_back(fv_bf16[p].get());
+    }
+    ASSERT_TRUE((*opt)->Step(pg).ok());
+    Status s = (*fv)->Step(fv_grads, fv_params);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+  }
+  EXPECT_EQ((*fv)->step_count(), 2u);
+
+  // The layout, computed here: bucket i holds these params; segment by
+  // segment, each param's region rounded up to 4096 bytes.
+  const std::vector<std::vector<size_t>> members = {{0, 1}, {2, 3}};
+  auto view = (*store)->OpenGeneration(vfs::kLatest);
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  for (size_t b = 0; b < members.size(); ++b) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "bucket%05zu.bin", b);
+    const std::string path = dir / ("fv/" + std::string(name));
+    int fd = ::open(path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0) << path;
+    uint64_t at = 0;
+    for (uint32_t f = 0; f < 3; ++f) {
+      for (size_t p : members[b]) {
+        const uint64_t n = params[p].second;
+        std::vector<float> disk(n);
+        ASSERT_EQ(::pread(fd, disk.data(), n * 4, static_cast<off_t>(at)), static_cast<ssize_t>(n * 4)) << path;
+        at += (n * 4 + 4095) / 4096 * 4096;
+        auto t = (*view)->FindTensor(params[p].first);
+        ASSERT_TRUE(t.ok());
+        std::vector<float> ours;
+        ASSERT_TRUE(ForEachRange(**view, *t, f, 0, n, [&](uint64_t, const void* d, uint64_t cnt) -> Status {
+                      const float* q = static_cast<const float*>(d);
+                      ours.insert(ours.end(), q, q + cnt);
+                      return Status::Ok();
+                    }).ok());
+        ASSERT_EQ(ours.size(), n);
+        EXPECT_EQ(std::memcmp(disk.data(), ours.data(), n * 4), 0)
+            << "field " << f << " of " << params[p].first << " in " << path << ": first " << disk[0] << " vs ours "
+            << ours[0];
+        if (f == 0) {
+          EXPECT_NE(disk[0], w0[0]) << params[p].first << ": main not updated";
+        }
+        if (f == 2) {
+          EXPECT_GT(disk[0], 0.0f) << params[p].first << ": exp_avg_sq empty";
+        }
+      }
+    }
+    struct stat st;
+    ASSERT_EQ(::fstat(fd, &st), 0);
+    EXPECT_EQ(static_cast<uint64_t>(st.st_size), at) << path << ": posix_fallocate'd to the layout's size";
+    ::close(fd);
+  }
+  for (size_t p = 0; p < params.size(); ++p) {
+    EXPECT_EQ(std::memcmp(ours_bf16[p].get(), fv_bf16[p].get(), params[p].second * 2), 0)
+        << "bf16 params of " << params[p].first;
+  }
+
+  // Cold-cache emulation: after a step the files are in the page cache;
+  // after DropPageCache none of them is (a tmpfs keeps everything: skipped).
+  auto cached = (*fv)->ResidentBytes();
+  ASSERT_TRUE(cached.ok()) << cached.status().ToString();
+  EXPECT_EQ(*cached, (*fv)->file_bytes());
+  struct statfs sfs;
+  ASSERT_EQ(::statfs(dir.path().c_str(), &sfs), 0);
+  if (sfs.f_type == TMPFS_MAGIC) GTEST_SKIP() << dir.path() << " is a tmpfs: no page cache to drop";
+  double sync_s = -1;
+  ASSERT_TRUE((*fv)->DropPageCache(&sync_s).ok());
+  EXPECT_GE(sync_s, 0.0);
+  cached = (*fv)->ResidentBytes();
+  ASSERT_TRUE(cached.ok());
+  EXPECT_EQ(*cached, 0u);
+}
+
+// The comparison mode's JSON names each baseline and gives ours / baseline;
+// an unknown baseline is refused by name.
+TEST(BenchStepTest, CompareModeReportsEachFirstVersionBaseline) {
+  TempDir dir;
+  auto r = Tool("optstate-bench", {"step", "--dir", dir.path(), "--state", "12M", "--rounds", "1", "--no-fio",
+                                   "--backend", "host", "--budget", "64M", "--first-version", "warm,cold", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = ParseJson(r);
+  for (const char* k : {"first_version_warm", "first_version_cold"}) {
+    ASSERT_EQ(j["seconds"][k].size(), 1u) << k << " " << j["seconds"].dump();
+    EXPECT_GT(j["ours_over"][k].get<double>(), 0.0) << k;
+  }
+  EXPECT_TRUE(j["seconds"]["sync_direct_engine"].empty());
+  EXPECT_EQ(j["names"]["first_version_warm"], "first version, buffered, page cache warm");
+  EXPECT_EQ(j["names"]["first_version_cold"], "first version, buffered, page cache cold");
+  EXPECT_EQ(j["first_version"]["buckets"].get<uint64_t>(), 1u);
+  EXPECT_EQ(j["first_version"]["staging_bytes"].get<uint64_t>(), 256ull << 20);
+  EXPECT_EQ(j["first_version"]["warm_resident_fraction"][0].get<double>(), 1.0);
+
+  r = Tool("optstate-bench", {"step", "--dir", dir.path(), "--state", "12M", "--first-version", "warm,bogus"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("bogus"), std::string::npos) << r.err;
 }
 
 TEST(BenchStepTest, RejectsMalformedArguments) {
