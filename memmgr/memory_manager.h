@@ -98,7 +98,7 @@ struct MemoryManagerOptions {
   // (vfs::PreferredIoPages), base pages otherwise. Why: the H200 machine's
   // disk takes at most 1280 KiB a request and its step ran 1.2-1.4x slower
   // with huge pages; the development VM's takes 4 MiB and its step ran 1.3-1.5x
-  // faster with them. README "Defaults and why" (optstate-bench step
+  // faster with them. docs/BENCHMARKS.md "Defaults" (optstate-bench step
   // --huge-pages / --base-pages).
   enum class StagingPages { kAuto, kBase, kHuge };
   StagingPages staging_pages = StagingPages::kAuto;
@@ -107,21 +107,21 @@ struct MemoryManagerOptions {
   // With huge-page staging it asks for smaller device requests, but the block
   // layer's scheduler may merge adjacent parts back: on the H200 1 MiB parts
   // reached the disk as ~2 MiB requests (step 1.25x of the floor) unless
-  // merging was off (/sys/block/<dev>/queue/nomerges = 2: 1.01x). README
-  // "Defaults and why".
+  // merging was off (/sys/block/<dev>/queue/nomerges = 2: 1.01x). docs/BENCHMARKS.md
+  // "Defaults".
   uint64_t max_sqe_bytes = 0;
   // StreamedAdam's chunk I/O reaches the kernel in batches, one
   // io_uring_enter per pipeline pass (vfs IoEngineOptions::defer_submit), so
   // the block layer merges adjacent small chunks (a norm's or a bias's three
-  // fields, side by side on disk) into one request. Default true. README
-  // "Defaults and why".
+  // fields, side by side on disk) into one request. Default true. docs/BENCHMARKS.md
+  // "Defaults".
   bool batch_submit = true;
   // Threads that hash chunks for the manager's and StreamedAdam's chunk I/O
   // (write checksums, read verification; vfs ChunkIoOptions::hash_threads),
   // so that the pipeline thread only submits and reaps. kAutoHashThreads
   // (default): 4 on machines of 8 or more cores, else 0 (the pipeline thread
   // hashes, as on the 2-core development VM, where the CPU kernels and the
-  // kernel's I/O workers already take both cores). README "Defaults and why".
+  // kernel's I/O workers already take both cores). docs/BENCHMARKS.md "Defaults".
   static constexpr uint32_t kAutoHashThreads = ~uint32_t{0};
   uint32_t hash_threads = kAutoHashThreads;
 };

@@ -180,7 +180,7 @@ struct StreamedAdamOptions {
   // During a step, fdatasync the data files in the background every this many
   // bytes of completed writes, so part of the device's flush overlaps the step
   // instead of landing in Commit. 0 = only Commit syncs. Default 512 MiB
-  // (README "Defaults and why" has the measurements behind it).
+  // (docs/BENCHMARKS.md "Defaults" has the measurements behind it).
   uint64_t background_sync_bytes = 512ull << 20;
   // Trainer step recorded in each commit; default: last committed step + 1.
   // (See set_global_step.)

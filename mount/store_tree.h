@@ -73,7 +73,7 @@ struct MountOptions {
   // biases) between tensors of several chunks, so a fixed count of files
   // ahead either often held only KiB (4: the next big tensor's first chunk
   // was read after its reader asked) or, with 32, loaded 64+ MiB ahead and
-  // was slower on the 2-core VM (README, "Defaults and why").
+  // was slower on the 2-core VM (docs/BENCHMARKS.md, "Defaults").
   uint32_t prefetch_files = 32;
   uint64_t prefetch_bytes = 32ull << 20;
   // st_blksize of the generation files, the size cp and other readers buffer
@@ -136,7 +136,7 @@ struct MountOptions {
   // `cp -r` of a trainer's snapshot read half the bytes and was 1-15% faster;
   // on the 2-core dev VM the second copy competes with cp for the cores (the
   // push falls behind: READs 339-354 -> 609-743 per copy) and the copy took
-  // 3.1-4.4 s instead of 2.2 s (README, "Defaults and why").
+  // 3.1-4.4 s instead of 2.2 s (docs/BENCHMARKS.md, "Defaults").
   enum class Fill : uint8_t { kAuto, kOn, kOff };
   Fill fill_safetensors = Fill::kAuto;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.

@@ -107,7 +107,7 @@ namespace optstate::vfs {
 
 inline constexpr uint64_t kMiB = 1ull << 20;
 inline constexpr uint64_t kChunkAlignBytes = 2 * kMiB;   // CUDA VMM granularity
-inline constexpr uint64_t kDefaultChunkBytes = 8 * kMiB; // see README "Defaults"
+inline constexpr uint64_t kDefaultChunkBytes = 8 * kMiB; // README "Defaults"
 inline constexpr uint32_t kFormatVersion = 1;
 inline constexpr uint64_t kLatest = UINT64_MAX;          // "the newest committed generation"
 
