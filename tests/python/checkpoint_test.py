@@ -12,22 +12,11 @@ import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest, optstate
+from common import OPT_KW, TempDirTest, binary, mounted, optstate
 import optstate.checkpoint as ckpt
 import optstate.torch as ot
 from torch_adamw_test import make_model, two_groups
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _binary(env, *rel):
-    path = os.environ.get(env) or os.path.join(_REPO, "build", "default", *rel)
-    return path if os.access(path, os.X_OK) else None
-
-
-def _mounted(mnt):
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == mnt for line in f)
 
 
 def tree(root):
@@ -125,7 +114,7 @@ class CheckpointTest(TempDirTest):
                 self.assertTrue(torch.equal(got.view(p.shape), opt.read_state(p, field["name"])), name)
         opt.close()
 
-        restore_bin = _binary("OPTSTATE_RESTORE_BIN", "tools", "optstate-restore")
+        restore_bin = binary("OPTSTATE_RESTORE_BIN", "tools", "optstate-restore")
         if restore_bin is not None:
             subprocess.run([restore_bin, self.path("saved"), self.path("restored"), "--create", "r", "-q"], check=True,
                            stdout=subprocess.DEVNULL)
@@ -135,7 +124,7 @@ class CheckpointTest(TempDirTest):
                     for field in ("main", "exp_avg", "exp_avg_sq"):
                         self.assertTrue((r.read(t["name"], field) == s.read(t["name"], field)).all())
 
-        mount_bin = _binary("OPTSTATE_MOUNT_BIN", "mount", "optstate-mount")
+        mount_bin = binary("OPTSTATE_MOUNT_BIN", "mount", "optstate-mount")
         if (mount_bin is None or not os.access("/dev/fuse", os.R_OK | os.W_OK)
                 or shutil.which("fusermount3") is None):
             self.skipTest("optstate-mount, /dev/fuse or fusermount3 missing: compared with the store only")
@@ -149,14 +138,14 @@ class CheckpointTest(TempDirTest):
                                   stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 30
-            while not _mounted(mnt):  # polls the condition itself: the mount table
+            while not mounted(mnt):  # polls the condition itself: the mount table
                 if daemon.poll() is not None or time.monotonic() > deadline:
                     with open(log) as f:
                         self.fail("optstate-mount did not come up:\n" + f.read()[-3000:])
                 time.sleep(0.02)
             m_files, m_dirs = tree(os.path.join(mnt, "s", "snapshots", "snap"))
         finally:
-            if _mounted(mnt):
+            if mounted(mnt):
                 subprocess.run(["fusermount3", "-u", mnt], check=False)
             daemon.wait(timeout=30)
         self.assertEqual(files, m_files)

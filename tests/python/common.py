@@ -26,3 +26,15 @@ class TempDirTest(unittest.TestCase):
 
     def path(self, name):
         return os.path.join(self.dir, name)
+
+
+def binary(env, *rel):
+    """A tool of the build: $env if set, else build/default/<rel>; None when not built."""
+    path = os.environ.get(env) or os.path.join(_REPO, "build", "default", *rel)
+    return path if os.access(path, os.X_OK) else None
+
+
+def mounted(mnt):
+    """Whether mnt is a mount point now (the kernel's mount table)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == mnt for line in f)

@@ -18,7 +18,7 @@ import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest
+from common import OPT_KW, TempDirTest, binary, mounted
 
 WORLD = 2
 SNAPSHOT_STEP = 3
@@ -75,16 +75,6 @@ def worker(rank, init_file, store_template, phase, out):
     dist.destroy_process_group()
 
 
-def _binary(env, *rel):
-    path = os.environ.get(env) or os.path.join(_REPO, "build", "default", *rel)
-    return path if os.access(path, os.X_OK) else None
-
-
-def _mounted(mnt):
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == mnt for line in f)
-
-
 class DdpMountTest(TempDirTest):
     def setUp(self):
         super().setUp()
@@ -92,8 +82,8 @@ class DdpMountTest(TempDirTest):
             self.skipTest("/dev/fuse is not available: the test copies snapshots from a real optstate-mount")
         if shutil.which("fusermount3") is None:
             self.skipTest("fusermount3 is not installed (fuse3): needed to unmount optstate-mount")
-        self.mount_bin = _binary("OPTSTATE_MOUNT_BIN", "mount", "optstate-mount")
-        self.restore_bin = _binary("OPTSTATE_RESTORE_BIN", "tools", "optstate-restore")
+        self.mount_bin = binary("OPTSTATE_MOUNT_BIN", "mount", "optstate-mount")
+        self.restore_bin = binary("OPTSTATE_RESTORE_BIN", "tools", "optstate-restore")
         if self.mount_bin is None or self.restore_bin is None:
             self.skipTest("optstate-mount or optstate-restore is not built (set OPTSTATE_MOUNT_BIN and "
                           "OPTSTATE_RESTORE_BIN, or build build/default)")
@@ -102,7 +92,7 @@ class DdpMountTest(TempDirTest):
 
     def tearDown(self):
         if self.daemon is not None:
-            if _mounted(self.mnt):
+            if mounted(self.mnt):
                 subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False)
             if self.daemon.poll() is None:
                 self.daemon.kill()
@@ -133,7 +123,7 @@ class DdpMountTest(TempDirTest):
         self.daemon = subprocess.Popen([self.mount_bin, root, self.mnt, "-f", "--log", log],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
-        while not _mounted(self.mnt):  # polls the condition itself: the mount table
+        while not mounted(self.mnt):  # polls the condition itself: the mount table
             if self.daemon.poll() is not None or time.monotonic() > deadline:
                 with open(log) as f:
                     self.fail("optstate-mount %s %s did not come up (exit %s):\n%s"
@@ -144,7 +134,7 @@ class DdpMountTest(TempDirTest):
         subprocess.run(["fusermount3", "-u", self.mnt], check=True)
         self.assertEqual(self.daemon.wait(timeout=30), 0)
         self.daemon = None
-        self.assertFalse(_mounted(self.mnt))
+        self.assertFalse(mounted(self.mnt))
 
     def test_ddp_snapshot_cp_from_mount_restore_resume(self):
         stores = self.path("stores")
