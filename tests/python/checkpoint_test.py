@@ -18,7 +18,6 @@ import optstate.torch as ot
 from torch_adamw_test import make_model, two_groups
 
 
-
 def tree(root):
     """{relative path: sha256} of every file under root, and the set of directories."""
     files, dirs = {}, set()
