@@ -1680,6 +1680,7 @@ TEST(HostCacheTier, HoldsManySmallTensorsAndServesEveryReadAfterTheFirstStep) {
   for (uint64_t step = 1; step <= 4; ++step) {
     const MemoryStats before = env.mm->stats();
     StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
+    ASSERT_OK(sa->WaitForCommit());  // its write tail and commit may run in the background (commit_lag_steps 1)
     const MemoryStats after = env.mm->stats();
     EXPECT_EQ(env.store->LatestGeneration().step, step) << "every step is durable";
     EXPECT_EQ(after.nvme_write_bytes - before.nvme_write_bytes, StateBytes(defs)) << "step " << step;
@@ -1711,6 +1712,7 @@ TEST(HostCacheTier, HalfTheStateKeepsItsResidentSetAcrossSteps) {
   for (uint64_t step = 1; step <= 5; ++step) {
     const MemoryStats before = env.mm->stats();
     StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
+    ASSERT_OK(sa->WaitForCommit());
     const MemoryStats after = env.mm->stats();
     EXPECT_EQ(env.store->LatestGeneration().step, step);
     EXPECT_EQ(after.nvme_write_bytes - before.nvme_write_bytes, StateBytes(defs)) << "step " << step;
@@ -1737,7 +1739,11 @@ TEST(HostCacheTier, AbortedStepServesNoStaleBytes) {
       vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
       Env env;
       env.Open(6 * kChunk, true, capacity, false, MemoryManagerOptions::kAutoHashThreads, &fs);
-      auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+      // The commit inside Step, so that a failed chunk write fails that Step
+      // (with commit_lag_steps 1 it fails the next call: tested on its own).
+      StreamedAdamOptions ao;
+      ao.commit_lag_steps = 0;
+      auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), ao));
       RegisterAll(sa.get(), env.mm.get(), defs);
       Reference ref(env.mm.get(), defs);
       auto groups = TestGroups();

@@ -143,6 +143,7 @@ class CapiTest(TempDirTest):
         ida, _ = adam.register_param("a", 100, 0, a.ctypes.data, optstate.F32)
         idb, _ = adam.register_param("b", 50, 0, b.ctypes.data, optstate.F32)
         adam.step([ida, idb], [a.ctypes.data, b.ctypes.data], [optstate.F32] * 2)
+        adam.make_durable()  # the step's commit may still run in the background (commit_lag_steps 1)
         b_state = {f: store.read("b", f) for f in ("main", "exp_avg", "exp_avg_sq")}
         store.close()
         store, mm, adam = self.open()  # resume with a model that lost "b"
@@ -161,6 +162,7 @@ class CapiTest(TempDirTest):
         adam.retire_param("b")
         adam.step([ida], [a.ctypes.data], [optstate.F32])
         adam.step([ida], [a.ctypes.data], [optstate.F32])
+        adam.make_durable()
         self.assertEqual(store.latest_generation()[0], gen[0] + 2)
         for f, v in b_state.items():
             np.testing.assert_array_equal(store.read("b", f), v, err_msg=f)
