@@ -1523,14 +1523,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
       last_stats_.device_slots = pipeline_->device_slots();
       Status rs = pipeline_->ReleaseDevice();
       if (!rs.ok()) return Fail(rs.WithContext("StreamedAdam: end of the step's device work"));
-      const internal::StepPipeline& pl = *pipeline_;
-      last_stats_.read_bytes = pl.read_bytes;
-      last_stats_.slices_in_flight = pl.depth();
-      last_stats_.small_sets = pl.small_depth();
-      last_stats_.small_slices = pl.small_slices;
-      last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
-      last_stats_.compute_seconds = pl.compute_s_;
-      last_stats_.submit_seconds = pl.submit_s_;
+      NoteReadSideStats(*pipeline_);
       StartBackgroundCommit();
       const uint64_t gen = inflight_->generation;
       for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
@@ -1546,18 +1539,12 @@ Result<uint64_t> StreamedAdam::EndStep() {
   ds = pipeline_->FinishSync();
   if (!ds.ok()) return Fail(ds);
   internal::StepPipeline& pl = *pipeline_;
+  NoteReadSideStats(pl);
   last_stats_.slices = pl.slices;
-  last_stats_.read_bytes = pl.read_bytes;
   last_stats_.write_bytes = pl.write_bytes;
-  last_stats_.slices_in_flight = pl.depth();
-  last_stats_.small_sets = pl.small_depth();
-  last_stats_.small_slices = pl.small_slices;
-  last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
   last_stats_.peak_write_bytes_in_flight = pl.peak_write_bytes;
   last_stats_.device_slots = pl.device_slots();
   last_stats_.io_wait_seconds = pl.stall_s_;
-  last_stats_.compute_seconds = pl.compute_s_;
-  last_stats_.submit_seconds = pl.submit_s_;
   mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
   pipeline_->Release();
   pipeline_.reset();
@@ -1714,6 +1701,18 @@ Status StreamedAdam::FinishCommit(double* wait_s) {
 }
 
 Status StreamedAdam::WaitForCommit() { return FinishCommit(); }
+
+// The step's stats known once its kernels are done (a pipelined step's
+// writes and commit are accounted when its commit is joined).
+void StreamedAdam::NoteReadSideStats(const internal::StepPipeline& pl) {
+  last_stats_.read_bytes = pl.read_bytes;
+  last_stats_.slices_in_flight = pl.depth();
+  last_stats_.small_sets = pl.small_depth();
+  last_stats_.small_slices = pl.small_slices;
+  last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
+  last_stats_.compute_seconds = pl.compute_s_;
+  last_stats_.submit_seconds = pl.submit_s_;
+}
 
 Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());

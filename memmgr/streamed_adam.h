@@ -389,6 +389,7 @@ class StreamedAdam {
   // Joins the background commit, if any, and takes its outcome: on failure
   // the optimizer returns to the last commit and the error is returned.
   // *wait_s: seconds spent waiting (may be null).
+  void NoteReadSideStats(const internal::StepPipeline& pl);
   Status FinishCommit(double* wait_s = nullptr);
   StepStats last_stats_;
   uint64_t inject_kernel_failure_after_ = 0;
