@@ -246,6 +246,9 @@ TEST(BenchStepTest, FirstVersionBaselineComputesWhatStreamedAdamComputes) {
     ASSERT_TRUE(s.ok()) << s.ToString();
   }
   EXPECT_EQ((*fv)->step_count(), 2u);
+  // Step() returns with its commit in flight (commit_lag_steps 1): the
+  // second step's generation is the latest only once it is committed.
+  ASSERT_TRUE((*opt)->WaitForCommit().ok());
 
   // The layout, computed here: bucket i holds these params; segment by
   // segment, each param's region rounded up to 4096 bytes.
