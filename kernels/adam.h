@@ -1,7 +1,7 @@
 // Fused Adam / AdamW over one contiguous element range.
 //
-// One pass reads fp32 main, exp_avg, exp_avg_sq and the gradient (bf16, fp16 or
-// fp32), writes all three back, and writes the updated model-parameter copy
+// One pass reads fp32 main, exp_avg and exp_avg_sq (fp32 or bf16: moment_type)
+// and the gradient (bf16, fp16 or fp32), writes all three back, and writes the updated model-parameter copy
 // (bf16, fp16, fp32, or none) in the same pass. Numerics follow
 // torch.optim.AdamW (decoupled weight decay) and torch.optim.Adam (L2 weight
 // decay added to the gradient), with bias correction from `step` (>= 1, the
@@ -47,13 +47,15 @@ struct AdamParams {
   bool maximize = false;      // reserved; must be false
 };
 
-// The tensors of one update. Moments are fp32 today; moment_type exists so
-// bf16 moments can be added without changing callers.
+// The tensors of one update. bf16 moments are decoded to fp32 (exactly),
+// updated with the same fp32 operations as fp32 moments, and rounded back to
+// nearest even: each stored moment is within a relative 2^-8 of the fp32
+// value of that step (half a bf16 ulp: 8 significand bits), normal range.
 struct AdamTensors {
   float* main = nullptr;                      // fp32 master weights (in/out)
-  void* exp_avg = nullptr;                    // in/out
-  void* exp_avg_sq = nullptr;                 // in/out
-  ScalarType moment_type = ScalarType::kF32;  // only kF32 supported now
+  void* exp_avg = nullptr;                    // in/out, moment_type
+  void* exp_avg_sq = nullptr;                 // in/out, moment_type
+  ScalarType moment_type = ScalarType::kF32;  // kF32 or kBF16
   const void* grad = nullptr;                 // in
   ScalarType grad_type = ScalarType::kF32;    // kF32, kBF16, kF16
   void* param = nullptr;                      // model-parameter copy (out), may be null
@@ -63,7 +65,8 @@ struct AdamTensors {
 
 // CUDA launcher. Returns a cudaError_t as int (0 = cudaSuccess); 
 // cudaErrorInvalidValue (1) for unsupported types or misaligned pointers (fp32
-// arrays need 4-byte, bf16/fp16 arrays 2-byte alignment).
+// arrays need 4-byte, bf16/fp16 arrays 2-byte alignment). Bit-identical to
+// AdamStepCpu for every supported type combination.
 // `stream` is a cudaStream_t. Available only when built with CUDA; otherwise
 // returns cudaErrorNotSupported (801).
 int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* stream);

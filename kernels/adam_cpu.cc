@@ -21,57 +21,72 @@ using internal::AdamUpdate;
 using internal::LoadAs;
 using internal::StoreAs;
 
-template <ScalarType kGrad, ScalarType kParam>
-void RangeLoop(float* __restrict main, float* __restrict m, float* __restrict v,
+// Moments are decoded to fp32 (kMoment bf16: exact), updated in fp32 and
+// rounded back to nearest even, in the same pass as the f32 case.
+template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
+void RangeLoop(float* __restrict main, void* __restrict m_v, void* __restrict v_v,
                const void* __restrict grad_v, void* __restrict param_v, size_t begin,
                size_t end, const AdamScalars& s) {
+  using MomentT = typename internal::StorageOf<kMoment>::type;
   using GradT = typename internal::StorageOf<kGrad>::type;
   using ParamT = typename internal::StorageOf<kParam>::type;
+  MomentT* __restrict m = static_cast<MomentT*>(m_v);
+  MomentT* __restrict v = static_cast<MomentT*>(v_v);
   const GradT* __restrict grad = static_cast<const GradT*>(grad_v);
   ParamT* __restrict param = static_cast<ParamT*>(param_v);
   const AdamScalars sc = s;  // local copy: lets the compiler keep it in registers
   for (size_t i = begin; i < end; ++i) {
     float p = main[i];
-    float mi = m[i];
-    float vi = v[i];
+    float mi = LoadAs<kMoment>(m[i]);
+    float vi = LoadAs<kMoment>(v[i]);
     AdamUpdate(LoadAs<kGrad>(grad[i]), sc, p, mi, vi);
     main[i] = p;
-    m[i] = mi;
-    v[i] = vi;
+    m[i] = StoreAs<kMoment>(mi);
+    v[i] = StoreAs<kMoment>(vi);
     if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
   }
 }
 
-using RangeFn = void (*)(float*, float*, float*, const void*, void*, size_t, size_t,
+using RangeFn = void (*)(float*, void*, void*, const void*, void*, size_t, size_t,
                          const AdamScalars&);
 
-template <ScalarType kGrad>
+template <ScalarType kMoment, ScalarType kGrad>
 RangeFn PickParam(ScalarType param) {
   switch (param) {
-    case ScalarType::kF32: return &RangeLoop<kGrad, ScalarType::kF32>;
-    case ScalarType::kBF16: return &RangeLoop<kGrad, ScalarType::kBF16>;
-    case ScalarType::kF16: return &RangeLoop<kGrad, ScalarType::kF16>;
-    case ScalarType::kNone: return &RangeLoop<kGrad, ScalarType::kNone>;
+    case ScalarType::kF32: return &RangeLoop<kMoment, kGrad, ScalarType::kF32>;
+    case ScalarType::kBF16: return &RangeLoop<kMoment, kGrad, ScalarType::kBF16>;
+    case ScalarType::kF16: return &RangeLoop<kMoment, kGrad, ScalarType::kF16>;
+    case ScalarType::kNone: return &RangeLoop<kMoment, kGrad, ScalarType::kNone>;
   }
   return nullptr;
 }
 
-RangeFn Pick(ScalarType grad, ScalarType param) {
+template <ScalarType kMoment>
+RangeFn PickGrad(ScalarType grad, ScalarType param) {
   switch (grad) {
-    case ScalarType::kF32: return PickParam<ScalarType::kF32>(param);
-    case ScalarType::kBF16: return PickParam<ScalarType::kBF16>(param);
-    case ScalarType::kF16: return PickParam<ScalarType::kF16>(param);
+    case ScalarType::kF32: return PickParam<kMoment, ScalarType::kF32>(param);
+    case ScalarType::kBF16: return PickParam<kMoment, ScalarType::kBF16>(param);
+    case ScalarType::kF16: return PickParam<kMoment, ScalarType::kF16>(param);
     case ScalarType::kNone: return nullptr;
   }
   return nullptr;
 }
 
+// Moments: f32 or bf16 (f16's range is too narrow for exp_avg_sq).
+RangeFn Pick(ScalarType moment, ScalarType grad, ScalarType param) {
+  switch (moment) {
+    case ScalarType::kF32: return PickGrad<ScalarType::kF32>(grad, param);
+    case ScalarType::kBF16: return PickGrad<ScalarType::kBF16>(grad, param);
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads) {
-  if (t.moment_type != ScalarType::kF32 || p.maximize || p.step == 0) return false;
+  if (p.maximize || p.step == 0) return false;
   if (t.param_type != ScalarType::kNone && t.param == nullptr) return false;
-  RangeFn fn = Pick(t.grad_type, t.param_type);
+  RangeFn fn = Pick(t.moment_type, t.grad_type, t.param_type);
   if (fn == nullptr) return false;
   if (count == 0) return true;
   if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.grad == nullptr) {
@@ -80,8 +95,8 @@ bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int th
   if (t.found_inf != nullptr && *t.found_inf != 0.0f) return true;  // skipped, as torch does
 
   const AdamScalars s = internal::MakeAdamScalars(p);
-  float* m = static_cast<float*>(t.exp_avg);
-  float* v = static_cast<float*>(t.exp_avg_sq);
+  void* m = t.exp_avg;
+  void* v = t.exp_avg_sq;
   // Below ~64K elements per thread, starting threads costs more than it saves.
   constexpr size_t kMinPerThread = size_t{1} << 16;
   size_t n_threads = threads < 1 ? 1 : static_cast<size_t>(threads);

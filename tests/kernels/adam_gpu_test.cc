@@ -241,6 +241,85 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<2>(info.param) == AdamMode::kAdam ? "_adam" : "_adamw");
     });
 
+// bf16 moments: CUDA and CPU are bit-identical (required, not counted):
+// same decode, fp32 update and round-to-nearest-even. Every grad/param type,
+// Adam and AdamW, the vector path (aligned, head of 3) and the scalar path
+// (main or the moments at another element phase), 3 steps.
+void CompareBf16MomentsCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType pt, AdamMode mode,
+                                   size_t main_off, size_t moment_off, size_t other_off) {
+  SCOPED_TRACE("bf16 moments n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt) +
+               " mode=" + (mode == AdamMode::kAdam ? "adam" : "adamw") + " offsets main " +
+               std::to_string(main_off) + " moments " + std::to_string(moment_off) + " grad/param " +
+               std::to_string(other_off));
+  const size_t gs = TypeSize(gt), ps = std::max<size_t>(TypeSize(pt), 1);
+  std::vector<float> main(n);
+  std::vector<uint16_t> m(n), v(n);
+  std::vector<uint8_t> grad(n * gs), param(n * ps, 0);
+  for (size_t i = 0; i < n; ++i) {
+    main[i] = Uniform(31, i);
+    m[i] = FloatToBf16(0.1f * Uniform(32, i));
+    v[i] = FloatToBf16(0.01f * std::fabs(Uniform(33, i)));
+  }
+  DeviceBuffer d_main((n + 4) * 4), d_m((n + 4) * 2), d_v((n + 4) * 2), d_grad((n + 4) * gs),
+      d_param((n + 4) * ps);
+  for (const DeviceBuffer* b : {&d_main, &d_m, &d_v, &d_grad, &d_param}) ASSERT_CUDA(b->status());
+  float* dm = reinterpret_cast<float*>(d_main.data()) + main_off;
+  uint16_t* dmo = reinterpret_cast<uint16_t*>(d_m.data()) + moment_off;
+  uint16_t* dvo = reinterpret_cast<uint16_t*>(d_v.data()) + moment_off;
+  char* dg = d_grad.data() + other_off * gs;
+  char* dp = d_param.data() + other_off * ps;
+  ASSERT_CUDA(cudaMemcpy(dm, main.data(), n * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(dmo, m.data(), n * 2, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(dvo, v.data(), n * 2, cudaMemcpyHostToDevice));
+  AdamParams p;
+  p.lr = 1e-2;
+  p.weight_decay = 0.1;
+  p.mode = mode;
+  for (int step = 1; step <= 3; ++step) {
+    p.step = static_cast<uint64_t>(step);
+    for (size_t i = 0; i < n; ++i) Encode(grad.data(), gt, i, GradValue(600 + step, i));
+    ASSERT_CUDA(cudaMemcpy(dg, grad.data(), n * gs, cudaMemcpyHostToDevice));
+    AdamTensors c = Tensors(main.data(), m.data(), v.data(), grad.data(), gt, param.data(), pt, nullptr);
+    c.moment_type = ScalarType::kBF16;
+    ASSERT_TRUE(AdamStepCpu(c, n, p, 4));
+    AdamTensors g = Tensors(dm, dmo, dvo, dg, gt, dp, pt, nullptr);
+    g.moment_type = ScalarType::kBF16;
+    ASSERT_CUDA(static_cast<cudaError_t>(AdamStepCuda(g, n, p, stream)));
+  }
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> g_main(n);
+  std::vector<uint16_t> g_m(n), g_v(n);
+  std::vector<uint8_t> g_param(n * ps, 0);
+  ASSERT_CUDA(cudaMemcpy(g_main.data(), dm, n * 4, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(g_m.data(), dmo, n * 2, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(g_v.data(), dvo, n * 2, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(g_param.data(), dp, n * ps, cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const bool same = std::memcmp(&g_main[i], &main[i], 4) == 0 && g_m[i] == m[i] && g_v[i] == v[i] &&
+                      (pt == ScalarType::kNone || std::memcmp(&g_param[i * ps], &param[i * ps], ps) == 0);
+    if (!same && ++bad <= 5) {
+      ADD_FAILURE() << "element " << i << ": main " << g_main[i] << " vs cpu " << main[i] << ", exp_avg bits "
+                    << g_m[i] << " vs " << m[i] << ", exp_avg_sq bits " << g_v[i] << " vs " << v[i];
+    }
+  }
+  EXPECT_EQ(bad, 0u) << "elements not bit-identical";
+}
+
+TEST_F(AdamGpuTest, Bf16MomentsBitIdenticalToCpu) {
+  for (ScalarType gt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16}) {
+    for (ScalarType pt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16, ScalarType::kNone}) {
+      for (AdamMode mode : {AdamMode::kAdam, AdamMode::kAdamW}) {
+        for (size_t n : {size_t{1}, size_t{22}, size_t{4095}, (size_t{1} << 20) + 3}) {
+          CompareBf16MomentsCudaWithCpu(stream_, n, gt, pt, mode, 0, 0, 0);  // vector path
+          CompareBf16MomentsCudaWithCpu(stream_, n, gt, pt, mode, 1, 1, 1);  // vector path, head 3
+          CompareBf16MomentsCudaWithCpu(stream_, n, gt, pt, mode, 0, 1, 0);  // scalar path
+        }
+      }
+    }
+  }
+}
+
 TEST_F(AdamGpuTest, Over2To28ElementsMatchesCpu) {
   size_t not_identical = 0;
   CompareCudaWithCpu(stream_, (size_t{1} << 28) + 3, ScalarType::kBF16, ScalarType::kBF16,
