@@ -66,10 +66,12 @@ struct Env {
   std::unique_ptr<vfs::Store> store;
   std::unique_ptr<MemoryManager> mm;
   std::string path() const { return dir.path() + "/store"; }
-  void Open(bool create, uint64_t budget) {
+  void Open(bool create, uint64_t budget, uint64_t host_cache_bytes = 0) {
     store = create ? MUST(vfs::Store::Create(path(), TestStoreOptions()))
                    : MUST(vfs::Store::Open(path(), TestStoreOptions()));
-    mm = MUST(MemoryManager::Create(store.get(), TestMmOptions(budget)));
+    MemoryManagerOptions o = TestMmOptions(budget);
+    o.host_cache_bytes = host_cache_bytes;
+    mm = MUST(MemoryManager::Create(store.get(), o));
   }
   void Close() {
     mm.reset();
@@ -195,6 +197,27 @@ TEST(StreamedAdamBf16Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitF
   StepBoth(sa.get(), env.mm.get(), defs, &ref, 7, 2);
   ASSERT_OK(sa->WaitForCommit());
   ExpectStoreEquals(env.mm.get(), defs, ref);
+}
+
+// The host cache tier holding the whole state (steps in RAM, every 2nd one
+// written and committed) and one holding part of it: the same bits.
+TEST(StreamedAdamBf16Moments, HostCacheTierStepsEqualWholeTensorKernelBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  for (uint64_t cache_mib : {64, 6}) {
+    SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
+    Env env;
+    env.Open(true, 8 * kChunk, cache_mib << 20);
+    StreamedAdamOptions so;
+    so.moment_dtype = ScalarType::kBF16;
+    so.durable_every_steps = 2;
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    const std::vector<Def> defs = Defs();
+    std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+    StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 5);
+    ASSERT_OK(sa->MakeDurable().status());
+    ExpectStoreEquals(env.mm.get(), defs, ref);
+    EXPECT_EQ(env.store->LatestGeneration().step, 5u);
+  }
 }
 
 TEST(StreamedAdamBf16Moments, OtherMomentDtypeThanTheStoreIsRefusedAndChangesNothing) {
