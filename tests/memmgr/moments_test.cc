@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
 #include "tests/memmgr/memmgr_test_util.h"
+#include "vfs/checkpoint.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr {
@@ -218,6 +221,54 @@ TEST(StreamedAdamBf16Moments, HostCacheTierStepsEqualWholeTensorKernelBitForBit)
     ExpectStoreEquals(env.mm.get(), defs, ref);
     EXPECT_EQ(env.store->LatestGeneration().step, 5u);
   }
+}
+
+// Export (manifest dtype bf16, safetensors BF16) and restore into a new
+// store: the same bits, and the optimizer continues there exactly.
+TEST(StreamedAdamBf16Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(true, 4 * kChunk);
+  StreamedAdamOptions so;
+  so.moment_dtype = ScalarType::kBF16;
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+  const std::vector<Def> defs = Defs();
+  std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+  StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 3);
+  ASSERT_OK(sa->WaitForCommit());
+  const std::string ckpt = env.dir.path() + "/ckpt";
+  ASSERT_OK(vfs::ExportCheckpoint(env.store.get(), ckpt).status());
+  sa.reset();
+  env.Close();
+
+  std::stringstream manifest;
+  manifest << std::ifstream(ckpt + "/manifest.json").rdbuf();
+  auto m = MUST(vfs::ParseManifest(manifest.str(), "manifest.json"));
+  for (const vfs::ManifestTensor& t : m.tensors) {
+    ASSERT_EQ(t.fields.size(), 3u);
+    EXPECT_EQ(t.fields[0].dtype, vfs::DType::kF32) << t.name;
+    EXPECT_EQ(t.fields[1].dtype, vfs::DType::kBF16) << t.name;
+    EXPECT_EQ(t.fields[2].dtype, vfs::DType::kBF16) << t.name;
+    EXPECT_EQ(t.fields[1].bytes, t.numel * 2) << t.name;
+  }
+  std::ifstream st(ckpt + "/state.safetensors", std::ios::binary);
+  uint64_t header_len = 0;
+  st.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(header_len, '\0');
+  st.read(header.data(), static_cast<std::streamsize>(header_len));
+  EXPECT_NE(header.find("\"BF16\""), std::string::npos) << header.substr(0, 300);
+
+  Env dst;
+  auto restored = MUST(vfs::CreateStoreFromCheckpoint(ckpt, dst.path(), TestStoreOptions()));
+  restored.reset();
+  dst.Open(false, 4 * kChunk);
+  ASSERT_TRUE(dst.store->Verify().ok());
+  auto sa2 = MUST(StreamedAdam::Create(dst.store.get(), dst.mm.get(), so));
+  ExpectStoreEquals(dst.mm.get(), defs, ref);
+  for (const Def& d : defs) ASSERT_OK(sa2->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+  StepBoth(sa2.get(), dst.mm.get(), defs, &ref, 4, 2);
+  ASSERT_OK(sa2->WaitForCommit());
+  ExpectStoreEquals(dst.mm.get(), defs, ref);
 }
 
 TEST(StreamedAdamBf16Moments, OtherMomentDtypeThanTheStoreIsRefusedAndChangesNothing) {
