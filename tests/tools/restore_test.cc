@@ -1,6 +1,7 @@
 // optstate-restore as a user runs it, and the README's walkthrough step that
 // reads state.safetensors with the Python that tools/setup.sh installs:
 // each run on a checkpoint directory exported here from a small real store.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -257,6 +258,16 @@ TEST(RestoreMomentsTest, F32ToBf16ToF32StaysWithinTheRoundingBound) {
       }
     }
   }
+  // optstate-inspect show: the bf16 field's dtype and statistics of its decoded values.
+  auto show = Tool("optstate-inspect", {dir / "bf16", "show", "layer.weight", "--field", "exp_avg", "--json"});
+  ASSERT_EQ(show.exit_code, 0) << show.err;
+  auto j = testing::ParseJson(show);
+  ASSERT_EQ(j["fields"].size(), 1u) << show.out;
+  EXPECT_EQ(j["fields"][0]["dtype"], "bf16");
+  EXPECT_EQ(j["fields"][0]["stats"]["count"], moments::kNumel);
+  EXPECT_EQ(j["fields"][0]["stats"]["max"].get<double>(), *std::max_element(half[1].begin(), half[1].end()));
+  EXPECT_EQ(j["fields"][0]["stats"]["min"].get<double>(), *std::min_element(half[1].begin(), half[1].end()));
+
   ExportLatest(b->get(), dir / "ckpt16");
   b->reset();
   auto to32 = Tool("optstate-restore", {dir / "ckpt16", dir / "f32", "--create", "f", "--moments", "f32", "-q"});
