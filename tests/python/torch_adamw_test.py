@@ -86,6 +86,9 @@ class AdamWTest(TempDirTest):
             m = opt.read_state(b, "exp_avg")
             self.assertFalse((m.view(torch.int32) & 0xFFFF).any().item())
             torch.testing.assert_close(m, ref.state[a]["exp_avg"], rtol=0.05, atol=1e-3)
+            with opt.pin(b, "exp_avg") as pinned:  # a pin shows the stored bf16 values
+                self.assertEqual(pinned.dtype, torch.bfloat16)
+                torch.testing.assert_close(pinned.float().cpu().reshape(-1), m.reshape(-1), rtol=0, atol=0)
         self.assertLess(abs(loss - ref_loss), 0.01 * ref_loss)
         opt.close()
         with self.assertRaises(optstate.InvalidArgument):  # the store holds bf16 moments
