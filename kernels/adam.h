@@ -79,6 +79,42 @@ bool CudaKernelsBuilt();
 // nothing) for unsupported types.
 bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads = 1);
 
+// 8-bit block-wise quantized moments (Dettmers et al., "8-bit Optimizers via
+// Block-wise Quantization"; bitsandbytes' dynamic map with 7 exponent bits,
+// signed for exp_avg, unsigned for exp_avg_sq; kernels/internal/adam_q8.h).
+// Each block of kQ8BlockElems consecutive elements has one fp32 absmax per
+// moment; an element is stored as the code whose map value is nearest to
+// x / absmax. 256 elements per block as bitsandbytes' 8-bit Adam: 1/64 byte
+// of scale per element and moment, and a block small enough that one outlier
+// coarsens only 255 neighbours. The step decodes, updates in fp32 (the new
+// main uses the unrounded moments), takes each block's new absmax and
+// requantizes, in one pass; error per stored moment <= half the gap of the
+// map around it times its block's absmax (<= 0.0071 x absmax, much finer
+// near 0).
+inline constexpr size_t kQ8BlockElems = 256;
+
+struct AdamQ8Tensors {
+  float* main = nullptr;                // fp32 master weights (in/out)
+  uint8_t* exp_avg = nullptr;           // codes (in/out)
+  float* exp_avg_absmax = nullptr;      // one per block (in/out)
+  uint8_t* exp_avg_sq = nullptr;        // codes (in/out)
+  float* exp_avg_sq_absmax = nullptr;   // one per block (in/out)
+  const void* grad = nullptr;           // in
+  ScalarType grad_type = ScalarType::kF32;
+  void* param = nullptr;                // model-parameter copy (out), may be null
+  ScalarType param_type = ScalarType::kNone;
+  const float* found_inf = nullptr;
+};
+
+// CPU and CUDA implementations of the q8 step over count elements whose first
+// element starts a block (the last block may be partial): bit-identical to
+// each other. Return values as AdamStepCpu / AdamStepCuda.
+bool AdamStepCpuQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, int threads = 1);
+int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, void* stream);
+
+// The value of code c of the exp_avg (signed) or exp_avg_sq (unsigned) map.
+float Q8MapValue(bool is_signed, uint8_t c);
+
 // Conversions used by both implementations (round-to-nearest-even).
 uint16_t FloatToBf16(float f);
 float Bf16ToFloat(uint16_t h);

@@ -20,6 +20,7 @@
 
 #include "kernels/adam.h"
 #include "kernels/internal/adam_math.h"
+#include "kernels/internal/adam_q8.h"
 #include "kernels/internal/launch_config.h"
 
 namespace optstate::kernels {
@@ -303,6 +304,81 @@ cudaError_t DispatchGrad(const AdamTensors& t, size_t count, const AdamScalars& 
   return cudaErrorInvalidValue;
 }
 
+// q8 moments: one thread block of kQ8BlockElems threads per quantization
+// block (grid-stride over blocks); the block's new absmax is a max over
+// shared memory (exact in any order), so codes equal the CPU loop's.
+template <ScalarType kGrad, ScalarType kParam>
+__global__ void __launch_bounds__(kQ8BlockElems) AdamQ8Kernel(AdamQ8Tensors t, size_t count, size_t blocks,
+                                                              AdamScalars s, internal::Q8Maps maps) {
+  if (t.found_inf != nullptr && *t.found_inf != 0.0f) return;
+  __shared__ float smap[256], umap[256];
+  __shared__ float red_m[kQ8BlockElems], red_v[kQ8BlockElems];
+  const unsigned k = threadIdx.x;
+  smap[k] = maps.signed_map[k];
+  umap[k] = maps.unsigned_map[k];
+  __syncthreads();
+  const Storage<kGrad>* grad = static_cast<const Storage<kGrad>*>(t.grad);
+  Storage<kParam>* param = static_cast<Storage<kParam>*>(t.param);
+  for (size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const size_t i = b * kQ8BlockElems + k;
+    const bool live = i < count;
+    float m = 0.0f, v = 0.0f;
+    if (live) {
+      float p = t.main[i];
+      m = internal::Q8Decode(smap, t.exp_avg[i], t.exp_avg_absmax[b]);
+      v = internal::Q8Decode(umap, t.exp_avg_sq[i], t.exp_avg_sq_absmax[b]);
+      AdamUpdate(LoadAs<kGrad>(grad[i]), s, p, m, v);
+      t.main[i] = p;
+      if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+    }
+    red_m[k] = fabsf(m);
+    red_v[k] = fabsf(v);
+    __syncthreads();
+    for (unsigned w = kQ8BlockElems / 2; w > 0; w /= 2) {
+      if (k < w) {
+        red_m[k] = fmaxf(red_m[k], red_m[k + w]);
+        red_v[k] = fmaxf(red_v[k], red_v[k + w]);
+      }
+      __syncthreads();
+    }
+    const float am = red_m[0], av = red_v[0];
+    if (live) {
+      t.exp_avg[i] = internal::Q8Encode(smap, internal::Q8Normalize(m, am));
+      t.exp_avg_sq[i] = internal::Q8Encode(umap, internal::Q8Normalize(v, av));
+    }
+    if (k == 0) {
+      t.exp_avg_absmax[b] = am;
+      t.exp_avg_sq_absmax[b] = av;
+    }
+    __syncthreads();  // red_* are reused by the next block
+  }
+}
+
+template <ScalarType kGrad, ScalarType kParam>
+cudaError_t LaunchQ8(const AdamQ8Tensors& t, size_t count, const AdamScalars& s, cudaStream_t stream) {
+  const size_t blocks = (count + kQ8BlockElems - 1) / kQ8BlockElems;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const int sms = MultiProcessorCount(device);
+  if (sms == 0) return cudaErrorInvalidDevice;
+  const size_t grid = std::max<size_t>(1, std::min<size_t>(blocks, static_cast<size_t>(sms) * 8));
+  AdamQ8Kernel<kGrad, kParam><<<static_cast<unsigned>(grid), kQ8BlockElems, 0, stream>>>(
+      t, count, blocks, s, internal::GetQ8Maps());
+  return cudaPeekAtLastError();
+}
+
+template <ScalarType kGrad>
+cudaError_t DispatchQ8Param(const AdamQ8Tensors& t, size_t count, const AdamScalars& s, cudaStream_t stream) {
+  switch (t.param_type) {
+    case ScalarType::kF32: return LaunchQ8<kGrad, ScalarType::kF32>(t, count, s, stream);
+    case ScalarType::kBF16: return LaunchQ8<kGrad, ScalarType::kBF16>(t, count, s, stream);
+    case ScalarType::kF16: return LaunchQ8<kGrad, ScalarType::kF16>(t, count, s, stream);
+    case ScalarType::kNone: return LaunchQ8<kGrad, ScalarType::kNone>(t, count, s, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 bool Aligned(const void* p, size_t elem_size) {
   return reinterpret_cast<uintptr_t>(p) % elem_size == 0;
 }
@@ -345,6 +421,27 @@ int AdamStepCudaWithConfig(const AdamTensors& t, size_t count, const AdamParams&
 
 int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* stream) {
   return internal::AdamStepCudaWithConfig(t, count, p, internal::LaunchConfig{}, stream);
+}
+
+int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, void* stream) {
+  if (p.maximize || p.step == 0 || (t.param_type != ScalarType::kNone && t.param == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (count == 0) return cudaSuccess;
+  if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.exp_avg_absmax == nullptr ||
+      t.exp_avg_sq_absmax == nullptr || t.grad == nullptr || !Aligned(t.main, 4) ||
+      !Aligned(t.exp_avg_absmax, 4) || !Aligned(t.exp_avg_sq_absmax, 4)) {
+    return cudaErrorInvalidValue;
+  }
+  const AdamScalars s = internal::MakeAdamScalars(p);
+  auto st = static_cast<cudaStream_t>(stream);
+  switch (t.grad_type) {
+    case ScalarType::kF32: return DispatchQ8Param<ScalarType::kF32>(t, count, s, st);
+    case ScalarType::kBF16: return DispatchQ8Param<ScalarType::kBF16>(t, count, s, st);
+    case ScalarType::kF16: return DispatchQ8Param<ScalarType::kF16>(t, count, s, st);
+    case ScalarType::kNone: break;
+  }
+  return cudaErrorInvalidValue;
 }
 
 bool CudaKernelsBuilt() { return true; }

@@ -320,6 +320,69 @@ TEST_F(AdamGpuTest, Bf16MomentsBitIdenticalToCpu) {
   }
 }
 
+// q8 moments: CUDA and CPU bit-identical (codes, absmax, main, param copy),
+// every grad/param type, 3 steps, partial last block.
+TEST_F(AdamGpuTest, Q8MomentsBitIdenticalToCpu) {
+  for (ScalarType gt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16}) {
+    for (ScalarType pt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16, ScalarType::kNone}) {
+      for (size_t n : {size_t{1}, size_t{300}, (size_t{1} << 20) + 77}) {
+        SCOPED_TRACE("q8 n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt));
+        const size_t blocks = (n + kQ8BlockElems - 1) / kQ8BlockElems;
+        const size_t gs = TypeSize(gt), ps = std::max<size_t>(TypeSize(pt), 1);
+        std::vector<float> main(n), am(blocks, 0.0f), av(blocks, 0.0f);
+        std::vector<uint8_t> m(n, 0), v(n, 0), grad(n * gs), param(n * ps, 0);
+        uint8_t code0 = 0;
+        while (Q8MapValue(true, code0) != 0.0f) ++code0;
+        for (size_t i = 0; i < n; ++i) {
+          main[i] = Uniform(61, i);
+          m[i] = code0;
+        }
+        DeviceBuffer d_main(n * 4), d_m(n), d_v(n), d_am(blocks * 4), d_av(blocks * 4), d_grad(n * gs),
+            d_param(n * ps);
+        for (const DeviceBuffer* b : {&d_main, &d_m, &d_v, &d_am, &d_av, &d_grad, &d_param}) ASSERT_CUDA(b->status());
+        ASSERT_CUDA(cudaMemcpy(d_main.data(), main.data(), n * 4, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_m.data(), m.data(), n, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_v.data(), v.data(), n, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_am.data(), am.data(), blocks * 4, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_av.data(), av.data(), blocks * 4, cudaMemcpyHostToDevice));
+        AdamParams p;
+        p.lr = 1e-2;
+        p.weight_decay = 0.1;
+        for (int step = 1; step <= 3; ++step) {
+          p.step = static_cast<uint64_t>(step);
+          for (size_t i = 0; i < n; ++i) Encode(grad.data(), gt, i, GradValue(620 + step, i));
+          ASSERT_CUDA(cudaMemcpy(d_grad.data(), grad.data(), n * gs, cudaMemcpyHostToDevice));
+          AdamQ8Tensors c{main.data(), m.data(), am.data(), v.data(), av.data(), grad.data(), gt,
+                          pt == ScalarType::kNone ? nullptr : param.data(), pt, nullptr};
+          ASSERT_TRUE(AdamStepCpuQ8(c, n, p, 4));
+          AdamQ8Tensors g{reinterpret_cast<float*>(d_main.data()), reinterpret_cast<uint8_t*>(d_m.data()),
+                          reinterpret_cast<float*>(d_am.data()), reinterpret_cast<uint8_t*>(d_v.data()),
+                          reinterpret_cast<float*>(d_av.data()), d_grad.data(), gt,
+                          pt == ScalarType::kNone ? nullptr : d_param.data(), pt, nullptr};
+          ASSERT_CUDA(static_cast<cudaError_t>(AdamStepCudaQ8(g, n, p, stream_)));
+        }
+        ASSERT_CUDA(cudaStreamSynchronize(stream_));
+        std::vector<float> g_main(n), g_am(blocks), g_av(blocks);
+        std::vector<uint8_t> g_m(n), g_v(n), g_param(n * ps);
+        ASSERT_CUDA(cudaMemcpy(g_main.data(), d_main.data(), n * 4, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_m.data(), d_m.data(), n, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_v.data(), d_v.data(), n, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_am.data(), d_am.data(), blocks * 4, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_av.data(), d_av.data(), blocks * 4, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_param.data(), d_param.data(), n * ps, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(std::memcmp(g_main.data(), main.data(), n * 4), 0) << "main";
+        EXPECT_EQ(g_m, m) << "exp_avg codes";
+        EXPECT_EQ(g_v, v) << "exp_avg_sq codes";
+        EXPECT_EQ(std::memcmp(g_am.data(), am.data(), blocks * 4), 0) << "exp_avg absmax";
+        EXPECT_EQ(std::memcmp(g_av.data(), av.data(), blocks * 4), 0) << "exp_avg_sq absmax";
+        if (pt != ScalarType::kNone) {
+          EXPECT_EQ(g_param, param) << "param copy";
+        }
+      }
+    }
+  }
+}
+
 TEST_F(AdamGpuTest, Over2To28ElementsMatchesCpu) {
   size_t not_identical = 0;
   CompareCudaWithCpu(stream_, (size_t{1} << 28) + 3, ScalarType::kBF16, ScalarType::kBF16,
