@@ -857,7 +857,9 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
   const uint32_t slice_chunks = internal::SliceChunks(opts.moment_dtype);
   if (impl->budget_pages() < slice_chunks) {
     return ResourceExhausted("StreamedAdam: device budget " + std::to_string(mm->options().device_budget_bytes) +
-                             " bytes is smaller than one slice in flight (" + std::to_string(slice_chunks) + " x " +
+                             " bytes is smaller than one slice in flight (one chunk per field" +
+                             (slice_chunks > 3 ? std::string(", two of main") : std::string()) + ": " +
+                             std::to_string(slice_chunks) + " x " +
                              std::to_string(impl->page_bytes()) + " bytes = " +
                              std::to_string(slice_chunks * impl->page_bytes()) + " with " +
                              ScalarName(opts.moment_dtype) + " moments)");
