@@ -293,6 +293,24 @@ TEST(RestoreMomentsTest, BadInputIsRefusedAndLeavesNoStore) {
   auto nc = Tool("optstate-restore", {dir / "ckpt", dir / "src", "--moments", "bf16", "-q"});
   EXPECT_EQ(nc.exit_code, 2) << nc.err;
   EXPECT_FALSE(fs::exists(dir / "x"));
+  // A manifest that lies about a moment's dtype (bf16 for an f32 file): refused
+  // by both restores, naming the manifest, nothing made.
+  {
+    std::ifstream in(dir / "ckpt/manifest.json");
+    auto m = nlohmann::json::parse(in);
+    m["tensors"][0]["fields"][1]["dtype"] = "bf16";
+    fs::create_directories(dir / "lying");
+    fs::copy(dir / "ckpt", dir / "lying", fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    std::ofstream(dir / "lying/manifest.json") << m.dump(2);
+  }
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{}, {"--moments", "bf16"}}) {
+    std::vector<std::string> args = {dir / "lying", dir / "z", "--create", "z", "-q"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto lie = Tool("optstate-restore", args);
+    EXPECT_EQ(lie.exit_code, 1) << lie.err;
+    EXPECT_NE(lie.err.find("manifest.json"), std::string::npos) << lie.err;
+    EXPECT_FALSE(fs::exists(dir / "z"));
+  }
   // A moment file altered after export: named, and no store is left.
   {
     std::fstream f(dir / "ckpt/tensors/layer.weight/exp_avg_sq", std::ios::in | std::ios::out | std::ios::binary);
