@@ -227,10 +227,7 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
       for (const auto& spec : info->fields) names += (names.empty() ? "" : ", ") + spec.name;
       return NotFound(where + ": no field '" + field + "' (has " + names + ")");
     }
-    if (info->fields[f].dtype != vfs::DType::kF32) {
-      return optstate::Unimplemented(where + " field " + field + ": stored as " +
-                                     vfs::DTypeName(info->fields[f].dtype) + ", only f32 fields can be read");
-    }
+    const vfs::DType dtype = info->fields[f].dtype;
     if (first > info->numel || count > info->numel - first) {
       return InvalidArgument(where + " field " + field + ": range [" + std::to_string(first) + ", " +
                              std::to_string(first + count) + ") outside its " + std::to_string(info->numel) +
@@ -238,7 +235,8 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
     }
     if (count == 0) return Status::Ok();
     const uint64_t chunk_bytes = s->chunk_size_bytes();
-    const uint64_t per_chunk = chunk_bytes / sizeof(float);
+    const uint64_t elem_bytes = vfs::DTypeSize(dtype);
+    const uint64_t per_chunk = chunk_bytes / elem_bytes;
     std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(4096, chunk_bytes), &std::free);
     if (buf == nullptr) return optstate::ResourceExhausted(where + ": cannot allocate a chunk buffer");
     const uint64_t end = first + count;
@@ -247,8 +245,17 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
       OPTSTATE_RETURN_IF_ERROR((*view)->ReadChunk(ref, buf.get()));
       const uint64_t lo = std::max(first, c * per_chunk);
       const uint64_t hi = std::min(end, (c + 1) * per_chunk);
-      std::memcpy(out + (lo - first), static_cast<const float*>(buf.get()) + (lo - c * per_chunk),
-                  (hi - lo) * sizeof(float));
+      if (dtype == vfs::DType::kF32) {
+        std::memcpy(out + (lo - first), static_cast<const float*>(buf.get()) + (lo - c * per_chunk),
+                    (hi - lo) * sizeof(float));
+        continue;
+      }
+      // 16-bit fields (bf16 moments, f16): decoded to fp32, exactly.
+      const uint16_t* h = static_cast<const uint16_t*>(buf.get()) + (lo - c * per_chunk);
+      for (uint64_t i = 0; i < hi - lo; ++i) {
+        out[lo - first + i] = dtype == vfs::DType::kBF16 ? optstate::kernels::Bf16ToFloat(h[i])
+                                                         : optstate::kernels::HalfToFloat(h[i]);
+      }
     }
     return Status::Ok();
   });
@@ -521,6 +528,21 @@ void optstate_adam_options_set_commit_lag_steps(optstate_adam_options_t* opts, u
 }
 uint32_t optstate_adam_options_commit_lag_steps(const optstate_adam_options_t* opts) {
   return opts->rep.commit_lag_steps;
+}
+int optstate_adam_options_set_moment_dtype(optstate_adam_options_t* opts, const char* dtype, char** errptr) {
+  const char* what = "optstate_adam_options_set_moment_dtype";
+  return Guard(errptr, what, [&]() -> Status {
+    if (dtype == nullptr) return NullArgument(what, "dtype");
+    const std::string d = dtype;
+    if (d == "f32") {
+      opts->rep.moment_dtype = ScalarType::kF32;
+    } else if (d == "bf16") {
+      opts->rep.moment_dtype = ScalarType::kBF16;
+    } else {
+      return InvalidArgument("moment dtype '" + d + "' is not supported (f32, bf16)");
+    }
+    return Status::Ok();
+  });
 }
 
 int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optstate_adam_options_t* opts,

@@ -1,7 +1,7 @@
 // Fused Adam / AdamW over one contiguous element range.
 //
-// One pass reads fp32 main, exp_avg, exp_avg_sq and the gradient (bf16, fp16 or
-// fp32), writes all three back, and writes the updated model-parameter copy
+// One pass reads fp32 main, exp_avg and exp_avg_sq (fp32 or bf16: moment_type)
+// and the gradient (bf16, fp16 or fp32), writes all three back, and writes the updated model-parameter copy
 // (bf16, fp16, fp32, or none) in the same pass. Numerics follow
 // torch.optim.AdamW (decoupled weight decay) and torch.optim.Adam (L2 weight
 // decay added to the gradient), with bias correction from `step` (>= 1, the
@@ -47,13 +47,15 @@ struct AdamParams {
   bool maximize = false;      // reserved; must be false
 };
 
-// The tensors of one update. Moments are fp32 today; moment_type exists so
-// bf16 moments can be added without changing callers.
+// The tensors of one update. bf16 moments are decoded to fp32 (exactly),
+// updated with the same fp32 operations as fp32 moments, and rounded back to
+// nearest even: each stored moment is within a relative 2^-8 of the fp32
+// value of that step (half a bf16 ulp: 8 significand bits), normal range.
 struct AdamTensors {
   float* main = nullptr;                      // fp32 master weights (in/out)
-  void* exp_avg = nullptr;                    // in/out
-  void* exp_avg_sq = nullptr;                 // in/out
-  ScalarType moment_type = ScalarType::kF32;  // only kF32 supported now
+  void* exp_avg = nullptr;                    // in/out, moment_type
+  void* exp_avg_sq = nullptr;                 // in/out, moment_type
+  ScalarType moment_type = ScalarType::kF32;  // kF32 or kBF16
   const void* grad = nullptr;                 // in
   ScalarType grad_type = ScalarType::kF32;    // kF32, kBF16, kF16
   void* param = nullptr;                      // model-parameter copy (out), may be null
@@ -63,7 +65,8 @@ struct AdamTensors {
 
 // CUDA launcher. Returns a cudaError_t as int (0 = cudaSuccess); 
 // cudaErrorInvalidValue (1) for unsupported types or misaligned pointers (fp32
-// arrays need 4-byte, bf16/fp16 arrays 2-byte alignment).
+// arrays need 4-byte, bf16/fp16 arrays 2-byte alignment). Bit-identical to
+// AdamStepCpu for every supported type combination.
 // `stream` is a cudaStream_t. Available only when built with CUDA; otherwise
 // returns cudaErrorNotSupported (801).
 int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* stream);
@@ -75,6 +78,42 @@ bool CudaKernelsBuilt();
 // the range is split across that many std::threads. Returns false (and writes
 // nothing) for unsupported types.
 bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads = 1);
+
+// 8-bit block-wise quantized moments (Dettmers et al., "8-bit Optimizers via
+// Block-wise Quantization"; bitsandbytes' dynamic map with 7 exponent bits,
+// signed for exp_avg, unsigned for exp_avg_sq; kernels/internal/adam_q8.h).
+// Each block of kQ8BlockElems consecutive elements has one fp32 absmax per
+// moment; an element is stored as the code whose map value is nearest to
+// x / absmax. 256 elements per block as bitsandbytes' 8-bit Adam: 1/64 byte
+// of scale per element and moment, and a block small enough that one outlier
+// coarsens only 255 neighbours. The step decodes, updates in fp32 (the new
+// main uses the unrounded moments), takes each block's new absmax and
+// requantizes, in one pass; error per stored moment <= half the gap of the
+// map around it times its block's absmax (<= 0.0071 x absmax, much finer
+// near 0).
+inline constexpr size_t kQ8BlockElems = 256;
+
+struct AdamQ8Tensors {
+  float* main = nullptr;                // fp32 master weights (in/out)
+  uint8_t* exp_avg = nullptr;           // codes (in/out)
+  float* exp_avg_absmax = nullptr;      // one per block (in/out)
+  uint8_t* exp_avg_sq = nullptr;        // codes (in/out)
+  float* exp_avg_sq_absmax = nullptr;   // one per block (in/out)
+  const void* grad = nullptr;           // in
+  ScalarType grad_type = ScalarType::kF32;
+  void* param = nullptr;                // model-parameter copy (out), may be null
+  ScalarType param_type = ScalarType::kNone;
+  const float* found_inf = nullptr;
+};
+
+// CPU and CUDA implementations of the q8 step over count elements whose first
+// element starts a block (the last block may be partial): bit-identical to
+// each other. Return values as AdamStepCpu / AdamStepCuda.
+bool AdamStepCpuQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, int threads = 1);
+int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, void* stream);
+
+// The value of code c of the exp_avg (signed) or exp_avg_sq (unsigned) map.
+float Q8MapValue(bool is_signed, uint8_t c);
 
 // Conversions used by both implementations (round-to-nearest-even).
 uint16_t FloatToBf16(float f);

@@ -6,12 +6,14 @@
 // vectorises (sqrt without errno) and rounds exactly like the GPU build, which
 // is compiled with -fmad=false.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
 
 #include "kernels/adam.h"
 #include "kernels/internal/adam_math.h"
+#include "kernels/internal/adam_q8.h"
 
 namespace optstate::kernels {
 namespace {
@@ -21,46 +23,118 @@ using internal::AdamUpdate;
 using internal::LoadAs;
 using internal::StoreAs;
 
-template <ScalarType kGrad, ScalarType kParam>
-void RangeLoop(float* __restrict main, float* __restrict m, float* __restrict v,
+// Moments are decoded to fp32 (kMoment bf16: exact), updated in fp32 and
+// rounded back to nearest even, in the same pass as the f32 case.
+template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
+void RangeLoop(float* __restrict main, void* __restrict m_v, void* __restrict v_v,
                const void* __restrict grad_v, void* __restrict param_v, size_t begin,
                size_t end, const AdamScalars& s) {
+  using MomentT = typename internal::StorageOf<kMoment>::type;
   using GradT = typename internal::StorageOf<kGrad>::type;
   using ParamT = typename internal::StorageOf<kParam>::type;
+  MomentT* __restrict m = static_cast<MomentT*>(m_v);
+  MomentT* __restrict v = static_cast<MomentT*>(v_v);
   const GradT* __restrict grad = static_cast<const GradT*>(grad_v);
   ParamT* __restrict param = static_cast<ParamT*>(param_v);
   const AdamScalars sc = s;  // local copy: lets the compiler keep it in registers
   for (size_t i = begin; i < end; ++i) {
     float p = main[i];
-    float mi = m[i];
-    float vi = v[i];
+    float mi = LoadAs<kMoment>(m[i]);
+    float vi = LoadAs<kMoment>(v[i]);
     AdamUpdate(LoadAs<kGrad>(grad[i]), sc, p, mi, vi);
     main[i] = p;
-    m[i] = mi;
-    v[i] = vi;
+    m[i] = StoreAs<kMoment>(mi);
+    v[i] = StoreAs<kMoment>(vi);
     if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
   }
 }
 
-using RangeFn = void (*)(float*, float*, float*, const void*, void*, size_t, size_t,
+using RangeFn = void (*)(float*, void*, void*, const void*, void*, size_t, size_t,
                          const AdamScalars&);
 
-template <ScalarType kGrad>
+template <ScalarType kMoment, ScalarType kGrad>
 RangeFn PickParam(ScalarType param) {
   switch (param) {
-    case ScalarType::kF32: return &RangeLoop<kGrad, ScalarType::kF32>;
-    case ScalarType::kBF16: return &RangeLoop<kGrad, ScalarType::kBF16>;
-    case ScalarType::kF16: return &RangeLoop<kGrad, ScalarType::kF16>;
-    case ScalarType::kNone: return &RangeLoop<kGrad, ScalarType::kNone>;
+    case ScalarType::kF32: return &RangeLoop<kMoment, kGrad, ScalarType::kF32>;
+    case ScalarType::kBF16: return &RangeLoop<kMoment, kGrad, ScalarType::kBF16>;
+    case ScalarType::kF16: return &RangeLoop<kMoment, kGrad, ScalarType::kF16>;
+    case ScalarType::kNone: return &RangeLoop<kMoment, kGrad, ScalarType::kNone>;
   }
   return nullptr;
 }
 
-RangeFn Pick(ScalarType grad, ScalarType param) {
+template <ScalarType kMoment>
+RangeFn PickGrad(ScalarType grad, ScalarType param) {
   switch (grad) {
-    case ScalarType::kF32: return PickParam<ScalarType::kF32>(param);
-    case ScalarType::kBF16: return PickParam<ScalarType::kBF16>(param);
-    case ScalarType::kF16: return PickParam<ScalarType::kF16>(param);
+    case ScalarType::kF32: return PickParam<kMoment, ScalarType::kF32>(param);
+    case ScalarType::kBF16: return PickParam<kMoment, ScalarType::kBF16>(param);
+    case ScalarType::kF16: return PickParam<kMoment, ScalarType::kF16>(param);
+    case ScalarType::kNone: return nullptr;
+  }
+  return nullptr;
+}
+
+// Moments: f32 or bf16 (f16's range is too narrow for exp_avg_sq).
+RangeFn Pick(ScalarType moment, ScalarType grad, ScalarType param) {
+  switch (moment) {
+    case ScalarType::kF32: return PickGrad<ScalarType::kF32>(grad, param);
+    case ScalarType::kBF16: return PickGrad<ScalarType::kBF16>(grad, param);
+    default: return nullptr;
+  }
+}
+
+// q8 moments, blocks [block_begin, block_end) of a range of count elements.
+template <ScalarType kGrad, ScalarType kParam>
+void Q8BlockLoop(const AdamQ8Tensors& t, size_t count, size_t block_begin, size_t block_end,
+                 const AdamScalars& s, const internal::Q8Maps& maps) {
+  using GradT = typename internal::StorageOf<kGrad>::type;
+  using ParamT = typename internal::StorageOf<kParam>::type;
+  const GradT* grad = static_cast<const GradT*>(t.grad);
+  ParamT* param = static_cast<ParamT*>(t.param);
+  float m[kQ8BlockElems], v[kQ8BlockElems];
+  for (size_t b = block_begin; b < block_end; ++b) {
+    const size_t first = b * kQ8BlockElems;
+    const size_t n = std::min(kQ8BlockElems, count - first);
+    const float am = t.exp_avg_absmax[b], av = t.exp_avg_sq_absmax[b];
+    float new_am = 0.0f, new_av = 0.0f;
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = first + k;
+      float p = t.main[i];
+      m[k] = internal::Q8Decode(maps.signed_map, t.exp_avg[i], am);
+      v[k] = internal::Q8Decode(maps.unsigned_map, t.exp_avg_sq[i], av);
+      AdamUpdate(LoadAs<kGrad>(grad[i]), s, p, m[k], v[k]);
+      t.main[i] = p;
+      if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+      new_am = std::max(new_am, std::fabs(m[k]));
+      new_av = std::max(new_av, std::fabs(v[k]));
+    }
+    for (size_t k = 0; k < n; ++k) {
+      t.exp_avg[first + k] = internal::Q8Encode(maps.signed_map, internal::Q8Normalize(m[k], new_am));
+      t.exp_avg_sq[first + k] = internal::Q8Encode(maps.unsigned_map, internal::Q8Normalize(v[k], new_av));
+    }
+    t.exp_avg_absmax[b] = new_am;
+    t.exp_avg_sq_absmax[b] = new_av;
+  }
+}
+
+using Q8Fn = void (*)(const AdamQ8Tensors&, size_t, size_t, size_t, const AdamScalars&, const internal::Q8Maps&);
+
+template <ScalarType kGrad>
+Q8Fn PickQ8Param(ScalarType param) {
+  switch (param) {
+    case ScalarType::kF32: return &Q8BlockLoop<kGrad, ScalarType::kF32>;
+    case ScalarType::kBF16: return &Q8BlockLoop<kGrad, ScalarType::kBF16>;
+    case ScalarType::kF16: return &Q8BlockLoop<kGrad, ScalarType::kF16>;
+    case ScalarType::kNone: return &Q8BlockLoop<kGrad, ScalarType::kNone>;
+  }
+  return nullptr;
+}
+
+Q8Fn PickQ8(ScalarType grad, ScalarType param) {
+  switch (grad) {
+    case ScalarType::kF32: return PickQ8Param<ScalarType::kF32>(param);
+    case ScalarType::kBF16: return PickQ8Param<ScalarType::kBF16>(param);
+    case ScalarType::kF16: return PickQ8Param<ScalarType::kF16>(param);
     case ScalarType::kNone: return nullptr;
   }
   return nullptr;
@@ -68,10 +142,47 @@ RangeFn Pick(ScalarType grad, ScalarType param) {
 
 }  // namespace
 
-bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads) {
-  if (t.moment_type != ScalarType::kF32 || p.maximize || p.step == 0) return false;
+bool AdamStepCpuQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, int threads) {
+  if (p.maximize || p.step == 0) return false;
   if (t.param_type != ScalarType::kNone && t.param == nullptr) return false;
-  RangeFn fn = Pick(t.grad_type, t.param_type);
+  Q8Fn fn = PickQ8(t.grad_type, t.param_type);
+  if (fn == nullptr) return false;
+  if (count == 0) return true;
+  if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.exp_avg_absmax == nullptr ||
+      t.exp_avg_sq_absmax == nullptr || t.grad == nullptr) {
+    return false;
+  }
+  if (t.found_inf != nullptr && *t.found_inf != 0.0f) return true;
+  const AdamScalars s = internal::MakeAdamScalars(p);
+  const internal::Q8Maps& maps = internal::GetQ8Maps();
+  const size_t blocks = (count + kQ8BlockElems - 1) / kQ8BlockElems;
+  constexpr size_t kMinBlocksPerThread = 256;
+  size_t n_threads = threads < 1 ? 1 : static_cast<size_t>(threads);
+  n_threads = std::min(n_threads, std::max<size_t>(1, blocks / kMinBlocksPerThread));
+  if (n_threads <= 1) {
+    fn(t, count, 0, blocks, s, maps);
+    return true;
+  }
+  const size_t per = (blocks + n_threads - 1) / n_threads;
+  std::vector<std::thread> workers;
+  for (size_t k = 0; k < n_threads; ++k) {
+    const size_t b = std::min(blocks, k * per), e = std::min(blocks, b + per);
+    if (b >= e) break;
+    workers.emplace_back([=, &t, &s, &maps] { fn(t, count, b, e, s, maps); });
+  }
+  for (auto& w : workers) w.join();
+  return true;
+}
+
+float Q8MapValue(bool is_signed, uint8_t c) {
+  const internal::Q8Maps& maps = internal::GetQ8Maps();
+  return is_signed ? maps.signed_map[c] : maps.unsigned_map[c];
+}
+
+bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads) {
+  if (p.maximize || p.step == 0) return false;
+  if (t.param_type != ScalarType::kNone && t.param == nullptr) return false;
+  RangeFn fn = Pick(t.moment_type, t.grad_type, t.param_type);
   if (fn == nullptr) return false;
   if (count == 0) return true;
   if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.grad == nullptr) {
@@ -80,8 +191,8 @@ bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int th
   if (t.found_inf != nullptr && *t.found_inf != 0.0f) return true;  // skipped, as torch does
 
   const AdamScalars s = internal::MakeAdamScalars(p);
-  float* m = static_cast<float*>(t.exp_avg);
-  float* v = static_cast<float*>(t.exp_avg_sq);
+  void* m = t.exp_avg;
+  void* v = t.exp_avg_sq;
   // Below ~64K elements per thread, starting threads costs more than it saves.
   constexpr size_t kMinPerThread = size_t{1} << 16;
   size_t n_threads = threads < 1 ? 1 : static_cast<size_t>(threads);

@@ -3,8 +3,9 @@
 // Two kernels, both grid-stride and memory-bound:
 //  - AdamVecKernel: when every pointer sits at the same element phase modulo 4,
 //    the first `head` (< 4) and last (< 4) elements are done one by one and the
-//    rest in groups of 4 elements: 16-byte loads/stores of the fp32 arrays and
-//    8-byte (16-bit types) or 16-byte (fp32) loads/stores of grad and param.
+//    rest in groups of 4 elements: 16-byte loads/stores of fp32 main and
+//    8-byte (16-bit types) or 16-byte (fp32) loads/stores of the moments, grad
+//    and param.
 //    Each thread keeps `kUnroll` groups in flight per loop trip.
 //  - AdamScalarKernel: any element-aligned pointers, one element at a time.
 // State is touched exactly once, so loads and stores use the streaming cache
@@ -19,6 +20,7 @@
 
 #include "kernels/adam.h"
 #include "kernels/internal/adam_math.h"
+#include "kernels/internal/adam_q8.h"
 #include "kernels/internal/launch_config.h"
 
 namespace optstate::kernels {
@@ -70,30 +72,31 @@ __device__ __forceinline__ typename Vec4Of<T>::type Pack4(const float in[4]) {
   }
 }
 
-template <ScalarType kGrad, ScalarType kParam>
-__device__ __forceinline__ void ScalarElement(float* main, float* m, float* v,
+template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
+__device__ __forceinline__ void ScalarElement(float* main, Storage<kMoment>* m, Storage<kMoment>* v,
                                               const Storage<kGrad>* grad, Storage<kParam>* param,
                                               size_t i, const AdamScalars& s) {
   float p = __ldcs(main + i);
-  float mi = __ldcs(m + i);
-  float vi = __ldcs(v + i);
+  float mi = LoadAs<kMoment>(__ldcs(m + i));
+  float vi = LoadAs<kMoment>(__ldcs(v + i));
   AdamUpdate(LoadAs<kGrad>(grad[i]), s, p, mi, vi);
   __stcs(main + i, p);
-  __stcs(m + i, mi);
-  __stcs(v + i, vi);
+  __stcs(m + i, StoreAs<kMoment>(mi));
+  __stcs(v + i, StoreAs<kMoment>(vi));
   if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
 }
 
-template <ScalarType kGrad, ScalarType kParam, int kUnroll>
+template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam, int kUnroll>
 __global__ void __launch_bounds__(kMaxThreads) AdamVecKernel(float* __restrict__ main,
-                                                      float* __restrict__ m,
-                                                      float* __restrict__ v,
+                                                      Storage<kMoment>* __restrict__ m,
+                                                      Storage<kMoment>* __restrict__ v,
                                                       const Storage<kGrad>* __restrict__ grad,
                                                       Storage<kParam>* __restrict__ param,
                                                       size_t count, size_t head, size_t n_groups,
                                                       AdamScalars s,
                                                       const float* __restrict__ found_inf) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;
+  using MomentVec = typename Vec4Of<kMoment>::type;
   using GradVec = typename Vec4Of<kGrad>::type;
   using ParamVec = typename Vec4Of<kParam>::type;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -103,22 +106,23 @@ __global__ void __launch_bounds__(kMaxThreads) AdamVecKernel(float* __restrict__
   const size_t edge = head + (count - tail_begin);
   if (tid < edge) {
     const size_t i = tid < head ? tid : tail_begin + (tid - head);
-    ScalarElement<kGrad, kParam>(main, m, v, grad, param, i, s);
+    ScalarElement<kMoment, kGrad, kParam>(main, m, v, grad, param, i, s);
   }
 
   const float4* main4 = reinterpret_cast<const float4*>(main + head);
-  const float4* m4 = reinterpret_cast<const float4*>(m + head);
-  const float4* v4 = reinterpret_cast<const float4*>(v + head);
+  const MomentVec* m4 = reinterpret_cast<const MomentVec*>(m + head);
+  const MomentVec* v4 = reinterpret_cast<const MomentVec*>(v + head);
   const GradVec* grad4 = reinterpret_cast<const GradVec*>(grad + head);
   float4* main4_out = reinterpret_cast<float4*>(main + head);
-  float4* m4_out = reinterpret_cast<float4*>(m + head);
-  float4* v4_out = reinterpret_cast<float4*>(v + head);
+  MomentVec* m4_out = reinterpret_cast<MomentVec*>(m + head);
+  MomentVec* v4_out = reinterpret_cast<MomentVec*>(v + head);
   ParamVec* param4 = reinterpret_cast<ParamVec*>(param + head);
 
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x * kUnroll;
   for (size_t base = static_cast<size_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
        base < n_groups; base += stride) {
-    float4 rp[kUnroll], rm[kUnroll], rv[kUnroll];
+    float4 rp[kUnroll];
+    MomentVec rm[kUnroll], rv[kUnroll];
     GradVec rg[kUnroll];
     // All loads first, so kUnroll * 4 independent requests are in flight.
 #pragma unroll
@@ -138,23 +142,24 @@ __global__ void __launch_bounds__(kMaxThreads) AdamVecKernel(float* __restrict__
         float gf[4];
         Unpack4<kGrad>(rg[u], gf);
         float p[4] = {rp[u].x, rp[u].y, rp[u].z, rp[u].w};
-        float mm[4] = {rm[u].x, rm[u].y, rm[u].z, rm[u].w};
-        float vv[4] = {rv[u].x, rv[u].y, rv[u].z, rv[u].w};
+        float mm[4], vv[4];
+        Unpack4<kMoment>(rm[u], mm);
+        Unpack4<kMoment>(rv[u], vv);
 #pragma unroll
         for (int k = 0; k < 4; ++k) AdamUpdate(gf[k], s, p[k], mm[k], vv[k]);
         __stcs(main4_out + g, make_float4(p[0], p[1], p[2], p[3]));
-        __stcs(m4_out + g, make_float4(mm[0], mm[1], mm[2], mm[3]));
-        __stcs(v4_out + g, make_float4(vv[0], vv[1], vv[2], vv[3]));
+        __stcs(m4_out + g, Pack4<kMoment>(mm));
+        __stcs(v4_out + g, Pack4<kMoment>(vv));
         if constexpr (kParam != ScalarType::kNone) __stcs(param4 + g, Pack4<kParam>(p));
       }
     }
   }
 }
 
-template <ScalarType kGrad, ScalarType kParam>
+template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
 __global__ void __launch_bounds__(kMaxThreads) AdamScalarKernel(float* __restrict__ main,
-                                                         float* __restrict__ m,
-                                                         float* __restrict__ v,
+                                                         Storage<kMoment>* __restrict__ m,
+                                                         Storage<kMoment>* __restrict__ v,
                                                          const Storage<kGrad>* __restrict__ grad,
                                                          Storage<kParam>* __restrict__ param,
                                                          size_t count, AdamScalars s,
@@ -163,7 +168,7 @@ __global__ void __launch_bounds__(kMaxThreads) AdamScalarKernel(float* __restric
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride) {
-    ScalarElement<kGrad, kParam>(main, m, v, grad, param, i, s);
+    ScalarElement<kMoment, kGrad, kParam>(main, m, v, grad, param, i, s);
   }
 }
 
@@ -216,24 +221,24 @@ size_t ElementPhase(const void* ptr, size_t elem_size) {
   return (reinterpret_cast<uintptr_t>(ptr) / elem_size) % 4;
 }
 
-template <ScalarType kGrad, ScalarType kParam, int kUnroll>
+template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam, int kUnroll>
 cudaError_t LaunchVec(const AdamTensors& t, size_t count, size_t head, const AdamScalars& s,
                       const LaunchConfig& c, cudaStream_t stream) {
   const size_t n_groups = (count - head) / 4;
   const size_t edge = head + (count - head - 4 * n_groups);
-  constexpr auto kernel = &AdamVecKernel<kGrad, kParam, kUnroll>;
+  constexpr auto kernel = &AdamVecKernel<kMoment, kGrad, kParam, kUnroll>;
   const size_t units = std::max((n_groups + kUnroll - 1) / kUnroll, edge);
   unsigned grid = 0;
   cudaError_t err = GridFor<kernel>(c, units, &grid);
   if (err != cudaSuccess) return err;
   kernel<<<grid, c.threads_per_block, 0, stream>>>(
-      t.main, static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq),
+      t.main, static_cast<Storage<kMoment>*>(t.exp_avg), static_cast<Storage<kMoment>*>(t.exp_avg_sq),
       static_cast<const Storage<kGrad>*>(t.grad), static_cast<Storage<kParam>*>(t.param), count,
       head, n_groups, s, t.found_inf);
   return cudaPeekAtLastError();
 }
 
-template <ScalarType kGrad, ScalarType kParam>
+template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
 cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s,
                    const LaunchConfig& config, cudaStream_t stream) {
   LaunchConfig c = config;
@@ -249,8 +254,8 @@ cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s,
   }
   // Vector path when every array has the same element phase modulo 4.
   const size_t phase = ElementPhase(t.main, 4);
-  bool vec = ElementPhase(t.exp_avg, 4) == phase &&
-             ElementPhase(t.exp_avg_sq, 4) == phase &&
+  bool vec = ElementPhase(t.exp_avg, internal::SizeOf(kMoment)) == phase &&
+             ElementPhase(t.exp_avg_sq, internal::SizeOf(kMoment)) == phase &&
              ElementPhase(t.grad, internal::SizeOf(kGrad)) == phase;
   if constexpr (kParam != ScalarType::kNone) {
     vec = vec && ElementPhase(t.param, internal::SizeOf(kParam)) == phase;
@@ -258,31 +263,118 @@ cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s,
   if (vec) {
     const size_t head = std::min(count, (4 - phase) % 4);
     switch (c.unroll) {
-      case 1: return LaunchVec<kGrad, kParam, 1>(t, count, head, s, c, stream);
-      case 2: return LaunchVec<kGrad, kParam, 2>(t, count, head, s, c, stream);
-      case 4: return LaunchVec<kGrad, kParam, 4>(t, count, head, s, c, stream);
+      case 1: return LaunchVec<kMoment, kGrad, kParam, 1>(t, count, head, s, c, stream);
+      case 2: return LaunchVec<kMoment, kGrad, kParam, 2>(t, count, head, s, c, stream);
+      case 4: return LaunchVec<kMoment, kGrad, kParam, 4>(t, count, head, s, c, stream);
       default: return cudaErrorInvalidValue;
     }
   }
-  constexpr auto kernel = &AdamScalarKernel<kGrad, kParam>;
+  constexpr auto kernel = &AdamScalarKernel<kMoment, kGrad, kParam>;
   unsigned grid = 0;
   cudaError_t err = GridFor<kernel>(c, count, &grid);
   if (err != cudaSuccess) return err;
   kernel<<<grid, c.threads_per_block, 0, stream>>>(
-      t.main, static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq),
+      t.main, static_cast<Storage<kMoment>*>(t.exp_avg), static_cast<Storage<kMoment>*>(t.exp_avg_sq),
       static_cast<const Storage<kGrad>*>(t.grad), static_cast<Storage<kParam>*>(t.param), count,
       s, t.found_inf);
   return cudaPeekAtLastError();
 }
 
-template <ScalarType kGrad>
+template <ScalarType kMoment, ScalarType kGrad>
 cudaError_t DispatchParam(const AdamTensors& t, size_t count, const AdamScalars& s,
                           const LaunchConfig& c, cudaStream_t stream) {
   switch (t.param_type) {
-    case ScalarType::kF32: return Launch<kGrad, ScalarType::kF32>(t, count, s, c, stream);
-    case ScalarType::kBF16: return Launch<kGrad, ScalarType::kBF16>(t, count, s, c, stream);
-    case ScalarType::kF16: return Launch<kGrad, ScalarType::kF16>(t, count, s, c, stream);
-    case ScalarType::kNone: return Launch<kGrad, ScalarType::kNone>(t, count, s, c, stream);
+    case ScalarType::kF32: return Launch<kMoment, kGrad, ScalarType::kF32>(t, count, s, c, stream);
+    case ScalarType::kBF16: return Launch<kMoment, kGrad, ScalarType::kBF16>(t, count, s, c, stream);
+    case ScalarType::kF16: return Launch<kMoment, kGrad, ScalarType::kF16>(t, count, s, c, stream);
+    case ScalarType::kNone: return Launch<kMoment, kGrad, ScalarType::kNone>(t, count, s, c, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <ScalarType kMoment>
+cudaError_t DispatchGrad(const AdamTensors& t, size_t count, const AdamScalars& s,
+                         const LaunchConfig& c, cudaStream_t stream) {
+  switch (t.grad_type) {
+    case ScalarType::kF32: return DispatchParam<kMoment, ScalarType::kF32>(t, count, s, c, stream);
+    case ScalarType::kBF16: return DispatchParam<kMoment, ScalarType::kBF16>(t, count, s, c, stream);
+    case ScalarType::kF16: return DispatchParam<kMoment, ScalarType::kF16>(t, count, s, c, stream);
+    case ScalarType::kNone: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+// q8 moments: one thread block of kQ8BlockElems threads per quantization
+// block (grid-stride over blocks); the block's new absmax is a max over
+// shared memory (exact in any order), so codes equal the CPU loop's.
+template <ScalarType kGrad, ScalarType kParam>
+__global__ void __launch_bounds__(kQ8BlockElems) AdamQ8Kernel(AdamQ8Tensors t, size_t count, size_t blocks,
+                                                              AdamScalars s, internal::Q8Maps maps) {
+  if (t.found_inf != nullptr && *t.found_inf != 0.0f) return;
+  __shared__ float smap[256], umap[256];
+  __shared__ float red_m[kQ8BlockElems], red_v[kQ8BlockElems];
+  const unsigned k = threadIdx.x;
+  smap[k] = maps.signed_map[k];
+  umap[k] = maps.unsigned_map[k];
+  __syncthreads();
+  const Storage<kGrad>* grad = static_cast<const Storage<kGrad>*>(t.grad);
+  Storage<kParam>* param = static_cast<Storage<kParam>*>(t.param);
+  for (size_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const size_t i = b * kQ8BlockElems + k;
+    const bool live = i < count;
+    float m = 0.0f, v = 0.0f;
+    if (live) {
+      float p = t.main[i];
+      m = internal::Q8Decode(smap, t.exp_avg[i], t.exp_avg_absmax[b]);
+      v = internal::Q8Decode(umap, t.exp_avg_sq[i], t.exp_avg_sq_absmax[b]);
+      AdamUpdate(LoadAs<kGrad>(grad[i]), s, p, m, v);
+      t.main[i] = p;
+      if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+    }
+    red_m[k] = fabsf(m);
+    red_v[k] = fabsf(v);
+    __syncthreads();
+    for (unsigned w = kQ8BlockElems / 2; w > 0; w /= 2) {
+      if (k < w) {
+        red_m[k] = fmaxf(red_m[k], red_m[k + w]);
+        red_v[k] = fmaxf(red_v[k], red_v[k + w]);
+      }
+      __syncthreads();
+    }
+    const float am = red_m[0], av = red_v[0];
+    if (live) {
+      t.exp_avg[i] = internal::Q8Encode(smap, internal::Q8Normalize(m, am));
+      t.exp_avg_sq[i] = internal::Q8Encode(umap, internal::Q8Normalize(v, av));
+    }
+    if (k == 0) {
+      t.exp_avg_absmax[b] = am;
+      t.exp_avg_sq_absmax[b] = av;
+    }
+    __syncthreads();  // red_* are reused by the next block
+  }
+}
+
+template <ScalarType kGrad, ScalarType kParam>
+cudaError_t LaunchQ8(const AdamQ8Tensors& t, size_t count, const AdamScalars& s, cudaStream_t stream) {
+  const size_t blocks = (count + kQ8BlockElems - 1) / kQ8BlockElems;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const int sms = MultiProcessorCount(device);
+  if (sms == 0) return cudaErrorInvalidDevice;
+  const size_t grid = std::max<size_t>(1, std::min<size_t>(blocks, static_cast<size_t>(sms) * 8));
+  AdamQ8Kernel<kGrad, kParam><<<static_cast<unsigned>(grid), kQ8BlockElems, 0, stream>>>(
+      t, count, blocks, s, internal::GetQ8Maps());
+  return cudaPeekAtLastError();
+}
+
+template <ScalarType kGrad>
+cudaError_t DispatchQ8Param(const AdamQ8Tensors& t, size_t count, const AdamScalars& s, cudaStream_t stream) {
+  switch (t.param_type) {
+    case ScalarType::kF32: return LaunchQ8<kGrad, ScalarType::kF32>(t, count, s, stream);
+    case ScalarType::kBF16: return LaunchQ8<kGrad, ScalarType::kBF16>(t, count, s, stream);
+    case ScalarType::kF16: return LaunchQ8<kGrad, ScalarType::kF16>(t, count, s, stream);
+    case ScalarType::kNone: return LaunchQ8<kGrad, ScalarType::kNone>(t, count, s, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -304,8 +396,8 @@ int AdamStepCudaWithConfig(const AdamTensors& t, size_t count, const AdamParams&
   const int tpb = c.threads_per_block;
   const bool config_ok = (tpb == 128 || tpb == 256 || tpb == kMaxThreads) &&
                          (c.unroll == 1 || c.unroll == 2 || c.unroll == 4);
-  if (!grad_ok || !param_ok || !config_ok || t.moment_type != ScalarType::kF32 || p.maximize ||
-      p.step == 0) {
+  const bool moment_ok = t.moment_type == ScalarType::kF32 || t.moment_type == ScalarType::kBF16;
+  if (!grad_ok || !param_ok || !config_ok || !moment_ok || p.maximize || p.step == 0) {
     return cudaErrorInvalidValue;
   }
   if (count == 0) return cudaSuccess;
@@ -313,26 +405,43 @@ int AdamStepCudaWithConfig(const AdamTensors& t, size_t count, const AdamParams&
       (t.param_type != ScalarType::kNone && t.param == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  if (!Aligned(t.main, 4) || !Aligned(t.exp_avg, 4) || !Aligned(t.exp_avg_sq, 4) ||
+  const size_t moment_size = SizeOf(t.moment_type);
+  if (!Aligned(t.main, 4) || !Aligned(t.exp_avg, moment_size) || !Aligned(t.exp_avg_sq, moment_size) ||
       !Aligned(t.grad, SizeOf(t.grad_type)) ||
       (t.param_type != ScalarType::kNone && !Aligned(t.param, SizeOf(t.param_type)))) {
     return cudaErrorInvalidValue;
   }
   const AdamScalars s = MakeAdamScalars(p);
   auto st = static_cast<cudaStream_t>(stream);
-  switch (t.grad_type) {
-    case ScalarType::kF32: return DispatchParam<ScalarType::kF32>(t, count, s, c, st);
-    case ScalarType::kBF16: return DispatchParam<ScalarType::kBF16>(t, count, s, c, st);
-    case ScalarType::kF16: return DispatchParam<ScalarType::kF16>(t, count, s, c, st);
-    case ScalarType::kNone: break;
-  }
-  return cudaErrorInvalidValue;
+  if (t.moment_type == ScalarType::kBF16) return DispatchGrad<ScalarType::kBF16>(t, count, s, c, st);
+  return DispatchGrad<ScalarType::kF32>(t, count, s, c, st);
 }
 
 }  // namespace internal
 
 int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* stream) {
   return internal::AdamStepCudaWithConfig(t, count, p, internal::LaunchConfig{}, stream);
+}
+
+int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, void* stream) {
+  if (p.maximize || p.step == 0 || (t.param_type != ScalarType::kNone && t.param == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (count == 0) return cudaSuccess;
+  if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.exp_avg_absmax == nullptr ||
+      t.exp_avg_sq_absmax == nullptr || t.grad == nullptr || !Aligned(t.main, 4) ||
+      !Aligned(t.exp_avg_absmax, 4) || !Aligned(t.exp_avg_sq_absmax, 4)) {
+    return cudaErrorInvalidValue;
+  }
+  const AdamScalars s = internal::MakeAdamScalars(p);
+  auto st = static_cast<cudaStream_t>(stream);
+  switch (t.grad_type) {
+    case ScalarType::kF32: return DispatchQ8Param<ScalarType::kF32>(t, count, s, st);
+    case ScalarType::kBF16: return DispatchQ8Param<ScalarType::kBF16>(t, count, s, st);
+    case ScalarType::kF16: return DispatchQ8Param<ScalarType::kF16>(t, count, s, st);
+    case ScalarType::kNone: break;
+  }
+  return cudaErrorInvalidValue;
 }
 
 bool CudaKernelsBuilt() { return true; }

@@ -11,6 +11,7 @@ constexpr int kCudaErrorNotSupported = 801;
 int AdamStepCuda(const AdamTensors&, size_t, const AdamParams&, void*) {
   return kCudaErrorNotSupported;
 }
+int AdamStepCudaQ8(const AdamQ8Tensors&, size_t, const AdamParams&, void*) { return kCudaErrorNotSupported; }
 bool CudaKernelsBuilt() { return false; }
 
 namespace internal {

@@ -96,6 +96,26 @@ float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
   }
 }
 
+// The moment fields' dtype of a store whose optimizer uses moments of type t.
+vfs::DType MomentDType(kernels::ScalarType t) {
+  return t == kernels::ScalarType::kBF16 ? vfs::DType::kBF16 : vfs::DType::kF32;
+}
+
+// kInvalidArgument naming the store, the tensor, the field and both dtypes
+// when a moment field of t is not stored as `want`.
+Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, vfs::DType want) {
+  for (const vfs::FieldSpec& f : t.fields) {
+    if ((f.name == "exp_avg" || f.name == "exp_avg_sq") && f.dtype != want) {
+      return InvalidArgument("StreamedAdam: store " + store_path + " holds tensor '" + t.name + "' field " + f.name +
+                             " as " + vfs::DTypeName(f.dtype) + ", but the optimizer was created with moment dtype " +
+                             vfs::DTypeName(want) + " (moment dtypes are chosen when a store is created; open it with "
+                             "moment dtype " + vfs::DTypeName(f.dtype) + ", or convert a checkpoint with "
+                             "optstate-restore --moments); nothing changed");
+    }
+  }
+  return Status::Ok();
+}
+
 // A gradient scale is usable when finite and > 0.
 Status CheckGradScale(float s, const std::string& what, const std::string& store_path) {
   if (s > 0.0f && std::isfinite(s)) return Status::Ok();
@@ -107,15 +127,22 @@ Status CheckGradScale(float s, const std::string& what, const std::string& store
 
 namespace internal {
 
-// The per-step chunk pipeline. A slice (one chunk index of main, exp_avg and
-// exp_avg_sq) holds one staging set (three chunk-sized pinned buffers) from
-// its reads to the completion of its writes; it holds a device slot (three
-// budgeted device pages) only from H2D to the end of D2H. So read-ahead is
+// The per-step chunk pipeline. A slice is one element range of a param that
+// covers whole chunks of every field: one moment chunk index of exp_avg and
+// exp_avg_sq and the main chunks of the same elements (one with f32 moments;
+// with bf16 moments a moment chunk holds twice the elements of an fp32 chunk,
+// so two main chunks). Every buffer is then one whole chunk (the unit of I/O,
+// checksum and copy-on-write), and every page stays a chunk, a multiple of the
+// 2 MiB VMM granularity; the kernel runs once per main chunk on the matching
+// half of the moment buffers. A slice holds one staging set (one chunk-sized
+// pinned buffer per chunk: 3, or 4 with bf16 moments) from its reads to the
+// completion of its writes; it holds a device slot (as many budgeted device
+// pages) only from H2D to the end of D2H. So read-ahead is
 // bounded by staging, not by the device budget, and a budget of one slot
 // still overlaps reads, compute and writes:
-//   reading (3 ChunkIo reads) -> ready -> computing (H2D, kernel, D2H on the
-//   slot's stream; an event) -> computed (waits for write room) -> writing
-//   (3 copy-on-write writes) -> free.
+//   reading (a ChunkIo read per chunk) -> ready -> computing (H2D, kernel,
+//   D2H on the slot's stream; an event) -> computed (waits for write room) ->
+//   writing (a copy-on-write write per chunk) -> free.
 // Reads and writes have separate depth limits in one ring (queue_depth and
 // write_queue_depth, counted in bytes: that many chunks' worth in flight), so
 // neither direction starves the other and a submit never blocks on a full
@@ -133,14 +160,33 @@ inline uint32_t RingRequests(const MemoryManagerOptions& o) {
   return 4 * (std::max<uint32_t>(o.queue_depth, 6) + o.write_queue_depth);
 }
 
+// Chunks in one slice at most: two main chunks, one of each moment.
+constexpr int kMaxSliceChunks = 4;
+
+// Chunks in a full slice with moments of type t (main chunks + 2).
+inline uint32_t SliceChunks(kernels::ScalarType moment) {
+  return moment == kernels::ScalarType::kBF16 ? 4 : 3;
+}
+
 class StepPipeline {
  public:
   struct Job {
     uint32_t tensor_id = 0;
-    uint32_t fields[3] = {0, 1, 2};
-    uint64_t chunk = 0;
+    // Buffers [0, n_main) are main chunks, then exp_avg's, then exp_avg_sq's.
+    uint32_t n_bufs = 3;
+    uint32_t n_main = 1;
+    uint32_t fields[kMaxSliceChunks] = {0, 1, 2, 0};
+    uint64_t chunks[kMaxSliceChunks] = {0, 0, 0, 0};  // chunk index of each buffer in its field
+    uint64_t lens[kMaxSliceChunks] = {0, 0, 0, 0};    // logical bytes of each
+    uint64_t chunk = 0;                               // the moments' chunk index (messages)
     uint64_t first_elem = 0;
     uint64_t elems = 0;
+    kernels::ScalarType moment_type = kernels::ScalarType::kF32;
+    uint64_t bytes() const {
+      uint64_t b = 0;
+      for (uint32_t f = 0; f < n_bufs; ++f) b += lens[f];
+      return b;
+    }
     const void* grad = nullptr;
     kernels::ScalarType grad_type = kernels::ScalarType::kF32;
     void* param = nullptr;
@@ -149,8 +195,9 @@ class StepPipeline {
   };
 
   StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
-               uint64_t* inject)
-      : mm_(mm),
+               uint64_t* inject, kernels::ScalarType moment_type)
+      : bufs_(SliceChunks(moment_type)),
+        mm_(mm),
         dev_(mm->device()),
         io_(io),
         sync_every_bytes_(sync_every_bytes),
@@ -167,30 +214,30 @@ class StepPipeline {
 
   Status Begin() {
     const MemoryManagerOptions& o = mm_->options();
-    if (mm_->budget_pages() < 3) {
+    if (mm_->budget_pages() < bufs_) {
       return ResourceExhausted("StreamedAdam: device budget " + std::to_string(o.device_budget_bytes) +
-                               " bytes is smaller than one chunk per field in flight (3 x " +
+                               " bytes is smaller than one slice in flight (" + std::to_string(bufs_) + " x " +
                                std::to_string(mm_->page_bytes()) + " bytes)");
     }
     uint64_t ra = PipelineSlices(o);
     // Device slots: enough streams that H2D, kernels and D2H of consecutive
     // slices overlap on both copy engines (8: the host cache tier step on the
     // H200 reached 1.37x the copy floor with 4), within the budget.
-    uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / 3, 8);
+    uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
     if (o.use_sync_io) ra = slots = 1;  // the first version's method: one slice at a time
     size_t total = mm_->all_staging().size();
     size_t max_bufs = total >= 5 ? total - 2 : total;  // leave two for concurrent pins
-    if (max_bufs < 3) {
-      return ResourceExhausted("StreamedAdam: " + std::to_string(total) +
-                               " staging buffers; need at least 3 (one chunk per field)");
+    if (max_bufs < bufs_) {
+      return ResourceExhausted("StreamedAdam: " + std::to_string(total) + " staging buffers; need at least " +
+                               std::to_string(bufs_) + " (one per chunk of a slice)");
     }
     read_qd_ = std::max<uint32_t>(o.queue_depth, 3);
     write_qd_ = o.write_queue_depth == 0 ? 0 : std::max<uint32_t>(o.write_queue_depth, 3);
     if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
     ring_requests_ = RingRequests(o);
-    staging_ = mm_->AcquireStaging(3, std::min<size_t>(max_bufs, 3 * ra));
+    staging_ = mm_->AcquireStaging(bufs_, std::min<size_t>(max_bufs, bufs_ * ra));
     chunk_bytes_ = mm_->page_bytes();
-    size_t big_sets = staging_.size() / 3;
+    size_t big_sets = staging_.size() / bufs_;
     // Small sets: the buffers of two big sets cut into kSmallSliceBytes
     // pieces, for slices of small tensors (norms, biases). A trainer's mix
     // has about one such slice per big one; in big sets they took half the
@@ -200,25 +247,25 @@ class StepPipeline {
     big_sets -= carve;
     sets_.resize(big_sets);
     for (size_t i = 0; i < big_sets; ++i) {
-      for (int f = 0; f < 3; ++f) sets_[i].io[f] = staging_[3 * i + f];
+      for (uint32_t f = 0; f < bufs_; ++f) sets_[i].io[f] = staging_[bufs_ * i + f];
     }
     std::vector<void*> pieces;
-    for (size_t b = 3 * big_sets; b < 3 * (big_sets + carve); ++b) {
+    for (size_t b = bufs_ * big_sets; b < bufs_ * (big_sets + carve); ++b) {
       for (uint64_t k = 0; k < pieces_per_buffer; ++k) {
         pieces.push_back(static_cast<char*>(staging_[b]) + k * kSmallSliceBytes);
       }
     }
-    for (size_t k = 0; k + 3 <= pieces.size(); k += 3) {
+    for (size_t k = 0; k + bufs_ <= pieces.size(); k += bufs_) {
       Set small;
       small.small = true;
-      for (int f = 0; f < 3; ++f) small.io[f] = pieces[k + f];
+      for (uint32_t f = 0; f < bufs_; ++f) small.io[f] = pieces[k + f];
       sets_.push_back(small);
     }
     small_sets_ = sets_.size() - big_sets;
-    OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(3, 3 * slots));
-    slots_.resize(arena_.pages / 3);
+    OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(bufs_, bufs_ * slots));
+    slots_.resize(arena_.pages / bufs_);
     for (size_t i = 0; i < slots_.size(); ++i) {
-      for (int f = 0; f < 3; ++f) slots_[i].d[f] = arena_.ptr(3 * i + f);
+      for (uint32_t f = 0; f < bufs_; ++f) slots_[i].d[f] = arena_.ptr(bufs_ * i + f);
       OPTSTATE_ASSIGN_OR_RETURN(slots_[i].stream, dev_->CreateStream());
       OPTSTATE_ASSIGN_OR_RETURN(slots_[i].event, dev_->CreateEvent());
     }
@@ -403,13 +450,13 @@ class StepPipeline {
     Job job;
     int pending = 0;
     bool small = false;  // io[] are kSmallSliceBytes pieces
-    void* io[3] = {nullptr, nullptr, nullptr};   // this set's staging buffers
-    void* buf[3] = {nullptr, nullptr, nullptr};  // in use: staging, or cache entries (cache mode)
-    bool acquired[3] = {false, false, false};    // buf[f] is an acquired cache entry
+    void* io[kMaxSliceChunks] = {};         // this set's staging buffers
+    void* buf[kMaxSliceChunks] = {};        // in use: staging, or cache entries (cache mode)
+    bool acquired[kMaxSliceChunks] = {};    // buf[f] is an acquired cache entry
   };
 
   void ReleaseCached(Set& s, bool dirty) {
-    for (int f = 0; f < 3; ++f) {
+    for (int f = 0; f < kMaxSliceChunks; ++f) {
       if (!s.acquired[f]) continue;
       mm_->cache()->Release(Key(s.job, f), dirty);
       s.acquired[f] = false;
@@ -421,7 +468,7 @@ class StepPipeline {
   Status SubmitReads(bool* progressed) {
     while (!queue_.empty()) {
       const Job& front = queue_.front();
-      if (!ReadRoom(3 * front.elems * 4)) break;
+      if (!ReadRoom(front.bytes())) break;
       const size_t i = FreeSetFor(front);
       if (i == kNoSet) break;
       Job j = front;
@@ -437,7 +484,7 @@ class StepPipeline {
 
   // Writes computed slices while the write queue has room.
   Status SubmitComputed(bool* progressed) {
-    while (!computed_.empty() && WriteRoom(3 * sets_[computed_.front()].job.elems * 4)) {
+    while (!computed_.empty() && WriteRoom(sets_[computed_.front()].job.bytes())) {
       size_t set = computed_.front();
       computed_.pop_front();
       double ts = NowS();
@@ -463,7 +510,7 @@ class StepPipeline {
     computed_.push_back(i);
   }
   struct DevSlot {
-    void* d[3] = {nullptr, nullptr, nullptr};
+    void* d[kMaxSliceChunks] = {};
     void* stream = nullptr;
     void* event = nullptr;
     long set = -1;      // the slice computing here, -1 = free
@@ -474,7 +521,7 @@ class StepPipeline {
   // when none is free) a big one; kNoSet when none.
   static constexpr size_t kNoSet = ~size_t{0};
   size_t FreeSetFor(const Job& j) const {
-    const bool fits_small = j.elems * 4 <= kSmallSliceBytes;
+    const bool fits_small = *std::max_element(j.lens, j.lens + j.n_bufs) <= kSmallSliceBytes;
     size_t big = kNoSet;
     for (size_t i = 0; i < sets_.size(); ++i) {
       if (sets_[i].stage != Stage::kFree) continue;
@@ -484,20 +531,20 @@ class StepPipeline {
     return big;
   }
 
-  // Room for one more slice (3 requests of `bytes` in all) of reads / writes.
+  // Room for one more slice (bufs_ requests of `bytes` in all) of reads / writes.
   // The depths count bytes, in chunks (queue_depth x chunk size in flight
   // each way), so that small tensors' slices do not empty the disk's queue;
   // requests are capped by the ring. With a shared queue (write_queue_depth
   // 0) reads leave room for one big slice of writes.
   bool ReadRoom(uint64_t bytes) const {
     if (reads_in_flight_ == 0 && writes_in_flight_ == 0) return true;
-    if (reads_in_flight_ + writes_in_flight_ + 3 > ring_requests_) return false;
-    if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes + 3 * chunk_bytes_ <= read_qd_ * chunk_bytes_;
+    if (reads_in_flight_ + writes_in_flight_ + bufs_ > ring_requests_) return false;
+    if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes + bufs_ * chunk_bytes_ <= read_qd_ * chunk_bytes_;
     return read_bytes_ + bytes <= read_qd_ * chunk_bytes_;
   }
   bool WriteRoom(uint64_t bytes) const {
     if (writes_in_flight_ == 0) return true;
-    if (reads_in_flight_ + writes_in_flight_ + 3 > ring_requests_) return false;
+    if (reads_in_flight_ + writes_in_flight_ + bufs_ > ring_requests_) return false;
     if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes <= read_qd_ * chunk_bytes_;
     return write_bytes_ + bytes <= write_qd_ * chunk_bytes_;
   }
@@ -520,7 +567,7 @@ class StepPipeline {
     return Status::Ok();
   }
 
-  ChunkKey Key(const Job& j, int f) const { return ChunkKey{j.tensor_id, j.fields[f], j.chunk}; }
+  ChunkKey Key(const Job& j, int f) const { return ChunkKey{j.tensor_id, j.fields[f], j.chunks[f]}; }
 
   // Every queued slice is past its compute: nothing to read, compute or copy.
   bool AllComputed() const {
@@ -539,8 +586,8 @@ class StepPipeline {
     s.job = j;
     s.stage = Stage::kReading;
     s.pending = 0;
-    uint64_t len = j.elems * 4;
-    for (int f = 0; f < 3; ++f) {
+    for (uint32_t f = 0; f < j.n_bufs; ++f) {
+      const uint64_t len = j.lens[f];
       s.buf[f] = s.io[f];
       if (read_tier_) {
         bool valid = false;
@@ -560,7 +607,7 @@ class StepPipeline {
           }
         }
       }
-      vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
+      vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
       // 0: a whole chunk.
       const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
       Status st = io_->SubmitRead(ref, s.buf[f], i * 4 + f, buf_bytes);
@@ -585,7 +632,7 @@ class StepPipeline {
     int f = static_cast<int>(c.tag % 4);
     if (i >= sets_.size()) return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
     Set& s = sets_[i];
-    uint64_t len = s.job.elems * 4;
+    const uint64_t len = s.job.lens[f];
     if (s.stage == Stage::kReading) {
       --reads_in_flight_;
       read_bytes_ -= len;
@@ -624,7 +671,6 @@ class StepPipeline {
     Set& s = sets_[i];
     DevSlot& d = slots_[k];
     const Job& j = s.job;
-    uint64_t len = j.elems * 4;
     s.stage = Stage::kComputing;
     d.set = static_cast<long>(i);
     d.seq = next_seq_++;
@@ -633,26 +679,39 @@ class StepPipeline {
     const bool in_place = dev_->backend() == Backend::kHost;
     void* const* bufs = in_place ? s.buf : d.d;
     if (!in_place) {
-      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.buf[f], len, d.stream));
-      h2d += 3 * len;
+      for (uint32_t f = 0; f < j.n_bufs; ++f) {
+        OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.buf[f], j.lens[f], d.stream));
+      }
+      h2d += j.bytes();
     }
-    kernels::AdamTensors t;
-    t.main = static_cast<float*>(bufs[0]);
-    t.exp_avg = bufs[1];
-    t.exp_avg_sq = bufs[2];
-    t.grad = static_cast<const char*>(j.grad) + j.first_elem * ScalarSize(j.grad_type);
-    t.grad_type = j.grad_type;
-    t.param = j.param ? static_cast<char*>(j.param) + j.first_elem * ScalarSize(j.param_type) : nullptr;
-    t.param_type = j.param ? j.param_type : kernels::ScalarType::kNone;
-    t.found_inf = found_inf_;
     if (*inject_ > 0 && --*inject_ == 0) {
       return Internal("StreamedAdam: injected kernel failure (test hook) at tensor id " +
                       std::to_string(j.tensor_id) + " chunk " + std::to_string(j.chunk));
     }
-    OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, j.elems, j.params, cpu_threads_, d.stream));
+    // One kernel call per main chunk, on the moments' elements of that chunk.
+    const uint32_t moment_size = ScalarSize(j.moment_type);
+    uint64_t done = 0;
+    for (uint32_t k = 0; k < j.n_main; ++k) {
+      const uint64_t first = j.first_elem + done;
+      const uint64_t n = j.lens[k] / 4;
+      kernels::AdamTensors t;
+      t.main = static_cast<float*>(bufs[k]);
+      t.exp_avg = static_cast<char*>(bufs[j.n_main]) + done * moment_size;
+      t.exp_avg_sq = static_cast<char*>(bufs[j.n_main + 1]) + done * moment_size;
+      t.moment_type = j.moment_type;
+      t.grad = static_cast<const char*>(j.grad) + first * ScalarSize(j.grad_type);
+      t.grad_type = j.grad_type;
+      t.param = j.param ? static_cast<char*>(j.param) + first * ScalarSize(j.param_type) : nullptr;
+      t.param_type = j.param ? j.param_type : kernels::ScalarType::kNone;
+      t.found_inf = found_inf_;
+      OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, n, j.params, cpu_threads_, d.stream));
+      done += n;
+    }
     if (!in_place) {
-      for (int f = 0; f < 3; ++f) OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.buf[f], d.d[f], len, d.stream));
-      d2h += 3 * len;
+      for (uint32_t f = 0; f < j.n_bufs; ++f) {
+        OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.buf[f], d.d[f], j.lens[f], d.stream));
+      }
+      d2h += j.bytes();
     }
     return dev_->RecordEvent(d.event, d.stream);  // host backend: complete already
   }
@@ -660,13 +719,13 @@ class StepPipeline {
   Status StartWrites(size_t i) {
     Set& s = sets_[i];
     const Job& j = s.job;
-    uint64_t len = j.elems * 4;
     s.stage = Stage::kWriting;
     s.pending = 0;
-    for (int f = 0; f < 3; ++f) {
+    for (uint32_t f = 0; f < j.n_bufs; ++f) {
+      const uint64_t len = j.lens[f];
       // The new version; cleared on abort (ManagerImpl::OnAbortPending).
       if (!s.acquired[f]) mm_->cache()->Put(Key(j, f), s.buf[f], len);
-      vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
+      vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
       Status st = io_->SubmitWrite(ref, s.buf[f], i * 4 + f);
       if (!st.ok()) {
         return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +
@@ -692,6 +751,7 @@ class StepPipeline {
     });
   }
 
+  const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice: SliceChunks
   ManagerImpl* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's
@@ -790,11 +850,19 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
                            ", not " + store->path());
   }
   ManagerImpl* impl = mm->impl();
-  if (impl->budget_pages() < 3) {
+  if (opts.moment_dtype != kernels::ScalarType::kF32 && opts.moment_dtype != kernels::ScalarType::kBF16) {
+    return InvalidArgument(std::string("StreamedAdam: moment_dtype must be f32 or bf16, got ") +
+                           ScalarName(opts.moment_dtype) + " (store " + store->path() + ")");
+  }
+  const uint32_t slice_chunks = internal::SliceChunks(opts.moment_dtype);
+  if (impl->budget_pages() < slice_chunks) {
     return ResourceExhausted("StreamedAdam: device budget " + std::to_string(mm->options().device_budget_bytes) +
-                             " bytes is smaller than one chunk per field in flight (3 x " +
+                             " bytes is smaller than one slice in flight (one chunk per field" +
+                             (slice_chunks > 3 ? std::string(", two of main") : std::string()) + ": " +
+                             std::to_string(slice_chunks) + " x " +
                              std::to_string(impl->page_bytes()) + " bytes = " +
-                             std::to_string(3 * impl->page_bytes()) + ")");
+                             std::to_string(slice_chunks * impl->page_bytes()) + " with " +
+                             ScalarName(opts.moment_dtype) + " moments)");
   }
   if (!(opts.grad_scale > 0.0f) || !std::isfinite(opts.grad_scale)) {
     return InvalidArgument("StreamedAdam: grad_scale must be finite and > 0, got " + std::to_string(opts.grad_scale));
@@ -831,6 +899,7 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     auto b = store->FieldIndex(t, "exp_avg");
     auto c = store->FieldIndex(t, "exp_avg_sq");
     if (!a.ok() || !b.ok() || !c.ok()) continue;  // not an Adam tensor
+    OPTSTATE_RETURN_IF_ERROR(CheckMomentFields(t, store->path(), MomentDType(opts.moment_dtype)));
     p.f_main = *a;
     p.f_m = *b;
     p.f_v = *c;
@@ -987,7 +1056,7 @@ Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::stri
   if (t.shape != shape) return mismatch("shape", DimsText(t.shape), DimsText(shape));
   if (t.global_shape != global) return mismatch("global shape", DimsText(t.global_shape), DimsText(global));
   if (t.shard_offset != offset) return mismatch("shard offset", DimsText(t.shard_offset), DimsText(offset));
-  return Status::Ok();
+  return CheckMomentFields(t, store_->path(), MomentDType(opts_.moment_dtype));
 }
 
 std::string StreamedAdam::DropUncommittedRegistrations() {
@@ -1180,6 +1249,8 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
     spec.shape = shard.shape;
     spec.global_shape = shard.global_shape;
     spec.shard_offset = shard.shard_offset;
+    const vfs::DType md = MomentDType(opts_.moment_dtype);
+    spec.fields = {{"main", vfs::DType::kF32}, {"exp_avg", md}, {"exp_avg_sq", md}};
     OPTSTATE_ASSIGN_OR_RETURN(info, store_->CreateTensor(spec));
   }
   Param p;
@@ -1253,9 +1324,11 @@ uint64_t StreamedAdam::StateCacheBytes() const {
   const uint64_t chunk = mm_->impl()->page_bytes();
   uint64_t need = 0;
   for (const auto& [name, p] : params_) {
-    const uint64_t bytes = p.info.numel * 4;
-    const uint64_t tail = bytes % chunk ? HostCache::EntryBytes(bytes % chunk) : 0;
-    need += 3 * ((bytes / chunk) * HostCache::EntryBytes(chunk) + tail);
+    for (uint32_t f : {p.f_main, p.f_m, p.f_v}) {
+      const uint64_t bytes = p.info.field_bytes(f);
+      const uint64_t tail = bytes % chunk ? HostCache::EntryBytes(bytes % chunk) : 0;
+      need += (bytes / chunk) * HostCache::EntryBytes(chunk) + tail;
+    }
   }
   return need;
 }
@@ -1435,7 +1508,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
   pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads,
                                                        opts_.background_sync_bytes, d_found_inf,
-                                                       &inject_kernel_failure_after_);
+                                                       &inject_kernel_failure_after_, opts_.moment_dtype);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   pipeline_->SetHoldCompletions(hold_completions_);
   step_write_through_ = write_through;
@@ -1473,16 +1546,30 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   ap.step = step_count(p.info.group) + 1;
   ap.grad_scale = step_grad_scale_;
   groups_stepped_[p.info.group] = true;
-  const uint64_t chunk_elems = mm_->impl()->page_bytes() / 4;
-  for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += chunk_elems) {
+  // A slice is one chunk of each moment and the main chunks of its elements
+  // (see StepPipeline).
+  const uint64_t chunk = mm_->impl()->page_bytes();
+  const uint32_t moment_size = ScalarSize(opts_.moment_dtype);
+  const uint64_t slice_elems = chunk / moment_size;
+  for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += slice_elems) {
     internal::StepPipeline::Job j;
     j.tensor_id = p.info.id;
-    j.fields[0] = p.f_main;
-    j.fields[1] = p.f_m;
-    j.fields[2] = p.f_v;
     j.chunk = c;
     j.first_elem = first;
-    j.elems = std::min(chunk_elems, p.info.numel - first);
+    j.elems = std::min(slice_elems, p.info.numel - first);
+    j.moment_type = opts_.moment_dtype;
+    const uint64_t main_bytes = j.elems * 4;
+    j.n_main = static_cast<uint32_t>((main_bytes + chunk - 1) / chunk);
+    j.n_bufs = j.n_main + 2;
+    for (uint32_t k = 0; k < j.n_main; ++k) {
+      j.fields[k] = p.f_main;
+      j.chunks[k] = c * (4 / moment_size) + k;
+      j.lens[k] = std::min(chunk, main_bytes - k * chunk);
+    }
+    j.fields[j.n_main] = p.f_m;
+    j.fields[j.n_main + 1] = p.f_v;
+    j.chunks[j.n_main] = j.chunks[j.n_main + 1] = c;
+    j.lens[j.n_main] = j.lens[j.n_main + 1] = j.elems * moment_size;
     j.grad = g.d_grad;
     j.grad_type = g.grad_type;
     j.param = g.d_param;

@@ -3,7 +3,8 @@
 // budget during Step().
 //
 // Step() walks every parameter's chunk slices (a slice = one chunk index of
-// main, exp_avg and exp_avg_sq) through a pipeline: read ahead up to
+// exp_avg and exp_avg_sq and the main chunks of the same elements: one with
+// f32 moments, two with bf16) through a pipeline: read ahead up to
 // read_ahead_chunks slices (ChunkIo into staging buffers), H2D into device
 // slots, the fused kernel (AdamStepCuda on cuda, AdamStepCpu on host; it also
 // writes the model-parameter copy), D2H, copy-on-write write-back; then one
@@ -193,11 +194,23 @@ struct StreamedAdamOptions {
   // forward/backward instead of adding to the step, and a crash can lose
   // only that one step. Other values are kInvalidArgument.
   uint32_t commit_lag_steps = 1;
+  // Storage type of exp_avg and exp_avg_sq: kF32 (12 bytes per param read and
+  // written per step with the fp32 main) or kBF16 (8 bytes: the kernel
+  // decodes, updates in fp32 and rounds to nearest even, relative error
+  // <= 2^-8 per store; kernels/adam.h). Recorded per tensor field in the
+  // store when a param is registered; a store holding the other dtype is
+  // kInvalidArgument at Create (naming store, tensor, field, both dtypes).
+  // With bf16 a slice is one chunk of each moment and the two main chunks of
+  // the same elements: 4 chunk-sized device pages and staging buffers per
+  // slice instead of 3, every one a whole chunk (so still a multiple of the
+  // 2 MiB VMM granularity and the unit of I/O and checksums). Default kF32.
+  kernels::ScalarType moment_dtype = kernels::ScalarType::kF32;
 };
 
 class StreamedAdam {
  public:
-  // Fails when the manager's budget cannot hold one slice (3 chunks).
+  // Fails when the manager's budget cannot hold one slice (3 chunks; 4 with
+  // bf16 moments).
   static Result<std::unique_ptr<StreamedAdam>> Create(vfs::Store* store, MemoryManager* mm,
                                                       const StreamedAdamOptions& opts);
   ~StreamedAdam();

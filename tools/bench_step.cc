@@ -74,6 +74,7 @@ struct StepOptions {
   uint64_t hidden = 1024;
   uint32_t durable_every = 1;
   uint32_t commit_lag = 1;  // StreamedAdamOptions::commit_lag_steps
+  std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
   int cpu_threads = 1;
   uint32_t hash_threads = memmgr::MemoryManagerOptions::kAutoHashThreads;
   std::string sync_every_text = "512M";
@@ -208,6 +209,7 @@ int RunSynthetic(const StepOptions& o) {
   memmgr::StreamedAdamOptions ao;
   ao.cpu_threads = o.cpu_threads;
   ao.background_sync_bytes = c->sync_every;
+  ao.moment_dtype = o.moments == "bf16" ? ScalarType::kBF16 : ScalarType::kF32;
   auto opt = memmgr::StreamedAdam::Create(store.get(), mm->get(), ao);
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
@@ -868,6 +870,8 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--steps", o->steps, "synthetic mode: steps K (default 1)");
   sub->add_option("--tensors", o->tensors, "synthetic mode: tensors T named param.<k> (default 1)");
   sub->add_option("--snapshot", o->snapshot, "synthetic mode: snapshot name to create at the end");
+  sub->add_option("--moments", o->moments, "synthetic mode: moment dtype, f32 or bf16 (an existing store must hold it; default f32)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
   sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param (default 1G)");
   sub->add_option("--rounds", o->rounds, "comparison mode: interleaved rounds (default 3)");

@@ -1,11 +1,15 @@
-// optstate-restore CHECKPOINT_DIR STORE [--create NAME] [--data-dir DIR ...] [--queue-depth N] [-q]
+// optstate-restore CHECKPOINT_DIR STORE [--create NAME [--moments f32|bf16]] [--data-dir DIR ...]
+//                  [--queue-depth N] [-q]
 //
 // Verifies a checkpoint directory (manifest.json, state.safetensors and
 // tensors/..., e.g. a `cp -r` of a mounted snapshot) against its manifest,
 // chunk by chunk, and imports it as one new committed generation of STORE
 // (with its step counts and hyperparameters). With --create, makes STORE from
 // the manifest first. A layout mismatch, a truncated or altered file, files of
-// different generations are refused and nothing is imported. Exit codes as
+// different generations are refused and nothing is imported. With --moments
+// (needs --create), the new store keeps exp_avg and exp_avg_sq in that dtype
+// (tools/internal/convert_moments.h: f32 -> bf16 rounds to nearest even,
+// relative error <= 2^-8; bf16 -> f32 is exact). Exit codes as
 // every tool's (tools/internal/cli.h): 0 restored, 1 refused or failed, 2 a
 // malformed command line.
 #include <unistd.h>
@@ -21,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "tools/internal/cli.h"
+#include "tools/internal/convert_moments.h"
 #include "vfs/checkpoint.h"
 #include "vfs/store.h"
 
@@ -43,6 +48,11 @@ int Main(int argc, char** argv) {
   CLI::Option* create =
       app.add_option("--create", create_name, "create STORE with this name from the manifest");
   app.add_option("--data-dir", data_dirs, "data directory for --create (repeatable)")->needs(create);
+  std::string moments;
+  app.add_option("--moments", moments,
+                 "with --create: store exp_avg/exp_avg_sq as f32 or bf16, converting the checkpoint's")
+      ->needs(create)
+      ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--queue-depth", depth, "chunk writes in flight")->check(CLI::Range(1, 1024));
   app.add_flag("-q,--quiet", quiet, "no progress output");
   if (std::optional<int> code = ParseCommandLine(app, argc, argv, kTool)) return *code;
@@ -65,7 +75,17 @@ int Main(int argc, char** argv) {
     };
   }
   uint64_t generation = 0;
-  if (!create_name.empty()) {
+  if (!moments.empty()) {
+    vfs::StoreOptions so;
+    so.name = create_name;
+    so.data_dirs = data_dirs;
+    auto store = CreateStoreWithMoments(dir, store_path, so, *vfs::ParseDType(moments), ro.progress);
+    if (tty) fmt::print(stderr, "\n");
+    if (!store.ok()) {
+      return FailWith(kTool, store.status());
+    }
+    generation = (*store)->LatestGeneration().generation;
+  } else if (!create_name.empty()) {
     vfs::StoreOptions so;
     so.name = create_name;
     so.data_dirs = data_dirs;

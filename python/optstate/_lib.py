@@ -103,6 +103,7 @@ _SIGNATURES = {
     "optstate_adam_options_set_cpu_threads": (None, [_vp, _int]),
     "optstate_adam_options_set_durable_every_steps": (None, [_vp, _u32]),
     "optstate_adam_options_set_commit_lag_steps": (None, [_vp, _u32]),
+    "optstate_adam_options_set_moment_dtype": (_int, [_vp, _c.c_char_p, _errp]),
     "optstate_adam_create": (_int, [_vp, _vp, _vp, _c.POINTER(_vp), _errp]),
     "optstate_adam_destroy": (None, [_vp]),
     "optstate_adam_set_group": (_int, [_vp, _u32, _dbl, _dbl, _dbl, _dbl, _dbl, _int, _errp]),

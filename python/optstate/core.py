@@ -348,7 +348,8 @@ class StreamedAdam(_Handle):
     _what = "optimizer"
     _close_order = 0
 
-    def __init__(self, store, mm, *, grad_scale=1.0, cpu_threads=1, durable_every_steps=1, commit_lag_steps=1):
+    def __init__(self, store, mm, *, grad_scale=1.0, cpu_threads=1, durable_every_steps=1, commit_lag_steps=1,
+                 moment_dtype="f32"):
         super().__init__()
         self.store, self.mm = store, mm
         opts = lib.optstate_adam_options_create()
@@ -357,6 +358,7 @@ class StreamedAdam(_Handle):
             lib.optstate_adam_options_set_cpu_threads(opts, int(cpu_threads))
             lib.optstate_adam_options_set_durable_every_steps(opts, int(durable_every_steps))
             lib.optstate_adam_options_set_commit_lag_steps(opts, int(commit_lag_steps))
+            call(lib.optstate_adam_options_set_moment_dtype, opts, str(moment_dtype).encode())
             h = ctypes.c_void_p()
             call(lib.optstate_adam_create, store._live(), mm._live(), opts, ctypes.byref(h))
             self._h = h.value

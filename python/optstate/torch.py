@@ -85,6 +85,10 @@ class AdamW(torch.optim.Optimizer):
       commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
              completes in the background until the next call; 0: step() returns once committed.
              See <optstate/c.h>.
+      moment_dtype: "f32" (default) or "bf16": how exp_avg and exp_avg_sq are stored (bf16: 8 instead
+             of 12 bytes per param read and written per step; updated in fp32, rounded to nearest even,
+             relative error <= 2^-8 per step). Fixed when the store's params are first registered; a
+             store holding the other dtype raises optstate.InvalidArgument. docs/MOMENTS.md.
       params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
       tensors' names in the store. Otherwise they are "param<i>" in the order given.
     """
@@ -96,7 +100,7 @@ class AdamW(torch.optim.Optimizer):
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
                  host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
                  cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0,
-                 cuda_device=None,
+                 cuda_device=None, moment_dtype="f32",
                  foreach=None, fused=None, capturable=False, differentiable=False):
         if not 0.0 <= float(lr):
             raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
@@ -126,7 +130,7 @@ class AdamW(torch.optim.Optimizer):
             if cpu_threads is None:
                 cpu_threads = 1 if self._cuda else max(1, min(4, torch.get_num_threads()))
             self._adam_kw = dict(cpu_threads=cpu_threads, durable_every_steps=durable_every_steps,
-                                 commit_lag_steps=commit_lag_steps)
+                                 commit_lag_steps=commit_lag_steps, moment_dtype=moment_dtype)
             self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
             self._handles = (self._adam, self._mm, self._store)
             # Per registered param, in registration order (the step's array order).

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -309,7 +310,7 @@ TEST(AdamCpuTest, RejectsUnsupportedInputAndWritesNothing) {
   const Buffers before = a;
   AdamParams p;
   AdamTensors t = a.Tensors(nullptr);
-  t.moment_type = ScalarType::kBF16;  // bf16 moments: not yet
+  t.moment_type = ScalarType::kF16;  // f16 moments: not supported
   EXPECT_FALSE(AdamStepCpu(t, 22, p));
   t = a.Tensors(nullptr);
   t.grad_type = ScalarType::kNone;
@@ -320,6 +321,351 @@ TEST(AdamCpuTest, RejectsUnsupportedInputAndWritesNothing) {
   EXPECT_EQ(a.main, before.main);
   EXPECT_TRUE(AdamStepCpu(t, 0, AdamParams{}));  // count 0 is fine, with any pointers
 }
+
+// bf16 moments (AdamTensors::moment_type kBF16): decoded to fp32, updated in
+// fp32, rounded to nearest even. Stated bound: each stored moment is within a
+// relative 2^-8 (the unit roundoff of bf16's 8 significand bits) of the exact
+// update of the stored state it was computed from, plus the fp32 arithmetic
+// tolerance of the f32 case; main uses the unrounded fp32 moments, so it stays
+// within the f32 case's tolerance of that exact update.
+struct Bf16MomentBuffers {
+  explicit Bf16MomentBuffers(size_t n) : main(n), m(n, 0), v(n, 0), grad(n), param(n, 0) {
+    for (size_t i = 0; i < n; ++i) main[i] = Uniform(21, i);
+  }
+  AdamTensors Tensors(ScalarType grad_type) {
+    AdamTensors t;
+    t.main = main.data();
+    t.exp_avg = m.data();
+    t.exp_avg_sq = v.data();
+    t.moment_type = ScalarType::kBF16;
+    t.grad = grad.data();
+    t.grad_type = grad_type;
+    t.param = param.data();
+    t.param_type = ScalarType::kBF16;
+    return t;
+  }
+  std::vector<float> main;
+  std::vector<uint16_t> m, v;
+  std::vector<uint32_t> grad;  // room for f32; bf16 grads use the low half of the bytes
+  std::vector<uint16_t> param;
+};
+
+class AdamBf16MomentTest : public ::testing::TestWithParam<std::tuple<ScalarType, AdamMode>> {};
+
+// Every step of 24: the stored bf16 moments against an fp64 update of the
+// state the kernel held before that step, within the rounding bound.
+TEST_P(AdamBf16MomentTest, EachStepWithinBf16RoundingOfFp64Update) {
+  const ScalarType grad_type = std::get<0>(GetParam());
+  constexpr size_t kN = 40000;
+  constexpr int kSteps24 = 24;
+  Bf16MomentBuffers b(kN);
+  AdamParams p;
+  p.lr = 1e-2;
+  p.weight_decay = 0.1;
+  p.mode = std::get<1>(GetParam());
+  const Tolerance tol;
+  double worst_m = 0, worst_v = 0, worst_main = 0;
+  size_t bad = 0;
+  for (int step = 1; step <= kSteps24; ++step) {
+    p.step = static_cast<uint64_t>(step);
+    RefState ref{std::vector<double>(kN), std::vector<double>(kN), std::vector<double>(kN)};
+    std::vector<double> g64(kN);
+    double gmax = 0;
+    for (size_t i = 0; i < kN; ++i) {
+      Encode(b.grad.data(), grad_type, i, GradValue(300 + step, i));
+      g64[i] = Decode(b.grad.data(), grad_type, i);
+      gmax = std::max(gmax, std::fabs(g64[i]));
+      ref.main[i] = b.main[i];
+      ref.m[i] = DecodeBf16(b.m[i]);
+      ref.v[i] = DecodeBf16(b.v[i]);
+    }
+    if (p.mode == AdamMode::kAdam) gmax += p.weight_decay * 1.5;
+    ASSERT_TRUE(AdamStepCpu(b.Tensors(grad_type), kN, p));
+    RefStep(ref, g64, p);
+    for (size_t i = 0; i < kN; ++i) {
+      const double m = DecodeBf16(b.m[i]), v = DecodeBf16(b.v[i]);
+      const double m_tol = 0x1p-8 * std::fabs(ref.m[i]) + tol.m_rel * (std::fabs(ref.m[i]) + gmax);
+      const double v_tol = 0x1p-8 * std::fabs(ref.v[i]) + tol.v_rel * std::fabs(ref.v[i]) + 1e-30;
+      const double main_tol = tol.main_rel * std::fabs(ref.main[i]) +
+                              (p.mode == AdamMode::kAdam ? tol.main_abs_per_lr_step_l2 : tol.main_abs_per_lr_step) * p.lr;
+      worst_m = std::max(worst_m, std::fabs(m - ref.m[i]) / m_tol);
+      worst_v = std::max(worst_v, std::fabs(v - ref.v[i]) / v_tol);
+      worst_main = std::max(worst_main, std::fabs(b.main[i] - ref.main[i]) / main_tol);
+      const bool ok = std::fabs(m - ref.m[i]) <= m_tol && std::fabs(v - ref.v[i]) <= v_tol &&
+                      std::fabs(b.main[i] - ref.main[i]) <= main_tol &&
+                      b.param[i] == FloatToBf16(b.main[i]);
+      if (!ok && ++bad <= 5) {
+        ADD_FAILURE() << "step " << step << " element " << i << ": main " << b.main[i] << " vs " << ref.main[i]
+                      << ", exp_avg " << m << " vs " << ref.m[i] << ", exp_avg_sq " << v << " vs " << ref.v[i];
+      }
+    }
+  }
+  // The moments really are rounded (a bound this loose would hide fp32
+  // moments otherwise): the worst element uses most of the 2^-8.
+  EXPECT_GT(worst_v, 0.5);
+  EXPECT_LE(worst_v, 1.0);
+  EXPECT_LE(worst_m, 1.0);
+  RecordProperty("worst_exp_avg_over_tol", std::to_string(worst_m));
+  RecordProperty("worst_exp_avg_sq_over_tol", std::to_string(worst_v));
+  RecordProperty("worst_main_over_tol", std::to_string(worst_main));
+}
+
+// 24 steps against an independent fp64 run of the same algorithm (moments
+// rounded to bf16 after each step, main updated with the unrounded ones).
+// The two round slightly different values, so a moment may land one bf16
+// ulp (2^-7 relative) apart, and an EMA carries such a difference on with
+// weight beta: after T steps |d| <= 2^-7 * sum_k beta^k * max|moment| <=
+// 2^-7 * min(T, 1/(1-beta)) * max|moment|, and main moves by lr * that
+// relative difference per step. The run asserts these bounds (observed far
+// below them: RecordProperty).
+TEST_P(AdamBf16MomentTest, TracksFp64ReferenceOver24Steps) {
+  const ScalarType grad_type = std::get<0>(GetParam());
+  constexpr size_t kN = 40000;
+  constexpr int kT = 24;
+  Bf16MomentBuffers b(kN);
+  AdamParams p;
+  p.lr = 1e-2;
+  p.weight_decay = 0.1;
+  p.mode = std::get<1>(GetParam());
+  RefState ref{std::vector<double>(kN), std::vector<double>(kN, 0.0), std::vector<double>(kN, 0.0)};
+  for (size_t i = 0; i < kN; ++i) ref.main[i] = b.main[i];
+  std::vector<double> g64(kN);
+  double gmax = 0;
+  for (int step = 1; step <= kT; ++step) {
+    p.step = static_cast<uint64_t>(step);
+    for (size_t i = 0; i < kN; ++i) {
+      Encode(b.grad.data(), grad_type, i, GradValue(400 + step, i));
+      g64[i] = Decode(b.grad.data(), grad_type, i);
+      gmax = std::max(gmax, std::fabs(g64[i]));
+    }
+    ASSERT_TRUE(AdamStepCpu(b.Tensors(grad_type), kN, p));
+    RefStep(ref, g64, p);
+    for (size_t i = 0; i < kN; ++i) {
+      ref.m[i] = testing::RoundToBf16(ref.m[i]);
+      ref.v[i] = testing::RoundToBf16(ref.v[i]);
+    }
+  }
+  if (p.mode == AdamMode::kAdam) gmax += p.weight_decay * 1.5;
+  const double carry_m = 0x1p-7 * std::min<double>(kT, 1.0 / (1.0 - p.beta1));
+  const double carry_v = 0x1p-7 * std::min<double>(kT, 1.0 / (1.0 - p.beta2));
+  double worst[3] = {0, 0, 0};
+  size_t bad = 0;
+  for (size_t i = 0; i < kN; ++i) {
+    const double m = DecodeBf16(b.m[i]), v = DecodeBf16(b.v[i]);
+    const double m_tol = carry_m * (std::fabs(ref.m[i]) + gmax) + 1e-6 * gmax;
+    const double v_tol = carry_v * std::fabs(ref.v[i]) + 1e-5 * std::fabs(ref.v[i]) + 1e-30;
+    // |m_hat / sqrt(v_hat)| <= ~1 per step, off by carry_m + carry_v / 2 relative.
+    const double main_tol = 2e-6 * std::fabs(ref.main[i]) + p.lr * kT * (carry_m + carry_v / 2 + 1e-4);
+    worst[0] = std::max(worst[0], std::fabs(b.main[i] - ref.main[i]) / main_tol);
+    worst[1] = std::max(worst[1], std::fabs(m - ref.m[i]) / m_tol);
+    worst[2] = std::max(worst[2], std::fabs(v - ref.v[i]) / v_tol);
+    const bool ok = std::fabs(m - ref.m[i]) <= m_tol && std::fabs(v - ref.v[i]) <= v_tol &&
+                    std::fabs(b.main[i] - ref.main[i]) <= main_tol;
+    if (!ok && ++bad <= 5) {
+      ADD_FAILURE() << "element " << i << ": main " << b.main[i] << " vs " << ref.main[i] << ", exp_avg " << m
+                    << " vs " << ref.m[i] << ", exp_avg_sq " << v << " vs " << ref.v[i];
+    }
+  }
+  RecordProperty("worst_main_over_tol", std::to_string(worst[0]));
+  RecordProperty("worst_exp_avg_over_tol", std::to_string(worst[1]));
+  RecordProperty("worst_exp_avg_sq_over_tol", std::to_string(worst[2]));
+}
+
+// bf16 moments with threads and on odd offsets equal the one-thread run on
+// the whole range bit for bit (the StreamedAdam slices call it on sub-ranges).
+TEST(AdamBf16MomentCpuTest, SubRangesAndThreadsAreBitIdentical) {
+  constexpr size_t kN = (size_t{1} << 18) + 5;
+  Bf16MomentBuffers a(kN), b(kN);
+  for (size_t i = 0; i < kN; ++i) {
+    a.grad[i] = b.grad[i] = std::bit_cast<uint32_t>(GradValue(500, i));
+    a.m[i] = b.m[i] = FloatToBf16(0.1f * Uniform(501, i));
+    a.v[i] = b.v[i] = FloatToBf16(0.01f * std::fabs(Uniform(502, i)));
+  }
+  AdamParams p;
+  p.step = 5;
+  ASSERT_TRUE(AdamStepCpu(a.Tensors(ScalarType::kF32), kN, p, 1));
+  const size_t cut = 77777;
+  AdamTensors lo = b.Tensors(ScalarType::kF32), hi = lo;
+  hi.main += cut;
+  hi.exp_avg = b.m.data() + cut;
+  hi.exp_avg_sq = b.v.data() + cut;
+  hi.grad = b.grad.data() + cut;
+  hi.param = b.param.data() + cut;
+  ASSERT_TRUE(AdamStepCpu(lo, cut, p, 1));
+  ASSERT_TRUE(AdamStepCpu(hi, kN - cut, p, 4));
+  EXPECT_EQ(a.main, b.main);
+  EXPECT_EQ(a.m, b.m);
+  EXPECT_EQ(a.v, b.v);
+  EXPECT_EQ(a.param, b.param);
+}
+
+// ---- q8 moments (AdamStepCpuQ8) ----
+
+// The maps are bitsandbytes' dynamic maps: 256 ascending values with 0 and 1,
+// the signed one symmetric without -1, their smallest positive values those
+// of create_dynamic_map (0.55e-6 signed; 0.325e-6 and 0.775e-6 unsigned).
+TEST(AdamQ8Test, MapsAreTheDynamicMaps) {
+  std::vector<double> s(256), u(256);
+  for (int c = 0; c < 256; ++c) {
+    s[c] = Q8MapValue(true, static_cast<uint8_t>(c));
+    u[c] = Q8MapValue(false, static_cast<uint8_t>(c));
+  }
+  EXPECT_TRUE(std::is_sorted(s.begin(), s.end()));
+  EXPECT_TRUE(std::is_sorted(u.begin(), u.end()));
+  EXPECT_EQ(std::adjacent_find(u.begin(), u.end()), u.end()) << "unsigned map has duplicates";
+  EXPECT_EQ(s[255], 1.0);
+  EXPECT_EQ(u[255], 1.0);
+  EXPECT_EQ(u[0], 0.0);
+  EXPECT_EQ(std::count(s.begin(), s.end(), 0.0), 1);
+  EXPECT_FLOAT_EQ(static_cast<float>(s[0]), -0.99296875f);
+  const auto first_pos = [](const std::vector<double>& m) { return *std::upper_bound(m.begin(), m.end(), 0.0); };
+  EXPECT_FLOAT_EQ(static_cast<float>(first_pos(s)), 0.55e-6f);
+  EXPECT_FLOAT_EQ(static_cast<float>(first_pos(u)), 0.325e-6f);
+  EXPECT_FLOAT_EQ(static_cast<float>(u[2]), 0.775e-6f);
+}
+
+// Half the gap of the map around y (y in the map's range): the most a
+// nearest-code rounding of y can be off, in units of the block's absmax.
+double HalfGap(bool is_signed, double y) {
+  double lo = Q8MapValue(is_signed, 0), hi = lo;
+  for (int c = 1; c < 256; ++c) {
+    hi = Q8MapValue(is_signed, static_cast<uint8_t>(c));
+    if (hi >= y) return (hi - lo) / 2;
+    lo = hi;
+  }
+  return 0;
+}
+
+// 24 steps; after each, every stored moment against an fp64 update of the
+// state stored before it (decoded codes x absmax): the block's absmax is the
+// fp64 max |moment| (to fp32 rounding), and each decoded moment is within
+// half the map's gap around it times that absmax (nearest code), plus fp32
+// rounding of the update (a value within it of a midpoint may take the other
+// neighbour). Main: as in the f32 case.
+TEST(AdamQ8Test, EachStepWithinNearestCodeOfFp64Update) {
+  constexpr size_t kN = 256 * 40 + 77;  // a partial last block
+  constexpr size_t kBlocks = (kN + kQ8BlockElems - 1) / kQ8BlockElems;
+  std::vector<float> main(kN), am(kBlocks, 0.0f), av(kBlocks, 0.0f);
+  std::vector<uint8_t> m(kN), v(kN);
+  std::vector<uint16_t> grad(kN), param(kN);
+  uint8_t code0 = 0;
+  while (Q8MapValue(true, code0) != 0.0f) ++code0;
+  for (size_t i = 0; i < kN; ++i) {
+    main[i] = Uniform(41, i);
+    m[i] = code0;
+    v[i] = 0;
+  }
+  AdamParams p;
+  p.lr = 1e-2;
+  p.weight_decay = 0.1;
+  const Tolerance tol;
+  double worst_m = 0, worst_v = 0;
+  size_t bad = 0;
+  for (int step = 1; step <= 24; ++step) {
+    p.step = static_cast<uint64_t>(step);
+    RefState ref{std::vector<double>(kN), std::vector<double>(kN), std::vector<double>(kN)};
+    std::vector<double> g64(kN);
+    for (size_t i = 0; i < kN; ++i) {
+      // Blocks of very different scales, as a model's rows have.
+      grad[i] = FloatToBf16(GradValue(700 + step, i) * static_cast<float>(std::pow(10.0, -static_cast<double>((i / 256) % 5))));
+      g64[i] = DecodeBf16(grad[i]);
+      ref.main[i] = main[i];
+      ref.m[i] = static_cast<double>(Q8MapValue(true, m[i])) * am[i / 256];
+      ref.v[i] = static_cast<double>(Q8MapValue(false, v[i])) * av[i / 256];
+    }
+    AdamQ8Tensors t;
+    t.main = main.data();
+    t.exp_avg = m.data();
+    t.exp_avg_absmax = am.data();
+    t.exp_avg_sq = v.data();
+    t.exp_avg_sq_absmax = av.data();
+    t.grad = grad.data();
+    t.grad_type = ScalarType::kBF16;
+    t.param = param.data();
+    t.param_type = ScalarType::kBF16;
+    ASSERT_TRUE(AdamStepCpuQ8(t, kN, p, 1));
+    RefStep(ref, g64, p);
+    for (size_t b = 0; b < kBlocks; ++b) {
+      double rm = 0, rv = 0;
+      for (size_t i = b * 256; i < std::min(kN, (b + 1) * 256); ++i) {
+        rm = std::max(rm, std::fabs(ref.m[i]));
+        rv = std::max(rv, std::fabs(ref.v[i]));
+      }
+      EXPECT_NEAR(am[b], rm, 1e-5 * rm + 1e-30) << "step " << step << " block " << b;
+      EXPECT_NEAR(av[b], rv, 1e-5 * rv + 1e-30) << "step " << step << " block " << b;
+      for (size_t i = b * 256; i < std::min(kN, (b + 1) * 256); ++i) {
+        const double dm = static_cast<double>(Q8MapValue(true, m[i])) * am[b];
+        const double dv = static_cast<double>(Q8MapValue(false, v[i])) * av[b];
+        const double m_tol = HalfGap(true, ref.m[i] / rm) * rm + 2e-5 * rm;
+        const double v_tol = HalfGap(false, ref.v[i] / rv) * rv + 2e-5 * rv;
+        const double main_tol = tol.main_rel * std::fabs(ref.main[i]) + tol.main_abs_per_lr_step * p.lr;
+        worst_m = std::max(worst_m, std::fabs(dm - ref.m[i]) / m_tol);
+        worst_v = std::max(worst_v, std::fabs(dv - ref.v[i]) / v_tol);
+        const bool ok = std::fabs(dm - ref.m[i]) <= m_tol && std::fabs(dv - ref.v[i]) <= v_tol &&
+                        std::fabs(main[i] - ref.main[i]) <= main_tol && param[i] == FloatToBf16(main[i]);
+        if (!ok && ++bad <= 5) {
+          ADD_FAILURE() << "step " << step << " element " << i << ": main " << main[i] << " vs " << ref.main[i]
+                        << ", exp_avg " << dm << " vs " << ref.m[i] << " (tol " << m_tol << "), exp_avg_sq " << dv
+                        << " vs " << ref.v[i] << " (tol " << v_tol << ")";
+        }
+      }
+    }
+  }
+  EXPECT_GT(worst_v, 0.3);  // the codes really are quantized
+  RecordProperty("worst_exp_avg_over_tol", std::to_string(worst_m));
+  RecordProperty("worst_exp_avg_sq_over_tol", std::to_string(worst_v));
+}
+
+TEST(AdamQ8Test, ThreadsAndBlockAlignedSubRangesAreBitIdentical) {
+  constexpr size_t kN = 256 * 1500 + 3;
+  constexpr size_t kBlocks = (kN + 255) / 256;
+  struct S {
+    std::vector<float> main = std::vector<float>(kN), am = std::vector<float>(kBlocks), av = std::vector<float>(kBlocks);
+    std::vector<uint8_t> m = std::vector<uint8_t>(kN), v = std::vector<uint8_t>(kN);
+    std::vector<float> grad = std::vector<float>(kN);
+  } a, b;
+  for (size_t i = 0; i < kN; ++i) {
+    a.main[i] = Uniform(51, i);
+    a.m[i] = static_cast<uint8_t>(testing::Mix(i) & 0xFF);
+    a.v[i] = static_cast<uint8_t>(testing::Mix(i + 7) & 0xFF);
+    a.grad[i] = GradValue(52, i);
+  }
+  for (size_t k = 0; k < kBlocks; ++k) {
+    a.am[k] = 0.01f * (1.0f + static_cast<float>(k % 7));
+    a.av[k] = 1e-4f * (1.0f + static_cast<float>(k % 5));
+  }
+  b = a;
+  auto tensors = [](S& s, size_t first_block) {
+    AdamQ8Tensors t;
+    const size_t off = first_block * 256;
+    t.main = s.main.data() + off;
+    t.exp_avg = s.m.data() + off;
+    t.exp_avg_absmax = s.am.data() + first_block;
+    t.exp_avg_sq = s.v.data() + off;
+    t.exp_avg_sq_absmax = s.av.data() + first_block;
+    t.grad = s.grad.data() + off;
+    return t;
+  };
+  AdamParams p;
+  p.step = 3;
+  ASSERT_TRUE(AdamStepCpuQ8(tensors(a, 0), kN, p, 1));
+  ASSERT_TRUE(AdamStepCpuQ8(tensors(b, 0), 256 * 700, p, 3));
+  ASSERT_TRUE(AdamStepCpuQ8(tensors(b, 700), kN - 256 * 700, p, 2));
+  EXPECT_EQ(a.main, b.main);
+  EXPECT_EQ(a.m, b.m);
+  EXPECT_EQ(a.v, b.v);
+  EXPECT_EQ(a.am, b.am);
+  EXPECT_EQ(a.av, b.av);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    GradTypes, AdamBf16MomentTest,
+    ::testing::Combine(::testing::Values(ScalarType::kF32, ScalarType::kBF16),
+                       ::testing::Values(AdamMode::kAdam, AdamMode::kAdamW)),
+    [](const auto& info) {
+      return "grad_" + TypeName(std::get<0>(info.param)) +
+             (std::get<1>(info.param) == AdamMode::kAdam ? "_adam" : "_adamw");
+    });
 
 TEST(ConversionTest, Bf16RoundsToNearestEven) {
   // Every finite bf16 value round-trips; midpoints between neighbours go to the even one.

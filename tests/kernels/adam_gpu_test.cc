@@ -241,6 +241,148 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<2>(info.param) == AdamMode::kAdam ? "_adam" : "_adamw");
     });
 
+// bf16 moments: CUDA and CPU are bit-identical (required, not counted):
+// same decode, fp32 update and round-to-nearest-even. Every grad/param type,
+// Adam and AdamW, the vector path (aligned, head of 3) and the scalar path
+// (main or the moments at another element phase), 3 steps.
+void CompareBf16MomentsCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType pt, AdamMode mode,
+                                   size_t main_off, size_t moment_off, size_t other_off) {
+  SCOPED_TRACE("bf16 moments n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt) +
+               " mode=" + (mode == AdamMode::kAdam ? "adam" : "adamw") + " offsets main " +
+               std::to_string(main_off) + " moments " + std::to_string(moment_off) + " grad/param " +
+               std::to_string(other_off));
+  const size_t gs = TypeSize(gt), ps = std::max<size_t>(TypeSize(pt), 1);
+  std::vector<float> main(n);
+  std::vector<uint16_t> m(n), v(n);
+  std::vector<uint8_t> grad(n * gs), param(n * ps, 0);
+  for (size_t i = 0; i < n; ++i) {
+    main[i] = Uniform(31, i);
+    m[i] = FloatToBf16(0.1f * Uniform(32, i));
+    v[i] = FloatToBf16(0.01f * std::fabs(Uniform(33, i)));
+  }
+  DeviceBuffer d_main((n + 4) * 4), d_m((n + 4) * 2), d_v((n + 4) * 2), d_grad((n + 4) * gs),
+      d_param((n + 4) * ps);
+  for (const DeviceBuffer* b : {&d_main, &d_m, &d_v, &d_grad, &d_param}) ASSERT_CUDA(b->status());
+  float* dm = reinterpret_cast<float*>(d_main.data()) + main_off;
+  uint16_t* dmo = reinterpret_cast<uint16_t*>(d_m.data()) + moment_off;
+  uint16_t* dvo = reinterpret_cast<uint16_t*>(d_v.data()) + moment_off;
+  char* dg = d_grad.data() + other_off * gs;
+  char* dp = d_param.data() + other_off * ps;
+  ASSERT_CUDA(cudaMemcpy(dm, main.data(), n * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(dmo, m.data(), n * 2, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(dvo, v.data(), n * 2, cudaMemcpyHostToDevice));
+  AdamParams p;
+  p.lr = 1e-2;
+  p.weight_decay = 0.1;
+  p.mode = mode;
+  for (int step = 1; step <= 3; ++step) {
+    p.step = static_cast<uint64_t>(step);
+    for (size_t i = 0; i < n; ++i) Encode(grad.data(), gt, i, GradValue(600 + step, i));
+    ASSERT_CUDA(cudaMemcpy(dg, grad.data(), n * gs, cudaMemcpyHostToDevice));
+    AdamTensors c = Tensors(main.data(), m.data(), v.data(), grad.data(), gt, param.data(), pt, nullptr);
+    c.moment_type = ScalarType::kBF16;
+    ASSERT_TRUE(AdamStepCpu(c, n, p, 4));
+    AdamTensors g = Tensors(dm, dmo, dvo, dg, gt, dp, pt, nullptr);
+    g.moment_type = ScalarType::kBF16;
+    ASSERT_CUDA(static_cast<cudaError_t>(AdamStepCuda(g, n, p, stream)));
+  }
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> g_main(n);
+  std::vector<uint16_t> g_m(n), g_v(n);
+  std::vector<uint8_t> g_param(n * ps, 0);
+  ASSERT_CUDA(cudaMemcpy(g_main.data(), dm, n * 4, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(g_m.data(), dmo, n * 2, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(g_v.data(), dvo, n * 2, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(g_param.data(), dp, n * ps, cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const bool same = std::memcmp(&g_main[i], &main[i], 4) == 0 && g_m[i] == m[i] && g_v[i] == v[i] &&
+                      (pt == ScalarType::kNone || std::memcmp(&g_param[i * ps], &param[i * ps], ps) == 0);
+    if (!same && ++bad <= 5) {
+      ADD_FAILURE() << "element " << i << ": main " << g_main[i] << " vs cpu " << main[i] << ", exp_avg bits "
+                    << g_m[i] << " vs " << m[i] << ", exp_avg_sq bits " << g_v[i] << " vs " << v[i];
+    }
+  }
+  EXPECT_EQ(bad, 0u) << "elements not bit-identical";
+}
+
+TEST_F(AdamGpuTest, Bf16MomentsBitIdenticalToCpu) {
+  for (ScalarType gt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16}) {
+    for (ScalarType pt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16, ScalarType::kNone}) {
+      for (AdamMode mode : {AdamMode::kAdam, AdamMode::kAdamW}) {
+        for (size_t n : {size_t{1}, size_t{22}, size_t{4095}, (size_t{1} << 20) + 3}) {
+          CompareBf16MomentsCudaWithCpu(stream_, n, gt, pt, mode, 0, 0, 0);  // vector path
+          CompareBf16MomentsCudaWithCpu(stream_, n, gt, pt, mode, 1, 1, 1);  // vector path, head 3
+          CompareBf16MomentsCudaWithCpu(stream_, n, gt, pt, mode, 0, 1, 0);  // scalar path
+        }
+      }
+    }
+  }
+}
+
+// q8 moments: CUDA and CPU bit-identical (codes, absmax, main, param copy),
+// every grad/param type, 3 steps, partial last block.
+TEST_F(AdamGpuTest, Q8MomentsBitIdenticalToCpu) {
+  for (ScalarType gt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16}) {
+    for (ScalarType pt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16, ScalarType::kNone}) {
+      for (size_t n : {size_t{1}, size_t{300}, (size_t{1} << 20) + 77}) {
+        SCOPED_TRACE("q8 n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt));
+        const size_t blocks = (n + kQ8BlockElems - 1) / kQ8BlockElems;
+        const size_t gs = TypeSize(gt), ps = std::max<size_t>(TypeSize(pt), 1);
+        std::vector<float> main(n), am(blocks, 0.0f), av(blocks, 0.0f);
+        std::vector<uint8_t> m(n, 0), v(n, 0), grad(n * gs), param(n * ps, 0);
+        uint8_t code0 = 0;
+        while (Q8MapValue(true, code0) != 0.0f) ++code0;
+        for (size_t i = 0; i < n; ++i) {
+          main[i] = Uniform(61, i);
+          m[i] = code0;
+        }
+        DeviceBuffer d_main(n * 4), d_m(n), d_v(n), d_am(blocks * 4), d_av(blocks * 4), d_grad(n * gs),
+            d_param(n * ps);
+        for (const DeviceBuffer* b : {&d_main, &d_m, &d_v, &d_am, &d_av, &d_grad, &d_param}) ASSERT_CUDA(b->status());
+        ASSERT_CUDA(cudaMemcpy(d_main.data(), main.data(), n * 4, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_m.data(), m.data(), n, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_v.data(), v.data(), n, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_am.data(), am.data(), blocks * 4, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(d_av.data(), av.data(), blocks * 4, cudaMemcpyHostToDevice));
+        AdamParams p;
+        p.lr = 1e-2;
+        p.weight_decay = 0.1;
+        for (int step = 1; step <= 3; ++step) {
+          p.step = static_cast<uint64_t>(step);
+          for (size_t i = 0; i < n; ++i) Encode(grad.data(), gt, i, GradValue(620 + step, i));
+          ASSERT_CUDA(cudaMemcpy(d_grad.data(), grad.data(), n * gs, cudaMemcpyHostToDevice));
+          AdamQ8Tensors c{main.data(), m.data(), am.data(), v.data(), av.data(), grad.data(), gt,
+                          pt == ScalarType::kNone ? nullptr : param.data(), pt, nullptr};
+          ASSERT_TRUE(AdamStepCpuQ8(c, n, p, 4));
+          AdamQ8Tensors g{reinterpret_cast<float*>(d_main.data()), reinterpret_cast<uint8_t*>(d_m.data()),
+                          reinterpret_cast<float*>(d_am.data()), reinterpret_cast<uint8_t*>(d_v.data()),
+                          reinterpret_cast<float*>(d_av.data()), d_grad.data(), gt,
+                          pt == ScalarType::kNone ? nullptr : d_param.data(), pt, nullptr};
+          ASSERT_CUDA(static_cast<cudaError_t>(AdamStepCudaQ8(g, n, p, stream_)));
+        }
+        ASSERT_CUDA(cudaStreamSynchronize(stream_));
+        std::vector<float> g_main(n), g_am(blocks), g_av(blocks);
+        std::vector<uint8_t> g_m(n), g_v(n), g_param(n * ps);
+        ASSERT_CUDA(cudaMemcpy(g_main.data(), d_main.data(), n * 4, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_m.data(), d_m.data(), n, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_v.data(), d_v.data(), n, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_am.data(), d_am.data(), blocks * 4, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_av.data(), d_av.data(), blocks * 4, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(g_param.data(), d_param.data(), n * ps, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(std::memcmp(g_main.data(), main.data(), n * 4), 0) << "main";
+        EXPECT_EQ(g_m, m) << "exp_avg codes";
+        EXPECT_EQ(g_v, v) << "exp_avg_sq codes";
+        EXPECT_EQ(std::memcmp(g_am.data(), am.data(), blocks * 4), 0) << "exp_avg absmax";
+        EXPECT_EQ(std::memcmp(g_av.data(), av.data(), blocks * 4), 0) << "exp_avg_sq absmax";
+        if (pt != ScalarType::kNone) {
+          EXPECT_EQ(g_param, param) << "param copy";
+        }
+      }
+    }
+  }
+}
+
 TEST_F(AdamGpuTest, Over2To28ElementsMatchesCpu) {
   size_t not_identical = 0;
   CompareCudaWithCpu(stream_, (size_t{1} << 28) + 3, ScalarType::kBF16, ScalarType::kBF16,

@@ -60,6 +60,16 @@ inline void Encode(void* data, ScalarType t, size_t i, float f) {
   }
 }
 
+// Rounds a double to the nearest bf16 value, ties to even (frexp/nearbyint,
+// independent of the kernels' bit tricks); the result as a double. Normal
+// range only (|x| >= 2^-126 or 0), which is all the tests produce.
+inline double RoundToBf16(double x) {
+  if (x == 0.0 || !std::isfinite(x)) return x;
+  int e = 0;
+  const double f = std::frexp(x, &e);           // x = f * 2^e, 0.5 <= |f| < 1
+  return std::ldexp(std::nearbyint(std::ldexp(f, 8)), e - 8);  // 8 significant bits
+}
+
 // Deterministic counter-based random numbers (splitmix64), parallel-friendly.
 inline uint64_t Mix(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;

@@ -1616,5 +1616,42 @@ TEST_F(MountTest, OtherUserWithoutAllowOtherGetsEacces) {
   EXPECT_EQ(WaitExit(p), 0) << "another user could stat the mount without --allow-other";
 }
 
+
+// A store with bf16 moments: every file under latest/ is the layout's bytes,
+// the moment files hold numel x 2 bytes, and state.safetensors types them BF16.
+TEST_F(MountTest, Bf16MomentFieldsAreServedAsStoredWithSafetensorsBf16) {
+  const std::string name = "rank1.bf16";
+  {
+    auto s = CreateStore(stores_ + "/" + name);
+    ASSERT_NE(s, nullptr);
+    TensorSpec spec;
+    spec.name = "layers.0/w";
+    spec.numel = 700000;  // exp_avg: 1.4 MB, one chunk; main: 2 chunks
+    spec.fields = {{"main", DType::kF32}, {"exp_avg", DType::kBF16}, {"exp_avg_sq", DType::kBF16}};
+    ASSERT_TRUE(s->CreateTensor(spec).ok());
+    WriteStep(s.get(), 1);
+  }
+  const std::string dir = mnt_ + "/" + name + "/latest";
+  auto ro = Store::OpenReadOnly(stores_ + "/" + name, StoreOptions{});
+  ASSERT_TRUE(ro.ok()) << ro.status().ToString();
+  auto v = (*ro)->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  ExpectDirEqualsLayout(**l, dir);
+  EXPECT_EQ(fs::file_size(dir + "/tensors/" + (*l)->manifest().tensors[0].file_name + "/exp_avg"), 700000u * 2);
+  std::string st = ReadFile(dir + "/state.safetensors");
+  ASSERT_GE(st.size(), 8u);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(st[i]);
+  auto h = nlohmann::json::parse(st.substr(8, n));
+  EXPECT_EQ(h["layers.0/w/main"]["dtype"], "F32");
+  EXPECT_EQ(h["layers.0/w/exp_avg"]["dtype"], "BF16");
+  EXPECT_EQ(h["layers.0/w/exp_avg_sq"]["dtype"], "BF16");
+  EXPECT_EQ(h["layers.0/w/exp_avg"]["data_offsets"][1].get<uint64_t>() -
+                h["layers.0/w/exp_avg"]["data_offsets"][0].get<uint64_t>(),
+            700000u * 2);
+}
+
 }  // namespace
 }  // namespace optstate::mount

@@ -22,6 +22,44 @@ class CapiTest(TempDirTest):
         mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
         return store, mm, optstate.StreamedAdam(store, mm)
 
+    def test_bf16_moments_step_read_back_and_reopen(self):
+        store = optstate.Store(self.path("b"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+        with self.assertRaises(optstate.InvalidArgument):
+            optstate.StreamedAdam(store, mm, moment_dtype="q4")
+        adam = optstate.StreamedAdam(store, mm, moment_dtype="bf16")
+        rng = np.random.default_rng(2)
+        n = 1_100_000  # over two bf16 slices (2 MiB chunks: 1048576 bf16 moments a slice)
+        w = rng.standard_normal(n).astype(np.float32)
+        adam.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.1)
+        pid, _ = adam.register_param("w", n, 0, w.ctypes.data, optstate.F32)
+        p64, m64, v64 = w.astype(np.float64), np.zeros(n), np.zeros(n)
+        for step in range(1, 21):
+            g = rng.standard_normal(n).astype(np.float32)
+            adam.step([pid], [g.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32])
+            p64, m64, v64 = adamw_reference(p64, m64, v64, g.astype(np.float64), step, 1e-2, 0.9, 0.999, 1e-8, 0.1)
+        adam.make_durable()
+        m, v = store.read("w", "exp_avg"), store.read("w", "exp_avg_sq")
+        # Stored as bf16: read back decoded, the low 16 bits of every fp32 value are zero.
+        self.assertFalse((m.view(np.uint32) & 0xFFFF).any())
+        self.assertFalse((v.view(np.uint32) & 0xFFFF).any())
+        # 20 steps against float64 moments: each store rounds to 2^-8 relative; carried on with
+        # weight beta, exp_avg_sq stays within 20 x 2^-8 and exp_avg within 10 x 2^-8 of its scale.
+        np.testing.assert_allclose(v, v64, rtol=20 * 2 ** -8, atol=0)
+        np.testing.assert_allclose(m, m64, rtol=0, atol=10 * 2 ** -8 * np.abs(m64).max())
+        np.testing.assert_allclose(w, p64, rtol=0, atol=20 * 1e-2 * 2 ** -6)
+        np.testing.assert_array_equal(store.read("w", "main"), w)
+        adam.close()
+        mm.close()
+        store.close()
+        store = optstate.Store(self.path("b"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20)
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            optstate.StreamedAdam(store, mm)  # f32 moments on a store that holds bf16
+        for word in ("'w'", "exp_avg", "bf16", "f32", self.path("b")):
+            self.assertIn(word, str(cm.exception))
+        np.testing.assert_array_equal(store.read("w", "exp_avg"), m)  # nothing changed
+
     def test_version(self):
         self.assertRegex(optstate.library_version(), r"^\d+\.\d+\.\d+$")
         self.assertEqual(optstate._lib_handle.optstate_abi_version(), 1)

@@ -71,6 +71,29 @@ class AdamWTest(TempDirTest):
                                        rtol=1e-4, atol=1e-12)
         self.assertEqual(opt.state, {})  # nothing of the state lives in torch tensors
 
+    def test_bf16_moments_track_torch_adamw(self):
+        # moment_dtype="bf16": moments stored in bf16 (exactly representable, read back decoded), and the
+        # training stays close to torch's fp32-state AdamW: 25 steps at lr 1e-2 move each param by at
+        # most 0.25; the moments' rounding (2^-8 relative per store, carried with weight beta) changes
+        # each update by a few 2^-8, so params agree within 25 * 1e-2 * 2^-5 ~ 8e-3.
+        ref_model, model = make_model(0), make_model(0)
+        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+        opt = ot.AdamW(model.parameters(), store=self.path("s"), lr=1e-2, moment_dtype="bf16", **OPT_KW)
+        ref_loss = train(ref_model, ref, 25)
+        loss = train(model, opt, 25)
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=8e-3)
+            m = opt.read_state(b, "exp_avg")
+            self.assertFalse((m.view(torch.int32) & 0xFFFF).any().item())
+            torch.testing.assert_close(m, ref.state[a]["exp_avg"], rtol=0.05, atol=1e-3)
+            with opt.pin(b, "exp_avg") as pinned:  # a pin shows the stored bf16 values
+                self.assertEqual(pinned.dtype, torch.bfloat16)
+                torch.testing.assert_close(pinned.float().cpu().reshape(-1), m.reshape(-1), rtol=0, atol=0)
+        self.assertLess(abs(loss - ref_loss), 0.01 * ref_loss)
+        opt.close()
+        with self.assertRaises(optstate.InvalidArgument):  # the store holds bf16 moments
+            ot.AdamW(make_model(0).parameters(), store=self.path("s"), lr=1e-2, **OPT_KW)
+
     def test_bf16_params_fp32_mains_against_float64(self):
         torch.manual_seed(3)
         shapes = [(300, 40), (40,), (7, 3, 5)]

@@ -1,6 +1,9 @@
 // optstate-restore as a user runs it, and the README's walkthrough step that
 // reads state.safetensors with the Python that tools/setup.sh installs:
 // each run on a checkpoint directory exported here from a small real store.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -8,8 +11,10 @@
 
 #include <gtest/gtest.h>
 
+#include "kernels/adam.h"
 #include "tests/tools/tools_test_util.h"
 #include "vfs/checkpoint.h"
+#include "vfs/io_buffer.h"
 
 namespace optstate::tools {
 namespace {
@@ -149,6 +154,174 @@ TEST_F(RestoreToolTest, ReadmeSafetensorsStepWorks) {
                         std::to_string(store_->LatestGeneration().generation) + "'"),
             std::string::npos)
       << r->out;
+}
+
+
+// ---- optstate-restore --moments: converting a checkpoint's moment dtype ----
+
+namespace moments {
+
+constexpr uint64_t kNumel = 700000;  // crosses an f32 chunk (524288) and no bf16 chunk (1048576)
+
+// Values over many magnitudes and both signs, some exact zeros.
+float Value(uint32_t field, uint64_t i) {
+  if (i % 97 == 0) return 0.0f;
+  const double mag = std::pow(10.0, -8.0 + 9.0 * static_cast<double>((i * 2654435761u + field) % 1000) / 1000.0);
+  return static_cast<float>((i % 3 == 0 ? -1.0 : 1.0) * mag * (1.0 + 1e-3 * static_cast<double>(i % 1013)));
+}
+
+std::unique_ptr<vfs::Store> MakeAdamStore(const std::string& path) {
+  vfs::StoreOptions o;
+  o.chunk_size_bytes = 2 * vfs::kMiB;
+  o.preallocate_step_bytes = 8 * vfs::kMiB;
+  auto s = vfs::Store::Create(path, o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  if (!s.ok()) return nullptr;
+  vfs::TensorSpec spec;
+  spec.name = "layer.weight";
+  spec.numel = kNumel;
+  auto t = (*s)->CreateTensor(spec);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  const uint64_t per_chunk = o.chunk_size_bytes / 4;
+  vfs::IoBuffer buf(o.chunk_size_bytes);
+  for (uint32_t f = 0; f < 3; ++f) {
+    for (uint64_t c = 0; c * per_chunk < kNumel; ++c) {
+      for (uint64_t i = 0; i < per_chunk; ++i) buf.as<float>()[i] = Value(f, c * per_chunk + i);
+      EXPECT_TRUE((*s)->WriteChunk({t->id, f, c}, buf.data()).ok());
+    }
+  }
+  vfs::CommitInfo ci;
+  ci.step = 42;
+  ci.groups.push_back(vfs::GroupInfo{0, 42, {{"lr", 1e-3}, {"adamw", 1.0}}});
+  EXPECT_TRUE((*s)->Commit(ci).ok());
+  return std::move(*s);
+}
+
+// A field of the newest generation, decoded to fp32; its dtype in *dtype.
+std::vector<float> ReadField(vfs::Store* s, const std::string& field, vfs::DType* dtype) {
+  std::vector<float> out;
+  auto v = s->OpenGeneration(vfs::kLatest);
+  EXPECT_TRUE(v.ok()) << v.status().ToString();
+  if (!v.ok()) return out;
+  auto t = (*v)->FindTensor("layer.weight");
+  EXPECT_TRUE(t.ok());
+  uint32_t f = 0;
+  while (t->fields[f].name != field) ++f;
+  *dtype = t->fields[f].dtype;
+  const uint32_t es = vfs::DTypeSize(*dtype);
+  vfs::IoBuffer buf(s->chunk_size_bytes());
+  for (uint64_t c = 0; c < (*v)->ChunkCount(*t, f); ++c) {
+    EXPECT_TRUE((*v)->ReadChunk({t->id, f, c}, buf.data()).ok());
+    const uint64_t n = std::min<uint64_t>(s->chunk_size_bytes() / es, t->numel - out.size());
+    for (uint64_t i = 0; i < n; ++i) {
+      out.push_back(es == 4 ? buf.as<float>()[i] : kernels::Bf16ToFloat(buf.as<uint16_t>()[i]));
+    }
+  }
+  return out;
+}
+
+}  // namespace moments
+
+// f32 -> bf16 -> f32: the moments within 2^-8 relative of the original
+// (round to nearest even), bf16 values exact in both directions, main bit
+// for bit, step and group step counts kept; the converted store verifies.
+TEST(RestoreMomentsTest, F32ToBf16ToF32StaysWithinTheRoundingBound) {
+  TempDir dir;
+  auto src = moments::MakeAdamStore(dir / "src");
+  ASSERT_NE(src, nullptr);
+  ExportLatest(src.get(), dir / "ckpt32");
+  auto to16 = Tool("optstate-restore", {dir / "ckpt32", dir / "bf16", "--create", "b", "--moments", "bf16", "-q"});
+  ASSERT_EQ(to16.exit_code, 0) << to16.err;
+  auto b = vfs::Store::Open(dir / "bf16", vfs::StoreOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ((*b)->LatestGeneration().step, 42u);
+  ASSERT_EQ((*b)->LatestGeneration().groups.size(), 1u);
+  EXPECT_EQ((*b)->LatestGeneration().groups[0].step_count, 42u);
+  auto rep = (*b)->Verify();
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  EXPECT_TRUE(rep->ok()) << (rep->problems.empty() ? "leaked slots" : rep->problems[0]);
+  vfs::DType d;
+  std::vector<std::vector<float>> orig(3), half(3);
+  const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
+  for (int f = 0; f < 3; ++f) {
+    orig[f] = moments::ReadField(src.get(), kFields[f], &d);
+    half[f] = moments::ReadField(b->get(), kFields[f], &d);
+    EXPECT_EQ(d, f == 0 ? vfs::DType::kF32 : vfs::DType::kBF16) << kFields[f];
+    ASSERT_EQ(half[f].size(), moments::kNumel);
+  }
+  EXPECT_EQ(std::memcmp(half[0].data(), orig[0].data(), moments::kNumel * 4), 0) << "main changed";
+  size_t bad = 0;
+  for (int f = 1; f < 3; ++f) {
+    for (uint64_t i = 0; i < moments::kNumel; ++i) {
+      if (std::fabs(static_cast<double>(half[f][i]) - orig[f][i]) > 0x1p-8 * std::fabs(orig[f][i]) && ++bad < 5) {
+        ADD_FAILURE() << kFields[f] << "[" << i << "] " << half[f][i] << " vs " << orig[f][i];
+      }
+    }
+  }
+  // optstate-inspect show: the bf16 field's dtype and statistics of its decoded values.
+  auto show = Tool("optstate-inspect", {dir / "bf16", "show", "layer.weight", "--field", "exp_avg", "--json"});
+  ASSERT_EQ(show.exit_code, 0) << show.err;
+  auto j = testing::ParseJson(show);
+  ASSERT_EQ(j["fields"].size(), 1u) << show.out;
+  EXPECT_EQ(j["fields"][0]["dtype"], "bf16");
+  EXPECT_EQ(j["fields"][0]["stats"]["count"], moments::kNumel);
+  EXPECT_EQ(j["fields"][0]["stats"]["max"].get<double>(), *std::max_element(half[1].begin(), half[1].end()));
+  EXPECT_EQ(j["fields"][0]["stats"]["min"].get<double>(), *std::min_element(half[1].begin(), half[1].end()));
+
+  ExportLatest(b->get(), dir / "ckpt16");
+  b->reset();
+  auto to32 = Tool("optstate-restore", {dir / "ckpt16", dir / "f32", "--create", "f", "--moments", "f32", "-q"});
+  ASSERT_EQ(to32.exit_code, 0) << to32.err;
+  auto f32 = vfs::Store::Open(dir / "f32", vfs::StoreOptions{});
+  ASSERT_TRUE(f32.ok()) << f32.status().ToString();
+  for (int f = 0; f < 3; ++f) {
+    std::vector<float> back = moments::ReadField(f32->get(), kFields[f], &d);
+    EXPECT_EQ(d, vfs::DType::kF32);
+    ASSERT_EQ(back.size(), moments::kNumel);
+    EXPECT_EQ(std::memcmp(back.data(), half[f].data(), moments::kNumel * 4), 0) << kFields[f] << ": bf16 -> f32 is exact";
+  }
+}
+
+TEST(RestoreMomentsTest, BadInputIsRefusedAndLeavesNoStore) {
+  TempDir dir;
+  auto src = moments::MakeAdamStore(dir / "src");
+  ASSERT_NE(src, nullptr);
+  ExportLatest(src.get(), dir / "ckpt");
+  // Not a supported dtype, or without --create: a usage error, nothing made.
+  auto q = Tool("optstate-restore", {dir / "ckpt", dir / "x", "--create", "x", "--moments", "f8", "-q"});
+  EXPECT_EQ(q.exit_code, 2) << q.err;
+  auto nc = Tool("optstate-restore", {dir / "ckpt", dir / "src", "--moments", "bf16", "-q"});
+  EXPECT_EQ(nc.exit_code, 2) << nc.err;
+  EXPECT_FALSE(fs::exists(dir / "x"));
+  // A manifest that lies about a moment's dtype (bf16 for an f32 file): refused
+  // by both restores, naming the manifest, nothing made.
+  {
+    std::ifstream in(dir / "ckpt/manifest.json");
+    auto m = nlohmann::json::parse(in);
+    m["tensors"][0]["fields"][1]["dtype"] = "bf16";
+    fs::create_directories(dir / "lying");
+    fs::copy(dir / "ckpt", dir / "lying", fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    std::ofstream(dir / "lying/manifest.json") << m.dump(2);
+  }
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{}, {"--moments", "bf16"}}) {
+    std::vector<std::string> args = {dir / "lying", dir / "z", "--create", "z", "-q"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto lie = Tool("optstate-restore", args);
+    EXPECT_EQ(lie.exit_code, 1) << lie.err;
+    EXPECT_NE(lie.err.find("manifest.json"), std::string::npos) << lie.err;
+    EXPECT_FALSE(fs::exists(dir / "z"));
+  }
+  // A moment file altered after export: named, and no store is left.
+  {
+    std::fstream f(dir / "ckpt/tensors/layer.weight/exp_avg_sq", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(2 * vfs::kMiB + 8);
+    f.put('\x7f');
+  }
+  auto bad = Tool("optstate-restore", {dir / "ckpt", dir / "y", "--create", "y", "--moments", "bf16", "-q"});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("exp_avg_sq"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("XXH3"), std::string::npos) << bad.err;
+  EXPECT_FALSE(fs::exists(dir / "y"));
 }
 
 }  // namespace

@@ -133,8 +133,9 @@ OPTSTATE_EXPORT void optstate_store_latest_generation(const optstate_store_t* st
 OPTSTATE_EXPORT uint64_t optstate_store_group_step_count(const optstate_store_t* store, uint32_t group);
 
 /* Reads elements [first, first + count) of a tensor field of the newest
- * committed generation into out (host memory, count fp32 values). Fields:
- * "main", "exp_avg", "exp_avg_sq". Every chunk read is checksum-verified. */
+ * committed generation into out (host memory, count fp32 values; bf16 and
+ * f16 fields, e.g. bf16 moments, are decoded exactly). Fields: "main",
+ * "exp_avg", "exp_avg_sq". Every chunk read is checksum-verified. */
 OPTSTATE_EXPORT int optstate_store_read_field(optstate_store_t* store, const char* tensor, const char* field,
                                               uint64_t first, uint64_t count, float* out, char** errptr);
 /* numel of a tensor (NOT_FOUND naming near names when absent). */
@@ -305,6 +306,15 @@ OPTSTATE_EXPORT void optstate_adam_options_set_durable_every_steps(optstate_adam
  * "Pipelined commits"); other values: INVALID_ARGUMENT at optstate_adam_create. */
 OPTSTATE_EXPORT void optstate_adam_options_set_commit_lag_steps(optstate_adam_options_t* opts, uint32_t n);
 OPTSTATE_EXPORT uint32_t optstate_adam_options_commit_lag_steps(const optstate_adam_options_t* opts);
+/* Storage dtype of exp_avg and exp_avg_sq: "f32" (default; 12 bytes per param
+ * per step each way with the fp32 main) or "bf16" (8 bytes; decoded, updated
+ * in fp32, rounded to nearest even: relative error <= 2^-8 per store). Chosen
+ * when a store's params are first registered and recorded in the store; an
+ * optimizer created with the other dtype on that store fails at
+ * optstate_adam_create (INVALID_ARGUMENT naming the store, tensor, field and
+ * both dtypes). Another name: INVALID_ARGUMENT here, options unchanged. */
+OPTSTATE_EXPORT int optstate_adam_options_set_moment_dtype(optstate_adam_options_t* opts, const char* dtype,
+                                                           char** errptr);
 
 /* On a store that already holds tensors, their state, groups and step counts
  * are restored (resume). opts may be NULL. */
