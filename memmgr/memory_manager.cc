@@ -234,6 +234,7 @@ void HostCache::Put(const ChunkKey& k, const void* src, uint64_t len) {
     return;
   }
   std::memcpy(buf, src, len);
+  entries_[k].prefetched = false;
   // Put is called with bytes just written to the store (or read from it): a
   // dirty entry stays dirty (newer than the commit) but is now in the pending
   // generation.
@@ -263,7 +264,34 @@ void HostCache::Release(const ChunkKey& k, bool dirty) {
   if (dirty) {
     it->second.dirty = true;
     it->second.written = false;
+    it->second.prefetched = false;
   }
+}
+
+bool HostCache::WantsPrefetch(const ChunkKey& k, uint64_t len) const {
+  if (!enabled()) return false;
+  std::lock_guard<std::mutex> l(mu_);
+  return entries_.find(k) == entries_.end() && entry_bytes_ + EntryBytes(len) <= capacity_;
+}
+
+bool HostCache::PutPrefetched(const ChunkKey& k, const void* src, uint64_t len) {
+  if (!enabled()) return false;
+  std::lock_guard<std::mutex> l(mu_);
+  // An entry that appeared meanwhile (a write-back's Put) holds newer bytes.
+  if (entries_.find(k) != entries_.end()) return false;
+  void* buf = SlotFor(k, len, /*may_evict=*/false);
+  if (buf == nullptr) return false;
+  std::memcpy(buf, src, len);
+  entries_[k].prefetched = true;
+  return true;
+}
+
+bool HostCache::TakePrefetched(const ChunkKey& k) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  if (it == entries_.end() || !it->second.prefetched) return false;
+  it->second.prefetched = false;
+  return true;
 }
 
 void HostCache::MarkWritten(const ChunkKey& k) {
