@@ -1267,6 +1267,10 @@ MemoryStats ManagerImpl::stats() const {
     s.pins = pins_total_;
     s.evictions = evictions_;
   }
+  {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    s.staging_in_use = static_cast<uint32_t>(staging_.size() - staging_free_.size());
+  }
   s.budget_bytes = opts_.device_budget_bytes;
   s.nvme_read_bytes = nvme_read_;
   s.nvme_write_bytes = nvme_write_;

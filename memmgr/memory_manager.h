@@ -139,6 +139,7 @@ struct MemoryStats {
   double io_stall_seconds = 0;        // time callers waited for NVMe I/O
   uint64_t pins = 0;
   uint64_t evictions = 0;
+  uint32_t staging_in_use = 0;        // pinned staging buffers held now (pins, steps, prefetches)
 };
 
 // RAII handle of one pinned range. Movable, not copyable. The memory stays

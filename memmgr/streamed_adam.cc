@@ -830,6 +830,7 @@ struct StreamedAdam::PrefetchRun {
   std::atomic<bool> stop{false};  // set (under the in-flight commit's mu, if any) by StopPrefetch
   // Written by the thread, read after join.
   uint64_t read_bytes = 0;  // chunk bytes read into the host cache tier
+  uint64_t disk_bytes = 0;  // chunk bytes read from the store (some may have found an entry by then)
   uint64_t failed = 0;      // chunks not read (a read error; the step reads them again)
 };
 
@@ -1861,6 +1862,7 @@ Status StreamedAdam::Prefetch() {
       }
       for (const auto& c : done) {
         const auto& [key, len] = reading[c.tag];
+        if (c.status.ok()) r->disk_bytes += len;
         if (c.status.ok() && cache->PutPrefetched(key, bufs[c.tag], len)) {
           r->read_bytes += len;
         } else if (!c.status.ok()) {
@@ -1898,6 +1900,7 @@ Status StreamedAdam::Prefetch() {
         break;
       }
     }
+    impl->AddStats(r->disk_bytes, 0, 0, 0, 0, 0);
     impl->ReleaseStaging(bufs);
     impl->EndBackgroundCommit();
   });

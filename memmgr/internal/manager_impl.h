@@ -308,7 +308,7 @@ class ManagerImpl {
   std::unique_ptr<vfs::ChunkIo> io_;  // io_mu_
   void* copy_stream_ = nullptr;       // io_mu_
 
-  std::mutex staging_mu_;
+  mutable std::mutex staging_mu_;
   std::condition_variable staging_cv_;
   std::vector<void*> staging_;       // all, fixed after Init
   std::vector<void*> staging_free_;  // staging_mu_
