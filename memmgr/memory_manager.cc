@@ -286,6 +286,13 @@ bool HostCache::PutPrefetched(const ChunkKey& k, const void* src, uint64_t len) 
   return true;
 }
 
+bool HostCache::Contains(const ChunkKey& k, uint64_t len) const {
+  if (!enabled()) return false;
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  return it != entries_.end() && it->second.len == len;
+}
+
 bool HostCache::TakePrefetched(const ChunkKey& k) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = entries_.find(k);

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -196,7 +197,9 @@ class StepPipeline {
     write_qd_ = o.write_queue_depth == 0 ? 0 : std::max<uint32_t>(o.write_queue_depth, 3);
     if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
     ring_requests_ = RingRequests(o);
-    staging_ = mm_->AcquireStaging(3, std::min<size_t>(max_bufs, 3 * ra));
+    // Adopted prefetch buffers count against the pipeline's own staging.
+    const size_t want = std::min<size_t>(max_bufs, 3 * ra);
+    staging_ = mm_->AcquireStaging(3, want > extra_staging_.size() + 3 ? want - extra_staging_.size() : 3);
     chunk_bytes_ = mm_->page_bytes();
     size_t big_sets = staging_.size() / 3;
     // Small sets: the buffers of two big sets cut into kSmallSliceBytes
@@ -248,6 +251,22 @@ class StepPipeline {
   // Test hook: no completion is reaped before the step drains, so what the
   // depth limits admit (not what the disk happens to finish) is in flight.
   void SetHoldCompletions(bool hold) { hold_completions_ = hold; }
+  // Chunks a prefetch read into staging buffers (whole chunks, as a read
+  // into a staging set would): the pipeline owns the buffers from now on
+  // (released with its staging) and a slice finds its chunk there instead of
+  // reading it. REQUIRES: before Begin.
+  struct Staged {
+    ChunkKey key;
+    uint64_t len = 0;
+    void* buf = nullptr;
+  };
+  void Adopt(std::vector<Staged> staged) {
+    for (const Staged& st : staged) {
+      extra_staging_.push_back(st.buf);
+      staged_[st.key] = st;
+    }
+  }
+
   // Test hook: completions are reaped only when nothing else can progress,
   // so the writes a step finds complete are those it had to wait for.
   void SetReapOnlyWhenBlocked(bool on) { reap_only_when_blocked_ = on; }
@@ -392,6 +411,13 @@ class StepPipeline {
 
   void Release() {
     (void)FinishSync();
+    // StartReads moves buffers between sets, staged_ and spare_, never
+    // loses or duplicates one: staging_ and extra_staging_ stay the buffers
+    // owned.
+    if (!extra_staging_.empty()) mm_->ReleaseStaging(extra_staging_);
+    extra_staging_.clear();
+    staged_.clear();
+    spare_.clear();
     if (!started_) return;
     started_ = false;
     for (auto& d : slots_) {
@@ -438,6 +464,14 @@ class StepPipeline {
   // Reads into free staging sets, only while the read queue has room for a
   // whole slice.
   Status SubmitReads(bool* progressed) {
+    while (spare_.size() >= 3) {
+      Set grown;
+      for (int f = 0; f < 3; ++f) {
+        grown.io[f] = spare_.back();
+        spare_.pop_back();
+      }
+      sets_.push_back(grown);
+    }
     while (!queue_.empty()) {
       const Job& front = queue_.front();
       if (!ReadRoom(3 * front.elems * 4)) break;
@@ -613,6 +647,24 @@ class StepPipeline {
           }
         }
       }
+      if (!s.acquired[f] && !staged_.empty()) {
+        auto st = staged_.find(Key(j, f));
+        if (st != staged_.end() && st->second.len == len) {
+          if (s.small) {
+            std::memcpy(s.io[f], st->second.buf, len);
+          } else {
+            // The set takes the prefetched buffer; its own joins spare_,
+            // which makes new sets (SubmitReads), so the pipeline grows
+            // back to the depth it has without prefetch.
+            spare_.push_back(s.io[f]);
+            s.io[f] = st->second.buf;
+            s.buf[f] = s.io[f];
+          }
+          staged_.erase(st);
+          prefetch_hits += len;
+          continue;
+        }
+      }
       vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunk};
       // 0: a whole chunk.
       const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
@@ -773,7 +825,11 @@ class StepPipeline {
   uint64_t next_seq_ = 0;
   Arena arena_;
   std::vector<void*> staging_;
-  std::vector<Set> sets_;
+  // Prefetched chunks not yet used (Adopt) and the buffers adopted with them.
+  std::unordered_map<ChunkKey, Staged, internal::ChunkKeyHash> staged_;
+  std::vector<void*> extra_staging_;
+  std::vector<void*> spare_;  // staging buffers a set gave up for a prefetched one
+  std::vector<Set> sets_;     // big sets, small sets, then sets grown from spare_
   // The write tail: computed slices in cache entries, their staging sets
   // given back (OnComputed); at most one per slice of the step, holding no
   // buffers of their own. free_tail_: unused ones; tail_busy_: in use.
@@ -793,7 +849,7 @@ class StepPipeline {
   uint64_t read_bytes_ = 0, write_bytes_ = 0;  // of the requests in flight
   uint64_t chunk_bytes_ = 0;
   uint32_t ring_requests_ = 0;  // the ChunkIo's queue depth (RingRequests)
-  size_t small_sets_ = 0;       // the last small_sets_ of sets_
+  size_t small_sets_ = 0;       // small sets in sets_
   Status error_;
 };
 
@@ -832,6 +888,8 @@ struct StreamedAdam::PrefetchRun {
   uint64_t read_bytes = 0;  // chunk bytes read into the host cache tier
   uint64_t disk_bytes = 0;  // chunk bytes read from the store (some may have found an entry by then)
   uint64_t failed = 0;      // chunks not read (a read error; the step reads them again)
+  std::vector<StagedChunk> staged;  // read into staging buffers for the next step
+  uint64_t write_mark = 0;          // the manager's nvme_write_bytes when reading started
 };
 
 StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
@@ -1473,7 +1531,20 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
   const double t_begin = NowS();
   double wait_s = 0;
-  OPTSTATE_RETURN_IF_ERROR(FinishCommit(&wait_s));  // completes the previous step's stats
+  {
+    Status fs = FinishCommit(&wait_s, /*keep_staged=*/true);  // completes the previous step's stats
+    if (!fs.ok()) DropStaged();  // the step they were read for is gone
+    OPTSTATE_RETURN_IF_ERROR(fs);
+  }
+  // Staged prefetched chunks go to this step's pipeline below; any early
+  // return gives them back.
+  struct DropUnadopted {
+    StreamedAdam* sa;
+    ~DropUnadopted() { sa->DropStaged(); }
+  } drop_unadopted{this};
+  if (!staged_.empty() && mm_->stats().nvme_write_bytes != staged_write_mark_) {
+    DropStaged();  // a write-back through pins may have changed what they hold
+  }
   OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
   step_found_inf_ = d_found_inf;
   step_skip_ = false;
@@ -1523,6 +1594,14 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   pipeline_->SetHoldCompletions(hold_completions_);
   pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked_);
+  if (!staged_.empty()) {
+    std::vector<internal::StepPipeline::Staged> adopt;
+    for (const StagedChunk& c : staged_) {
+      adopt.push_back({ChunkKey{c.tensor_id, c.field, c.chunk}, c.len, c.buf});
+    }
+    staged_.clear();
+    pipeline_->Adopt(std::move(adopt));
+  }
   step_order_.clear();
   step_write_through_ = write_through;
   Status s = pipeline_->Begin();
@@ -1751,9 +1830,10 @@ void StreamedAdam::StartBackgroundCommit() {
   inflight_ = std::move(c);
 }
 
-Status StreamedAdam::FinishCommit(double* wait_s) {
+Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
   if (wait_s != nullptr) *wait_s = 0;
   StopPrefetch();
+  if (!keep_staged) DropStaged();
   if (!inflight_) return Status::Ok();
   const double t0 = NowS();
   inflight_->thread.join();
@@ -1815,7 +1895,18 @@ Status StreamedAdam::Prefetch() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   // During a step the step itself is reading; a prefetch already runs.
   if (in_step_ || prefetch_) return Status::Ok();
-  if (!mm_->impl()->cache()->enabled()) return Status::Ok();
+  ManagerImpl* impl = mm_->impl();
+  const MemoryManagerOptions& mo = impl->options();
+  // Chunks outside the tier go into staging buffers for the step's pipeline
+  // to adopt: at most its own staging less one slice (StepPipeline::Begin).
+  size_t stage_limit = 0;
+  if (!CacheHoldsState() && !mo.use_sync_io && staged_.empty()) {
+    const size_t total = impl->all_staging().size();
+    const size_t max_bufs = total >= 5 ? total - 2 : total;
+    const size_t want = std::min<size_t>(max_bufs, 3 * static_cast<size_t>(internal::PipelineSlices(mo)));
+    stage_limit = want > 3 ? want - 3 : 0;
+  }
+  if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
   if (!inflight_) OPTSTATE_RETURN_IF_ERROR(EnsureIo());  // else the commit's thread owns io_ (it exists)
   std::vector<StepOrderEntry> order = step_order_;
   if (order.empty()) {
@@ -1827,7 +1918,7 @@ Status StreamedAdam::Prefetch() {
   PrefetchRun* r = run.get();
   InFlightCommit* commit = inflight_.get();
   mm_->impl()->BeginBackgroundCommit();
-  r->thread = std::thread([this, r, commit, order = std::move(order)] {
+  r->thread = std::thread([this, r, commit, stage_limit, order = std::move(order)] {
     ManagerImpl* impl = mm_->impl();
     if (commit != nullptr) {
       // The store shows the step's generation once its commit is done; a
@@ -1848,8 +1939,11 @@ Status StreamedAdam::Prefetch() {
     // read queue's worth, leaving two for concurrent pins.
     const size_t total = impl->all_staging().size();
     const size_t want = std::max<size_t>(1, std::min<size_t>(total >= 5 ? total - 2 : 1, impl->options().queue_depth));
-    std::vector<void*> bufs = impl->AcquireStaging(1, want);
+    r->write_mark = impl->stats().nvme_write_bytes;
+    std::vector<void*> bufs = impl->AcquireStaging(1, std::max(want, stage_limit));
     std::vector<std::pair<ChunkKey, uint64_t>> reading(bufs.size());
+    std::vector<bool> keep(bufs.size(), false);  // holds a staged chunk
+    size_t staged_reads = 0;                     // submitted to be staged
     std::vector<size_t> free_bufs;
     for (size_t b = bufs.size(); b-- > 0;) free_bufs.push_back(b);
     std::vector<vfs::ChunkCompletion> done;
@@ -1863,10 +1957,16 @@ Status StreamedAdam::Prefetch() {
       for (const auto& c : done) {
         const auto& [key, len] = reading[c.tag];
         if (c.status.ok()) r->disk_bytes += len;
-        if (c.status.ok() && cache->PutPrefetched(key, bufs[c.tag], len)) {
-          r->read_bytes += len;
-        } else if (!c.status.ok()) {
+        if (!c.status.ok()) {
           ++r->failed;
+          if (keep[c.tag]) --staged_reads;
+          keep[c.tag] = false;
+        } else if (keep[c.tag]) {
+          r->staged.push_back(StagedChunk{key.tensor_id, key.field, key.index, len, bufs[c.tag]});
+          r->read_bytes += len;
+          continue;  // the buffer stays with the chunk
+        } else if (cache->PutPrefetched(key, bufs[c.tag], len)) {
+          r->read_bytes += len;
         }
         free_bufs.push_back(c.tag);
       }
@@ -1878,9 +1978,15 @@ Status StreamedAdam::Prefetch() {
         const uint64_t len = std::min(chunk_elems, e.numel - first) * 4;
         for (int f = 0; f < 3 && ok && !r->stop.load(); ++f) {
           const ChunkKey key{e.tensor_id, e.fields[f], c};
-          if (!cache->WantsPrefetch(key, len)) continue;
-          while (ok && free_bufs.empty()) ok = reap(1);
-          if (!ok) break;
+          bool stage = false;
+          if (!cache->WantsPrefetch(key, len)) {
+            // Not for the tier: a chunk the step reads from disk, staged
+            // while there is room (the tier serves the ones it holds).
+            if (staged_reads >= stage_limit || cache->Contains(key, len)) continue;
+            stage = true;
+          }
+          while (ok && free_bufs.empty() && io_->in_flight() > 0) ok = reap(1);
+          if (!ok || free_bufs.empty()) break;
           const size_t b = free_bufs.back();
           Status st = io_->SubmitRead(vfs::ChunkRef{key.tensor_id, key.field, key.index}, bufs[b], b);
           if (!st.ok()) {
@@ -1889,6 +1995,8 @@ Status StreamedAdam::Prefetch() {
           }
           free_bufs.pop_back();
           reading[b] = {key, len};
+          keep[b] = stage;
+          if (stage) ++staged_reads;
         }
       }
     }
@@ -1901,11 +2009,23 @@ Status StreamedAdam::Prefetch() {
       }
     }
     impl->AddStats(r->disk_bytes, 0, 0, 0, 0, 0);
-    impl->ReleaseStaging(bufs);
+    std::vector<void*> unused;
+    for (size_t b = 0; b < bufs.size(); ++b) {
+      if (!keep[b]) unused.push_back(bufs[b]);
+    }
+    impl->ReleaseStaging(unused);
     impl->EndBackgroundCommit();
   });
   prefetch_ = std::move(run);
   return Status::Ok();
+}
+
+void StreamedAdam::DropStaged() {
+  if (staged_.empty()) return;
+  std::vector<void*> bufs;
+  for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
+  mm_->impl()->ReleaseStaging(bufs);
+  staged_.clear();
 }
 
 void StreamedAdam::StopPrefetch() {
@@ -1919,6 +2039,8 @@ void StreamedAdam::StopPrefetch() {
   if (inflight_) inflight_->cv.notify_all();
   prefetch_->thread.join();
   prefetch_read_bytes_ += prefetch_->read_bytes;
+  staged_ = std::move(prefetch_->staged);
+  staged_write_mark_ = prefetch_->write_mark;
   if (prefetch_->failed > 0) {
     OPTSTATE_LOG_INFO("StreamedAdam: prefetch of store {} could not read {} chunk(s); the step reads them",
                       store_->path(), prefetch_->failed);

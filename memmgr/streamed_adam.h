@@ -282,22 +282,32 @@ class StreamedAdam {
   // optimizer learns so at the next wait).
   bool commit_in_flight() const { return inflight_ != nullptr; }
 
-  // Starts reading the next step's state into the host cache tier in the
+  // Starts reading the next step's state into host memory in the
   // background (on a thread of the optimizer) and returns at once: call it
   // when forward/backward starts, so that the next Step finds the state in
-  // RAM. It reads, in the order of the last step (else the params' order),
-  // the chunks the tier does not hold while the tier has room (the tier's
-  // admission: a full tier keeps its resident set, see
-  // MemoryManagerOptions::host_cache_bytes), after the commit in flight, if
-  // any, has completed. A hint: it never changes a result, and never fails
-  // for a read (a chunk it could not read is read by the step, which reports
-  // the error). Safe at any time: a second call while one runs, or during a
-  // step, does nothing; every wait point (BeginStep/Step, MakeDurable,
-  // WaitForCommit, RegisterParam, LoadMainFrom, RetireParam, the
-  // destructor) stops it and keeps what it read; the MemoryManager's Pin,
-  // Prefetch, Flush and ReleaseAll wait for it to end. Memory: the tier's
-  // own budget plus up to queue_depth of the manager's staging buffers
-  // while it runs. Without a host cache tier it does nothing (stats show 0 bytes).
+  // RAM. It reads in the order of the last step (else the params' order by
+  // name), after the commit in flight, if any, has completed:
+  //  - into the host cache tier, the chunks the tier does not hold while it
+  //    has room (the tier's admission: a full tier keeps its resident set,
+  //    see MemoryManagerOptions::host_cache_bytes);
+  //  - when the tier cannot hold the whole state (or there is none), the
+  //    first chunks outside it that the step reads, into staging buffers
+  //    that the next step's pipeline adopts in place of reading them: at
+  //    most the pipeline's own staging (3 x read_ahead_chunks buffers) less
+  //    one slice, so the step runs with the staging it would have had
+  //    anyway. Only the next BeginStep/Step uses them; any other call of
+  //    this optimizer (MakeDurable, WaitForCommit, RegisterParam,
+  //    LoadMainFrom, RetireParam, a skipped step, the destructor) and any
+  //    write-back through the MemoryManager's pins since the prefetch read
+  //    them drop them unread.
+  // A hint: it never changes a result (it reads the committed bytes the
+  // step would read), and never fails for a read (a chunk it could not read
+  // is read by the step, which reports the error). Safe at any time: a
+  // second call while one runs, or during a step, does nothing; the wait
+  // points above stop it (keeping what it read for the next step); the
+  // MemoryManager's Pin, Prefetch, Flush and ReleaseAll wait for it to end.
+  // Memory: the tier's own budget and the manager's staging buffers (at
+  // most queue_depth while it reads into the tier), nothing else.
   Status Prefetch();
   // A prefetch runs (or ran and was not yet stopped by a wait point).
   bool prefetch_running() const { return prefetch_ != nullptr; }
@@ -439,13 +449,29 @@ class StreamedAdam {
   // the optimizer returns to the last commit and the error is returned.
   // *wait_s: seconds spent waiting (may be null).
   void NoteReadSideStats(const internal::StepPipeline& pl);
-  Status FinishCommit(double* wait_s = nullptr);
+  // keep_staged: chunks a prefetch staged stay for the step that begins now
+  // (BeginStep); every other caller drops them.
+  Status FinishCommit(double* wait_s = nullptr, bool keep_staged = false);
   // The background prefetch (defined in the .cc).
   struct PrefetchRun;
   std::unique_ptr<PrefetchRun> prefetch_;
   // Stops the prefetch, if any, joins it and notes what it read.
   void StopPrefetch();
   uint64_t prefetch_read_bytes_ = 0;  // by the prefetches since the last step began
+  // Chunks a finished prefetch read into staging buffers for the next step
+  // (see Prefetch); staged_write_mark_: the manager's nvme_write_bytes when
+  // it started reading (a write-back since then drops them).
+  struct StagedChunk {
+    uint32_t tensor_id = 0;
+    uint32_t field = 0;
+    uint64_t chunk = 0;
+    uint64_t len = 0;
+    void* buf = nullptr;  // a staging buffer of the manager
+  };
+  std::vector<StagedChunk> staged_;
+  uint64_t staged_write_mark_ = 0;
+  // Gives staged_'s buffers back to the manager.
+  void DropStaged();
   // The current (or last) step's params in the order it stepped them: the
   // order the next prefetch reads.
   struct StepOrderEntry {

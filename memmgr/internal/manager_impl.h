@@ -112,6 +112,8 @@ class HostCache {
   // True (once) when k's entry was put by PutPrefetched and not replaced or
   // rewritten since; the step counts it as a prefetch hit.
   bool TakePrefetched(const ChunkKey& k);
+  // k has an entry of len bytes.
+  bool Contains(const ChunkKey& k, uint64_t len) const;
 
  private:
   struct Entry {

@@ -1873,29 +1873,32 @@ TEST(HostCacheTier, FailedWriteInTheTailSurfacesAtTheNextCallAndKeepsTheLastGene
   ExpectStateEquals(env.mm.get(), ref, defs);
 }
 
-// Prefetch into a cold tier (a reopened store; a whole-state tier and one of
-// half the state): the step finds in RAM what the prefetch read and reads
-// only the rest from the store, and every step's params, committed state and
-// optimizer state equal a run without prefetch and the reference bit for
-// bit. The manager's Flush waits for the prefetch to end (rather than a
-// step stopping it midway), so the counts are exact.
+// Prefetch into a cold tier (a reopened store; a whole-state tier, one of
+// half the state, and none: then the first slices go to staging buffers that
+// the step's pipeline adopts, 3 of its 4 sets' worth): the step finds in RAM
+// what the prefetch read and reads only the rest from the store, and every
+// step's params, committed state and optimizer state equal a run without
+// prefetch and the reference bit for bit. The manager's Flush waits for the
+// prefetch to end (rather than a step stopping it midway), so the counts are
+// exact.
 TEST(HostCacheTier, PrefetchedStateServesTheStepAndChangesNoResult) {
   MEMMGR_REQUIRE_BACKEND();
   const std::vector<ParamDef> defs = TailMix();
   const auto groups = TestGroups();
-  for (const uint64_t capacity : {TierBytes(defs), TierBytes(defs) / 2}) {
+  for (const uint64_t capacity : {TierBytes(defs), TierBytes(defs) / 2, uint64_t{0}}) {
     SCOPED_TRACE("tier of " + std::to_string(capacity) + " bytes");
     Env scratch;
     scratch.Open(3 * kChunk, true);
     Reference ref(scratch.mm.get(), defs);
     Env with, without;
+    with.read_ahead_chunks = without.read_ahead_chunks = 4;
     with.Open(6 * kChunk, true, capacity);
     without.Open(6 * kChunk, true, capacity);
     for (Env* e : {&with, &without}) {
       auto sa = MUST(StreamedAdam::Create(e->store.get(), e->mm.get(), {}));
       RegisterAll(sa.get(), e->mm.get(), defs);
     }  // committed at destruction
-    for (uint64_t step = 1; step <= 2; ++step) {
+    for (uint64_t step = 1; step <= (capacity == TierBytes(defs) ? 2u : 1u); ++step) {
       // A cold tier at every step: the optimizer and the manager reopen.
       with.Close();
       without.Close();
@@ -1918,6 +1921,12 @@ TEST(HostCacheTier, PrefetchedStateServesTheStepAndChangesNoResult) {
       EXPECT_EQ(st.read_bytes, StateBytes(defs) - st.prefetch_hit_bytes);
       if (capacity == TierBytes(defs)) {
         EXPECT_EQ(st.prefetch_hit_bytes, StateBytes(defs));
+      }
+      if (capacity == 0) {
+        // 12 staging buffers for the pipeline less one slice: 9 chunks, the
+        // first three slices in the params' order by name (a reopened
+        // optimizer has no step order yet): bias, norm, w.0's first chunk.
+        EXPECT_EQ(st.prefetch_hit_bytes, 3 * (kChunk / 2 + 3000 * 4 + kChunk));
       }
       EXPECT_EQ(sa_without->last_step_stats().prefetch_hit_bytes, 0u);
       EXPECT_EQ(with.mm->stats().nvme_read_bytes - before.nvme_read_bytes, st.read_bytes);
@@ -1943,9 +1952,10 @@ TEST(HostCacheTier, PrefetchedStateServesTheStepAndChangesNoResult) {
 // Prefetch is safe at any time: during a step (nothing), with a commit in
 // flight (it reads after the commit), before a sleep (ReleaseAll waits for
 // it), before a failed step, before a commit that fails, with no step
-// following (the destructor stops it), and without a tier (nothing). Nothing
+// following (the destructor stops it), and without a tier. Nothing
 // leaks (staging buffers all back) or deadlocks, and the state equals the
-// reference after each.
+// reference after each. (Without a tier it stages the first slices: its own
+// test below.)
 TEST(HostCacheTier, PrefetchIsSafeAtAnyTime) {
   MEMMGR_REQUIRE_BACKEND();
   const std::vector<ParamDef> defs = SmallMix();
@@ -2006,12 +2016,83 @@ TEST(HostCacheTier, PrefetchIsSafeAtAnyTime) {
   env.Close();
   env.Open(6 * kChunk, false, 0);
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
-  ASSERT_OK(sa->Prefetch());  // without a tier: nothing
-  EXPECT_FALSE(sa->prefetch_running());
+  ASSERT_OK(sa->Prefetch());  // without a tier: into staging buffers
   StepWithReference(sa.get(), env.mm.get(), defs, &ref, 4, 1.0f);
-  EXPECT_EQ(sa->last_step_stats().prefetch_read_bytes, 0u);
   ASSERT_OK(sa->WaitForCommit());
   ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// Without a tier, prefetched chunks wait in staging buffers for the next
+// step only: MakeDurable, a registration, the destructor and a failed step
+// give them back unread (staging_in_use returns to 0), and a write through a
+// pin after the prefetch makes the step read from the store, so the step
+// sees the written bytes (equal to a run that never prefetched).
+TEST(StreamedAdam, StagedPrefetchServesOnlyTheNextStepAndLeaksNothing) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = TailMix();
+  Env with, without;
+  with.read_ahead_chunks = without.read_ahead_chunks = 4;
+  with.Open(6 * kChunk, true, 0);
+  without.Open(6 * kChunk, true, 0);
+  auto sa = MUST(StreamedAdam::Create(with.store.get(), with.mm.get(), {}));
+  auto sb = MUST(StreamedAdam::Create(without.store.get(), without.mm.get(), {}));
+  RegisterAll(sa.get(), with.mm.get(), defs);
+  RegisterAll(sb.get(), without.mm.get(), defs);
+  auto staged_now = [&] { return with.mm->stats().staging_in_use; };
+  // Staged, then MakeDurable: dropped.
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  EXPECT_EQ(staged_now(), 9u);
+  MUST(sa->MakeDurable());
+  MUST(sb->MakeDurable());
+  EXPECT_EQ(staged_now(), 0u);
+  // Staged, then a write through a pin (main of w.0, chunk 0, both runs):
+  // the step reads the written bytes from the store.
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  for (MemoryManager* mm : {with.mm.get(), without.mm.get()}) {
+    std::vector<float> v(1000, 0.5f);
+    auto pin = MUST(mm->Pin("w.0", "main", 100, v.size(), Access::kReadWrite));
+    ASSERT_OK(mm->CopyToDevice(pin.data(), v.data(), v.size() * 4));
+    ASSERT_OK(pin.Unpin());
+    ASSERT_OK(mm->Flush());
+  }
+  StepGrads ga(with.mm.get(), defs, 1), gb(without.mm.get(), defs, 1);
+  ASSERT_OK(sa->Step(ga.List(defs)));
+  ASSERT_OK(sb->Step(gb.List(defs)));
+  EXPECT_EQ(sa->last_step_stats().prefetch_hit_bytes, 0u);
+  ASSERT_OK(sa->WaitForCommit());
+  ASSERT_OK(sb->WaitForCommit());
+  EXPECT_EQ(staged_now(), 0u);
+  auto ca = CommittedBytes(with.store.get()), cb = CommittedBytes(without.store.get());
+  EXPECT_EQ(DiffKeys(ca, cb), "") << "after a pin write";
+  // Staged, then a failed step (a kernel failure after the adopted slices):
+  // nothing leaks, and the retried step is served by a new prefetch.
+  StepGrads ga2(with.mm.get(), defs, 2), gb2(without.mm.get(), defs, 2);
+  ASSERT_OK(sa->Prefetch());
+  sa->InjectKernelFailureAfter(5);
+  EXPECT_FALSE(sa->Step(ga2.List(defs)).ok());
+  EXPECT_EQ(staged_now(), 0u);
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  ASSERT_OK(sa->Step(ga2.List(defs)));
+  ASSERT_OK(sb->Step(gb2.List(defs)));
+  EXPECT_EQ(sa->last_step_stats().prefetch_hit_bytes, 9 * kChunk);
+  ASSERT_OK(sa->WaitForCommit());
+  ASSERT_OK(sb->WaitForCommit());
+  ca = CommittedBytes(with.store.get());
+  cb = CommittedBytes(without.store.get());
+  EXPECT_EQ(DiffKeys(ca, cb), "") << "after a failed step and its retry";
+  // Staged, then a registration; then staged and the destructor.
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  EXPECT_EQ(staged_now(), 9u);
+  ASSERT_OK(sa->RegisterParam("late", 1000, 0, nullptr, ScalarType::kF32));
+  EXPECT_EQ(staged_now(), 0u);
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  sa.reset();
+  EXPECT_EQ(staged_now(), 0u);
 }
 
 // host_cache_bytes defaults to kAutoHostCache, which Create resolves from
