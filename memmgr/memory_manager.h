@@ -19,7 +19,8 @@
 // exhausted by other pins until they unpin; a thread that holds pins and asks
 // for more than the rest of the budget can deadlock itself (don't). Pin,
 // Prefetch, Flush and ReleaseAll first wait for a StreamedAdam commit running
-// in the background (StreamedAdamOptions::commit_lag_steps).
+// in the background (StreamedAdamOptions::commit_lag_steps) and for a
+// StreamedAdam::Prefetch still reading.
 #pragma once
 
 #include <cstdint>
