@@ -2095,6 +2095,37 @@ TEST(StreamedAdam, StagedPrefetchServesOnlyTheNextStepAndLeaksNothing) {
   EXPECT_EQ(staged_now(), 0u);
 }
 
+// A prefetch that the step stops wherever it happens to be (called right
+// before each step, its reads in flight, some chunks staged or in the tier
+// and some not) changes no result: with a tier of half the state and with
+// none, every committed generation equals a run without prefetch.
+TEST(StreamedAdam, PrefetchStoppedByTheStepChangesNoResult) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = TailMix();
+  for (const uint64_t capacity : {TierBytes(defs) / 2, uint64_t{0}}) {
+    SCOPED_TRACE("tier of " + std::to_string(capacity) + " bytes");
+    Env with, without;
+    with.read_ahead_chunks = without.read_ahead_chunks = 4;
+    with.Open(6 * kChunk, true, capacity);
+    without.Open(6 * kChunk, true, capacity);
+    auto sa = MUST(StreamedAdam::Create(with.store.get(), with.mm.get(), {}));
+    auto sb = MUST(StreamedAdam::Create(without.store.get(), without.mm.get(), {}));
+    RegisterAll(sa.get(), with.mm.get(), defs);
+    RegisterAll(sb.get(), without.mm.get(), defs);
+    for (uint64_t step = 1; step <= 4; ++step) {
+      StepGrads ga(with.mm.get(), defs, step), gb(without.mm.get(), defs, step);
+      ASSERT_OK(sa->Prefetch());
+      ASSERT_OK(sa->Step(ga.List(defs)));
+      ASSERT_OK(sb->Step(gb.List(defs)));
+      ASSERT_OK(sa->WaitForCommit());
+      ASSERT_OK(sb->WaitForCommit());
+      EXPECT_EQ(DiffKeys(CommittedBytes(with.store.get()), CommittedBytes(without.store.get())), "")
+          << "step " << step;
+      EXPECT_EQ(with.mm->stats().staging_in_use, 0u);
+    }
+  }
+}
+
 // host_cache_bytes defaults to kAutoHostCache, which Create resolves from
 // MemAvailable (half of it at most); 0 stays off.
 TEST(HostCacheTier, AutomaticSizeComesFromMemAvailable) {
