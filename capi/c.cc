@@ -728,6 +728,16 @@ int optstate_adam_retire_param(optstate_adam_t* adam, const char* name, char** e
 int optstate_adam_last_step_skipped(const optstate_adam_t* adam) { return adam->rep->last_step_skipped() ? 1 : 0; }
 double optstate_adam_last_step_seconds(const optstate_adam_t* adam) { return adam->rep->last_step_stats().seconds; }
 
+int optstate_adam_prefetch(optstate_adam_t* adam, char** errptr) {
+  return Guard(errptr, "optstate_adam_prefetch", [&]() -> Status { return adam->rep->Prefetch(); });
+}
+
+void optstate_adam_last_step_prefetch(const optstate_adam_t* adam, uint64_t* hit_bytes, uint64_t* read_bytes) {
+  const memmgr::StreamedAdam::StepStats& st = adam->rep->last_step_stats();
+  if (hit_bytes != nullptr) *hit_bytes = st.prefetch_hit_bytes;
+  if (read_bytes != nullptr) *read_bytes = st.prefetch_read_bytes;
+}
+
 int optstate_adam_load_main(optstate_adam_t* adam, uint32_t id, const void* weights, int dtype, char** errptr) {
   const char* what = "optstate_adam_load_main";
   return Guard(errptr, what, [&]() -> Status {

@@ -234,6 +234,7 @@ void HostCache::Put(const ChunkKey& k, const void* src, uint64_t len) {
     return;
   }
   std::memcpy(buf, src, len);
+  entries_[k].prefetched = false;
   // Put is called with bytes just written to the store (or read from it): a
   // dirty entry stays dirty (newer than the commit) but is now in the pending
   // generation.
@@ -263,7 +264,41 @@ void HostCache::Release(const ChunkKey& k, bool dirty) {
   if (dirty) {
     it->second.dirty = true;
     it->second.written = false;
+    it->second.prefetched = false;
   }
+}
+
+bool HostCache::WantsPrefetch(const ChunkKey& k, uint64_t len) const {
+  if (!enabled()) return false;
+  std::lock_guard<std::mutex> l(mu_);
+  return entries_.find(k) == entries_.end() && entry_bytes_ + EntryBytes(len) <= capacity_;
+}
+
+bool HostCache::PutPrefetched(const ChunkKey& k, const void* src, uint64_t len) {
+  if (!enabled()) return false;
+  std::lock_guard<std::mutex> l(mu_);
+  // An entry that appeared meanwhile (a write-back's Put) holds newer bytes.
+  if (entries_.find(k) != entries_.end()) return false;
+  void* buf = SlotFor(k, len, /*may_evict=*/false);
+  if (buf == nullptr) return false;
+  std::memcpy(buf, src, len);
+  entries_[k].prefetched = true;
+  return true;
+}
+
+bool HostCache::Contains(const ChunkKey& k, uint64_t len) const {
+  if (!enabled()) return false;
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  return it != entries_.end() && it->second.len == len;
+}
+
+bool HostCache::TakePrefetched(const ChunkKey& k) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k);
+  if (it == entries_.end() || !it->second.prefetched) return false;
+  it->second.prefetched = false;
+  return true;
 }
 
 void HostCache::MarkWritten(const ChunkKey& k) {
@@ -1238,6 +1273,10 @@ MemoryStats ManagerImpl::stats() const {
     s.peak_resident_bytes = peak_pages_ * page_bytes_;
     s.pins = pins_total_;
     s.evictions = evictions_;
+  }
+  {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    s.staging_in_use = static_cast<uint32_t>(staging_.size() - staging_free_.size());
   }
   s.budget_bytes = opts_.device_budget_bytes;
   s.nvme_read_bytes = nvme_read_;

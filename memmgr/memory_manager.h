@@ -19,7 +19,8 @@
 // exhausted by other pins until they unpin; a thread that holds pins and asks
 // for more than the rest of the budget can deadlock itself (don't). Pin,
 // Prefetch, Flush and ReleaseAll first wait for a StreamedAdam commit running
-// in the background (StreamedAdamOptions::commit_lag_steps).
+// in the background (StreamedAdamOptions::commit_lag_steps) and for a
+// StreamedAdam::Prefetch still reading.
 #pragma once
 
 #include <cstdint>
@@ -139,6 +140,7 @@ struct MemoryStats {
   double io_stall_seconds = 0;        // time callers waited for NVMe I/O
   uint64_t pins = 0;
   uint64_t evictions = 0;
+  uint32_t staging_in_use = 0;        // pinned staging buffers held now (pins, steps, prefetches)
 };
 
 // RAII handle of one pinned range. Movable, not copyable. The memory stays

@@ -4,10 +4,13 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -149,7 +152,13 @@ namespace internal {
 // ring while completions wait unreaped. Slices of small tensors use small
 // staging sets (kSmallSliceBytes per field), so they take neither big sets
 // nor queue depth from the slices that move the bytes.
-// Driven by one thread (the trainer's) through Pump().
+// A computed slice whose three buffers are host cache entries gives its
+// staging set back at once: its writes (the write tail) go out from the
+// entries, which stay in use (never evicted or reused) until each write
+// completes. So with the RAM tier the step is bound by its compute, not by
+// its writes, and the tail needs no memory beyond the tier's own.
+// Driven by one thread (the trainer's, then the background commit's) through
+// Pump().
 
 // A slice of at most this many bytes per field goes into a small set.
 constexpr uint64_t kSmallSliceBytes = 256ull << 10;
@@ -235,7 +244,9 @@ class StepPipeline {
     write_qd_ = o.write_queue_depth == 0 ? 0 : std::max<uint32_t>(o.write_queue_depth, 3);
     if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
     ring_requests_ = RingRequests(o);
-    staging_ = mm_->AcquireStaging(bufs_, std::min<size_t>(max_bufs, bufs_ * ra));
+    // Adopted prefetch buffers count against the pipeline's own staging.
+    const size_t want = std::min<size_t>(max_bufs, bufs_ * ra);
+    staging_ = mm_->AcquireStaging(bufs_, want > extra_staging_.size() + bufs_ ? want - extra_staging_.size() : bufs_);
     chunk_bytes_ = mm_->page_bytes();
     size_t big_sets = staging_.size() / bufs_;
     // Small sets: the buffers of two big sets cut into kSmallSliceBytes
@@ -287,6 +298,25 @@ class StepPipeline {
   // Test hook: no completion is reaped before the step drains, so what the
   // depth limits admit (not what the disk happens to finish) is in flight.
   void SetHoldCompletions(bool hold) { hold_completions_ = hold; }
+  // Chunks a prefetch read into staging buffers (whole chunks, as a read
+  // into a staging set would): the pipeline owns the buffers from now on
+  // (released with its staging) and a slice finds its chunk there instead of
+  // reading it. REQUIRES: before Begin.
+  struct Staged {
+    ChunkKey key;
+    uint64_t len = 0;
+    void* buf = nullptr;
+  };
+  void Adopt(std::vector<Staged> staged) {
+    for (const Staged& st : staged) {
+      extra_staging_.push_back(st.buf);
+      staged_[st.key] = st;
+    }
+  }
+
+  // Test hook: completions are reaped only when nothing else can progress,
+  // so the writes a step finds complete are those it had to wait for.
+  void SetReapOnlyWhenBlocked(bool on) { reap_only_when_blocked_ = on; }
 
   uint32_t depth() const { return static_cast<uint32_t>(sets_.size() - small_sets_); }
   uint32_t small_depth() const { return static_cast<uint32_t>(small_sets_); }
@@ -358,13 +388,21 @@ class StepPipeline {
         }
       }
       if (until_computed && !gpu_pending && AllComputed()) return Status::Ok();
-      bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty();
+      bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty() &&
+                  tail_busy_ == 0;
       if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
         return Status::Ok();
       }
       // 4. I/O completions.
       size_t min = 0;
       if (drain && !progressed && io_->in_flight() > 0 && !gpu_pending) min = 1;
+      if (reap_only_when_blocked_ && min == 0) {
+        if (!drain && !progressed) return Status::Ok();
+        if (!progressed && gpu_pending && io_->in_flight() == 0) {
+          OPTSTATE_RETURN_IF_ERROR(Keep(SyncOldestSlot()));
+        }
+        continue;
+      }
       done_.clear();
       double t0 = NowS();
       Status rs = io_->Reap(&done_, min);
@@ -378,11 +416,7 @@ class StepPipeline {
       if (drain && !progressed && gpu_pending) {
         if (io_->in_flight() == 0) {
           // Only the GPU can make progress: wait for the oldest slice on it.
-          DevSlot* oldest = nullptr;
-          for (auto& d : slots_) {
-            if (d.set >= 0 && (oldest == nullptr || d.seq < oldest->seq)) oldest = &d;
-          }
-          if (oldest != nullptr) OPTSTATE_RETURN_IF_ERROR(Keep(dev_->SyncEvent(oldest->event)));
+          OPTSTATE_RETURN_IF_ERROR(Keep(SyncOldestSlot()));
         } else {
           std::this_thread::sleep_for(std::chrono::microseconds(20));
         }
@@ -402,6 +436,7 @@ class StepPipeline {
     }
     for (auto& d : slots_) (void)dev_->SyncStream(d.stream);
     for (Set& st : sets_) ReleaseCached(st, /*dirty=*/true);
+    for (Set& st : tail_) ReleaseCached(st, /*dirty=*/true);
     Release();
   }
 
@@ -423,6 +458,13 @@ class StepPipeline {
 
   void Release() {
     (void)FinishSync();
+    // StartReads moves buffers between sets, staged_ and spare_, never
+    // loses or duplicates one: staging_ and extra_staging_ stay the buffers
+    // owned.
+    if (!extra_staging_.empty()) mm_->ReleaseStaging(extra_staging_);
+    extra_staging_.clear();
+    staged_.clear();
+    spare_.clear();
     if (!started_) return;
     started_ = false;
     for (auto& d : slots_) {
@@ -434,13 +476,16 @@ class StepPipeline {
     if (!staging_.empty()) mm_->ReleaseStaging(staging_);
     staging_.clear();
     sets_.clear();
+    tail_.clear();
+    free_tail_.clear();
+    tail_busy_ = 0;
     queue_.clear();
     ready_.clear();
     computed_.clear();
   }
 
   uint64_t slices = 0, read_bytes = 0, write_bytes = 0, cache_hits = 0, h2d = 0, d2h = 0;
-  uint64_t small_slices = 0, peak_read_bytes = 0, peak_write_bytes = 0;
+  uint64_t small_slices = 0, peak_read_bytes = 0, peak_write_bytes = 0, prefetch_hits = 0;
   double stall_s_ = 0, compute_s_ = 0, submit_s_ = 0;
 
  private:
@@ -466,6 +511,14 @@ class StepPipeline {
   // Reads into free staging sets, only while the read queue has room for a
   // whole slice.
   Status SubmitReads(bool* progressed) {
+    while (spare_.size() >= bufs_) {
+      Set grown;
+      for (uint32_t f = 0; f < bufs_; ++f) {
+        grown.io[f] = spare_.back();
+        spare_.pop_back();
+      }
+      sets_.push_back(grown);
+    }
     while (!queue_.empty()) {
       const Job& front = queue_.front();
       if (!ReadRoom(front.bytes())) break;
@@ -484,7 +537,7 @@ class StepPipeline {
 
   // Writes computed slices while the write queue has room.
   Status SubmitComputed(bool* progressed) {
-    while (!computed_.empty() && WriteRoom(sets_[computed_.front()].job.bytes())) {
+    while (!computed_.empty() && WriteRoom(SetAt(computed_.front()).job.bytes())) {
       size_t set = computed_.front();
       computed_.pop_front();
       double ts = NowS();
@@ -506,8 +559,41 @@ class StepPipeline {
       ++slices;
       return;
     }
+    if (std::all_of(s.acquired, s.acquired + s.job.n_bufs, [](bool a) { return a; })) {
+      // The slice lives in cache entries: its writes go out from them, and
+      // the staging set is free for the next read at once.
+      size_t t;
+      if (free_tail_.empty()) {
+        t = tail_.size();
+        tail_.emplace_back();
+      } else {
+        t = free_tail_.back();
+        free_tail_.pop_back();
+      }
+      Set& w = tail_[t];
+      w = s;
+      w.stage = Stage::kComputed;
+      ++tail_busy_;
+      for (int f = 0; f < kMaxSliceChunks; ++f) s.acquired[f] = false;
+      s.stage = Stage::kFree;
+      computed_.push_back(kTailBit | t);
+      return;
+    }
     s.stage = Stage::kComputed;
     computed_.push_back(i);
+  }
+  // Slices of the write tail (OnComputed) are indices with kTailBit set, in
+  // computed_ and in I/O tags.
+  static constexpr size_t kTailBit = size_t{1} << 40;
+  Set& SetAt(size_t i) { return (i & kTailBit) ? tail_[i & ~kTailBit] : sets_[i]; }
+
+  // Waits for the oldest slice on the device.
+  Status SyncOldestSlot() {
+    DevSlot* oldest = nullptr;
+    for (auto& d : slots_) {
+      if (d.set >= 0 && (oldest == nullptr || d.seq < oldest->seq)) oldest = &d;
+    }
+    return oldest == nullptr ? Status::Ok() : dev_->SyncEvent(oldest->event);
   }
   struct DevSlot {
     void* d[kMaxSliceChunks] = {};
@@ -556,7 +642,7 @@ class StepPipeline {
 
   // Non-blocking reap of completed I/O.
   Status ReapReady(bool* progressed) {
-    if (io_->in_flight() == 0) return Status::Ok();
+    if (io_->in_flight() == 0 || reap_only_when_blocked_) return Status::Ok();
     reap_buf_.clear();
     Status rs = io_->Reap(&reap_buf_, 0);
     if (!rs.ok()) return Keep(rs.WithContext("StreamedAdam: reaping chunk I/O"));
@@ -603,8 +689,27 @@ class StepPipeline {
           s.acquired[f] = true;
           if (valid) {
             cache_hits += len;
+            if (mm_->cache()->TakePrefetched(Key(j, f))) prefetch_hits += len;
             continue;
           }
+        }
+      }
+      if (!s.acquired[f] && !staged_.empty()) {
+        auto st = staged_.find(Key(j, f));
+        if (st != staged_.end() && st->second.len == len) {
+          if (s.small) {
+            std::memcpy(s.io[f], st->second.buf, len);
+          } else {
+            // The set takes the prefetched buffer; its own joins spare_,
+            // which makes new sets (SubmitReads), so the pipeline grows
+            // back to the depth it has without prefetch.
+            spare_.push_back(s.io[f]);
+            s.io[f] = st->second.buf;
+            s.buf[f] = s.io[f];
+          }
+          staged_.erase(st);
+          prefetch_hits += len;
+          continue;
         }
       }
       vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
@@ -628,10 +733,12 @@ class StepPipeline {
   }
 
   Status OnCompletion(const vfs::ChunkCompletion& c) {
-    size_t i = c.tag / 4;
+    const size_t i = c.tag / 4;
     int f = static_cast<int>(c.tag % 4);
-    if (i >= sets_.size()) return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
-    Set& s = sets_[i];
+    if ((i & kTailBit) ? (i & ~kTailBit) >= tail_.size() : i >= sets_.size()) {
+      return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
+    }
+    Set& s = SetAt(i);
     const uint64_t len = s.job.lens[f];
     if (s.stage == Stage::kReading) {
       --reads_in_flight_;
@@ -660,6 +767,10 @@ class StepPipeline {
       if (--s.pending == 0) {
         s.stage = Stage::kFree;
         ++slices;
+        if (i & kTailBit) {
+          free_tail_.push_back(i & ~kTailBit);
+          --tail_busy_;
+        }
       }
     } else {
       return Internal("StreamedAdam: I/O completion for a slice that is not reading or writing");
@@ -717,7 +828,7 @@ class StepPipeline {
   }
 
   Status StartWrites(size_t i) {
-    Set& s = sets_[i];
+    Set& s = SetAt(i);
     const Job& j = s.job;
     s.stage = Stage::kWriting;
     s.pending = 0;
@@ -770,10 +881,21 @@ class StepPipeline {
   bool write_through_ = true;
   bool read_tier_ = false;  // slices use host cache entries as buffers where they can
   bool hold_completions_ = false;  // SetHoldCompletions
+  bool reap_only_when_blocked_ = false;  // SetReapOnlyWhenBlocked
   uint64_t next_seq_ = 0;
   Arena arena_;
   std::vector<void*> staging_;
-  std::vector<Set> sets_;
+  // Prefetched chunks not yet used (Adopt) and the buffers adopted with them.
+  std::unordered_map<ChunkKey, Staged, internal::ChunkKeyHash> staged_;
+  std::vector<void*> extra_staging_;
+  std::vector<void*> spare_;  // staging buffers a set gave up for a prefetched one
+  std::vector<Set> sets_;     // big sets, small sets, then sets grown from spare_
+  // The write tail: computed slices in cache entries, their staging sets
+  // given back (OnComputed); at most one per slice of the step, holding no
+  // buffers of their own. free_tail_: unused ones; tail_busy_: in use.
+  std::vector<Set> tail_;
+  std::vector<size_t> free_tail_;
+  size_t tail_busy_ = 0;
   std::vector<DevSlot> slots_;
   std::deque<Job> queue_;
   std::deque<size_t> ready_;
@@ -787,7 +909,7 @@ class StepPipeline {
   uint64_t read_bytes_ = 0, write_bytes_ = 0;  // of the requests in flight
   uint64_t chunk_bytes_ = 0;
   uint32_t ring_requests_ = 0;  // the ChunkIo's queue depth (RingRequests)
-  size_t small_sets_ = 0;       // the last small_sets_ of sets_
+  size_t small_sets_ = 0;       // small sets in sets_
   Status error_;
 };
 
@@ -809,7 +931,25 @@ struct StreamedAdam::InFlightCommit {
   Status status;
   uint64_t committed = 0;          // the generation Store::Commit returned
   uint64_t slices = 0, write_bytes = 0, peak_write_bytes = 0;
+  uint64_t write_bytes_at_return = 0;  // of the step's writes, complete when Step returned
   double io_wait_seconds = 0, commit_seconds = 0;
+  // Set by the thread when it is done (status and committed final); a
+  // prefetch waits on it before it reads the store.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;  // guarded by mu
+};
+
+// A prefetch running on a thread of the optimizer (StreamedAdam::Prefetch).
+struct StreamedAdam::PrefetchRun {
+  std::thread thread;
+  std::atomic<bool> stop{false};  // set (under the in-flight commit's mu, if any) by StopPrefetch
+  // Written by the thread, read after join.
+  uint64_t read_bytes = 0;  // chunk bytes read into the host cache tier
+  uint64_t disk_bytes = 0;  // chunk bytes read from the store (some may have found an entry by then)
+  uint64_t failed = 0;      // chunks not read (a read error; the step reads them again)
+  std::vector<StagedChunk> staged;  // read into staging buffers for the next step
+  uint64_t write_mark = 0;          // the manager's nvme_write_bytes when reading started
 };
 
 StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
@@ -1464,7 +1604,20 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
   const double t_begin = NowS();
   double wait_s = 0;
-  OPTSTATE_RETURN_IF_ERROR(FinishCommit(&wait_s));  // completes the previous step's stats
+  {
+    Status fs = FinishCommit(&wait_s, /*keep_staged=*/true);  // completes the previous step's stats
+    if (!fs.ok()) DropStaged();  // the step they were read for is gone
+    OPTSTATE_RETURN_IF_ERROR(fs);
+  }
+  // Staged prefetched chunks go to this step's pipeline below; any early
+  // return gives them back.
+  struct DropUnadopted {
+    StreamedAdam* sa;
+    ~DropUnadopted() { sa->DropStaged(); }
+  } drop_unadopted{this};
+  if (!staged_.empty() && mm_->stats().nvme_write_bytes != staged_write_mark_) {
+    DropStaged();  // a write-back through pins may have changed what they hold
+  }
   OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
   step_found_inf_ = d_found_inf;
   step_skip_ = false;
@@ -1473,6 +1626,8 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   last_stats_ = StepStats{};
   last_stats_.seconds = t_begin;
   last_stats_.commit_wait_seconds = wait_s;
+  last_stats_.prefetch_read_bytes = prefetch_read_bytes_;
+  prefetch_read_bytes_ = 0;
   if (d_found_inf != nullptr) {
     float flag = 0;
     OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, d_found_inf, sizeof(float)));
@@ -1511,6 +1666,16 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
                                                        &inject_kernel_failure_after_, opts_.moment_dtype);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   pipeline_->SetHoldCompletions(hold_completions_);
+  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked_);
+  if (!staged_.empty()) {
+    std::vector<internal::StepPipeline::Staged> adopt;
+    for (const StagedChunk& c : staged_) {
+      adopt.push_back({ChunkKey{c.tensor_id, c.field, c.chunk}, c.len, c.buf});
+    }
+    staged_.clear();
+    pipeline_->Adopt(std::move(adopt));
+  }
+  step_order_.clear();
   step_write_through_ = write_through;
   Status s = pipeline_->Begin();
   if (!s.ok()) {
@@ -1535,6 +1700,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   Status ds = mm_->impl()->DropTensor(p.info.id);
   if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
   stepped_.insert(g.name);
+  step_order_.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v}, p.info.numel});
   const ParamGroup& grp = groups_.at(p.info.group);
   kernels::AdamParams ap;
   ap.lr = grp.lr;
@@ -1701,6 +1867,8 @@ void StreamedAdam::StartBackgroundCommit() {
   c->cache_mode = step_cache_mode_;
   c->generation = store_->LatestGeneration().generation + 1;
   c->steps = uncommitted_steps_ + 1;
+  c->write_bytes_at_return = c->pipeline->write_bytes;
+  c->pipeline->SetReapOnlyWhenBlocked(false);
   uncommitted_steps_ = 0;  // the cached steps are written with this one
   InFlightCommit* ip = c.get();
   mm_->impl()->BeginBackgroundCommit();
@@ -1740,12 +1908,19 @@ void StreamedAdam::StartBackgroundCommit() {
     }
     ip->status = s;
     mm_->impl()->EndBackgroundCommit();
+    {
+      std::lock_guard<std::mutex> l(ip->mu);
+      ip->done = true;
+    }
+    ip->cv.notify_all();
   });
   inflight_ = std::move(c);
 }
 
-Status StreamedAdam::FinishCommit(double* wait_s) {
+Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
   if (wait_s != nullptr) *wait_s = 0;
+  StopPrefetch();
+  if (!keep_staged) DropStaged();
   if (!inflight_) return Status::Ok();
   const double t0 = NowS();
   inflight_->thread.join();
@@ -1756,6 +1931,7 @@ Status StreamedAdam::FinishCommit(double* wait_s) {
   last_stats_.peak_write_bytes_in_flight = c->peak_write_bytes;
   last_stats_.io_wait_seconds = c->io_wait_seconds;
   last_stats_.commit_seconds = c->commit_seconds;
+  last_stats_.write_tail_bytes = c->write_bytes - std::min(c->write_bytes, c->write_bytes_at_return);
   if (c->status.ok()) {
     NoteCommitted(c->committed);
     // The counts the generation holds (set_global_step may have moved on).
@@ -1799,6 +1975,173 @@ void StreamedAdam::NoteReadSideStats(const internal::StepPipeline& pl) {
   last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
   last_stats_.compute_seconds = pl.compute_s_;
   last_stats_.submit_seconds = pl.submit_s_;
+  last_stats_.prefetch_hit_bytes = pl.prefetch_hits;
+}
+
+Status StreamedAdam::Prefetch() {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  // During a step the step itself is reading; a prefetch already runs.
+  if (in_step_ || prefetch_) return Status::Ok();
+  ManagerImpl* impl = mm_->impl();
+  const MemoryManagerOptions& mo = impl->options();
+  // Chunks outside the tier go into staging buffers for the step's pipeline
+  // to adopt: at most its own staging less one slice (StepPipeline::Begin).
+  size_t stage_limit = 0;
+  if (!CacheHoldsState() && !mo.use_sync_io && staged_.empty()) {
+    const size_t total = impl->all_staging().size();
+    const size_t max_bufs = total >= 5 ? total - 2 : total;
+    const size_t slice_bufs = internal::SliceChunks(opts_.moment_dtype);
+    const size_t want = std::min<size_t>(max_bufs, slice_bufs * static_cast<size_t>(internal::PipelineSlices(mo)));
+    stage_limit = want > slice_bufs ? want - slice_bufs : 0;
+  }
+  if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
+  if (!inflight_) OPTSTATE_RETURN_IF_ERROR(EnsureIo());  // else the commit's thread owns io_ (it exists)
+  std::vector<StepOrderEntry> order = step_order_;
+  if (order.empty()) {
+    for (const auto& [name, p] : params_) {
+      if (!retired_.count(name)) order.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v}, p.info.numel});
+    }
+  }
+  auto run = std::make_unique<PrefetchRun>();
+  PrefetchRun* r = run.get();
+  InFlightCommit* commit = inflight_.get();
+  mm_->impl()->BeginBackgroundCommit();
+  r->thread = std::thread([this, r, commit, stage_limit, order = std::move(order)] {
+    ManagerImpl* impl = mm_->impl();
+    if (commit != nullptr) {
+      // The store shows the step's generation once its commit is done; a
+      // failed commit dropped the tier, and its error comes at the next wait.
+      std::unique_lock<std::mutex> l(commit->mu);
+      commit->cv.wait(l, [&] { return commit->done || r->stop.load(); });
+      if (!commit->done || !commit->status.ok()) {
+        l.unlock();
+        impl->EndBackgroundCommit();
+        return;
+      }
+    }
+    HostCache* cache = impl->cache();
+    const uint64_t chunk_bytes = impl->page_bytes();
+    // The step's slices (BeginParam): one chunk of each moment and the main
+    // chunks of its elements, read in that order.
+    const uint32_t moment_size = ScalarSize(opts_.moment_dtype);
+    const uint64_t slice_elems = chunk_bytes / moment_size;
+    // Staging for the reads (the tier's entries are filled by a copy, so a
+    // concurrent reader of the tier never sees a half-read entry): up to a
+    // read queue's worth, leaving two for concurrent pins.
+    const size_t total = impl->all_staging().size();
+    const size_t want = std::max<size_t>(1, std::min<size_t>(total >= 5 ? total - 2 : 1, impl->options().queue_depth));
+    r->write_mark = impl->stats().nvme_write_bytes;
+    std::vector<void*> bufs = impl->AcquireStaging(1, std::max(want, stage_limit));
+    std::vector<std::pair<ChunkKey, uint64_t>> reading(bufs.size());
+    std::vector<bool> keep(bufs.size(), false);  // holds a staged chunk
+    size_t staged_reads = 0;                     // submitted to be staged
+    std::vector<size_t> free_bufs;
+    for (size_t b = bufs.size(); b-- > 0;) free_bufs.push_back(b);
+    std::vector<vfs::ChunkCompletion> done;
+    auto reap = [&](size_t min) {
+      done.clear();
+      Status rs = io_->Reap(&done, min);
+      if (!rs.ok()) {
+        OPTSTATE_LOG_WARN("StreamedAdam: prefetch of store {} stopped: {}", store_->path(), rs.ToString());
+        return false;
+      }
+      for (const auto& c : done) {
+        const auto& [key, len] = reading[c.tag];
+        if (c.status.ok()) r->disk_bytes += len;
+        if (!c.status.ok()) {
+          ++r->failed;
+          if (keep[c.tag]) --staged_reads;
+          keep[c.tag] = false;
+        } else if (keep[c.tag]) {
+          r->staged.push_back(StagedChunk{key.tensor_id, key.field, key.index, len, bufs[c.tag]});
+          r->read_bytes += len;
+          continue;  // the buffer stays with the chunk
+        } else if (cache->PutPrefetched(key, bufs[c.tag], len)) {
+          r->read_bytes += len;
+        }
+        free_bufs.push_back(c.tag);
+      }
+      return true;
+    };
+    bool ok = true;
+    for (const StepOrderEntry& e : order) {
+      for (uint64_t c = 0, first = 0; ok && first < e.numel && !r->stop.load(); ++c, first += slice_elems) {
+        const uint64_t elems = std::min(slice_elems, e.numel - first);
+        const uint64_t main_bytes = elems * 4;
+        const uint32_t n_main = static_cast<uint32_t>((main_bytes + chunk_bytes - 1) / chunk_bytes);
+        for (uint32_t k = 0; k < n_main + 2 && ok && !r->stop.load(); ++k) {
+          const bool is_main = k < n_main;
+          const uint64_t len = is_main ? std::min(chunk_bytes, main_bytes - k * chunk_bytes) : elems * moment_size;
+          const ChunkKey key{e.tensor_id, e.fields[is_main ? 0 : k - n_main + 1],
+                             is_main ? c * (4 / moment_size) + k : c};
+          bool stage = false;
+          if (!cache->WantsPrefetch(key, len)) {
+            // Not for the tier: a chunk the step reads from disk, staged
+            // while there is room (the tier serves the ones it holds).
+            if (staged_reads >= stage_limit || cache->Contains(key, len)) continue;
+            stage = true;
+          }
+          while (ok && free_bufs.empty() && io_->in_flight() > 0) ok = reap(1);
+          if (!ok || free_bufs.empty()) break;
+          const size_t b = free_bufs.back();
+          Status st = io_->SubmitRead(vfs::ChunkRef{key.tensor_id, key.field, key.index}, bufs[b], b);
+          if (!st.ok()) {
+            ++r->failed;
+            continue;
+          }
+          free_bufs.pop_back();
+          reading[b] = {key, len};
+          keep[b] = stage;
+          if (stage) ++staged_reads;
+        }
+      }
+    }
+    while (io_->in_flight() > 0) {
+      if (!reap(io_->in_flight())) {
+        std::vector<vfs::ChunkCompletion> sink;
+        while (io_->in_flight() > 0 && io_->Reap(&sink, io_->in_flight()).ok()) {
+        }
+        break;
+      }
+    }
+    impl->AddStats(r->disk_bytes, 0, 0, 0, 0, 0);
+    std::vector<void*> unused;
+    for (size_t b = 0; b < bufs.size(); ++b) {
+      if (!keep[b]) unused.push_back(bufs[b]);
+    }
+    impl->ReleaseStaging(unused);
+    impl->EndBackgroundCommit();
+  });
+  prefetch_ = std::move(run);
+  return Status::Ok();
+}
+
+void StreamedAdam::DropStaged() {
+  if (staged_.empty()) return;
+  std::vector<void*> bufs;
+  for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
+  mm_->impl()->ReleaseStaging(bufs);
+  staged_.clear();
+}
+
+void StreamedAdam::StopPrefetch() {
+  if (!prefetch_) return;
+  if (inflight_) {
+    std::lock_guard<std::mutex> l(inflight_->mu);
+    prefetch_->stop = true;
+  } else {
+    prefetch_->stop = true;
+  }
+  if (inflight_) inflight_->cv.notify_all();
+  prefetch_->thread.join();
+  prefetch_read_bytes_ += prefetch_->read_bytes;
+  staged_ = std::move(prefetch_->staged);
+  staged_write_mark_ = prefetch_->write_mark;
+  if (prefetch_->failed > 0) {
+    OPTSTATE_LOG_INFO("StreamedAdam: prefetch of store {} could not read {} chunk(s); the step reads them",
+                      store_->path(), prefetch_->failed);
+  }
+  prefetch_.reset();
 }
 
 Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {

@@ -115,6 +115,22 @@
 //    store: reload them from the store's mains (e.g. read "main" and copy
 //    it into the model), or treat the error as fatal and resume from the
 //    store. commit_lag_steps 0 commits inside Step (durable on return).
+//  - Write tail (host cache tier, pipelined commits): a slice whose three
+//    chunks are host cache entries is computed in them and gives its staging
+//    set back as soon as its kernel and D2H are done; its writes go out from
+//    the entries in the background. Step then returns once every kernel is
+//    done and the new state is in the tier, however slow the disk's writes:
+//    the writes that did not finish in the step finish on the commit's
+//    thread, before its data sync and index batch, and every wait point
+//    above waits for them as it waits for the commit. Memory: the tail
+//    holds no buffer of its own; an entry being written stays in use (never
+//    evicted, reused or admitted over) until its write completes, and the
+//    next step, which is the only writer of the entries, starts after the
+//    commit. A failed tail write fails that commit (as above).
+//  - Prefetch (see Prefetch()): reads the next step's state into the host
+//    cache tier while the trainer runs forward/backward, so the step finds
+//    it in RAM. It changes no result: the tier holds committed bytes, the
+//    same the step would read from disk.
 //
 // Ownership: store and mm are not owned and must outlive the optimizer.
 // Gradient/param pointers passed to StepParam must stay valid until EndStep.
@@ -279,6 +295,36 @@ class StreamedAdam {
   // optimizer learns so at the next wait).
   bool commit_in_flight() const { return inflight_ != nullptr; }
 
+  // Starts reading the next step's state into host memory in the
+  // background (on a thread of the optimizer) and returns at once: call it
+  // when forward/backward starts, so that the next Step finds the state in
+  // RAM. It reads in the order of the last step (else the params' order by
+  // name), after the commit in flight, if any, has completed:
+  //  - into the host cache tier, the chunks the tier does not hold while it
+  //    has room (the tier's admission: a full tier keeps its resident set,
+  //    see MemoryManagerOptions::host_cache_bytes);
+  //  - when the tier cannot hold the whole state (or there is none), the
+  //    first chunks outside it that the step reads, into staging buffers
+  //    that the next step's pipeline adopts in place of reading them: at
+  //    most the pipeline's own staging (3 x read_ahead_chunks buffers) less
+  //    one slice, so the step runs with the staging it would have had
+  //    anyway. Only the next BeginStep/Step uses them; any other call of
+  //    this optimizer (MakeDurable, WaitForCommit, RegisterParam,
+  //    LoadMainFrom, RetireParam, a skipped step, the destructor) and any
+  //    write-back through the MemoryManager's pins since the prefetch read
+  //    them drop them unread.
+  // A hint: it never changes a result (it reads the committed bytes the
+  // step would read), and never fails for a read (a chunk it could not read
+  // is read by the step, which reports the error). Safe at any time: a
+  // second call while one runs, or during a step, does nothing; the wait
+  // points above stop it (keeping what it read for the next step); the
+  // MemoryManager's Pin, Prefetch, Flush and ReleaseAll wait for it to end.
+  // Memory: the tier's own budget and the manager's staging buffers (at
+  // most queue_depth while it reads into the tier), nothing else.
+  Status Prefetch();
+  // A prefetch runs (or ran and was not yet stopped by a wait point).
+  bool prefetch_running() const { return prefetch_ != nullptr; }
+
   uint64_t step_count(uint32_t group) const;
   uint64_t last_generation() const;
   bool last_step_skipped() const { return last_step_skipped_; }
@@ -307,6 +353,15 @@ class StreamedAdam {
     // complete only once this step's own commit was waited for
     // (WaitForCommit, MakeDurable); the next step starts new stats.
     double commit_wait_seconds = 0;
+    // Chunk bytes this step found in the host cache tier because Prefetch()
+    // read them there (part of the tier's hits), and the bytes the prefetch
+    // before this step read in all (some may have served no step yet).
+    uint64_t prefetch_hit_bytes = 0;
+    uint64_t prefetch_read_bytes = 0;
+    // Bytes of this step's writes still in flight or queued when Step
+    // returned (the write tail; complete, like write_bytes, once its commit
+    // was waited for). 0 with commit_lag_steps 0.
+    uint64_t write_tail_bytes = 0;
   };
   const StepStats& last_step_stats() const { return last_stats_; }
 
@@ -317,6 +372,10 @@ class StreamedAdam {
   // before EndStep drains it, so StepParam submits exactly the reads the
   // depth limits admit, whatever the disk's speed.
   void HoldCompletionsUntilDrain(bool hold) { hold_completions_ = hold; }
+  // Test hook (write-tail tests): when true, a step reaps I/O completions
+  // only when it can make no other progress, so the writes it finds complete
+  // when it returns are exactly those it had to wait for.
+  void ReapOnlyWhenBlocked(bool on) { reap_only_when_blocked_ = on; }
 
  private:
   struct Param {
@@ -403,10 +462,41 @@ class StreamedAdam {
   // the optimizer returns to the last commit and the error is returned.
   // *wait_s: seconds spent waiting (may be null).
   void NoteReadSideStats(const internal::StepPipeline& pl);
-  Status FinishCommit(double* wait_s = nullptr);
+  // keep_staged: chunks a prefetch staged stay for the step that begins now
+  // (BeginStep); every other caller drops them.
+  Status FinishCommit(double* wait_s = nullptr, bool keep_staged = false);
+  // The background prefetch (defined in the .cc).
+  struct PrefetchRun;
+  std::unique_ptr<PrefetchRun> prefetch_;
+  // Stops the prefetch, if any, joins it and notes what it read.
+  void StopPrefetch();
+  uint64_t prefetch_read_bytes_ = 0;  // by the prefetches since the last step began
+  // Chunks a finished prefetch read into staging buffers for the next step
+  // (see Prefetch); staged_write_mark_: the manager's nvme_write_bytes when
+  // it started reading (a write-back since then drops them).
+  struct StagedChunk {
+    uint32_t tensor_id = 0;
+    uint32_t field = 0;
+    uint64_t chunk = 0;
+    uint64_t len = 0;
+    void* buf = nullptr;  // a staging buffer of the manager
+  };
+  std::vector<StagedChunk> staged_;
+  uint64_t staged_write_mark_ = 0;
+  // Gives staged_'s buffers back to the manager.
+  void DropStaged();
+  // The current (or last) step's params in the order it stepped them: the
+  // order the next prefetch reads.
+  struct StepOrderEntry {
+    uint32_t tensor_id = 0;
+    uint32_t fields[3] = {0, 1, 2};
+    uint64_t numel = 0;
+  };
+  std::vector<StepOrderEntry> step_order_;
   StepStats last_stats_;
   uint64_t inject_kernel_failure_after_ = 0;
   bool hold_completions_ = false;
+  bool reap_only_when_blocked_ = false;
 };
 
 }  // namespace optstate::memmgr

@@ -10,6 +10,14 @@
 // each copied to the device; the fused kernel; each field copied back through
 // the same buffer and pwritten in place; fdatasync of every file at the end.
 // Durable like ours, with no pipelining: what the disk gives a naive engine.
+//
+// --prefetch T (seconds): a training-loop simulation of ours after each
+// round's steps: "forward/backward" is T seconds of sleep on the host (the
+// bench's stand-in for GPU work; the optimizer's threads have the CPU), then
+// Step(); the exposed step time is from the end of T to Step's return, with
+// the previous step's commit (and its write tail) in flight during T. Each
+// round times one such step without Prefetch() and one with Prefetch() called
+// at the start of T, after an untimed one that puts a commit in flight.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -19,6 +27,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -81,6 +90,7 @@ struct StepOptions {
   bool huge_pages = false;
   bool base_pages = false;
   std::string max_sqe_text = "0";
+  double prefetch_compute_s = 0;  // --prefetch: simulated forward/backward seconds (0 = off)
   bool json = false;
 };
 
@@ -446,6 +456,10 @@ int RunCompare(const StepOptions& o) {
   if (!state.ok()) return FailWith(kTool, state.status().WithContext("--state"));
   if (*state < 12 * 1024) return FailWith(kTool, InvalidArgument("--state must be >= 12 KiB"));
   if (o.rounds < 1) return FailWith(kTool, InvalidArgument("--rounds must be >= 1"));
+  if (!(o.prefetch_compute_s >= 0) || o.prefetch_compute_s > 3600) {
+    return FailWith(kTool, InvalidArgument(fmt::format("--prefetch {}: seconds of simulated forward/backward, 0..3600",
+                                                       o.prefetch_compute_s)));
+  }
   std::string dir = o.dir;
   bool own_dir = dir.empty();
   if (own_dir) {
@@ -598,6 +612,19 @@ int RunCompare(const StepOptions& o) {
   DiskPhase disk_floor, disk_ours;
   // Per timed step: chunk bytes read from the store / served by the host cache tier.
   std::vector<std::pair<uint64_t, uint64_t>> step_io;
+  // --prefetch: exposed step seconds in the loop simulation, without and with
+  // Prefetch(), and the bytes each step found prefetched.
+  std::vector<double> t_loop_plain, t_loop_prefetch;
+  std::vector<uint64_t> loop_prefetch_hits;
+  auto loop_step = [&](bool prefetch, std::vector<double>* exposed) -> Status {
+    if (prefetch) OPTSTATE_RETURN_IF_ERROR((*opt)->Prefetch());
+    std::this_thread::sleep_for(std::chrono::duration<double>(o.prefetch_compute_s));
+    const double t0 = NowSeconds();
+    OPTSTATE_RETURN_IF_ERROR((*opt)->Step(pg));
+    if (exposed != nullptr) exposed->push_back(NowSeconds() - t0);
+    if (prefetch) loop_prefetch_hits.push_back((*opt)->last_step_stats().prefetch_hit_bytes);
+    return Status::Ok();
+  };
   const std::string disk_path = dir + "/store";
   ProgressBar bar("step rounds", o.rounds);
   for (uint32_t r = 0; r < o.rounds; ++r) {
@@ -679,6 +706,13 @@ int RunCompare(const StepOptions& o) {
         return FailWith(kTool, s.WithContext("synchronous O_DIRECT engine"));
       }
       t_fv.push_back(NowSeconds() - t0);
+    }
+    if (o.prefetch_compute_s > 0) {
+      Status s = loop_step(false, nullptr);
+      if (s.ok()) s = loop_step(false, &t_loop_plain);
+      if (s.ok()) s = loop_step(true, &t_loop_prefetch);
+      if (s.ok()) s = (*opt)->WaitForCommit();  // keeps our writes out of the next round's methods
+      if (!s.ok()) return FailWith(kTool, s.WithContext(fmt::format("loop simulation, round {}", r + 1)));
     }
     bar.Update(r + 1);
   }
@@ -777,6 +811,14 @@ int RunCompare(const StepOptions& o) {
                          {"device_slots", st.device_slots}});
   }
   out["step_stats"] = breakdown;
+  if (o.prefetch_compute_s > 0) {
+    out["loop"] = {{"compute_seconds", o.prefetch_compute_s},
+                   {"exposed_seconds", {{"without_prefetch", t_loop_plain}, {"with_prefetch", t_loop_prefetch}}},
+                   {"median_exposed_seconds",
+                    {{"without_prefetch", Median(t_loop_plain)}, {"with_prefetch", Median(t_loop_prefetch)}}},
+                   {"with_over_without", ratio(t_loop_prefetch, t_loop_plain)},
+                   {"prefetch_hit_bytes", loop_prefetch_hits}};
+  }
   out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()}};
   if (o.json) {
     PrintJson(out);
@@ -851,6 +893,16 @@ int RunCompare(const StepOptions& o) {
     hits += (hits.empty() ? "" : " ") + FormatBytes(hit);
   }
   std::cout << fmt::format("per step: read from the store [{}]  served by the host cache [{}]\n", reads, hits);
+  if (o.prefetch_compute_s > 0) {
+    std::string found;
+    for (uint64_t b : loop_prefetch_hits) found += (found.empty() ? "" : " ") + FormatBytes(b);
+    std::cout << fmt::format(
+        "loop, forward/backward {} then Step (commit of the previous step in flight): exposed step {} without "
+        "Prefetch, {} with ({:.2f}x); the step found prefetched [{}]; per round without [{}] with [{}]\n",
+        FormatSeconds(o.prefetch_compute_s), FormatSeconds(Median(t_loop_plain)),
+        FormatSeconds(Median(t_loop_prefetch)), ratio(t_loop_prefetch, t_loop_plain), found, list(t_loop_plain),
+        list(t_loop_prefetch));
+  }
   for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours}, {"floor", &disk_floor}}) {
     std::string u = d->Describe();
     if (!u.empty()) std::cout << fmt::format("{:<6}{}\n", name, u);
@@ -913,6 +965,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "steps whose commit may run after Step returns: 0 or 1 (default 1); ours is timed until its "
                   "commit is done, and to Step's return on its own");
   sub->add_option("--cpu-threads", o->cpu_threads, "CPU Adam threads on the host backend (default 1)");
+  sub->add_option("--prefetch", o->prefetch_compute_s,
+                  "comparison mode: also time a training loop whose forward/backward takes this many seconds "
+                  "(simulated), exposed step without and with Prefetch() (default 0: off)");
   sub->add_flag("--json", o->json, "print JSON");
   sub->callback([o, exit_code] {
     *exit_code = o->store.empty() ? RunCompare(*o) : RunSynthetic(*o);

@@ -103,6 +103,17 @@ class HostCache {
   // retry writes it; clean entries, which may hold bytes of the dropped
   // generation, are dropped.
   void ForgetPendingWrites();
+  // Prefetch: true when k has no entry and one of len bytes fits in the
+  // tier without evicting (the admission a step's miss gets).
+  bool WantsPrefetch(const ChunkKey& k, uint64_t len) const;
+  // Prefetch: admits k with len bytes read from the store (a copy from src)
+  // unless k has an entry by then; marks it prefetched. False when not put.
+  bool PutPrefetched(const ChunkKey& k, const void* src, uint64_t len);
+  // True (once) when k's entry was put by PutPrefetched and not replaced or
+  // rewritten since; the step counts it as a prefetch hit.
+  bool TakePrefetched(const ChunkKey& k);
+  // k has an entry of len bytes.
+  bool Contains(const ChunkKey& k, uint64_t len) const;
 
  private:
   struct Entry {
@@ -112,6 +123,7 @@ class HostCache {
     std::list<ChunkKey>::iterator lru;
     bool dirty = false;
     bool written = false;
+    bool prefetched = false;  // PutPrefetched, not yet taken or rewritten
     uint32_t users = 0;
   };
   using EntryMap = std::unordered_map<ChunkKey, Entry, ChunkKeyHash>;
@@ -193,25 +205,27 @@ class ManagerImpl {
   void AddStats(uint64_t nvme_read, uint64_t nvme_write, uint64_t cache_hit, uint64_t h2d, uint64_t d2h,
                 double stall_s);
 
-  // A StreamedAdam commit running on the optimizer's thread (commit_lag_steps
-  // 1): MemoryManager's Pin, Prefetch, Flush and ReleaseAll wait for it
-  // first, since until it ends the store's pending generation holds a step
-  // that is half written. Begin/End bracket it; ManagerImpl's own methods do
-  // not wait (the commit itself calls Flush).
+  // A StreamedAdam commit (commit_lag_steps 1) or prefetch running on a
+  // thread of the optimizer: MemoryManager's Pin, Prefetch, Flush and
+  // ReleaseAll wait for them first, since until a commit ends the store's
+  // pending generation holds a step that is half written, and a prefetch
+  // fills the host cache tier from the store. Begin/End bracket each (they
+  // nest: a prefetch may start while a commit runs); ManagerImpl's own
+  // methods do not wait (the commit itself calls Flush).
   void BeginBackgroundCommit() {
     std::lock_guard<std::mutex> lock(commit_mu_);
-    commit_running_ = true;
+    ++commit_running_;
   }
   void EndBackgroundCommit() {
     {
       std::lock_guard<std::mutex> lock(commit_mu_);
-      commit_running_ = false;
+      --commit_running_;
     }
     commit_cv_.notify_all();
   }
   void WaitBackgroundCommit() {
     std::unique_lock<std::mutex> lock(commit_mu_);
-    commit_cv_.wait(lock, [this] { return !commit_running_; });
+    commit_cv_.wait(lock, [this] { return commit_running_ == 0; });
   }
 
  private:
@@ -296,7 +310,7 @@ class ManagerImpl {
   std::unique_ptr<vfs::ChunkIo> io_;  // io_mu_
   void* copy_stream_ = nullptr;       // io_mu_
 
-  std::mutex staging_mu_;
+  mutable std::mutex staging_mu_;
   std::condition_variable staging_cv_;
   std::vector<void*> staging_;       // all, fixed after Init
   std::vector<void*> staging_free_;  // staging_mu_
@@ -322,7 +336,7 @@ class ManagerImpl {
 
   std::mutex commit_mu_;  // a leaf
   std::condition_variable commit_cv_;
-  bool commit_running_ = false;  // commit_mu_
+  uint32_t commit_running_ = 0;  // commit_mu_: background commits and prefetches running
 };
 
 }  // namespace optstate::memmgr::internal

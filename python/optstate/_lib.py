@@ -118,6 +118,8 @@ _SIGNATURES = {
     "optstate_adam_retire_param": (_int, [_vp, _u8p, _errp]),
     "optstate_adam_last_step_skipped": (_int, [_vp]),
     "optstate_adam_last_step_seconds": (_dbl, [_vp]),
+    "optstate_adam_prefetch": (_int, [_vp, _errp]),
+    "optstate_adam_last_step_prefetch": (None, [_vp, _c.POINTER(_u64), _c.POINTER(_u64)]),
     "optstate_adam_load_main": (_int, [_vp, _u32, _vp, _int, _errp]),
     "optstate_adam_make_durable": (_int, [_vp, _c.POINTER(_u64), _errp]),
     "optstate_adam_commit": (_int, [_vp, _c.POINTER(_u64), _errp]),

@@ -440,6 +440,19 @@ class StreamedAdam(_Handle):
         """Seconds the last step took inside the library."""
         return lib.optstate_adam_last_step_seconds(self._live())
 
+    def prefetch(self):
+        """Starts reading the next step's state into the host cache tier in the background and returns
+        at once (see optstate_adam_prefetch)."""
+        call(lib.optstate_adam_prefetch, self._live())
+
+    @property
+    def last_step_prefetch(self):
+        """(hit_bytes, read_bytes): the bytes the last step found prefetched in the host cache tier, and
+        the bytes the prefetches before it read."""
+        hit, read = ctypes.c_uint64(), ctypes.c_uint64()
+        lib.optstate_adam_last_step_prefetch(self._live(), ctypes.byref(hit), ctypes.byref(read))
+        return hit.value, read.value
+
     def load_main(self, pid, ptr, dtype):
         call(lib.optstate_adam_load_main, self._live(), pid, ptr, dtype)
 

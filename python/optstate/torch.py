@@ -441,6 +441,33 @@ class AdamW(torch.optim.Optimizer):
         """Seconds the last step() spent inside the library (pipeline and commit), for overhead checks."""
         return self._live().last_step_seconds
 
+    def prefetch(self):
+        """Starts reading the next step's state into the host cache tier (host_cache_bytes) in the
+        background and returns at once, so that the next step() finds it in RAM instead of reading it
+        from disk while forward/backward run. A hint: results are bit-identical with and without it;
+        calling it twice, before sleep(), before a step that fails or with no step following is safe;
+        without a host cache tier it does nothing. The next step() (and snapshot, state_dict, close)
+        stops it and keeps what it read. See prefetch_on_forward for calling it automatically."""
+        self._live().prefetch()
+
+    def prefetch_on_forward(self, module):
+        """Calls prefetch() whenever module's forward starts (a forward pre-hook: the earliest point
+        of a training step, so the reads overlap the whole forward and backward). Returns the hook's
+        handle; handle.remove() stops it. Extra forwards (gradient accumulation, evaluation) only
+        repeat the hint: a prefetch already running is not restarted."""
+        self._live()
+
+        def hook(_module, _inputs):
+            if self._handles is not None:
+                self._adam.prefetch()
+
+        return module.register_forward_pre_hook(hook)
+
+    def last_step_prefetch(self):
+        """(hit_bytes, read_bytes): bytes of state the last step found in RAM because a prefetch read
+        them there, and bytes the prefetches before that step read."""
+        return self._live().last_step_prefetch
+
     @property
     def generation(self):
         """The newest committed generation of the store (waits for the last step's commit)."""

@@ -24,6 +24,7 @@ struct Env {
   TempDir dir;
   std::unique_ptr<vfs::Store> store;
   std::unique_ptr<MemoryManager> mm;
+  uint32_t read_ahead_chunks = 0;  // MemoryManagerOptions::read_ahead_chunks of the next Open
 
   void Open(uint64_t budget, bool create, uint64_t host_cache_bytes = 0, bool huge_page_staging = false,
             uint32_t hash_threads = MemoryManagerOptions::kAutoHashThreads, vfs::FileSystem* fs = nullptr) {
@@ -40,6 +41,8 @@ struct Env {
     o.staging_pages = huge_page_staging ? MemoryManagerOptions::StagingPages::kHuge
                                         : MemoryManagerOptions::StagingPages::kBase;
     o.hash_threads = hash_threads;
+    o.read_ahead_chunks = read_ahead_chunks;
+    o.staging_buffers = read_ahead_chunks == 0 ? 0 : 3 * read_ahead_chunks + 4;
     mm = MUST(MemoryManager::Create(store.get(), o));
   }
   void Close() {
@@ -1766,6 +1769,359 @@ TEST(HostCacheTier, AbortedStepServesNoStaleBytes) {
       for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, sg3.grad[i]->get(), 3, groups[defs[i].group], 1.0f);
       StepWithReference(sa.get(), env.mm.get(), defs, &ref, 4, 1.0f);
       ExpectStateEquals(env.mm.get(), ref, defs);
+    }
+  }
+}
+
+// A state of 13 slices for a pipeline of 4 staging sets (read_ahead_chunks 4).
+std::vector<ParamDef> TailMix() {
+  const uint64_t ce = kChunk / 4;
+  return {
+      {"w.0", 6 * ce + 1000, 0, ScalarType::kBF16, ScalarType::kBF16, ScalarType::kBF16},
+      {"norm", 3000, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone},
+      {"w.1", 5 * ce, 1, ScalarType::kF32, ScalarType::kBF16, ScalarType::kF32},
+      {"bias", ce / 2, 0, ScalarType::kF32, ScalarType::kF32, ScalarType::kBF16},
+  };
+}
+
+// The write tail: with a tier that holds the whole state and pipelined
+// commits, a step gives each slice's staging set back once the slice is
+// computed and leaves its writes to the background. With completions reaped
+// only when the step can make no other progress, a step that had to wait for
+// a write (more slices than staging sets) finds it complete when it returns;
+// a step bound by its compute returns with every write still in the tail. Every commit holds
+// exactly the step's state (read through a GenerationView after the wait),
+// equal to the reference run bit for bit.
+TEST(HostCacheTier, StepReturnsBeforeItsWritesAndTheCommitHoldsExactlyTheStep) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = TailMix();
+  Env env;
+  env.read_ahead_chunks = 4;
+  env.Open(6 * kChunk, true, TierBytes(defs));
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  sa->ReapOnlyWhenBlocked(true);
+  for (uint64_t step = 1; step <= 4; ++step) {
+    StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
+    EXPECT_TRUE(sa->commit_in_flight());
+    ASSERT_OK(sa->WaitForCommit());
+    const StreamedAdam::StepStats& st = sa->last_step_stats();
+    EXPECT_EQ(st.write_bytes, StateBytes(defs)) << "step " << step;
+    if (step >= 2) {
+      EXPECT_EQ(st.read_bytes, 0u) << "step " << step;
+      EXPECT_EQ(st.write_tail_bytes, StateBytes(defs)) << "step " << step << ": no write held the step back";
+    }
+    EXPECT_EQ(env.store->LatestGeneration().step, step);
+    auto got = CommittedBytes(env.store.get());
+    got.erase("#generation");
+    EXPECT_EQ(DiffKeys(got, ReferenceBytes(ref, defs)), "") << "step " << step;
+    EXPECT_EQ(env.mm->stats().cache_bytes, TierBytes(defs)) << "the tail holds no memory beyond the tier";
+    EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+  }
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// A chunk write of the write tail that fails (an injected EIO on a data file
+// write that only the background finishes) fails that step's commit: the
+// next call returns the error naming the step, the generation and the store;
+// the store keeps the last generation bit for bit, the optimizer is back at
+// it, and the retried steps equal the reference.
+TEST(HostCacheTier, FailedWriteInTheTailSurfacesAtTheNextCallAndKeepsTheLastGeneration) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = TailMix();
+  const auto groups = TestGroups();
+  vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
+  Env env;
+  env.read_ahead_chunks = 4;
+  env.Open(6 * kChunk, true, TierBytes(defs), false, MemoryManagerOptions::kAutoHashThreads, &fs);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  Reference ref(env.mm.get(), defs);
+  sa->ReapOnlyWhenBlocked(true);  // every write of step 2 is in the tail
+  StepWithReference(sa.get(), env.mm.get(), defs, &ref, 1, 1.0f);
+  ASSERT_OK(sa->WaitForCommit());
+  const vfs::GenerationInfo good = env.store->LatestGeneration();
+  const auto want1 = ReferenceBytes(ref, defs);
+  vfs::FaultRule rule = vfs::FaultRule::FailNth(vfs::OpClass::kWrite, 20);
+  rule.path_contains = ".chunks";
+  fs.AddRule(rule);
+  StepGrads g2(env.mm.get(), defs, 2);
+  ASSERT_OK(sa->Step(g2.List(defs)));  // the step succeeds; a write of its tail fails later
+  Status st = sa->WaitForCommit();
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(fs.InjectedCount(), 1u);
+  for (const std::string& part : {std::string("background commit of step 2"),
+                                  "generation " + std::to_string(good.generation + 1), env.store->path(),
+                                  std::string("injected fault")}) {
+    EXPECT_TRUE(Contains(st, part)) << "'" << part << "' missing from: " << st.ToString();
+  }
+  EXPECT_EQ(sa->step_count(0), 1u);
+  EXPECT_EQ(sa->last_generation(), good.generation);
+  EXPECT_EQ(env.store->LatestGeneration().generation, good.generation);
+  auto got = CommittedBytes(env.store.get());
+  got.erase("#generation");
+  EXPECT_EQ(DiffKeys(got, want1), "") << "the store must hold step 1 exactly";
+  fs.ClearRules();
+  ASSERT_OK(sa->Step(g2.List(defs)));
+  for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, g2.grad[i]->get(), 2, groups[defs[i].group], 1.0f);
+  StepWithReference(sa.get(), env.mm.get(), defs, &ref, 3, 1.0f);
+  ASSERT_OK(sa->WaitForCommit());
+  got = CommittedBytes(env.store.get());
+  got.erase("#generation");
+  EXPECT_EQ(DiffKeys(got, ReferenceBytes(ref, defs)), "");
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// Prefetch into a cold tier (a reopened store; a whole-state tier, one of
+// half the state, and none: then the first slices go to staging buffers that
+// the step's pipeline adopts, 3 of its 4 sets' worth): the step finds in RAM
+// what the prefetch read and reads only the rest from the store, and every
+// step's params, committed state and optimizer state equal a run without
+// prefetch and the reference bit for bit. The manager's Flush waits for the
+// prefetch to end (rather than a step stopping it midway), so the counts are
+// exact.
+TEST(HostCacheTier, PrefetchedStateServesTheStepAndChangesNoResult) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = TailMix();
+  const auto groups = TestGroups();
+  for (const uint64_t capacity : {TierBytes(defs), TierBytes(defs) / 2, uint64_t{0}}) {
+    SCOPED_TRACE("tier of " + std::to_string(capacity) + " bytes");
+    Env scratch;
+    scratch.Open(3 * kChunk, true);
+    Reference ref(scratch.mm.get(), defs);
+    Env with, without;
+    with.read_ahead_chunks = without.read_ahead_chunks = 4;
+    with.Open(6 * kChunk, true, capacity);
+    without.Open(6 * kChunk, true, capacity);
+    for (Env* e : {&with, &without}) {
+      auto sa = MUST(StreamedAdam::Create(e->store.get(), e->mm.get(), {}));
+      RegisterAll(sa.get(), e->mm.get(), defs);
+    }  // committed at destruction
+    for (uint64_t step = 1; step <= (capacity == TierBytes(defs) ? 2u : 1u); ++step) {
+      // A cold tier at every step: the optimizer and the manager reopen.
+      with.Close();
+      without.Close();
+      with.Open(6 * kChunk, false, capacity);
+      without.Open(6 * kChunk, false, capacity);
+      auto sa_with = MUST(StreamedAdam::Create(with.store.get(), with.mm.get(), {}));
+      auto sa_without = MUST(StreamedAdam::Create(without.store.get(), without.mm.get(), {}));
+      ASSERT_OK(sa_with->Prefetch());
+      EXPECT_TRUE(sa_with->prefetch_running());
+      ASSERT_OK(sa_with->Prefetch());  // a second call while one runs does nothing
+      ASSERT_OK(with.mm->Flush());     // waits for the prefetch to end
+      const MemoryStats before = with.mm->stats();
+      StepGrads gw(with.mm.get(), defs, step), go(without.mm.get(), defs, step);
+      ASSERT_OK(sa_with->Step(gw.List(defs)));
+      ASSERT_OK(sa_without->Step(go.List(defs)));
+      for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, go.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+      const StreamedAdam::StepStats& st = sa_with->last_step_stats();
+      EXPECT_GT(st.prefetch_read_bytes, 0u);
+      EXPECT_EQ(st.prefetch_hit_bytes, st.prefetch_read_bytes) << "the step found every prefetched byte";
+      EXPECT_EQ(st.read_bytes, StateBytes(defs) - st.prefetch_hit_bytes);
+      if (capacity == TierBytes(defs)) {
+        EXPECT_EQ(st.prefetch_hit_bytes, StateBytes(defs));
+      }
+      if (capacity == 0) {
+        // 12 staging buffers for the pipeline less one slice: 9 chunks, the
+        // first three slices in the params' order by name (a reopened
+        // optimizer has no step order yet): bias, norm, w.0's first chunk.
+        EXPECT_EQ(st.prefetch_hit_bytes, 3 * (kChunk / 2 + 3000 * 4 + kChunk));
+      }
+      EXPECT_EQ(sa_without->last_step_stats().prefetch_hit_bytes, 0u);
+      EXPECT_EQ(with.mm->stats().nvme_read_bytes - before.nvme_read_bytes, st.read_bytes);
+      for (size_t i = 0; i < defs.size(); ++i) {
+        if (defs[i].param_type == ScalarType::kNone) continue;
+        std::vector<uint8_t> pw(defs[i].numel * Size(defs[i].param_type)), po(pw.size());
+        gw.param[i]->Download(pw.data());
+        go.param[i]->Download(po.data());
+        EXPECT_EQ(pw, po) << defs[i].name << " at step " << step;
+      }
+      ASSERT_OK(sa_with->WaitForCommit());
+      ASSERT_OK(sa_without->WaitForCommit());
+      auto cw = CommittedBytes(with.store.get());
+      auto co = CommittedBytes(without.store.get());
+      EXPECT_EQ(DiffKeys(cw, co), "") << "step " << step;
+      cw.erase("#generation");
+      EXPECT_EQ(DiffKeys(cw, ReferenceBytes(ref, defs)), "") << "step " << step;
+      EXPECT_EQ(with.mm->stats().staging_in_use, 0u);
+    }
+  }
+}
+
+// Prefetch is safe at any time: during a step (nothing), with a commit in
+// flight (it reads after the commit), before a sleep (ReleaseAll waits for
+// it), before a failed step, before a commit that fails, with no step
+// following (the destructor stops it), and without a tier. Nothing
+// leaks (staging buffers all back) or deadlocks, and the state equals the
+// reference after each. (Without a tier it stages the first slices: its own
+// test below.)
+TEST(HostCacheTier, PrefetchIsSafeAtAnyTime) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = SmallMix();
+  const auto groups = TestGroups();
+  vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
+  Env env;
+  env.Open(6 * kChunk, true, TierBytes(defs), false, MemoryManagerOptions::kAutoHashThreads, &fs);
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  Reference ref(scratch.mm.get(), defs);
+  {
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+    RegisterAll(sa.get(), env.mm.get(), defs);
+    ASSERT_OK(sa->Prefetch());  // before any step: the registrations' pending generation
+    StepWithReference(sa.get(), env.mm.get(), defs, &ref, 1, 1.0f);
+    // With the commit of step 1 in flight, then a sleep.
+    ASSERT_OK(sa->Prefetch());
+    ASSERT_OK(env.mm->ReleaseAll());
+    EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+    // During a step: nothing.
+    StepGrads g2(env.mm.get(), defs, 2);
+    ASSERT_OK(sa->BeginStep());
+    ASSERT_OK(sa->Prefetch());
+    EXPECT_FALSE(sa->prefetch_running());
+    for (const ParamGrad& g : g2.List(defs)) ASSERT_OK(sa->StepParam(g));
+    ASSERT_TRUE(sa->EndStep().ok());
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, g2.grad[i]->get(), 2, groups[defs[i].group], 1.0f);
+    // Before a failed step (a kernel failure), then the retry.
+    StepGrads g3(env.mm.get(), defs, 3);
+    ASSERT_OK(sa->Prefetch());
+    sa->InjectKernelFailureAfter(2);
+    EXPECT_FALSE(sa->Step(g3.List(defs)).ok());
+    EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+    ASSERT_OK(sa->Prefetch());
+    ASSERT_OK(sa->Step(g3.List(defs)));
+    for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, g3.grad[i]->get(), 3, groups[defs[i].group], 1.0f);
+    ASSERT_OK(sa->WaitForCommit());
+    // Before a commit that fails (its data sync): the prefetch reads nothing
+    // of the dropped step, and the error comes at the next call as always.
+    StepGrads g4(env.mm.get(), defs, 4);
+    vfs::FaultRule rule = vfs::FaultRule::FailNth(vfs::OpClass::kSync, 1);
+    rule.path_contains = ".chunks";
+    fs.AddRule(rule);
+    ASSERT_OK(sa->Step(g4.List(defs)));
+    ASSERT_OK(sa->Prefetch());
+    Status st = sa->WaitForCommit();
+    EXPECT_FALSE(st.ok());
+    EXPECT_TRUE(Contains(st, "background commit of step 4")) << st.ToString();
+    EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+    fs.ClearRules();
+    // With no step following: the destructor stops it.
+    ASSERT_OK(sa->Prefetch());
+  }
+  EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+  env.Close();
+  env.Open(6 * kChunk, false, TierBytes(defs));  // a failed fdatasync poisons the store until reopened
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  env.Close();
+  env.Open(6 * kChunk, false, 0);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
+  ASSERT_OK(sa->Prefetch());  // without a tier: into staging buffers
+  StepWithReference(sa.get(), env.mm.get(), defs, &ref, 4, 1.0f);
+  ASSERT_OK(sa->WaitForCommit());
+  ExpectStateEquals(env.mm.get(), ref, defs);
+}
+
+// Without a tier, prefetched chunks wait in staging buffers for the next
+// step only: MakeDurable, a registration, the destructor and a failed step
+// give them back unread (staging_in_use returns to 0), and a write through a
+// pin after the prefetch makes the step read from the store, so the step
+// sees the written bytes (equal to a run that never prefetched).
+TEST(StreamedAdam, StagedPrefetchServesOnlyTheNextStepAndLeaksNothing) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = TailMix();
+  Env with, without;
+  with.read_ahead_chunks = without.read_ahead_chunks = 4;
+  with.Open(6 * kChunk, true, 0);
+  without.Open(6 * kChunk, true, 0);
+  auto sa = MUST(StreamedAdam::Create(with.store.get(), with.mm.get(), {}));
+  auto sb = MUST(StreamedAdam::Create(without.store.get(), without.mm.get(), {}));
+  RegisterAll(sa.get(), with.mm.get(), defs);
+  RegisterAll(sb.get(), without.mm.get(), defs);
+  auto staged_now = [&] { return with.mm->stats().staging_in_use; };
+  // Staged, then MakeDurable: dropped.
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  EXPECT_EQ(staged_now(), 9u);
+  MUST(sa->MakeDurable());
+  MUST(sb->MakeDurable());
+  EXPECT_EQ(staged_now(), 0u);
+  // Staged, then a write through a pin (main of w.0, chunk 0, both runs):
+  // the step reads the written bytes from the store.
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  for (MemoryManager* mm : {with.mm.get(), without.mm.get()}) {
+    std::vector<float> v(1000, 0.5f);
+    auto pin = MUST(mm->Pin("w.0", "main", 100, v.size(), Access::kReadWrite));
+    ASSERT_OK(mm->CopyToDevice(pin.data(), v.data(), v.size() * 4));
+    ASSERT_OK(pin.Unpin());
+    ASSERT_OK(mm->Flush());
+  }
+  StepGrads ga(with.mm.get(), defs, 1), gb(without.mm.get(), defs, 1);
+  ASSERT_OK(sa->Step(ga.List(defs)));
+  ASSERT_OK(sb->Step(gb.List(defs)));
+  EXPECT_EQ(sa->last_step_stats().prefetch_hit_bytes, 0u);
+  ASSERT_OK(sa->WaitForCommit());
+  ASSERT_OK(sb->WaitForCommit());
+  EXPECT_EQ(staged_now(), 0u);
+  auto ca = CommittedBytes(with.store.get()), cb = CommittedBytes(without.store.get());
+  EXPECT_EQ(DiffKeys(ca, cb), "") << "after a pin write";
+  // Staged, then a failed step (a kernel failure after the adopted slices):
+  // nothing leaks, and the retried step is served by a new prefetch.
+  StepGrads ga2(with.mm.get(), defs, 2), gb2(without.mm.get(), defs, 2);
+  ASSERT_OK(sa->Prefetch());
+  sa->InjectKernelFailureAfter(5);
+  EXPECT_FALSE(sa->Step(ga2.List(defs)).ok());
+  EXPECT_EQ(staged_now(), 0u);
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  ASSERT_OK(sa->Step(ga2.List(defs)));
+  ASSERT_OK(sb->Step(gb2.List(defs)));
+  EXPECT_EQ(sa->last_step_stats().prefetch_hit_bytes, 9 * kChunk);
+  ASSERT_OK(sa->WaitForCommit());
+  ASSERT_OK(sb->WaitForCommit());
+  ca = CommittedBytes(with.store.get());
+  cb = CommittedBytes(without.store.get());
+  EXPECT_EQ(DiffKeys(ca, cb), "") << "after a failed step and its retry";
+  // Staged, then a registration; then staged and the destructor.
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  EXPECT_EQ(staged_now(), 9u);
+  ASSERT_OK(sa->RegisterParam("late", 1000, 0, nullptr, ScalarType::kF32));
+  EXPECT_EQ(staged_now(), 0u);
+  ASSERT_OK(sa->Prefetch());
+  ASSERT_OK(with.mm->Flush());
+  sa.reset();
+  EXPECT_EQ(staged_now(), 0u);
+}
+
+// A prefetch that the step stops wherever it happens to be (called right
+// before each step, its reads in flight, some chunks staged or in the tier
+// and some not) changes no result: with a tier of half the state and with
+// none, every committed generation equals a run without prefetch.
+TEST(StreamedAdam, PrefetchStoppedByTheStepChangesNoResult) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<ParamDef> defs = TailMix();
+  for (const uint64_t capacity : {TierBytes(defs) / 2, uint64_t{0}}) {
+    SCOPED_TRACE("tier of " + std::to_string(capacity) + " bytes");
+    Env with, without;
+    with.read_ahead_chunks = without.read_ahead_chunks = 4;
+    with.Open(6 * kChunk, true, capacity);
+    without.Open(6 * kChunk, true, capacity);
+    auto sa = MUST(StreamedAdam::Create(with.store.get(), with.mm.get(), {}));
+    auto sb = MUST(StreamedAdam::Create(without.store.get(), without.mm.get(), {}));
+    RegisterAll(sa.get(), with.mm.get(), defs);
+    RegisterAll(sb.get(), without.mm.get(), defs);
+    for (uint64_t step = 1; step <= 4; ++step) {
+      StepGrads ga(with.mm.get(), defs, step), gb(without.mm.get(), defs, step);
+      ASSERT_OK(sa->Prefetch());
+      ASSERT_OK(sa->Step(ga.List(defs)));
+      ASSERT_OK(sb->Step(gb.List(defs)));
+      ASSERT_OK(sa->WaitForCommit());
+      ASSERT_OK(sb->WaitForCommit());
+      EXPECT_EQ(DiffKeys(CommittedBytes(with.store.get()), CommittedBytes(without.store.get())), "")
+          << "step " << step;
+      EXPECT_EQ(with.mm->stats().staging_in_use, 0u);
     }
   }
 }

@@ -277,6 +277,40 @@ class AdamWTest(TempDirTest):
         opt.release_snapshot("step2")
         self.assertEqual(opt.store.snapshots(), [])
 
+    def test_prefetch_changes_no_result_and_serves_the_step(self):
+        # Two identical runs with a host cache tier; one prefetches on every forward (and once more,
+        # waited for, before its first step: sleep() waits for a prefetch to end, so the first step
+        # finds the whole state in RAM). Params and state are equal bit for bit.
+        tier = dict(OPT_KW, host_cache_bytes=64 << 20)
+        ref_model, model = make_model(0), make_model(0)
+        ref = ot.AdamW(two_groups(ref_model), store=self.path("ref"), lr=1e-2, **tier)
+        opt = ot.AdamW(two_groups(model), store=self.path("s"), lr=1e-2, **tier)
+        handle = opt.prefetch_on_forward(model)
+        opt.prefetch()
+        opt.prefetch()  # a second call while one runs does nothing
+        opt.sleep()
+        opt.wake()
+        state_bytes = 12 * sum(p.numel() for p in model.parameters())
+        gen = torch.Generator().manual_seed(7)
+        x, y = torch.randn(64, 16, generator=gen), torch.randn(64, 4, generator=gen)
+        for k in range(4):
+            for m, o in ((ref_model, ref), (model, opt)):
+                o.zero_grad()
+                ((m(x) - y) ** 2).mean().backward()
+                o.step()
+            if k == 0:
+                self.assertEqual(opt.last_step_prefetch(), (state_bytes, state_bytes))
+            self.assertEqual(ref.last_step_prefetch(), (0, 0))
+            for a, b in zip(ref_model.parameters(), model.parameters()):
+                self.assertTrue(torch.equal(a, b))
+        handle.remove()
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            for field in ("main", "exp_avg", "exp_avg_sq"):
+                self.assertTrue(torch.equal(ref.read_state(a, field), opt.read_state(b, field)))
+        opt.prefetch()  # with no step following: close stops it
+        opt.close()
+        ref.close()
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -19,6 +19,8 @@
 #   bash tools/device/h200_bench.sh CARRY OUT fresh  # does memory the VM gave back cost cp? tmpfs cp, cold cp -r 3 ways
 #   bash tools/device/h200_bench.sh CARRY OUT load   # warm cp -r and tmpfs cp with 0-8 other processes copying memory
 #   bash tools/device/h200_bench.sh CARRY OUT pagecache  # cp -r with --page-cache all, mappable, small
+#   bash tools/device/h200_bench.sh CARRY OUT loop   # training-loop simulation, tier holds the state; old build's step A/B
+#   bash tools/device/h200_bench.sh CARRY OUT loop2  # training-loop simulation, tier of half the state and none
 #   bash tools/device/h200_bench.sh CARRY OUT fast   # the step on tmpfs (/dev/shm, O_DIRECT), with and without
 #                                                    # hash threads: a stand-in for NVMe faster than this ~2 GB/s disk
 set -uo pipefail
@@ -271,6 +273,20 @@ while os.read(fd,1<<20): pass" "$F")
       run pc_mappable_$i 100 optstate-bench "${MIX[@]}" --page-cache mappable
       run pc_small_$i 100 optstate-bench "${MIX[@]}" --page-cache small
     done
+    ;;
+  loop|loop2)
+    # --prefetch T: T s of simulated forward/backward, then Step with the previous commit (and its
+    # write tail) in flight; exposed step without and with Prefetch() in each round.
+    L=(step --dir "$W" --state 8G --budget 2G --backend cuda --no-fio --prefetch 10)
+    if [ "$PART" = loop ]; then
+      run loop_tier 450 optstate-bench "${L[@]}" --rounds 3 --host-cache-bytes 10G --first-version warm
+      # The write tail's A/B: Step() returned vs its commit done, this build vs CARRY/old.
+      [ -x "$C/old/optstate-bench" ] && run loop_tier_old 120 "$C/old/optstate-bench" step --dir "$W" \
+          --state 8G --budget 2G --backend cuda --no-fio --rounds 3 --host-cache-bytes 10G --first-version none
+    else
+      run loop_half 280 optstate-bench "${L[@]}" --rounds 2 --host-cache-bytes 4G --first-version cold
+      run loop_none 280 optstate-bench "${L[@]}" --rounds 2 --host-cache-bytes 0 --first-version none
+    fi
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \

@@ -389,6 +389,21 @@ OPTSTATE_EXPORT int optstate_adam_last_step_skipped(const optstate_adam_t* adam)
  * commit): what a caller's own per-step overhead is measured against. */
 OPTSTATE_EXPORT double optstate_adam_last_step_seconds(const optstate_adam_t* adam);
 
+/* Starts reading the next step's state into the host cache tier in the
+ * background and returns at once: call it when forward/backward starts, so
+ * that the next step finds the state in RAM instead of reading it from disk
+ * (memmgr/streamed_adam.h, Prefetch). A hint: it changes no result and
+ * fails only when the optimizer is unusable; a second call while one runs,
+ * or a call without a host cache tier, does nothing. The next step,
+ * make_durable, commit, registration, load_main, retire and destroy stop it
+ * (keeping what it read); pin and release_all wait for it to end. */
+OPTSTATE_EXPORT int optstate_adam_prefetch(optstate_adam_t* adam, char** errptr);
+/* The last step's prefetch: *hit_bytes, the chunk bytes the step found in
+ * the host cache tier because a prefetch read them there; *read_bytes, the
+ * bytes the prefetches before the step read. Either pointer may be NULL. */
+OPTSTATE_EXPORT void optstate_adam_last_step_prefetch(const optstate_adam_t* adam, uint64_t* hit_bytes,
+                                                      uint64_t* read_bytes);
+
 /* Replaces a param's fp32 main from model weights (numel elements of dtype),
  * e.g. after the model's weights were loaded separately. Moments are kept. */
 OPTSTATE_EXPORT int optstate_adam_load_main(optstate_adam_t* adam, uint32_t id, const void* weights, int dtype,
