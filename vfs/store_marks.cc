@@ -207,4 +207,87 @@ Status Core::WriteCommittedMark(uint64_t gen, bool both_slots) {
   return committed_file_->Fdatasync();
 }
 
+// Opens (creating if absent) COMMITTED and refuses an index older than the
+// generation it records: the acknowledged generations must all be there. A
+// store whose index holds committed generations must have a whole COMMITTED
+// (missing, empty, truncated or with no valid slot is damage: no crash makes
+// it so, and without it a lost index write-ahead log would go unnoticed),
+// unless the user accepted the index as it is (kAcceptIndexFile).
+Status OpenCommittedMark(Core* c) {
+  const std::string name = JoinPath(c->path_, "COMMITTED");
+  const std::string accept = JoinPath(c->path_, Core::kAcceptIndexFile);
+  OPTSTATE_ASSIGN_OR_RETURN(bool exists, c->fs_->Exists(name));
+  OPTSTATE_ASSIGN_OR_RETURN(bool accepted, c->fs_->Exists(accept));
+  OpenOptions oo;
+  oo.create = !exists;
+  std::unique_ptr<File> f;
+  uint64_t size = 0;
+  if (exists || c->latest_.generation == 0 || accepted) {
+    auto opened = c->fs_->Open(name, oo);
+    if (!opened.ok()) return opened.status().WithContext("store " + c->path_ + ": COMMITTED");
+    f = std::move(*opened);
+    OPTSTATE_ASSIGN_OR_RETURN(size, f->Size());
+  }
+  std::lock_guard l(c->mu_);
+  const uint64_t index_latest = c->latest_.generation;
+  std::string damage;  // what is wrong with COMMITTED, if anything
+  std::optional<uint64_t> acked;
+  bool both_valid = false;
+  if (!exists) {
+    damage = "is missing";
+  } else if (size == 0) {
+    damage = "is empty";
+  } else {
+    // The newest valid slot; an invalid slot is a torn or lost unsynced write.
+    std::string contents(std::min<uint64_t>(size, Core::kCommittedBytes), '\0');
+    Status rs = f->Pread(0, contents.data(), contents.size());
+    if (!rs.ok()) return rs.WithContext("store " + c->path_ + ": COMMITTED");
+    std::string why;
+    acked = Core::NewestCommittedMark(contents, "slot", &why);
+    both_valid = acked && why.empty();
+    if (size < Core::kCommittedBytes) {
+      damage = "is truncated to " + std::to_string(size) + " bytes (" + std::to_string(Core::kCommittedBytes) +
+               " written)";
+    } else if (!acked) {
+      damage = "holds no valid record (" + why + ")";
+    }
+  }
+  std::string problem;
+  if (!damage.empty() && index_latest > 0) {
+    problem = "store " + c->path_ + " is damaged: COMMITTED " + damage +
+              ", but the index (index/) holds committed generations up to " + std::to_string(index_latest) +
+              ": the store cannot tell whether the index lost acknowledged generations. ";
+  } else if (acked && index_latest < *acked) {
+    problem = "store " + c->path_ + " is damaged: its index (RocksDB, index/) holds generation " +
+              std::to_string(index_latest) + " but generation " + std::to_string(*acked) +
+              " was committed and acknowledged (COMMITTED): the index write-ahead log was lost or damaged; "
+              "refusing to open an older state silently. ";
+  }
+  if (!problem.empty()) {
+    if (!accepted) return Corruption(problem + c->CommittedRecoveryHint(index_latest));
+    OPTSTATE_LOG_WARN("{}{} exists: accepting the index as it is, generation {}", problem, accept, index_latest);
+  }
+  if (damage.empty() && both_valid && acked == index_latest) {
+    c->committed_file_ = std::move(f);
+  } else {
+    // A fresh store (or one whose creation crashed before COMMITTED was
+    // written), an index ahead of the mark (a crash after the commit batch,
+    // before the mark), a torn slot, or the user's acceptance: both slots anew.
+    if (f == nullptr) {
+      auto opened = c->fs_->Open(name, oo);
+      if (!opened.ok()) return opened.status().WithContext("store " + c->path_ + ": COMMITTED");
+      f = std::move(*opened);
+    }
+    c->committed_file_ = std::move(f);
+    OPTSTATE_RETURN_IF_ERROR(
+        c->WriteCommittedMark(index_latest, /*both_slots=*/true).WithContext("store " + c->path_ + ": COMMITTED"));
+    if (!exists) OPTSTATE_RETURN_IF_ERROR(c->fs_->SyncDir(c->path_));
+  }
+  if (accepted) {
+    OPTSTATE_RETURN_IF_ERROR(c->fs_->Remove(accept).WithContext("store " + c->path_));
+    OPTSTATE_RETURN_IF_ERROR(c->fs_->SyncDir(c->path_));
+  }
+  return Status();
+}
+
 }  // namespace optstate::vfs::internal

@@ -3,7 +3,32 @@
 // reader from ever showing an older state than one it showed or was acknowledged.
 #include "vfs/internal/store_core.h"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
 namespace optstate::vfs::internal {
+namespace {
+
+// Removes <root>/<base> and its reopened instances <base>-r<N>.
+void RemoveSecondaryBase(const std::string& root, const std::string& base) {
+  namespace sfs = std::filesystem;
+  std::error_code ec;
+  std::vector<sfs::path> doomed;
+  for (sfs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name == base || name.rfind(base + "-r", 0) == 0) doomed.push_back(it->path());
+  }
+  for (const auto& p : doomed) sfs::remove_all(p, ec);
+}
+
+}  // namespace
 
 Status Core::LoadIndexChecked(uint64_t acked) {
   auto saved = std::make_tuple(std::move(tensors_), std::move(names_), next_tensor_id_, latest_,
@@ -88,6 +113,52 @@ Status Core::CatchUpChecked(bool reopen_first) {
                       s.ToString());
   }
   return s;
+}
+
+int LockSecondaryBase(const std::string& base) {
+  int fd = ::open((base + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return -1;  // the directory then only ages out by its pid
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void RemoveStaleSecondaryDirs(const std::string& root) {
+  namespace sfs = std::filesystem;
+  std::error_code ec;
+  std::map<std::string, bool> bases;  // base -> has a lock file
+  const size_t prefix = std::strlen(kSecondaryPrefix);
+  for (sfs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kSecondaryPrefix, 0) != 0) continue;
+    if (name.size() > 5 && name.compare(name.size() - 5, 5, ".lock") == 0) {
+      bases[name.substr(0, name.size() - 5)] = true;
+      continue;
+    }
+    const auto r = name.find("-r", prefix);
+    bases.emplace(r == std::string::npos ? name : name.substr(0, r), false);
+  }
+  for (const auto& [base, has_lock] : bases) {
+    const std::string lock_path = root + "/" + base + ".lock";
+    if (has_lock) {
+      const int fd = ::open(lock_path.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd < 0) continue;
+      if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {  // its reader is gone
+        RemoveSecondaryBase(root, base);
+        (void)::unlink(lock_path.c_str());
+      }
+      ::close(fd);
+      continue;
+    }
+    const char* digits = base.c_str() + prefix;
+    char* end = nullptr;
+    const long pid = std::strtol(digits, &end, 10);
+    if (end == digits || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    RemoveSecondaryBase(root, base);
+  }
 }
 
 }  // namespace optstate::vfs::internal
