@@ -33,6 +33,7 @@
 
 #include "mount/cache_pusher.h"
 #include "mount/chunk_reader.h"
+#include "mount/prefetcher.h"
 #include "vfs/log.h"
 
 namespace optstate::mount {
