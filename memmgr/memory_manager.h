@@ -35,6 +35,7 @@ namespace optstate::memmgr {
 namespace internal {
 class ManagerImpl;
 }
+class StreamedAdam;
 
 enum class Backend { kAuto, kHost, kCuda };
 // "auto", "host", "cuda".
@@ -224,9 +225,13 @@ class MemoryManager {
   // Device memory free/total (cudaMemGetInfo); host backend: 0/0.
   Status DeviceMemInfo(uint64_t* free_bytes, uint64_t* total_bytes);
 
-  internal::ManagerImpl* impl() const { return impl_.get(); }
 
  private:
+  // StreamedAdam drives the manager's machinery (the cache, pins, staging)
+  // directly; no other user sees it.
+  friend class StreamedAdam;
+  internal::ManagerImpl* impl() const { return impl_.get(); }
+
   explicit MemoryManager(std::unique_ptr<internal::ManagerImpl> impl);
   std::unique_ptr<internal::ManagerImpl> impl_;
 };

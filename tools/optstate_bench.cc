@@ -15,14 +15,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1, 1);
   int exit_code = 0;
   optstate::tools::bench::AddIoCommand(app, &exit_code);
-#ifdef OPTSTATE_BENCH_HAVE_STEP
   optstate::tools::bench::AddStepCommand(app, &exit_code);
   optstate::tools::bench::AddKernelCommand(app, &exit_code);
   optstate::tools::bench::AddSleepCommand(app, &exit_code);
-#endif
-#ifdef OPTSTATE_BENCH_HAVE_MOUNT
   optstate::tools::bench::AddMountCommand(app, &exit_code);
-#endif
   // A mistyped command gets a suggestion instead of CLI11's "A subcommand is required".
   if (argc > 1 && argv[1][0] != '-') {
     std::vector<std::string> names;

@@ -18,6 +18,7 @@
 
 #include "mount/cache_pusher.h"
 #include "mount/chunk_reader.h"
+#include "mount/prefetcher.h"
 #include "mount/store_tree.h"
 #include "tests/vfs/checkpoint_test_util.h"
 

@@ -303,7 +303,7 @@ TEST_F(CorruptionTest, IndexAndIdentityFilesFlippedZeroedTruncated) {
   // BUG (docs/RELIABILITY.md "Bugs found"): a damaged WAL record makes RocksDB
   // (wal_recovery_mode kPointInTimeRecovery, the default) stop replay there
   // and open cleanly at an OLDER generation: acknowledged generations vanish
-  // without an error. Fix in vfs/store.cc: open the index with
+  // without an error. Fix in vfs/store_open.cc: open the index with
   // wal_recovery_mode = kTolerateCorruptedTailRecords (a torn last record after
   // a crash is still fine; corruption before it fails Open loudly).
   EXPECT_EQ(rollbacks, 0u) << "silent rollback to an older generation: " << rolled;

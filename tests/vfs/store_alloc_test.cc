@@ -1,5 +1,5 @@
 // Space allocation for short chunks (tensor tails, small tensors): they take
-// a power-of-two piece of a slot, not a whole slot (vfs/store.cc DirSpace).
+// a power-of-two piece of a slot, not a whole slot (vfs/internal/store_core.h DirSpace).
 // References are computed here from the tensor sizes alone: logical bytes,
 // the piece each chunk needs, the disk bound, and every chunk's bytes
 // (FillPattern of its seed).

@@ -560,7 +560,7 @@ TEST(StoreTest, ReadOnlyReaderLeaseSurvivesWriterCommits) {
   EXPECT_TRUE(rep.problems.empty()) << rep.problems[0];
 }
 
-// RETAINED as the file format in vfs/store.cc documents it, decoded here on
+// RETAINED as the file format in vfs/internal/store_core.h documents it, decoded here on
 // its own: "OSRETAIN", count, generations (little-endian u64), XXH3.
 std::vector<uint64_t> ReadRetainedFile(const std::filesystem::path& store) {
   std::ifstream in(store / "RETAINED", std::ios::binary);
@@ -577,7 +577,7 @@ std::vector<uint64_t> ReadRetainedFile(const std::filesystem::path& store) {
   return gens;
 }
 
-// A reader's catch-up that brings nothing keeps its maps (vfs/store.cc
+// A reader's catch-up that brings nothing keeps its maps (vfs/internal/store_core.h
 // CatchUpChecked: the secondary's sequence number did not move); one that
 // follows a write that is not a commit (a snapshot made or released) must
 // still show it, and a writer's reopen (a flush of its WAL, no new write)

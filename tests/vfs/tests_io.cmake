@@ -1,1 +1,0 @@
-list(APPEND OPTSTATE_VFS_TEST_SOURCES file_system_test.cc io_buffer_test.cc io_engine_test.cc fault_injection_test.cc)

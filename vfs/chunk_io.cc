@@ -1,0 +1,355 @@
+// ChunkIo (vfs/internal/chunk_io.h): chunk reads and writes through an
+// IoEngine, checksummed and verified (on hasher threads for big chunks).
+#include "vfs/internal/chunk_io.h"
+
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "vfs/internal/chunk_hasher.h"
+#include "vfs/internal/generation_view.h"
+#include "vfs/io_engine.h"
+
+namespace optstate::vfs::internal {
+
+// `what` + ": checksum mismatch (expected xxh3 E, read R) at [PATH ]offset O".
+Status ChecksumMismatch(const std::string& what, uint64_t expected, uint64_t read, const std::string& path,
+                        uint64_t offset) {
+  char m[96];
+  snprintf(m, sizeof(m), ": checksum mismatch (expected xxh3 %016llx, read %016llx) at ",
+           static_cast<unsigned long long>(expected), static_cast<unsigned long long>(read));
+  return Corruption(what + m + (path.empty() ? "" : path + " ") + "offset " + std::to_string(offset));
+}
+
+// Reads one version synchronously into buf (buf_bytes long: the tail past the
+// chunk is zeroed up to there) and verifies it.
+Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version& v, void* buf, uint64_t buf_bytes) {
+  File* f = v.ext.dir < core->data_files_.size() ? core->data_files_[v.ext.dir].get() : nullptr;
+  if (f == nullptr) {
+    return IoError(core->Describe(t, k, v.gen) + ": data file of dir " + std::to_string(v.ext.dir) +
+                   " is missing");
+  }
+  Status s = f->Pread(v.ext.file_offset, buf, RoundUp(v.ext.length, kIoAlign));
+  if (!s.ok()) return s.WithContext("read of " + core->Describe(t, k, v.gen));
+  const uint64_t sum = ChunkChecksum(buf, v.ext.length);
+  if (sum != v.ext.checksum) {
+    return ChecksumMismatch(core->Describe(t, k, v.gen), v.ext.checksum, sum, f->path(), v.ext.file_offset);
+  }
+  if (v.ext.length < buf_bytes) std::memset(static_cast<char*>(buf) + v.ext.length, 0, buf_bytes - v.ext.length);
+  return Status();
+}
+
+// A caller's buffer size (0 = a whole chunk), checked against the chunk it is
+// to hold: the one rule of ChunkIo::SubmitRead and GenerationView::ReadChunk.
+Result<uint64_t> BufferBytesFor(const Core& core, const TensorInfo* t, const Key& k, uint64_t chunk_len,
+                                uint64_t buf_bytes) {
+  const uint64_t n = buf_bytes == 0 ? core.chunk() : std::min(buf_bytes, core.chunk());
+  if (RoundUp(chunk_len, kIoAlign) > n) {
+    return InvalidArgument(core.Describe(t, k, kInfinity) + ": a " + std::to_string(chunk_len) +
+                           "-byte chunk does not fit the " + std::to_string(n) + "-byte buffer");
+  }
+  return n;
+}
+
+namespace {
+
+class ChunkIoImpl final : public ChunkIo {
+ public:
+  ChunkIoImpl(std::shared_ptr<Core> core, std::shared_ptr<ViewData> view, std::unique_ptr<IoEngine> engine,
+              bool verify, uint32_t hash_threads)
+      : core_(std::move(core)), view_(std::move(view)), engine_(std::move(engine)), verify_(verify) {
+    if (hash_threads > 0) {
+      IoEngine* e = engine_.get();
+      hasher_ = std::make_unique<internal::ChunkHasher>(hash_threads, [e] { e->Wake(); });
+    }
+  }
+
+  ~ChunkIoImpl() override {
+    // Drain: the engine and the hashers must not touch buffers or files after
+    // we are gone, and completed writes must reach the pending map.
+    std::vector<ChunkCompletion> sink;
+    while (in_flight() > 0) {
+      if (!Reap(&sink, 1).ok()) break;
+    }
+    hasher_.reset();  // before the engine its threads wake
+  }
+
+  Status SubmitRead(const ChunkRef& ref, void* buf, uint64_t tag, uint64_t buf_bytes) override {
+    const Key k{ref.tensor_id, ref.field, ref.index};
+    Op op;
+    op.user_tag = tag;
+    op.key = k;
+    op.buf = buf;
+    {
+      std::lock_guard l(core_->mu_);
+      const auto& tensors = view_ ? view_->by_id : core_->tensors_;
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(tensors, ref));
+      op.tensor = *res.first;
+      OPTSTATE_ASSIGN_OR_RETURN(op.buf_bytes, BufferBytesFor(*core_, &op.tensor, k, res.second, buf_bytes));
+      std::optional<Version> v;
+      if (view_) {
+        auto it = view_->chunks.find(k);
+        if (it != view_->chunks.end()) v = it->second;
+      } else {
+        v = core_->Newest(k);
+      }
+      if (!v) {
+        std::memset(buf, 0, op.buf_bytes);
+        ChunkCompletion zero;  // never written: zeros, nothing to verify
+        zero.tag = tag;
+        ready_.push_back(std::move(zero));
+        return Status();
+      }
+      op.version = *v;
+    }
+    File* f = op.version.ext.dir < core_->data_files_.size() ? core_->data_files_[op.version.ext.dir].get()
+                                                            : nullptr;
+    if (f == nullptr) return IoError(core_->Describe(&op.tensor, k, op.version.gen) + ": data file missing");
+    IoRequest r;
+    r.op = IoRequest::Op::kRead;
+    r.file = f;
+    r.offset = op.version.ext.file_offset;
+    r.length = RoundUp(op.version.ext.length, kIoAlign);
+    r.buf = buf;
+    r.tag = next_tag_++;
+    OPTSTATE_RETURN_IF_ERROR(
+        engine_->Submit(std::span<const IoRequest>(&r, 1)).WithContext("read of " +
+                                                                         core_->Describe(&op.tensor, k, op.version.gen)));
+    ops_.emplace(r.tag, std::move(op));
+    return Status();
+  }
+
+  Status SubmitWrite(const ChunkRef& ref, const void* buf, uint64_t tag) override {
+    if (view_) {
+      return FailedPrecondition("store " + core_->path_ + ": writes through a GenerationView's ChunkIo");
+    }
+    const Key k{ref.tensor_id, ref.field, ref.index};
+    Op op;
+    op.user_tag = tag;
+    op.key = k;
+    op.write = true;
+    {
+      std::lock_guard l(core_->mu_);
+      OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("chunk write"));
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors_, ref));
+      op.tensor = *res.first;
+      const uint64_t len = res.second;
+      auto ext = core_->AllocateSlot(len);
+      if (!ext.ok()) return ext.status().WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
+      op.version.ext = *ext;
+      op.version.gen = core_->latest_.generation + 1;
+      ++core_->writes_in_flight_;
+    }
+    // A big chunk is hashed by the hashers while its write is in flight.
+    const bool async_hash = hasher_ != nullptr && op.version.ext.length >= kAsyncHashMinBytes;
+    if (!async_hash) op.version.ext.checksum = ChunkChecksum(buf, op.version.ext.length);
+    CrashPoint("extent.before_write");
+    IoRequest r;
+    r.op = IoRequest::Op::kWrite;
+    r.file = core_->data_files_[op.version.ext.dir].get();
+    r.offset = op.version.ext.file_offset;
+    r.length = RoundUp(op.version.ext.length, kIoAlign);
+    r.buf = const_cast<void*>(buf);
+    r.tag = next_tag_++;
+    Status s = engine_->Submit(std::span<const IoRequest>(&r, 1));
+    if (!s.ok()) {
+      std::lock_guard l(core_->mu_);
+      core_->FreeSlot(op.version.ext);
+      --core_->writes_in_flight_;
+      return s.WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
+    }
+    if (async_hash) {
+      op.hashing = true;
+      hasher_->Post(r.tag, buf, op.version.ext.length);
+    }
+    ops_.emplace(r.tag, std::move(op));
+    return Status();
+  }
+
+  // A completion is handed out once its I/O and, with hashers, its hash (a
+  // big write's checksum, posted at submit; a big read's verification, posted
+  // here when the read lands) are both done. Waits in the engine while it has
+  // requests in flight (a hasher's result wakes it), else for a hash.
+  Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) override {
+    size_t got = 0;
+    while (!ready_.empty()) {
+      out->push_back(std::move(ready_.front()));
+      ready_.pop_front();
+      ++got;
+    }
+    std::vector<IoCompletion> done;
+    for (;;) {
+      got += CollectHashes(out);
+      if (const size_t n = engine_->in_flight(); n > 0) {
+        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, got >= min_complete ? 0 : std::min(min_complete - got, n)));
+        for (auto& c : done) got += OnIoDone(c, out);
+        done.clear();
+      } else if (got < min_complete && hasher_ != nullptr && !ops_.empty()) {
+        hasher_->WaitForResult();  // everything left is hashing
+        continue;
+      } else {
+        return Status();  // nothing in flight, nothing to wait for
+      }
+      if (got >= min_complete || ops_.empty()) return Status();
+    }
+  }
+
+  // ops_ holds every request not handed out yet: in the engine, or hashing.
+  size_t in_flight() const override { return ops_.size() + ready_.size(); }
+  void Wake() override { engine_->Wake(); }
+
+ private:
+  struct Op {
+    uint64_t user_tag = 0;
+    Key key;
+    bool write = false;
+    TensorInfo tensor;
+    Version version;
+    void* buf = nullptr;
+    uint64_t buf_bytes = 0;  // zeroed past the chunk's length up to here
+    // A hash job is out for this op (hashers only); the I/O is done
+    // (io_status holds its result); a hash came back (sum).
+    bool hashing = false;
+    bool io_done = false;
+    Status io_status;
+    std::optional<uint64_t> sum;
+  };
+
+  // The engine finished op c.tag: hands it out, or first posts its
+  // verification (a big read) or waits for the hash posted at submit (a big
+  // write). Returns the completions handed out (0 or 1).
+  size_t OnIoDone(IoCompletion& c, std::vector<ChunkCompletion>* out) {
+    auto it = ops_.find(c.tag);
+    if (it == ops_.end()) return 0;
+    Op& op = it->second;
+    op.io_done = true;
+    op.io_status = std::move(c.status);
+    if (hasher_ != nullptr && !op.write && verify_ && op.io_status.ok() &&
+        op.version.ext.length >= kAsyncHashMinBytes) {
+      op.hashing = true;
+      hasher_->Post(c.tag, op.buf, op.version.ext.length);
+    }
+    if (op.hashing) return 0;
+    HandOut(it, out);
+    return 1;
+  }
+
+  // Takes the hashers' results; hands out the ops whose I/O is done too.
+  size_t CollectHashes(std::vector<ChunkCompletion>* out) {
+    if (hasher_ == nullptr) return 0;
+    hashed_.clear();
+    hasher_->Collect(&hashed_);
+    size_t n = 0;
+    for (const auto& h : hashed_) {
+      auto it = ops_.find(h.tag);
+      if (it == ops_.end()) continue;
+      it->second.hashing = false;
+      it->second.sum = h.sum;
+      if (it->second.io_done) {
+        HandOut(it, out);
+        ++n;
+      }
+    }
+    return n;
+  }
+
+  // Finishes a done op (I/O and any hash) and hands its completion out.
+  void HandOut(std::unordered_map<uint64_t, Op>::iterator it, std::vector<ChunkCompletion>* out) {
+    Op op = std::move(it->second);
+    ops_.erase(it);
+    if (op.write && op.sum) op.version.ext.checksum = *op.sum;
+    ChunkCompletion cc;
+    cc.tag = op.user_tag;
+    cc.status = Finish(op, op.io_status, &cc);
+    out->push_back(std::move(cc));
+  }
+
+  Status Finish(const Op& op, const Status& io, ChunkCompletion* out) {
+    Core* c = core_.get();
+    if (op.write) {
+      std::lock_guard l(c->mu_);
+      --c->writes_in_flight_;
+      if (!io.ok()) {
+        c->FreeSlot(op.version.ext);
+        return io.WithContext("write of " + c->Describe(&op.tensor, op.key, kInfinity));
+      }
+      c->SetPending(op.key, op.version.ext);
+      CrashPoint("extent.after_write");
+      return Status();
+    }
+    if (!io.ok()) return io.WithContext("read of " + c->Describe(&op.tensor, op.key, op.version.gen));
+    if (verify_) {
+      const uint64_t sum = op.sum ? *op.sum : ChunkChecksum(op.buf, op.version.ext.length);
+      if (sum != op.version.ext.checksum) {
+        return ChecksumMismatch(c->Describe(&op.tensor, op.key, op.version.gen), op.version.ext.checksum, sum,
+                                "", op.version.ext.file_offset);
+      }
+    } else {
+      out->needs_verify = true;
+      out->verify_length = op.version.ext.length;
+      out->expected_checksum = op.version.ext.checksum;
+      out->file_offset = op.version.ext.file_offset;
+      out->what = c->Describe(&op.tensor, op.key, op.version.gen);
+    }
+    if (op.version.ext.length < op.buf_bytes) {
+      std::memset(static_cast<char*>(op.buf) + op.version.ext.length, 0, op.buf_bytes - op.version.ext.length);
+    }
+    return Status();
+  }
+
+  std::shared_ptr<Core> core_;
+  std::shared_ptr<ViewData> view_;  // null: the store's newest versions
+  std::unique_ptr<IoEngine> engine_;
+  const bool verify_;  // ChunkIoOptions::verify_reads
+  std::unordered_map<uint64_t, Op> ops_;
+  std::deque<ChunkCompletion> ready_;  // zero chunks, completed at submit
+  uint64_t next_tag_ = 1;
+  std::unique_ptr<internal::ChunkHasher> hasher_;  // ChunkIoOptions::hash_threads > 0
+  std::vector<internal::ChunkHasher::Result> hashed_;  // CollectHashes' scratch
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, std::shared_ptr<ViewData> view,
+                                             const ChunkIoOptions& opts) {
+  std::unique_ptr<IoEngine> engine;
+  if (!opts.use_sync_engine) {
+    IoEngineOptions eo;
+    eo.queue_depth = opts.queue_depth;
+    eo.registered_buffers = opts.registered_buffers;
+    eo.max_sqe_bytes = opts.max_sqe_bytes;
+    eo.wakeable = opts.wakeable || opts.hash_threads > 0;  // a hasher's result wakes Reap
+    eo.defer_submit = opts.defer_submit;
+    auto e = IoEngine::NewUring(eo);
+    if (e.ok()) {
+      engine = std::move(*e);
+    } else {
+      static std::once_flag warned;
+      std::call_once(warned, [&] {
+        OPTSTATE_LOG_WARN("io_uring unavailable ({}); using the synchronous engine", e.status().ToString());
+      });
+    }
+  }
+  if (!engine) {
+    OPTSTATE_ASSIGN_OR_RETURN(engine, IoEngine::NewSync(core->chunk()));
+  }
+  return std::unique_ptr<ChunkIo>(new ChunkIoImpl(core, std::move(view), std::move(engine), opts.verify_reads,
+                                                   opts.hash_threads));
+}
+
+}  // namespace optstate::vfs::internal
+
+namespace optstate::vfs {
+
+Status VerifyChunkRead(const ChunkCompletion& c, const void* buf) {
+  if (!c.needs_verify) return Status();
+  const uint64_t sum = ChunkChecksum(buf, c.verify_length);
+  if (sum == c.expected_checksum) return Status();
+  return internal::ChecksumMismatch(c.what, c.expected_checksum, sum, "", c.file_offset);
+}
+
+}  // namespace optstate::vfs

@@ -1,0 +1,117 @@
+// Commit (Core, vfs/internal/store_core.h): data file syncs, the synced batch
+// that publishes a generation, its COMMITTED mark, and poisoning on failure.
+#include "vfs/internal/store_core.h"
+
+namespace optstate::vfs::internal {
+
+Status Core::WriteSynced(rocksdb::WriteBatch* b, std::string_view what) {
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return RocksStatus("store " + path_ + ": " + std::string(what), db_->Write(wo, b));
+}
+
+void Core::Poison(const Status& why) {  // mu_ held
+                  if (!poisoned_) {
+    poisoned_ = true;
+    poison_reason_ = why.ToString();
+    OPTSTATE_LOG_ERROR("store {} poisoned until reopen: {}", path_, poison_reason_);
+  }
+}
+
+Status Core::SyncData() {
+  std::vector<std::pair<uint32_t, File*>> files;
+  {
+    std::lock_guard l(mu_);
+    OPTSTATE_RETURN_IF_ERROR(CheckWritable("data sync"));
+    for (uint32_t d = 0; d < data_files_.size(); ++d) {
+      if (dirty_[d] || grown_[d]) files.emplace_back(d, data_files_[d].get());
+    }
+  }
+  for (const auto& [d, f] : files) {
+    Status s = f->Fdatasync();
+    if (!s.ok()) {
+      Status e(StatusCode::kDataLoss, "store " + path_ + ": sync of " + FileName(d) + " failed: " + s.ToString(),
+               s.err());
+      std::lock_guard l(mu_);
+      Poison(e);
+      return e;
+    }
+  }
+  return Status();
+}
+
+Result<uint64_t> Core::Commit(const CommitInfo& info) {
+  std::lock_guard ll(lease_lock_mu_);
+  OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
+  OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
+  std::lock_guard l(mu_);
+  OPTSTATE_RETURN_IF_ERROR(CheckWritable("commit"));
+  if (writes_in_flight_ > 0) {
+    return FailedPrecondition("store " + path_ + ": commit with " + std::to_string(writes_in_flight_) +
+                              " chunk writes in flight; reap them first");
+  }
+  const uint64_t gen = latest_.generation + 1;
+  CrashPoint("commit.before_sync");
+  for (uint32_t d = 0; d < data_files_.size(); ++d) {
+    if (!dirty_[d] && !grown_[d]) continue;
+    Status s = grown_[d] ? data_files_[d]->Fsync() : data_files_[d]->Fdatasync();
+    if (!s.ok()) {
+      Status e(StatusCode::kDataLoss,
+               "store " + path_ + ": commit of generation " + std::to_string(gen) + ": sync of " +
+                   FileName(d) + " failed: " + s.ToString(),
+               s.err());
+      Poison(e);
+      return e;
+    }
+    dirty_[d] = grown_[d] = false;
+  }
+  GenerationInfo g;
+  g.generation = gen;
+  g.step = info.step;
+  g.groups = info.groups;
+  g.commit_time_unix_ms = NowUnixMs();
+  g.index_digest = CommitDigest(gen);
+  rocksdb::WriteBatch b;
+  for (const auto& [key, ext] : pending_) b.Put(internal::ChunkKey(key.t, key.f, key.c, gen), internal::EncodeExtent(ext));
+  b.Put(internal::GenerationKey(gen), internal::EncodeGeneration(g));
+  b.Put(internal::kLatestKey, internal::EncodeU64(gen));
+  b.Put(internal::kLifetimeKey, internal::EncodeU64(lifetime_bytes_));
+  generations_[gen] = g;  // so PlanGc sees it as a record (removed below on failure)
+  GcPlan plan = PlanGc(gen, /*publish=*/true, leased);
+  generations_.erase(gen);
+  OPTSTATE_RETURN_IF_ERROR(
+      WriteRetained(GenerationNumbers(gen)).WithContext("commit of generation " + std::to_string(gen)));
+  AddGcToBatch(plan, &b);
+  CrashPoint("commit.before_batch");
+  Status s = WriteSynced(&b, "commit of generation " + std::to_string(gen));
+  if (!s.ok()) {
+    // The batch may or may not be in the WAL: nothing in memory can be
+    // trusted to match the index any more.
+    Poison(s);
+    return Status(StatusCode::kDataLoss, s.message() + " (store poisoned until reopen)", s.err());
+  }
+  if (Status w = WriteCommittedMark(gen); !w.ok()) {
+    // The generation is in the index (a reopen may show it) but is not
+    // acknowledged: keep the previous one in memory, refuse more commits.
+    Status e(StatusCode::kDataLoss,
+             "store " + path_ + ": generation " + std::to_string(gen) +
+                 " is in the index but its COMMITTED mark could not be made durable: " + w.ToString() +
+                 " (store poisoned until reopen)",
+             w.err());
+    Poison(e);
+    return e;
+  }
+  for (const auto& [key, ext] : pending_) {
+    auto& vs = versions_[key];
+    vs.insert(vs.begin(), Version{gen, ext});
+  }
+  pending_.clear();
+  generations_[gen] = g;
+  latest_ = g;
+  ApplyGc(plan);
+  RewriteRetainedAfterBatch();
+  CrashPoint("commit.after_batch");
+  return gen;
+}
+
+}  // namespace optstate::vfs::internal

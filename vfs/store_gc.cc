@@ -1,0 +1,77 @@
+// Garbage collection (Core, vfs/internal/store_core.h): which chunk versions and
+// generation records no retained, snapshotted, viewed or leased generation can
+// see, and their removal in one synced batch.
+#include "vfs/internal/store_core.h"
+
+namespace optstate::vfs::internal {
+
+Core::GcPlan Core::PlanGc(uint64_t new_gen, bool publish, const std::vector<uint64_t>& leased) const {
+  std::set<uint64_t> retained;
+  const uint64_t k = std::max<uint32_t>(1, opts_.retained_generations);
+  for (uint64_t g = new_gen + 1 > k ? new_gen + 1 - k : 0; g <= new_gen; ++g) retained.insert(g);
+  for (const auto& [name, s] : snapshots_) retained.insert(s.generation);
+  for (const auto& [g, n] : view_refs_) {
+    if (n > 0) retained.insert(g);
+  }
+  for (uint64_t g : leased) retained.insert(g);
+  GcPlan plan;
+  for (const auto& [key, vs] : versions_) {
+    uint64_t superseded = publish && pending_.count(key) ? new_gen : kInfinity;
+    for (const auto& v : vs) {
+      auto r = retained.lower_bound(v.gen);
+      if (r == retained.end() || *r >= superseded) plan.dead_versions.emplace_back(key, v.gen);
+      superseded = v.gen;
+    }
+  }
+  for (const auto& [g, info] : generations_) {
+    if (!retained.count(g)) plan.dead_generations.push_back(g);
+  }
+  return plan;
+}
+
+void Core::AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const {
+  for (const auto& [key, gen] : plan.dead_versions) b->Delete(internal::ChunkKey(key.t, key.f, key.c, gen));
+  for (uint64_t g : plan.dead_generations) b->Delete(internal::GenerationKey(g));
+}
+
+void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durable
+                   for (const auto& [key, gen] : plan.dead_versions) {
+    auto it = versions_.find(key);
+    if (it == versions_.end()) continue;
+    auto& vs = it->second;
+    for (auto v = vs.begin(); v != vs.end(); ++v) {
+      if (v->gen == gen) {
+        FreeSlot(v->ext);
+        vs.erase(v);
+        break;
+      }
+    }
+    if (vs.empty()) versions_.erase(it);
+  }
+  for (uint64_t g : plan.dead_generations) generations_.erase(g);
+}
+
+Status Core::CollectGarbage() {
+  std::lock_guard ll(lease_lock_mu_);
+  OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
+  OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
+  std::lock_guard l(mu_);
+  OPTSTATE_RETURN_IF_ERROR(CheckWritable("garbage collection"));
+  GcPlan plan = PlanGc(latest_.generation, /*publish=*/false, leased);
+  OPTSTATE_RETURN_IF_ERROR(WriteRetained(GenerationNumbers()));
+  if (plan.dead_versions.empty() && plan.dead_generations.empty()) return Status();
+  rocksdb::WriteBatch b;
+  AddGcToBatch(plan, &b);
+  CrashPoint("gc.before_batch");
+  Status s = WriteSynced(&b, "garbage collection batch");
+  if (!s.ok()) {
+    Poison(s);
+    return s;
+  }
+  ApplyGc(plan);
+  RewriteRetainedAfterBatch();
+  CrashPoint("gc.after_batch");
+  return Status();
+}
+
+}  // namespace optstate::vfs::internal

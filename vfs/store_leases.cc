@@ -1,0 +1,182 @@
+// Reader leases (Core, vfs/internal/store_core.h): leases/.lock and the lease
+// files of live readers, which keep their generations from GC.
+#include "vfs/internal/store_core.h"
+#include "vfs/internal/generation_view.h"
+
+#include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <random>
+
+namespace optstate::vfs::internal {
+
+Result<FlockGuard> Core::LockLeases(int op) {
+  if (!lease_lock_file_) {
+    return FailedPrecondition("store " + path_ + ": leases/.lock is not open");
+  }
+  return FlockGuard::Take(lease_lock_file_.get(), op);
+}
+
+Result<std::vector<uint64_t>> Core::LeasedGenerations() {
+  std::vector<uint64_t> gens;
+  OPTSTATE_ASSIGN_OR_RETURN(auto names, fs_->ListDir(leases_dir_));
+  for (const auto& name : names) {
+    if (name.empty() || name[0] == '.') continue;
+    unsigned long long pid = 0, gen = 0, nonce = 0;
+    int used = 0;
+    if (sscanf(name.c_str(), "%llu.%llu.%llu%n", &pid, &gen, &nonce, &used) != 3) continue;
+    const std::string_view rest = std::string_view(name).substr(static_cast<size_t>(used));
+    const std::string file = JoinPath(leases_dir_, name);
+    if (rest == kLeaseSuffix) {
+      if (LeaseFileHeld(file)) gens.push_back(gen);
+      continue;
+    }
+    if (!rest.empty()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      (void)fs_->Remove(file);
+      continue;
+    }
+    gens.push_back(gen);
+  }
+  return gens;
+}
+
+bool Core::LeaseFileHeld(const std::string& file) {
+  OpenOptions oo;
+  oo.read_only = true;
+  auto f = fs_->Open(file, oo);
+  if (!f.ok()) {
+    if (f.status().IsNotFound()) return false;  // its reader released it just now
+    OPTSTATE_LOG_WARN("store {}: cannot check reader lease {} ({}); keeping its generation", path_, file,
+                      f.status().ToString());
+    return true;
+  }
+  for (;;) {
+    if (::flock((*f)->fd(), LOCK_EX | LOCK_NB) == 0) break;
+    if (errno == EINTR) continue;
+    if (errno != EWOULDBLOCK) {
+      OPTSTATE_LOG_WARN("store {}: flock of reader lease {}: {}; keeping its generation", path_, file,
+                        std::strerror(errno));
+    }
+    return true;
+  }
+  OPTSTATE_LOG_INFO("store {}: removing the lease {} of a reader that has ended", path_, file);
+  (void)fs_->Remove(file);
+  return false;
+}
+
+Status OpenLeaseLock(Core* c) {
+  OPTSTATE_RETURN_IF_ERROR(c->fs_->CreateDir(c->leases_dir_));
+  OpenOptions oo;
+  oo.create = true;
+  auto f = c->fs_->Open(JoinPath(c->leases_dir_, ".lock"), oo);
+  if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": leases/.lock");
+  c->lease_lock_file_ = std::move(*f);
+  return Status();
+}
+
+Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr<Core>& core, uint64_t generation,
+                                                           const std::string& snapshot) {
+  Core* c = core.get();
+  auto resolve = [&](uint64_t* g) -> Status {  // mu_ held
+    if (!snapshot.empty()) {
+      auto s = c->snapshots_.find(snapshot);
+      if (s == c->snapshots_.end()) return c->SnapshotNotFound(snapshot);
+      *g = s->second.generation;
+    } else {
+      *g = generation == kLatest ? c->latest_.generation : generation;
+    }
+    if (!c->generations_.count(*g)) {
+      std::string have;
+      for (const auto& [x, i] : c->generations_) have += (have.empty() ? "" : ", ") + std::to_string(x);
+      return NotFound("store " + c->path_ + ": generation " + std::to_string(*g) +
+                      " is not retained (retained: " + have + ")");
+    }
+    return Status();
+  };
+  if (!c->read_only_) {
+    std::lock_guard l(c->mu_);
+    uint64_t g;
+    OPTSTATE_RETURN_IF_ERROR(resolve(&g));
+    auto v = BuildView(core, g);
+    ++c->view_refs_[g];
+    v->in_process_ref = true;
+    return NewGenerationView(std::move(v));
+  }
+  // Read-only: a lease file, then (under the same shared flock) RETAINED says
+  // whether the writer still keeps g; g's entries come from this process's
+  // index, checked against g's digest.
+  static std::atomic<uint64_t> nonce{0};
+  std::mt19937_64 rng(std::random_device{}());
+  bool reopen = false;
+  Status why = Busy("the writer collected each generation before a lease on it was taken");
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    OPTSTATE_RETURN_IF_ERROR(c->CatchUpChecked(reopen));
+    reopen = false;
+    uint64_t g;
+    {
+      std::lock_guard l(c->mu_);
+      OPTSTATE_RETURN_IF_ERROR(resolve(&g));
+    }
+    const std::string lease =
+        JoinPath(c->leases_dir_, std::to_string(getpid()) + "." + std::to_string(g) + "." +
+                                     std::to_string((rng() & 0xffffffffull) * 1000 + nonce++ % 1000) +
+                                     std::string(Core::kLeaseSuffix));
+    std::optional<std::vector<uint64_t>> retained;
+    std::unique_ptr<File> handle;
+    {
+      std::lock_guard ll(c->lease_lock_mu_);
+      OPTSTATE_ASSIGN_OR_RETURN(auto guard, c->LockLeases(LOCK_SH));
+      OpenOptions oo;
+      oo.create = true;
+      oo.exclusive = true;
+      auto f = c->fs_->Open(lease, oo);
+      if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": take reader lease");
+      handle = std::move(*f);
+      // Locked before the lease flock is released: the writer's GC, which
+      // lists leases under LOCK_EX, never sees this file unlocked while we live.
+      while (::flock(handle->fd(), LOCK_EX | LOCK_NB) != 0) {
+        if (errno == EINTR) continue;
+        const int e = errno;
+        handle.reset();
+        (void)c->fs_->Remove(lease);
+        return ErrnoStatus("store " + c->path_ + ": flock reader lease " + lease, e);
+      }
+      retained = c->ReadRetained();
+    }
+    // Without RETAINED (a store last opened by an older writer): a GC that
+    // dropped g before the lease existed is in the index by now.
+    Status s = retained ? Status() : c->CatchUpChecked(false);
+    const bool kept = retained ? std::binary_search(retained->begin(), retained->end(), g) : true;
+    std::unique_lock l(c->mu_);
+    if (s.ok() && kept && c->generations_.count(g)) {
+      s = c->CheckIndexOf(g);
+      if (s.ok()) {
+        auto v = BuildView(core, g);
+        v->lease_file = lease;
+        v->lease_handle = std::move(handle);
+        l.unlock();
+        return NewGenerationView(std::move(v));
+      }
+      reopen = true;  // g's entries in this index are stale
+      why = s;
+    } else if (s.ok() && kept) {
+      reopen = true;  // the writer keeps g, this index lost it: stale
+    }
+    l.unlock();
+    (void)c->fs_->Remove(lease);
+    handle.reset();
+    if (!s.ok() && s.code() != StatusCode::kBusy) return s;
+    if (!kept && generation != kLatest && snapshot.empty()) {
+      return NotFound("store " + c->path_ + ": generation " + std::to_string(g) +
+                      " was collected before a lease could be taken");
+    }
+  }
+  return Busy("store " + c->path_ + ": could not lease a generation after 20 attempts: " + why.ToString());
+}
+
+}  // namespace optstate::vfs::internal
