@@ -453,6 +453,12 @@ struct DestField {
   uint64_t stage_start = 0;  // file offset of stage[0]
   std::vector<char> stage;
   std::vector<uint64_t> strides;  // elements, row-major
+  // Chunk hashes computed as the bytes arrive, while they arrive in file
+  // order (row and column splits of row-ordered sources do); otherwise the
+  // file is read back and hashed at the end.
+  bool in_order = true;
+  uint64_t hashed = 0;  // bytes [0, hashed) hashed
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hash{nullptr, &XXH3_freeState};
 };
 
 class Resharder {
@@ -604,6 +610,22 @@ class Resharder {
   // Appends bytes bound for file offset `at` of d, writing out what is staged
   // first when they do not continue it or the stage is full.
   Status Stage(DestField& d, uint64_t at, const char* p, uint64_t n) {
+    if (d.in_order && at == d.hashed) {
+      for (uint64_t k = 0; k < n;) {
+        if (d.hashed % cs_ == 0) XXH3_64bits_reset(d.hash.get());
+        const uint64_t take = std::min(n - k, cs_ - d.hashed % cs_);
+        XXH3_64bits_update(d.hash.get(), p + k, take);
+        k += take;
+        d.hashed += take;
+        if (d.hashed % cs_ == 0 || d.hashed == d.field->bytes) {
+          const uint64_t len = (d.hashed - 1) % cs_ + 1;
+          d.field->chunks.push_back({d.hashed - len, len, XXH3_64bits_digest(d.hash.get())});
+        }
+      }
+    } else if (d.in_order) {
+      d.in_order = false;
+      d.field->chunks.clear();
+    }
     if (!d.stage.empty() && (d.stage_start + d.stage.size() != at ||
                              d.stage.size() + n > opts_.staging_bytes_per_rank)) {
       OPTSTATE_RETURN_IF_ERROR(Flush(d));
@@ -668,6 +690,8 @@ class Resharder {
       d.st_offset = r.st_offsets[it->second][fi];
       d.strides.assign(t.shape.size(), 1);
       for (size_t k = t.shape.size() - 1; k-- > 0;) d.strides[k] = d.strides[k + 1] * t.shape[k + 1];
+      d.hash.reset(XXH3_createState());
+      if (!d.hash) return ResourceExhausted("reshard: out of memory for a hash state");
       OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file));
       if (d.field->bytes > 0) OPTSTATE_RETURN_IF_ERROR(d.file->Fallocate(0, d.field->bytes));
       dests.push_back(std::move(d));
@@ -726,12 +750,16 @@ class Resharder {
       done_ += sf.bytes;
       if (opts_.progress) opts_.progress(done_, total_);
     }
-    // Every destination byte is written (the layouts tile): hash the files
-    // chunk by chunk as restore will check them.
+    // Every destination byte is written (the layouts tile). Fields whose
+    // bytes came out of order are read back and hashed chunk by chunk.
     for (DestField& d : dests) {
       OPTSTATE_RETURN_IF_ERROR(Flush(d));
       ManifestField& f = *d.field;
-      for (uint64_t off = 0; off < f.bytes; off += cs_) {
+      if (d.in_order && d.hashed != f.bytes) {
+        return Internal(fmt::format("reshard: tensor '{}' field '{}': {} of {} bytes written on {}", g.name,
+                                    fname, d.hashed, f.bytes, d.rank->dir));
+      }
+      for (uint64_t off = d.in_order ? f.bytes : 0; off < f.bytes; off += cs_) {
         const uint64_t len = std::min(cs_, f.bytes - off);
         OPTSTATE_RETURN_IF_ERROR(d.file->Pread(off, buf_.data(), len));
         f.chunks.push_back({off, len, XXH3_64bits(buf_.data(), len)});
