@@ -1,8 +1,9 @@
 // optstate-reshard: resume on a different number of ranks.
 //
-//   optstate-reshard layout --ranks M --split rows|columns [-o LAYOUT.json] SOURCE...
+//   optstate-reshard layout --ranks M [--split rows|columns | --bucket-elements N] [-o LAYOUT.json] SOURCE...
 //       writes a target layout that splits every tensor of the sources evenly
-//       over M ranks (rows: along dimension 0; columns: along the last one).
+//       over M ranks (rows: along dimension 0; columns: along the last one), or
+//       the flat ranges of a distributed optimizer's buckets of N elements.
 //   optstate-reshard run --layout LAYOUT.json --dest DIR SOURCE...
 //       reads the SOURCE checkpoint directories (one per old rank, any order),
 //       checks that they tile every tensor exactly once and agree on step and
@@ -42,6 +43,10 @@ int Main(int argc, char** argv) {
   layout->add_option("--ranks", ranks, "number of destination ranks")->required()->check(CLI::Range(1u, 1u << 20));
   layout->add_option("--split", split, "rows (dimension 0) or columns (last dimension; 1-D tensors: dimension 0)")
       ->check(CLI::IsMember({"rows", "columns"}));
+  uint64_t bucket_elements = 0;
+  layout->add_option("--bucket-elements", bucket_elements,
+                     "flat buffers instead: 1-D tensors in name order packed into buckets of at least N "
+                     "elements, each split evenly over the ranks (a distributed optimizer's layout)");
   layout->add_option("-o,--output", out, "layout file to write (default: stdout)");
   layout->add_option("SOURCE", layout_sources, "source checkpoint directories (their global shapes)")->required();
 
@@ -62,8 +67,14 @@ int Main(int argc, char** argv) {
   if (layout->parsed()) {
     auto globals = vfs::GlobalTensorsOf(layout_sources);
     if (!globals.ok()) return FailWith(kTool, globals.status());
-    const vfs::TargetLayout t = vfs::MakeEvenLayout(
-        *globals, ranks, split == "rows" ? vfs::SplitKind::kRows : vfs::SplitKind::kColumns);
+    vfs::TargetLayout t;
+    if (bucket_elements > 0) {
+      auto b = vfs::MakeBucketLayout(*globals, bucket_elements, ranks);
+      if (!b.ok()) return FailWith(kTool, b.status());
+      t = std::move(*b);
+    } else {
+      t = vfs::MakeEvenLayout(*globals, ranks, split == "rows" ? vfs::SplitKind::kRows : vfs::SplitKind::kColumns);
+    }
     const std::string json = vfs::SerializeTargetLayout(t);
     if (out.empty()) {
       std::fwrite(json.data(), 1, json.size(), stdout);

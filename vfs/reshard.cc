@@ -189,6 +189,46 @@ TargetLayout MakeEvenLayout(const std::vector<GlobalTensor>& tensors, uint32_t r
   return out;
 }
 
+Result<TargetLayout> MakeBucketLayout(const std::vector<GlobalTensor>& tensors, uint64_t bucket_numel,
+                                      uint32_t ranks) {
+  if (bucket_numel == 0 || ranks == 0) {
+    return InvalidArgument(fmt::format("reshard bucket layout: bucket size {} elements and ranks {} must be >= 1",
+                                       bucket_numel, ranks));
+  }
+  for (const GlobalTensor& t : tensors) {
+    if (t.global_shape.size() != 1) {
+      return InvalidArgument(fmt::format(
+          "reshard bucket layout: tensor '{}' has global shape {}; flat-buffer shards are flat ranges of "
+          "flattened tensors (global shape [numel])",
+          t.name, Dims(t.global_shape)));
+    }
+  }
+  TargetLayout out;
+  out.ranks.resize(ranks);
+  for (size_t first = 0; first < tensors.size();) {
+    // One bucket: whole tensors [first, last) at flat offsets starts[].
+    size_t last = first;
+    uint64_t size = 0;
+    std::vector<uint64_t> starts;
+    while (last < tensors.size() && (size < bucket_numel || last == first)) {
+      starts.push_back(size);
+      size += tensors[last].global_shape[0];
+      ++last;
+    }
+    const uint64_t per_rank = (size + ranks - 1) / ranks;  // padded to a multiple of ranks
+    for (uint32_t r = 0; r < ranks; ++r) {
+      const uint64_t lo = r * per_rank, hi = lo + per_rank;
+      for (size_t i = first; i < last; ++i) {
+        const uint64_t t_lo = starts[i - first], t_hi = t_lo + tensors[i].global_shape[0];
+        const uint64_t a = std::max(lo, t_lo), b = std::min(hi, t_hi);
+        if (a < b) out.ranks[r].emplace(tensors[i].name, ShardBox{{a - t_lo}, {b - a}});
+      }
+    }
+    first = last;
+  }
+  return out;
+}
+
 // ---- tiling ---------------------------------------------------------------------
 
 Status ValidateTiling(std::string_view what, std::string_view tensor, const std::vector<uint64_t>& global_shape,

@@ -75,6 +75,18 @@ enum class SplitKind : uint8_t {
 // whose part is empty does not list the tensor). REQUIRES: ranks >= 1.
 TargetLayout MakeEvenLayout(const std::vector<GlobalTensor>& tensors, uint32_t ranks, SplitKind split);
 
+// The layout of a distributed optimizer that shards flat buffers over
+// data-parallel ranks: the tensors, in the given order, are packed into
+// buckets (a bucket takes whole tensors until it holds at least
+// bucket_numel elements), each bucket is padded to a multiple of `ranks`
+// elements and split into equal flat ranges, and each rank gets, per
+// tensor, the part of its range that the tensor covers: a flat range of the
+// flattened tensor, i.e. a 1-D box of a tensor whose global shape is
+// [numel]. InvalidArgument for a tensor of another rank (record flat-sharded
+// tensors flattened), bucket_numel 0 or ranks 0.
+Result<TargetLayout> MakeBucketLayout(const std::vector<GlobalTensor>& tensors, uint64_t bucket_numel,
+                                      uint32_t ranks);
+
 // Checks that `boxes` (label such as "rank 2" -> box) tile a tensor of
 // `global_shape` exactly once: every box inside the tensor and of its rank, no
 // two overlapping, no element uncovered. InvalidArgument naming `what` (e.g.

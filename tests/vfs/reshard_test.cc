@@ -77,10 +77,19 @@ std::string Expected(const std::string& tensor, uint32_t field, uint32_t esize, 
   return out;
 }
 
-std::vector<GlobalTensor> Globals() {
+std::vector<GlobalTensor> Globals(const std::vector<GlobalDef>& model = Model()) {
   std::vector<GlobalTensor> out;
-  for (const GlobalDef& g : Model()) out.push_back({g.name, g.global_shape});
+  for (const GlobalDef& g : model) out.push_back({g.name, g.global_shape});
   return out;
+}
+
+// Flattened parameters, in bucket order, as a distributed optimizer shards them.
+std::vector<GlobalDef> FlatModel() {
+  return {{"p.0", {700001}, 0, {}},
+          {"p.1", {3001}, 0, {}},
+          {"p.2", {1200000}, 1, {}},
+          {"p.3", {17}, 1, {{"main", DType::kF32}, {"exp_avg", DType::kBF16}, {"exp_avg_sq", DType::kBF16}}},
+          {"p.4", {900000}, 0, {}}};
 }
 
 // Every file under root, by relative path, with its bytes.
@@ -124,7 +133,7 @@ class ReshardTest : public ::testing::Test {
       const std::string sp = root_ + "/store-" + std::to_string(r);
       auto store = CreateStore(sp);
       ASSERT_NE(store, nullptr);
-      for (const GlobalDef& g : Model()) {
+      for (const GlobalDef& g : model_) {
         auto it = layout.ranks[r].find(g.name);
         if (it == layout.ranks[r].end()) continue;
         TensorSpec spec;
@@ -166,7 +175,7 @@ class ReshardTest : public ::testing::Test {
   // and every field file holds the reference bytes of its box.
   void CheckAgainstReference(const std::vector<std::string>& dirs, const Manifest& like) {
     std::map<std::string, GlobalDef> model;
-    for (const GlobalDef& g : Model()) model[g.name] = g;
+    for (const GlobalDef& g : model_) model[g.name] = g;
     for (const std::string& d : dirs) {
       auto m = ParseManifest(ReadFile(d + "/manifest.json"), d);
       ASSERT_TRUE(m.ok()) << m.status().ToString();
@@ -209,6 +218,7 @@ class ReshardTest : public ::testing::Test {
   }
 
   std::string root_, src_;
+  std::vector<GlobalDef> model_ = Model();
 };
 
 TEST_F(ReshardTest, RoundTrip4To2To3To4IsByteIdentical) {
@@ -288,6 +298,55 @@ TEST_F(ReshardTest, CheckerboardTarget) {
   auto back = Reshard(RankDirs(root_ + "/cb", 4), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/back");
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/back"));
+}
+
+// Flat-buffer shards (a distributed optimizer's): 4 data-parallel ranks with
+// 1 Mi-element buckets re-split over 3 ranks with 512 Ki-element buckets, and
+// back; the ranges cut through parameters at other places each time.
+class FlatReshardTest : public ReshardTest {
+ protected:
+  void SetUp() override {
+    model_ = FlatModel();
+    root_ = MakeTempDir("reshard-flat");
+    src_ = root_ + "/src";
+    fs::create_directories(src_);
+    auto layout = MakeBucketLayout(Globals(model_), 1 << 20, 4);
+    ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+    WriteSources(*layout, src_);
+  }
+};
+
+TEST_F(FlatReshardTest, ResplitWithAnotherBucketSizeAndBack) {
+  auto three = MakeBucketLayout(Globals(model_), 512 << 10, 3);
+  ASSERT_TRUE(three.ok());
+  // Bucket 0 of 512 Ki elements holds p.0 alone (700001 elements): rank 0 gets its first third.
+  EXPECT_EQ(three->ranks[0].at("p.0").shape, std::vector<uint64_t>{233334});
+  ASSERT_TRUE(Reshard(RankDirs(src_, 4), *three, root_ + "/three").ok());
+  CheckAgainstReference(RankDirs(root_ + "/three", 3), SourceManifest());
+  auto back = MakeBucketLayout(Globals(model_), 1 << 20, 4);
+  ASSERT_TRUE(back.ok());
+  auto r = Reshard(RankDirs(root_ + "/three", 3), *back, root_ + "/back");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/back"));
+}
+
+TEST(ReshardBucketLayout, PacksWholeTensorsAndSplitsEachBucketEvenly) {
+  // Buckets of >= 10 elements: {a(6), b(5)} = 11 -> padded 12 over 3 ranks: [0,4) [4,8) [8,12);
+  // {c(3)} -> padded 3: [0,1) [1,2) [2,3).
+  auto l = MakeBucketLayout({{"a", {6}}, {"b", {5}}, {"c", {3}}}, 10, 3);
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->ranks[0].at("a").offset, std::vector<uint64_t>{0});
+  EXPECT_EQ(l->ranks[0].at("a").shape, std::vector<uint64_t>{4});
+  EXPECT_EQ(l->ranks[0].count("b"), 0u);
+  EXPECT_EQ(l->ranks[1].at("a").offset, std::vector<uint64_t>{4});
+  EXPECT_EQ(l->ranks[1].at("a").shape, std::vector<uint64_t>{2});
+  EXPECT_EQ(l->ranks[1].at("b").shape, std::vector<uint64_t>{2});
+  EXPECT_EQ(l->ranks[2].at("b").offset, std::vector<uint64_t>{2});
+  EXPECT_EQ(l->ranks[2].at("b").shape, std::vector<uint64_t>{3});
+  for (uint32_t r = 0; r < 3; ++r) EXPECT_EQ(l->ranks[r].at("c").offset, std::vector<uint64_t>{r});
+  auto bad = MakeBucketLayout({{"w", {2, 3}}}, 10, 2);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("tensor 'w'"), std::string::npos);
 }
 
 void ExpectError(const Result<ReshardResult>& r, const std::vector<std::string>& parts) {
