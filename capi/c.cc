@@ -23,6 +23,7 @@
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
 #include "vfs/checkpoint.h"
+#include "vfs/reshard.h"
 #include "vfs/status.h"
 #include "vfs/store.h"
 
@@ -354,6 +355,59 @@ int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64
     auto r = vfs::RestoreCheckpoint(store->rep.get(), src);
     if (!r.ok()) return r.status();
     if (generation != nullptr) *generation = *r;
+    return Status::Ok();
+  });
+}
+
+namespace {
+Result<std::vector<std::string>> SourceList(const char* what, const char* const* sources, size_t n) {
+  if (sources == nullptr && n > 0) return NullArgument(what, "sources");
+  std::vector<std::string> out;
+  for (size_t i = 0; i < n; ++i) {
+    if (sources[i] == nullptr || *sources[i] == '\0') {
+      return InvalidArgument(std::string(what) + ": source " + std::to_string(i) + " is an empty path");
+    }
+    out.emplace_back(sources[i]);
+  }
+  return out;
+}
+}  // namespace
+
+int optstate_checkpoint_reshard(const char* const* sources, size_t num_sources, const char* layout_json,
+                                const char* dest, uint32_t* ranks, char** errptr) {
+  const char* what = "optstate_checkpoint_reshard";
+  return Guard(errptr, what, [&]() -> Status {
+    if (layout_json == nullptr) return NullArgument(what, "layout_json");
+    if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
+    auto srcs = SourceList(what, sources, num_sources);
+    if (!srcs.ok()) return srcs.status();
+    auto layout = vfs::ParseTargetLayout(layout_json, "(layout_json argument)");
+    if (!layout.ok()) return layout.status();
+    auto r = vfs::Reshard(*srcs, *layout, dest);
+    if (!r.ok()) return r.status();
+    if (ranks != nullptr) *ranks = r->ranks;
+    return Status::Ok();
+  });
+}
+
+int optstate_checkpoint_reshard_layout(const char* const* sources, size_t num_sources, uint32_t ranks,
+                                       const char* split, char** layout_json, char** errptr) {
+  const char* what = "optstate_checkpoint_reshard_layout";
+  return Guard(errptr, what, [&]() -> Status {
+    if (layout_json == nullptr) return NullArgument(what, "layout_json");
+    if (ranks == 0) return InvalidArgument(std::string(what) + ": ranks must be >= 1");
+    const std::string s = split == nullptr ? "rows" : split;
+    if (s != "rows" && s != "columns") {
+      return InvalidArgument(std::string(what) + ": split '" + s + "' is not 'rows' or 'columns'");
+    }
+    auto srcs = SourceList(what, sources, num_sources);
+    if (!srcs.ok()) return srcs.status();
+    auto globals = vfs::GlobalTensorsOf(*srcs);
+    if (!globals.ok()) return globals.status();
+    const std::string json = vfs::SerializeTargetLayout(
+        vfs::MakeEvenLayout(*globals, ranks, s == "rows" ? vfs::SplitKind::kRows : vfs::SplitKind::kColumns));
+    *layout_json = strdup(json.c_str());
+    if (*layout_json == nullptr) return optstate::ResourceExhausted(std::string(what) + ": out of memory");
     return Status::Ok();
   });
 }

@@ -1,5 +1,5 @@
-// optstate-bench: the performance harness. Subcommands io, step, sleep,
-// mount, kernel; each prints a table of ratios (or --json). See docs/CLI.md.
+// optstate-bench: the performance harness. Subcommands io, reshard, step,
+// sleep, mount, kernel; each prints a table of ratios (or --json). See docs/CLI.md.
 #include <iostream>
 #include <optional>
 
@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1, 1);
   int exit_code = 0;
   optstate::tools::bench::AddIoCommand(app, &exit_code);
+  optstate::tools::bench::AddReshardCommand(app, &exit_code);
   optstate::tools::bench::AddStepCommand(app, &exit_code);
   optstate::tools::bench::AddKernelCommand(app, &exit_code);
   optstate::tools::bench::AddSleepCommand(app, &exit_code);

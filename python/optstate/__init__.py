@@ -10,6 +10,8 @@ from .core import (BF16, F16, F32, NONE, READ, READ_WRITE, WRITE, MemoryManager,
 from .errors import (AlreadyExists, Busy, Cancelled, Corruption, DataLoss, Error, FailedPrecondition,
                      Internal, InvalidArgument, IoError, NoSpace, NotFound, ResourceExhausted, Unimplemented)
 
+reshard = checkpoint.reshard
+
 __version__ = "0.1.0"
 
 

@@ -74,6 +74,9 @@ _SIGNATURES = {
     "optstate_store_stats": (_int, [_vp, _c.POINTER(StoreStats), _errp]),
     "optstate_checkpoint_export": (_int, [_vp, _u8p, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_checkpoint_restore": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
+    "optstate_checkpoint_reshard": (_int, [_c.POINTER(_u8p), _c.c_size_t, _u8p, _u8p, _c.POINTER(_u32), _errp]),
+    "optstate_checkpoint_reshard_layout": (_int, [_c.POINTER(_u8p), _c.c_size_t, _u32, _u8p, _c.POINTER(_vp),
+                                                  _errp]),
     # memory manager
     "optstate_mm_options_create": (_vp, []),
     "optstate_mm_options_destroy": (None, [_vp]),

@@ -10,13 +10,22 @@ mount, save() and optstate-restore are interchangeable. The library copies
 the bytes (verifying every chunk's checksum); they never pass through Python.
 
 `opt` is an optstate.torch.AdamW or an optstate.Store (no torch needed).
+
+Resuming on another number of ranks (docs/RESHARD.md):
+
+    layout = optstate.checkpoint.reshard_layout(old_rank_dirs, ranks=3, split="rows")
+    optstate.reshard(old_rank_dirs, "/ckpt/step1000-3ranks", layout)
+    # rank r then loads "/ckpt/step1000-3ranks/rank-0000r"
 """
+import ctypes
+import json
 import os
 
 from . import errors
+from ._lib import call, lib
 from .core import Store
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "reshard", "reshard_layout", "rank_dir"]
 
 
 def save(opt, dest, name=None):
@@ -57,3 +66,51 @@ def _optimizer(opt, what):
         raise errors.InvalidArgument("optstate.checkpoint.%s: %r is neither an optstate.torch.AdamW nor an "
                                      "optstate.Store" % (what, type(opt).__name__))
     return opt
+
+
+def _sources(sources, what):
+    if isinstance(sources, (str, bytes, os.PathLike)):
+        raise errors.InvalidArgument("optstate.%s: sources is one path; give a list of the ranks' checkpoint "
+                                     "directories" % what)
+    paths = [os.fsencode(os.fspath(s)) for s in sources]
+    return (ctypes.c_char_p * len(paths))(*paths), len(paths)
+
+
+def reshard_layout(sources, ranks, split="rows"):
+    """A target layout (a dict, the JSON schema of docs/RESHARD.md) that splits every tensor of the
+    checkpoints `sources` evenly over `ranks` ranks: split "rows" (dimension 0) or "columns" (the last
+    dimension; 1-D tensors along dimension 0). Edit it, or build one from the model's sharding on the
+    new topology: per rank, per tensor, {"offset": [...], "shape": [...]}."""
+    arr, n = _sources(sources, "checkpoint.reshard_layout")
+    out = ctypes.c_void_p()
+    call(lib.optstate_checkpoint_reshard_layout, arr, n, int(ranks), split.encode(), ctypes.byref(out))
+    try:
+        return json.loads(ctypes.string_at(out.value).decode("utf-8"))
+    finally:
+        lib.optstate_free(out)
+
+
+def reshard(sources, dest, layout):
+    """Reshards the checkpoint directories `sources` (one per old rank, any order) into one checkpoint
+    per rank of `layout` (a dict as reshard_layout returns, a JSON string, or a path to a JSON file),
+    written as dest/rank-00000, ... all at once or not at all; each loads with load() or
+    optstate-restore. Refuses (optstate.InvalidArgument, nothing written) sources that do not tile
+    every tensor exactly once or disagree on step or hyperparameters, and layouts that do not tile;
+    a damaged source chunk raises optstate.Corruption. Returns the number of ranks written."""
+    if isinstance(layout, dict):
+        text = json.dumps(layout)
+    elif isinstance(layout, (str, os.PathLike)) and os.path.isfile(os.fspath(layout)):
+        with open(os.fspath(layout)) as f:
+            text = f.read()
+    else:
+        text = layout
+    arr, n = _sources(sources, "reshard")
+    ranks = ctypes.c_uint32()
+    call(lib.optstate_checkpoint_reshard, arr, n, text.encode("utf-8"), os.fsencode(os.fspath(dest)),
+         ctypes.byref(ranks))
+    return ranks.value
+
+
+def rank_dir(dest, rank):
+    """The checkpoint directory of `rank` under a reshard's dest."""
+    return os.path.join(os.fspath(dest), "rank-%05d" % rank)

@@ -20,6 +20,7 @@ void AddStepCommand(CLI::App& app, int* exit_code);
 void AddMountCommand(CLI::App& app, int* exit_code);
 void AddKernelCommand(CLI::App& app, int* exit_code);
 void AddSleepCommand(CLI::App& app, int* exit_code);
+void AddReshardCommand(CLI::App& app, int* exit_code);
 
 // {"host", "cpu", "cores", "kernel", "date_utc", "command"} for result tables.
 nlohmann::json MachineInfo();

@@ -194,6 +194,28 @@ OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const ch
 OPTSTATE_EXPORT int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation,
                                                 char** errptr);
 
+/* Reshards the checkpoint directories of N ranks (sources[0..num_sources),
+ * any order) into M ranks' (vfs/reshard.h, docs/RESHARD.md): layout_json is
+ * the target layout (format "optstate-reshard-layout"); the sources must tile
+ * every global tensor exactly once and agree on step, generation, groups and
+ * fields, and the layout must tile the same tensors (INVALID_ARGUMENT naming
+ * the tensor and the ranges otherwise; nothing is written). Every source
+ * chunk is verified as it is read (CORRUPTION naming the file and chunk).
+ * Writes dest/rank-00000 ... all or nothing ("<dest>.partial-XXXXXXXX",
+ * fsynced, renamed); each is a checkpoint optstate_checkpoint_restore takes.
+ * dest must not exist or be an empty directory. *ranks (may be NULL) = the
+ * ranks written. */
+OPTSTATE_EXPORT int optstate_checkpoint_reshard(const char* const* sources, size_t num_sources,
+                                                const char* layout_json, const char* dest, uint32_t* ranks,
+                                                char** errptr);
+/* A target layout that splits every tensor of the sources evenly over `ranks`
+ * ranks: split "rows" (dimension 0) or "columns" (the last dimension; 1-D
+ * tensors along dimension 0). *layout_json: the JSON, released with
+ * optstate_free(). */
+OPTSTATE_EXPORT int optstate_checkpoint_reshard_layout(const char* const* sources, size_t num_sources,
+                                                       uint32_t ranks, const char* split, char** layout_json,
+                                                       char** errptr);
+
 /* ---- memory manager (memmgr::MemoryManager) ---- */
 
 OPTSTATE_EXPORT optstate_mm_options_t* optstate_mm_options_create(void);

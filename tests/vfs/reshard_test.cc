@@ -1,0 +1,551 @@
+// Reshard: N ranks' checkpoints -> M ranks'. The reference is independent of
+// the copy: every element's bytes are a function of (tensor, field, global
+// index), so each destination field file is compared with a plain loop over
+// its box. Round trips must give back the original field files byte for byte,
+// restore must accept every output, and every bad input must be refused with
+// nothing written (no dest, no partial directory).
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/common/test_util.h"
+#include "tests/vfs/checkpoint_test_util.h"
+#include "vfs/checkpoint.h"
+#include "vfs/reshard.h"
+
+namespace optstate::vfs {
+namespace {
+
+using namespace testing;  // NOLINT
+namespace fs = std::filesystem;
+
+constexpr const char* kChildEnv = "OPTSTATE_RESHARD_CHILD";  // "<layout>|<dest>|<src>|<src>..."
+
+struct GlobalDef {
+  std::string name;
+  std::vector<uint64_t> global_shape;
+  uint32_t group;
+  std::vector<FieldSpec> fields;
+};
+
+// A 2-D tensor whose fields span several 2 MiB chunks on every split used
+// below, a 1-D one, and one with 2-byte moments (field sizes are per field).
+std::vector<GlobalDef> Model() {
+  return {{"layers.0/w", {1030, 2050}, 0, {}},
+          {"layers.0/b", {1001}, 1, {}},
+          {"emb", {300, 770}, 0, {{"main", DType::kF32}, {"exp_avg", DType::kBF16}, {"exp_avg_sq", DType::kBF16}}}};
+}
+
+std::vector<FieldSpec> FieldsOf(const GlobalDef& g) { return g.fields.empty() ? AdamFields() : g.fields; }
+
+uint64_t Mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// The bytes of element `gi` (row-major global index) of a tensor's field.
+void ElementBytes(const std::string& tensor, uint32_t field, uint64_t gi, uint32_t esize, char* out) {
+  const uint64_t h = Mix(std::hash<std::string>{}(tensor) * 31 + field * 0x100000001ull + gi);
+  std::memcpy(out, &h, esize);
+}
+
+// Every byte of a box of a tensor's field, by a plain loop over its elements.
+std::string Expected(const std::string& tensor, uint32_t field, uint32_t esize, const std::vector<uint64_t>& gshape,
+                     const std::vector<uint64_t>& offset, const std::vector<uint64_t>& shape) {
+  uint64_t n = 1;
+  for (uint64_t s : shape) n *= s;
+  std::string out(n * esize, '\0');
+  std::vector<uint64_t> idx(shape.size(), 0);
+  for (uint64_t e = 0; e < n; ++e) {
+    uint64_t gi = 0;
+    for (size_t d = 0; d < shape.size(); ++d) gi = gi * gshape[d] + offset[d] + idx[d];
+    ElementBytes(tensor, field, gi, esize, out.data() + e * esize);
+    for (size_t d = shape.size(); d-- > 0;) {
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+std::vector<GlobalTensor> Globals(const std::vector<GlobalDef>& model = Model()) {
+  std::vector<GlobalTensor> out;
+  for (const GlobalDef& g : model) out.push_back({g.name, g.global_shape});
+  return out;
+}
+
+// Flattened parameters, in bucket order, as a distributed optimizer shards them.
+std::vector<GlobalDef> FlatModel() {
+  return {{"p.0", {700001}, 0, {}},
+          {"p.1", {3001}, 0, {}},
+          {"p.2", {1200000}, 1, {}},
+          {"p.3", {17}, 1, {{"main", DType::kF32}, {"exp_avg", DType::kBF16}, {"exp_avg_sq", DType::kBF16}}},
+          {"p.4", {900000}, 0, {}}};
+}
+
+// Every file under root, by relative path, with its bytes.
+std::map<std::string, std::string> Tree(const std::string& root) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(root)) {
+    if (e.is_regular_file()) out[fs::relative(e.path(), root).string()] = ReadFile(e.path().string());
+  }
+  return out;
+}
+
+// Only the field files (tensors/...), which a reshard must reproduce exactly.
+std::map<std::string, std::string> FieldFiles(const std::string& root) {
+  std::map<std::string, std::string> out;
+  for (auto& [k, v] : Tree(root)) {
+    if (k.find("/tensors/") != std::string::npos) out[k] = v;
+  }
+  return out;
+}
+
+std::vector<std::string> RankDirs(const std::string& dest, size_t n) {
+  std::vector<std::string> out;
+  for (uint32_t r = 0; r < n; ++r) out.push_back(dest + "/" + ReshardRankDirName(r));
+  return out;
+}
+
+class ReshardTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = MakeTempDir("reshard");
+    src_ = root_ + "/src";
+    fs::create_directories(src_);
+    WriteSources(MakeEvenLayout(Globals(), 4, SplitKind::kRows), src_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  // One store per rank holding its boxes (the reference bytes), committed at
+  // step 7 and exported as <dir>/rank-NNNNN.
+  void WriteSources(const TargetLayout& layout, const std::string& dir) {
+    for (uint32_t r = 0; r < layout.ranks.size(); ++r) {
+      const std::string sp = root_ + "/store-" + std::to_string(r);
+      auto store = CreateStore(sp);
+      ASSERT_NE(store, nullptr);
+      for (const GlobalDef& g : model_) {
+        auto it = layout.ranks[r].find(g.name);
+        if (it == layout.ranks[r].end()) continue;
+        TensorSpec spec;
+        spec.name = g.name;
+        spec.numel = 1;
+        for (uint64_t s : it->second.shape) spec.numel *= s;
+        spec.shape = it->second.shape;
+        spec.global_shape = g.global_shape;
+        spec.shard_offset = it->second.offset;
+        spec.group = g.group;
+        spec.fields = g.fields;
+        auto t = store->CreateTensor(spec);
+        ASSERT_TRUE(t.ok()) << t.status().ToString();
+        const uint64_t cs = store->chunk_size_bytes();
+        AlignedChunk buf(cs);
+        std::vector<FieldSpec> fields = FieldsOf(g);
+        for (uint32_t f = 0; f < fields.size(); ++f) {
+          const uint32_t es = DTypeSize(fields[f].dtype);
+          std::string bytes = Expected(g.name, f, es, g.global_shape, it->second.offset, it->second.shape);
+          for (uint64_t c = 0; c * cs < bytes.size(); ++c) {
+            std::memset(buf.p, 0, buf.size);
+            std::memcpy(buf.p, bytes.data() + c * cs, std::min<uint64_t>(cs, bytes.size() - c * cs));
+            ASSERT_TRUE(store->WriteChunk(ChunkRef{t->id, f, c}, buf.p).ok());
+          }
+        }
+      }
+      CommitInfo ci;
+      ci.step = 7;
+      ci.groups = {{0, 7, {{"lr", 1e-3}, {"beta1", 0.9}, {"adamw", 1.0}}}, {1, 3, {{"lr", 2.5e-4}}}};
+      ASSERT_TRUE(store->Commit(ci).ok());
+      auto e = ExportCheckpoint(store.get(), dir + "/" + ReshardRankDirName(r));
+      ASSERT_TRUE(e.ok()) << e.status().ToString();
+      store.reset();
+      fs::remove_all(sp);
+    }
+  }
+
+  // Every rank's manifest carries the sources' step, generation and groups,
+  // and every field file holds the reference bytes of its box.
+  void CheckAgainstReference(const std::vector<std::string>& dirs, const Manifest& like) {
+    std::map<std::string, GlobalDef> model;
+    for (const GlobalDef& g : model_) model[g.name] = g;
+    for (const std::string& d : dirs) {
+      auto m = ParseManifest(ReadFile(d + "/manifest.json"), d);
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      EXPECT_EQ(m->step, like.step) << d;
+      EXPECT_EQ(m->generation, like.generation) << d;
+      ASSERT_EQ(m->groups.size(), like.groups.size()) << d;
+      for (size_t i = 0; i < like.groups.size(); ++i) {
+        EXPECT_EQ(m->groups[i].step_count, like.groups[i].step_count);
+        EXPECT_EQ(m->groups[i].hyper, like.groups[i].hyper);
+      }
+      for (const ManifestTensor& t : m->tensors) {
+        const GlobalDef& g = model.at(t.name);
+        EXPECT_EQ(t.global_shape, g.global_shape);
+        std::vector<FieldSpec> fields = FieldsOf(g);
+        ASSERT_EQ(t.fields.size(), fields.size());
+        for (uint32_t f = 0; f < fields.size(); ++f) {
+          EXPECT_EQ(t.fields[f].dtype, fields[f].dtype) << t.name;
+          const std::string got = ReadFile(d + "/" + t.fields[f].file);
+          EXPECT_TRUE(got == Expected(t.name, f, DTypeSize(fields[f].dtype), g.global_shape, t.shard_offset, t.shape))
+              << d << " " << t.fields[f].file;
+        }
+      }
+    }
+  }
+
+  Manifest SourceManifest() {
+    auto m = ParseManifest(ReadFile(src_ + "/rank-00000/manifest.json"), "src");
+    EXPECT_TRUE(m.ok());
+    return m.ok() ? *m : Manifest{};
+  }
+
+  // dest absent and nothing beside it: what every refused reshard leaves.
+  void ExpectNothingWritten(const std::string& dest) {
+    EXPECT_FALSE(fs::exists(dest)) << dest;
+    for (const auto& e : fs::directory_iterator(fs::path(dest).parent_path())) {
+      EXPECT_EQ(e.path().filename().string().find(fs::path(dest).filename().string() + ".partial-"),
+                std::string::npos)
+          << e.path();
+    }
+  }
+
+  std::string root_, src_;
+  std::vector<GlobalDef> model_ = Model();
+};
+
+TEST_F(ReshardTest, RoundTrip4To2To3To4IsByteIdentical) {
+  const std::vector<std::string> s4 = RankDirs(src_, 4);
+  const Manifest m0 = SourceManifest();
+  ReshardOptions o;
+  o.staging_bytes_per_rank = 64 * 1024;  // smaller than a chunk: stages are flushed mid-chunk
+  auto r2 = Reshard(s4, MakeEvenLayout(Globals(), 2, SplitKind::kRows), root_ + "/d2", o);
+  ASSERT_TRUE(r2.ok()) << r2.status().ToString();
+  EXPECT_EQ(r2->ranks, 2u);
+  CheckAgainstReference(RankDirs(root_ + "/d2", 2), m0);
+  auto r3 = Reshard(RankDirs(root_ + "/d2", 2), MakeEvenLayout(Globals(), 3, SplitKind::kColumns), root_ + "/d3", o);
+  ASSERT_TRUE(r3.ok()) << r3.status().ToString();
+  CheckAgainstReference(RankDirs(root_ + "/d3", 3), m0);
+  auto r4 = Reshard(RankDirs(root_ + "/d3", 3), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/d4");
+  ASSERT_TRUE(r4.ok()) << r4.status().ToString();
+  EXPECT_EQ(r4->bytes_read, r3->bytes_read);  // every source byte read once
+  const auto want = FieldFiles(src_), got = FieldFiles(root_ + "/d4");
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_TRUE(want == got) << "4 -> 2 -> 3 -> 4 changed a field file";
+
+  // Restore takes every output rank (it verifies each chunk and the
+  // safetensors copy), and the restored store holds the reference bytes.
+  for (uint32_t r = 0; r < 3; ++r) {
+    const std::string dir = root_ + "/d3/" + ReshardRankDirName(r);
+    auto store = CreateStoreFromCheckpoint(dir, root_ + "/restored-" + std::to_string(r), StoreOptions{});
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    EXPECT_EQ((*store)->LatestGeneration().step, 7u);
+    const auto dump = DumpLatest(store->get());
+    auto m = ParseManifest(ReadFile(dir + "/manifest.json"), dir);
+    ASSERT_TRUE(m.ok());
+    for (const ManifestTensor& t : m->tensors) {
+      for (const ManifestField& f : t.fields) {
+        EXPECT_TRUE(dump.at(t.name + "/" + f.name) == ReadFile(dir + "/" + f.file)) << t.name << "/" << f.name;
+      }
+    }
+  }
+}
+
+TEST_F(ReshardTest, RowsResplitAlongColumnsAndBack) {
+  auto rc = Reshard(RankDirs(src_, 4), MakeEvenLayout(Globals(), 4, SplitKind::kColumns), root_ + "/cols");
+  ASSERT_TRUE(rc.ok()) << rc.status().ToString();
+  CheckAgainstReference(RankDirs(root_ + "/cols", 4), SourceManifest());
+  auto m = ParseManifest(ReadFile(root_ + "/cols/rank-00001/manifest.json"), "cols");
+  ASSERT_TRUE(m.ok());
+  for (const ManifestTensor& t : m->tensors) {
+    if (t.name == "layers.0/w") {
+      EXPECT_EQ(t.shard_offset, (std::vector<uint64_t>{0, 512}));
+      EXPECT_EQ(t.shape, (std::vector<uint64_t>{1030, 513}));
+    }
+  }
+  auto rr = Reshard(RankDirs(root_ + "/cols", 4), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/rows");
+  ASSERT_TRUE(rr.ok()) << rr.status().ToString();
+  EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/rows"));
+}
+
+TEST_F(ReshardTest, CheckerboardTarget) {
+  // 2 x 2 boxes of the 2-D tensors (writes to a destination arrive out of
+  // order), 1-D tensor on ranks 1 and 3 only.
+  TargetLayout t;
+  t.ranks.resize(4);
+  for (const GlobalDef& g : Model()) {
+    if (g.global_shape.size() == 1) {
+      t.ranks[1][g.name] = {{0}, {400}};
+      t.ranks[3][g.name] = {{400}, {g.global_shape[0] - 400}};
+      continue;
+    }
+    const uint64_t h = g.global_shape[0] / 2 + 1, w = g.global_shape[1] / 2 - 3;
+    t.ranks[0][g.name] = {{0, 0}, {h, w}};
+    t.ranks[1][g.name] = {{0, w}, {h, g.global_shape[1] - w}};
+    t.ranks[2][g.name] = {{h, 0}, {g.global_shape[0] - h, w}};
+    t.ranks[3][g.name] = {{h, w}, {g.global_shape[0] - h, g.global_shape[1] - w}};
+  }
+  auto r = Reshard(RankDirs(src_, 4), t, root_ + "/cb");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  CheckAgainstReference(RankDirs(root_ + "/cb", 4), SourceManifest());
+  auto back = Reshard(RankDirs(root_ + "/cb", 4), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/back");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/back"));
+}
+
+// Flat-buffer shards (a distributed optimizer's): 4 data-parallel ranks with
+// 1 Mi-element buckets re-split over 3 ranks with 512 Ki-element buckets, and
+// back; the ranges cut through parameters at other places each time.
+class FlatReshardTest : public ReshardTest {
+ protected:
+  void SetUp() override {
+    model_ = FlatModel();
+    root_ = MakeTempDir("reshard-flat");
+    src_ = root_ + "/src";
+    fs::create_directories(src_);
+    auto layout = MakeBucketLayout(Globals(model_), 1 << 20, 4);
+    ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+    WriteSources(*layout, src_);
+  }
+};
+
+TEST_F(FlatReshardTest, ResplitWithAnotherBucketSizeAndBack) {
+  auto three = MakeBucketLayout(Globals(model_), 512 << 10, 3);
+  ASSERT_TRUE(three.ok());
+  // Bucket 0 of 512 Ki elements holds p.0 alone (700001 elements): rank 0 gets its first third.
+  EXPECT_EQ(three->ranks[0].at("p.0").shape, std::vector<uint64_t>{233334});
+  ASSERT_TRUE(Reshard(RankDirs(src_, 4), *three, root_ + "/three").ok());
+  CheckAgainstReference(RankDirs(root_ + "/three", 3), SourceManifest());
+  auto back = MakeBucketLayout(Globals(model_), 1 << 20, 4);
+  ASSERT_TRUE(back.ok());
+  auto r = Reshard(RankDirs(root_ + "/three", 3), *back, root_ + "/back");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/back"));
+}
+
+TEST(ReshardBucketLayout, PacksWholeTensorsAndSplitsEachBucketEvenly) {
+  // Buckets of >= 10 elements: {a(6), b(5)} = 11 -> padded 12 over 3 ranks: [0,4) [4,8) [8,12);
+  // {c(3)} -> padded 3: [0,1) [1,2) [2,3).
+  auto l = MakeBucketLayout({{"a", {6}}, {"b", {5}}, {"c", {3}}}, 10, 3);
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->ranks[0].at("a").offset, std::vector<uint64_t>{0});
+  EXPECT_EQ(l->ranks[0].at("a").shape, std::vector<uint64_t>{4});
+  EXPECT_EQ(l->ranks[0].count("b"), 0u);
+  EXPECT_EQ(l->ranks[1].at("a").offset, std::vector<uint64_t>{4});
+  EXPECT_EQ(l->ranks[1].at("a").shape, std::vector<uint64_t>{2});
+  EXPECT_EQ(l->ranks[1].at("b").shape, std::vector<uint64_t>{2});
+  EXPECT_EQ(l->ranks[2].at("b").offset, std::vector<uint64_t>{2});
+  EXPECT_EQ(l->ranks[2].at("b").shape, std::vector<uint64_t>{3});
+  for (uint32_t r = 0; r < 3; ++r) EXPECT_EQ(l->ranks[r].at("c").offset, std::vector<uint64_t>{r});
+  auto bad = MakeBucketLayout({{"w", {2, 3}}}, 10, 2);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("tensor 'w'"), std::string::npos);
+}
+
+void ExpectError(const Result<ReshardResult>& r, const std::vector<std::string>& parts) {
+  ASSERT_FALSE(r.ok());
+  for (const std::string& p : parts) {
+    EXPECT_NE(r.status().message().find(p), std::string::npos) << "'" << p << "' not in: " << r.status().ToString();
+  }
+}
+
+TEST_F(ReshardTest, BadSourcesAreRefusedAndNothingIsWritten) {
+  const std::string dest = root_ + "/out";
+  const TargetLayout two = MakeEvenLayout(Globals(), 2, SplitKind::kRows);
+  std::vector<std::string> s4 = RankDirs(src_, 4);
+
+  // A missing rank: rows [515, 772) of w (rank 2's) are in no source.
+  ExpectError(Reshard({s4[0], s4[1], s4[3]}, two, dest),
+              {"tensor 'emb'", "in no shard", "[150, 225) x [0, 770)", "missing"});
+  ExpectNothingWritten(dest);
+
+  // The same rank twice: overlap.
+  fs::copy(s4[1], root_ + "/dup", fs::copy_options::recursive);
+  ExpectError(Reshard({s4[0], s4[1], root_ + "/dup", s4[2], s4[3]}, two, dest),
+              {"overlap", "[75, 150) x [0, 770)", root_ + "/dup"});
+  ExpectNothingWritten(dest);
+
+  // Edited copies of rank 3's manifest.
+  auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+    const std::string d = root_ + "/edited";
+    fs::remove_all(d);
+    fs::copy(s4[3], d, fs::copy_options::recursive);
+    nlohmann::json j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
+    edit(j);
+    std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump(1);
+    return std::vector<std::string>{s4[0], s4[1], s4[2], d};
+  };
+  ExpectError(Reshard(edited([](nlohmann::json& j) { j["step"] = 8; }), two, dest),
+              {"not one checkpoint", "step 7", "step 8"});
+  ExpectNothingWritten(dest);
+  ExpectError(Reshard(edited([](nlohmann::json& j) { j["generation"] = 99; }), two, dest),
+              {"generation 99"});
+  ExpectNothingWritten(dest);
+  ExpectError(Reshard(edited([](nlohmann::json& j) {
+                        for (auto& t : j["tensors"]) {
+                          if (t["name"] == "layers.0/b") t["global_shape"] = {1002};
+                        }
+                      }),
+                      two, dest),
+              {"tensor 'layers.0/b'", "global_shape", "[1001]", "[1002]"});
+  ExpectNothingWritten(dest);
+  ExpectError(Reshard(edited([](nlohmann::json& j) { j["groups"][0]["hyper"]["lr"] = 0.5; }), two, dest),
+              {"groups differ", "lr=0.5"});
+  ExpectNothingWritten(dest);
+
+  // A damaged field file: found by its chunk hash while reading; the partial
+  // output is removed.
+  const std::string d = root_ + "/damaged";
+  fs::copy(s4[2], d, fs::copy_options::recursive);
+  const std::string victim = d + "/tensors/emb/exp_avg";
+  std::string bytes = ReadFile(victim);
+  bytes[100] ^= 1;
+  std::ofstream(victim, std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size());
+  ExpectError(Reshard({s4[0], s4[1], d, s4[3]}, two, dest), {victim, "chunk 0", "XXH3", "tensor 'emb'"});
+  ExpectNothingWritten(dest);
+
+  // A destination that holds something is never written over.
+  fs::create_directories(dest + "/x");
+  ExpectError(Reshard(s4, two, dest), {"not empty"});
+  fs::remove_all(dest);
+}
+
+TEST_F(ReshardTest, BadTargetLayoutsAreRefusedAndNothingIsWritten) {
+  const std::string dest = root_ + "/out";
+  const std::vector<std::string> s4 = RankDirs(src_, 4);
+  TargetLayout t = MakeEvenLayout(Globals(), 2, SplitKind::kRows);
+  TargetLayout gap = t;
+  gap.ranks[1]["layers.0/w"].offset[0] += 5;
+  gap.ranks[1]["layers.0/w"].shape[0] -= 5;
+  ExpectError(Reshard(s4, gap, dest), {"target layout", "tensor 'layers.0/w'", "in no shard", "[515, 520) x [0, 2050)"});
+  ExpectNothingWritten(dest);
+
+  TargetLayout overlap = t;
+  overlap.ranks[0]["layers.0/b"].shape[0] += 1;
+  ExpectError(Reshard(s4, overlap, dest), {"tensor 'layers.0/b'", "rank 0", "rank 1", "overlap in [500, 501)"});
+  ExpectNothingWritten(dest);
+
+  TargetLayout outside = t;
+  outside.ranks[1]["emb"].shape[1] += 1;
+  ExpectError(Reshard(s4, outside, dest), {"tensor 'emb'", "rank 1", "outside the tensor in dimension 1"});
+  ExpectNothingWritten(dest);
+
+  TargetLayout unknown = t;
+  unknown.ranks[1]["nope"] = {{0}, {1}};
+  ExpectError(Reshard(s4, unknown, dest), {"'nope'", "no source"});
+  ExpectNothingWritten(dest);
+
+  TargetLayout missing = t;
+  missing.ranks[0].erase("emb");
+  missing.ranks[1].erase("emb");
+  ExpectError(Reshard(s4, missing, dest), {"tensor 'emb'", "on no rank"});
+  ExpectNothingWritten(dest);
+
+  TargetLayout wrong_rank = t;
+  wrong_rank.ranks[0]["emb"] = {{0}, {150}};
+  ExpectError(Reshard(s4, wrong_rank, dest), {"tensor 'emb'", "rank 0", "rank 1"});
+  ExpectNothingWritten(dest);
+}
+
+TEST(ReshardLayoutJson, RoundTripAndStrictParse) {
+  TargetLayout t = MakeEvenLayout({{"a", {10, 3}}, {"b/c", {2}}}, 3, SplitKind::kRows);
+  ASSERT_EQ(t.ranks.size(), 3u);
+  EXPECT_EQ(t.ranks[0].count("b/c"), 0u);  // 2 rows over 3 ranks: rank 0 holds none
+  EXPECT_EQ(t.ranks[1].at("a").offset, (std::vector<uint64_t>{3, 0}));
+  EXPECT_EQ(t.ranks[1].at("a").shape, (std::vector<uint64_t>{3, 3}));
+  EXPECT_EQ(t.ranks[2].at("a").shape, (std::vector<uint64_t>{4, 3}));
+  const std::string json = SerializeTargetLayout(t);
+  auto back = ParseTargetLayout(json, "l.json");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(SerializeTargetLayout(*back), json);
+
+  auto bad = [](const std::string& text, const std::string& want) {
+    auto r = ParseTargetLayout(text, "l.json");
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("l.json"), std::string::npos) << r.status().ToString();
+  };
+  bad("{", "not valid JSON");
+  bad(R"({"format":"x","format_version":1,"ranks":[]})", "format");
+  bad(R"({"format":"optstate-reshard-layout","format_version":2,"ranks":[{"rank":0,"tensors":{}}]})",
+      "format_version");
+  bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":1,"tensors":{}}]})",
+      "ranks[0].rank");
+  bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":0,"tensors":{"a":{"offset":[0],"shape":[0]}}}]})",
+      "empty box");
+  bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":0,"tensors":{"a":{"offset":[0,0],"shape":[1]}}}]})",
+      "different ranks");
+  bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":0,"tensors":{"a":{"offset":[-1],"shape":[1]}}}]})",
+      "non-negative");
+}
+
+// Run by CrashLeavesNoAcceptedCheckpoint in a child process: reshards, and is
+// killed by OPTSTATE_CRASH_AT.
+TEST(ReshardChild, DISABLED_Run) {
+  const char* env = std::getenv(kChildEnv);
+  ASSERT_NE(env, nullptr);
+  std::vector<std::string> parts;
+  std::string arg(env);
+  for (size_t pos = 0;;) {
+    const size_t bar = arg.find('|', pos);
+    parts.push_back(arg.substr(pos, bar - pos));
+    if (bar == std::string::npos) break;
+    pos = bar + 1;
+  }
+  auto layout = ParseTargetLayout(ReadFile(parts[0]), parts[0]);
+  ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+  auto r = Reshard(std::vector<std::string>(parts.begin() + 2, parts.end()), *layout, parts[1]);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::printf("RESHARDED\n");
+}
+
+TEST_F(ReshardTest, CrashLeavesNoAcceptedCheckpointAndARerunSucceeds) {
+  const std::string layout = root_ + "/layout.json";
+  std::ofstream(layout) << SerializeTargetLayout(MakeEvenLayout(Globals(), 3, SplitKind::kColumns));
+  const std::string dest = root_ + "/out";
+  std::string env = layout + "|" + dest;
+  for (const std::string& s : RankDirs(src_, 4)) env += "|" + s;
+  auto run = [&](const std::string& crash_at) {
+    ::setenv(kChildEnv, env.c_str(), 1);
+    test_util::ChildOptions co;
+    co.exe = "/proc/self/exe";
+    co.args = {"--gtest_filter=ReshardChild.DISABLED_Run", "--gtest_also_run_disabled_tests"};
+    co.crash_at = crash_at;
+    test_util::ChildResult res = test_util::RunChild(co);
+    ::unsetenv(kChildEnv);
+    return res;
+  };
+  for (const char* point : {"reshard.after_chunk:5", "reshard.before_rename"}) {
+    test_util::ChildResult res = run(point);
+    ASSERT_TRUE(WIFSIGNALED(res.wait_status) && WTERMSIG(res.wait_status) == SIGKILL)
+        << point << ": the child was not killed there:\n" << res.output;
+    EXPECT_FALSE(fs::exists(dest)) << point;
+    // Restore accepts nothing the crash left: no rank directory under dest.
+    auto restored = CreateStoreFromCheckpoint(dest + "/" + ReshardRankDirName(0), root_ + "/r", StoreOptions{});
+    EXPECT_FALSE(restored.ok()) << point;
+    bool partial = false;
+    for (const auto& e : fs::directory_iterator(root_)) {
+      partial = partial || e.path().filename().string().rfind("out.partial-", 0) == 0;
+    }
+    EXPECT_TRUE(partial) << point;  // left behind, beside dest, never at it
+  }
+  // A rerun (partial directories of the crashed runs still there) succeeds.
+  test_util::ChildResult res = run("");
+  ASSERT_TRUE(WIFEXITED(res.wait_status) && WEXITSTATUS(res.wait_status) == 0) << res.output;
+  CheckAgainstReference(RankDirs(dest, 3), SourceManifest());
+  for (uint32_t r = 0; r < 3; ++r) {
+    auto store = CreateStoreFromCheckpoint(dest + "/" + ReshardRankDirName(r), root_ + "/r" + std::to_string(r),
+                                           StoreOptions{});
+    EXPECT_TRUE(store.ok()) << store.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace optstate::vfs

@@ -1,0 +1,893 @@
+// Reshard: validation of box geometry, the layout JSON, and the streaming
+// scatter of source chunks into destination rank checkpoints.
+#include "vfs/reshard.h"
+
+#include <fcntl.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <set>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "vfs/log.h"
+
+namespace optstate::vfs {
+namespace {
+
+using Json = nlohmann::json;
+using OJson = nlohmann::ordered_json;
+
+constexpr size_t kMaxRank = 16;
+// Gap search enumerates the cells between box boundaries; beyond this many
+// (cells x boxes) it reports only the count of uncovered elements.
+constexpr uint64_t kMaxGapSearchWork = 50'000'000;
+
+std::string Dims(const std::vector<uint64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
+
+// "[a, b) x [c, d)": the element ranges of a box, per dimension.
+std::string Ranges(const std::vector<uint64_t>& lo, const std::vector<uint64_t>& hi) {
+  std::string out;
+  for (size_t d = 0; d < lo.size(); ++d) {
+    if (d > 0) out += " x ";
+    out += fmt::format("[{}, {})", lo[d], hi[d]);
+  }
+  return out;
+}
+
+std::string BoxRanges(const ShardBox& b) {
+  std::vector<uint64_t> hi(b.offset.size());
+  for (size_t d = 0; d < hi.size(); ++d) hi[d] = b.offset[d] + b.shape[d];
+  return Ranges(b.offset, hi);
+}
+
+unsigned __int128 Volume(const std::vector<uint64_t>& shape) {
+  unsigned __int128 v = 1;
+  for (uint64_t s : shape) v *= s;
+  return v;
+}
+
+std::string ParentDir(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+uint32_t ElemSize(DType d) { return DTypeSize(d); }
+
+const char* SafetensorsDtype(DType d) {
+  switch (d) {
+    case DType::kF32: return "F32";
+    case DType::kBF16: return "BF16";
+    case DType::kF16: return "F16";
+  }
+  return "?";
+}
+
+std::string RandomUuid() {
+  std::random_device rd;
+  auto r32 = [&] { return static_cast<uint32_t>(rd()); };
+  return fmt::format("{:08x}-{:04x}-4{:03x}-{:04x}-{:08x}{:04x}", r32(), r32() & 0xffff, r32() & 0xfff,
+                     (r32() & 0x3fff) | 0x8000, r32(), r32() & 0xffff);
+}
+
+}  // namespace
+
+// ---- layout JSON --------------------------------------------------------------
+
+Result<TargetLayout> ParseTargetLayout(std::string_view json, std::string_view source) {
+  Json j = Json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+  auto err = [&](const std::string& key, const std::string& what) {
+    return InvalidArgument(fmt::format("reshard layout {}: key '{}': {}", source, key, what));
+  };
+  if (j.is_discarded()) return InvalidArgument(fmt::format("reshard layout {}: not valid JSON", source));
+  if (!j.is_object()) return err("(root)", "expected an object");
+  auto fmt_it = j.find("format");
+  if (fmt_it == j.end() || !fmt_it->is_string() || fmt_it->get<std::string>() != kReshardLayoutFormat) {
+    return err("format", fmt::format("must be \"{}\"", kReshardLayoutFormat));
+  }
+  auto ver = j.find("format_version");
+  if (ver == j.end() || !ver->is_number_unsigned() || ver->get<uint64_t>() != kReshardLayoutVersion) {
+    return err("format_version", fmt::format("must be {} (the version this build reads)", kReshardLayoutVersion));
+  }
+  auto ranks = j.find("ranks");
+  if (ranks == j.end() || !ranks->is_array() || ranks->empty()) {
+    return err("ranks", "expected a non-empty array of ranks");
+  }
+  TargetLayout out;
+  auto u64s = [&](const Json& obj, const std::string& key, const char* name,
+                  std::vector<uint64_t>* v) -> Status {
+    auto it = obj.find(name);
+    if (it == obj.end()) return err(key + name, "missing");
+    if (!it->is_array() || it->empty() || it->size() > kMaxRank) {
+      return err(key + name, fmt::format("expected an array of 1..{} non-negative integers", kMaxRank));
+    }
+    v->clear();
+    for (const Json& x : *it) {
+      if (!x.is_number_unsigned()) return err(key + name, "expected non-negative integers");
+      v->push_back(x.get<uint64_t>());
+    }
+    return Status::Ok();
+  };
+  for (size_t r = 0; r < ranks->size(); ++r) {
+    const Json& jr = (*ranks)[r];
+    const std::string rkey = fmt::format("ranks[{}]", r);
+    if (!jr.is_object()) return err(rkey, "expected an object");
+    auto rank = jr.find("rank");
+    if (rank == jr.end() || !rank->is_number_unsigned() || rank->get<uint64_t>() != r) {
+      return err(rkey + ".rank", fmt::format("must be {} (ranks are listed in order)", r));
+    }
+    auto tensors = jr.find("tensors");
+    if (tensors == jr.end() || !tensors->is_object()) return err(rkey + ".tensors", "expected an object");
+    std::map<std::string, ShardBox> boxes;
+    for (const auto& [name, jb] : tensors->items()) {
+      const std::string bkey = fmt::format("{}.tensors[\"{}\"]", rkey, name);
+      if (name.empty() || name.find('\0') != std::string::npos) return err(bkey, "bad tensor name");
+      if (!jb.is_object()) return err(bkey, "expected an object with offset and shape");
+      ShardBox b;
+      OPTSTATE_RETURN_IF_ERROR(u64s(jb, bkey + ".", "offset", &b.offset));
+      OPTSTATE_RETURN_IF_ERROR(u64s(jb, bkey + ".", "shape", &b.shape));
+      if (b.offset.size() != b.shape.size()) {
+        return err(bkey, fmt::format("offset {} and shape {} have different ranks", Dims(b.offset), Dims(b.shape)));
+      }
+      for (size_t d = 0; d < b.shape.size(); ++d) {
+        if (b.shape[d] == 0) {
+          return err(bkey + ".shape", "an empty box: leave the tensor out of this rank instead");
+        }
+        if (b.offset[d] + b.shape[d] < b.offset[d]) return err(bkey, "offset + shape overflows");
+      }
+      boxes.emplace(name, std::move(b));
+    }
+    out.ranks.push_back(std::move(boxes));
+  }
+  return out;
+}
+
+std::string SerializeTargetLayout(const TargetLayout& layout) {
+  OJson j;
+  j["format"] = kReshardLayoutFormat;
+  j["format_version"] = kReshardLayoutVersion;
+  OJson ranks = OJson::array();
+  for (size_t r = 0; r < layout.ranks.size(); ++r) {
+    OJson tensors = OJson::object();
+    for (const auto& [name, b] : layout.ranks[r]) {
+      tensors[name] = OJson{{"offset", b.offset}, {"shape", b.shape}};
+    }
+    ranks.push_back(OJson{{"rank", r}, {"tensors", std::move(tensors)}});
+  }
+  j["ranks"] = std::move(ranks);
+  return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+TargetLayout MakeEvenLayout(const std::vector<GlobalTensor>& tensors, uint32_t ranks, SplitKind split) {
+  TargetLayout out;
+  out.ranks.resize(std::max<uint32_t>(1, ranks));
+  const uint64_t m = out.ranks.size();
+  for (const GlobalTensor& t : tensors) {
+    const size_t dim = split == SplitKind::kRows ? 0 : t.global_shape.size() - 1;
+    const uint64_t e = t.global_shape[dim];
+    for (uint64_t r = 0; r < m; ++r) {
+      const uint64_t lo = static_cast<uint64_t>(static_cast<unsigned __int128>(e) * r / m);
+      const uint64_t hi = static_cast<uint64_t>(static_cast<unsigned __int128>(e) * (r + 1) / m);
+      if (hi == lo) continue;
+      bool empty = false;
+      for (uint64_t s : t.global_shape) empty = empty || s == 0;
+      if (empty) continue;
+      ShardBox b;
+      b.offset.assign(t.global_shape.size(), 0);
+      b.shape = t.global_shape;
+      b.offset[dim] = lo;
+      b.shape[dim] = hi - lo;
+      out.ranks[r].emplace(t.name, std::move(b));
+    }
+  }
+  return out;
+}
+
+Result<TargetLayout> MakeBucketLayout(const std::vector<GlobalTensor>& tensors, uint64_t bucket_numel,
+                                      uint32_t ranks) {
+  if (bucket_numel == 0 || ranks == 0) {
+    return InvalidArgument(fmt::format("reshard bucket layout: bucket size {} elements and ranks {} must be >= 1",
+                                       bucket_numel, ranks));
+  }
+  for (const GlobalTensor& t : tensors) {
+    if (t.global_shape.size() != 1) {
+      return InvalidArgument(fmt::format(
+          "reshard bucket layout: tensor '{}' has global shape {}; flat-buffer shards are flat ranges of "
+          "flattened tensors (global shape [numel])",
+          t.name, Dims(t.global_shape)));
+    }
+  }
+  TargetLayout out;
+  out.ranks.resize(ranks);
+  for (size_t first = 0; first < tensors.size();) {
+    // One bucket: whole tensors [first, last) at flat offsets starts[].
+    size_t last = first;
+    uint64_t size = 0;
+    std::vector<uint64_t> starts;
+    while (last < tensors.size() && (size < bucket_numel || last == first)) {
+      starts.push_back(size);
+      size += tensors[last].global_shape[0];
+      ++last;
+    }
+    const uint64_t per_rank = (size + ranks - 1) / ranks;  // padded to a multiple of ranks
+    for (uint32_t r = 0; r < ranks; ++r) {
+      const uint64_t lo = r * per_rank, hi = lo + per_rank;
+      for (size_t i = first; i < last; ++i) {
+        const uint64_t t_lo = starts[i - first], t_hi = t_lo + tensors[i].global_shape[0];
+        const uint64_t a = std::max(lo, t_lo), b = std::min(hi, t_hi);
+        if (a < b) out.ranks[r].emplace(tensors[i].name, ShardBox{{a - t_lo}, {b - a}});
+      }
+    }
+    first = last;
+  }
+  return out;
+}
+
+// ---- tiling ---------------------------------------------------------------------
+
+Status ValidateTiling(std::string_view what, std::string_view tensor, const std::vector<uint64_t>& global_shape,
+                      const std::vector<std::pair<std::string, ShardBox>>& boxes) {
+  const size_t nd = global_shape.size();
+  auto err = [&](const std::string& msg) {
+    return InvalidArgument(fmt::format("{}: tensor '{}' (global shape {}): {}", what, tensor, Dims(global_shape), msg));
+  };
+  for (const auto& [label, b] : boxes) {
+    if (b.offset.size() != nd || b.shape.size() != nd) {
+      return err(fmt::format("{} has a box of rank {} (offset {}, shape {}), the tensor has rank {}", label,
+                             b.shape.size(), Dims(b.offset), Dims(b.shape), nd));
+    }
+    for (size_t d = 0; d < nd; ++d) {
+      if (b.offset[d] > global_shape[d] || b.shape[d] > global_shape[d] - b.offset[d]) {
+        return err(fmt::format("{} holds {}, outside the tensor in dimension {}", label, BoxRanges(b), d));
+      }
+    }
+  }
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    const ShardBox& a = boxes[i].second;
+    if (Volume(a.shape) == 0) continue;
+    for (size_t k = i + 1; k < boxes.size(); ++k) {
+      const ShardBox& b = boxes[k].second;
+      std::vector<uint64_t> lo(nd), hi(nd);
+      bool overlap = Volume(b.shape) != 0;
+      for (size_t d = 0; d < nd && overlap; ++d) {
+        lo[d] = std::max(a.offset[d], b.offset[d]);
+        hi[d] = std::min(a.offset[d] + a.shape[d], b.offset[d] + b.shape[d]);
+        overlap = lo[d] < hi[d];
+      }
+      if (overlap) {
+        return err(fmt::format("{} ({}) and {} ({}) overlap in {}", boxes[i].first, BoxRanges(a), boxes[k].first,
+                               BoxRanges(b), Ranges(lo, hi)));
+      }
+    }
+  }
+  unsigned __int128 covered = 0;
+  for (const auto& [label, b] : boxes) covered += Volume(b.shape);
+  const unsigned __int128 total = Volume(global_shape);
+  if (covered == total) return Status::Ok();
+  // In bounds and disjoint, so some elements are uncovered: name one region.
+  // The boxes' boundaries cut the tensor into cells, each inside or outside
+  // every box; the first cell outside all of them is reported.
+  std::vector<std::vector<uint64_t>> cuts(nd);
+  unsigned __int128 cells = 1;
+  for (size_t d = 0; d < nd; ++d) {
+    std::set<uint64_t> c{0, global_shape[d]};
+    for (const auto& [label, b] : boxes) {
+      c.insert(b.offset[d]);
+      c.insert(b.offset[d] + b.shape[d]);
+    }
+    cuts[d].assign(c.begin(), c.end());
+    cells *= cuts[d].size() - 1;
+  }
+  const uint64_t missing = static_cast<uint64_t>(total - covered);
+  if (cells * std::max<size_t>(1, boxes.size()) <= kMaxGapSearchWork) {
+    std::vector<size_t> idx(nd, 0);
+    for (unsigned __int128 c = 0; c < cells; ++c) {
+      bool inside = false;
+      for (const auto& [label, b] : boxes) {
+        bool in = true;
+        for (size_t d = 0; d < nd && in; ++d) {
+          const uint64_t x = cuts[d][idx[d]];
+          in = x >= b.offset[d] && x < b.offset[d] + b.shape[d];
+        }
+        if (in) {
+          inside = true;
+          break;
+        }
+      }
+      if (!inside) {
+        std::vector<uint64_t> lo(nd), hi(nd);
+        for (size_t d = 0; d < nd; ++d) lo[d] = cuts[d][idx[d]], hi[d] = cuts[d][idx[d] + 1];
+        return err(fmt::format("{} elements are in no shard, e.g. {} (a rank missing?)", missing, Ranges(lo, hi)));
+      }
+      for (size_t d = nd; d-- > 0;) {
+        if (++idx[d] < cuts[d].size() - 1) break;
+        idx[d] = 0;
+      }
+    }
+  }
+  return err(fmt::format("{} elements are in no shard (a rank missing?)", missing));
+}
+
+// ---- sources --------------------------------------------------------------------
+
+namespace {
+
+struct SourcePart {
+  uint32_t source = 0;
+  const ManifestTensor* tensor = nullptr;
+};
+
+struct GlobalInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  uint32_t group = 0;
+  std::vector<uint64_t> global_shape;
+  std::vector<std::pair<std::string, DType>> fields;
+  std::vector<SourcePart> parts;  // sorted by shard offset (row-major order)
+};
+
+struct Sources {
+  std::vector<std::string> dirs;
+  std::vector<Manifest> manifests;
+  std::map<std::string, GlobalInfo> tensors;
+};
+
+std::string GroupsText(const std::vector<GroupInfo>& gs) {
+  std::string out;
+  for (const GroupInfo& g : gs) {
+    out += fmt::format("{{id {} step_count {}", g.id, g.step_count);
+    for (const auto& [k, v] : g.hyper) out += fmt::format(" {}={}", k, v);
+    out += "}";
+  }
+  return out.empty() ? "none" : out;
+}
+
+Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk_size_bytes) {
+  if (dirs.empty()) return InvalidArgument("reshard: no source checkpoints given");
+  Sources s;
+  s.dirs = dirs;
+  for (std::string& d : s.dirs) {
+    while (d.size() > 1 && d.back() == '/') d.pop_back();
+  }
+  for (size_t i = 0; i < s.dirs.size(); ++i) {
+    for (size_t k = 0; k < i; ++k) {
+      if (s.dirs[k] == s.dirs[i]) return InvalidArgument("reshard: source " + s.dirs[i] + " is given twice");
+    }
+    const std::string path = s.dirs[i] + "/" + kManifestFileName;
+    auto text = FileSystem::Default()->ReadFileToString(path);
+    if (!text.ok()) return text.status().WithContext("reshard: source " + s.dirs[i]);
+    OPTSTATE_ASSIGN_OR_RETURN(Manifest m, ParseManifest(*text, path));
+    s.manifests.push_back(std::move(m));
+  }
+  const Manifest& m0 = s.manifests[0];
+  auto source = [&](size_t i) { return fmt::format("source {} ({})", i, s.dirs[i]); };
+  for (size_t i = 1; i < s.manifests.size(); ++i) {
+    const Manifest& m = s.manifests[i];
+    if (m.step != m0.step || m.generation != m0.generation) {
+      return InvalidArgument(fmt::format(
+          "reshard: the sources are not one checkpoint: {} is step {} generation {}, {} is step {} generation {}; "
+          "give the checkpoints of one step of every rank",
+          source(0), m0.step, m0.generation, source(i), m.step, m.generation));
+    }
+    if (GroupsText(m.groups) != GroupsText(m0.groups)) {
+      return InvalidArgument(fmt::format("reshard: the sources' optimizer groups differ: {} has {}, {} has {}",
+                                         source(0), GroupsText(m0.groups), source(i), GroupsText(m.groups)));
+    }
+    if (chunk_size_bytes == 0 && m.chunk_size_bytes != m0.chunk_size_bytes) {
+      return InvalidArgument(fmt::format(
+          "reshard: the sources' chunk sizes differ ({} has {} bytes, {} has {} bytes): give the destination's "
+          "chunk size",
+          source(0), m0.chunk_size_bytes, source(i), m.chunk_size_bytes));
+    }
+  }
+  for (size_t i = 0; i < s.manifests.size(); ++i) {
+    for (const ManifestTensor& mt : s.manifests[i].tensors) {
+      std::vector<std::pair<std::string, DType>> fields;
+      for (const ManifestField& f : mt.fields) fields.emplace_back(f.name, f.dtype);
+      auto [it, fresh] = s.tensors.try_emplace(mt.name);
+      GlobalInfo& g = it->second;
+      if (fresh) {
+        g.name = mt.name;
+        g.dtype = mt.dtype;
+        g.group = mt.group;
+        g.global_shape = mt.global_shape;
+        g.fields = fields;
+      } else {
+        const ManifestTensor& first = *g.parts.front().tensor;
+        const std::string other = source(g.parts.front().source);
+        auto differ = [&](const char* what, const std::string& a, const std::string& b) {
+          return InvalidArgument(fmt::format("reshard: tensor '{}': {} {} in {}, {} in {}", mt.name, what, a,
+                                             other, b, source(i)));
+        };
+        if (g.global_shape != mt.global_shape) {
+          return differ("global_shape", Dims(g.global_shape), Dims(mt.global_shape));
+        }
+        if (g.dtype != mt.dtype) return differ("dtype", DTypeName(g.dtype), DTypeName(mt.dtype));
+        if (g.group != mt.group) return differ("group", std::to_string(g.group), std::to_string(mt.group));
+        if (g.fields != fields) {
+          auto text = [](const ManifestTensor& t) {
+            std::vector<std::string> v;
+            for (const ManifestField& f : t.fields) v.push_back(f.name + ":" + DTypeName(f.dtype));
+            return fmt::format("{}", fmt::join(v, ","));
+          };
+          return differ("fields", text(first), text(mt));
+        }
+      }
+      g.parts.push_back({static_cast<uint32_t>(i), &mt});
+    }
+  }
+  for (auto& [name, g] : s.tensors) {
+    std::sort(g.parts.begin(), g.parts.end(), [](const SourcePart& a, const SourcePart& b) {
+      return a.tensor->shard_offset < b.tensor->shard_offset;
+    });
+    std::vector<std::pair<std::string, ShardBox>> boxes;
+    for (const SourcePart& p : g.parts) {
+      boxes.emplace_back(source(p.source), ShardBox{p.tensor->shard_offset, p.tensor->shape});
+    }
+    OPTSTATE_RETURN_IF_ERROR(ValidateTiling("reshard: sources", name, g.global_shape, boxes));
+  }
+  return s;
+}
+
+Status ValidateTarget(const Sources& s, const TargetLayout& target) {
+  if (target.ranks.empty()) return InvalidArgument("reshard: target layout has no ranks");
+  std::map<std::string, std::vector<std::pair<std::string, ShardBox>>> by_tensor;
+  for (size_t r = 0; r < target.ranks.size(); ++r) {
+    for (const auto& [name, b] : target.ranks[r]) {
+      if (!s.tensors.count(name)) {
+        return InvalidArgument(fmt::format(
+            "reshard: target layout: rank {} lists tensor '{}', which no source holds", r, name));
+      }
+      by_tensor[name].emplace_back(fmt::format("rank {}", r), b);
+    }
+  }
+  for (const auto& [name, g] : s.tensors) {
+    auto it = by_tensor.find(name);
+    if (it == by_tensor.end()) {
+      return InvalidArgument(fmt::format("reshard: target layout: tensor '{}' (global shape {}) is on no rank", name,
+                                         Dims(g.global_shape)));
+    }
+    OPTSTATE_RETURN_IF_ERROR(ValidateTiling("reshard: target layout", name, g.global_shape, it->second));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::vector<GlobalTensor>> GlobalTensorsOf(const std::vector<std::string>& sources) {
+  OPTSTATE_ASSIGN_OR_RETURN(Sources s, LoadSources(sources, 0));
+  std::vector<GlobalTensor> out;
+  for (const auto& [name, g] : s.tensors) out.push_back({name, g.global_shape});
+  return out;
+}
+
+std::string ReshardRankDirName(uint32_t rank) { return fmt::format("rank-{:05d}", rank); }
+
+// ---- the copy -----------------------------------------------------------------------
+
+namespace {
+
+// One destination rank's checkpoint while it is written.
+struct DestRank {
+  std::string dir;
+  Manifest manifest;
+  std::map<std::string, size_t> tensor_index;     // name -> index in manifest.tensors
+  std::vector<std::vector<uint64_t>> st_offsets;  // [tensor][field]: file offset in state.safetensors
+  std::string st_header;
+  std::unique_ptr<File> st;
+};
+
+// A destination field being filled: the part of one rank's box of a tensor.
+struct DestField {
+  DestRank* rank = nullptr;
+  const ShardBox* box = nullptr;
+  ManifestField* field = nullptr;
+  uint64_t st_offset = 0;
+  std::unique_ptr<File> file;
+  uint64_t stage_start = 0;  // file offset of stage[0]
+  std::vector<char> stage;
+  std::vector<uint64_t> strides;  // elements, row-major
+  // Chunk hashes computed as the bytes arrive, while they arrive in file
+  // order (row and column splits of row-ordered sources do); otherwise the
+  // file is read back and hashed at the end.
+  bool in_order = true;
+  uint64_t hashed = 0;  // bytes [0, hashed) hashed
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hash{nullptr, &XXH3_freeState};
+};
+
+class Resharder {
+ public:
+  Resharder(const Sources& s, const TargetLayout& target, const std::string& dir, const ReshardOptions& opts,
+            FileSystem* fs)
+      : s_(s), target_(target), dir_(dir), opts_(opts), fs_(fs) {}
+
+  Status Run(ReshardResult* result) {
+    result_ = result;
+    const Manifest& m0 = s_.manifests[0];
+    cs_ = opts_.chunk_size_bytes != 0 ? opts_.chunk_size_bytes : m0.chunk_size_bytes;
+    uint64_t buf_bytes = cs_;
+    for (const Manifest& m : s_.manifests) buf_bytes = std::max(buf_bytes, m.chunk_size_bytes);
+    buf_.resize(buf_bytes);
+    OPTSTATE_RETURN_IF_ERROR(Prepare());
+    for (const auto& [name, g] : s_.tensors) {
+      for (uint32_t f = 0; f < g.fields.size(); ++f) OPTSTATE_RETURN_IF_ERROR(CopyField(g, f));
+    }
+    for (DestRank& r : ranks_) {
+      OPTSTATE_RETURN_IF_ERROR(r.st->Fdatasync());
+      r.st.reset();
+      const std::string json = SerializeManifest(r.manifest);
+      OpenOptions oo;
+      oo.create = true;
+      oo.exclusive = true;
+      OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<File> mf, fs_->Open(r.dir + "/" + kManifestFileName, oo));
+      OPTSTATE_RETURN_IF_ERROR(mf->Pwrite(0, json.data(), json.size()));
+      OPTSTATE_RETURN_IF_ERROR(mf->Fsync());
+      result_->bytes_written += json.size();
+      for (const ManifestTensor& t : r.manifest.tensors) {
+        OPTSTATE_RETURN_IF_ERROR(fs_->SyncDir(r.dir + "/" + kTensorsDirName + "/" + t.file_name));
+      }
+      OPTSTATE_RETURN_IF_ERROR(fs_->SyncDir(r.dir + "/" + kTensorsDirName));
+      OPTSTATE_RETURN_IF_ERROR(fs_->SyncDir(r.dir));
+    }
+    result_->ranks = static_cast<uint32_t>(ranks_.size());
+    return fs_->SyncDir(dir_);
+  }
+
+ private:
+  // Directories, manifests without chunk hashes, state.safetensors headers.
+  Status Prepare() {
+    const Manifest& m0 = s_.manifests[0];
+    ranks_.resize(target_.ranks.size());
+    for (uint32_t r = 0; r < ranks_.size(); ++r) {
+      DestRank& d = ranks_[r];
+      d.dir = dir_ + "/" + ReshardRankDirName(r);
+      OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(d.dir));
+      OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(d.dir + "/" + kTensorsDirName));
+      Manifest& m = d.manifest;
+      m.store_uuid = RandomUuid();
+      m.store_name = opts_.store_name.empty() ? m0.store_name : opts_.store_name;
+      m.generation = m0.generation;
+      m.step = m0.step;
+      m.chunk_size_bytes = cs_;
+      m.groups = m0.groups;
+      for (const auto& [name, box] : target_.ranks[r]) {  // std::map: sorted by name, as manifests are
+        const GlobalInfo& g = s_.tensors.at(name);
+        ManifestTensor t;
+        t.name = name;
+        t.file_name = FileNameForName(name);
+        t.dtype = g.dtype;
+        t.numel = static_cast<uint64_t>(Volume(box.shape));
+        t.group = g.group;
+        t.shape = box.shape;
+        t.global_shape = g.global_shape;
+        t.shard_offset = box.offset;
+        for (const auto& [fname, fdtype] : g.fields) {
+          ManifestField f;
+          f.name = fname;
+          f.dtype = fdtype;
+          f.file = fmt::format("{}/{}/{}", kTensorsDirName, t.file_name, FileNameForName(fname));
+          f.bytes = t.numel * ElemSize(fdtype);
+          t.fields.push_back(std::move(f));
+        }
+        OPTSTATE_RETURN_IF_ERROR(fs_->CreateDir(d.dir + "/" + kTensorsDirName + "/" + t.file_name));
+        d.tensor_index[name] = m.tensors.size();
+        m.tensors.push_back(std::move(t));
+      }
+      // state.safetensors: the header CheckpointLayout writes for the same manifest.
+      OJson header;
+      OJson meta = OJson::object();
+      meta["format"] = "pt";
+      meta[kSafetensorsStoreKey] = m.store_name;
+      meta[kSafetensorsStoreUuidKey] = m.store_uuid;
+      meta[kSafetensorsGenerationKey] = std::to_string(m.generation);
+      meta[kSafetensorsStepKey] = std::to_string(m.step);
+      header["__metadata__"] = meta;
+      uint64_t off = 0;
+      for (const ManifestTensor& t : m.tensors) {
+        d.st_offsets.emplace_back();
+        for (const ManifestField& f : t.fields) {
+          OJson e;
+          e["dtype"] = SafetensorsDtype(f.dtype);
+          e["shape"] = t.shape;
+          e["data_offsets"] = OJson::array({off, off + f.bytes});
+          header[t.name + "/" + f.name] = e;
+          d.st_offsets.back().push_back(off);
+          off += f.bytes;
+        }
+      }
+      std::string hjson = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      while ((8 + hjson.size()) % CheckpointLayout::kSafetensorsDataAlignBytes != 0) hjson.push_back(' ');
+      const uint64_t hlen = hjson.size();
+      d.st_header.resize(8);
+      for (int i = 0; i < 8; ++i) d.st_header[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
+      d.st_header += hjson;
+      for (auto& v : d.st_offsets) {
+        for (uint64_t& o : v) o += d.st_header.size();
+      }
+      OPTSTATE_ASSIGN_OR_RETURN(d.st, Create(d.dir + "/" + kSafetensorsFileName));
+      OPTSTATE_RETURN_IF_ERROR(d.st->Pwrite(0, d.st_header.data(), d.st_header.size()));
+      // Sized up front: the data section is filled out of order.
+      if (off > 0) OPTSTATE_RETURN_IF_ERROR(d.st->Fallocate(d.st_header.size(), off));
+      result_->bytes_written += d.st_header.size();
+    }
+    for (const auto& [name, g] : s_.tensors) {
+      for (const SourcePart& p : g.parts) {
+        for (const ManifestField& f : p.tensor->fields) total_ += f.bytes;
+      }
+    }
+    return Status::Ok();
+  }
+
+  Result<std::unique_ptr<File>> Create(const std::string& path) {
+    OpenOptions oo;
+    oo.create = true;
+    oo.exclusive = true;
+    return fs_->Open(path, oo);
+  }
+
+  Status Flush(DestField& d) {
+    if (d.stage.empty()) return Status::Ok();
+    OPTSTATE_RETURN_IF_ERROR(d.file->Pwrite(d.stage_start, d.stage.data(), d.stage.size()));
+    OPTSTATE_RETURN_IF_ERROR(d.rank->st->Pwrite(d.st_offset + d.stage_start, d.stage.data(), d.stage.size()));
+    // Start the writeback now, so that the disk writes while the next chunks
+    // are read and scattered instead of all at the final fdatasync. A hint
+    // only: durability still comes from the fdatasync of every file.
+    (void)::sync_file_range(d.file->fd(), static_cast<off64_t>(d.stage_start), static_cast<off64_t>(d.stage.size()),
+                            SYNC_FILE_RANGE_WRITE);
+    (void)::sync_file_range(d.rank->st->fd(), static_cast<off64_t>(d.st_offset + d.stage_start),
+                            static_cast<off64_t>(d.stage.size()), SYNC_FILE_RANGE_WRITE);
+    result_->bytes_written += 2 * d.stage.size();
+    d.stage.clear();
+    return Status::Ok();
+  }
+
+  // Appends bytes bound for file offset `at` of d, writing out what is staged
+  // first when they do not continue it or the stage is full.
+  Status Stage(DestField& d, uint64_t at, const char* p, uint64_t n) {
+    if (d.in_order && at == d.hashed) {
+      for (uint64_t k = 0; k < n;) {
+        if (d.hashed % cs_ == 0) XXH3_64bits_reset(d.hash.get());
+        const uint64_t take = std::min(n - k, cs_ - d.hashed % cs_);
+        XXH3_64bits_update(d.hash.get(), p + k, take);
+        k += take;
+        d.hashed += take;
+        if (d.hashed % cs_ == 0 || d.hashed == d.field->bytes) {
+          const uint64_t len = (d.hashed - 1) % cs_ + 1;
+          d.field->chunks.push_back({d.hashed - len, len, XXH3_64bits_digest(d.hash.get())});
+        }
+      }
+    } else if (d.in_order) {
+      d.in_order = false;
+      d.field->chunks.clear();
+    }
+    if (!d.stage.empty() && (d.stage_start + d.stage.size() != at ||
+                             d.stage.size() + n > opts_.staging_bytes_per_rank)) {
+      OPTSTATE_RETURN_IF_ERROR(Flush(d));
+    }
+    if (d.stage.empty()) d.stage_start = at;
+    if (n >= opts_.staging_bytes_per_rank) {  // larger than a stage: straight through
+      d.stage.assign(p, p + n);
+      return Flush(d);
+    }
+    d.stage.insert(d.stage.end(), p, p + n);
+    return Status::Ok();
+  }
+
+  // Scatters elements [e0, e1) of source box `src` (their bytes at buf_) into
+  // the destination fields whose boxes they meet.
+  Status Scatter(const ShardBox& src, uint64_t e0, uint64_t e1, uint32_t esize, std::vector<DestField*>& dests) {
+    const size_t nd = src.shape.size();
+    const uint64_t row = src.shape[nd - 1];
+    std::vector<uint64_t> g(nd);  // global coordinates of the row's start
+    for (uint64_t rho = e0 / row; rho * row < e1; ++rho) {
+      uint64_t q = rho;
+      for (size_t d = nd - 1; d-- > 0;) {
+        g[d] = src.offset[d] + q % src.shape[d];
+        q /= src.shape[d];
+      }
+      const uint64_t c_lo = std::max(e0, rho * row) - rho * row;  // columns of the row in this chunk
+      const uint64_t c_hi = std::min(e1, rho * row + row) - rho * row;
+      const uint64_t g_lo = src.offset[nd - 1] + c_lo, g_hi = src.offset[nd - 1] + c_hi;
+      for (DestField* dp : dests) {
+        const ShardBox& b = *dp->box;
+        bool in = true;
+        uint64_t at = 0;
+        for (size_t d = 0; d + 1 < nd && in; ++d) {
+          in = g[d] >= b.offset[d] && g[d] < b.offset[d] + b.shape[d];
+          at += (g[d] - b.offset[d]) * dp->strides[d];
+        }
+        if (!in) continue;
+        const uint64_t lo = std::max(g_lo, b.offset[nd - 1]);
+        const uint64_t hi = std::min(g_hi, b.offset[nd - 1] + b.shape[nd - 1]);
+        if (lo >= hi) continue;
+        at += lo - b.offset[nd - 1];
+        const uint64_t src_elem = rho * row + (lo - src.offset[nd - 1]);
+        OPTSTATE_RETURN_IF_ERROR(
+            Stage(*dp, at * esize, buf_.data() + (src_elem - e0) * esize, (hi - lo) * esize));
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status CopyField(const GlobalInfo& g, uint32_t fi) {
+    const std::string& fname = g.fields[fi].first;
+    const uint32_t esize = ElemSize(g.fields[fi].second);
+    std::vector<DestField> dests;
+    for (DestRank& r : ranks_) {
+      auto it = r.tensor_index.find(g.name);
+      if (it == r.tensor_index.end()) continue;
+      ManifestTensor& t = r.manifest.tensors[it->second];
+      DestField d;
+      d.rank = &r;
+      d.box = &target_.ranks[&r - ranks_.data()].at(g.name);
+      d.field = &t.fields[fi];
+      d.st_offset = r.st_offsets[it->second][fi];
+      d.strides.assign(t.shape.size(), 1);
+      for (size_t k = t.shape.size() - 1; k-- > 0;) d.strides[k] = d.strides[k + 1] * t.shape[k + 1];
+      d.hash.reset(XXH3_createState());
+      if (!d.hash) return ResourceExhausted("reshard: out of memory for a hash state");
+      OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file));
+      if (d.field->bytes > 0) OPTSTATE_RETURN_IF_ERROR(d.file->Fallocate(0, d.field->bytes));
+      dests.push_back(std::move(d));
+    }
+    for (const SourcePart& p : g.parts) {
+      const ManifestTensor& st = *p.tensor;
+      const ManifestField& sf = st.fields[fi];
+      const std::string path = s_.dirs[p.source] + "/" + sf.file;
+      const ShardBox src{st.shard_offset, st.shape};
+      std::vector<DestField*> meet;  // destinations whose box meets this source's
+      for (DestField& d : dests) {
+        bool overlap = true;
+        for (size_t k = 0; k < src.shape.size() && overlap; ++k) {
+          overlap = std::max(src.offset[k], d.box->offset[k]) <
+                    std::min(src.offset[k] + src.shape[k], d.box->offset[k] + d.box->shape[k]);
+        }
+        if (overlap) meet.push_back(&d);
+      }
+      OpenOptions oo;
+      oo.read_only = true;
+      auto file = FileSystem::Default()->Open(path, oo);
+      if (!file.ok()) {
+        return file.status().WithContext(fmt::format("reshard: tensor '{}' field '{}'", g.name, fname));
+      }
+      OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*file)->Size());
+      if (size != sf.bytes) {
+        return Corruption(fmt::format("reshard: {}: size {} bytes, its manifest says {} (tensor '{}' field '{}'): {}",
+                                      path, size, sf.bytes, g.name, fname, size < sf.bytes ? "truncated" : "too long"));
+      }
+      // Sequential reads: a larger kernel read-ahead, and the next chunk
+      // requested while this one is scattered (hints; errors are the reads').
+      (void)::posix_fadvise((*file)->fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
+      for (size_t ci = 0; ci < sf.chunks.size(); ++ci) {
+        const ManifestChunk& c = sf.chunks[ci];
+        if (ci + 1 < sf.chunks.size()) {
+          (void)::posix_fadvise((*file)->fd(), static_cast<off_t>(sf.chunks[ci + 1].offset_bytes),
+                                static_cast<off_t>(sf.chunks[ci + 1].length_bytes), POSIX_FADV_WILLNEED);
+        }
+        Status rs = (*file)->Pread(c.offset_bytes, buf_.data(), c.length_bytes);
+        if (!rs.ok()) {
+          return rs.WithContext(fmt::format("reshard: tensor '{}' field '{}' chunk {}", g.name, fname, ci));
+        }
+        const uint64_t h = XXH3_64bits(buf_.data(), c.length_bytes);
+        if (h != c.xxh3) {
+          return Corruption(fmt::format(
+              "reshard: {}: chunk {} (bytes {}..{}) has XXH3 {:016x}, its manifest (generation {}) says {:016x} "
+              "(tensor '{}' field '{}'): the file is damaged or from another generation; nothing was written",
+              path, ci, c.offset_bytes, c.offset_bytes + c.length_bytes, h, s_.manifests[p.source].generation,
+              c.xxh3, g.name, fname));
+        }
+        result_->bytes_read += c.length_bytes;
+        OPTSTATE_RETURN_IF_ERROR(Scatter(src, c.offset_bytes / esize, (c.offset_bytes + c.length_bytes) / esize,
+                                         esize, meet));
+        CrashPoint("reshard.after_chunk");
+      }
+      done_ += sf.bytes;
+      if (opts_.progress) opts_.progress(done_, total_);
+    }
+    // Every destination byte is written (the layouts tile). Fields whose
+    // bytes came out of order are read back and hashed chunk by chunk.
+    for (DestField& d : dests) {
+      OPTSTATE_RETURN_IF_ERROR(Flush(d));
+      ManifestField& f = *d.field;
+      if (d.in_order && d.hashed != f.bytes) {
+        return Internal(fmt::format("reshard: tensor '{}' field '{}': {} of {} bytes written on {}", g.name,
+                                    fname, d.hashed, f.bytes, d.rank->dir));
+      }
+      for (uint64_t off = d.in_order ? f.bytes : 0; off < f.bytes; off += cs_) {
+        const uint64_t len = std::min(cs_, f.bytes - off);
+        OPTSTATE_RETURN_IF_ERROR(d.file->Pread(off, buf_.data(), len));
+        f.chunks.push_back({off, len, XXH3_64bits(buf_.data(), len)});
+      }
+      OPTSTATE_RETURN_IF_ERROR(d.file->Fdatasync());
+    }
+    return Status::Ok();
+  }
+
+  const Sources& s_;
+  const TargetLayout& target_;
+  const std::string dir_;
+  const ReshardOptions& opts_;
+  FileSystem* fs_;
+  ReshardResult* result_ = nullptr;
+  uint64_t cs_ = 0;
+  std::vector<char> buf_;  // one source chunk (or one destination chunk while hashing)
+  std::vector<DestRank> ranks_;
+  uint64_t total_ = 0, done_ = 0;
+};
+
+// dest must not exist or be an empty directory; its parent must exist.
+Status CheckDest(FileSystem* fs, const std::string& dest) {
+  OPTSTATE_ASSIGN_OR_RETURN(bool parent_exists, fs->Exists(ParentDir(dest)));
+  if (!parent_exists) {
+    return NotFound(fmt::format("reshard: the parent directory {} of {} does not exist", ParentDir(dest), dest));
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(dest));
+  if (!exists) return Status::Ok();
+  auto names = fs->ListDir(dest);
+  if (!names.ok()) {
+    return AlreadyExists(fmt::format("reshard: {} exists and is not a directory ({}); give a new path", dest,
+                                     names.status().ToString()));
+  }
+  if (!names->empty()) {
+    return AlreadyExists(fmt::format("reshard: {} exists and is not empty ({} entries, e.g. '{}'); give a new "
+                                     "path or remove it",
+                                     dest, names->size(), names->front()));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const TargetLayout& target,
+                              const std::string& dest_in, const ReshardOptions& opts) {
+  FileSystem* fs = opts.fs != nullptr ? opts.fs : FileSystem::Default();
+  std::string dest = dest_in;
+  while (dest.size() > 1 && dest.back() == '/') dest.pop_back();
+  if (dest.empty()) return InvalidArgument("reshard: empty destination path");
+  if (opts.chunk_size_bytes % kChunkAlignBytes != 0) {
+    return InvalidArgument(
+        fmt::format("reshard: chunk size {} bytes is not a multiple of 2 MiB", opts.chunk_size_bytes));
+  }
+  if (opts.staging_bytes_per_rank == 0) return InvalidArgument("reshard: staging_bytes_per_rank is 0");
+  OPTSTATE_ASSIGN_OR_RETURN(Sources s, LoadSources(sources, opts.chunk_size_bytes));
+  OPTSTATE_RETURN_IF_ERROR(ValidateTarget(s, target));
+  OPTSTATE_RETURN_IF_ERROR(CheckDest(fs, dest));
+  const std::string where =
+      fmt::format("reshard: {} source{} to {} rank{} at {}", s.dirs.size(), s.dirs.size() == 1 ? "" : "s",
+                  target.ranks.size(), target.ranks.size() == 1 ? "" : "s", dest);
+  std::string partial;
+  std::random_device rd;
+  for (int attempt = 0;; ++attempt) {
+    partial = fmt::format("{}.partial-{:08x}", dest, static_cast<uint32_t>(rd()));
+    OPTSTATE_ASSIGN_OR_RETURN(bool taken, fs->Exists(partial));
+    if (!taken) break;
+    if (attempt == 16) return AlreadyExists(where + ": no free name for the partial directory, e.g. " + partial);
+  }
+  if (Status st = fs->CreateDir(partial); !st.ok()) return st.WithContext(where);
+  ReshardResult result;
+  Status st = Resharder(s, target, partial, opts, fs).Run(&result);
+  if (st.ok()) {
+    CrashPoint("reshard.before_rename");
+    st = fs->Rename(partial, dest);
+  }
+  if (!st.ok()) {
+    Status rm = fs->RemoveAll(partial);
+    if (!rm.ok()) OPTSTATE_LOG_ERROR("{}: removing {} after a failed reshard: {}", where, partial, rm.ToString());
+    return st.WithContext(where);
+  }
+  st = fs->SyncDir(ParentDir(dest));
+  if (!st.ok()) {
+    return st.WithContext(where + ": the checkpoints are complete, but their name in " + ParentDir(dest) +
+                          " may not survive a power loss");
+  }
+  OPTSTATE_LOG_INFO("{}: {} bytes read, {} bytes written", where, result.bytes_read, result.bytes_written);
+  return result;
+}
+
+}  // namespace optstate::vfs

@@ -1,0 +1,135 @@
+// Reshard: checkpoints of N ranks -> checkpoints of M ranks.
+//
+// Each source is a checkpoint directory (vfs/checkpoint.h: manifest.json,
+// state.safetensors, tensors/...) whose tensors are boxes of global tensors
+// (manifest shard_offset + shape inside global_shape). A TargetLayout gives,
+// per destination rank, the box each tensor of that rank covers. Reshard
+// checks that the sources tile every global tensor exactly once and agree on
+// step, generation, groups, dtypes and fields, that the target tiles the same
+// global tensors exactly once, and then streams the bytes: every source chunk
+// is read once, verified against its manifest XXH3, and scattered into the
+// destination field files and state.safetensors; the destination manifests
+// get the new chunks' XXH3. Memory: one source chunk plus a bounded staging
+// buffer per destination rank (ReshardOptions), whatever the state's size.
+//
+// Output is all or nothing: the M rank directories ("rank-00000", ...) are
+// written under "<dest>.partial-<8 hex digits>", every file and directory is
+// fsynced, and the partial directory is renamed to dest only then. A crash
+// leaves at most the partial directory (never dest); an error removes it.
+// The layout JSON schema is in docs/RESHARD.md.
+//
+// Thread-safety: the free functions are thread-safe; Reshard reads only its
+// sources and writes only beside dest.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "vfs/checkpoint.h"
+#include "vfs/file_system.h"
+#include "vfs/status.h"
+
+namespace optstate::vfs {
+
+inline constexpr const char* kReshardLayoutFormat = "optstate-reshard-layout";
+inline constexpr uint32_t kReshardLayoutVersion = 1;
+
+// One shard of a global tensor: the box [offset, offset + shape) of it.
+struct ShardBox {
+  std::vector<uint64_t> offset;
+  std::vector<uint64_t> shape;
+};
+
+// Per destination rank, per tensor name, its box. A rank that holds no part of
+// a tensor does not list it.
+struct TargetLayout {
+  std::vector<std::map<std::string, ShardBox>> ranks;
+};
+
+// Strict parse of the layout JSON (docs/RESHARD.md); errors name `source` and
+// the key. Checks only the shape of the document (the tiling is checked
+// against the sources by Reshard / ValidateTiling).
+Result<TargetLayout> ParseTargetLayout(std::string_view json, std::string_view source);
+// Deterministic JSON, newline-terminated.
+std::string SerializeTargetLayout(const TargetLayout& layout);
+
+// A global tensor as the sources describe it.
+struct GlobalTensor {
+  std::string name;
+  std::vector<uint64_t> global_shape;
+};
+
+// How MakeEvenLayout splits each tensor.
+enum class SplitKind : uint8_t {
+  kRows,     // along dimension 0
+  kColumns,  // along the last dimension (dimension 0 for 1-D tensors)
+};
+
+// Splits every tensor evenly over `ranks` ranks along one dimension: rank r
+// gets [E*r/M, E*(r+1)/M) of extent E (sizes differ by at most one; a rank
+// whose part is empty does not list the tensor). REQUIRES: ranks >= 1.
+TargetLayout MakeEvenLayout(const std::vector<GlobalTensor>& tensors, uint32_t ranks, SplitKind split);
+
+// The layout of a distributed optimizer that shards flat buffers over
+// data-parallel ranks: the tensors, in the given order, are packed into
+// buckets (a bucket takes whole tensors until it holds at least
+// bucket_numel elements), each bucket is padded to a multiple of `ranks`
+// elements and split into equal flat ranges, and each rank gets, per
+// tensor, the part of its range that the tensor covers: a flat range of the
+// flattened tensor, i.e. a 1-D box of a tensor whose global shape is
+// [numel]. InvalidArgument for a tensor of another rank (record flat-sharded
+// tensors flattened), bucket_numel 0 or ranks 0.
+Result<TargetLayout> MakeBucketLayout(const std::vector<GlobalTensor>& tensors, uint64_t bucket_numel,
+                                      uint32_t ranks);
+
+// Checks that `boxes` (label such as "rank 2" -> box) tile a tensor of
+// `global_shape` exactly once: every box inside the tensor and of its rank, no
+// two overlapping, no element uncovered. InvalidArgument naming `what` (e.g.
+// "target layout"), the tensor, the labels and the offending ranges.
+Status ValidateTiling(std::string_view what, std::string_view tensor,
+                      const std::vector<uint64_t>& global_shape,
+                      const std::vector<std::pair<std::string, ShardBox>>& boxes);
+
+// The global tensors of a set of source checkpoints (their manifests only);
+// the same checks as Reshard's on the sources.
+Result<std::vector<GlobalTensor>> GlobalTensorsOf(const std::vector<std::string>& sources);
+
+// The name of rank r's checkpoint directory under Reshard's dest.
+std::string ReshardRankDirName(uint32_t rank);
+
+struct ReshardOptions {
+  // Bytes of destination data gathered per destination rank before it is
+  // written (a column split scatters a source chunk into many short runs).
+  // Default 4 MiB; memory is about source chunk size + ranks x this.
+  uint64_t staging_bytes_per_rank = 4 * kMiB;
+  // Chunk size of the destination manifests (their XXH3 granularity); 0 =
+  // the sources' (they must then all have the same). A multiple of 2 MiB.
+  uint64_t chunk_size_bytes = 0;
+  // Store name written into the destination manifests; empty = the first
+  // source's.
+  std::string store_name;
+  // Called after each source field with (bytes done, total source bytes).
+  std::function<void(uint64_t, uint64_t)> progress;
+  // Destination file system (tests inject faults); null = FileSystem::Default().
+  FileSystem* fs = nullptr;
+};
+
+struct ReshardResult {
+  uint64_t bytes_read = 0;     // source field bytes read (and verified)
+  uint64_t bytes_written = 0;  // destination bytes written, all files
+  uint32_t ranks = 0;          // destination ranks written
+};
+
+// Reads the source checkpoints (any order), validates them and `target`
+// (nothing is written on a validation error), and writes dest/rank-NNNNN/ for
+// every rank of target, all or nothing. dest must not exist or be an empty
+// directory; its parent must exist.
+Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const TargetLayout& target,
+                              const std::string& dest, const ReshardOptions& opts = {});
+
+}  // namespace optstate::vfs
