@@ -84,6 +84,7 @@ struct StepOptions {
   uint32_t durable_every = 1;
   uint32_t commit_lag = 1;  // StreamedAdamOptions::commit_lag_steps
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
+  bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved
   int cpu_threads = 1;
   uint32_t hash_threads = memmgr::MemoryManagerOptions::kAutoHashThreads;
   std::string sync_every_text = "512M";
@@ -476,7 +477,7 @@ int RunCompare(const StepOptions& o) {
       std::error_code ec;
       if (own) fs::remove_all(d, ec);
       else {
-        for (const char* n : {"store", "first_version", "sync_direct", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
+        for (const char* n : {"store", "store.bf16", "first_version", "sync_direct", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
       }
     }
   } cleanup{dir, own_dir};
@@ -570,6 +571,37 @@ int RunCompare(const StepOptions& o) {
   // timed step reads and writes all 12 bytes per parameter.
   if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step"));
 
+  // --bf16-moments: the same params, gradients and budget on a store whose
+  // moments are bf16 (its own store and manager), stepped after ours in each
+  // round: what narrower moments save, measured side by side.
+  std::unique_ptr<vfs::Store> store16;
+  std::unique_ptr<memmgr::MemoryManager> mm16;
+  std::unique_ptr<memmgr::StreamedAdam> opt16;
+  if (o.compare_bf16) {
+    auto s16 = vfs::Store::Create(dir + "/store.bf16", so);
+    if (!s16.ok()) return FailWith(kTool, s16.status());
+    store16 = std::move(*s16);
+    auto m16 = memmgr::MemoryManager::Create(store16.get(), ManagerOptions(*c, o));
+    if (!m16.ok()) return FailWith(kTool, m16.status());
+    mm16 = std::move(*m16);
+    memmgr::StreamedAdamOptions ao16 = ao;
+    ao16.moment_dtype = ScalarType::kBF16;
+    auto o16 = memmgr::StreamedAdam::Create(store16.get(), mm16.get(), ao16);
+    if (!o16.ok()) return FailWith(kTool, o16.status());
+    opt16 = std::move(*o16);
+    if (Status s = opt16->SetGroup(g); !s.ok()) return FailWith(kTool, s);
+    auto dw = DeviceBuffer::Make(mm16.get(), max_numel * 4);
+    if (!dw.ok()) return FailWith(kTool, dw.status());
+    if (Status s = mm16->CopyToDevice(dw->get(), w0.data(), max_numel * 4); !s.ok()) return FailWith(kTool, s);
+    for (auto& [name, n] : params) {
+      if (Status s = opt16->RegisterParam(name, n, 0, dw->get(), ScalarType::kF32); !s.ok()) {
+        return FailWith(kTool, s.WithContext(name + " (bf16 moments)"));
+      }
+    }
+    if (Status s = opt16->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step, bf16 moments"));
+    if (Status s = opt16->WaitForCommit(); !s.ok()) return FailWith(kTool, s.WithContext("bf16 moments"));
+  }
+
   std::unique_ptr<FirstVersionBaseline> fvb;
   if (fv_warm || fv_cold) {
     FirstVersionOptions fo;
@@ -601,6 +633,7 @@ int RunCompare(const StepOptions& o) {
   if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
 
   std::vector<double> t_floor, t_ours, t_fv, t_warm, t_cold;
+  std::vector<double> t_bf16;  // --bf16-moments, until its commit is durable
   std::vector<double> t_ours_returned;  // until Step returned (its commit may still run)
   // The share of the first version's files in the page cache before each
   // warm step and after each eviction; the eviction's fdatasync time.
@@ -700,6 +733,13 @@ int RunCompare(const StepOptions& o) {
       }
       t_cold.push_back(NowSeconds() - t0);
     }
+    if (opt16) {
+      t0 = NowSeconds();
+      Status s = opt16->Step(pg);
+      if (s.ok()) s = opt16->WaitForCommit();
+      if (!s.ok()) return FailWith(kTool, s.WithContext(fmt::format("bf16 moments, round {}", r + 1)));
+      t_bf16.push_back(NowSeconds() - t0);
+    }
     if (fv) {
       t0 = NowSeconds();
       if (Status s = fv->Step(grad_ptrs, r + 1, cuda); !s.ok()) {
@@ -751,12 +791,15 @@ int RunCompare(const StepOptions& o) {
                     {"fio_floor", t_floor},
                     {"first_version_warm", t_warm},
                     {"first_version_cold", t_cold},
-                    {"sync_direct_engine", t_fv}};
+                    {"sync_direct_engine", t_fv},
+                    {"ours_bf16_moments", t_bf16}};
   out["names"] = {{"ours", "StreamedAdam step (ours), O_DIRECT, until its commit is durable"},
                   {"fio_floor", "I/O floor (fio read+write)"},
                   {"first_version_warm", "first version, buffered, page cache warm"},
                   {"first_version_cold", "first version, buffered, page cache cold"},
-                  {"sync_direct_engine", "synchronous O_DIRECT engine"}};
+                  {"sync_direct_engine", "synchronous O_DIRECT engine"},
+                  {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"}};
+  if (!t_bf16.empty()) out["bf16_moments_over_f32"] = ratio(t_bf16, t_ours);
   out["commit_lag_steps"] = o.commit_lag;
   out["ours_step_returned_seconds"] = t_ours_returned;
   out["median_ours_step_returned_seconds"] = Median(t_ours_returned);
@@ -843,7 +886,12 @@ int RunCompare(const StepOptions& o) {
   row("first version, buffered, page cache warm", t_warm, ratio(t_ours, t_warm));
   row("first version, buffered, page cache cold", t_cold, ratio(t_ours, t_cold));
   row("synchronous O_DIRECT engine", t_fv, ratio(t_ours, t_fv));
+  row("StreamedAdam step (ours), bf16 moments", t_bf16, ratio(t_ours, t_bf16));
   std::cout << t.Render();
+  if (!t_bf16.empty()) {
+    std::cout << fmt::format("bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x)\n",
+                             ratio(t_bf16, t_ours));
+  }
   auto list = [](const std::vector<double>& v) {
     std::string out;
     for (double x : v) out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x);
@@ -922,6 +970,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--steps", o->steps, "synthetic mode: steps K (default 1)");
   sub->add_option("--tensors", o->tensors, "synthetic mode: tensors T named param.<k> (default 1)");
   sub->add_option("--snapshot", o->snapshot, "synthetic mode: snapshot name to create at the end");
+  sub->add_flag("--bf16-moments", o->compare_bf16,
+                "comparison mode: also time a store with bf16 moments (same params, gradients, budget; its own "
+                "store and manager), interleaved, and report bf16 / f32");
   sub->add_option("--moments", o->moments, "synthetic mode: moment dtype, f32 or bf16 (an existing store must hold it; default f32)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
