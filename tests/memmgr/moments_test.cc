@@ -271,6 +271,54 @@ TEST(StreamedAdamBf16Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   ExpectStoreEquals(dst.mm.get(), defs, ref);
 }
 
+// Prefetch with bf16 moments reads each slice's chunks by their own sizes
+// (two main chunks, one of each moment): into a cold tier that holds the whole
+// state, into one that holds part of it, and into staging without a tier. The
+// first step after a reopen finds every prefetched byte and reads only the
+// rest; later steps (the whole tier: writes leave the step in its write tail)
+// keep every bit.
+TEST(StreamedAdamBf16Moments, PrefetchAndTheWriteTailKeepEveryBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<Def> defs = Defs();
+  uint64_t numel = 0;
+  for (const Def& d : defs) numel += d.numel;
+  for (uint64_t cache_mib : {64, 6, 0}) {
+    SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
+    Env env;
+    env.Open(true, 8 * kChunk, cache_mib << 20);
+    StreamedAdamOptions so;
+    so.moment_dtype = ScalarType::kBF16;
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+    StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 1);
+    ASSERT_OK(sa->WaitForCommit());
+    sa.reset();
+    env.Close();
+
+    env.Open(false, 8 * kChunk, cache_mib << 20);  // a cold tier
+    sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+    ASSERT_OK(sa->Prefetch());
+    ASSERT_OK(env.mm->Flush());  // waits for the prefetch to end
+    StepBoth(sa.get(), env.mm.get(), defs, &ref, 2, 1);
+    const StreamedAdam::StepStats& st = sa->last_step_stats();
+    EXPECT_GT(st.prefetch_read_bytes, 0u);
+    EXPECT_EQ(st.prefetch_hit_bytes, st.prefetch_read_bytes) << "the step found every prefetched byte";
+    EXPECT_EQ(st.read_bytes, 8 * numel - st.prefetch_hit_bytes);
+    if (cache_mib == 64) {
+      EXPECT_EQ(st.prefetch_hit_bytes, 8 * numel);
+    }
+    for (uint64_t step = 3; step <= 4; ++step) {
+      ASSERT_OK(sa->Prefetch());  // with the previous commit (and its write tail) in flight
+      StepBoth(sa.get(), env.mm.get(), defs, &ref, step, 1);
+    }
+    ASSERT_OK(sa->WaitForCommit());
+    EXPECT_EQ(env.store->LatestGeneration().step, 4u);
+    ExpectStoreEquals(env.mm.get(), defs, ref);
+    EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+  }
+}
+
 TEST(StreamedAdamBf16Moments, OtherMomentDtypeThanTheStoreIsRefusedAndChangesNothing) {
   MEMMGR_REQUIRE_BACKEND();
   for (ScalarType held : {ScalarType::kBF16, ScalarType::kF32}) {
