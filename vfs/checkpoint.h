@@ -165,7 +165,7 @@ class CheckpointLayout {
   // on a page: a field whose bytes are a whole number of pages then lies on
   // whole pages of state.safetensors as it does in its own file, and the
   // mount can fill one file's page cache from the other's
-  // (mount/fuse_mount.cc, the state.safetensors fill).
+  // (mount/internal/safetensors_fill.h).
   static constexpr uint64_t kSafetensorsDataAlignBytes = 4096;
   const std::string& safetensors_header() const { return st_header_; }
   // Where byte 0 of field file f lies in state.safetensors; nullopt unless f
