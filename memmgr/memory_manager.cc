@@ -540,7 +540,6 @@ ManagerImpl::~ManagerImpl() {
 vfs::ChunkIoOptions ManagerImpl::ChunkIoOpts() const {
   vfs::ChunkIoOptions o;
   o.queue_depth = opts_.queue_depth;
-  o.use_sync_engine = opts_.use_sync_io;
   o.max_sqe_bytes = opts_.max_sqe_bytes;
   o.hash_threads = opts_.hash_threads != MemoryManagerOptions::kAutoHashThreads ? opts_.hash_threads
                    : std::thread::hardware_concurrency() >= 8                 ? 4

@@ -89,9 +89,6 @@ struct MemoryManagerOptions {
   uint32_t read_ahead_chunks = 0;
   // CUDA device ordinal (cuda backend).
   int cuda_device = 0;
-  // The first version's engine: synchronous pread/pwrite, one request at a
-  // time (benchmark baseline). Default false (io_uring).
-  bool use_sync_io = false;
   // Pinned host buffers (staging, host cache tier, AllocPinnedHost) in 2 MiB
   // transparent huge pages (vfs/io_buffer.h, IoPages::kHuge): a chunk's
   // direct I/O then reaches the disk as few large requests instead of many

@@ -233,7 +233,6 @@ class StepPipeline {
     // slices overlap on both copy engines (8: the host cache tier step on the
     // H200 reached 1.37x the copy floor with 4), within the budget.
     uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
-    if (o.use_sync_io) ra = slots = 1;  // the first version's method: one slice at a time
     size_t total = mm_->all_staging().size();
     size_t max_bufs = total >= 5 ? total - 2 : total;  // leave two for concurrent pins
     if (max_bufs < bufs_) {
@@ -1987,7 +1986,7 @@ Status StreamedAdam::Prefetch() {
   // Chunks outside the tier go into staging buffers for the step's pipeline
   // to adopt: at most its own staging less one slice (StepPipeline::Begin).
   size_t stage_limit = 0;
-  if (!CacheHoldsState() && !mo.use_sync_io && staged_.empty()) {
+  if (!CacheHoldsState() && staged_.empty()) {
     const size_t total = impl->all_staging().size();
     const size_t max_bufs = total >= 5 ? total - 2 : total;
     const size_t slice_bufs = internal::SliceChunks(opts_.moment_dtype);

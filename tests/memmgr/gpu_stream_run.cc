@@ -2,18 +2,16 @@
 // device budget with StreamedAdam and prints what it cost.
 //
 //   memmgr_gpu_stream_run --dir /nvme/run --params 2100000000 --budget 2147483648 --steps 3
-//       [--backend cuda|host] [--chunk-mib 8] [--baseline] [--host-cache-bytes N]
+//       [--backend cuda|host] [--chunk-mib 8] [--host-cache-bytes N]
 //       [--read-ahead K] [--queue-depth D] [--keep]
 //
 // Registers a realistic mix of parameter shards (a decoder-only transformer:
 // embedding, per layer qkv/o/gate/up/down and norms) summing to >= --params,
-// then runs --steps steps. With --baseline every step is followed by the same
-// step done the first version's way (synchronous chunked I/O, one slice at a
-// time through one set of staging buffers). Prints, per step: time, bytes
+// then runs --steps steps (baselines: optstate-bench step). Prints, per step: time, bytes
 // read/written, GB/s, and device memory: cudaMemGetInfo sampled every 2 ms
 // during the step (peak above the pre-step level) and stats().peak_resident.
 // Fixed overhead beyond the budget: the CUDA context (not counted: measured
-// before), gradient/param scratch buffers (allocated before the baseline
+// before), gradient/param scratch buffers (allocated before the pre-step
 // measurement), cudart's internal allocations (a few MiB), none per step.
 #include <sys/statvfs.h>
 
@@ -45,7 +43,6 @@ struct Args {
   int steps = 3;
   std::string backend = "cuda";
   uint64_t chunk_mib = 8;
-  bool baseline = false;
   uint64_t host_cache_bytes = 0;
   uint32_t read_ahead = 0;
   uint32_t queue_depth = 32;
@@ -55,7 +52,7 @@ struct Args {
 [[noreturn]] void Usage(const char* msg) {
   std::fprintf(stderr,
                "error: %s\nusage: memmgr_gpu_stream_run --dir D --params N --budget BYTES --steps K "
-               "[--backend cuda|host] [--chunk-mib M] [--baseline] [--host-cache-bytes N] [--read-ahead K] "
+               "[--backend cuda|host] [--chunk-mib M] [--host-cache-bytes N] [--read-ahead K] "
                "[--queue-depth D] [--keep]\n",
                msg);
   std::exit(2);
@@ -88,7 +85,6 @@ Args Parse(int argc, char** argv) {
     else if (f == "--steps") a.steps = static_cast<int>(ParseU64(next(), "--steps"));
     else if (f == "--backend") a.backend = next();
     else if (f == "--chunk-mib") a.chunk_mib = ParseU64(next(), "--chunk-mib");
-    else if (f == "--baseline") a.baseline = true;
     else if (f == "--host-cache-bytes") a.host_cache_bytes = ParseU64(next(), "--host-cache-bytes");
     else if (f == "--read-ahead") a.read_ahead = static_cast<uint32_t>(ParseU64(next(), "--read-ahead"));
     else if (f == "--queue-depth") a.queue_depth = static_cast<uint32_t>(ParseU64(next(), "--queue-depth"));
@@ -244,9 +240,8 @@ int main(int argc, char** argv) {
   }
 
   std::vector<StepRow> rows;
-  auto run_step = [&](bool sync_io, int step) {
+  auto run_step = [&](int step) {
     MemoryManagerOptions o = mo;
-    o.use_sync_io = sync_io;
     uint64_t free_before = 0, tot = 0;
     CHECK_OK(scratch_mm->DeviceMemInfo(&free_before, &tot));
     auto mm = Must(MemoryManager::Create(store.get(), o), "MemoryManager::Create (step)");
@@ -269,7 +264,7 @@ int main(int argc, char** argv) {
     CHECK_OK(st);
     const auto& ss = sa->last_step_stats();
     MemoryStats ms = mm->stats();
-    StepRow r{sync_io ? "baseline(sync)" : "optstate", step, dt, ss.read_bytes, ss.write_bytes,
+    StepRow r{"optstate", step, dt, ss.read_bytes, ss.write_bytes,
               tot > 0 ? free_before - min_free.load() : 0, ms.peak_resident_bytes, ss.slices_in_flight};
     rows.push_back(r);
     std::printf("%-15s step %d: %.2f s, read %.2f GB, write %.2f GB, %.2f GB/s (r+w), %u slices in flight, "
@@ -283,27 +278,23 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   };
   for (int k = 1; k <= a.steps; ++k) {
-    run_step(false, k);
-    if (a.baseline) run_step(true, k);
+    run_step(k);
   }
 
   // Summary: steps >= 2 read all three fields (step 1 has zero moments: no reads).
-  double ours = 0, base = 0;
-  int n_ours = 0, n_base = 0;
+  double ours = 0;
+  int n_ours = 0;
   uint64_t worst_peak = 0, worst_dev = 0;
   for (const auto& r : rows) {
     worst_peak = std::max(worst_peak, r.peak_resident);
     worst_dev = std::max(worst_dev, r.peak_dev_delta);
     if (r.step < 2 && a.steps >= 2) continue;
-    if (r.mode == "optstate") ours += r.seconds, ++n_ours;
-    else base += r.seconds, ++n_base;
+    ours += r.seconds, ++n_ours;
   }
   std::printf("\nsummary: state %.2f GB, budget %.1f MiB, device %s\n", state_bytes / 1e9, a.budget / 1048576.0,
               a.backend.c_str());
   if (n_ours) std::printf("  optstate step (mean of steps >= 2): %.2f s = %.2f GB/s of state read+written\n",
                           ours / n_ours, 2.0 * state_bytes / 1e9 / (ours / n_ours));
-  if (n_base) std::printf("  baseline step (mean of steps >= 2): %.2f s; speedup %.2fx\n", base / n_base,
-                          (base / n_base) / (ours / std::max(1, n_ours)));
   std::printf("  peak resident (stats) %.1f MiB <= budget %.1f MiB: %s\n", worst_peak / 1048576.0,
               a.budget / 1048576.0, worst_peak <= a.budget ? "yes" : "NO");
   std::printf("  peak device memory above pre-step level (cudaMemGetInfo) %.1f MiB; over budget by %.1f MiB\n",
