@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -257,6 +258,7 @@ int RunSynthetic(const StepOptions& o) {
     grads.push_back(std::move(*d));
   }
   const uint64_t t0_count = (*opt)->step_count(0);
+  const uint64_t written0 = (*mm)->stats().nvme_write_bytes;
   double t_start = NowSeconds();
   ProgressBar bar("steps", o.steps);
   for (uint64_t s = 1; s <= o.steps; ++s) {
@@ -290,7 +292,18 @@ int RunSynthetic(const StepOptions& o) {
     if (!sn.ok()) return FailWith(kTool, sn.status());
   }
   auto ms = (*mm)->stats();
+  // Chunk bytes the steps wrote (the manager's count), per step, and the
+  // drive writes per day they make at the measured step time.
+  const uint64_t write_bytes_per_step = (ms.nvme_write_bytes - written0) / o.steps;
+  const double step_seconds = secs / static_cast<double>(o.steps);
+  const double tb_per_day = static_cast<double>(write_bytes_per_step) * 86400.0 / step_seconds / 1e12;
   nlohmann::json out = {{"store", o.store}, {"created", created},
+                        {"moments", o.moments},
+                        {"write_bytes_per_step", write_bytes_per_step},
+                        {"write_bytes_per_param", static_cast<double>(write_bytes_per_step) /
+                                                      static_cast<double>(o.params)},
+                        {"step_seconds", step_seconds},
+                        {"drive_writes_tb_per_day", tb_per_day},
                         {"backend", memmgr::BackendName((*mm)->backend())},
                         {"params", o.params}, {"tensors", o.tensors}, {"steps", o.steps},
                         {"step_count", (*opt)->step_count(0)},
@@ -308,6 +321,11 @@ int RunSynthetic(const StepOptions& o) {
         memmgr::BackendName((*mm)->backend()), FormatSeconds(secs), (*opt)->step_count(0),
         (*opt)->last_generation(), o.snapshot.empty() ? "" : ", snapshot " + o.snapshot,
         FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.budget_bytes), o.store);
+    std::cout << fmt::format("written per step ({} moments): {} of chunks ({:.2f} B/param); at {} a step: "
+                             "{:.3f} TB of drive writes per day\n",
+                             o.moments, FormatBytes(write_bytes_per_step),
+                             static_cast<double>(write_bytes_per_step) / static_cast<double>(o.params),
+                             FormatSeconds(step_seconds), tb_per_day);
   }
   return 0;
 }
@@ -645,6 +663,9 @@ int RunCompare(const StepOptions& o) {
   DiskPhase disk_floor, disk_ours;
   // Per timed step: chunk bytes read from the store / served by the host cache tier.
   std::vector<std::pair<uint64_t, uint64_t>> step_io;
+  // Per timed step: chunk bytes written to the store (the manager's count),
+  // ours and, with --bf16-moments, the bf16 store's.
+  std::vector<uint64_t> step_written, step_written_bf16;
   // --prefetch: exposed step seconds in the loop simulation, without and with
   // Prefetch(), and the bytes each step found prefetched.
   std::vector<double> t_loop_plain, t_loop_prefetch;
@@ -700,6 +721,7 @@ int RunCompare(const StepOptions& o) {
     stats.push_back((*opt)->last_step_stats());
     const memmgr::MemoryStats ms1 = (*mm)->stats();
     step_io.push_back({ms1.nvme_read_bytes - ms0.nvme_read_bytes, ms1.cache_hit_bytes - ms0.cache_hit_bytes});
+    step_written.push_back(ms1.nvme_write_bytes - ms0.nvme_write_bytes);
     if (fvb && fv_warm) {
       auto res = fvb->ResidentBytes();
       if (!res.ok()) return FailWith(kTool, res.status());
@@ -734,11 +756,13 @@ int RunCompare(const StepOptions& o) {
       t_cold.push_back(NowSeconds() - t0);
     }
     if (opt16) {
+      const uint64_t w0_16 = mm16->stats().nvme_write_bytes;
       t0 = NowSeconds();
       Status s = opt16->Step(pg);
       if (s.ok()) s = opt16->WaitForCommit();
       if (!s.ok()) return FailWith(kTool, s.WithContext(fmt::format("bf16 moments, round {}", r + 1)));
       t_bf16.push_back(NowSeconds() - t0);
+      step_written_bf16.push_back(mm16->stats().nvme_write_bytes - w0_16);
     }
     if (fv) {
       t0 = NowSeconds();
@@ -863,6 +887,16 @@ int RunCompare(const StepOptions& o) {
                    {"prefetch_hit_bytes", loop_prefetch_hits}};
   }
   out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()}};
+  // Endurance: chunk bytes written per step (the manager's count) and the
+  // drive writes per day at the measured median step time.
+  auto tb_per_day = [](const std::vector<uint64_t>& written, const std::vector<double>& secs) {
+    if (written.empty() || secs.empty()) return 0.0;
+    std::vector<double> w(written.begin(), written.end());
+    return Median(w) * 86400.0 / Median(secs) / 1e12;
+  };
+  out["write_bytes_per_step"] = {{"ours", step_written}, {"ours_bf16_moments", step_written_bf16}};
+  out["drive_writes_tb_per_day"] = {{"ours", tb_per_day(step_written, t_ours)},
+                                    {"ours_bf16_moments", tb_per_day(step_written_bf16, t_bf16)}};
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -941,6 +975,17 @@ int RunCompare(const StepOptions& o) {
     hits += (hits.empty() ? "" : " ") + FormatBytes(hit);
   }
   std::cout << fmt::format("per step: read from the store [{}]  served by the host cache [{}]\n", reads, hits);
+  for (const auto& [name, written, secs] :
+       {std::tuple<const char*, const std::vector<uint64_t>*, const std::vector<double>*>{"f32 moments", &step_written, &t_ours},
+        {"bf16 moments", &step_written_bf16, &t_bf16}}) {
+    if (written->empty()) continue;
+    std::vector<double> w(written->begin(), written->end());
+    std::cout << fmt::format(
+        "written per step, {}: {} of chunks ({:.2f} B/param); at the median step time {}: {:.3f} TB of drive "
+        "writes per day\n",
+        name, FormatBytes(static_cast<uint64_t>(Median(w))), Median(w) / static_cast<double>(numel_total),
+        FormatSeconds(Median(*secs)), tb_per_day(*written, *secs));
+  }
   if (o.prefetch_compute_s > 0) {
     std::string found;
     for (uint64_t b : loop_prefetch_hits) found += (found.empty() ? "" : " ") + FormatBytes(b);
