@@ -658,7 +658,7 @@ int RunCompare(const StepOptions& o) {
   std::vector<double> warm_resident, cold_resident, cold_writeback;
   const std::vector<const void*> grad_cptrs(grad_ptrs.begin(), grad_ptrs.end());
   std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
-  std::vector<memmgr::StreamedAdam::StepStats> stats;
+  std::vector<memmgr::StreamedAdam::StepStats> stats, stats_bf16;
   // How the disk under --dir was used during the floor and our steps.
   DiskPhase disk_floor, disk_ours;
   // Per timed step: chunk bytes read from the store / served by the host cache tier.
@@ -680,6 +680,17 @@ int RunCompare(const StepOptions& o) {
     return Status::Ok();
   };
   const std::string disk_path = dir + "/store";
+  auto step_bf16 = [&](uint32_t r) -> Status {
+    const uint64_t w0_16 = mm16->stats().nvme_write_bytes;
+    const double t0 = NowSeconds();
+    Status s = opt16->Step(pg);
+    if (s.ok()) s = opt16->WaitForCommit();
+    if (!s.ok()) return s.WithContext(fmt::format("bf16 moments, round {}", r + 1));
+    t_bf16.push_back(NowSeconds() - t0);
+    step_written_bf16.push_back(mm16->stats().nvme_write_bytes - w0_16);
+    stats_bf16.push_back(opt16->last_step_stats());
+    return Status::Ok();
+  };
   ProgressBar bar("step rounds", o.rounds);
   for (uint32_t r = 0; r < o.rounds; ++r) {
     if (use_fio) {
@@ -703,6 +714,14 @@ int RunCompare(const StepOptions& o) {
       for (auto& j : f->jobs) t = std::max(t, j.runtime_seconds);
       disk_floor.Add(before, ReadDiskCounters(disk_path), t);
       t_floor.push_back(t * static_cast<double>(state_bytes) / static_cast<double>(rd.size_bytes));
+    }
+    // --bf16-moments: the bf16 step runs right after ours in even rounds and
+    // right before it in odd ones, so that each follows the other's writes
+    // (an SSD's write cache and garbage collection slow the later writer)
+    // equally often.
+    const bool bf16_first = r % 2 == 1;
+    if (opt16 && bf16_first) {
+      if (Status s = step_bf16(r); !s.ok()) return FailWith(kTool, s);
     }
     DiskCounters before = ReadDiskCounters(disk_path);
     const memmgr::MemoryStats ms0 = (*mm)->stats();
@@ -755,14 +774,8 @@ int RunCompare(const StepOptions& o) {
       }
       t_cold.push_back(NowSeconds() - t0);
     }
-    if (opt16) {
-      const uint64_t w0_16 = mm16->stats().nvme_write_bytes;
-      t0 = NowSeconds();
-      Status s = opt16->Step(pg);
-      if (s.ok()) s = opt16->WaitForCommit();
-      if (!s.ok()) return FailWith(kTool, s.WithContext(fmt::format("bf16 moments, round {}", r + 1)));
-      t_bf16.push_back(NowSeconds() - t0);
-      step_written_bf16.push_back(mm16->stats().nvme_write_bytes - w0_16);
+    if (opt16 && !bf16_first) {
+      if (Status s = step_bf16(r); !s.ok()) return FailWith(kTool, s);
     }
     if (fv) {
       t0 = NowSeconds();
@@ -798,6 +811,14 @@ int RunCompare(const StepOptions& o) {
     for (size_t i = 0; i < a.size() && i < b.size(); ++i) r.push_back(a[i] / b[i]);
     return Median(r);
   };
+  // Same-round bf16 / f32 ratios of the rounds of one order (0: bf16 after ours).
+  auto bf16_ratios = [&](size_t parity) {
+    std::string out;
+    for (size_t i = parity; i < t_bf16.size() && i < t_ours.size(); i += 2) {
+      out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", t_bf16[i] / t_ours[i]);
+    }
+    return out;
+  };
   auto ms = (*mm)->stats();
   double copy_floor = std::max(static_cast<double>(state_bytes) / h2d, static_cast<double>(state_bytes) / d2h);
   nlohmann::json out;
@@ -824,6 +845,7 @@ int RunCompare(const StepOptions& o) {
                   {"sync_direct_engine", "synchronous O_DIRECT engine"},
                   {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"}};
   if (!t_bf16.empty()) out["bf16_moments_over_f32"] = ratio(t_bf16, t_ours);
+  out["bf16_moments_step_first_in"] = "odd rounds (1-based: 2, 4, ...); after ours in the others";
   out["commit_lag_steps"] = o.commit_lag;
   out["ours_step_returned_seconds"] = t_ours_returned;
   out["median_ours_step_returned_seconds"] = Median(t_ours_returned);
@@ -860,12 +882,32 @@ int RunCompare(const StepOptions& o) {
   out["peak_resident_bytes"] = ms.peak_resident_bytes;
   out["io_wait_seconds"] = stats.empty() ? 0.0 : stats.back().io_wait_seconds;
   // Where each timed step spent its time (StreamedAdam::StepStats).
+  auto step_json = [](const memmgr::StreamedAdam::StepStats& st) -> nlohmann::json {
+    return {{"seconds", st.seconds},
+            {"read_bytes", st.read_bytes},
+            {"write_bytes", st.write_bytes},
+            {"io_wait", st.io_wait_seconds},
+            {"submit", st.submit_seconds},
+            {"compute", st.compute_seconds},
+            {"commit", st.commit_seconds},
+            {"slices", st.slices},
+            {"slices_in_flight", st.slices_in_flight},
+            {"small_sets", st.small_sets},
+            {"small_slices", st.small_slices},
+            {"peak_read_bytes_in_flight", st.peak_read_bytes_in_flight},
+            {"peak_write_bytes_in_flight", st.peak_write_bytes_in_flight},
+            {"device_slots", st.device_slots}};
+  };
+  nlohmann::json breakdown_bf16 = nlohmann::json::array();
+  for (const auto& st : stats_bf16) breakdown_bf16.push_back(step_json(st));
+  out["step_stats_bf16_moments"] = breakdown_bf16;
   nlohmann::json breakdown = nlohmann::json::array();
   for (size_t i = 0; i < stats.size(); ++i) {
     const auto& st = stats[i];
     breakdown.push_back({{"seconds", st.seconds},
                          {"store_read_bytes", step_io[i].first},
                          {"cache_hit_bytes", step_io[i].second},
+                         {"write_bytes", st.write_bytes},
                          {"io_wait", st.io_wait_seconds},
                          {"submit", st.submit_seconds},
                          {"compute", st.compute_seconds},
@@ -923,17 +965,20 @@ int RunCompare(const StepOptions& o) {
   row("StreamedAdam step (ours), bf16 moments", t_bf16, ratio(t_ours, t_bf16));
   std::cout << t.Render();
   if (!t_bf16.empty()) {
-    std::cout << fmt::format("bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x)\n",
-                             ratio(t_bf16, t_ours));
+    std::cout << fmt::format(
+        "bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x); bf16 after f32 (even "
+        "rounds) [{}], before it (odd rounds) [{}]\n",
+        ratio(t_bf16, t_ours), bf16_ratios(0), bf16_ratios(1));
   }
   auto list = [](const std::vector<double>& v) {
     std::string out;
     for (double x : v) out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x);
     return out.empty() ? std::string("-") : out;
   };
-  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}\n",
+  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}{}\n",
                            list(t_ours), list(t_floor), list(t_warm), list(t_cold),
-                           t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(t_fv) + "]");
+                           t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(t_fv) + "]",
+                           t_bf16.empty() ? "" : "  bf16 moments [" + list(t_bf16) + "]");
   if (fvb) {
     std::cout << fmt::format(
         "first version: {} bucket(s) of <= {} elements, {} of files, {} staging buffer; page cache held {} of "
@@ -960,12 +1005,15 @@ int RunCompare(const StepOptions& o) {
         "{} cached step(s) (writes the state, commits): {}\n",
         o.durable_every, cached_steps, FormatSeconds(t_durable));
   }
-  if (!stats.empty()) {
-    const auto& st = stats.back();
+  for (const auto& [name, all] : {std::pair<const char*, const std::vector<memmgr::StreamedAdam::StepStats>*>{
+                                       "last step", &stats},
+                                   {"last step, bf16 moments", &stats_bf16}}) {
+    if (all->empty()) continue;
+    const auto& st = all->back();
     std::cout << fmt::format(
-        "last step: {:.3f} s; io wait {:.3f} s, submit {:.3f} s, compute {:.3f} s, commit {:.3f} s; "
+        "{}: {:.3f} s; io wait {:.3f} s, submit {:.3f} s, compute {:.3f} s, commit {:.3f} s; "
         "{} + {} small staging sets ({} small slices), at most {} read / {} written in flight, {} device slots\n",
-        st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
+        name, st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
         st.slices_in_flight, st.small_sets, st.small_slices, FormatBytes(st.peak_read_bytes_in_flight),
         FormatBytes(st.peak_write_bytes_in_flight), st.device_slots);
   }

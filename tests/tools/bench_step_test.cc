@@ -384,6 +384,9 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
   for (int k = 0; k < 2; ++k) {
     EXPECT_EQ(j["write_bytes_per_step"]["ours"][k].get<uint64_t>(), params * 12);
     EXPECT_EQ(j["write_bytes_per_step"]["ours_bf16_moments"][k].get<uint64_t>(), params * 8);
+    // StreamedAdam's own count of the step's writes agrees with the manager's.
+    EXPECT_EQ(j["step_stats"][k]["write_bytes"].get<uint64_t>(), params * 12);
+    EXPECT_EQ(j["step_stats_bf16_moments"][k]["write_bytes"].get<uint64_t>(), params * 8);
   }
   EXPECT_GT(j["drive_writes_tb_per_day"]["ours"].get<double>(), 0.0);
   EXPECT_GT(j["drive_writes_tb_per_day"]["ours_bf16_moments"].get<double>(), 0.0);
