@@ -660,7 +660,7 @@ int RunCompare(const StepOptions& o) {
   std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
   std::vector<memmgr::StreamedAdam::StepStats> stats, stats_bf16;
   // How the disk under --dir was used during the floor and our steps.
-  DiskPhase disk_floor, disk_ours;
+  DiskPhase disk_floor, disk_ours, disk_bf16;
   // Per timed step: chunk bytes read from the store / served by the host cache tier.
   std::vector<std::pair<uint64_t, uint64_t>> step_io;
   // Per timed step: chunk bytes written to the store (the manager's count),
@@ -682,11 +682,13 @@ int RunCompare(const StepOptions& o) {
   const std::string disk_path = dir + "/store";
   auto step_bf16 = [&](uint32_t r) -> Status {
     const uint64_t w0_16 = mm16->stats().nvme_write_bytes;
+    const DiskCounters before = ReadDiskCounters(disk_path);
     const double t0 = NowSeconds();
     Status s = opt16->Step(pg);
     if (s.ok()) s = opt16->WaitForCommit();
     if (!s.ok()) return s.WithContext(fmt::format("bf16 moments, round {}", r + 1));
     t_bf16.push_back(NowSeconds() - t0);
+    disk_bf16.Add(before, ReadDiskCounters(disk_path), t_bf16.back());
     step_written_bf16.push_back(mm16->stats().nvme_write_bytes - w0_16);
     stats_bf16.push_back(opt16->last_step_stats());
     return Status::Ok();
@@ -928,7 +930,8 @@ int RunCompare(const StepOptions& o) {
                    {"with_over_without", ratio(t_loop_prefetch, t_loop_plain)},
                    {"prefetch_hit_bytes", loop_prefetch_hits}};
   }
-  out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()}};
+  out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()},
+                 {"ours_bf16_moments", disk_bf16.Describe()}};
   // Endurance: chunk bytes written per step (the manager's count) and the
   // drive writes per day at the measured median step time.
   auto tb_per_day = [](const std::vector<uint64_t>& written, const std::vector<double>& secs) {
@@ -1044,7 +1047,8 @@ int RunCompare(const StepOptions& o) {
         FormatSeconds(Median(t_loop_prefetch)), ratio(t_loop_prefetch, t_loop_plain), found, list(t_loop_plain),
         list(t_loop_prefetch));
   }
-  for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours}, {"floor", &disk_floor}}) {
+  for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours},
+                                {"bf16", &disk_bf16}, {"floor", &disk_floor}}) {
     std::string u = d->Describe();
     if (!u.empty()) std::cout << fmt::format("{:<6}{}\n", name, u);
   }
