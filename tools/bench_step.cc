@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -257,6 +258,7 @@ int RunSynthetic(const StepOptions& o) {
     grads.push_back(std::move(*d));
   }
   const uint64_t t0_count = (*opt)->step_count(0);
+  const uint64_t written0 = (*mm)->stats().nvme_write_bytes;
   double t_start = NowSeconds();
   ProgressBar bar("steps", o.steps);
   for (uint64_t s = 1; s <= o.steps; ++s) {
@@ -290,7 +292,18 @@ int RunSynthetic(const StepOptions& o) {
     if (!sn.ok()) return FailWith(kTool, sn.status());
   }
   auto ms = (*mm)->stats();
+  // Chunk bytes the steps wrote (the manager's count), per step, and the
+  // drive writes per day they make at the measured step time.
+  const uint64_t write_bytes_per_step = (ms.nvme_write_bytes - written0) / o.steps;
+  const double step_seconds = secs / static_cast<double>(o.steps);
+  const double tb_per_day = static_cast<double>(write_bytes_per_step) * 86400.0 / step_seconds / 1e12;
   nlohmann::json out = {{"store", o.store}, {"created", created},
+                        {"moments", o.moments},
+                        {"write_bytes_per_step", write_bytes_per_step},
+                        {"write_bytes_per_param", static_cast<double>(write_bytes_per_step) /
+                                                      static_cast<double>(o.params)},
+                        {"step_seconds", step_seconds},
+                        {"drive_writes_tb_per_day", tb_per_day},
                         {"backend", memmgr::BackendName((*mm)->backend())},
                         {"params", o.params}, {"tensors", o.tensors}, {"steps", o.steps},
                         {"step_count", (*opt)->step_count(0)},
@@ -308,6 +321,11 @@ int RunSynthetic(const StepOptions& o) {
         memmgr::BackendName((*mm)->backend()), FormatSeconds(secs), (*opt)->step_count(0),
         (*opt)->last_generation(), o.snapshot.empty() ? "" : ", snapshot " + o.snapshot,
         FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.budget_bytes), o.store);
+    std::cout << fmt::format("written per step ({} moments): {} of chunks ({:.2f} B/param); at {} a step: "
+                             "{:.3f} TB of drive writes per day\n",
+                             o.moments, FormatBytes(write_bytes_per_step),
+                             static_cast<double>(write_bytes_per_step) / static_cast<double>(o.params),
+                             FormatSeconds(step_seconds), tb_per_day);
   }
   return 0;
 }
@@ -640,11 +658,14 @@ int RunCompare(const StepOptions& o) {
   std::vector<double> warm_resident, cold_resident, cold_writeback;
   const std::vector<const void*> grad_cptrs(grad_ptrs.begin(), grad_ptrs.end());
   std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
-  std::vector<memmgr::StreamedAdam::StepStats> stats;
+  std::vector<memmgr::StreamedAdam::StepStats> stats, stats_bf16;
   // How the disk under --dir was used during the floor and our steps.
-  DiskPhase disk_floor, disk_ours;
+  DiskPhase disk_floor, disk_ours, disk_bf16;
   // Per timed step: chunk bytes read from the store / served by the host cache tier.
   std::vector<std::pair<uint64_t, uint64_t>> step_io;
+  // Per timed step: chunk bytes written to the store (the manager's count),
+  // ours and, with --bf16-moments, the bf16 store's.
+  std::vector<uint64_t> step_written, step_written_bf16;
   // --prefetch: exposed step seconds in the loop simulation, without and with
   // Prefetch(), and the bytes each step found prefetched.
   std::vector<double> t_loop_plain, t_loop_prefetch;
@@ -659,6 +680,19 @@ int RunCompare(const StepOptions& o) {
     return Status::Ok();
   };
   const std::string disk_path = dir + "/store";
+  auto step_bf16 = [&](uint32_t r) -> Status {
+    const uint64_t w0_16 = mm16->stats().nvme_write_bytes;
+    const DiskCounters before = ReadDiskCounters(disk_path);
+    const double t0 = NowSeconds();
+    Status s = opt16->Step(pg);
+    if (s.ok()) s = opt16->WaitForCommit();
+    if (!s.ok()) return s.WithContext(fmt::format("bf16 moments, round {}", r + 1));
+    t_bf16.push_back(NowSeconds() - t0);
+    disk_bf16.Add(before, ReadDiskCounters(disk_path), t_bf16.back());
+    step_written_bf16.push_back(mm16->stats().nvme_write_bytes - w0_16);
+    stats_bf16.push_back(opt16->last_step_stats());
+    return Status::Ok();
+  };
   ProgressBar bar("step rounds", o.rounds);
   for (uint32_t r = 0; r < o.rounds; ++r) {
     if (use_fio) {
@@ -683,6 +717,14 @@ int RunCompare(const StepOptions& o) {
       disk_floor.Add(before, ReadDiskCounters(disk_path), t);
       t_floor.push_back(t * static_cast<double>(state_bytes) / static_cast<double>(rd.size_bytes));
     }
+    // --bf16-moments: the bf16 step runs right after ours in even rounds and
+    // right before it in odd ones, so that each follows the other's writes
+    // (an SSD's write cache and garbage collection slow the later writer)
+    // equally often.
+    const bool bf16_first = r % 2 == 1;
+    if (opt16 && bf16_first) {
+      if (Status s = step_bf16(r); !s.ok()) return FailWith(kTool, s);
+    }
     DiskCounters before = ReadDiskCounters(disk_path);
     const memmgr::MemoryStats ms0 = (*mm)->stats();
     double t0 = NowSeconds();
@@ -700,6 +742,7 @@ int RunCompare(const StepOptions& o) {
     stats.push_back((*opt)->last_step_stats());
     const memmgr::MemoryStats ms1 = (*mm)->stats();
     step_io.push_back({ms1.nvme_read_bytes - ms0.nvme_read_bytes, ms1.cache_hit_bytes - ms0.cache_hit_bytes});
+    step_written.push_back(ms1.nvme_write_bytes - ms0.nvme_write_bytes);
     if (fvb && fv_warm) {
       auto res = fvb->ResidentBytes();
       if (!res.ok()) return FailWith(kTool, res.status());
@@ -733,12 +776,8 @@ int RunCompare(const StepOptions& o) {
       }
       t_cold.push_back(NowSeconds() - t0);
     }
-    if (opt16) {
-      t0 = NowSeconds();
-      Status s = opt16->Step(pg);
-      if (s.ok()) s = opt16->WaitForCommit();
-      if (!s.ok()) return FailWith(kTool, s.WithContext(fmt::format("bf16 moments, round {}", r + 1)));
-      t_bf16.push_back(NowSeconds() - t0);
+    if (opt16 && !bf16_first) {
+      if (Status s = step_bf16(r); !s.ok()) return FailWith(kTool, s);
     }
     if (fv) {
       t0 = NowSeconds();
@@ -774,6 +813,14 @@ int RunCompare(const StepOptions& o) {
     for (size_t i = 0; i < a.size() && i < b.size(); ++i) r.push_back(a[i] / b[i]);
     return Median(r);
   };
+  // Same-round bf16 / f32 ratios of the rounds of one order (0: bf16 after ours).
+  auto bf16_ratios = [&](size_t parity) {
+    std::string out;
+    for (size_t i = parity; i < t_bf16.size() && i < t_ours.size(); i += 2) {
+      out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", t_bf16[i] / t_ours[i]);
+    }
+    return out;
+  };
   auto ms = (*mm)->stats();
   double copy_floor = std::max(static_cast<double>(state_bytes) / h2d, static_cast<double>(state_bytes) / d2h);
   nlohmann::json out;
@@ -800,6 +847,7 @@ int RunCompare(const StepOptions& o) {
                   {"sync_direct_engine", "synchronous O_DIRECT engine"},
                   {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"}};
   if (!t_bf16.empty()) out["bf16_moments_over_f32"] = ratio(t_bf16, t_ours);
+  out["bf16_moments_step_first_in"] = "odd rounds (1-based: 2, 4, ...); after ours in the others";
   out["commit_lag_steps"] = o.commit_lag;
   out["ours_step_returned_seconds"] = t_ours_returned;
   out["median_ours_step_returned_seconds"] = Median(t_ours_returned);
@@ -836,12 +884,32 @@ int RunCompare(const StepOptions& o) {
   out["peak_resident_bytes"] = ms.peak_resident_bytes;
   out["io_wait_seconds"] = stats.empty() ? 0.0 : stats.back().io_wait_seconds;
   // Where each timed step spent its time (StreamedAdam::StepStats).
+  auto step_json = [](const memmgr::StreamedAdam::StepStats& st) -> nlohmann::json {
+    return {{"seconds", st.seconds},
+            {"read_bytes", st.read_bytes},
+            {"write_bytes", st.write_bytes},
+            {"io_wait", st.io_wait_seconds},
+            {"submit", st.submit_seconds},
+            {"compute", st.compute_seconds},
+            {"commit", st.commit_seconds},
+            {"slices", st.slices},
+            {"slices_in_flight", st.slices_in_flight},
+            {"small_sets", st.small_sets},
+            {"small_slices", st.small_slices},
+            {"peak_read_bytes_in_flight", st.peak_read_bytes_in_flight},
+            {"peak_write_bytes_in_flight", st.peak_write_bytes_in_flight},
+            {"device_slots", st.device_slots}};
+  };
+  nlohmann::json breakdown_bf16 = nlohmann::json::array();
+  for (const auto& st : stats_bf16) breakdown_bf16.push_back(step_json(st));
+  out["step_stats_bf16_moments"] = breakdown_bf16;
   nlohmann::json breakdown = nlohmann::json::array();
   for (size_t i = 0; i < stats.size(); ++i) {
     const auto& st = stats[i];
     breakdown.push_back({{"seconds", st.seconds},
                          {"store_read_bytes", step_io[i].first},
                          {"cache_hit_bytes", step_io[i].second},
+                         {"write_bytes", st.write_bytes},
                          {"io_wait", st.io_wait_seconds},
                          {"submit", st.submit_seconds},
                          {"compute", st.compute_seconds},
@@ -862,7 +930,18 @@ int RunCompare(const StepOptions& o) {
                    {"with_over_without", ratio(t_loop_prefetch, t_loop_plain)},
                    {"prefetch_hit_bytes", loop_prefetch_hits}};
   }
-  out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()}};
+  out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()},
+                 {"ours_bf16_moments", disk_bf16.Describe()}};
+  // Endurance: chunk bytes written per step (the manager's count) and the
+  // drive writes per day at the measured median step time.
+  auto tb_per_day = [](const std::vector<uint64_t>& written, const std::vector<double>& secs) {
+    if (written.empty() || secs.empty()) return 0.0;
+    std::vector<double> w(written.begin(), written.end());
+    return Median(w) * 86400.0 / Median(secs) / 1e12;
+  };
+  out["write_bytes_per_step"] = {{"ours", step_written}, {"ours_bf16_moments", step_written_bf16}};
+  out["drive_writes_tb_per_day"] = {{"ours", tb_per_day(step_written, t_ours)},
+                                    {"ours_bf16_moments", tb_per_day(step_written_bf16, t_bf16)}};
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -889,17 +968,20 @@ int RunCompare(const StepOptions& o) {
   row("StreamedAdam step (ours), bf16 moments", t_bf16, ratio(t_ours, t_bf16));
   std::cout << t.Render();
   if (!t_bf16.empty()) {
-    std::cout << fmt::format("bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x)\n",
-                             ratio(t_bf16, t_ours));
+    std::cout << fmt::format(
+        "bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x); bf16 after f32 (even "
+        "rounds) [{}], before it (odd rounds) [{}]\n",
+        ratio(t_bf16, t_ours), bf16_ratios(0), bf16_ratios(1));
   }
   auto list = [](const std::vector<double>& v) {
     std::string out;
     for (double x : v) out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x);
     return out.empty() ? std::string("-") : out;
   };
-  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}\n",
+  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}{}\n",
                            list(t_ours), list(t_floor), list(t_warm), list(t_cold),
-                           t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(t_fv) + "]");
+                           t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(t_fv) + "]",
+                           t_bf16.empty() ? "" : "  bf16 moments [" + list(t_bf16) + "]");
   if (fvb) {
     std::cout << fmt::format(
         "first version: {} bucket(s) of <= {} elements, {} of files, {} staging buffer; page cache held {} of "
@@ -926,12 +1008,15 @@ int RunCompare(const StepOptions& o) {
         "{} cached step(s) (writes the state, commits): {}\n",
         o.durable_every, cached_steps, FormatSeconds(t_durable));
   }
-  if (!stats.empty()) {
-    const auto& st = stats.back();
+  for (const auto& [name, all] : {std::pair<const char*, const std::vector<memmgr::StreamedAdam::StepStats>*>{
+                                       "last step", &stats},
+                                   {"last step, bf16 moments", &stats_bf16}}) {
+    if (all->empty()) continue;
+    const auto& st = all->back();
     std::cout << fmt::format(
-        "last step: {:.3f} s; io wait {:.3f} s, submit {:.3f} s, compute {:.3f} s, commit {:.3f} s; "
+        "{}: {:.3f} s; io wait {:.3f} s, submit {:.3f} s, compute {:.3f} s, commit {:.3f} s; "
         "{} + {} small staging sets ({} small slices), at most {} read / {} written in flight, {} device slots\n",
-        st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
+        name, st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
         st.slices_in_flight, st.small_sets, st.small_slices, FormatBytes(st.peak_read_bytes_in_flight),
         FormatBytes(st.peak_write_bytes_in_flight), st.device_slots);
   }
@@ -941,6 +1026,17 @@ int RunCompare(const StepOptions& o) {
     hits += (hits.empty() ? "" : " ") + FormatBytes(hit);
   }
   std::cout << fmt::format("per step: read from the store [{}]  served by the host cache [{}]\n", reads, hits);
+  for (const auto& [name, written, secs] :
+       {std::tuple<const char*, const std::vector<uint64_t>*, const std::vector<double>*>{"f32 moments", &step_written, &t_ours},
+        {"bf16 moments", &step_written_bf16, &t_bf16}}) {
+    if (written->empty()) continue;
+    std::vector<double> w(written->begin(), written->end());
+    std::cout << fmt::format(
+        "written per step, {}: {} of chunks ({:.2f} B/param); at the median step time {}: {:.3f} TB of drive "
+        "writes per day\n",
+        name, FormatBytes(static_cast<uint64_t>(Median(w))), Median(w) / static_cast<double>(numel_total),
+        FormatSeconds(Median(*secs)), tb_per_day(*written, *secs));
+  }
   if (o.prefetch_compute_s > 0) {
     std::string found;
     for (uint64_t b : loop_prefetch_hits) found += (found.empty() ? "" : " ") + FormatBytes(b);
@@ -951,7 +1047,8 @@ int RunCompare(const StepOptions& o) {
         FormatSeconds(Median(t_loop_prefetch)), ratio(t_loop_prefetch, t_loop_plain), found, list(t_loop_plain),
         list(t_loop_prefetch));
   }
-  for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours}, {"floor", &disk_floor}}) {
+  for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours},
+                                {"bf16", &disk_bf16}, {"floor", &disk_floor}}) {
     std::string u = d->Describe();
     if (!u.empty()) std::cout << fmt::format("{:<6}{}\n", name, u);
   }

@@ -50,6 +50,8 @@ struct Args {
   uint64_t values = 8;
   // diff
   std::string snap_a, snap_b;
+  // stat: the step time the drive writes per day are projected at
+  double step_seconds = 1.0;
 };
 
 bool IsStoreDir(const std::string& p) { return fs::exists(fs::path(p) / "IDENTITY"); }
@@ -242,7 +244,54 @@ int Ls(const Args& a) {
   return 0;
 }
 
+// One chunk-map entry of a commit's index batch: a 26-byte key (prefix,
+// tensor, field, chunk, generation) and a 28-byte extent record.
+constexpr uint64_t kIndexBytesPerChunk = 26 + 28;
+
+// What one optimizer step writes to the store: a StreamedAdam step rewrites
+// every chunk of every field (main, exp_avg, exp_avg_sq) to a fresh extent,
+// so its chunk bytes are each field's numel x element size, and its commit
+// adds one chunk-map entry per chunk to the index (logical batch bytes;
+// RocksDB's log and compactions write a small multiple of them).
+struct StepWrites {
+  uint64_t params = 0;
+  uint64_t chunk_bytes = 0;
+  uint64_t chunks = 0;
+  uint64_t index_bytes() const { return chunks * kIndexBytesPerChunk; }
+  uint64_t bytes() const { return chunk_bytes + index_bytes(); }
+};
+
+StepWrites BytesPerStep(const std::vector<vfs::TensorInfo>& tensors, uint64_t chunk_size_bytes) {
+  StepWrites w;
+  for (const auto& t : tensors) {
+    w.params += t.numel;
+    for (const auto& f : t.fields) {
+      const uint64_t bytes = t.numel * vfs::DTypeSize(f.dtype);
+      w.chunk_bytes += bytes;
+      w.chunks += (bytes + chunk_size_bytes - 1) / chunk_size_bytes;
+    }
+  }
+  return w;
+}
+
+// "f32 12 B/param" style summary of the moment dtypes present.
+std::string MomentDtypes(const std::vector<vfs::TensorInfo>& tensors) {
+  std::vector<std::string> names;
+  for (const auto& t : tensors) {
+    for (const auto& f : t.fields) {
+      if (f.name != "exp_avg" && f.name != "exp_avg_sq") continue;
+      std::string n = vfs::DTypeName(f.dtype);
+      if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+    }
+  }
+  return names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "));
+}
+
 int Stat(const Args& a) {
+  if (!(a.step_seconds > 0) || !std::isfinite(a.step_seconds)) {
+    return FailUsage(kTool, fmt::format("--step-seconds must be a positive number of seconds, not {}",
+                                        a.step_seconds));
+  }
   auto s = OpenStore(a.store);
   if (!s.ok()) return FailWith(kTool, s.status());
   vfs::Store& store = **s;
@@ -299,6 +348,20 @@ int Stat(const Args& a) {
   out["generations_retained"] = st->generations_retained;
   out["leases"] = st->leases;
   out["tensors"] = store.ListTensors().size();
+  const std::vector<vfs::TensorInfo> tensors = store.ListTensors();
+  const StepWrites w = BytesPerStep(tensors, id.chunk_size_bytes);
+  const double bytes_per_day = static_cast<double>(w.bytes()) * 86400.0 / a.step_seconds;
+  out["per_step"] = {{"params", w.params},
+                     {"moment_dtypes", MomentDtypes(tensors)},
+                     {"chunks", w.chunks},
+                     {"chunk_bytes", w.chunk_bytes},
+                     {"index_bytes", w.index_bytes()},
+                     {"bytes", w.bytes()},
+                     {"chunk_bytes_per_param",
+                      w.params ? static_cast<double>(w.chunk_bytes) / static_cast<double>(w.params) : 0.0},
+                     {"step_seconds", a.step_seconds},
+                     {"bytes_per_day", bytes_per_day},
+                     {"tb_per_day", bytes_per_day / 1e12}};
   if (a.json) {
     PrintJson(out);
     return 0;
@@ -336,6 +399,13 @@ int Stat(const Args& a) {
       FormatBytes(index_bytes), FormatBytes(st->live_bytes),
       FormatBytes(st->referenced_extent_bytes), FormatBytes(st->pending_bytes),
       FormatBytes(st->lifetime_bytes_written), st->leases);
+  std::cout << fmt::format(
+      "\nwrites per step (every chunk of every field to a fresh extent, plus its index entries):\n"
+      "  {} params, moments {}: {} in {} chunks ({:.2f} B/param) + index {} = {}\n"
+      "  drive writes per day at {} a step: {:.3f} TB (--step-seconds S for another step time)\n",
+      w.params, MomentDtypes(tensors), FormatBytes(w.chunk_bytes), w.chunks,
+      w.params ? static_cast<double>(w.chunk_bytes) / static_cast<double>(w.params) : 0.0,
+      FormatBytes(w.index_bytes()), FormatBytes(w.bytes()), FormatSeconds(a.step_seconds), bytes_per_day / 1e12);
   return 0;
 }
 
@@ -575,7 +645,11 @@ int main(int argc, char** argv) {
   CLI::App* ls = app.add_subcommand("ls", "tensors with dtype, numel, shape, bytes per field (or the stores under a root)");
   add_json(ls);
   add_which(ls);
-  CLI::App* stat = app.add_subcommand("stat", "generations, snapshots, step, chunk size, disk use, lifetime bytes written");
+  CLI::App* stat = app.add_subcommand(
+      "stat", "generations, snapshots, step, chunk size, disk use, lifetime bytes written, bytes written per "
+              "step and the drive writes per day they make");
+  stat->add_option("--step-seconds", a.step_seconds,
+                   "step time the drive writes per day are projected at, in seconds (default 1)");
   add_json(stat);
   CLI::App* show = app.add_subcommand("show", "values and statistics of a tensor (min, max, mean, L2, NaN, Inf)");
   show->add_option("tensor", a.tensor, "tensor name")->required();

@@ -338,6 +338,60 @@ TEST(BenchStepTest, CompareModeReportsEachFirstVersionBaseline) {
   EXPECT_NE(r.err.find("bogus"), std::string::npos) << r.err;
 }
 
+// Bytes written per step: the bench's figure (the manager's nvme_write_bytes)
+// against the bytes per parameter of each moment dtype (main 4 + two moments
+// of 4 or 2) and against the store's own lifetime counter of extent bytes.
+TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
+  TempDir dir;
+  const uint64_t n = 1'100'000;  // not a multiple of a chunk's elements: partial last chunks
+  for (const auto& [moments, bytes_per_param] : {std::pair<std::string, uint64_t>{"f32", 12}, {"bf16", 8}}) {
+    const std::string store = dir / moments;
+    std::vector<std::string> args = {"step", "--store", store, "--params", std::to_string(n), "--tensors", "2",
+                                     "--chunk-size", "2M", "--budget", "16M", "--backend", "host",
+                                     "--moments", moments, "--json"};
+    auto first = Tool("optstate-bench", args);
+    ASSERT_EQ(first.exit_code, 0) << first.err;
+    uint64_t lifetime0 = 0;
+    {
+      auto s = vfs::Store::OpenReadOnly(store, vfs::StoreOptions{});
+      ASSERT_TRUE(s.ok()) << s.status().ToString();
+      lifetime0 = (*s)->Stats()->lifetime_bytes_written;
+    }
+    args.insert(args.end(), {"--steps", "2"});
+    auto r = Tool("optstate-bench", args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto j = ParseJson(r);
+    const uint64_t per_step = j["write_bytes_per_step"].get<uint64_t>();
+    EXPECT_EQ(per_step, n * bytes_per_param) << moments;
+    EXPECT_DOUBLE_EQ(j["write_bytes_per_param"].get<double>(), static_cast<double>(bytes_per_param)) << moments;
+    auto s = vfs::Store::OpenReadOnly(store, vfs::StoreOptions{});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_EQ((*s)->Stats()->lifetime_bytes_written - lifetime0, 2 * per_step) << moments;
+    EXPECT_DOUBLE_EQ(j["drive_writes_tb_per_day"].get<double>(),
+                     static_cast<double>(per_step) * 86400.0 / j["step_seconds"].get<double>() / 1e12)
+        << moments;
+  }
+  // Comparison mode: ours (f32 moments) and the bf16 store, each round.
+  std::filesystem::create_directories(dir / "cmp");
+  auto r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "2", "--no-fio",
+                                   "--first-version", "none", "--bf16-moments", "--backend", "host", "--budget",
+                                   "64M", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = ParseJson(r);
+  const uint64_t params = j["params"].get<uint64_t>();
+  ASSERT_EQ(j["write_bytes_per_step"]["ours"].size(), 2u) << j["write_bytes_per_step"];
+  ASSERT_EQ(j["write_bytes_per_step"]["ours_bf16_moments"].size(), 2u) << j["write_bytes_per_step"];
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(j["write_bytes_per_step"]["ours"][k].get<uint64_t>(), params * 12);
+    EXPECT_EQ(j["write_bytes_per_step"]["ours_bf16_moments"][k].get<uint64_t>(), params * 8);
+    // StreamedAdam's own count of the step's writes agrees with the manager's.
+    EXPECT_EQ(j["step_stats"][k]["write_bytes"].get<uint64_t>(), params * 12);
+    EXPECT_EQ(j["step_stats_bf16_moments"][k]["write_bytes"].get<uint64_t>(), params * 8);
+  }
+  EXPECT_GT(j["drive_writes_tb_per_day"]["ours"].get<double>(), 0.0);
+  EXPECT_GT(j["drive_writes_tb_per_day"]["ours_bf16_moments"].get<double>(), 0.0);
+}
+
 TEST(BenchStepTest, RejectsMalformedArguments) {
   TempDir dir;
   auto r = Tool("optstate-bench", {"step", "--store", dir / "x", "--params", "0"});

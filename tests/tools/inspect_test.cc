@@ -196,6 +196,70 @@ TEST_F(InspectTest, StatMatchesTheLibrary) {
   EXPECT_NE(text.out.find("adamw=true"), std::string::npos) << text.out;
 }
 
+// Bytes a step writes, derived from the store: this store's three f32 fields
+// (12 B/param), in whole chunks of 2 MiB (a partial last one per field).
+TEST_F(InspectTest, StatReportsBytesWrittenPerStep) {
+  auto r = Tool("optstate-inspect", {path_, "stat", "--json", "--step-seconds", "2.5"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto p = ParseJson(r)["per_step"];
+  uint64_t params = 0, chunks = 0;
+  for (auto& [name, n] : numel_) {
+    params += n;
+    chunks += 3 * ((n * 4 + kChunk - 1) / kChunk);
+  }
+  EXPECT_EQ(p["params"].get<uint64_t>(), params);
+  EXPECT_EQ(p["chunk_bytes"].get<uint64_t>(), params * 12);
+  EXPECT_EQ(p["chunks"].get<uint64_t>(), chunks);  // weight: 3 chunks a field, bias: 1
+  EXPECT_EQ(chunks, 12u);
+  EXPECT_EQ(p["index_bytes"].get<uint64_t>(), chunks * 54);
+  EXPECT_EQ(p["bytes"].get<uint64_t>(), params * 12 + chunks * 54);
+  EXPECT_DOUBLE_EQ(p["tb_per_day"].get<double>(), static_cast<double>(params * 12 + chunks * 54) * 86400 / 2.5 / 1e12);
+  auto text = Tool("optstate-inspect", {path_, "stat", "--step-seconds", "2.5"});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("drive writes per day at 2.500 s a step"), std::string::npos) << text.out;
+  for (const char* bad : {"0", "-1", "nan"}) {
+    auto b = Tool("optstate-inspect", {path_, "stat", "--step-seconds", bad});
+    EXPECT_EQ(b.exit_code, 2) << bad << ": " << b.err;
+    EXPECT_NE(b.err.find("--step-seconds"), std::string::npos) << b.err;
+  }
+}
+
+// A store stepped by StreamedAdam with f32 and with bf16 moments: inspect's
+// chunk bytes per step equal numel x (4 + 2 x moment size) and what one more
+// step adds to the store's lifetime counter of bytes written.
+TEST(InspectEnduranceTest, BytesPerStepOfF32AndBf16MomentStores) {
+  TempDir dir;
+  const uint64_t n = 1'100'000;
+  for (const auto& [moments, bytes_per_param] : {std::pair<std::string, uint64_t>{"f32", 12}, {"bf16", 8}}) {
+    const std::string store = dir / moments;
+    const std::vector<std::string> step = {"step", "--store", store, "--params", std::to_string(n),
+                                           "--chunk-size", "2M", "--budget", "16M", "--backend", "host",
+                                           "--moments", moments};
+    auto b = Tool("optstate-bench", step);
+    ASSERT_EQ(b.exit_code, 0) << b.err;
+    auto r = Tool("optstate-inspect", {store, "stat", "--json", "--step-seconds", "0.5"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto j = ParseJson(r);
+    const auto p = j["per_step"];
+    EXPECT_EQ(p["moment_dtypes"], moments);
+    EXPECT_EQ(p["params"].get<uint64_t>(), n);
+    EXPECT_EQ(p["chunk_bytes"].get<uint64_t>(), n * bytes_per_param) << moments;
+    EXPECT_DOUBLE_EQ(p["chunk_bytes_per_param"].get<double>(), static_cast<double>(bytes_per_param));
+    // main: ceil(4n / 2 MiB) chunks; each moment: ceil(size x n / 2 MiB).
+    const uint64_t moment_size = (bytes_per_param - 4) / 2;
+    const uint64_t chunks = (4 * n + kChunk - 1) / kChunk + 2 * ((moment_size * n + kChunk - 1) / kChunk);
+    EXPECT_EQ(p["chunks"].get<uint64_t>(), chunks) << moments;
+    EXPECT_DOUBLE_EQ(p["tb_per_day"].get<double>(),
+                     static_cast<double>(n * bytes_per_param + chunks * 54) * 86400 / 0.5 / 1e12);
+    const uint64_t lifetime0 = j["lifetime_bytes_written"].get<uint64_t>();
+    b = Tool("optstate-bench", step);
+    ASSERT_EQ(b.exit_code, 0) << b.err;
+    r = Tool("optstate-inspect", {store, "stat", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(ParseJson(r)["lifetime_bytes_written"].get<uint64_t>() - lifetime0, n * bytes_per_param) << moments;
+  }
+}
+
 TEST_F(InspectTest, ShowValuesAndStatisticsMatchTheReference) {
   const std::string name = "layer.0.weight";
   const int k = IndexOf(name);
