@@ -123,8 +123,10 @@ class MountTest : public ::testing::Test {
   std::string StorePath() const { return stores_ + "/" + kStore; }
   std::string M(const std::string& rel) const { return mnt_ + "/" + kStore + "/" + rel; }
 
-  void StartDaemon(const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f", "--readahead-chunks", "4"};
+  // `binary`: optstate-mount, or OPTSTATE_MOUNT_TEST_DAEMON (the same daemon
+  // with the test hooks library: OPTSTATE_TEST_DELAY_AT arms its sync points).
+  void StartDaemon(const std::vector<std::string>& extra = {}, const char* binary = OPTSTATE_MOUNT_BINARY) {
+    std::vector<std::string> argv = {binary, stores_, mnt_, "-f", "--readahead-chunks", "4"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     daemon_ = Spawn(argv, root_ + "/daemon.log");
     ASSERT_GT(daemon_, 0);
@@ -552,9 +554,9 @@ TEST_F(MountTest, ParallelReadersWhileTrainerSteps) {
 // corruption, seen as SIGSEGV in fuse_send_msg under the kill loop).
 TEST_F(MountTest, ReleaseWhileTheLastReadHandlerRunsKeepsTheHandle) {
   StopDaemon();
-  ASSERT_EQ(setenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS", "100", 1), 0);
-  StartDaemon();
-  unsetenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS");
+  ASSERT_EQ(setenv("OPTSTATE_TEST_DELAY_AT", "mount.read.after_reply=100", 1), 0);
+  StartDaemon({}, OPTSTATE_MOUNT_TEST_DAEMON);
+  unsetenv("OPTSTATE_TEST_DELAY_AT");
   auto s = OpenRo();
   auto v = s->OpenGeneration(kLatest);
   ASSERT_TRUE(v.ok());
@@ -630,9 +632,9 @@ TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
 // __filemap_get_folio).
 TEST_F(MountTest, KilledDaemonWithAPushWaitingInTheKernelLeavesADeadMount) {
   StopDaemon();
-  ::setenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS", "3000", 1);
-  StartDaemon();
-  ::unsetenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS");
+  ::setenv("OPTSTATE_TEST_DELAY_AT", "mount.read.before_serve=3000", 1);
+  StartDaemon({}, OPTSTATE_MOUNT_TEST_DAEMON);
+  ::unsetenv("OPTSTATE_TEST_DELAY_AT");
   struct stat st;
   ASSERT_EQ(stat(M("latest/state.safetensors").c_str(), &st), 0);
   ASSERT_GT(st.st_size, 1 << 20) << "a file the daemon pushes";
