@@ -10,6 +10,14 @@ SyncPoint* SyncPoint::Get() {
   return instance;
 }
 
+bool SyncPoint::CompiledIn() {
+#ifdef OPTSTATE_TEST_HOOKS
+  return true;
+#else
+  return false;
+#endif
+}
+
 void SyncPoint::LoadDependency(const std::vector<std::pair<std::string, std::string>>& dependencies) {
   std::lock_guard<std::mutex> l(mu_);
   predecessors_.clear();

@@ -4,7 +4,7 @@
 // A point is written as OPTSTATE_TEST_SYNC_POINT("area.event") or, to hand a
 // callback a pointer to local state, OPTSTATE_TEST_SYNC_POINT_CALLBACK(name,
 // arg). Both compile to nothing unless the build defines OPTSTATE_TEST_HOOKS
-// (the CMake option of that name). Where they are compiled in, a point costs
+// (the CMake option of that name defines it for the libraries with points). Where they are compiled in, a point costs
 // one relaxed atomic load until a test calls EnableProcessing().
 //
 // Only code calls the registry: no environment variable, command-line flag or
@@ -33,12 +33,9 @@ namespace optstate::vfs {
 
 class SyncPoint {
  public:
-  // Whether this build compiled the points in (OPTSTATE_TEST_HOOKS).
-#ifdef OPTSTATE_TEST_HOOKS
-  static constexpr bool kCompiledIn = true;
-#else
-  static constexpr bool kCompiledIn = false;
-#endif
+  // Whether the libraries were built with their points compiled in
+  // (OPTSTATE_TEST_HOOKS, defined for the targets that have points).
+  static bool CompiledIn();
 
   // The process's registry (never destroyed: points may be reached during exit).
   static SyncPoint* Get();

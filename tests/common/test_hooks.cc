@@ -41,7 +41,7 @@ bool Arm() {
   vfs::SyncPoint* sp = vfs::SyncPoint::Get();
   bool armed = false;
   if (const char* e = std::getenv("OPTSTATE_CRASH_AT"); e != nullptr && *e != '\0') {
-    if (!vfs::SyncPoint::kCompiledIn) Die("OPTSTATE_CRASH_AT");
+    if (!vfs::SyncPoint::CompiledIn()) Die("OPTSTATE_CRASH_AT");
     auto [point, nth] = ParseCrashAt(e);
     auto hits = std::make_shared<std::atomic<uint64_t>>(0);
     sp->SetCallBack(point, [hits, nth = nth](void*) {
@@ -50,7 +50,7 @@ bool Arm() {
     armed = true;
   }
   if (const char* e = std::getenv("OPTSTATE_TEST_DELAY_AT"); e != nullptr && *e != '\0') {
-    if (!vfs::SyncPoint::kCompiledIn) Die("OPTSTATE_TEST_DELAY_AT");
+    if (!vfs::SyncPoint::CompiledIn()) Die("OPTSTATE_TEST_DELAY_AT");
     std::string spec(e);
     for (size_t pos = 0; pos < spec.size();) {
       size_t comma = spec.find(',', pos);

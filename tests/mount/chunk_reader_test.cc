@@ -252,7 +252,7 @@ TEST_F(ChunkReaderTest, ReadAcrossALoadedBoundaryIsTwoIovecsWithoutACopy) {
 // back to 0; then the I/O thread goes on. A must still get chunk 10 (it once
 // waited forever: the I/O thread saw only the window at 0, all loaded).
 TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
-  if (!SyncPoint::kCompiledIn) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
   const uint64_t cs = 2ull << 20;
   std::mutex mu;
   std::condition_variable cv;

@@ -591,6 +591,42 @@ TEST_F(MountTest, ReleaseWhileTheLastReadHandlerRunsKeepsTheHandle) {
   }
 }
 
+// The test hooks' variables arm sync points only in test binaries: set for
+// optstate-mount they change nothing, while the same variable kills the test
+// daemon (the daemon's main with the test hooks library) at its first read.
+TEST_F(MountTest, TheInstalledDaemonIgnoresTestHookVariables) {
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  const CheckpointFile& f = (*l)->files().back();
+  std::string want(f.size_bytes, '\0');
+  ASSERT_TRUE((*l)->Read(f, 0, want.data(), want.size()).ok());
+  for (const char* binary : {OPTSTATE_MOUNT_BINARY, OPTSTATE_MOUNT_TEST_DAEMON}) {
+    const bool hooked = std::string(binary) == OPTSTATE_MOUNT_TEST_DAEMON;
+    StopDaemon();
+    ASSERT_EQ(setenv("OPTSTATE_CRASH_AT", "mount.read.after_reply", 1), 0);
+    StartDaemon({}, binary);
+    unsetenv("OPTSTATE_CRASH_AT");
+    if (!hooked) {
+      EXPECT_TRUE(ReadFile(M("latest/" + f.path)) == want) << f.path;
+      int st = 0;
+      ASSERT_NE(waitpid(daemon_, &st, WNOHANG), daemon_) << "optstate-mount died: " << ReadFile(root_ + "/daemon.log");
+      continue;
+    }
+    // The reference: the variable does arm the point where the library is
+    // linked (the reader in a child: its read fails once the daemon is gone).
+    pid_t cat = Spawn({"/bin/dd", "if=" + M("latest/" + f.path), "of=/dev/null", "bs=1M"}, root_ + "/dd.log");
+    ASSERT_EQ(WaitExit(daemon_), 128 + SIGKILL) << "the test daemon was not killed at its first read";
+    daemon_ = -1;
+    kill(cat, SIGKILL);
+    WaitExit(cat);
+    ASSERT_EQ(Sh("fusermount3 -u " + mnt_), 0);
+    StartDaemon();
+  }
+}
+
 TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
   // A second daemon on the busy mountpoint is refused with a clear message.
   pid_t second = Spawn({OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f"}, root_ + "/second.log");

@@ -1,5 +1,6 @@
 // SyncPoint (vfs/sync_point.h): ordering, callbacks and pass counts, checked
-// against the order the threads record themselves.
+// against the order the threads record themselves. The registry is called as
+// the OPTSTATE_TEST_SYNC_POINT macros call it in the libraries.
 #include <gtest/gtest.h>
 
 #include <mutex>
@@ -15,7 +16,7 @@ namespace {
 class SyncPointTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!SyncPoint::kCompiledIn) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+    if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
     SyncPoint::Get()->Reset();
   }
   void TearDown() override { SyncPoint::Get()->Reset(); }
@@ -35,8 +36,8 @@ TEST_F(SyncPointTest, ASuccessorWaitsForItsPredecessor) {
   sp->SetCallBack("test.a", [&](void*) { record("a"); });
   sp->SetCallBack("test.b", [&](void*) { record("b"); });
   sp->EnableProcessing();
-  std::thread ta([] { OPTSTATE_TEST_SYNC_POINT("test.a"); });
-  std::thread tb([] { OPTSTATE_TEST_SYNC_POINT("test.b"); });
+  std::thread ta([] { SyncPoint::Get()->Process("test.a"); });
+  std::thread tb([] { SyncPoint::Get()->Process("test.b"); });
   ta.join();
   tb.join();
   ASSERT_EQ(order, (std::vector<std::string>{"b", "a"}));
@@ -50,16 +51,16 @@ TEST_F(SyncPointTest, CallbackGetsTheArgumentOnlyWhileEnabled) {
   SyncPoint* sp = SyncPoint::Get();
   sp->SetCallBack("test.arg", [](void* arg) { *static_cast<int*>(arg) += 1; });
   int v = 0;
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("test.arg", &v);
+  sp->Process("test.arg", &v);
   EXPECT_EQ(v, 0);
   EXPECT_EQ(sp->PassCount("test.arg"), 0u);
   sp->EnableProcessing();
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("test.arg", &v);
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("test.arg", &v);
+  sp->Process("test.arg", &v);
+  sp->Process("test.arg", &v);
   EXPECT_EQ(v, 2);
   EXPECT_EQ(sp->PassCount("test.arg"), 2u);
   sp->DisableProcessing();
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("test.arg", &v);
+  sp->Process("test.arg", &v);
   EXPECT_EQ(v, 2);
 }
 
