@@ -609,6 +609,7 @@ TEST_F(ChunkReaderTest, HeldSnapshotPathsSkipTheCatchUpUntilTheRecheck) {
 // of tiny files count their bytes, a file of several chunks counts the two it
 // loads, and the file that crosses the bound is the last one opened.
 TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
   auto s = CreateStore(root_ + "/pb");
   ASSERT_NE(s, nullptr);
   CreateTensors(s.get(), {{"t0", 1000, {}}, {"t1", 2000000, {}}, {"t2", 3, {}}, {"t3", 5000, {}}});
@@ -636,13 +637,29 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
     MountOptions o = Reading(8);
     o.prefetch_files = 16;
     o.prefetch_bytes = c.bytes;
+    // The second open starts the one round (the first has no previous open
+    // to follow); once it is done, no more files come.
+    std::mutex mu;
+    std::condition_variable cv;
+    bool round_done = false;
+    SyncPoint* sp = SyncPoint::Get();
+    sp->SetCallBack("prefetcher.round_done", [&](void* after) {
+      if (*static_cast<uint32_t*>(after) != first + 1) return;
+      std::lock_guard<std::mutex> l(mu);
+      round_done = true;
+      cv.notify_all();
+    });
+    sp->EnableProcessing();
     Prefetcher pf(o, &pool, &stats);
     pf.Opened(gen, files[first], false);
     pf.Opened(gen, files[first + 1], false);
-    for (int i = 0; i < 100 && pf.parked() < c.parked; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    {
+      std::unique_lock<std::mutex> l(mu);
+      const bool done = cv.wait_for(l, std::chrono::seconds(20), [&] { return round_done; });
+      l.unlock();
+      sp->Reset();
+      ASSERT_TRUE(done) << "the prefetcher's round never ended";
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // no more come
     EXPECT_EQ(pf.parked(), c.parked) << "prefetch_bytes " << c.bytes;
     // Exactly the files right after the opened one.
     for (size_t k = 0; k < c.parked; ++k) {
