@@ -11,6 +11,7 @@
 
 #include "vfs/io_buffer.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::mount {
 
@@ -58,15 +59,6 @@ constexpr uint64_t kSmallChunkSlots = 4;
 constexpr uint64_t kTrailChunks = 3;
 
 uint64_t RoundUp4096(uint64_t n) { return (n + 4095) / 4096 * 4096; }
-
-// Test hook (tests/mount/chunk_reader_test): milliseconds the I/O thread
-// sleeps, unlocked, each time it is woken for work, widening the window in
-// which readers move the read-ahead window under it
-// (OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS, read at Open; default 0).
-uint32_t IoWakeDelayMs() {
-  const char* e = std::getenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS");
-  return e != nullptr ? static_cast<uint32_t>(std::strtoul(e, nullptr, 10)) : 0u;
-}
 }  // namespace
 
 ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
@@ -75,7 +67,6 @@ ChunkReader::ChunkReader(std::shared_ptr<const Generation> gen, const vfs::Check
       file_(file),
       readahead_(std::max<uint32_t>(1, opts.readahead_chunks)),
       max_sqe_bytes_(opts.max_sqe_bytes),
-      io_wake_delay_ms_(IoWakeDelayMs()),
       chunk_size_(gen_->view->identity().chunk_size_bytes),
       // A field's chunks are no longer than the field: a reader of a norm's
       // 4 KiB field takes a 4 KiB buffer, not a whole chunk's (a burst of
@@ -276,6 +267,8 @@ Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<
         }
         Kick();
       }
+      // With this reader's lock held: a callback must not take it.
+      OPTSTATE_TEST_SYNC_POINT_CALLBACK("chunk_reader.pin.wait", &seq);
       ready_cv_.wait(l);
       continue;
     }

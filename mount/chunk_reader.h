@@ -216,7 +216,6 @@ class ChunkReader {
   const vfs::CheckpointFile* const file_;
   const uint32_t readahead_;
   const uint64_t max_sqe_bytes_;  // vfs::ChunkIoOptions::max_sqe_bytes of io_
-  const uint32_t io_wake_delay_ms_;  // test hook, see chunk_reader.cc
   const uint64_t chunk_size_;
   const uint64_t max_buf_bytes_;  // the file's longest chunk, rounded to 4096
   const uint64_t seq_len_;

@@ -15,6 +15,7 @@
 
 #include "vfs/io_buffer.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::mount {
 
@@ -214,6 +215,14 @@ void ChunkReader::IoLoop() {
   std::vector<vfs::ChunkCompletion> done;
   std::unique_lock<std::mutex> l(mu_);
   while (!stop_) {
+    if (OPTSTATE_TEST_SYNC_POINTS_ENABLED()) {
+      // Unlocked: tests hold the I/O thread here, before it looks for work,
+      // while readers move the window and wait.
+      l.unlock();
+      OPTSTATE_TEST_SYNC_POINT("chunk_reader.io_loop.before_work");
+      l.lock();
+      if (stop_) break;
+    }
     if (Slot* s = NextSubmission(); s != nullptr) {
       // The slot is kInFlight: no reader touches its buffer; submit unlocked
       // (an 8 MiB O_DIRECT submit pins pages and builds bios inline).
@@ -235,11 +244,6 @@ void ChunkReader::IoLoop() {
     }
     if (sync_fallback_ || !io_error_.ok() || io_->in_flight() == 0) {
       io_cv_.wait(l);
-      if (io_wake_delay_ms_ > 0) {
-        l.unlock();
-        std::this_thread::sleep_for(std::chrono::milliseconds(io_wake_delay_ms_));
-        l.lock();
-      }
       continue;
     }
     // Completions come back unhashed (verify_reads = false): VerifyLoop checks

@@ -10,13 +10,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "mount/internal/open_handles.h"
 #include "mount/internal/push_gate.h"
 #include "mount/internal/safetensors_fill.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::mount::internal {
 namespace {
@@ -34,31 +34,6 @@ int ToFuseErrno(const Status& st) {
 }
 
 void ReplyStatus(fuse_req_t req, const Status& st) { fuse_reply_err(req, ToFuseErrno(st)); }
-
-// Test hook (tests/mount): milliseconds a read handler waits after its reply
-// before it unpins and returns, to widen the window in which the kernel sends
-// RELEASE for the handle (OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS; default 0).
-uint32_t AfterReplyDelayMs() {
-  static const uint32_t ms = [] {
-    const char* e = std::getenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS");
-    return e != nullptr ? static_cast<uint32_t>(std::strtoul(e, nullptr, 10)) : 0u;
-  }();
-  return ms;
-}
-void AfterReply() {
-  if (uint32_t ms = AfterReplyDelayMs(); ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-}
-// Test hook (tests/mount): milliseconds a read handler waits before it
-// serves a READ, so that the kernel holds that READ's pages locked and a
-// CachePusher's store of them waits in the kernel
-// (OPTSTATE_MOUNT_TEST_BEFORE_READ_MS; default 0).
-void BeforeRead() {
-  static const uint32_t ms = [] {
-    const char* e = std::getenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS");
-    return e != nullptr ? static_cast<uint32_t>(std::strtoul(e, nullptr, 10)) : 0u;
-  }();
-  if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-}
 
 void OpInit(void* userdata, struct fuse_conn_info* conn) {
   conn->max_read = kMaxReadBytes;  // must match -o max_read (libfuse checks)
@@ -298,7 +273,9 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
   const std::shared_ptr<ChunkReader>& r = fh->reader;
   if (fh->pin_use != nullptr) fh->pin_use->Touch();
   if (fh->pusher != nullptr) fh->pusher->OnRead(static_cast<uint64_t>(off), size);
-  BeforeRead();
+  // Tests delay here so that the kernel holds this READ's pages locked while
+  // a CachePusher's store of them waits in the kernel.
+  OPTSTATE_TEST_SYNC_POINT("mount.read.before_serve");
   const auto start = std::chrono::steady_clock::now();
   Context* c = Ctx(req);  // req is gone once replied
   bool replied = false;
@@ -316,7 +293,9 @@ void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file
                            // store may wait in the kernel for another READ).
                            if (fh->fill != nullptr) fh->fill->Store(static_cast<uint64_t>(off), iov);
                          }
-                         AfterReply();
+                         // Tests delay here, before the chunk is unpinned, so
+                         // that the kernel sends RELEASE while this handler runs.
+                         OPTSTATE_TEST_SYNC_POINT("mount.read.after_reply");
                          return Status();
                        },
                        /*count=*/true, /*lend=*/fh->fill != nullptr);

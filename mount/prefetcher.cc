@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::mount {
 
@@ -119,6 +120,9 @@ void Prefetcher::Loop() {
       if (!r.ok()) break;  // out of threads: the reader's own open reports it
       parked_.push_back(Parked{gen, f, std::move(r).value(), std::chrono::steady_clock::now()});
     }
+    // Argument: the tree position the round opened files after. With the
+    // prefetcher's lock held: a callback must not take it.
+    OPTSTATE_TEST_SYNC_POINT_CALLBACK("prefetcher.round_done", const_cast<uint32_t*>(&after));
   }
 }
 

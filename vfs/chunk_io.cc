@@ -13,6 +13,7 @@
 #include "vfs/internal/chunk_hasher.h"
 #include "vfs/internal/generation_view.h"
 #include "vfs/io_engine.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs::internal {
 
@@ -147,7 +148,7 @@ class ChunkIoImpl final : public ChunkIo {
     // A big chunk is hashed by the hashers while its write is in flight.
     const bool async_hash = hasher_ != nullptr && op.version.ext.length >= kAsyncHashMinBytes;
     if (!async_hash) op.version.ext.checksum = ChunkChecksum(buf, op.version.ext.length);
-    CrashPoint("extent.before_write");
+    OPTSTATE_TEST_SYNC_POINT("extent.before_write");
     IoRequest r;
     r.op = IoRequest::Op::kWrite;
     r.file = core_->data_files_[op.version.ext.dir].get();
@@ -278,7 +279,7 @@ class ChunkIoImpl final : public ChunkIo {
         return io.WithContext("write of " + c->Describe(&op.tensor, op.key, kInfinity));
       }
       c->SetPending(op.key, op.version.ext);
-      CrashPoint("extent.after_write");
+      OPTSTATE_TEST_SYNC_POINT("extent.after_write");
       return Status();
     }
     if (!io.ok()) return io.WithContext("read of " + c->Describe(&op.tensor, op.key, op.version.gen));

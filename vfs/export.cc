@@ -17,6 +17,7 @@
 #include "vfs/checkpoint.h"
 #include "vfs/io_buffer.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs {
 namespace {
@@ -154,7 +155,7 @@ class Exporter {
       if (st_ != nullptr) OPTSTATE_RETURN_IF_ERROR(st_->Pwrite(o.st_offset + s.seq * cs, p, len));
       result->bytes += len * (st_ != nullptr ? 2 : 1);
       done += len;
-      CrashPoint("export.after_chunk");
+      OPTSTATE_TEST_SYNC_POINT("export.after_chunk");
       if (--o.chunks_left == 0) {
         OPTSTATE_RETURN_IF_ERROR(o.file->Fdatasync());
         open.erase(s.file_index);
@@ -260,7 +261,7 @@ Result<ExportResult> ExportCheckpoint(Store* store, const std::string& dest_in, 
   result.generation = gen;
   Status st = Exporter(fs, **layout, partial, opts).Run(&result);
   if (st.ok()) {
-    CrashPoint("export.before_rename");
+    OPTSTATE_TEST_SYNC_POINT("export.before_rename");
     st = fs->Rename(partial, dest);
   }
   if (!st.ok()) {

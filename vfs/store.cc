@@ -30,6 +30,7 @@
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_core.h"
 #include "vfs/internal/store_format.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs {
 
@@ -242,7 +243,7 @@ class StoreImpl final : public Store {
       ++core_->writes_in_flight_;
     }
     ext.checksum = ChunkChecksum(buf, ext.length);
-    CrashPoint("extent.before_write");
+    OPTSTATE_TEST_SYNC_POINT("extent.before_write");
     Status s = core_->data_files_[ext.dir]->Pwrite(ext.file_offset, buf, RoundUp(ext.length, kIoAlign));
     std::lock_guard l(core_->mu_);
     --core_->writes_in_flight_;
@@ -251,7 +252,7 @@ class StoreImpl final : public Store {
       return s.WithContext("write of " + core_->Describe(&t, k, kInfinity));
     }
     core_->SetPending(k, ext);
-    CrashPoint("extent.after_write");
+    OPTSTATE_TEST_SYNC_POINT("extent.after_write");
     return Status();
   }
 
@@ -310,7 +311,7 @@ class StoreImpl final : public Store {
     s.create_time_unix_ms = NowUnixMs();
     rocksdb::WriteBatch b;
     b.Put(internal::SnapshotKey(name), internal::EncodeSnapshot(s));
-    CrashPoint("snapshot.create");
+    OPTSTATE_TEST_SYNC_POINT("snapshot.create");
     OPTSTATE_RETURN_IF_ERROR(core_->WriteSynced(&b, "create snapshot '" + name + "'"));
     core_->snapshots_[name] = s;
     return s;
@@ -323,7 +324,7 @@ class StoreImpl final : public Store {
       if (!core_->snapshots_.count(name)) return core_->SnapshotNotFound(name);
       rocksdb::WriteBatch b;
       b.Delete(internal::SnapshotKey(name));
-      CrashPoint("snapshot.release");
+      OPTSTATE_TEST_SYNC_POINT("snapshot.release");
       OPTSTATE_RETURN_IF_ERROR(core_->WriteSynced(&b, "release snapshot '" + name + "'"));
       core_->snapshots_.erase(name);
     }

@@ -1,6 +1,7 @@
 // Commit (Core, vfs/internal/store_core.h): data file syncs, the synced batch
 // that publishes a generation, its COMMITTED mark, and poisoning on failure.
 #include "vfs/internal/store_core.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs::internal {
 
@@ -51,7 +52,7 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
                               " chunk writes in flight; reap them first");
   }
   const uint64_t gen = latest_.generation + 1;
-  CrashPoint("commit.before_sync");
+  OPTSTATE_TEST_SYNC_POINT("commit.before_sync");
   for (uint32_t d = 0; d < data_files_.size(); ++d) {
     if (!dirty_[d] && !grown_[d]) continue;
     Status s = grown_[d] ? data_files_[d]->Fsync() : data_files_[d]->Fdatasync();
@@ -82,7 +83,7 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
   OPTSTATE_RETURN_IF_ERROR(
       WriteRetained(GenerationNumbers(gen)).WithContext("commit of generation " + std::to_string(gen)));
   AddGcToBatch(plan, &b);
-  CrashPoint("commit.before_batch");
+  OPTSTATE_TEST_SYNC_POINT("commit.before_batch");
   Status s = WriteSynced(&b, "commit of generation " + std::to_string(gen));
   if (!s.ok()) {
     // The batch may or may not be in the WAL: nothing in memory can be
@@ -110,7 +111,7 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
   latest_ = g;
   ApplyGc(plan);
   RewriteRetainedAfterBatch();
-  CrashPoint("commit.after_batch");
+  OPTSTATE_TEST_SYNC_POINT("commit.after_batch");
   return gen;
 }
 

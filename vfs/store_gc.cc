@@ -2,6 +2,7 @@
 // generation records no retained, snapshotted, viewed or leased generation can
 // see, and their removal in one synced batch.
 #include "vfs/internal/store_core.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs::internal {
 
@@ -62,7 +63,7 @@ Status Core::CollectGarbage() {
   if (plan.dead_versions.empty() && plan.dead_generations.empty()) return Status();
   rocksdb::WriteBatch b;
   AddGcToBatch(plan, &b);
-  CrashPoint("gc.before_batch");
+  OPTSTATE_TEST_SYNC_POINT("gc.before_batch");
   Status s = WriteSynced(&b, "garbage collection batch");
   if (!s.ok()) {
     Poison(s);
@@ -70,7 +71,7 @@ Status Core::CollectGarbage() {
   }
   ApplyGc(plan);
   RewriteRetainedAfterBatch();
-  CrashPoint("gc.after_batch");
+  OPTSTATE_TEST_SYNC_POINT("gc.after_batch");
   return Status();
 }
 

@@ -34,6 +34,7 @@
 #include "vfs/internal/store_core.h"
 #include "vfs/internal/store_format.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs::internal {
 namespace {
@@ -160,7 +161,7 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
   OPTSTATE_ASSIGN_OR_RETURN(bool tmp_exists, fs->Exists(tmp));
   if (tmp_exists) OPTSTATE_RETURN_IF_ERROR(fs->RemoveAll(tmp));
   OPTSTATE_RETURN_IF_ERROR(fs->CreateDir(tmp));
-  CrashPoint("store.create.begin");
+  OPTSTATE_TEST_SYNC_POINT("store.create.begin");
 
   StoreIdentity id;
   id.name = opts.name.empty() ? base : opts.name;
@@ -207,7 +208,7 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
     Status s = fs->WriteFileAtomic(JoinPath(tmp, "IDENTITY"), internal::EncodeIdentity(id, path));
     if (!s.ok()) return fail(s);
   }
-  CrashPoint("store.create.identity");
+  OPTSTATE_TEST_SYNC_POINT("store.create.identity");
   {
     auto core = NewCore(tmp, opts, false);
     if (!core.ok()) return fail(core.status());
@@ -231,7 +232,7 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
     s = (*core)->WriteSynced(&b, "initial index");
     if (!s.ok()) return fail(s);
   }
-  CrashPoint("store.create.index");
+  OPTSTATE_TEST_SYNC_POINT("store.create.index");
   {
     Status s = fs->CreateDir(JoinPath(tmp, "leases"));
     if (s.ok()) s = fs->SyncDir(tmp);
@@ -240,7 +241,7 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
     s = fs->SyncDir(parent);
     if (!s.ok()) return s.WithContext("create store " + path);
   }
-  CrashPoint("store.create.renamed");
+  OPTSTATE_TEST_SYNC_POINT("store.create.renamed");
   return Open(path, opts);
 }
 

@@ -110,7 +110,7 @@ inline std::string SiblingBinary(const std::string& name) {
 struct ChildOptions {
   std::string exe;                 // path of the binary
   std::vector<std::string> args;   // argv[1..]
-  std::string crash_at;            // OPTSTATE_CRASH_AT for the child; empty: unset
+  std::string crash_at;            // OPTSTATE_CRASH_AT for the child (tests/common/test_hooks.cc); empty: unset
   int kill_after_ms = -1;          // SIGKILL after this many ms; < 0: only the guard
   int guard_ms = 60000;            // SIGKILL after this many ms anyway; < 0: never
   bool capture_stderr = false;     // stderr into the output too (else inherited)

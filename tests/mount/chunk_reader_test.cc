@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "mount/prefetcher.h"
 #include "mount/store_tree.h"
 #include "tests/vfs/checkpoint_test_util.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::mount {
 namespace {
@@ -244,38 +246,78 @@ TEST_F(ChunkReaderTest, ReadAcrossALoadedBoundaryIsTwoIovecsWithoutACopy) {
   EXPECT_EQ(stats.bytes.load(), 4096u + len);
 }
 
-// The same race made certain: the I/O thread sleeps 300 ms each time it is
-// woken. Reader A asks for chunk 10 (nobody has loaded it); while the I/O
-// thread sleeps, reader B reads chunk 0 (loaded), which moves the window back
-// to 0. A must still get chunk 10 (it once waited forever: the I/O thread saw
-// only the window at 0, all loaded).
+// The same race made certain with sync points: reader A asks for chunk 10
+// (nobody has loaded it) while the I/O thread is held before it looks for
+// work; once A waits, reader B reads chunk 0 (loaded), which moves the window
+// back to 0; then the I/O thread goes on. A must still get chunk 10 (it once
+// waited forever: the I/O thread saw only the window at 0, all loaded).
 TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
-  ChunkBufferPool pool(1ull << 30);
-  ASSERT_EQ(setenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS", "300", 1), 0);
-  auto r = ChunkReader::Open(node_.gen, node_.file, Reading(1), &pool);
-  unsetenv("OPTSTATE_MOUNT_TEST_IO_WAKE_DELAY_MS");
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
   const uint64_t cs = 2ull << 20;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool io_held = false, a_waits = false, release = false, a_done = false;
+  ChunkBufferPool pool(1ull << 30);
+  auto r = ChunkReader::Open(node_.gen, node_.file, Reading(1), &pool);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
   std::string got(4096, '\0');
-  auto n = (*r)->Read(0, got.size(), got.data());  // chunks 0 and 1 loaded, the I/O thread idle
+  auto n = (*r)->Read(0, got.size(), got.data());  // chunk 0 loaded
   ASSERT_TRUE(n.ok()) << n.status().ToString();
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
-  std::atomic<bool> a_done{false};
+
+  SyncPoint* sp = SyncPoint::Get();
+  // Declared after the reader: releases the I/O thread and clears the points
+  // before the reader is destroyed, however the test ends.
+  struct Guard {
+    std::function<void()> f;
+    ~Guard() { f(); }
+  } guard{[&] {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      release = true;
+    }
+    cv.notify_all();
+    sp->Reset();
+  }};
+  sp->SetCallBack("chunk_reader.io_loop.before_work", [&](void*) {
+    std::unique_lock<std::mutex> l(mu);
+    io_held = true;
+    cv.notify_all();
+    cv.wait(l, [&] { return release; });
+  });
+  sp->SetCallBack("chunk_reader.pin.wait", [&](void* seq) {
+    if (*static_cast<uint64_t*>(seq) != 10) return;
+    std::lock_guard<std::mutex> l(mu);
+    a_waits = true;
+    cv.notify_all();
+  });
+  sp->EnableProcessing();
+
   std::string a_got(4096, '\0');
   Result<uint64_t> a_n = 0;
   std::thread a([&] {
     a_n = (*r)->Read(10 * cs + 123, a_got.size(), a_got.data());
+    std::lock_guard<std::mutex> l(mu);
     a_done = true;
+    cv.notify_all();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // A waits; the I/O thread sleeps
-  n = (*r)->Read(100, got.size(), got.data());                  // B: chunk 0, loaded
+  {
+    // A waits for chunk 10 and the I/O thread has not looked for work since.
+    std::unique_lock<std::mutex> l(mu);
+    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(20), [&] { return io_held && a_waits; }))
+        << "the I/O thread or reader A never reached its sync point";
+  }
+  n = (*r)->Read(100, got.size(), got.data());  // B: chunk 0, loaded
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   EXPECT_EQ(got.compare(0, got.size(), want_, 100, got.size()), 0);
-  for (int i = 0; i < 200 && !a_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  if (!a_done) {
-    std::fprintf(stderr, "FAILED: reader A still waits for chunk 10 after 10 s\n");
-    std::fflush(stderr);
-    std::_Exit(1);  // A cannot be joined
+  {
+    std::unique_lock<std::mutex> l(mu);
+    release = true;
+    cv.notify_all();
+    if (!cv.wait_for(l, std::chrono::seconds(20), [&] { return a_done; })) {
+      std::fprintf(stderr, "FAILED: reader A still waits for chunk 10 20 s after the window moved to 0\n");
+      std::fflush(stderr);
+      std::_Exit(1);  // A cannot be joined
+    }
   }
   a.join();
   ASSERT_TRUE(a_n.ok()) << a_n.status().ToString();
@@ -567,6 +609,7 @@ TEST_F(ChunkReaderTest, HeldSnapshotPathsSkipTheCatchUpUntilTheRecheck) {
 // of tiny files count their bytes, a file of several chunks counts the two it
 // loads, and the file that crosses the bound is the last one opened.
 TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
   auto s = CreateStore(root_ + "/pb");
   ASSERT_NE(s, nullptr);
   CreateTensors(s.get(), {{"t0", 1000, {}}, {"t1", 2000000, {}}, {"t2", 3, {}}, {"t3", 5000, {}}});
@@ -594,13 +637,29 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
     MountOptions o = Reading(8);
     o.prefetch_files = 16;
     o.prefetch_bytes = c.bytes;
+    // The second open starts the one round (the first has no previous open
+    // to follow); once it is done, no more files come.
+    std::mutex mu;
+    std::condition_variable cv;
+    bool round_done = false;
+    SyncPoint* sp = SyncPoint::Get();
+    sp->SetCallBack("prefetcher.round_done", [&](void* after) {
+      if (*static_cast<uint32_t*>(after) != first + 1) return;
+      std::lock_guard<std::mutex> l(mu);
+      round_done = true;
+      cv.notify_all();
+    });
+    sp->EnableProcessing();
     Prefetcher pf(o, &pool, &stats);
     pf.Opened(gen, files[first], false);
     pf.Opened(gen, files[first + 1], false);
-    for (int i = 0; i < 100 && pf.parked() < c.parked; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    {
+      std::unique_lock<std::mutex> l(mu);
+      const bool done = cv.wait_for(l, std::chrono::seconds(20), [&] { return round_done; });
+      l.unlock();
+      sp->Reset();
+      ASSERT_TRUE(done) << "the prefetcher's round never ended";
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // no more come
     EXPECT_EQ(pf.parked(), c.parked) << "prefetch_bytes " << c.bytes;
     // Exactly the files right after the opened one.
     for (size_t k = 0; k < c.parked; ++k) {

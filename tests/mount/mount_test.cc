@@ -123,8 +123,10 @@ class MountTest : public ::testing::Test {
   std::string StorePath() const { return stores_ + "/" + kStore; }
   std::string M(const std::string& rel) const { return mnt_ + "/" + kStore + "/" + rel; }
 
-  void StartDaemon(const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> argv = {OPTSTATE_MOUNT_BINARY, stores_, mnt_, "-f", "--readahead-chunks", "4"};
+  // `binary`: optstate-mount, or OPTSTATE_MOUNT_TEST_DAEMON (the same daemon
+  // with the test hooks library: OPTSTATE_TEST_DELAY_AT arms its sync points).
+  void StartDaemon(const std::vector<std::string>& extra = {}, const char* binary = OPTSTATE_MOUNT_BINARY) {
+    std::vector<std::string> argv = {binary, stores_, mnt_, "-f", "--readahead-chunks", "4"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     daemon_ = Spawn(argv, root_ + "/daemon.log");
     ASSERT_GT(daemon_, 0);
@@ -552,9 +554,9 @@ TEST_F(MountTest, ParallelReadersWhileTrainerSteps) {
 // corruption, seen as SIGSEGV in fuse_send_msg under the kill loop).
 TEST_F(MountTest, ReleaseWhileTheLastReadHandlerRunsKeepsTheHandle) {
   StopDaemon();
-  ASSERT_EQ(setenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS", "100", 1), 0);
-  StartDaemon();
-  unsetenv("OPTSTATE_MOUNT_TEST_AFTER_REPLY_MS");
+  ASSERT_EQ(setenv("OPTSTATE_TEST_DELAY_AT", "mount.read.after_reply=100", 1), 0);
+  StartDaemon({}, OPTSTATE_MOUNT_TEST_DAEMON);
+  unsetenv("OPTSTATE_TEST_DELAY_AT");
   auto s = OpenRo();
   auto v = s->OpenGeneration(kLatest);
   ASSERT_TRUE(v.ok());
@@ -586,6 +588,42 @@ TEST_F(MountTest, ReleaseWhileTheLastReadHandlerRunsKeepsTheHandle) {
     std::string want(f.size_bytes, '\0');
     ASSERT_TRUE((*l)->Read(f, 0, want.data(), want.size()).ok());
     EXPECT_TRUE(ReadFile(M("latest/" + f.path)) == want) << f.path;
+  }
+}
+
+// The test hooks' variables arm sync points only in test binaries: set for
+// optstate-mount they change nothing, while the same variable kills the test
+// daemon (the daemon's main with the test hooks library) at its first read.
+TEST_F(MountTest, TheInstalledDaemonIgnoresTestHookVariables) {
+  auto s = OpenRo();
+  auto v = s->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  auto l = CheckpointLayout::Build(v->get());
+  ASSERT_TRUE(l.ok());
+  const CheckpointFile& f = (*l)->files().back();
+  std::string want(f.size_bytes, '\0');
+  ASSERT_TRUE((*l)->Read(f, 0, want.data(), want.size()).ok());
+  for (const char* binary : {OPTSTATE_MOUNT_BINARY, OPTSTATE_MOUNT_TEST_DAEMON}) {
+    const bool hooked = std::string(binary) == OPTSTATE_MOUNT_TEST_DAEMON;
+    StopDaemon();
+    ASSERT_EQ(setenv("OPTSTATE_CRASH_AT", "mount.read.after_reply", 1), 0);
+    StartDaemon({}, binary);
+    unsetenv("OPTSTATE_CRASH_AT");
+    if (!hooked) {
+      EXPECT_TRUE(ReadFile(M("latest/" + f.path)) == want) << f.path;
+      int st = 0;
+      ASSERT_NE(waitpid(daemon_, &st, WNOHANG), daemon_) << "optstate-mount died: " << ReadFile(root_ + "/daemon.log");
+      continue;
+    }
+    // The reference: the variable does arm the point where the library is
+    // linked (the reader in a child: its read fails once the daemon is gone).
+    pid_t cat = Spawn({"/bin/dd", "if=" + M("latest/" + f.path), "of=/dev/null", "bs=1M"}, root_ + "/dd.log");
+    ASSERT_EQ(WaitExit(daemon_), 128 + SIGKILL) << "the test daemon was not killed at its first read";
+    daemon_ = -1;
+    kill(cat, SIGKILL);
+    WaitExit(cat);
+    ASSERT_EQ(Sh("fusermount3 -u " + mnt_), 0);
+    StartDaemon();
   }
 }
 
@@ -630,9 +668,9 @@ TEST_F(MountTest, KilledDaemonMidCopyThenRemount) {
 // __filemap_get_folio).
 TEST_F(MountTest, KilledDaemonWithAPushWaitingInTheKernelLeavesADeadMount) {
   StopDaemon();
-  ::setenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS", "3000", 1);
-  StartDaemon();
-  ::unsetenv("OPTSTATE_MOUNT_TEST_BEFORE_READ_MS");
+  ::setenv("OPTSTATE_TEST_DELAY_AT", "mount.read.before_serve=3000", 1);
+  StartDaemon({}, OPTSTATE_MOUNT_TEST_DAEMON);
+  ::unsetenv("OPTSTATE_TEST_DELAY_AT");
   struct stat st;
   ASSERT_EQ(stat(M("latest/state.safetensors").c_str(), &st), 0);
   ASSERT_GT(st.st_size, 1 << 20) << "a file the daemon pushes";

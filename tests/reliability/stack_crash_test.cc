@@ -3,7 +3,7 @@
 // budget, deterministic gradients) and commits one generation per step, while
 // a live optstate-mount serves the store and a reader thread copies the
 // newest of generations/<g>/ over and over. The child is SIGKILLed at random instants and at the named
-// crash points (vfs::CrashPoint: extent write before/after, commit
+// sync points (OPTSTATE_CRASH_AT, tests/common/test_hooks.cc: extent write before/after, commit
 // before sync/batch and after batch, GC before/after its batch, snapshot
 // create/release, store creation). After each kill the parent reopens the
 // store and checks:
