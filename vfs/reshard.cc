@@ -14,6 +14,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "vfs/io_buffer.h"
+#include "vfs/io_engine.h"
 #include "vfs/log.h"
 
 namespace optstate::vfs {
@@ -501,6 +503,188 @@ struct DestField {
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hash{nullptr, &XXH3_freeState};
 };
 
+// Source chunks read ahead in the order the copy consumes them: O_DIRECT
+// through the io engine with up to `depth` chunks in flight, so that the disk
+// reads while earlier chunks are verified, scattered and written. Item i uses
+// buffer i % depth; a buffer is reused once the copy has moved past its chunk.
+// A chunk's unaligned tail (the end of a file whose size is no multiple of
+// 4096 bytes) is read with a buffered pread when the chunk is consumed.
+class SourceReader {
+ public:
+  struct FieldFile {
+    std::string path;
+    uint64_t bytes = 0;   // its size per the manifest
+    std::string context;  // "tensor 'x' field 'y'"
+  };
+  struct Item {
+    uint32_t file = 0;  // index into files
+    uint64_t offset = 0, length = 0;
+  };
+
+  SourceReader(std::vector<FieldFile> files, std::vector<Item> items)
+      : files_(std::move(files)), items_(std::move(items)), open_(files_.size()), left_(files_.size(), 0) {
+    for (const Item& it : items_) ++left_[it.file];
+  }
+  ~SourceReader() {
+    std::vector<IoCompletion> done;
+    while (engine_ && engine_->in_flight() > 0) {
+      done.clear();
+      if (!engine_->Reap(&done, 1).ok()) break;
+    }
+  }
+  SourceReader(const SourceReader&) = delete;
+  SourceReader& operator=(const SourceReader&) = delete;
+
+  Status Init(uint32_t depth, uint64_t max_chunk_bytes) {
+    depth_ = std::max<uint32_t>(1, depth);
+    const uint64_t buf_bytes = (max_chunk_bytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    for (uint32_t i = 0; i < depth_; ++i) {
+      IoBuffer b(buf_bytes);
+      if (!b.ok()) {
+        return ResourceExhausted(fmt::format("reshard: out of memory for {} read buffers of {} bytes", depth_,
+                                             buf_bytes));
+      }
+      slots_.push_back({std::move(b), false, Status::Ok()});
+    }
+    IoEngineOptions eo;
+    eo.queue_depth = depth_;
+    auto e = IoEngine::NewUring(eo);
+    if (e.ok()) {
+      engine_ = std::move(*e);
+    } else {
+      OPTSTATE_LOG_WARN("reshard: io_uring unavailable ({}); reading the sources synchronously",
+                        e.status().ToString());
+      OPTSTATE_ASSIGN_OR_RETURN(engine_, IoEngine::NewSync(buf_bytes));
+    }
+    return Status::Ok();
+  }
+
+  // The bytes of the next item (valid until the following call).
+  Result<const char*> Next() {
+    if (next_ >= items_.size()) return Internal("reshard: read past the last source chunk");
+    if (next_ > 0) Release(next_ - 1);
+    OPTSTATE_RETURN_IF_ERROR(Fill());
+    if (failed_ && failed_item_ == next_) return failed_status_;
+    const Item& it = items_[next_];
+    Slot& s = slots_[next_ % depth_];
+    std::vector<IoCompletion> done;
+    while (!s.done) {
+      done.clear();
+      OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 1));
+      for (IoCompletion& c : done) {
+        slots_[c.tag].done = true;
+        slots_[c.tag].status = std::move(c.status);
+      }
+    }
+    FileState& f = open_[it.file];
+    if (!s.status.ok()) return s.status.WithContext("reshard: " + files_[it.file].context);
+    const uint64_t aligned = AlignedPart(f, it);
+    char* buf = reinterpret_cast<char*>(s.buf.data());
+    if (aligned < it.length) {
+      if (!f.buffered) {
+        OpenOptions oo;
+        oo.read_only = true;
+        auto file = FileSystem::Default()->Open(files_[it.file].path, oo);
+        if (!file.ok()) return file.status().WithContext("reshard: " + files_[it.file].context);
+        f.buffered = std::move(*file);
+      }
+      OPTSTATE_RETURN_IF_ERROR(f.buffered->Pread(it.offset + aligned, buf + aligned, it.length - aligned)
+                                   .WithContext("reshard: " + files_[it.file].context));
+    }
+    ++next_;
+    return static_cast<const char*>(buf);
+  }
+
+ private:
+  static constexpr uint64_t kDirectAlign = 4096;
+  struct Slot {
+    IoBuffer buf;
+    bool done = false;
+    Status status;
+  };
+  struct FileState {
+    std::unique_ptr<File> direct;    // O_DIRECT where the file system allows it
+    std::unique_ptr<File> buffered;  // for unaligned tails, opened when needed
+  };
+
+  uint64_t AlignedPart(const FileState& f, const Item& it) const {
+    return f.direct->direct() ? it.length / kDirectAlign * kDirectAlign : it.length;
+  }
+
+  // The copy is done with item i: its buffer is free, and its file is closed
+  // after its last chunk.
+  void Release(size_t i) {
+    const uint32_t fi = items_[i].file;
+    if (--left_[fi] == 0) open_[fi] = FileState{};
+  }
+
+  // Submits reads until `depth_` items are ahead of the copy. An item whose
+  // file cannot be opened (or has the wrong size) stops the submission; its
+  // error is returned when the copy reaches it.
+  Status Fill() {
+    while (!failed_ && submitted_ < items_.size() && submitted_ < next_ + depth_) {
+      const Item& it = items_[submitted_];
+      FileState& f = open_[it.file];
+      if (!f.direct) {
+        Status st = Open(it.file);
+        if (!st.ok()) {
+          failed_ = true;
+          failed_item_ = submitted_;
+          failed_status_ = std::move(st);
+          break;
+        }
+      }
+      Slot& s = slots_[submitted_ % depth_];
+      s.done = false;
+      s.status = Status::Ok();
+      const uint64_t aligned = AlignedPart(f, it);
+      if (aligned == 0) {
+        s.done = true;
+      } else {
+        IoRequest r;
+        r.op = IoRequest::Op::kRead;
+        r.file = f.direct.get();
+        r.offset = it.offset;
+        r.length = aligned;
+        r.buf = s.buf.data();
+        r.tag = submitted_ % depth_;
+        OPTSTATE_RETURN_IF_ERROR(engine_->Submit({&r, 1}));
+      }
+      ++submitted_;
+    }
+    return Status::Ok();
+  }
+
+  Status Open(uint32_t fi) {
+    const FieldFile& ff = files_[fi];
+    OpenOptions oo;
+    oo.read_only = true;
+    oo.direct = true;
+    auto file = FileSystem::Default()->Open(ff.path, oo);
+    if (!file.ok()) return file.status().WithContext("reshard: " + ff.context);
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*file)->Size());
+    if (size != ff.bytes) {
+      return Corruption(fmt::format("reshard: {}: size {} bytes, its manifest says {} ({}): {}", ff.path, size,
+                                    ff.bytes, ff.context, size < ff.bytes ? "truncated" : "too long"));
+    }
+    open_[fi].direct = std::move(*file);
+    return Status::Ok();
+  }
+
+  std::vector<FieldFile> files_;
+  std::vector<Item> items_;
+  std::vector<FileState> open_;
+  std::vector<uint32_t> left_;  // per file: items not yet released
+  std::vector<Slot> slots_;
+  uint32_t depth_ = 1;
+  std::unique_ptr<IoEngine> engine_;
+  size_t next_ = 0;       // the next item the copy takes
+  size_t submitted_ = 0;  // items [0, submitted_) are read or being read
+  bool failed_ = false;
+  size_t failed_item_ = 0;
+  Status failed_status_;
+};
+
 class Resharder {
  public:
   Resharder(const Sources& s, const TargetLayout& target, const std::string& dir, const ReshardOptions& opts,
@@ -515,6 +699,24 @@ class Resharder {
     for (const Manifest& m : s_.manifests) buf_bytes = std::max(buf_bytes, m.chunk_size_bytes);
     buf_.resize(buf_bytes);
     OPTSTATE_RETURN_IF_ERROR(Prepare());
+    {
+      // Every source chunk, in the order CopyField takes them.
+      std::vector<SourceReader::FieldFile> files;
+      std::vector<SourceReader::Item> items;
+      for (const auto& [name, g] : s_.tensors) {
+        for (uint32_t f = 0; f < g.fields.size(); ++f) {
+          for (const SourcePart& p : g.parts) {
+            const ManifestField& sf = p.tensor->fields[f];
+            const uint32_t fi = static_cast<uint32_t>(files.size());
+            files.push_back({s_.dirs[p.source] + "/" + sf.file, sf.bytes,
+                             fmt::format("tensor '{}' field '{}'", g.name, g.fields[f].first)});
+            for (const ManifestChunk& c : sf.chunks) items.push_back({fi, c.offset_bytes, c.length_bytes});
+          }
+        }
+      }
+      reader_ = std::make_unique<SourceReader>(std::move(files), std::move(items));
+      OPTSTATE_RETURN_IF_ERROR(reader_->Init(opts_.read_ahead_chunks, buf_bytes));
+    }
     for (const auto& [name, g] : s_.tensors) {
       for (uint32_t f = 0; f < g.fields.size(); ++f) OPTSTATE_RETURN_IF_ERROR(CopyField(g, f));
     }
@@ -679,9 +881,10 @@ class Resharder {
     return Status::Ok();
   }
 
-  // Scatters elements [e0, e1) of source box `src` (their bytes at buf_) into
+  // Scatters elements [e0, e1) of source box `src` (their bytes at data) into
   // the destination fields whose boxes they meet.
-  Status Scatter(const ShardBox& src, uint64_t e0, uint64_t e1, uint32_t esize, std::vector<DestField*>& dests) {
+  Status Scatter(const ShardBox& src, const char* data, uint64_t e0, uint64_t e1, uint32_t esize,
+                 std::vector<DestField*>& dests) {
     const size_t nd = src.shape.size();
     const uint64_t row = src.shape[nd - 1];
     std::vector<uint64_t> g(nd);  // global coordinates of the row's start
@@ -709,7 +912,7 @@ class Resharder {
         at += lo - b.offset[nd - 1];
         const uint64_t src_elem = rho * row + (lo - src.offset[nd - 1]);
         OPTSTATE_RETURN_IF_ERROR(
-            Stage(*dp, at * esize, buf_.data() + (src_elem - e0) * esize, (hi - lo) * esize));
+            Stage(*dp, at * esize, data + (src_elem - e0) * esize, (hi - lo) * esize));
       }
     }
     return Status::Ok();
@@ -750,31 +953,10 @@ class Resharder {
         }
         if (overlap) meet.push_back(&d);
       }
-      OpenOptions oo;
-      oo.read_only = true;
-      auto file = FileSystem::Default()->Open(path, oo);
-      if (!file.ok()) {
-        return file.status().WithContext(fmt::format("reshard: tensor '{}' field '{}'", g.name, fname));
-      }
-      OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*file)->Size());
-      if (size != sf.bytes) {
-        return Corruption(fmt::format("reshard: {}: size {} bytes, its manifest says {} (tensor '{}' field '{}'): {}",
-                                      path, size, sf.bytes, g.name, fname, size < sf.bytes ? "truncated" : "too long"));
-      }
-      // Sequential reads: a larger kernel read-ahead, and the next chunk
-      // requested while this one is scattered (hints; errors are the reads').
-      (void)::posix_fadvise((*file)->fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
       for (size_t ci = 0; ci < sf.chunks.size(); ++ci) {
         const ManifestChunk& c = sf.chunks[ci];
-        if (ci + 1 < sf.chunks.size()) {
-          (void)::posix_fadvise((*file)->fd(), static_cast<off_t>(sf.chunks[ci + 1].offset_bytes),
-                                static_cast<off_t>(sf.chunks[ci + 1].length_bytes), POSIX_FADV_WILLNEED);
-        }
-        Status rs = (*file)->Pread(c.offset_bytes, buf_.data(), c.length_bytes);
-        if (!rs.ok()) {
-          return rs.WithContext(fmt::format("reshard: tensor '{}' field '{}' chunk {}", g.name, fname, ci));
-        }
-        const uint64_t h = XXH3_64bits(buf_.data(), c.length_bytes);
+        OPTSTATE_ASSIGN_OR_RETURN(const char* data, reader_->Next());
+        const uint64_t h = XXH3_64bits(data, c.length_bytes);
         if (h != c.xxh3) {
           return Corruption(fmt::format(
               "reshard: {}: chunk {} (bytes {}..{}) has XXH3 {:016x}, its manifest (generation {}) says {:016x} "
@@ -783,8 +965,8 @@ class Resharder {
               c.xxh3, g.name, fname));
         }
         result_->bytes_read += c.length_bytes;
-        OPTSTATE_RETURN_IF_ERROR(Scatter(src, c.offset_bytes / esize, (c.offset_bytes + c.length_bytes) / esize,
-                                         esize, meet));
+        OPTSTATE_RETURN_IF_ERROR(Scatter(src, data, c.offset_bytes / esize,
+                                         (c.offset_bytes + c.length_bytes) / esize, esize, meet));
         CrashPoint("reshard.after_chunk");
       }
       done_ += sf.bytes;
@@ -816,7 +998,8 @@ class Resharder {
   FileSystem* fs_;
   ReshardResult* result_ = nullptr;
   uint64_t cs_ = 0;
-  std::vector<char> buf_;  // one source chunk (or one destination chunk while hashing)
+  std::vector<char> buf_;  // one destination chunk while hashing
+  std::unique_ptr<SourceReader> reader_;
   std::vector<DestRank> ranks_;
   uint64_t total_ = 0, done_ = 0;
 };

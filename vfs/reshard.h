@@ -9,8 +9,9 @@
 // global tensors exactly once, and then streams the bytes: every source chunk
 // is read once, verified against its manifest XXH3, and scattered into the
 // destination field files and state.safetensors; the destination manifests
-// get the new chunks' XXH3. Memory: one source chunk plus a bounded staging
-// buffer per destination rank (ReshardOptions), whatever the state's size.
+// get the new chunks' XXH3. Memory: read_ahead_chunks source chunks plus a
+// bounded staging buffer per destination rank (ReshardOptions), whatever the
+// state's size.
 //
 // Output is all or nothing: the M rank directories ("rank-00000", ...) are
 // written under "<dest>.partial-<8 hex digits>", every file and directory is
@@ -107,6 +108,10 @@ struct ReshardOptions {
   // written (a column split scatters a source chunk into many short runs).
   // Default 4 MiB; memory is about source chunk size + ranks x this.
   uint64_t staging_bytes_per_rank = 4 * kMiB;
+  // Source chunks read ahead (O_DIRECT, in flight at once) while earlier
+  // ones are verified and scattered. Default 4: with 8 MiB chunks 32 MiB,
+  // enough to keep a disk streaming; at least 1.
+  uint32_t read_ahead_chunks = 4;
   // Chunk size of the destination manifests (their XXH3 granularity); 0 =
   // the sources' (they must then all have the same). A multiple of 2 MiB.
   uint64_t chunk_size_bytes = 0;
