@@ -475,34 +475,6 @@ std::string ReshardRankDirName(uint32_t rank) { return fmt::format("rank-{:05d}"
 
 namespace {
 
-// One destination rank's checkpoint while it is written.
-struct DestRank {
-  std::string dir;
-  Manifest manifest;
-  std::map<std::string, size_t> tensor_index;     // name -> index in manifest.tensors
-  std::vector<std::vector<uint64_t>> st_offsets;  // [tensor][field]: file offset in state.safetensors
-  std::string st_header;
-  std::unique_ptr<File> st;
-};
-
-// A destination field being filled: the part of one rank's box of a tensor.
-struct DestField {
-  DestRank* rank = nullptr;
-  const ShardBox* box = nullptr;
-  ManifestField* field = nullptr;
-  uint64_t st_offset = 0;
-  std::unique_ptr<File> file;
-  uint64_t stage_start = 0;  // file offset of stage[0]
-  std::vector<char> stage;
-  std::vector<uint64_t> strides;  // elements, row-major
-  // Chunk hashes computed as the bytes arrive, while they arrive in file
-  // order (row and column splits of row-ordered sources do); otherwise the
-  // file is read back and hashed at the end.
-  bool in_order = true;
-  uint64_t hashed = 0;  // bytes [0, hashed) hashed
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hash{nullptr, &XXH3_freeState};
-};
-
 // Source chunks read ahead in the order the copy consumes them: O_DIRECT
 // through the io engine with up to `depth` chunks in flight, so that the disk
 // reads while earlier chunks are verified, scattered and written. Item i uses
@@ -685,8 +657,167 @@ class SourceReader {
   Status failed_status_;
 };
 
+// Destination files written front to back with O_DIRECT through one io
+// engine, so that the bytes go to the disk without filling the page cache and
+// the copy goes on while they are written. A stream's bytes gather in a
+// buffer of `buf_bytes` (a multiple of 4096) that is written whole once full;
+// its last partial block is written padded with zeros and the file is then
+// cut to its size (Truncate after Drain). Buffers: one per open stream plus
+// at most `depth` being written.
+class DirectWriter {
+ public:
+  struct Stream {
+    std::shared_ptr<File> file;  // kept alive by the writes in flight too
+    uint64_t pos = 0;      // file offset of the buffer's first byte
+    int32_t buf = -1;      // index into buffers_, -1 = none yet
+    uint64_t fill = 0;     // bytes in the buffer
+  };
+
+  ~DirectWriter() { (void)Drain(); }
+
+  Status Init(uint32_t depth, uint64_t buf_bytes) {
+    depth_ = std::max<uint32_t>(1, depth);
+    buf_bytes_ = std::max<uint64_t>(kDirectAlign, (buf_bytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign);
+    IoEngineOptions eo;
+    eo.queue_depth = depth_;
+    auto e = IoEngine::NewUring(eo);
+    if (e.ok()) {
+      engine_ = std::move(*e);
+    } else {
+      OPTSTATE_LOG_WARN("reshard: io_uring unavailable ({}); writing synchronously", e.status().ToString());
+      OPTSTATE_ASSIGN_OR_RETURN(engine_, IoEngine::NewSync(buf_bytes_));
+    }
+    return Status::Ok();
+  }
+
+  Status Append(Stream& s, const char* p, uint64_t n) {
+    while (n > 0) {
+      if (s.buf < 0) {
+        OPTSTATE_ASSIGN_OR_RETURN(s.buf, Acquire());
+      }
+      const uint64_t take = std::min(n, buf_bytes_ - s.fill);
+      std::memcpy(reinterpret_cast<char*>(buffers_[s.buf].data()) + s.fill, p, take);
+      s.fill += take;
+      p += take;
+      n -= take;
+      if (s.fill == buf_bytes_) OPTSTATE_RETURN_IF_ERROR(Submit(s));
+    }
+    return Status::Ok();
+  }
+
+  // Writes what the stream holds, its last block padded with zeros.
+  Status Finish(Stream& s) {
+    if (s.buf < 0) return Status::Ok();
+    const uint64_t padded = (s.fill + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    std::memset(reinterpret_cast<char*>(buffers_[s.buf].data()) + s.fill, 0, padded - s.fill);
+    s.fill = padded;
+    return Submit(s);
+  }
+
+  // Waits for every write; the first failure, if any.
+  Status Drain() {
+    while (engine_ && engine_->in_flight() > 0) OPTSTATE_RETURN_IF_ERROR(ReapSome());
+    return first_error_;
+  }
+
+ private:
+  static constexpr uint64_t kDirectAlign = 4096;
+
+  Status Submit(Stream& s) {
+    if (s.fill == 0) return Status::Ok();
+    while (engine_->in_flight() >= depth_) OPTSTATE_RETURN_IF_ERROR(ReapSome());
+    IoRequest r;
+    r.op = IoRequest::Op::kWrite;
+    r.file = s.file.get();
+    r.offset = s.pos;
+    r.length = s.fill;
+    r.buf = buffers_[s.buf].data();
+    r.tag = static_cast<uint64_t>(s.buf);
+    OPTSTATE_RETURN_IF_ERROR(engine_->Submit({&r, 1}));
+    files_[s.buf] = s.file;
+    s.pos += s.fill;
+    s.fill = 0;
+    s.buf = -1;
+    return first_error_;
+  }
+
+  Result<int32_t> Acquire() {
+    if (free_.empty() && engine_->in_flight() > 0 && buffers_.size() >= depth_) OPTSTATE_RETURN_IF_ERROR(ReapSome());
+    if (!free_.empty()) {
+      const int32_t b = free_.back();
+      free_.pop_back();
+      return b;
+    }
+    IoBuffer b(buf_bytes_);
+    if (!b.ok()) return ResourceExhausted(fmt::format("reshard: out of memory for a {}-byte write buffer", buf_bytes_));
+    buffers_.push_back(std::move(b));
+    files_.emplace_back();
+    return static_cast<int32_t>(buffers_.size() - 1);
+  }
+
+  Status ReapSome() {
+    std::vector<IoCompletion> done;
+    OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 1));
+    for (IoCompletion& c : done) {
+      free_.push_back(static_cast<int32_t>(c.tag));
+      files_[c.tag].reset();
+      if (!c.status.ok() && first_error_.ok()) first_error_ = std::move(c.status);
+    }
+    return Status::Ok();
+  }
+
+  uint32_t depth_ = 1;
+  uint64_t buf_bytes_ = 0;
+  // Declared before engine_: they outlive its requests.
+  std::vector<IoBuffer> buffers_;
+  std::vector<std::shared_ptr<File>> files_;  // per buffer: the file it is being written to
+  std::unique_ptr<IoEngine> engine_;
+  std::vector<int32_t> free_;
+  Status first_error_;
+};
+
+// One destination rank's checkpoint while it is written.
+struct DestRank {
+  std::string dir;
+  Manifest manifest;
+  std::map<std::string, size_t> tensor_index;     // name -> index in manifest.tensors
+  std::vector<std::vector<uint64_t>> st_offsets;  // [tensor][field]: file offset in state.safetensors
+  std::string st_header;
+  std::shared_ptr<File> st;
+  // Every field of the rank gets its bytes in file order: its files (and
+  // state.safetensors, filled field after field) are written front to back
+  // with O_DIRECT. Otherwise they are written buffered, in staged runs.
+  bool direct = false;
+  DirectWriter::Stream st_stream;
+  uint64_t st_bytes = 0;  // size of state.safetensors
+};
+
+// A destination field being filled: the part of one rank's box of a tensor.
+struct DestField {
+  DestRank* rank = nullptr;
+  const ShardBox* box = nullptr;
+  ManifestField* field = nullptr;
+  uint64_t st_offset = 0;
+  std::shared_ptr<File> file;
+  DirectWriter::Stream stream;  // rank->direct
+  uint64_t stage_start = 0;  // file offset of stage[0]
+  std::vector<char> stage;
+  std::vector<uint64_t> strides;  // elements, row-major
+  // Chunk hashes computed as the bytes arrive, while they arrive in file
+  // order (row and column splits of row-ordered sources do); otherwise the
+  // file is read back and hashed at the end.
+  bool in_order = true;
+  uint64_t hashed = 0;  // bytes [0, hashed) hashed
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hash{nullptr, &XXH3_freeState};
+};
+
 class Resharder {
  public:
+  // Direct writes in flight at once (of staging_bytes_per_rank each).
+  static constexpr uint32_t kWriteDepth = 8;
+  // Finished field files kept open while their writes complete.
+  static constexpr size_t kMaxFilesWritten = 64;
+
   Resharder(const Sources& s, const TargetLayout& target, const std::string& dir, const ReshardOptions& opts,
             FileSystem* fs)
       : s_(s), target_(target), dir_(dir), opts_(opts), fs_(fs) {}
@@ -698,6 +829,7 @@ class Resharder {
     uint64_t buf_bytes = cs_;
     for (const Manifest& m : s_.manifests) buf_bytes = std::max(buf_bytes, m.chunk_size_bytes);
     buf_.resize(buf_bytes);
+    OPTSTATE_RETURN_IF_ERROR(writer_.Init(kWriteDepth, opts_.staging_bytes_per_rank));
     OPTSTATE_RETURN_IF_ERROR(Prepare());
     {
       // Every source chunk, in the order CopyField takes them.
@@ -721,6 +853,11 @@ class Resharder {
       for (uint32_t f = 0; f < g.fields.size(); ++f) OPTSTATE_RETURN_IF_ERROR(CopyField(g, f));
     }
     for (DestRank& r : ranks_) {
+      if (r.direct) OPTSTATE_RETURN_IF_ERROR(writer_.Finish(r.st_stream));
+    }
+    OPTSTATE_RETURN_IF_ERROR(SyncWritten());
+    for (DestRank& r : ranks_) {
+      if (r.direct) OPTSTATE_RETURN_IF_ERROR(Truncate(*r.st, r.st_bytes));
       OPTSTATE_RETURN_IF_ERROR(r.st->Fdatasync());
       r.st.reset();
       const std::string json = SerializeManifest(r.manifest);
@@ -812,8 +949,16 @@ class Resharder {
       for (auto& v : d.st_offsets) {
         for (uint64_t& o : v) o += d.st_header.size();
       }
-      OPTSTATE_ASSIGN_OR_RETURN(d.st, Create(d.dir + "/" + kSafetensorsFileName));
-      OPTSTATE_RETURN_IF_ERROR(d.st->Pwrite(0, d.st_header.data(), d.st_header.size()));
+      d.direct = true;
+      for (const auto& [name, box] : target_.ranks[r]) d.direct = d.direct && ArrivesInOrder(s_.tensors.at(name), box);
+      d.st_bytes = d.st_header.size() + off;
+      OPTSTATE_ASSIGN_OR_RETURN(d.st, Create(d.dir + "/" + kSafetensorsFileName, d.direct));
+      if (d.direct) {
+        d.st_stream.file = d.st;
+        OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.st_stream, d.st_header.data(), d.st_header.size()));
+      } else {
+        OPTSTATE_RETURN_IF_ERROR(d.st->Pwrite(0, d.st_header.data(), d.st_header.size()));
+      }
       // Sized up front: the data section is filled out of order.
       if (off > 0) OPTSTATE_RETURN_IF_ERROR(d.st->Fallocate(d.st_header.size(), off));
       result_->bytes_written += d.st_header.size();
@@ -826,11 +971,68 @@ class Resharder {
     return Status::Ok();
   }
 
-  Result<std::unique_ptr<File>> Create(const std::string& path) {
+  Result<std::unique_ptr<File>> Create(const std::string& path, bool direct) {
     OpenOptions oo;
     oo.create = true;
     oo.exclusive = true;
+    oo.direct = direct;
     return fs_->Open(path, oo);
+  }
+
+  // Whether the copy delivers the bytes of `dest` (a destination box of g) in
+  // file order: the sources are read one after another in g.parts order, each
+  // in its own row-major order, so they are in order when each source's part of
+  // the box is one contiguous run of the box's row-major order and the runs
+  // follow each other. Row and column splits of row-split sources are.
+  static bool ArrivesInOrder(const GlobalInfo& g, const ShardBox& dest) {
+    const size_t nd = dest.shape.size();
+    uint64_t next = 0;  // elements of dest delivered by the parts before
+    for (const SourcePart& p : g.parts) {
+      const ShardBox src{p.tensor->shard_offset, p.tensor->shape};
+      std::vector<uint64_t> lo(nd), ext(nd);
+      bool empty = false;
+      for (size_t k = 0; k < nd; ++k) {
+        lo[k] = std::max(src.offset[k], dest.offset[k]);
+        const uint64_t hi = std::min(src.offset[k] + src.shape[k], dest.offset[k] + dest.shape[k]);
+        empty = empty || hi <= lo[k];
+        ext[k] = empty ? 0 : hi - lo[k];
+      }
+      if (empty) continue;
+      // Contiguous: extents 1 before the last dimension that is partial, full after it.
+      size_t last_partial = 0;
+      for (size_t k = 0; k < nd; ++k) {
+        if (ext[k] != dest.shape[k]) last_partial = k;
+      }
+      uint64_t start = 0, stride = 1, count = 1;
+      for (size_t k = nd; k-- > 0;) {
+        if (k < last_partial && ext[k] != 1) return false;
+        start += (lo[k] - dest.offset[k]) * stride;
+        stride *= dest.shape[k];
+        count *= ext[k];
+      }
+      if (start != next) return false;
+      next += count;
+    }
+    return true;
+  }
+
+  Status Truncate(File& f, uint64_t bytes) {
+    if (::ftruncate(f.fd(), static_cast<off_t>(bytes)) != 0) {
+      return ErrnoStatus(fmt::format("reshard: cutting {} to {} bytes", f.path(), bytes), errno);
+    }
+    return Status::Ok();
+  }
+
+  // Waits for the direct writes, cuts the finished field files to their sizes
+  // (their last block was written padded) and makes them durable.
+  Status SyncWritten() {
+    OPTSTATE_RETURN_IF_ERROR(writer_.Drain());
+    for (auto& [file, bytes] : written_) {
+      OPTSTATE_RETURN_IF_ERROR(Truncate(*file, bytes));
+      OPTSTATE_RETURN_IF_ERROR(file->Fdatasync());
+    }
+    written_.clear();
+    return Status::Ok();
   }
 
   Status Flush(DestField& d) {
@@ -852,6 +1054,14 @@ class Resharder {
   // Appends bytes bound for file offset `at` of d, writing out what is staged
   // first when they do not continue it or the stage is full.
   Status Stage(DestField& d, uint64_t at, const char* p, uint64_t n) {
+    if (d.rank->direct) {
+      const uint64_t st_at = d.rank->st_stream.pos + d.rank->st_stream.fill;
+      if (at != d.hashed || st_at != d.st_offset + at) {
+        return Internal(fmt::format("reshard: {}: bytes at {} arrived out of order (expected {}; "
+                                    "state.safetensors at {}, expected {})",
+                                    d.file->path(), at, d.hashed, st_at, d.st_offset + at));
+      }
+    }
     if (d.in_order && at == d.hashed) {
       for (uint64_t k = 0; k < n;) {
         if (d.hashed % cs_ == 0) XXH3_64bits_reset(d.hash.get());
@@ -867,6 +1077,12 @@ class Resharder {
     } else if (d.in_order) {
       d.in_order = false;
       d.field->chunks.clear();
+    }
+    if (d.rank->direct) {
+      OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.stream, p, n));
+      OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.rank->st_stream, p, n));
+      result_->bytes_written += 2 * n;
+      return Status::Ok();
     }
     if (!d.stage.empty() && (d.stage_start + d.stage.size() != at ||
                              d.stage.size() + n > opts_.staging_bytes_per_rank)) {
@@ -935,7 +1151,8 @@ class Resharder {
       for (size_t k = t.shape.size() - 1; k-- > 0;) d.strides[k] = d.strides[k + 1] * t.shape[k + 1];
       d.hash.reset(XXH3_createState());
       if (!d.hash) return ResourceExhausted("reshard: out of memory for a hash state");
-      OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file));
+      OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file, r.direct));
+      d.stream.file = d.file;
       if (d.field->bytes > 0) OPTSTATE_RETURN_IF_ERROR(d.file->Fallocate(0, d.field->bytes));
       dests.push_back(std::move(d));
     }
@@ -986,8 +1203,15 @@ class Resharder {
         OPTSTATE_RETURN_IF_ERROR(d.file->Pread(off, buf_.data(), len));
         f.chunks.push_back({off, len, XXH3_64bits(buf_.data(), len)});
       }
-      OPTSTATE_RETURN_IF_ERROR(d.file->Fdatasync());
+      if (d.rank->direct) {
+        OPTSTATE_RETURN_IF_ERROR(writer_.Finish(d.stream));
+        written_.emplace_back(std::move(d.file), f.bytes);
+      } else {
+        OPTSTATE_RETURN_IF_ERROR(d.file->Fdatasync());
+      }
     }
+    // Field files stay open until their writes are done, a bounded number.
+    if (written_.size() >= kMaxFilesWritten) OPTSTATE_RETURN_IF_ERROR(SyncWritten());
     return Status::Ok();
   }
 
@@ -1000,6 +1224,8 @@ class Resharder {
   uint64_t cs_ = 0;
   std::vector<char> buf_;  // one destination chunk while hashing
   std::unique_ptr<SourceReader> reader_;
+  DirectWriter writer_;
+  std::vector<std::pair<std::shared_ptr<File>, uint64_t>> written_;  // field files and their sizes, writes pending
   std::vector<DestRank> ranks_;
   uint64_t total_ = 0, done_ = 0;
 };
