@@ -475,6 +475,20 @@ std::string ReshardRankDirName(uint32_t rank) { return fmt::format("rank-{:05d}"
 
 namespace {
 
+// An io_uring engine, with `eo`'s registered buffers where they can be pinned
+// (RLIMIT_MEMLOCK), else without them, else the synchronous engine.
+Result<std::unique_ptr<IoEngine>> NewReshardEngine(IoEngineOptions eo, uint64_t sync_staging_bytes) {
+  auto e = IoEngine::NewUring(eo);
+  if (!e.ok() && !eo.registered_buffers.empty()) {
+    OPTSTATE_LOG_WARN("reshard: {}; going on without registered buffers", e.status().ToString());
+    eo.registered_buffers.clear();
+    e = IoEngine::NewUring(eo);
+  }
+  if (e.ok()) return std::move(*e);
+  OPTSTATE_LOG_WARN("reshard: io_uring unavailable ({}); using synchronous I/O", e.status().ToString());
+  return IoEngine::NewSync(sync_staging_bytes);
+}
+
 // Source chunks read ahead in the order the copy consumes them: O_DIRECT
 // through the io engine with up to `depth` chunks in flight, so that the disk
 // reads while earlier chunks are verified, scattered and written. Item i uses
@@ -520,14 +534,8 @@ class SourceReader {
     }
     IoEngineOptions eo;
     eo.queue_depth = depth_;
-    auto e = IoEngine::NewUring(eo);
-    if (e.ok()) {
-      engine_ = std::move(*e);
-    } else {
-      OPTSTATE_LOG_WARN("reshard: io_uring unavailable ({}); reading the sources synchronously",
-                        e.status().ToString());
-      OPTSTATE_ASSIGN_OR_RETURN(engine_, IoEngine::NewSync(buf_bytes));
-    }
+    for (Slot& s : slots_) eo.registered_buffers.push_back(s.buf.span());  // pinned once, not per read
+    OPTSTATE_ASSIGN_OR_RETURN(engine_, NewReshardEngine(std::move(eo), buf_bytes));
     return Status::Ok();
   }
 
@@ -662,8 +670,8 @@ class SourceReader {
 // the copy goes on while they are written. A stream's bytes gather in a
 // buffer of `buf_bytes` (a multiple of 4096) that is written whole once full;
 // its last partial block is written padded with zeros and the file is then
-// cut to its size (Truncate after Drain). Buffers: one per open stream plus
-// at most `depth` being written.
+// cut to its size (Truncate after Drain). Buffers, allocated and registered
+// with io_uring up front: one per stream plus `depth` being written.
 class DirectWriter {
  public:
   struct Stream {
@@ -675,18 +683,24 @@ class DirectWriter {
 
   ~DirectWriter() { (void)Drain(); }
 
-  Status Init(uint32_t depth, uint64_t buf_bytes) {
+  // `streams`: how many streams hold a buffer at once at most.
+  Status Init(uint32_t depth, uint64_t buf_bytes, uint32_t streams) {
     depth_ = std::max<uint32_t>(1, depth);
     buf_bytes_ = std::max<uint64_t>(kDirectAlign, (buf_bytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign);
+    for (uint32_t i = 0; i < depth_ + streams; ++i) {
+      IoBuffer b(buf_bytes_);
+      if (!b.ok()) {
+        return ResourceExhausted(
+            fmt::format("reshard: out of memory for {} write buffers of {} bytes", depth_ + streams, buf_bytes_));
+      }
+      buffers_.push_back(std::move(b));
+      files_.emplace_back();
+      free_.push_back(static_cast<int32_t>(i));
+    }
     IoEngineOptions eo;
     eo.queue_depth = depth_;
-    auto e = IoEngine::NewUring(eo);
-    if (e.ok()) {
-      engine_ = std::move(*e);
-    } else {
-      OPTSTATE_LOG_WARN("reshard: io_uring unavailable ({}); writing synchronously", e.status().ToString());
-      OPTSTATE_ASSIGN_OR_RETURN(engine_, IoEngine::NewSync(buf_bytes_));
-    }
+    for (IoBuffer& b : buffers_) eo.registered_buffers.push_back(b.span());  // pinned once, not per write
+    OPTSTATE_ASSIGN_OR_RETURN(engine_, NewReshardEngine(std::move(eo), buf_bytes_));
     return Status::Ok();
   }
 
@@ -742,17 +756,13 @@ class DirectWriter {
   }
 
   Result<int32_t> Acquire() {
-    if (free_.empty() && engine_->in_flight() > 0 && buffers_.size() >= depth_) OPTSTATE_RETURN_IF_ERROR(ReapSome());
-    if (!free_.empty()) {
-      const int32_t b = free_.back();
-      free_.pop_back();
-      return b;
+    while (free_.empty()) {
+      if (engine_->in_flight() == 0) return Internal("reshard: more write streams than write buffers");
+      OPTSTATE_RETURN_IF_ERROR(ReapSome());
     }
-    IoBuffer b(buf_bytes_);
-    if (!b.ok()) return ResourceExhausted(fmt::format("reshard: out of memory for a {}-byte write buffer", buf_bytes_));
-    buffers_.push_back(std::move(b));
-    files_.emplace_back();
-    return static_cast<int32_t>(buffers_.size() - 1);
+    const int32_t b = free_.back();
+    free_.pop_back();
+    return b;
   }
 
   Status ReapSome() {
@@ -829,7 +839,9 @@ class Resharder {
     uint64_t buf_bytes = cs_;
     for (const Manifest& m : s_.manifests) buf_bytes = std::max(buf_bytes, m.chunk_size_bytes);
     buf_.resize(buf_bytes);
-    OPTSTATE_RETURN_IF_ERROR(writer_.Init(kWriteDepth, opts_.staging_bytes_per_rank));
+    // Streams at once: each rank's state.safetensors and one field file.
+    OPTSTATE_RETURN_IF_ERROR(
+        writer_.Init(kWriteDepth, opts_.staging_bytes_per_rank, 2 * static_cast<uint32_t>(target_.ranks.size())));
     OPTSTATE_RETURN_IF_ERROR(Prepare());
     {
       // Every source chunk, in the order CopyField takes them.
