@@ -14,6 +14,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "vfs/io_buffer.h"
+#include "vfs/io_engine.h"
 #include "vfs/log.h"
 
 namespace optstate::vfs {
@@ -473,6 +475,317 @@ std::string ReshardRankDirName(uint32_t rank) { return fmt::format("rank-{:05d}"
 
 namespace {
 
+// An io_uring engine, with `eo`'s registered buffers where they can be pinned
+// (RLIMIT_MEMLOCK), else without them, else the synchronous engine.
+Result<std::unique_ptr<IoEngine>> NewReshardEngine(IoEngineOptions eo, uint64_t sync_staging_bytes) {
+  auto e = IoEngine::NewUring(eo);
+  if (!e.ok() && !eo.registered_buffers.empty()) {
+    OPTSTATE_LOG_WARN("reshard: {}; going on without registered buffers", e.status().ToString());
+    eo.registered_buffers.clear();
+    e = IoEngine::NewUring(eo);
+  }
+  if (e.ok()) return std::move(*e);
+  OPTSTATE_LOG_WARN("reshard: io_uring unavailable ({}); using synchronous I/O", e.status().ToString());
+  return IoEngine::NewSync(sync_staging_bytes);
+}
+
+// Source chunks read ahead in the order the copy consumes them: O_DIRECT
+// through the io engine with up to `depth` chunks in flight, so that the disk
+// reads while earlier chunks are verified, scattered and written. Item i uses
+// buffer i % depth; a buffer is reused once the copy has moved past its chunk.
+// A chunk's unaligned tail (the end of a file whose size is no multiple of
+// 4096 bytes) is read with a buffered pread when the chunk is consumed.
+class SourceReader {
+ public:
+  struct FieldFile {
+    std::string path;
+    uint64_t bytes = 0;   // its size per the manifest
+    std::string context;  // "tensor 'x' field 'y'"
+  };
+  struct Item {
+    uint32_t file = 0;  // index into files
+    uint64_t offset = 0, length = 0;
+  };
+
+  SourceReader(std::vector<FieldFile> files, std::vector<Item> items)
+      : files_(std::move(files)), items_(std::move(items)), open_(files_.size()), left_(files_.size(), 0) {
+    for (const Item& it : items_) ++left_[it.file];
+  }
+  ~SourceReader() {
+    std::vector<IoCompletion> done;
+    while (engine_ && engine_->in_flight() > 0) {
+      done.clear();
+      if (!engine_->Reap(&done, 1).ok()) break;
+    }
+  }
+  SourceReader(const SourceReader&) = delete;
+  SourceReader& operator=(const SourceReader&) = delete;
+
+  Status Init(uint32_t depth, uint64_t max_chunk_bytes) {
+    depth_ = std::max<uint32_t>(1, depth);
+    const uint64_t buf_bytes = (max_chunk_bytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    for (uint32_t i = 0; i < depth_; ++i) {
+      IoBuffer b(buf_bytes);
+      if (!b.ok()) {
+        return ResourceExhausted(fmt::format("reshard: out of memory for {} read buffers of {} bytes", depth_,
+                                             buf_bytes));
+      }
+      slots_.push_back({std::move(b), false, Status::Ok()});
+    }
+    IoEngineOptions eo;
+    eo.queue_depth = depth_;
+    for (Slot& s : slots_) eo.registered_buffers.push_back(s.buf.span());  // pinned once, not per read
+    OPTSTATE_ASSIGN_OR_RETURN(engine_, NewReshardEngine(std::move(eo), buf_bytes));
+    return Status::Ok();
+  }
+
+  // The bytes of the next item (valid until the following call).
+  Result<const char*> Next() {
+    if (next_ >= items_.size()) return Internal("reshard: read past the last source chunk");
+    if (next_ > 0) Release(next_ - 1);
+    OPTSTATE_RETURN_IF_ERROR(Fill());
+    if (failed_ && failed_item_ == next_) return failed_status_;
+    const Item& it = items_[next_];
+    Slot& s = slots_[next_ % depth_];
+    std::vector<IoCompletion> done;
+    while (!s.done) {
+      done.clear();
+      OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 1));
+      for (IoCompletion& c : done) {
+        slots_[c.tag].done = true;
+        slots_[c.tag].status = std::move(c.status);
+      }
+    }
+    FileState& f = open_[it.file];
+    if (!s.status.ok()) return s.status.WithContext("reshard: " + files_[it.file].context);
+    const uint64_t aligned = AlignedPart(f, it);
+    char* buf = reinterpret_cast<char*>(s.buf.data());
+    if (aligned < it.length) {
+      if (!f.buffered) {
+        OpenOptions oo;
+        oo.read_only = true;
+        auto file = FileSystem::Default()->Open(files_[it.file].path, oo);
+        if (!file.ok()) return file.status().WithContext("reshard: " + files_[it.file].context);
+        f.buffered = std::move(*file);
+      }
+      OPTSTATE_RETURN_IF_ERROR(f.buffered->Pread(it.offset + aligned, buf + aligned, it.length - aligned)
+                                   .WithContext("reshard: " + files_[it.file].context));
+    }
+    ++next_;
+    return static_cast<const char*>(buf);
+  }
+
+ private:
+  static constexpr uint64_t kDirectAlign = 4096;
+  struct Slot {
+    IoBuffer buf;
+    bool done = false;
+    Status status;
+  };
+  struct FileState {
+    std::unique_ptr<File> direct;    // O_DIRECT where the file system allows it
+    std::unique_ptr<File> buffered;  // for unaligned tails, opened when needed
+  };
+
+  uint64_t AlignedPart(const FileState& f, const Item& it) const {
+    return f.direct->direct() ? it.length / kDirectAlign * kDirectAlign : it.length;
+  }
+
+  // The copy is done with item i: its buffer is free, and its file is closed
+  // after its last chunk.
+  void Release(size_t i) {
+    const uint32_t fi = items_[i].file;
+    if (--left_[fi] == 0) open_[fi] = FileState{};
+  }
+
+  // Submits reads until `depth_` items are ahead of the copy. An item whose
+  // file cannot be opened (or has the wrong size) stops the submission; its
+  // error is returned when the copy reaches it.
+  Status Fill() {
+    while (!failed_ && submitted_ < items_.size() && submitted_ < next_ + depth_) {
+      const Item& it = items_[submitted_];
+      FileState& f = open_[it.file];
+      if (!f.direct) {
+        Status st = Open(it.file);
+        if (!st.ok()) {
+          failed_ = true;
+          failed_item_ = submitted_;
+          failed_status_ = std::move(st);
+          break;
+        }
+      }
+      Slot& s = slots_[submitted_ % depth_];
+      s.done = false;
+      s.status = Status::Ok();
+      const uint64_t aligned = AlignedPart(f, it);
+      if (aligned == 0) {
+        s.done = true;
+      } else {
+        IoRequest r;
+        r.op = IoRequest::Op::kRead;
+        r.file = f.direct.get();
+        r.offset = it.offset;
+        r.length = aligned;
+        r.buf = s.buf.data();
+        r.tag = submitted_ % depth_;
+        OPTSTATE_RETURN_IF_ERROR(engine_->Submit({&r, 1}));
+      }
+      ++submitted_;
+    }
+    return Status::Ok();
+  }
+
+  Status Open(uint32_t fi) {
+    const FieldFile& ff = files_[fi];
+    OpenOptions oo;
+    oo.read_only = true;
+    oo.direct = true;
+    auto file = FileSystem::Default()->Open(ff.path, oo);
+    if (!file.ok()) return file.status().WithContext("reshard: " + ff.context);
+    OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*file)->Size());
+    if (size != ff.bytes) {
+      return Corruption(fmt::format("reshard: {}: size {} bytes, its manifest says {} ({}): {}", ff.path, size,
+                                    ff.bytes, ff.context, size < ff.bytes ? "truncated" : "too long"));
+    }
+    open_[fi].direct = std::move(*file);
+    return Status::Ok();
+  }
+
+  std::vector<FieldFile> files_;
+  std::vector<Item> items_;
+  std::vector<FileState> open_;
+  std::vector<uint32_t> left_;  // per file: items not yet released
+  std::vector<Slot> slots_;
+  uint32_t depth_ = 1;
+  std::unique_ptr<IoEngine> engine_;
+  size_t next_ = 0;       // the next item the copy takes
+  size_t submitted_ = 0;  // items [0, submitted_) are read or being read
+  bool failed_ = false;
+  size_t failed_item_ = 0;
+  Status failed_status_;
+};
+
+// Destination files written front to back with O_DIRECT through one io
+// engine, so that the bytes go to the disk without filling the page cache and
+// the copy goes on while they are written. A stream's bytes gather in a
+// buffer of `buf_bytes` (a multiple of 4096) that is written whole once full;
+// its last partial block is written padded with zeros and the file is then
+// cut to its size (Truncate after Drain). Buffers, allocated and registered
+// with io_uring up front: one per stream plus `depth` being written.
+class DirectWriter {
+ public:
+  struct Stream {
+    std::shared_ptr<File> file;  // kept alive by the writes in flight too
+    uint64_t pos = 0;      // file offset of the buffer's first byte
+    int32_t buf = -1;      // index into buffers_, -1 = none yet
+    uint64_t fill = 0;     // bytes in the buffer
+  };
+
+  ~DirectWriter() { (void)Drain(); }
+
+  // `streams`: how many streams hold a buffer at once at most.
+  Status Init(uint32_t depth, uint64_t buf_bytes, uint32_t streams) {
+    depth_ = std::max<uint32_t>(1, depth);
+    buf_bytes_ = std::max<uint64_t>(kDirectAlign, (buf_bytes + kDirectAlign - 1) / kDirectAlign * kDirectAlign);
+    for (uint32_t i = 0; i < depth_ + streams; ++i) {
+      IoBuffer b(buf_bytes_);
+      if (!b.ok()) {
+        return ResourceExhausted(
+            fmt::format("reshard: out of memory for {} write buffers of {} bytes", depth_ + streams, buf_bytes_));
+      }
+      buffers_.push_back(std::move(b));
+      files_.emplace_back();
+      free_.push_back(static_cast<int32_t>(i));
+    }
+    IoEngineOptions eo;
+    eo.queue_depth = depth_;
+    for (IoBuffer& b : buffers_) eo.registered_buffers.push_back(b.span());  // pinned once, not per write
+    OPTSTATE_ASSIGN_OR_RETURN(engine_, NewReshardEngine(std::move(eo), buf_bytes_));
+    return Status::Ok();
+  }
+
+  Status Append(Stream& s, const char* p, uint64_t n) {
+    while (n > 0) {
+      if (s.buf < 0) {
+        OPTSTATE_ASSIGN_OR_RETURN(s.buf, Acquire());
+      }
+      const uint64_t take = std::min(n, buf_bytes_ - s.fill);
+      std::memcpy(reinterpret_cast<char*>(buffers_[s.buf].data()) + s.fill, p, take);
+      s.fill += take;
+      p += take;
+      n -= take;
+      if (s.fill == buf_bytes_) OPTSTATE_RETURN_IF_ERROR(Submit(s));
+    }
+    return Status::Ok();
+  }
+
+  // Writes what the stream holds, its last block padded with zeros.
+  Status Finish(Stream& s) {
+    if (s.buf < 0) return Status::Ok();
+    const uint64_t padded = (s.fill + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    std::memset(reinterpret_cast<char*>(buffers_[s.buf].data()) + s.fill, 0, padded - s.fill);
+    s.fill = padded;
+    return Submit(s);
+  }
+
+  // Waits for every write; the first failure, if any.
+  Status Drain() {
+    while (engine_ && engine_->in_flight() > 0) OPTSTATE_RETURN_IF_ERROR(ReapSome());
+    return first_error_;
+  }
+
+ private:
+  static constexpr uint64_t kDirectAlign = 4096;
+
+  Status Submit(Stream& s) {
+    if (s.fill == 0) return Status::Ok();
+    while (engine_->in_flight() >= depth_) OPTSTATE_RETURN_IF_ERROR(ReapSome());
+    IoRequest r;
+    r.op = IoRequest::Op::kWrite;
+    r.file = s.file.get();
+    r.offset = s.pos;
+    r.length = s.fill;
+    r.buf = buffers_[s.buf].data();
+    r.tag = static_cast<uint64_t>(s.buf);
+    OPTSTATE_RETURN_IF_ERROR(engine_->Submit({&r, 1}));
+    files_[s.buf] = s.file;
+    s.pos += s.fill;
+    s.fill = 0;
+    s.buf = -1;
+    return first_error_;
+  }
+
+  Result<int32_t> Acquire() {
+    while (free_.empty()) {
+      if (engine_->in_flight() == 0) return Internal("reshard: more write streams than write buffers");
+      OPTSTATE_RETURN_IF_ERROR(ReapSome());
+    }
+    const int32_t b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+
+  Status ReapSome() {
+    std::vector<IoCompletion> done;
+    OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, 1));
+    for (IoCompletion& c : done) {
+      free_.push_back(static_cast<int32_t>(c.tag));
+      files_[c.tag].reset();
+      if (!c.status.ok() && first_error_.ok()) first_error_ = std::move(c.status);
+    }
+    return Status::Ok();
+  }
+
+  uint32_t depth_ = 1;
+  uint64_t buf_bytes_ = 0;
+  // Declared before engine_: they outlive its requests.
+  std::vector<IoBuffer> buffers_;
+  std::vector<std::shared_ptr<File>> files_;  // per buffer: the file it is being written to
+  std::unique_ptr<IoEngine> engine_;
+  std::vector<int32_t> free_;
+  Status first_error_;
+};
+
 // One destination rank's checkpoint while it is written.
 struct DestRank {
   std::string dir;
@@ -480,7 +793,13 @@ struct DestRank {
   std::map<std::string, size_t> tensor_index;     // name -> index in manifest.tensors
   std::vector<std::vector<uint64_t>> st_offsets;  // [tensor][field]: file offset in state.safetensors
   std::string st_header;
-  std::unique_ptr<File> st;
+  std::shared_ptr<File> st;
+  // Every field of the rank gets its bytes in file order: its files (and
+  // state.safetensors, filled field after field) are written front to back
+  // with O_DIRECT. Otherwise they are written buffered, in staged runs.
+  bool direct = false;
+  DirectWriter::Stream st_stream;
+  uint64_t st_bytes = 0;  // size of state.safetensors
 };
 
 // A destination field being filled: the part of one rank's box of a tensor.
@@ -489,7 +808,8 @@ struct DestField {
   const ShardBox* box = nullptr;
   ManifestField* field = nullptr;
   uint64_t st_offset = 0;
-  std::unique_ptr<File> file;
+  std::shared_ptr<File> file;
+  DirectWriter::Stream stream;  // rank->direct
   uint64_t stage_start = 0;  // file offset of stage[0]
   std::vector<char> stage;
   std::vector<uint64_t> strides;  // elements, row-major
@@ -503,6 +823,11 @@ struct DestField {
 
 class Resharder {
  public:
+  // Direct writes in flight at once (of staging_bytes_per_rank each).
+  static constexpr uint32_t kWriteDepth = 8;
+  // Finished field files kept open while their writes complete.
+  static constexpr size_t kMaxFilesWritten = 64;
+
   Resharder(const Sources& s, const TargetLayout& target, const std::string& dir, const ReshardOptions& opts,
             FileSystem* fs)
       : s_(s), target_(target), dir_(dir), opts_(opts), fs_(fs) {}
@@ -514,11 +839,37 @@ class Resharder {
     uint64_t buf_bytes = cs_;
     for (const Manifest& m : s_.manifests) buf_bytes = std::max(buf_bytes, m.chunk_size_bytes);
     buf_.resize(buf_bytes);
+    // Streams at once: each rank's state.safetensors and one field file.
+    OPTSTATE_RETURN_IF_ERROR(
+        writer_.Init(kWriteDepth, opts_.staging_bytes_per_rank, 2 * static_cast<uint32_t>(target_.ranks.size())));
     OPTSTATE_RETURN_IF_ERROR(Prepare());
+    {
+      // Every source chunk, in the order CopyField takes them.
+      std::vector<SourceReader::FieldFile> files;
+      std::vector<SourceReader::Item> items;
+      for (const auto& [name, g] : s_.tensors) {
+        for (uint32_t f = 0; f < g.fields.size(); ++f) {
+          for (const SourcePart& p : g.parts) {
+            const ManifestField& sf = p.tensor->fields[f];
+            const uint32_t fi = static_cast<uint32_t>(files.size());
+            files.push_back({s_.dirs[p.source] + "/" + sf.file, sf.bytes,
+                             fmt::format("tensor '{}' field '{}'", g.name, g.fields[f].first)});
+            for (const ManifestChunk& c : sf.chunks) items.push_back({fi, c.offset_bytes, c.length_bytes});
+          }
+        }
+      }
+      reader_ = std::make_unique<SourceReader>(std::move(files), std::move(items));
+      OPTSTATE_RETURN_IF_ERROR(reader_->Init(opts_.read_ahead_chunks, buf_bytes));
+    }
     for (const auto& [name, g] : s_.tensors) {
       for (uint32_t f = 0; f < g.fields.size(); ++f) OPTSTATE_RETURN_IF_ERROR(CopyField(g, f));
     }
     for (DestRank& r : ranks_) {
+      if (r.direct) OPTSTATE_RETURN_IF_ERROR(writer_.Finish(r.st_stream));
+    }
+    OPTSTATE_RETURN_IF_ERROR(SyncWritten());
+    for (DestRank& r : ranks_) {
+      if (r.direct) OPTSTATE_RETURN_IF_ERROR(Truncate(*r.st, r.st_bytes));
       OPTSTATE_RETURN_IF_ERROR(r.st->Fdatasync());
       r.st.reset();
       const std::string json = SerializeManifest(r.manifest);
@@ -610,8 +961,16 @@ class Resharder {
       for (auto& v : d.st_offsets) {
         for (uint64_t& o : v) o += d.st_header.size();
       }
-      OPTSTATE_ASSIGN_OR_RETURN(d.st, Create(d.dir + "/" + kSafetensorsFileName));
-      OPTSTATE_RETURN_IF_ERROR(d.st->Pwrite(0, d.st_header.data(), d.st_header.size()));
+      d.direct = true;
+      for (const auto& [name, box] : target_.ranks[r]) d.direct = d.direct && ArrivesInOrder(s_.tensors.at(name), box);
+      d.st_bytes = d.st_header.size() + off;
+      OPTSTATE_ASSIGN_OR_RETURN(d.st, Create(d.dir + "/" + kSafetensorsFileName, d.direct));
+      if (d.direct) {
+        d.st_stream.file = d.st;
+        OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.st_stream, d.st_header.data(), d.st_header.size()));
+      } else {
+        OPTSTATE_RETURN_IF_ERROR(d.st->Pwrite(0, d.st_header.data(), d.st_header.size()));
+      }
       // Sized up front: the data section is filled out of order.
       if (off > 0) OPTSTATE_RETURN_IF_ERROR(d.st->Fallocate(d.st_header.size(), off));
       result_->bytes_written += d.st_header.size();
@@ -624,11 +983,68 @@ class Resharder {
     return Status::Ok();
   }
 
-  Result<std::unique_ptr<File>> Create(const std::string& path) {
+  Result<std::unique_ptr<File>> Create(const std::string& path, bool direct) {
     OpenOptions oo;
     oo.create = true;
     oo.exclusive = true;
+    oo.direct = direct;
     return fs_->Open(path, oo);
+  }
+
+  // Whether the copy delivers the bytes of `dest` (a destination box of g) in
+  // file order: the sources are read one after another in g.parts order, each
+  // in its own row-major order, so they are in order when each source's part of
+  // the box is one contiguous run of the box's row-major order and the runs
+  // follow each other. Row and column splits of row-split sources are.
+  static bool ArrivesInOrder(const GlobalInfo& g, const ShardBox& dest) {
+    const size_t nd = dest.shape.size();
+    uint64_t next = 0;  // elements of dest delivered by the parts before
+    for (const SourcePart& p : g.parts) {
+      const ShardBox src{p.tensor->shard_offset, p.tensor->shape};
+      std::vector<uint64_t> lo(nd), ext(nd);
+      bool empty = false;
+      for (size_t k = 0; k < nd; ++k) {
+        lo[k] = std::max(src.offset[k], dest.offset[k]);
+        const uint64_t hi = std::min(src.offset[k] + src.shape[k], dest.offset[k] + dest.shape[k]);
+        empty = empty || hi <= lo[k];
+        ext[k] = empty ? 0 : hi - lo[k];
+      }
+      if (empty) continue;
+      // Contiguous: extents 1 before the last dimension that is partial, full after it.
+      size_t last_partial = 0;
+      for (size_t k = 0; k < nd; ++k) {
+        if (ext[k] != dest.shape[k]) last_partial = k;
+      }
+      uint64_t start = 0, stride = 1, count = 1;
+      for (size_t k = nd; k-- > 0;) {
+        if (k < last_partial && ext[k] != 1) return false;
+        start += (lo[k] - dest.offset[k]) * stride;
+        stride *= dest.shape[k];
+        count *= ext[k];
+      }
+      if (start != next) return false;
+      next += count;
+    }
+    return true;
+  }
+
+  Status Truncate(File& f, uint64_t bytes) {
+    if (::ftruncate(f.fd(), static_cast<off_t>(bytes)) != 0) {
+      return ErrnoStatus(fmt::format("reshard: cutting {} to {} bytes", f.path(), bytes), errno);
+    }
+    return Status::Ok();
+  }
+
+  // Waits for the direct writes, cuts the finished field files to their sizes
+  // (their last block was written padded) and makes them durable.
+  Status SyncWritten() {
+    OPTSTATE_RETURN_IF_ERROR(writer_.Drain());
+    for (auto& [file, bytes] : written_) {
+      OPTSTATE_RETURN_IF_ERROR(Truncate(*file, bytes));
+      OPTSTATE_RETURN_IF_ERROR(file->Fdatasync());
+    }
+    written_.clear();
+    return Status::Ok();
   }
 
   Status Flush(DestField& d) {
@@ -650,6 +1066,14 @@ class Resharder {
   // Appends bytes bound for file offset `at` of d, writing out what is staged
   // first when they do not continue it or the stage is full.
   Status Stage(DestField& d, uint64_t at, const char* p, uint64_t n) {
+    if (d.rank->direct) {
+      const uint64_t st_at = d.rank->st_stream.pos + d.rank->st_stream.fill;
+      if (at != d.hashed || st_at != d.st_offset + at) {
+        return Internal(fmt::format("reshard: {}: bytes at {} arrived out of order (expected {}; "
+                                    "state.safetensors at {}, expected {})",
+                                    d.file->path(), at, d.hashed, st_at, d.st_offset + at));
+      }
+    }
     if (d.in_order && at == d.hashed) {
       for (uint64_t k = 0; k < n;) {
         if (d.hashed % cs_ == 0) XXH3_64bits_reset(d.hash.get());
@@ -666,6 +1090,12 @@ class Resharder {
       d.in_order = false;
       d.field->chunks.clear();
     }
+    if (d.rank->direct) {
+      OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.stream, p, n));
+      OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.rank->st_stream, p, n));
+      result_->bytes_written += 2 * n;
+      return Status::Ok();
+    }
     if (!d.stage.empty() && (d.stage_start + d.stage.size() != at ||
                              d.stage.size() + n > opts_.staging_bytes_per_rank)) {
       OPTSTATE_RETURN_IF_ERROR(Flush(d));
@@ -679,9 +1109,10 @@ class Resharder {
     return Status::Ok();
   }
 
-  // Scatters elements [e0, e1) of source box `src` (their bytes at buf_) into
+  // Scatters elements [e0, e1) of source box `src` (their bytes at data) into
   // the destination fields whose boxes they meet.
-  Status Scatter(const ShardBox& src, uint64_t e0, uint64_t e1, uint32_t esize, std::vector<DestField*>& dests) {
+  Status Scatter(const ShardBox& src, const char* data, uint64_t e0, uint64_t e1, uint32_t esize,
+                 std::vector<DestField*>& dests) {
     const size_t nd = src.shape.size();
     const uint64_t row = src.shape[nd - 1];
     std::vector<uint64_t> g(nd);  // global coordinates of the row's start
@@ -709,7 +1140,7 @@ class Resharder {
         at += lo - b.offset[nd - 1];
         const uint64_t src_elem = rho * row + (lo - src.offset[nd - 1]);
         OPTSTATE_RETURN_IF_ERROR(
-            Stage(*dp, at * esize, buf_.data() + (src_elem - e0) * esize, (hi - lo) * esize));
+            Stage(*dp, at * esize, data + (src_elem - e0) * esize, (hi - lo) * esize));
       }
     }
     return Status::Ok();
@@ -732,7 +1163,8 @@ class Resharder {
       for (size_t k = t.shape.size() - 1; k-- > 0;) d.strides[k] = d.strides[k + 1] * t.shape[k + 1];
       d.hash.reset(XXH3_createState());
       if (!d.hash) return ResourceExhausted("reshard: out of memory for a hash state");
-      OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file));
+      OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file, r.direct));
+      d.stream.file = d.file;
       if (d.field->bytes > 0) OPTSTATE_RETURN_IF_ERROR(d.file->Fallocate(0, d.field->bytes));
       dests.push_back(std::move(d));
     }
@@ -750,31 +1182,10 @@ class Resharder {
         }
         if (overlap) meet.push_back(&d);
       }
-      OpenOptions oo;
-      oo.read_only = true;
-      auto file = FileSystem::Default()->Open(path, oo);
-      if (!file.ok()) {
-        return file.status().WithContext(fmt::format("reshard: tensor '{}' field '{}'", g.name, fname));
-      }
-      OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, (*file)->Size());
-      if (size != sf.bytes) {
-        return Corruption(fmt::format("reshard: {}: size {} bytes, its manifest says {} (tensor '{}' field '{}'): {}",
-                                      path, size, sf.bytes, g.name, fname, size < sf.bytes ? "truncated" : "too long"));
-      }
-      // Sequential reads: a larger kernel read-ahead, and the next chunk
-      // requested while this one is scattered (hints; errors are the reads').
-      (void)::posix_fadvise((*file)->fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
       for (size_t ci = 0; ci < sf.chunks.size(); ++ci) {
         const ManifestChunk& c = sf.chunks[ci];
-        if (ci + 1 < sf.chunks.size()) {
-          (void)::posix_fadvise((*file)->fd(), static_cast<off_t>(sf.chunks[ci + 1].offset_bytes),
-                                static_cast<off_t>(sf.chunks[ci + 1].length_bytes), POSIX_FADV_WILLNEED);
-        }
-        Status rs = (*file)->Pread(c.offset_bytes, buf_.data(), c.length_bytes);
-        if (!rs.ok()) {
-          return rs.WithContext(fmt::format("reshard: tensor '{}' field '{}' chunk {}", g.name, fname, ci));
-        }
-        const uint64_t h = XXH3_64bits(buf_.data(), c.length_bytes);
+        OPTSTATE_ASSIGN_OR_RETURN(const char* data, reader_->Next());
+        const uint64_t h = XXH3_64bits(data, c.length_bytes);
         if (h != c.xxh3) {
           return Corruption(fmt::format(
               "reshard: {}: chunk {} (bytes {}..{}) has XXH3 {:016x}, its manifest (generation {}) says {:016x} "
@@ -783,8 +1194,8 @@ class Resharder {
               c.xxh3, g.name, fname));
         }
         result_->bytes_read += c.length_bytes;
-        OPTSTATE_RETURN_IF_ERROR(Scatter(src, c.offset_bytes / esize, (c.offset_bytes + c.length_bytes) / esize,
-                                         esize, meet));
+        OPTSTATE_RETURN_IF_ERROR(Scatter(src, data, c.offset_bytes / esize,
+                                         (c.offset_bytes + c.length_bytes) / esize, esize, meet));
         CrashPoint("reshard.after_chunk");
       }
       done_ += sf.bytes;
@@ -804,8 +1215,15 @@ class Resharder {
         OPTSTATE_RETURN_IF_ERROR(d.file->Pread(off, buf_.data(), len));
         f.chunks.push_back({off, len, XXH3_64bits(buf_.data(), len)});
       }
-      OPTSTATE_RETURN_IF_ERROR(d.file->Fdatasync());
+      if (d.rank->direct) {
+        OPTSTATE_RETURN_IF_ERROR(writer_.Finish(d.stream));
+        written_.emplace_back(std::move(d.file), f.bytes);
+      } else {
+        OPTSTATE_RETURN_IF_ERROR(d.file->Fdatasync());
+      }
     }
+    // Field files stay open until their writes are done, a bounded number.
+    if (written_.size() >= kMaxFilesWritten) OPTSTATE_RETURN_IF_ERROR(SyncWritten());
     return Status::Ok();
   }
 
@@ -816,7 +1234,10 @@ class Resharder {
   FileSystem* fs_;
   ReshardResult* result_ = nullptr;
   uint64_t cs_ = 0;
-  std::vector<char> buf_;  // one source chunk (or one destination chunk while hashing)
+  std::vector<char> buf_;  // one destination chunk while hashing
+  std::unique_ptr<SourceReader> reader_;
+  DirectWriter writer_;
+  std::vector<std::pair<std::shared_ptr<File>, uint64_t>> written_;  // field files and their sizes, writes pending
   std::vector<DestRank> ranks_;
   uint64_t total_ = 0, done_ = 0;
 };

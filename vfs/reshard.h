@@ -9,8 +9,11 @@
 // global tensors exactly once, and then streams the bytes: every source chunk
 // is read once, verified against its manifest XXH3, and scattered into the
 // destination field files and state.safetensors; the destination manifests
-// get the new chunks' XXH3. Memory: one source chunk plus a bounded staging
-// buffer per destination rank (ReshardOptions), whatever the state's size.
+// get the new chunks' XXH3. I/O: sources read ahead with O_DIRECT; a rank
+// whose bytes arrive in file order (row and column splits of row-split
+// sources) is written with O_DIRECT, any other through the page cache.
+// Memory, whatever the state's size: read_ahead_chunks + 1 chunks plus
+// (8 + 3 x ranks) x staging_bytes_per_rank (ReshardOptions).
 //
 // Output is all or nothing: the M rank directories ("rank-00000", ...) are
 // written under "<dest>.partial-<8 hex digits>", every file and directory is
@@ -103,10 +106,15 @@ Result<std::vector<GlobalTensor>> GlobalTensorsOf(const std::vector<std::string>
 std::string ReshardRankDirName(uint32_t rank);
 
 struct ReshardOptions {
-  // Bytes of destination data gathered per destination rank before it is
-  // written (a column split scatters a source chunk into many short runs).
-  // Default 4 MiB; memory is about source chunk size + ranks x this.
+  // Bytes of destination data gathered per destination file before it is
+  // written (a column split scatters a source chunk into many short runs):
+  // the size of one write. Default 4 MiB, a multiple of 4096 bytes for
+  // O_DIRECT (rounded up).
   uint64_t staging_bytes_per_rank = 4 * kMiB;
+  // Source chunks read ahead (O_DIRECT, in flight at once) while earlier
+  // ones are verified and scattered. Default 4: with 8 MiB chunks 32 MiB,
+  // enough to keep a disk streaming; at least 1.
+  uint32_t read_ahead_chunks = 4;
   // Chunk size of the destination manifests (their XXH3 granularity); 0 =
   // the sources' (they must then all have the same). A multiple of 2 MiB.
   uint64_t chunk_size_bytes = 0;
