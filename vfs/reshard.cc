@@ -17,6 +17,7 @@
 #include "vfs/io_buffer.h"
 #include "vfs/io_engine.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs {
 namespace {
@@ -1196,7 +1197,7 @@ class Resharder {
         result_->bytes_read += c.length_bytes;
         OPTSTATE_RETURN_IF_ERROR(Scatter(src, data, c.offset_bytes / esize,
                                          (c.offset_bytes + c.length_bytes) / esize, esize, meet));
-        CrashPoint("reshard.after_chunk");
+        OPTSTATE_TEST_SYNC_POINT("reshard.after_chunk");
       }
       done_ += sf.bytes;
       if (opts_.progress) opts_.progress(done_, total_);
@@ -1294,7 +1295,7 @@ Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const Tar
   ReshardResult result;
   Status st = Resharder(s, target, partial, opts, fs).Run(&result);
   if (st.ok()) {
-    CrashPoint("reshard.before_rename");
+    OPTSTATE_TEST_SYNC_POINT("reshard.before_rename");
     st = fs->Rename(partial, dest);
   }
   if (!st.ok()) {

@@ -428,8 +428,4 @@ class Store {
 // The XXH3-64 used for every chunk checksum.
 uint64_t ChunkChecksum(const void* data, uint64_t len);
 
-// The same as OPTSTATE_TEST_SYNC_POINT(name) (vfs/sync_point.h), for code
-// not yet written with the macro; nothing in a shipped binary arms it.
-void CrashPoint(const char* name);
-
 }  // namespace optstate::vfs

@@ -93,6 +93,4 @@ void SyncPoint::ProcessEnabled(std::string_view point, void* arg) {
   cv_.notify_all();
 }
 
-void CrashPoint([[maybe_unused]] const char* name) { OPTSTATE_TEST_SYNC_POINT(name); }
-
 }  // namespace optstate::vfs
