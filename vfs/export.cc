@@ -10,45 +10,17 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <random>
 
 #include <fmt/format.h>
 
 #include "vfs/checkpoint.h"
+#include "vfs/internal/new_dir.h"
 #include "vfs/io_buffer.h"
 #include "vfs/log.h"
 #include "vfs/sync_point.h"
 
 namespace optstate::vfs {
 namespace {
-
-std::string ParentDir(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-// dest must not exist or be an empty directory; its parent must exist.
-Status CheckDest(FileSystem* fs, const std::string& dest) {
-  OPTSTATE_ASSIGN_OR_RETURN(bool parent_exists, fs->Exists(ParentDir(dest)));
-  if (!parent_exists) {
-    return NotFound(fmt::format("export: the parent directory {} of {} does not exist", ParentDir(dest), dest));
-  }
-  OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(dest));
-  if (!exists) return Status::Ok();
-  auto names = fs->ListDir(dest);
-  if (!names.ok()) {
-    return AlreadyExists(fmt::format("export: {} exists and is not a directory ({}); give a new path", dest,
-                                     names.status().ToString()));
-  }
-  if (!names->empty()) {
-    return AlreadyExists(fmt::format("export: {} exists and is not empty ({} entries, e.g. '{}'); a checkpoint "
-                                     "is never written over another: give a new path or remove it",
-                                     dest, names->size(), names->front()));
-  }
-  return Status::Ok();
-}
 
 class Exporter {
  public:
@@ -235,7 +207,7 @@ Result<ExportResult> ExportCheckpoint(Store* store, const std::string& dest_in, 
   std::string dest = dest_in;
   while (dest.size() > 1 && dest.back() == '/') dest.pop_back();
   if (dest.empty()) return InvalidArgument("export: empty destination path");
-  OPTSTATE_RETURN_IF_ERROR(CheckDest(fs, dest));
+  OPTSTATE_RETURN_IF_ERROR(internal::CheckNewDir(fs, dest, "export"));
   // The view's lease keeps every extent of the generation until the export ends.
   auto view = opts.snapshot.empty() ? store->OpenGeneration(opts.generation) : store->OpenSnapshot(opts.snapshot);
   if (!view.ok()) return view.status().WithContext("export: store " + store->path());
@@ -248,32 +220,11 @@ Result<ExportResult> ExportCheckpoint(Store* store, const std::string& dest_in, 
   auto layout = CheckpointLayout::Build(view->get());
   if (!layout.ok()) return layout.status().WithContext(where);
 
-  std::string partial;
-  std::random_device rd;
-  for (int attempt = 0;; ++attempt) {
-    partial = fmt::format("{}.partial-{:08x}", dest, static_cast<uint32_t>(rd()));
-    OPTSTATE_ASSIGN_OR_RETURN(bool taken, fs->Exists(partial));
-    if (!taken) break;
-    if (attempt == 16) return AlreadyExists(where + ": no free name for the partial directory, e.g. " + partial);
-  }
-  if (Status st = fs->CreateDir(partial); !st.ok()) return st.WithContext(where);
   ExportResult result;
   result.generation = gen;
-  Status st = Exporter(fs, **layout, partial, opts).Run(&result);
-  if (st.ok()) {
-    OPTSTATE_TEST_SYNC_POINT("export.before_rename");
-    st = fs->Rename(partial, dest);
-  }
-  if (!st.ok()) {
-    Status rm = fs->RemoveAll(partial);
-    if (!rm.ok()) OPTSTATE_LOG_ERROR("{}: removing {} after a failed export: {}", where, partial, rm.ToString());
-    return st.WithContext(where);
-  }
-  st = fs->SyncDir(ParentDir(dest));
-  if (!st.ok()) {
-    return st.WithContext(where + ": the checkpoint is complete, but its name in " + ParentDir(dest) +
-                          " may not survive a power loss");
-  }
+  OPTSTATE_RETURN_IF_ERROR(internal::WriteNewDir(
+      fs, dest, where, "export.before_rename", "the checkpoint is",
+      [&](const std::string& partial) { return Exporter(fs, **layout, partial, opts).Run(&result); }));
   OPTSTATE_LOG_INFO("exported store {} generation {} to {} ({} files, {} bytes)", store->path(), gen, dest,
                     result.files, result.bytes);
   return result;

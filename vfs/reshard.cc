@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "vfs/io_buffer.h"
+#include "vfs/internal/new_dir.h"
 #include "vfs/io_engine.h"
 #include "vfs/log.h"
 #include "vfs/sync_point.h"
@@ -52,13 +53,6 @@ unsigned __int128 Volume(const std::vector<uint64_t>& shape) {
   unsigned __int128 v = 1;
   for (uint64_t s : shape) v *= s;
   return v;
-}
-
-std::string ParentDir(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
 }
 
 uint32_t ElemSize(DType d) { return DTypeSize(d); }
@@ -1243,27 +1237,6 @@ class Resharder {
   uint64_t total_ = 0, done_ = 0;
 };
 
-// dest must not exist or be an empty directory; its parent must exist.
-Status CheckDest(FileSystem* fs, const std::string& dest) {
-  OPTSTATE_ASSIGN_OR_RETURN(bool parent_exists, fs->Exists(ParentDir(dest)));
-  if (!parent_exists) {
-    return NotFound(fmt::format("reshard: the parent directory {} of {} does not exist", ParentDir(dest), dest));
-  }
-  OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(dest));
-  if (!exists) return Status::Ok();
-  auto names = fs->ListDir(dest);
-  if (!names.ok()) {
-    return AlreadyExists(fmt::format("reshard: {} exists and is not a directory ({}); give a new path", dest,
-                                     names.status().ToString()));
-  }
-  if (!names->empty()) {
-    return AlreadyExists(fmt::format("reshard: {} exists and is not empty ({} entries, e.g. '{}'); give a new "
-                                     "path or remove it",
-                                     dest, names->size(), names->front()));
-  }
-  return Status::Ok();
-}
-
 }  // namespace
 
 Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const TargetLayout& target,
@@ -1279,35 +1252,14 @@ Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const Tar
   if (opts.staging_bytes_per_rank == 0) return InvalidArgument("reshard: staging_bytes_per_rank is 0");
   OPTSTATE_ASSIGN_OR_RETURN(Sources s, LoadSources(sources, opts.chunk_size_bytes));
   OPTSTATE_RETURN_IF_ERROR(ValidateTarget(s, target));
-  OPTSTATE_RETURN_IF_ERROR(CheckDest(fs, dest));
+  OPTSTATE_RETURN_IF_ERROR(internal::CheckNewDir(fs, dest, "reshard"));
   const std::string where =
       fmt::format("reshard: {} source{} to {} rank{} at {}", s.dirs.size(), s.dirs.size() == 1 ? "" : "s",
                   target.ranks.size(), target.ranks.size() == 1 ? "" : "s", dest);
-  std::string partial;
-  std::random_device rd;
-  for (int attempt = 0;; ++attempt) {
-    partial = fmt::format("{}.partial-{:08x}", dest, static_cast<uint32_t>(rd()));
-    OPTSTATE_ASSIGN_OR_RETURN(bool taken, fs->Exists(partial));
-    if (!taken) break;
-    if (attempt == 16) return AlreadyExists(where + ": no free name for the partial directory, e.g. " + partial);
-  }
-  if (Status st = fs->CreateDir(partial); !st.ok()) return st.WithContext(where);
   ReshardResult result;
-  Status st = Resharder(s, target, partial, opts, fs).Run(&result);
-  if (st.ok()) {
-    OPTSTATE_TEST_SYNC_POINT("reshard.before_rename");
-    st = fs->Rename(partial, dest);
-  }
-  if (!st.ok()) {
-    Status rm = fs->RemoveAll(partial);
-    if (!rm.ok()) OPTSTATE_LOG_ERROR("{}: removing {} after a failed reshard: {}", where, partial, rm.ToString());
-    return st.WithContext(where);
-  }
-  st = fs->SyncDir(ParentDir(dest));
-  if (!st.ok()) {
-    return st.WithContext(where + ": the checkpoints are complete, but their name in " + ParentDir(dest) +
-                          " may not survive a power loss");
-  }
+  OPTSTATE_RETURN_IF_ERROR(internal::WriteNewDir(
+      fs, dest, where, "reshard.before_rename", "the checkpoints are",
+      [&](const std::string& partial) { return Resharder(s, target, partial, opts, fs).Run(&result); }));
   OPTSTATE_LOG_INFO("{}: {} bytes read, {} bytes written", where, result.bytes_read, result.bytes_written);
   return result;
 }
