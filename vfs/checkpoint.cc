@@ -794,4 +794,17 @@ Result<uint64_t> CheckpointLayout::Read(const CheckpointFile& f, uint64_t offset
   return total;
 }
 
+TensorSpec TensorSpecOf(const ManifestTensor& mt) {
+  TensorSpec spec;
+  spec.name = mt.name;
+  spec.dtype = mt.dtype;
+  spec.numel = mt.numel;
+  spec.group = mt.group;
+  spec.shape = mt.shape;
+  spec.global_shape = mt.global_shape;
+  spec.shard_offset = mt.shard_offset;
+  for (const ManifestField& f : mt.fields) spec.fields.push_back({f.name, f.dtype});
+  return spec;
+}
+
 }  // namespace optstate::vfs

@@ -91,6 +91,10 @@ struct ManifestTensor {
   std::vector<ManifestField> fields;
 };
 
+// The store tensor a manifest tensor describes: its geometry and its fields
+// with their dtypes.
+TensorSpec TensorSpecOf(const ManifestTensor& mt);
+
 struct Manifest {
   uint32_t format_version = kCheckpointFormatVersion;
   std::string store_uuid;

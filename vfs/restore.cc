@@ -467,16 +467,7 @@ Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
     return st.WithContext("restore --create: store " + store_path + " removed again");
   };
   for (const ManifestTensor& mt : m.tensors) {
-    TensorSpec spec;
-    spec.name = mt.name;
-    spec.dtype = mt.dtype;
-    spec.numel = mt.numel;
-    spec.group = mt.group;
-    spec.shape = mt.shape;
-    spec.global_shape = mt.global_shape;
-    spec.shard_offset = mt.shard_offset;
-    for (const ManifestField& f : mt.fields) spec.fields.push_back({f.name, f.dtype});
-    auto t = store->CreateTensor(spec);
+    auto t = store->CreateTensor(TensorSpecOf(mt));
     if (!t.ok()) return cleanup(t.status());
   }
   auto gen = Import(store.get(), m, st_plan, dir, ropts, /*skip_zero_chunks=*/true);

@@ -109,16 +109,9 @@ Result<uint64_t> Convert(vfs::Store* store, const vfs::Manifest& m, const std::s
   vfs::IoBuffer src(store->chunk_size_bytes()), dst(store->chunk_size_bytes());
   if (!src.ok() || !dst.ok()) return ResourceExhausted("cannot allocate two chunk buffers");
   for (const vfs::ManifestTensor& mt : m.tensors) {
-    vfs::TensorSpec spec;
-    spec.name = mt.name;
-    spec.dtype = mt.dtype;
-    spec.numel = mt.numel;
-    spec.group = mt.group;
-    spec.shape = mt.shape;
-    spec.global_shape = mt.global_shape;
-    spec.shard_offset = mt.shard_offset;
-    for (const vfs::ManifestField& f : mt.fields) {
-      spec.fields.push_back({f.name, IsMomentField(f.name) ? moments : f.dtype});
+    vfs::TensorSpec spec = vfs::TensorSpecOf(mt);
+    for (vfs::FieldSpec& f : spec.fields) {
+      if (IsMomentField(f.name)) f.dtype = moments;
     }
     OPTSTATE_ASSIGN_OR_RETURN(vfs::TensorInfo info, store->CreateTensor(spec));
     for (uint32_t f = 0; f < mt.fields.size(); ++f) {
