@@ -29,7 +29,7 @@ Status ChecksumMismatch(const std::string& what, uint64_t expected, uint64_t rea
 // Reads one version synchronously into buf (buf_bytes long: the tail past the
 // chunk is zeroed up to there) and verifies it.
 Status ReadVersion(Core* core, const TensorInfo* t, const Key& k, const Version& v, void* buf, uint64_t buf_bytes) {
-  File* f = v.ext.dir < core->data_files_.size() ? core->data_files_[v.ext.dir].get() : nullptr;
+  File* f = core->data_file(v.ext.dir);
   if (f == nullptr) {
     return IoError(core->Describe(t, k, v.gen) + ": data file of dir " + std::to_string(v.ext.dir) +
                    " is missing");
@@ -86,8 +86,8 @@ class ChunkIoImpl final : public ChunkIo {
     op.key = k;
     op.buf = buf;
     {
-      std::lock_guard l(core_->mu_);
-      const auto& tensors = view_ ? view_->by_id : core_->tensors_;
+      std::lock_guard l(core_->mu());
+      const auto& tensors = view_ ? view_->by_id : core_->tensors();
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(tensors, ref));
       op.tensor = *res.first;
       OPTSTATE_ASSIGN_OR_RETURN(op.buf_bytes, BufferBytesFor(*core_, &op.tensor, k, res.second, buf_bytes));
@@ -107,8 +107,7 @@ class ChunkIoImpl final : public ChunkIo {
       }
       op.version = *v;
     }
-    File* f = op.version.ext.dir < core_->data_files_.size() ? core_->data_files_[op.version.ext.dir].get()
-                                                            : nullptr;
+    File* f = core_->data_file(op.version.ext.dir);
     if (f == nullptr) return IoError(core_->Describe(&op.tensor, k, op.version.gen) + ": data file missing");
     IoRequest r;
     r.op = IoRequest::Op::kRead;
@@ -126,7 +125,7 @@ class ChunkIoImpl final : public ChunkIo {
 
   Status SubmitWrite(const ChunkRef& ref, const void* buf, uint64_t tag) override {
     if (view_) {
-      return FailedPrecondition("store " + core_->path_ + ": writes through a GenerationView's ChunkIo");
+      return FailedPrecondition("store " + core_->path() + ": writes through a GenerationView's ChunkIo");
     }
     const Key k{ref.tensor_id, ref.field, ref.index};
     Op op;
@@ -134,16 +133,16 @@ class ChunkIoImpl final : public ChunkIo {
     op.key = k;
     op.write = true;
     {
-      std::lock_guard l(core_->mu_);
+      std::lock_guard l(core_->mu());
       OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("chunk write"));
-      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors_, ref));
+      OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors(), ref));
       op.tensor = *res.first;
       const uint64_t len = res.second;
       auto ext = core_->AllocateSlot(len);
       if (!ext.ok()) return ext.status().WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
       op.version.ext = *ext;
-      op.version.gen = core_->latest_.generation + 1;
-      ++core_->writes_in_flight_;
+      op.version.gen = core_->latest_generation() + 1;
+      core_->WriteStarted();
     }
     // A big chunk is hashed by the hashers while its write is in flight.
     const bool async_hash = hasher_ != nullptr && op.version.ext.length >= kAsyncHashMinBytes;
@@ -151,16 +150,16 @@ class ChunkIoImpl final : public ChunkIo {
     OPTSTATE_TEST_SYNC_POINT("extent.before_write");
     IoRequest r;
     r.op = IoRequest::Op::kWrite;
-    r.file = core_->data_files_[op.version.ext.dir].get();
+    r.file = core_->data_file(op.version.ext.dir);
     r.offset = op.version.ext.file_offset;
     r.length = RoundUp(op.version.ext.length, kIoAlign);
     r.buf = const_cast<void*>(buf);
     r.tag = next_tag_++;
     Status s = engine_->Submit(std::span<const IoRequest>(&r, 1));
     if (!s.ok()) {
-      std::lock_guard l(core_->mu_);
+      std::lock_guard l(core_->mu());
       core_->FreeSlot(op.version.ext);
-      --core_->writes_in_flight_;
+      core_->WriteEnded();
       return s.WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
     }
     if (async_hash) {
@@ -272,8 +271,8 @@ class ChunkIoImpl final : public ChunkIo {
   Status Finish(const Op& op, const Status& io, ChunkCompletion* out) {
     Core* c = core_.get();
     if (op.write) {
-      std::lock_guard l(c->mu_);
-      --c->writes_in_flight_;
+      std::lock_guard l(c->mu());
+      c->WriteEnded();
       if (!io.ok()) {
         c->FreeSlot(op.version.ext);
         return io.WithContext("write of " + c->Describe(&op.tensor, op.key, kInfinity));

@@ -41,7 +41,7 @@ namespace {
 class GenerationViewImpl final : public GenerationView {
  public:
   explicit GenerationViewImpl(std::shared_ptr<ViewData> v) : v_(std::move(v)) {}
-  const StoreIdentity& identity() const override { return v_->core->identity_; }
+  const StoreIdentity& identity() const override { return v_->core->identity(); }
   const GenerationInfo& info() const override { return v_->info; }
   const std::vector<TensorInfo>& tensors() const override { return v_->tensors; }
   Result<TensorInfo> FindTensor(std::string_view name) const override {
@@ -50,7 +50,7 @@ class GenerationViewImpl final : public GenerationView {
     }
     std::vector<std::string> names;
     for (const auto& t : v_->tensors) names.push_back(t.name);
-    return NotFound("store " + v_->core->path_ + " generation " + std::to_string(v_->info.generation) +
+    return NotFound("store " + v_->core->path() + " generation " + std::to_string(v_->info.generation) +
                     ": no tensor '" + std::string(name) + "'" + ClosestNames(name, names.begin(), names.end()));
   }
   uint64_t ChunkCount(const TensorInfo& t, uint32_t field) const override {
@@ -60,7 +60,7 @@ class GenerationViewImpl final : public GenerationView {
     const Core* c = v_->core.get();
     uint64_t len;
     {
-      std::lock_guard l(c->mu_);
+      std::lock_guard l(c->mu());
       OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
       len = res.second;
     }
@@ -86,7 +86,7 @@ class GenerationViewImpl final : public GenerationView {
     const TensorInfo* t;
     uint64_t n = 0;
     {
-      std::lock_guard l(c->mu_);
+      std::lock_guard l(c->mu());
       OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
       t = res.first;
       OPTSTATE_ASSIGN_OR_RETURN(n, BufferBytesFor(*c, t, k, res.second, buf_bytes));

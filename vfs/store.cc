@@ -124,6 +124,11 @@ Status ValidateSnapshotName(const std::string& name) {
   return Status();
 }
 
+}  // namespace
+
+namespace internal {
+
+// A friend of Core (store_core.h): the Store API works on the catalog.
 class StoreImpl final : public Store {
  public:
   explicit StoreImpl(std::shared_ptr<Core> core) : core_(std::move(core)) {}
@@ -410,10 +415,6 @@ class StoreImpl final : public Store {
 
   std::shared_ptr<Core> core_;
 };
-
-}  // namespace
-
-namespace internal {
 
 std::unique_ptr<Store> NewStore(std::shared_ptr<Core> core) { return std::make_unique<StoreImpl>(std::move(core)); }
 

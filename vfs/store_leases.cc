@@ -103,7 +103,7 @@ Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr
     uint64_t g;
     OPTSTATE_RETURN_IF_ERROR(resolve(&g));
     auto v = BuildView(core, g);
-    ++c->view_refs_[g];
+    c->AddViewRef(g);
     v->in_process_ref = true;
     return NewGenerationView(std::move(v));
   }

@@ -106,17 +106,19 @@ Status CleanStaleCreations(FileSystem* fs, const std::string& parent, const std:
 }
 
 Result<std::shared_ptr<Core>> NewCore(const std::string& path, const StoreOptions& opts, bool read_only) {
-  auto core = std::make_shared<Core>();
-  core->path_ = AbsPath(path);
-  core->opts_ = opts;
-  core->fs_ = opts.fs ? opts.fs : FileSystem::Default();
-  core->read_only_ = read_only;
-  core->leases_dir_ = JoinPath(core->path_, "leases");
-  if (core->fs_->hooks() != nullptr) core->env_ = internal::NewHookedEnv(core->fs_->hooks());
-  return core;
+  return std::make_shared<Core>(path, opts, read_only);
 }
 
 }  // namespace
+
+Core::Core(const std::string& path, const StoreOptions& opts, bool read_only) {
+  path_ = AbsPath(path);
+  opts_ = opts;
+  fs_ = opts.fs ? opts.fs : FileSystem::Default();
+  read_only_ = read_only;
+  leases_dir_ = JoinPath(path_, "leases");
+  if (fs_->hooks() != nullptr) env_ = internal::NewHookedEnv(fs_->hooks());
+}
 }  // namespace optstate::vfs::internal
 
 namespace optstate::vfs {

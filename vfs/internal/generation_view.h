@@ -24,10 +24,10 @@ struct ViewData {
 
   ~ViewData() {
     if (in_process_ref) {
-      std::lock_guard l(core->mu_);
-      if (--core->view_refs_[info.generation] <= 0) core->view_refs_.erase(info.generation);
+      std::lock_guard l(core->mu());
+      core->DropViewRef(info.generation);
     }
-    if (!lease_file.empty()) (void)core->fs_->Remove(lease_file);
+    if (!lease_file.empty()) (void)core->fs()->Remove(lease_file);
     lease_handle.reset();  // after the removal: never an unlocked lease file the writer could misjudge
   }
 };

@@ -3,6 +3,10 @@
 // so a view or ChunkIo may outlive the Store object (the index and LOCK stay
 // open until the last one goes). Internal to vfs/.
 //
+// Core's state is private and grouped by the file of the idea that owns it
+// (space, index, secondary, marks, leases, data files, ...); the table at
+// class Core says which other code touches which group, and through what.
+//
 // Lock order: Core::mu_ may be taken while holding the lease flock
 // (leases/.lock, LOCK_EX in GC); never the other way round.
 #pragma once
@@ -105,14 +109,72 @@ class FlockGuard {
   int fd_ = -1;
 };
 
+// Core's friends (see the end of the class), declared with their files below.
 class Core;
+class StoreImpl;
+struct ViewData;
 rocksdb::Options IndexOptions(Core* core);
+Status OpenDataFiles(Core* core, bool create_missing);
+Status ResolveDataDirs(Core* c);
+Status ClaimDataFiles(Core* c);
+Status CheckReferencedFiles(Core* core);
+Status OpenCommittedMark(Core* c);
+Status OpenLeaseLock(Core* c);
+std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t g);
+Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr<Core>& core, uint64_t generation,
+                                                           const std::string& snapshot);
+Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core);
 
 // ---------------------------------------------------------------------------
 // Core: everything a Store, its views and its ChunkIos share.
+//
+// Its state is private, in groups. Each group has one owning file, which
+// defines the Core members that keep it; other code touches a group only where
+// listed here (Core's members are the store_*.cc files' code; code outside
+// Core uses the public methods, and the few functions that build or walk the
+// whole state are the friends named at the end of the class):
+//
+//   configuration   path_, identity_, opts_, fs_, read_only_, leases_dir_. Set
+//                   at open (the constructor, store_open.cc; store_data_files.cc
+//                   resolves the data dirs); read everywhere, outside Core
+//                   through path(), identity(), options(), fs(), read_only(),
+//                   chunk().
+//   index handle    env_, logger_, db_: store_open.cc. Written through by
+//                   store_index.cc, store_commit.cc, store_secondary.cc and the
+//                   Store API's CreateTensor.
+//   data files      data_files_ .. identity_needs_rewrite_: store_data_files.cc.
+//                   Written by chunk writes (data_file()), synced by commit,
+//                   grown by store_space.cc, sized at open and by Stats; Verify.
+//   marks           lock_file_, committed_file_, retained_file_,
+//                   retained_written_: store_marks.cc (store_open.cc opens LOCK
+//                   and RETAINED).
+//   leases          lease_lock_file_, lease_lock_mu_: store_leases.cc. Commit,
+//                   GC and RETAINED's writes take the lease flock; Stats counts
+//                   the lease files.
+//   secondary       secondary_dir_ .. secondary_reopens_: store_secondary.cc
+//                   (store_open.cc makes the first instance).
+//   catalog (mu_)   tensors_ .. lifetime_bytes_: loaded by store_index.cc
+//                   (store_secondary.cc keeps the previous maps when a load
+//                   fails its check); changed by commit, GC, the Store API
+//                   (store.cc) and completed chunk writes (SetPending in
+//                   store_space.cc); read by views, chunk I/O (tensors(),
+//                   latest_generation()), marks, leases, data files' reference
+//                   check, space and Verify.
+//   space (mu_)     space_, dirty_, grown_, next_dir_: store_space.cc. Open
+//                   sizes it from the data files, commit syncs and clears
+//                   dirty_/grown_, Stats and Verify read it.
+//   writer status   view_refs_, poisoned_, poison_reason_, writes_in_flight_:
+//     (mu_)         store_commit.cc poisons; views and chunk writes count
+//                   themselves (AddViewRef/DropViewRef, WriteStarted/
+//                   WriteEnded); GC keeps the generations views hold; the Store
+//                   API's AbortPending refuses while a write is in flight.
 
 class Core {
  public:
+  // Sets the configuration: an absolute `path`, the file system of `opts`
+  // (or the default), leases/ under it, and the RocksDB env over the file
+  // system's test hooks when it has any. Nothing is opened (store_open.cc).
+  Core(const std::string& path, const StoreOptions& opts, bool read_only);
   ~Core() {
     db_.reset();
     env_.reset();
@@ -126,61 +188,36 @@ class Core {
     }
     lock_file_.reset();
   }
+  Core(const Core&) = delete;
+  Core& operator=(const Core&) = delete;
 
-  // Immutable after open.
-  std::string path_;
-  StoreIdentity identity_;
-  StoreOptions opts_;
-  FileSystem* fs_ = nullptr;
-  bool read_only_ = false;
-  std::string secondary_dir_;
-  std::string leases_dir_;
-  std::unique_ptr<rocksdb::Env> env_;  // hooked env; outlives db_
-  std::shared_ptr<rocksdb::Logger> logger_;
-  std::unique_ptr<rocksdb::DB> db_;
-  std::vector<std::unique_ptr<File>> data_files_;  // per data dir; null if absent (read-only)
-  // Per data dir: it lies inside the store directory (a copy of the store
-  // directory has its own copy of it), as opposed to an external one.
-  std::vector<bool> internal_dirs_;
-  // Writer, per data dir: the data file is flock'ed and its owner record
-  // names this store directory (ClaimDataFiles).
-  std::vector<bool> claimed_;
-  // Writer, per data dir: a second descriptor of the data file that holds its
-  // flock. Never given to io_uring: a ring of a killed process keeps the files
-  // of its requests referenced until its teardown (asynchronous, after the
-  // process is reaped), and a flock lives as long as its open file.
-  std::vector<std::unique_ptr<File>> data_locks_;
-  // IDENTITY records a data dir inside the store directory as an absolute
-  // path (written by an older version): the writer rewrites it at open.
-  bool identity_needs_rewrite_ = false;
-  std::unique_ptr<File> lock_file_;
-  // COMMITTED: the newest acknowledged generation, written and synced after
-  // each commit batch. Open refuses an index older than it, so a damaged or
-  // lost RocksDB write-ahead log can never silently roll the store back.
-  std::unique_ptr<File> committed_file_;
-  std::unique_ptr<File> lease_lock_file_;
-  std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
-  // RETAINED (writer): the generations whose chunk versions GC keeps, rewritten
-  // under the exclusive lease flock around every batch that can drop one (see
-  // WriteRetained), and at open. A reader that made its lease file and then, still under the shared
-  // flock, finds g in RETAINED knows no GC can free g's extents while the lease
-  // lives, whatever its own (possibly lagging) copy of the index says.
-  std::unique_ptr<File> retained_file_;
-  std::optional<std::vector<uint64_t>> retained_written_;  // the last record written (writer)
-  // Read-only stores: CatchUp is serialised and checked (CatchUpChecked).
-  std::mutex catchup_mu_;
-  uint64_t max_latest_loaded_ = 0;  // latest never moves back within one open store
-  // The secondary's last sequence number when the maps were last loaded and
-  // checked (LoadIndexChecked); none after a failed load. Guarded by
-  // catchup_mu_ (held by every caller but OpenReadOnly, before the store is
-  // shared: so the mount's first catch-up right after open does not reload).
-  std::optional<uint64_t> loaded_seq_;
-  std::string secondary_base_;      // secondary_dir_ is this plus a reopen count
-  int secondary_lock_fd_ = -1;      // flock'ed <secondary_base_>.lock while this reader lives
-  uint64_t secondary_reopens_ = 0;
-
+  // --- configuration (immutable after open) ---------------------------------
+  const std::string& path() const { return path_; }
+  const StoreIdentity& identity() const { return identity_; }
+  const StoreOptions& options() const { return opts_; }
+  FileSystem* fs() const { return fs_; }
+  bool read_only() const { return read_only_; }
   uint64_t chunk() const { return identity_.chunk_size_bytes; }
   uint64_t SlotBytes() const { return chunk(); }
+
+  // Guards the catalog, the space and the writer status (see the table above).
+  std::mutex& mu() const { return mu_; }
+
+  // --- narrow access for chunk I/O and views (mu_ held unless said) ---------
+  // Dir d's data file; null when it is absent (a read-only store's missing
+  // dir) or d is out of range. Any thread: the set is fixed after open.
+  File* data_file(uint32_t d) const { return d < data_files_.size() ? data_files_[d].get() : nullptr; }
+  const std::map<uint32_t, TensorInfo>& tensors() const { return tensors_; }
+  uint64_t latest_generation() const { return latest_.generation; }
+  // A chunk write between its slot's allocation and SetPending/FreeSlot
+  // (AbortPending refuses while one is in flight).
+  void WriteStarted() { ++writes_in_flight_; }
+  void WriteEnded() { --writes_in_flight_; }
+  // A writer's in-process view of generation g: GC keeps g while one lives.
+  void AddViewRef(uint64_t g) { ++view_refs_[g]; }
+  void DropViewRef(uint64_t g) {
+    if (--view_refs_[g] <= 0) view_refs_.erase(g);
+  }
 
   // --- space: slots and pieces ----------------------------------------------
   //
@@ -212,26 +249,6 @@ class Core {
     const uint64_t piece = std::max(kIoAlign, std::bit_ceil(length));
     return piece <= SlotBytes() / 2 && SlotBytes() % piece == 0 ? piece : SlotBytes();
   }
-
-  mutable std::mutex mu_;
-  // Guarded by mu_.
-  std::map<uint32_t, TensorInfo> tensors_;       // by id
-  std::map<std::string, uint32_t, std::less<>> names_;  // name -> id
-  uint32_t next_tensor_id_ = 0;
-  GenerationInfo latest_;
-  std::map<uint64_t, GenerationInfo> generations_;  // retained generation records
-  std::map<std::string, SnapshotInfo> snapshots_;
-  std::map<Key, std::vector<Version>> versions_;    // committed, newest first
-  std::map<Key, Extent> pending_;                   // completed writes of latest+1
-  std::vector<DirSpace> space_;                     // per data dir: slots and pieces
-  std::vector<bool> dirty_;                         // written since last sync
-  std::vector<bool> grown_;                         // fallocated since last sync
-  uint32_t next_dir_ = 0;
-  uint64_t lifetime_bytes_ = 0;
-  std::map<uint64_t, int> view_refs_;               // in-process views per generation
-  bool poisoned_ = false;
-  std::string poison_reason_;
-  uint64_t writes_in_flight_ = 0;
 
   std::string FileName(uint32_t dir) const {
     return JoinPath(identity_.data_dirs[dir], identity_.uuid + ".chunks");
@@ -490,6 +507,109 @@ class Core {
   static std::string EncodeCommittedMark(uint64_t gen);
   static Result<uint64_t> DecodeCommittedMark(const std::string& rec, const std::string& where);
   void Poison(const Status& why);  // mu_ held
+
+  // --- state (see the table at the top) -------------------------------------
+  // Configuration: set by the constructor and the open steps, then immutable.
+  std::string path_;
+  StoreIdentity identity_;
+  StoreOptions opts_;
+  FileSystem* fs_ = nullptr;
+  bool read_only_ = false;
+  std::string leases_dir_;
+
+  // Index handle (store_open.cc).
+  std::unique_ptr<rocksdb::Env> env_;  // hooked env; outlives db_
+  std::shared_ptr<rocksdb::Logger> logger_;
+  std::unique_ptr<rocksdb::DB> db_;
+
+  // Data files (store_data_files.cc).
+  std::vector<std::unique_ptr<File>> data_files_;  // per data dir; null if absent (read-only)
+  // Per data dir: it lies inside the store directory (a copy of the store
+  // directory has its own copy of it), as opposed to an external one.
+  std::vector<bool> internal_dirs_;
+  // Writer, per data dir: the data file is flock'ed and its owner record
+  // names this store directory (ClaimDataFiles).
+  std::vector<bool> claimed_;
+  // Writer, per data dir: a second descriptor of the data file that holds its
+  // flock. Never given to io_uring: a ring of a killed process keeps the files
+  // of its requests referenced until its teardown (asynchronous, after the
+  // process is reaped), and a flock lives as long as its open file.
+  std::vector<std::unique_ptr<File>> data_locks_;
+  // IDENTITY records a data dir inside the store directory as an absolute
+  // path (written by an older version): the writer rewrites it at open.
+  bool identity_needs_rewrite_ = false;
+
+  // Marks (store_marks.cc) and the store's LOCK.
+  std::unique_ptr<File> lock_file_;
+  // COMMITTED: the newest acknowledged generation, written and synced after
+  // each commit batch. Open refuses an index older than it, so a damaged or
+  // lost RocksDB write-ahead log can never silently roll the store back.
+  std::unique_ptr<File> committed_file_;
+  // RETAINED (writer): the generations whose chunk versions GC keeps, rewritten
+  // under the exclusive lease flock around every batch that can drop one (see
+  // WriteRetained), and at open. A reader that made its lease file and then, still under the shared
+  // flock, finds g in RETAINED knows no GC can free g's extents while the lease
+  // lives, whatever its own (possibly lagging) copy of the index says.
+  std::unique_ptr<File> retained_file_;
+  std::optional<std::vector<uint64_t>> retained_written_;  // the last record written (writer)
+
+  // Leases (store_leases.cc).
+  std::unique_ptr<File> lease_lock_file_;
+  std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
+
+  // Secondary instance and catch-up (store_secondary.cc): read-only stores.
+  std::string secondary_dir_;
+  // CatchUp is serialised and checked (CatchUpChecked).
+  std::mutex catchup_mu_;
+  uint64_t max_latest_loaded_ = 0;  // latest never moves back within one open store
+  // The secondary's last sequence number when the maps were last loaded and
+  // checked (LoadIndexChecked); none after a failed load. Guarded by
+  // catchup_mu_ (held by every caller but OpenReadOnly, before the store is
+  // shared: so the mount's first catch-up right after open does not reload).
+  std::optional<uint64_t> loaded_seq_;
+  std::string secondary_base_;      // secondary_dir_ is this plus a reopen count
+  int secondary_lock_fd_ = -1;      // flock'ed <secondary_base_>.lock while this reader lives
+  uint64_t secondary_reopens_ = 0;
+
+  mutable std::mutex mu_;
+  // Guarded by mu_.
+  // Catalog (store_index.cc loads it).
+  std::map<uint32_t, TensorInfo> tensors_;       // by id
+  std::map<std::string, uint32_t, std::less<>> names_;  // name -> id
+  uint32_t next_tensor_id_ = 0;
+  GenerationInfo latest_;
+  std::map<uint64_t, GenerationInfo> generations_;  // retained generation records
+  std::map<std::string, SnapshotInfo> snapshots_;
+  std::map<Key, std::vector<Version>> versions_;    // committed, newest first
+  std::map<Key, Extent> pending_;                   // completed writes of latest+1
+  uint64_t lifetime_bytes_ = 0;
+  // Space (store_space.cc).
+  std::vector<DirSpace> space_;                     // per data dir: slots and pieces
+  std::vector<bool> dirty_;                         // written since last sync
+  std::vector<bool> grown_;                         // fallocated since last sync
+  uint32_t next_dir_ = 0;
+  // Writer status.
+  std::map<uint64_t, int> view_refs_;               // in-process views per generation
+  bool poisoned_ = false;
+  std::string poison_reason_;
+  uint64_t writes_in_flight_ = 0;
+
+  // Friends: the code that builds the whole state at open, or reads or
+  // changes the catalog as a whole.
+  friend class vfs::Store;  // Store::Create, Open, OpenReadOnly (store_open.cc): the open steps in order
+  friend rocksdb::Options IndexOptions(Core* core);  // the index handle's env and logger
+  friend Status OpenDataFiles(Core* core, bool create_missing);  // store_data_files.cc: its open steps
+  friend Status ResolveDataDirs(Core* c);
+  friend Status ClaimDataFiles(Core* c);
+  friend Status CheckReferencedFiles(Core* core);
+  friend Status OpenCommittedMark(Core* c);  // store_marks.cc: its open step
+  friend Status OpenLeaseLock(Core* c);      // store_leases.cc: its open step
+  friend Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr<Core>& core,
+                                                                    uint64_t generation,
+                                                                    const std::string& snapshot);
+  friend std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t g);  // copies the catalog
+  friend Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core);  // checks every group
+  friend class StoreImpl;  // the Store API (store.cc): tensors, snapshots, generations, stats
 };
 
 // --- names (store.cc) ------------------------------------------------------
