@@ -330,7 +330,7 @@ TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
   {
     // A waits for chunk 10 and the I/O thread has not looked for work since.
     std::unique_lock<std::mutex> l(mu);
-    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(20), [&] { return io_held && a_waits; }))
+    ASSERT_TRUE(cv.wait_for(l, kHangLimit, [&] { return io_held && a_waits; }))
         << "the I/O thread or reader A never reached its sync point";
   }
   n = (*r)->Read(100, got.size(), got.data());  // B: chunk 0, loaded
@@ -340,8 +340,9 @@ TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
     std::unique_lock<std::mutex> l(mu);
     release = true;
     cv.notify_all();
-    if (!cv.wait_for(l, std::chrono::seconds(20), [&] { return a_done; })) {
-      std::fprintf(stderr, "FAILED: reader A still waits for chunk 10 20 s after the window moved to 0\n");
+    if (!cv.wait_for(l, kHangLimit, [&] { return a_done; })) {
+      std::fprintf(stderr, "FAILED: reader A still waits for chunk 10 %lld s after the window moved to 0\n",
+                   static_cast<long long>(kHangLimit.count() / 1000));
       std::fflush(stderr);
       std::_Exit(1);  // A cannot be joined
     }
@@ -720,7 +721,7 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
     pf.Opened(gen, files[first + 1], false);
     {
       std::unique_lock<std::mutex> l(mu);
-      const bool done = cv.wait_for(l, std::chrono::seconds(20), [&] { return round_done; });
+      const bool done = cv.wait_for(l, kHangLimit, [&] { return round_done; });
       l.unlock();
       sp->Reset();
       ASSERT_TRUE(done) << "the prefetcher's round never ended";
