@@ -51,6 +51,12 @@ bool WaitFor(Done&& done, std::chrono::milliseconds limit = kHangLimit,
   }
 }
 
+// $var when set and not empty, else `fallback`: where a test makes its temp dirs.
+inline std::string EnvDirOr(const char* var, const std::string& fallback) {
+  const char* v = std::getenv(var);
+  return v != nullptr && *v != '\0' ? std::string(v) : fallback;
+}
+
 // A fresh directory made by mkdtemp(`tmpl` + "XXXXXX"), removed (recursively)
 // on destruction. The template picks the disk: /var/tmp is a real disk where
 // /tmp may be tmpfs (no O_DIRECT).
