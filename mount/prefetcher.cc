@@ -81,6 +81,9 @@ void Prefetcher::Loop() {
       continue;
     }
     if (!want_) {
+      // No round asked for since the last one ended (with the prefetcher's
+      // lock held: a callback must not take it).
+      OPTSTATE_TEST_SYNC_POINT("prefetcher.idle");
       cv_.wait_for(l, kIdle / 2);
       continue;
     }

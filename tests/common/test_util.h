@@ -26,9 +26,36 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace optstate::test_util {
+
+// How long a wait on something no event signals (another process's state, a
+// file or mount appearing, a background thread's counter) may take before the
+// test calls it a hang: generous, so that only a hang fails, never a slow or
+// loaded machine.
+inline constexpr std::chrono::milliseconds kHangLimit{60000};
+
+// Polls `done` every `poll` until it returns true or `limit` has passed;
+// returns its last value. A wait on a real condition, never a fixed sleep
+// "to let it happen": callers assert on the result (or on the condition).
+template <typename Done>
+bool WaitFor(Done&& done, std::chrono::milliseconds limit = kHangLimit,
+             std::chrono::milliseconds poll = std::chrono::milliseconds(10)) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    if (done()) return true;
+    if (std::chrono::steady_clock::now() >= end) return done();
+    std::this_thread::sleep_for(poll);
+  }
+}
+
+// $var when set and not empty, else `fallback`: where a test makes its temp dirs.
+inline std::string EnvDirOr(const char* var, const std::string& fallback) {
+  const char* v = std::getenv(var);
+  return v != nullptr && *v != '\0' ? std::string(v) : fallback;
+}
 
 // A fresh directory made by mkdtemp(`tmpl` + "XXXXXX"), removed (recursively)
 // on destruction. The template picks the disk: /var/tmp is a real disk where

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "kernels/adam.h"
+#include "tests/common/status_test_util.h"
+#include "tests/common/test_util.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
 #include "vfs/store.h"
@@ -34,43 +36,11 @@ inline constexpr Backend kTestBackend = Backend::kHost;
 
 inline constexpr uint64_t kChunk = 2ull << 20;  // smallest legal chunk: most chunk boundaries per byte
 
-#define ASSERT_OK(expr)                                   \
-  do {                                                    \
-    ::optstate::Status s_ = (expr);                       \
-    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.ToString(); \
-  } while (0)
-
-template <typename T>
-T Must(Result<T> r, const char* what) {
-  if (!r.ok()) {
-    ADD_FAILURE() << what << ": " << r.status().ToString();
-    std::abort();
-  }
-  return std::move(r).value();
-}
-#define MUST(expr) ::optstate::memmgr::testing::Must((expr), #expr)
-
-// A fresh directory under TMPDIR (or /var/tmp: a real disk, so O_DIRECT works).
-class TempDir {
+// A fresh directory under OPTSTATE_TEST_DIR (or /var/tmp: a real disk, so
+// O_DIRECT works), removed (recursively) on destruction.
+class TempDir : public test_util::TempDir {
  public:
-  TempDir() {
-    const char* base = std::getenv("OPTSTATE_TEST_DIR");
-    std::string b = base ? base : "/var/tmp";
-    std::string tmpl = b + "/memmgr_test.XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    char* p = mkdtemp(buf.data());
-    if (p == nullptr) std::abort();
-    path_ = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+  TempDir() : test_util::TempDir(test_util::EnvDirOr("OPTSTATE_TEST_DIR", "/var/tmp") + "/memmgr_test.") {}
 };
 
 inline vfs::StoreOptions TestStoreOptions() {

@@ -21,6 +21,7 @@
 #include "mount/chunk_reader.h"
 #include "mount/prefetcher.h"
 #include "mount/store_tree.h"
+#include "tests/common/test_util.h"
 #include "tests/vfs/checkpoint_test_util.h"
 #include "vfs/sync_point.h"
 
@@ -29,6 +30,8 @@ namespace {
 
 using namespace vfs;           // NOLINT
 using namespace vfs::testing;  // NOLINT
+using test_util::kHangLimit;
+using test_util::WaitFor;
 
 class ChunkReaderTest : public ::testing::Test {
  protected:
@@ -113,9 +116,10 @@ uint64_t ConcurrentReads(ChunkReader* r, const std::string& want, uint64_t near,
     if (done.load() != last) {
       last = done.load();
       last_change = std::chrono::steady_clock::now();
-    } else if (std::chrono::steady_clock::now() - last_change > std::chrono::seconds(20)) {
-      std::fprintf(stderr, "FAILED: reads stalled for 20 s after %llu of %d: a reader waits for a chunk "
-                   "that is never loaded\n", static_cast<unsigned long long>(last), kThreads * reads);
+    } else if (std::chrono::steady_clock::now() - last_change > kHangLimit) {
+      std::fprintf(stderr, "FAILED: reads stalled for %lld s after %llu of %d: a reader waits for a chunk "
+                   "that is never loaded\n", static_cast<long long>(kHangLimit.count() / 1000),
+                   static_cast<unsigned long long>(last), kThreads * reads);
       std::fflush(stderr);
       std::_Exit(1);  // the stuck threads cannot be joined
     }
@@ -140,8 +144,11 @@ TEST_F(ChunkReaderTest, ConcurrentReadersOnOneFileAllFinishWithTheLibrarysBytes)
 // order, taken by up to 16 worker threads) or a loader's concurrent preads:
 // kThreads threads take the next 1 MiB of the file from a shared counter and
 // read it after a random pause, so requests reach the reader out of order,
-// up to kThreads - 1 MiB behind the newest. A late request must neither move
-// the window back nor find its chunk evicted: every chunk is loaded once.
+// up to kThreads - 1 MiB behind the newest (a thread takes a block only once
+// every block kThreads or more before it is done, as the kernel's bounded
+// read-ahead does: a thread the scheduler stalls holds the others back instead
+// of letting them run past the trail). A late request must neither move the
+// window back nor find its chunk evicted: every chunk is loaded once.
 // (Before the trail, each late request was a backward jump; the window
 // snapped back and read-ahead evicted the chunks those requests came for:
 // 1.4-2.5 loads per chunk through the page cache on both machines.)
@@ -155,13 +162,27 @@ TEST_F(ChunkReaderTest, ParallelRequestsOfOneStreamLoadEachChunkOnce) {
   constexpr int kThreads = 4;  // spread <= 3 MiB: within the trail of 2 MiB chunks
   const uint64_t blocks = want_.size() / kReq;
   ASSERT_EQ(want_.size() % kReq, 0u);
-  std::atomic<uint64_t> next{0}, bad{0};
+  std::atomic<uint64_t> bad{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t next = 0;                            // guarded by mu
+  std::vector<bool> finished(blocks, false);    // guarded by mu
+  uint64_t oldest_open = 0;                     // first block not finished; guarded by mu
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       std::mt19937_64 rng(7 + t);
       std::string got;
-      for (uint64_t b = next++; b < blocks; b = next++) {
+      for (;;) {
+        uint64_t b;
+        {
+          std::unique_lock<std::mutex> l(mu);
+          b = next++;
+          if (b >= blocks) return;
+          cv.wait(l, [&] { return oldest_open + kThreads > b; });
+        }
+        // The pause reorders requests; the spread bound above keeps that
+        // disorder within the trail whatever the scheduler does.
         std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000));
         got.clear();
         auto n = (*r)->ReadWith(b * kReq, kReq, [&](std::span<const iovec> iov) {
@@ -169,6 +190,12 @@ TEST_F(ChunkReaderTest, ParallelRequestsOfOneStreamLoadEachChunkOnce) {
           return Status();
         });
         if (!n.ok() || *n != kReq || got.compare(0, kReq, want_, b * kReq, kReq) != 0) ++bad;
+        {
+          std::lock_guard<std::mutex> l(mu);
+          finished[b] = true;
+          while (oldest_open < blocks && finished[oldest_open]) ++oldest_open;
+        }
+        cv.notify_all();
       }
     });
   }
@@ -303,7 +330,7 @@ TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
   {
     // A waits for chunk 10 and the I/O thread has not looked for work since.
     std::unique_lock<std::mutex> l(mu);
-    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(20), [&] { return io_held && a_waits; }))
+    ASSERT_TRUE(cv.wait_for(l, kHangLimit, [&] { return io_held && a_waits; }))
         << "the I/O thread or reader A never reached its sync point";
   }
   n = (*r)->Read(100, got.size(), got.data());  // B: chunk 0, loaded
@@ -313,8 +340,9 @@ TEST_F(ChunkReaderTest, ChunkAReaderWaitsForIsLoadedWhereverTheWindowMoved) {
     std::unique_lock<std::mutex> l(mu);
     release = true;
     cv.notify_all();
-    if (!cv.wait_for(l, std::chrono::seconds(20), [&] { return a_done; })) {
-      std::fprintf(stderr, "FAILED: reader A still waits for chunk 10 20 s after the window moved to 0\n");
+    if (!cv.wait_for(l, kHangLimit, [&] { return a_done; })) {
+      std::fprintf(stderr, "FAILED: reader A still waits for chunk 10 %lld s after the window moved to 0\n",
+                   static_cast<long long>(kHangLimit.count() / 1000));
       std::fflush(stderr);
       std::_Exit(1);  // A cannot be joined
     }
@@ -357,10 +385,12 @@ TEST_F(ChunkReaderTest, ALentChunkKeepsItsBytesWhileOtherChunksLoadInATightPool)
   }
   // Chunks 2..9 while chunk 0 is lent; a reader left waiting fails the test
   // through the watchdog instead of hanging CI.
-  std::atomic<bool> reads_done{false};
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  bool reads_done = false;  // guarded by done_mu
   std::thread watchdog([&] {
-    for (int i = 0; i < 400 && !reads_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (!reads_done) {
+    std::unique_lock<std::mutex> l(done_mu);
+    if (!done_cv.wait_for(l, kHangLimit, [&] { return reads_done; })) {
       std::fprintf(stderr, "FAILED: reads of other chunks wait while chunk 0 is lent\n");
       std::fflush(stderr);
       std::_Exit(1);
@@ -372,7 +402,11 @@ TEST_F(ChunkReaderTest, ALentChunkKeepsItsBytesWhileOtherChunksLoadInATightPool)
     ASSERT_TRUE(n.ok()) << n.status().ToString();
     EXPECT_EQ(got.compare(0, got.size(), want_, c * cs + 7, got.size()), 0) << "chunk " << c;
   }
-  reads_done = true;
+  {
+    std::lock_guard<std::mutex> l(done_mu);
+    reads_done = true;
+  }
+  done_cv.notify_all();
   watchdog.join();
   {
     std::lock_guard<std::mutex> l(mu);
@@ -424,18 +458,51 @@ TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   ChunkBufferPool pool(1ull << 30);
   MountOptions o = Reading(8);
   o.prefetch_files = 2;
+  // Every round the prefetcher runs (the position it opened files after), and
+  // how often its thread found no round to run.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint32_t> rounds;  // guarded by mu
+  uint64_t idle = 0;             // guarded by mu
+  SyncPoint* sp = SyncPoint::Get();
+  sp->SetCallBack("prefetcher.round_done", [&](void* after) {
+    std::lock_guard<std::mutex> l(mu);
+    rounds.push_back(*static_cast<uint32_t*>(after));
+    cv.notify_all();
+  });
+  sp->SetCallBack("prefetcher.idle", [&](void*) {
+    std::lock_guard<std::mutex> l(mu);
+    ++idle;
+    cv.notify_all();
+  });
+  sp->EnableProcessing();
+  struct ResetSyncPoints {
+    ~ResetSyncPoints() { SyncPoint::Get()->Reset(); }
+  } reset_sync_points;
   Prefetcher pf(o, &pool, &stats);
-  // Out of order (one file, then a jump back): nothing is opened ahead.
+  // Out of order (one file, then a jump back): nothing is opened ahead. Once
+  // the prefetcher's thread has looked for a round after both opens (it
+  // passes "prefetcher.idle" under the lock Opened takes, so a pass counted
+  // after Opened returned saw what Opened decided), no round has run.
   pf.Opened(gen, files[first + 4], false);
   pf.Opened(gen, files[first], false);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  {
+    std::unique_lock<std::mutex> l(mu);
+    const uint64_t idle_before = idle;
+    ASSERT_TRUE(cv.wait_for(l, kHangLimit, [&] { return idle > idle_before; })) << "the prefetcher's thread hangs";
+    EXPECT_TRUE(rounds.empty()) << "an open out of tree order started a round after position " << rounds[0];
+  }
   EXPECT_EQ(pf.parked(), 0u);
   EXPECT_EQ(stats.chunks_loaded.load(), 0u);
   // In tree order (first, then the file after it): the two after that.
   pf.Opened(gen, files[first + 1], false);
-  for (int i = 0; i < 500 && (pf.parked() < 2 || stats.chunks_loaded.load() < 2); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  {
+    std::unique_lock<std::mutex> l(mu);
+    ASSERT_TRUE(cv.wait_for(l, kHangLimit, [&] { return !rounds.empty(); })) << "the prefetcher's round never ended";
+    EXPECT_EQ(rounds, std::vector<uint32_t>{static_cast<uint32_t>(first + 1)});
   }
+  // Each parked reader loads its first chunks on its own thread.
+  EXPECT_TRUE(WaitFor([&] { return stats.chunks_loaded.load() >= 2; }));
   ASSERT_EQ(pf.parked(), 2u);
   // Loaded before any reader asked: only the Prefetcher's readers exist.
   EXPECT_GE(stats.chunks_loaded.load(), 2u);
@@ -462,8 +529,7 @@ TEST_F(ChunkReaderTest, PrefetcherOpensTheNextFilesInTreeOrder) {
   EXPECT_EQ(got, want);
 
   // The one left is closed once it has been parked for kIdle.
-  for (int i = 0; i < 500 && pf.parked() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  EXPECT_EQ(pf.parked(), 0u);
+  EXPECT_TRUE(WaitFor([&] { return pf.parked() == 0; })) << pf.parked() << " readers still parked";
 }
 
 // Readers of a small field take buffers of its size, not a chunk's: a burst
@@ -488,9 +554,7 @@ TEST_F(ChunkReaderTest, ReadersOfSmallFieldsTakeSmallBuffers) {
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     readers.push_back(std::move(r).value());
   }
-  for (int i = 0; i < 500 && stats.chunks_loaded.load() < 64; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  WaitFor([&] { return stats.chunks_loaded.load() >= 64; });
   EXPECT_EQ(stats.chunks_loaded.load(), 64u);
   EXPECT_LE(pool.allocated_bytes(), 64u * 4096) << "64 readers of a 4000-byte field";
   for (auto& r : readers) {
@@ -560,9 +624,7 @@ TEST_F(ChunkReaderTest, SafetensorsReadAheadReachesAcrossRunsOfSmallFields) {
   // The window (16 MiB after a_big's last chunk) covers the 24 norm fields and
   // then at least four of c_big's chunks; a window of 8 chunks ends inside the norms.
   const uint64_t reach = c_first + 4;
-  for (int i = 0; i < 500 && stats.chunks_loaded.load() < reach; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  WaitFor([&] { return stats.chunks_loaded.load() >= reach; });
   EXPECT_GE(stats.chunks_loaded.load(), reach) << "read-ahead stopped inside the run of small fields";
   // Buffers: at most readahead + 1 of a chunk, and the norms' 4 KiB ones.
   const uint64_t bound = (kReadahead + 1) * (2ull << 20) + 3 * 8 * 4096;
@@ -577,7 +639,9 @@ TEST_F(ChunkReaderTest, SafetensorsReadAheadReachesAcrossRunsOfSmallFields) {
 // the last one is at most snapshot_recheck_ms old (a snapshot is immutable
 // while it exists; a catch-up every 20 ms under the store's lock was most of
 // what stat and open cost in a `cp -r`); once that has passed, a released
-// snapshot's paths are gone.
+// snapshot's paths are gone. Both trees catch up on every other lookup
+// (catchup_interval_ms 0); one never rechecks within the test, the other
+// rechecks at every lookup, so neither outcome depends on elapsed time.
 TEST_F(ChunkReaderTest, HeldSnapshotPathsSkipTheCatchUpUntilTheRecheck) {
   auto s = CreateStore(root_ + "/r");
   ASSERT_NE(s, nullptr);
@@ -585,17 +649,19 @@ TEST_F(ChunkReaderTest, HeldSnapshotPathsSkipTheCatchUpUntilTheRecheck) {
   WriteStep(s.get(), 1);
   ASSERT_TRUE(s->CreateSnapshot("a").ok());
   MountOptions o = tree_->options();
-  o.snapshot_recheck_ms = 1500;
+  o.catchup_interval_ms = 0;
+  o.snapshot_recheck_ms = 3600 * 1000;
+  StoreTree held(o);
+  o.snapshot_recheck_ms = 0;
   StoreTree tree(o);
-  auto first = tree.Resolve("/r/snapshots/a/tensors/t/main");
+  auto first = held.Resolve("/r/snapshots/a/tensors/t/main");
   ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto first_rechecked = tree.Resolve("/r/snapshots/a/tensors/t/main");
+  ASSERT_TRUE(first_rechecked.ok()) << first_rechecked.status().ToString();
   ASSERT_TRUE(s->ReleaseSnapshot("a").ok());
-  // Past catchup_interval_ms (20): a lookup of latest/ would catch up now.
-  std::this_thread::sleep_for(std::chrono::milliseconds(60));
-  auto again = tree.Resolve("/r/snapshots/a/tensors/t/main");
+  auto again = held.Resolve("/r/snapshots/a/tensors/t/main");
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(again->gen.get(), first->gen.get()) << "the held generation, without a catch-up";
-  std::this_thread::sleep_for(std::chrono::milliseconds(1700));
   auto gone = tree.Resolve("/r/snapshots/a/tensors/t/main");
   EXPECT_TRUE(gone.status().IsNotFound()) << (gone.ok() ? "still resolves after the recheck" : gone.status().ToString());
   auto listing = tree.Resolve("/r/snapshots");
@@ -655,7 +721,7 @@ TEST_F(ChunkReaderTest, PrefetcherStopsAtItsByteBound) {
     pf.Opened(gen, files[first + 1], false);
     {
       std::unique_lock<std::mutex> l(mu);
-      const bool done = cv.wait_for(l, std::chrono::seconds(20), [&] { return round_done; });
+      const bool done = cv.wait_for(l, kHangLimit, [&] { return round_done; });
       l.unlock();
       sp->Reset();
       ASSERT_TRUE(done) << "the prefetcher's round never ended";
@@ -768,18 +834,24 @@ TEST_F(ChunkReaderTest, PusherStopsAtAFarRead) {
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     std::mutex mu;
     std::condition_variable cv;
-    bool released = false;
+    bool released = false;     // guarded by mu
+    bool first_store = false;  // guarded by mu
     std::atomic<uint64_t> calls{0};
     constexpr uint64_t kFar = 4ull << 20;  // the file: 32 MiB in 2 MiB chunks
     CachePusher pusher(std::shared_ptr<ChunkReader>(std::move(r).value()), [&](uint64_t, std::span<const iovec>) {
       if (calls++ == 0) {
         std::unique_lock<std::mutex> l(mu);
+        first_store = true;
+        cv.notify_all();
         cv.wait(l, [&] { return released; });
       }
       return 0;
     }, &stats, kFar);
     pusher.OnRead(0, 128 << 10);
-    while (calls.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    {
+      std::unique_lock<std::mutex> l(mu);
+      cv.wait(l, [&] { return first_store; });
+    }
     // The push front is in the first chunk now.
     if (ahead) {
       pusher.OnRead(20ull << 20, 128 << 10);

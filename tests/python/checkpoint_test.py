@@ -7,12 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest, binary, mounted, optstate
+from common import HANG_LIMIT_S, OPT_KW, TempDirTest, binary, mounted, optstate, wait_for
 import optstate.checkpoint as ckpt
 import optstate.torch as ot
 from torch_adamw_test import make_model, two_groups
@@ -136,17 +135,15 @@ class CheckpointTest(TempDirTest):
         daemon = subprocess.Popen([mount_bin, root, mnt, "-f", "--log", log], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 30
-            while not mounted(mnt):  # polls the condition itself: the mount table
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    with open(log) as f:
-                        self.fail("optstate-mount did not come up:\n" + f.read()[-3000:])
-                time.sleep(0.02)
+            # The mount table itself, or the daemon's exit.
+            if not wait_for(lambda: mounted(mnt) or daemon.poll() is not None) or not mounted(mnt):
+                with open(log) as f:
+                    self.fail("optstate-mount did not come up:\n" + f.read()[-3000:])
             m_files, m_dirs = tree(os.path.join(mnt, "s", "snapshots", "snap"))
         finally:
             if mounted(mnt):
                 subprocess.run(["fusermount3", "-u", mnt], check=False)
-            daemon.wait(timeout=30)
+            daemon.wait(timeout=HANG_LIMIT_S)
         self.assertEqual(files, m_files)
         self.assertEqual(dirs, m_dirs)
 

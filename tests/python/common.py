@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import unittest
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,3 +39,20 @@ def mounted(mnt):
     """Whether mnt is a mount point now (the kernel's mount table)."""
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == mnt for line in f)
+
+
+# How long a wait on something no event signals (a mount appearing, another
+# process's state) may take before a test calls it a hang: generous, so that
+# only a hang fails, never a slow or loaded machine.
+HANG_LIMIT_S = 60
+
+
+def wait_for(done, limit_s=HANG_LIMIT_S, poll_s=0.02):
+    """Polls done() until it returns true or limit_s has passed; its last value."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        if done():
+            return True
+        if time.monotonic() >= deadline:
+            return bool(done())
+        time.sleep(poll_s)

@@ -13,12 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest, binary, mounted
+from common import HANG_LIMIT_S, OPT_KW, TempDirTest, binary, mounted, wait_for
 
 WORLD = 2
 SNAPSHOT_STEP = 3
@@ -122,17 +121,15 @@ class DdpMountTest(TempDirTest):
         log = self.path("optstate-mount.log")
         self.daemon = subprocess.Popen([self.mount_bin, root, self.mnt, "-f", "--log", log],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while not mounted(self.mnt):  # polls the condition itself: the mount table
-            if self.daemon.poll() is not None or time.monotonic() > deadline:
-                with open(log) as f:
-                    self.fail("optstate-mount %s %s did not come up (exit %s):\n%s"
-                              % (root, self.mnt, self.daemon.poll(), f.read()[-3000:]))
-            time.sleep(0.02)
+        # The mount table itself, or the daemon's exit.
+        if not wait_for(lambda: mounted(self.mnt) or self.daemon.poll() is not None) or not mounted(self.mnt):
+            with open(log) as f:
+                self.fail("optstate-mount %s %s did not come up (exit %s):\n%s"
+                          % (root, self.mnt, self.daemon.poll(), f.read()[-3000:]))
 
     def unmount(self):
         subprocess.run(["fusermount3", "-u", self.mnt], check=True)
-        self.assertEqual(self.daemon.wait(timeout=30), 0)
+        self.assertEqual(self.daemon.wait(timeout=HANG_LIMIT_S), 0)
         self.daemon = None
         self.assertFalse(mounted(self.mnt))
 

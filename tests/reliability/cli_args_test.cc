@@ -95,7 +95,6 @@ std::vector<std::vector<std::string>> Common() {
           {"/", "/", "/", "/", "/"}};
 }
 
-#ifdef OPTSTATE_REL_INSPECT
 TEST(CliArgsTest, InspectRejectsMalformedArguments) {
   for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_INSPECT, a, true);
   ExpectRejected(OPTSTATE_REL_INSPECT, {"ls", kMissing}, true);
@@ -104,9 +103,7 @@ TEST(CliArgsTest, InspectRejectsMalformedArguments) {
   ExpectUnknownOptionNamed(OPTSTATE_REL_INSPECT, {"--frobnicate"});
   ExpectUnknownOptionNamed(OPTSTATE_REL_INSPECT, {"/tmp", "stat", "--frobnicate"});
 }
-#endif
 
-#ifdef OPTSTATE_REL_RESTORE
 TEST(CliArgsTest, RestoreRejectsMalformedArguments) {
   for (const auto& a : Common()) ExpectRejected(OPTSTATE_REL_RESTORE, a, true);
   ExpectRejected(OPTSTATE_REL_RESTORE, {kMissing, kMissing + "2"}, true);
@@ -115,9 +112,7 @@ TEST(CliArgsTest, RestoreRejectsMalformedArguments) {
   ExpectUnknownOptionNamed(OPTSTATE_REL_RESTORE, {"--frobnicate"});
   ExpectUnknownOptionNamed(OPTSTATE_REL_RESTORE, {"/tmp", "--frobnicate"});
 }
-#endif
 
-#ifdef OPTSTATE_REL_MOUNT
 // Never a real directory as the mountpoint: a mistakenly accepted command
 // line must not mount anything (the mountpoint is always missing).
 TEST(CliArgsTest, MountRejectsMalformedArguments) {
@@ -135,6 +130,5 @@ TEST(CliArgsTest, MountRejectsMalformedArguments) {
   ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, m + "2", "-f"});
   ExpectRejected(OPTSTATE_REL_MOUNT, {"/tmp", m, "--threads", "-f"});
 }
-#endif
 
 }  // namespace

@@ -142,7 +142,7 @@ TEST_F(FaultClassTest, FailNthOperationOfEachClassOnceAndPersistently) {
     FaultInjectionFileSystem fs(FileSystem::Default());
     uint64_t acked = 1;
     std::unique_ptr<Store> s;
-    REL_ASSERT_OK(Workload(&fs, &acked, &s));
+    ASSERT_OK(Workload(&fs, &acked, &s));
     s.reset();
     for (int c = 0; c < 8; ++c) counts[c] = fs.OpCount(static_cast<OpClass>(c));
   }

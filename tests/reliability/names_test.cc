@@ -81,7 +81,7 @@ TEST(NamesTest, OddNamesRoundTripThroughLayoutAndRestore) {
     ASSERT_TRUE(t.ok()) << "name #" << i << ": " << t.status().ToString();
     for (uint32_t f = 0; f < 3; ++f) {
       FillPattern(buf.data(), kTestChunk, 77 + i * 3 + f);
-      REL_ASSERT_OK((*s)->WriteChunk(ChunkRef{t->id, f, 0}, buf.data()));
+      ASSERT_OK((*s)->WriteChunk(ChunkRef{t->id, f, 0}, buf.data()));
     }
   }
   ASSERT_TRUE((*s)->Commit(vfs::CommitInfo{5, {vfs::GroupInfo{0, 5, {{"lr", 0.5}}}}}).ok());
@@ -103,7 +103,7 @@ TEST(NamesTest, OddNamesRoundTripThroughLayoutAndRestore) {
     ASSERT_TRUE(t.ok()) << "name #" << i << " lost in the round trip: " << t.status().ToString();
     EXPECT_EQ(t->numel, 1000 + i);
     for (uint32_t f = 0; f < 3; ++f) {
-      REL_ASSERT_OK((*rv)->ReadChunk(ChunkRef{t->id, f, 0}, got.data()));
+      ASSERT_OK((*rv)->ReadChunk(ChunkRef{t->id, f, 0}, got.data()));
       FillPattern(buf.data(), kTestChunk, 77 + i * 3 + f);
       EXPECT_EQ(0, std::memcmp(got.data(), buf.data(), t->field_bytes(f))) << "name #" << i << " field " << f;
       bytes += t->field_bytes(f);
@@ -145,7 +145,7 @@ TEST(NamesTest, RestoreOfADifferentLayoutIsRefusedAndNamesTheDifference) {
     EXPECT_EQ(dst->LatestGeneration().generation, 1u);
     Buf got(kTestChunk), want(kTestChunk);
     auto t = dst->FindTensor("w");
-    REL_ASSERT_OK(dst->ReadChunk(ChunkRef{t->id, 0, 0}, got.data()));
+    ASSERT_OK(dst->ReadChunk(ChunkRef{t->id, 0, 0}, got.data()));
     FillPattern(want.data(), kTestChunk, numel);
     EXPECT_EQ(0, std::memcmp(got.data(), want.data(), numel * 4)) << "target store changed by a refused restore";
   }

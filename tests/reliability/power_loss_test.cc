@@ -73,18 +73,18 @@ TEST(PowerLossTest, AcknowledgedGenerationsSurviveDropOfUnsyncedData) {
               auto snap = (*s)->CreateSnapshot("p" + std::to_string(g));
               ASSERT_TRUE(snap.ok()) << snap.status().ToString();
             }
-            if (rng() % 4 == 0) REL_ASSERT_OK((*s)->CollectGarbage());
+            if (rng() % 4 == 0) ASSERT_OK((*s)->CollectGarbage());
           }
           // A partly written next generation that is never committed.
           std::vector<vfs::TensorInfo> tensors;
-          REL_ASSERT_OK(EnsureWorkloadTensors(s->get(), &tensors));
-          REL_ASSERT_OK(WriteWorkloadGeneration(s->get(), tensors, acked + 1, rng() % 6));
+          ASSERT_OK(EnsureWorkloadTensors(s->get(), &tensors));
+          ASSERT_OK(WriteWorkloadGeneration(s->get(), tensors, acked + 1, rng() % 6));
           // Power loss: nothing reaches the disk any more, then the process dies.
           fs.SetFilesystemActive(false);
         }
         dropped_bytes += fs.UnsyncedBytes();
         dropped_files += fs.UnsyncedCreations().size();
-        REL_ASSERT_OK(fs.DropUnsyncedData(mode, seed * 1000 + round));
+        ASSERT_OK(fs.DropUnsyncedData(mode, seed * 1000 + round));
         ++crashes;
         const uint64_t g = CheckReopenedStore(path, acked, acked, &bytes, what);
         if (HasFailure()) return;
@@ -167,7 +167,7 @@ TEST(PowerLossTest, PowerLostBeforeEveryOperation) {
         if (!manifest.empty() && std::filesystem::path(c).filename() == manifest) ++names_unsynced_manifest;
       }
     }
-    REL_ASSERT_OK(fs.DropUnsyncedData(mode, n));
+    ASSERT_OK(fs.DropUnsyncedData(mode, n));
     const std::string what = "power lost before operation " + std::to_string(n) + " of " + std::to_string(total) +
                              " (drop " + ModeName(mode) + ", acknowledged generation " + std::to_string(acked) + ")";
     const uint64_t g = CheckReopenedStore(path, acked, acked + 1, &bytes, what);
@@ -239,7 +239,7 @@ TEST(PowerLossTest, PowerLostDuringOpenKeepsEverything) {
       }
       const auto replaced = fs.UnsyncedReplacements();
       unsynced_current += std::find(replaced.begin(), replaced.end(), current) != replaced.end();
-      REL_ASSERT_OK(fs.DropUnsyncedData(mode, n));
+      ASSERT_OK(fs.DropUnsyncedData(mode, n));
       EXPECT_EQ(CheckReopenedStore(path, 3, 3, &bytes, what), 3u) << what;
       {
         auto s = Store::Open(path, WorkloadOptions());
@@ -280,22 +280,22 @@ TEST(PowerLossTest, ReportedRenameIsRevertedUnlessDirectorySynced) {
         auto f = fs.Open(tmp, vfs::OpenOptions{.create = true, .exclusive = true});
         ASSERT_TRUE(f.ok()) << f.status().ToString();
         const std::string next = "MANIFEST-000009\n";
-        REL_ASSERT_OK((*f)->Pwrite(0, next.data(), next.size()));
-        REL_ASSERT_OK((*f)->Fsync());
+        ASSERT_OK((*f)->Pwrite(0, next.data(), next.size()));
+        ASSERT_OK((*f)->Fsync());
       }
       vfs::FaultHooks* hooks = fs.hooks();
-      REL_ASSERT_OK(hooks->BeforeRename(tmp, current));
+      ASSERT_OK(hooks->BeforeRename(tmp, current));
       ASSERT_EQ(::rename(tmp.c_str(), current.c_str()), 0);
       hooks->AfterRename(tmp, current);
       ASSERT_EQ(fs.UnsyncedReplacements().size(), 1u) << what;
       if (dir_synced) {
-        REL_ASSERT_OK(fs.SyncDir(dir.path()));
+        ASSERT_OK(fs.SyncDir(dir.path()));
         EXPECT_TRUE(fs.UnsyncedReplacements().empty()) << what;
       }
       fs.SetFilesystemActive(false);
       // A crashed process cannot rename any more.
       EXPECT_FALSE(hooks->BeforeRename(dir / "x", dir / "y").ok()) << what;
-      REL_ASSERT_OK(fs.DropUnsyncedData(mode, 7));
+      ASSERT_OK(fs.DropUnsyncedData(mode, 7));
       std::ifstream in(current);
       std::string got;
       std::getline(in, got);

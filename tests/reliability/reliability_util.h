@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/status_test_util.h"
 #include "tests/common/test_util.h"
 #include "tests/vfs/store_crash_workload.h"
 #include "vfs/store.h"
@@ -50,12 +51,6 @@ using vfs::store_testing::Writes;
 
 using wl::Buf;
 using wl::kTestChunk;
-
-#define REL_ASSERT_OK(expr)                                 \
-  do {                                                      \
-    ::optstate::Status s_ = (expr);                         \
-    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.ToString(); \
-  } while (0)
 
 // Finds or creates the workload's tensors (in the pending generation).
 inline Status EnsureWorkloadTensors(vfs::Store* store, std::vector<vfs::TensorInfo>* out) {

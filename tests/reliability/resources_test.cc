@@ -140,13 +140,13 @@ TEST(ResourcesTest, FullDiskMidStepThenFreedSpace) {
     g.beta2 = kBeta2;
     g.eps = kEps;
     g.weight_decay = kWeightDecay;
-    REL_ASSERT_OK((*sa)->SetGroup(g));
+    ASSERT_OK((*sa)->SetGroup(g));
     const auto& ps = StackParams();
     std::vector<std::vector<float>> grads(ps.size());
     for (uint32_t k = 0; k < ps.size(); ++k) {
       std::vector<float> w0(ps[k].numel);
       for (uint64_t i = 0; i < ps[k].numel; ++i) w0[i] = InitialWeight(k, i);
-      REL_ASSERT_OK((*sa)->RegisterParam(ps[k].name, ps[k].numel, 0, w0.data(), kernels::ScalarType::kF32));
+      ASSERT_OK((*sa)->RegisterParam(ps[k].name, ps[k].numel, 0, w0.data(), kernels::ScalarType::kF32));
       grads[k].resize(ps[k].numel);
     }
     auto step = [&](uint64_t t) {

@@ -51,10 +51,6 @@
 #include "vfs/checkpoint.h"
 #include "vfs/store.h"
 
-#ifndef OPTSTATE_REL_KILLS_DEFAULT
-#define OPTSTATE_REL_KILLS_DEFAULT 200
-#endif
-
 namespace optstate::reliability {
 namespace {
 
@@ -194,12 +190,8 @@ const char* const kCreatePoints[] = {"store.create.begin", "store.create.identit
                                      "store.create.renamed"};
 
 bool CanMount() {
-#ifdef OPTSTATE_REL_MOUNT_BINARY
   return ::geteuid() == 0 && ::access("/dev/fuse", R_OK | W_OK) == 0 && ::access(OPTSTATE_REL_MOUNT_BINARY, X_OK) == 0 &&
          std::system("command -v fusermount3 >/dev/null 2>&1") == 0;
-#else
-  return false;
-#endif
 }
 
 TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
@@ -267,7 +259,6 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
     }
   } guard{&daemon, &reader, mnt, ""};
   if (CanMount()) {
-#ifdef OPTSTATE_REL_MOUNT_BINARY
     daemon = ::fork();
     if (daemon == 0) {
       const int fd = ::open((root + "/daemon.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -286,7 +277,6 @@ TEST(StackCrashTest, KillLoopWithLiveMountMatchesFp64Reference) {
     }
     ASSERT_EQ(::access((mnt + "/train/latest/manifest.json").c_str(), R_OK), 0) << "mount did not come up";
     reader = std::make_unique<MountReader>(mnt + "/train");
-#endif
   } else {
     std::printf("no live mount (needs root, /dev/fuse, fusermount3 and optstate-mount): readers not run\n");
   }

@@ -84,13 +84,13 @@ TEST(StackInjectTest, FoundInfAndKernelErrorsNeverCommit) {
   uint64_t bytes = 0;
   {
     Stack st;
-    REL_ASSERT_OK(st.Open(path, true));
-    REL_ASSERT_OK(st.Step(1));
-    REL_ASSERT_OK(st.sa->WaitForCommit());  // step 1's commit may run in the background
+    ASSERT_OK(st.Open(path, true));
+    ASSERT_OK(st.Step(1));
+    ASSERT_OK(st.sa->WaitForCommit());  // step 1's commit may run in the background
     const uint64_t gen = st.store->LatestGeneration().generation;
     for (float flag : {1.0f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
                        std::numeric_limits<float>::quiet_NaN()}) {
-      REL_ASSERT_OK(st.Step(2, &flag));
+      ASSERT_OK(st.Step(2, &flag));
       EXPECT_TRUE(st.sa->last_step_skipped()) << "found_inf " << flag;
       EXPECT_EQ(st.store->LatestGeneration().generation, gen) << "found_inf " << flag << " committed";
       EXPECT_EQ(st.sa->step_count(0), 1u);
@@ -102,7 +102,7 @@ TEST(StackInjectTest, FoundInfAndKernelErrorsNeverCommit) {
   uint64_t injected = 0;
   for (uint64_t n = 1; n <= 8 && !HasFailure(); ++n) {
     Stack st;
-    REL_ASSERT_OK(st.Open(path, false));
+    ASSERT_OK(st.Open(path, false));
     ASSERT_EQ(st.sa->step_count(0), 1u);
     const uint64_t gen = st.store->LatestGeneration().generation;
     st.sa->InjectKernelFailureAfter(n);
@@ -151,16 +151,16 @@ TEST(StackInjectTest, PowerLossWithPipelinedCommitKeepsTheStepOrTheOneBefore) {
     uint64_t returned = 0;
     {
       Stack st;
-      REL_ASSERT_OK(st.Open(path, round == 0, &fs));
+      ASSERT_OK(st.Open(path, round == 0, &fs));
       const uint64_t steps = 1 + rng() % 3;
       for (uint64_t n = 0; n < steps; ++n) {
         returned = st.sa->step_count(0) + 1;
-        REL_ASSERT_OK(st.Step(returned));
+        ASSERT_OK(st.Step(returned));
       }
       fs.SetFilesystemActive(false);  // power lost: the commit in flight, if any, can write no more
       st.Close();
     }
-    REL_ASSERT_OK(fs.DropUnsyncedData(mode, rng()));
+    ASSERT_OK(fs.DropUnsyncedData(mode, rng()));
     const uint64_t k = CheckStore(path, returned - 1, &ref, &bytes, what);
     EXPECT_LE(k, returned) << what;
     ++behind[returned - k];

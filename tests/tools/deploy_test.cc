@@ -13,12 +13,15 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/test_util.h"
 #include "tests/tools/tools_test_util.h"
 
 namespace optstate::tools {
 namespace {
 
 using testing::TempDir;
+using test_util::kHangLimit;
+using test_util::WaitFor;
 
 std::string ReadFile(const std::string& p) {
   std::ifstream in(p);
@@ -121,10 +124,7 @@ TEST(DeployFuseTest, FstabLineMountsThroughMountFuse3) {
   setenv("PATH", old_path.c_str(), 1);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->exit_code, 0) << r->err << r->out;
-  bool mounted = false;
-  for (int i = 0; i < 100 && !(mounted = IsFuseMounted(mnt)); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  const bool mounted = WaitFor([&] { return IsFuseMounted(mnt); }, kHangLimit, std::chrono::milliseconds(50));
   ASSERT_TRUE(mounted) << mnt << " is not a fuse mount after mount.fuse3";
   std::error_code ec;
   bool has_store = std::filesystem::exists(mnt + "/rank0000.dense/snapshots/s1/manifest.json", ec);
@@ -132,17 +132,15 @@ TEST(DeployFuseTest, FstabLineMountsThroughMountFuse3) {
   ASSERT_TRUE(u.ok());
   EXPECT_EQ(u->exit_code, 0) << u->err;
   EXPECT_TRUE(has_store) << "the mount does not show rank0000.dense/snapshots/s1/manifest.json";
-  for (int i = 0; i < 100 && IsFuseMounted(mnt); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  WaitFor([&] { return !IsFuseMounted(mnt); }, kHangLimit, std::chrono::milliseconds(50));
   EXPECT_FALSE(IsFuseMounted(mnt));
   // The detached daemon wrote its log where log= said, up to its last line.
   std::string text;
-  for (int i = 0; i < 100 && text.find("unmounted; served") == std::string::npos; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  WaitFor([&] {
     std::ifstream in(log);
     text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
+    return text.find("unmounted; served") != std::string::npos;
+  }, kHangLimit, std::chrono::milliseconds(50));
   EXPECT_NE(text.find("serving " + root + " at " + mnt), std::string::npos) << text;
   EXPECT_NE(text.find("unmounted; served"), std::string::npos) << text;
 }

@@ -171,30 +171,21 @@ float Value(uint32_t field, uint64_t i) {
 }
 
 std::unique_ptr<vfs::Store> MakeAdamStore(const std::string& path) {
-  vfs::StoreOptions o;
-  o.chunk_size_bytes = 2 * vfs::kMiB;
-  o.preallocate_step_bytes = 8 * vfs::kMiB;
-  auto s = vfs::Store::Create(path, o);
-  EXPECT_TRUE(s.ok()) << s.status().ToString();
-  if (!s.ok()) return nullptr;
+  std::unique_ptr<vfs::Store> s = testing::CreateTestStore(path);
+  if (s == nullptr) return nullptr;
   vfs::TensorSpec spec;
   spec.name = "layer.weight";
   spec.numel = kNumel;
-  auto t = (*s)->CreateTensor(spec);
+  auto t = s->CreateTensor(spec);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
-  const uint64_t per_chunk = o.chunk_size_bytes / 4;
-  vfs::IoBuffer buf(o.chunk_size_bytes);
   for (uint32_t f = 0; f < 3; ++f) {
-    for (uint64_t c = 0; c * per_chunk < kNumel; ++c) {
-      for (uint64_t i = 0; i < per_chunk; ++i) buf.as<float>()[i] = Value(f, c * per_chunk + i);
-      EXPECT_TRUE((*s)->WriteChunk({t->id, f, c}, buf.data()).ok());
-    }
+    testing::WriteFloatField(s.get(), t->id, f, kNumel, [f](uint64_t i) { return Value(f, i); });
   }
   vfs::CommitInfo ci;
   ci.step = 42;
   ci.groups.push_back(vfs::GroupInfo{0, 42, {{"lr", 1e-3}, {"adamw", 1.0}}});
-  EXPECT_TRUE((*s)->Commit(ci).ok());
-  return std::move(*s);
+  EXPECT_TRUE(s->Commit(ci).ok());
+  return s;
 }
 
 // A field of the newest generation, decoded to fp32; its dtype in *dtype.

@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <random>
 #include <set>
 #include <string>
@@ -18,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/test_util.h"
 #include "tests/vfs/io_test_util.h"
 #include "vfs/file_system.h"
 #include "vfs/internal/posix_file.h"
@@ -589,19 +592,30 @@ TEST(UringOptionsTest, WakeEndsABlockedReapEarly) {
   ASSERT_TRUE((*e)->Submit({&r, 1}).ok());
 
   // Without a working Wake() the Reap below would wait for data forever: after
-  // 10 s this thread supplies it, so the test fails instead of hanging.
+  // test_util::kHangLimit this thread supplies it, so the test fails instead
+  // of hanging. The pause before Wake() lets the Reap block first on most
+  // runs; where the Wake() comes first, the Reap must return at once as well.
   const std::vector<char> data(4096, 'x');
-  std::atomic<bool> reaped{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reaped = false;  // guarded by mu
   std::atomic<bool> fed{false};
   std::thread waker([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     (*e)->Wake();
-    for (int i = 0; i < 1000 && !reaped; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    if (!reaped && ::write((*f)->fd(), data.data(), data.size()) == static_cast<ssize_t>(data.size())) fed = true;
+    std::unique_lock<std::mutex> l(mu);
+    if (!cv.wait_for(l, test_util::kHangLimit, [&] { return reaped; }) &&
+        ::write((*f)->fd(), data.data(), data.size()) == static_cast<ssize_t>(data.size())) {
+      fed = true;
+    }
   });
   std::vector<IoCompletion> done;
   Status st = (*e)->Reap(&done, 1);
-  reaped = true;
+  {
+    std::lock_guard<std::mutex> l(mu);
+    reaped = true;
+  }
+  cv.notify_all();
   waker.join();
   ASSERT_TRUE(st.ok()) << st.ToString();
   ASSERT_FALSE(fed.load()) << "Reap waited for the data instead of returning on Wake()";

@@ -160,10 +160,7 @@ TEST(StoreTest, RoundTripSizesAcrossReopenStripedOverTwoDirs) {
 TEST(StoreTest, NeverWrittenChunksReadZerosWithoutIo) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = 3 * kTestChunk / 4 + 5;
-  auto t = Unwrap(s->CreateTensor(spec));
+  auto t = NewTensor(s.get(), "w", 3 * kTestChunk / 4 + 5);
   CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, std::nullopt);
   EXPECT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
   CheckAll([&](const ChunkRef& r, void* b) { return s->ReadChunk(r, b); }, t, 0, std::nullopt);
@@ -242,10 +239,7 @@ TEST(StoreTest, ChunkReadsIntoABufferSmallerThanAChunk) {
 TEST(StoreTest, ViewOfOldGenerationSurvivesCommitsThenExtentsAreReused) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = 2 * kTestChunk / 4;
-  auto t = Unwrap(s->CreateTensor(spec));
+  auto t = NewTensor(s.get(), "w", 2 * kTestChunk / 4);
   Buf buf(kTestChunk);
   WriteAll(s.get(), t, 1, &buf);
   ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
@@ -283,10 +277,7 @@ TEST(StoreTest, ViewOfOldGenerationSurvivesCommitsThenExtentsAreReused) {
 TEST(StoreTest, SnapshotsPinGenerations) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = kTestChunk / 4 + 100;
-  auto t = Unwrap(s->CreateTensor(spec));
+  auto t = NewTensor(s.get(), "w", kTestChunk / 4 + 100);
   Buf buf(kTestChunk);
   WriteAll(s.get(), t, 1, &buf);
   ASSERT_EQ(Unwrap(s->Commit(CommitInfo{10, {GroupInfo{0, 10, {}}}})), 1u);
@@ -361,10 +352,7 @@ TEST(StoreTest, DiskUseStaysWithinTwiceLivePlusPreallocation) {
 TEST(StoreTest, AbortPendingFreesExtentsAndKeepsCommittedData) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = 2 * kTestChunk / 4;
-  auto t = Unwrap(s->CreateTensor(spec));
+  auto t = NewTensor(s.get(), "w", 2 * kTestChunk / 4);
   Buf buf(kTestChunk);
   WriteAll(s.get(), t, 1, &buf);
   ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
@@ -421,10 +409,7 @@ TEST(StoreTest, TensorsOfAnUncommittedGenerationAreNeverPublished) {
 TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = 4 * kTestChunk / 4;
-  auto t = Unwrap(s->CreateTensor(spec));
+  auto t = NewTensor(s.get(), "w", 4 * kTestChunk / 4);
   auto io = Unwrap(s->NewChunkIo(ChunkIoOptions{}));
   std::vector<std::unique_ptr<Buf>> bufs;
   for (uint64_t c = 0; c < 4; ++c) {
@@ -529,10 +514,7 @@ TEST(StoreTest, SecondOpenInProcessIsBusyNamingPid) {
 TEST(StoreTest, ReadOnlyReaderLeaseSurvivesWriterCommits) {
   TempDir dir;
   auto w = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = 2 * kTestChunk / 4 + 3;
-  auto t = Unwrap(w->CreateTensor(spec));
+  auto t = NewTensor(w.get(), "w", 2 * kTestChunk / 4 + 3);
   Buf buf(kTestChunk);
   WriteAll(w.get(), t, 1, &buf);
   ASSERT_EQ(Unwrap(w->Commit(CommitInfo{})), 1u);
@@ -585,10 +567,7 @@ std::vector<uint64_t> ReadRetainedFile(const std::filesystem::path& store) {
 TEST(StoreTest, ReaderCatchUpFollowsWritesThatAreNotCommits) {
   TempDir dir;
   auto w = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = kTestChunk / 4 + 5;
-  auto t = Unwrap(w->CreateTensor(spec));
+  auto t = NewTensor(w.get(), "w", kTestChunk / 4 + 5);
   Buf buf(kTestChunk);
   WriteAll(w.get(), t, 1, &buf);
   ASSERT_EQ(Unwrap(w->Commit(CommitInfo{})), 1u);
@@ -699,10 +678,7 @@ void FlipByteOnDisk(const Store& s, const ChunkInfo& info, uint64_t at, uint8_t 
 TEST(StoreTest, FlippedByteIsCorruptionNamingTheChunk) {
   TempDir dir;
   auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
-  TensorSpec spec;
-  spec.name = "layers.3.mlp";
-  spec.numel = 3 * kTestChunk / 4;
-  auto t = Unwrap(s->CreateTensor(spec));
+  auto t = NewTensor(s.get(), "layers.3.mlp", 3 * kTestChunk / 4);
   Buf buf(kTestChunk);
   WriteAll(s.get(), t, 1, &buf);
   ASSERT_EQ(Unwrap(s->Commit(CommitInfo{})), 1u);
@@ -904,10 +880,7 @@ TEST(StoreTest, RetainedGenerationsAreReadable) {
   StoreOptions opts = TestOptions();
   opts.retained_generations = 3;
   auto s = Unwrap(Store::Create(dir / "s", opts));
-  TensorSpec spec;
-  spec.name = "w";
-  spec.numel = kTestChunk / 2;
-  auto t = Unwrap(s->CreateTensor(spec));
+  auto t = NewTensor(s.get(), "w", kTestChunk / 2);
   Buf buf(kTestChunk);
   for (uint64_t g = 1; g <= 5; ++g) {
     WriteAll(s.get(), t, g, &buf);

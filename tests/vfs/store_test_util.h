@@ -2,7 +2,7 @@
 // areas' helpers of the same names in vfs::testing): temp dirs, aligned
 // buffers and the deterministic chunk content used as an independent
 // reference, all from tests/common/test_util.h, plus the store options the
-// tests use and the Status/Result assertions.
+// tests use; the Status/Result assertions from tests/common/status_test_util.h.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,15 +12,9 @@
 #include <string>
 #include <utility>
 
+#include "tests/common/status_test_util.h"
 #include "tests/common/test_util.h"
 #include "vfs/store.h"
-
-// Fails the test (and returns) when a Status is not OK, with its message.
-#define ASSERT_OK(expr)                    \
-  do {                                     \
-    auto _s = (expr);                      \
-    ASSERT_TRUE(_s.ok()) << _s.ToString(); \
-  } while (0)
 
 namespace optstate::vfs::store_testing {
 
@@ -36,13 +30,15 @@ using test_util::Buf;
 using test_util::ChunkSeed;
 using test_util::FillPattern;
 
-// The value of r; a failed Result fails the test and aborts it (the callers
-// need the value to go on).
-template <typename T>
-T Unwrap(Result<T> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  if (!r.ok()) std::abort();
-  return std::move(r).value();
+using test_util::Unwrap;
+
+// Creates tensor `name` of `numel` elements (group 0, fp32) in s's pending
+// generation; a failure fails the test and aborts it.
+inline TensorInfo NewTensor(Store* s, const std::string& name, uint64_t numel) {
+  TensorSpec spec;
+  spec.name = name;
+  spec.numel = numel;
+  return Unwrap(s->CreateTensor(spec));
 }
 
 inline StoreOptions TestOptions() {
