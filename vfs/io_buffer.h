@@ -5,8 +5,8 @@
 // IoPages::kHuge: from 2 MiB up, 2 MiB-aligned and asked to be backed by
 // transparent huge pages (MADV_HUGEPAGE; plain pages where THP is `never`).
 // What it changes: the block layer ends a request once it holds max_segments
-// physically discontiguous pieces (/sys/block/<dev>/queue/max_segments: 254
-// on both our virtio disks), so an 8 MiB chunk in scattered 4 KiB pages
+// physically discontiguous pieces (/sys/block/<dev>/queue/max_segments, 254
+// on virtio disks), so an 8 MiB chunk in scattered 4 KiB pages
 // reaches the device as ~9 requests of ~1 MiB, in huge pages as 2 of 4 MiB
 // (max_sectors_kb). That is faster only on a device whose requests can be
 // 2 MiB or more (a disk capped at 1280 KiB, which base pages nearly fill, got
