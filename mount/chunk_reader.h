@@ -52,7 +52,7 @@
 // several threads at once; the destructor must not race with them. FUSE sends
 // release once the kernel has the reply to the last read, which can be before
 // that read's ReadWith returns (it unpins after `consume`): the mount keeps a
-// shared reference per request (mount/fuse_mount.cc NewHandle/HandleOf).
+// shared reference per request (mount/internal/open_handles.h NewHandle/HandleOf).
 #pragma once
 
 #include <sys/uio.h>
