@@ -79,9 +79,9 @@ struct MemoryManagerOptions {
   // io_uring reads in flight (Pin/Prefetch: all requests) per ChunkIo. Default 32.
   uint32_t queue_depth = 32;
   // StreamedAdam: chunk writes in flight on top of queue_depth reads (the ring
-  // holds both). 0 = reads and writes share queue_depth. Default 32: with one
-  // shared queue of 32 the H200 step waited on reads behind writes; fio's
-  // floor (a read job and a write job of depth 32 each) runs 64 deep too.
+  // holds both). 0 = reads and writes share queue_depth. Default 32: a shared
+  // queue makes reads wait behind writes, and fio's floor (a read job and a
+  // write job of depth 32 each) runs 64 deep too (docs/BENCHMARKS.md "Defaults").
   uint32_t write_queue_depth = 32;
   // Chunk slices (one chunk of main+exp_avg+exp_avg_sq) staged at once by the
   // StreamedAdam pipeline (reading, computing or writing); 0 = auto: enough
@@ -94,20 +94,16 @@ struct MemoryManagerOptions {
   // direct I/O then reaches the disk as few large requests instead of many
   // ~1 MiB ones. kAuto (default): huge pages when the device under the
   // store's first data dir takes requests of 2 MiB or more
-  // (vfs::PreferredIoPages), base pages otherwise. Why: the H200 machine's
-  // disk takes at most 1280 KiB a request and its step ran 1.2-1.4x slower
-  // with huge pages; the development VM's takes 4 MiB and its step ran 1.3-1.5x
-  // faster with them. docs/BENCHMARKS.md "Defaults" (optstate-bench step
-  // --huge-pages / --base-pages).
+  // (vfs::PreferredIoPages), base pages otherwise. Why: huge pages make a
+  // step faster only on a disk that takes requests of 2 MiB or more, and
+  // slower on one that takes ~1 MiB (docs/BENCHMARKS.md "Defaults").
   enum class StagingPages { kAuto, kBase, kHuge };
   StagingPages staging_pages = StagingPages::kAuto;
   // Chunk I/O goes to the kernel as parallel SQEs of at most this many bytes
   // (vfs IoEngineOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
-  // With huge-page staging it asks for smaller device requests, but the block
-  // layer's scheduler may merge adjacent parts back: on the H200 1 MiB parts
-  // reached the disk as ~2 MiB requests (step 1.25x of the floor) unless
-  // merging was off (/sys/block/<dev>/queue/nomerges = 2: 1.01x). docs/BENCHMARKS.md
-  // "Defaults".
+  // Why 0: the block layer merges adjacent parts back into large requests
+  // unless merging is off (/sys/block/<dev>/queue/nomerges = 2), so smaller
+  // SQEs only cost submissions (docs/BENCHMARKS.md "Defaults").
   uint64_t max_sqe_bytes = 0;
   // StreamedAdam's chunk I/O reaches the kernel in batches, one
   // io_uring_enter per pipeline pass (vfs IoEngineOptions::defer_submit), so
@@ -119,8 +115,8 @@ struct MemoryManagerOptions {
   // (write checksums, read verification; vfs ChunkIoOptions::hash_threads),
   // so that the pipeline thread only submits and reaps. kAutoHashThreads
   // (default): 4 on machines of 8 or more cores, else 0 (the pipeline thread
-  // hashes, as on the 2-core development VM, where the CPU kernels and the
-  // kernel's I/O workers already take both cores). docs/BENCHMARKS.md "Defaults".
+  // hashes: on fewer cores the CPU kernels and the kernel's I/O workers
+  // already take them all). docs/BENCHMARKS.md "Defaults".
   static constexpr uint32_t kAutoHashThreads = ~uint32_t{0};
   uint32_t hash_threads = kAutoHashThreads;
 };

@@ -199,8 +199,6 @@ struct StreamedAdamOptions {
   // instead of landing in Commit. 0 = only Commit syncs. Default 512 MiB
   // (docs/BENCHMARKS.md "Defaults" has the measurements behind it).
   uint64_t background_sync_bytes = 512ull << 20;
-  // Trainer step recorded in each commit; default: last committed step + 1.
-  // (See set_global_step.)
   // Steps whose commit may still be running when Step returns: 0 = Step
   // returns once its generation is committed (durable); 1 = Step returns
   // once the kernels and param copies are done and the commit (write tail,

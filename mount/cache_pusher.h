@@ -8,9 +8,8 @@
 // the disk's pace (its ChunkReader's window) and stores each verified range
 // into the page cache from its own thread, so a sequential reader mostly
 // finds its pages there and the kernel sends READs only where the reader
-// caught up with the push (H200 machine, `cp -r` of a trainer's 2 GiB
-// snapshot, caches dropped: 1.28-1.48 s pushed vs 1.48-1.73 s by the kernel's
-// read-ahead alone vs 1.69-1.73 s direct_io; docs/BENCHMARKS.md, "Defaults").
+// caught up with the push (faster than the kernel's read-ahead alone and than
+// direct_io: docs/BENCHMARKS.md, "Defaults").
 //
 // When: the push starts at the file's first READ at offset 0 (cp, cat, tar,
 // rsync, a Python read() all start there) and goes from the end of that READ

@@ -9,10 +9,9 @@
 
 namespace optstate::mount {
 
-// Chunk buffers in 2 MiB pages (vfs/io_buffer.h): on the development VM cp -r
-// from the mount moved 0.68-0.73 GB/s so against 0.53-0.64 GB/s in base pages
-// (optstate-bench mount --state 1G, interleaved); the same on the H200 machine
-// (0.74x and 0.75x of fio in two runs).
+// Chunk buffers in 2 MiB pages (vfs/io_buffer.h): a chunk then reaches the
+// disk as few large requests; never slower than base pages on the machines of
+// docs/BENCHMARKS.md ("Defaults", staging_pages).
 constexpr vfs::IoPages kPoolPages = vfs::IoPages::kHuge;
 
 ChunkBufferPool::~ChunkBufferPool() {
@@ -43,8 +42,8 @@ char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
     allocated_bytes_ += bytes;  // reserved; mapped and zeroed below, outside the lock
   }
   // Unmapping and faulting in (an 8 MiB memset) outside the lock: under it a
-  // burst of opens, each taking a buffer, queued every reader behind the
-  // others' page faults (400 readers waited up to 13 s on the dev VM).
+  // burst of opens, each taking a buffer, queues every reader behind the
+  // others' page faults.
   for (auto& [n, b] : evicted) vfs::FreeIoMemory(b, n, kPoolPages);
   auto b = vfs::AllocateIoMemory(bytes, kPoolPages);
   if (!b.ok()) {

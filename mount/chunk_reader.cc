@@ -51,11 +51,9 @@ constexpr uint64_t kSmallChunkSlots = 4;
 // reader issues concurrent preads, and they reach the reader slightly out of
 // order. A request that lands in the trail neither moves the window back
 // nor shrinks it, and read-ahead does not evict a trail chunk whose bytes
-// have not all been handed out yet. Before the trail a late request was a
-// backward jump: the window snapped back to one chunk, then forward again,
-// and read-ahead evicted the chunks those late requests came for (H200
-// machine, --page-cache all: 1417-1667 chunk loads per `cp -r` of a 650-chunk
-// snapshot, 950-1000 waits).
+// have not all been handed out yet. Without it a late request is a backward
+// jump: the window snaps back to one chunk, and read-ahead evicts the chunks
+// those late requests come for, loading many chunks twice.
 constexpr uint64_t kTrailChunks = 3;
 
 uint64_t RoundUp4096(uint64_t n) { return (n + 4095) / 4096 * 4096; }
@@ -151,8 +149,8 @@ Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Gen
     // A file of one chunk (most of a trainer's files: norms, biases, small
     // tensors) has nothing to submit behind that chunk: its I/O thread reads
     // and verifies it synchronously (ReadChunk), without a ring or a verify
-    // thread (dev VM: open + close of a reader 136 us with both; a `cp -r` of
-    // a snapshot of small tensors opens one per file).
+    // thread, whose setup would dominate the open of each small file that a
+    // `cp -r` of a snapshot makes.
     if (r->seq_len_ > 1) r->verify_thread_ = std::thread([p = r.get()] { p->VerifyLoop(); });
   } catch (const std::system_error& e) {
     return ResourceExhausted(fmt::format("optstate-mount: store {} ({}/{}): cannot start a read-ahead thread: {}",

@@ -1,15 +1,14 @@
 // ChunkReader: the read path of one open file of the mount.
 //
 // One synchronous 1 MiB O_DIRECT pread per FUSE request is latency-bound
-// (~0.5 GB/s measured), so each reader has its own I/O thread that keeps whole
+// (a fraction of the disk's rate), so each reader has its own I/O thread that keeps whole
 // chunks of the file's chunk sequence in flight on its own ChunkIo (io_uring,
 // from the generation's GenerationView) and reaps them, and a verify thread
 // checks each loaded chunk's XXH3 (ChunkIoOptions::verify_reads = false; a
 // file of one chunk has neither ring nor verify thread: its I/O thread reads
 // and verifies that chunk synchronously):
-// hashing on the I/O thread held back its next submissions, and the disk idled
-// 30% of a sequential read (H200 machine: read(2) 1.52 GB/s with the hash
-// there, 1.90-2.02 GB/s with none, fio 2.38). The verify thread hashes a
+// hashing on the I/O thread held back its next submissions and left the disk
+// idle for part of a sequential read. The verify thread hashes a
 // chunk shortly before the reader reaches it (kVerifyAhead), so that the
 // reader's copies can find it in cache. A FUSE request only waits for a chunk that is
 // already verified and copies (or hands) its bytes out: no disk wait, no
@@ -25,8 +24,7 @@
 // interleaves runs of a dozen one-chunk fields of a few KiB (norms, biases)
 // with fields of whole chunks, and a window of 8 chunks shrank there to a few
 // KiB ahead, so the next big field's chunks were asked for only when the
-// reader got there (H200 machine: 93 waits, 0.42 s, in a 1.2 s `cp` of a
-// trainer's 1 GiB state.safetensors). Such a file's reader has more slots
+// reader got there. Such a file's reader has more slots
 // (kSmallChunkSlots per chunk of the window) and buffers sized to its chunks;
 // its buffer bytes stay within (readahead_chunks + 1 + the trail, below) of
 // its longest chunk.
@@ -54,7 +52,7 @@
 // several threads at once; the destructor must not race with them. FUSE sends
 // release once the kernel has the reply to the last read, which can be before
 // that read's ReadWith returns (it unpins after `consume`): the mount keeps a
-// shared reference per request (mount/fuse_mount.cc NewHandle/HandleOf).
+// shared reference per request (mount/internal/open_handles.h NewHandle/HandleOf).
 #pragma once
 
 #include <sys/uio.h>

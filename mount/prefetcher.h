@@ -21,8 +21,8 @@ namespace optstate::mount {
 // generation's files one after another in tree order (Generation::
 // files_in_tree_order; cp through TreeInodeOf), and each new file used to cost
 // its first chunk's disk latency on top of the FUSE round trips: on a
-// realistic snapshot (hundreds of tensors, many of a few KiB) the disk was
-// busy 7% of a `cp -r`. Once opens go through a generation in tree order (a
+// realistic snapshot (hundreds of tensors, many of a few KiB) the disk idled
+// through most of a `cp -r`. Once opens go through a generation in tree order (a
 // file opened right after its predecessor with chunks, or one the Prefetcher
 // had opened), the Prefetcher's thread opens ChunkReaders for the next
 // opts.prefetch_files files with chunks, so their first chunks are loading

@@ -52,59 +52,41 @@ namespace optstate::mount {
 
 struct MountOptions {
   std::string store_root;             // absolute path of STORE_ROOT
-  // Whole chunks read ahead per open file (queue depth of its ChunkIo). Default 8.
-  // Why 8: 8 x 8 MiB = 64 MiB in flight, at least the 32 MiB of the fio
-  // reference (1 MiB x QD 32); 4, 8 and 16 all ran at disk speed on the dev VM
-  // (cp/fio 0.93, 0.92, 0.98), and the window ramps up from 1, so random readers
-  // do not pay for the depth.
+  // Read-ahead per open file, in whole chunks' worth of bytes (the queue depth
+  // of its ChunkIo). Default 8: 64 MiB in flight at 8 MiB chunks, at least the
+  // 32 MiB of the fio reference (1 MiB x QD 32); the window ramps up from one
+  // chunk, so random readers do not pay for the depth.
   uint32_t readahead_chunks = 8;
-  // Most bytes of chunk buffers (read-ahead) over all open files. Default 1 GiB.
-  // Why: 14 files read at full depth (9 x 8 MiB each) before readers shrink to
-  // what they hold; the old unbounded pool kept up to 512 MiB idle anyway.
+  // Most bytes of chunk buffers (read-ahead) over all open files. Default
+  // 1 GiB: 14 files read at full depth at once.
   uint64_t buffer_pool_bytes = 1ull << 30;
   // Each chunk read goes out as parallel SQEs of at most this many bytes
   // (vfs::ChunkIoOptions::max_sqe_bytes); 0 = one SQE per chunk (default).
   uint64_t max_sqe_bytes = 0;
-  // Files opened ahead of the reader, in tree order (mount/chunk_reader.h
-  // Prefetcher): at most prefetch_files of them, and no more once the files
-  // opened ahead load prefetch_bytes (each loads its first two chunks at
-  // most); prefetch_files 0 = none. Defaults 32 files, 32 MiB. Why bytes: a
-  // trainer's snapshot puts runs of a dozen files of a few KiB (norms,
-  // biases) between tensors of several chunks, so a fixed count of files
-  // ahead either often held only KiB (4: the next big tensor's first chunk
-  // was read after its reader asked) or, with 32, loaded 64+ MiB ahead and
-  // was slower on the 2-core VM (docs/BENCHMARKS.md, "Defaults").
+  // Files opened ahead of the reader, in tree order (mount/prefetcher.h): at
+  // most prefetch_files of them, and no more once the files opened ahead load
+  // prefetch_bytes (each loads its first two chunks at most); prefetch_files
+  // 0 = none. Defaults 32 files, 32 MiB. Why bytes: a trainer's snapshot puts
+  // runs of a dozen files of a few KiB (norms, biases) between tensors of
+  // several chunks, so a count of files alone either holds only KiB ahead or
+  // loads far more than the copy needs (docs/BENCHMARKS.md, "Defaults").
   uint32_t prefetch_files = 32;
   uint64_t prefetch_bytes = 32ull << 20;
   // st_blksize of the generation files, the size cp and other readers buffer
-  // by; 0 = the store's chunk size. Default 1 MiB. Why: GNU cp allocates a
-  // buffer of st_blksize for every file it copies; at 8 MiB (the chunk size)
-  // that was a fresh mmap, 2048 page faults and a munmap per file, and a
-  // buffer too big to stay in cache between cp's read and its write. H200
-  // machine, the 264-file snapshot of a trainer: cp -r 2.21-2.30 s vs
-  // 2.40-2.59 s; one 4 GiB tensor 3.29-3.36 s vs 3.07-3.23 s (README).
+  // by; 0 = the store's chunk size. Default 1 MiB: GNU cp allocates a buffer
+  // of st_blksize for every file it copies, and at 8 MiB that is a fresh mmap,
+  // 2048 page faults and a munmap per file (docs/BENCHMARKS.md, "Defaults").
   uint64_t st_blksize_bytes = 1ull << 20;
   // Which files are read through the kernel's page cache (kept across opens,
   // since a node's bytes never change) instead of direct_io. Cached files can
   // be mmap'd (direct_io ones fail with ENODEV), which is how the safetensors
-  // library, numpy.memmap and Python's mmap open a file. Big files used to be
-  // faster direct_io, each read(2) going to the daemon as serial 1 MiB
-  // requests answered from its verified chunk buffers, while the kernel's own
-  // read-ahead made the reader allocate every page-cache page and wait for
-  // 128 KiB round trips; since the daemon pushes a big cached file's chunks
-  // into the page cache ahead of a sequential reader (CachePusher), cached is
-  // faster there too (H200 machine, caches dropped, 3 rounds: a trainer's
-  // 2 GiB snapshot 1.27-1.91 s cached vs 1.66-1.68 s direct, one 6 GiB tensor
-  // 3.62-3.76 vs 4.67-4.93 s). Not on the 2-core development VM, where every
-  // fresh page costs the hypervisor a fault and the page cache doubles the
-  // pages a copy touches (2 GiB snapshot 3.4-4.7 s cached vs 1.6-3.2 s
-  // direct): `small` there. Small files are cached in every mode but `none`:
-  // a direct_io read(2) pins the whole buffer the reader passes (cp:
-  // st_blksize, 1 MiB, freshly mapped per file, so 256 pages faulted in for a
-  // 256-byte norm) and the kernel sends one more READ at EOF (dev VM, `cp -r`
-  // of a 16000-file snapshot of small tensors: 12.5-13.6 s direct vs 6.3-6.5 s
-  // with files of at most kSmallFileBytes cached). Default kAll
-  // (--page-cache none|small|mappable|all).
+  // library, numpy.memmap and Python's mmap open a file, and a CachePusher
+  // fills a big cached file's pages ahead of a sequential reader, which makes
+  // cached faster than direct_io for copies too. Small files are cached in
+  // every mode but `none`: a direct_io read(2) pins the whole buffer the
+  // reader passes and the kernel sends one more READ at EOF. Default kAll
+  // (--page-cache none|small|mappable|all); `small` suits a VM where every
+  // fresh page costs a hypervisor fault (docs/BENCHMARKS.md, "Defaults").
   enum class PageCache : uint8_t {
     kNone,      // every file direct_io
     kSmall,     // files of at most kSmallFileBytes cached (mmap-able), the others direct_io
@@ -117,26 +99,21 @@ struct MountOptions {
   PageCache page_cache = PageCache::kAll;
   // The kernel's read-ahead for the mount when big files are cached (its
   // bdi's read_ahead_kb, set after mounting; needs root); 0 = the kernel's
-  // own (128 KiB). Default 0. Why: a CachePusher fills the page cache of a
-  // big cached file ahead of a sequential reader, and a wide kernel
-  // read-ahead only sent READs for pages the push was about to store (H200
-  // machine, `cp -r` of a trainer's snapshot: 1.40-1.48 s with 16 MiB vs
-  // 1.28-1.48 s with the kernel's own; dev VM 4.0-4.9 vs 3.4-3.7 s).
+  // own (128 KiB). Default 0: the CachePusher fills the page cache ahead of a
+  // sequential reader, and a wider kernel read-ahead only sends READs for
+  // pages the push is about to store.
   uint64_t kernel_readahead_bytes = 0;
   // Fill state.safetensors' page cache from the field files' bytes as the
-  // kernel gets them (mount/fuse_mount.cc SafetensorsFill), so that a copy of
-  // a generation directory reads each chunk off the disk once: tensors/ comes
+  // kernel gets them (mount/safetensors_fill.cc), so that a copy of a
+  // generation directory reads each chunk off the disk once: tensors/ comes
   // before state.safetensors in its listing, and state.safetensors is then
   // read from memory. Costs a second copy into the page cache (memory, not
   // disk) of what the field files' readers get, also when nobody reads
   // state.safetensors afterwards, and only once the kernel holds its node (a
   // listing of the generation directory). Default kAuto: on with 8 or more
-  // cores, off on fewer (FillsSafetensors; --fill-safetensors,
-  // --no-fill-safetensors). Why: on the H200 machine (16 cores) a cold
-  // `cp -r` of a trainer's snapshot read half the bytes and was 1-15% faster;
-  // on the 2-core dev VM the second copy competes with cp for the cores (the
-  // push falls behind: READs 339-354 -> 609-743 per copy) and the copy took
-  // 3.1-4.4 s instead of 2.2 s (docs/BENCHMARKS.md, "Defaults").
+  // cores, off on fewer, where the second copy competes with the reader for
+  // the cores (FillsSafetensors; --fill-safetensors, --no-fill-safetensors;
+  // docs/BENCHMARKS.md, "Defaults").
   enum class Fill : uint8_t { kAuto, kOn, kOff };
   Fill fill_safetensors = Fill::kAuto;
   // Resolving a path CatchUp()s a store at most this often. Default 20 ms.
@@ -144,10 +121,8 @@ struct MountOptions {
   // A path inside a snapshot already held (immutable while it exists) is
   // resolved without a catch-up when the last one is at most this old, so a
   // released snapshot's paths go at most this long after its release.
-  // Default 1000 ms. Why: a catch-up every 20 ms under the store's lock was
-  // most of what `stat` and `open` cost during a `cp -r` of a trainer's
-  // snapshot (dev VM: 0.95 -> 0.2-0.6 ms per stat, 0.7-0.9 -> 0.3-0.5 ms per
-  // open and close without them).
+  // Default 1000 ms: a catch-up under the store's lock was most of what
+  // `stat` and `open` cost during a `cp -r` of a snapshot.
   uint32_t snapshot_recheck_ms = 1000;
   // A process's pin of latest/ (StoreTree) ends once it has no file or
   // directory open under it and has sent no request under it for this long.

@@ -231,10 +231,8 @@ int RunMount(const MountOptions& o) {
   DiskPhase d_fio, d_cp, d_read, d_warm;
   for (uint32_t r = 0; r < o.rounds; ++r) {
     // The reference is the disk's sequential O_DIRECT read speed for the same
-    // byte count: 1 MiB blocks at QD 32 (the project's fio reference). On the
-    // dev VM 8 MiB blocks at QD 8 (the mount's own chunk reads and read-ahead)
-    // were neither consistently faster nor slower, so the usual
-    // reference stays.
+    // byte count: 1 MiB blocks at QD 32 (the project's fio reference, which
+    // 8 MiB blocks at QD 8, the mount's own shape, do not beat).
     FioJob j;
     j.name = "seqread";
     j.filename = work + "/fio.dat";

@@ -5,19 +5,14 @@
 // IoPages::kHuge: from 2 MiB up, 2 MiB-aligned and asked to be backed by
 // transparent huge pages (MADV_HUGEPAGE; plain pages where THP is `never`).
 // What it changes: the block layer ends a request once it holds max_segments
-// physically discontiguous pieces (/sys/block/<dev>/queue/max_segments: 254
-// on both our virtio disks), so an 8 MiB chunk in scattered 4 KiB pages
+// physically discontiguous pieces (/sys/block/<dev>/queue/max_segments, 254
+// on virtio disks), so an 8 MiB chunk in scattered 4 KiB pages
 // reaches the device as ~9 requests of ~1 MiB, in huge pages as 2 of 4 MiB
-// (max_sectors_kb). Which is faster depends on the device behind it; measured
-// with `optstate-bench step` (same run, interleaved):
-//  - development VM: requests ~900 KiB -> 2-4 MiB; the step 3.2 -> 2.1 s;
-//  - H200 machine: the step 1.00-1.10x -> 1.23-1.39x of the floor (slower;
-//    fio's floor unchanged), on the host and the cuda backend alike.
-// The difference: the H200 machine's disk takes requests of at most 1280 KiB
-// (max_sectors_kb), which base pages nearly fill, the development VM's 4 MiB.
-// So PreferredIoPages picks kHuge only for a device whose requests can be
-// 2 MiB or more (MemoryManagerOptions::staging_pages kAuto); everything else
-// uses kBase.
+// (max_sectors_kb). That is faster only on a device whose requests can be
+// 2 MiB or more (a disk capped at 1280 KiB, which base pages nearly fill, got
+// slower: docs/BENCHMARKS.md "Defaults", staging_pages), so PreferredIoPages
+// picks kHuge only there (MemoryManagerOptions::staging_pages kAuto);
+// everything else uses kBase.
 //
 // Thread-safety: the functions are thread-safe; an IoBuffer is a value.
 #pragma once

@@ -1,5 +1,5 @@
-// optstate-restore as a user runs it, and the README's walkthrough step that
-// reads state.safetensors with the Python that tools/setup.sh installs:
+// optstate-restore as a user runs it, and docs/CHECKPOINT.md's reader of
+// state.safetensors with the Python that tools/setup.sh installs:
 // each run on a checkpoint directory exported here from a small real store.
 #include <algorithm>
 #include <cmath>
@@ -120,11 +120,11 @@ TEST_F(RestoreToolTest, BadArgumentsExitTwoAndSayWhatIsWrong) {
   }
 }
 
-// The README's walkthrough reads state.safetensors with /usr/bin/python3 and
+// docs/CHECKPOINT.md reads state.safetensors with /usr/bin/python3 and
 // Debian's python3-numpy (Debian 12 packages no safetensors module). The
-// command is taken from README.md as it stands and run on a checkpoint.
-TEST_F(RestoreToolTest, ReadmeSafetensorsStepWorks) {
-  std::ifstream readme(std::string(OPTSTATE_SOURCE_DIR) + "/README.md");
+// command is taken from docs/CHECKPOINT.md as it stands and run on a checkpoint.
+TEST_F(RestoreToolTest, DocumentedSafetensorsReaderWorks) {
+  std::ifstream readme(std::string(OPTSTATE_SOURCE_DIR) + "/docs/CHECKPOINT.md");
   ASSERT_TRUE(readme.good());
   std::string line, script;
   bool in = false;
@@ -139,7 +139,7 @@ TEST_F(RestoreToolTest, ReadmeSafetensorsStepWorks) {
       if (line == "EOF") break;
     }
   }
-  ASSERT_FALSE(script.empty()) << "README.md has no `/usr/bin/python3 - /tmp/ckpt/state.safetensors <<'EOF'` step";
+  ASSERT_FALSE(script.empty()) << "docs/CHECKPOINT.md has no `/usr/bin/python3 - /tmp/ckpt/state.safetensors <<'EOF'` step";
   ASSERT_EQ(script.substr(script.size() - 4), "EOF\n") << script;
   script = std::regex_replace(script, std::regex("/tmp/ckpt"), ckpt_);
   auto r = RunCommand({"/bin/sh", "-c", script});

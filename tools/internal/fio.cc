@@ -14,8 +14,8 @@ Result<FioResult> RunFio(const std::vector<FioJob>& jobs) {
   if (!FioAvailable()) return NotFound("fio is not installed (apt-get install fio)");
   // fio's I/O buffers come from malloc; glibc.malloc.hugetlb=1 (glibc >= 2.35)
   // backs them with transparent huge pages (vfs/io_buffer.h says what that
-  // changes). On the development VM fio ran 1.7-2.2x faster so; on the H200
-  // machine it made no difference. A baseline is the best fio can do.
+  // changes): faster on some disks, never slower, and a baseline is the best
+  // fio can do.
   std::vector<std::string> argv = {"env", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1",
                                    "fio", "--output-format=json", "--ioengine=io_uring",
                                    "--direct=1", "--thread", "--group_reporting=0"};

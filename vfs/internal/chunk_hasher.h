@@ -3,10 +3,9 @@
 // than hash.
 //
 // Why: every byte a step writes is hashed before its extent is published and
-// every byte it reads is verified before use. On the owner's thread that was
-// 1.4-1.6 s of an 8 GiB step on the H200 machine ("submit" in the step's
-// stats), and on a device faster than the pipeline (a RAM-backed directory)
-// a third of the step: the one thread, not the disk, set the pace.
+// every byte it reads is verified before use; on the owner's thread that
+// hashing, not the disk, set the step's pace (docs/BENCHMARKS.md "Defaults",
+// hash_threads).
 //
 // Post queues a job; a hasher thread computes it, queues (tag, sum) and calls
 // `on_result` (ChunkIo: IoEngine::Wake, so an owner blocked waiting for I/O
