@@ -365,9 +365,6 @@ class StreamedAdam {
   };
   const StepStats& last_step_stats() const { return last_stats_; }
 
-  // Test hook (reliability tests): when >0, the Nth kernel launch from now
-  // fails as if the device reported an error.
-  void InjectKernelFailureAfter(uint64_t n) { inject_kernel_failure_after_ = n; }
   // Test hook (pipeline tests): when true, a step reaps no I/O completion
   // before EndStep drains it, so StepParam submits exactly the reads the
   // depth limits admit, whatever the disk's speed.
@@ -494,7 +491,6 @@ class StreamedAdam {
   };
   std::vector<StepOrderEntry> step_order_;
   StepStats last_stats_;
-  uint64_t inject_kernel_failure_after_ = 0;
   bool hold_completions_ = false;
   bool reap_only_when_blocked_ = false;
 };
