@@ -363,9 +363,6 @@ class StreamedAdam {
   };
   const StepStats& last_step_stats() const { return last_stats_; }
 
-  // Test hook (reliability tests): when >0, the Nth kernel launch from now
-  // fails as if the device reported an error.
-  void InjectKernelFailureAfter(uint64_t n) { inject_kernel_failure_after_ = n; }
   // Test hook (pipeline tests): when true, a step reaps no I/O completion
   // before EndStep drains it, so StepParam submits exactly the reads the
   // depth limits admit, whatever the disk's speed.
@@ -456,12 +453,14 @@ class StreamedAdam {
   std::unique_ptr<InFlightCommit> inflight_;
   // Hands the computed step in pipeline_ to a background commit.
   void StartBackgroundCommit();
+  // The step's stats known once its kernels are done (a pipelined step's
+  // writes and commit are accounted when its commit is joined).
+  void NoteReadSideStats(const internal::StepPipeline& pl);
   // Joins the background commit, if any, and takes its outcome: on failure
   // the optimizer returns to the last commit and the error is returned.
-  // *wait_s: seconds spent waiting (may be null).
-  void NoteReadSideStats(const internal::StepPipeline& pl);
-  // keep_staged: chunks a prefetch staged stay for the step that begins now
-  // (BeginStep); every other caller drops them.
+  // *wait_s: seconds spent waiting (may be null). keep_staged: chunks a
+  // prefetch staged stay for the step that begins now (BeginStep); every
+  // other caller drops them.
   Status FinishCommit(double* wait_s = nullptr, bool keep_staged = false);
   // The background prefetch (defined in internal/streamed_adam_impl.h).
   struct PrefetchRun;
@@ -491,8 +490,12 @@ class StreamedAdam {
     uint64_t numel = 0;
   };
   std::vector<StepOrderEntry> step_order_;
+  // The prefetch's thread: waits until commit (if any) has published, then
+  // reads order's chunks into the host cache tier, and up to stage_limit
+  // chunks outside it into staging buffers (r->staged).
+  void ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t stage_limit,
+                    const std::vector<StepOrderEntry>& order);
   StepStats last_stats_;
-  uint64_t inject_kernel_failure_after_ = 0;
   bool hold_completions_ = false;
   bool reap_only_when_blocked_ = false;
 };

@@ -145,7 +145,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
   pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads,
                                                        opts_.background_sync_bytes, d_found_inf,
-                                                       &inject_kernel_failure_after_, opts_.moment_dtype);
+                                                       opts_.moment_dtype);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   pipeline_->SetHoldCompletions(hold_completions_);
   pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked_);

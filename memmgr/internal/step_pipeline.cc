@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "memmgr/internal/streamed_adam_util.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::memmgr::internal {
 
@@ -507,9 +508,13 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
     }
     h2d += j.bytes();
   }
-  if (*inject_ > 0 && --*inject_ == 0) {
-    return Internal("StreamedAdam: injected kernel failure (test hook) at tensor id " +
-                    std::to_string(j.tensor_id) + " chunk " + std::to_string(j.chunk));
+  // Tests fail a launch here as a device error would (the callback sets the
+  // Status); nothing in the product arms it (vfs/sync_point.h).
+  Status launch;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.kernel_launch", &launch);
+  if (!launch.ok()) {
+    return launch.WithContext("StreamedAdam: kernel launch at tensor id " + std::to_string(j.tensor_id) + " chunk " +
+                              std::to_string(j.chunk));
   }
   // One kernel call per main chunk, on the moments' elements of that chunk.
   const uint32_t moment_size = ScalarSize(j.moment_type);

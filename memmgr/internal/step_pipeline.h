@@ -91,15 +91,14 @@ class StepPipeline {
   };
 
   StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
-               uint64_t* inject, kernels::ScalarType moment_type)
+               kernels::ScalarType moment_type)
       : bufs_(SliceChunks(moment_type)),
         mm_(mm),
         dev_(mm->device()),
         io_(io),
         sync_every_bytes_(sync_every_bytes),
         cpu_threads_(cpu_threads),
-        found_inf_(found_inf),
-        inject_(inject) {}
+        found_inf_(found_inf) {}
   ~StepPipeline() { Abort(); }
 
   // Joins the background sync; its error, if any.
@@ -245,7 +244,6 @@ class StepPipeline {
   uint64_t unsynced_bytes_ = 0;
   int cpu_threads_;
   const float* found_inf_;
-  uint64_t* inject_;
   bool started_ = false;
   bool cache_mode_ = false;
   bool write_through_ = true;

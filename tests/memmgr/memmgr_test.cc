@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "memmgr_test_util.h"
+#include "tests/common/kernel_failures.h"
 #include "vfs/fault_injection.h"
 
 namespace optstate::memmgr::testing {
@@ -648,6 +649,7 @@ TEST(StreamedAdam, ReopenAfterStepKAndContinueEqualsUninterruptedRun) {
 
 TEST(StreamedAdam, FoundInfAndKernelFailureCommitNothing) {
   MEMMGR_REQUIRE_BACKEND();
+  test_util::KernelFailures kernel_failures;
   Env env;
   env.Open(6 * kChunk, true);
   std::vector<ParamDef> defs = SmallMix();
@@ -685,7 +687,8 @@ TEST(StreamedAdam, FoundInfAndKernelFailureCommitNothing) {
   ExpectStateEquals(env.mm.get(), ref, defs);
 
   // A device error mid-step (injected): error returned, nothing committed.
-  sa->InjectKernelFailureAfter(3);
+  if (!test_util::KernelFailures::Available()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+  kernel_failures.FailAfter(3);
   Status st = sa->Step(sg2.List(defs));
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("injected"), std::string::npos) << st.ToString();
@@ -754,6 +757,7 @@ TEST(StreamedAdam, MissingGradKeepsStateAndPinsSeeStepResults) {
 // commits what is left. The reference and grads live in a scratch manager.
 TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
   MEMMGR_REQUIRE_BACKEND();
+  test_util::KernelFailures kernel_failures;
   Env scratch;
   scratch.Open(3 * kChunk, true);
   MemoryManager* smm = scratch.mm.get();
@@ -797,7 +801,8 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
     ASSERT_OK(sa->Step(partial));
     ASSERT_OK(sa->Step(grads[4]->List(defs)));
     EXPECT_EQ(sa->uncommitted_steps(), 2u);
-    sa->InjectKernelFailureAfter(2);
+    if (!test_util::KernelFailures::Available()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+    kernel_failures.FailAfter(2);
     Status st = sa->Step(grads[5]->List(defs));
     ASSERT_FALSE(st.ok());
     EXPECT_NE(st.message().find("2 step(s) held only in the host cache were lost"), std::string::npos)
@@ -1457,6 +1462,7 @@ TEST(StreamedAdam, StepWithWrongGradsCommitsNothing) {
 // them) and registering them again takes over their index entries.
 TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
   MEMMGR_REQUIRE_BACKEND();
+  test_util::KernelFailures kernel_failures;
   // The reference and the gradients live in a scratch manager that outlives
   // the reopened store's manager.
   Env scratch;
@@ -1479,7 +1485,8 @@ TEST(StreamedAdam, AbortedStepAfterNewRegistrationsCommitsNothing) {
 
   RegisterAll(sa.get(), env.mm.get(), added);  // w2 and b, pending
   StepGrads sg2(smm, defs, 2);
-  sa->InjectKernelFailureAfter(2);
+  if (!test_util::KernelFailures::Available()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+  kernel_failures.FailAfter(2);
   Status st = sa->Step(sg2.List(defs));
   ASSERT_FALSE(st.ok());
   EXPECT_TRUE(Contains(st, "injected")) << st.ToString();
@@ -1735,6 +1742,7 @@ TEST(HostCacheTier, HalfTheStateKeepsItsResidentSetAcrossSteps) {
 // holding half of it.
 TEST(HostCacheTier, AbortedStepServesNoStaleBytes) {
   MEMMGR_REQUIRE_BACKEND();
+  test_util::KernelFailures kernel_failures;
   std::vector<ParamDef> defs = ManySmallMix();
   for (const uint64_t capacity : {TierBytes(defs), TierBytes(defs) / 2}) {
     for (const bool io_fault : {false, true}) {
@@ -1758,7 +1766,8 @@ TEST(HostCacheTier, AbortedStepServesNoStaleBytes) {
         rule.path_contains = ".chunks";
         fs.AddRule(rule);
       } else {
-        sa->InjectKernelFailureAfter(defs.size() / 2);
+        if (!test_util::KernelFailures::Available()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+        kernel_failures.FailAfter(defs.size() / 2);
       }
       Status st = sa->Step(sg3.List(defs));
       ASSERT_FALSE(st.ok());
@@ -1958,6 +1967,7 @@ TEST(HostCacheTier, PrefetchedStateServesTheStepAndChangesNoResult) {
 // test below.)
 TEST(HostCacheTier, PrefetchIsSafeAtAnyTime) {
   MEMMGR_REQUIRE_BACKEND();
+  test_util::KernelFailures kernel_failures;
   const std::vector<ParamDef> defs = SmallMix();
   const auto groups = TestGroups();
   vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
@@ -1986,7 +1996,8 @@ TEST(HostCacheTier, PrefetchIsSafeAtAnyTime) {
     // Before a failed step (a kernel failure), then the retry.
     StepGrads g3(env.mm.get(), defs, 3);
     ASSERT_OK(sa->Prefetch());
-    sa->InjectKernelFailureAfter(2);
+    if (!test_util::KernelFailures::Available()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+    kernel_failures.FailAfter(2);
     EXPECT_FALSE(sa->Step(g3.List(defs)).ok());
     EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
     ASSERT_OK(sa->Prefetch());
@@ -2029,6 +2040,7 @@ TEST(HostCacheTier, PrefetchIsSafeAtAnyTime) {
 // sees the written bytes (equal to a run that never prefetched).
 TEST(StreamedAdam, StagedPrefetchServesOnlyTheNextStepAndLeaksNothing) {
   MEMMGR_REQUIRE_BACKEND();
+  test_util::KernelFailures kernel_failures;
   const std::vector<ParamDef> defs = TailMix();
   Env with, without;
   with.read_ahead_chunks = without.read_ahead_chunks = 4;
@@ -2070,7 +2082,8 @@ TEST(StreamedAdam, StagedPrefetchServesOnlyTheNextStepAndLeaksNothing) {
   // nothing leaks, and the retried step is served by a new prefetch.
   StepGrads ga2(with.mm.get(), defs, 2), gb2(without.mm.get(), defs, 2);
   ASSERT_OK(sa->Prefetch());
-  sa->InjectKernelFailureAfter(5);
+  if (!test_util::KernelFailures::Available()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+  kernel_failures.FailAfter(5);
   EXPECT_FALSE(sa->Step(ga2.List(defs)).ok());
   EXPECT_EQ(staged_now(), 0u);
   ASSERT_OK(sa->Prefetch());
