@@ -23,6 +23,7 @@ namespace {
 using store_testing::Buf;
 using store_testing::FillPattern;
 using store_testing::kTestChunk;
+using store_testing::NewTensor;
 using store_testing::TempDir;
 using store_testing::TestOptions;
 using store_testing::Unwrap;
