@@ -59,15 +59,6 @@ unsigned __int128 Volume(const std::vector<uint64_t>& shape) {
 
 uint32_t ElemSize(DType d) { return DTypeSize(d); }
 
-const char* SafetensorsDtype(DType d) {
-  switch (d) {
-    case DType::kF32: return "F32";
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-  }
-  return "?";
-}
-
 std::string RandomUuid() {
   std::random_device rd;
   auto r32 = [&] { return static_cast<uint32_t>(rd()); };
@@ -1133,36 +1124,14 @@ class Resharder {
         d.tensor_index[name] = m.tensors.size();
         m.tensors.push_back(std::move(t));
       }
-      // state.safetensors: the header CheckpointLayout writes for the same manifest.
-      OJson header;
-      OJson meta = OJson::object();
-      meta["format"] = "pt";
-      meta[kSafetensorsStoreKey] = m.store_name;
-      meta[kSafetensorsStoreUuidKey] = m.store_uuid;
-      meta[kSafetensorsGenerationKey] = std::to_string(m.generation);
-      meta[kSafetensorsStepKey] = std::to_string(m.step);
-      header["__metadata__"] = meta;
-      uint64_t off = 0;
+      d.st_header = SafetensorsHeader(m);
+      uint64_t off = 0;  // in the data section: the fields back to back, in manifest order
       for (const ManifestTensor& t : m.tensors) {
         d.st_offsets.emplace_back();
         for (const ManifestField& f : t.fields) {
-          OJson e;
-          e["dtype"] = SafetensorsDtype(f.dtype);
-          e["shape"] = t.shape;
-          e["data_offsets"] = OJson::array({off, off + f.bytes});
-          header[t.name + "/" + f.name] = e;
-          d.st_offsets.back().push_back(off);
+          d.st_offsets.back().push_back(d.st_header.size() + off);
           off += f.bytes;
         }
-      }
-      std::string hjson = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-      while ((8 + hjson.size()) % CheckpointLayout::kSafetensorsDataAlignBytes != 0) hjson.push_back(' ');
-      const uint64_t hlen = hjson.size();
-      d.st_header.resize(8);
-      for (int i = 0; i < 8; ++i) d.st_header[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
-      d.st_header += hjson;
-      for (auto& v : d.st_offsets) {
-        for (uint64_t& o : v) o += d.st_header.size();
       }
       d.direct = true;
       for (const auto& [name, box] : target_.ranks[r]) d.direct = d.direct && ArrivesInOrder(s_.tensors.at(name), box);

@@ -294,6 +294,22 @@ TEST_F(ReshardTest, RowsResplitAlongColumnsAndBack) {
   auto rr = Reshard(RankDirs(root_ + "/cols", 4), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/rows");
   ASSERT_TRUE(rr.ok()) << rr.status().ToString();
   EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/rows"));
+  // The reshard's state.safetensors is the exported one (CheckpointLayout's) of
+  // the same layout: the same header but for the new store uuid, the same data.
+  for (uint32_t r = 0; r < 4; ++r) {
+    const std::string want = ReadFile(RankDirs(src_, 4)[r] + "/state.safetensors");
+    const std::string got = ReadFile(RankDirs(root_ + "/rows", 4)[r] + "/state.safetensors");
+    ASSERT_EQ(got.size(), want.size()) << r;
+    uint64_t hlen = 0;
+    std::memcpy(&hlen, want.data(), 8);
+    EXPECT_EQ(got.compare(8 + hlen, std::string::npos, want, 8 + hlen, std::string::npos), 0) << r;
+    auto header = [&](const std::string& bytes) {
+      nlohmann::json j = nlohmann::json::parse(bytes.substr(8, hlen));
+      j["__metadata__"].erase("optstate.store_uuid");
+      return j;
+    };
+    EXPECT_EQ(header(got), header(want)) << r;
+  }
 }
 
 TEST_F(ReshardTest, CheckerboardTarget) {
