@@ -397,15 +397,24 @@ int optstate_checkpoint_reshard_layout(const char* const* sources, size_t num_so
     if (layout_json == nullptr) return NullArgument(what, "layout_json");
     if (ranks == 0) return InvalidArgument(std::string(what) + ": ranks must be >= 1");
     const std::string s = split == nullptr ? "rows" : split;
-    if (s != "rows" && s != "columns") {
-      return InvalidArgument(std::string(what) + ": split '" + s + "' is not 'rows' or 'columns'");
+    std::vector<vfs::SplitRule> rules;
+    for (size_t pos = 0; pos <= s.size();) {
+      const size_t end = std::min(s.find_first_of(",\n", pos), s.size());
+      const std::string text = s.substr(pos, end - pos);
+      pos = end + 1;
+      if (text.empty()) continue;
+      auto rule = vfs::ParseSplitRule(text);
+      if (!rule.ok()) return rule.status().WithContext(what);
+      rules.push_back(std::move(*rule));
     }
+    if (rules.empty()) return InvalidArgument(std::string(what) + ": split '" + s + "' holds no rule");
     auto srcs = SourceList(what, sources, num_sources);
     if (!srcs.ok()) return srcs.status();
     auto globals = vfs::GlobalTensorsOf(*srcs);
     if (!globals.ok()) return globals.status();
-    const std::string json = vfs::SerializeTargetLayout(
-        vfs::MakeEvenLayout(*globals, ranks, s == "rows" ? vfs::SplitKind::kRows : vfs::SplitKind::kColumns));
+    auto layout = vfs::MakeRuleLayout(*globals, ranks, rules);
+    if (!layout.ok()) return layout.status();
+    const std::string json = vfs::SerializeTargetLayout(*layout);
     *layout_json = strdup(json.c_str());
     if (*layout_json == nullptr) return optstate::ResourceExhausted(std::string(what) + ": out of memory");
     return Status::Ok();
@@ -653,7 +662,15 @@ int optstate_adam_get_group(const optstate_adam_t* adam, uint32_t group, double*
 int optstate_adam_register_param(optstate_adam_t* adam, const char* name, uint64_t numel, uint32_t group,
                                  const void* initial, int initial_dtype, const uint64_t* shape, size_t ndim,
                                  uint32_t* id, int* existed, char** errptr) {
-  const char* what = "optstate_adam_register_param";
+  return optstate_adam_register_shard(adam, name, numel, group, initial, initial_dtype, shape, ndim, nullptr, 0,
+                                      nullptr, 0, id, existed, errptr);
+}
+
+int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64_t numel, uint32_t group,
+                                 const void* initial, int initial_dtype, const uint64_t* shape, size_t ndim,
+                                 const uint64_t* global_shape, size_t global_ndim, const uint64_t* shard_offset,
+                                 size_t offset_ndim, uint32_t* id, int* existed, char** errptr) {
+  const char* what = global_ndim > 0 ? "optstate_adam_register_shard" : "optstate_adam_register_param";
   return Guard(errptr, what, [&]() -> Status {
     if (name == nullptr) return NullArgument(what, "name");
     if (id == nullptr) return NullArgument(what, "id");
@@ -673,6 +690,41 @@ int optstate_adam_register_param(optstate_adam_t* adam, const char* name, uint64
                                std::to_string(numel));
       }
       shard.shape.assign(shape, shape + ndim);
+    }
+    if (global_ndim > 0) {
+      if (global_shape == nullptr) return NullArgument(what, "global_shape");
+      if (offset_ndim > 0 && shard_offset == nullptr) return NullArgument(what, "shard_offset");
+      shard.global_shape.assign(global_shape, global_shape + global_ndim);
+      if (offset_ndim > 0) shard.shard_offset.assign(shard_offset, shard_offset + offset_ndim);
+      const std::vector<uint64_t> local = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
+      const bool flat = local.size() == 1 && offset_ndim == 1 && global_ndim > 1;
+      if (!flat && offset_ndim != 0 && (offset_ndim != global_ndim || local.size() != global_ndim)) {
+        return InvalidArgument(where + ": shape, global_shape and shard_offset have ranks " +
+                               std::to_string(local.size()) + ", " + std::to_string(global_ndim) + " and " +
+                               std::to_string(offset_ndim) +
+                               " (a box: all the same; a flat range: shape and shard_offset 1)");
+      }
+      unsigned __int128 global_numel = 1;
+      for (uint64_t d : shard.global_shape) global_numel *= d;
+      bool inside = true;
+      if (flat) {
+        inside = static_cast<unsigned __int128>(shard.shard_offset[0]) + numel <= global_numel;
+      } else if (local.size() == global_ndim) {
+        for (size_t d = 0; d < global_ndim; ++d) {
+          const uint64_t off = shard.shard_offset.empty() ? 0 : shard.shard_offset[d];
+          inside = inside && off <= global_shape[d] && local[d] <= global_shape[d] - off;
+        }
+      } else {
+        inside = false;
+      }
+      if (!inside) {
+        std::string g, o, l;
+        for (uint64_t d : shard.global_shape) g += (g.empty() ? "" : ", ") + std::to_string(d);
+        for (uint64_t d : shard.shard_offset) o += (o.empty() ? "" : ", ") + std::to_string(d);
+        for (uint64_t d : local) l += (l.empty() ? "" : ", ") + std::to_string(d);
+        return InvalidArgument(where + ": the shard of shape [" + l + "] at offset [" + o +
+                               "] is not inside the global shape [" + g + "]");
+      }
     }
     const bool had = adam->rep->HasParam(n);
     OPTSTATE_RETURN_IF_ERROR(adam->rep->RegisterParam(n, numel, group, initial,

@@ -1,9 +1,10 @@
 // optstate-reshard: resume on a different number of ranks.
 //
-//   optstate-reshard layout --ranks M [--split rows|columns | --bucket-elements N] [-o LAYOUT.json] SOURCE...
+//   optstate-reshard layout --ranks M [--split RULE ... | --bucket-elements N] [-o LAYOUT.json] SOURCE...
 //       writes a target layout that splits every tensor of the sources evenly
-//       over M ranks (rows: along dimension 0; columns: along the last one), or
-//       the flat ranges of a distributed optimizer's buckets of N elements.
+//       over M ranks by the first rule that matches its name (RULE:
+//       [PATTERN=]rows|columns|dimN|flat; default rows), or the flat ranges of
+//       a distributed optimizer's buckets of N elements.
 //   optstate-reshard run --layout LAYOUT.json --dest DIR SOURCE...
 //       reads the SOURCE checkpoint directories (one per old rank, any order),
 //       checks that they tile every tensor exactly once and agree on step and
@@ -38,15 +39,23 @@ int Main(int argc, char** argv) {
 
   CLI::App* layout = app.add_subcommand("layout", "write a target layout that splits every tensor evenly");
   uint32_t ranks = 0;
-  std::string split = "rows", out;
+  std::string out;
+  std::vector<std::string> splits;
   std::vector<std::string> layout_sources;
   layout->add_option("--ranks", ranks, "number of destination ranks")->required()->check(CLI::Range(1u, 1u << 20));
-  layout->add_option("--split", split, "rows (dimension 0) or columns (last dimension; 1-D tensors: dimension 0)")
-      ->check(CLI::IsMember({"rows", "columns"}));
+  CLI::Option* split_opt =
+      layout
+          ->add_option("--split", splits,
+                       "[PATTERN=]KIND, repeatable or comma-separated, first match wins: how tensors whose name "
+                       "matches the glob PATTERN (default *) are split: rows (dimension 0), columns (last "
+                       "dimension), dimN, flat (even flat ranges); default rows")
+          ->delimiter(',')
+          ->allow_extra_args(false);
   uint64_t bucket_elements = 0;
   layout->add_option("--bucket-elements", bucket_elements,
-                     "flat buffers instead: 1-D tensors in name order packed into buckets of at least N "
-                     "elements, each split evenly over the ranks (a distributed optimizer's layout)");
+                     "flat buffers instead: tensors in name order packed into buckets of at least N "
+                     "elements, each split evenly over the ranks (a distributed optimizer's layout)")
+      ->excludes(split_opt);
   layout->add_option("-o,--output", out, "layout file to write (default: stdout)");
   layout->add_option("SOURCE", layout_sources, "source checkpoint directories (their global shapes)")->required();
 
@@ -73,7 +82,16 @@ int Main(int argc, char** argv) {
       if (!b.ok()) return FailWith(kTool, b.status());
       t = std::move(*b);
     } else {
-      t = vfs::MakeEvenLayout(*globals, ranks, split == "rows" ? vfs::SplitKind::kRows : vfs::SplitKind::kColumns);
+      std::vector<vfs::SplitRule> rules;
+      for (const std::string& text : splits) {
+        auto rule = vfs::ParseSplitRule(text);
+        if (!rule.ok()) return FailUsage(kTool, "--split: " + rule.status().message());
+        rules.push_back(std::move(*rule));
+      }
+      if (rules.empty()) rules.push_back(vfs::SplitRule{});
+      auto l = vfs::MakeRuleLayout(*globals, ranks, rules);
+      if (!l.ok()) return FailWith(kTool, l.status());
+      t = std::move(*l);
     }
     const std::string json = vfs::SerializeTargetLayout(t);
     if (out.empty()) {

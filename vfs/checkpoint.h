@@ -225,6 +225,15 @@ class CheckpointLayout {
   uint64_t chunk_size_ = 0;
 };
 
+// state.safetensors' header for a manifest: the 8-byte little-endian length
+// and the JSON (__metadata__: format "pt", the store name and uuid, the
+// generation and step; per field, in manifest order, "<tensor>/<field>" with
+// its dtype, shape and data_offsets, the fields back to back), space padded so
+// that the data section starts at a multiple of
+// CheckpointLayout::kSafetensorsDataAlignBytes. What CheckpointLayout serves
+// and what the reshard writes.
+std::string SafetensorsHeader(const Manifest& m);
+
 // ---- restore -------------------------------------------------------------
 
 struct RestoreOptions {

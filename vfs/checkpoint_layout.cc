@@ -22,6 +22,35 @@ using internal::SafetensorsDtName;
 
 }  // namespace
 
+std::string SafetensorsHeader(const Manifest& m) {
+  OJson header;
+  OJson meta = OJson::object();
+  meta["format"] = "pt";
+  meta[kSafetensorsStoreKey] = m.store_name;
+  meta[kSafetensorsStoreUuidKey] = m.store_uuid;
+  meta[kSafetensorsGenerationKey] = std::to_string(m.generation);
+  meta[kSafetensorsStepKey] = std::to_string(m.step);
+  header["__metadata__"] = meta;
+  uint64_t data_off = 0;
+  for (const ManifestTensor& mt : m.tensors) {
+    for (const ManifestField& mf : mt.fields) {
+      OJson e;
+      e["dtype"] = SafetensorsDtName(mf.dtype);
+      e["shape"] = mt.shape;
+      e["data_offsets"] = OJson::array({data_off, data_off + mf.bytes});
+      header[mt.name + "/" + mf.name] = e;
+      data_off += mf.bytes;
+    }
+  }
+  std::string hjson = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  while ((8 + hjson.size()) % CheckpointLayout::kSafetensorsDataAlignBytes != 0) hjson.push_back(' ');
+  const uint64_t hlen = hjson.size();
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
+  out += hjson;
+  return out;
+}
+
 Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const GenerationView* view) {
   std::unique_ptr<CheckpointLayout> l(new CheckpointLayout());
   l->view_ = view;
@@ -33,14 +62,6 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
   // The manifest's tensors are sorted by name, as are view->tensors(); map
   // manifest index -> view index by name anyway.
   const auto& vt = view->tensors();
-  OJson header;
-  OJson meta = OJson::object();
-  meta["format"] = "pt";
-  meta[kSafetensorsStoreKey] = l->manifest_.store_name;
-  meta[kSafetensorsStoreUuidKey] = l->manifest_.store_uuid;
-  meta[kSafetensorsGenerationKey] = std::to_string(l->manifest_.generation);
-  meta[kSafetensorsStepKey] = std::to_string(l->manifest_.step);
-  header["__metadata__"] = meta;
   uint64_t data_off = 0, seq = 0;
   std::vector<CheckpointFile> field_files;
   for (const ManifestTensor& mt : l->manifest_.tensors) {
@@ -49,11 +70,6 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
     uint32_t ti = static_cast<uint32_t>(it - vt.begin());
     for (uint32_t f = 0; f < mt.fields.size(); ++f) {
       const ManifestField& mf = mt.fields[f];
-      OJson e;
-      e["dtype"] = SafetensorsDtName(mf.dtype);
-      e["shape"] = mt.shape;
-      e["data_offsets"] = OJson::array({data_off, data_off + mf.bytes});
-      header[mt.name + "/" + mf.name] = e;
       l->spans_.push_back({ti, f, data_off, mf.bytes, seq});
       data_off += mf.bytes;
       seq += mf.chunks.size();
@@ -61,12 +77,7 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
     }
   }
   l->st_chunks_ = seq;
-  std::string hjson = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  while ((8 + hjson.size()) % kSafetensorsDataAlignBytes != 0) hjson.push_back(' ');
-  uint64_t hlen = hjson.size();
-  l->st_header_.resize(8);
-  for (int i = 0; i < 8; ++i) l->st_header_[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
-  l->st_header_ += hjson;
+  l->st_header_ = SafetensorsHeader(l->manifest_);
 
   l->files_.push_back({kManifestFileName, CheckpointFileKind::kManifest, l->manifest_json_.size(), 0, 0});
   l->files_.push_back(

@@ -234,11 +234,25 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
     if (prod != t.numel) {
       return p.Err(path + "shape", fmt::format("product {} != numel {}", prod, t.numel));
     }
-    if (t.global_shape.size() != t.shape.size() || t.shard_offset.size() != t.shape.size()) {
+    // A 1-D shape and shard_offset of a tensor of higher rank: the flat range
+    // [offset, offset + numel) of its row-major flattening.
+    const bool flat = t.shape.size() == 1 && t.shard_offset.size() == 1 && t.global_shape.size() > 1;
+    if (flat) {
+      uint64_t global_numel = 1;
+      for (uint64_t d : t.global_shape) {
+        if (!MulOk(global_numel, d, &global_numel)) return p.Err(path + "global_shape", "product overflows");
+      }
+      if (t.shard_offset[0] > global_numel || t.numel > global_numel - t.shard_offset[0]) {
+        return p.Err(path + "shard_offset",
+                     fmt::format("flat range [{}, {}) exceeds the global tensor's {} elements", t.shard_offset[0],
+                                 t.shard_offset[0] + t.numel, global_numel));
+      }
+    } else if (t.global_shape.size() != t.shape.size() || t.shard_offset.size() != t.shape.size()) {
       return p.Err(path + "global_shape",
-                   "shape, global_shape and shard_offset must have the same rank");
+                   "shape, global_shape and shard_offset must have the same rank (or shape and shard_offset "
+                   "one number each: a flat range)");
     }
-    for (size_t d = 0; d < t.shape.size(); ++d) {
+    for (size_t d = 0; !flat && d < t.shape.size(); ++d) {
       if (t.shard_offset[d] > t.global_shape[d] ||
           t.shape[d] > t.global_shape[d] - t.shard_offset[d]) {
         return p.Err(path + "shard_offset",

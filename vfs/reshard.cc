@@ -3,6 +3,7 @@
 #include "vfs/reshard.h"
 
 #include <fcntl.h>
+#include <fnmatch.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -44,6 +45,7 @@ std::string Ranges(const std::vector<uint64_t>& lo, const std::vector<uint64_t>&
 }
 
 std::string BoxRanges(const ShardBox& b) {
+  if (b.flat) return fmt::format("flat [{}, {})", b.offset[0], b.offset[0] + b.shape[0]);
   std::vector<uint64_t> hi(b.offset.size());
   for (size_t d = 0; d < hi.size(); ++d) hi[d] = b.offset[d] + b.shape[d];
   return Ranges(b.offset, hi);
@@ -57,15 +59,6 @@ unsigned __int128 Volume(const std::vector<uint64_t>& shape) {
 
 uint32_t ElemSize(DType d) { return DTypeSize(d); }
 
-const char* SafetensorsDtype(DType d) {
-  switch (d) {
-    case DType::kF32: return "F32";
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-  }
-  return "?";
-}
-
 std::string RandomUuid() {
   std::random_device rd;
   auto r32 = [&] { return static_cast<uint32_t>(rd()); };
@@ -73,7 +66,53 @@ std::string RandomUuid() {
                      (r32() & 0x3fff) | 0x8000, r32(), r32() & 0xffff);
 }
 
+// Row-major index of a shard's first element (the order the sources are read in).
+uint64_t FirstElement(const ShardBox& b, const std::vector<uint64_t>& gshape) {
+  if (b.flat || gshape.size() != b.offset.size()) return b.offset.empty() ? 0 : b.offset[0];
+  uint64_t at = 0;
+  for (size_t d = 0; d < gshape.size(); ++d) at = at * gshape[d] + b.offset[d];
+  return at;
+}
+
 }  // namespace
+
+// ---- shard geometry -------------------------------------------------------------
+
+ShardBox FlatRange(uint64_t begin, uint64_t end) { return ShardBox{{begin}, {end - begin}, true}; }
+
+ShardBox ShardOf(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& global_shape,
+                 const std::vector<uint64_t>& shard_offset) {
+  return ShardBox{shard_offset, shape, shape.size() == 1 && global_shape.size() > 1};
+}
+
+std::vector<ShardPiece> ShardPieces(const ShardBox& shard, const std::vector<uint64_t>& global_shape) {
+  const size_t nd = global_shape.size();
+  if (!shard.flat || nd <= 1) return {ShardPiece{ShardBox{shard.offset, shard.shape}, 0}};
+  // stride[k]: elements of one index step in dimension k.
+  std::vector<uint64_t> stride(nd, 1);
+  for (size_t k = nd - 1; k-- > 0;) stride[k] = stride[k + 1] * global_shape[k + 1];
+  const uint64_t begin = shard.offset[0], end = begin + shard.shape[0];
+  std::vector<ShardPiece> out;
+  for (uint64_t at = begin; at < end;) {
+    // The coarsest dimension at whose slice boundary `at` lies and of which
+    // at least one slice fits: whole slices of it up to the end of the range
+    // or of the enclosing slice, finer dimensions whole, coarser ones fixed.
+    size_t k = 0;
+    while (at % stride[k] != 0 || end - at < stride[k]) ++k;
+    ShardPiece p;
+    p.first = at - begin;
+    p.box.offset.resize(nd);
+    p.box.shape.resize(nd);
+    for (size_t d = 0; d < nd; ++d) {
+      p.box.offset[d] = at / stride[d] % global_shape[d];
+      p.box.shape[d] = d < k ? 1 : global_shape[d];
+    }
+    p.box.shape[k] = std::min((end - at) / stride[k], global_shape[k] - p.box.offset[k]);
+    out.push_back(std::move(p));
+    at += out.back().box.shape[k] * stride[k];
+  }
+  return out;
+}
 
 // ---- layout JSON --------------------------------------------------------------
 
@@ -125,8 +164,21 @@ Result<TargetLayout> ParseTargetLayout(std::string_view json, std::string_view s
     for (const auto& [name, jb] : tensors->items()) {
       const std::string bkey = fmt::format("{}.tensors[\"{}\"]", rkey, name);
       if (name.empty() || name.find('\0') != std::string::npos) return err(bkey, "bad tensor name");
-      if (!jb.is_object()) return err(bkey, "expected an object with offset and shape");
+      if (!jb.is_object()) return err(bkey, "expected an object with offset and shape, or flat");
       ShardBox b;
+      if (jb.contains("flat")) {
+        if (jb.contains("offset") || jb.contains("shape")) {
+          return err(bkey, "a flat range or a box (offset and shape), not both");
+        }
+        std::vector<uint64_t> range;
+        OPTSTATE_RETURN_IF_ERROR(u64s(jb, bkey + ".", "flat", &range));
+        if (range.size() != 2 || range[0] >= range[1]) {
+          return err(bkey + ".flat", "expected [begin, end) with begin < end (an empty range: leave the tensor "
+                                     "out of this rank instead)");
+        }
+        boxes.emplace(name, FlatRange(range[0], range[1]));
+        continue;
+      }
       OPTSTATE_RETURN_IF_ERROR(u64s(jb, bkey + ".", "offset", &b.offset));
       OPTSTATE_RETURN_IF_ERROR(u64s(jb, bkey + ".", "shape", &b.shape));
       if (b.offset.size() != b.shape.size()) {
@@ -153,7 +205,11 @@ std::string SerializeTargetLayout(const TargetLayout& layout) {
   for (size_t r = 0; r < layout.ranks.size(); ++r) {
     OJson tensors = OJson::object();
     for (const auto& [name, b] : layout.ranks[r]) {
-      tensors[name] = OJson{{"offset", b.offset}, {"shape", b.shape}};
+      if (b.flat) {
+        tensors[name] = OJson{{"flat", {b.offset[0], b.offset[0] + b.shape[0]}}};
+      } else {
+        tensors[name] = OJson{{"offset", b.offset}, {"shape", b.shape}};
+      }
     }
     ranks.push_back(OJson{{"rank", r}, {"tensors", std::move(tensors)}});
   }
@@ -186,19 +242,101 @@ TargetLayout MakeEvenLayout(const std::vector<GlobalTensor>& tensors, uint32_t r
   return out;
 }
 
+Result<SplitRule> ParseSplitRule(std::string_view text) {
+  SplitRule r;
+  std::string_view kind = text;
+  const size_t eq = text.rfind('=');
+  if (eq != std::string_view::npos) {
+    r.pattern = std::string(text.substr(0, eq));
+    kind = text.substr(eq + 1);
+    if (r.pattern.empty()) {
+      return InvalidArgument(fmt::format("reshard split rule '{}': empty tensor name pattern", text));
+    }
+  }
+  if (kind == "rows") {
+    r.kind = SplitRule::Kind::kDim;
+  } else if (kind == "columns") {
+    r.kind = SplitRule::Kind::kLastDim;
+  } else if (kind == "flat") {
+    r.kind = SplitRule::Kind::kFlat;
+  } else if (kind.size() > 3 && kind.substr(0, 3) == "dim" &&
+             kind.find_first_not_of("0123456789", 3) == std::string_view::npos && kind.size() <= 5) {
+    r.kind = SplitRule::Kind::kDim;
+    r.dim = static_cast<uint32_t>(std::stoul(std::string(kind.substr(3))));
+  } else if (kind == "replicate") {
+    return InvalidArgument(fmt::format(
+        "reshard split rule '{}': replicate is not a layout: every element's optimizer state is owned by exactly "
+        "one rank; give the replicated tensors to one rank's split (e.g. '{}=dim0')",
+        text, r.pattern));
+  } else {
+    return InvalidArgument(fmt::format("reshard split rule '{}': '{}' is not rows, columns, dimN or flat", text,
+                                       kind));
+  }
+  return r;
+}
+
+Result<TargetLayout> MakeRuleLayout(const std::vector<GlobalTensor>& tensors, uint32_t ranks,
+                                    const std::vector<SplitRule>& rules) {
+  if (ranks == 0) return InvalidArgument("reshard split layout: ranks must be >= 1");
+  TargetLayout out;
+  out.ranks.resize(ranks);
+  std::vector<bool> used(rules.size(), false);
+  for (const GlobalTensor& t : tensors) {
+    size_t i = 0;
+    while (i < rules.size() && ::fnmatch(rules[i].pattern.c_str(), t.name.c_str(), 0) != 0) ++i;
+    if (i == rules.size()) {
+      return InvalidArgument(fmt::format("reshard split layout: no split rule matches tensor '{}' (global shape {})",
+                                         t.name, Dims(t.global_shape)));
+    }
+    used[i] = true;
+    const SplitRule& rule = rules[i];
+    const unsigned __int128 numel = Volume(t.global_shape);
+    if (numel == 0) continue;
+    if (rule.kind == SplitRule::Kind::kFlat) {
+      for (uint64_t r = 0; r < ranks; ++r) {
+        const uint64_t lo = static_cast<uint64_t>(numel * r / ranks);
+        const uint64_t hi = static_cast<uint64_t>(numel * (r + 1) / ranks);
+        if (hi > lo) out.ranks[r].emplace(t.name, FlatRange(lo, hi));
+      }
+      continue;
+    }
+    const size_t last = t.global_shape.size() - 1;
+    const size_t dim = rule.kind == SplitRule::Kind::kLastDim ? last : std::min<size_t>(rule.dim, last);
+    const uint64_t e = t.global_shape[dim];
+    for (uint64_t r = 0; r < ranks; ++r) {
+      const uint64_t lo = static_cast<uint64_t>(static_cast<unsigned __int128>(e) * r / ranks);
+      const uint64_t hi = static_cast<uint64_t>(static_cast<unsigned __int128>(e) * (r + 1) / ranks);
+      if (hi == lo) continue;
+      ShardBox b{std::vector<uint64_t>(t.global_shape.size(), 0), t.global_shape};
+      b.offset[dim] = lo;
+      b.shape[dim] = hi - lo;
+      out.ranks[r].emplace(t.name, std::move(b));
+    }
+  }
+  for (size_t i = 0; i < rules.size(); ++i) {
+    if (!used[i] && rules[i].pattern != "*") {
+      return InvalidArgument(fmt::format("reshard split layout: rule '{}' matches no tensor (first match wins; "
+                                         "earlier rules may have taken them)",
+                                         rules[i].pattern));
+    }
+  }
+  return out;
+}
+
 Result<TargetLayout> MakeBucketLayout(const std::vector<GlobalTensor>& tensors, uint64_t bucket_numel,
                                       uint32_t ranks) {
   if (bucket_numel == 0 || ranks == 0) {
     return InvalidArgument(fmt::format("reshard bucket layout: bucket size {} elements and ranks {} must be >= 1",
                                        bucket_numel, ranks));
   }
+  std::vector<uint64_t> numels;
   for (const GlobalTensor& t : tensors) {
-    if (t.global_shape.size() != 1) {
-      return InvalidArgument(fmt::format(
-          "reshard bucket layout: tensor '{}' has global shape {}; flat-buffer shards are flat ranges of "
-          "flattened tensors (global shape [numel])",
-          t.name, Dims(t.global_shape)));
+    const unsigned __int128 n = Volume(t.global_shape);
+    if (n > UINT64_MAX / 2) {
+      return InvalidArgument(fmt::format("reshard bucket layout: tensor '{}' of global shape {} is too large",
+                                         t.name, Dims(t.global_shape)));
     }
+    numels.push_back(static_cast<uint64_t>(n));
   }
   TargetLayout out;
   out.ranks.resize(ranks);
@@ -209,16 +347,16 @@ Result<TargetLayout> MakeBucketLayout(const std::vector<GlobalTensor>& tensors, 
     std::vector<uint64_t> starts;
     while (last < tensors.size() && (size < bucket_numel || last == first)) {
       starts.push_back(size);
-      size += tensors[last].global_shape[0];
+      size += numels[last];
       ++last;
     }
     const uint64_t per_rank = (size + ranks - 1) / ranks;  // padded to a multiple of ranks
     for (uint32_t r = 0; r < ranks; ++r) {
       const uint64_t lo = r * per_rank, hi = lo + per_rank;
       for (size_t i = first; i < last; ++i) {
-        const uint64_t t_lo = starts[i - first], t_hi = t_lo + tensors[i].global_shape[0];
+        const uint64_t t_lo = starts[i - first], t_hi = t_lo + numels[i];
         const uint64_t a = std::max(lo, t_lo), b = std::min(hi, t_hi);
-        if (a < b) out.ranks[r].emplace(tensors[i].name, ShardBox{{a - t_lo}, {b - a}});
+        if (a < b) out.ranks[r].emplace(tensors[i].name, FlatRange(a - t_lo, b - t_lo));
       }
     }
     first = last;
@@ -234,10 +372,23 @@ Status ValidateTiling(std::string_view what, std::string_view tensor, const std:
   auto err = [&](const std::string& msg) {
     return InvalidArgument(fmt::format("{}: tensor '{}' (global shape {}): {}", what, tensor, Dims(global_shape), msg));
   };
+  const unsigned __int128 total = Volume(global_shape);
   for (const auto& [label, b] : boxes) {
+    if (b.flat) {
+      if (b.offset.size() != 1 || b.shape.size() != 1) {
+        return err(fmt::format("{} has a flat range with offset {} and shape {} (expected one number each)", label,
+                               Dims(b.offset), Dims(b.shape)));
+      }
+      if (b.offset[0] > total || b.shape[0] > total - b.offset[0]) {
+        return err(fmt::format("{} holds {}, past the tensor's {} elements", label, BoxRanges(b),
+                               static_cast<uint64_t>(total)));
+      }
+      continue;
+    }
     if (b.offset.size() != nd || b.shape.size() != nd) {
-      return err(fmt::format("{} has a box of rank {} (offset {}, shape {}), the tensor has rank {}", label,
-                             b.shape.size(), Dims(b.offset), Dims(b.shape), nd));
+      return err(fmt::format("{} has a box of rank {} (offset {}, shape {}), the tensor has rank {}{}", label,
+                             b.shape.size(), Dims(b.offset), Dims(b.shape), nd,
+                             b.shape.size() == 1 ? " (a flat range is written {\"flat\": [begin, end]})" : ""));
     }
     for (size_t d = 0; d < nd; ++d) {
       if (b.offset[d] > global_shape[d] || b.shape[d] > global_shape[d] - b.offset[d]) {
@@ -245,11 +396,21 @@ Status ValidateTiling(std::string_view what, std::string_view tensor, const std:
       }
     }
   }
+  // Flat ranges as boxes: the checks below see only boxes, each named by its shard.
+  struct Piece {
+    size_t shard;
+    ShardBox box;
+  };
+  std::vector<Piece> pieces;
   for (size_t i = 0; i < boxes.size(); ++i) {
-    const ShardBox& a = boxes[i].second;
+    for (ShardPiece& p : ShardPieces(boxes[i].second, global_shape)) pieces.push_back({i, std::move(p.box)});
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const ShardBox& a = pieces[i].box;
     if (Volume(a.shape) == 0) continue;
-    for (size_t k = i + 1; k < boxes.size(); ++k) {
-      const ShardBox& b = boxes[k].second;
+    for (size_t k = i + 1; k < pieces.size(); ++k) {
+      if (pieces[k].shard == pieces[i].shard) continue;
+      const ShardBox& b = pieces[k].box;
       std::vector<uint64_t> lo(nd), hi(nd);
       bool overlap = Volume(b.shape) != 0;
       for (size_t d = 0; d < nd && overlap; ++d) {
@@ -258,14 +419,15 @@ Status ValidateTiling(std::string_view what, std::string_view tensor, const std:
         overlap = lo[d] < hi[d];
       }
       if (overlap) {
-        return err(fmt::format("{} ({}) and {} ({}) overlap in {}", boxes[i].first, BoxRanges(a), boxes[k].first,
-                               BoxRanges(b), Ranges(lo, hi)));
+        const auto& [la, sa] = boxes[pieces[i].shard];
+        const auto& [lb, sb] = boxes[pieces[k].shard];
+        return err(fmt::format("{} ({}) and {} ({}) overlap in {}", la, BoxRanges(sa), lb, BoxRanges(sb),
+                               Ranges(lo, hi)));
       }
     }
   }
   unsigned __int128 covered = 0;
-  for (const auto& [label, b] : boxes) covered += Volume(b.shape);
-  const unsigned __int128 total = Volume(global_shape);
+  for (const Piece& p : pieces) covered += Volume(p.box.shape);
   if (covered == total) return Status::Ok();
   // In bounds and disjoint, so some elements are uncovered: name one region.
   // The boxes' boundaries cut the tensor into cells, each inside or outside
@@ -274,19 +436,20 @@ Status ValidateTiling(std::string_view what, std::string_view tensor, const std:
   unsigned __int128 cells = 1;
   for (size_t d = 0; d < nd; ++d) {
     std::set<uint64_t> c{0, global_shape[d]};
-    for (const auto& [label, b] : boxes) {
-      c.insert(b.offset[d]);
-      c.insert(b.offset[d] + b.shape[d]);
+    for (const Piece& p : pieces) {
+      c.insert(p.box.offset[d]);
+      c.insert(p.box.offset[d] + p.box.shape[d]);
     }
     cuts[d].assign(c.begin(), c.end());
     cells *= cuts[d].size() - 1;
   }
   const uint64_t missing = static_cast<uint64_t>(total - covered);
-  if (cells * std::max<size_t>(1, boxes.size()) <= kMaxGapSearchWork) {
+  if (cells * std::max<size_t>(1, pieces.size()) <= kMaxGapSearchWork) {
     std::vector<size_t> idx(nd, 0);
     for (unsigned __int128 c = 0; c < cells; ++c) {
       bool inside = false;
-      for (const auto& [label, b] : boxes) {
+      for (const Piece& p : pieces) {
+        const ShardBox& b = p.box;
         bool in = true;
         for (size_t d = 0; d < nd && in; ++d) {
           const uint64_t x = cuts[d][idx[d]];
@@ -318,6 +481,8 @@ namespace {
 struct SourcePart {
   uint32_t source = 0;
   const ManifestTensor* tensor = nullptr;
+  ShardBox shard;                 // its box or flat range
+  std::vector<ShardPiece> pieces;  // the shard as boxes (once validated)
 };
 
 struct GlobalInfo {
@@ -326,7 +491,7 @@ struct GlobalInfo {
   uint32_t group = 0;
   std::vector<uint64_t> global_shape;
   std::vector<std::pair<std::string, DType>> fields;
-  std::vector<SourcePart> parts;  // sorted by shard offset (row-major order)
+  std::vector<SourcePart> parts;  // sorted by their first element (row-major order)
 };
 
 struct Sources {
@@ -416,20 +581,45 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
           return differ("fields", text(first), text(mt));
         }
       }
-      g.parts.push_back({static_cast<uint32_t>(i), &mt});
+      g.parts.push_back({static_cast<uint32_t>(i), &mt, ShardOf(mt.shape, mt.global_shape, mt.shard_offset), {}});
+      // The copy opens a field file only for its chunks: one with none must
+      // still be there, or the source is not the checkpoint its manifest says.
+      for (const ManifestField& f : mt.fields) {
+        if (f.bytes != 0) continue;
+        const std::string path = s.dirs[i] + "/" + f.file;
+        OPTSTATE_ASSIGN_OR_RETURN(bool there, FileSystem::Default()->Exists(path));
+        if (!there) {
+          return NotFound(fmt::format("reshard: {}: tensor '{}' field '{}': {} is missing (an empty field has "
+                                      "its file too)",
+                                      source(i), mt.name, f.name, path));
+        }
+      }
     }
   }
   for (auto& [name, g] : s.tensors) {
-    std::sort(g.parts.begin(), g.parts.end(), [](const SourcePart& a, const SourcePart& b) {
-      return a.tensor->shard_offset < b.tensor->shard_offset;
+    std::sort(g.parts.begin(), g.parts.end(), [&](const SourcePart& a, const SourcePart& b) {
+      return FirstElement(a.shard, g.global_shape) < FirstElement(b.shard, g.global_shape);
     });
     std::vector<std::pair<std::string, ShardBox>> boxes;
-    for (const SourcePart& p : g.parts) {
-      boxes.emplace_back(source(p.source), ShardBox{p.tensor->shard_offset, p.tensor->shape});
-    }
+    for (const SourcePart& p : g.parts) boxes.emplace_back(source(p.source), p.shard);
     OPTSTATE_RETURN_IF_ERROR(ValidateTiling("reshard: sources", name, g.global_shape, boxes));
+    for (SourcePart& p : g.parts) p.pieces = ShardPieces(p.shard, g.global_shape);
   }
   return s;
+}
+
+// A tensor without elements that the target does not list goes to rank 0, whole
+// (layouts leave out empty parts, and an empty tensor is nothing but that).
+TargetLayout WithEmptyTensors(const Sources& s, const TargetLayout& target) {
+  TargetLayout out = target;
+  if (out.ranks.empty()) return out;
+  for (const auto& [name, g] : s.tensors) {
+    if (Volume(g.global_shape) != 0) continue;
+    bool listed = false;
+    for (const auto& r : out.ranks) listed = listed || r.count(name) != 0;
+    if (!listed) out.ranks[0].emplace(name, ShardBox{std::vector<uint64_t>(g.global_shape.size(), 0), g.global_shape});
+  }
+  return out;
 }
 
 Status ValidateTarget(const Sources& s, const TargetLayout& target) {
@@ -473,6 +663,10 @@ namespace {
 // An io_uring engine, with `eo`'s registered buffers where they can be pinned
 // (RLIMIT_MEMLOCK), else without them, else the synchronous engine.
 Result<std::unique_ptr<IoEngine>> NewReshardEngine(IoEngineOptions eo, uint64_t sync_staging_bytes) {
+  // Plain fds: the copy submits one request of megabytes at a time, each to a
+  // file it then closes, where a registered-file slot saves nothing and its
+  // check (fcntl + fstat of the fd, per submission) is the only cost.
+  eo.registered_file_slots = 0;
   auto e = IoEngine::NewUring(eo);
   if (!e.ok() && !eo.registered_buffers.empty()) {
     OPTSTATE_LOG_WARN("reshard: {}; going on without registered buffers", e.status().ToString());
@@ -800,14 +994,19 @@ struct DestRank {
 // A destination field being filled: the part of one rank's box of a tensor.
 struct DestField {
   DestRank* rank = nullptr;
-  const ShardBox* box = nullptr;
+  // The rank's shard of the tensor as boxes, each with its row-major strides
+  // (elements); the file holds the pieces one after another.
+  struct Piece {
+    ShardPiece piece;
+    std::vector<uint64_t> strides;
+  };
+  std::vector<Piece> pieces;
   ManifestField* field = nullptr;
   uint64_t st_offset = 0;
   std::shared_ptr<File> file;
   DirectWriter::Stream stream;  // rank->direct
   uint64_t stage_start = 0;  // file offset of stage[0]
   std::vector<char> stage;
-  std::vector<uint64_t> strides;  // elements, row-major
   // Chunk hashes computed as the bytes arrive, while they arrive in file
   // order (row and column splits of row-ordered sources do); otherwise the
   // file is read back and hashed at the end.
@@ -925,36 +1124,14 @@ class Resharder {
         d.tensor_index[name] = m.tensors.size();
         m.tensors.push_back(std::move(t));
       }
-      // state.safetensors: the header CheckpointLayout writes for the same manifest.
-      OJson header;
-      OJson meta = OJson::object();
-      meta["format"] = "pt";
-      meta[kSafetensorsStoreKey] = m.store_name;
-      meta[kSafetensorsStoreUuidKey] = m.store_uuid;
-      meta[kSafetensorsGenerationKey] = std::to_string(m.generation);
-      meta[kSafetensorsStepKey] = std::to_string(m.step);
-      header["__metadata__"] = meta;
-      uint64_t off = 0;
+      d.st_header = SafetensorsHeader(m);
+      uint64_t off = 0;  // in the data section: the fields back to back, in manifest order
       for (const ManifestTensor& t : m.tensors) {
         d.st_offsets.emplace_back();
         for (const ManifestField& f : t.fields) {
-          OJson e;
-          e["dtype"] = SafetensorsDtype(f.dtype);
-          e["shape"] = t.shape;
-          e["data_offsets"] = OJson::array({off, off + f.bytes});
-          header[t.name + "/" + f.name] = e;
-          d.st_offsets.back().push_back(off);
+          d.st_offsets.back().push_back(d.st_header.size() + off);
           off += f.bytes;
         }
-      }
-      std::string hjson = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-      while ((8 + hjson.size()) % CheckpointLayout::kSafetensorsDataAlignBytes != 0) hjson.push_back(' ');
-      const uint64_t hlen = hjson.size();
-      d.st_header.resize(8);
-      for (int i = 0; i < 8; ++i) d.st_header[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
-      d.st_header += hjson;
-      for (auto& v : d.st_offsets) {
-        for (uint64_t& o : v) o += d.st_header.size();
       }
       d.direct = true;
       for (const auto& [name, box] : target_.ranks[r]) d.direct = d.direct && ArrivesInOrder(s_.tensors.at(name), box);
@@ -986,39 +1163,46 @@ class Resharder {
     return fs_->Open(path, oo);
   }
 
-  // Whether the copy delivers the bytes of `dest` (a destination box of g) in
-  // file order: the sources are read one after another in g.parts order, each
-  // in its own row-major order, so they are in order when each source's part of
-  // the box is one contiguous run of the box's row-major order and the runs
-  // follow each other. Row and column splits of row-split sources are.
+  // Whether the copy delivers the bytes of `dest` (a destination shard of g)
+  // in file order: the sources are read one after another in g.parts order,
+  // each piece of each in its own row-major order, so they are in order when
+  // each source piece's part of each destination piece is one contiguous run
+  // of the destination file and the runs follow each other. Row and column
+  // splits of row-split sources are, and so are flat ranges of them.
   static bool ArrivesInOrder(const GlobalInfo& g, const ShardBox& dest) {
-    const size_t nd = dest.shape.size();
-    uint64_t next = 0;  // elements of dest delivered by the parts before
+    const std::vector<ShardPiece> dest_pieces = ShardPieces(dest, g.global_shape);
+    const size_t nd = g.global_shape.size();
+    uint64_t next = 0;  // elements of dest delivered by the pieces before
     for (const SourcePart& p : g.parts) {
-      const ShardBox src{p.tensor->shard_offset, p.tensor->shape};
-      std::vector<uint64_t> lo(nd), ext(nd);
-      bool empty = false;
-      for (size_t k = 0; k < nd; ++k) {
-        lo[k] = std::max(src.offset[k], dest.offset[k]);
-        const uint64_t hi = std::min(src.offset[k] + src.shape[k], dest.offset[k] + dest.shape[k]);
-        empty = empty || hi <= lo[k];
-        ext[k] = empty ? 0 : hi - lo[k];
+      for (const ShardPiece& sp : p.pieces) {
+        for (const ShardPiece& dp : dest_pieces) {
+          const ShardBox& src = sp.box;
+          const ShardBox& dst = dp.box;
+          std::vector<uint64_t> lo(nd), ext(nd);
+          bool empty = false;
+          for (size_t k = 0; k < nd; ++k) {
+            lo[k] = std::max(src.offset[k], dst.offset[k]);
+            const uint64_t hi = std::min(src.offset[k] + src.shape[k], dst.offset[k] + dst.shape[k]);
+            empty = empty || hi <= lo[k];
+            ext[k] = empty ? 0 : hi - lo[k];
+          }
+          if (empty) continue;
+          // Contiguous: extents 1 before the last dimension that is partial, full after it.
+          size_t last_partial = 0;
+          for (size_t k = 0; k < nd; ++k) {
+            if (ext[k] != dst.shape[k]) last_partial = k;
+          }
+          uint64_t start = 0, stride = 1, count = 1;
+          for (size_t k = nd; k-- > 0;) {
+            if (k < last_partial && ext[k] != 1) return false;
+            start += (lo[k] - dst.offset[k]) * stride;
+            stride *= dst.shape[k];
+            count *= ext[k];
+          }
+          if (dp.first + start != next) return false;
+          next += count;
+        }
       }
-      if (empty) continue;
-      // Contiguous: extents 1 before the last dimension that is partial, full after it.
-      size_t last_partial = 0;
-      for (size_t k = 0; k < nd; ++k) {
-        if (ext[k] != dest.shape[k]) last_partial = k;
-      }
-      uint64_t start = 0, stride = 1, count = 1;
-      for (size_t k = nd; k-- > 0;) {
-        if (k < last_partial && ext[k] != 1) return false;
-        start += (lo[k] - dest.offset[k]) * stride;
-        stride *= dest.shape[k];
-        count *= ext[k];
-      }
-      if (start != next) return false;
-      next += count;
     }
     return true;
   }
@@ -1105,7 +1289,8 @@ class Resharder {
   }
 
   // Scatters elements [e0, e1) of source box `src` (their bytes at data) into
-  // the destination fields whose boxes they meet.
+  // the destination fields whose pieces they meet. Each row meets at most one
+  // piece of a destination (its pieces hold disjoint rows).
   Status Scatter(const ShardBox& src, const char* data, uint64_t e0, uint64_t e1, uint32_t esize,
                  std::vector<DestField*>& dests) {
     const size_t nd = src.shape.size();
@@ -1121,21 +1306,22 @@ class Resharder {
       const uint64_t c_hi = std::min(e1, rho * row + row) - rho * row;
       const uint64_t g_lo = src.offset[nd - 1] + c_lo, g_hi = src.offset[nd - 1] + c_hi;
       for (DestField* dp : dests) {
-        const ShardBox& b = *dp->box;
-        bool in = true;
-        uint64_t at = 0;
-        for (size_t d = 0; d + 1 < nd && in; ++d) {
-          in = g[d] >= b.offset[d] && g[d] < b.offset[d] + b.shape[d];
-          at += (g[d] - b.offset[d]) * dp->strides[d];
+        for (const DestField::Piece& piece : dp->pieces) {
+          const ShardBox& b = piece.piece.box;
+          bool in = true;
+          uint64_t at = piece.piece.first;
+          for (size_t d = 0; d + 1 < nd && in; ++d) {
+            in = g[d] >= b.offset[d] && g[d] < b.offset[d] + b.shape[d];
+            at += (g[d] - b.offset[d]) * piece.strides[d];
+          }
+          if (!in) continue;
+          const uint64_t lo = std::max(g_lo, b.offset[nd - 1]);
+          const uint64_t hi = std::min(g_hi, b.offset[nd - 1] + b.shape[nd - 1]);
+          if (lo >= hi) continue;
+          at += lo - b.offset[nd - 1];
+          const uint64_t src_elem = rho * row + (lo - src.offset[nd - 1]);
+          OPTSTATE_RETURN_IF_ERROR(Stage(*dp, at * esize, data + (src_elem - e0) * esize, (hi - lo) * esize));
         }
-        if (!in) continue;
-        const uint64_t lo = std::max(g_lo, b.offset[nd - 1]);
-        const uint64_t hi = std::min(g_hi, b.offset[nd - 1] + b.shape[nd - 1]);
-        if (lo >= hi) continue;
-        at += lo - b.offset[nd - 1];
-        const uint64_t src_elem = rho * row + (lo - src.offset[nd - 1]);
-        OPTSTATE_RETURN_IF_ERROR(
-            Stage(*dp, at * esize, data + (src_elem - e0) * esize, (hi - lo) * esize));
       }
     }
     return Status::Ok();
@@ -1151,11 +1337,14 @@ class Resharder {
       ManifestTensor& t = r.manifest.tensors[it->second];
       DestField d;
       d.rank = &r;
-      d.box = &target_.ranks[&r - ranks_.data()].at(g.name);
+      for (ShardPiece& p : ShardPieces(target_.ranks[&r - ranks_.data()].at(g.name), g.global_shape)) {
+        DestField::Piece piece{std::move(p), std::vector<uint64_t>(g.global_shape.size(), 1)};
+        const std::vector<uint64_t>& shape = piece.piece.box.shape;
+        for (size_t k = shape.size() - 1; k-- > 0;) piece.strides[k] = piece.strides[k + 1] * shape[k + 1];
+        d.pieces.push_back(std::move(piece));
+      }
       d.field = &t.fields[fi];
       d.st_offset = r.st_offsets[it->second][fi];
-      d.strides.assign(t.shape.size(), 1);
-      for (size_t k = t.shape.size() - 1; k-- > 0;) d.strides[k] = d.strides[k + 1] * t.shape[k + 1];
       d.hash.reset(XXH3_createState());
       if (!d.hash) return ResourceExhausted("reshard: out of memory for a hash state");
       OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file, r.direct));
@@ -1167,13 +1356,18 @@ class Resharder {
       const ManifestTensor& st = *p.tensor;
       const ManifestField& sf = st.fields[fi];
       const std::string path = s_.dirs[p.source] + "/" + sf.file;
-      const ShardBox src{st.shard_offset, st.shape};
-      std::vector<DestField*> meet;  // destinations whose box meets this source's
+      std::vector<DestField*> meet;  // destinations whose shard meets this source's
       for (DestField& d : dests) {
-        bool overlap = true;
-        for (size_t k = 0; k < src.shape.size() && overlap; ++k) {
-          overlap = std::max(src.offset[k], d.box->offset[k]) <
-                    std::min(src.offset[k] + src.shape[k], d.box->offset[k] + d.box->shape[k]);
+        bool overlap = false;
+        for (const ShardPiece& sp : p.pieces) {
+          for (const DestField::Piece& dp : d.pieces) {
+            bool o = true;
+            for (size_t k = 0; k < sp.box.shape.size() && o; ++k) {
+              o = std::max(sp.box.offset[k], dp.piece.box.offset[k]) <
+                  std::min(sp.box.offset[k] + sp.box.shape[k], dp.piece.box.offset[k] + dp.piece.box.shape[k]);
+            }
+            overlap = overlap || o;
+          }
         }
         if (overlap) meet.push_back(&d);
       }
@@ -1189,8 +1383,13 @@ class Resharder {
               c.xxh3, g.name, fname));
         }
         result_->bytes_read += c.length_bytes;
-        OPTSTATE_RETURN_IF_ERROR(Scatter(src, data, c.offset_bytes / esize,
-                                         (c.offset_bytes + c.length_bytes) / esize, esize, meet));
+        const uint64_t c0 = c.offset_bytes / esize, c1 = (c.offset_bytes + c.length_bytes) / esize;
+        for (const ShardPiece& sp : p.pieces) {
+          const uint64_t first = sp.first, last = first + static_cast<uint64_t>(Volume(sp.box.shape));
+          const uint64_t lo = std::max(c0, first), hi = std::min(c1, last);
+          if (lo >= hi) continue;
+          OPTSTATE_RETURN_IF_ERROR(Scatter(sp.box, data + (lo - c0) * esize, lo - first, hi - first, esize, meet));
+        }
         OPTSTATE_TEST_SYNC_POINT("reshard.after_chunk");
       }
       done_ += sf.bytes;
@@ -1239,7 +1438,7 @@ class Resharder {
 
 }  // namespace
 
-Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const TargetLayout& target,
+Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const TargetLayout& target_in,
                               const std::string& dest_in, const ReshardOptions& opts) {
   FileSystem* fs = opts.fs != nullptr ? opts.fs : FileSystem::Default();
   std::string dest = dest_in;
@@ -1251,6 +1450,8 @@ Result<ReshardResult> Reshard(const std::vector<std::string>& sources, const Tar
   }
   if (opts.staging_bytes_per_rank == 0) return InvalidArgument("reshard: staging_bytes_per_rank is 0");
   OPTSTATE_ASSIGN_OR_RETURN(Sources s, LoadSources(sources, opts.chunk_size_bytes));
+  const TargetLayout full = WithEmptyTensors(s, target_in);
+  const TargetLayout& target = full;
   OPTSTATE_RETURN_IF_ERROR(ValidateTarget(s, target));
   OPTSTATE_RETURN_IF_ERROR(internal::CheckNewDir(fs, dest, "reshard"));
   const std::string where =

@@ -1,9 +1,11 @@
 // Reshard: checkpoints of N ranks -> checkpoints of M ranks.
 //
 // Each source is a checkpoint directory (vfs/checkpoint.h: manifest.json,
-// state.safetensors, tensors/...) whose tensors are boxes of global tensors
-// (manifest shard_offset + shape inside global_shape). A TargetLayout gives,
-// per destination rank, the box each tensor of that rank covers. Reshard
+// state.safetensors, tensors/...) whose tensors are shards of global tensors:
+// boxes (manifest shard_offset + shape inside global_shape) or flat ranges of
+// the row-major flattening (a 1-D shard of a tensor of higher rank). A
+// TargetLayout gives, per destination rank, the shard each tensor of that
+// rank covers; boxes and flat ranges mix freely. Reshard
 // checks that the sources tile every global tensor exactly once and agree on
 // step, generation, groups, dtypes and fields, that the target tiles the same
 // global tensors exactly once, and then streams the bytes: every source chunk
@@ -42,14 +44,36 @@ namespace optstate::vfs {
 inline constexpr const char* kReshardLayoutFormat = "optstate-reshard-layout";
 inline constexpr uint32_t kReshardLayoutVersion = 1;
 
-// One shard of a global tensor: the box [offset, offset + shape) of it.
+// One shard of a global tensor: the box [offset, offset + shape) of it, or,
+// with `flat`, the flat range [offset[0], offset[0] + shape[0]) of its
+// row-major flattening (offset and shape 1-D). A flat range of a 1-D tensor is
+// the same as its box. A checkpoint records a flat range as a 1-D shard_offset
+// and shape of a tensor whose global_shape has a higher rank.
 struct ShardBox {
   std::vector<uint64_t> offset;
   std::vector<uint64_t> shape;
+  bool flat = false;
 };
 
-// Per destination rank, per tensor name, its box. A rank that holds no part of
-// a tensor does not list it.
+// The flat range [begin, end) of a tensor. REQUIRES: begin < end.
+ShardBox FlatRange(uint64_t begin, uint64_t end);
+// The shard a checkpoint tensor records (flat: 1-D shape of a tensor of
+// higher rank).
+ShardBox ShardOf(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& global_shape,
+                 const std::vector<uint64_t>& shard_offset);
+// A shard as at most 2 x rank - 1 boxes of the global tensor, in row-major
+// order, each with the index of its first element in the shard's own
+// row-major order (a box: itself at 0; a flat range [b, e): a partial row, a
+// partial plane of whole rows, ..., whole blocks of the outermost dimension,
+// ..., a partial last row). REQUIRES: the shard lies inside the tensor.
+struct ShardPiece {
+  ShardBox box;       // never flat
+  uint64_t first = 0;  // elements of the shard before it
+};
+std::vector<ShardPiece> ShardPieces(const ShardBox& shard, const std::vector<uint64_t>& global_shape);
+
+// Per destination rank, per tensor name, its shard. A rank that holds no part
+// of a tensor does not list it.
 struct TargetLayout {
   std::vector<std::map<std::string, ShardBox>> ranks;
 };
@@ -78,22 +102,51 @@ enum class SplitKind : uint8_t {
 // whose part is empty does not list the tensor). REQUIRES: ranks >= 1.
 TargetLayout MakeEvenLayout(const std::vector<GlobalTensor>& tensors, uint32_t ranks, SplitKind split);
 
+// How one tensor is split over the destination ranks, by its name: the
+// sharding rule a model applies per parameter (e.g. column-parallel weights
+// along dimension 0, row-parallel ones along dimension 1).
+struct SplitRule {
+  enum class Kind : uint8_t {
+    kDim,      // along dimension `dim` (a tensor of lower rank: along its last)
+    kLastDim,  // along the last dimension ("columns")
+    kFlat,     // even flat ranges of the tensor's row-major flattening
+  };
+  std::string pattern = "*";  // fnmatch(3) glob on tensor names, no flags ('*' matches '/')
+  Kind kind = Kind::kDim;
+  uint32_t dim = 0;
+};
+
+// Parses "PATTERN=KIND" or a bare "KIND" (pattern "*"), KIND one of rows
+// (dim0), columns (the last dimension), dimN, flat. "replicate" is refused:
+// every element must be owned by exactly one rank (a replicated parameter's
+// optimizer state is one rank's, e.g. `PATTERN=dim0` over all ranks, or a
+// layout that lists it on one rank). InvalidArgument naming the rule.
+Result<SplitRule> ParseSplitRule(std::string_view text);
+
+// Splits each tensor evenly over `ranks` ranks by the first rule whose
+// pattern matches its name (rank r gets [E*r/M, E*(r+1)/M) of extent E along
+// the rule's dimension, or of its numel for kFlat; a rank whose part is empty
+// does not list the tensor). InvalidArgument naming the tensor when no rule
+// matches it, or naming the rule when it matches no tensor (a typo); ranks 0.
+Result<TargetLayout> MakeRuleLayout(const std::vector<GlobalTensor>& tensors, uint32_t ranks,
+                                    const std::vector<SplitRule>& rules);
+
 // The layout of a distributed optimizer that shards flat buffers over
 // data-parallel ranks: the tensors, in the given order, are packed into
 // buckets (a bucket takes whole tensors until it holds at least
 // bucket_numel elements), each bucket is padded to a multiple of `ranks`
 // elements and split into equal flat ranges, and each rank gets, per
 // tensor, the part of its range that the tensor covers: a flat range of the
-// flattened tensor, i.e. a 1-D box of a tensor whose global shape is
-// [numel]. InvalidArgument for a tensor of another rank (record flat-sharded
-// tensors flattened), bucket_numel 0 or ranks 0.
+// tensor's row-major flattening (tensors of any rank). InvalidArgument for
+// bucket_numel 0 or ranks 0.
 Result<TargetLayout> MakeBucketLayout(const std::vector<GlobalTensor>& tensors, uint64_t bucket_numel,
                                       uint32_t ranks);
 
-// Checks that `boxes` (label such as "rank 2" -> box) tile a tensor of
-// `global_shape` exactly once: every box inside the tensor and of its rank, no
-// two overlapping, no element uncovered. InvalidArgument naming `what` (e.g.
-// "target layout"), the tensor, the labels and the offending ranges.
+// Checks that `boxes` (label such as "rank 2" -> box or flat range) tile a
+// tensor of `global_shape` exactly once: every box inside the tensor and of
+// its rank, every flat range inside [0, numel), no two overlapping, no
+// element uncovered. InvalidArgument naming `what` (e.g. "target layout"),
+// the tensor, the labels and the offending ranges.
 Status ValidateTiling(std::string_view what, std::string_view tensor,
                       const std::vector<uint64_t>& global_shape,
                       const std::vector<std::pair<std::string, ShardBox>>& boxes);

@@ -130,6 +130,10 @@ struct TensorSpec {
   uint32_t group = 0;
   std::vector<uint64_t> shape;         // local shard shape; empty = {numel}
   std::vector<uint64_t> global_shape;  // empty = shape
+  // The shard's box in the global tensor: [shard_offset, shard_offset + shape).
+  // Or, when shape and shard_offset are 1-D and global_shape is not, the flat
+  // range [shard_offset[0], shard_offset[0] + numel) of global_shape's
+  // row-major flattening (a distributed optimizer's flat-buffer shard).
   std::vector<uint64_t> shard_offset;  // empty = zeros of global_shape's rank
   std::vector<FieldSpec> fields;       // empty = AdamFields()
 };

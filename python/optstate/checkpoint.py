@@ -25,7 +25,7 @@ from . import errors
 from ._lib import call, lib
 from .core import Store
 
-__all__ = ["save", "load", "reshard", "reshard_layout", "rank_dir"]
+__all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_dir"]
 
 
 def save(opt, dest, name=None):
@@ -77,17 +77,71 @@ def _sources(sources, what):
 
 
 def reshard_layout(sources, ranks, split="rows"):
-    """A target layout (a dict, the JSON schema of docs/RESHARD.md) that splits every tensor of the
-    checkpoints `sources` evenly over `ranks` ranks: split "rows" (dimension 0) or "columns" (the last
-    dimension; 1-D tensors along dimension 0). Edit it, or build one from the model's sharding on the
-    new topology: per rank, per tensor, {"offset": [...], "shape": [...]}."""
+    """A target layout (a dict, the JSON schema of docs/RESHARD.md) that places every tensor of the
+    checkpoints `sources` on `ranks` ranks, by `split`:
+
+      - a rule string, "[PATTERN=]KIND": KIND "rows" (dimension 0), "columns" (the last dimension;
+        1-D tensors along dimension 0), "dimN" or "flat" (even flat ranges of the row-major
+        flattening), each tensor split evenly; several rules separated by commas, the first whose
+        glob PATTERN (fnmatch: "*" matches "/" too) matches a tensor's name wins;
+      - a dict {pattern: kind} (an int N means "dimN"), first match wins in the dict's order, e.g.
+        {"*.qkv.weight": 0, "*.proj.weight": 1, "*": "rows"};
+      - a callable(name, global_shape, rank, ranks) returning rank's part of that tensor: None (no
+        part), {"offset": [...], "shape": [...]} or (offset, shape) for a box, {"flat": [begin, end]}
+        or range(begin, end) for a flat range.
+    A tensor no rule matches, or a pattern that matches no tensor, raises optstate.InvalidArgument.
+    "replicate" is not a layout: every element's optimizer state is owned by exactly one rank."""
+    if callable(split):
+        return _layout_from_callable(sources, int(ranks), split)
+    if isinstance(split, dict):
+        rules = []
+        for pattern, kind in split.items():
+            kind = "dim%d" % kind if isinstance(kind, int) and not isinstance(kind, bool) else str(kind)
+            if "," in pattern or "\n" in pattern:
+                raise errors.InvalidArgument("optstate.checkpoint.reshard_layout: pattern %r holds a comma or a "
+                                             "newline (they separate rules)" % pattern)
+            rules.append("%s=%s" % (pattern, kind))
+        split = "\n".join(rules)
     arr, n = _sources(sources, "checkpoint.reshard_layout")
     out = ctypes.c_void_p()
-    call(lib.optstate_checkpoint_reshard_layout, arr, n, int(ranks), split.encode(), ctypes.byref(out))
+    call(lib.optstate_checkpoint_reshard_layout, arr, n, int(ranks), str(split).encode(), ctypes.byref(out))
     try:
         return json.loads(ctypes.string_at(out.value).decode("utf-8"))
     finally:
         lib.optstate_free(out)
+
+
+def global_shapes(sources):
+    """{tensor name: global shape (a tuple)} of the checkpoints `sources` (their manifests, checked as
+    optstate.reshard checks them)."""
+    whole = reshard_layout(sources, 1, "rows")
+    return {name: tuple(box["shape"]) for name, box in whole["ranks"][0]["tensors"].items()}
+
+
+def _layout_from_callable(sources, ranks, fn):
+    shapes = global_shapes(sources)
+    out = []
+    for r in range(ranks):
+        tensors = {}
+        for name, shape in shapes.items():
+            part = fn(name, shape, r, ranks)
+            if part is None:
+                continue
+            if isinstance(part, range):
+                if part.step != 1:
+                    raise errors.InvalidArgument("optstate.checkpoint.reshard_layout: rank %d of tensor %s: a "
+                                                 "flat range has step 1, not %d" % (r, name, part.step))
+                part = {"flat": [part.start, part.stop]}
+            elif isinstance(part, tuple) and len(part) == 2:
+                part = {"offset": [int(x) for x in part[0]], "shape": [int(x) for x in part[1]]}
+            elif not isinstance(part, dict):
+                raise errors.InvalidArgument("optstate.checkpoint.reshard_layout: rank %d of tensor %s: the split "
+                                             "callable returned %r; expected None, (offset, shape), a dict or a "
+                                             "range" % (r, name, part))
+            tensors[name] = part
+        out.append({"rank": r, "tensors": tensors})
+    # The C++ side checks the tiling when the layout is used (optstate.reshard).
+    return {"format": "optstate-reshard-layout", "format_version": 1, "ranks": out}
 
 
 def reshard(sources, dest, layout):

@@ -387,12 +387,22 @@ class StreamedAdam(_Handle):
         lr, beta1, beta2, eps, wd = (v.value for v in vals)
         return dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, adamw=bool(adamw.value))
 
-    def register_param(self, name, numel, group, initial_ptr=None, initial_dtype=NONE, shape=()):
-        """Returns (id, existed): existed is True when the store already held the param (resume)."""
+    def register_param(self, name, numel, group, initial_ptr=None, initial_dtype=NONE, shape=(),
+                       global_shape=(), shard_offset=()):
+        """Returns (id, existed): existed is True when the store already held the param (resume).
+        global_shape and shard_offset: the param is that shard of a larger tensor (a box, or with a 1-D
+        shape and shard_offset the flat range of the tensor's row-major flattening; docs/RESHARD.md)."""
         pid, existed = ctypes.c_uint32(), ctypes.c_int()
-        shape_arr = (ctypes.c_uint64 * len(shape))(*shape) if shape else None
-        call(lib.optstate_adam_register_param, self._live(), _b(name), int(numel), int(group),
-             initial_ptr, int(initial_dtype), shape_arr, len(shape), ctypes.byref(pid), ctypes.byref(existed))
+
+        def arr(v):
+            return (ctypes.c_uint64 * len(v))(*[int(x) for x in v]) if v else None
+        if global_shape:
+            call(lib.optstate_adam_register_shard, self._live(), _b(name), int(numel), int(group),
+                 initial_ptr, int(initial_dtype), arr(shape), len(shape), arr(global_shape), len(global_shape),
+                 arr(shard_offset), len(shard_offset), ctypes.byref(pid), ctypes.byref(existed))
+        else:
+            call(lib.optstate_adam_register_param, self._live(), _b(name), int(numel), int(group),
+                 initial_ptr, int(initial_dtype), arr(shape), len(shape), ctypes.byref(pid), ctypes.byref(existed))
         return pid.value, bool(existed.value)
 
     def step_raw(self, n, ids, grads, grad_dtypes, params, param_dtypes, found_inf_ptr=None, grad_scale=0.0):

@@ -32,20 +32,27 @@ Checkpoints: optstate.checkpoint.save(opt, dir) writes the committed state as
 the directory the mount shows for a snapshot; optstate.checkpoint.load(opt,
 dir) restores one and resumes from it.
 
+Resharding (another number of ranks, another tensor-parallel split):
+layout_from_model(model, sources, ranks, dims) gives optstate.reshard the
+target layout from the model's sharding, and AdamW(..., shards=...) records
+where each shard lies in its whole tensor. docs/RESHARD.md.
+
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
 second optimizer or process opening a store in use gets optstate.Busy.
 """
 import contextlib
 import ctypes
+import fnmatch
 import os
+import re
 
 import torch
 
-from . import errors
+from . import checkpoint, errors
 from .core import BF16, F16, F32, READ, MemoryManager, Store, StreamedAdam, access_code
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "layout_from_model"]
 
 _DTYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 _TORCH_DTYPES = {code: dt for dt, code in _DTYPES.items()}
@@ -91,6 +98,12 @@ class AdamW(torch.optim.Optimizer):
              store holding the other dtype raises optstate.InvalidArgument. docs/MOMENTS.md.
       params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
       tensors' names in the store. Otherwise they are "param<i>" in the order given.
+      shards: where each param lies in the whole tensor when the model is sharded (tensor or data
+             parallelism), so that optstate.reshard can move its state to another number of ranks:
+             a dict {name: (global_shape, shard_offset)} or a callable(name, param) returning that
+             or None (a whole tensor). shard_offset is a box's offset, or for a 1-D param of a
+             tensor of higher rank (a flat-buffer shard) (begin,): the flat range
+             [begin, begin + numel) of the tensor's row-major flattening. docs/RESHARD.md.
     """
 
     # torch's GradScaler: hand the step the scale and found-inf instead of unscaling the grads.
@@ -100,7 +113,7 @@ class AdamW(torch.optim.Optimizer):
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
                  host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
                  cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0,
-                 cuda_device=None, moment_dtype="f32",
+                 cuda_device=None, moment_dtype="f32", shards=None,
                  foreach=None, fused=None, capturable=False, differentiable=False):
         if not 0.0 <= float(lr):
             raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
@@ -116,6 +129,10 @@ class AdamW(torch.optim.Optimizer):
                 raise errors.Unimplemented("optstate.torch.AdamW: %s=True is not supported" % flag)
         self._handles = None
         self._adamw = bool(adamw)
+        if shards is not None and not callable(shards) and not isinstance(shards, dict):
+            raise errors.InvalidArgument("optstate.torch.AdamW: shards is a %s; give a dict {name: (global_shape, "
+                                         "shard_offset)} or a callable(name, param)" % type(shards).__name__)
+        self._shards = shards
         path = os.fspath(store).replace("{rank}", str(_rank()))
         if cuda_device is None:
             cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -233,7 +250,7 @@ class AdamW(torch.optim.Optimizer):
         if name in self._names:
             raise errors.InvalidArgument("optstate.torch.AdamW: two params are named %s" % name)
         pid, existed = self._adam.register_param(name, p.numel(), gid, p.data_ptr(), _DTYPES[p.dtype],
-                                                 tuple(p.shape))
+                                                 tuple(p.shape), *self._shard_of(name, p))
         if existed:  # resume: the model continues from the stored fp32 main
             self._copy_main_to(name, p)
         else:
@@ -245,6 +262,20 @@ class AdamW(torch.optim.Optimizer):
         self._pgroup.append(gid)
         self._by_tensor[id(p)] = index
         self._batch_key = None
+
+    def _shard_of(self, name, p):
+        """(global_shape, shard_offset) of a param from the shards argument; ((), ()) for a whole tensor."""
+        if self._shards is None:
+            return (), ()
+        g = self._shards(name, p) if callable(self._shards) else self._shards.get(name)
+        if g is None:
+            return (), ()
+        try:
+            global_shape, offset = g
+            return tuple(int(x) for x in global_shape), tuple(int(x) for x in offset)
+        except (TypeError, ValueError):
+            raise errors.InvalidArgument("optstate.torch.AdamW: shards gives %r for param %s; expected "
+                                         "(global_shape, shard_offset)" % (g, name)) from None
 
     def _copy_main_to(self, name, p):
         main = torch.empty(p.numel(), dtype=torch.float32)
@@ -617,7 +648,8 @@ class AdamW(torch.optim.Optimizer):
             self._handles = (self._adam, self._mm, self._store)
             for i, p in enumerate(self._plist):
                 pid, existed = self._adam.register_param(self._names[i], p.numel(), self._pgroup[i], p.data_ptr(),
-                                                         _DTYPES[p.dtype], tuple(p.shape))
+                                                         _DTYPES[p.dtype], tuple(p.shape),
+                                                         *self._shard_of(self._names[i], p))
                 self._ids[i] = pid
                 if existed:
                     self._copy_main_to(self._names[i], p)
@@ -691,3 +723,56 @@ def _describe(t):
 
 def _few(names):
     return "[" + ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") + "]"
+
+
+def _shard_dim(name, p):
+    """The dimension a DTensor param is sharded along on its mesh (torch >= 2), or None for a plain
+    tensor. A replicated DTensor, or one sharded on several mesh dimensions, raises."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return None
+    dims = [pl.dim for pl in placements if getattr(pl, "is_shard", lambda: False)()]
+    if len(dims) == 1:
+        return dims[0]
+    if not dims:
+        raise errors.Unimplemented(
+            "optstate.torch.layout_from_model: param %s is replicated (placements %s): every element's "
+            "optimizer state must be owned by exactly one rank; give it a dimension in dims" % (name, placements))
+    raise errors.Unimplemented("optstate.torch.layout_from_model: param %s is sharded on %d mesh dimensions "
+                               "(placements %s); give its split in dims" % (name, len(dims), placements))
+
+
+def layout_from_model(model, sources, ranks, dims=None):
+    """The target layout (for optstate.reshard) that splits the state of the checkpoints `sources` over
+    `ranks` ranks as `model` is sharded on the new topology: each param (model.named_parameters(), the
+    names the optimizer was given) evenly along its sharded dimension. The dimension comes from the
+    param itself when it is a DTensor (torch >= 2: its Shard(dim) placement), else from dims, a dict
+    {param name glob pattern: dimension} (first match wins; a dimension may also be "columns", "rows"
+    or "flat"), e.g. {"*.qkv.weight": 0, "*.proj.weight": 1, "*.bias": 0}. A param neither gives
+    raises optstate.InvalidArgument; a replicated one optstate.Unimplemented (its state must have one
+    owner). Rank r of the new topology then registers its shards with AdamW(..., shards=...)."""
+    rules = {}
+    for name, p in model.named_parameters():
+        kind = _shard_dim(name, p)
+        if kind is None:
+            for pattern, d in (dims or {}).items():
+                if fnmatch.fnmatchcase(name, pattern):
+                    kind = d
+                    break
+        if kind is None:
+            why = ("torch %s has no DTensor" % torch.__version__ if not _has_dtensor()
+                   else "it is not a DTensor")
+            raise errors.InvalidArgument("optstate.torch.layout_from_model: param %s (shape %s): no sharded "
+                                         "dimension (%s, and no pattern of dims matches it)"
+                                         % (name, tuple(p.shape), why))
+        # The name as an exact fnmatch pattern.
+        rules[re.sub(r"([\\*?\[])", r"\\\1", name)] = kind
+    return checkpoint.reshard_layout(sources, ranks, split=rules)
+
+
+def _has_dtensor():
+    try:
+        from torch.distributed._tensor import DTensor  # noqa: F401  (torch >= 2.0)
+        return True
+    except Exception:
+        return False

@@ -84,5 +84,211 @@ class ReshardTest(TempDirTest):
             optstate.reshard(self.path("ck1"), self.path("ck3"), layout)
 
 
+class TensorParallel(torch.nn.Module):
+    """The parameters of a tensor-parallel MLP block: fc1 column-parallel (weight and bias split along
+    the output dimension), fc2 row-parallel (weight split along the input dimension, no bias)."""
+
+    def __init__(self, shapes=None):
+        super().__init__()
+        shapes = shapes or {"fc1.weight": (24, 16), "fc1.bias": (24,), "fc2.weight": (4, 24)}
+        self.fc1 = torch.nn.Module()
+        self.fc2 = torch.nn.Module()
+        self.fc1.weight = torch.nn.Parameter(torch.zeros(shapes["fc1.weight"]))
+        self.fc1.bias = torch.nn.Parameter(torch.zeros(shapes["fc1.bias"]))
+        self.fc2.weight = torch.nn.Parameter(torch.zeros(shapes["fc2.weight"]))
+
+
+TP_DIMS = {"fc1.*": 0, "fc2.weight": 1}
+GLOBAL = {"fc1.weight": (24, 16), "fc1.bias": (24,), "fc2.weight": (4, 24)}
+
+
+def tp_shards(ranks):
+    """Per rank {name: (offset, shape)}: the even split of each param along its TP_DIMS dimension."""
+    out = []
+    for r in range(ranks):
+        parts = {}
+        for name, g in GLOBAL.items():
+            d = 0 if name.startswith("fc1") else 1
+            lo, hi = g[d] * r // ranks, g[d] * (r + 1) // ranks
+            off, shape = [0] * len(g), list(g)
+            off[d], shape[d] = lo, hi - lo
+            parts[name] = (tuple(off), tuple(shape))
+        out.append(parts)
+    return out
+
+
+def box(t, off, shape):
+    return t[tuple(slice(o, o + n) for o, n in zip(off, shape))]
+
+
+class TensorParallelReshardTest(TempDirTest):
+    """A 2-rank tensor-parallel run (each rank an AdamW over its shards) resharded to 3 ranks by rules
+    from the model and continued equals one uninterrupted run of the whole parameters, bit for bit."""
+    K, J = 3, 2
+
+    def setUp(self):
+        super().setUp()
+        gen = torch.Generator().manual_seed(5)
+        self.init = {n: torch.randn(g, generator=gen) * 0.3 for n, g in GLOBAL.items()}
+        self.x, self.y = torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen)
+
+    def grads(self, full):
+        """Gradients of the block's loss at the whole parameters `full` (tensors by name)."""
+        w = {n: t.detach().clone().requires_grad_(True) for n, t in full.items()}
+        h = torch.tanh(self.x @ w["fc1.weight"].t() + w["fc1.bias"])
+        ((h @ w["fc2.weight"].t() - self.y) ** 2).mean().backward()
+        return {n: t.grad for n, t in w.items()}
+
+    def groups(self, params):
+        """Weights with decay, the bias without at its own lr (named params)."""
+        return [{"params": [(n, p) for n, p in params.items() if n.endswith("weight")], "weight_decay": 0.1},
+                {"params": [(n, p) for n, p in params.items() if n.endswith("bias")], "weight_decay": 0.0,
+                 "lr": 3e-3}]
+
+    def make_rank(self, path, parts, values=None):
+        params = {n: torch.nn.Parameter(box(self.init[n], *parts[n]).clone() if values is None
+                                        else torch.zeros(parts[n][1])) for n in parts}
+        shards = {n: (GLOBAL[n], parts[n][0]) for n in parts}
+        opt = ot.AdamW(self.groups(params), store=path, lr=1e-2, shards=shards, **OPT_KW)
+        return params, opt
+
+    def step_ranks(self, ranks, step_count):
+        for _ in range(step_count):
+            full = {}
+            for n, g in GLOBAL.items():
+                t = torch.zeros(g)
+                for params, parts, _ in ranks:
+                    box(t, *parts[n]).copy_(params[n].detach())
+                full[n] = t
+            g = self.grads(full)
+            for params, parts, opt in ranks:
+                for n, p in params.items():
+                    p.grad = box(g[n], *parts[n]).contiguous()
+                opt.step()
+
+    def moments(self, ranks):
+        """{name/field: whole tensor} assembled from the ranks' stores."""
+        out = {}
+        for params, parts, opt in ranks:
+            for n, p in params.items():
+                for field in ("main", "exp_avg", "exp_avg_sq"):
+                    t = out.setdefault(n + "/" + field, torch.zeros(GLOBAL[n]))
+                    v = torch.empty(p.numel(), dtype=torch.float32)
+                    opt.store.read_into(n, field, v.data_ptr(), 0, p.numel())
+                    box(t, *parts[n]).copy_(v.view(parts[n][1]))
+        return out
+
+    def test_two_tp_ranks_resharded_to_three_continue_bit_for_bit(self):
+        # The uninterrupted run: one rank holding every parameter whole.
+        params, opt = self.make_rank(self.path("whole"), tp_shards(1)[0])
+        ref = [(params, tp_shards(1)[0], opt)]
+        self.step_ranks(ref, self.K + self.J)
+        opt.commit()
+        want = self.moments(ref)
+        opt.close()
+
+        # Two tensor-parallel ranks for K steps, saved.
+        two = []
+        for r, parts in enumerate(tp_shards(2)):
+            params, opt = self.make_rank(self.path("a%d" % r), parts)
+            two.append((params, parts, opt))
+        self.step_ranks(two, self.K)
+        srcs = []
+        for r, (_, _, opt) in enumerate(two):
+            srcs.append(self.path("ck%d" % r))
+            ckpt.save(opt, srcs[-1])
+            opt.close()
+
+        # The layout for 3 ranks from the model's sharding rules, resharded.
+        layout = ot.layout_from_model(TensorParallel(), srcs, 3, dims=TP_DIMS)
+        self.assertEqual(layout["ranks"][1]["tensors"]["fc2.weight"], {"offset": [0, 8], "shape": [4, 8]})
+        self.assertEqual(optstate.reshard(srcs, self.path("ck3"), layout), 3)
+
+        # Three ranks register their shards, load their checkpoints, continue J steps.
+        three = []
+        for r, parts in enumerate(tp_shards(3)):
+            params, opt = self.make_rank(self.path("b%d" % r), parts, values="zeros")
+            ckpt.load(opt, ckpt.rank_dir(self.path("ck3"), r))
+            three.append((params, parts, opt))
+        self.step_ranks(three, self.J)
+        for _, _, opt in three:
+            opt.commit()
+        got = self.moments(three)
+        for _, _, opt in three:
+            opt.close()
+        self.assertEqual(sorted(got), sorted(want))
+        for key in want:
+            self.assertTrue(torch.equal(got[key], want[key]), key)
+        self.assertNotEqual(float(want["fc1.weight/exp_avg"].abs().sum()), 0.0)
+
+    def test_rules_callables_and_bad_rules(self):
+        two = []
+        for r, parts in enumerate(tp_shards(2)):
+            params, opt = self.make_rank(self.path("a%d" % r), parts)
+            two.append((params, parts, opt))
+        self.step_ranks(two, 1)
+        srcs = []
+        for r, (_, _, opt) in enumerate(two):
+            srcs.append(self.path("ck%d" % r))
+            ckpt.save(opt, srcs[-1])
+            opt.close()
+        self.assertEqual(ckpt.global_shapes(srcs), {n: tuple(g) for n, g in GLOBAL.items()})
+        # The same rules as a dict, as a string, and as a callable give the same layout.
+        by_dict = ckpt.reshard_layout(srcs, 3, {"fc1.*": 0, "fc2.weight": "columns"})
+        by_text = ckpt.reshard_layout(srcs, 3, "fc1.*=rows,fc2.weight=dim1")
+        self.assertEqual(by_dict, by_text)
+
+        def fn(name, shape, rank, ranks):
+            off, n = tp_shards(ranks)[rank][name]
+            return off, n
+        self.assertEqual(ckpt.reshard_layout(srcs, 3, fn), by_dict)
+        # Flat ranges of the 2-D weights (by a rule, and the same by a callable) reshard and come
+        # back byte for byte.
+        flat = ckpt.reshard_layout(srcs, 2, "fc1.bias=rows,*=flat")
+        self.assertEqual(flat["ranks"][1]["tensors"]["fc1.weight"], {"flat": [192, 384]})
+
+        def flat_fn(name, shape, rank, ranks):
+            n = 1
+            for s in shape:
+                n *= s
+            return range(n * rank // ranks, n * (rank + 1) // ranks)
+        self.assertEqual(ckpt.reshard_layout(srcs, 2, flat_fn)["ranks"][1]["tensors"]["fc2.weight"],
+                         {"flat": [48, 96]})
+        optstate.reshard(srcs, self.path("flat"), flat)
+        back = ckpt.reshard_layout(srcs, 2, TP_DIMS)
+        optstate.reshard([ckpt.rank_dir(self.path("flat"), r) for r in range(2)], self.path("back"), back)
+        for r in range(2):
+            self.assertEqual(field_files(srcs[r]), field_files(ckpt.rank_dir(self.path("back"), r)))
+        # Bad rules name what is wrong.
+        for split, words in (("replicate", ["replicate", "exactly one rank"]),
+                             ("fc1.*=dim0", ["no split rule matches", "fc2.weight"]),
+                             ("fc9.*=rows,*=rows", ["fc9.*", "matches no tensor"]),
+                             ("*=diagonal", ["diagonal"])):
+            with self.assertRaises(optstate.InvalidArgument) as cm:
+                ckpt.reshard_layout(srcs, 3, split)
+            for w in words:
+                self.assertIn(w, str(cm.exception))
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            ot.layout_from_model(TensorParallel(), srcs, 3, dims={"fc1.*": 0})
+        self.assertIn("fc2.weight", str(cm.exception))
+        self.assertIn("dims", str(cm.exception))
+
+
+@unittest.skipUnless(hasattr(torch, "distributed") and torch.distributed.is_available() and
+                     ot._has_dtensor(), "torch %s has no DTensor (torch >= 2)" % torch.__version__)
+class DTensorLayoutTest(TempDirTest):
+    def test_shard_placements_give_the_dimensions(self):
+        from torch.distributed._tensor import Replicate, Shard
+
+        model = TensorParallel()
+        model.fc1.weight.placements = (Shard(0),)
+        model.fc1.bias.placements = (Shard(0),)
+        model.fc2.weight.placements = (Shard(1),)
+        self.assertEqual(ot._shard_dim("fc2.weight", model.fc2.weight), 1)
+        model.fc1.bias.placements = (Replicate(),)
+        with self.assertRaises(optstate.Unimplemented):
+            ot._shard_dim("fc1.bias", model.fc1.bias)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -53,8 +53,13 @@ float Value(const std::string& tensor, uint64_t gi, uint64_t step) {
   return static_cast<float>(static_cast<int64_t>(h >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
 }
 
-// Global row-major index of each element of a box, in the box's order.
+// Global row-major index of each element of a box or flat range, in its order.
 std::vector<uint64_t> GlobalIndices(const std::vector<uint64_t>& gshape, const ShardBox& b) {
+  if (b.flat) {
+    std::vector<uint64_t> out(b.shape[0]);
+    for (uint64_t e = 0; e < out.size(); ++e) out[e] = b.offset[0] + e;
+    return out;
+  }
   uint64_t n = 1;
   for (uint64_t s : b.shape) n *= s;
   std::vector<uint64_t> out(n);
@@ -181,7 +186,8 @@ std::vector<vfs::GlobalTensor> Globals() {
   return out;
 }
 
-void ResumeEqualsNoInterruption(uint32_t n, vfs::SplitKind from, uint32_t m, vfs::SplitKind to) {
+void ResumeEqualsNoInterruption(const vfs::TargetLayout& before, const vfs::TargetLayout& after) {
+  const size_t n = before.ranks.size(), m = after.ranks.size();
   constexpr uint64_t kK = 3, kJ = 2;
   test_util::TempDir dir("/var/tmp/optstate-resume-");
   // The uninterrupted run: one rank holding every tensor whole.
@@ -193,7 +199,6 @@ void ResumeEqualsNoInterruption(uint32_t n, vfs::SplitKind from, uint32_t m, vfs
     whole.Collect(&want);
   }
   // N ranks for K steps, exported.
-  const vfs::TargetLayout before = vfs::MakeEvenLayout(Globals(), n, from);
   std::vector<std::string> ckpts;
   for (uint32_t r = 0; r < n; ++r) {
     Rank rank(dir / ("a" + std::to_string(r)), before.ranks[r]);
@@ -204,7 +209,6 @@ void ResumeEqualsNoInterruption(uint32_t n, vfs::SplitKind from, uint32_t m, vfs
     ASSERT_TRUE(e.ok()) << e.status().ToString();
   }
   // Resharded to M, restored into M new stores, J more steps.
-  const vfs::TargetLayout after = vfs::MakeEvenLayout(Globals(), m, to);
   auto rs = vfs::Reshard(ckpts, after, dir / "resharded");
   ASSERT_TRUE(rs.ok()) << rs.status().ToString();
   for (uint32_t r = 0; r < m; ++r) {
@@ -227,11 +231,25 @@ void ResumeEqualsNoInterruption(uint32_t n, vfs::SplitKind from, uint32_t m, vfs
 }
 
 TEST(ReshardResume, FourRowRanksToThreeColumnRanks) {
-  ResumeEqualsNoInterruption(4, vfs::SplitKind::kRows, 3, vfs::SplitKind::kColumns);
+  ResumeEqualsNoInterruption(vfs::MakeEvenLayout(Globals(), 4, vfs::SplitKind::kRows),
+                             vfs::MakeEvenLayout(Globals(), 3, vfs::SplitKind::kColumns));
 }
 
 TEST(ReshardResume, TwoColumnRanksToFiveRowRanks) {
-  ResumeEqualsNoInterruption(2, vfs::SplitKind::kColumns, 5, vfs::SplitKind::kRows);
+  ResumeEqualsNoInterruption(vfs::MakeEvenLayout(Globals(), 2, vfs::SplitKind::kColumns),
+                             vfs::MakeEvenLayout(Globals(), 5, vfs::SplitKind::kRows));
+}
+
+// Tensor-parallel row boxes to a data-parallel optimizer's flat buckets of the
+// same 2-D weight: the resumed ranks register flat ranges of it (1-D shape and
+// offset, the real global shape).
+TEST(ReshardResume, FourRowRanksToThreeFlatBucketRanks) {
+  // One bucket of w and b (601001 elements): ranges of 200334 cut w's rows mid-row.
+  auto buckets = vfs::MakeBucketLayout(Globals(), 1 << 20, 3);
+  ASSERT_TRUE(buckets.ok()) << buckets.status().ToString();
+  ASSERT_TRUE(buckets->ranks[1].at("w").flat);
+  ASSERT_NE(buckets->ranks[1].at("w").offset[0] % 2000, 0u);
+  ResumeEqualsNoInterruption(vfs::MakeEvenLayout(Globals(), 4, vfs::SplitKind::kRows), *buckets);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -77,6 +78,18 @@ std::string Expected(const std::string& tensor, uint32_t field, uint32_t esize, 
   return out;
 }
 
+// The bytes of a checkpoint shard: a box, or (1-D offset and shape of a
+// tensor of higher rank) the flat range [offset, offset + shape) of the
+// row-major flattening.
+std::string ExpectedShard(const std::string& tensor, uint32_t field, uint32_t esize,
+                          const std::vector<uint64_t>& gshape, const std::vector<uint64_t>& offset,
+                          const std::vector<uint64_t>& shape) {
+  if (shape.size() != 1 || gshape.size() == 1) return Expected(tensor, field, esize, gshape, offset, shape);
+  std::string out(shape[0] * esize, '\0');
+  for (uint64_t e = 0; e < shape[0]; ++e) ElementBytes(tensor, field, offset[0] + e, esize, out.data() + e * esize);
+  return out;
+}
+
 std::vector<GlobalTensor> Globals(const std::vector<GlobalDef>& model = Model()) {
   std::vector<GlobalTensor> out;
   for (const GlobalDef& g : model) out.push_back({g.name, g.global_shape});
@@ -116,6 +129,13 @@ std::vector<std::string> RankDirs(const std::string& dest, size_t n) {
   return out;
 }
 
+void ExpectError(const Result<ReshardResult>& r, const std::vector<std::string>& parts) {
+  ASSERT_FALSE(r.ok());
+  for (const std::string& p : parts) {
+    EXPECT_NE(r.status().message().find(p), std::string::npos) << "'" << p << "' not in: " << r.status().ToString();
+  }
+}
+
 class ReshardTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -152,7 +172,7 @@ class ReshardTest : public ::testing::Test {
         std::vector<FieldSpec> fields = FieldsOf(g);
         for (uint32_t f = 0; f < fields.size(); ++f) {
           const uint32_t es = DTypeSize(fields[f].dtype);
-          std::string bytes = Expected(g.name, f, es, g.global_shape, it->second.offset, it->second.shape);
+          std::string bytes = ExpectedShard(g.name, f, es, g.global_shape, it->second.offset, it->second.shape);
           for (uint64_t c = 0; c * cs < bytes.size(); ++c) {
             std::memset(buf.p, 0, buf.size);
             std::memcpy(buf.p, bytes.data() + c * cs, std::min<uint64_t>(cs, bytes.size() - c * cs));
@@ -194,7 +214,8 @@ class ReshardTest : public ::testing::Test {
         for (uint32_t f = 0; f < fields.size(); ++f) {
           EXPECT_EQ(t.fields[f].dtype, fields[f].dtype) << t.name;
           const std::string got = ReadFile(d + "/" + t.fields[f].file);
-          EXPECT_TRUE(got == Expected(t.name, f, DTypeSize(fields[f].dtype), g.global_shape, t.shard_offset, t.shape))
+          EXPECT_TRUE(got ==
+                      ExpectedShard(t.name, f, DTypeSize(fields[f].dtype), g.global_shape, t.shard_offset, t.shape))
               << d << " " << t.fields[f].file;
         }
       }
@@ -273,6 +294,23 @@ TEST_F(ReshardTest, RowsResplitAlongColumnsAndBack) {
   auto rr = Reshard(RankDirs(root_ + "/cols", 4), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/rows");
   ASSERT_TRUE(rr.ok()) << rr.status().ToString();
   EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/rows"));
+  // The reshard's state.safetensors is the exported one (CheckpointLayout's) of
+  // the same layout: the same header but for the new store uuid, the same data.
+  for (uint32_t r = 0; r < 4; ++r) {
+    const std::string want = ReadFile(RankDirs(src_, 4)[r] + "/state.safetensors");
+    const std::string got = ReadFile(RankDirs(root_ + "/rows", 4)[r] + "/state.safetensors");
+    ASSERT_EQ(got.size(), want.size()) << r;
+    uint64_t hlen = 0;
+    std::memcpy(&hlen, want.data(), 8);
+    EXPECT_EQ(got.compare(8 + hlen, std::string::npos, want, 8 + hlen, std::string::npos), 0) << r;
+    auto header = [&](const std::string& bytes) {
+      nlohmann::json j = nlohmann::json::parse(bytes.substr(8, hlen));
+      j["__metadata__"].erase("optstate.store_uuid");  // new: the checkpoint of no store yet
+      j["__metadata__"].erase("optstate.store");       // the first source's name
+      return j;
+    };
+    EXPECT_EQ(header(got), header(want)) << r;
+  }
 }
 
 TEST_F(ReshardTest, CheckerboardTarget) {
@@ -344,16 +382,158 @@ TEST(ReshardBucketLayout, PacksWholeTensorsAndSplitsEachBucketEvenly) {
   EXPECT_EQ(l->ranks[2].at("b").offset, std::vector<uint64_t>{2});
   EXPECT_EQ(l->ranks[2].at("b").shape, std::vector<uint64_t>{3});
   for (uint32_t r = 0; r < 3; ++r) EXPECT_EQ(l->ranks[r].at("c").offset, std::vector<uint64_t>{r});
-  auto bad = MakeBucketLayout({{"w", {2, 3}}}, 10, 2);
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("tensor 'w'"), std::string::npos);
+  // Tensors of any rank: flat ranges of their row-major flattening.
+  auto nd = MakeBucketLayout({{"w", {2, 3}}, {"v", {5}}}, 10, 2);
+  ASSERT_TRUE(nd.ok()) << nd.status().ToString();
+  EXPECT_TRUE(nd->ranks[0].at("w").flat);
+  EXPECT_EQ(nd->ranks[0].at("w").offset, std::vector<uint64_t>{0});
+  EXPECT_EQ(nd->ranks[0].at("w").shape, std::vector<uint64_t>{6});
+  EXPECT_EQ(nd->ranks[1].at("v").offset, std::vector<uint64_t>{0});
+  EXPECT_EQ(nd->ranks[1].at("v").shape, std::vector<uint64_t>{5});
+  EXPECT_FALSE(MakeBucketLayout({{"w", {2, 3}}}, 0, 2).ok());
 }
 
-void ExpectError(const Result<ReshardResult>& r, const std::vector<std::string>& parts) {
-  ASSERT_FALSE(r.ok());
-  for (const std::string& p : parts) {
-    EXPECT_NE(r.status().message().find(p), std::string::npos) << "'" << p << "' not in: " << r.status().ToString();
+// Every element of the global tensor, in row-major order, that a list of
+// pieces covers (the reference: a plain loop over each box).
+std::vector<uint64_t> Elements(const std::vector<ShardPiece>& pieces, const std::vector<uint64_t>& gshape) {
+  std::vector<uint64_t> out;
+  for (const ShardPiece& p : pieces) {
+    EXPECT_EQ(p.first, out.size());
+    EXPECT_FALSE(p.box.flat);
+    uint64_t n = 1;
+    for (uint64_t s : p.box.shape) n *= s;
+    std::vector<uint64_t> idx(gshape.size(), 0);
+    for (uint64_t e = 0; e < n; ++e) {
+      uint64_t gi = 0;
+      for (size_t d = 0; d < gshape.size(); ++d) gi = gi * gshape[d] + p.box.offset[d] + idx[d];
+      out.push_back(gi);
+      for (size_t d = gshape.size(); d-- > 0;) {
+        if (++idx[d] < p.box.shape[d]) break;
+        idx[d] = 0;
+      }
+    }
   }
+  return out;
+}
+
+TEST(ReshardShardPieces, AFlatRangeIsAtMostTwoRankMinusOneBoxesInOrder) {
+  for (const std::vector<uint64_t>& gshape :
+       std::vector<std::vector<uint64_t>>{{7, 5}, {3, 4, 5}, {2, 3, 1, 4}, {1, 9}, {6, 1}}) {
+    uint64_t numel = 1;
+    for (uint64_t s : gshape) numel *= s;
+    for (uint64_t b = 0; b < numel; ++b) {
+      for (uint64_t e = b + 1; e <= numel; ++e) {
+        const std::vector<ShardPiece> pieces = ShardPieces(FlatRange(b, e), gshape);
+        EXPECT_LE(pieces.size(), 2 * gshape.size() - 1);
+        std::vector<uint64_t> want(e - b);
+        for (uint64_t i = 0; i < want.size(); ++i) want[i] = b + i;
+        ASSERT_EQ(Elements(pieces, gshape), want) << "[" << b << ", " << e << ") of rank " << gshape.size();
+      }
+    }
+  }
+  // A flat range of a 1-D tensor is its box.
+  const auto one = ShardPieces(FlatRange(3, 8), {10});
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].box.offset, std::vector<uint64_t>{3});
+  EXPECT_EQ(one[0].box.shape, std::vector<uint64_t>{5});
+}
+
+// 2-D row boxes -> flat buckets (a data-parallel optimizer's layout of the
+// same 2-D weights) -> column boxes -> row boxes: every step checked against
+// the reference bytes, the last one byte-identical to the sources.
+TEST_F(ReshardTest, RowBoxesToFlatBucketsToColumnsToRowsIsByteIdentical) {
+  const Manifest m0 = SourceManifest();
+  ReshardOptions o;
+  o.staging_bytes_per_rank = 64 * 1024;
+  auto buckets = MakeBucketLayout(Globals(), 1 << 20, 3);
+  ASSERT_TRUE(buckets.ok()) << buckets.status().ToString();
+  ASSERT_TRUE(buckets->ranks[1].at("layers.0/w").flat);
+  auto r3 = Reshard(RankDirs(src_, 4), *buckets, root_ + "/flat3", o);
+  ASSERT_TRUE(r3.ok()) << r3.status().ToString();
+  CheckAgainstReference(RankDirs(root_ + "/flat3", 3), m0);
+  // The manifests record flat ranges of the 2-D tensors: 1-D shape and offset, the real global shape.
+  auto m = ParseManifest(ReadFile(root_ + "/flat3/rank-00001/manifest.json"), "flat3");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  bool seen = false;
+  for (const ManifestTensor& t : m->tensors) {
+    if (t.name != "layers.0/w") continue;
+    seen = true;
+    EXPECT_EQ(t.global_shape, (std::vector<uint64_t>{1030, 2050}));
+    EXPECT_EQ(t.shape.size(), 1u);
+    EXPECT_EQ(t.shard_offset, buckets->ranks[1].at("layers.0/w").offset);
+  }
+  EXPECT_TRUE(seen);
+  // Restore takes a flat-range checkpoint and holds its bytes.
+  {
+    const std::string dir = root_ + "/flat3/" + ReshardRankDirName(1);
+    auto store = CreateStoreFromCheckpoint(dir, root_ + "/restored-flat", StoreOptions{});
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    const auto dump = DumpLatest(store->get());
+    for (const ManifestTensor& t : m->tensors) {
+      for (const ManifestField& f : t.fields) {
+        EXPECT_TRUE(dump.at(t.name + "/" + f.name) == ReadFile(dir + "/" + f.file)) << t.name << "/" << f.name;
+      }
+    }
+  }
+  auto r2 = Reshard(RankDirs(root_ + "/flat3", 3), MakeEvenLayout(Globals(), 2, SplitKind::kColumns),
+                    root_ + "/cols2", o);
+  ASSERT_TRUE(r2.ok()) << r2.status().ToString();
+  CheckAgainstReference(RankDirs(root_ + "/cols2", 2), m0);
+  auto r4 = Reshard(RankDirs(root_ + "/cols2", 2), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/rows4");
+  ASSERT_TRUE(r4.ok()) << r4.status().ToString();
+  const auto want = FieldFiles(src_), got = FieldFiles(root_ + "/rows4");
+  ASSERT_EQ(want.size(), got.size());
+  EXPECT_TRUE(want == got) << "4 rows -> 3 flat buckets -> 2 columns -> 4 rows changed a field file";
+  // And flat buckets of another size straight from flat buckets.
+  auto five = MakeBucketLayout(Globals(), 300000, 5);
+  ASSERT_TRUE(five.ok());
+  ASSERT_TRUE(Reshard(RankDirs(root_ + "/flat3", 3), *five, root_ + "/flat5", o).ok());
+  CheckAgainstReference(RankDirs(root_ + "/flat5", 5), m0);
+}
+
+TEST_F(ReshardTest, BadFlatRangesAreRefusedAndNothingIsWritten) {
+  const std::string dest = root_ + "/out";
+  const std::vector<std::string> s4 = RankDirs(src_, 4);
+  // Rank 0: rows [0, 3) of w as a box; rank 1: the rest of w as a flat range
+  // that starts 2 elements early, inside rank 0's last row.
+  TargetLayout t = MakeEvenLayout(Globals(), 2, SplitKind::kRows);
+  t.ranks[0]["layers.0/w"] = ShardBox{{0, 0}, {3, 2050}};
+  t.ranks[1]["layers.0/w"] = FlatRange(3 * 2050 - 2, 1030 * 2050);
+  ExpectError(Reshard(s4, t, dest), {"tensor 'layers.0/w'", "rank 0 ([0, 3) x [0, 2050))",
+                                     "rank 1 (flat [6148, 2111500))", "overlap in [2, 3) x [2048, 2050)"});
+  ExpectNothingWritten(dest);
+
+  // A flat range past the tensor's elements.
+  t.ranks[1]["layers.0/w"] = FlatRange(3 * 2050, 1030 * 2050 + 1);
+  ExpectError(Reshard(s4, t, dest), {"tensor 'layers.0/w'", "rank 1", "flat [6150, 2111501)", "past", "2111500"});
+  ExpectNothingWritten(dest);
+
+  // A gap between a flat range and a box.
+  t.ranks[1]["layers.0/w"] = FlatRange(3 * 2050 + 1, 1030 * 2050);
+  ExpectError(Reshard(s4, t, dest), {"tensor 'layers.0/w'", "1 elements are in no shard", "[3, 4) x [0, 1)"});
+  ExpectNothingWritten(dest);
+
+  // A source whose flat range overlaps another source's box: checkpoints of
+  // two layouts, each with one whole tensor but w's box or flat range.
+  auto split_w = [&](const ShardBox& first, uint64_t flat_begin, const std::string& dir) {
+    TargetLayout l = MakeEvenLayout(Globals(), 1, SplitKind::kRows);
+    l.ranks.resize(2);
+    l.ranks[0]["layers.0/w"] = first;
+    l.ranks[1]["layers.0/w"] = FlatRange(flat_begin, 1030 * 2050);
+    auto r = Reshard(s4, l, dir);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  };
+  split_w(ShardBox{{0, 0}, {515, 2050}}, 515 * 2050, root_ + "/a");
+  split_w(FlatRange(0, 514 * 2050 + 5), 514 * 2050 + 5, root_ + "/b");
+  const std::string a0 = root_ + "/a/" + ReshardRankDirName(0), b1 = root_ + "/b/" + ReshardRankDirName(1);
+  ExpectError(Reshard({a0, b1}, MakeEvenLayout(Globals(), 1, SplitKind::kRows), dest),
+              {"sources", "tensor 'layers.0/w'", a0, b1, "flat [1053705, 2111500)", "overlap in [514, 515) x [5, 2050)"});
+  ExpectNothingWritten(dest);
+  // The same two checkpoints with the other halves tile, and go back to rows byte for byte.
+  ASSERT_TRUE(Reshard({a0, root_ + "/a/" + ReshardRankDirName(1)}, MakeEvenLayout(Globals(), 4, SplitKind::kRows),
+                      root_ + "/back").ok());
+  EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/back"));
+  ExpectNothingWritten(dest);
 }
 
 TEST_F(ReshardTest, BadSourcesAreRefusedAndNothingIsWritten) {
@@ -454,6 +634,35 @@ TEST_F(ReshardTest, BadTargetLayoutsAreRefusedAndNothingIsWritten) {
   ExpectNothingWritten(dest);
 }
 
+// A tensor without elements: its field files are empty but must be there; the
+// target need not list it (it goes to rank 0, whole).
+TEST_F(ReshardTest, EmptyTensorsCarryOverAndTheirMissingFilesAreReported) {
+  model_.push_back({"empty", {0, 8}, 1, {}});
+  TargetLayout layout = MakeEvenLayout(Globals(), 4, SplitKind::kRows);
+  layout.ranks[2]["empty"] = ShardBox{{0, 0}, {0, 8}};
+  const std::string src = root_ + "/src-empty";
+  fs::create_directories(src);
+  WriteSources(layout, src);
+  const std::vector<std::string> s4 = RankDirs(src, 4);
+  ASSERT_TRUE(fs::exists(s4[2] + "/tensors/empty/exp_avg"));
+  auto r = Reshard(s4, MakeEvenLayout(Globals(), 2, SplitKind::kRows), root_ + "/two");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  CheckAgainstReference(RankDirs(root_ + "/two", 2), SourceManifest());
+  auto m = ParseManifest(ReadFile(root_ + "/two/rank-00000/manifest.json"), "two");
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(std::any_of(m->tensors.begin(), m->tensors.end(), [](const ManifestTensor& t) {
+    return t.name == "empty" && t.shape == std::vector<uint64_t>{0, 8} && t.numel == 0;
+  }));
+  auto store = CreateStoreFromCheckpoint(root_ + "/two/rank-00000", root_ + "/restored", StoreOptions{});
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
+
+  fs::remove(s4[2] + "/tensors/empty/exp_avg");
+  const std::string dest = root_ + "/out";
+  ExpectError(Reshard(s4, MakeEvenLayout(Globals(), 2, SplitKind::kRows), dest),
+              {s4[2] + "/tensors/empty/exp_avg", "tensor 'empty'", "field 'exp_avg'", "missing"});
+  ExpectNothingWritten(dest);
+}
+
 TEST(ReshardLayoutJson, RoundTripAndStrictParse) {
   TargetLayout t = MakeEvenLayout({{"a", {10, 3}}, {"b/c", {2}}}, 3, SplitKind::kRows);
   ASSERT_EQ(t.ranks.size(), 3u);
@@ -484,6 +693,24 @@ TEST(ReshardLayoutJson, RoundTripAndStrictParse) {
       "different ranks");
   bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":0,"tensors":{"a":{"offset":[-1],"shape":[1]}}}]})",
       "non-negative");
+  bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":0,"tensors":{"a":{"flat":[3,3]}}}]})",
+      "begin < end");
+  bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":0,"tensors":{"a":{"flat":[0,1,2]}}}]})",
+      "[begin, end)");
+  bad(R"({"format":"optstate-reshard-layout","format_version":1,"ranks":[{"rank":0,"tensors":{"a":{"flat":[0,4],"offset":[0]}}}]})",
+      "not both");
+
+  // Flat ranges: {"flat": [begin, end]}, kept through a round trip.
+  auto flat = MakeBucketLayout({{"w", {4, 3}}, {"b", {3}}}, 10, 2);
+  ASSERT_TRUE(flat.ok());
+  const std::string fjson = SerializeTargetLayout(*flat);
+  EXPECT_NE(fjson.find(R"("flat": [)"), std::string::npos) << fjson;
+  auto fback = ParseTargetLayout(fjson, "f.json");
+  ASSERT_TRUE(fback.ok()) << fback.status().ToString();
+  EXPECT_TRUE(fback->ranks[1].at("w").flat);
+  EXPECT_EQ(fback->ranks[1].at("w").offset, std::vector<uint64_t>{6});
+  EXPECT_EQ(fback->ranks[1].at("w").shape, std::vector<uint64_t>{6});
+  EXPECT_EQ(SerializeTargetLayout(*fback), fjson);
 }
 
 // Run by CrashLeavesNoAcceptedCheckpoint in a child process: reshards, and is

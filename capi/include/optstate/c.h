@@ -209,9 +209,13 @@ OPTSTATE_EXPORT int optstate_checkpoint_reshard(const char* const* sources, size
                                                 const char* layout_json, const char* dest, uint32_t* ranks,
                                                 char** errptr);
 /* A target layout that splits every tensor of the sources evenly over `ranks`
- * ranks: split "rows" (dimension 0) or "columns" (the last dimension; 1-D
- * tensors along dimension 0). *layout_json: the JSON, released with
- * optstate_free(). */
+ * ranks by split rules, separated by commas or newlines, the first whose
+ * pattern matches a tensor's name wins: "[PATTERN=]KIND", PATTERN a glob
+ * (fnmatch, default "*"), KIND rows (dimension 0), columns (the last
+ * dimension; 1-D tensors along dimension 0), dimN or flat (even flat ranges
+ * of the row-major flattening). NULL = "rows". A tensor no rule matches, or a
+ * rule with a pattern that matches no tensor, is INVALID_ARGUMENT.
+ * *layout_json: the JSON, released with optstate_free(). */
 OPTSTATE_EXPORT int optstate_checkpoint_reshard_layout(const char* const* sources, size_t num_sources,
                                                        uint32_t ranks, const char* split, char** layout_json,
                                                        char** errptr);
@@ -365,6 +369,20 @@ OPTSTATE_EXPORT int optstate_adam_register_param(optstate_adam_t* adam, const ch
                                                  uint32_t group, const void* initial, int initial_dtype,
                                                  const uint64_t* shape, size_t ndim, uint32_t* id,
                                                  int* existed, char** errptr);
+/* optstate_adam_register_param for a shard of a larger tensor (tensor or
+ * data parallelism), recorded for optstate_checkpoint_reshard:
+ * global_shape[global_ndim] is the whole tensor's shape and
+ * shard_offset[offset_ndim] where the shard lies in it: a box (offset_ndim =
+ * global_ndim = ndim) or, with ndim = offset_ndim = 1 and a higher
+ * global_ndim, the flat range [shard_offset[0], shard_offset[0] + numel) of
+ * the tensor's row-major flattening. global_ndim 0 = the shard is the whole
+ * tensor (as optstate_adam_register_param). A stored param registered with
+ * another geometry is INVALID_ARGUMENT. */
+OPTSTATE_EXPORT int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64_t numel,
+                                                 uint32_t group, const void* initial, int initial_dtype,
+                                                 const uint64_t* shape, size_t ndim, const uint64_t* global_shape,
+                                                 size_t global_ndim, const uint64_t* shard_offset,
+                                                 size_t offset_ndim, uint32_t* id, int* existed, char** errptr);
 /* numel of a registered param (NOT_FOUND otherwise). */
 OPTSTATE_EXPORT int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel,
                                               char** errptr);
