@@ -179,6 +179,24 @@ float Q8MapValue(bool is_signed, uint8_t c) {
   return is_signed ? maps.signed_map[c] : maps.unsigned_map[c];
 }
 
+void Q8Quantize(bool is_signed, const float* x, size_t count, uint8_t* codes, float* absmax) {
+  const internal::Q8Maps& maps = internal::GetQ8Maps();
+  const float* map = is_signed ? maps.signed_map : maps.unsigned_map;
+  for (size_t first = 0, b = 0; first < count; first += kQ8BlockElems, ++b) {
+    const size_t n = std::min(kQ8BlockElems, count - first);
+    float a = 0.0f;
+    for (size_t k = 0; k < n; ++k) a = std::max(a, std::fabs(x[first + k]));
+    for (size_t k = 0; k < n; ++k) codes[first + k] = internal::Q8Encode(map, internal::Q8Normalize(x[first + k], a));
+    absmax[b] = a;
+  }
+}
+
+void Q8Dequantize(bool is_signed, const uint8_t* codes, const float* absmax, size_t count, float* out) {
+  const internal::Q8Maps& maps = internal::GetQ8Maps();
+  const float* map = is_signed ? maps.signed_map : maps.unsigned_map;
+  for (size_t i = 0; i < count; ++i) out[i] = internal::Q8Decode(map, codes[i], absmax[i / kQ8BlockElems]);
+}
+
 bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads) {
   if (p.maximize || p.step == 0) return false;
   if (t.param_type != ScalarType::kNone && t.param == nullptr) return false;

@@ -39,6 +39,8 @@ const char* DtName(DType d) {
     case DType::kF32: return "f32";
     case DType::kBF16: return "bf16";
     case DType::kF16: return "f16";
+    case DType::kQ8S: return "q8s";
+    case DType::kQ8U: return "q8u";
   }
   return "?";
 }
@@ -47,14 +49,18 @@ const char* SafetensorsDtName(DType d) {
     case DType::kF32: return "F32";
     case DType::kBF16: return "BF16";
     case DType::kF16: return "F16";
+    case DType::kQ8S:
+    case DType::kQ8U: return "U8";
   }
   return "?";
 }
-uint32_t DtSize(DType d) { return d == DType::kF32 ? 4 : 2; }
+uint32_t DtSize(DType d) { return d == DType::kF32 ? 4 : IsQ8(d) ? 1 : 2; }
 bool DtParse(std::string_view s, DType* out) {
   if (s == "f32") { *out = DType::kF32; return true; }
   if (s == "bf16") { *out = DType::kBF16; return true; }
   if (s == "f16") { *out = DType::kF16; return true; }
+  if (s == "q8s") { *out = DType::kQ8S; return true; }
+  if (s == "q8u") { *out = DType::kQ8U; return true; }
   return false;
 }
 
@@ -188,7 +194,15 @@ Result<Manifest> ManifestFromView(const GenerationView& view) {
       mf.name = fields[f].name;
       mf.dtype = fields[f].dtype;
       mf.file = fmt::format("{}/{}/{}", kTensorsDirName, mt.file_name, FileNameForName(mf.name));
-      mf.bytes = t.numel * DtSize(mf.dtype);
+      mf.bytes = t.field_bytes(f);
+      if (t.field_numel(f) != t.numel) mf.numel = t.field_numel(f);
+      if (t.field_chunk_bytes(f, m.chunk_size_bytes) != m.chunk_size_bytes) {
+        mf.chunk_bytes = t.field_chunk_bytes(f, m.chunk_size_bytes);
+      }
+      if (IsQ8(mf.dtype)) {
+        mf.scales = Q8ScalesField(mf.name);
+        mf.block_size = kQ8BlockElems;
+      }
       uint64_t n = view.ChunkCount(t, f);
       mf.chunks.reserve(n);
       for (uint64_t i = 0; i < n; ++i) {
@@ -243,6 +257,12 @@ std::string SerializeManifest(const Manifest& m) {
       jf["dtype"] = DtName(f.dtype);
       jf["file"] = f.file;
       jf["bytes"] = f.bytes;
+      if (f.numel != 0) jf["numel"] = f.numel;
+      if (f.chunk_bytes != 0) jf["chunk_bytes"] = f.chunk_bytes;
+      if (!f.scales.empty()) {
+        jf["scales"] = f.scales;
+        jf["block_size"] = f.block_size;
+      }
       OJson chunks = OJson::array();
       for (const ManifestChunk& c : f.chunks) {
         chunks.push_back(OJson{{"offset", c.offset_bytes}, {"length", c.length_bytes},
@@ -506,18 +526,42 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
         return p.Err(fpath + "file", fmt::format("'{}' is not '{}'", f.file, want));
       }
       OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "bytes", UINT64_MAX, &f.bytes));
-      uint64_t want_bytes = t.numel * DtSize(f.dtype);  // numel <= 2^56: no overflow
+      // A field with its own element count and chunk bytes (q8 scales)
+      // says so; the others have the tensor's numel and the chunk size.
+      if (jf.contains("numel")) {
+        OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "numel", 1ull << 56, &f.numel));
+        if (f.numel == 0) return p.Err(fpath + "numel", "must be positive where present");
+      }
+      if (jf.contains("chunk_bytes")) {
+        OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "chunk_bytes", cs, &f.chunk_bytes));
+        if (f.chunk_bytes == 0 || f.chunk_bytes % 4096 != 0) {
+          return p.Err(fpath + "chunk_bytes", fmt::format("{} is not a positive multiple of 4096", f.chunk_bytes));
+        }
+      }
+      if (IsQ8(f.dtype)) {
+        OPTSTATE_RETURN_IF_ERROR(p.Str(jf, fpath, "scales", 255, &f.scales));
+        OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "block_size", UINT64_MAX, &f.block_size));
+        if (f.scales != Q8ScalesField(f.name)) {
+          return p.Err(fpath + "scales", fmt::format("'{}' is not '{}'", f.scales, Q8ScalesField(f.name)));
+        }
+        if (f.block_size != kQ8BlockElems) {
+          return p.Err(fpath + "block_size", fmt::format("{} is not {}", f.block_size, kQ8BlockElems));
+        }
+      }
+      const uint64_t fnumel = f.numel != 0 ? f.numel : t.numel;
+      const uint64_t stride = f.chunk_bytes != 0 ? f.chunk_bytes : cs;
+      uint64_t want_bytes = fnumel * DtSize(f.dtype);  // numel <= 2^56: no overflow
       if (f.bytes != want_bytes) {
-        return p.Err(fpath + "bytes", fmt::format("{} != numel {} x {} bytes", f.bytes, t.numel,
+        return p.Err(fpath + "bytes", fmt::format("{} != numel {} x {} bytes", f.bytes, fnumel,
                                                   DtSize(f.dtype)));
       }
       const Json* chunks = p.Member(jf, fpath, "chunks", &st);
       if (!chunks) return st;
-      uint64_t nchunks = CeilDiv(f.bytes, cs);
+      uint64_t nchunks = CeilDiv(f.bytes, stride);
       if (!chunks->is_array() || chunks->size() != nchunks) {
         return p.Err(fpath + "chunks",
                      fmt::format("expected an array of {} chunks ({} bytes / chunk size {})",
-                                 nchunks, f.bytes, cs));
+                                 nchunks, f.bytes, stride));
       }
       f.chunks.reserve(nchunks);
       for (uint64_t ci = 0; ci < nchunks; ++ci) {
@@ -527,8 +571,8 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
         ManifestChunk c;
         OPTSTATE_RETURN_IF_ERROR(p.U64(jc, cpath, "offset", UINT64_MAX, &c.offset_bytes));
         OPTSTATE_RETURN_IF_ERROR(p.U64(jc, cpath, "length", UINT64_MAX, &c.length_bytes));
-        uint64_t want_off = ci * cs;
-        uint64_t want_len = std::min(cs, f.bytes - want_off);
+        uint64_t want_off = ci * stride;
+        uint64_t want_len = std::min(stride, f.bytes - want_off);
         if (c.offset_bytes != want_off || c.length_bytes != want_len) {
           return p.Err(cpath + "offset",
                        fmt::format("chunk range [{}, +{}) should be [{}, +{})", c.offset_bytes,
@@ -543,6 +587,11 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
         f.chunks.push_back(c);
       }
       t.fields.push_back(std::move(f));
+    }
+    // The q8 fields' scales: present, f32, one per block, chunk c covering
+    // the same elements as the codes' chunk c.
+    if (Status v = ValidateFields(TensorSpecOf(t), cs, fmt::format("manifest {}", p.source())); !v.ok()) {
+      return v;
     }
     m->tensors.push_back(std::move(t));
   }
@@ -597,13 +646,14 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
       const ManifestField& mf = mt.fields[f];
       OJson e;
       e["dtype"] = SafetensorsDtName(mf.dtype);
-      e["shape"] = mt.shape;
+      e["shape"] = FieldShape(mt, mf);
       e["data_offsets"] = OJson::array({data_off, data_off + mf.bytes});
       header[mt.name + "/" + mf.name] = e;
-      l->spans_.push_back({ti, f, data_off, mf.bytes, seq});
+      const uint64_t stride = mf.chunk_bytes != 0 ? mf.chunk_bytes : l->chunk_size_;
+      l->spans_.push_back({ti, f, data_off, mf.bytes, seq, stride});
       data_off += mf.bytes;
       seq += mf.chunks.size();
-      field_files.push_back({mf.file, CheckpointFileKind::kField, mf.bytes, ti, f});
+      field_files.push_back({mf.file, CheckpointFileKind::kField, mf.bytes, ti, f, stride});
     }
   }
   l->st_chunks_ = seq;
@@ -675,7 +725,7 @@ uint64_t CheckpointLayout::ChunkSequenceLength(const CheckpointFile& f) const {
   switch (f.kind) {
     case CheckpointFileKind::kManifest: return 0;
     case CheckpointFileKind::kSafetensors: return st_chunks_;
-    case CheckpointFileKind::kField: return CeilDiv(f.size_bytes, chunk_size_);
+    case CheckpointFileKind::kField: return CeilDiv(f.size_bytes, f.chunk_bytes);
   }
   return 0;
 }
@@ -689,9 +739,9 @@ ChunkRef CheckpointLayout::ChunkAt(const CheckpointFile& f, uint64_t seq) const 
 }
 
 uint64_t CheckpointLayout::ChunkLengthAt(const CheckpointFile& f, uint64_t seq) const {
-  if (f.kind == CheckpointFileKind::kField) return std::min(chunk_size_, f.size_bytes - seq * chunk_size_);
+  if (f.kind == CheckpointFileKind::kField) return std::min(f.chunk_bytes, f.size_bytes - seq * f.chunk_bytes);
   const FieldSpan& sp = SpanOfSeq(seq);
-  return std::min(chunk_size_, sp.bytes - (seq - sp.first_seq) * chunk_size_);
+  return std::min(sp.chunk_bytes, sp.bytes - (seq - sp.first_seq) * sp.chunk_bytes);
 }
 
 const CheckpointLayout::FieldSpan& CheckpointLayout::SpanOfSeq(uint64_t seq) const {
@@ -700,7 +750,7 @@ const CheckpointLayout::FieldSpan& CheckpointLayout::SpanOfSeq(uint64_t seq) con
                              [](uint64_t s, const FieldSpan& sp) { return s < sp.first_seq; });
   // Skip empty spans that share first_seq with the next one.
   --it;
-  while (it->bytes == 0 || seq >= it->first_seq + CeilDiv(it->bytes, chunk_size_)) ++it;
+  while (it->bytes == 0 || seq >= it->first_seq + CeilDiv(it->bytes, it->chunk_bytes)) ++it;
   return *it;
 }
 
@@ -721,8 +771,8 @@ std::vector<CheckpointSegment> CheckpointLayout::MapRange(const CheckpointFile& 
   if (f.kind == CheckpointFileKind::kField) {
     const uint32_t tid = view_->tensors()[f.tensor_index].id;
     while (len > 0) {
-      uint64_t idx = offset / chunk_size_, in = offset % chunk_size_;
-      uint64_t n = std::min(len, chunk_size_ - in);
+      uint64_t idx = offset / f.chunk_bytes, in = offset % f.chunk_bytes;
+      uint64_t n = std::min(len, f.chunk_bytes - in);
       CheckpointSegment s;
       s.dst_offset = dst;
       s.length_bytes = n;
@@ -753,8 +803,8 @@ std::vector<CheckpointSegment> CheckpointLayout::MapRange(const CheckpointFile& 
   while (len > 0) {
     while (pos >= it->data_offset + it->bytes) ++it;  // skips empty spans too
     uint64_t in_field = pos - it->data_offset;
-    uint64_t idx = in_field / chunk_size_, in = in_field % chunk_size_;
-    uint64_t n = std::min({len, chunk_size_ - in, it->bytes - in_field});
+    uint64_t idx = in_field / it->chunk_bytes, in = in_field % it->chunk_bytes;
+    uint64_t n = std::min({len, it->chunk_bytes - in, it->bytes - in_field});
     CheckpointSegment s;
     s.dst_offset = dst;
     s.length_bytes = n;
@@ -803,7 +853,7 @@ TensorSpec TensorSpecOf(const ManifestTensor& mt) {
   spec.shape = mt.shape;
   spec.global_shape = mt.global_shape;
   spec.shard_offset = mt.shard_offset;
-  for (const ManifestField& f : mt.fields) spec.fields.push_back({f.name, f.dtype});
+  for (const ManifestField& f : mt.fields) spec.fields.push_back({f.name, f.dtype, f.numel, f.chunk_bytes});
   return spec;
 }
 

@@ -62,6 +62,8 @@ const char* SafetensorsDtype(DType d) {
     case DType::kF32: return "F32";
     case DType::kBF16: return "BF16";
     case DType::kF16: return "F16";
+    case DType::kQ8S:
+    case DType::kQ8U: return "U8";
   }
   return "?";
 }
@@ -381,6 +383,23 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
           "reshard: the sources' chunk sizes differ ({} has {} bytes, {} has {} bytes): give the destination's "
           "chunk size",
           source(0), m0.chunk_size_bytes, source(i), m.chunk_size_bytes));
+    }
+  }
+  // q8 moments are quantized in blocks of 256 elements of each shard: a new
+  // shard boundary would cut blocks, and re-blocking requantizes (changes the
+  // state), so reshard refuses them rather than change them silently.
+  for (size_t i = 0; i < s.manifests.size(); ++i) {
+    for (const ManifestTensor& mt : s.manifests[i].tensors) {
+      for (const ManifestField& f : mt.fields) {
+        if (IsQ8(f.dtype)) {
+          return InvalidArgument(fmt::format(
+              "reshard: {}: tensor '{}' field '{}' holds 8-bit block-scaled moments ({}), whose blocks of {} "
+              "elements a new shard boundary would cut; convert each source to f32 moments first "
+              "(optstate-restore SOURCE NEW_STORE --create NAME --moments f32, then export a checkpoint of it), "
+              "reshard those, and convert the result back with --moments q8",
+              source(i), mt.name, f.name, DTypeName(f.dtype), kQ8BlockElems));
+        }
+      }
     }
   }
   for (size_t i = 0; i < s.manifests.size(); ++i) {
