@@ -451,9 +451,9 @@ class StreamedAdam {
   // used by WriteMain and the step pipeline, never concurrently).
   std::unique_ptr<vfs::ChunkIo> io_;
   Status EnsureIo();
-  // The step whose commit runs on a thread of the optimizer (defined in the
-  // .cc); only that thread touches io_ and the store's pending generation
-  // until FinishCommit joins it.
+  // The step whose commit runs on a thread of the optimizer (defined in
+  // internal/streamed_adam_impl.h); only that thread touches io_ and the
+  // store's pending generation until FinishCommit joins it.
   struct InFlightCommit;
   std::unique_ptr<InFlightCommit> inflight_;
   // Hands the computed step in pipeline_ to a background commit.
@@ -465,7 +465,7 @@ class StreamedAdam {
   // keep_staged: chunks a prefetch staged stay for the step that begins now
   // (BeginStep); every other caller drops them.
   Status FinishCommit(double* wait_s = nullptr, bool keep_staged = false);
-  // The background prefetch (defined in the .cc).
+  // The background prefetch (defined in internal/streamed_adam_impl.h).
   struct PrefetchRun;
   std::unique_ptr<PrefetchRun> prefetch_;
   // Stops the prefetch, if any, joins it and notes what it read.

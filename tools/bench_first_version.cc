@@ -65,6 +65,9 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
                                        "staging a multiple of 4",
                                        options.bucket_numel_limit, options.staging_bytes));
   }
+  if (options.moment_type != kernels::ScalarType::kF32 && options.moment_type != kernels::ScalarType::kBF16) {
+    return InvalidArgument("first version: moments must be f32 or bf16");
+  }
   auto fv = std::unique_ptr<FirstVersionBaseline>(new FirstVersionBaseline);
   fv->mm_ = mm;
   fv->options_ = options;
@@ -95,7 +98,7 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
     for (int s = 0; s < 3; ++s) {
       for (size_t p : b.params) {
         b.offsets[s].push_back(at);
-        at += Align(params[p].second * 4);
+        at += Align(params[p].second * fv->SegmentElemBytes(s));
       }
     }
     for (size_t p : b.params) {
@@ -109,7 +112,7 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
   }
   OPTSTATE_ASSIGN_OR_RETURN(fv->h_staging_, mm->AllocPinnedHost(options.staging_bytes));
   for (int s = 0; s < 3; ++s) {
-    OPTSTATE_ASSIGN_OR_RETURN(fv->d_state_[s], DeviceBuffer::Make(mm, max_numel * 4));
+    OPTSTATE_ASSIGN_OR_RETURN(fv->d_state_[s], DeviceBuffer::Make(mm, max_numel * fv->SegmentElemBytes(s)));
   }
 
   // refresh_main_from_model_params: each main from the model, flushed
@@ -141,22 +144,27 @@ uint64_t FirstVersionBaseline::file_bytes() const {
   return n;
 }
 
-// _Stager.transfer (same dtype on disk and device: fp32 main and moments):
+uint64_t FirstVersionBaseline::SegmentElemBytes(int segment) const {
+  return segment == 0 || options_.moment_type == kernels::ScalarType::kF32 ? 4 : 2;
+}
+
+// _Stager.transfer (the device holds the disk's dtype: see the header):
 // staging-buffer-sized chunks, each read then copied to the device, or
 // copied to the host then written, before the next.
 Status FirstVersionBaseline::Transfer(const Bucket& b, int segment, size_t k, bool to_disk) {
   const uint64_t numel = params_[b.params[k]].second;
-  const uint64_t chunk = options_.staging_bytes / 4;
-  char* d = static_cast<char*>(d_state_[segment].get()) + b.device_elems[k] * 4;
+  const uint64_t es = SegmentElemBytes(segment);
+  const uint64_t chunk = options_.staging_bytes / es;
+  char* d = static_cast<char*>(d_state_[segment].get()) + b.device_elems[k] * es;
   for (uint64_t pos = 0; pos < numel; pos += chunk) {
-    const uint64_t nbytes = std::min(chunk, numel - pos) * 4;
-    const uint64_t at = b.offsets[segment][k] + pos * 4;
+    const uint64_t nbytes = std::min(chunk, numel - pos) * es;
+    const uint64_t at = b.offsets[segment][k] + pos * es;
     if (to_disk) {
-      OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(h_staging_, d + pos * 4, nbytes));
+      OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(h_staging_, d + pos * es, nbytes));
       OPTSTATE_RETURN_IF_ERROR(RwFull(true, b.fd, at, h_staging_, nbytes, b.path));
     } else {
       OPTSTATE_RETURN_IF_ERROR(RwFull(false, b.fd, at, h_staging_, nbytes, b.path));
-      OPTSTATE_RETURN_IF_ERROR(mm_->CopyToDevice(d + pos * 4, h_staging_, nbytes));
+      OPTSTATE_RETURN_IF_ERROR(mm_->CopyToDevice(d + pos * es, h_staging_, nbytes));
     }
   }
   return Status::Ok();
@@ -180,8 +188,9 @@ Status FirstVersionBaseline::Step(const std::vector<const void*>& d_grads, const
       // FusedAdam's lazily created state: zeros.
       std::memset(h_staging_, 0, options_.staging_bytes);
       for (int s = 1; s < 3; ++s) {
-        for (uint64_t pos = 0; pos < b.numel * 4; pos += options_.staging_bytes) {
-          const uint64_t n = std::min(options_.staging_bytes, b.numel * 4 - pos);
+        const uint64_t bytes = b.numel * SegmentElemBytes(s);
+        for (uint64_t pos = 0; pos < bytes; pos += options_.staging_bytes) {
+          const uint64_t n = std::min(options_.staging_bytes, bytes - pos);
           OPTSTATE_RETURN_IF_ERROR(mm_->CopyToDevice(static_cast<char*>(d_state_[s].get()) + pos, h_staging_, n));
         }
       }
@@ -191,9 +200,11 @@ Status FirstVersionBaseline::Step(const std::vector<const void*>& d_grads, const
       const size_t p = b.params[k];
       const uint64_t off = b.device_elems[k];
       kernels::AdamTensors t;
+      const uint64_t mb = SegmentElemBytes(1);
       t.main = static_cast<float*>(d_state_[0].get()) + off;
-      t.exp_avg = static_cast<float*>(d_state_[1].get()) + off;
-      t.exp_avg_sq = static_cast<float*>(d_state_[2].get()) + off;
+      t.exp_avg = static_cast<char*>(d_state_[1].get()) + off * mb;
+      t.exp_avg_sq = static_cast<char*>(d_state_[2].get()) + off * mb;
+      t.moment_type = options_.moment_type;
       t.grad = d_grads[p];
       t.grad_type = kernels::ScalarType::kF32;
       if (!d_params.empty() && d_params[p] != nullptr) {

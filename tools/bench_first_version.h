@@ -18,6 +18,10 @@
 //    pwritev (_Bucket.flush);
 //  - no fsync: the page cache holds the state when RAM allows, and the kernel
 //    writes it back in the background.
+// With bf16 moments (moment_dtype "bf16") the moment segments hold bf16; the
+// first version casts them to and from its fp32 moments on the device around
+// each transfer, the baseline runs our kernel on the bf16 moments directly
+// (credited with that fusion too): the same bytes on disk and over PCIe.
 // The Adam kernel is ours (kernels::AdamStepCuda / AdamStepCpu), so the
 // baseline and StreamedAdam compute the same numbers; it also writes the bf16
 // parameter copy in its pass, where the first version runs a separate cast
@@ -57,6 +61,9 @@ struct FirstVersionOptions {
   bool cuda = false;
   // AdamStepCpu threads. Default 1.
   int cpu_threads = 1;
+  // The moments' dtype on disk (moment_dtype "fp32" or "bf16"): kF32 or
+  // kBF16. Default kF32.
+  kernels::ScalarType moment_type = kernels::ScalarType::kF32;
 };
 
 class FirstVersionBaseline {
@@ -105,6 +112,8 @@ class FirstVersionBaseline {
  private:
   FirstVersionBaseline() = default;
   Status Transfer(const Bucket& b, int segment, size_t k, bool to_disk);
+  // Bytes per element of a segment (0 main, 1 exp_avg, 2 exp_avg_sq) on disk.
+  uint64_t SegmentElemBytes(int segment) const;
 
   memmgr::MemoryManager* mm_ = nullptr;
   FirstVersionOptions options_;

@@ -86,6 +86,7 @@ struct StepOptions {
   uint32_t commit_lag = 1;  // StreamedAdamOptions::commit_lag_steps
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
   bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved
+  std::string first_version_moments = "f32";  // the first version's moment_dtype: f32 or bf16
   int cpu_threads = 1;
   uint32_t hash_threads = memmgr::MemoryManagerOptions::kAutoHashThreads;
   std::string sync_every_text = "512M";
@@ -631,6 +632,7 @@ int RunCompare(const StepOptions& o) {
     fo.adam.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
     fo.cuda = cuda;
     fo.cpu_threads = o.cpu_threads;
+    fo.moment_type = o.first_version_moments == "bf16" ? ScalarType::kBF16 : ScalarType::kF32;
     auto f = FirstVersionBaseline::Create(dir + "/first_version", params, mm->get(), w0.data(), fo);
     if (!f.ok()) return FailWith(kTool, f.status().WithContext("first-version setup"));
     fvb = std::move(*f);
@@ -847,6 +849,10 @@ int RunCompare(const StepOptions& o) {
                   {"sync_direct_engine", "synchronous O_DIRECT engine"},
                   {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"}};
   if (!t_bf16.empty()) out["bf16_moments_over_f32"] = ratio(t_bf16, t_ours);
+  out["first_version_moments"] = o.first_version_moments;
+  if (!t_bf16.empty() && o.first_version_moments == "bf16") {
+    out["bf16_moments_over_first_version"] = {{"warm", ratio(t_bf16, t_warm)}, {"cold", ratio(t_bf16, t_cold)}};
+  }
   out["bf16_moments_step_first_in"] = "odd rounds (1-based: 2, 4, ...); after ours in the others";
   out["commit_lag_steps"] = o.commit_lag;
   out["ours_step_returned_seconds"] = t_ours_returned;
@@ -962,8 +968,9 @@ int RunCompare(const StepOptions& o) {
   };
   row("StreamedAdam step (ours)", t_ours, 1.0);
   row("I/O floor (fio read+write)", t_floor, ratio(t_ours, t_floor));
-  row("first version, buffered, page cache warm", t_warm, ratio(t_ours, t_warm));
-  row("first version, buffered, page cache cold", t_cold, ratio(t_ours, t_cold));
+  const std::string fv_moments = o.first_version_moments == "bf16" ? " (bf16 moments)" : "";
+  row("first version, buffered, page cache warm" + fv_moments, t_warm, ratio(t_ours, t_warm));
+  row("first version, buffered, page cache cold" + fv_moments, t_cold, ratio(t_ours, t_cold));
   row("synchronous O_DIRECT engine", t_fv, ratio(t_ours, t_fv));
   row("StreamedAdam step (ours), bf16 moments", t_bf16, ratio(t_ours, t_bf16));
   std::cout << t.Render();
@@ -972,6 +979,11 @@ int RunCompare(const StepOptions& o) {
         "bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x); bf16 after f32 (even "
         "rounds) [{}], before it (odd rounds) [{}]\n",
         ratio(t_bf16, t_ours), bf16_ratios(0), bf16_ratios(1));
+    if (o.first_version_moments == "bf16" && (!t_warm.empty() || !t_cold.empty())) {
+      std::cout << fmt::format("ours, bf16 moments / first version, bf16 moments (same rounds): warm {:.2f}x, cold "
+                               "{:.2f}x\n",
+                               ratio(t_bf16, t_warm), ratio(t_bf16, t_cold));
+    }
   }
   auto list = [](const std::vector<double>& v) {
     std::string out;
@@ -1081,6 +1093,10 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "baselines, comma-separated: warm (the first version, state in the page cache), cold (its "
                   "files evicted before each step), direct (a synchronous O_DIRECT engine), none "
                   "(default warm,cold)");
+  sub->add_option("--first-version-moments", o->first_version_moments,
+                  "comparison mode: the first version's moment dtype (its moment_dtype), f32 or bf16 (default "
+                  "f32); with --bf16-moments the bf16 step is also compared with it")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   sub->add_option("--chunk-size", o->chunk_text, "chunk size, multiple of 2M (default 8M)");
   sub->add_option("--budget", o->budget_text, "device budget (default 256M)");
   sub->add_option("--host-cache-bytes", o->host_cache_text, "pinned host cache tier (default 0)");

@@ -176,7 +176,13 @@ TEST(BenchStepTest, ContinuingWithOtherSizesIsRefusedAndChangesNothing) {
 // exp_avg_sq] per bucket, every parameter's region 4096-aligned, buckets
 // closed at the element limit), exactly what StreamedAdam's store holds for
 // the same weights and gradients, and both wrote the same bf16 parameters.
-TEST(BenchStepTest, FirstVersionBaselineComputesWhatStreamedAdamComputes) {
+// With bf16 moments (the first version's moment_dtype "bf16") the moment
+// segments hold bf16, and so do the store's.
+class FirstVersionBaselineTest : public ::testing::TestWithParam<kernels::ScalarType> {};
+
+TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
+  const kernels::ScalarType moments = GetParam();
+  const uint64_t moment_bytes = moments == kernels::ScalarType::kBF16 ? 2 : 4;
   TempDir dir;
   const std::vector<std::pair<std::string, uint64_t>> params = {
       {"a", 1000}, {"b", 70001}, {"c", 3}, {"d", 300000}};
@@ -191,7 +197,9 @@ TEST(BenchStepTest, FirstVersionBaselineComputesWhatStreamedAdamComputes) {
   mo.device_budget_bytes = 16ull << 20;
   auto mm = memmgr::MemoryManager::Create(store->get(), mo);
   ASSERT_TRUE(mm.ok()) << mm.status().ToString();
-  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), memmgr::StreamedAdamOptions{});
+  memmgr::StreamedAdamOptions ao;
+  ao.moment_dtype = moments;
+  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao);
   ASSERT_TRUE(opt.ok()) << opt.status().ToString();
   memmgr::ParamGroup g;
   g.lr = 1e-2;
@@ -217,6 +225,7 @@ TEST(BenchStepTest, FirstVersionBaselineComputesWhatStreamedAdamComputes) {
   fo.staging_bytes = 64 << 10;    // several staging chunks per parameter
   fo.adam.lr = g.lr;
   fo.adam.weight_decay = g.weight_decay;
+  fo.moment_type = moments;
   auto fv = bench::FirstVersionBaseline::Create(dir / "fv", params, mm->get(), w0.data(), fo);
   ASSERT_TRUE(fv.ok()) << fv.status().ToString();
   ASSERT_EQ((*fv)->buckets().size(), 2u);
@@ -265,26 +274,31 @@ TEST(BenchStepTest, FirstVersionBaselineComputesWhatStreamedAdamComputes) {
     for (uint32_t f = 0; f < 3; ++f) {
       for (size_t p : members[b]) {
         const uint64_t n = params[p].second;
-        std::vector<float> disk(n);
-        ASSERT_EQ(::pread(fd, disk.data(), n * 4, static_cast<off_t>(at)), static_cast<ssize_t>(n * 4)) << path;
-        at += (n * 4 + 4095) / 4096 * 4096;
+        const uint64_t es = f == 0 ? 4 : moment_bytes;
+        std::vector<char> disk(n * es);
+        ASSERT_EQ(::pread(fd, disk.data(), n * es, static_cast<off_t>(at)), static_cast<ssize_t>(n * es)) << path;
+        at += (n * es + 4095) / 4096 * 4096;
         auto t = (*view)->FindTensor(params[p].first);
         ASSERT_TRUE(t.ok());
-        std::vector<float> ours;
+        std::vector<char> ours;
         ASSERT_TRUE(ForEachRange(**view, *t, f, 0, n, [&](uint64_t, const void* d, uint64_t cnt) -> Status {
-                      const float* q = static_cast<const float*>(d);
-                      ours.insert(ours.end(), q, q + cnt);
+                      const char* q = static_cast<const char*>(d);
+                      ours.insert(ours.end(), q, q + cnt * es);
                       return Status::Ok();
                     }).ok());
-        ASSERT_EQ(ours.size(), n);
-        EXPECT_EQ(std::memcmp(disk.data(), ours.data(), n * 4), 0)
-            << "field " << f << " of " << params[p].first << " in " << path << ": first " << disk[0] << " vs ours "
-            << ours[0];
+        ASSERT_EQ(ours.size(), n * es);
+        EXPECT_EQ(std::memcmp(disk.data(), ours.data(), n * es), 0)
+            << "field " << f << " of " << params[p].first << " in " << path;
+        // The first element, decoded (a bf16 is the high half of an fp32).
+        uint32_t bits = 0;
+        std::memcpy(reinterpret_cast<char*>(&bits) + (4 - es), disk.data(), es);
+        float first;
+        std::memcpy(&first, &bits, 4);
         if (f == 0) {
-          EXPECT_NE(disk[0], w0[0]) << params[p].first << ": main not updated";
+          EXPECT_NE(first, w0[0]) << params[p].first << ": main not updated";
         }
         if (f == 2) {
-          EXPECT_GT(disk[0], 0.0f) << params[p].first << ": exp_avg_sq empty";
+          EXPECT_GT(first, 0.0f) << params[p].first << ": exp_avg_sq empty";
         }
       }
     }
@@ -313,6 +327,12 @@ TEST(BenchStepTest, FirstVersionBaselineComputesWhatStreamedAdamComputes) {
   ASSERT_TRUE(cached.ok());
   EXPECT_EQ(*cached, 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Moments, FirstVersionBaselineTest,
+                         ::testing::Values(kernels::ScalarType::kF32, kernels::ScalarType::kBF16),
+                         [](const ::testing::TestParamInfo<kernels::ScalarType>& i) {
+                           return i.param == kernels::ScalarType::kBF16 ? std::string("Bf16") : std::string("F32");
+                         });
 
 // The comparison mode's JSON names each baseline and gives ours / baseline;
 // an unknown baseline is refused by name.

@@ -1,0 +1,577 @@
+#include "memmgr/internal/step_pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "memmgr/internal/streamed_adam_util.h"
+
+namespace optstate::memmgr::internal {
+
+Status StepPipeline::FinishSync() {
+  if (sync_thread_.joinable()) sync_thread_.join();
+  return sync_status_;
+}
+
+Status StepPipeline::Begin() {
+  const MemoryManagerOptions& o = mm_->options();
+  if (mm_->budget_pages() < bufs_) {
+    return ResourceExhausted("StreamedAdam: device budget " + std::to_string(o.device_budget_bytes) +
+                             " bytes is smaller than one slice in flight (" + std::to_string(bufs_) + " x " +
+                             std::to_string(mm_->page_bytes()) + " bytes)");
+  }
+  uint64_t ra = PipelineSlices(o);
+  // Device slots: enough streams that H2D, kernels and D2H of consecutive
+  // slices overlap on both copy engines (8: the host cache tier step on the
+  // H200 reached 1.37x the copy floor with 4), within the budget.
+  uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
+  size_t total = mm_->all_staging().size();
+  size_t max_bufs = total >= 5 ? total - 2 : total;  // leave two for concurrent pins
+  if (max_bufs < bufs_) {
+    return ResourceExhausted("StreamedAdam: " + std::to_string(total) + " staging buffers; need at least " +
+                             std::to_string(bufs_) + " (one per chunk of a slice)");
+  }
+  read_qd_ = std::max<uint32_t>(o.queue_depth, 3);
+  write_qd_ = o.write_queue_depth == 0 ? 0 : std::max<uint32_t>(o.write_queue_depth, 3);
+  if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
+  ring_requests_ = RingRequests(o);
+  // Adopted prefetch buffers count against the pipeline's own staging.
+  const size_t want = std::min<size_t>(max_bufs, bufs_ * ra);
+  staging_ = mm_->AcquireStaging(bufs_, want > extra_staging_.size() + bufs_ ? want - extra_staging_.size() : bufs_);
+  chunk_bytes_ = mm_->page_bytes();
+  size_t big_sets = staging_.size() / bufs_;
+  // Small sets: the buffers of two big sets cut into kSmallSliceBytes
+  // pieces, for slices of small tensors (norms, biases). A trainer's mix
+  // has about one such slice per big one; in big sets they took half the
+  // staging and half the read-ahead while moving KiB (README, "Defaults").
+  const uint64_t pieces_per_buffer = chunk_bytes_ / kSmallSliceBytes;
+  const size_t carve = big_sets >= 6 && pieces_per_buffer >= 2 ? 2 : 0;
+  big_sets -= carve;
+  sets_.resize(big_sets);
+  for (size_t i = 0; i < big_sets; ++i) {
+    for (uint32_t f = 0; f < bufs_; ++f) sets_[i].io[f] = staging_[bufs_ * i + f];
+  }
+  std::vector<void*> pieces;
+  for (size_t b = bufs_ * big_sets; b < bufs_ * (big_sets + carve); ++b) {
+    for (uint64_t k = 0; k < pieces_per_buffer; ++k) {
+      pieces.push_back(static_cast<char*>(staging_[b]) + k * kSmallSliceBytes);
+    }
+  }
+  for (size_t k = 0; k + bufs_ <= pieces.size(); k += bufs_) {
+    Set small;
+    small.small = true;
+    for (uint32_t f = 0; f < bufs_; ++f) small.io[f] = pieces[k + f];
+    sets_.push_back(small);
+  }
+  small_sets_ = sets_.size() - big_sets;
+  OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(bufs_, bufs_ * slots));
+  slots_.resize(arena_.pages / bufs_);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    for (uint32_t f = 0; f < bufs_; ++f) slots_[i].d[f] = arena_.ptr(bufs_ * i + f);
+    OPTSTATE_ASSIGN_OR_RETURN(slots_[i].stream, dev_->CreateStream());
+    OPTSTATE_ASSIGN_OR_RETURN(slots_[i].event, dev_->CreateEvent());
+  }
+  started_ = true;
+  return Status::Ok();
+}
+
+void StepPipeline::SetCacheMode(bool cache_mode, bool write_through) {
+  cache_mode_ = cache_mode;
+  write_through_ = write_through || !cache_mode;
+  read_tier_ = cache_mode || mm_->cache()->enabled();
+}
+
+void StepPipeline::Adopt(std::vector<Staged> staged) {
+  for (const Staged& st : staged) {
+    extra_staging_.push_back(st.buf);
+    staged_[st.key] = st;
+  }
+}
+
+Status StepPipeline::Pump(bool drain, bool until_computed) {
+  if (!error_.ok()) return error_;
+  if (hold_completions_ && !drain) {
+    bool progressed = false;
+    return SubmitReads(&progressed);
+  }
+  for (;;) {
+    bool progressed = false;
+    // 0. Collect whatever has completed (never blocks), so finished reads
+    //    become computable and finished writes free their staging sets
+    //    before anything new is queued.
+    OPTSTATE_RETURN_IF_ERROR(ReapReady(&progressed));
+    // 1. Finished device work -> writes. Writes go first: they free staging
+    //    sets for read-ahead, and a write queued now keeps the disk busy in
+    //    both directions (no phase with only reads in flight).
+    bool gpu_pending = false;
+    for (size_t k = 0; k < slots_.size(); ++k) {
+      DevSlot& d = slots_[k];
+      if (d.set < 0) continue;
+      auto done = dev_->QueryEvent(d.event);
+      if (!done.ok()) return Keep(done.status().WithContext("StreamedAdam: slice compute"));
+      if (!*done) {
+        gpu_pending = true;
+        continue;
+      }
+      size_t set = static_cast<size_t>(d.set);
+      d.set = -1;
+      OnComputed(set);
+      progressed = true;
+    }
+    // 1b. Computed slices -> writes, while the write queue has room.
+    OPTSTATE_RETURN_IF_ERROR(SubmitComputed(&progressed));
+    // 2. Reads into free staging sets before any compute: on the host
+    //    backend a slice's kernel runs here, synchronously (~1.5 ms per
+    //    24 MiB slice on one core), and reads held back behind a few of them
+    //    missed the disk's next round (the development VM completes its
+    //    queue in batches every ~50 ms: the disk idled 20% of a step).
+    OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
+    // 3. Ready slices -> free device slots.
+    for (size_t k = 0; k < slots_.size() && !ready_.empty(); ++k) {
+      if (slots_[k].set >= 0) continue;
+      size_t set = ready_.front();
+      ready_.pop_front();
+      double tc = NowS();
+      Status cs = StartCompute(set, k);
+      compute_s_ += NowS() - tc;
+      OPTSTATE_RETURN_IF_ERROR(Keep(cs));
+      progressed = true;
+      if (dev_->backend() == Backend::kHost) {
+        // Host: the kernel ran synchronously; write back as soon as there is room.
+        slots_[k].set = -1;
+        OnComputed(set);
+        OPTSTATE_RETURN_IF_ERROR(SubmitComputed(&progressed));
+        OPTSTATE_RETURN_IF_ERROR(ReapReady(&progressed));
+        OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
+      } else {
+        gpu_pending = true;
+      }
+    }
+    if (until_computed && !gpu_pending && AllComputed()) return Status::Ok();
+    bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty() &&
+                tail_busy_ == 0;
+    if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
+      return Status::Ok();
+    }
+    // 4. I/O completions.
+    size_t min = 0;
+    if (drain && !progressed && io_->in_flight() > 0 && !gpu_pending) min = 1;
+    if (reap_only_when_blocked_ && min == 0) {
+      if (!drain && !progressed) return Status::Ok();
+      if (!progressed && gpu_pending && io_->in_flight() == 0) {
+        OPTSTATE_RETURN_IF_ERROR(Keep(SyncOldestSlot()));
+      }
+      continue;
+    }
+    done_.clear();
+    double t0 = NowS();
+    Status rs = io_->Reap(&done_, min);
+    if (min > 0) stall_s_ += NowS() - t0;
+    if (!rs.ok()) return Keep(rs.WithContext("StreamedAdam: reaping chunk I/O"));
+    for (const auto& c : done_) {
+      OPTSTATE_RETURN_IF_ERROR(Keep(OnCompletion(c)));
+      progressed = true;
+    }
+    if (!drain && !progressed) return Status::Ok();
+    if (drain && !progressed && gpu_pending) {
+      if (io_->in_flight() == 0) {
+        // Only the GPU can make progress: wait for the oldest slice on it.
+        OPTSTATE_RETURN_IF_ERROR(Keep(SyncOldestSlot()));
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+  }
+}
+
+void StepPipeline::Abort() {
+  if (started_) {
+    std::vector<vfs::ChunkCompletion> sink;
+    while (io_->in_flight() > 0) {
+      if (!io_->Reap(&sink, io_->in_flight()).ok()) break;
+    }
+  }
+  for (auto& d : slots_) (void)dev_->SyncStream(d.stream);
+  for (Set& st : sets_) ReleaseCached(st, /*dirty=*/true);
+  for (Set& st : tail_) ReleaseCached(st, /*dirty=*/true);
+  Release();
+}
+
+Status StepPipeline::ReleaseDevice() {
+  Status st;
+  for (auto& d : slots_) {
+    Status ss = dev_->SyncStream(d.stream);
+    if (st.ok() && !ss.ok()) st = ss;
+    dev_->DestroyEvent(d.event);
+    dev_->DestroyStream(d.stream);
+  }
+  slots_.clear();
+  mm_->ReleaseArena(&arena_);
+  return st;
+}
+
+void StepPipeline::Release() {
+  (void)FinishSync();
+  // StartReads moves buffers between sets, staged_ and spare_, never
+  // loses or duplicates one: staging_ and extra_staging_ stay the buffers
+  // owned.
+  if (!extra_staging_.empty()) mm_->ReleaseStaging(extra_staging_);
+  extra_staging_.clear();
+  staged_.clear();
+  spare_.clear();
+  if (!started_) return;
+  started_ = false;
+  for (auto& d : slots_) {
+    dev_->DestroyEvent(d.event);
+    dev_->DestroyStream(d.stream);
+  }
+  slots_.clear();
+  mm_->ReleaseArena(&arena_);
+  if (!staging_.empty()) mm_->ReleaseStaging(staging_);
+  staging_.clear();
+  sets_.clear();
+  tail_.clear();
+  free_tail_.clear();
+  tail_busy_ = 0;
+  queue_.clear();
+  ready_.clear();
+  computed_.clear();
+}
+
+void StepPipeline::ReleaseCached(Set& s, bool dirty) {
+  for (int f = 0; f < kMaxSliceChunks; ++f) {
+    if (!s.acquired[f]) continue;
+    mm_->cache()->Release(Key(s.job, f), dirty);
+    s.acquired[f] = false;
+  }
+}
+
+Status StepPipeline::SubmitReads(bool* progressed) {
+  while (spare_.size() >= bufs_) {
+    Set grown;
+    for (uint32_t f = 0; f < bufs_; ++f) {
+      grown.io[f] = spare_.back();
+      spare_.pop_back();
+    }
+    sets_.push_back(grown);
+  }
+  while (!queue_.empty()) {
+    const Job& front = queue_.front();
+    if (!ReadRoom(front.bytes())) break;
+    const size_t i = FreeSetFor(front);
+    if (i == kNoSet) break;
+    Job j = front;
+    queue_.pop_front();
+    double ts = NowS();
+    Status rs = StartReads(i, j);
+    submit_s_ += NowS() - ts;
+    OPTSTATE_RETURN_IF_ERROR(Keep(rs));
+    *progressed = true;
+  }
+  return Status::Ok();
+}
+
+Status StepPipeline::SubmitComputed(bool* progressed) {
+  while (!computed_.empty() && WriteRoom(SetAt(computed_.front()).job.bytes())) {
+    size_t set = computed_.front();
+    computed_.pop_front();
+    double ts = NowS();
+    Status ws = StartWrites(set);
+    submit_s_ += NowS() - ts;
+    OPTSTATE_RETURN_IF_ERROR(Keep(ws));
+    *progressed = true;
+  }
+  return Status::Ok();
+}
+
+void StepPipeline::OnComputed(size_t i) {
+  Set& s = sets_[i];
+  if (!write_through_) {
+    ReleaseCached(s, /*dirty=*/true);
+    s.stage = Stage::kFree;
+    ++slices;
+    return;
+  }
+  if (std::all_of(s.acquired, s.acquired + s.job.n_bufs, [](bool a) { return a; })) {
+    // The slice lives in cache entries: its writes go out from them, and
+    // the staging set is free for the next read at once.
+    size_t t;
+    if (free_tail_.empty()) {
+      t = tail_.size();
+      tail_.emplace_back();
+    } else {
+      t = free_tail_.back();
+      free_tail_.pop_back();
+    }
+    Set& w = tail_[t];
+    w = s;
+    w.stage = Stage::kComputed;
+    ++tail_busy_;
+    for (int f = 0; f < kMaxSliceChunks; ++f) s.acquired[f] = false;
+    s.stage = Stage::kFree;
+    computed_.push_back(kTailBit | t);
+    return;
+  }
+  s.stage = Stage::kComputed;
+  computed_.push_back(i);
+}
+
+Status StepPipeline::SyncOldestSlot() {
+  DevSlot* oldest = nullptr;
+  for (auto& d : slots_) {
+    if (d.set >= 0 && (oldest == nullptr || d.seq < oldest->seq)) oldest = &d;
+  }
+  return oldest == nullptr ? Status::Ok() : dev_->SyncEvent(oldest->event);
+}
+
+size_t StepPipeline::FreeSetFor(const Job& j) const {
+  const bool fits_small = *std::max_element(j.lens, j.lens + j.n_bufs) <= kSmallSliceBytes;
+  size_t big = kNoSet;
+  for (size_t i = 0; i < sets_.size(); ++i) {
+    if (sets_[i].stage != Stage::kFree) continue;
+    if (sets_[i].small == fits_small) return i;
+    if (!sets_[i].small && big == kNoSet) big = i;
+  }
+  return big;
+}
+
+bool StepPipeline::ReadRoom(uint64_t bytes) const {
+  if (reads_in_flight_ == 0 && writes_in_flight_ == 0) return true;
+  if (reads_in_flight_ + writes_in_flight_ + bufs_ > ring_requests_) return false;
+  if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes + bufs_ * chunk_bytes_ <= read_qd_ * chunk_bytes_;
+  return read_bytes_ + bytes <= read_qd_ * chunk_bytes_;
+}
+
+bool StepPipeline::WriteRoom(uint64_t bytes) const {
+  if (writes_in_flight_ == 0) return true;
+  if (reads_in_flight_ + writes_in_flight_ + bufs_ > ring_requests_) return false;
+  if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes <= read_qd_ * chunk_bytes_;
+  return write_bytes_ + bytes <= write_qd_ * chunk_bytes_;
+}
+
+Status StepPipeline::Keep(Status s) {
+  if (!s.ok() && error_.ok()) error_ = s;
+  return s;
+}
+
+Status StepPipeline::ReapReady(bool* progressed) {
+  if (io_->in_flight() == 0 || reap_only_when_blocked_) return Status::Ok();
+  reap_buf_.clear();
+  Status rs = io_->Reap(&reap_buf_, 0);
+  if (!rs.ok()) return Keep(rs.WithContext("StreamedAdam: reaping chunk I/O"));
+  for (const auto& c : reap_buf_) {
+    OPTSTATE_RETURN_IF_ERROR(Keep(OnCompletion(c)));
+    *progressed = true;
+  }
+  return Status::Ok();
+}
+
+bool StepPipeline::AllComputed() const {
+  if (!queue_.empty() || !ready_.empty()) return false;
+  for (const DevSlot& d : slots_) {
+    if (d.set >= 0) return false;
+  }
+  return std::none_of(sets_.begin(), sets_.end(), [](const Set& s) {
+    return s.stage == Stage::kReading || s.stage == Stage::kReady || s.stage == Stage::kComputing;
+  });
+}
+
+Status StepPipeline::StartReads(size_t i, const Job& j) {
+  Set& s = sets_[i];
+  if (s.small) ++small_slices;
+  s.job = j;
+  s.stage = Stage::kReading;
+  s.pending = 0;
+  for (uint32_t f = 0; f < j.n_bufs; ++f) {
+    const uint64_t len = j.lens[f];
+    s.buf[f] = s.io[f];
+    if (read_tier_) {
+      bool valid = false;
+      void* p = mm_->cache()->Acquire(Key(j, f), len, /*may_evict=*/cache_mode_, &valid);
+      if (p == nullptr && !write_through_) {
+        return ResourceExhausted("StreamedAdam: host cache tier (" +
+                                 std::to_string(mm_->cache()->capacity_bytes()) +
+                                 " bytes) has no clean entry left for tensor id " + std::to_string(j.tensor_id) +
+                                 " chunk " + std::to_string(j.chunk));
+      }
+      if (p != nullptr) {
+        s.buf[f] = p;
+        s.acquired[f] = true;
+        if (valid) {
+          cache_hits += len;
+          if (mm_->cache()->TakePrefetched(Key(j, f))) prefetch_hits += len;
+          continue;
+        }
+      }
+    }
+    if (!s.acquired[f] && !staged_.empty()) {
+      auto st = staged_.find(Key(j, f));
+      if (st != staged_.end() && st->second.len == len) {
+        if (s.small) {
+          std::memcpy(s.io[f], st->second.buf, len);
+        } else {
+          // The set takes the prefetched buffer; its own joins spare_,
+          // which makes new sets (SubmitReads), so the pipeline grows
+          // back to the depth it has without prefetch.
+          spare_.push_back(s.io[f]);
+          s.io[f] = st->second.buf;
+          s.buf[f] = s.io[f];
+        }
+        staged_.erase(st);
+        prefetch_hits += len;
+        continue;
+      }
+    }
+    vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
+    // 0: a whole chunk.
+    const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
+    Status st = io_->SubmitRead(ref, s.buf[f], i * 4 + f, buf_bytes);
+    if (!st.ok()) {
+      return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
+                            std::to_string(j.chunk));
+    }
+    ++s.pending;
+    ++reads_in_flight_;
+    read_bytes_ += len;
+    peak_read_bytes = std::max(peak_read_bytes, read_bytes_);
+  }
+  if (s.pending == 0) {
+    s.stage = Stage::kReady;
+    ready_.push_back(i);
+  }
+  return Status::Ok();
+}
+
+Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
+  const size_t i = c.tag / 4;
+  int f = static_cast<int>(c.tag % 4);
+  if ((i & kTailBit) ? (i & ~kTailBit) >= tail_.size() : i >= sets_.size()) {
+    return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
+  }
+  Set& s = SetAt(i);
+  const uint64_t len = s.job.lens[f];
+  if (s.stage == Stage::kReading) {
+    --reads_in_flight_;
+    read_bytes_ -= len;
+  }
+  if (s.stage == Stage::kWriting) {
+    --writes_in_flight_;
+    write_bytes_ -= len;
+  }
+  if (!c.status.ok()) return c.status;
+  if (s.stage == Stage::kReading) {
+    read_bytes += len;
+    if (--s.pending == 0) {
+      s.stage = Stage::kReady;
+      ready_.push_back(i);
+    }
+  } else if (s.stage == Stage::kWriting) {
+    write_bytes += len;
+    unsynced_bytes_ += len;
+    if (sync_every_bytes_ > 0 && unsynced_bytes_ >= sync_every_bytes_ && !sync_running_.load()) StartSync();
+    if (s.acquired[f]) {
+      mm_->cache()->Release(Key(s.job, f), /*dirty=*/true);
+      mm_->cache()->MarkWritten(Key(s.job, f));
+      s.acquired[f] = false;
+    }
+    if (--s.pending == 0) {
+      s.stage = Stage::kFree;
+      ++slices;
+      if (i & kTailBit) {
+        free_tail_.push_back(i & ~kTailBit);
+        --tail_busy_;
+      }
+    }
+  } else {
+    return Internal("StreamedAdam: I/O completion for a slice that is not reading or writing");
+  }
+  return Status::Ok();
+}
+
+Status StepPipeline::StartCompute(size_t i, size_t k) {
+  Set& s = sets_[i];
+  DevSlot& d = slots_[k];
+  const Job& j = s.job;
+  s.stage = Stage::kComputing;
+  d.set = static_cast<long>(i);
+  d.seq = next_seq_++;
+  // Host backend: "device" memory is host memory, so the kernel runs in
+  // place on the staging buffers (no staging -> page -> staging memcpys).
+  const bool in_place = dev_->backend() == Backend::kHost;
+  void* const* bufs = in_place ? s.buf : d.d;
+  if (!in_place) {
+    for (uint32_t f = 0; f < j.n_bufs; ++f) {
+      OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.buf[f], j.lens[f], d.stream));
+    }
+    h2d += j.bytes();
+  }
+  if (*inject_ > 0 && --*inject_ == 0) {
+    return Internal("StreamedAdam: injected kernel failure (test hook) at tensor id " +
+                    std::to_string(j.tensor_id) + " chunk " + std::to_string(j.chunk));
+  }
+  // One kernel call per main chunk, on the moments' elements of that chunk.
+  const uint32_t moment_size = ScalarSize(j.moment_type);
+  uint64_t done = 0;
+  for (uint32_t k = 0; k < j.n_main; ++k) {
+    const uint64_t first = j.first_elem + done;
+    const uint64_t n = j.lens[k] / 4;
+    kernels::AdamTensors t;
+    t.main = static_cast<float*>(bufs[k]);
+    t.exp_avg = static_cast<char*>(bufs[j.n_main]) + done * moment_size;
+    t.exp_avg_sq = static_cast<char*>(bufs[j.n_main + 1]) + done * moment_size;
+    t.moment_type = j.moment_type;
+    t.grad = static_cast<const char*>(j.grad) + first * ScalarSize(j.grad_type);
+    t.grad_type = j.grad_type;
+    t.param = j.param ? static_cast<char*>(j.param) + first * ScalarSize(j.param_type) : nullptr;
+    t.param_type = j.param ? j.param_type : kernels::ScalarType::kNone;
+    t.found_inf = found_inf_;
+    OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, n, j.params, cpu_threads_, d.stream));
+    done += n;
+  }
+  if (!in_place) {
+    for (uint32_t f = 0; f < j.n_bufs; ++f) {
+      OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.buf[f], d.d[f], j.lens[f], d.stream));
+    }
+    d2h += j.bytes();
+  }
+  return dev_->RecordEvent(d.event, d.stream);  // host backend: complete already
+}
+
+Status StepPipeline::StartWrites(size_t i) {
+  Set& s = SetAt(i);
+  const Job& j = s.job;
+  s.stage = Stage::kWriting;
+  s.pending = 0;
+  for (uint32_t f = 0; f < j.n_bufs; ++f) {
+    const uint64_t len = j.lens[f];
+    // The new version; cleared on abort (ManagerImpl::OnAbortPending).
+    if (!s.acquired[f]) mm_->cache()->Put(Key(j, f), s.buf[f], len);
+    vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
+    Status st = io_->SubmitWrite(ref, s.buf[f], i * 4 + f);
+    if (!st.ok()) {
+      return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +
+                            std::to_string(j.chunk));
+    }
+    ++s.pending;
+    ++writes_in_flight_;
+    write_bytes_ += len;
+    peak_write_bytes = std::max(peak_write_bytes, write_bytes_);
+  }
+  return Status::Ok();
+}
+
+void StepPipeline::StartSync() {
+  if (sync_thread_.joinable()) sync_thread_.join();
+  if (!sync_status_.ok()) return;
+  unsynced_bytes_ = 0;
+  sync_running_ = true;
+  sync_thread_ = std::thread([this] {
+    Status st = mm_->store()->SyncData();
+    if (!st.ok()) sync_status_ = st.WithContext("StreamedAdam: background data sync");
+    sync_running_ = false;
+  });
+}
+
+}  // namespace optstate::memmgr::internal

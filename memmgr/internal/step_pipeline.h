@@ -1,0 +1,286 @@
+// StepPipeline: the chunk pipeline of one StreamedAdam step (internal to
+// memmgr). A slice is one element range of a param that covers whole chunks
+// of every field: one moment chunk index of exp_avg and exp_avg_sq and the
+// main chunks of the same elements (one with f32 moments;
+// with bf16 moments a moment chunk holds twice the elements of an fp32 chunk,
+// so two main chunks). Every buffer is then one whole chunk (the unit of I/O,
+// checksum and copy-on-write), and every page stays a chunk, a multiple of the
+// 2 MiB VMM granularity; the kernel runs once per main chunk on the matching
+// half of the moment buffers. A slice holds one staging set (one chunk-sized
+// pinned buffer per chunk: 3, or 4 with bf16 moments) from its reads to the
+// completion of its writes; it holds a device slot (as many budgeted device
+// pages) only from H2D to the end of D2H. So read-ahead is
+// bounded by staging, not by the device budget, and a budget of one slot
+// still overlaps reads, compute and writes:
+//   reading (a ChunkIo read per chunk) -> ready -> computing (H2D, kernel,
+//   D2H on the slot's stream; an event) -> computed (waits for write room) ->
+//   writing (a copy-on-write write per chunk) -> free.
+// Reads and writes have separate depth limits in one ring (queue_depth and
+// write_queue_depth, counted in bytes: that many chunks' worth in flight), so
+// neither direction starves the other and a submit never blocks on a full
+// ring while completions wait unreaped. Slices of small tensors use small
+// staging sets (kSmallSliceBytes per field), so they take neither big sets
+// nor queue depth from the slices that move the bytes.
+// A computed slice whose three buffers are host cache entries gives its
+// staging set back at once: its writes (the write tail) go out from the
+// entries, which stay in use (never evicted or reused) until each write
+// completes. So with the RAM tier the step is bound by its compute, not by
+// its writes, and the tail needs no memory beyond the tier's own.
+// Driven by one thread (the trainer's, then the background commit's) through
+// Pump().
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/adam.h"
+#include "memmgr/internal/device.h"
+#include "memmgr/internal/manager_impl.h"
+#include "memmgr/memory_manager.h"
+#include "vfs/status.h"
+#include "vfs/store.h"
+
+namespace optstate::memmgr::internal {
+
+// A slice of at most this many bytes per field goes into a small set.
+constexpr uint64_t kSmallSliceBytes = 256ull << 10;
+
+// Requests the pipeline's ring holds: with depths counted in bytes, a queue of
+// small slices has more requests in flight than chunks.
+inline uint32_t RingRequests(const MemoryManagerOptions& o) {
+  return 4 * (std::max<uint32_t>(o.queue_depth, 6) + o.write_queue_depth);
+}
+
+// Chunks in one slice at most: two main chunks, one of each moment.
+constexpr int kMaxSliceChunks = 4;
+
+// Chunks in a full slice with moments of type t (main chunks + 2).
+inline uint32_t SliceChunks(kernels::ScalarType moment) {
+  return moment == kernels::ScalarType::kBF16 ? 4 : 3;
+}
+
+class StepPipeline {
+ public:
+  struct Job {
+    uint32_t tensor_id = 0;
+    // Buffers [0, n_main) are main chunks, then exp_avg's, then exp_avg_sq's.
+    uint32_t n_bufs = 3;
+    uint32_t n_main = 1;
+    uint32_t fields[kMaxSliceChunks] = {0, 1, 2, 0};
+    uint64_t chunks[kMaxSliceChunks] = {0, 0, 0, 0};  // chunk index of each buffer in its field
+    uint64_t lens[kMaxSliceChunks] = {0, 0, 0, 0};    // logical bytes of each
+    uint64_t chunk = 0;                               // the moments' chunk index (messages)
+    uint64_t first_elem = 0;
+    uint64_t elems = 0;
+    kernels::ScalarType moment_type = kernels::ScalarType::kF32;
+    uint64_t bytes() const {
+      uint64_t b = 0;
+      for (uint32_t f = 0; f < n_bufs; ++f) b += lens[f];
+      return b;
+    }
+    const void* grad = nullptr;
+    kernels::ScalarType grad_type = kernels::ScalarType::kF32;
+    void* param = nullptr;
+    kernels::ScalarType param_type = kernels::ScalarType::kNone;
+    kernels::AdamParams params;
+  };
+
+  StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
+               uint64_t* inject, kernels::ScalarType moment_type)
+      : bufs_(SliceChunks(moment_type)),
+        mm_(mm),
+        dev_(mm->device()),
+        io_(io),
+        sync_every_bytes_(sync_every_bytes),
+        cpu_threads_(cpu_threads),
+        found_inf_(found_inf),
+        inject_(inject) {}
+  ~StepPipeline() { Abort(); }
+
+  // Joins the background sync; its error, if any.
+  Status FinishSync();
+
+  Status Begin();
+
+  // Cache mode: the host cache tier holds the whole state and is the slices'
+  // buffers (no staging copies); write_through: computed slices are also
+  // written to the store (else they stay dirty in the cache only). With a
+  // tier that holds only part of the state (always write-through), a chunk
+  // with an entry is read from it and a missed one is admitted while there is
+  // room (read from disk into the entry); the rest go through staging.
+  void SetCacheMode(bool cache_mode, bool write_through);
+  // Test hook: no completion is reaped before the step drains, so what the
+  // depth limits admit (not what the disk happens to finish) is in flight.
+  void SetHoldCompletions(bool hold) { hold_completions_ = hold; }
+  // Chunks a prefetch read into staging buffers (whole chunks, as a read
+  // into a staging set would): the pipeline owns the buffers from now on
+  // (released with its staging) and a slice finds its chunk there instead of
+  // reading it. REQUIRES: before Begin.
+  struct Staged {
+    ChunkKey key;
+    uint64_t len = 0;
+    void* buf = nullptr;
+  };
+  void Adopt(std::vector<Staged> staged);
+
+  // Test hook: completions are reaped only when nothing else can progress,
+  // so the writes a step finds complete are those it had to wait for.
+  void SetReapOnlyWhenBlocked(bool on) { reap_only_when_blocked_ = on; }
+
+  uint32_t depth() const { return static_cast<uint32_t>(sets_.size() - small_sets_); }
+  uint32_t small_depth() const { return static_cast<uint32_t>(small_sets_); }
+  uint32_t device_slots() const { return static_cast<uint32_t>(slots_.size()); }
+
+  void Enqueue(const Job& j) { queue_.push_back(j); }
+
+  // Makes progress. drain: until everything queued is written; otherwise
+  // only what is possible without waiting. until_computed (with drain): only
+  // until every queued slice is computed (its kernel, param copy and D2H
+  // done), its writes submitted or waiting for room.
+  Status Pump(bool drain, bool until_computed = false);
+
+  // Stops: waits for every request in flight (results ignored) and the GPU.
+  // Cache entries in use are released as dirty (the caller then drops the
+  // cache: ManagerImpl::OnAbortPending).
+  void Abort();
+
+  // Once every slice is computed: gives the device slots back (streams,
+  // events, the budgeted arena), so that the write tail can run on another
+  // thread without device work and the trainer has the budget back.
+  Status ReleaseDevice();
+
+  void Release();
+
+  uint64_t slices = 0, read_bytes = 0, write_bytes = 0, cache_hits = 0, h2d = 0, d2h = 0;
+  uint64_t small_slices = 0, peak_read_bytes = 0, peak_write_bytes = 0, prefetch_hits = 0;
+  double stall_s_ = 0, compute_s_ = 0, submit_s_ = 0;
+
+ private:
+  enum class Stage : uint8_t { kFree, kReading, kReady, kComputing, kComputed, kWriting };
+  struct Set {
+    Stage stage = Stage::kFree;
+    Job job;
+    int pending = 0;
+    bool small = false;  // io[] are kSmallSliceBytes pieces
+    void* io[kMaxSliceChunks] = {};         // this set's staging buffers
+    void* buf[kMaxSliceChunks] = {};        // in use: staging, or cache entries (cache mode)
+    bool acquired[kMaxSliceChunks] = {};    // buf[f] is an acquired cache entry
+  };
+
+  void ReleaseCached(Set& s, bool dirty);
+
+  // Reads into free staging sets, only while the read queue has room for a
+  // whole slice.
+  Status SubmitReads(bool* progressed);
+
+  // Writes computed slices while the write queue has room.
+  Status SubmitComputed(bool* progressed);
+
+  // A slice's kernel and copies are done: write it, or (cache mode without
+  // write-through) leave it dirty in the cache.
+  void OnComputed(size_t i);
+  // Slices of the write tail (OnComputed) are indices with kTailBit set, in
+  // computed_ and in I/O tags.
+  static constexpr size_t kTailBit = size_t{1} << 40;
+  Set& SetAt(size_t i) { return (i & kTailBit) ? tail_[i & ~kTailBit] : sets_[i]; }
+
+  // Waits for the oldest slice on the device.
+  Status SyncOldestSlot();
+  struct DevSlot {
+    void* d[kMaxSliceChunks] = {};
+    void* stream = nullptr;
+    void* event = nullptr;
+    long set = -1;      // the slice computing here, -1 = free
+    uint64_t seq = 0;   // issue order of that slice
+  };
+
+  // A free staging set for j: a small one for a slice that fits, else (or
+  // when none is free) a big one; kNoSet when none.
+  static constexpr size_t kNoSet = ~size_t{0};
+  size_t FreeSetFor(const Job& j) const;
+
+  // Room for one more slice (bufs_ requests of `bytes` in all) of reads / writes.
+  // The depths count bytes, in chunks (queue_depth x chunk size in flight
+  // each way), so that small tensors' slices do not empty the disk's queue;
+  // requests are capped by the ring. With a shared queue (write_queue_depth
+  // 0) reads leave room for one big slice of writes.
+  bool ReadRoom(uint64_t bytes) const;
+  bool WriteRoom(uint64_t bytes) const;
+
+  Status Keep(Status s);
+
+  // Non-blocking reap of completed I/O.
+  Status ReapReady(bool* progressed);
+
+  ChunkKey Key(const Job& j, int f) const { return ChunkKey{j.tensor_id, j.fields[f], j.chunks[f]}; }
+
+  // Every queued slice is past its compute: nothing to read, compute or copy.
+  bool AllComputed() const;
+
+  Status StartReads(size_t i, const Job& j);
+
+  Status OnCompletion(const vfs::ChunkCompletion& c);
+
+  Status StartCompute(size_t i, size_t k);
+
+  Status StartWrites(size_t i);
+
+  void StartSync();
+
+  const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice: SliceChunks
+  ManagerImpl* mm_;
+  Device* dev_;
+  vfs::ChunkIo* io_;  // StreamedAdam's
+  // Every this many bytes of completed writes (0 = never), fdatasync the data
+  // files in the background (Store::SyncData; StreamedAdamOptions).
+  uint64_t sync_every_bytes_;
+  std::thread sync_thread_;              // at most one background SyncData
+  std::atomic<bool> sync_running_{false};
+  Status sync_status_;                   // written by sync_thread_, read after join
+  uint64_t unsynced_bytes_ = 0;
+  int cpu_threads_;
+  const float* found_inf_;
+  uint64_t* inject_;
+  bool started_ = false;
+  bool cache_mode_ = false;
+  bool write_through_ = true;
+  bool read_tier_ = false;  // slices use host cache entries as buffers where they can
+  bool hold_completions_ = false;  // SetHoldCompletions
+  bool reap_only_when_blocked_ = false;  // SetReapOnlyWhenBlocked
+  uint64_t next_seq_ = 0;
+  Arena arena_;
+  std::vector<void*> staging_;
+  // Prefetched chunks not yet used (Adopt) and the buffers adopted with them.
+  std::unordered_map<ChunkKey, Staged, internal::ChunkKeyHash> staged_;
+  std::vector<void*> extra_staging_;
+  std::vector<void*> spare_;  // staging buffers a set gave up for a prefetched one
+  std::vector<Set> sets_;     // big sets, small sets, then sets grown from spare_
+  // The write tail: computed slices in cache entries, their staging sets
+  // given back (OnComputed); at most one per slice of the step, holding no
+  // buffers of their own. free_tail_: unused ones; tail_busy_: in use.
+  std::vector<Set> tail_;
+  std::vector<size_t> free_tail_;
+  size_t tail_busy_ = 0;
+  std::vector<DevSlot> slots_;
+  std::deque<Job> queue_;
+  std::deque<size_t> ready_;
+  std::deque<size_t> computed_;  // computed slices waiting for write-queue room
+  std::vector<vfs::ChunkCompletion> done_;
+  std::vector<vfs::ChunkCompletion> reap_buf_;
+  // Depth limits (MemoryManagerOptions::queue_depth, write_queue_depth; 0 =
+  // shared) and what is in flight now; the ChunkIo's ring holds both.
+  uint32_t read_qd_ = 32, write_qd_ = 32;
+  uint32_t reads_in_flight_ = 0, writes_in_flight_ = 0;
+  uint64_t read_bytes_ = 0, write_bytes_ = 0;  // of the requests in flight
+  uint64_t chunk_bytes_ = 0;
+  uint32_t ring_requests_ = 0;  // the ChunkIo's queue depth (RingRequests)
+  size_t small_sets_ = 0;       // small sets in sets_
+  Status error_;
+};
+
+}  // namespace optstate::memmgr::internal

@@ -1,0 +1,87 @@
+#include "memmgr/internal/streamed_adam_util.h"
+
+#include <chrono>
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace optstate::memmgr::internal {
+
+double NowS() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+uint32_t ScalarSize(kernels::ScalarType t) {
+  switch (t) {
+    case kernels::ScalarType::kF32: return 4;
+    case kernels::ScalarType::kBF16:
+    case kernels::ScalarType::kF16: return 2;
+    case kernels::ScalarType::kNone: return 0;
+  }
+  return 0;
+}
+
+const char* ScalarName(kernels::ScalarType t) {
+  switch (t) {
+    case kernels::ScalarType::kF32: return "f32";
+    case kernels::ScalarType::kBF16: return "bf16";
+    case kernels::ScalarType::kF16: return "f16";
+    case kernels::ScalarType::kNone: return "none";
+  }
+  return "?";
+}
+
+bool IsFloatType(kernels::ScalarType t) {
+  return t == kernels::ScalarType::kF32 || t == kernels::ScalarType::kBF16 || t == kernels::ScalarType::kF16;
+}
+
+vfs::DType StoredDType(kernels::ScalarType t) {
+  return t == kernels::ScalarType::kBF16  ? vfs::DType::kBF16
+         : t == kernels::ScalarType::kF16 ? vfs::DType::kF16
+                                          : vfs::DType::kF32;
+}
+
+Status WithNote(const Status& s, const std::string& note) {
+  if (s.ok() || note.empty()) return s;
+  return Status(s.code(), s.message() + "; " + note, s.err());
+}
+
+std::string DimsText(const std::vector<uint64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
+  switch (t) {
+    case kernels::ScalarType::kF32: return static_cast<const float*>(src)[i];
+    case kernels::ScalarType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]);
+    case kernels::ScalarType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(src)[i]);
+    default: return 0.0f;
+  }
+}
+
+vfs::DType MomentDType(kernels::ScalarType t) {
+  return t == kernels::ScalarType::kBF16 ? vfs::DType::kBF16 : vfs::DType::kF32;
+}
+
+Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, vfs::DType want) {
+  for (const vfs::FieldSpec& f : t.fields) {
+    if ((f.name == "exp_avg" || f.name == "exp_avg_sq") && f.dtype != want) {
+      return InvalidArgument("StreamedAdam: store " + store_path + " holds tensor '" + t.name + "' field " + f.name +
+                             " as " + vfs::DTypeName(f.dtype) + ", but the optimizer was created with moment dtype " +
+                             vfs::DTypeName(want) + " (moment dtypes are chosen when a store is created; open it with "
+                             "moment dtype " + vfs::DTypeName(f.dtype) + ", or convert a checkpoint with "
+                             "optstate-restore --moments); nothing changed");
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckGradScale(float s, const std::string& what, const std::string& store_path) {
+  if (s > 0.0f && std::isfinite(s)) return Status::Ok();
+  return InvalidArgument(what + ": gradient scale must be finite and > 0, got " + fmt::format("{}", s) + " (store " +
+                         store_path + "); nothing changed");
+}
+
+}  // namespace optstate::memmgr::internal

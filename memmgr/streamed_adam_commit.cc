@@ -1,0 +1,263 @@
+// StreamedAdam: commits: the commit info, deferred durability in the host
+// cache tier (MakeDurable), and the pipelined commit that runs on a thread
+// of the optimizer (StartBackgroundCommit, FinishCommit).
+#include "memmgr/streamed_adam.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/streamed_adam_impl.h"
+#include "memmgr/internal/streamed_adam_util.h"
+#include "vfs/log.h"
+
+namespace optstate::memmgr {
+
+using internal::ChunkKey;
+using internal::HostCache;
+using internal::NowS;
+using internal::WithNote;
+
+vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
+  vfs::CommitInfo ci;
+  ci.step = advance ? global_step_ + 1 : global_step_;
+  for (const auto& [id, g] : groups_) {
+    vfs::GroupInfo gi;
+    gi.id = id;
+    auto sc = step_counts_.find(id);
+    gi.step_count = sc == step_counts_.end() ? 0 : sc->second;
+    if (advance && groups_stepped_.count(id)) gi.step_count += 1;
+    gi.hyper = {{"lr", g.lr},     {"beta1", g.beta1},
+                {"beta2", g.beta2}, {"eps", g.eps},
+                {"weight_decay", g.weight_decay}, {"adamw", g.adamw ? 1.0 : 0.0}};
+    ci.groups.push_back(std::move(gi));
+  }
+  return ci;
+}
+
+bool StreamedAdam::CacheHoldsState() const {
+  const HostCache* c = mm_->impl()->cache();
+  if (!c->enabled()) return false;
+  return StateCacheBytes() <= c->capacity_bytes();
+}
+
+uint64_t StreamedAdam::StateCacheBytes() const {
+  const uint64_t chunk = mm_->impl()->page_bytes();
+  uint64_t need = 0;
+  for (const auto& [name, p] : params_) {
+    for (uint32_t f : {p.f_main, p.f_m, p.f_v}) {
+      const uint64_t bytes = p.info.field_bytes(f);
+      const uint64_t tail = bytes % chunk ? HostCache::EntryBytes(bytes % chunk) : 0;
+      need += (bytes / chunk) * HostCache::EntryBytes(chunk) + tail;
+    }
+  }
+  return need;
+}
+
+void StreamedAdam::NoteCommitted(uint64_t gen) {
+  last_generation_ = gen;
+  mm_->impl()->cache()->MarkAllClean();
+  uncommitted_steps_ = 0;
+  committed_step_counts_ = step_counts_;
+  committed_global_step_ = global_step_;
+  for (auto& [name, p] : params_) {
+    p.committed = true;
+    p.main_pending = false;
+  }
+  registrations_pending_ = false;
+  dropped_.clear();
+}
+
+std::string StreamedAdam::RevertUncommitted() {
+  if (uncommitted_steps_ == 0) return "";
+  std::string msg = std::to_string(uncommitted_steps_) +
+                    " step(s) held only in the host cache were lost; the optimizer is back at generation " +
+                    std::to_string(last_generation_) + " (step " + std::to_string(committed_global_step_) + ")";
+  for (auto& [id, n] : step_counts_) {
+    auto it = committed_step_counts_.find(id);
+    n = it == committed_step_counts_.end() ? 0 : it->second;
+  }
+  global_step_ = committed_global_step_;
+  uncommitted_steps_ = 0;
+  return msg;
+}
+
+Status StreamedAdam::WriteDirtyCache() {
+  HostCache* cache = mm_->impl()->cache();
+  auto dirty = cache->DirtyUnwritten();
+  if (dirty.empty()) return Status::Ok();
+  OPTSTATE_RETURN_IF_ERROR(EnsureIo());
+  const size_t depth = std::max<uint32_t>(mm_->options().queue_depth + mm_->options().write_queue_depth, 1);
+  std::vector<vfs::ChunkCompletion> done;
+  Status st;
+  size_t next = 0;
+  while ((next < dirty.size() || io_->in_flight() > 0)) {
+    while (st.ok() && next < dirty.size() && io_->in_flight() < depth) {
+      const ChunkKey& k = dirty[next].first;
+      st = io_->SubmitWrite(vfs::ChunkRef{k.tensor_id, k.field, k.index}, dirty[next].second, next);
+      if (!st.ok()) {
+        st = st.WithContext("StreamedAdam: writing cached tensor id " + std::to_string(k.tensor_id) + " field " +
+                            std::to_string(k.field) + " chunk " + std::to_string(k.index));
+        break;
+      }
+      ++next;
+    }
+    if (io_->in_flight() == 0) break;
+    done.clear();
+    Status rs = io_->Reap(&done, 1);
+    if (!rs.ok() && st.ok()) st = rs;
+    for (const auto& c : done) {
+      if (!c.status.ok()) {
+        if (st.ok()) st = c.status;
+        continue;
+      }
+      cache->MarkWritten(dirty[c.tag].first);
+    }
+    if (!rs.ok()) break;
+  }
+  return st;
+}
+
+Result<uint64_t> StreamedAdam::MakeDurable() {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::MakeDurable: a step is in progress");
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit());
+  if (uncommitted_steps_ == 0 && !registrations_pending_) return last_generation_;
+  const uint64_t n = uncommitted_steps_;
+  Status s = WriteDirtyCache();
+  if (s.ok()) s = mm_->Flush();
+  Result<uint64_t> gen = s.ok() ? store_->Commit(MakeCommitInfo(false)) : Result<uint64_t>(s);
+  if (!gen.ok()) {
+    Status a = store_->AbortPending();
+    if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed MakeDurable: {}", a.ToString());
+    // The cache still holds the steps: keep them (dirty) and let the caller
+    // retry. Their chunks written before the failure went with the dropped
+    // generation, so every dirty entry must be written again by the retry.
+    // Registrations and loaded mains were only in the pending generation:
+    // they are gone, and the error says so.
+    mm_->impl()->OnAbortPending(/*keep_dirty_cache=*/true);
+    const std::string dropped = DropUncommittedRegistrations();
+    Status err = gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
+                                          " cached step(s) of store " + store_->path());
+    if (n > 0) {
+      err = WithNote(err, "the " + std::to_string(n) + " step(s) stay in the host cache (generation " +
+                              std::to_string(last_generation_) + " is the last commit): call MakeDurable again");
+    }
+    return WithNote(err, dropped);
+  }
+  NoteCommitted(*gen);
+  return *gen;
+}
+
+void StreamedAdam::StartBackgroundCommit() {
+  auto c = std::make_unique<InFlightCommit>();
+  c->pipeline = std::move(pipeline_);
+  c->info = MakeCommitInfo(true);
+  c->cache_mode = step_cache_mode_;
+  c->generation = store_->LatestGeneration().generation + 1;
+  c->steps = uncommitted_steps_ + 1;
+  c->write_bytes_at_return = c->pipeline->write_bytes;
+  c->pipeline->SetReapOnlyWhenBlocked(false);
+  uncommitted_steps_ = 0;  // the cached steps are written with this one
+  InFlightCommit* ip = c.get();
+  mm_->impl()->BeginBackgroundCommit();
+  ip->thread = std::thread([this, ip] {
+    internal::StepPipeline& pl = *ip->pipeline;
+    Status s = pl.Pump(true);
+    if (s.ok()) s = pl.FinishSync();
+    ip->slices = pl.slices;
+    ip->write_bytes = pl.write_bytes;
+    ip->peak_write_bytes = pl.peak_write_bytes;
+    ip->io_wait_seconds = pl.stall_s_;
+    if (s.ok()) {
+      mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+      pl.Release();
+    } else {
+      pl.Abort();
+    }
+    ip->pipeline.reset();
+    // Params not stepped now may hold earlier uncommitted steps in the cache.
+    if (s.ok() && ip->cache_mode) s = WriteDirtyCache();
+    if (s.ok()) s = mm_->impl()->Flush();  // not MemoryManager::Flush: that waits for this thread
+    if (s.ok()) {
+      const double t0 = NowS();
+      auto gen = store_->Commit(ip->info);
+      ip->commit_seconds = NowS() - t0;
+      if (gen.ok()) {
+        ip->committed = *gen;
+      } else {
+        s = gen.status();
+      }
+    }
+    if (!s.ok()) {
+      // Drop the step before anyone waiting in the manager reads the store.
+      Status a = store_->AbortPending();
+      if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed background commit: {}", a.ToString());
+      mm_->impl()->OnAbortPending();
+    }
+    ip->status = s;
+    mm_->impl()->EndBackgroundCommit();
+    {
+      std::lock_guard<std::mutex> l(ip->mu);
+      ip->done = true;
+    }
+    ip->cv.notify_all();
+  });
+  inflight_ = std::move(c);
+}
+
+Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
+  if (wait_s != nullptr) *wait_s = 0;
+  StopPrefetch();
+  if (!keep_staged) DropStaged();
+  if (!inflight_) return Status::Ok();
+  const double t0 = NowS();
+  inflight_->thread.join();
+  if (wait_s != nullptr) *wait_s = NowS() - t0;
+  std::unique_ptr<InFlightCommit> c = std::move(inflight_);
+  last_stats_.slices = c->slices;
+  last_stats_.write_bytes = c->write_bytes;
+  last_stats_.peak_write_bytes_in_flight = c->peak_write_bytes;
+  last_stats_.io_wait_seconds = c->io_wait_seconds;
+  last_stats_.commit_seconds = c->commit_seconds;
+  last_stats_.write_tail_bytes = c->write_bytes - std::min(c->write_bytes, c->write_bytes_at_return);
+  if (c->status.ok()) {
+    NoteCommitted(c->committed);
+    // The counts the generation holds (set_global_step may have moved on).
+    committed_global_step_ = c->info.step;
+    committed_step_counts_.clear();
+    for (const vfs::GroupInfo& g : c->info.groups) committed_step_counts_[g.id] = g.step_count;
+    return Status::Ok();
+  }
+  // The thread dropped the pending generation (and the host cache with it):
+  // back to the last commit, as after an aborted step.
+  for (auto& [id, n] : step_counts_) {
+    auto it = committed_step_counts_.find(id);
+    n = it == committed_step_counts_.end() ? 0 : it->second;
+  }
+  global_step_ = committed_global_step_;
+  uncommitted_steps_ = 0;
+  Status err = c->status.WithContext(
+      "StreamedAdam: the background commit of step " + std::to_string(c->info.step) + " as generation " +
+      std::to_string(c->generation) + " of store " + store_->path() + " failed");
+  err = WithNote(err, "nothing of it was committed" +
+                          (c->steps > 1 ? " (" + std::to_string(c->steps) + " steps, cached ones included)"
+                                        : std::string()) +
+                          "; the optimizer and the store are at generation " + std::to_string(last_generation_) +
+                          " (step " + std::to_string(committed_global_step_) +
+                          "); the params that step updated are ahead of the store: copy the store's mains into "
+                          "them, or resume from the store");
+  err = WithNote(err, DropUncommittedRegistrations());
+  OPTSTATE_LOG_ERROR("{}", err.ToString());
+  return err;
+}
+
+Status StreamedAdam::WaitForCommit() { return FinishCommit(); }
+
+}  // namespace optstate::memmgr

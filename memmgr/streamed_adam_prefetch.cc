@@ -1,0 +1,191 @@
+// StreamedAdam: Prefetch, which reads the next step's state into the host
+// cache tier or staging buffers while the trainer runs forward/backward.
+#include "memmgr/streamed_adam.h"
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/streamed_adam_impl.h"
+#include "memmgr/internal/streamed_adam_util.h"
+#include "vfs/log.h"
+
+namespace optstate::memmgr {
+
+using internal::ChunkKey;
+using internal::HostCache;
+using internal::ManagerImpl;
+using internal::ScalarSize;
+
+Status StreamedAdam::Prefetch() {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  // During a step the step itself is reading; a prefetch already runs.
+  if (in_step_ || prefetch_) return Status::Ok();
+  ManagerImpl* impl = mm_->impl();
+  const MemoryManagerOptions& mo = impl->options();
+  // Chunks outside the tier go into staging buffers for the step's pipeline
+  // to adopt: at most its own staging less one slice (StepPipeline::Begin).
+  size_t stage_limit = 0;
+  if (!CacheHoldsState() && staged_.empty()) {
+    const size_t total = impl->all_staging().size();
+    const size_t max_bufs = total >= 5 ? total - 2 : total;
+    const size_t slice_bufs = internal::SliceChunks(opts_.moment_dtype);
+    const size_t want = std::min<size_t>(max_bufs, slice_bufs * static_cast<size_t>(internal::PipelineSlices(mo)));
+    stage_limit = want > slice_bufs ? want - slice_bufs : 0;
+  }
+  if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
+  if (!inflight_) OPTSTATE_RETURN_IF_ERROR(EnsureIo());  // else the commit's thread owns io_ (it exists)
+  std::vector<StepOrderEntry> order = step_order_;
+  if (order.empty()) {
+    for (const auto& [name, p] : params_) {
+      if (!retired_.count(name)) order.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v}, p.info.numel});
+    }
+  }
+  auto run = std::make_unique<PrefetchRun>();
+  PrefetchRun* r = run.get();
+  InFlightCommit* commit = inflight_.get();
+  mm_->impl()->BeginBackgroundCommit();
+  r->thread = std::thread([this, r, commit, stage_limit, order = std::move(order)] {
+    ManagerImpl* impl = mm_->impl();
+    if (commit != nullptr) {
+      // The store shows the step's generation once its commit is done; a
+      // failed commit dropped the tier, and its error comes at the next wait.
+      std::unique_lock<std::mutex> l(commit->mu);
+      commit->cv.wait(l, [&] { return commit->done || r->stop.load(); });
+      if (!commit->done || !commit->status.ok()) {
+        l.unlock();
+        impl->EndBackgroundCommit();
+        return;
+      }
+    }
+    HostCache* cache = impl->cache();
+    const uint64_t chunk_bytes = impl->page_bytes();
+    // The step's slices (BeginParam): one chunk of each moment and the main
+    // chunks of its elements, read in that order.
+    const uint32_t moment_size = ScalarSize(opts_.moment_dtype);
+    const uint64_t slice_elems = chunk_bytes / moment_size;
+    // Staging for the reads (the tier's entries are filled by a copy, so a
+    // concurrent reader of the tier never sees a half-read entry): up to a
+    // read queue's worth, leaving two for concurrent pins.
+    const size_t total = impl->all_staging().size();
+    const size_t want = std::max<size_t>(1, std::min<size_t>(total >= 5 ? total - 2 : 1, impl->options().queue_depth));
+    r->write_mark = impl->stats().nvme_write_bytes;
+    std::vector<void*> bufs = impl->AcquireStaging(1, std::max(want, stage_limit));
+    std::vector<std::pair<ChunkKey, uint64_t>> reading(bufs.size());
+    std::vector<bool> keep(bufs.size(), false);  // holds a staged chunk
+    size_t staged_reads = 0;                     // submitted to be staged
+    std::vector<size_t> free_bufs;
+    for (size_t b = bufs.size(); b-- > 0;) free_bufs.push_back(b);
+    std::vector<vfs::ChunkCompletion> done;
+    auto reap = [&](size_t min) {
+      done.clear();
+      Status rs = io_->Reap(&done, min);
+      if (!rs.ok()) {
+        OPTSTATE_LOG_WARN("StreamedAdam: prefetch of store {} stopped: {}", store_->path(), rs.ToString());
+        return false;
+      }
+      for (const auto& c : done) {
+        const auto& [key, len] = reading[c.tag];
+        if (c.status.ok()) r->disk_bytes += len;
+        if (!c.status.ok()) {
+          ++r->failed;
+          if (keep[c.tag]) --staged_reads;
+          keep[c.tag] = false;
+        } else if (keep[c.tag]) {
+          r->staged.push_back(StagedChunk{key.tensor_id, key.field, key.index, len, bufs[c.tag]});
+          r->read_bytes += len;
+          continue;  // the buffer stays with the chunk
+        } else if (cache->PutPrefetched(key, bufs[c.tag], len)) {
+          r->read_bytes += len;
+        }
+        free_bufs.push_back(c.tag);
+      }
+      return true;
+    };
+    bool ok = true;
+    for (const StepOrderEntry& e : order) {
+      for (uint64_t c = 0, first = 0; ok && first < e.numel && !r->stop.load(); ++c, first += slice_elems) {
+        const uint64_t elems = std::min(slice_elems, e.numel - first);
+        const uint64_t main_bytes = elems * 4;
+        const uint32_t n_main = static_cast<uint32_t>((main_bytes + chunk_bytes - 1) / chunk_bytes);
+        for (uint32_t k = 0; k < n_main + 2 && ok && !r->stop.load(); ++k) {
+          const bool is_main = k < n_main;
+          const uint64_t len = is_main ? std::min(chunk_bytes, main_bytes - k * chunk_bytes) : elems * moment_size;
+          const ChunkKey key{e.tensor_id, e.fields[is_main ? 0 : k - n_main + 1],
+                             is_main ? c * (4 / moment_size) + k : c};
+          bool stage = false;
+          if (!cache->WantsPrefetch(key, len)) {
+            // Not for the tier: a chunk the step reads from disk, staged
+            // while there is room (the tier serves the ones it holds).
+            if (staged_reads >= stage_limit || cache->Contains(key, len)) continue;
+            stage = true;
+          }
+          while (ok && free_bufs.empty() && io_->in_flight() > 0) ok = reap(1);
+          if (!ok || free_bufs.empty()) break;
+          const size_t b = free_bufs.back();
+          Status st = io_->SubmitRead(vfs::ChunkRef{key.tensor_id, key.field, key.index}, bufs[b], b);
+          if (!st.ok()) {
+            ++r->failed;
+            continue;
+          }
+          free_bufs.pop_back();
+          reading[b] = {key, len};
+          keep[b] = stage;
+          if (stage) ++staged_reads;
+        }
+      }
+    }
+    while (io_->in_flight() > 0) {
+      if (!reap(io_->in_flight())) {
+        std::vector<vfs::ChunkCompletion> sink;
+        while (io_->in_flight() > 0 && io_->Reap(&sink, io_->in_flight()).ok()) {
+        }
+        break;
+      }
+    }
+    impl->AddStats(r->disk_bytes, 0, 0, 0, 0, 0);
+    std::vector<void*> unused;
+    for (size_t b = 0; b < bufs.size(); ++b) {
+      if (!keep[b]) unused.push_back(bufs[b]);
+    }
+    impl->ReleaseStaging(unused);
+    impl->EndBackgroundCommit();
+  });
+  prefetch_ = std::move(run);
+  return Status::Ok();
+}
+
+void StreamedAdam::DropStaged() {
+  if (staged_.empty()) return;
+  std::vector<void*> bufs;
+  for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
+  mm_->impl()->ReleaseStaging(bufs);
+  staged_.clear();
+}
+
+void StreamedAdam::StopPrefetch() {
+  if (!prefetch_) return;
+  if (inflight_) {
+    std::lock_guard<std::mutex> l(inflight_->mu);
+    prefetch_->stop = true;
+  } else {
+    prefetch_->stop = true;
+  }
+  if (inflight_) inflight_->cv.notify_all();
+  prefetch_->thread.join();
+  prefetch_read_bytes_ += prefetch_->read_bytes;
+  staged_ = std::move(prefetch_->staged);
+  staged_write_mark_ = prefetch_->write_mark;
+  if (prefetch_->failed > 0) {
+    OPTSTATE_LOG_INFO("StreamedAdam: prefetch of store {} could not read {} chunk(s); the step reads them",
+                      store_->path(), prefetch_->failed);
+  }
+  prefetch_.reset();
+}
+
+}  // namespace optstate::memmgr

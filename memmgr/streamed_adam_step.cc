@@ -1,0 +1,377 @@
+// StreamedAdam: one step: the gradient checks, BeginStep / StepParam / EndStep
+// over the step pipeline, and the abort of a failed step.
+#include "memmgr/streamed_adam.h"
+
+#include <algorithm>
+#include <memory>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/streamed_adam_impl.h"
+#include "memmgr/internal/streamed_adam_util.h"
+#include "vfs/log.h"
+
+namespace optstate::memmgr {
+
+using internal::CheckGradScale;
+using internal::ChunkKey;
+using internal::IsFloatType;
+using internal::NowS;
+using internal::ScalarName;
+using internal::ScalarSize;
+using internal::WithNote;
+
+Status StreamedAdam::CheckGrad(const ParamGrad& g) const {
+  auto it = params_.find(g.name);
+  if (it == params_.end()) {
+    if (retired_.count(g.name)) {
+      return InvalidArgument("StreamedAdam: gradient for param '" + g.name + "' of store " + store_->path() +
+                             ", which was retired in this run");
+    }
+    std::string some;
+    int n = 0;
+    for (const auto& [name, p] : params_) {
+      if (n++ == 5) break;
+      some += (some.empty() ? "" : ", ") + name;
+    }
+    return NotFound("StreamedAdam::StepParam: unknown param '" + g.name + "' (store " + store_->path() + " has " +
+                    std::to_string(params_.size()) + " params: " + some + (params_.size() > 5 ? ", ..." : "") + ")");
+  }
+  if (!IsFloatType(g.grad_type)) {
+    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": gradient dtype " + ScalarName(g.grad_type) +
+                           " not supported (f32, bf16, f16)");
+  }
+  if (g.d_param != nullptr && !IsFloatType(g.param_type)) {
+    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": param dtype " + ScalarName(g.param_type) +
+                           " not supported (f32, bf16, f16)");
+  }
+  if (g.d_grad == nullptr) return InvalidArgument("StreamedAdam::StepParam " + g.name + ": null gradient");
+  if (g.numel != 0 && g.numel != it->second.info.numel) {
+    return InvalidArgument("StreamedAdam::StepParam '" + g.name + "': the gradient has " + std::to_string(g.numel) +
+                           " elements; store " + store_->path() + " has the param with numel " +
+                           std::to_string(it->second.info.numel));
+  }
+  return Status::Ok();
+}
+
+Status StreamedAdam::Fail(Status s) {
+  if (pipeline_) {
+    pipeline_->Abort();
+    pipeline_.reset();
+  }
+  Status a = store_->AbortPending();
+  if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed step: {}", a.ToString());
+  mm_->impl()->OnAbortPending();
+  in_step_ = false;
+  stepped_.clear();
+  const std::string lost = RevertUncommitted();
+  if (!lost.empty()) s = s.WithContext(lost);
+  s = WithNote(s, DropUncommittedRegistrations());
+  // A CUDA error is sticky for the process: refuse to continue.
+  if (mm_->backend() == Backend::kCuda && s.message().find("CUDA") != std::string::npos) {
+    poisoned_ = true;
+    poison_status_ = s.WithContext("StreamedAdam is unusable after a CUDA error");
+  }
+  OPTSTATE_LOG_ERROR("StreamedAdam: step aborted, nothing committed: {}", s.ToString());
+  return s;
+}
+
+Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
+  const double t_begin = NowS();
+  double wait_s = 0;
+  {
+    Status fs = FinishCommit(&wait_s, /*keep_staged=*/true);  // completes the previous step's stats
+    if (!fs.ok()) DropStaged();  // the step they were read for is gone
+    OPTSTATE_RETURN_IF_ERROR(fs);
+  }
+  // Staged prefetched chunks go to this step's pipeline below; any early
+  // return gives them back.
+  struct DropUnadopted {
+    StreamedAdam* sa;
+    ~DropUnadopted() { sa->DropStaged(); }
+  } drop_unadopted{this};
+  if (!staged_.empty() && mm_->stats().nvme_write_bytes != staged_write_mark_) {
+    DropStaged();  // a write-back through pins may have changed what they hold
+  }
+  OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
+  step_found_inf_ = d_found_inf;
+  step_skip_ = false;
+  groups_stepped_.clear();
+  stepped_.clear();
+  last_stats_ = StepStats{};
+  last_stats_.seconds = t_begin;
+  last_stats_.commit_wait_seconds = wait_s;
+  last_stats_.prefetch_read_bytes = prefetch_read_bytes_;
+  prefetch_read_bytes_ = 0;
+  if (d_found_inf != nullptr) {
+    float flag = 0;
+    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, d_found_inf, sizeof(float)));
+    if (flag != 0.0f) {
+      step_skip_ = true;
+      in_step_ = true;
+      return Status::Ok();
+    }
+  }
+  step_grad_scale_ = grad_scale_;
+  if (d_grad_scale != nullptr) {
+    float scale = 0;
+    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&scale, d_grad_scale, sizeof(float)));
+    OPTSTATE_RETURN_IF_ERROR(CheckGradScale(scale, "StreamedAdam: the step's d_grad_scale", store_->path()));
+    step_grad_scale_ = scale;
+  }
+  // Registrations and LoadMainFrom since the last commit are in the pending
+  // generation: this step's commit publishes them with its own writes.
+  OPTSTATE_RETURN_IF_ERROR(EnsureIo());
+  step_cache_mode_ = CacheHoldsState();
+  if (!step_cache_mode_ && opts_.durable_every_steps > 1 && !warned_cache_small_) {
+    warned_cache_small_ = true;
+    OPTSTATE_LOG_WARN("StreamedAdam: durable_every_steps {} needs the host cache tier ({} bytes) to hold the whole "
+                      "state of store {}; every step commits",
+                      opts_.durable_every_steps, mm_->impl()->cache()->capacity_bytes(), store_->path());
+  }
+  if (!step_cache_mode_ && mm_->impl()->cache()->enabled() && !warned_cache_partial_) {
+    warned_cache_partial_ = true;
+    OPTSTATE_LOG_INFO("StreamedAdam: the host cache tier ({} bytes) holds part of the {} bytes of state of store {}; "
+                      "steps read the chunks it admits from RAM and the rest from disk",
+                      mm_->impl()->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
+  }
+  const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
+  pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads,
+                                                       opts_.background_sync_bytes, d_found_inf,
+                                                       &inject_kernel_failure_after_, opts_.moment_dtype);
+  pipeline_->SetCacheMode(step_cache_mode_, write_through);
+  pipeline_->SetHoldCompletions(hold_completions_);
+  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked_);
+  if (!staged_.empty()) {
+    std::vector<internal::StepPipeline::Staged> adopt;
+    for (const StagedChunk& c : staged_) {
+      adopt.push_back({ChunkKey{c.tensor_id, c.field, c.chunk}, c.len, c.buf});
+    }
+    staged_.clear();
+    pipeline_->Adopt(std::move(adopt));
+  }
+  step_order_.clear();
+  step_write_through_ = write_through;
+  Status s = pipeline_->Begin();
+  if (!s.ok()) {
+    pipeline_->Release();
+    pipeline_.reset();
+    return s;
+  }
+  in_step_ = true;
+  return Status::Ok();
+}
+
+Status StreamedAdam::StepParam(const ParamGrad& g) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (!in_step_) return FailedPrecondition("StreamedAdam::StepParam " + g.name + ": no BeginStep");
+  if (Status cs = CheckGrad(g); !cs.ok()) return Fail(cs);
+  auto it = params_.find(g.name);
+  const Param& p = it->second;
+  if (step_skip_) return Status::Ok();
+  if (stepped_.count(g.name)) {
+    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": given twice in one step"));
+  }
+  Status ds = mm_->impl()->DropTensor(p.info.id);
+  if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
+  stepped_.insert(g.name);
+  step_order_.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v}, p.info.numel});
+  const ParamGroup& grp = groups_.at(p.info.group);
+  kernels::AdamParams ap;
+  ap.lr = grp.lr;
+  ap.beta1 = grp.beta1;
+  ap.beta2 = grp.beta2;
+  ap.eps = grp.eps;
+  ap.weight_decay = grp.weight_decay;
+  ap.mode = grp.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
+  ap.step = step_count(p.info.group) + 1;
+  ap.grad_scale = step_grad_scale_;
+  groups_stepped_[p.info.group] = true;
+  // A slice is one chunk of each moment and the main chunks of its elements
+  // (see StepPipeline).
+  const uint64_t chunk = mm_->impl()->page_bytes();
+  const uint32_t moment_size = ScalarSize(opts_.moment_dtype);
+  const uint64_t slice_elems = chunk / moment_size;
+  for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += slice_elems) {
+    internal::StepPipeline::Job j;
+    j.tensor_id = p.info.id;
+    j.chunk = c;
+    j.first_elem = first;
+    j.elems = std::min(slice_elems, p.info.numel - first);
+    j.moment_type = opts_.moment_dtype;
+    const uint64_t main_bytes = j.elems * 4;
+    j.n_main = static_cast<uint32_t>((main_bytes + chunk - 1) / chunk);
+    j.n_bufs = j.n_main + 2;
+    for (uint32_t k = 0; k < j.n_main; ++k) {
+      j.fields[k] = p.f_main;
+      j.chunks[k] = c * (4 / moment_size) + k;
+      j.lens[k] = std::min(chunk, main_bytes - k * chunk);
+    }
+    j.fields[j.n_main] = p.f_m;
+    j.fields[j.n_main + 1] = p.f_v;
+    j.chunks[j.n_main] = j.chunks[j.n_main + 1] = c;
+    j.lens[j.n_main] = j.lens[j.n_main + 1] = j.elems * moment_size;
+    j.grad = g.d_grad;
+    j.grad_type = g.grad_type;
+    j.param = g.d_param;
+    j.param_type = g.d_param ? g.param_type : kernels::ScalarType::kNone;
+    j.params = ap;
+    pipeline_->Enqueue(j);
+  }
+  Status ps = pipeline_->Pump(false);
+  if (!ps.ok()) return Fail(ps);
+  return Status::Ok();
+}
+
+Result<uint64_t> StreamedAdam::EndStep() {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (!in_step_) return FailedPrecondition("StreamedAdam::EndStep: no BeginStep");
+  stepped_.clear();
+  if (step_skip_) {
+    in_step_ = false;
+    last_step_skipped_ = true;
+    last_stats_.seconds = NowS() - last_stats_.seconds;
+    OPTSTATE_LOG_INFO("StreamedAdam: found-inf set; step skipped, nothing committed (generation {})",
+                      last_generation_);
+    return last_generation_;
+  }
+  // Pipelined commit: once every slice is computed (params updated), the
+  // write tail and the commit go to the background, unless found-inf was
+  // raised meanwhile (then the step is drained and dropped below).
+  const bool pipelined = opts_.commit_lag_steps > 0 && step_write_through_;
+  Status ds = pipeline_->Pump(true, /*until_computed=*/pipelined);
+  if (!ds.ok()) return Fail(ds);
+  if (pipelined) {
+    float flag = 0;
+    if (step_found_inf_ != nullptr) {
+      Status cs = mm_->CopyToHost(&flag, step_found_inf_, sizeof(float));
+      if (!cs.ok()) return Fail(cs);
+    }
+    if (flag == 0.0f) {
+      last_stats_.device_slots = pipeline_->device_slots();
+      Status rs = pipeline_->ReleaseDevice();
+      if (!rs.ok()) return Fail(rs.WithContext("StreamedAdam: end of the step's device work"));
+      NoteReadSideStats(*pipeline_);
+      StartBackgroundCommit();
+      const uint64_t gen = inflight_->generation;
+      for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+      ++global_step_;
+      last_step_skipped_ = false;
+      in_step_ = false;
+      last_stats_.seconds = NowS() - last_stats_.seconds;
+      return gen;
+    }
+    ds = pipeline_->Pump(true);
+    if (!ds.ok()) return Fail(ds);
+  }
+  ds = pipeline_->FinishSync();
+  if (!ds.ok()) return Fail(ds);
+  internal::StepPipeline& pl = *pipeline_;
+  NoteReadSideStats(pl);
+  last_stats_.slices = pl.slices;
+  last_stats_.write_bytes = pl.write_bytes;
+  last_stats_.peak_write_bytes_in_flight = pl.peak_write_bytes;
+  last_stats_.device_slots = pl.device_slots();
+  last_stats_.io_wait_seconds = pl.stall_s_;
+  mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+  pipeline_->Release();
+  pipeline_.reset();
+  if (step_found_inf_ != nullptr) {
+    // Incremental form: the flag may have been set after BeginStep. The kernel
+    // skipped every slice after it was set; drop the step as a whole.
+    float flag = 0;
+    Status cs = mm_->CopyToHost(&flag, step_found_inf_, sizeof(float));
+    if (!cs.ok()) return Fail(cs);
+    if (flag != 0.0f) {
+      Status a = store_->AbortPending();
+      mm_->impl()->OnAbortPending();
+      in_step_ = false;
+      last_step_skipped_ = true;
+      if (step_cache_mode_) {
+        // Slices before the flag were updated in place in the cache.
+        const std::string lost = RevertUncommitted();
+        OPTSTATE_LOG_WARN("StreamedAdam: found-inf raised during a cached step; step dropped{}{}",
+                          lost.empty() ? "" : "; ", lost);
+      }
+      if (!a.ok()) return a;
+      // The dropped pending generation also held what this step was to commit
+      // with it: say so rather than return OK without it.
+      const std::string dropped = DropUncommittedRegistrations();
+      if (!dropped.empty()) {
+        return FailedPrecondition("StreamedAdam: found-inf was raised after BeginStep; the step was dropped and "
+                                  "nothing committed (store " + store_->path() + ", generation " +
+                                  std::to_string(last_generation_) + "); " + dropped);
+      }
+      return last_generation_;
+    }
+  }
+  if (!step_write_through_) {
+    // Deferred durability: the step lives in the host cache only.
+    for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+    ++global_step_;
+    ++uncommitted_steps_;
+    last_step_skipped_ = false;
+    in_step_ = false;
+    last_stats_.seconds = NowS() - last_stats_.seconds;
+    return last_generation_;
+  }
+  if (step_cache_mode_) {
+    // Params not stepped now may hold earlier uncommitted steps in the cache.
+    Status ws = WriteDirtyCache();
+    if (!ws.ok()) return Fail(ws);
+  }
+  Status fs = mm_->Flush();
+  if (!fs.ok()) return Fail(fs);
+  double tcommit = NowS();
+  auto gen = store_->Commit(MakeCommitInfo(true));
+  last_stats_.commit_seconds = NowS() - tcommit;
+  if (!gen.ok()) return Fail(gen.status().WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
+  for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+  ++global_step_;
+  NoteCommitted(*gen);
+  last_step_skipped_ = false;
+  in_step_ = false;
+  last_stats_.seconds = NowS() - last_stats_.seconds;
+  return *gen;
+}
+
+// The step's stats known once its kernels are done (a pipelined step's
+// writes and commit are accounted when its commit is joined).
+void StreamedAdam::NoteReadSideStats(const internal::StepPipeline& pl) {
+  last_stats_.read_bytes = pl.read_bytes;
+  last_stats_.slices_in_flight = pl.depth();
+  last_stats_.small_sets = pl.small_depth();
+  last_stats_.small_slices = pl.small_slices;
+  last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
+  last_stats_.compute_seconds = pl.compute_s_;
+  last_stats_.submit_seconds = pl.submit_s_;
+  last_stats_.prefetch_hit_bytes = pl.prefetch_hits;
+}
+
+Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (in_step_) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
+  // Every gradient is checked before the step starts: a mismatch leaves the
+  // optimizer, the store and the pending registrations as they were.
+  std::set<std::string_view> seen;
+  for (const ParamGrad& g : grads) {
+    OPTSTATE_RETURN_IF_ERROR(CheckGrad(g));
+    if (!seen.insert(g.name).second) {
+      return InvalidArgument("StreamedAdam::Step: param '" + g.name + "' of store " + store_->path() +
+                             " given twice in one step");
+    }
+  }
+  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf, d_grad_scale));
+  for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
+  auto r = EndStep();
+  return r.status();
+}
+
+}  // namespace optstate::memmgr

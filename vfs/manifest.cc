@@ -1,0 +1,162 @@
+// Checkpoint format: the manifest of a generation (build from a view,
+// deterministic JSON), the hyperparameter rules, and the manifest's tensor as
+// a store TensorSpec. The strict parser is in manifest_parse.cc.
+#include "vfs/checkpoint.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "vfs/internal/checkpoint_util.h"
+
+namespace optstate::vfs {
+namespace {
+
+using OJson = nlohmann::ordered_json;
+using internal::DtName;
+using internal::DtSize;
+using internal::Hex16;
+
+std::vector<FieldSpec> FieldsOf(const TensorInfo& t) {
+  if (!t.fields.empty()) return t.fields;
+  return {{"main", DType::kF32}, {"exp_avg", DType::kF32}, {"exp_avg_sq", DType::kF32}};
+}
+
+}  // namespace
+
+bool IsFlagHyperparameter(std::string_view name) { return name == "adamw"; }
+
+Status ValidateHyperparameters(const GroupInfo& g) {
+  for (const auto& [k, v] : g.hyper) {
+    auto bad = [&](std::string_view want) {
+      return InvalidArgument(
+          fmt::format("group {}: hyperparameter {} = {} is out of range ({})", g.id, k, v, want));
+    };
+    if (!std::isfinite(v)) return bad("must be finite");
+    if (IsFlagHyperparameter(k)) {
+      if (v != 0.0 && v != 1.0) return bad("a flag: 0 or 1");
+    } else if (k == "lr" || k == "weight_decay") {
+      if (!(v >= 0)) return bad("must be >= 0");
+    } else if (k == "beta1" || k == "beta2") {
+      if (!(v >= 0 && v < 1)) return bad("must be in [0, 1)");
+    } else if (k == "eps") {
+      if (!(v > 0)) return bad("must be > 0");
+    }
+  }
+  return Status();
+}
+
+Result<Manifest> ManifestFromView(const GenerationView& view) {
+  Manifest m;
+  m.format_version = kCheckpointFormatVersion;
+  m.store_uuid = view.identity().uuid;
+  m.store_name = view.identity().name;
+  m.generation = view.info().generation;
+  m.step = view.info().step;
+  m.chunk_size_bytes = view.identity().chunk_size_bytes;
+  m.groups = view.info().groups;
+  std::sort(m.groups.begin(), m.groups.end(),
+            [](const GroupInfo& a, const GroupInfo& b) { return a.id < b.id; });
+  for (const TensorInfo& t : view.tensors()) {
+    ManifestTensor mt;
+    mt.name = t.name;
+    mt.file_name = FileNameForName(t.name);
+    mt.dtype = t.dtype;
+    mt.numel = t.numel;
+    mt.group = t.group;
+    mt.shape = t.shape.empty() ? std::vector<uint64_t>{t.numel} : t.shape;
+    mt.global_shape = t.global_shape.empty() ? mt.shape : t.global_shape;
+    mt.shard_offset = t.shard_offset.empty() ? std::vector<uint64_t>(mt.global_shape.size(), 0)
+                                             : t.shard_offset;
+    std::vector<FieldSpec> fields = FieldsOf(t);
+    for (uint32_t f = 0; f < fields.size(); ++f) {
+      ManifestField mf;
+      mf.name = fields[f].name;
+      mf.dtype = fields[f].dtype;
+      mf.file = fmt::format("{}/{}/{}", kTensorsDirName, mt.file_name, FileNameForName(mf.name));
+      mf.bytes = t.numel * DtSize(mf.dtype);
+      uint64_t n = view.ChunkCount(t, f);
+      mf.chunks.reserve(n);
+      for (uint64_t i = 0; i < n; ++i) {
+        OPTSTATE_ASSIGN_OR_RETURN(ChunkInfo ci, view.Chunk(ChunkRef{t.id, f, i}));
+        mf.chunks.push_back({ci.offset_bytes, ci.length_bytes, ci.checksum});
+      }
+      mt.fields.push_back(std::move(mf));
+    }
+    m.tensors.push_back(std::move(mt));
+  }
+  std::sort(m.tensors.begin(), m.tensors.end(),
+            [](const ManifestTensor& a, const ManifestTensor& b) { return a.name < b.name; });
+  return m;
+}
+
+std::string SerializeManifest(const Manifest& m) {
+  OJson j;
+  j["format"] = "optstate-checkpoint";
+  j["format_version"] = m.format_version;
+  j["store"] = OJson{{"uuid", m.store_uuid}, {"name", m.store_name}};
+  j["generation"] = m.generation;
+  j["step"] = m.step;
+  j["chunk_size_bytes"] = m.chunk_size_bytes;
+  OJson groups = OJson::array();
+  for (const GroupInfo& g : m.groups) {
+    OJson hyper = OJson::object();
+    for (const auto& [k, v] : g.hyper) {  // std::map: sorted
+      if (IsFlagHyperparameter(k) && (v == 0.0 || v == 1.0)) {
+        hyper[k] = (v == 1.0);
+      } else {
+        hyper[k] = v;
+      }
+    }
+    groups.push_back(OJson{{"id", g.id}, {"step_count", g.step_count}, {"hyper", hyper}});
+  }
+  j["groups"] = groups;
+  OJson tensors = OJson::array();
+  for (const ManifestTensor& t : m.tensors) {
+    OJson jt;
+    jt["name"] = t.name;
+    jt["file_name"] = t.file_name;
+    jt["dtype"] = DtName(t.dtype);
+    jt["numel"] = t.numel;
+    jt["group"] = t.group;
+    jt["shape"] = t.shape;
+    jt["global_shape"] = t.global_shape;
+    jt["shard_offset"] = t.shard_offset;
+    OJson fields = OJson::array();
+    for (const ManifestField& f : t.fields) {
+      OJson jf;
+      jf["name"] = f.name;
+      jf["dtype"] = DtName(f.dtype);
+      jf["file"] = f.file;
+      jf["bytes"] = f.bytes;
+      OJson chunks = OJson::array();
+      for (const ManifestChunk& c : f.chunks) {
+        chunks.push_back(OJson{{"offset", c.offset_bytes}, {"length", c.length_bytes},
+                               {"xxh3", Hex16(c.xxh3)}});
+      }
+      jf["chunks"] = std::move(chunks);
+      fields.push_back(std::move(jf));
+    }
+    jt["fields"] = std::move(fields);
+    tensors.push_back(std::move(jt));
+  }
+  j["tensors"] = std::move(tensors);
+  return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+TensorSpec TensorSpecOf(const ManifestTensor& mt) {
+  TensorSpec spec;
+  spec.name = mt.name;
+  spec.dtype = mt.dtype;
+  spec.numel = mt.numel;
+  spec.group = mt.group;
+  spec.shape = mt.shape;
+  spec.global_shape = mt.global_shape;
+  spec.shard_offset = mt.shard_offset;
+  for (const ManifestField& f : mt.fields) spec.fields.push_back({f.name, f.dtype});
+  return spec;
+}
+
+}  // namespace optstate::vfs
