@@ -58,6 +58,7 @@ RangeFn PickParam(ScalarType param) {
     case ScalarType::kF32: return &RangeLoop<kMoment, kGrad, ScalarType::kF32>;
     case ScalarType::kBF16: return &RangeLoop<kMoment, kGrad, ScalarType::kBF16>;
     case ScalarType::kF16: return &RangeLoop<kMoment, kGrad, ScalarType::kF16>;
+    case ScalarType::kQ8: return nullptr;
     case ScalarType::kNone: return &RangeLoop<kMoment, kGrad, ScalarType::kNone>;
   }
   return nullptr;
@@ -69,6 +70,7 @@ RangeFn PickGrad(ScalarType grad, ScalarType param) {
     case ScalarType::kF32: return PickParam<kMoment, ScalarType::kF32>(param);
     case ScalarType::kBF16: return PickParam<kMoment, ScalarType::kBF16>(param);
     case ScalarType::kF16: return PickParam<kMoment, ScalarType::kF16>(param);
+    case ScalarType::kQ8:
     case ScalarType::kNone: return nullptr;
   }
   return nullptr;
@@ -125,6 +127,7 @@ Q8Fn PickQ8Param(ScalarType param) {
     case ScalarType::kF32: return &Q8BlockLoop<kGrad, ScalarType::kF32>;
     case ScalarType::kBF16: return &Q8BlockLoop<kGrad, ScalarType::kBF16>;
     case ScalarType::kF16: return &Q8BlockLoop<kGrad, ScalarType::kF16>;
+    case ScalarType::kQ8: return nullptr;
     case ScalarType::kNone: return &Q8BlockLoop<kGrad, ScalarType::kNone>;
   }
   return nullptr;
@@ -135,6 +138,7 @@ Q8Fn PickQ8(ScalarType grad, ScalarType param) {
     case ScalarType::kF32: return PickQ8Param<ScalarType::kF32>(param);
     case ScalarType::kBF16: return PickQ8Param<ScalarType::kBF16>(param);
     case ScalarType::kF16: return PickQ8Param<ScalarType::kF16>(param);
+    case ScalarType::kQ8:
     case ScalarType::kNone: return nullptr;
   }
   return nullptr;
