@@ -229,17 +229,30 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
       return NotFound(where + ": no field '" + field + "' (has " + names + ")");
     }
     const vfs::DType dtype = info->fields[f].dtype;
-    if (first > info->numel || count > info->numel - first) {
+    const uint64_t numel = info->field_numel(f);
+    if (first > numel || count > numel - first) {
       return InvalidArgument(where + " field " + field + ": range [" + std::to_string(first) + ", " +
-                             std::to_string(first + count) + ") outside its " + std::to_string(info->numel) +
+                             std::to_string(first + count) + ") outside its " + std::to_string(numel) +
                              " elements");
     }
     if (count == 0) return Status::Ok();
+    // q8 codes decode with the scales chunk of the same index (it covers the
+    // same elements).
+    int scales = -1;
+    if (vfs::IsQ8(dtype)) {
+      scales = info->FieldIndexOf(vfs::Q8ScalesField(info->fields[f].name));
+      if (scales < 0) return optstate::Corruption(where + " field " + field + ": its scales field is missing");
+    }
     const uint64_t chunk_bytes = s->chunk_size_bytes();
+    const uint64_t stride = info->field_chunk_bytes(f, chunk_bytes);
     const uint64_t elem_bytes = vfs::DTypeSize(dtype);
-    const uint64_t per_chunk = chunk_bytes / elem_bytes;
+    const uint64_t per_chunk = stride / elem_bytes;
     std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(4096, chunk_bytes), &std::free);
-    if (buf == nullptr) return optstate::ResourceExhausted(where + ": cannot allocate a chunk buffer");
+    std::unique_ptr<void, decltype(&std::free)> sbuf(
+        scales >= 0 ? std::aligned_alloc(4096, chunk_bytes) : nullptr, &std::free);
+    if (buf == nullptr || (scales >= 0 && sbuf == nullptr)) {
+      return optstate::ResourceExhausted(where + ": cannot allocate a chunk buffer");
+    }
     const uint64_t end = first + count;
     for (uint64_t c = first / per_chunk; c * per_chunk < end; ++c) {
       vfs::ChunkRef ref{.tensor_id = info->id, .field = f, .index = c};
@@ -249,6 +262,20 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
       if (dtype == vfs::DType::kF32) {
         std::memcpy(out + (lo - first), static_cast<const float*>(buf.get()) + (lo - c * per_chunk),
                     (hi - lo) * sizeof(float));
+        continue;
+      }
+      if (scales >= 0) {
+        // 8-bit codes: map[code] x the absmax of their block, as the step decodes them.
+        vfs::ChunkRef sref{.tensor_id = info->id, .field = static_cast<uint32_t>(scales), .index = c};
+        OPTSTATE_RETURN_IF_ERROR((*view)->ReadChunk(sref, sbuf.get()));
+        const uint8_t* codes = static_cast<const uint8_t*>(buf.get());
+        const float* absmax = static_cast<const float*>(sbuf.get());
+        const bool is_signed = dtype == vfs::DType::kQ8S;
+        for (uint64_t i = lo; i < hi; ++i) {
+          const uint64_t in = i - c * per_chunk;
+          out[i - first] = optstate::kernels::Q8MapValue(is_signed, codes[in]) *
+                           absmax[in / optstate::kernels::kQ8BlockElems];
+        }
         continue;
       }
       // 16-bit fields (bf16 moments, f16): decoded to fp32, exactly.
@@ -601,8 +628,10 @@ int optstate_adam_options_set_moment_dtype(optstate_adam_options_t* opts, const 
       opts->rep.moment_dtype = ScalarType::kF32;
     } else if (d == "bf16") {
       opts->rep.moment_dtype = ScalarType::kBF16;
+    } else if (d == "q8") {
+      opts->rep.moment_dtype = ScalarType::kQ8;
     } else {
-      return InvalidArgument("moment dtype '" + d + "' is not supported (f32, bf16)");
+      return InvalidArgument("moment dtype '" + d + "' is not supported (f32, bf16, q8)");
     }
     return Status::Ok();
   });

@@ -26,7 +26,9 @@
 
 namespace optstate::kernels {
 
-enum class ScalarType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 255 };
+// kQ8 names 8-bit block-scaled moments (a moment dtype only: AdamQ8Tensors,
+// AdamStepCpuQ8/AdamStepCudaQ8); AdamTensors refuses it.
+enum class ScalarType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kQ8 = 3, kNone = 255 };
 
 enum class AdamMode : uint8_t { kAdam = 0, kAdamW = 1 };
 
@@ -114,6 +116,13 @@ int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, vo
 
 // The value of code c of the exp_avg (signed) or exp_avg_sq (unsigned) map.
 float Q8MapValue(bool is_signed, uint8_t c);
+
+// Quantizes count fp32 values (the first starts a block) as the step stores
+// a moment: each block's absmax = its max |x|, each code the map value
+// nearest to x / absmax. codes: count bytes; absmax: ceil(count / 256).
+void Q8Quantize(bool is_signed, const float* x, size_t count, uint8_t* codes, float* absmax);
+// out[i] = map[codes[i]] x absmax[i / 256]: exactly the values the step decodes.
+void Q8Dequantize(bool is_signed, const uint8_t* codes, const float* absmax, size_t count, float* out);
 
 // Conversions used by both implementations (round-to-nearest-even).
 uint16_t FloatToBf16(float f);

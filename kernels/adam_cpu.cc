@@ -58,6 +58,7 @@ RangeFn PickParam(ScalarType param) {
     case ScalarType::kF32: return &RangeLoop<kMoment, kGrad, ScalarType::kF32>;
     case ScalarType::kBF16: return &RangeLoop<kMoment, kGrad, ScalarType::kBF16>;
     case ScalarType::kF16: return &RangeLoop<kMoment, kGrad, ScalarType::kF16>;
+    case ScalarType::kQ8: return nullptr;
     case ScalarType::kNone: return &RangeLoop<kMoment, kGrad, ScalarType::kNone>;
   }
   return nullptr;
@@ -69,6 +70,7 @@ RangeFn PickGrad(ScalarType grad, ScalarType param) {
     case ScalarType::kF32: return PickParam<kMoment, ScalarType::kF32>(param);
     case ScalarType::kBF16: return PickParam<kMoment, ScalarType::kBF16>(param);
     case ScalarType::kF16: return PickParam<kMoment, ScalarType::kF16>(param);
+    case ScalarType::kQ8:
     case ScalarType::kNone: return nullptr;
   }
   return nullptr;
@@ -125,6 +127,7 @@ Q8Fn PickQ8Param(ScalarType param) {
     case ScalarType::kF32: return &Q8BlockLoop<kGrad, ScalarType::kF32>;
     case ScalarType::kBF16: return &Q8BlockLoop<kGrad, ScalarType::kBF16>;
     case ScalarType::kF16: return &Q8BlockLoop<kGrad, ScalarType::kF16>;
+    case ScalarType::kQ8: return nullptr;
     case ScalarType::kNone: return &Q8BlockLoop<kGrad, ScalarType::kNone>;
   }
   return nullptr;
@@ -135,6 +138,7 @@ Q8Fn PickQ8(ScalarType grad, ScalarType param) {
     case ScalarType::kF32: return PickQ8Param<ScalarType::kF32>(param);
     case ScalarType::kBF16: return PickQ8Param<ScalarType::kBF16>(param);
     case ScalarType::kF16: return PickQ8Param<ScalarType::kF16>(param);
+    case ScalarType::kQ8:
     case ScalarType::kNone: return nullptr;
   }
   return nullptr;
@@ -177,6 +181,24 @@ bool AdamStepCpuQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, in
 float Q8MapValue(bool is_signed, uint8_t c) {
   const internal::Q8Maps& maps = internal::GetQ8Maps();
   return is_signed ? maps.signed_map[c] : maps.unsigned_map[c];
+}
+
+void Q8Quantize(bool is_signed, const float* x, size_t count, uint8_t* codes, float* absmax) {
+  const internal::Q8Maps& maps = internal::GetQ8Maps();
+  const float* map = is_signed ? maps.signed_map : maps.unsigned_map;
+  for (size_t first = 0, b = 0; first < count; first += kQ8BlockElems, ++b) {
+    const size_t n = std::min(kQ8BlockElems, count - first);
+    float a = 0.0f;
+    for (size_t k = 0; k < n; ++k) a = std::max(a, std::fabs(x[first + k]));
+    for (size_t k = 0; k < n; ++k) codes[first + k] = internal::Q8Encode(map, internal::Q8Normalize(x[first + k], a));
+    absmax[b] = a;
+  }
+}
+
+void Q8Dequantize(bool is_signed, const uint8_t* codes, const float* absmax, size_t count, float* out) {
+  const internal::Q8Maps& maps = internal::GetQ8Maps();
+  const float* map = is_signed ? maps.signed_map : maps.unsigned_map;
+  for (size_t i = 0; i < count; ++i) out[i] = internal::Q8Decode(map, codes[i], absmax[i / kQ8BlockElems]);
 }
 
 bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads) {

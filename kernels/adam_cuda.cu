@@ -287,6 +287,7 @@ cudaError_t DispatchParam(const AdamTensors& t, size_t count, const AdamScalars&
     case ScalarType::kF32: return Launch<kMoment, kGrad, ScalarType::kF32>(t, count, s, c, stream);
     case ScalarType::kBF16: return Launch<kMoment, kGrad, ScalarType::kBF16>(t, count, s, c, stream);
     case ScalarType::kF16: return Launch<kMoment, kGrad, ScalarType::kF16>(t, count, s, c, stream);
+    case ScalarType::kQ8: break;
     case ScalarType::kNone: return Launch<kMoment, kGrad, ScalarType::kNone>(t, count, s, c, stream);
   }
   return cudaErrorInvalidValue;
@@ -299,6 +300,7 @@ cudaError_t DispatchGrad(const AdamTensors& t, size_t count, const AdamScalars& 
     case ScalarType::kF32: return DispatchParam<kMoment, ScalarType::kF32>(t, count, s, c, stream);
     case ScalarType::kBF16: return DispatchParam<kMoment, ScalarType::kBF16>(t, count, s, c, stream);
     case ScalarType::kF16: return DispatchParam<kMoment, ScalarType::kF16>(t, count, s, c, stream);
+    case ScalarType::kQ8:
     case ScalarType::kNone: break;
   }
   return cudaErrorInvalidValue;
@@ -374,6 +376,7 @@ cudaError_t DispatchQ8Param(const AdamQ8Tensors& t, size_t count, const AdamScal
     case ScalarType::kF32: return LaunchQ8<kGrad, ScalarType::kF32>(t, count, s, stream);
     case ScalarType::kBF16: return LaunchQ8<kGrad, ScalarType::kBF16>(t, count, s, stream);
     case ScalarType::kF16: return LaunchQ8<kGrad, ScalarType::kF16>(t, count, s, stream);
+    case ScalarType::kQ8: break;
     case ScalarType::kNone: return LaunchQ8<kGrad, ScalarType::kNone>(t, count, s, stream);
   }
   return cudaErrorInvalidValue;
@@ -439,6 +442,7 @@ int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, vo
     case ScalarType::kF32: return DispatchQ8Param<ScalarType::kF32>(t, count, s, st);
     case ScalarType::kBF16: return DispatchQ8Param<ScalarType::kBF16>(t, count, s, st);
     case ScalarType::kF16: return DispatchQ8Param<ScalarType::kF16>(t, count, s, st);
+    case ScalarType::kQ8:
     case ScalarType::kNone: break;
   }
   return cudaErrorInvalidValue;

@@ -61,15 +61,19 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
                            ", not " + store->path());
   }
   ManagerImpl* impl = mm->impl();
-  if (opts.moment_dtype != kernels::ScalarType::kF32 && opts.moment_dtype != kernels::ScalarType::kBF16) {
-    return InvalidArgument(std::string("StreamedAdam: moment_dtype must be f32 or bf16, got ") +
+  if (opts.moment_dtype != kernels::ScalarType::kF32 && opts.moment_dtype != kernels::ScalarType::kBF16 &&
+      opts.moment_dtype != kernels::ScalarType::kQ8) {
+    return InvalidArgument(std::string("StreamedAdam: moment_dtype must be f32, bf16 or q8, got ") +
                            ScalarName(opts.moment_dtype) + " (store " + store->path() + ")");
   }
   const uint32_t slice_chunks = internal::SliceChunks(opts.moment_dtype);
   if (impl->budget_pages() < slice_chunks) {
     return ResourceExhausted("StreamedAdam: device budget " + std::to_string(mm->options().device_budget_bytes) +
                              " bytes is smaller than one slice in flight (one chunk per field" +
-                             (slice_chunks > 3 ? std::string(", two of main") : std::string()) + ": " +
+                             (slice_chunks == 4   ? std::string(", two of main")
+                              : slice_chunks > 4 ? std::string(", four of main, one of each absmax")
+                                                 : std::string()) +
+                             ": " +
                              std::to_string(slice_chunks) + " x " +
                              std::to_string(impl->page_bytes()) + " bytes = " +
                              std::to_string(slice_chunks * impl->page_bytes()) + " with " +
@@ -110,10 +114,14 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     auto b = store->FieldIndex(t, "exp_avg");
     auto c = store->FieldIndex(t, "exp_avg_sq");
     if (!a.ok() || !b.ok() || !c.ok()) continue;  // not an Adam tensor
-    OPTSTATE_RETURN_IF_ERROR(CheckMomentFields(t, store->path(), MomentDType(opts.moment_dtype)));
+    OPTSTATE_RETURN_IF_ERROR(CheckMomentFields(t, store->path(), opts.moment_dtype));
     p.f_main = *a;
     p.f_m = *b;
     p.f_v = *c;
+    if (opts.moment_dtype == kernels::ScalarType::kQ8) {
+      OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store->FieldIndex(t, vfs::Q8ScalesField("exp_avg")));
+      OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store->FieldIndex(t, vfs::Q8ScalesField("exp_avg_sq")));
+    }
     sa->params_.emplace(t.name, std::move(p));
     if (!sa->groups_.count(t.group)) {
       sa->groups_[t.group] = ParamGroup{.id = t.group};

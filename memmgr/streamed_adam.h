@@ -376,6 +376,7 @@ class StreamedAdam {
   struct Param {
     vfs::TensorInfo info;
     uint32_t f_main = 0, f_m = 1, f_v = 2;
+    uint32_t f_ma = 3, f_va = 4;  // q8 moments: exp_avg.absmax, exp_avg_sq.absmax
     bool committed = true;      // in the last committed generation
     bool registered = false;    // RegisterParam'd in this run
     bool main_pending = false;  // LoadMainFrom not yet committed
@@ -486,7 +487,8 @@ class StreamedAdam {
   // order the next prefetch reads.
   struct StepOrderEntry {
     uint32_t tensor_id = 0;
-    uint32_t fields[3] = {0, 1, 2};
+    // main, exp_avg, exp_avg_sq, and (q8 moments) their absmax fields.
+    uint32_t fields[5] = {0, 1, 2, 3, 4};
     uint64_t numel = 0;
   };
   std::vector<StepOrderEntry> step_order_;

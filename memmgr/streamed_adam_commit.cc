@@ -51,10 +51,11 @@ uint64_t StreamedAdam::StateCacheBytes() const {
   const uint64_t chunk = mm_->impl()->page_bytes();
   uint64_t need = 0;
   for (const auto& [name, p] : params_) {
-    for (uint32_t f : {p.f_main, p.f_m, p.f_v}) {
+    for (uint32_t f = 0; f < p.info.fields.size(); ++f) {
+      const uint64_t stride = p.info.field_chunk_bytes(f, chunk);
       const uint64_t bytes = p.info.field_bytes(f);
-      const uint64_t tail = bytes % chunk ? HostCache::EntryBytes(bytes % chunk) : 0;
-      need += (bytes / chunk) * HostCache::EntryBytes(chunk) + tail;
+      const uint64_t tail = bytes % stride ? HostCache::EntryBytes(bytes % stride) : 0;
+      need += (bytes / stride) * HostCache::EntryBytes(stride) + tail;
     }
   }
   return need;

@@ -94,7 +94,7 @@ Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::stri
   if (t.shape != shape) return mismatch("shape", DimsText(t.shape), DimsText(shape));
   if (t.global_shape != global) return mismatch("global shape", DimsText(t.global_shape), DimsText(global));
   if (t.shard_offset != offset) return mismatch("shard offset", DimsText(t.shard_offset), DimsText(offset));
-  return CheckMomentFields(t, store_->path(), MomentDType(opts_.moment_dtype));
+  return CheckMomentFields(t, store_->path(), opts_.moment_dtype);
 }
 
 std::string StreamedAdam::DropUncommittedRegistrations() {
@@ -262,8 +262,13 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
     spec.shape = shard.shape;
     spec.global_shape = shard.global_shape;
     spec.shard_offset = shard.shard_offset;
-    const vfs::DType md = MomentDType(opts_.moment_dtype);
-    spec.fields = {{"main", vfs::DType::kF32}, {"exp_avg", md}, {"exp_avg_sq", md}};
+    if (opts_.moment_dtype == kernels::ScalarType::kQ8) {
+      spec.fields = vfs::AdamQ8Fields(numel, store_->chunk_size_bytes());
+    } else {
+      spec.fields = {{"main", vfs::DType::kF32},
+                     {"exp_avg", MomentDType(opts_.moment_dtype, false)},
+                     {"exp_avg_sq", MomentDType(opts_.moment_dtype, true)}};
+    }
     OPTSTATE_ASSIGN_OR_RETURN(info, store_->CreateTensor(spec));
   }
   Param p;
@@ -271,6 +276,10 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
   OPTSTATE_ASSIGN_OR_RETURN(p.f_main, store_->FieldIndex(info, "main"));
   OPTSTATE_ASSIGN_OR_RETURN(p.f_m, store_->FieldIndex(info, "exp_avg"));
   OPTSTATE_ASSIGN_OR_RETURN(p.f_v, store_->FieldIndex(info, "exp_avg_sq"));
+  if (opts_.moment_dtype == kernels::ScalarType::kQ8) {
+    OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store_->FieldIndex(info, vfs::Q8ScalesField("exp_avg")));
+    OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store_->FieldIndex(info, vfs::Q8ScalesField("exp_avg_sq")));
+  }
   p.committed = false;
   p.registered = true;
   any_registered_ = true;

@@ -43,7 +43,9 @@ Status StreamedAdam::Prefetch() {
   std::vector<StepOrderEntry> order = step_order_;
   if (order.empty()) {
     for (const auto& [name, p] : params_) {
-      if (!retired_.count(name)) order.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v}, p.info.numel});
+      if (!retired_.count(name)) {
+        order.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v, p.f_ma, p.f_va}, p.info.numel});
+      }
     }
   }
   auto run = std::make_unique<PrefetchRun>();
@@ -121,9 +123,13 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t s
       const uint64_t elems = std::min(slice_elems, e.numel - first);
       const uint64_t main_bytes = elems * 4;
       const uint32_t n_main = static_cast<uint32_t>((main_bytes + chunk_bytes - 1) / chunk_bytes);
-      for (uint32_t k = 0; k < n_main + 2 && ok && !r->stop.load(); ++k) {
+      const uint32_t n_moment = internal::MomentChunks(opts_.moment_dtype);
+      for (uint32_t k = 0; k < n_main + n_moment && ok && !r->stop.load(); ++k) {
         const bool is_main = k < n_main;
-        const uint64_t len = is_main ? std::min(chunk_bytes, main_bytes - k * chunk_bytes) : elems * moment_size;
+        const bool is_scale = k >= n_main + 2;  // q8 absmax chunks
+        const uint64_t len = is_main    ? std::min(chunk_bytes, main_bytes - k * chunk_bytes)
+                             : is_scale ? (elems + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems * 4
+                                        : elems * moment_size;
         const ChunkKey key{e.tensor_id, e.fields[is_main ? 0 : k - n_main + 1],
                            is_main ? c * (4 / moment_size) + k : c};
         bool stage = false;

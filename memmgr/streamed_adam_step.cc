@@ -182,7 +182,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   Status ds = mm_->impl()->DropTensor(p.info.id);
   if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
   stepped_.insert(g.name);
-  step_order_.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v}, p.info.numel});
+  step_order_.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v, p.f_ma, p.f_va}, p.info.numel});
   const ParamGroup& grp = groups_.at(p.info.group);
   kernels::AdamParams ap;
   ap.lr = grp.lr;
@@ -208,7 +208,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
     j.moment_type = opts_.moment_dtype;
     const uint64_t main_bytes = j.elems * 4;
     j.n_main = static_cast<uint32_t>((main_bytes + chunk - 1) / chunk);
-    j.n_bufs = j.n_main + 2;
+    j.n_bufs = j.n_main + internal::MomentChunks(opts_.moment_dtype);
     for (uint32_t k = 0; k < j.n_main; ++k) {
       j.fields[k] = p.f_main;
       j.chunks[k] = c * (4 / moment_size) + k;
@@ -218,6 +218,14 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
     j.fields[j.n_main + 1] = p.f_v;
     j.chunks[j.n_main] = j.chunks[j.n_main + 1] = c;
     j.lens[j.n_main] = j.lens[j.n_main + 1] = j.elems * moment_size;
+    if (opts_.moment_dtype == kernels::ScalarType::kQ8) {
+      // Chunk c of each absmax field: the scales of exactly these elements.
+      j.fields[j.n_main + 2] = p.f_ma;
+      j.fields[j.n_main + 3] = p.f_va;
+      j.chunks[j.n_main + 2] = j.chunks[j.n_main + 3] = c;
+      j.lens[j.n_main + 2] = j.lens[j.n_main + 3] =
+          (j.elems + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems * sizeof(float);
+    }
     j.grad = g.d_grad;
     j.grad_type = g.grad_type;
     j.param = g.d_param;

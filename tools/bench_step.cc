@@ -222,7 +222,7 @@ int RunSynthetic(const StepOptions& o) {
   memmgr::StreamedAdamOptions ao;
   ao.cpu_threads = o.cpu_threads;
   ao.background_sync_bytes = c->sync_every;
-  ao.moment_dtype = o.moments == "bf16" ? ScalarType::kBF16 : ScalarType::kF32;
+  ao.moment_dtype = o.moments == "bf16" ? ScalarType::kBF16 : o.moments == "q8" ? ScalarType::kQ8 : ScalarType::kF32;
   auto opt = memmgr::StreamedAdam::Create(store.get(), mm->get(), ao);
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
@@ -1082,8 +1082,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--bf16-moments", o->compare_bf16,
                 "comparison mode: also time a store with bf16 moments (same params, gradients, budget; its own "
                 "store and manager), interleaved, and report bf16 / f32");
-  sub->add_option("--moments", o->moments, "synthetic mode: moment dtype, f32 or bf16 (an existing store must hold it; default f32)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  sub->add_option("--moments", o->moments,
+                  "synthetic mode: moment dtype, f32, bf16 or q8 (an existing store must hold it; default f32)")
+      ->check(CLI::IsMember({"f32", "bf16", "q8"}));
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
   sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param (default 1G)");
   sub->add_option("--rounds", o->rounds, "comparison mode: interleaved rounds (default 3)");

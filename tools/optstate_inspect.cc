@@ -218,7 +218,7 @@ int Ls(const Args& a) {
     std::string fnames;
     uint64_t per_field = 0;
     for (uint32_t f = 0; f < t.fields.size(); ++f) {
-      uint64_t bytes = t.numel * vfs::DTypeSize(t.fields[f].dtype);
+      uint64_t bytes = t.field_bytes(f);
       fields.push_back({{"name", t.fields[f].name}, {"dtype", vfs::DTypeName(t.fields[f].dtype)},
                         {"bytes", bytes}});
       fnames += (f ? "," : "") + t.fields[f].name;
@@ -265,10 +265,9 @@ StepWrites BytesPerStep(const std::vector<vfs::TensorInfo>& tensors, uint64_t ch
   StepWrites w;
   for (const auto& t : tensors) {
     w.params += t.numel;
-    for (const auto& f : t.fields) {
-      const uint64_t bytes = t.numel * vfs::DTypeSize(f.dtype);
-      w.chunk_bytes += bytes;
-      w.chunks += (bytes + chunk_size_bytes - 1) / chunk_size_bytes;
+    for (uint32_t f = 0; f < t.fields.size(); ++f) {
+      w.chunk_bytes += t.field_bytes(f);
+      w.chunks += t.field_chunk_count(f, chunk_size_bytes);
     }
   }
   return w;
@@ -453,7 +452,9 @@ int Show(const Args& a) {
     FieldStats st;
     std::vector<double> vals;
     vfs::DType d = t->fields[f].dtype;
-    Status rs = ForEachRange(**v, *t, f, r.begin, r.end,
+    // A field with fewer elements (q8 scales: one per 256) is read over its own part of the range.
+    const uint64_t fend = std::min(r.end, t->field_numel(f));
+    Status rs = ForEachRange(**v, *t, f, std::min(r.begin, fend), fend,
                              [&](uint64_t, const void* data, uint64_t n) -> Status {
                                for (uint64_t i = 0; i < n; ++i) {
                                  double x = ElementAsDouble(d, data, i);
@@ -560,7 +561,7 @@ int Diff(const Args& a) {
       uint64_t differing = 0;
       vfs::DType da = ta.fields[f].dtype, db = tb->fields[*fb].dtype;
       std::vector<double> bvals;
-      Status st = ForEachRange(**va, ta, f, 0, ta.numel,
+      Status st = ForEachRange(**va, ta, f, 0, ta.field_numel(f),
                                [&](uint64_t first, const void* data, uint64_t n) -> Status {
                                  bvals.clear();
                                  Status sb = ForEachRange(

@@ -1,4 +1,4 @@
-// optstate-restore CHECKPOINT_DIR STORE [--create NAME [--moments f32|bf16]] [--data-dir DIR ...]
+// optstate-restore CHECKPOINT_DIR STORE [--create NAME [--moments f32|bf16|q8]] [--data-dir DIR ...]
 //                  [--queue-depth N] [-q]
 //
 // Verifies a checkpoint directory (manifest.json, state.safetensors and
@@ -50,9 +50,9 @@ int Main(int argc, char** argv) {
   app.add_option("--data-dir", data_dirs, "data directory for --create (repeatable)")->needs(create);
   std::string moments;
   app.add_option("--moments", moments,
-                 "with --create: store exp_avg/exp_avg_sq as f32 or bf16, converting the checkpoint's")
+                 "with --create: store exp_avg/exp_avg_sq as f32, bf16 or q8, converting the checkpoint's")
       ->needs(create)
-      ->check(CLI::IsMember({"f32", "bf16"}));
+      ->check(CLI::IsMember({"f32", "bf16", "q8"}));
   app.add_option("--queue-depth", depth, "chunk writes in flight")->check(CLI::Range(1, 1024));
   app.add_flag("-q,--quiet", quiet, "no progress output");
   if (std::optional<int> code = ParseCommandLine(app, argc, argv, kTool)) return *code;
@@ -79,7 +79,8 @@ int Main(int argc, char** argv) {
     vfs::StoreOptions so;
     so.name = create_name;
     so.data_dirs = data_dirs;
-    auto store = CreateStoreWithMoments(dir, store_path, so, *vfs::ParseDType(moments), ro.progress);
+    const vfs::DType md = moments == "q8" ? vfs::DType::kQ8S : *vfs::ParseDType(moments);
+    auto store = CreateStoreWithMoments(dir, store_path, so, md, ro.progress);
     if (tty) fmt::print(stderr, "\n");
     if (!store.ok()) {
       return FailWith(kTool, store.status());

@@ -76,6 +76,17 @@ struct ManifestField {
   DType dtype = DType::kF32;
   std::string file;            // relative: "tensors/<tensor file>/<field file>"
   uint64_t bytes = 0;          // numel * dtype size
+  // Elements of the field; 0 = the tensor's numel ("numel", written only
+  // where it differs).
+  uint64_t numel = 0;
+  // Bytes per chunk; 0 = the manifest's chunk_size_bytes ("chunk_bytes",
+  // written only where it differs).
+  uint64_t chunk_bytes = 0;
+  // q8s/q8u codes only: the field holding their fp32 scales ("scales") and
+  // the elements per scale ("block_size", 256): element i decodes to
+  // map[code] x scales[i / block_size].
+  std::string scales;
+  uint64_t block_size = 0;
   std::vector<ManifestChunk> chunks;
 };
 
@@ -92,8 +103,14 @@ struct ManifestTensor {
 };
 
 // The store tensor a manifest tensor describes: its geometry and its fields
-// with their dtypes.
+// with their dtypes, element counts and chunk bytes.
 TensorSpec TensorSpecOf(const ManifestTensor& mt);
+
+// The safetensors shape of field f of mt: the tensor's shape, or {f.numel}
+// for a field with its own element count (q8 scales).
+inline std::vector<uint64_t> FieldShape(const ManifestTensor& mt, const ManifestField& f) {
+  return f.numel != 0 && f.numel != mt.numel ? std::vector<uint64_t>{f.numel} : mt.shape;
+}
 
 struct Manifest {
   uint32_t format_version = kCheckpointFormatVersion;
@@ -140,6 +157,7 @@ struct CheckpointFile {
   uint64_t size_bytes = 0;
   uint32_t tensor_index = 0;   // kField: index into view.tensors()
   uint32_t field = 0;          // kField: field index
+  uint64_t chunk_bytes = 0;    // kField: bytes per chunk of the field (its chunk c starts at c x chunk_bytes)
 };
 
 // One piece of a file byte range: either bytes held by the layout (manifest,
@@ -207,6 +225,7 @@ class CheckpointLayout {
     uint64_t data_offset;       // from the start of the data section
     uint64_t bytes;
     uint64_t first_seq;         // its first chunk in the safetensors chunk sequence
+    uint64_t chunk_bytes;       // bytes per chunk of the field
   };
   // Safetensors: the span holding chunk seq of the file's sequence.
   const FieldSpan& SpanOfSeq(uint64_t seq) const;

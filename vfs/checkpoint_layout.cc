@@ -36,7 +36,7 @@ std::string SafetensorsHeader(const Manifest& m) {
     for (const ManifestField& mf : mt.fields) {
       OJson e;
       e["dtype"] = SafetensorsDtName(mf.dtype);
-      e["shape"] = mt.shape;
+      e["shape"] = FieldShape(mt, mf);
       e["data_offsets"] = OJson::array({data_off, data_off + mf.bytes});
       header[mt.name + "/" + mf.name] = e;
       data_off += mf.bytes;
@@ -70,10 +70,11 @@ Result<std::unique_ptr<CheckpointLayout>> CheckpointLayout::Build(const Generati
     uint32_t ti = static_cast<uint32_t>(it - vt.begin());
     for (uint32_t f = 0; f < mt.fields.size(); ++f) {
       const ManifestField& mf = mt.fields[f];
-      l->spans_.push_back({ti, f, data_off, mf.bytes, seq});
+      const uint64_t stride = mf.chunk_bytes != 0 ? mf.chunk_bytes : l->chunk_size_;
+      l->spans_.push_back({ti, f, data_off, mf.bytes, seq, stride});
       data_off += mf.bytes;
       seq += mf.chunks.size();
-      field_files.push_back({mf.file, CheckpointFileKind::kField, mf.bytes, ti, f});
+      field_files.push_back({mf.file, CheckpointFileKind::kField, mf.bytes, ti, f, stride});
     }
   }
   l->st_chunks_ = seq;
@@ -140,7 +141,7 @@ uint64_t CheckpointLayout::ChunkSequenceLength(const CheckpointFile& f) const {
   switch (f.kind) {
     case CheckpointFileKind::kManifest: return 0;
     case CheckpointFileKind::kSafetensors: return st_chunks_;
-    case CheckpointFileKind::kField: return CeilDiv(f.size_bytes, chunk_size_);
+    case CheckpointFileKind::kField: return CeilDiv(f.size_bytes, f.chunk_bytes);
   }
   return 0;
 }
@@ -154,9 +155,9 @@ ChunkRef CheckpointLayout::ChunkAt(const CheckpointFile& f, uint64_t seq) const 
 }
 
 uint64_t CheckpointLayout::ChunkLengthAt(const CheckpointFile& f, uint64_t seq) const {
-  if (f.kind == CheckpointFileKind::kField) return std::min(chunk_size_, f.size_bytes - seq * chunk_size_);
+  if (f.kind == CheckpointFileKind::kField) return std::min(f.chunk_bytes, f.size_bytes - seq * f.chunk_bytes);
   const FieldSpan& sp = SpanOfSeq(seq);
-  return std::min(chunk_size_, sp.bytes - (seq - sp.first_seq) * chunk_size_);
+  return std::min(sp.chunk_bytes, sp.bytes - (seq - sp.first_seq) * sp.chunk_bytes);
 }
 
 const CheckpointLayout::FieldSpan& CheckpointLayout::SpanOfSeq(uint64_t seq) const {
@@ -165,7 +166,7 @@ const CheckpointLayout::FieldSpan& CheckpointLayout::SpanOfSeq(uint64_t seq) con
                              [](uint64_t s, const FieldSpan& sp) { return s < sp.first_seq; });
   // Skip empty spans that share first_seq with the next one.
   --it;
-  while (it->bytes == 0 || seq >= it->first_seq + CeilDiv(it->bytes, chunk_size_)) ++it;
+  while (it->bytes == 0 || seq >= it->first_seq + CeilDiv(it->bytes, it->chunk_bytes)) ++it;
   return *it;
 }
 
@@ -186,8 +187,8 @@ std::vector<CheckpointSegment> CheckpointLayout::MapRange(const CheckpointFile& 
   if (f.kind == CheckpointFileKind::kField) {
     const uint32_t tid = view_->tensors()[f.tensor_index].id;
     while (len > 0) {
-      uint64_t idx = offset / chunk_size_, in = offset % chunk_size_;
-      uint64_t n = std::min(len, chunk_size_ - in);
+      uint64_t idx = offset / f.chunk_bytes, in = offset % f.chunk_bytes;
+      uint64_t n = std::min(len, f.chunk_bytes - in);
       CheckpointSegment s;
       s.dst_offset = dst;
       s.length_bytes = n;
@@ -218,8 +219,8 @@ std::vector<CheckpointSegment> CheckpointLayout::MapRange(const CheckpointFile& 
   while (len > 0) {
     while (pos >= it->data_offset + it->bytes) ++it;  // skips empty spans too
     uint64_t in_field = pos - it->data_offset;
-    uint64_t idx = in_field / chunk_size_, in = in_field % chunk_size_;
-    uint64_t n = std::min({len, chunk_size_ - in, it->bytes - in_field});
+    uint64_t idx = in_field / it->chunk_bytes, in = in_field % it->chunk_bytes;
+    uint64_t n = std::min({len, it->chunk_bytes - in, it->bytes - in_field});
     CheckpointSegment s;
     s.dst_offset = dst;
     s.length_bytes = n;

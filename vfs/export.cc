@@ -123,8 +123,9 @@ class Exporter {
       Open& o = open.at(s.file_index);
       const uint64_t len = layout_.ChunkLengthAt(f, s.seq);
       const char* p = bufs[b].as<char>();
-      OPTSTATE_RETURN_IF_ERROR(o.file->Pwrite(s.seq * cs, p, len));
-      if (st_ != nullptr) OPTSTATE_RETURN_IF_ERROR(st_->Pwrite(o.st_offset + s.seq * cs, p, len));
+      const uint64_t at = s.seq * f.chunk_bytes;
+      OPTSTATE_RETURN_IF_ERROR(o.file->Pwrite(at, p, len));
+      if (st_ != nullptr) OPTSTATE_RETURN_IF_ERROR(st_->Pwrite(o.st_offset + at, p, len));
       result->bytes += len * (st_ != nullptr ? 2 : 1);
       done += len;
       OPTSTATE_TEST_SYNC_POINT("export.after_chunk");

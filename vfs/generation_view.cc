@@ -58,14 +58,15 @@ class GenerationViewImpl final : public GenerationView {
   }
   Result<ChunkInfo> Chunk(const ChunkRef& ref) const override {
     const Core* c = v_->core.get();
-    uint64_t len;
+    uint64_t len, stride;
     {
       std::lock_guard l(c->mu());
       OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
       len = res.second;
+      stride = res.first->field_chunk_bytes(ref.field, c->chunk());
     }
     ChunkInfo info;
-    info.offset_bytes = ref.index * c->chunk();
+    info.offset_bytes = ref.index * stride;
     info.length_bytes = len;
     auto it = v_->chunks.find(Key{ref.tensor_id, ref.field, ref.index});
     if (it == v_->chunks.end()) {

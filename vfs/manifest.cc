@@ -71,12 +71,22 @@ Result<Manifest> ManifestFromView(const GenerationView& view) {
     mt.shard_offset = t.shard_offset.empty() ? std::vector<uint64_t>(mt.global_shape.size(), 0)
                                              : t.shard_offset;
     std::vector<FieldSpec> fields = FieldsOf(t);
+    TensorSpec geo = t;  // the field geometry, with the default fields filled in
+    geo.fields = fields;
     for (uint32_t f = 0; f < fields.size(); ++f) {
       ManifestField mf;
       mf.name = fields[f].name;
       mf.dtype = fields[f].dtype;
       mf.file = fmt::format("{}/{}/{}", kTensorsDirName, mt.file_name, FileNameForName(mf.name));
-      mf.bytes = t.numel * DtSize(mf.dtype);
+      mf.bytes = geo.field_bytes(f);
+      if (geo.field_numel(f) != t.numel) mf.numel = geo.field_numel(f);
+      if (geo.field_chunk_bytes(f, m.chunk_size_bytes) != m.chunk_size_bytes) {
+        mf.chunk_bytes = geo.field_chunk_bytes(f, m.chunk_size_bytes);
+      }
+      if (IsQ8(mf.dtype)) {
+        mf.scales = Q8ScalesField(mf.name);
+        mf.block_size = kQ8BlockElems;
+      }
       uint64_t n = view.ChunkCount(t, f);
       mf.chunks.reserve(n);
       for (uint64_t i = 0; i < n; ++i) {
@@ -131,6 +141,12 @@ std::string SerializeManifest(const Manifest& m) {
       jf["dtype"] = DtName(f.dtype);
       jf["file"] = f.file;
       jf["bytes"] = f.bytes;
+      if (f.numel != 0) jf["numel"] = f.numel;
+      if (f.chunk_bytes != 0) jf["chunk_bytes"] = f.chunk_bytes;
+      if (!f.scales.empty()) {
+        jf["scales"] = f.scales;
+        jf["block_size"] = f.block_size;
+      }
       OJson chunks = OJson::array();
       for (const ManifestChunk& c : f.chunks) {
         chunks.push_back(OJson{{"offset", c.offset_bytes}, {"length", c.length_bytes},
@@ -155,7 +171,7 @@ TensorSpec TensorSpecOf(const ManifestTensor& mt) {
   spec.shape = mt.shape;
   spec.global_shape = mt.global_shape;
   spec.shard_offset = mt.shard_offset;
-  for (const ManifestField& f : mt.fields) spec.fields.push_back({f.name, f.dtype});
+  for (const ManifestField& f : mt.fields) spec.fields.push_back({f.name, f.dtype, f.numel, f.chunk_bytes});
   return spec;
 }
 

@@ -289,18 +289,42 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
         return p.Err(fpath + "file", fmt::format("'{}' is not '{}'", f.file, want));
       }
       OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "bytes", UINT64_MAX, &f.bytes));
-      uint64_t want_bytes = t.numel * DtSize(f.dtype);  // numel <= 2^56: no overflow
+      // A field with its own element count and chunk bytes (q8 scales)
+      // says so; the others have the tensor's numel and the chunk size.
+      if (jf.contains("numel")) {
+        OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "numel", 1ull << 56, &f.numel));
+        if (f.numel == 0) return p.Err(fpath + "numel", "must be positive where present");
+      }
+      if (jf.contains("chunk_bytes")) {
+        OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "chunk_bytes", cs, &f.chunk_bytes));
+        if (f.chunk_bytes == 0 || f.chunk_bytes % 4096 != 0) {
+          return p.Err(fpath + "chunk_bytes", fmt::format("{} is not a positive multiple of 4096", f.chunk_bytes));
+        }
+      }
+      if (IsQ8(f.dtype)) {
+        OPTSTATE_RETURN_IF_ERROR(p.Str(jf, fpath, "scales", 255, &f.scales));
+        OPTSTATE_RETURN_IF_ERROR(p.U64(jf, fpath, "block_size", UINT64_MAX, &f.block_size));
+        if (f.scales != Q8ScalesField(f.name)) {
+          return p.Err(fpath + "scales", fmt::format("'{}' is not '{}'", f.scales, Q8ScalesField(f.name)));
+        }
+        if (f.block_size != kQ8BlockElems) {
+          return p.Err(fpath + "block_size", fmt::format("{} is not {}", f.block_size, kQ8BlockElems));
+        }
+      }
+      const uint64_t fnumel = f.numel != 0 ? f.numel : t.numel;
+      const uint64_t stride = f.chunk_bytes != 0 ? f.chunk_bytes : cs;
+      uint64_t want_bytes = fnumel * DtSize(f.dtype);  // numel <= 2^56: no overflow
       if (f.bytes != want_bytes) {
-        return p.Err(fpath + "bytes", fmt::format("{} != numel {} x {} bytes", f.bytes, t.numel,
+        return p.Err(fpath + "bytes", fmt::format("{} != numel {} x {} bytes", f.bytes, fnumel,
                                                   DtSize(f.dtype)));
       }
       const Json* chunks = p.Member(jf, fpath, "chunks", &st);
       if (!chunks) return st;
-      uint64_t nchunks = CeilDiv(f.bytes, cs);
+      uint64_t nchunks = CeilDiv(f.bytes, stride);
       if (!chunks->is_array() || chunks->size() != nchunks) {
         return p.Err(fpath + "chunks",
                      fmt::format("expected an array of {} chunks ({} bytes / chunk size {})",
-                                 nchunks, f.bytes, cs));
+                                 nchunks, f.bytes, stride));
       }
       f.chunks.reserve(nchunks);
       for (uint64_t ci = 0; ci < nchunks; ++ci) {
@@ -310,8 +334,8 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
         ManifestChunk c;
         OPTSTATE_RETURN_IF_ERROR(p.U64(jc, cpath, "offset", UINT64_MAX, &c.offset_bytes));
         OPTSTATE_RETURN_IF_ERROR(p.U64(jc, cpath, "length", UINT64_MAX, &c.length_bytes));
-        uint64_t want_off = ci * cs;
-        uint64_t want_len = std::min(cs, f.bytes - want_off);
+        uint64_t want_off = ci * stride;
+        uint64_t want_len = std::min(stride, f.bytes - want_off);
         if (c.offset_bytes != want_off || c.length_bytes != want_len) {
           return p.Err(cpath + "offset",
                        fmt::format("chunk range [{}, +{}) should be [{}, +{})", c.offset_bytes,
@@ -326,6 +350,11 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
         f.chunks.push_back(c);
       }
       t.fields.push_back(std::move(f));
+    }
+    // The q8 fields' scales: present, f32, one per block, chunk c covering
+    // the same elements as the codes' chunk c.
+    if (Status v = ValidateFields(TensorSpecOf(t), cs, fmt::format("manifest {}", p.source())); !v.ok()) {
+      return v;
     }
     m->tensors.push_back(std::move(t));
   }

@@ -548,6 +548,23 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
           source(0), m0.chunk_size_bytes, source(i), m.chunk_size_bytes));
     }
   }
+  // q8 moments are quantized in blocks of 256 elements of each shard: a new
+  // shard boundary would cut blocks, and re-blocking requantizes (changes the
+  // state), so reshard refuses them rather than change them silently.
+  for (size_t i = 0; i < s.manifests.size(); ++i) {
+    for (const ManifestTensor& mt : s.manifests[i].tensors) {
+      for (const ManifestField& f : mt.fields) {
+        if (IsQ8(f.dtype)) {
+          return InvalidArgument(fmt::format(
+              "reshard: {}: tensor '{}' field '{}' holds 8-bit block-scaled moments ({}), whose blocks of {} "
+              "elements a new shard boundary would cut; convert each source to f32 moments first "
+              "(optstate-restore SOURCE NEW_STORE --create NAME --moments f32, then export a checkpoint of it), "
+              "reshard those, and convert the result back with --moments q8",
+              source(i), mt.name, f.name, DTypeName(f.dtype), kQ8BlockElems));
+        }
+      }
+    }
+  }
   for (size_t i = 0; i < s.manifests.size(); ++i) {
     for (const ManifestTensor& mt : s.manifests[i].tensors) {
       std::vector<std::pair<std::string, DType>> fields;

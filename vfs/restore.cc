@@ -66,10 +66,24 @@ std::vector<std::string> LayoutDifferences(const Store& store, const Manifest& m
     diff("shape", Dims(mt.shape), Dims(shape));
     diff("global_shape (shard)", Dims(mt.global_shape), Dims(gshape));
     diff("shard_offset (shard)", Dims(mt.shard_offset), Dims(off));
-    std::vector<FieldSpec> fields = FieldsOf(t);
+    TensorSpec have_spec = t;
+    have_spec.fields = FieldsOf(t);
+    const TensorSpec want_spec = TensorSpecOf(mt);
+    // name:dtype, plus the element count and chunk bytes where a field has
+    // its own (q8 scales).
+    auto describe = [&](const TensorSpec& s, std::vector<std::string>* out) {
+      for (uint32_t i = 0; i < s.fields.size(); ++i) {
+        std::string d = s.fields[i].name + ":" + DTypeName(s.fields[i].dtype);
+        if (s.field_numel(i) != s.numel || s.field_chunk_bytes(i, m.chunk_size_bytes) != m.chunk_size_bytes) {
+          d += fmt::format("({} elements, {}-byte chunks)", s.field_numel(i),
+                           s.field_chunk_bytes(i, m.chunk_size_bytes));
+        }
+        out->push_back(d);
+      }
+    };
     std::vector<std::string> a, b;
-    for (const ManifestField& f : mt.fields) a.push_back(f.name + ":" + DTypeName(f.dtype));
-    for (const FieldSpec& f : fields) b.push_back(f.name + ":" + DTypeName(f.dtype));
+    describe(want_spec, &a);
+    describe(have_spec, &b);
     diff("fields", fmt::format("{}", fmt::join(a, ",")), fmt::format("{}", fmt::join(b, ",")));
   }
   for (const TensorInfo& t : have) {
@@ -100,6 +114,8 @@ const char* SafetensorsDtype(DType d) {
     case DType::kF32: return "F32";
     case DType::kBF16: return "BF16";
     case DType::kF16: return "F16";
+    case DType::kQ8S:
+    case DType::kQ8U: return "U8";
   }
   return "?";
 }
@@ -193,13 +209,13 @@ Result<SafetensorsPlan> CheckSafetensors(const Manifest& m, const std::string& d
       const nlohmann::json& e = *it;
       const nlohmann::json want_offsets = {off, off + f.bytes};
       if (!e.is_object() || e.value("dtype", nlohmann::json()) != SafetensorsDtype(f.dtype) ||
-          e.value("shape", nlohmann::json()) != nlohmann::json(mt.shape) ||
+          e.value("shape", nlohmann::json()) != nlohmann::json(FieldShape(mt, f)) ||
           e.value("data_offsets", nlohmann::json()) != want_offsets) {
         return bad(fmt::format(
             "entry '{}' is {}, the manifest says dtype {}, shape {}, data_offsets {} (tensor "
             "'{}' field '{}')",
             key, e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
-            SafetensorsDtype(f.dtype), nlohmann::json(mt.shape).dump(), want_offsets.dump(),
+            SafetensorsDtype(f.dtype), nlohmann::json(FieldShape(mt, f)).dump(), want_offsets.dump(),
             mt.name, f.name));
       }
       plan.field_offsets[ti].push_back(off);

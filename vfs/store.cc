@@ -42,6 +42,8 @@ const char* DTypeName(DType d) {
     case DType::kF32: return "f32";
     case DType::kBF16: return "bf16";
     case DType::kF16: return "f16";
+    case DType::kQ8S: return "q8s";
+    case DType::kQ8U: return "q8u";
   }
   return "?";
 }
@@ -50,18 +52,110 @@ Result<DType> ParseDType(std::string_view s) {
   if (s == "f32" || s == "float32") return DType::kF32;
   if (s == "bf16" || s == "bfloat16") return DType::kBF16;
   if (s == "f16" || s == "float16") return DType::kF16;
-  return InvalidArgument("unknown dtype '" + std::string(s) + "' (expected f32, bf16 or f16)");
+  if (s == "q8s") return DType::kQ8S;
+  if (s == "q8u") return DType::kQ8U;
+  return InvalidArgument("unknown dtype '" + std::string(s) + "' (expected f32, bf16, f16, q8s or q8u)");
 }
 
-uint32_t DTypeSize(DType d) { return d == DType::kF32 ? 4 : 2; }
+uint32_t DTypeSize(DType d) {
+  switch (d) {
+    case DType::kF32: return 4;
+    case DType::kBF16:
+    case DType::kF16: return 2;
+    case DType::kQ8S:
+    case DType::kQ8U: return 1;
+  }
+  return 4;
+}
+
+std::string Q8ScalesField(std::string_view codes) { return std::string(codes) + ".absmax"; }
 
 std::vector<FieldSpec> AdamFields() {
   return {{"main", DType::kF32}, {"exp_avg", DType::kF32}, {"exp_avg_sq", DType::kF32}};
 }
 
-uint64_t TensorInfo::field_bytes(uint32_t field) const {
+std::vector<FieldSpec> AdamQ8Fields(uint64_t numel, uint64_t chunk_size_bytes) {
+  const uint64_t blocks = (numel + kQ8BlockElems - 1) / kQ8BlockElems;
+  const uint64_t scale_chunk = chunk_size_bytes / (kQ8BlockElems / sizeof(float));
+  return {{"main", DType::kF32},
+          {"exp_avg", DType::kQ8S},
+          {"exp_avg_sq", DType::kQ8U},
+          {Q8ScalesField("exp_avg"), DType::kF32, blocks, scale_chunk},
+          {Q8ScalesField("exp_avg_sq"), DType::kF32, blocks, scale_chunk}};
+}
+
+uint64_t TensorSpec::field_numel(uint32_t field) const {
   if (field >= fields.size()) return 0;
-  return numel * DTypeSize(fields[field].dtype);
+  return fields[field].numel != 0 ? fields[field].numel : numel;
+}
+
+uint64_t TensorSpec::field_bytes(uint32_t field) const {
+  if (field >= fields.size()) return 0;
+  return field_numel(field) * DTypeSize(fields[field].dtype);
+}
+
+uint64_t TensorSpec::field_chunk_bytes(uint32_t field, uint64_t store_chunk_bytes) const {
+  if (field >= fields.size()) return 0;
+  return fields[field].chunk_bytes != 0 ? fields[field].chunk_bytes : store_chunk_bytes;
+}
+
+uint64_t TensorSpec::field_chunk_count(uint32_t field, uint64_t store_chunk_bytes) const {
+  const uint64_t cb = field_chunk_bytes(field, store_chunk_bytes);
+  return cb == 0 ? 0 : (field_bytes(field) + cb - 1) / cb;
+}
+
+int TensorSpec::FieldIndexOf(std::string_view name) const {
+  for (size_t i = 0; i < fields.size(); ++i) {
+    if (fields[i].name == name) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+Status ValidateFields(const TensorSpec& spec, uint64_t chunk_size_bytes, std::string_view where) {
+  const std::string prefix = std::string(where) + ": tensor '" + spec.name + "' field '";
+  std::set<std::string> seen;
+  for (uint32_t i = 0; i < spec.fields.size(); ++i) {
+    const FieldSpec& f = spec.fields[i];
+    if (f.name.empty() || f.name.find('\0') != std::string::npos || f.name.find('/') != std::string::npos ||
+        !seen.insert(f.name).second) {
+      return InvalidArgument(std::string(where) + ": tensor '" + spec.name + "': invalid or duplicate field name '" +
+                             f.name + "'");
+    }
+    if (f.chunk_bytes != 0 && (f.chunk_bytes % 4096 != 0 || f.chunk_bytes > chunk_size_bytes)) {
+      return InvalidArgument(prefix + f.name + "': chunk_bytes " + std::to_string(f.chunk_bytes) +
+                             " is not a multiple of 4096 of at most the chunk size (" +
+                             std::to_string(chunk_size_bytes) + " bytes)");
+    }
+  }
+  for (uint32_t i = 0; i < spec.fields.size(); ++i) {
+    const FieldSpec& f = spec.fields[i];
+    if (!IsQ8(f.dtype)) continue;
+    const std::string scales = Q8ScalesField(f.name);
+    const int s = spec.FieldIndexOf(scales);
+    if (s < 0) {
+      return InvalidArgument(prefix + f.name + "' (dtype " + DTypeName(f.dtype) + "): its scales field '" + scales +
+                             "' is missing");
+    }
+    const FieldSpec& sf = spec.fields[static_cast<uint32_t>(s)];
+    const uint64_t blocks = (spec.field_numel(i) + kQ8BlockElems - 1) / kQ8BlockElems;
+    const uint64_t want_chunk = spec.field_chunk_bytes(i, chunk_size_bytes) / (kQ8BlockElems / sizeof(float));
+    if (sf.dtype != DType::kF32) {
+      return InvalidArgument(prefix + scales + "': dtype " + DTypeName(sf.dtype) + ", the scales of '" + f.name +
+                             "' must be f32");
+    }
+    if (spec.field_numel(static_cast<uint32_t>(s)) != blocks) {
+      return InvalidArgument(prefix + scales + "': " + std::to_string(spec.field_numel(static_cast<uint32_t>(s))) +
+                             " elements, the scales of '" + f.name + "' (" + std::to_string(spec.field_numel(i)) +
+                             " elements) must have " + std::to_string(blocks) + " (one per 256)");
+    }
+    if (spec.field_chunk_bytes(static_cast<uint32_t>(s), chunk_size_bytes) != want_chunk) {
+      return InvalidArgument(prefix + scales + "': chunks of " +
+                             std::to_string(spec.field_chunk_bytes(static_cast<uint32_t>(s), chunk_size_bytes)) +
+                             " bytes, the scales of '" + f.name + "' must be in chunks of " +
+                             std::to_string(want_chunk) + " bytes (1/64 of its chunk)");
+    }
+  }
+  return Status();
 }
 
 namespace internal {
@@ -413,13 +507,7 @@ class StoreImpl final : public Store {
                                " elements but numel is " + std::to_string(spec.numel));
       }
     }
-    std::set<std::string> seen;
-    for (const auto& f : spec.fields) {
-      if (f.name.empty() || f.name.find('\0') != std::string::npos || f.name.find('/') != std::string::npos ||
-          !seen.insert(f.name).second) {
-        return InvalidArgument("tensor '" + spec.name + "': invalid or duplicate field name '" + f.name + "'");
-      }
-    }
+    OPTSTATE_RETURN_IF_ERROR(ValidateFields(spec, core_->chunk(), "store " + core_->path_));
     return Status();
   }
 

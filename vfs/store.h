@@ -111,17 +111,44 @@ inline constexpr uint64_t kDefaultChunkBytes = 8 * kMiB; // README "Defaults"
 inline constexpr uint32_t kFormatVersion = 1;
 inline constexpr uint64_t kLatest = UINT64_MAX;          // "the newest committed generation"
 
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-const char* DTypeName(DType d);           // "f32", "bf16", "f16"
+// f32/bf16/f16: IEEE-style floats. q8s/q8u: 8-bit codes of a block-scaled
+// field (one byte per element; element i decodes to map[code] x the fp32
+// absmax of its block i / kQ8BlockElems, which another field of the tensor
+// holds, named Q8ScalesField(codes field)): q8s uses the signed dynamic map
+// (exp_avg), q8u the unsigned one (exp_avg_sq); the maps are
+// kernels::Q8MapValue's (docs/MOMENTS.md).
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kQ8S = 3, kQ8U = 4 };
+const char* DTypeName(DType d);           // "f32", "bf16", "f16", "q8s", "q8u"
 Result<DType> ParseDType(std::string_view s);
 uint32_t DTypeSize(DType d);
+inline bool IsQ8(DType d) { return d == DType::kQ8S || d == DType::kQ8U; }
+
+// Elements per scale of a q8 field (one fp32 absmax per 256 elements).
+inline constexpr uint64_t kQ8BlockElems = 256;
+// The field holding the scales of q8 field `codes`: "<codes>.absmax".
+std::string Q8ScalesField(std::string_view codes);
 
 struct FieldSpec {
   std::string name;              // "main", "exp_avg", "exp_avg_sq", ...
   DType dtype = DType::kF32;
+  // Elements of the field. 0 (default) = the tensor's numel.
+  uint64_t numel = 0;
+  // Bytes of the field per chunk: chunk c holds bytes [c x chunk_bytes,
+  // (c + 1) x chunk_bytes) of the field. 0 (default) = the store's chunk
+  // size; else a multiple of 4096 that is at most the chunk size (a shorter
+  // chunk is stored in a piece of a slot). Lets fields of different element
+  // sizes cut the same elements into chunk c (a q8 tensor's scales: chunk
+  // size / 64 bytes = the blocks of one codes chunk).
+  uint64_t chunk_bytes = 0;
 };
 // main, exp_avg, exp_avg_sq, all f32.
 std::vector<FieldSpec> AdamFields();
+// The fields of a tensor with 8-bit block-scaled Adam moments in a store of
+// chunk_size_bytes: main (f32), exp_avg (q8s), exp_avg_sq (q8u) with one
+// byte per element in chunks of chunk_size_bytes, and exp_avg.absmax /
+// exp_avg_sq.absmax (f32, ceil(numel / 256) elements, chunks of
+// chunk_size_bytes / 64): chunk c of every field covers the same elements.
+std::vector<FieldSpec> AdamQ8Fields(uint64_t numel, uint64_t chunk_size_bytes);
 
 struct TensorSpec {
   std::string name;              // any UTF-8 except NUL, 1..4096 bytes
@@ -136,12 +163,28 @@ struct TensorSpec {
   // row-major flattening (a distributed optimizer's flat-buffer shard).
   std::vector<uint64_t> shard_offset;  // empty = zeros of global_shape's rank
   std::vector<FieldSpec> fields;       // empty = AdamFields()
+
+  // Field geometry (fields[field]; 0 for a field index out of range).
+  uint64_t field_numel(uint32_t field) const;        // FieldSpec::numel or numel
+  uint64_t field_bytes(uint32_t field) const;        // field_numel x dtype size
+  // FieldSpec::chunk_bytes, or store_chunk_bytes where it is 0.
+  uint64_t field_chunk_bytes(uint32_t field, uint64_t store_chunk_bytes) const;
+  uint64_t field_chunk_count(uint32_t field, uint64_t store_chunk_bytes) const;
+  // Index of the field named `name`, or -1.
+  int FieldIndexOf(std::string_view name) const;
 };
+
+// Checks a tensor's fields for a store of chunk_size_bytes: names (non-empty,
+// no NUL or '/', unique), chunk_bytes (0, or a multiple of 4096 <= the chunk
+// size), and each q8 field's scales: a field Q8ScalesField(name), f32, with
+// ceil(field numel / 256) elements, in chunks of 1/64 of the codes field's
+// chunk bytes (so chunk c of both covers the same elements). Errors name
+// `where`, the tensor and the field.
+Status ValidateFields(const TensorSpec& spec, uint64_t chunk_size_bytes, std::string_view where);
 
 struct TensorInfo : TensorSpec {
   uint32_t id = 0;                   // stable within the store
   uint64_t created_generation = 0;   // first generation that contains it
-  uint64_t field_bytes(uint32_t field) const;   // numel * dtype size
 };
 
 // A parameter group as persisted with each generation. Hyperparameters are a

@@ -184,6 +184,7 @@ inline size_t SizeOf(ScalarType t) {
     case ScalarType::kF32: return 4;
     case ScalarType::kBF16:
     case ScalarType::kF16: return 2;
+    case ScalarType::kQ8: return 1;
     case ScalarType::kNone: return 0;
   }
   return 0;

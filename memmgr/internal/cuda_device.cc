@@ -247,6 +247,14 @@ class CudaDevice final : public Device {
     if (e != 0) return CudaStatus("AdamStepCuda (" + std::to_string(count) + " elements)", static_cast<cudaError_t>(e));
     return Status::Ok();
   }
+  Status AdamQ8(const kernels::AdamQ8Tensors& t, uint64_t count, const kernels::AdamParams& p, int,
+                void* stream) override {
+    int e = kernels::AdamStepCudaQ8(t, count, p, stream);
+    if (e != 0) {
+      return CudaStatus("AdamStepCudaQ8 (" + std::to_string(count) + " elements)", static_cast<cudaError_t>(e));
+    }
+    return Status::Ok();
+  }
   Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) override {
     OPTSTATE_RETURN_IF_ERROR(Bind());
     size_t f = 0, t = 0;

@@ -60,6 +60,9 @@ class Device {
 
   virtual Status Adam(const kernels::AdamTensors& t, uint64_t count, const kernels::AdamParams& p,
                       int cpu_threads, void* stream) = 0;
+  // The q8-moment step (AdamStepCpuQ8 / AdamStepCudaQ8).
+  virtual Status AdamQ8(const kernels::AdamQ8Tensors& t, uint64_t count, const kernels::AdamParams& p,
+                        int cpu_threads, void* stream) = 0;
 
   virtual Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
 };

@@ -138,6 +138,15 @@ class HostDevice final : public Device {
     }
     return Status::Ok();
   }
+  Status AdamQ8(const kernels::AdamQ8Tensors& t, uint64_t count, const kernels::AdamParams& p,
+                int cpu_threads, void*) override {
+    if (!kernels::AdamStepCpuQ8(t, count, p, cpu_threads < 1 ? 1 : cpu_threads)) {
+      return InvalidArgument("AdamStepCpuQ8 rejected the tensors (grad type " +
+                             std::to_string(static_cast<int>(t.grad_type)) + ", param type " +
+                             std::to_string(static_cast<int>(t.param_type)) + ")");
+    }
+    return Status::Ok();
+  }
   Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) override {
     *free_bytes = 0;
     *total_bytes = 0;

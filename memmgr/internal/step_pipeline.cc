@@ -428,7 +428,7 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
     vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
     // 0: a whole chunk.
     const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
-    Status st = io_->SubmitRead(ref, s.buf[f], i * 4 + f, buf_bytes);
+    Status st = io_->SubmitRead(ref, s.buf[f], i * kMaxSliceChunks + f, buf_bytes);
     if (!st.ok()) {
       return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
                             std::to_string(j.chunk));
@@ -446,8 +446,8 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
 }
 
 Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
-  const size_t i = c.tag / 4;
-  int f = static_cast<int>(c.tag % 4);
+  const size_t i = c.tag / kMaxSliceChunks;
+  int f = static_cast<int>(c.tag % kMaxSliceChunks);
   if ((i & kTailBit) ? (i & ~kTailBit) >= tail_.size() : i >= sets_.size()) {
     return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
   }
@@ -522,6 +522,24 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
   for (uint32_t k = 0; k < j.n_main; ++k) {
     const uint64_t first = j.first_elem + done;
     const uint64_t n = j.lens[k] / 4;
+    if (j.moment_type == kernels::ScalarType::kQ8) {
+      // A main chunk holds a whole number of 256-element blocks (the chunk
+      // size is a multiple of 2 MiB), so each call starts at a block.
+      kernels::AdamQ8Tensors t;
+      t.main = static_cast<float*>(bufs[k]);
+      t.exp_avg = static_cast<uint8_t*>(bufs[j.n_main]) + done;
+      t.exp_avg_sq = static_cast<uint8_t*>(bufs[j.n_main + 1]) + done;
+      t.exp_avg_absmax = static_cast<float*>(bufs[j.n_main + 2]) + done / kernels::kQ8BlockElems;
+      t.exp_avg_sq_absmax = static_cast<float*>(bufs[j.n_main + 3]) + done / kernels::kQ8BlockElems;
+      t.grad = static_cast<const char*>(j.grad) + first * ScalarSize(j.grad_type);
+      t.grad_type = j.grad_type;
+      t.param = j.param ? static_cast<char*>(j.param) + first * ScalarSize(j.param_type) : nullptr;
+      t.param_type = j.param ? j.param_type : kernels::ScalarType::kNone;
+      t.found_inf = found_inf_;
+      OPTSTATE_RETURN_IF_ERROR(dev_->AdamQ8(t, n, j.params, cpu_threads_, d.stream));
+      done += n;
+      continue;
+    }
     kernels::AdamTensors t;
     t.main = static_cast<float*>(bufs[k]);
     t.exp_avg = static_cast<char*>(bufs[j.n_main]) + done * moment_size;
@@ -554,7 +572,7 @@ Status StepPipeline::StartWrites(size_t i) {
     // The new version; cleared on abort (ManagerImpl::OnAbortPending).
     if (!s.acquired[f]) mm_->cache()->Put(Key(j, f), s.buf[f], len);
     vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
-    Status st = io_->SubmitWrite(ref, s.buf[f], i * 4 + f);
+    Status st = io_->SubmitWrite(ref, s.buf[f], i * kMaxSliceChunks + f);
     if (!st.ok()) {
       return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +
                             std::to_string(j.chunk));

@@ -56,24 +56,35 @@ inline uint32_t RingRequests(const MemoryManagerOptions& o) {
   return 4 * (std::max<uint32_t>(o.queue_depth, 6) + o.write_queue_depth);
 }
 
-// Chunks in one slice at most: two main chunks, one of each moment.
-constexpr int kMaxSliceChunks = 4;
+// Chunks in one slice at most: with q8 moments four main chunks, one codes
+// chunk of each moment and one absmax chunk of each moment.
+constexpr int kMaxSliceChunks = 8;
 
-// Chunks in a full slice with moments of type t (main chunks + 2).
+// Chunks in a full slice with moments of type t: main chunks (one per moment
+// element size in 4 bytes) + the moments' chunks (2, or 4 with q8 scales).
 inline uint32_t SliceChunks(kernels::ScalarType moment) {
-  return moment == kernels::ScalarType::kBF16 ? 4 : 3;
+  switch (moment) {
+    case kernels::ScalarType::kBF16: return 4;
+    case kernels::ScalarType::kQ8: return 8;
+    default: return 3;
+  }
 }
+
+// The moment chunks of a slice: exp_avg and exp_avg_sq, plus their absmax
+// chunks with q8 moments.
+inline uint32_t MomentChunks(kernels::ScalarType moment) { return moment == kernels::ScalarType::kQ8 ? 4 : 2; }
 
 class StepPipeline {
  public:
   struct Job {
     uint32_t tensor_id = 0;
-    // Buffers [0, n_main) are main chunks, then exp_avg's, then exp_avg_sq's.
+    // Buffers [0, n_main) are main chunks, then exp_avg's, then exp_avg_sq's,
+    // then (q8 moments) exp_avg.absmax's and exp_avg_sq.absmax's.
     uint32_t n_bufs = 3;
     uint32_t n_main = 1;
-    uint32_t fields[kMaxSliceChunks] = {0, 1, 2, 0};
-    uint64_t chunks[kMaxSliceChunks] = {0, 0, 0, 0};  // chunk index of each buffer in its field
-    uint64_t lens[kMaxSliceChunks] = {0, 0, 0, 0};    // logical bytes of each
+    uint32_t fields[kMaxSliceChunks] = {0, 1, 2};
+    uint64_t chunks[kMaxSliceChunks] = {};  // chunk index of each buffer in its field
+    uint64_t lens[kMaxSliceChunks] = {};    // logical bytes of each
     uint64_t chunk = 0;                               // the moments' chunk index (messages)
     uint64_t first_elem = 0;
     uint64_t elems = 0;

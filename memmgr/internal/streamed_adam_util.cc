@@ -16,6 +16,7 @@ uint32_t ScalarSize(kernels::ScalarType t) {
     case kernels::ScalarType::kF32: return 4;
     case kernels::ScalarType::kBF16:
     case kernels::ScalarType::kF16: return 2;
+    case kernels::ScalarType::kQ8: return 1;
     case kernels::ScalarType::kNone: return 0;
   }
   return 0;
@@ -26,6 +27,7 @@ const char* ScalarName(kernels::ScalarType t) {
     case kernels::ScalarType::kF32: return "f32";
     case kernels::ScalarType::kBF16: return "bf16";
     case kernels::ScalarType::kF16: return "f16";
+    case kernels::ScalarType::kQ8: return "q8";
     case kernels::ScalarType::kNone: return "none";
   }
   return "?";
@@ -61,12 +63,17 @@ float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
   }
 }
 
-vfs::DType MomentDType(kernels::ScalarType t) {
-  return t == kernels::ScalarType::kBF16 ? vfs::DType::kBF16 : vfs::DType::kF32;
+vfs::DType MomentDType(kernels::ScalarType t, bool sq) {
+  switch (t) {
+    case kernels::ScalarType::kBF16: return vfs::DType::kBF16;
+    case kernels::ScalarType::kQ8: return sq ? vfs::DType::kQ8U : vfs::DType::kQ8S;
+    default: return vfs::DType::kF32;
+  }
 }
 
-Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, vfs::DType want) {
+Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, kernels::ScalarType moment) {
   for (const vfs::FieldSpec& f : t.fields) {
+    const vfs::DType want = MomentDType(moment, f.name == "exp_avg_sq");
     if ((f.name == "exp_avg" || f.name == "exp_avg_sq") && f.dtype != want) {
       return InvalidArgument("StreamedAdam: store " + store_path + " holds tensor '" + t.name + "' field " + f.name +
                              " as " + vfs::DTypeName(f.dtype) + ", but the optimizer was created with moment dtype " +

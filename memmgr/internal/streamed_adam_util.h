@@ -43,12 +43,14 @@ std::string NameList(It first, It last, Numel numel) {
 
 float ToFloat(const void* src, uint64_t i, kernels::ScalarType t);
 
-// The moment fields' dtype of a store whose optimizer uses moments of type t.
-vfs::DType MomentDType(kernels::ScalarType t);
+// The dtype of exp_avg (sq false) or exp_avg_sq (sq true) in a store whose
+// optimizer uses moments of type t (q8: signed codes for exp_avg, unsigned for
+// exp_avg_sq).
+vfs::DType MomentDType(kernels::ScalarType t, bool sq);
 
 // kInvalidArgument naming the store, the tensor, the field and both dtypes
 // when a moment field of t is not stored as `want`.
-Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, vfs::DType want);
+Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, kernels::ScalarType moment);
 
 // A gradient scale is usable when finite and > 0.
 Status CheckGradScale(float s, const std::string& what, const std::string& store_path);

@@ -92,9 +92,10 @@ class AdamW(torch.optim.Optimizer):
       commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
              completes in the background until the next call; 0: step() returns once committed.
              See <optstate/c.h>.
-      moment_dtype: "f32" (default) or "bf16": how exp_avg and exp_avg_sq are stored (bf16: 8 instead
+      moment_dtype: "f32" (default), "bf16" or "q8": how exp_avg and exp_avg_sq are stored (bf16: 8 instead
              of 12 bytes per param read and written per step; updated in fp32, rounded to nearest even,
-             relative error <= 2^-8 per step). Fixed when the store's params are first registered; a
+             relative error <= 2^-8 per step; q8: ~6.03 bytes, 8-bit codes with one fp32 absmax per 256
+             elements, error <= half the map's gap x the block's absmax per step). Fixed when the store's params are first registered; a
              store holding the other dtype raises optstate.InvalidArgument. docs/MOMENTS.md.
       params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
       tensors' names in the store. Otherwise they are "param<i>" in the order given.

@@ -60,6 +60,54 @@ class CapiTest(TempDirTest):
             self.assertIn(word, str(cm.exception))
         np.testing.assert_array_equal(store.read("w", "exp_avg"), m)  # nothing changed
 
+    def test_q8_moments_step_read_back_and_reopen(self):
+        store = optstate.Store(self.path("q"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+        adam = optstate.StreamedAdam(store, mm, moment_dtype="q8")
+        rng = np.random.default_rng(3)
+        n = 2_100_000 + 77  # over two q8 slices (2 MiB chunks: 2097152 elements a slice), not a multiple of 256
+        blocks = (n + 255) // 256
+        w = rng.standard_normal(n).astype(np.float32)
+        adam.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.1)
+        pid, _ = adam.register_param("w", n, 0, w.ctypes.data, optstate.F32)
+        m64, v64 = np.zeros(n), np.zeros(n)
+        steps = 20
+        for step in range(1, steps + 1):
+            g = rng.standard_normal(n).astype(np.float32)
+            adam.step([pid], [g.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32])
+            m64 = 0.9 * m64 + 0.1 * g.astype(np.float64)
+            v64 = 0.999 * v64 + 0.001 * g.astype(np.float64) ** 2
+        adam.make_durable()
+        m, v = store.read("w", "exp_avg"), store.read("w", "exp_avg_sq")
+        ma = store.read("w", "exp_avg.absmax", 0, blocks)
+        va = store.read("w", "exp_avg_sq.absmax", 0, blocks)
+        # Decoded as map[code] x absmax: each block's largest |value| is its absmax, or for a negative
+        # exp_avg the signed map's most negative value (-0.993) times it.
+        pad = blocks * 256 - n
+        for x, a in ((m, ma), (v, va)):
+            xb = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(blocks, 256)
+            top = np.abs(xb).max(axis=1)
+            self.assertTrue((top <= a).all() and (top >= 0.99 * a).all())
+        np.testing.assert_array_equal(np.abs(v.reshape(-1)).max(), va.max())  # unsigned map: 1.0 is a code
+        # Moments depend only on the grads: each store is within half the map's gap x absmax
+        # (<= 0.0071 x absmax) of the exact update; carried on with weight beta, the error stays
+        # below 0.0071 x absmax / (1 - beta) (plus fp32 rounding).
+        am = np.repeat(ma, 256)[:n]
+        av = np.repeat(va, 256)[:n]
+        self.assertTrue((np.abs(m - m64) <= 0.0071 * am / 0.1 + 1e-6).all())
+        self.assertTrue((np.abs(v - v64) <= 0.0071 * av * steps + 1e-6).all())
+        np.testing.assert_array_equal(store.read("w", "main"), w)
+        adam.close()
+        mm.close()
+        store.close()
+        store = optstate.Store(self.path("q"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20)
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            optstate.StreamedAdam(store, mm, moment_dtype="bf16")  # a store that holds q8
+        for word in ("'w'", "exp_avg", "q8s", "bf16", self.path("q")):
+            self.assertIn(word, str(cm.exception))
+        np.testing.assert_array_equal(store.read("w", "exp_avg"), m)  # nothing changed
+
     def test_version(self):
         self.assertRegex(optstate.library_version(), r"^\d+\.\d+\.\d+$")
         self.assertEqual(optstate._lib_handle.optstate_abi_version(), 1)

@@ -273,6 +273,107 @@ TEST(RestoreMomentsTest, F32ToBf16ToF32StaysWithinTheRoundingBound) {
   }
 }
 
+// A q8 moment field of the newest generation decoded as the step decodes it
+// (map[code] x the absmax of its block), and that absmax per element.
+std::vector<float> ReadQ8Field(vfs::Store* s, const std::string& field, std::vector<float>* absmax) {
+  auto v = s->OpenGeneration(vfs::kLatest);
+  EXPECT_TRUE(v.ok()) << v.status().ToString();
+  if (!v.ok()) return {};
+  auto t = (*v)->FindTensor("layer.weight");
+  const int f = t->FieldIndexOf(field), sf = t->FieldIndexOf(vfs::Q8ScalesField(field));
+  EXPECT_GE(f, 0);
+  EXPECT_GE(sf, 0);
+  EXPECT_TRUE(vfs::IsQ8(t->fields[static_cast<uint32_t>(f)].dtype));
+  std::vector<float> out, scales;
+  vfs::IoBuffer codes(s->chunk_size_bytes()), sb(s->chunk_size_bytes());
+  for (uint64_t c = 0; c < (*v)->ChunkCount(*t, static_cast<uint32_t>(f)); ++c) {
+    EXPECT_TRUE((*v)->ReadChunk({t->id, static_cast<uint32_t>(f), c}, codes.data()).ok());
+    EXPECT_TRUE((*v)->ReadChunk({t->id, static_cast<uint32_t>(sf), c}, sb.data()).ok());
+    const uint64_t n = std::min<uint64_t>(s->chunk_size_bytes(), t->numel - out.size());
+    std::vector<float> part(n);
+    kernels::Q8Dequantize(field == "exp_avg", codes.as<uint8_t>(), sb.as<float>(), n, part.data());
+    out.insert(out.end(), part.begin(), part.end());
+    for (uint64_t i = 0; i < n; ++i) scales.push_back(sb.as<float>()[i / 256]);
+  }
+  *absmax = scales;
+  return out;
+}
+
+// f32 -> q8 -> f32: each moment within half the gap of the quantization map
+// around it times its block's absmax (the quantizer picks the nearest code),
+// q8 -> f32 exact (the f32 store holds exactly the decoded values), main bit
+// for bit; the converted stores verify.
+TEST(RestoreMomentsTest, F32ToQ8ToF32StaysWithinHalfTheMapGap) {
+  TempDir dir;
+  auto src = moments::MakeAdamStore(dir / "src");
+  ASSERT_NE(src, nullptr);
+  ExportLatest(src.get(), dir / "ckpt32");
+  auto to8 = Tool("optstate-restore", {dir / "ckpt32", dir / "q8", "--create", "q", "--moments", "q8", "-q"});
+  ASSERT_EQ(to8.exit_code, 0) << to8.err;
+  auto q = vfs::Store::Open(dir / "q8", vfs::StoreOptions{});
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ((*q)->LatestGeneration().step, 42u);
+  auto rep = (*q)->Verify();
+  ASSERT_TRUE(rep.ok()) << rep.status().ToString();
+  EXPECT_TRUE(rep->ok()) << (rep->problems.empty() ? "leaked slots" : rep->problems[0]);
+  vfs::DType d;
+  const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
+  std::vector<std::vector<float>> orig(3), dec(3);
+  for (int f = 0; f < 3; ++f) orig[f] = moments::ReadField(src.get(), kFields[f], &d);
+  std::vector<float> main8 = moments::ReadField(q->get(), "main", &d);
+  EXPECT_EQ(main8, orig[0]) << "main changed";
+  size_t bad = 0;
+  for (int f = 1; f < 3; ++f) {
+    const bool is_signed = f == 1;
+    std::vector<float> map(256);
+    for (int c = 0; c < 256; ++c) map[static_cast<size_t>(c)] = kernels::Q8MapValue(is_signed, static_cast<uint8_t>(c));
+    std::vector<float> absmax;
+    dec[f] = ReadQ8Field(q->get(), kFields[f], &absmax);
+    ASSERT_EQ(dec[f].size(), moments::kNumel);
+    for (uint64_t i = 0; i < moments::kNumel; ++i) {
+      const double a = absmax[i];
+      const double r = a > 0 ? orig[f][i] / a : 0.0;
+      auto hi = std::lower_bound(map.begin(), map.end(), static_cast<float>(r));
+      const double upper = hi == map.end() ? map.back() : *hi;
+      const double lower = hi == map.begin() ? map.front() : *(hi - 1);
+      // Half the gap around the value, x absmax, plus fp32 rounding of x / absmax and of the product;
+      // below the signed map's end (-0.993, for -absmax) the distance to that end.
+      const double gap = r < map.front() ? map.front() - r : (upper - lower) / 2;
+      const double bound = gap * a + 1e-6 * a;
+      if (std::fabs(static_cast<double>(dec[f][i]) - orig[f][i]) > bound && ++bad < 5) {
+        ADD_FAILURE() << kFields[f] << "[" << i << "] " << dec[f][i] << " vs " << orig[f][i] << " bound " << bound;
+      }
+    }
+  }
+
+  // optstate-inspect show: the q8 field's dtype and statistics of its decoded values.
+  auto show = Tool("optstate-inspect", {dir / "q8", "show", "layer.weight", "--field", "exp_avg", "--json"});
+  ASSERT_EQ(show.exit_code, 0) << show.err;
+  auto j = testing::ParseJson(show);
+  ASSERT_EQ(j["fields"].size(), 1u) << show.out;
+  EXPECT_EQ(j["fields"][0]["dtype"], "q8s");
+  EXPECT_EQ(j["fields"][0]["stats"]["count"], moments::kNumel);
+  EXPECT_EQ(j["fields"][0]["stats"]["max"].get<double>(), *std::max_element(dec[1].begin(), dec[1].end()));
+  EXPECT_EQ(j["fields"][0]["stats"]["min"].get<double>(), *std::min_element(dec[1].begin(), dec[1].end()));
+
+  ExportLatest(q->get(), dir / "ckpt8");
+  q->reset();
+  auto to32 = Tool("optstate-restore", {dir / "ckpt8", dir / "f32", "--create", "f", "--moments", "f32", "-q"});
+  ASSERT_EQ(to32.exit_code, 0) << to32.err;
+  auto f32 = vfs::Store::Open(dir / "f32", vfs::StoreOptions{});
+  ASSERT_TRUE(f32.ok()) << f32.status().ToString();
+  for (int f = 0; f < 3; ++f) {
+    std::vector<float> back = moments::ReadField(f32->get(), kFields[f], &d);
+    EXPECT_EQ(d, vfs::DType::kF32);
+    const std::vector<float>& want = f == 0 ? orig[0] : dec[f];
+    ASSERT_EQ(back.size(), moments::kNumel);
+    EXPECT_EQ(std::memcmp(back.data(), want.data(), moments::kNumel * 4), 0) << kFields[f] << ": q8 -> f32 is exact";
+  }
+  auto t = (*f32)->FindTensor("layer.weight");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->fields.size(), 3u) << "the f32 store has no scales fields";
+}
+
 TEST(RestoreMomentsTest, BadInputIsRefusedAndLeavesNoStore) {
   TempDir dir;
   auto src = moments::MakeAdamStore(dir / "src");

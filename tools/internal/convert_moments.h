@@ -7,7 +7,9 @@
 // XXH3 before its bytes are used. Moments are converted element by element:
 // f32 -> bf16 rounds to nearest even (relative error <= 2^-8 per element),
 // bf16 -> f32 is exact, so f32 -> bf16 -> f32 is within 2^-8 of the
-// original. Every other field (main) is copied bit for bit. The new store
+// original; f32 -> q8 quantizes per block of 256 (error <= half the map's
+// gap x the block's absmax, <= 0.0071 x absmax), q8 -> f32 decodes exactly
+// (map[code] x absmax). Every other field (main) is copied bit for bit. The new store
 // gets the manifest's tensors (fields re-typed), step, groups and step counts
 // as one committed generation. On any error the new store directory is
 // removed (nothing else is touched).
@@ -27,7 +29,9 @@ namespace optstate::tools {
 bool IsMomentField(std::string_view field);
 
 // Creates a store at store_path (which must not exist) from the checkpoint
-// directory dir with moments stored as `moments` (kF32 or kBF16). opts as for
+// directory dir with moments stored as `moments` (kF32, kBF16, or kQ8S for q8
+// moments: q8s exp_avg, q8u exp_avg_sq and their absmax fields; quantized
+// with the step's quantizer, kernels::Q8Quantize). opts as for
 // Store::Create (its chunk_size_bytes is replaced by the manifest's).
 // progress (may be empty): (bytes of field files done, total).
 Result<std::unique_ptr<vfs::Store>> CreateStoreWithMoments(const std::string& dir, const std::string& store_path,

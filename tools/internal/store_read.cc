@@ -27,6 +27,12 @@ double ElementAsDouble(vfs::DType d, const void* base, uint64_t i) {
       std::memcpy(&h, static_cast<const char*>(base) + i * 2, 2);
       return kernels::HalfToFloat(h);
     }
+    case vfs::DType::kQ8S:
+    case vfs::DType::kQ8U: {  // ForEachRange hands q8 fields over decoded, as fp32
+      float f;
+      std::memcpy(&f, static_cast<const char*>(base) + i * 4, 4);
+      return f;
+    }
   }
   return std::numeric_limits<double>::quiet_NaN();
 }
@@ -59,21 +65,41 @@ Status ForEachRange(const vfs::GenerationView& view, const vfs::TensorInfo& t, u
   if (field >= t.fields.size()) {
     return InvalidArgument(fmt::format("tensor {}: no field #{}", t.name, field));
   }
-  if (end > t.numel || begin > end) {
-    return InvalidArgument(fmt::format("tensor {}: range [{}, {}) outside its {} elements", t.name,
-                                       begin, end, t.numel));
+  const uint64_t numel = t.field_numel(field);
+  if (end > numel || begin > end) {
+    return InvalidArgument(fmt::format("tensor {} field {}: range [{}, {}) outside its {} elements", t.name,
+                                       t.fields[field].name, begin, end, numel));
   }
   if (begin == end) return Status::Ok();
-  const uint64_t esize = vfs::DTypeSize(t.fields[field].dtype);
+  const vfs::DType dtype = t.fields[field].dtype;
+  const uint64_t esize = vfs::DTypeSize(dtype);
   const uint64_t chunk_bytes = view.identity().chunk_size_bytes;
-  const uint64_t per_chunk = chunk_bytes / esize;
-  vfs::IoBuffer buf(chunk_bytes);
-  if (!buf.ok()) return ResourceExhausted(fmt::format("cannot allocate {} bytes", chunk_bytes));
+  const uint64_t per_chunk = t.field_chunk_bytes(field, chunk_bytes) / esize;
+  int scales = -1;
+  if (vfs::IsQ8(dtype)) {
+    scales = t.FieldIndexOf(vfs::Q8ScalesField(t.fields[field].name));
+    if (scales < 0) {
+      return Corruption(fmt::format("tensor {} field {}: its scales field {} is missing", t.name,
+                                    t.fields[field].name, vfs::Q8ScalesField(t.fields[field].name)));
+    }
+  }
+  vfs::IoBuffer buf(chunk_bytes), sbuf(scales >= 0 ? chunk_bytes : 4096);
+  if (!buf.ok() || !sbuf.ok()) return ResourceExhausted(fmt::format("cannot allocate {} bytes", 2 * chunk_bytes));
+  std::vector<float> decoded;
   for (uint64_t c = begin / per_chunk; c * per_chunk < end; ++c) {
     vfs::ChunkRef ref{t.id, field, c};
     OPTSTATE_RETURN_IF_ERROR(view.ReadChunk(ref, buf.data()));
     uint64_t first = std::max(begin, c * per_chunk);
     uint64_t last = std::min(end, (c + 1) * per_chunk);
+    if (scales >= 0) {
+      // Codes decode with chunk c of their scales (the same elements).
+      OPTSTATE_RETURN_IF_ERROR(view.ReadChunk(vfs::ChunkRef{t.id, static_cast<uint32_t>(scales), c}, sbuf.data()));
+      const uint64_t n = std::min(per_chunk, numel - c * per_chunk);
+      decoded.resize(n);
+      kernels::Q8Dequantize(dtype == vfs::DType::kQ8S, buf.as<uint8_t>(), sbuf.as<float>(), n, decoded.data());
+      OPTSTATE_RETURN_IF_ERROR(fn(first, decoded.data() + (first - c * per_chunk), last - first));
+      continue;
+    }
     OPTSTATE_RETURN_IF_ERROR(fn(first, buf.data() + (first - c * per_chunk) * esize, last - first));
   }
   return Status::Ok();
@@ -128,6 +154,7 @@ Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a
       }
       const uint64_t esize = vfs::DTypeSize(x.fields[f].dtype);
       const uint64_t chunk_bytes = a.identity().chunk_size_bytes;
+      const uint64_t stride = x.field_chunk_bytes(f, chunk_bytes);
       if (chunk_bytes != b.identity().chunk_size_bytes) {
         return InvalidArgument("the two stores have different chunk sizes");
       }
@@ -136,11 +163,11 @@ Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a
       for (uint64_t c = 0; c < chunks; ++c) {
         OPTSTATE_RETURN_IF_ERROR(a.ReadChunk({x.id, f, c}, ba.data()));
         OPTSTATE_RETURN_IF_ERROR(b.ReadChunk({y->id, f, c}, bb.data()));
-        uint64_t len = std::min(chunk_bytes, x.numel * esize - c * chunk_bytes);
+        uint64_t len = std::min(stride, x.field_bytes(f) - c * stride);
         if (std::memcmp(ba.data(), bb.data(), len) != 0) {
           uint64_t i = 0;
           while (i < len && ba.data()[i] == bb.data()[i]) ++i;
-          uint64_t elem = (c * chunk_bytes + i) / esize;
+          uint64_t elem = (c * stride + i) / esize;
           diffs.push_back(fmt::format("tensor {} field {}: differs at element {} (chunk {})",
                                       x.name, x.fields[f].name, elem, c));
           break;

@@ -36,8 +36,8 @@ struct FieldStats {
 };
 
 // Calls fn(first_elem, data, count) for each piece of [begin, end) of `field`
-// in chunk order; data points at `count` elements of the field's dtype, valid
-// only during the call. Reads go through view.ReadChunk (checksum-verified).
+// in chunk order; data points at `count` elements of the field's dtype (q8
+// codes: decoded, map[code] x absmax, as fp32), valid only during the call. Reads go through view.ReadChunk (checksum-verified).
 using ChunkFn = std::function<Status(uint64_t first_elem, const void* data, uint64_t count)>;
 Status ForEachRange(const vfs::GenerationView& view, const vfs::TensorInfo& t, uint32_t field,
                     uint64_t begin, uint64_t end, const ChunkFn& fn);

@@ -268,11 +268,12 @@ class Core {
 
   uint64_t ChunkLen(const TensorInfo& t, uint32_t field, uint64_t index) const {
     const uint64_t bytes = t.field_bytes(field);
-    const uint64_t off = index * chunk();
-    return off >= bytes ? 0 : std::min(chunk(), bytes - off);
+    const uint64_t stride = t.field_chunk_bytes(field, chunk());
+    const uint64_t off = index * stride;
+    return off >= bytes ? 0 : std::min(stride, bytes - off);
   }
   static uint64_t ChunkCountOf(const TensorInfo& t, uint32_t field, uint64_t chunk) {
-    return (t.field_bytes(field) + chunk - 1) / chunk;
+    return t.field_chunk_count(field, chunk);
   }
 
   std::string Describe(const TensorInfo* t, const Key& k, uint64_t gen) const {

@@ -217,7 +217,14 @@ std::string EncodeTensor(const TensorInfo& t) {
   j["global_shape"] = t.global_shape;
   j["shard_offset"] = t.shard_offset;
   json fields = json::array();
-  for (const auto& f : t.fields) fields.push_back({{"name", f.name}, {"dtype", DTypeName(f.dtype)}});
+  for (const auto& f : t.fields) {
+    json jf = {{"name", f.name}, {"dtype", DTypeName(f.dtype)}};
+    // Recorded only where they differ from the defaults, so records of
+    // tensors without them read as before.
+    if (f.numel != 0) jf["numel"] = f.numel;
+    if (f.chunk_bytes != 0) jf["chunk_bytes"] = f.chunk_bytes;
+    fields.push_back(jf);
+  }
   j["fields"] = fields;
   j["created_generation"] = t.created_generation;
   return j.dump();
@@ -237,6 +244,8 @@ Result<TensorInfo> DecodeTensor(std::string_view text) {
       FieldSpec fs;
       fs.name = f.at("name").get<std::string>();
       OPTSTATE_ASSIGN_OR_RETURN(fs.dtype, ParseDType(f.at("dtype").get<std::string>()));
+      if (f.contains("numel")) fs.numel = f.at("numel").get<uint64_t>();
+      if (f.contains("chunk_bytes")) fs.chunk_bytes = f.at("chunk_bytes").get<uint64_t>();
       t.fields.push_back(fs);
     }
     t.created_generation = j.at("created_generation").get<uint64_t>();

@@ -134,8 +134,11 @@ OPTSTATE_EXPORT uint64_t optstate_store_group_step_count(const optstate_store_t*
 
 /* Reads elements [first, first + count) of a tensor field of the newest
  * committed generation into out (host memory, count fp32 values; bf16 and
- * f16 fields, e.g. bf16 moments, are decoded exactly). Fields: "main",
- * "exp_avg", "exp_avg_sq". Every chunk read is checksum-verified. */
+ * f16 fields, e.g. bf16 moments, are decoded exactly; q8 moments decode to
+ * map[code] x their block's absmax, the values the step uses). Fields: "main",
+ * "exp_avg", "exp_avg_sq" (and with q8 moments "exp_avg.absmax",
+ * "exp_avg_sq.absmax": one scale per 256 elements). Every chunk read is
+ * checksum-verified. */
 OPTSTATE_EXPORT int optstate_store_read_field(optstate_store_t* store, const char* tensor, const char* field,
                                               uint64_t first, uint64_t count, float* out, char** errptr);
 /* numel of a tensor (NOT_FOUND naming near names when absent). */
@@ -333,8 +336,11 @@ OPTSTATE_EXPORT void optstate_adam_options_set_durable_every_steps(optstate_adam
 OPTSTATE_EXPORT void optstate_adam_options_set_commit_lag_steps(optstate_adam_options_t* opts, uint32_t n);
 OPTSTATE_EXPORT uint32_t optstate_adam_options_commit_lag_steps(const optstate_adam_options_t* opts);
 /* Storage dtype of exp_avg and exp_avg_sq: "f32" (default; 12 bytes per param
- * per step each way with the fp32 main) or "bf16" (8 bytes; decoded, updated
- * in fp32, rounded to nearest even: relative error <= 2^-8 per store). Chosen
+ * per step each way with the fp32 main), "bf16" (8 bytes; decoded, updated
+ * in fp32, rounded to nearest even: relative error <= 2^-8 per store) or "q8"
+ * (~6.03 bytes: 8-bit codes with one fp32 absmax per 256 elements; error per
+ * store <= half the quantization map's gap x the block's absmax;
+ * docs/MOMENTS.md). Chosen
  * when a store's params are first registered and recorded in the store; an
  * optimizer created with the other dtype on that store fails at
  * optstate_adam_create (INVALID_ARGUMENT naming the store, tensor, field and

@@ -1,0 +1,381 @@
+// StreamedAdam with q8 moments (StreamedAdamOptions::moment_dtype = kQ8): a
+// streamed run equals AdamStepCpuQ8 applied to whole, resident tensors bit
+// for bit (on the cuda backend the reference is still the CPU kernel: the
+// kernels are bit-identical), the store holds codes and absmax fields whose
+// chunk c covers the same elements, a step moves ~6.03 bytes per param each
+// way, and checkpoints round-trip every bit. The store's bytes are read back
+// through a GenerationView, independently of the pipeline. Built into
+// memmgr_test (host) and memmgr_gpu_test (cuda).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/adam.h"
+#include "memmgr/memory_manager.h"
+#include "memmgr/streamed_adam.h"
+#include "tests/memmgr/memmgr_test_util.h"
+#include "vfs/checkpoint.h"
+#include "vfs/store.h"
+
+namespace optstate::memmgr {
+namespace {
+
+using namespace testing;  // NOLINT
+using kernels::ScalarType;
+
+struct Def {
+  std::string name;
+  uint64_t numel;
+};
+
+uint64_t Blocks(uint64_t n) { return (n + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems; }
+
+// A q8 slice is kChunk elements (four main chunks, one codes chunk and one
+// absmax chunk of each moment): a tensor over two slices whose numel is not a
+// multiple of 256, a small one, and one of exactly one slice.
+std::vector<Def> Defs() { return {{"a.weight", kChunk + 777}, {"b.bias", 1000}, {"c.weight", kChunk}}; }
+
+struct HostParam {
+  std::vector<float> main;
+  std::vector<uint8_t> m, v;    // codes
+  std::vector<float> ma, va;    // absmax per block
+  std::vector<uint16_t> param;  // bf16 model copy
+};
+
+struct Env {
+  TempDir dir;
+  std::unique_ptr<vfs::Store> store;
+  std::unique_ptr<MemoryManager> mm;
+  std::string path() const { return dir.path() + "/store"; }
+  void Open(bool create, uint64_t budget, uint64_t host_cache_bytes = 0) {
+    store = create ? MUST(vfs::Store::Create(path(), TestStoreOptions()))
+                   : MUST(vfs::Store::Open(path(), TestStoreOptions()));
+    MemoryManagerOptions o = TestMmOptions(budget);
+    o.host_cache_bytes = host_cache_bytes;
+    mm = MUST(MemoryManager::Create(store.get(), o));
+  }
+  void Close() {
+    mm.reset();
+    store.reset();
+  }
+};
+
+ParamGroup Group() {
+  ParamGroup g;
+  g.id = 0;
+  g.lr = 1e-2;
+  g.weight_decay = 0.01;
+  return g;
+}
+
+// All bytes of a field of the latest committed generation, chunk by chunk at
+// the field's own chunk stride.
+std::vector<uint8_t> FieldBytes(vfs::Store* store, const std::string& tensor, const std::string& field) {
+  auto view = MUST(store->OpenGeneration(vfs::kLatest));
+  const vfs::TensorInfo t = MUST(view->FindTensor(tensor));
+  const uint32_t f = static_cast<uint32_t>(t.FieldIndexOf(field));
+  const uint64_t stride = t.field_chunk_bytes(f, store->chunk_size_bytes());
+  std::vector<uint8_t> out(t.field_bytes(f));
+  std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(4096, store->chunk_size_bytes()), &std::free);
+  for (uint64_t c = 0; c < view->ChunkCount(t, f); ++c) {
+    EXPECT_TRUE(view->ReadChunk(vfs::ChunkRef{t.id, f, c}, buf.get()).ok());
+    std::memcpy(out.data() + c * stride, buf.get(), std::min(stride, out.size() - c * stride));
+  }
+  return out;
+}
+
+template <typename T>
+void ExpectBytes(const std::vector<uint8_t>& got, const std::vector<T>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size() * sizeof(T)) << what;
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << what;
+}
+
+void ExpectStoreEquals(vfs::Store* store, const std::vector<Def>& defs, const std::vector<HostParam>& ref) {
+  for (size_t k = 0; k < defs.size(); ++k) {
+    const std::string& n = defs[k].name;
+    ExpectBytes(FieldBytes(store, n, "main"), ref[k].main, n + "/main");
+    ExpectBytes(FieldBytes(store, n, "exp_avg"), ref[k].m, n + "/exp_avg");
+    ExpectBytes(FieldBytes(store, n, "exp_avg_sq"), ref[k].v, n + "/exp_avg_sq");
+    ExpectBytes(FieldBytes(store, n, "exp_avg.absmax"), ref[k].ma, n + "/exp_avg.absmax");
+    ExpectBytes(FieldBytes(store, n, "exp_avg_sq.absmax"), ref[k].va, n + "/exp_avg_sq.absmax");
+  }
+}
+
+// Steps sa `steps` times with bf16 grads and bf16 param copies, and
+// AdamStepCpuQ8 on the whole host tensors with the same grads.
+void StepBoth(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs, std::vector<HostParam>* ref,
+              uint64_t first_step, uint64_t steps) {
+  const ParamGroup g = Group();
+  for (uint64_t step = first_step; step < first_step + steps; ++step) {
+    std::vector<std::unique_ptr<DeviceBuffer>> grads, params;
+    std::vector<ParamGrad> list;
+    for (size_t k = 0; k < defs.size(); ++k) {
+      const uint64_t n = defs[k].numel;
+      std::vector<uint16_t> gh(n);
+      // Grads of magnitudes from 1e-4 to 1: blocks hold small and large moments.
+      for (uint64_t i = 0; i < n; ++i) {
+        const float scale = (i % 7 == 0) ? 1.0f : (i % 3 == 0 ? 1e-4f : 1e-2f);
+        gh[i] = kernels::FloatToBf16(RandF(step * 31 + k, i) * scale);
+      }
+      grads.push_back(std::make_unique<DeviceBuffer>(mm, n * 2));
+      grads.back()->Upload(gh.data());
+      params.push_back(std::make_unique<DeviceBuffer>(mm, n * 2));
+      list.push_back(ParamGrad{.name = defs[k].name, .d_grad = grads.back()->get(), .grad_type = ScalarType::kBF16,
+                               .d_param = params.back()->get(), .param_type = ScalarType::kBF16, .numel = n});
+      HostParam& h = (*ref)[k];
+      kernels::AdamQ8Tensors t;
+      t.main = h.main.data();
+      t.exp_avg = h.m.data();
+      t.exp_avg_sq = h.v.data();
+      t.exp_avg_absmax = h.ma.data();
+      t.exp_avg_sq_absmax = h.va.data();
+      t.grad = gh.data();
+      t.grad_type = ScalarType::kBF16;
+      t.param = h.param.data();
+      t.param_type = ScalarType::kBF16;
+      kernels::AdamParams ap;
+      ap.lr = g.lr;
+      ap.weight_decay = g.weight_decay;
+      ap.step = step;
+      ASSERT_TRUE(kernels::AdamStepCpuQ8(t, n, ap, 1));
+    }
+    ASSERT_OK(sa->Step(list));
+    for (size_t k = 0; k < defs.size(); ++k) {
+      std::vector<uint16_t> got(defs[k].numel);
+      params[k]->Download(got.data());
+      EXPECT_EQ(got, (*ref)[k].param) << "param copy of " << defs[k].name << " at step " << step;
+    }
+  }
+}
+
+std::vector<HostParam> RegisterAll(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs) {
+  std::vector<HostParam> ref(defs.size());
+  EXPECT_TRUE(sa->SetGroup(Group()).ok());
+  for (size_t k = 0; k < defs.size(); ++k) {
+    const uint64_t n = defs[k].numel;
+    HostParam& h = ref[k];
+    h.main.resize(n);
+    // A never-written chunk reads as zeros: codes 0 with absmax 0 decode to 0.
+    h.m.assign(n, 0);
+    h.v.assign(n, 0);
+    h.ma.assign(Blocks(n), 0.0f);
+    h.va.assign(Blocks(n), 0.0f);
+    h.param.assign(n, 0);
+    for (uint64_t i = 0; i < n; ++i) h.main[i] = RandF(1000 + k, i);
+    DeviceBuffer init(mm, n * 4);
+    init.Upload(h.main.data());
+    Status s = sa->RegisterParam(defs[k].name, n, 0, init.get(), ScalarType::kF32);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+  return ref;
+}
+
+// Bytes of one step each way: fp32 main, one byte per element of each
+// moment, and one fp32 absmax per 256 elements of each moment.
+uint64_t StepBytes(const std::vector<Def>& defs) {
+  uint64_t b = 0;
+  for (const Def& d : defs) b += 4 * d.numel + 2 * d.numel + 2 * 4 * Blocks(d.numel);
+  return b;
+}
+
+StreamedAdamOptions Q8Options() {
+  StreamedAdamOptions so;
+  so.moment_dtype = ScalarType::kQ8;
+  return so;
+}
+
+TEST(StreamedAdamQ8Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  const uint64_t budget = 8 * kChunk;  // one q8 slice: 4 main chunks + codes and absmax chunk of each moment
+  env.Open(true, budget);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+  const std::vector<Def> defs = Defs();
+  std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+  StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 6);
+  ASSERT_OK(sa->WaitForCommit());
+  EXPECT_EQ(sa->last_step_stats().write_bytes, StepBytes(defs));
+  EXPECT_EQ(sa->last_step_stats().read_bytes, StepBytes(defs));
+  EXPECT_LE(env.mm->stats().peak_resident_bytes, budget);
+  ExpectStoreEquals(env.store.get(), defs, ref);
+  auto t = MUST(env.store->FindTensor("a.weight"));
+  ASSERT_EQ(t.fields.size(), 5u);
+  EXPECT_EQ(t.fields[1].dtype, vfs::DType::kQ8S);
+  EXPECT_EQ(t.fields[2].dtype, vfs::DType::kQ8U);
+  EXPECT_EQ(t.field_numel(3), Blocks(kChunk + 777));
+  auto rep = MUST(env.store->Verify());
+  EXPECT_TRUE(rep.ok()) << (rep.problems.empty() ? "leaked slots" : rep.problems[0]);
+
+  // Reopened with q8 moments, it continues exactly.
+  sa.reset();
+  env.Close();
+  env.Open(false, budget);
+  sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+  for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+  StepBoth(sa.get(), env.mm.get(), defs, &ref, 7, 2);
+  ASSERT_OK(sa->WaitForCommit());
+  ExpectStoreEquals(env.store.get(), defs, ref);
+}
+
+TEST(StreamedAdamQ8Moments, HostCacheTierStepsEqualWholeTensorKernelBitForBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  for (uint64_t cache_mib : {64, 6}) {
+    SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
+    Env env;
+    env.Open(true, 16 * kChunk, cache_mib << 20);
+    StreamedAdamOptions so = Q8Options();
+    so.durable_every_steps = 2;
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    const std::vector<Def> defs = Defs();
+    std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+    StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 5);
+    ASSERT_OK(sa->MakeDurable().status());
+    ExpectStoreEquals(env.store.get(), defs, ref);
+    EXPECT_EQ(env.store->LatestGeneration().step, 5u);
+  }
+}
+
+// Prefetch reads each q8 slice's chunks by their own sizes (four main chunks,
+// codes and absmax of each moment), into a tier holding all of the state,
+// part of it, or staging; the step finds every prefetched byte and later
+// steps (with the write tail in flight) keep every bit.
+TEST(StreamedAdamQ8Moments, PrefetchAndTheWriteTailKeepEveryBit) {
+  MEMMGR_REQUIRE_BACKEND();
+  const std::vector<Def> defs = Defs();
+  for (uint64_t cache_mib : {64, 6, 0}) {
+    SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
+    Env env;
+    env.Open(true, 16 * kChunk, cache_mib << 20);
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+    std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+    StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 1);
+    ASSERT_OK(sa->WaitForCommit());
+    sa.reset();
+    env.Close();
+
+    env.Open(false, 16 * kChunk, cache_mib << 20);  // a cold tier
+    sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+    for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+    ASSERT_OK(sa->Prefetch());
+    ASSERT_OK(env.mm->Flush());  // waits for the prefetch to end
+    StepBoth(sa.get(), env.mm.get(), defs, &ref, 2, 1);
+    const StreamedAdam::StepStats& st = sa->last_step_stats();
+    EXPECT_GT(st.prefetch_read_bytes, 0u);
+    EXPECT_EQ(st.prefetch_hit_bytes, st.prefetch_read_bytes) << "the step found every prefetched byte";
+    EXPECT_EQ(st.read_bytes, StepBytes(defs) - st.prefetch_hit_bytes);
+    if (cache_mib == 64) {
+      EXPECT_EQ(st.prefetch_hit_bytes, StepBytes(defs));
+    }
+    for (uint64_t step = 3; step <= 4; ++step) {
+      ASSERT_OK(sa->Prefetch());  // with the previous commit (and its write tail) in flight
+      StepBoth(sa.get(), env.mm.get(), defs, &ref, step, 1);
+    }
+    ASSERT_OK(sa->WaitForCommit());
+    EXPECT_EQ(env.store->LatestGeneration().step, 4u);
+    ExpectStoreEquals(env.store.get(), defs, ref);
+    EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+  }
+}
+
+// Export (manifest q8s/q8u codes + f32 absmax fields, safetensors U8 and
+// F32) and restore into a new store: the same bits, and the optimizer
+// continues there exactly.
+TEST(StreamedAdamQ8Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(true, 8 * kChunk);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+  const std::vector<Def> defs = Defs();
+  std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+  StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 3);
+  ASSERT_OK(sa->WaitForCommit());
+  const std::string ckpt = env.dir.path() + "/ckpt";
+  ASSERT_OK(vfs::ExportCheckpoint(env.store.get(), ckpt).status());
+  sa.reset();
+  env.Close();
+
+  std::stringstream manifest;
+  manifest << std::ifstream(ckpt + "/manifest.json").rdbuf();
+  auto m = MUST(vfs::ParseManifest(manifest.str(), "manifest.json"));
+  for (const vfs::ManifestTensor& t : m.tensors) {
+    ASSERT_EQ(t.fields.size(), 5u);
+    EXPECT_EQ(t.fields[1].dtype, vfs::DType::kQ8S) << t.name;
+    EXPECT_EQ(t.fields[2].dtype, vfs::DType::kQ8U) << t.name;
+    EXPECT_EQ(t.fields[1].scales, "exp_avg.absmax") << t.name;
+    EXPECT_EQ(t.fields[1].block_size, 256u) << t.name;
+    EXPECT_EQ(t.fields[1].bytes, t.numel) << t.name;
+    EXPECT_EQ(t.fields[3].name, "exp_avg.absmax") << t.name;
+    EXPECT_EQ(t.fields[3].numel, Blocks(t.numel)) << t.name;
+    EXPECT_EQ(t.fields[3].chunk_bytes, kChunk / 64) << t.name;
+  }
+  std::ifstream st(ckpt + "/state.safetensors", std::ios::binary);
+  uint64_t header_len = 0;
+  st.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(header_len, '\0');
+  st.read(header.data(), static_cast<std::streamsize>(header_len));
+  EXPECT_NE(header.find("\"U8\""), std::string::npos) << header.substr(0, 300);
+  const std::string absmax_entry = "\"a.weight/exp_avg.absmax\":{\"dtype\":\"F32\",\"shape\":[" +
+                                   std::to_string(Blocks(kChunk + 777)) + "]";
+  EXPECT_NE(header.find(absmax_entry), std::string::npos) << header.substr(0, 600);
+  // The field files hold the store's bytes.
+  std::ifstream codes(ckpt + "/tensors/a.weight/exp_avg", std::ios::binary);
+  std::vector<uint8_t> file_codes((std::istreambuf_iterator<char>(codes)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(file_codes, ref[0].m);
+
+  Env dst;
+  auto restored = MUST(vfs::CreateStoreFromCheckpoint(ckpt, dst.path(), TestStoreOptions()));
+  restored.reset();
+  dst.Open(false, 8 * kChunk);
+  ASSERT_TRUE(dst.store->Verify().ok());
+  ExpectStoreEquals(dst.store.get(), defs, ref);
+  auto sa2 = MUST(StreamedAdam::Create(dst.store.get(), dst.mm.get(), Q8Options()));
+  for (const Def& d : defs) ASSERT_OK(sa2->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+  StepBoth(sa2.get(), dst.mm.get(), defs, &ref, 4, 2);
+  ASSERT_OK(sa2->WaitForCommit());
+  ExpectStoreEquals(dst.store.get(), defs, ref);
+}
+
+TEST(StreamedAdamQ8Moments, OtherMomentDtypeAndBudgetBelowOneSliceAreRefused) {
+  MEMMGR_REQUIRE_BACKEND();
+  {
+    Env env;
+    env.Open(true, 7 * kChunk);
+    auto r = StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options());
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+  }
+  Env env;
+  env.Open(true, 8 * kChunk);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+  const std::vector<Def> defs = {{"w", 3000}};
+  std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+  StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 1);
+  ASSERT_OK(sa->WaitForCommit());
+  sa.reset();
+  env.Close();
+  env.Open(false, 8 * kChunk);
+  const uint64_t gen = env.store->LatestGeneration().generation;
+  for (ScalarType other : {ScalarType::kF32, ScalarType::kBF16}) {
+    StreamedAdamOptions so;
+    so.moment_dtype = other;
+    auto r = StreamedAdam::Create(env.store.get(), env.mm.get(), so);
+    ASSERT_FALSE(r.ok());
+    const std::string msg = r.status().ToString();
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << msg;
+    for (const std::string& want : {env.path(), std::string("'w'"), std::string("exp_avg"), std::string("q8s")}) {
+      EXPECT_NE(msg.find(want), std::string::npos) << "message lacks '" << want << "': " << msg;
+    }
+  }
+  EXPECT_EQ(env.store->LatestGeneration().generation, gen);
+  sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+  ExpectStoreEquals(env.store.get(), defs, ref);
+}
+
+}  // namespace
+}  // namespace optstate::memmgr
