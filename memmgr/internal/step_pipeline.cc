@@ -25,8 +25,8 @@ Status StepPipeline::Begin() {
   }
   uint64_t ra = PipelineSlices(o);
   // Device slots: enough streams that H2D, kernels and D2H of consecutive
-  // slices overlap on both copy engines (8: the host cache tier step on the
-  // H200 reached 1.37x the copy floor with 4), within the budget.
+  // slices overlap on both copy engines (8; docs/BENCHMARKS.md "Defaults"),
+  // within the budget.
   uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
   size_t total = mm_->all_staging().size();
   size_t max_bufs = total >= 5 ? total - 2 : total;  // leave two for concurrent pins
@@ -124,10 +124,8 @@ Status StepPipeline::Pump(bool drain, bool until_computed) {
     // 1b. Computed slices -> writes, while the write queue has room.
     OPTSTATE_RETURN_IF_ERROR(SubmitComputed(&progressed));
     // 2. Reads into free staging sets before any compute: on the host
-    //    backend a slice's kernel runs here, synchronously (~1.5 ms per
-    //    24 MiB slice on one core), and reads held back behind a few of them
-    //    missed the disk's next round (the development VM completes its
-    //    queue in batches every ~50 ms: the disk idled 20% of a step).
+    //    backend a slice's kernel runs here, synchronously, and reads held
+    //    back behind a few of them would miss the disk's next round.
     OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
     // 3. Ready slices -> free device slots.
     for (size_t k = 0; k < slots_.size() && !ready_.empty(); ++k) {

@@ -320,9 +320,9 @@ class Core {
   // to 4 tries in about 30 ms. Read-only stores.
   // A catch-up that brought nothing (the instance's last sequence number is
   // the one the maps were loaded and checked at, and COMMITTED is not ahead of
-  // them) keeps the maps: reloading the whole index took 25 ms for a store of
-  // 5000 tensors (dev VM), under mu_, and the mount catches up on a lookup
-  // under latest/ every catchup_interval_ms. Every write of the writer moves
+  // them) keeps the maps: reloading the whole index takes milliseconds per
+  // thousand tensors, under mu_, and the mount catches up on a lookup under
+  // latest/ every catchup_interval_ms. Every write of the writer moves
   // the sequence number; a flush or compaction alone does not, and changes no
   // value (or, with the secondary's replay bugs above, shows an older one:
   // the checked maps are the better copy then).
