@@ -18,6 +18,15 @@ Result<ManagerImpl::Region*> ManagerImpl::GetRegion(std::string_view tensor, std
   }
   const vfs::TensorInfo& info = tit->second;
   OPTSTATE_ASSIGN_OR_RETURN(uint32_t f, store_->FieldIndex(info, field));
+  // A region maps chunk c of its field at c pages: a field with chunks of its
+  // own size (the scales of q8 moments) does not fit that mapping.
+  if (info.field_chunk_bytes(f, page_bytes_) != page_bytes_) {
+    return InvalidArgument(fmt::format(
+        "store {}: tensor '{}' field '{}' has chunks of {} bytes, not the store's {}; pins and prefetches map "
+        "whole chunks and cannot hold it (read it with optstate-inspect or optstate_store_read_field)",
+        store_->path(), info.name, info.fields[f].name, info.field_chunk_bytes(f, page_bytes_),
+        page_bytes_));
+  }
   auto key = std::make_pair(info.id, f);
   auto it = regions_.find(key);
   if (it != regions_.end()) return it->second.get();

@@ -18,13 +18,14 @@ inline std::string TypeName(ScalarType t) {
     case ScalarType::kF32: return "f32";
     case ScalarType::kBF16: return "bf16";
     case ScalarType::kF16: return "f16";
+    case ScalarType::kQ8: return "q8";
     case ScalarType::kNone: return "none";
   }
   return "?";
 }
 
 inline size_t TypeSize(ScalarType t) {
-  return t == ScalarType::kF32 ? 4 : t == ScalarType::kNone ? 0 : 2;
+  return t == ScalarType::kF32 ? 4 : t == ScalarType::kNone ? 0 : t == ScalarType::kQ8 ? 1 : 2;
 }
 
 // Decoders written independently of kernels/internal (ldexp, no bit tricks).

@@ -377,5 +377,34 @@ TEST(StreamedAdamQ8Moments, OtherMomentDtypeAndBudgetBelowOneSliceAreRefused) {
   ExpectStoreEquals(env.store.get(), defs, ref);
 }
 
+// Pins map chunk c of a field at c whole pages. The codes of q8 moments fit
+// that (chunks of the store's size), their scales do not (chunks of 1/64):
+// a pin of a scales field is refused by name rather than mapping the wrong
+// bytes, and the codes still pin as the store holds them.
+TEST(StreamedAdamQ8Moments, PinsOfScaleFieldsAreRefusedAndCodesPinAsStored) {
+  MEMMGR_REQUIRE_BACKEND();
+  Env env;
+  env.Open(true, 16 * kChunk);
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
+  const std::vector<Def> defs = {{"w", kChunk + 777}};
+  std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
+  StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 2);
+  ASSERT_OK(sa->MakeDurable().status());
+  for (const char* field : {"exp_avg.absmax", "exp_avg_sq.absmax"}) {
+    auto pin = env.mm->Pin("w", field, 0, 1, Access::kRead);
+    ASSERT_FALSE(pin.ok()) << field;
+    const std::string msg = pin.status().ToString();
+    EXPECT_EQ(pin.status().code(), StatusCode::kInvalidArgument) << msg;
+    for (const std::string& want : {env.path(), std::string("'w'"), std::string(field)}) {
+      EXPECT_NE(msg.find(want), std::string::npos) << "message lacks '" << want << "': " << msg;
+    }
+  }
+  const uint64_t n = defs[0].numel;
+  auto pin = MUST(env.mm->Pin("w", "exp_avg", 0, n, Access::kRead));
+  std::vector<uint8_t> codes(n);
+  ASSERT_OK(env.mm->CopyToHost(codes.data(), pin.data(), n));
+  EXPECT_EQ(codes, ref[0].m);
+}
+
 }  // namespace
 }  // namespace optstate::memmgr
