@@ -86,6 +86,7 @@ struct StepOptions {
   uint32_t commit_lag = 1;  // StreamedAdamOptions::commit_lag_steps
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
   bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved
+  bool compare_q8 = false;      // comparison mode: also a store with q8 moments, interleaved
   std::string first_version_moments = "f32";  // the first version's moment_dtype: f32 or bf16
   int cpu_threads = 1;
   uint32_t hash_threads = memmgr::MemoryManagerOptions::kAutoHashThreads;
@@ -496,12 +497,23 @@ int RunCompare(const StepOptions& o) {
       std::error_code ec;
       if (own) fs::remove_all(d, ec);
       else {
-        for (const char* n : {"store", "store.bf16", "first_version", "sync_direct", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
+        for (const char* n : {"store", "store.bf16", "store.q8", "first_version", "sync_direct", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
       }
     }
   } cleanup{dir, own_dir};
 
   if (o.hidden < 64) return FailWith(kTool, InvalidArgument("--hidden must be >= 64"));
+  // A q8 slice in flight holds 8 chunks of the device budget: four of main
+  // (its f32 elements span four chunks of one-byte codes), one of each
+  // moment's codes and one of each moment's absmax scales.
+  constexpr uint64_t kQ8SliceChunks = 8;
+  if (o.compare_q8 && c->budget < kQ8SliceChunks * c->chunk) {
+    return FailWith(kTool, InvalidArgument(fmt::format(
+                               "--budget {} with --q8-moments: a q8 step needs at least {} chunks of {} = {} of "
+                               "device budget (four of main, one of each moment's codes and of each's absmax)",
+                               FormatBytes(c->budget), kQ8SliceChunks, FormatBytes(c->chunk),
+                               FormatBytes(kQ8SliceChunks * c->chunk))));
+  }
   bool fv_warm = false, fv_cold = false, fv_direct = false;
   if (!o.no_first_version) {
     std::string list = o.first_version_text;
@@ -590,36 +602,64 @@ int RunCompare(const StepOptions& o) {
   // timed step reads and writes all 12 bytes per parameter.
   if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step"));
 
-  // --bf16-moments: the same params, gradients and budget on a store whose
-  // moments are bf16 (its own store and manager), stepped after ours in each
-  // round: what narrower moments save, measured side by side.
-  std::unique_ptr<vfs::Store> store16;
-  std::unique_ptr<memmgr::MemoryManager> mm16;
-  std::unique_ptr<memmgr::StreamedAdam> opt16;
-  if (o.compare_bf16) {
-    auto s16 = vfs::Store::Create(dir + "/store.bf16", so);
-    if (!s16.ok()) return FailWith(kTool, s16.status());
-    store16 = std::move(*s16);
-    auto m16 = memmgr::MemoryManager::Create(store16.get(), ManagerOptions(*c, o));
-    if (!m16.ok()) return FailWith(kTool, m16.status());
-    mm16 = std::move(*m16);
-    memmgr::StreamedAdamOptions ao16 = ao;
-    ao16.moment_dtype = ScalarType::kBF16;
-    auto o16 = memmgr::StreamedAdam::Create(store16.get(), mm16.get(), ao16);
-    if (!o16.ok()) return FailWith(kTool, o16.status());
-    opt16 = std::move(*o16);
-    if (Status s = opt16->SetGroup(g); !s.ok()) return FailWith(kTool, s);
-    auto dw = DeviceBuffer::Make(mm16.get(), max_numel * 4);
+  // --bf16-moments / --q8-moments: the same params, gradients and budget on
+  // a store whose moments are bf16 or q8 (its own store and manager), stepped
+  // in each round next to ours: what narrower moments save, measured side by
+  // side.
+  struct MomentStore {
+    std::string dtype;  // "bf16" or "q8"
+    ScalarType moment_dtype = ScalarType::kF32;
+    std::unique_ptr<vfs::Store> store;
+    std::unique_ptr<memmgr::MemoryManager> mm;
+    std::unique_ptr<memmgr::StreamedAdam> opt;
+    std::vector<double> t;       // until its commit is durable
+    std::vector<bool> before_ours;  // per round: stepped before ours
+    std::vector<memmgr::StreamedAdam::StepStats> stats;
+    DiskPhase disk;
+    std::vector<uint64_t> written;  // chunk bytes written per step (the manager's count)
+  };
+  std::vector<MomentStore> extras;
+  extras.reserve(2);
+  for (const auto& [on, dtype, moment_dtype] :
+       {std::tuple<bool, const char*, ScalarType>{o.compare_bf16, "bf16", ScalarType::kBF16},
+        {o.compare_q8, "q8", ScalarType::kQ8}}) {
+    if (!on) continue;
+    extras.emplace_back();
+    extras.back().dtype = dtype;
+    extras.back().moment_dtype = moment_dtype;
+  }
+  for (MomentStore& x : extras) {
+    const std::string what = x.dtype + " moments";
+    auto sx = vfs::Store::Create(dir + "/store." + x.dtype, so);
+    if (!sx.ok()) return FailWith(kTool, sx.status());
+    x.store = std::move(*sx);
+    auto mx = memmgr::MemoryManager::Create(x.store.get(), ManagerOptions(*c, o));
+    if (!mx.ok()) return FailWith(kTool, mx.status());
+    x.mm = std::move(*mx);
+    memmgr::StreamedAdamOptions aox = ao;
+    aox.moment_dtype = x.moment_dtype;
+    auto ox = memmgr::StreamedAdam::Create(x.store.get(), x.mm.get(), aox);
+    if (!ox.ok()) return FailWith(kTool, ox.status().WithContext(what));
+    x.opt = std::move(*ox);
+    if (Status s = x.opt->SetGroup(g); !s.ok()) return FailWith(kTool, s);
+    auto dw = DeviceBuffer::Make(x.mm.get(), max_numel * 4);
     if (!dw.ok()) return FailWith(kTool, dw.status());
-    if (Status s = mm16->CopyToDevice(dw->get(), w0.data(), max_numel * 4); !s.ok()) return FailWith(kTool, s);
+    if (Status s = x.mm->CopyToDevice(dw->get(), w0.data(), max_numel * 4); !s.ok()) return FailWith(kTool, s);
     for (auto& [name, n] : params) {
-      if (Status s = opt16->RegisterParam(name, n, 0, dw->get(), ScalarType::kF32); !s.ok()) {
-        return FailWith(kTool, s.WithContext(name + " (bf16 moments)"));
+      if (Status s = x.opt->RegisterParam(name, n, 0, dw->get(), ScalarType::kF32); !s.ok()) {
+        return FailWith(kTool, s.WithContext(name + " (" + what + ")"));
       }
     }
-    if (Status s = opt16->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step, bf16 moments"));
-    if (Status s = opt16->WaitForCommit(); !s.ok()) return FailWith(kTool, s.WithContext("bf16 moments"));
+    if (Status s = x.opt->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step, " + what));
+    if (Status s = x.opt->WaitForCommit(); !s.ok()) return FailWith(kTool, s.WithContext(what));
   }
+  MomentStore* const bf16 = o.compare_bf16 ? &extras.front() : nullptr;
+  MomentStore* const q8 = o.compare_q8 ? &extras.back() : nullptr;
+  static const std::vector<double> kNoTimes;
+  static const std::vector<uint64_t> kNoBytes;
+  static const std::vector<memmgr::StreamedAdam::StepStats> kNoStats;
+  const std::vector<double>& t_bf16 = bf16 ? bf16->t : kNoTimes;
+  const std::vector<double>& t_q8 = q8 ? q8->t : kNoTimes;
 
   std::unique_ptr<FirstVersionBaseline> fvb;
   if (fv_warm || fv_cold) {
@@ -653,21 +693,19 @@ int RunCompare(const StepOptions& o) {
   if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
 
   std::vector<double> t_floor, t_ours, t_fv, t_warm, t_cold;
-  std::vector<double> t_bf16;  // --bf16-moments, until its commit is durable
   std::vector<double> t_ours_returned;  // until Step returned (its commit may still run)
   // The share of the first version's files in the page cache before each
   // warm step and after each eviction; the eviction's fdatasync time.
   std::vector<double> warm_resident, cold_resident, cold_writeback;
   const std::vector<const void*> grad_cptrs(grad_ptrs.begin(), grad_ptrs.end());
   std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
-  std::vector<memmgr::StreamedAdam::StepStats> stats, stats_bf16;
+  std::vector<memmgr::StreamedAdam::StepStats> stats;
   // How the disk under --dir was used during the floor and our steps.
-  DiskPhase disk_floor, disk_ours, disk_bf16;
+  DiskPhase disk_floor, disk_ours;
   // Per timed step: chunk bytes read from the store / served by the host cache tier.
   std::vector<std::pair<uint64_t, uint64_t>> step_io;
-  // Per timed step: chunk bytes written to the store (the manager's count),
-  // ours and, with --bf16-moments, the bf16 store's.
-  std::vector<uint64_t> step_written, step_written_bf16;
+  // Per timed step: chunk bytes written to the store (the manager's count).
+  std::vector<uint64_t> step_written;
   // --prefetch: exposed step seconds in the loop simulation, without and with
   // Prefetch(), and the bytes each step found prefetched.
   std::vector<double> t_loop_plain, t_loop_prefetch;
@@ -682,19 +720,27 @@ int RunCompare(const StepOptions& o) {
     return Status::Ok();
   };
   const std::string disk_path = dir + "/store";
-  auto step_bf16 = [&](uint32_t r) -> Status {
-    const uint64_t w0_16 = mm16->stats().nvme_write_bytes;
+  auto step_extra = [&](MomentStore& x, uint32_t r, bool before_ours) -> Status {
+    const uint64_t w0_x = x.mm->stats().nvme_write_bytes;
     const DiskCounters before = ReadDiskCounters(disk_path);
     const double t0 = NowSeconds();
-    Status s = opt16->Step(pg);
-    if (s.ok()) s = opt16->WaitForCommit();
-    if (!s.ok()) return s.WithContext(fmt::format("bf16 moments, round {}", r + 1));
-    t_bf16.push_back(NowSeconds() - t0);
-    disk_bf16.Add(before, ReadDiskCounters(disk_path), t_bf16.back());
-    step_written_bf16.push_back(mm16->stats().nvme_write_bytes - w0_16);
-    stats_bf16.push_back(opt16->last_step_stats());
+    Status s = x.opt->Step(pg);
+    if (s.ok()) s = x.opt->WaitForCommit();
+    if (!s.ok()) return s.WithContext(fmt::format("{} moments, round {}", x.dtype, r + 1));
+    x.t.push_back(NowSeconds() - t0);
+    x.before_ours.push_back(before_ours);
+    x.disk.Add(before, ReadDiskCounters(disk_path), x.t.back());
+    x.written.push_back(x.mm->stats().nvme_write_bytes - w0_x);
+    x.stats.push_back(x.opt->last_step_stats());
     return Status::Ok();
   };
+  // Round r steps the stores in the order (f32, extras...) rotated left by r,
+  // so that each follows each other's writes (an SSD's write cache and
+  // garbage collection slow the later writer) equally often. With one extra
+  // store it runs after ours in even rounds and before it in odd ones.
+  const size_t n_stores = 1 + extras.size();
+  std::vector<std::vector<std::string>> step_order;  // per round, JSON
+  auto json_name = [](const std::string& dtype) { return "ours_" + dtype + "_moments"; };
   ProgressBar bar("step rounds", o.rounds);
   for (uint32_t r = 0; r < o.rounds; ++r) {
     if (use_fio) {
@@ -719,13 +765,26 @@ int RunCompare(const StepOptions& o) {
       disk_floor.Add(before, ReadDiskCounters(disk_path), t);
       t_floor.push_back(t * static_cast<double>(state_bytes) / static_cast<double>(rd.size_bytes));
     }
-    // --bf16-moments: the bf16 step runs right after ours in even rounds and
-    // right before it in odd ones, so that each follows the other's writes
-    // (an SSD's write cache and garbage collection slow the later writer)
-    // equally often.
-    const bool bf16_first = r % 2 == 1;
-    if (opt16 && bf16_first) {
-      if (Status s = step_bf16(r); !s.ok()) return FailWith(kTool, s);
+    // The moment-dtype stores of this round before ours, then those after it
+    // (indices into extras, in their order within the round).
+    std::vector<size_t> extras_before, extras_after;
+    {
+      std::vector<std::string> names;
+      bool seen_ours = false;
+      for (size_t k = 0; k < n_stores; ++k) {
+        const size_t i = (k + r) % n_stores;
+        if (i == 0) {
+          seen_ours = true;
+          names.push_back("ours");
+          continue;
+        }
+        (seen_ours ? extras_after : extras_before).push_back(i - 1);
+        names.push_back(json_name(extras[i - 1].dtype));
+      }
+      step_order.push_back(std::move(names));
+    }
+    for (size_t i : extras_before) {
+      if (Status s = step_extra(extras[i], r, true); !s.ok()) return FailWith(kTool, s);
     }
     DiskCounters before = ReadDiskCounters(disk_path);
     const memmgr::MemoryStats ms0 = (*mm)->stats();
@@ -778,8 +837,8 @@ int RunCompare(const StepOptions& o) {
       }
       t_cold.push_back(NowSeconds() - t0);
     }
-    if (opt16 && !bf16_first) {
-      if (Status s = step_bf16(r); !s.ok()) return FailWith(kTool, s);
+    for (size_t i : extras_after) {
+      if (Status s = step_extra(extras[i], r, false); !s.ok()) return FailWith(kTool, s);
     }
     if (fv) {
       t0 = NowSeconds();
@@ -815,14 +874,18 @@ int RunCompare(const StepOptions& o) {
     for (size_t i = 0; i < a.size() && i < b.size(); ++i) r.push_back(a[i] / b[i]);
     return Median(r);
   };
-  // Same-round bf16 / f32 ratios of the rounds of one order (0: bf16 after ours).
-  auto bf16_ratios = [&](size_t parity) {
+  // Same-round extra / f32 ratios of the rounds in which the extra store
+  // stepped before (or after) ours.
+  auto order_ratios = [&](const MomentStore& x, bool before_ours) {
     std::string out;
-    for (size_t i = parity; i < t_bf16.size() && i < t_ours.size(); i += 2) {
-      out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", t_bf16[i] / t_ours[i]);
+    for (size_t i = 0; i < x.t.size() && i < t_ours.size(); ++i) {
+      if (x.before_ours[i] != before_ours) continue;
+      out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x.t[i] / t_ours[i]);
     }
     return out;
   };
+  // Bytes a step moves each way per parameter: main 4 + two moments.
+  const double q8_bytes_per_param = 4.0 + 2.0 * (1.0 + 4.0 / static_cast<double>(vfs::kQ8BlockElems));
   auto ms = (*mm)->stats();
   double copy_floor = std::max(static_cast<double>(state_bytes) / h2d, static_cast<double>(state_bytes) / d2h);
   nlohmann::json out;
@@ -841,19 +904,26 @@ int RunCompare(const StepOptions& o) {
                     {"first_version_warm", t_warm},
                     {"first_version_cold", t_cold},
                     {"sync_direct_engine", t_fv},
-                    {"ours_bf16_moments", t_bf16}};
+                    {"ours_bf16_moments", t_bf16},
+                    {"ours_q8_moments", t_q8}};
   out["names"] = {{"ours", "StreamedAdam step (ours), O_DIRECT, until its commit is durable"},
                   {"fio_floor", "I/O floor (fio read+write)"},
                   {"first_version_warm", "first version, buffered, page cache warm"},
                   {"first_version_cold", "first version, buffered, page cache cold"},
                   {"sync_direct_engine", "synchronous O_DIRECT engine"},
-                  {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"}};
+                  {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"},
+                  {"ours_q8_moments", fmt::format("StreamedAdam step (ours) on a store with q8 moments ({:.2f} B/param)",
+                                                  q8_bytes_per_param)}};
   if (!t_bf16.empty()) out["bf16_moments_over_f32"] = ratio(t_bf16, t_ours);
+  if (!t_q8.empty()) out["q8_moments_over_f32"] = ratio(t_q8, t_ours);
   out["first_version_moments"] = o.first_version_moments;
   if (!t_bf16.empty() && o.first_version_moments == "bf16") {
     out["bf16_moments_over_first_version"] = {{"warm", ratio(t_bf16, t_warm)}, {"cold", ratio(t_bf16, t_cold)}};
   }
-  out["bf16_moments_step_first_in"] = "odd rounds (1-based: 2, 4, ...); after ours in the others";
+  out["bf16_moments_step_first_in"] =
+      n_stores == 3 ? "rounds 2, 5, 8, ... (1-based); after ours in the others (see step_order)"
+                    : "odd rounds (1-based: 2, 4, ...); after ours in the others";
+  out["step_order"] = step_order;  // per round: the stores in the order they stepped
   out["commit_lag_steps"] = o.commit_lag;
   out["ours_step_returned_seconds"] = t_ours_returned;
   out["median_ours_step_returned_seconds"] = Median(t_ours_returned);
@@ -906,9 +976,14 @@ int RunCompare(const StepOptions& o) {
             {"peak_write_bytes_in_flight", st.peak_write_bytes_in_flight},
             {"device_slots", st.device_slots}};
   };
-  nlohmann::json breakdown_bf16 = nlohmann::json::array();
-  for (const auto& st : stats_bf16) breakdown_bf16.push_back(step_json(st));
-  out["step_stats_bf16_moments"] = breakdown_bf16;
+  for (const char* dtype : {"bf16", "q8"}) {
+    nlohmann::json breakdown_x = nlohmann::json::array();
+    for (const MomentStore& x : extras) {
+      if (x.dtype != dtype) continue;
+      for (const auto& st : x.stats) breakdown_x.push_back(step_json(st));
+    }
+    out[fmt::format("step_stats_{}_moments", dtype)] = breakdown_x;
+  }
   nlohmann::json breakdown = nlohmann::json::array();
   for (size_t i = 0; i < stats.size(); ++i) {
     const auto& st = stats[i];
@@ -937,7 +1012,8 @@ int RunCompare(const StepOptions& o) {
                    {"prefetch_hit_bytes", loop_prefetch_hits}};
   }
   out["disk"] = {{"ours", disk_ours.Describe()}, {"fio_floor", disk_floor.Describe()},
-                 {"ours_bf16_moments", disk_bf16.Describe()}};
+                 {"ours_bf16_moments", bf16 ? bf16->disk.Describe() : DiskPhase().Describe()},
+                 {"ours_q8_moments", q8 ? q8->disk.Describe() : DiskPhase().Describe()}};
   // Endurance: chunk bytes written per step (the manager's count) and the
   // drive writes per day at the measured median step time.
   auto tb_per_day = [](const std::vector<uint64_t>& written, const std::vector<double>& secs) {
@@ -945,9 +1021,14 @@ int RunCompare(const StepOptions& o) {
     std::vector<double> w(written.begin(), written.end());
     return Median(w) * 86400.0 / Median(secs) / 1e12;
   };
-  out["write_bytes_per_step"] = {{"ours", step_written}, {"ours_bf16_moments", step_written_bf16}};
+  const std::vector<uint64_t>& step_written_bf16 = bf16 ? bf16->written : kNoBytes;
+  const std::vector<uint64_t>& step_written_q8 = q8 ? q8->written : kNoBytes;
+  out["write_bytes_per_step"] = {{"ours", step_written},
+                                 {"ours_bf16_moments", step_written_bf16},
+                                 {"ours_q8_moments", step_written_q8}};
   out["drive_writes_tb_per_day"] = {{"ours", tb_per_day(step_written, t_ours)},
-                                    {"ours_bf16_moments", tb_per_day(step_written_bf16, t_bf16)}};
+                                    {"ours_bf16_moments", tb_per_day(step_written_bf16, t_bf16)},
+                                    {"ours_q8_moments", tb_per_day(step_written_q8, t_q8)}};
   if (o.json) {
     PrintJson(out);
     return 0;
@@ -973,27 +1054,40 @@ int RunCompare(const StepOptions& o) {
   row("first version, buffered, page cache cold" + fv_moments, t_cold, ratio(t_ours, t_cold));
   row("synchronous O_DIRECT engine", t_fv, ratio(t_ours, t_fv));
   row("StreamedAdam step (ours), bf16 moments", t_bf16, ratio(t_ours, t_bf16));
+  row("StreamedAdam step (ours), q8 moments", t_q8, ratio(t_ours, t_q8));
   std::cout << t.Render();
+  // With one extra store the orders are the round's parity; with two, the
+  // rounds of each order are in step_order.
+  const bool parity_orders = n_stores == 2;
   if (!t_bf16.empty()) {
     std::cout << fmt::format(
-        "bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x); bf16 after f32 (even "
-        "rounds) [{}], before it (odd rounds) [{}]\n",
-        ratio(t_bf16, t_ours), bf16_ratios(0), bf16_ratios(1));
+        "bf16 moments / f32 moments (same rounds): {:.2f}x (bytes moved: 8/12 = 0.67x); bf16 after f32{} [{}], "
+        "before it{} [{}]\n",
+        ratio(t_bf16, t_ours), parity_orders ? " (even rounds)" : "", order_ratios(*bf16, false),
+        parity_orders ? " (odd rounds)" : "", order_ratios(*bf16, true));
     if (o.first_version_moments == "bf16" && (!t_warm.empty() || !t_cold.empty())) {
       std::cout << fmt::format("ours, bf16 moments / first version, bf16 moments (same rounds): warm {:.2f}x, cold "
                                "{:.2f}x\n",
                                ratio(t_bf16, t_warm), ratio(t_bf16, t_cold));
     }
   }
+  if (!t_q8.empty()) {
+    std::cout << fmt::format(
+        "q8 moments / f32 moments (same rounds): {:.2f}x (bytes moved: {:.2f}/12 = {:.2f}x); q8 after f32{} [{}], "
+        "before it{} [{}]\n",
+        ratio(t_q8, t_ours), q8_bytes_per_param, q8_bytes_per_param / 12.0, parity_orders ? " (even rounds)" : "",
+        order_ratios(*q8, false), parity_orders ? " (odd rounds)" : "", order_ratios(*q8, true));
+  }
   auto list = [](const std::vector<double>& v) {
     std::string out;
     for (double x : v) out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x);
     return out.empty() ? std::string("-") : out;
   };
-  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}{}\n",
+  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}{}{}\n",
                            list(t_ours), list(t_floor), list(t_warm), list(t_cold),
                            t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(t_fv) + "]",
-                           t_bf16.empty() ? "" : "  bf16 moments [" + list(t_bf16) + "]");
+                           t_bf16.empty() ? "" : "  bf16 moments [" + list(t_bf16) + "]",
+                           t_q8.empty() ? "" : "  q8 moments [" + list(t_q8) + "]");
   if (fvb) {
     std::cout << fmt::format(
         "first version: {} bucket(s) of <= {} elements, {} of files, {} staging buffer; page cache held {} of "
@@ -1022,7 +1116,8 @@ int RunCompare(const StepOptions& o) {
   }
   for (const auto& [name, all] : {std::pair<const char*, const std::vector<memmgr::StreamedAdam::StepStats>*>{
                                        "last step", &stats},
-                                   {"last step, bf16 moments", &stats_bf16}}) {
+                                   {"last step, bf16 moments", bf16 ? &bf16->stats : &kNoStats},
+                                   {"last step, q8 moments", q8 ? &q8->stats : &kNoStats}}) {
     if (all->empty()) continue;
     const auto& st = all->back();
     std::cout << fmt::format(
@@ -1040,7 +1135,8 @@ int RunCompare(const StepOptions& o) {
   std::cout << fmt::format("per step: read from the store [{}]  served by the host cache [{}]\n", reads, hits);
   for (const auto& [name, written, secs] :
        {std::tuple<const char*, const std::vector<uint64_t>*, const std::vector<double>*>{"f32 moments", &step_written, &t_ours},
-        {"bf16 moments", &step_written_bf16, &t_bf16}}) {
+        {"bf16 moments", &step_written_bf16, &t_bf16},
+        {"q8 moments", &step_written_q8, &t_q8}}) {
     if (written->empty()) continue;
     std::vector<double> w(written->begin(), written->end());
     std::cout << fmt::format(
@@ -1059,8 +1155,11 @@ int RunCompare(const StepOptions& o) {
         FormatSeconds(Median(t_loop_prefetch)), ratio(t_loop_prefetch, t_loop_plain), found, list(t_loop_plain),
         list(t_loop_prefetch));
   }
+  const DiskPhase no_disk;
   for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &disk_ours},
-                                {"bf16", &disk_bf16}, {"floor", &disk_floor}}) {
+                                {"bf16", bf16 ? &bf16->disk : &no_disk},
+                                {"q8", q8 ? &q8->disk : &no_disk},
+                                {"floor", &disk_floor}}) {
     std::string u = d->Describe();
     if (!u.empty()) std::cout << fmt::format("{:<6}{}\n", name, u);
   }
@@ -1082,6 +1181,10 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--bf16-moments", o->compare_bf16,
                 "comparison mode: also time a store with bf16 moments (same params, gradients, budget; its own "
                 "store and manager), interleaved, and report bf16 / f32");
+  sub->add_flag("--q8-moments", o->compare_q8,
+                "comparison mode: also time a store with q8 moments (same params, gradients, budget; its own "
+                "store and manager; the budget must hold 8 chunks), interleaved, and report q8 / f32; with "
+                "--bf16-moments too, the three stores step in an order that rotates each round");
   sub->add_option("--moments", o->moments,
                   "synthetic mode: moment dtype, f32, bf16 or q8 (an existing store must hold it; default f32)")
       ->check(CLI::IsMember({"f32", "bf16", "q8"}));

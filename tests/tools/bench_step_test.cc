@@ -358,13 +358,23 @@ TEST(BenchStepTest, CompareModeReportsEachFirstVersionBaseline) {
   EXPECT_NE(r.err.find("bogus"), std::string::npos) << r.err;
 }
 
+// The bytes a step writes of one tensor with q8 moments: main (4 B/param),
+// two moments of one-byte codes, and each moment's fp32 absmax per block of
+// 256 elements (a partial last block has its own).
+uint64_t Q8StepBytes(uint64_t numel) { return numel * 4 + 2 * numel + 2 * 4 * ((numel + 255) / 256); }
+
 // Bytes written per step: the bench's figure (the manager's nvme_write_bytes)
 // against the bytes per parameter of each moment dtype (main 4 + two moments
-// of 4 or 2) and against the store's own lifetime counter of extent bytes.
+// of 4 or 2; q8: 1 and a 4-byte scale per 256 elements) and against the
+// store's own lifetime counter of extent bytes.
 TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
   TempDir dir;
   const uint64_t n = 1'100'000;  // not a multiple of a chunk's elements: partial last chunks
-  for (const auto& [moments, bytes_per_param] : {std::pair<std::string, uint64_t>{"f32", 12}, {"bf16", 8}}) {
+  // q8: --tensors 2 splits n into two tensors of 550'000 (2148.4 blocks each:
+  // a partial last block); bytes_per_param 0 = not a whole number.
+  const uint64_t q8_bytes = 2 * Q8StepBytes(n / 2);
+  for (const auto& [moments, bytes_per_param] :
+       {std::pair<std::string, uint64_t>{"f32", 12}, {"bf16", 8}, {"q8", 0}}) {
     const std::string store = dir / moments;
     std::vector<std::string> args = {"step", "--store", store, "--params", std::to_string(n), "--tensors", "2",
                                      "--chunk-size", "2M", "--budget", "16M", "--backend", "host",
@@ -382,10 +392,22 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
     ASSERT_EQ(r.exit_code, 0) << r.err;
     auto j = ParseJson(r);
     const uint64_t per_step = j["write_bytes_per_step"].get<uint64_t>();
-    EXPECT_EQ(per_step, n * bytes_per_param) << moments;
-    EXPECT_DOUBLE_EQ(j["write_bytes_per_param"].get<double>(), static_cast<double>(bytes_per_param)) << moments;
+    const uint64_t expected = bytes_per_param > 0 ? n * bytes_per_param : q8_bytes;
+    EXPECT_EQ(per_step, expected) << moments;
+    EXPECT_DOUBLE_EQ(j["write_bytes_per_param"].get<double>(),
+                     static_cast<double>(expected) / static_cast<double>(n))
+        << moments;
     auto s = vfs::Store::OpenReadOnly(store, vfs::StoreOptions{});
     ASSERT_TRUE(s.ok()) << s.status().ToString();
+    // The store's own field geometry: a step rewrites every field of every tensor.
+    uint64_t field_bytes = 0;
+    const std::vector<vfs::TensorInfo> tensors = (*s)->ListTensors();
+    ASSERT_EQ(tensors.size(), 2u);
+    for (const auto& t : tensors) {
+      ASSERT_EQ(t.fields.size(), moments == "q8" ? 5u : 3u) << moments;
+      for (uint32_t f = 0; f < t.fields.size(); ++f) field_bytes += t.field_bytes(f);
+    }
+    EXPECT_EQ(per_step, field_bytes) << moments;
     EXPECT_EQ((*s)->Stats()->lifetime_bytes_written - lifetime0, 2 * per_step) << moments;
     EXPECT_DOUBLE_EQ(j["drive_writes_tb_per_day"].get<double>(),
                      static_cast<double>(per_step) * 86400.0 / j["step_seconds"].get<double>() / 1e12)
@@ -410,6 +432,54 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
   }
   EXPECT_GT(j["drive_writes_tb_per_day"]["ours"].get<double>(), 0.0);
   EXPECT_GT(j["drive_writes_tb_per_day"]["ours_bf16_moments"].get<double>(), 0.0);
+  EXPECT_TRUE(j["write_bytes_per_step"]["ours_q8_moments"].empty());
+
+  // All three stores: the order rotates each round, so in 3 rounds each store
+  // steps first once.
+  r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "3", "--no-fio",
+                              "--first-version", "none", "--bf16-moments", "--q8-moments", "--backend", "host",
+                              "--budget", "64M", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  j = ParseJson(r);
+  // The parameter mix of 12M of state at hidden 1024: ln1.weight, ln1.bias and
+  // the first 1'046'528 elements of attn.qkv.weight (multiples of 256).
+  const std::vector<uint64_t> numels = {1024, 1024, 1'048'576 - 2048};
+  ASSERT_EQ(j["params"].get<uint64_t>(), 1'048'576u);
+  ASSERT_EQ(j["tensors"].get<uint64_t>(), numels.size());
+  uint64_t q8_step = 0;
+  for (uint64_t numel : numels) q8_step += Q8StepBytes(numel);
+  ASSERT_EQ(j["write_bytes_per_step"]["ours_q8_moments"].size(), 3u) << j["write_bytes_per_step"];
+  ASSERT_EQ(j["step_stats_q8_moments"].size(), 3u);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(j["write_bytes_per_step"]["ours"][k].get<uint64_t>(), 1'048'576u * 12);
+    EXPECT_EQ(j["write_bytes_per_step"]["ours_bf16_moments"][k].get<uint64_t>(), 1'048'576u * 8);
+    EXPECT_EQ(j["write_bytes_per_step"]["ours_q8_moments"][k].get<uint64_t>(), q8_step);
+    EXPECT_EQ(j["step_stats_q8_moments"][k]["write_bytes"].get<uint64_t>(), q8_step);
+  }
+  EXPECT_GT(j["q8_moments_over_f32"].get<double>(), 0.0);
+  EXPECT_GT(j["drive_writes_tb_per_day"]["ours_q8_moments"].get<double>(), 0.0);
+  ASSERT_EQ(j["step_order"].size(), 3u);
+  EXPECT_EQ(j["step_order"][0], nlohmann::json({"ours", "ours_bf16_moments", "ours_q8_moments"}));
+  EXPECT_EQ(j["step_order"][1], nlohmann::json({"ours_bf16_moments", "ours_q8_moments", "ours"}));
+  EXPECT_EQ(j["step_order"][2], nlohmann::json({"ours_q8_moments", "ours", "ours_bf16_moments"}));
+
+  // The text report has the q8 lines.
+  r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "2", "--no-fio",
+                              "--first-version", "none", "--q8-moments", "--backend", "host", "--budget", "64M"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* line : {"StreamedAdam step (ours), q8 moments", "q8 moments / f32 moments (same rounds): ",
+                           "(bytes moved: 6.03/12 = 0.50x); q8 after f32 (even rounds) [",
+                           "written per step, q8 moments: "}) {
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
+  }
+
+  // A budget below one q8 slice (8 chunks) is refused up front, naming it.
+  r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "1", "--no-fio",
+                              "--first-version", "none", "--q8-moments", "--backend", "host", "--chunk-size", "8M",
+                              "--budget", "56M"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--budget 56"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("8 chunks"), std::string::npos) << r.err;
 }
 
 TEST(BenchStepTest, RejectsMalformedArguments) {
