@@ -74,7 +74,9 @@ struct MemoryManagerOptions {
   static constexpr uint64_t kAutoHostCache = ~uint64_t{0};
   uint64_t host_cache_bytes = kAutoHostCache;
   // Chunk-sized pinned staging buffers for Pin/Prefetch/write-back and for the
-  // StreamedAdam pipeline (cuda backend); 0 = auto (3 x read-ahead + 4).
+  // StreamedAdam pipeline; 0 = auto: 3 x read-ahead + 4, grown by a StreamedAdam
+  // with wider slices (bf16 or q8 moments: 4 or 8 buffers a slice) to keep as
+  // many bytes in flight as f32 slices do (MemoryStats::staging_buffers).
   uint32_t staging_buffers = 0;
   // io_uring reads in flight (Pin/Prefetch: all requests) per ChunkIo. Default 32.
   uint32_t queue_depth = 32;
@@ -85,7 +87,8 @@ struct MemoryManagerOptions {
   uint32_t write_queue_depth = 32;
   // Chunk slices (one chunk of main+exp_avg+exp_avg_sq) staged at once by the
   // StreamedAdam pipeline (reading, computing or writing); 0 = auto: enough
-  // to keep both queues full, (queue_depth + write_queue_depth) / 3 + 4.
+  // to keep both queues full, (queue_depth + write_queue_depth) / B + 4 with
+  // B the chunks' worth of bytes a slice moves (3 f32, 4 bf16, 6 q8 moments).
   uint32_t read_ahead_chunks = 0;
   // CUDA device ordinal (cuda backend).
   int cuda_device = 0;
@@ -135,6 +138,7 @@ struct MemoryStats {
   uint64_t pins = 0;
   uint64_t evictions = 0;
   uint32_t staging_in_use = 0;        // pinned staging buffers held now (pins, steps, prefetches)
+  uint32_t staging_buffers = 0;       // pinned staging buffers in the pool (staging_buffers, or auto)
 };
 
 // RAII handle of one pinned range. Movable, not copyable. The memory stays

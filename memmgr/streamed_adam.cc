@@ -138,6 +138,9 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
                            "background until the next call), got " + std::to_string(sa->opts_.commit_lag_steps) +
                            " (store " + store->path() + ")");
   }
+  // Wider slices (bf16, q8 moments) take more staging buffers each: an
+  // automatic pool grows so that the pipeline keeps as many bytes in flight.
+  impl->GrowStaging(internal::StepPipelineStaging(impl->options(), opts.moment_dtype));
   if (!sa->params_.empty()) {
     OPTSTATE_LOG_INFO("StreamedAdam: store {} restored at generation {} step {}: {} params, {} groups",
                       store->path(), gen.generation, gen.step, sa->params_.size(), sa->groups_.size());

@@ -32,10 +32,11 @@ Status StreamedAdam::Prefetch() {
   // to adopt: at most its own staging less one slice (StepPipeline::Begin).
   size_t stage_limit = 0;
   if (!CacheHoldsState() && staged_.empty()) {
-    const size_t total = impl->all_staging().size();
+    const size_t total = impl->staging_count();
     const size_t max_bufs = total >= 5 ? total - 2 : total;
     const size_t slice_bufs = internal::SliceChunks(opts_.moment_dtype);
-    const size_t want = std::min<size_t>(max_bufs, slice_bufs * static_cast<size_t>(internal::PipelineSlices(mo)));
+    const size_t want =
+        std::min<size_t>(max_bufs, slice_bufs * static_cast<size_t>(internal::StepPipelineSlices(mo, opts_.moment_dtype)));
     stage_limit = want > slice_bufs ? want - slice_bufs : 0;
   }
   if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
@@ -82,7 +83,7 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t s
   // Staging for the reads (the tier's entries are filled by a copy, so a
   // concurrent reader of the tier never sees a half-read entry): up to a
   // read queue's worth, leaving two for concurrent pins.
-  const size_t total = impl->all_staging().size();
+  const size_t total = impl->staging_count();
   const size_t want = std::max<size_t>(1, std::min<size_t>(total >= 5 ? total - 2 : 1, impl->options().queue_depth));
   r->write_mark = impl->stats().nvme_write_bytes;
   std::vector<void*> bufs = impl->AcquireStaging(1, std::max(want, stage_limit));

@@ -169,6 +169,7 @@ vfs::ChunkIoOptions ManagerImpl::ChunkIoOpts() const {
   o.hash_threads = opts_.hash_threads != MemoryManagerOptions::kAutoHashThreads ? opts_.hash_threads
                    : std::thread::hardware_concurrency() >= 8                 ? 4
                                                                               : 0;
+  std::lock_guard<std::mutex> lock(staging_mu_);
   for (void* b : staging_) o.registered_buffers.emplace_back(static_cast<std::byte*>(b), page_bytes_);
   return o;
 }
@@ -217,6 +218,7 @@ MemoryStats ManagerImpl::stats() const {
   }
   {
     std::lock_guard<std::mutex> lock(staging_mu_);
+    s.staging_buffers = static_cast<uint32_t>(staging_.size());
     s.staging_in_use = static_cast<uint32_t>(staging_.size() - staging_free_.size());
   }
   s.budget_bytes = opts_.device_budget_bytes;

@@ -39,8 +39,9 @@ struct Arena {
   void* ptr(uint64_t page) const { return reinterpret_cast<void*>(base + page * page_bytes); }
 };
 
-// Slices the StreamedAdam pipeline stages at once (MemoryManagerOptions::
-// read_ahead_chunks, 0 = auto).
+// Slices of f32 moments (three chunks each) the StreamedAdam pipeline stages
+// at once (MemoryManagerOptions::read_ahead_chunks, 0 = auto): the automatic
+// staging pool's size. Wider slices: StepPipelineSlices (step_pipeline.h).
 inline uint32_t PipelineSlices(const MemoryManagerOptions& o) {
   if (o.read_ahead_chunks != 0) return o.read_ahead_chunks;
   return (o.queue_depth + o.write_queue_depth) / 3 + 4;
@@ -86,7 +87,14 @@ class ManagerImpl {
   // Exclusive staging buffers (chunk-sized, pinned): between min and max.
   std::vector<void*> AcquireStaging(size_t min, size_t max);
   void ReleaseStaging(const std::vector<void*>& bufs);
-  const std::vector<void*>& all_staging() const { return staging_; }
+  // Staging buffers in the pool (free or held).
+  size_t staging_count() const;
+  // With an automatic pool (MemoryManagerOptions::staging_buffers 0), grows
+  // it to `total` buffers: a StreamedAdam whose slices take more chunks than
+  // f32's (bf16, q8 moments) asks for what keeps as many bytes in flight.
+  // A failed allocation keeps the buffers had so far (logged): the pipeline
+  // then runs fewer slices at once, as it would with a smaller pool.
+  void GrowStaging(size_t total);
   HostCache* cache() { return cache_.get(); }
   // Options for a ChunkIo that registers every staging buffer.
   vfs::ChunkIoOptions ChunkIoOpts() const;
@@ -204,7 +212,7 @@ class ManagerImpl {
 
   mutable std::mutex staging_mu_;
   std::condition_variable staging_cv_;
-  std::vector<void*> staging_;       // all, fixed after Init
+  std::vector<void*> staging_;       // all; staging_mu_ (grows, never shrinks, until destruction)
   std::vector<void*> staging_free_;  // staging_mu_
 
   std::unique_ptr<HostCache> cache_;

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "memmgr/internal/manager_impl.h"
+#include "vfs/log.h"
 
 namespace optstate::memmgr::internal {
 
@@ -21,7 +22,7 @@ Status ManagerImpl::LoadChunks(const std::vector<IoItem>& items) {
   std::lock_guard<std::mutex> io_lock(io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {
-    std::vector<void*> bufs = AcquireStaging(1, std::min<size_t>(items.size() - pos, staging_.size()));
+    std::vector<void*> bufs = AcquireStaging(1, std::min<size_t>(items.size() - pos, staging_count()));
     std::vector<std::pair<size_t, void*>> submitted;  // item index, staging
     Status st;
     size_t b = 0;
@@ -71,7 +72,7 @@ Status ManagerImpl::StoreChunks(const std::vector<IoItem>& items) {
   std::lock_guard<std::mutex> io_lock(io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {
-    std::vector<void*> bufs = AcquireStaging(1, std::min<size_t>(items.size() - pos, staging_.size()));
+    std::vector<void*> bufs = AcquireStaging(1, std::min<size_t>(items.size() - pos, staging_count()));
     size_t n = std::min(bufs.size(), items.size() - pos);
     Status st;
     for (size_t i = 0; i < n; ++i) {
@@ -113,6 +114,36 @@ Status ManagerImpl::StoreChunks(const std::vector<IoItem>& items) {
     OPTSTATE_RETURN_IF_ERROR(st);
   }
   return Status::Ok();
+}
+
+size_t ManagerImpl::staging_count() const {
+  std::lock_guard<std::mutex> l(staging_mu_);
+  return staging_.size();
+}
+
+void ManagerImpl::GrowStaging(size_t total) {
+  if (opts_.staging_buffers != 0) return;
+  size_t have = staging_count();
+  if (have >= total) return;
+  std::vector<void*> added;
+  for (size_t i = have; i < total; ++i) {
+    auto r = dev_->AllocPinnedHost(page_bytes_);
+    if (!r.ok()) {
+      OPTSTATE_LOG_WARN("memmgr: growing the staging pool of store {} to {} buffers stopped at {}: {} (check "
+                        "RLIMIT_MEMLOCK / pinned memory); steps run fewer slices at once",
+                        store_->path(), total, i, r.status().ToString());
+      break;
+    }
+    added.push_back(*r);
+  }
+  {
+    std::lock_guard<std::mutex> l(staging_mu_);
+    staging_.insert(staging_.end(), added.begin(), added.end());
+    staging_free_.insert(staging_free_.end(), added.begin(), added.end());
+  }
+  staging_cv_.notify_all();
+  OPTSTATE_LOG_INFO("memmgr: staging pool of store {} grown to {} buffers of {}", store_->path(), have + added.size(),
+                    Mib(page_bytes_));
 }
 
 std::vector<void*> ManagerImpl::AcquireStaging(size_t min, size_t max) {

@@ -23,12 +23,12 @@ Status StepPipeline::Begin() {
                              " bytes is smaller than one slice in flight (" + std::to_string(bufs_) + " x " +
                              std::to_string(mm_->page_bytes()) + " bytes)");
   }
-  uint64_t ra = PipelineSlices(o);
+  uint64_t ra = StepPipelineSlices(o, moment_type_);
   // Device slots: enough streams that H2D, kernels and D2H of consecutive
   // slices overlap on both copy engines (8; docs/BENCHMARKS.md "Defaults"),
   // within the budget.
   uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
-  size_t total = mm_->all_staging().size();
+  size_t total = mm_->staging_count();
   size_t max_bufs = total >= 5 ? total - 2 : total;  // leave two for concurrent pins
   if (max_bufs < bufs_) {
     return ResourceExhausted("StreamedAdam: " + std::to_string(total) + " staging buffers; need at least " +

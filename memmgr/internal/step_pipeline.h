@@ -74,6 +74,31 @@ inline uint32_t SliceChunks(kernels::ScalarType moment) {
 // chunks with q8 moments.
 inline uint32_t MomentChunks(kernels::ScalarType moment) { return moment == kernels::ScalarType::kQ8 ? 4 : 2; }
 
+// Bytes a full slice moves each way, in chunks: 3 (f32), 4 (bf16), 6 (q8: four
+// main chunks and two codes chunks; the absmax chunks are 1/64 of a chunk).
+inline uint32_t SliceBytesInChunks(kernels::ScalarType moment) {
+  switch (moment) {
+    case kernels::ScalarType::kBF16: return 4;
+    case kernels::ScalarType::kQ8: return 6;
+    default: return 3;
+  }
+}
+
+// Slices the pipeline stages at once: read_ahead_chunks, or (0 = auto) enough
+// to fill both depth limits (counted in chunks' bytes) with slices of this
+// moment type, plus four being computed: a q8 slice moves twice an f32
+// slice's bytes, so half as many keep the disk as busy.
+inline uint32_t StepPipelineSlices(const MemoryManagerOptions& o, kernels::ScalarType moment) {
+  if (o.read_ahead_chunks != 0) return o.read_ahead_chunks;
+  return (o.queue_depth + o.write_queue_depth) / SliceBytesInChunks(moment) + 4;
+}
+
+// Staging buffers the pipeline wants in the pool: a set per slice, plus two it
+// leaves for concurrent pins and two spare (ManagerImpl::GrowStaging).
+inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, kernels::ScalarType moment) {
+  return SliceChunks(moment) * StepPipelineSlices(o, moment) + 4;
+}
+
 class StepPipeline {
  public:
   struct Job {
@@ -104,6 +129,7 @@ class StepPipeline {
   StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
                kernels::ScalarType moment_type)
       : bufs_(SliceChunks(moment_type)),
+        moment_type_(moment_type),
         mm_(mm),
         dev_(mm->device()),
         io_(io),
@@ -243,6 +269,7 @@ class StepPipeline {
   void StartSync();
 
   const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice: SliceChunks
+  const kernels::ScalarType moment_type_;
   ManagerImpl* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's

@@ -406,5 +406,47 @@ TEST(StreamedAdamQ8Moments, PinsOfScaleFieldsAreRefusedAndCodesPinAsStored) {
   EXPECT_EQ(codes, ref[0].m);
 }
 
+// The automatic staging pool holds enough slices of every moment dtype to
+// fill both depth limits (queue_depth reads and write_queue_depth writes,
+// counted in chunks' bytes): a q8 slice takes eight buffers (four of main,
+// a codes and an absmax chunk of each moment) and moves six chunks' worth,
+// so a pool sized for three-chunk f32 slices would leave the disk's queue
+// part empty.
+TEST(StreamedAdamQ8Moments, AutomaticStagingFillsBothQueuesForEveryMomentDtype) {
+  MEMMGR_REQUIRE_BACKEND();
+  struct Case {
+    ScalarType dtype;
+    uint32_t slice_bytes_in_chunks;
+    const char* name;
+  };
+  for (const Case& c : {Case{ScalarType::kF32, 3, "f32"}, Case{ScalarType::kBF16, 4, "bf16"},
+                        Case{ScalarType::kQ8, 6, "q8"}}) {
+    SCOPED_TRACE(std::string("moments ") + c.name);
+    Env env;
+    env.Open(true, 16 * kChunk);
+    const MemoryManagerOptions& mo = env.mm->options();
+    ASSERT_EQ(mo.staging_buffers, 0u);
+    ASSERT_EQ(mo.read_ahead_chunks, 0u);
+    StreamedAdamOptions so;
+    so.moment_dtype = c.dtype;
+    auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+    ASSERT_OK(sa->SetGroup(Group()));
+    const uint64_t n = 1000;
+    std::vector<float> w(n, 0.5f), gh(n, 0.25f);
+    DeviceBuffer init(env.mm.get(), n * 4), grad(env.mm.get(), n * 4);
+    init.Upload(w.data());
+    grad.Upload(gh.data());
+    ASSERT_OK(sa->RegisterParam("w", n, 0, init.get(), ScalarType::kF32));
+    const std::vector<ParamGrad> list = {
+        ParamGrad{.name = "w", .d_grad = grad.get(), .grad_type = ScalarType::kF32, .numel = n}};
+    ASSERT_OK(sa->Step(list));
+    ASSERT_OK(sa->WaitForCommit());
+    const StreamedAdam::StepStats& st = sa->last_step_stats();
+    EXPECT_GE(uint64_t{st.slices_in_flight} * c.slice_bytes_in_chunks, uint64_t{mo.queue_depth} + mo.write_queue_depth)
+        << st.slices_in_flight << " staging sets of " << env.mm->stats().staging_buffers << " buffers";
+    EXPECT_EQ(env.mm->stats().staging_in_use, 0u);
+  }
+}
+
 }  // namespace
 }  // namespace optstate::memmgr

@@ -1730,5 +1730,76 @@ TEST_F(MountTest, Bf16MomentFieldsAreServedAsStoredWithSafetensorsBf16) {
             700000u * 2);
 }
 
+// A store with q8 moments: the codes fields (one byte per element, chunks of
+// the store's size) and the absmax fields (one f32 per 256 elements, chunks
+// of 1/64 of it) are served as stored: every field file equals the field's
+// bytes read chunk by chunk through the library at each field's own stride
+// (independent of the mount's layout code), at any offset across both
+// strides' chunk boundaries; state.safetensors types the codes U8 and the
+// scales F32.
+TEST_F(MountTest, Q8MomentFieldsAreServedAsStoredAtEachFieldsOwnChunkSize) {
+  const std::string name = "rank2.q8";
+  const uint64_t cs = 2 * kMiB;
+  const uint64_t numel = 3 * cs + 777;  // codes: 4 chunks; absmax: 4 chunks of 32 KiB, the last partial
+  {
+    auto s = CreateStore(stores_ + "/" + name, cs);
+    ASSERT_NE(s, nullptr);
+    TensorSpec spec;
+    spec.name = "layers.0/w";
+    spec.numel = numel;
+    spec.fields = AdamQ8Fields(numel, cs);
+    auto t = s->CreateTensor(spec);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    AlignedChunk buf(cs);
+    for (uint32_t f = 0; f < t->fields.size(); ++f) {
+      for (uint64_t c = 0; c < s->ChunkCount(*t, f); ++c) {
+        FillPattern(buf.p, cs, 7 + f, c * cs);
+        ASSERT_TRUE(s->WriteChunk(ChunkRef{t->id, f, c}, buf.p).ok());
+      }
+    }
+    ASSERT_TRUE(s->Commit(CommitInfo{.step = 1, .groups = {}}).ok());
+  }
+  const std::string dir = mnt_ + "/" + name + "/latest";
+  LatestLayout ll = LatestLayoutOf(stores_ + "/" + name);
+  ASSERT_NE(ll.layout, nullptr);
+  ExpectDirEqualsLayout(*ll.layout, dir);
+  const std::map<std::string, std::string> want = DumpView(*ll.view);
+  const std::string tdir = dir + "/tensors/" + ll.layout->manifest().tensors[0].file_name + "/";
+  const uint64_t blocks = (numel + 255) / 256;
+  for (const auto& [field, bytes] : std::vector<std::pair<std::string, uint64_t>>{
+           {"main", numel * 4}, {"exp_avg", numel}, {"exp_avg_sq", numel},
+           {"exp_avg.absmax", blocks * 4}, {"exp_avg_sq.absmax", blocks * 4}}) {
+    SCOPED_TRACE(field);
+    const std::string& w = want.at("layers.0/w/" + field);
+    ASSERT_EQ(w.size(), bytes);
+    const std::string got = ReadFile(tdir + field);
+    EXPECT_EQ(got.size(), bytes);
+    EXPECT_TRUE(got == w) << "bytes differ: " << tdir << field;
+    // Reads straddling each chunk boundary of the field's own stride.
+    const uint64_t stride = field.find(".absmax") != std::string::npos ? cs / 64 : cs;
+    int fd = open((tdir + field).c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    for (uint64_t b = stride; b < bytes; b += stride) {
+      std::string part(300, '\0');
+      ssize_t n = pread(fd, part.data(), part.size(), static_cast<off_t>(b - 100));
+      const uint64_t expect = std::min<uint64_t>(300, bytes - (b - 100));
+      ASSERT_EQ(n, static_cast<ssize_t>(expect)) << "at " << b - 100;
+      EXPECT_EQ(part.substr(0, expect), w.substr(b - 100, expect)) << "at " << b - 100;
+    }
+    close(fd);
+  }
+  std::string st = ReadFile(dir + "/state.safetensors");
+  ASSERT_GE(st.size(), 8u);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(st[i]);
+  auto h = nlohmann::json::parse(st.substr(8, n));
+  EXPECT_EQ(h["layers.0/w/exp_avg"]["dtype"], "U8");
+  EXPECT_EQ(h["layers.0/w/exp_avg_sq"]["dtype"], "U8");
+  EXPECT_EQ(h["layers.0/w/exp_avg.absmax"]["dtype"], "F32");
+  const auto& off = h["layers.0/w/exp_avg_sq.absmax"]["data_offsets"];
+  EXPECT_EQ(off[1].get<uint64_t>() - off[0].get<uint64_t>(), blocks * 4);
+  EXPECT_EQ(st.substr(8 + n + off[0].get<uint64_t>(), blocks * 4), want.at("layers.0/w/exp_avg_sq.absmax"));
+}
+
 }  // namespace
 }  // namespace optstate::mount
