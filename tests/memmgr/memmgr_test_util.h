@@ -59,6 +59,35 @@ inline MemoryManagerOptions TestMmOptions(uint64_t budget_bytes) {
   return o;
 }
 
+// A store in a temp dir and its memory manager (TestStoreOptions /
+// TestMmOptions), opened and closed as a test needs.
+struct StoreEnv {
+  TempDir dir;
+  std::unique_ptr<vfs::Store> store;
+  std::unique_ptr<MemoryManager> mm;
+  std::string path() const { return dir.path() + "/store"; }
+  void Open(bool create, uint64_t budget, uint64_t host_cache_bytes = 0) {
+    store = create ? MUST(vfs::Store::Create(path(), TestStoreOptions()))
+                   : MUST(vfs::Store::Open(path(), TestStoreOptions()));
+    MemoryManagerOptions o = TestMmOptions(budget);
+    o.host_cache_bytes = host_cache_bytes;
+    mm = MUST(MemoryManager::Create(store.get(), o));
+  }
+  void Close() {
+    mm.reset();
+    store.reset();
+  }
+};
+
+// Group 0: AdamW, lr 1e-2, weight decay 0.01.
+inline ParamGroup TestGroup() {
+  ParamGroup g;
+  g.id = 0;
+  g.lr = 1e-2;
+  g.weight_decay = 0.01;
+  return g;
+}
+
 // Deterministic pseudo-random values (splitmix64).
 inline uint64_t Mix(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;

@@ -64,37 +64,12 @@ std::vector<uint8_t> ReadBytes(MemoryManager* mm, const std::string& tensor, con
   return out;
 }
 
-struct Env {
-  TempDir dir;
-  std::unique_ptr<vfs::Store> store;
-  std::unique_ptr<MemoryManager> mm;
-  std::string path() const { return dir.path() + "/store"; }
-  void Open(bool create, uint64_t budget, uint64_t host_cache_bytes = 0) {
-    store = create ? MUST(vfs::Store::Create(path(), TestStoreOptions()))
-                   : MUST(vfs::Store::Open(path(), TestStoreOptions()));
-    MemoryManagerOptions o = TestMmOptions(budget);
-    o.host_cache_bytes = host_cache_bytes;
-    mm = MUST(MemoryManager::Create(store.get(), o));
-  }
-  void Close() {
-    mm.reset();
-    store.reset();
-  }
-};
-
-ParamGroup Group() {
-  ParamGroup g;
-  g.id = 0;
-  g.lr = 1e-2;
-  g.weight_decay = 0.01;
-  return g;
-}
 
 // Steps sa `steps` times with bf16 grads and bf16 param copies, and the CPU
 // kernel on the whole host tensors with the same grads; ref holds the result.
 void StepBoth(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs, std::vector<HostParam>* ref,
               uint64_t first_step, uint64_t steps) {
-  const ParamGroup g = Group();
+  const ParamGroup g = TestGroup();
   for (uint64_t step = first_step; step < first_step + steps; ++step) {
     std::vector<std::unique_ptr<DeviceBuffer>> grads, params;
     std::vector<ParamGrad> list;
@@ -146,7 +121,7 @@ void ExpectStoreEquals(MemoryManager* mm, const std::vector<Def>& defs, const st
 
 std::vector<HostParam> RegisterAll(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs) {
   std::vector<HostParam> ref(defs.size());
-  EXPECT_TRUE(sa->SetGroup(Group()).ok());
+  EXPECT_TRUE(sa->SetGroup(TestGroup()).ok());
   for (size_t k = 0; k < defs.size(); ++k) {
     const uint64_t n = defs[k].numel;
     HostParam& h = ref[k];
@@ -165,7 +140,7 @@ std::vector<HostParam> RegisterAll(StreamedAdam* sa, MemoryManager* mm, const st
 
 TEST(StreamedAdamBf16Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitForBit) {
   MEMMGR_REQUIRE_BACKEND();
-  Env env;
+  StoreEnv env;
   const uint64_t budget = 4 * kChunk;  // one bf16 slice: two main chunks + one chunk of each moment
   env.Open(true, budget);
   StreamedAdamOptions so;
@@ -208,7 +183,7 @@ TEST(StreamedAdamBf16Moments, HostCacheTierStepsEqualWholeTensorKernelBitForBit)
   MEMMGR_REQUIRE_BACKEND();
   for (uint64_t cache_mib : {64, 6}) {
     SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
-    Env env;
+    StoreEnv env;
     env.Open(true, 8 * kChunk, cache_mib << 20);
     StreamedAdamOptions so;
     so.moment_dtype = ScalarType::kBF16;
@@ -227,7 +202,7 @@ TEST(StreamedAdamBf16Moments, HostCacheTierStepsEqualWholeTensorKernelBitForBit)
 // store: the same bits, and the optimizer continues there exactly.
 TEST(StreamedAdamBf16Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   MEMMGR_REQUIRE_BACKEND();
-  Env env;
+  StoreEnv env;
   env.Open(true, 4 * kChunk);
   StreamedAdamOptions so;
   so.moment_dtype = ScalarType::kBF16;
@@ -258,7 +233,7 @@ TEST(StreamedAdamBf16Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   st.read(header.data(), static_cast<std::streamsize>(header_len));
   EXPECT_NE(header.find("\"BF16\""), std::string::npos) << header.substr(0, 300);
 
-  Env dst;
+  StoreEnv dst;
   auto restored = MUST(vfs::CreateStoreFromCheckpoint(ckpt, dst.path(), TestStoreOptions()));
   restored.reset();
   dst.Open(false, 4 * kChunk);
@@ -284,7 +259,7 @@ TEST(StreamedAdamBf16Moments, PrefetchAndTheWriteTailKeepEveryBit) {
   for (const Def& d : defs) numel += d.numel;
   for (uint64_t cache_mib : {64, 6, 0}) {
     SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
-    Env env;
+    StoreEnv env;
     env.Open(true, 8 * kChunk, cache_mib << 20);
     StreamedAdamOptions so;
     so.moment_dtype = ScalarType::kBF16;
@@ -324,7 +299,7 @@ TEST(StreamedAdamBf16Moments, OtherMomentDtypeThanTheStoreIsRefusedAndChangesNot
   for (ScalarType held : {ScalarType::kBF16, ScalarType::kF32}) {
     const ScalarType other = held == ScalarType::kBF16 ? ScalarType::kF32 : ScalarType::kBF16;
     SCOPED_TRACE(held == ScalarType::kBF16 ? "store holds bf16" : "store holds f32");
-    Env env;
+    StoreEnv env;
     env.Open(true, 8 * kChunk);
     StreamedAdamOptions so;
     so.moment_dtype = held;
@@ -358,7 +333,7 @@ TEST(StreamedAdamBf16Moments, OtherMomentDtypeThanTheStoreIsRefusedAndChangesNot
 
 TEST(StreamedAdamBf16Moments, BudgetBelowOneSliceAndUnsupportedDtypeAreRefused) {
   MEMMGR_REQUIRE_BACKEND();
-  Env env;
+  StoreEnv env;
   env.Open(true, 3 * kChunk);
   StreamedAdamOptions so;
   so.moment_dtype = ScalarType::kBF16;

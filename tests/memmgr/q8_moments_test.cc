@@ -48,31 +48,6 @@ struct HostParam {
   std::vector<uint16_t> param;  // bf16 model copy
 };
 
-struct Env {
-  TempDir dir;
-  std::unique_ptr<vfs::Store> store;
-  std::unique_ptr<MemoryManager> mm;
-  std::string path() const { return dir.path() + "/store"; }
-  void Open(bool create, uint64_t budget, uint64_t host_cache_bytes = 0) {
-    store = create ? MUST(vfs::Store::Create(path(), TestStoreOptions()))
-                   : MUST(vfs::Store::Open(path(), TestStoreOptions()));
-    MemoryManagerOptions o = TestMmOptions(budget);
-    o.host_cache_bytes = host_cache_bytes;
-    mm = MUST(MemoryManager::Create(store.get(), o));
-  }
-  void Close() {
-    mm.reset();
-    store.reset();
-  }
-};
-
-ParamGroup Group() {
-  ParamGroup g;
-  g.id = 0;
-  g.lr = 1e-2;
-  g.weight_decay = 0.01;
-  return g;
-}
 
 // All bytes of a field of the latest committed generation, chunk by chunk at
 // the field's own chunk stride.
@@ -111,7 +86,7 @@ void ExpectStoreEquals(vfs::Store* store, const std::vector<Def>& defs, const st
 // AdamStepCpuQ8 on the whole host tensors with the same grads.
 void StepBoth(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs, std::vector<HostParam>* ref,
               uint64_t first_step, uint64_t steps) {
-  const ParamGroup g = Group();
+  const ParamGroup g = TestGroup();
   for (uint64_t step = first_step; step < first_step + steps; ++step) {
     std::vector<std::unique_ptr<DeviceBuffer>> grads, params;
     std::vector<ParamGrad> list;
@@ -156,7 +131,7 @@ void StepBoth(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs,
 
 std::vector<HostParam> RegisterAll(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs) {
   std::vector<HostParam> ref(defs.size());
-  EXPECT_TRUE(sa->SetGroup(Group()).ok());
+  EXPECT_TRUE(sa->SetGroup(TestGroup()).ok());
   for (size_t k = 0; k < defs.size(); ++k) {
     const uint64_t n = defs[k].numel;
     HostParam& h = ref[k];
@@ -192,7 +167,7 @@ StreamedAdamOptions Q8Options() {
 
 TEST(StreamedAdamQ8Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitForBit) {
   MEMMGR_REQUIRE_BACKEND();
-  Env env;
+  StoreEnv env;
   const uint64_t budget = 8 * kChunk;  // one q8 slice: 4 main chunks + codes and absmax chunk of each moment
   env.Open(true, budget);
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
@@ -227,7 +202,7 @@ TEST(StreamedAdamQ8Moments, HostCacheTierStepsEqualWholeTensorKernelBitForBit) {
   MEMMGR_REQUIRE_BACKEND();
   for (uint64_t cache_mib : {64, 6}) {
     SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
-    Env env;
+    StoreEnv env;
     env.Open(true, 16 * kChunk, cache_mib << 20);
     StreamedAdamOptions so = Q8Options();
     so.durable_every_steps = 2;
@@ -250,7 +225,7 @@ TEST(StreamedAdamQ8Moments, PrefetchAndTheWriteTailKeepEveryBit) {
   const std::vector<Def> defs = Defs();
   for (uint64_t cache_mib : {64, 6, 0}) {
     SCOPED_TRACE("host cache " + std::to_string(cache_mib) + " MiB");
-    Env env;
+    StoreEnv env;
     env.Open(true, 16 * kChunk, cache_mib << 20);
     auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
     std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
@@ -288,7 +263,7 @@ TEST(StreamedAdamQ8Moments, PrefetchAndTheWriteTailKeepEveryBit) {
 // continues there exactly.
 TEST(StreamedAdamQ8Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   MEMMGR_REQUIRE_BACKEND();
-  Env env;
+  StoreEnv env;
   env.Open(true, 8 * kChunk);
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
   const std::vector<Def> defs = Defs();
@@ -328,7 +303,7 @@ TEST(StreamedAdamQ8Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   std::vector<uint8_t> file_codes((std::istreambuf_iterator<char>(codes)), std::istreambuf_iterator<char>());
   EXPECT_EQ(file_codes, ref[0].m);
 
-  Env dst;
+  StoreEnv dst;
   auto restored = MUST(vfs::CreateStoreFromCheckpoint(ckpt, dst.path(), TestStoreOptions()));
   restored.reset();
   dst.Open(false, 8 * kChunk);
@@ -344,13 +319,13 @@ TEST(StreamedAdamQ8Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
 TEST(StreamedAdamQ8Moments, OtherMomentDtypeAndBudgetBelowOneSliceAreRefused) {
   MEMMGR_REQUIRE_BACKEND();
   {
-    Env env;
+    StoreEnv env;
     env.Open(true, 7 * kChunk);
     auto r = StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options());
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
   }
-  Env env;
+  StoreEnv env;
   env.Open(true, 8 * kChunk);
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
   const std::vector<Def> defs = {{"w", 3000}};
@@ -383,7 +358,7 @@ TEST(StreamedAdamQ8Moments, OtherMomentDtypeAndBudgetBelowOneSliceAreRefused) {
 // bytes, and the codes still pin as the store holds them.
 TEST(StreamedAdamQ8Moments, PinsOfScaleFieldsAreRefusedAndCodesPinAsStored) {
   MEMMGR_REQUIRE_BACKEND();
-  Env env;
+  StoreEnv env;
   env.Open(true, 16 * kChunk);
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
   const std::vector<Def> defs = {{"w", kChunk + 777}};
@@ -422,7 +397,7 @@ TEST(StreamedAdamQ8Moments, AutomaticStagingFillsBothQueuesForEveryMomentDtype) 
   for (const Case& c : {Case{ScalarType::kF32, 3, "f32"}, Case{ScalarType::kBF16, 4, "bf16"},
                         Case{ScalarType::kQ8, 6, "q8"}}) {
     SCOPED_TRACE(std::string("moments ") + c.name);
-    Env env;
+    StoreEnv env;
     env.Open(true, 16 * kChunk);
     const MemoryManagerOptions& mo = env.mm->options();
     ASSERT_EQ(mo.staging_buffers, 0u);
@@ -430,7 +405,7 @@ TEST(StreamedAdamQ8Moments, AutomaticStagingFillsBothQueuesForEveryMomentDtype) 
     StreamedAdamOptions so;
     so.moment_dtype = c.dtype;
     auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
-    ASSERT_OK(sa->SetGroup(Group()));
+    ASSERT_OK(sa->SetGroup(TestGroup()));
     const uint64_t n = 1000;
     std::vector<float> w(n, 0.5f), gh(n, 0.25f);
     DeviceBuffer init(env.mm.get(), n * 4), grad(env.mm.get(), n * 4);
