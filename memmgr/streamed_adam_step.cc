@@ -15,6 +15,7 @@
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::memmgr {
 
@@ -148,8 +149,20 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
                                                        opts_.background_sync_bytes, d_found_inf,
                                                        opts_.moment_dtype);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
-  pipeline_->SetHoldCompletions(hold_completions_);
-  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked_);
+  // Tests fix the order of a step's I/O here (vfs/sync_point.h; nothing in
+  // the product arms these points), their callbacks setting the bool:
+  // "streamed_adam.hold_completions": the step reaps no I/O completion before
+  // EndStep drains it, so StepParam submits exactly the reads the depth
+  // limits admit, whatever the disk's speed.
+  // "streamed_adam.reap_only_when_blocked": the step reaps completions only
+  // when it can make no other progress, so the writes it finds complete when
+  // it returns are exactly those it had to wait for.
+  bool hold_completions = false;
+  bool reap_only_when_blocked = false;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.hold_completions", &hold_completions);
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.reap_only_when_blocked", &reap_only_when_blocked);
+  pipeline_->SetHoldCompletions(hold_completions);
+  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked);
   if (!staged_.empty()) {
     std::vector<internal::StepPipeline::Staged> adopt;
     for (const StagedChunk& c : staged_) {
