@@ -32,10 +32,12 @@
 
 namespace optstate::memmgr {
 
+class MemoryManager;
 namespace internal {
 class ManagerImpl;
-}
-class StreamedAdam;
+// For StreamedAdam only; memmgr/internal/manager_impl.h defines it.
+ManagerImpl* ImplOf(const MemoryManager& mm);
+}  // namespace internal
 
 enum class Backend { kAuto, kHost, kCuda };
 // "auto", "host", "cuda".
@@ -225,9 +227,8 @@ class MemoryManager {
 
  private:
   // StreamedAdam drives the manager's machinery (the cache, pins, staging)
-  // directly; no other user sees it.
-  friend class StreamedAdam;
-  internal::ManagerImpl* impl() const { return impl_.get(); }
+  // directly, through internal::ImplOf; no other user sees it.
+  friend internal::ManagerImpl* internal::ImplOf(const MemoryManager& mm);
 
   explicit MemoryManager(std::unique_ptr<internal::ManagerImpl> impl);
   std::unique_ptr<internal::ManagerImpl> impl_;

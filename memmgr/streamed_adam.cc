@@ -19,6 +19,7 @@ namespace optstate::memmgr {
 
 using internal::CheckGradScale;
 using internal::CheckMomentFields;
+using internal::ImplOf;
 using internal::ManagerImpl;
 using internal::MomentDType;
 using internal::ScalarName;
@@ -48,7 +49,7 @@ StreamedAdam::~StreamedAdam() {
     if (in_step_ && !step_skip_) {
       Status s = store_->AbortPending();
       if (!s.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: abort of unfinished step failed: {}", s.ToString());
-      mm_->impl()->OnAbortPending();
+      ImplOf(*mm_)->OnAbortPending();
     }
   }
 }
@@ -60,7 +61,7 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     return InvalidArgument("StreamedAdam::Create: the memory manager serves store " + mm->store()->path() +
                            ", not " + store->path());
   }
-  ManagerImpl* impl = mm->impl();
+  ManagerImpl* impl = ImplOf(*mm);
   if (opts.moment_dtype != kernels::ScalarType::kF32 && opts.moment_dtype != kernels::ScalarType::kBF16 &&
       opts.moment_dtype != kernels::ScalarType::kQ8) {
     return InvalidArgument(std::string("StreamedAdam: moment_dtype must be f32, bf16 or q8, got ") +
@@ -191,7 +192,7 @@ uint64_t StreamedAdam::last_generation() const { return last_generation_; }
 
 Status StreamedAdam::EnsureIo() {
   if (io_) return Status::Ok();
-  ManagerImpl* impl = mm_->impl();
+  ManagerImpl* impl = ImplOf(*mm_);
   // One ring for the pipeline's reads and writes: room for both depth limits.
   vfs::ChunkIoOptions co = impl->ChunkIoOpts();
   co.queue_depth = internal::RingRequests(impl->options());

@@ -363,15 +363,6 @@ class StreamedAdam {
   };
   const StepStats& last_step_stats() const { return last_stats_; }
 
-  // Test hook (pipeline tests): when true, a step reaps no I/O completion
-  // before EndStep drains it, so StepParam submits exactly the reads the
-  // depth limits admit, whatever the disk's speed.
-  void HoldCompletionsUntilDrain(bool hold) { hold_completions_ = hold; }
-  // Test hook (write-tail tests): when true, a step reaps I/O completions
-  // only when it can make no other progress, so the writes it finds complete
-  // when it returns are exactly those it had to wait for.
-  void ReapOnlyWhenBlocked(bool on) { reap_only_when_blocked_ = on; }
-
  private:
   struct Param {
     vfs::TensorInfo info;
@@ -498,8 +489,6 @@ class StreamedAdam {
   void ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t stage_limit,
                     const std::vector<StepOrderEntry>& order);
   StepStats last_stats_;
-  bool hold_completions_ = false;
-  bool reap_only_when_blocked_ = false;
 };
 
 }  // namespace optstate::memmgr

@@ -21,6 +21,7 @@ namespace optstate::memmgr {
 
 using internal::ChunkKey;
 using internal::HostCache;
+using internal::ImplOf;
 using internal::NowS;
 using internal::WithNote;
 
@@ -42,13 +43,13 @@ vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
 }
 
 bool StreamedAdam::CacheHoldsState() const {
-  const HostCache* c = mm_->impl()->cache();
+  const HostCache* c = ImplOf(*mm_)->cache();
   if (!c->enabled()) return false;
   return StateCacheBytes() <= c->capacity_bytes();
 }
 
 uint64_t StreamedAdam::StateCacheBytes() const {
-  const uint64_t chunk = mm_->impl()->page_bytes();
+  const uint64_t chunk = ImplOf(*mm_)->page_bytes();
   uint64_t need = 0;
   for (const auto& [name, p] : params_) {
     for (uint32_t f = 0; f < p.info.fields.size(); ++f) {
@@ -63,7 +64,7 @@ uint64_t StreamedAdam::StateCacheBytes() const {
 
 void StreamedAdam::NoteCommitted(uint64_t gen) {
   last_generation_ = gen;
-  mm_->impl()->cache()->MarkAllClean();
+  ImplOf(*mm_)->cache()->MarkAllClean();
   uncommitted_steps_ = 0;
   committed_step_counts_ = step_counts_;
   committed_global_step_ = global_step_;
@@ -90,7 +91,7 @@ std::string StreamedAdam::RevertUncommitted() {
 }
 
 Status StreamedAdam::WriteDirtyCache() {
-  HostCache* cache = mm_->impl()->cache();
+  HostCache* cache = ImplOf(*mm_)->cache();
   auto dirty = cache->DirtyUnwritten();
   if (dirty.empty()) return Status::Ok();
   OPTSTATE_RETURN_IF_ERROR(EnsureIo());
@@ -142,7 +143,7 @@ Result<uint64_t> StreamedAdam::MakeDurable() {
     // generation, so every dirty entry must be written again by the retry.
     // Registrations and loaded mains were only in the pending generation:
     // they are gone, and the error says so.
-    mm_->impl()->OnAbortPending(/*keep_dirty_cache=*/true);
+    ImplOf(*mm_)->OnAbortPending(/*keep_dirty_cache=*/true);
     const std::string dropped = DropUncommittedRegistrations();
     Status err = gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
                                           " cached step(s) of store " + store_->path());
@@ -167,7 +168,7 @@ void StreamedAdam::StartBackgroundCommit() {
   c->pipeline->SetReapOnlyWhenBlocked(false);
   uncommitted_steps_ = 0;  // the cached steps are written with this one
   InFlightCommit* ip = c.get();
-  mm_->impl()->BeginBackgroundCommit();
+  ImplOf(*mm_)->BeginBackgroundCommit();
   ip->thread = std::thread([this, ip] {
     internal::StepPipeline& pl = *ip->pipeline;
     Status s = pl.Pump(true);
@@ -177,7 +178,7 @@ void StreamedAdam::StartBackgroundCommit() {
     ip->peak_write_bytes = pl.peak_write_bytes;
     ip->io_wait_seconds = pl.stall_s_;
     if (s.ok()) {
-      mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+      ImplOf(*mm_)->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
       pl.Release();
     } else {
       pl.Abort();
@@ -185,7 +186,7 @@ void StreamedAdam::StartBackgroundCommit() {
     ip->pipeline.reset();
     // Params not stepped now may hold earlier uncommitted steps in the cache.
     if (s.ok() && ip->cache_mode) s = WriteDirtyCache();
-    if (s.ok()) s = mm_->impl()->Flush();  // not MemoryManager::Flush: that waits for this thread
+    if (s.ok()) s = ImplOf(*mm_)->Flush();  // not MemoryManager::Flush: that waits for this thread
     if (s.ok()) {
       const double t0 = NowS();
       auto gen = store_->Commit(ip->info);
@@ -200,10 +201,10 @@ void StreamedAdam::StartBackgroundCommit() {
       // Drop the step before anyone waiting in the manager reads the store.
       Status a = store_->AbortPending();
       if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed background commit: {}", a.ToString());
-      mm_->impl()->OnAbortPending();
+      ImplOf(*mm_)->OnAbortPending();
     }
     ip->status = s;
-    mm_->impl()->EndBackgroundCommit();
+    ImplOf(*mm_)->EndBackgroundCommit();
     {
       std::lock_guard<std::mutex> l(ip->mu);
       ip->done = true;

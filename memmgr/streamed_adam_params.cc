@@ -21,6 +21,7 @@ namespace optstate::memmgr {
 using internal::CheckMomentFields;
 using internal::Device;
 using internal::DimsText;
+using internal::ImplOf;
 using internal::IsFloatType;
 using internal::ManagerImpl;
 using internal::MomentDType;
@@ -105,8 +106,8 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
     if (!p.committed) {
       dropped.push_back(it->first);
       numels[it->first] = p.info.numel;
-      mm_->impl()->cache()->EraseTensor(p.info.id);
-      (void)mm_->impl()->DropTensor(p.info.id);
+      ImplOf(*mm_)->cache()->EraseTensor(p.info.id);
+      (void)ImplOf(*mm_)->DropTensor(p.info.id);
       dropped_.insert(it->first);
       it = params_.erase(it);
       continue;
@@ -114,8 +115,8 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
     if (p.main_pending) {
       reloaded.push_back(it->first);
       p.main_pending = false;
-      mm_->impl()->cache()->EraseTensor(p.info.id);
-      (void)mm_->impl()->DropTensor(p.info.id);
+      ImplOf(*mm_)->cache()->EraseTensor(p.info.id);
+      (void)ImplOf(*mm_)->DropTensor(p.info.id);
     }
     ++it;
   }
@@ -137,12 +138,12 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
 Status StreamedAdam::AbortUncommitted(Status s) {
   Status a = store_->AbortPending();
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed write: {}", a.ToString());
-  mm_->impl()->OnAbortPending();
+  ImplOf(*mm_)->OnAbortPending();
   return WithNote(s, DropUncommittedRegistrations());
 }
 
 Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::ScalarType type) {
-  ManagerImpl* impl = mm_->impl();
+  ManagerImpl* impl = ImplOf(*mm_);
   Device* dev = impl->device();
   const uint64_t chunk = impl->page_bytes();
   const uint64_t chunk_elems = chunk / 4;
@@ -311,7 +312,7 @@ Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights
     auto d = MakeDurable();
     if (!d.ok()) return d.status().WithContext("StreamedAdam::LoadMainFrom " + name);
   }
-  OPTSTATE_RETURN_IF_ERROR(mm_->impl()->DropTensor(it->second.info.id));
+  OPTSTATE_RETURN_IF_ERROR(ImplOf(*mm_)->DropTensor(it->second.info.id));
   it->second.main_pending = true;
   registrations_pending_ = true;
   Status ws = WriteMain(it->second, d_weights, type);

@@ -19,6 +19,7 @@ namespace optstate::memmgr {
 
 using internal::ChunkKey;
 using internal::HostCache;
+using internal::ImplOf;
 using internal::ManagerImpl;
 using internal::ScalarSize;
 
@@ -26,7 +27,7 @@ Status StreamedAdam::Prefetch() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   // During a step the step itself is reading; a prefetch already runs.
   if (in_step_ || prefetch_) return Status::Ok();
-  ManagerImpl* impl = mm_->impl();
+  ManagerImpl* impl = ImplOf(*mm_);
   const MemoryManagerOptions& mo = impl->options();
   // Chunks outside the tier go into staging buffers for the step's pipeline
   // to adopt: at most its own staging less one slice (StepPipeline::Begin).
@@ -52,7 +53,7 @@ Status StreamedAdam::Prefetch() {
   auto run = std::make_unique<PrefetchRun>();
   PrefetchRun* r = run.get();
   InFlightCommit* commit = inflight_.get();
-  mm_->impl()->BeginBackgroundCommit();
+  ImplOf(*mm_)->BeginBackgroundCommit();
   r->thread = std::thread([this, r, commit, stage_limit, order = std::move(order)] {
     ReadPrefetch(r, commit, stage_limit, order);
   });
@@ -62,7 +63,7 @@ Status StreamedAdam::Prefetch() {
 
 void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t stage_limit,
                                 const std::vector<StepOrderEntry>& order) {
-  ManagerImpl* impl = mm_->impl();
+  ManagerImpl* impl = ImplOf(*mm_);
   if (commit != nullptr) {
     // The store shows the step's generation once its commit is done; a
     // failed commit dropped the tier, and its error comes at the next wait.
@@ -176,7 +177,7 @@ void StreamedAdam::DropStaged() {
   if (staged_.empty()) return;
   std::vector<void*> bufs;
   for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
-  mm_->impl()->ReleaseStaging(bufs);
+  ImplOf(*mm_)->ReleaseStaging(bufs);
   staged_.clear();
 }
 

@@ -15,11 +15,13 @@
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "vfs/log.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::memmgr {
 
 using internal::CheckGradScale;
 using internal::ChunkKey;
+using internal::ImplOf;
 using internal::IsFloatType;
 using internal::NowS;
 using internal::ScalarName;
@@ -66,7 +68,7 @@ Status StreamedAdam::Fail(Status s) {
   }
   Status a = store_->AbortPending();
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed step: {}", a.ToString());
-  mm_->impl()->OnAbortPending();
+  ImplOf(*mm_)->OnAbortPending();
   in_step_ = false;
   stepped_.clear();
   const std::string lost = RevertUncommitted();
@@ -134,21 +136,33 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
     warned_cache_small_ = true;
     OPTSTATE_LOG_WARN("StreamedAdam: durable_every_steps {} needs the host cache tier ({} bytes) to hold the whole "
                       "state of store {}; every step commits",
-                      opts_.durable_every_steps, mm_->impl()->cache()->capacity_bytes(), store_->path());
+                      opts_.durable_every_steps, ImplOf(*mm_)->cache()->capacity_bytes(), store_->path());
   }
-  if (!step_cache_mode_ && mm_->impl()->cache()->enabled() && !warned_cache_partial_) {
+  if (!step_cache_mode_ && ImplOf(*mm_)->cache()->enabled() && !warned_cache_partial_) {
     warned_cache_partial_ = true;
     OPTSTATE_LOG_INFO("StreamedAdam: the host cache tier ({} bytes) holds part of the {} bytes of state of store {}; "
                       "steps read the chunks it admits from RAM and the rest from disk",
-                      mm_->impl()->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
+                      ImplOf(*mm_)->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
   }
   const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
-  pipeline_ = std::make_unique<internal::StepPipeline>(mm_->impl(), io_.get(), opts_.cpu_threads,
+  pipeline_ = std::make_unique<internal::StepPipeline>(ImplOf(*mm_), io_.get(), opts_.cpu_threads,
                                                        opts_.background_sync_bytes, d_found_inf,
                                                        opts_.moment_dtype);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
-  pipeline_->SetHoldCompletions(hold_completions_);
-  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked_);
+  // Tests fix the order of a step's I/O here (vfs/sync_point.h; nothing in
+  // the product arms these points), their callbacks setting the bool:
+  // "streamed_adam.hold_completions": the step reaps no I/O completion before
+  // EndStep drains it, so StepParam submits exactly the reads the depth
+  // limits admit, whatever the disk's speed.
+  // "streamed_adam.reap_only_when_blocked": the step reaps completions only
+  // when it can make no other progress, so the writes it finds complete when
+  // it returns are exactly those it had to wait for.
+  bool hold_completions = false;
+  bool reap_only_when_blocked = false;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.hold_completions", &hold_completions);
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.reap_only_when_blocked", &reap_only_when_blocked);
+  pipeline_->SetHoldCompletions(hold_completions);
+  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked);
   if (!staged_.empty()) {
     std::vector<internal::StepPipeline::Staged> adopt;
     for (const StagedChunk& c : staged_) {
@@ -179,7 +193,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   if (stepped_.count(g.name)) {
     return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": given twice in one step"));
   }
-  Status ds = mm_->impl()->DropTensor(p.info.id);
+  Status ds = ImplOf(*mm_)->DropTensor(p.info.id);
   if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
   stepped_.insert(g.name);
   step_order_.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v, p.f_ma, p.f_va}, p.info.numel});
@@ -196,7 +210,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   groups_stepped_[p.info.group] = true;
   // A slice is one chunk of each moment and the main chunks of its elements
   // (see StepPipeline).
-  const uint64_t chunk = mm_->impl()->page_bytes();
+  const uint64_t chunk = ImplOf(*mm_)->page_bytes();
   const uint32_t moment_size = ScalarSize(opts_.moment_dtype);
   const uint64_t slice_elems = chunk / moment_size;
   for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += slice_elems) {
@@ -288,7 +302,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
   last_stats_.peak_write_bytes_in_flight = pl.peak_write_bytes;
   last_stats_.device_slots = pl.device_slots();
   last_stats_.io_wait_seconds = pl.stall_s_;
-  mm_->impl()->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+  ImplOf(*mm_)->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
   pipeline_->Release();
   pipeline_.reset();
   if (step_found_inf_ != nullptr) {
@@ -299,7 +313,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
     if (!cs.ok()) return Fail(cs);
     if (flag != 0.0f) {
       Status a = store_->AbortPending();
-      mm_->impl()->OnAbortPending();
+      ImplOf(*mm_)->OnAbortPending();
       in_step_ = false;
       last_step_skipped_ = true;
       if (step_cache_mode_) {

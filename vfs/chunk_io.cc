@@ -317,7 +317,12 @@ class ChunkIoImpl final : public ChunkIo {
 Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, std::shared_ptr<ViewData> view,
                                              const ChunkIoOptions& opts) {
   std::unique_ptr<IoEngine> engine;
-  if (!opts.use_sync_engine) {
+  // io_uring, else the synchronous engine. Tests take the synchronous engine
+  // where io_uring works too, to exercise that path: the callback of this
+  // point sets the bool (vfs/sync_point.h; nothing in the product arms it).
+  bool use_sync_engine = false;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("chunk_io.use_sync_engine", &use_sync_engine);
+  if (!use_sync_engine) {
     IoEngineOptions eo;
     eo.queue_depth = opts.queue_depth;
     eo.registered_buffers = opts.registered_buffers;

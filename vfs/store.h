@@ -269,9 +269,6 @@ struct StoreOptions {
 
 struct ChunkIoOptions {
   uint32_t queue_depth = 32;
-  // io_uring (default) or the synchronous engine, which ChunkIo also falls
-  // back to where io_uring is unavailable (set to exercise that path).
-  bool use_sync_engine = false;
   // Caller-owned buffers to register with io_uring (staging buffers).
   std::vector<std::span<std::byte>> registered_buffers;
   // IoEngineOptions::max_sqe_bytes (0 = one SQE per chunk request).

@@ -239,4 +239,8 @@ class ManagerImpl {
   uint32_t commit_running_ = 0;  // commit_mu_: background commits and prefetches running
 };
 
+// The manager's state behind a MemoryManager: the way StreamedAdam reaches the
+// cache, pins and staging, which MemoryManager's public face does not show.
+inline ManagerImpl* ImplOf(const MemoryManager& mm) { return mm.impl_.get(); }
+
 }  // namespace optstate::memmgr::internal

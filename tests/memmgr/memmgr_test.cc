@@ -15,11 +15,35 @@
 #include "memmgr_test_util.h"
 #include "tests/common/kernel_failures.h"
 #include "vfs/fault_injection.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::memmgr::testing {
 namespace {
 
 using kernels::ScalarType;
+
+// Sets one of a step's I/O modes while it lives: the point hands its callback
+// a bool* the step's pipeline is set from (memmgr/streamed_adam_step.cc). The
+// destructor resets the process's sync points (vfs::SyncPoint::Reset).
+class StepIoMode {
+ public:
+  static constexpr const char* kHoldCompletions = "streamed_adam.hold_completions";
+  static constexpr const char* kReapOnlyWhenBlocked = "streamed_adam.reap_only_when_blocked";
+
+  explicit StepIoMode(const char* point) {
+    vfs::SyncPoint* sp = vfs::SyncPoint::Get();
+    sp->SetCallBack(point, [](void* arg) { *static_cast<bool*>(arg) = true; });
+    sp->EnableProcessing();
+  }
+  ~StepIoMode() { vfs::SyncPoint::Get()->Reset(); }
+  StepIoMode(const StepIoMode&) = delete;
+  StepIoMode& operator=(const StepIoMode&) = delete;
+};
+
+#define REQUIRE_SYNC_POINTS()                                                               \
+  do {                                                                                      \
+    if (!vfs::SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS"; \
+  } while (0)
 
 struct Env {
   TempDir dir;
@@ -553,6 +577,7 @@ TEST(StreamedAdam, HashThreadsStepsEqualResidentKernelBitForBit) {
 // state against the resident kernel, bit for bit.
 TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   MEMMGR_REQUIRE_BACKEND();
+  REQUIRE_SYNC_POINTS();
   Env env;
   env.Open(3 * kChunk, true);
   const uint64_t ce = kChunk / 4;
@@ -566,7 +591,7 @@ TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  sa->HoldCompletionsUntilDrain(true);
+  StepIoMode hold(StepIoMode::kHoldCompletions);
   const uint64_t depth = TestMmOptions(0).queue_depth * kChunk;  // bytes the read depth allows
   // What a depth counted in bytes admits: slices in order while their bytes
   // fit (10 of the 16 big slices, 3 chunks each, and the 11 small ones
@@ -1803,6 +1828,7 @@ std::vector<ParamDef> TailMix() {
 // equal to the reference run bit for bit.
 TEST(HostCacheTier, StepReturnsBeforeItsWritesAndTheCommitHoldsExactlyTheStep) {
   MEMMGR_REQUIRE_BACKEND();
+  REQUIRE_SYNC_POINTS();
   const std::vector<ParamDef> defs = TailMix();
   Env env;
   env.read_ahead_chunks = 4;
@@ -1810,7 +1836,7 @@ TEST(HostCacheTier, StepReturnsBeforeItsWritesAndTheCommitHoldsExactlyTheStep) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  sa->ReapOnlyWhenBlocked(true);
+  StepIoMode reap(StepIoMode::kReapOnlyWhenBlocked);
   for (uint64_t step = 1; step <= 4; ++step) {
     StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
     EXPECT_TRUE(sa->commit_in_flight());
@@ -1838,6 +1864,7 @@ TEST(HostCacheTier, StepReturnsBeforeItsWritesAndTheCommitHoldsExactlyTheStep) {
 // it, and the retried steps equal the reference.
 TEST(HostCacheTier, FailedWriteInTheTailSurfacesAtTheNextCallAndKeepsTheLastGeneration) {
   MEMMGR_REQUIRE_BACKEND();
+  REQUIRE_SYNC_POINTS();
   const std::vector<ParamDef> defs = TailMix();
   const auto groups = TestGroups();
   vfs::FaultInjectionFileSystem fs(vfs::FileSystem::Default());
@@ -1847,7 +1874,7 @@ TEST(HostCacheTier, FailedWriteInTheTailSurfacesAtTheNextCallAndKeepsTheLastGene
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  sa->ReapOnlyWhenBlocked(true);  // every write of step 2 is in the tail
+  StepIoMode reap(StepIoMode::kReapOnlyWhenBlocked);  // every write of step 2 is in the tail
   StepWithReference(sa.get(), env.mm.get(), defs, &ref, 1, 1.0f);
   ASSERT_OK(sa->WaitForCommit());
   const vfs::GenerationInfo good = env.store->LatestGeneration();

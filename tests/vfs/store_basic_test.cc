@@ -16,6 +16,7 @@
 
 #include "tests/vfs/store_test_util.h"
 #include "vfs/store.h"
+#include "vfs/sync_point.h"
 
 namespace optstate::vfs {
 namespace {
@@ -27,6 +28,24 @@ using store_testing::NewTensor;
 using store_testing::TempDir;
 using store_testing::TestOptions;
 using store_testing::Unwrap;
+
+// A ChunkIo of `src` (a Store or a GenerationView), with `sync_engine` on the
+// synchronous engine (which ChunkIo falls back to where io_uring is
+// unavailable) through the test sync point "chunk_io.use_sync_engine"
+// (vfs/chunk_io.cc), armed only while NewChunkIo runs.
+// REQUIRES: !sync_engine || SyncPoint::CompiledIn().
+template <typename Source>
+Result<std::unique_ptr<ChunkIo>> NewChunkIoOn(Source* src, const ChunkIoOptions& o, bool sync_engine) {
+  if (!sync_engine) return src->NewChunkIo(o);
+  constexpr const char* kPoint = "chunk_io.use_sync_engine";
+  SyncPoint* sp = SyncPoint::Get();
+  sp->SetCallBack(kPoint, [](void* arg) { *static_cast<bool*>(arg) = true; });
+  sp->EnableProcessing();
+  auto io = src->NewChunkIo(o);
+  EXPECT_EQ(sp->PassCount(kPoint), 1u) << "NewChunkIo did not choose its engine at " << kPoint;
+  sp->Reset();
+  return io;
+}
 
 uint64_t Sum(const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), uint64_t{0}); }
 
@@ -433,9 +452,8 @@ TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
     EXPECT_EQ(0, std::memcmp(b.data(), want.data(), kTestChunk));
   }
   // The synchronous engine gives the same bytes.
-  ChunkIoOptions so;
-  so.use_sync_engine = true;
-  auto sio = Unwrap(s->NewChunkIo(so));
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "the synchronous engine part needs OPTSTATE_TEST_HOOKS";
+  auto sio = Unwrap(NewChunkIoOn(s.get(), ChunkIoOptions{}, /*sync_engine=*/true));
   ASSERT_OK(sio->SubmitRead(ChunkRef{t.id, 0, 2}, b.data(), 99));
   done.clear();
   ASSERT_OK(sio->Reap(&done, 1));
@@ -742,6 +760,7 @@ TEST(StoreTest, FlippedByteIsCorruptionNamingTheChunk) {
 TEST(StoreTest, HashThreadsChecksumWritesAndVerifyReadsOffTheCallersThread) {
   for (const bool sync_engine : {false, true}) {
     SCOPED_TRACE(sync_engine ? "sync engine" : "io_uring");
+    if (sync_engine && !SyncPoint::CompiledIn()) GTEST_SKIP() << "the sync engine part needs OPTSTATE_TEST_HOOKS";
     TempDir dir;
     auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
     const uint64_t q = kTestChunk / 4;
@@ -755,7 +774,6 @@ TEST(StoreTest, HashThreadsChecksumWritesAndVerifyReadsOffTheCallersThread) {
     }
     ChunkIoOptions o;
     o.hash_threads = 3;
-    o.use_sync_engine = sync_engine;
     std::vector<ChunkRef> refs;
     for (const TensorInfo& t : tensors) {
       for (uint32_t f = 0; f < 3; ++f) {
@@ -764,7 +782,7 @@ TEST(StoreTest, HashThreadsChecksumWritesAndVerifyReadsOffTheCallersThread) {
     }
     std::vector<std::unique_ptr<Buf>> bufs;
     {
-      auto io = Unwrap(s->NewChunkIo(o));
+      auto io = Unwrap(NewChunkIoOn(s.get(), o, sync_engine));
       for (size_t i = 0; i < refs.size(); ++i) {
         bufs.push_back(std::make_unique<Buf>(kTestChunk));
         FillPattern(bufs.back()->data(), kTestChunk,
@@ -788,7 +806,7 @@ TEST(StoreTest, HashThreadsChecksumWritesAndVerifyReadsOffTheCallersThread) {
     EXPECT_EQ(rep.chunks_checked, refs.size());
     // Read back with verification on the hashers.
     {
-      auto io = Unwrap(s->NewChunkIo(o));
+      auto io = Unwrap(NewChunkIoOn(s.get(), o, sync_engine));
       for (size_t i = 0; i < refs.size(); ++i) {
         std::memset(bufs[i]->data(), 0xAB, kTestChunk);
         ASSERT_OK(io->SubmitRead(refs[i], bufs[i]->data(), i));
@@ -810,7 +828,7 @@ TEST(StoreTest, HashThreadsChecksumWritesAndVerifyReadsOffTheCallersThread) {
     auto v = Unwrap(s->OpenGeneration(1));
     const ChunkInfo info = Unwrap(v->Chunk(ChunkRef{tensors[0].id, 2, 3}));
     ASSERT_NO_FATAL_FAILURE(FlipByteOnDisk(*s, info, 777, 0x01));
-    auto io = Unwrap(v->NewChunkIo(o));
+    auto io = Unwrap(NewChunkIoOn(v.get(), o, sync_engine));
     ASSERT_OK(io->SubmitRead(ChunkRef{tensors[0].id, 2, 3}, bufs[0]->data(), 1));
     ASSERT_OK(io->SubmitRead(ChunkRef{tensors[0].id, 2, 2}, bufs[1]->data(), 2));
     std::vector<ChunkCompletion> done;
