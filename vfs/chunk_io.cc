@@ -13,7 +13,7 @@
 #include "vfs/internal/chunk_hasher.h"
 #include "vfs/internal/generation_view.h"
 #include "vfs/io_engine.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs::internal {
 
