@@ -27,6 +27,7 @@
 #include "base/status.h"
 #include "vfs/store.h"
 
+using optstate::DType;
 using optstate::InvalidArgument;
 using optstate::NotFound;
 using optstate::Result;
