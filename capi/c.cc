@@ -24,9 +24,10 @@
 #include "memmgr/streamed_adam.h"
 #include "vfs/checkpoint.h"
 #include "vfs/reshard.h"
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
+using optstate::DType;
 using optstate::InvalidArgument;
 using optstate::NotFound;
 using optstate::Result;
@@ -228,7 +229,7 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
       for (const auto& spec : info->fields) names += (names.empty() ? "" : ", ") + spec.name;
       return NotFound(where + ": no field '" + field + "' (has " + names + ")");
     }
-    const vfs::DType dtype = info->fields[f].dtype;
+    const DType dtype = info->fields[f].dtype;
     const uint64_t numel = info->field_numel(f);
     if (first > numel || count > numel - first) {
       return InvalidArgument(where + " field " + field + ": range [" + std::to_string(first) + ", " +
@@ -239,13 +240,13 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
     // q8 codes decode with the scales chunk of the same index (it covers the
     // same elements).
     int scales = -1;
-    if (vfs::IsQ8(dtype)) {
+    if (IsQ8(dtype)) {
       scales = info->FieldIndexOf(vfs::Q8ScalesField(info->fields[f].name));
       if (scales < 0) return optstate::Corruption(where + " field " + field + ": its scales field is missing");
     }
     const uint64_t chunk_bytes = s->chunk_size_bytes();
     const uint64_t stride = info->field_chunk_bytes(f, chunk_bytes);
-    const uint64_t elem_bytes = vfs::DTypeSize(dtype);
+    const uint64_t elem_bytes = DTypeSize(dtype);
     const uint64_t per_chunk = stride / elem_bytes;
     std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(4096, chunk_bytes), &std::free);
     std::unique_ptr<void, decltype(&std::free)> sbuf(
@@ -259,7 +260,7 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
       OPTSTATE_RETURN_IF_ERROR((*view)->ReadChunk(ref, buf.get()));
       const uint64_t lo = std::max(first, c * per_chunk);
       const uint64_t hi = std::min(end, (c + 1) * per_chunk);
-      if (dtype == vfs::DType::kF32) {
+      if (dtype == DType::kF32) {
         std::memcpy(out + (lo - first), static_cast<const float*>(buf.get()) + (lo - c * per_chunk),
                     (hi - lo) * sizeof(float));
         continue;
@@ -270,7 +271,7 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
         OPTSTATE_RETURN_IF_ERROR((*view)->ReadChunk(sref, sbuf.get()));
         const uint8_t* codes = static_cast<const uint8_t*>(buf.get());
         const float* absmax = static_cast<const float*>(sbuf.get());
-        const bool is_signed = dtype == vfs::DType::kQ8S;
+        const bool is_signed = dtype == DType::kQ8S;
         for (uint64_t i = lo; i < hi; ++i) {
           const uint64_t in = i - c * per_chunk;
           out[i - first] = optstate::kernels::Q8MapValue(is_signed, codes[in]) *
@@ -281,7 +282,7 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
       // 16-bit fields (bf16 moments, f16): decoded to fp32, exactly.
       const uint16_t* h = static_cast<const uint16_t*>(buf.get()) + (lo - c * per_chunk);
       for (uint64_t i = 0; i < hi - lo; ++i) {
-        out[lo - first + i] = dtype == vfs::DType::kBF16 ? optstate::kernels::Bf16ToFloat(h[i])
+        out[lo - first + i] = dtype == DType::kBF16 ? optstate::kernels::Bf16ToFloat(h[i])
                                                          : optstate::kernels::HalfToFloat(h[i]);
       }
     }

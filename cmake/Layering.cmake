@@ -2,7 +2,7 @@
 # FOLDER includes a header of one of our folders not listed in ALLOWED, or when
 # a third-party header appears outside the folder that owns it, or when it
 # includes another folder's internal/ headers (STYLE.md).
-set(OPTSTATE_FOLDERS vfs memmgr kernels mount tools capi)
+set(OPTSTATE_FOLDERS base vfs memmgr kernels mount tools capi)
 function(optstate_check_layering folder allowed)
   file(GLOB_RECURSE srcs CONFIGURE_DEPENDS
        ${CMAKE_SOURCE_DIR}/${folder}/*.h ${CMAKE_SOURCE_DIR}/${folder}/*.cc
@@ -21,7 +21,12 @@ function(optstate_check_layering folder allowed)
           endif()
         endif()
       endforeach()
-      # Third-party headers stay in the folder that owns them.
+      # Third-party headers stay in the folder that owns them; base/, below
+      # every folder, uses only the standard library, fmt and spdlog.
+      if(folder STREQUAL "base" AND line MATCHES "#[ \t]*include[ \t]*<[^>]*[./]"
+         AND NOT line MATCHES "#[ \t]*include[ \t]*<(fmt|spdlog)/")
+        message(FATAL_ERROR "layering: ${src}: base/ may include only the standard library, fmt and spdlog")
+      endif()
       if(line MATCHES "rocksdb/|liburing" AND NOT folder STREQUAL "vfs")
         message(FATAL_ERROR "layering: ${src}: RocksDB/liburing headers belong to vfs/ only")
       endif()

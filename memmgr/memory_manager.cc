@@ -6,7 +6,7 @@
 
 #include "memmgr/internal/device.h"
 #include "memmgr/internal/manager_impl.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr {
 

@@ -27,7 +27,7 @@
 #include <memory>
 #include <string_view>
 
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr {

@@ -147,7 +147,7 @@
 
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr {

@@ -14,7 +14,7 @@
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr {
 
@@ -85,7 +85,7 @@ Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::stri
   if (t.numel != numel) return mismatch("numel", std::to_string(t.numel), std::to_string(numel));
   if (t.group != group) return mismatch("group", std::to_string(t.group), std::to_string(group));
   if (initial_type != kernels::ScalarType::kNone && t.dtype != StoredDType(initial_type)) {
-    return mismatch("dtype", vfs::DTypeName(t.dtype), vfs::DTypeName(StoredDType(initial_type)));
+    return mismatch("dtype", DTypeName(t.dtype), DTypeName(StoredDType(initial_type)));
   }
   // The same defaults as Store::CreateTensor.
   std::vector<uint64_t> shape = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
@@ -266,7 +266,7 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
     if (opts_.moment_dtype == kernels::ScalarType::kQ8) {
       spec.fields = vfs::AdamQ8Fields(numel, store_->chunk_size_bytes());
     } else {
-      spec.fields = {{"main", vfs::DType::kF32},
+      spec.fields = {{"main", DType::kF32},
                      {"exp_avg", MomentDType(opts_.moment_dtype, false)},
                      {"exp_avg_sq", MomentDType(opts_.moment_dtype, true)}};
     }

@@ -13,7 +13,7 @@
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr {
 

@@ -14,8 +14,8 @@
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::memmgr {
 
@@ -149,7 +149,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
                                                        opts_.background_sync_bytes, d_found_inf,
                                                        opts_.moment_dtype);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
-  // Tests fix the order of a step's I/O here (vfs/sync_point.h; nothing in
+  // Tests fix the order of a step's I/O here (base/sync_point.h; nothing in
   // the product arms these points), their callbacks setting the bool:
   // "streamed_adam.hold_completions": the step reaps no I/O completion before
   // EndStep drains it, so StepParam submits exactly the reads the depth

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <utility>
 
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::mount {
 

@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "vfs/io_buffer.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::mount {
 

@@ -10,8 +10,8 @@
 #include <fmt/format.h>
 
 #include "vfs/io_buffer.h"
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::mount {
 

@@ -74,7 +74,7 @@
 
 #include "mount/chunk_buffer_pool.h"
 #include "mount/store_tree.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::mount {
 

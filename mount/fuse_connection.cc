@@ -23,7 +23,7 @@
 
 #include "mount/fuse_mount.h"
 #include "mount/internal/push_gate.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::mount::internal {
 

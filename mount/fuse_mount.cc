@@ -18,7 +18,7 @@
 #include "mount/internal/fuse_context.h"
 #include "mount/internal/open_handles.h"
 #include "mount/internal/push_gate.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::mount {
 

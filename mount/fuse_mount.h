@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "mount/store_tree.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::mount {
 

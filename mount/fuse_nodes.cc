@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 
 #include "mount/internal/push_gate.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::mount::internal {
 

@@ -15,8 +15,8 @@
 #include "mount/internal/open_handles.h"
 #include "mount/internal/push_gate.h"
 #include "mount/internal/safetensors_fill.h"
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::mount::internal {
 namespace {

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::mount {
 

@@ -11,7 +11,7 @@
 
 #include <fmt/format.h>
 
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::mount {
 

@@ -45,7 +45,7 @@
 #include <vector>
 
 #include "vfs/checkpoint.h"
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::mount {

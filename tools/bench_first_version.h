@@ -45,7 +45,7 @@
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
 #include "tools/internal/device_buffer.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::tools::bench {
 

@@ -219,17 +219,17 @@ int Ls(const Args& a) {
     uint64_t per_field = 0;
     for (uint32_t f = 0; f < t.fields.size(); ++f) {
       uint64_t bytes = t.field_bytes(f);
-      fields.push_back({{"name", t.fields[f].name}, {"dtype", vfs::DTypeName(t.fields[f].dtype)},
+      fields.push_back({{"name", t.fields[f].name}, {"dtype", DTypeName(t.fields[f].dtype)},
                         {"bytes", bytes}});
       fnames += (f ? "," : "") + t.fields[f].name;
       per_field = std::max(per_field, bytes);
       total += bytes;
     }
-    out["tensors"].push_back({{"name", t.name}, {"id", t.id}, {"dtype", vfs::DTypeName(t.dtype)},
+    out["tensors"].push_back({{"name", t.name}, {"id", t.id}, {"dtype", DTypeName(t.dtype)},
                               {"numel", t.numel}, {"shape", EffectiveShape(t)},
                               {"global_shape", t.global_shape}, {"shard_offset", t.shard_offset},
                               {"group", t.group}, {"fields", fields}});
-    table.AddRow({t.name, vfs::DTypeName(t.dtype), std::to_string(t.numel),
+    table.AddRow({t.name, DTypeName(t.dtype), std::to_string(t.numel),
                   Shape(EffectiveShape(t)), std::to_string(t.group), fnames, FormatBytes(per_field)});
   }
   out["total_bytes"] = total;
@@ -279,7 +279,7 @@ std::string MomentDtypes(const std::vector<vfs::TensorInfo>& tensors) {
   for (const auto& t : tensors) {
     for (const auto& f : t.fields) {
       if (f.name != "exp_avg" && f.name != "exp_avg_sq") continue;
-      std::string n = vfs::DTypeName(f.dtype);
+      std::string n = DTypeName(f.dtype);
       if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
     }
   }
@@ -451,7 +451,7 @@ int Show(const Args& a) {
   for (uint32_t f : fields) {
     FieldStats st;
     std::vector<double> vals;
-    vfs::DType d = t->fields[f].dtype;
+    DType d = t->fields[f].dtype;
     // A field with fewer elements (q8 scales: one per 256) is read over its own part of the range.
     const uint64_t fend = std::min(r.end, t->field_numel(f));
     Status rs = ForEachRange(**v, *t, f, std::min(r.begin, fend), fend,
@@ -471,9 +471,9 @@ int Show(const Args& a) {
     }
     json jv = json::array();
     for (double x : vals) jv.push_back(JsonNumber(x));
-    out["fields"].push_back({{"name", t->fields[f].name}, {"dtype", vfs::DTypeName(d)},
+    out["fields"].push_back({{"name", t->fields[f].name}, {"dtype", DTypeName(d)},
                              {"values", jv}, {"stats", StatsJson(st)}});
-    text += fmt::format("\n{} ({}):\n  values[{}..{}):", t->fields[f].name, vfs::DTypeName(d),
+    text += fmt::format("\n{} ({}):\n  values[{}..{}):", t->fields[f].name, DTypeName(d),
                         r.begin, r.begin + vals.size());
     for (double x : vals) text += " " + FormatDouble(x, 7);
     if (r.end - r.begin > vals.size()) text += " ...";
@@ -559,7 +559,7 @@ int Diff(const Args& a) {
       // Read B's field into memory chunk by chunk alongside A.
       double max_abs = 0, diff_sq = 0, na = 0, nb = 0;
       uint64_t differing = 0;
-      vfs::DType da = ta.fields[f].dtype, db = tb->fields[*fb].dtype;
+      DType da = ta.fields[f].dtype, db = tb->fields[*fb].dtype;
       std::vector<double> bvals;
       Status st = ForEachRange(**va, ta, f, 0, ta.field_numel(f),
                                [&](uint64_t first, const void* data, uint64_t n) -> Status {

@@ -79,8 +79,9 @@ int Main(int argc, char** argv) {
     vfs::StoreOptions so;
     so.name = create_name;
     so.data_dirs = data_dirs;
-    const vfs::DType md = moments == "q8" ? vfs::DType::kQ8S : *vfs::ParseDType(moments);
-    auto store = CreateStoreWithMoments(dir, store_path, so, md, ro.progress);
+    Result<MomentDType> md = ParseMomentDType(moments);
+    if (!md.ok()) return FailWith(kTool, md.status().WithContext("--moments"));
+    auto store = CreateStoreWithMoments(dir, store_path, so, *md, ro.progress);
     if (tty) fmt::print(stderr, "\n");
     if (!store.ok()) {
       return FailWith(kTool, store.status());

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "vfs/file_system.h"
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::vfs {

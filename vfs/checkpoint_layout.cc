@@ -18,7 +18,6 @@ namespace {
 
 using OJson = nlohmann::ordered_json;
 using internal::CeilDiv;
-using internal::SafetensorsDtName;
 
 }  // namespace
 
@@ -35,7 +34,7 @@ std::string SafetensorsHeader(const Manifest& m) {
   for (const ManifestTensor& mt : m.tensors) {
     for (const ManifestField& mf : mt.fields) {
       OJson e;
-      e["dtype"] = SafetensorsDtName(mf.dtype);
+      e["dtype"] = SafetensorsDTypeName(mf.dtype);
       e["shape"] = FieldShape(mt, mf);
       e["data_offsets"] = OJson::array({data_off, data_off + mf.bytes});
       header[mt.name + "/" + mf.name] = e;

@@ -13,7 +13,7 @@
 #include "vfs/internal/chunk_hasher.h"
 #include "vfs/internal/generation_view.h"
 #include "vfs/io_engine.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs::internal {
 
@@ -319,7 +319,7 @@ Result<std::unique_ptr<ChunkIo>> MakeChunkIo(const std::shared_ptr<Core>& core, 
   std::unique_ptr<IoEngine> engine;
   // io_uring, else the synchronous engine. Tests take the synchronous engine
   // where io_uring works too, to exercise that path: the callback of this
-  // point sets the bool (vfs/sync_point.h; nothing in the product arms it).
+  // point sets the bool (base/sync_point.h; nothing in the product arms it).
   bool use_sync_engine = false;
   OPTSTATE_TEST_SYNC_POINT_CALLBACK("chunk_io.use_sync_engine", &use_sync_engine);
   if (!use_sync_engine) {

@@ -16,8 +16,8 @@
 #include "vfs/checkpoint.h"
 #include "vfs/internal/new_dir.h"
 #include "vfs/io_buffer.h"
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs {
 namespace {

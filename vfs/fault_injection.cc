@@ -9,7 +9,7 @@
 #include <set>
 #include <utility>
 
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::vfs {
 namespace {

@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "vfs/file_system.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs {
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs {
 

@@ -23,7 +23,7 @@
 #include <string>
 #include <utility>
 
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs {
 

@@ -15,8 +15,6 @@ namespace optstate::vfs {
 namespace {
 
 using OJson = nlohmann::ordered_json;
-using internal::DtName;
-using internal::DtSize;
 using internal::Hex16;
 
 std::vector<FieldSpec> FieldsOf(const TensorInfo& t) {
@@ -128,7 +126,7 @@ std::string SerializeManifest(const Manifest& m) {
     OJson jt;
     jt["name"] = t.name;
     jt["file_name"] = t.file_name;
-    jt["dtype"] = DtName(t.dtype);
+    jt["dtype"] = DTypeName(t.dtype);
     jt["numel"] = t.numel;
     jt["group"] = t.group;
     jt["shape"] = t.shape;
@@ -138,7 +136,7 @@ std::string SerializeManifest(const Manifest& m) {
     for (const ManifestField& f : t.fields) {
       OJson jf;
       jf["name"] = f.name;
-      jf["dtype"] = DtName(f.dtype);
+      jf["dtype"] = DTypeName(f.dtype);
       jf["file"] = f.file;
       jf["bytes"] = f.bytes;
       if (f.numel != 0) jf["numel"] = f.numel;

@@ -18,8 +18,6 @@ namespace {
 
 using Json = nlohmann::json;
 using internal::CeilDiv;
-using internal::DtParse;
-using internal::DtSize;
 
 constexpr uint64_t kMaxChunkBytes = 1ull << 30;
 constexpr size_t kMaxTensorNameBytes = 4096;
@@ -104,7 +102,9 @@ class Parser {
   Status Dtype(const Json& obj, const std::string& path, DType* out) const {
     std::string s;
     OPTSTATE_RETURN_IF_ERROR(Str(obj, path, "dtype", 16, &s));
-    if (!DtParse(s, out)) return Err(path + "dtype", fmt::format("unknown dtype '{}'", s));
+    std::optional<DType> d = ParseDTypeName(s);
+    if (!d) return Err(path + "dtype", fmt::format("unknown dtype '{}'", s));
+    *out = *d;
     return Status();
   }
 
@@ -313,10 +313,10 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
       }
       const uint64_t fnumel = f.numel != 0 ? f.numel : t.numel;
       const uint64_t stride = f.chunk_bytes != 0 ? f.chunk_bytes : cs;
-      uint64_t want_bytes = fnumel * DtSize(f.dtype);  // numel <= 2^56: no overflow
+      uint64_t want_bytes = fnumel * DTypeSize(f.dtype);  // numel <= 2^56: no overflow
       if (f.bytes != want_bytes) {
         return p.Err(fpath + "bytes", fmt::format("{} != numel {} x {} bytes", f.bytes, fnumel,
-                                                  DtSize(f.dtype)));
+                                                  DTypeSize(f.dtype)));
       }
       const Json* chunks = p.Member(jf, fpath, "chunks", &st);
       if (!chunks) return st;

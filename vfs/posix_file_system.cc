@@ -16,8 +16,8 @@
 
 #include "vfs/file_system.h"
 #include "vfs/internal/posix_file.h"
-#include "vfs/log.h"
-#include "vfs/status.h"
+#include "base/log.h"
+#include "base/status.h"
 
 namespace optstate::vfs {
 

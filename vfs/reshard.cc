@@ -16,8 +16,8 @@
 #include "vfs/internal/reshard_geometry.h"
 #include "vfs/internal/reshard_io.h"
 #include "vfs/internal/reshard_sources.h"
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs {
 namespace {

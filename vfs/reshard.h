@@ -37,7 +37,7 @@
 
 #include "vfs/checkpoint.h"
 #include "vfs/file_system.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs {
 

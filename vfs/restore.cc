@@ -22,7 +22,7 @@
 
 #include "vfs/checkpoint.h"
 #include "vfs/io_buffer.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::vfs {
 namespace {

@@ -30,43 +30,12 @@
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_core.h"
 #include "vfs/internal/store_format.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs {
 
 // ---------------------------------------------------------------------------
 // Small public helpers declared in store.h.
-
-const char* DTypeName(DType d) {
-  switch (d) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
-    case DType::kQ8S: return "q8s";
-    case DType::kQ8U: return "q8u";
-  }
-  return "?";
-}
-
-Result<DType> ParseDType(std::string_view s) {
-  if (s == "f32" || s == "float32") return DType::kF32;
-  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
-  if (s == "f16" || s == "float16") return DType::kF16;
-  if (s == "q8s") return DType::kQ8S;
-  if (s == "q8u") return DType::kQ8U;
-  return InvalidArgument("unknown dtype '" + std::string(s) + "' (expected f32, bf16, f16, q8s or q8u)");
-}
-
-uint32_t DTypeSize(DType d) {
-  switch (d) {
-    case DType::kF32: return 4;
-    case DType::kBF16:
-    case DType::kF16: return 2;
-    case DType::kQ8S:
-    case DType::kQ8U: return 1;
-  }
-  return 4;
-}
 
 std::string Q8ScalesField(std::string_view codes) { return std::string(codes) + ".absmax"; }
 
@@ -157,23 +126,6 @@ Status ValidateFields(const TensorSpec& spec, uint64_t chunk_size_bytes, std::st
   }
   return Status();
 }
-
-namespace internal {
-
-size_t EditDistance(std::string_view a, std::string_view b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    }
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
-
-}  // namespace internal
 
 namespace {
 

@@ -100,8 +100,9 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
+#include "base/status.h"
 #include "vfs/file_system.h"
-#include "vfs/status.h"
 
 namespace optstate::vfs {
 
@@ -111,17 +112,10 @@ inline constexpr uint64_t kDefaultChunkBytes = 8 * kMiB; // README "Defaults"
 inline constexpr uint32_t kFormatVersion = 1;
 inline constexpr uint64_t kLatest = UINT64_MAX;          // "the newest committed generation"
 
-// f32/bf16/f16: IEEE-style floats. q8s/q8u: 8-bit codes of a block-scaled
-// field (one byte per element; element i decodes to map[code] x the fp32
-// absmax of its block i / kQ8BlockElems, which another field of the tensor
-// holds, named Q8ScalesField(codes field)): q8s uses the signed dynamic map
-// (exp_avg), q8u the unsigned one (exp_avg_sq); the maps are
-// kernels::Q8MapValue's (docs/MOMENTS.md).
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kQ8S = 3, kQ8U = 4 };
-const char* DTypeName(DType d);           // "f32", "bf16", "f16", "q8s", "q8u"
-Result<DType> ParseDType(std::string_view s);
-uint32_t DTypeSize(DType d);
-inline bool IsQ8(DType d) { return d == DType::kQ8S || d == DType::kQ8U; }
+// A field's element dtype is optstate::DType (base/dtype.h). A q8s/q8u field
+// decodes with the fp32 absmax of each block of kQ8BlockElems elements, which
+// another field of the tensor holds, named Q8ScalesField(codes field); the
+// maps are kernels::Q8MapValue's (docs/MOMENTS.md).
 
 // Elements per scale of a q8 field (one fp32 absmax per 256 elements).
 inline constexpr uint64_t kQ8BlockElems = 256;

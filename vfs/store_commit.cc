@@ -1,7 +1,7 @@
 // Commit (Core, vfs/internal/store_core.h): data file syncs, the synced batch
 // that publishes a generation, its COMMITTED mark, and poisoning on failure.
 #include "vfs/internal/store_core.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs::internal {
 

@@ -2,7 +2,7 @@
 // generation records no retained, snapshotted, viewed or leased generation can
 // see, and their removal in one synced batch.
 #include "vfs/internal/store_core.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs::internal {
 

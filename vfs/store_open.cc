@@ -33,8 +33,8 @@
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_core.h"
 #include "vfs/internal/store_format.h"
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs::internal {
 namespace {

@@ -13,7 +13,7 @@
 
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::memmgr::internal {
 

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <iterator>
 
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr::internal {
 

@@ -17,7 +17,7 @@
 
 #include "memmgr/internal/device.h"
 #include "vfs/io_buffer.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr::internal {
 namespace {

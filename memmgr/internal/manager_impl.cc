@@ -10,7 +10,7 @@
 
 #include "memmgr/internal/resource_check.h"
 #include "vfs/io_buffer.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr::internal {
 

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "memmgr/internal/manager_impl.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr::internal {
 

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "memmgr/internal/manager_impl.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr::internal {
 
@@ -33,7 +33,7 @@ Result<ManagerImpl::Region*> ManagerImpl::GetRegion(std::string_view tensor, std
   auto r = std::make_unique<Region>();
   r->info = info;
   r->field = f;
-  r->elem_bytes = vfs::DTypeSize(info.fields[f].dtype);
+  r->elem_bytes = DTypeSize(info.fields[f].dtype);
   r->field_bytes = info.field_bytes(f);
   uint64_t chunks = (r->field_bytes + page_bytes_ - 1) / page_bytes_;
   r->reserved = std::max<uint64_t>(chunks, 1) * page_bytes_;

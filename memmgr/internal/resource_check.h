@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::memmgr::internal {
 

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "memmgr/internal/manager_impl.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::memmgr::internal {
 

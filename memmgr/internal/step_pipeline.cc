@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "memmgr/internal/streamed_adam_util.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::memmgr::internal {
 
@@ -507,7 +507,7 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
     h2d += j.bytes();
   }
   // Tests fail a launch here as a device error would (the callback sets the
-  // Status); nothing in the product arms it (vfs/sync_point.h).
+  // Status); nothing in the product arms it (base/sync_point.h).
   Status launch;
   OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.kernel_launch", &launch);
   if (!launch.ok()) {

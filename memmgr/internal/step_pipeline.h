@@ -42,7 +42,7 @@
 #include "memmgr/internal/device.h"
 #include "memmgr/internal/manager_impl.h"
 #include "memmgr/memory_manager.h"
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr::internal {

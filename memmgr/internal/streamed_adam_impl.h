@@ -12,7 +12,7 @@
 
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/streamed_adam.h"
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr {

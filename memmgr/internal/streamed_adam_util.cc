@@ -37,10 +37,10 @@ bool IsFloatType(kernels::ScalarType t) {
   return t == kernels::ScalarType::kF32 || t == kernels::ScalarType::kBF16 || t == kernels::ScalarType::kF16;
 }
 
-vfs::DType StoredDType(kernels::ScalarType t) {
-  return t == kernels::ScalarType::kBF16  ? vfs::DType::kBF16
-         : t == kernels::ScalarType::kF16 ? vfs::DType::kF16
-                                          : vfs::DType::kF32;
+DType StoredDType(kernels::ScalarType t) {
+  return t == kernels::ScalarType::kBF16  ? DType::kBF16
+         : t == kernels::ScalarType::kF16 ? DType::kF16
+                                          : DType::kF32;
 }
 
 Status WithNote(const Status& s, const std::string& note) {
@@ -63,22 +63,22 @@ float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
   }
 }
 
-vfs::DType MomentDType(kernels::ScalarType t, bool sq) {
+DType MomentDType(kernels::ScalarType t, bool sq) {
   switch (t) {
-    case kernels::ScalarType::kBF16: return vfs::DType::kBF16;
-    case kernels::ScalarType::kQ8: return sq ? vfs::DType::kQ8U : vfs::DType::kQ8S;
-    default: return vfs::DType::kF32;
+    case kernels::ScalarType::kBF16: return DType::kBF16;
+    case kernels::ScalarType::kQ8: return sq ? DType::kQ8U : DType::kQ8S;
+    default: return DType::kF32;
   }
 }
 
 Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, kernels::ScalarType moment) {
   for (const vfs::FieldSpec& f : t.fields) {
-    const vfs::DType want = MomentDType(moment, f.name == "exp_avg_sq");
+    const DType want = MomentDType(moment, f.name == "exp_avg_sq");
     if ((f.name == "exp_avg" || f.name == "exp_avg_sq") && f.dtype != want) {
       return InvalidArgument("StreamedAdam: store " + store_path + " holds tensor '" + t.name + "' field " + f.name +
-                             " as " + vfs::DTypeName(f.dtype) + ", but the optimizer was created with moment dtype " +
-                             vfs::DTypeName(want) + " (moment dtypes are chosen when a store is created; open it with "
-                             "moment dtype " + vfs::DTypeName(f.dtype) + ", or convert a checkpoint with "
+                             " as " + DTypeName(f.dtype) + ", but the optimizer was created with moment dtype " +
+                             DTypeName(want) + " (moment dtypes are chosen when a store is created; open it with "
+                             "moment dtype " + DTypeName(f.dtype) + ", or convert a checkpoint with "
                              "optstate-restore --moments); nothing changed");
     }
   }

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/adam.h"
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr::internal {
@@ -18,7 +18,7 @@ double NowS();
 uint32_t ScalarSize(kernels::ScalarType t);
 const char* ScalarName(kernels::ScalarType t);
 bool IsFloatType(kernels::ScalarType t);
-vfs::DType StoredDType(kernels::ScalarType t);
+DType StoredDType(kernels::ScalarType t);
 
 // s with "; note" appended to its message (s unchanged when note is empty).
 Status WithNote(const Status& s, const std::string& note);
@@ -46,7 +46,7 @@ float ToFloat(const void* src, uint64_t i, kernels::ScalarType t);
 // The dtype of exp_avg (sq false) or exp_avg_sq (sq true) in a store whose
 // optimizer uses moments of type t (q8: signed codes for exp_avg, unsigned for
 // exp_avg_sq).
-vfs::DType MomentDType(kernels::ScalarType t, bool sq);
+DType MomentDType(kernels::ScalarType t, bool sq);
 
 // kInvalidArgument naming the store, the tensor, the field and both dtypes
 // when a moment field of t is not stored as `want`.

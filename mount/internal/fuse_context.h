@@ -18,7 +18,7 @@
 #include "mount/chunk_reader.h"
 #include "mount/prefetcher.h"
 #include "mount/store_tree.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::mount::internal {
 

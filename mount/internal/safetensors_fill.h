@@ -17,7 +17,7 @@
 
 #include "mount/internal/fuse_context.h"
 #include "mount/internal/push_gate.h"
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::mount::internal {
 

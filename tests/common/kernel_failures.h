@@ -13,13 +13,13 @@
 #include <cstdint>
 #include <memory>
 
-#include "vfs/status.h"
-#include "vfs/sync_point.h"
+#include "base/status.h"
+#include "base/sync_point.h"
 
 namespace optstate::test_util {
 
 // Arms the point while it lives; the destructor resets the process's sync
-// points (vfs::SyncPoint::Reset).
+// points (SyncPoint::Reset).
 class KernelFailures {
  public:
   static constexpr const char* kPoint = "streamed_adam.kernel_launch";
@@ -28,17 +28,17 @@ class KernelFailures {
   KernelFailures(const KernelFailures&) = delete;
   KernelFailures& operator=(const KernelFailures&) = delete;
   ~KernelFailures() {
-    if (armed_) vfs::SyncPoint::Get()->Reset();
+    if (armed_) SyncPoint::Get()->Reset();
   }
 
   // Whether the libraries were built with their sync points.
-  static bool Available() { return vfs::SyncPoint::CompiledIn(); }
+  static bool Available() { return SyncPoint::CompiledIn(); }
 
   // The n-th kernel launch from now fails (n >= 1); the launches before and
   // after it run. Replaces an earlier FailAfter.
   void FailAfter(uint64_t n) {
     auto left = std::make_shared<std::atomic<uint64_t>>(n);
-    vfs::SyncPoint* sp = vfs::SyncPoint::Get();
+    SyncPoint* sp = SyncPoint::Get();
     sp->SetCallBack(kPoint, [left](void* arg) {
       uint64_t v = left->load();
       while (v > 0 && !left->compare_exchange_weak(v, v - 1)) {

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <utility>
 
-#include "vfs/status.h"
+#include "base/status.h"
 
 // Fails the test (and returns) when a Status is not OK, naming the
 // expression and the status's message.

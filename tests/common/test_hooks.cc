@@ -1,4 +1,4 @@
-// Arms test sync points (vfs/sync_point.h) from the environment of a test
+// Arms test sync points (base/sync_point.h) from the environment of a test
 // child process. Linked (as an object library) only into test binaries: the
 // product tools and library never read these variables.
 //
@@ -18,7 +18,7 @@
 #include <string>
 #include <thread>
 
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::test_hooks {
 namespace {
@@ -38,10 +38,10 @@ void Die(const char* var) {
 }
 
 bool Arm() {
-  vfs::SyncPoint* sp = vfs::SyncPoint::Get();
+  SyncPoint* sp = SyncPoint::Get();
   bool armed = false;
   if (const char* e = std::getenv("OPTSTATE_CRASH_AT"); e != nullptr && *e != '\0') {
-    if (!vfs::SyncPoint::CompiledIn()) Die("OPTSTATE_CRASH_AT");
+    if (!SyncPoint::CompiledIn()) Die("OPTSTATE_CRASH_AT");
     auto [point, nth] = ParseCrashAt(e);
     auto hits = std::make_shared<std::atomic<uint64_t>>(0);
     sp->SetCallBack(point, [hits, nth = nth](void*) {
@@ -50,7 +50,7 @@ bool Arm() {
     armed = true;
   }
   if (const char* e = std::getenv("OPTSTATE_TEST_DELAY_AT"); e != nullptr && *e != '\0') {
-    if (!vfs::SyncPoint::CompiledIn()) Die("OPTSTATE_TEST_DELAY_AT");
+    if (!SyncPoint::CompiledIn()) Die("OPTSTATE_TEST_DELAY_AT");
     std::string spec(e);
     for (size_t pos = 0; pos < spec.size();) {
       size_t comma = spec.find(',', pos);

@@ -15,7 +15,7 @@
 #include "memmgr_test_util.h"
 #include "tests/common/kernel_failures.h"
 #include "vfs/fault_injection.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::memmgr::testing {
 namespace {
@@ -24,25 +24,25 @@ using kernels::ScalarType;
 
 // Sets one of a step's I/O modes while it lives: the point hands its callback
 // a bool* the step's pipeline is set from (memmgr/streamed_adam_step.cc). The
-// destructor resets the process's sync points (vfs::SyncPoint::Reset).
+// destructor resets the process's sync points (SyncPoint::Reset).
 class StepIoMode {
  public:
   static constexpr const char* kHoldCompletions = "streamed_adam.hold_completions";
   static constexpr const char* kReapOnlyWhenBlocked = "streamed_adam.reap_only_when_blocked";
 
   explicit StepIoMode(const char* point) {
-    vfs::SyncPoint* sp = vfs::SyncPoint::Get();
+    SyncPoint* sp = SyncPoint::Get();
     sp->SetCallBack(point, [](void* arg) { *static_cast<bool*>(arg) = true; });
     sp->EnableProcessing();
   }
-  ~StepIoMode() { vfs::SyncPoint::Get()->Reset(); }
+  ~StepIoMode() { SyncPoint::Get()->Reset(); }
   StepIoMode(const StepIoMode&) = delete;
   StepIoMode& operator=(const StepIoMode&) = delete;
 };
 
 #define REQUIRE_SYNC_POINTS()                                                               \
   do {                                                                                      \
-    if (!vfs::SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS"; \
+    if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS"; \
   } while (0)
 
 struct Env {

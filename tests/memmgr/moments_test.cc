@@ -160,9 +160,9 @@ TEST(StreamedAdamBf16Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitF
   // The store records the moments' dtype per field.
   auto t = MUST(env.store->FindTensor("a.weight"));
   ASSERT_EQ(t.fields.size(), 3u);
-  EXPECT_EQ(t.fields[0].dtype, vfs::DType::kF32);
-  EXPECT_EQ(t.fields[1].dtype, vfs::DType::kBF16);
-  EXPECT_EQ(t.fields[2].dtype, vfs::DType::kBF16);
+  EXPECT_EQ(t.fields[0].dtype, DType::kF32);
+  EXPECT_EQ(t.fields[1].dtype, DType::kBF16);
+  EXPECT_EQ(t.fields[2].dtype, DType::kBF16);
   auto rep = MUST(env.store->Verify());
   EXPECT_TRUE(rep.ok()) << (rep.problems.empty() ? "leaked slots" : rep.problems[0]);
 
@@ -221,9 +221,9 @@ TEST(StreamedAdamBf16Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   auto m = MUST(vfs::ParseManifest(manifest.str(), "manifest.json"));
   for (const vfs::ManifestTensor& t : m.tensors) {
     ASSERT_EQ(t.fields.size(), 3u);
-    EXPECT_EQ(t.fields[0].dtype, vfs::DType::kF32) << t.name;
-    EXPECT_EQ(t.fields[1].dtype, vfs::DType::kBF16) << t.name;
-    EXPECT_EQ(t.fields[2].dtype, vfs::DType::kBF16) << t.name;
+    EXPECT_EQ(t.fields[0].dtype, DType::kF32) << t.name;
+    EXPECT_EQ(t.fields[1].dtype, DType::kBF16) << t.name;
+    EXPECT_EQ(t.fields[2].dtype, DType::kBF16) << t.name;
     EXPECT_EQ(t.fields[1].bytes, t.numel * 2) << t.name;
   }
   std::ifstream st(ckpt + "/state.safetensors", std::ios::binary);

@@ -181,8 +181,8 @@ TEST(StreamedAdamQ8Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitFor
   ExpectStoreEquals(env.store.get(), defs, ref);
   auto t = MUST(env.store->FindTensor("a.weight"));
   ASSERT_EQ(t.fields.size(), 5u);
-  EXPECT_EQ(t.fields[1].dtype, vfs::DType::kQ8S);
-  EXPECT_EQ(t.fields[2].dtype, vfs::DType::kQ8U);
+  EXPECT_EQ(t.fields[1].dtype, DType::kQ8S);
+  EXPECT_EQ(t.fields[2].dtype, DType::kQ8U);
   EXPECT_EQ(t.field_numel(3), Blocks(kChunk + 777));
   auto rep = MUST(env.store->Verify());
   EXPECT_TRUE(rep.ok()) << (rep.problems.empty() ? "leaked slots" : rep.problems[0]);
@@ -280,8 +280,8 @@ TEST(StreamedAdamQ8Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   auto m = MUST(vfs::ParseManifest(manifest.str(), "manifest.json"));
   for (const vfs::ManifestTensor& t : m.tensors) {
     ASSERT_EQ(t.fields.size(), 5u);
-    EXPECT_EQ(t.fields[1].dtype, vfs::DType::kQ8S) << t.name;
-    EXPECT_EQ(t.fields[2].dtype, vfs::DType::kQ8U) << t.name;
+    EXPECT_EQ(t.fields[1].dtype, DType::kQ8S) << t.name;
+    EXPECT_EQ(t.fields[2].dtype, DType::kQ8U) << t.name;
     EXPECT_EQ(t.fields[1].scales, "exp_avg.absmax") << t.name;
     EXPECT_EQ(t.fields[1].block_size, 256u) << t.name;
     EXPECT_EQ(t.fields[1].bytes, t.numel) << t.name;

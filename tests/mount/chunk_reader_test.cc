@@ -23,7 +23,7 @@
 #include "mount/store_tree.h"
 #include "tests/common/test_util.h"
 #include "tests/vfs/checkpoint_test_util.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::mount {
 namespace {

@@ -156,7 +156,7 @@ class Rank {
     for (const vfs::TensorInfo& t : (*v)->tensors()) {
       const std::vector<uint64_t>& gi = indices_.at(t.name);
       for (uint32_t f = 0; f < t.fields.size(); ++f) {
-        ASSERT_EQ(t.fields[f].dtype, vfs::DType::kF32);
+        ASSERT_EQ(t.fields[f].dtype, DType::kF32);
         std::vector<uint32_t> bits(t.numel);
         for (uint64_t c = 0; c < (*v)->ChunkCount(t, f); ++c) {
           Status st = (*v)->ReadChunk({t.id, f, c}, buf.data());

@@ -189,7 +189,7 @@ std::unique_ptr<vfs::Store> MakeAdamStore(const std::string& path) {
 }
 
 // A field of the newest generation, decoded to fp32; its dtype in *dtype.
-std::vector<float> ReadField(vfs::Store* s, const std::string& field, vfs::DType* dtype) {
+std::vector<float> ReadField(vfs::Store* s, const std::string& field, DType* dtype) {
   std::vector<float> out;
   auto v = s->OpenGeneration(vfs::kLatest);
   EXPECT_TRUE(v.ok()) << v.status().ToString();
@@ -199,7 +199,7 @@ std::vector<float> ReadField(vfs::Store* s, const std::string& field, vfs::DType
   uint32_t f = 0;
   while (t->fields[f].name != field) ++f;
   *dtype = t->fields[f].dtype;
-  const uint32_t es = vfs::DTypeSize(*dtype);
+  const uint32_t es = DTypeSize(*dtype);
   vfs::IoBuffer buf(s->chunk_size_bytes());
   for (uint64_t c = 0; c < (*v)->ChunkCount(*t, f); ++c) {
     EXPECT_TRUE((*v)->ReadChunk({t->id, f, c}, buf.data()).ok());
@@ -231,13 +231,13 @@ TEST(RestoreMomentsTest, F32ToBf16ToF32StaysWithinTheRoundingBound) {
   auto rep = (*b)->Verify();
   ASSERT_TRUE(rep.ok()) << rep.status().ToString();
   EXPECT_TRUE(rep->ok()) << (rep->problems.empty() ? "leaked slots" : rep->problems[0]);
-  vfs::DType d;
+  DType d;
   std::vector<std::vector<float>> orig(3), half(3);
   const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
   for (int f = 0; f < 3; ++f) {
     orig[f] = moments::ReadField(src.get(), kFields[f], &d);
     half[f] = moments::ReadField(b->get(), kFields[f], &d);
-    EXPECT_EQ(d, f == 0 ? vfs::DType::kF32 : vfs::DType::kBF16) << kFields[f];
+    EXPECT_EQ(d, f == 0 ? DType::kF32 : DType::kBF16) << kFields[f];
     ASSERT_EQ(half[f].size(), moments::kNumel);
   }
   EXPECT_EQ(std::memcmp(half[0].data(), orig[0].data(), moments::kNumel * 4), 0) << "main changed";
@@ -267,7 +267,7 @@ TEST(RestoreMomentsTest, F32ToBf16ToF32StaysWithinTheRoundingBound) {
   ASSERT_TRUE(f32.ok()) << f32.status().ToString();
   for (int f = 0; f < 3; ++f) {
     std::vector<float> back = moments::ReadField(f32->get(), kFields[f], &d);
-    EXPECT_EQ(d, vfs::DType::kF32);
+    EXPECT_EQ(d, DType::kF32);
     ASSERT_EQ(back.size(), moments::kNumel);
     EXPECT_EQ(std::memcmp(back.data(), half[f].data(), moments::kNumel * 4), 0) << kFields[f] << ": bf16 -> f32 is exact";
   }
@@ -283,7 +283,7 @@ std::vector<float> ReadQ8Field(vfs::Store* s, const std::string& field, std::vec
   const int f = t->FieldIndexOf(field), sf = t->FieldIndexOf(vfs::Q8ScalesField(field));
   EXPECT_GE(f, 0);
   EXPECT_GE(sf, 0);
-  EXPECT_TRUE(vfs::IsQ8(t->fields[static_cast<uint32_t>(f)].dtype));
+  EXPECT_TRUE(IsQ8(t->fields[static_cast<uint32_t>(f)].dtype));
   std::vector<float> out, scales;
   vfs::IoBuffer codes(s->chunk_size_bytes()), sb(s->chunk_size_bytes());
   for (uint64_t c = 0; c < (*v)->ChunkCount(*t, static_cast<uint32_t>(f)); ++c) {
@@ -316,7 +316,7 @@ TEST(RestoreMomentsTest, F32ToQ8ToF32StaysWithinHalfTheMapGap) {
   auto rep = (*q)->Verify();
   ASSERT_TRUE(rep.ok()) << rep.status().ToString();
   EXPECT_TRUE(rep->ok()) << (rep->problems.empty() ? "leaked slots" : rep->problems[0]);
-  vfs::DType d;
+  DType d;
   const char* kFields[] = {"main", "exp_avg", "exp_avg_sq"};
   std::vector<std::vector<float>> orig(3), dec(3);
   for (int f = 0; f < 3; ++f) orig[f] = moments::ReadField(src.get(), kFields[f], &d);
@@ -364,7 +364,7 @@ TEST(RestoreMomentsTest, F32ToQ8ToF32StaysWithinHalfTheMapGap) {
   ASSERT_TRUE(f32.ok()) << f32.status().ToString();
   for (int f = 0; f < 3; ++f) {
     std::vector<float> back = moments::ReadField(f32->get(), kFields[f], &d);
-    EXPECT_EQ(d, vfs::DType::kF32);
+    EXPECT_EQ(d, DType::kF32);
     const std::vector<float>& want = f == 0 ? orig[0] : dec[f];
     ASSERT_EQ(back.size(), moments::kNumel);
     EXPECT_EQ(std::memcmp(back.data(), want.data(), moments::kNumel * 4), 0) << kFields[f] << ": q8 -> f32 is exact";

@@ -16,7 +16,7 @@
 
 #include "tests/vfs/store_test_util.h"
 #include "vfs/store.h"
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs {
 namespace {

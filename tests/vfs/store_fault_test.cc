@@ -11,7 +11,7 @@
 
 #include "tests/vfs/store_test_util.h"
 #include "vfs/fault_injection.h"
-#include "vfs/log.h"
+#include "base/log.h"
 #include "vfs/store.h"
 
 namespace optstate::vfs {

@@ -22,7 +22,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "vfs/status.h"
+#include "base/status.h"
+#include "base/strings.h"
 
 namespace optstate::tools {
 
@@ -42,8 +43,6 @@ std::string FormatDouble(double v, int precision = 3);
 struct Range { uint64_t begin = 0; uint64_t end = 0; };
 Result<Range> ParseRange(std::string_view text, uint64_t limit);
 
-// Levenshtein distance (bytes).
-size_t EditDistance(std::string_view a, std::string_view b);
 // Up to max_results candidates closest to `needle`: substring matches first,
 // then by edit distance (only those within max(2, needle.size()/2)).
 std::vector<std::string> ClosestMatches(std::string_view needle,

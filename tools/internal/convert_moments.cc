@@ -36,24 +36,24 @@ Status ReadExact(int fd, const std::string& path, uint64_t offset, void* buf, ui
 }
 
 // Element i of a field buffer of dtype d, as fp32 (exact for every dtype).
-float Load(vfs::DType d, const void* p, uint64_t i) {
+float Load(DType d, const void* p, uint64_t i) {
   switch (d) {
-    case vfs::DType::kF32: return static_cast<const float*>(p)[i];
-    case vfs::DType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
-    case vfs::DType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    case vfs::DType::kQ8S:
-    case vfs::DType::kQ8U: break;  // decoded with their scales (MomentReader)
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+    case DType::kQ8S:
+    case DType::kQ8U: break;  // decoded with their scales (MomentReader)
   }
   return 0.0f;
 }
 
-void Store(vfs::DType d, void* p, uint64_t i, float f) {
+void Store(DType d, void* p, uint64_t i, float f) {
   switch (d) {
-    case vfs::DType::kF32: static_cast<float*>(p)[i] = f; break;
-    case vfs::DType::kBF16: static_cast<uint16_t*>(p)[i] = kernels::FloatToBf16(f); break;
-    case vfs::DType::kF16: static_cast<uint16_t*>(p)[i] = kernels::FloatToHalf(f); break;
-    case vfs::DType::kQ8S:
-    case vfs::DType::kQ8U: break;  // quantized per block (ConvertMoment)
+    case DType::kF32: static_cast<float*>(p)[i] = f; break;
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = kernels::FloatToBf16(f); break;
+    case DType::kF16: static_cast<uint16_t*>(p)[i] = kernels::FloatToHalf(f); break;
+    case DType::kQ8S:
+    case DType::kQ8U: break;  // quantized per block (ConvertMoment)
   }
 }
 
@@ -104,7 +104,7 @@ Status ForEachDecodedChunk(const std::string& dir, const vfs::ManifestTensor& mt
                            const std::function<Status(const float*, uint64_t)>& fn) {
   ChunkFile codes, scales;
   OPTSTATE_RETURN_IF_ERROR(codes.Open(dir, mf, mt.name));
-  const bool q8 = vfs::IsQ8(mf.dtype);
+  const bool q8 = IsQ8(mf.dtype);
   if (q8) {
     const vfs::ManifestField* sf = nullptr;
     for (const vfs::ManifestField& f : mt.fields) {
@@ -125,10 +125,10 @@ Status ForEachDecodedChunk(const std::string& dir, const vfs::ManifestTensor& mt
     if (q8) {
       OPTSTATE_RETURN_IF_ERROR(scales.Read(c, sbuf.data(), &slen));
       out.resize(len);
-      kernels::Q8Dequantize(mf.dtype == vfs::DType::kQ8S, buf.as<uint8_t>(), sbuf.as<float>(), len, out.data());
+      kernels::Q8Dequantize(mf.dtype == DType::kQ8S, buf.as<uint8_t>(), sbuf.as<float>(), len, out.data());
       *done += slen;
     } else {
-      const uint64_t n = len / vfs::DTypeSize(mf.dtype);
+      const uint64_t n = len / DTypeSize(mf.dtype);
       out.resize(n);
       for (uint64_t i = 0; i < n; ++i) out[i] = Load(mf.dtype, buf.data(), i);
     }
@@ -143,10 +143,10 @@ Status ForEachDecodedChunk(const std::string& dir, const vfs::ManifestTensor& mt
 // scales field `scales_field`) from fp32 values given in order.
 class MomentWriter {
  public:
-  MomentWriter(vfs::Store* store, const vfs::TensorInfo& t, uint32_t field, vfs::DType to, int scales_field,
+  MomentWriter(vfs::Store* store, const vfs::TensorInfo& t, uint32_t field, DType to, int scales_field,
                vfs::IoBuffer* dst, vfs::IoBuffer* sdst)
       : store_(store), t_(t), field_(field), to_(to), scales_(scales_field), dst_(dst), sdst_(sdst),
-        per_chunk_(store->chunk_size_bytes() / vfs::DTypeSize(to)) {}
+        per_chunk_(store->chunk_size_bytes() / DTypeSize(to)) {}
   Status Add(const float* x, uint64_t n) {
     for (uint64_t i = 0; i < n; ++i) {
       pending_.push_back(x[i]);
@@ -158,10 +158,10 @@ class MomentWriter {
     if (pending_.empty()) return Status::Ok();
     const uint64_t chunk = store_->chunk_size_bytes();
     std::memset(dst_->data(), 0, chunk);
-    if (vfs::IsQ8(to_)) {
+    if (IsQ8(to_)) {
       // The quantizer of the step: absmax = max |x| per 256, nearest code.
       std::memset(sdst_->data(), 0, chunk);
-      kernels::Q8Quantize(to_ == vfs::DType::kQ8S, pending_.data(), pending_.size(), dst_->as<uint8_t>(),
+      kernels::Q8Quantize(to_ == DType::kQ8S, pending_.data(), pending_.size(), dst_->as<uint8_t>(),
                           sdst_->as<float>());
       OPTSTATE_RETURN_IF_ERROR(
           store_->WriteChunk(vfs::ChunkRef{t_.id, static_cast<uint32_t>(scales_), index_}, sdst_->data()));
@@ -178,7 +178,7 @@ class MomentWriter {
   vfs::Store* store_;
   const vfs::TensorInfo& t_;
   uint32_t field_;
-  vfs::DType to_;
+  DType to_;
   int scales_;
   vfs::IoBuffer* dst_;
   vfs::IoBuffer* sdst_;
@@ -187,17 +187,10 @@ class MomentWriter {
   std::vector<float> pending_;
 };
 
-// The moment dtype of field `name` in a store of moments `moments` (kQ8S
-// stands for q8: signed codes for exp_avg, unsigned for exp_avg_sq).
-vfs::DType MomentFieldDType(vfs::DType moments, std::string_view name) {
-  if (vfs::IsQ8(moments)) return name == "exp_avg_sq" ? vfs::DType::kQ8U : vfs::DType::kQ8S;
-  return moments;
-}
-
 // True when `name` holds the scales of a q8 field of mt.
 bool IsScalesField(const vfs::ManifestTensor& mt, std::string_view name) {
   for (const vfs::ManifestField& f : mt.fields) {
-    if (vfs::IsQ8(f.dtype) && vfs::Q8ScalesField(f.name) == name) return true;
+    if (IsQ8(f.dtype) && vfs::Q8ScalesField(f.name) == name) return true;
   }
   return false;
 }
@@ -205,12 +198,12 @@ bool IsScalesField(const vfs::ManifestTensor& mt, std::string_view name) {
 // Writes one field of the new store from its checkpoint file, converting
 // from `from` to `to`, source chunk by source chunk (each verified first).
 Status ConvertField(vfs::Store* store, const vfs::TensorInfo& t, uint32_t field, const std::string& dir,
-                    const vfs::ManifestField& mf, vfs::DType to, vfs::IoBuffer* src, vfs::IoBuffer* dst,
+                    const vfs::ManifestField& mf, DType to, vfs::IoBuffer* src, vfs::IoBuffer* dst,
                     uint64_t* done, uint64_t total, const std::function<void(uint64_t, uint64_t)>& progress) {
   const std::string path = dir + "/" + mf.file;
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return IoError(fmt::format("opening {}: {}", path, std::strerror(errno)));
-  const uint32_t from_size = vfs::DTypeSize(mf.dtype), to_size = vfs::DTypeSize(to);
+  const uint32_t from_size = DTypeSize(mf.dtype), to_size = DTypeSize(to);
   const uint64_t chunk = store->chunk_size_bytes();
   const uint64_t dst_per_chunk = chunk / to_size;
   uint64_t dst_fill = 0, dst_index = 0;
@@ -249,7 +242,7 @@ Status ConvertField(vfs::Store* store, const vfs::TensorInfo& t, uint32_t field,
   return st;
 }
 
-Result<uint64_t> Convert(vfs::Store* store, const vfs::Manifest& m, const std::string& dir, vfs::DType moments,
+Result<uint64_t> Convert(vfs::Store* store, const vfs::Manifest& m, const std::string& dir, MomentDType moments,
                          const std::function<void(uint64_t, uint64_t)>& progress) {
   uint64_t total = 0, done = 0;
   for (const auto& t : m.tensors) {
@@ -276,7 +269,7 @@ Result<uint64_t> Convert(vfs::Store* store, const vfs::Manifest& m, const std::s
       spec.fields.push_back(fs);
       src_of.push_back(static_cast<int>(f));
     }
-    if (vfs::IsQ8(moments)) {
+    if (moments == MomentDType::kQ8) {
       const std::vector<vfs::FieldSpec> q8 = vfs::AdamQ8Fields(mt.numel, cs);
       for (const vfs::FieldSpec& f : q8) {
         if (f.numel != 0) {  // the scales fields
@@ -312,11 +305,8 @@ Result<uint64_t> Convert(vfs::Store* store, const vfs::Manifest& m, const std::s
 bool IsMomentField(std::string_view field) { return field == "exp_avg" || field == "exp_avg_sq"; }
 
 Result<std::unique_ptr<vfs::Store>> CreateStoreWithMoments(const std::string& dir, const std::string& store_path,
-                                                           vfs::StoreOptions opts, vfs::DType moments,
+                                                           vfs::StoreOptions opts, MomentDType moments,
                                                            const std::function<void(uint64_t, uint64_t)>& progress) {
-  if (moments != vfs::DType::kF32 && moments != vfs::DType::kBF16 && moments != vfs::DType::kQ8S) {
-    return InvalidArgument(fmt::format("moment dtype {} is not supported (f32, bf16, q8)", vfs::DTypeName(moments)));
-  }
   const std::string manifest_path = dir + "/manifest.json";
   std::ifstream in(manifest_path, std::ios::binary);
   if (!in) return NotFound(fmt::format("{}: cannot open ({})", manifest_path, std::strerror(errno)));
@@ -333,7 +323,7 @@ Result<std::unique_ptr<vfs::Store>> CreateStoreWithMoments(const std::string& di
     std::error_code ec;
     std::filesystem::remove_all(store_path, ec);
     return g.status().WithContext(fmt::format("restoring {} into {} with {} moments", dir, store_path,
-                                              vfs::IsQ8(moments) ? "q8" : vfs::DTypeName(moments)));
+                                              MomentDTypeName(moments)));
   }
   return store;
 }

@@ -20,7 +20,7 @@
 #include <memory>
 #include <string>
 
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::tools {
@@ -29,13 +29,13 @@ namespace optstate::tools {
 bool IsMomentField(std::string_view field);
 
 // Creates a store at store_path (which must not exist) from the checkpoint
-// directory dir with moments stored as `moments` (kF32, kBF16, or kQ8S for q8
-// moments: q8s exp_avg, q8u exp_avg_sq and their absmax fields; quantized
-// with the step's quantizer, kernels::Q8Quantize). opts as for
+// directory dir with moments stored as `moments` (q8: q8s exp_avg, q8u
+// exp_avg_sq and their absmax fields; quantized with the step's quantizer,
+// kernels::Q8Quantize). opts as for
 // Store::Create (its chunk_size_bytes is replaced by the manifest's).
 // progress (may be empty): (bytes of field files done, total).
 Result<std::unique_ptr<vfs::Store>> CreateStoreWithMoments(const std::string& dir, const std::string& store_path,
-                                                           vfs::StoreOptions opts, vfs::DType moments,
+                                                           vfs::StoreOptions opts, MomentDType moments,
                                                            const std::function<void(uint64_t, uint64_t)>& progress);
 
 }  // namespace optstate::tools

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::tools {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::tools {
 

@@ -10,25 +10,25 @@
 
 namespace optstate::tools {
 
-double ElementAsDouble(vfs::DType d, const void* base, uint64_t i) {
+double ElementAsDouble(DType d, const void* base, uint64_t i) {
   switch (d) {
-    case vfs::DType::kF32: {
+    case DType::kF32: {
       float f;
       std::memcpy(&f, static_cast<const char*>(base) + i * 4, 4);
       return f;
     }
-    case vfs::DType::kBF16: {
+    case DType::kBF16: {
       uint16_t h;
       std::memcpy(&h, static_cast<const char*>(base) + i * 2, 2);
       return kernels::Bf16ToFloat(h);
     }
-    case vfs::DType::kF16: {
+    case DType::kF16: {
       uint16_t h;
       std::memcpy(&h, static_cast<const char*>(base) + i * 2, 2);
       return kernels::HalfToFloat(h);
     }
-    case vfs::DType::kQ8S:
-    case vfs::DType::kQ8U: {  // ForEachRange hands q8 fields over decoded, as fp32
+    case DType::kQ8S:
+    case DType::kQ8U: {  // ForEachRange hands q8 fields over decoded, as fp32
       float f;
       std::memcpy(&f, static_cast<const char*>(base) + i * 4, 4);
       return f;
@@ -71,12 +71,12 @@ Status ForEachRange(const vfs::GenerationView& view, const vfs::TensorInfo& t, u
                                        t.fields[field].name, begin, end, numel));
   }
   if (begin == end) return Status::Ok();
-  const vfs::DType dtype = t.fields[field].dtype;
-  const uint64_t esize = vfs::DTypeSize(dtype);
+  const DType dtype = t.fields[field].dtype;
+  const uint64_t esize = DTypeSize(dtype);
   const uint64_t chunk_bytes = view.identity().chunk_size_bytes;
   const uint64_t per_chunk = t.field_chunk_bytes(field, chunk_bytes) / esize;
   int scales = -1;
-  if (vfs::IsQ8(dtype)) {
+  if (IsQ8(dtype)) {
     scales = t.FieldIndexOf(vfs::Q8ScalesField(t.fields[field].name));
     if (scales < 0) {
       return Corruption(fmt::format("tensor {} field {}: its scales field {} is missing", t.name,
@@ -96,7 +96,7 @@ Status ForEachRange(const vfs::GenerationView& view, const vfs::TensorInfo& t, u
       OPTSTATE_RETURN_IF_ERROR(view.ReadChunk(vfs::ChunkRef{t.id, static_cast<uint32_t>(scales), c}, sbuf.data()));
       const uint64_t n = std::min(per_chunk, numel - c * per_chunk);
       decoded.resize(n);
-      kernels::Q8Dequantize(dtype == vfs::DType::kQ8S, buf.as<uint8_t>(), sbuf.as<float>(), n, decoded.data());
+      kernels::Q8Dequantize(dtype == DType::kQ8S, buf.as<uint8_t>(), sbuf.as<float>(), n, decoded.data());
       OPTSTATE_RETURN_IF_ERROR(fn(first, decoded.data() + (first - c * per_chunk), last - first));
       continue;
     }
@@ -152,7 +152,7 @@ Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a
         diffs.push_back(fmt::format("tensor {}: field #{} differs", x.name, f));
         continue;
       }
-      const uint64_t esize = vfs::DTypeSize(x.fields[f].dtype);
+      const uint64_t esize = DTypeSize(x.fields[f].dtype);
       const uint64_t chunk_bytes = a.identity().chunk_size_bytes;
       const uint64_t stride = x.field_chunk_bytes(f, chunk_bytes);
       if (chunk_bytes != b.identity().chunk_size_bytes) {

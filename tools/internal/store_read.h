@@ -11,13 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::tools {
 
 // Value of element i of a buffer of dtype d, as double.
-double ElementAsDouble(vfs::DType d, const void* base, uint64_t i);
+double ElementAsDouble(DType d, const void* base, uint64_t i);
 
 // Statistics over a stream of values. min/max/mean/L2 are over finite values;
 // NaN and +-Inf are counted.

@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
-#include "vfs/log.h"
-#include "vfs/sync_point.h"
+#include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs::internal {
 

@@ -11,7 +11,7 @@
 #include <string_view>
 
 #include "vfs/file_system.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs::internal {
 

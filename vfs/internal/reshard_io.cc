@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::vfs::internal {
 

@@ -12,7 +12,7 @@
 #include "vfs/file_system.h"
 #include "vfs/io_buffer.h"
 #include "vfs/io_engine.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs::internal {
 

@@ -11,7 +11,7 @@
 
 #include "vfs/checkpoint.h"
 #include "vfs/reshard.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs::internal {
 

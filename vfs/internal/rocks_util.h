@@ -13,7 +13,7 @@
 #include <rocksdb/status.h>
 
 #include "vfs/file_system.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs::internal {
 

@@ -39,7 +39,8 @@
 
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_format.h"
-#include "vfs/log.h"
+#include "base/log.h"
+#include "base/strings.h"
 #include "vfs/store.h"
 
 namespace optstate::vfs::internal {
@@ -614,8 +615,6 @@ class Core {
 };
 
 // --- names (store.cc) ------------------------------------------------------
-
-size_t EditDistance(std::string_view a, std::string_view b);
 
 // "; closest: 'a', 'b', 'c'" over `names`, or "" when there are none.
 template <typename It>

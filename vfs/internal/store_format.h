@@ -18,7 +18,7 @@
 #include <string>
 #include <string_view>
 
-#include "vfs/status.h"
+#include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::vfs::internal {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <string>
 
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::vfs::internal {
 namespace {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "vfs/io_engine.h"
-#include "vfs/status.h"
+#include "base/status.h"
 
 namespace optstate::vfs::internal {
 

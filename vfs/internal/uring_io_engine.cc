@@ -13,7 +13,7 @@
 #include <string>
 #include <utility>
 
-#include "vfs/log.h"
+#include "base/log.h"
 
 namespace optstate::vfs::internal {
 namespace {

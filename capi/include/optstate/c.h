@@ -48,7 +48,7 @@ extern "C" {
 
 #define OPTSTATE_C_ABI_VERSION 1
 
-/* Codes: the values of optstate::StatusCode (vfs/status.h). */
+/* Codes: the values of optstate::StatusCode (base/status.h). */
 typedef enum optstate_code {
   OPTSTATE_OK = 0,
   OPTSTATE_INVALID_ARGUMENT = 1,    /* bad input from the caller */

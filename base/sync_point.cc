@@ -1,9 +1,7 @@
-// SyncPoint (vfs/sync_point.h): the registry behind the test sync points.
-#include "vfs/sync_point.h"
+// SyncPoint (base/sync_point.h): the registry behind the test sync points.
+#include "base/sync_point.h"
 
-#include "vfs/store.h"
-
-namespace optstate::vfs {
+namespace optstate {
 
 SyncPoint* SyncPoint::Get() {
   static SyncPoint* instance = new SyncPoint();  // never deleted: points may run during exit
@@ -93,4 +91,4 @@ void SyncPoint::ProcessEnabled(std::string_view point, void* arg) {
   cv_.notify_all();
 }
 
-}  // namespace optstate::vfs
+}  // namespace optstate

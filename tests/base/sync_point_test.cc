@@ -1,4 +1,4 @@
-// SyncPoint (vfs/sync_point.h): ordering, callbacks and pass counts, checked
+// SyncPoint (base/sync_point.h): ordering, callbacks and pass counts, checked
 // against the order the threads record themselves. The registry is called as
 // the OPTSTATE_TEST_SYNC_POINT macros call it in the libraries.
 #include <gtest/gtest.h>
@@ -8,9 +8,9 @@
 #include <thread>
 #include <vector>
 
-#include "vfs/sync_point.h"
+#include "base/sync_point.h"
 
-namespace optstate::vfs {
+namespace optstate {
 namespace {
 
 class SyncPointTest : public ::testing::Test {
@@ -65,4 +65,4 @@ TEST_F(SyncPointTest, CallbackGetsTheArgumentOnlyWhileEnabled) {
 }
 
 }  // namespace
-}  // namespace optstate::vfs
+}  // namespace optstate

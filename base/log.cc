@@ -1,4 +1,4 @@
-#include "vfs/log.h"
+#include "base/log.h"
 
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>

@@ -1,4 +1,4 @@
-#include "vfs/status.h"
+#include "base/status.h"
 
 #include <cstring>
 

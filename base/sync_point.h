@@ -15,10 +15,11 @@
 //
 // Thread-safety: every method may be called from any thread. Callbacks run
 // without the registry's lock held and may block (to order threads).
-#ifndef OPTSTATE_VFS_SYNC_POINT_H_
-#define OPTSTATE_VFS_SYNC_POINT_H_
+#ifndef OPTSTATE_BASE_SYNC_POINT_H_
+#define OPTSTATE_BASE_SYNC_POINT_H_
 
 #include <atomic>
+#include <cstdint>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -29,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-namespace optstate::vfs {
+namespace optstate {
 
 class SyncPoint {
  public:
@@ -83,18 +84,18 @@ class SyncPoint {
   int running_callbacks_ = 0;
 };
 
-}  // namespace optstate::vfs
+}  // namespace optstate
 
 #ifdef OPTSTATE_TEST_HOOKS
-#define OPTSTATE_TEST_SYNC_POINT(name) ::optstate::vfs::SyncPoint::Get()->Process(name)
-#define OPTSTATE_TEST_SYNC_POINT_CALLBACK(name, arg) ::optstate::vfs::SyncPoint::Get()->Process(name, arg)
+#define OPTSTATE_TEST_SYNC_POINT(name) ::optstate::SyncPoint::Get()->Process(name)
+#define OPTSTATE_TEST_SYNC_POINT_CALLBACK(name, arg) ::optstate::SyncPoint::Get()->Process(name, arg)
 // True while a test has enabled processing: code that must drop a lock around
 // a point (so that a callback may wait for another thread) asks this first.
-#define OPTSTATE_TEST_SYNC_POINTS_ENABLED() (::optstate::vfs::SyncPoint::Get()->enabled())
+#define OPTSTATE_TEST_SYNC_POINTS_ENABLED() (::optstate::SyncPoint::Get()->enabled())
 #else
 #define OPTSTATE_TEST_SYNC_POINT(name) static_cast<void>(0)
 #define OPTSTATE_TEST_SYNC_POINT_CALLBACK(name, arg) static_cast<void>(0)
 #define OPTSTATE_TEST_SYNC_POINTS_ENABLED() false
 #endif
 
-#endif  // OPTSTATE_VFS_SYNC_POINT_H_
+#endif  // OPTSTATE_BASE_SYNC_POINT_H_
