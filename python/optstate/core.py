@@ -5,6 +5,7 @@ subclass on failure. Pointers are plain integers (a tensor's data_ptr(), a
 numpy array's ctypes.data). Closing a Store first closes the managers and
 optimizers made on it, so the C lifetime rules (<optstate/c.h>) hold whatever
 order Python drops its references in."""
+import atexit
 import ctypes
 import os
 import weakref
@@ -31,6 +32,24 @@ def access_code(access):
 
 def _b(s):
     return os.fsencode(s) if not isinstance(s, bytes) else s
+
+
+# Stores still open when the interpreter exits are closed by an exit handler, while the library and
+# ctypes are still loaded: their optimizers commit what they hold and their threads stop, in the
+# order close() gives, instead of whenever the interpreter's teardown reaches each handle. Only in
+# the process that opened them: a forked child that exits leaves its parent's stores alone.
+_open_stores = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores():
+    for s in list(_open_stores):
+        if s._pid != os.getpid():
+            continue
+        try:
+            s.close()
+        except Exception:  # nothing is left to report to
+            pass
 
 
 class _Handle:
@@ -94,6 +113,8 @@ class Store(_Handle):
             fn = lib.optstate_store_create if create else lib.optstate_store_open
             call(fn, _b(self._path), opts, ctypes.byref(h))
             self._h = h.value
+            self._pid = os.getpid()
+            _open_stores.add(self)
         finally:
             lib.optstate_store_options_destroy(opts)
 

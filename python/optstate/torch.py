@@ -356,16 +356,19 @@ class AdamW(torch.optim.Optimizer):
         for gid, group in enumerate(self.param_groups):
             self._send_hyper(gid, group)
         grads = [p.grad for p in self._plist]
-        # What the cached arrays were built for: any new grad or param memory, shape or dtype rebuilds
-        # (and revalidates) them; otherwise only the pointers are copied.
-        sig = [None if g is None else (g.data_ptr(), g.shape, g.dtype, p.data_ptr())
+        # What the cached arrays were built for: any new grad or param memory, shape, strides, dtype or
+        # device rebuilds (and revalidates) them; otherwise only the pointers are copied. The strides
+        # count: an allocator may hand a new grad the very memory of a validated one (torch 2's
+        # does), and a transposed view of it has the same pointer, shape and dtype.
+        sig = [None if g is None else (g.data_ptr(), g.shape, g.stride(), g.dtype, g.device,
+                                       p.data_ptr(), p.shape, p.stride())
                for p, g in zip(self._plist, grads)]
         if sig != self._batch_key:
             self._build_batch(grads)
             self._batch_key = sig
         sel = self._sel
         self._c_grads[:] = [sig[i][0] for i in sel]
-        self._c_params[:] = [sig[i][3] for i in sel]
+        self._c_params[:] = [sig[i][5] for i in sel]
         found_ptr = self._flag_ptr(found_inf, "found_inf") if found_inf is not None else None
         if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
             if not float(grad_scale) > 0 or float(grad_scale) == float("inf"):

@@ -65,6 +65,25 @@ class ErrorsTest(TempDirTest):
         opt.step()
         self.assertEqual(opt.step_count(), 2)
 
+    def test_grads_over_validated_memory_are_checked_again(self):
+        # The memory of a grad that was validated, seen through other strides (a transposed view has
+        # the same pointer, shape and dtype), or holding another shape: checked again, refused.
+        w = torch.ones(4, 6)
+        opt = ot.AdamW([("w", w)], store=self.path("s"), **OPT_KW)
+        flat = torch.ones(24)
+        w.grad = flat.view(4, 6)
+        opt.step()
+        gen, before = opt.generation, w.clone()
+        w.grad = flat.view(6, 4).t()
+        self.assertEqual(w.grad.data_ptr(), flat.data_ptr())
+        self.assert_error(optstate.InvalidArgument, opt.step, "grad of w", "not contiguous")
+        self.assertEqual((opt.generation, opt.step_count()), (gen, 1))
+        self.assertTrue(torch.equal(w, before))
+        w.grad = flat.view(4, 6)
+        opt.step()
+        self.assertEqual(opt.step_count(), 2)
+        opt.close()
+
     def test_busy_and_closed_store(self):
         opt = ot.AdamW([torch.zeros(3)], store=self.path("rank{rank}.dense"), **OPT_KW)
         self.assertEqual(opt.store.path, self.path("rank0.dense"))
