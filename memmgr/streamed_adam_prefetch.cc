@@ -33,11 +33,8 @@ Status StreamedAdam::Prefetch() {
   // to adopt: at most its own staging less one slice (StepPipeline::Begin).
   size_t stage_limit = 0;
   if (!CacheHoldsState() && staged_.empty()) {
-    const size_t total = impl->staging_count();
-    const size_t max_bufs = total >= 5 ? total - 2 : total;
     const size_t slice_bufs = internal::SliceChunks(opts_.moment_dtype);
-    const size_t want =
-        std::min<size_t>(max_bufs, slice_bufs * static_cast<size_t>(internal::StepPipelineSlices(mo, opts_.moment_dtype)));
+    const size_t want = internal::StepPipelineBuffers(impl->staging_count(), mo, opts_.moment_dtype);
     stage_limit = want > slice_bufs ? want - slice_bufs : 0;
   }
   if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "memmgr/internal/resource_check.h"
+#include "memmgr/internal/step_pipeline.h"
 #include "vfs/io_buffer.h"
 #include "base/log.h"
 
@@ -101,9 +102,9 @@ Status ManagerImpl::Init() {
                              " is smaller than one chunk of store " + store_->path() + " (" +
                              Mib(page_bytes_) + ")");
   }
-  uint32_t ra = PipelineSlices(opts_);
+  // Sized for f32 slices; a StreamedAdam with wider ones grows it (GrowStaging).
   uint32_t n_staging = opts_.staging_buffers;
-  if (n_staging == 0) n_staging = 3 * ra + 4;
+  if (n_staging == 0) n_staging = StepPipelineStaging(opts_, kernels::ScalarType::kF32);
   staging_.reserve(n_staging);
   for (uint32_t i = 0; i < n_staging; ++i) {
     auto r = dev_->AllocPinnedHost(page_bytes_);

@@ -39,14 +39,6 @@ struct Arena {
   void* ptr(uint64_t page) const { return reinterpret_cast<void*>(base + page * page_bytes); }
 };
 
-// Slices of f32 moments (three chunks each) the StreamedAdam pipeline stages
-// at once (MemoryManagerOptions::read_ahead_chunks, 0 = auto): the automatic
-// staging pool's size. Wider slices: StepPipelineSlices (step_pipeline.h).
-inline uint32_t PipelineSlices(const MemoryManagerOptions& o) {
-  if (o.read_ahead_chunks != 0) return o.read_ahead_chunks;
-  return (o.queue_depth + o.write_queue_depth) / 3 + 4;
-}
-
 // "N MiB (B bytes)", for messages that state sizes.
 std::string Mib(uint64_t bytes);
 

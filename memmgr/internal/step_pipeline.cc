@@ -23,14 +23,13 @@ Status StepPipeline::Begin() {
                              " bytes is smaller than one slice in flight (" + std::to_string(bufs_) + " x " +
                              std::to_string(mm_->page_bytes()) + " bytes)");
   }
-  uint64_t ra = StepPipelineSlices(o, moment_type_);
   // Device slots: enough streams that H2D, kernels and D2H of consecutive
   // slices overlap on both copy engines (8; docs/BENCHMARKS.md "Defaults"),
   // within the budget.
   uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
-  size_t total = mm_->staging_count();
-  size_t max_bufs = total >= 5 ? total - 2 : total;  // leave two for concurrent pins
-  if (max_bufs < bufs_) {
+  const size_t total = mm_->staging_count();
+  const size_t want = StepPipelineBuffers(total, o, moment_type_);
+  if (want < bufs_) {
     return ResourceExhausted("StreamedAdam: " + std::to_string(total) + " staging buffers; need at least " +
                              std::to_string(bufs_) + " (one per chunk of a slice)");
   }
@@ -39,7 +38,6 @@ Status StepPipeline::Begin() {
   if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
   ring_requests_ = RingRequests(o);
   // Adopted prefetch buffers count against the pipeline's own staging.
-  const size_t want = std::min<size_t>(max_bufs, bufs_ * ra);
   staging_ = mm_->AcquireStaging(bufs_, want > extra_staging_.size() + bufs_ ? want - extra_staging_.size() : bufs_);
   chunk_bytes_ = mm_->page_bytes();
   size_t big_sets = staging_.size() / bufs_;

@@ -93,10 +93,19 @@ inline uint32_t StepPipelineSlices(const MemoryManagerOptions& o, kernels::Scala
   return (o.queue_depth + o.write_queue_depth) / SliceBytesInChunks(moment) + 4;
 }
 
-// Staging buffers the pipeline wants in the pool: a set per slice, plus two it
-// leaves for concurrent pins and two spare (ManagerImpl::GrowStaging).
+// The staging pool's automatic size for slices of this moment type: a set per
+// slice, plus two the pipeline leaves for concurrent pins and two spare
+// (ManagerImpl::Init for f32, ManagerImpl::GrowStaging for wider slices).
 inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, kernels::ScalarType moment) {
   return SliceChunks(moment) * StepPipelineSlices(o, moment) + 4;
+}
+
+// Staging buffers a step's pipeline takes from a pool of `pool` (a set per
+// slice, leaving two for concurrent pins): StepPipeline::Begin, and the bound
+// of what a Prefetch stages for it to adopt.
+inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, kernels::ScalarType moment) {
+  const size_t max_bufs = pool >= 5 ? pool - 2 : pool;
+  return std::min<size_t>(max_bufs, size_t{SliceChunks(moment)} * StepPipelineSlices(o, moment));
 }
 
 class StepPipeline {

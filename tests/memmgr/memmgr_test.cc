@@ -14,6 +14,7 @@
 
 #include "memmgr_test_util.h"
 #include "tests/common/kernel_failures.h"
+#include "tests/common/sync_point_flag.h"
 #include "vfs/fault_injection.h"
 #include "base/sync_point.h"
 
@@ -21,24 +22,12 @@ namespace optstate::memmgr::testing {
 namespace {
 
 using kernels::ScalarType;
+using test_util::SyncPointFlag;
 
-// Sets one of a step's I/O modes while it lives: the point hands its callback
-// a bool* the step's pipeline is set from (memmgr/streamed_adam_step.cc). The
-// destructor resets the process's sync points (SyncPoint::Reset).
-class StepIoMode {
- public:
-  static constexpr const char* kHoldCompletions = "streamed_adam.hold_completions";
-  static constexpr const char* kReapOnlyWhenBlocked = "streamed_adam.reap_only_when_blocked";
-
-  explicit StepIoMode(const char* point) {
-    SyncPoint* sp = SyncPoint::Get();
-    sp->SetCallBack(point, [](void* arg) { *static_cast<bool*>(arg) = true; });
-    sp->EnableProcessing();
-  }
-  ~StepIoMode() { SyncPoint::Get()->Reset(); }
-  StepIoMode(const StepIoMode&) = delete;
-  StepIoMode& operator=(const StepIoMode&) = delete;
-};
+// A step's I/O modes, set while a SyncPointFlag of the point lives (the step's
+// pipeline is set from the point's bool; memmgr/streamed_adam_step.cc).
+constexpr const char* kHoldCompletions = "streamed_adam.hold_completions";
+constexpr const char* kReapOnlyWhenBlocked = "streamed_adam.reap_only_when_blocked";
 
 #define REQUIRE_SYNC_POINTS()                                                               \
   do {                                                                                      \
@@ -591,7 +580,7 @@ TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  StepIoMode hold(StepIoMode::kHoldCompletions);
+  SyncPointFlag hold(kHoldCompletions);
   const uint64_t depth = TestMmOptions(0).queue_depth * kChunk;  // bytes the read depth allows
   // What a depth counted in bytes admits: slices in order while their bytes
   // fit (10 of the 16 big slices, 3 chunks each, and the 11 small ones
@@ -1836,7 +1825,7 @@ TEST(HostCacheTier, StepReturnsBeforeItsWritesAndTheCommitHoldsExactlyTheStep) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  StepIoMode reap(StepIoMode::kReapOnlyWhenBlocked);
+  SyncPointFlag reap(kReapOnlyWhenBlocked);
   for (uint64_t step = 1; step <= 4; ++step) {
     StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, 1.0f);
     EXPECT_TRUE(sa->commit_in_flight());
@@ -1874,7 +1863,7 @@ TEST(HostCacheTier, FailedWriteInTheTailSurfacesAtTheNextCallAndKeepsTheLastGene
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
   Reference ref(env.mm.get(), defs);
-  StepIoMode reap(StepIoMode::kReapOnlyWhenBlocked);  // every write of step 2 is in the tail
+  SyncPointFlag reap(kReapOnlyWhenBlocked);  // every write of step 2 is in the tail
   StepWithReference(sa.get(), env.mm.get(), defs, &ref, 1, 1.0f);
   ASSERT_OK(sa->WaitForCommit());
   const vfs::GenerationInfo good = env.store->LatestGeneration();

@@ -21,6 +21,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -259,15 +260,31 @@ class MountTest : public ::testing::Test {
 // between rounds) would empty it under them.
 class MountPageCacheTest : public MountTest {};
 
+// A safetensors file's bytes: its header (an 8-byte little-endian length, then
+// that many bytes of JSON) and where its data starts; nullopt when the file is
+// shorter than its header says or the header is not JSON.
+struct SafetensorsFile {
+  nlohmann::json header;
+  uint64_t data_start = 0;
+};
+std::optional<SafetensorsFile> ParseSafetensors(const std::string& st) {
+  if (st.size() < 8) return std::nullopt;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(st[i]);
+  if (n > st.size() - 8) return std::nullopt;
+  auto h = nlohmann::json::parse(st.substr(8, n), nullptr, /*allow_exceptions=*/false);
+  if (h.is_discarded()) return std::nullopt;
+  return SafetensorsFile{std::move(h), 8 + n};
+}
+
 // Independent safetensors reader: checks state.safetensors against raw files.
 void ExpectSafetensorsMatchesRaw(const std::string& dir) {
   std::string st = ReadFile(dir + "/state.safetensors");
-  ASSERT_GE(st.size(), 8u);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(st[i]);
-  ASSERT_LE(8 + n, st.size());
-  EXPECT_EQ((8 + n) % 8, 0u);
-  auto h = nlohmann::json::parse(st.substr(8, n));
+  auto sf = ParseSafetensors(st);
+  ASSERT_TRUE(sf) << dir << "/state.safetensors: header cut short or not JSON";
+  EXPECT_EQ(sf->data_start % 8, 0u);
+  auto& h = sf->header;
+  const uint64_t data = sf->data_start;
   auto m = nlohmann::json::parse(ReadFile(dir + "/manifest.json"));
   size_t entries = 0;
   uint64_t covered = 0;
@@ -277,14 +294,14 @@ void ExpectSafetensorsMatchesRaw(const std::string& dir) {
       ASSERT_TRUE(h.contains(key)) << key;
       uint64_t b = h[key]["data_offsets"][0], e = h[key]["data_offsets"][1];
       EXPECT_EQ(h[key]["dtype"], "F32");
-      EXPECT_TRUE(st.substr(8 + n + b, e - b) == ReadFile(dir + "/" + f["file"].get<std::string>()))
+      EXPECT_TRUE(st.substr(data + b, e - b) == ReadFile(dir + "/" + f["file"].get<std::string>()))
           << key;
       covered += e - b;
       ++entries;
     }
   }
   EXPECT_EQ(h.size(), entries + 1);  // + __metadata__
-  EXPECT_EQ(8 + n + covered, st.size());
+  EXPECT_EQ(data + covered, st.size());
 }
 
 TEST_F(MountTest, TreeSizesInodesAndListings) {
@@ -1417,12 +1434,10 @@ CopyCheck CheckGenerationCopy(const std::string& dir, const std::map<std::string
   out.generation = m.value("generation", uint64_t{0});
   out.step = m.value("step", uint64_t{0});
   const std::string st = ReadFile(dir + "/state.safetensors");
-  if (st.size() < 8) return fail("state.safetensors is too short");
-  uint64_t hn = 0;
-  for (int i = 7; i >= 0; --i) hn = (hn << 8) | static_cast<unsigned char>(st[i]);
-  if (8 + hn > st.size()) return fail("state.safetensors' header is cut");
-  auto h = nlohmann::json::parse(st.substr(8, hn), nullptr, false);
-  if (h.is_discarded()) return fail("state.safetensors' header is not JSON");
+  auto sf = ParseSafetensors(st);
+  if (!sf) return fail("state.safetensors' header is cut short or not JSON");
+  auto& h = sf->header;
+  const uint64_t data = sf->data_start;
   size_t files = 2;  // manifest.json, state.safetensors
   for (auto& t : m["tensors"]) {
     const std::string name = t["name"];
@@ -1446,7 +1461,7 @@ CopyCheck CheckGenerationCopy(const std::string& dir, const std::map<std::string
       const std::string key = name + "/" + jf["name"].get<std::string>();
       if (!h.contains(key)) return fail("state.safetensors lacks " + key);
       const uint64_t b = h[key]["data_offsets"][0], e = h[key]["data_offsets"][1];
-      if (8 + hn + e > st.size() || st.compare(8 + hn + b, e - b, got) != 0) {
+      if (data + e > st.size() || st.compare(data + b, e - b, got) != 0) {
         return fail("state.safetensors' " + key + " differs from " + file);
       }
       ++files;
@@ -1718,10 +1733,9 @@ TEST_F(MountTest, Bf16MomentFieldsAreServedAsStoredWithSafetensorsBf16) {
   ExpectDirEqualsLayout(**l, dir);
   EXPECT_EQ(fs::file_size(dir + "/tensors/" + (*l)->manifest().tensors[0].file_name + "/exp_avg"), 700000u * 2);
   std::string st = ReadFile(dir + "/state.safetensors");
-  ASSERT_GE(st.size(), 8u);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(st[i]);
-  auto h = nlohmann::json::parse(st.substr(8, n));
+  auto sf = ParseSafetensors(st);
+  ASSERT_TRUE(sf) << dir << "/state.safetensors: header cut short or not JSON";
+  auto& h = sf->header;
   EXPECT_EQ(h["layers.0/w/main"]["dtype"], "F32");
   EXPECT_EQ(h["layers.0/w/exp_avg"]["dtype"], "BF16");
   EXPECT_EQ(h["layers.0/w/exp_avg_sq"]["dtype"], "BF16");
@@ -1789,16 +1803,15 @@ TEST_F(MountTest, Q8MomentFieldsAreServedAsStoredAtEachFieldsOwnChunkSize) {
     close(fd);
   }
   std::string st = ReadFile(dir + "/state.safetensors");
-  ASSERT_GE(st.size(), 8u);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(st[i]);
-  auto h = nlohmann::json::parse(st.substr(8, n));
+  auto sf = ParseSafetensors(st);
+  ASSERT_TRUE(sf) << dir << "/state.safetensors: header cut short or not JSON";
+  auto& h = sf->header;
   EXPECT_EQ(h["layers.0/w/exp_avg"]["dtype"], "U8");
   EXPECT_EQ(h["layers.0/w/exp_avg_sq"]["dtype"], "U8");
   EXPECT_EQ(h["layers.0/w/exp_avg.absmax"]["dtype"], "F32");
   const auto& off = h["layers.0/w/exp_avg_sq.absmax"]["data_offsets"];
   EXPECT_EQ(off[1].get<uint64_t>() - off[0].get<uint64_t>(), blocks * 4);
-  EXPECT_EQ(st.substr(8 + n + off[0].get<uint64_t>(), blocks * 4), want.at("layers.0/w/exp_avg_sq.absmax"));
+  EXPECT_EQ(st.substr(sf->data_start + off[0].get<uint64_t>(), blocks * 4), want.at("layers.0/w/exp_avg_sq.absmax"));
 }
 
 }  // namespace

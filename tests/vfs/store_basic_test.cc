@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include "tests/common/sync_point_flag.h"
 #include "tests/vfs/store_test_util.h"
 #include "vfs/store.h"
 #include "base/sync_point.h"
@@ -37,13 +38,9 @@ using store_testing::Unwrap;
 template <typename Source>
 Result<std::unique_ptr<ChunkIo>> NewChunkIoOn(Source* src, const ChunkIoOptions& o, bool sync_engine) {
   if (!sync_engine) return src->NewChunkIo(o);
-  constexpr const char* kPoint = "chunk_io.use_sync_engine";
-  SyncPoint* sp = SyncPoint::Get();
-  sp->SetCallBack(kPoint, [](void* arg) { *static_cast<bool*>(arg) = true; });
-  sp->EnableProcessing();
+  test_util::SyncPointFlag sync_engine_flag("chunk_io.use_sync_engine");
   auto io = src->NewChunkIo(o);
-  EXPECT_EQ(sp->PassCount(kPoint), 1u) << "NewChunkIo did not choose its engine at " << kPoint;
-  sp->Reset();
+  EXPECT_EQ(sync_engine_flag.passes(), 1u) << "NewChunkIo did not choose its engine at chunk_io.use_sync_engine";
   return io;
 }
 
