@@ -31,6 +31,8 @@ const char* SafetensorsDTypeName(DType d);
 // Bytes per element: 4, 2, 2, 1, 1.
 uint32_t DTypeSize(DType d);
 inline bool IsQ8(DType d) { return d == DType::kQ8S || d == DType::kQ8U; }
+// f32, bf16 or f16: what a gradient, a model parameter or initial weights may be.
+inline bool IsFloat(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
 // A name of the table, or a torch-style alias of a float ("float32",
 // "bfloat16", "float16"). The error names what was given and what is accepted.

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -30,10 +31,10 @@
 using optstate::DType;
 using optstate::InvalidArgument;
 using optstate::NotFound;
+using optstate::ParseMomentDType;
 using optstate::Result;
 using optstate::Status;
 using optstate::StatusCode;
-using optstate::kernels::ScalarType;
 namespace memmgr = optstate::memmgr;
 namespace vfs = optstate::vfs;
 
@@ -107,6 +108,13 @@ Status NullArgument(const char* what, const char* arg) {
 
 bool ValidFloatType(int t) {
   return t == OPTSTATE_F32 || t == OPTSTATE_BF16 || t == OPTSTATE_F16;
+}
+
+// The DType an optstate_dtype names (its values are DType's), or none for
+// OPTSTATE_NONE and any other value.
+std::optional<DType> FloatDTypeOrNone(int t) {
+  if (!ValidFloatType(t)) return std::nullopt;
+  return static_cast<DType>(t);
 }
 
 const char* DTypeArgName(int t) {
@@ -624,16 +632,7 @@ int optstate_adam_options_set_moment_dtype(optstate_adam_options_t* opts, const 
   const char* what = "optstate_adam_options_set_moment_dtype";
   return Guard(errptr, what, [&]() -> Status {
     if (dtype == nullptr) return NullArgument(what, "dtype");
-    const std::string d = dtype;
-    if (d == "f32") {
-      opts->rep.moment_dtype = ScalarType::kF32;
-    } else if (d == "bf16") {
-      opts->rep.moment_dtype = ScalarType::kBF16;
-    } else if (d == "q8") {
-      opts->rep.moment_dtype = ScalarType::kQ8;
-    } else {
-      return InvalidArgument("moment dtype '" + d + "' is not supported (f32, bf16, q8)");
-    }
+    OPTSTATE_ASSIGN_OR_RETURN(opts->rep.moment_dtype, ParseMomentDType(dtype));
     return Status::Ok();
   });
 }
@@ -758,7 +757,7 @@ int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64
     }
     const bool had = adam->rep->HasParam(n);
     OPTSTATE_RETURN_IF_ERROR(adam->rep->RegisterParam(n, numel, group, initial,
-                                                      static_cast<ScalarType>(initial_dtype), shard));
+                                                      FloatDTypeOrNone(initial_dtype), shard));
     auto it = adam->ids.find(n);
     if (it == adam->ids.end()) {
       it = adam->ids.emplace(n, static_cast<uint32_t>(adam->names.size())).first;
@@ -806,9 +805,9 @@ Status AdamStep(const char* what, optstate_adam_t* adam, size_t n, const uint32_
     memmgr::ParamGrad& g = pg[i];
     g.name = adam->names[ids[i]];
     g.d_grad = grads[i];
-    g.grad_type = static_cast<ScalarType>(grad_dtypes[i]);
+    g.grad_type = static_cast<DType>(grad_dtypes[i]);
     g.d_param = params == nullptr ? nullptr : params[i];
-    g.param_type = params == nullptr ? ScalarType::kNone : static_cast<ScalarType>(param_dtypes[i]);
+    if (params != nullptr && param_dtypes[i] != OPTSTATE_NONE) g.param_type = static_cast<DType>(param_dtypes[i]);
     // StreamedAdam checks it against the registered numel before any kernel runs.
     g.numel = numels == nullptr ? 0 : numels[i];
     if (numels != nullptr && numels[i] == 0) {
@@ -882,7 +881,7 @@ int optstate_adam_load_main(optstate_adam_t* adam, uint32_t id, const void* weig
       return InvalidArgument(std::string(what) + ": param " + adam->names[id] + ": dtype " + DTypeArgName(dtype) +
                              " not supported (f32, bf16, f16)");
     }
-    return adam->rep->LoadMainFrom(adam->names[id], weights, static_cast<ScalarType>(dtype));
+    return adam->rep->LoadMainFrom(adam->names[id], weights, static_cast<DType>(dtype));
   });
 }
 

@@ -1,10 +1,12 @@
 // Fused Adam / AdamW over one contiguous element range.
 //
 // One pass reads fp32 main, exp_avg and exp_avg_sq (fp32 or bf16: moment_type)
-// and the gradient (bf16, fp16 or fp32), writes all three back, and writes the updated model-parameter copy
-// (bf16, fp16, fp32, or none) in the same pass. Numerics follow
-// torch.optim.AdamW (decoupled weight decay) and torch.optim.Adam (L2 weight
-// decay added to the gradient), with bias correction from `step` (>= 1, the
+// and the gradient (bf16, fp16 or fp32), writes all three back, and writes the
+// updated model-parameter copy (bf16, fp16, fp32, or none) in the same pass.
+// Element types are base's DType and MomentDType (base/dtype.h), the one dtype
+// vocabulary of optstate. Numerics follow torch.optim.AdamW (decoupled weight
+// decay) and torch.optim.Adam (L2 weight decay added to the gradient), with
+// bias correction from `step` (>= 1, the
 // step count *after* this update, as torch counts). Optional gradient scale
 // (grads multiplied by 1/grad_scale) and a found-inf flag: when *found_inf is
 // nonzero the update is skipped entirely (nothing is written), like torch's
@@ -14,7 +16,7 @@
 // cudaError_t, allocate nothing, are correct for any count (0 included) and any
 // 4-byte-aligned pointers, and take a 16-byte vectorised path when every
 // pointer allows it. The CPU implementation (AdamStepCpu) is the same math for
-// the host backend and the tests. kernels/ depends on nothing else of ours.
+// the host backend and the tests. kernels/ depends only on base/ of ours.
 //
 // This header has no CUDA include: the stream is passed as void* (a
 // cudaStream_t) and the result as int (a cudaError_t), so host-only code can
@@ -23,12 +25,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+
+#include "base/dtype.h"
 
 namespace optstate::kernels {
-
-// kQ8 names 8-bit block-scaled moments (a moment dtype only: AdamQ8Tensors,
-// AdamStepCpuQ8/AdamStepCudaQ8); AdamTensors refuses it.
-enum class ScalarType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kQ8 = 3, kNone = 255 };
 
 enum class AdamMode : uint8_t { kAdam = 0, kAdamW = 1 };
 
@@ -57,11 +58,12 @@ struct AdamTensors {
   float* main = nullptr;                      // fp32 master weights (in/out)
   void* exp_avg = nullptr;                    // in/out, moment_type
   void* exp_avg_sq = nullptr;                 // in/out, moment_type
-  ScalarType moment_type = ScalarType::kF32;  // kF32 or kBF16
+  // kF32 or kBF16; q8 moments take AdamQ8Tensors.
+  MomentDType moment_type = MomentDType::kF32;
   const void* grad = nullptr;                 // in
-  ScalarType grad_type = ScalarType::kF32;    // kF32, kBF16, kF16
+  DType grad_type = DType::kF32;              // kF32, kBF16, kF16
   void* param = nullptr;                      // model-parameter copy (out), may be null
-  ScalarType param_type = ScalarType::kNone;  // kF32, kBF16, kF16, or kNone
+  std::optional<DType> param_type = std::nullopt;  // kF32, kBF16, kF16; none: no copy written
   const float* found_inf = nullptr;           // device (CUDA) / host (CPU) flag; may be null
 };
 
@@ -102,9 +104,9 @@ struct AdamQ8Tensors {
   uint8_t* exp_avg_sq = nullptr;        // codes (in/out)
   float* exp_avg_sq_absmax = nullptr;   // one per block (in/out)
   const void* grad = nullptr;           // in
-  ScalarType grad_type = ScalarType::kF32;
+  DType grad_type = DType::kF32;        // kF32, kBF16, kF16
   void* param = nullptr;                // model-parameter copy (out), may be null
-  ScalarType param_type = ScalarType::kNone;
+  std::optional<DType> param_type = std::nullopt;  // kF32, kBF16, kF16; none: no copy written
   const float* found_inf = nullptr;
 };
 

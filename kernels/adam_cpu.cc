@@ -25,7 +25,7 @@ using internal::StoreAs;
 
 // Moments are decoded to fp32 (kMoment bf16: exact), updated in fp32 and
 // rounded back to nearest even, in the same pass as the f32 case.
-template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
+template <DType kMoment, DType kGrad, DType kParam, bool kCopy>
 void RangeLoop(float* __restrict main, void* __restrict m_v, void* __restrict v_v,
                const void* __restrict grad_v, void* __restrict param_v, size_t begin,
                size_t end, const AdamScalars& s) {
@@ -45,48 +45,48 @@ void RangeLoop(float* __restrict main, void* __restrict m_v, void* __restrict v_
     main[i] = p;
     m[i] = StoreAs<kMoment>(mi);
     v[i] = StoreAs<kMoment>(vi);
-    if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+    if constexpr (kCopy) param[i] = StoreAs<kParam>(p);
   }
 }
 
 using RangeFn = void (*)(float*, void*, void*, const void*, void*, size_t, size_t,
                          const AdamScalars&);
 
-template <ScalarType kMoment, ScalarType kGrad>
-RangeFn PickParam(ScalarType param) {
-  switch (param) {
-    case ScalarType::kF32: return &RangeLoop<kMoment, kGrad, ScalarType::kF32>;
-    case ScalarType::kBF16: return &RangeLoop<kMoment, kGrad, ScalarType::kBF16>;
-    case ScalarType::kF16: return &RangeLoop<kMoment, kGrad, ScalarType::kF16>;
-    case ScalarType::kQ8: return nullptr;
-    case ScalarType::kNone: return &RangeLoop<kMoment, kGrad, ScalarType::kNone>;
+template <DType kMoment, DType kGrad>
+RangeFn PickParam(std::optional<DType> param) {
+  if (!param) return &RangeLoop<kMoment, kGrad, DType::kF32, false>;
+  switch (*param) {
+    case DType::kF32: return &RangeLoop<kMoment, kGrad, DType::kF32, true>;
+    case DType::kBF16: return &RangeLoop<kMoment, kGrad, DType::kBF16, true>;
+    case DType::kF16: return &RangeLoop<kMoment, kGrad, DType::kF16, true>;
+    case DType::kQ8S:
+    case DType::kQ8U: return nullptr;
   }
   return nullptr;
 }
 
-template <ScalarType kMoment>
-RangeFn PickGrad(ScalarType grad, ScalarType param) {
+template <DType kMoment>
+RangeFn PickGrad(DType grad, std::optional<DType> param) {
   switch (grad) {
-    case ScalarType::kF32: return PickParam<kMoment, ScalarType::kF32>(param);
-    case ScalarType::kBF16: return PickParam<kMoment, ScalarType::kBF16>(param);
-    case ScalarType::kF16: return PickParam<kMoment, ScalarType::kF16>(param);
-    case ScalarType::kQ8:
-    case ScalarType::kNone: return nullptr;
-  }
-  return nullptr;
-}
-
-// Moments: f32 or bf16 (f16's range is too narrow for exp_avg_sq).
-RangeFn Pick(ScalarType moment, ScalarType grad, ScalarType param) {
-  switch (moment) {
-    case ScalarType::kF32: return PickGrad<ScalarType::kF32>(grad, param);
-    case ScalarType::kBF16: return PickGrad<ScalarType::kBF16>(grad, param);
+    case DType::kF32: return PickParam<kMoment, DType::kF32>(param);
+    case DType::kBF16: return PickParam<kMoment, DType::kBF16>(param);
+    case DType::kF16: return PickParam<kMoment, DType::kF16>(param);
     default: return nullptr;
   }
 }
 
+// Moments: f32 or bf16 (f16's range is too narrow for exp_avg_sq).
+RangeFn Pick(MomentDType moment, DType grad, std::optional<DType> param) {
+  switch (moment) {
+    case MomentDType::kF32: return PickGrad<DType::kF32>(grad, param);
+    case MomentDType::kBF16: return PickGrad<DType::kBF16>(grad, param);
+    case MomentDType::kQ8: return nullptr;
+  }
+  return nullptr;
+}
+
 // q8 moments, blocks [block_begin, block_end) of a range of count elements.
-template <ScalarType kGrad, ScalarType kParam>
+template <DType kGrad, DType kParam, bool kCopy>
 void Q8BlockLoop(const AdamQ8Tensors& t, size_t count, size_t block_begin, size_t block_end,
                  const AdamScalars& s, const internal::Q8Maps& maps) {
   using GradT = typename internal::StorageOf<kGrad>::type;
@@ -106,7 +106,7 @@ void Q8BlockLoop(const AdamQ8Tensors& t, size_t count, size_t block_begin, size_
       v[k] = internal::Q8Decode(maps.unsigned_map, t.exp_avg_sq[i], av);
       AdamUpdate(LoadAs<kGrad>(grad[i]), s, p, m[k], v[k]);
       t.main[i] = p;
-      if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+      if constexpr (kCopy) param[i] = StoreAs<kParam>(p);
       new_am = std::max(new_am, std::fabs(m[k]));
       new_av = std::max(new_av, std::fabs(v[k]));
     }
@@ -121,34 +121,33 @@ void Q8BlockLoop(const AdamQ8Tensors& t, size_t count, size_t block_begin, size_
 
 using Q8Fn = void (*)(const AdamQ8Tensors&, size_t, size_t, size_t, const AdamScalars&, const internal::Q8Maps&);
 
-template <ScalarType kGrad>
-Q8Fn PickQ8Param(ScalarType param) {
-  switch (param) {
-    case ScalarType::kF32: return &Q8BlockLoop<kGrad, ScalarType::kF32>;
-    case ScalarType::kBF16: return &Q8BlockLoop<kGrad, ScalarType::kBF16>;
-    case ScalarType::kF16: return &Q8BlockLoop<kGrad, ScalarType::kF16>;
-    case ScalarType::kQ8: return nullptr;
-    case ScalarType::kNone: return &Q8BlockLoop<kGrad, ScalarType::kNone>;
+template <DType kGrad>
+Q8Fn PickQ8Param(std::optional<DType> param) {
+  if (!param) return &Q8BlockLoop<kGrad, DType::kF32, false>;
+  switch (*param) {
+    case DType::kF32: return &Q8BlockLoop<kGrad, DType::kF32, true>;
+    case DType::kBF16: return &Q8BlockLoop<kGrad, DType::kBF16, true>;
+    case DType::kF16: return &Q8BlockLoop<kGrad, DType::kF16, true>;
+    case DType::kQ8S:
+    case DType::kQ8U: return nullptr;
   }
   return nullptr;
 }
 
-Q8Fn PickQ8(ScalarType grad, ScalarType param) {
+Q8Fn PickQ8(DType grad, std::optional<DType> param) {
   switch (grad) {
-    case ScalarType::kF32: return PickQ8Param<ScalarType::kF32>(param);
-    case ScalarType::kBF16: return PickQ8Param<ScalarType::kBF16>(param);
-    case ScalarType::kF16: return PickQ8Param<ScalarType::kF16>(param);
-    case ScalarType::kQ8:
-    case ScalarType::kNone: return nullptr;
+    case DType::kF32: return PickQ8Param<DType::kF32>(param);
+    case DType::kBF16: return PickQ8Param<DType::kBF16>(param);
+    case DType::kF16: return PickQ8Param<DType::kF16>(param);
+    default: return nullptr;
   }
-  return nullptr;
 }
 
 }  // namespace
 
 bool AdamStepCpuQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, int threads) {
   if (p.maximize || p.step == 0) return false;
-  if (t.param_type != ScalarType::kNone && t.param == nullptr) return false;
+  if (t.param_type && t.param == nullptr) return false;
   Q8Fn fn = PickQ8(t.grad_type, t.param_type);
   if (fn == nullptr) return false;
   if (count == 0) return true;
@@ -203,7 +202,7 @@ void Q8Dequantize(bool is_signed, const uint8_t* codes, const float* absmax, siz
 
 bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int threads) {
   if (p.maximize || p.step == 0) return false;
-  if (t.param_type != ScalarType::kNone && t.param == nullptr) return false;
+  if (t.param_type && t.param == nullptr) return false;
   RangeFn fn = Pick(t.moment_type, t.grad_type, t.param_type);
   if (fn == nullptr) return false;
   if (count == 0) return true;

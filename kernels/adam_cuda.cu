@@ -33,7 +33,7 @@ using internal::LoadAs;
 using internal::StorageOf;
 using internal::StoreAs;
 
-template <ScalarType T>
+template <DType T>
 using Storage = typename StorageOf<T>::type;
 
 // Largest block: leaves ptxas 128 registers per thread, so the unrolled loop
@@ -42,15 +42,14 @@ constexpr int kMaxThreads = 512;
 
 // Four elements of type T as one aligned vector: float4 for fp32, uint2 for
 // 16-bit types.
-template <ScalarType T> struct Vec4Of;
-template <> struct Vec4Of<ScalarType::kF32> { using type = float4; };
-template <> struct Vec4Of<ScalarType::kBF16> { using type = uint2; };
-template <> struct Vec4Of<ScalarType::kF16> { using type = uint2; };
-template <> struct Vec4Of<ScalarType::kNone> { using type = uint2; };
+template <DType T> struct Vec4Of;
+template <> struct Vec4Of<DType::kF32> { using type = float4; };
+template <> struct Vec4Of<DType::kBF16> { using type = uint2; };
+template <> struct Vec4Of<DType::kF16> { using type = uint2; };
 
-template <ScalarType T>
+template <DType T>
 __device__ __forceinline__ void Unpack4(const typename Vec4Of<T>::type& x, float out[4]) {
-  if constexpr (T == ScalarType::kF32) {
+  if constexpr (T == DType::kF32) {
     out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
   } else {
     out[0] = LoadAs<T>(static_cast<uint16_t>(x.x & 0xFFFFu));
@@ -60,9 +59,9 @@ __device__ __forceinline__ void Unpack4(const typename Vec4Of<T>::type& x, float
   }
 }
 
-template <ScalarType T>
+template <DType T>
 __device__ __forceinline__ typename Vec4Of<T>::type Pack4(const float in[4]) {
-  if constexpr (T == ScalarType::kF32) {
+  if constexpr (T == DType::kF32) {
     return make_float4(in[0], in[1], in[2], in[3]);
   } else {
     uint2 r;
@@ -72,7 +71,7 @@ __device__ __forceinline__ typename Vec4Of<T>::type Pack4(const float in[4]) {
   }
 }
 
-template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
+template <DType kMoment, DType kGrad, DType kParam, bool kCopy>
 __device__ __forceinline__ void ScalarElement(float* main, Storage<kMoment>* m, Storage<kMoment>* v,
                                               const Storage<kGrad>* grad, Storage<kParam>* param,
                                               size_t i, const AdamScalars& s) {
@@ -83,10 +82,10 @@ __device__ __forceinline__ void ScalarElement(float* main, Storage<kMoment>* m, 
   __stcs(main + i, p);
   __stcs(m + i, StoreAs<kMoment>(mi));
   __stcs(v + i, StoreAs<kMoment>(vi));
-  if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+  if constexpr (kCopy) param[i] = StoreAs<kParam>(p);
 }
 
-template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam, int kUnroll>
+template <DType kMoment, DType kGrad, DType kParam, bool kCopy, int kUnroll>
 __global__ void __launch_bounds__(kMaxThreads) AdamVecKernel(float* __restrict__ main,
                                                       Storage<kMoment>* __restrict__ m,
                                                       Storage<kMoment>* __restrict__ v,
@@ -106,7 +105,7 @@ __global__ void __launch_bounds__(kMaxThreads) AdamVecKernel(float* __restrict__
   const size_t edge = head + (count - tail_begin);
   if (tid < edge) {
     const size_t i = tid < head ? tid : tail_begin + (tid - head);
-    ScalarElement<kMoment, kGrad, kParam>(main, m, v, grad, param, i, s);
+    ScalarElement<kMoment, kGrad, kParam, kCopy>(main, m, v, grad, param, i, s);
   }
 
   const float4* main4 = reinterpret_cast<const float4*>(main + head);
@@ -150,13 +149,13 @@ __global__ void __launch_bounds__(kMaxThreads) AdamVecKernel(float* __restrict__
         __stcs(main4_out + g, make_float4(p[0], p[1], p[2], p[3]));
         __stcs(m4_out + g, Pack4<kMoment>(mm));
         __stcs(v4_out + g, Pack4<kMoment>(vv));
-        if constexpr (kParam != ScalarType::kNone) __stcs(param4 + g, Pack4<kParam>(p));
+        if constexpr (kCopy) __stcs(param4 + g, Pack4<kParam>(p));
       }
     }
   }
 }
 
-template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
+template <DType kMoment, DType kGrad, DType kParam, bool kCopy>
 __global__ void __launch_bounds__(kMaxThreads) AdamScalarKernel(float* __restrict__ main,
                                                          Storage<kMoment>* __restrict__ m,
                                                          Storage<kMoment>* __restrict__ v,
@@ -168,7 +167,7 @@ __global__ void __launch_bounds__(kMaxThreads) AdamScalarKernel(float* __restric
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += stride) {
-    ScalarElement<kMoment, kGrad, kParam>(main, m, v, grad, param, i, s);
+    ScalarElement<kMoment, kGrad, kParam, kCopy>(main, m, v, grad, param, i, s);
   }
 }
 
@@ -221,12 +220,12 @@ size_t ElementPhase(const void* ptr, size_t elem_size) {
   return (reinterpret_cast<uintptr_t>(ptr) / elem_size) % 4;
 }
 
-template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam, int kUnroll>
+template <DType kMoment, DType kGrad, DType kParam, bool kCopy, int kUnroll>
 cudaError_t LaunchVec(const AdamTensors& t, size_t count, size_t head, const AdamScalars& s,
                       const LaunchConfig& c, cudaStream_t stream) {
   const size_t n_groups = (count - head) / 4;
   const size_t edge = head + (count - head - 4 * n_groups);
-  constexpr auto kernel = &AdamVecKernel<kMoment, kGrad, kParam, kUnroll>;
+  constexpr auto kernel = &AdamVecKernel<kMoment, kGrad, kParam, kCopy, kUnroll>;
   const size_t units = std::max((n_groups + kUnroll - 1) / kUnroll, edge);
   unsigned grid = 0;
   cudaError_t err = GridFor<kernel>(c, units, &grid);
@@ -238,7 +237,7 @@ cudaError_t LaunchVec(const AdamTensors& t, size_t count, size_t head, const Ada
   return cudaPeekAtLastError();
 }
 
-template <ScalarType kMoment, ScalarType kGrad, ScalarType kParam>
+template <DType kMoment, DType kGrad, DType kParam, bool kCopy>
 cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s,
                    const LaunchConfig& config, cudaStream_t stream) {
   LaunchConfig c = config;
@@ -254,22 +253,22 @@ cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s,
   }
   // Vector path when every array has the same element phase modulo 4.
   const size_t phase = ElementPhase(t.main, 4);
-  bool vec = ElementPhase(t.exp_avg, internal::SizeOf(kMoment)) == phase &&
-             ElementPhase(t.exp_avg_sq, internal::SizeOf(kMoment)) == phase &&
-             ElementPhase(t.grad, internal::SizeOf(kGrad)) == phase;
-  if constexpr (kParam != ScalarType::kNone) {
-    vec = vec && ElementPhase(t.param, internal::SizeOf(kParam)) == phase;
+  bool vec = ElementPhase(t.exp_avg, DTypeSize(kMoment)) == phase &&
+             ElementPhase(t.exp_avg_sq, DTypeSize(kMoment)) == phase &&
+             ElementPhase(t.grad, DTypeSize(kGrad)) == phase;
+  if constexpr (kCopy) {
+    vec = vec && ElementPhase(t.param, DTypeSize(kParam)) == phase;
   }
   if (vec) {
     const size_t head = std::min(count, (4 - phase) % 4);
     switch (c.unroll) {
-      case 1: return LaunchVec<kMoment, kGrad, kParam, 1>(t, count, head, s, c, stream);
-      case 2: return LaunchVec<kMoment, kGrad, kParam, 2>(t, count, head, s, c, stream);
-      case 4: return LaunchVec<kMoment, kGrad, kParam, 4>(t, count, head, s, c, stream);
+      case 1: return LaunchVec<kMoment, kGrad, kParam, kCopy, 1>(t, count, head, s, c, stream);
+      case 2: return LaunchVec<kMoment, kGrad, kParam, kCopy, 2>(t, count, head, s, c, stream);
+      case 4: return LaunchVec<kMoment, kGrad, kParam, kCopy, 4>(t, count, head, s, c, stream);
       default: return cudaErrorInvalidValue;
     }
   }
-  constexpr auto kernel = &AdamScalarKernel<kMoment, kGrad, kParam>;
+  constexpr auto kernel = &AdamScalarKernel<kMoment, kGrad, kParam, kCopy>;
   unsigned grid = 0;
   cudaError_t err = GridFor<kernel>(c, count, &grid);
   if (err != cudaSuccess) return err;
@@ -280,28 +279,28 @@ cudaError_t Launch(const AdamTensors& t, size_t count, const AdamScalars& s,
   return cudaPeekAtLastError();
 }
 
-template <ScalarType kMoment, ScalarType kGrad>
+template <DType kMoment, DType kGrad>
 cudaError_t DispatchParam(const AdamTensors& t, size_t count, const AdamScalars& s,
                           const LaunchConfig& c, cudaStream_t stream) {
-  switch (t.param_type) {
-    case ScalarType::kF32: return Launch<kMoment, kGrad, ScalarType::kF32>(t, count, s, c, stream);
-    case ScalarType::kBF16: return Launch<kMoment, kGrad, ScalarType::kBF16>(t, count, s, c, stream);
-    case ScalarType::kF16: return Launch<kMoment, kGrad, ScalarType::kF16>(t, count, s, c, stream);
-    case ScalarType::kQ8: break;
-    case ScalarType::kNone: return Launch<kMoment, kGrad, ScalarType::kNone>(t, count, s, c, stream);
+  if (!t.param_type) return Launch<kMoment, kGrad, DType::kF32, false>(t, count, s, c, stream);
+  switch (*t.param_type) {
+    case DType::kF32: return Launch<kMoment, kGrad, DType::kF32, true>(t, count, s, c, stream);
+    case DType::kBF16: return Launch<kMoment, kGrad, DType::kBF16, true>(t, count, s, c, stream);
+    case DType::kF16: return Launch<kMoment, kGrad, DType::kF16, true>(t, count, s, c, stream);
+    case DType::kQ8S:
+    case DType::kQ8U: break;
   }
   return cudaErrorInvalidValue;
 }
 
-template <ScalarType kMoment>
+template <DType kMoment>
 cudaError_t DispatchGrad(const AdamTensors& t, size_t count, const AdamScalars& s,
                          const LaunchConfig& c, cudaStream_t stream) {
   switch (t.grad_type) {
-    case ScalarType::kF32: return DispatchParam<kMoment, ScalarType::kF32>(t, count, s, c, stream);
-    case ScalarType::kBF16: return DispatchParam<kMoment, ScalarType::kBF16>(t, count, s, c, stream);
-    case ScalarType::kF16: return DispatchParam<kMoment, ScalarType::kF16>(t, count, s, c, stream);
-    case ScalarType::kQ8:
-    case ScalarType::kNone: break;
+    case DType::kF32: return DispatchParam<kMoment, DType::kF32>(t, count, s, c, stream);
+    case DType::kBF16: return DispatchParam<kMoment, DType::kBF16>(t, count, s, c, stream);
+    case DType::kF16: return DispatchParam<kMoment, DType::kF16>(t, count, s, c, stream);
+    default: break;
   }
   return cudaErrorInvalidValue;
 }
@@ -309,7 +308,7 @@ cudaError_t DispatchGrad(const AdamTensors& t, size_t count, const AdamScalars& 
 // q8 moments: one thread block of kQ8BlockElems threads per quantization
 // block (grid-stride over blocks); the block's new absmax is a max over
 // shared memory (exact in any order), so codes equal the CPU loop's.
-template <ScalarType kGrad, ScalarType kParam>
+template <DType kGrad, DType kParam, bool kCopy>
 __global__ void __launch_bounds__(kQ8BlockElems) AdamQ8Kernel(AdamQ8Tensors t, size_t count, size_t blocks,
                                                               AdamScalars s, internal::Q8Maps maps) {
   if (t.found_inf != nullptr && *t.found_inf != 0.0f) return;
@@ -331,7 +330,7 @@ __global__ void __launch_bounds__(kQ8BlockElems) AdamQ8Kernel(AdamQ8Tensors t, s
       v = internal::Q8Decode(umap, t.exp_avg_sq[i], t.exp_avg_sq_absmax[b]);
       AdamUpdate(LoadAs<kGrad>(grad[i]), s, p, m, v);
       t.main[i] = p;
-      if constexpr (kParam != ScalarType::kNone) param[i] = StoreAs<kParam>(p);
+      if constexpr (kCopy) param[i] = StoreAs<kParam>(p);
     }
     red_m[k] = fabsf(m);
     red_v[k] = fabsf(v);
@@ -356,7 +355,7 @@ __global__ void __launch_bounds__(kQ8BlockElems) AdamQ8Kernel(AdamQ8Tensors t, s
   }
 }
 
-template <ScalarType kGrad, ScalarType kParam>
+template <DType kGrad, DType kParam, bool kCopy>
 cudaError_t LaunchQ8(const AdamQ8Tensors& t, size_t count, const AdamScalars& s, cudaStream_t stream) {
   const size_t blocks = (count + kQ8BlockElems - 1) / kQ8BlockElems;
   int device = 0;
@@ -365,19 +364,20 @@ cudaError_t LaunchQ8(const AdamQ8Tensors& t, size_t count, const AdamScalars& s,
   const int sms = MultiProcessorCount(device);
   if (sms == 0) return cudaErrorInvalidDevice;
   const size_t grid = std::max<size_t>(1, std::min<size_t>(blocks, static_cast<size_t>(sms) * 8));
-  AdamQ8Kernel<kGrad, kParam><<<static_cast<unsigned>(grid), kQ8BlockElems, 0, stream>>>(
+  AdamQ8Kernel<kGrad, kParam, kCopy><<<static_cast<unsigned>(grid), kQ8BlockElems, 0, stream>>>(
       t, count, blocks, s, internal::GetQ8Maps());
   return cudaPeekAtLastError();
 }
 
-template <ScalarType kGrad>
+template <DType kGrad>
 cudaError_t DispatchQ8Param(const AdamQ8Tensors& t, size_t count, const AdamScalars& s, cudaStream_t stream) {
-  switch (t.param_type) {
-    case ScalarType::kF32: return LaunchQ8<kGrad, ScalarType::kF32>(t, count, s, stream);
-    case ScalarType::kBF16: return LaunchQ8<kGrad, ScalarType::kBF16>(t, count, s, stream);
-    case ScalarType::kF16: return LaunchQ8<kGrad, ScalarType::kF16>(t, count, s, stream);
-    case ScalarType::kQ8: break;
-    case ScalarType::kNone: return LaunchQ8<kGrad, ScalarType::kNone>(t, count, s, stream);
+  if (!t.param_type) return LaunchQ8<kGrad, DType::kF32, false>(t, count, s, stream);
+  switch (*t.param_type) {
+    case DType::kF32: return LaunchQ8<kGrad, DType::kF32, true>(t, count, s, stream);
+    case DType::kBF16: return LaunchQ8<kGrad, DType::kBF16, true>(t, count, s, stream);
+    case DType::kF16: return LaunchQ8<kGrad, DType::kF16, true>(t, count, s, stream);
+    case DType::kQ8S:
+    case DType::kQ8U: break;
   }
   return cudaErrorInvalidValue;
 }
@@ -392,32 +392,32 @@ namespace internal {
 
 int AdamStepCudaWithConfig(const AdamTensors& t, size_t count, const AdamParams& p,
                            const LaunchConfig& c, void* stream) {
-  const bool grad_ok = t.grad_type == ScalarType::kF32 || t.grad_type == ScalarType::kBF16 ||
-                       t.grad_type == ScalarType::kF16;
-  const bool param_ok = t.param_type == ScalarType::kF32 || t.param_type == ScalarType::kBF16 ||
-                        t.param_type == ScalarType::kF16 || t.param_type == ScalarType::kNone;
+  const bool grad_ok = t.grad_type == DType::kF32 || t.grad_type == DType::kBF16 ||
+                       t.grad_type == DType::kF16;
+  const bool param_ok = !t.param_type || *t.param_type == DType::kF32 || *t.param_type == DType::kBF16 ||
+                        *t.param_type == DType::kF16;
   const int tpb = c.threads_per_block;
   const bool config_ok = (tpb == 128 || tpb == 256 || tpb == kMaxThreads) &&
                          (c.unroll == 1 || c.unroll == 2 || c.unroll == 4);
-  const bool moment_ok = t.moment_type == ScalarType::kF32 || t.moment_type == ScalarType::kBF16;
+  const bool moment_ok = t.moment_type == MomentDType::kF32 || t.moment_type == MomentDType::kBF16;
   if (!grad_ok || !param_ok || !config_ok || !moment_ok || p.maximize || p.step == 0) {
     return cudaErrorInvalidValue;
   }
   if (count == 0) return cudaSuccess;
   if (t.main == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.grad == nullptr ||
-      (t.param_type != ScalarType::kNone && t.param == nullptr)) {
+      (t.param_type && t.param == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const size_t moment_size = SizeOf(t.moment_type);
+  const size_t moment_size = DTypeSize(MomentElement(t.moment_type));
   if (!Aligned(t.main, 4) || !Aligned(t.exp_avg, moment_size) || !Aligned(t.exp_avg_sq, moment_size) ||
-      !Aligned(t.grad, SizeOf(t.grad_type)) ||
-      (t.param_type != ScalarType::kNone && !Aligned(t.param, SizeOf(t.param_type)))) {
+      !Aligned(t.grad, DTypeSize(t.grad_type)) ||
+      (t.param_type && !Aligned(t.param, DTypeSize(*t.param_type)))) {
     return cudaErrorInvalidValue;
   }
   const AdamScalars s = MakeAdamScalars(p);
   auto st = static_cast<cudaStream_t>(stream);
-  if (t.moment_type == ScalarType::kBF16) return DispatchGrad<ScalarType::kBF16>(t, count, s, c, st);
-  return DispatchGrad<ScalarType::kF32>(t, count, s, c, st);
+  if (t.moment_type == MomentDType::kBF16) return DispatchGrad<DType::kBF16>(t, count, s, c, st);
+  return DispatchGrad<DType::kF32>(t, count, s, c, st);
 }
 
 }  // namespace internal
@@ -427,7 +427,7 @@ int AdamStepCuda(const AdamTensors& t, size_t count, const AdamParams& p, void* 
 }
 
 int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, void* stream) {
-  if (p.maximize || p.step == 0 || (t.param_type != ScalarType::kNone && t.param == nullptr)) {
+  if (p.maximize || p.step == 0 || (t.param_type && t.param == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (count == 0) return cudaSuccess;
@@ -439,11 +439,10 @@ int AdamStepCudaQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, vo
   const AdamScalars s = internal::MakeAdamScalars(p);
   auto st = static_cast<cudaStream_t>(stream);
   switch (t.grad_type) {
-    case ScalarType::kF32: return DispatchQ8Param<ScalarType::kF32>(t, count, s, st);
-    case ScalarType::kBF16: return DispatchQ8Param<ScalarType::kBF16>(t, count, s, st);
-    case ScalarType::kF16: return DispatchQ8Param<ScalarType::kF16>(t, count, s, st);
-    case ScalarType::kQ8:
-    case ScalarType::kNone: break;
+    case DType::kF32: return DispatchQ8Param<DType::kF32>(t, count, s, st);
+    case DType::kBF16: return DispatchQ8Param<DType::kBF16>(t, count, s, st);
+    case DType::kF16: return DispatchQ8Param<DType::kF16>(t, count, s, st);
+    default: break;
   }
   return cudaErrorInvalidValue;
 }

@@ -21,8 +21,6 @@ using internal::CheckGradScale;
 using internal::CheckMomentFields;
 using internal::ImplOf;
 using internal::ManagerImpl;
-using internal::MomentDType;
-using internal::ScalarName;
 
 StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
     : store_(store), mm_(mm), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
@@ -62,10 +60,10 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
                            ", not " + store->path());
   }
   ManagerImpl* impl = ImplOf(*mm);
-  if (opts.moment_dtype != kernels::ScalarType::kF32 && opts.moment_dtype != kernels::ScalarType::kBF16 &&
-      opts.moment_dtype != kernels::ScalarType::kQ8) {
+  if (opts.moment_dtype != MomentDType::kF32 && opts.moment_dtype != MomentDType::kBF16 &&
+      opts.moment_dtype != MomentDType::kQ8) {
     return InvalidArgument(std::string("StreamedAdam: moment_dtype must be f32, bf16 or q8, got ") +
-                           ScalarName(opts.moment_dtype) + " (store " + store->path() + ")");
+                           MomentDTypeName(opts.moment_dtype) + " (store " + store->path() + ")");
   }
   const uint32_t slice_chunks = internal::SliceChunks(opts.moment_dtype);
   if (impl->budget_pages() < slice_chunks) {
@@ -78,7 +76,7 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
                              std::to_string(slice_chunks) + " x " +
                              std::to_string(impl->page_bytes()) + " bytes = " +
                              std::to_string(slice_chunks * impl->page_bytes()) + " with " +
-                             ScalarName(opts.moment_dtype) + " moments)");
+                             MomentDTypeName(opts.moment_dtype) + " moments)");
   }
   if (!(opts.grad_scale > 0.0f) || !std::isfinite(opts.grad_scale)) {
     return InvalidArgument("StreamedAdam: grad_scale must be finite and > 0, got " + std::to_string(opts.grad_scale));
@@ -119,7 +117,7 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     p.f_main = *a;
     p.f_m = *b;
     p.f_v = *c;
-    if (opts.moment_dtype == kernels::ScalarType::kQ8) {
+    if (opts.moment_dtype == MomentDType::kQ8) {
       OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store->FieldIndex(t, vfs::Q8ScalesField("exp_avg")));
       OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store->FieldIndex(t, vfs::Q8ScalesField("exp_avg_sq")));
     }

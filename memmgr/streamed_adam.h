@@ -140,11 +140,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
 #include "base/status.h"
@@ -175,9 +177,9 @@ struct ShardInfo {
 struct ParamGrad {
   std::string name;
   const void* d_grad = nullptr;                     // numel elements of grad_type
-  kernels::ScalarType grad_type = kernels::ScalarType::kF32;
+  DType grad_type = DType::kF32;                    // f32, bf16 or f16
   void* d_param = nullptr;                          // model copy to update; may be null
-  kernels::ScalarType param_type = kernels::ScalarType::kNone;
+  std::optional<DType> param_type = std::nullopt;   // d_param's dtype (f32, bf16, f16); needed with d_param
   // Elements in d_grad (and d_param). Checked against the registered numel
   // before the step starts: set it, so a model that no longer matches its
   // store fails cleanly instead of reading past the gradient. Default 0 = not
@@ -208,7 +210,7 @@ struct StreamedAdamOptions {
   // forward/backward instead of adding to the step, and a crash can lose
   // only that one step. Other values are kInvalidArgument.
   uint32_t commit_lag_steps = 1;
-  // Storage type of exp_avg and exp_avg_sq: kF32 (12 bytes per param read and
+  // Storage of exp_avg and exp_avg_sq: kF32 (12 bytes per param read and
   // written per step with the fp32 main) or kBF16 (8 bytes: the kernel
   // decodes, updates in fp32 and rounds to nearest even, relative error
   // <= 2^-8 per store; kernels/adam.h). Recorded per tensor field in the
@@ -218,7 +220,7 @@ struct StreamedAdamOptions {
   // the same elements: 4 chunk-sized device pages and staging buffers per
   // slice instead of 3, every one a whole chunk (so still a multiple of the
   // 2 MiB VMM granularity and the unit of I/O and checksums). Default kF32.
-  kernels::ScalarType moment_dtype = kernels::ScalarType::kF32;
+  MomentDType moment_dtype = MomentDType::kF32;
 };
 
 class StreamedAdam {
@@ -235,9 +237,12 @@ class StreamedAdam {
 
   // Registers a parameter shard. d_initial (device pointer; host pointer on
   // the host backend) holds numel elements of initial_type (f32/bf16/f16) and
-  // becomes the fp32 main; null = zeros. Moments start at zero.
+  // becomes the fp32 main; null = zeros. Moments start at zero. initial_type
+  // is the tensor's recorded dtype (default f32) and, for a param the store
+  // already holds, is checked against it; none skips that check and needs a
+  // null d_initial.
   Status RegisterParam(const std::string& name, uint64_t numel, uint32_t group,
-                       const void* d_initial, kernels::ScalarType initial_type,
+                       const void* d_initial, std::optional<DType> initial_type,
                        const ShardInfo& shard = {});
   bool HasParam(const std::string& name) const;
   std::vector<std::string> ParamNames() const;
@@ -276,7 +281,7 @@ class StreamedAdam {
   float grad_scale() const { return grad_scale_; }
 
   // Replaces a param's fp32 mains from model weights (checkpoint-load path).
-  Status LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type);
+  Status LoadMainFrom(const std::string& name, const void* d_weights, DType type);
 
   // Writes steps held only in the host cache (durable_every_steps > 1) and
   // commits them, with any registrations and LoadMainFrom not yet committed;
@@ -381,7 +386,7 @@ class StreamedAdam {
   Status CheckModelComplete() const;
   // Compares a registration with the stored tensor t.
   Status CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel, uint32_t group,
-                           kernels::ScalarType initial_type, const ShardInfo& shard) const;
+                           std::optional<DType> initial_type, const ShardInfo& shard) const;
   // After the pending generation was dropped: unregisters the params whose
   // registration was not committed and forgets uncommitted LoadMainFrom;
   // returns a sentence for messages ("" when there were none).
@@ -389,7 +394,7 @@ class StreamedAdam {
   // Outside a step: drops the pending generation (and with it what
   // DropUncommittedRegistrations forgets); s with what was dropped.
   Status AbortUncommitted(Status s);
-  Status WriteMain(const Param& p, const void* d_src, kernels::ScalarType type);
+  Status WriteMain(const Param& p, const void* d_src, DType type);
   Status Fail(Status s);
   vfs::CommitInfo MakeCommitInfo(bool advance) const;
   // True when the host cache tier can hold every registered param's state.

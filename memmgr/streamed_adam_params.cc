@@ -22,13 +22,9 @@ using internal::CheckMomentFields;
 using internal::Device;
 using internal::DimsText;
 using internal::ImplOf;
-using internal::IsFloatType;
 using internal::ManagerImpl;
-using internal::MomentDType;
 using internal::NameList;
-using internal::ScalarName;
-using internal::ScalarSize;
-using internal::StoredDType;
+using internal::DTypeText;
 using internal::ToFloat;
 using internal::WithNote;
 
@@ -75,7 +71,7 @@ Status StreamedAdam::CheckModelComplete() const {
 }
 
 Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel,
-                                       uint32_t group, kernels::ScalarType initial_type,
+                                       uint32_t group, std::optional<DType> initial_type,
                                        const ShardInfo& shard) const {
   auto mismatch = [&](const std::string& field, const std::string& stored, const std::string& given) {
     return InvalidArgument("StreamedAdam::RegisterParam '" + t.name + "': store " + store_->path() + " has " + what +
@@ -84,8 +80,8 @@ Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::stri
   };
   if (t.numel != numel) return mismatch("numel", std::to_string(t.numel), std::to_string(numel));
   if (t.group != group) return mismatch("group", std::to_string(t.group), std::to_string(group));
-  if (initial_type != kernels::ScalarType::kNone && t.dtype != StoredDType(initial_type)) {
-    return mismatch("dtype", DTypeName(t.dtype), DTypeName(StoredDType(initial_type)));
+  if (initial_type && t.dtype != *initial_type) {
+    return mismatch("dtype", DTypeName(t.dtype), DTypeName(*initial_type));
   }
   // The same defaults as Store::CreateTensor.
   std::vector<uint64_t> shape = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
@@ -142,14 +138,14 @@ Status StreamedAdam::AbortUncommitted(Status s) {
   return WithNote(s, DropUncommittedRegistrations());
 }
 
-Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::ScalarType type) {
+Status StreamedAdam::WriteMain(const Param& p, const void* d_src, DType type) {
   ManagerImpl* impl = ImplOf(*mm_);
   Device* dev = impl->device();
   const uint64_t chunk = impl->page_bytes();
   const uint64_t chunk_elems = chunk / 4;
   const uint64_t numel = p.info.numel;
   const uint64_t nchunks = (numel + chunk_elems - 1) / chunk_elems;
-  const uint32_t src_size = ScalarSize(type);
+  const uint32_t src_size = DTypeSize(type);
   impl->cache()->EraseTensor(p.info.id);
   std::vector<void*> bufs = impl->AcquireStaging(1, 8);
   std::vector<char> bounce;
@@ -184,7 +180,7 @@ Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::Scala
       src = bounce.data();
     }
     float* out = static_cast<float*>(buf);
-    if (type == kernels::ScalarType::kF32) {
+    if (type == DType::kF32) {
       std::memcpy(out, src, n * 4);
     } else {
       for (uint64_t i = 0; i < n; ++i) out[i] = ToFloat(src, i, type);
@@ -208,7 +204,7 @@ Status StreamedAdam::WriteMain(const Param& p, const void* d_src, kernels::Scala
 }
 
 Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint32_t group, const void* d_initial,
-                                   kernels::ScalarType initial_type, const ShardInfo& shard) {
+                                   std::optional<DType> initial_type, const ShardInfo& shard) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::RegisterParam " + name + ": a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
@@ -224,9 +220,9 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
                               store_->path() + ")");
   }
   if (numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
-  if (d_initial != nullptr && !IsFloatType(initial_type)) {
+  if ((initial_type && !IsFloat(*initial_type)) || (d_initial != nullptr && !initial_type)) {
     return InvalidArgument("StreamedAdam::RegisterParam " + name + ": initial weights dtype " +
-                           ScalarName(initial_type) + " not supported (f32, bf16, f16)");
+                           DTypeText(initial_type) + " not supported (f32, bf16, f16)");
   }
   // An entry in the index that is not a param: one no generation committed
   // (it holds no state), or one whose registration a failed step dropped.
@@ -257,18 +253,18 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
   } else {
     vfs::TensorSpec spec;
     spec.name = name;
-    spec.dtype = StoredDType(initial_type);
+    spec.dtype = initial_type.value_or(DType::kF32);
     spec.numel = numel;
     spec.group = group;
     spec.shape = shard.shape;
     spec.global_shape = shard.global_shape;
     spec.shard_offset = shard.shard_offset;
-    if (opts_.moment_dtype == kernels::ScalarType::kQ8) {
+    if (opts_.moment_dtype == MomentDType::kQ8) {
       spec.fields = vfs::AdamQ8Fields(numel, store_->chunk_size_bytes());
     } else {
       spec.fields = {{"main", DType::kF32},
-                     {"exp_avg", MomentDType(opts_.moment_dtype, false)},
-                     {"exp_avg_sq", MomentDType(opts_.moment_dtype, true)}};
+                     {"exp_avg", MomentFieldDType(opts_.moment_dtype, "exp_avg")},
+                     {"exp_avg_sq", MomentFieldDType(opts_.moment_dtype, "exp_avg_sq")}};
     }
     OPTSTATE_ASSIGN_OR_RETURN(info, store_->CreateTensor(spec));
   }
@@ -277,7 +273,7 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
   OPTSTATE_ASSIGN_OR_RETURN(p.f_main, store_->FieldIndex(info, "main"));
   OPTSTATE_ASSIGN_OR_RETURN(p.f_m, store_->FieldIndex(info, "exp_avg"));
   OPTSTATE_ASSIGN_OR_RETURN(p.f_v, store_->FieldIndex(info, "exp_avg_sq"));
-  if (opts_.moment_dtype == kernels::ScalarType::kQ8) {
+  if (opts_.moment_dtype == MomentDType::kQ8) {
     OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store_->FieldIndex(info, vfs::Q8ScalesField("exp_avg")));
     OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store_->FieldIndex(info, vfs::Q8ScalesField("exp_avg_sq")));
   }
@@ -289,13 +285,13 @@ Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint
   auto [pit, inserted] = params_.emplace(name, std::move(p));
   (void)inserted;
   if (d_initial != nullptr) {
-    Status ws = WriteMain(pit->second, d_initial, initial_type);
+    Status ws = WriteMain(pit->second, d_initial, *initial_type);
     if (!ws.ok()) return AbortUncommitted(ws.WithContext("StreamedAdam::RegisterParam " + name));
   }
   return Status::Ok();
 }
 
-Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights, kernels::ScalarType type) {
+Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights, DType type) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::LoadMainFrom " + name + ": a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
@@ -304,9 +300,9 @@ Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights
     return NotFound("StreamedAdam::LoadMainFrom: unknown param " + name + " (" + std::to_string(params_.size()) +
                     " registered in store " + store_->path() + ")");
   }
-  if (d_weights == nullptr || !IsFloatType(type)) {
+  if (d_weights == nullptr || !IsFloat(type)) {
     return InvalidArgument("StreamedAdam::LoadMainFrom " + name + ": need non-null weights of f32/bf16/f16, got " +
-                           ScalarName(type));
+                           DTypeName(type));
   }
   if (uncommitted_steps_ > 0) {  // WriteMain replaces the cache's copy of this tensor
     auto d = MakeDurable();

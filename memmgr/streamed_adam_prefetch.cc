@@ -21,7 +21,7 @@ using internal::ChunkKey;
 using internal::HostCache;
 using internal::ImplOf;
 using internal::ManagerImpl;
-using internal::ScalarSize;
+using internal::MomentSize;
 
 Status StreamedAdam::Prefetch() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
@@ -76,7 +76,7 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t s
   const uint64_t chunk_bytes = impl->page_bytes();
   // The step's slices (BeginParam): one chunk of each moment and the main
   // chunks of its elements, read in that order.
-  const uint32_t moment_size = ScalarSize(opts_.moment_dtype);
+  const uint32_t moment_size = MomentSize(opts_.moment_dtype);
   const uint64_t slice_elems = chunk_bytes / moment_size;
   // Staging for the reads (the tier's entries are filled by a copy, so a
   // concurrent reader of the tier never sees a half-read entry): up to a

@@ -22,10 +22,9 @@ namespace optstate::memmgr {
 using internal::CheckGradScale;
 using internal::ChunkKey;
 using internal::ImplOf;
-using internal::IsFloatType;
 using internal::NowS;
-using internal::ScalarName;
-using internal::ScalarSize;
+using internal::DTypeText;
+using internal::MomentSize;
 using internal::WithNote;
 
 Status StreamedAdam::CheckGrad(const ParamGrad& g) const {
@@ -44,12 +43,12 @@ Status StreamedAdam::CheckGrad(const ParamGrad& g) const {
     return NotFound("StreamedAdam::StepParam: unknown param '" + g.name + "' (store " + store_->path() + " has " +
                     std::to_string(params_.size()) + " params: " + some + (params_.size() > 5 ? ", ..." : "") + ")");
   }
-  if (!IsFloatType(g.grad_type)) {
-    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": gradient dtype " + ScalarName(g.grad_type) +
+  if (!IsFloat(g.grad_type)) {
+    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": gradient dtype " + DTypeName(g.grad_type) +
                            " not supported (f32, bf16, f16)");
   }
-  if (g.d_param != nullptr && !IsFloatType(g.param_type)) {
-    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": param dtype " + ScalarName(g.param_type) +
+  if (g.d_param != nullptr && (!g.param_type || !IsFloat(*g.param_type))) {
+    return InvalidArgument("StreamedAdam::StepParam " + g.name + ": param dtype " + DTypeText(g.param_type) +
                            " not supported (f32, bf16, f16)");
   }
   if (g.d_grad == nullptr) return InvalidArgument("StreamedAdam::StepParam " + g.name + ": null gradient");
@@ -211,7 +210,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   // A slice is one chunk of each moment and the main chunks of its elements
   // (see StepPipeline).
   const uint64_t chunk = ImplOf(*mm_)->page_bytes();
-  const uint32_t moment_size = ScalarSize(opts_.moment_dtype);
+  const uint32_t moment_size = MomentSize(opts_.moment_dtype);
   const uint64_t slice_elems = chunk / moment_size;
   for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += slice_elems) {
     internal::StepPipeline::Job j;
@@ -232,7 +231,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
     j.fields[j.n_main + 1] = p.f_v;
     j.chunks[j.n_main] = j.chunks[j.n_main + 1] = c;
     j.lens[j.n_main] = j.lens[j.n_main + 1] = j.elems * moment_size;
-    if (opts_.moment_dtype == kernels::ScalarType::kQ8) {
+    if (opts_.moment_dtype == MomentDType::kQ8) {
       // Chunk c of each absmax field: the scales of exactly these elements.
       j.fields[j.n_main + 2] = p.f_ma;
       j.fields[j.n_main + 3] = p.f_va;
@@ -243,7 +242,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
     j.grad = g.d_grad;
     j.grad_type = g.grad_type;
     j.param = g.d_param;
-    j.param_type = g.d_param ? g.param_type : kernels::ScalarType::kNone;
+    if (g.d_param) j.param_type = *g.param_type;
     j.params = ap;
     pipeline_->Enqueue(j);
   }

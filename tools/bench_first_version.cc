@@ -65,7 +65,7 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
                                        "staging a multiple of 4",
                                        options.bucket_numel_limit, options.staging_bytes));
   }
-  if (options.moment_type != kernels::ScalarType::kF32 && options.moment_type != kernels::ScalarType::kBF16) {
+  if (options.moment_type != MomentDType::kF32 && options.moment_type != MomentDType::kBF16) {
     return InvalidArgument("first version: moments must be f32 or bf16");
   }
   auto fv = std::unique_ptr<FirstVersionBaseline>(new FirstVersionBaseline);
@@ -145,7 +145,7 @@ uint64_t FirstVersionBaseline::file_bytes() const {
 }
 
 uint64_t FirstVersionBaseline::SegmentElemBytes(int segment) const {
-  return segment == 0 || options_.moment_type == kernels::ScalarType::kF32 ? 4 : 2;
+  return segment == 0 || options_.moment_type == MomentDType::kF32 ? 4 : 2;
 }
 
 // _Stager.transfer (the device holds the disk's dtype: see the header):
@@ -206,10 +206,10 @@ Status FirstVersionBaseline::Step(const std::vector<const void*>& d_grads, const
       t.exp_avg_sq = static_cast<char*>(d_state_[2].get()) + off * mb;
       t.moment_type = options_.moment_type;
       t.grad = d_grads[p];
-      t.grad_type = kernels::ScalarType::kF32;
+      t.grad_type = DType::kF32;
       if (!d_params.empty() && d_params[p] != nullptr) {
         t.param = d_params[p];
-        t.param_type = kernels::ScalarType::kBF16;
+        t.param_type = DType::kBF16;
       }
       const uint64_t n = params_[p].second;
       if (options_.cuda) {

@@ -63,7 +63,7 @@ struct FirstVersionOptions {
   int cpu_threads = 1;
   // The moments' dtype on disk (moment_dtype "fp32" or "bf16"): kF32 or
   // kBF16. Default kF32.
-  kernels::ScalarType moment_type = kernels::ScalarType::kF32;
+  MomentDType moment_type = MomentDType::kF32;
 };
 
 class FirstVersionBaseline {

@@ -33,6 +33,7 @@
 
 #include <fmt/format.h>
 
+#include "base/dtype.h"
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
@@ -55,8 +56,13 @@ namespace fs = std::filesystem;
 double UnixSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
-using kernels::ScalarType;
 constexpr const char* kTool = "optstate-bench step";
+
+// --moments and --first-version-moments are checked against these names by CLI11.
+MomentDType MomentsNamed(const std::string& name) {
+  Result<MomentDType> m = ParseMomentDType(name);
+  return m.ok() ? *m : MomentDType::kF32;
+}
 
 struct StepOptions {
   // synthetic mode
@@ -223,7 +229,7 @@ int RunSynthetic(const StepOptions& o) {
   memmgr::StreamedAdamOptions ao;
   ao.cpu_threads = o.cpu_threads;
   ao.background_sync_bytes = c->sync_every;
-  ao.moment_dtype = o.moments == "bf16" ? ScalarType::kBF16 : o.moments == "q8" ? ScalarType::kQ8 : ScalarType::kF32;
+  ao.moment_dtype = MomentsNamed(o.moments);
   auto opt = memmgr::StreamedAdam::Create(store.get(), mm->get(), ao);
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
@@ -255,7 +261,7 @@ int RunSynthetic(const StepOptions& o) {
       }
     }
     Status s = fresh ? (*mm)->CopyToDevice(d->get(), host.data(), sizes[k] * 4) : Status::Ok();
-    if (s.ok()) s = (*opt)->RegisterParam(name, sizes[k], 0, fresh ? d->get() : nullptr, ScalarType::kF32);
+    if (s.ok()) s = (*opt)->RegisterParam(name, sizes[k], 0, fresh ? d->get() : nullptr, DType::kF32);
     if (!s.ok()) return FailWith(kTool, s.WithContext(name));
     grads.push_back(std::move(*d));
   }
@@ -278,7 +284,7 @@ int RunSynthetic(const StepOptions& o) {
       memmgr::ParamGrad p;
       p.name = fmt::format("param.{}", k);
       p.d_grad = grads[k].get();
-      p.grad_type = ScalarType::kF32;
+      p.grad_type = DType::kF32;
       p.numel = sizes[k];
       pg.push_back(p);
     }
@@ -403,7 +409,7 @@ class SyncDirectEngine {
         t.exp_avg = d_[1].get();
         t.exp_avg_sq = d_[2].get();
         t.grad = static_cast<const float*>(grads[p]) + c * per_chunk;
-        t.grad_type = ScalarType::kF32;
+        t.grad_type = DType::kF32;
         if (cuda) {
           int e = kernels::AdamStepCuda(t, elems, ap, nullptr);
           if (e != 0) return Internal(fmt::format("AdamStepCuda failed: cudaError {}", e));
@@ -571,7 +577,7 @@ int RunCompare(const StepOptions& o) {
       auto d = DeviceBuffer::Make(mm->get(), n * 4);
       if (!d.ok()) return FailWith(kTool, d.status());
       Status s = (*mm)->CopyToDevice(d->get(), gh.data(), n * 4);
-      if (s.ok()) s = (*opt)->RegisterParam(name, n, 0, dw->get(), ScalarType::kF32);
+      if (s.ok()) s = (*opt)->RegisterParam(name, n, 0, dw->get(), DType::kF32);
       if (!s.ok()) return FailWith(kTool, s.WithContext(name));
       grad_ptrs.push_back(d->get());
       grads.push_back(std::move(*d));
@@ -592,9 +598,9 @@ int RunCompare(const StepOptions& o) {
     memmgr::ParamGrad x;
     x.name = params[p].first;
     x.d_grad = grad_ptrs[p];
-    x.grad_type = ScalarType::kF32;
+    x.grad_type = DType::kF32;
     x.d_param = model_param_ptrs[p];
-    x.param_type = ScalarType::kBF16;
+    x.param_type = DType::kBF16;
     x.numel = params[p].second;
     pg.push_back(x);
   }
@@ -608,7 +614,7 @@ int RunCompare(const StepOptions& o) {
   // side.
   struct MomentStore {
     std::string dtype;  // "bf16" or "q8"
-    ScalarType moment_dtype = ScalarType::kF32;
+    MomentDType moment_dtype = MomentDType::kF32;
     std::unique_ptr<vfs::Store> store;
     std::unique_ptr<memmgr::MemoryManager> mm;
     std::unique_ptr<memmgr::StreamedAdam> opt;
@@ -621,8 +627,8 @@ int RunCompare(const StepOptions& o) {
   std::vector<MomentStore> extras;
   extras.reserve(2);
   for (const auto& [on, dtype, moment_dtype] :
-       {std::tuple<bool, const char*, ScalarType>{o.compare_bf16, "bf16", ScalarType::kBF16},
-        {o.compare_q8, "q8", ScalarType::kQ8}}) {
+       {std::tuple<bool, const char*, MomentDType>{o.compare_bf16, "bf16", MomentDType::kBF16},
+        {o.compare_q8, "q8", MomentDType::kQ8}}) {
     if (!on) continue;
     extras.emplace_back();
     extras.back().dtype = dtype;
@@ -646,7 +652,7 @@ int RunCompare(const StepOptions& o) {
     if (!dw.ok()) return FailWith(kTool, dw.status());
     if (Status s = x.mm->CopyToDevice(dw->get(), w0.data(), max_numel * 4); !s.ok()) return FailWith(kTool, s);
     for (auto& [name, n] : params) {
-      if (Status s = x.opt->RegisterParam(name, n, 0, dw->get(), ScalarType::kF32); !s.ok()) {
+      if (Status s = x.opt->RegisterParam(name, n, 0, dw->get(), DType::kF32); !s.ok()) {
         return FailWith(kTool, s.WithContext(name + " (" + what + ")"));
       }
     }
@@ -672,7 +678,7 @@ int RunCompare(const StepOptions& o) {
     fo.adam.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
     fo.cuda = cuda;
     fo.cpu_threads = o.cpu_threads;
-    fo.moment_type = o.first_version_moments == "bf16" ? ScalarType::kBF16 : ScalarType::kF32;
+    fo.moment_type = MomentsNamed(o.first_version_moments);
     auto f = FirstVersionBaseline::Create(dir + "/first_version", params, mm->get(), w0.data(), fo);
     if (!f.ok()) return FailWith(kTool, f.status().WithContext("first-version setup"));
     fvb = std::move(*f);

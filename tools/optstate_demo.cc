@@ -45,7 +45,6 @@ namespace optstate::tools {
 namespace {
 
 namespace fs = std::filesystem;
-using kernels::ScalarType;
 constexpr const char* kTool = "optstate-demo";
 constexpr const char* kStoreName = "demo.rank0000";
 constexpr const char* kSnapshot = "demo-final";
@@ -312,7 +311,7 @@ int Run(const DemoOptions& o) {
     if (Status s = (*mm)->CopyToDevice(d_w, model.w.data(), numel * 4); !s.ok()) return FailWith(kTool, s);
   }
   for (const auto& t : model.tensors) {
-    Status s = (*opt)->RegisterParam(t.name, t.numel, 0, static_cast<float*>(d_w) + t.offset, ScalarType::kF32);
+    Status s = (*opt)->RegisterParam(t.name, t.numel, 0, static_cast<float*>(d_w) + t.offset, DType::kF32);
     if (!s.ok()) return FailWith(kTool, s.WithContext(t.name));
   }
 
@@ -333,9 +332,9 @@ int Run(const DemoOptions& o) {
       memmgr::ParamGrad p;
       p.name = t.name;
       p.d_grad = static_cast<float*>(d_g) + t.offset;
-      p.grad_type = ScalarType::kF32;
+      p.grad_type = DType::kF32;
       p.d_param = static_cast<float*>(d_w) + t.offset;  // updated in the same pass
-      p.param_type = ScalarType::kF32;
+      p.param_type = DType::kF32;
       pg.push_back(p);
     }
     double t0 = NowSeconds();

@@ -148,46 +148,37 @@ OPTSTATE_HD float HalfBitsToFloat(uint16_t h) {
   return BitsFloat(FloatBits(f) | ((static_cast<uint32_t>(h) & 0x8000u) << 16));
 }
 
-// Storage type of each ScalarType, and load/store through it.
-template <ScalarType T> struct StorageOf;
-template <> struct StorageOf<ScalarType::kF32> { using type = float; };
-template <> struct StorageOf<ScalarType::kBF16> { using type = uint16_t; };
-template <> struct StorageOf<ScalarType::kF16> { using type = uint16_t; };
-template <> struct StorageOf<ScalarType::kNone> { using type = uint8_t; };
+// Storage type of each operand DType, and load/store through it.
+template <DType T> struct StorageOf;
+template <> struct StorageOf<DType::kF32> { using type = float; };
+template <> struct StorageOf<DType::kBF16> { using type = uint16_t; };
+template <> struct StorageOf<DType::kF16> { using type = uint16_t; };
 
-template <ScalarType T>
+template <DType T>
 OPTSTATE_HD float LoadAs(typename StorageOf<T>::type x) {
-  if constexpr (T == ScalarType::kF32) {
+  if constexpr (T == DType::kF32) {
     return x;
-  } else if constexpr (T == ScalarType::kBF16) {
+  } else if constexpr (T == DType::kBF16) {
     return Bf16BitsToFloat(x);
   } else {
     return HalfBitsToFloat(x);
   }
 }
 
-template <ScalarType T>
+template <DType T>
 OPTSTATE_HD typename StorageOf<T>::type StoreAs(float f) {
-  if constexpr (T == ScalarType::kF32) {
+  if constexpr (T == DType::kF32) {
     return f;
-  } else if constexpr (T == ScalarType::kBF16) {
+  } else if constexpr (T == DType::kBF16) {
     return FloatToBf16Bits(f);
-  } else if constexpr (T == ScalarType::kF16) {
+  } else if constexpr (T == DType::kF16) {
     return FloatToHalfBits(f);
   } else {
     return 0;
   }
 }
 
-inline size_t SizeOf(ScalarType t) {
-  switch (t) {
-    case ScalarType::kF32: return 4;
-    case ScalarType::kBF16:
-    case ScalarType::kF16: return 2;
-    case ScalarType::kQ8: return 1;
-    case ScalarType::kNone: return 0;
-  }
-  return 0;
-}
+// The element DType of f32 or bf16 moments (q8 moments have kernels of their own).
+inline DType MomentElement(MomentDType m) { return m == MomentDType::kBF16 ? DType::kBF16 : DType::kF32; }
 
 }  // namespace optstate::kernels::internal

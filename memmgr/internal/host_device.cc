@@ -132,18 +132,16 @@ class HostDevice final : public Device {
   Status Adam(const kernels::AdamTensors& t, uint64_t count, const kernels::AdamParams& p,
               int cpu_threads, void*) override {
     if (!kernels::AdamStepCpu(t, count, p, cpu_threads < 1 ? 1 : cpu_threads)) {
-      return InvalidArgument("AdamStepCpu rejected the tensors (grad type " +
-                             std::to_string(static_cast<int>(t.grad_type)) + ", param type " +
-                             std::to_string(static_cast<int>(t.param_type)) + ")");
+      return InvalidArgument(std::string("AdamStepCpu rejected the tensors (grad type ") + DTypeName(t.grad_type) +
+                             ", param type " + (t.param_type ? DTypeName(*t.param_type) : "none") + ")");
     }
     return Status::Ok();
   }
   Status AdamQ8(const kernels::AdamQ8Tensors& t, uint64_t count, const kernels::AdamParams& p,
                 int cpu_threads, void*) override {
     if (!kernels::AdamStepCpuQ8(t, count, p, cpu_threads < 1 ? 1 : cpu_threads)) {
-      return InvalidArgument("AdamStepCpuQ8 rejected the tensors (grad type " +
-                             std::to_string(static_cast<int>(t.grad_type)) + ", param type " +
-                             std::to_string(static_cast<int>(t.param_type)) + ")");
+      return InvalidArgument(std::string("AdamStepCpuQ8 rejected the tensors (grad type ") + DTypeName(t.grad_type) +
+                             ", param type " + (t.param_type ? DTypeName(*t.param_type) : "none") + ")");
     }
     return Status::Ok();
   }

@@ -104,7 +104,7 @@ Status ManagerImpl::Init() {
   }
   // Sized for f32 slices; a StreamedAdam with wider ones grows it (GrowStaging).
   uint32_t n_staging = opts_.staging_buffers;
-  if (n_staging == 0) n_staging = StepPipelineStaging(opts_, kernels::ScalarType::kF32);
+  if (n_staging == 0) n_staging = StepPipelineStaging(opts_, MomentDType::kF32);
   staging_.reserve(n_staging);
   for (uint32_t i = 0; i < n_staging; ++i) {
     auto r = dev_->AllocPinnedHost(page_bytes_);

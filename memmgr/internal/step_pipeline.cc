@@ -513,12 +513,12 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
                               std::to_string(j.chunk));
   }
   // One kernel call per main chunk, on the moments' elements of that chunk.
-  const uint32_t moment_size = ScalarSize(j.moment_type);
+  const uint32_t moment_size = MomentSize(j.moment_type);
   uint64_t done = 0;
   for (uint32_t k = 0; k < j.n_main; ++k) {
     const uint64_t first = j.first_elem + done;
     const uint64_t n = j.lens[k] / 4;
-    if (j.moment_type == kernels::ScalarType::kQ8) {
+    if (j.moment_type == MomentDType::kQ8) {
       // A main chunk holds a whole number of 256-element blocks (the chunk
       // size is a multiple of 2 MiB), so each call starts at a block.
       kernels::AdamQ8Tensors t;
@@ -527,10 +527,10 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
       t.exp_avg_sq = static_cast<uint8_t*>(bufs[j.n_main + 1]) + done;
       t.exp_avg_absmax = static_cast<float*>(bufs[j.n_main + 2]) + done / kernels::kQ8BlockElems;
       t.exp_avg_sq_absmax = static_cast<float*>(bufs[j.n_main + 3]) + done / kernels::kQ8BlockElems;
-      t.grad = static_cast<const char*>(j.grad) + first * ScalarSize(j.grad_type);
+      t.grad = static_cast<const char*>(j.grad) + first * DTypeSize(j.grad_type);
       t.grad_type = j.grad_type;
-      t.param = j.param ? static_cast<char*>(j.param) + first * ScalarSize(j.param_type) : nullptr;
-      t.param_type = j.param ? j.param_type : kernels::ScalarType::kNone;
+      t.param = j.param ? static_cast<char*>(j.param) + first * DTypeSize(j.param_type) : nullptr;
+      if (j.param) t.param_type = j.param_type;
       t.found_inf = found_inf_;
       OPTSTATE_RETURN_IF_ERROR(dev_->AdamQ8(t, n, j.params, cpu_threads_, d.stream));
       done += n;
@@ -541,10 +541,10 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
     t.exp_avg = static_cast<char*>(bufs[j.n_main]) + done * moment_size;
     t.exp_avg_sq = static_cast<char*>(bufs[j.n_main + 1]) + done * moment_size;
     t.moment_type = j.moment_type;
-    t.grad = static_cast<const char*>(j.grad) + first * ScalarSize(j.grad_type);
+    t.grad = static_cast<const char*>(j.grad) + first * DTypeSize(j.grad_type);
     t.grad_type = j.grad_type;
-    t.param = j.param ? static_cast<char*>(j.param) + first * ScalarSize(j.param_type) : nullptr;
-    t.param_type = j.param ? j.param_type : kernels::ScalarType::kNone;
+    t.param = j.param ? static_cast<char*>(j.param) + first * DTypeSize(j.param_type) : nullptr;
+    if (j.param) t.param_type = j.param_type;
     t.found_inf = found_inf_;
     OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, n, j.params, cpu_threads_, d.stream));
     done += n;

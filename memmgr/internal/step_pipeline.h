@@ -62,24 +62,24 @@ constexpr int kMaxSliceChunks = 8;
 
 // Chunks in a full slice with moments of type t: main chunks (one per moment
 // element size in 4 bytes) + the moments' chunks (2, or 4 with q8 scales).
-inline uint32_t SliceChunks(kernels::ScalarType moment) {
+inline uint32_t SliceChunks(MomentDType moment) {
   switch (moment) {
-    case kernels::ScalarType::kBF16: return 4;
-    case kernels::ScalarType::kQ8: return 8;
+    case MomentDType::kBF16: return 4;
+    case MomentDType::kQ8: return 8;
     default: return 3;
   }
 }
 
 // The moment chunks of a slice: exp_avg and exp_avg_sq, plus their absmax
 // chunks with q8 moments.
-inline uint32_t MomentChunks(kernels::ScalarType moment) { return moment == kernels::ScalarType::kQ8 ? 4 : 2; }
+inline uint32_t MomentChunks(MomentDType moment) { return moment == MomentDType::kQ8 ? 4 : 2; }
 
 // Bytes a full slice moves each way, in chunks: 3 (f32), 4 (bf16), 6 (q8: four
 // main chunks and two codes chunks; the absmax chunks are 1/64 of a chunk).
-inline uint32_t SliceBytesInChunks(kernels::ScalarType moment) {
+inline uint32_t SliceBytesInChunks(MomentDType moment) {
   switch (moment) {
-    case kernels::ScalarType::kBF16: return 4;
-    case kernels::ScalarType::kQ8: return 6;
+    case MomentDType::kBF16: return 4;
+    case MomentDType::kQ8: return 6;
     default: return 3;
   }
 }
@@ -88,7 +88,7 @@ inline uint32_t SliceBytesInChunks(kernels::ScalarType moment) {
 // to fill both depth limits (counted in chunks' bytes) with slices of this
 // moment type, plus four being computed: a q8 slice moves twice an f32
 // slice's bytes, so half as many keep the disk as busy.
-inline uint32_t StepPipelineSlices(const MemoryManagerOptions& o, kernels::ScalarType moment) {
+inline uint32_t StepPipelineSlices(const MemoryManagerOptions& o, MomentDType moment) {
   if (o.read_ahead_chunks != 0) return o.read_ahead_chunks;
   return (o.queue_depth + o.write_queue_depth) / SliceBytesInChunks(moment) + 4;
 }
@@ -96,14 +96,14 @@ inline uint32_t StepPipelineSlices(const MemoryManagerOptions& o, kernels::Scala
 // The staging pool's automatic size for slices of this moment type: a set per
 // slice, plus two the pipeline leaves for concurrent pins and two spare
 // (ManagerImpl::Init for f32, ManagerImpl::GrowStaging for wider slices).
-inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, kernels::ScalarType moment) {
+inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, MomentDType moment) {
   return SliceChunks(moment) * StepPipelineSlices(o, moment) + 4;
 }
 
 // Staging buffers a step's pipeline takes from a pool of `pool` (a set per
 // slice, leaving two for concurrent pins): StepPipeline::Begin, and the bound
 // of what a Prefetch stages for it to adopt.
-inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, kernels::ScalarType moment) {
+inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, MomentDType moment) {
   const size_t max_bufs = pool >= 5 ? pool - 2 : pool;
   return std::min<size_t>(max_bufs, size_t{SliceChunks(moment)} * StepPipelineSlices(o, moment));
 }
@@ -122,21 +122,21 @@ class StepPipeline {
     uint64_t chunk = 0;                               // the moments' chunk index (messages)
     uint64_t first_elem = 0;
     uint64_t elems = 0;
-    kernels::ScalarType moment_type = kernels::ScalarType::kF32;
+    MomentDType moment_type = MomentDType::kF32;
     uint64_t bytes() const {
       uint64_t b = 0;
       for (uint32_t f = 0; f < n_bufs; ++f) b += lens[f];
       return b;
     }
     const void* grad = nullptr;
-    kernels::ScalarType grad_type = kernels::ScalarType::kF32;
+    DType grad_type = DType::kF32;
     void* param = nullptr;
-    kernels::ScalarType param_type = kernels::ScalarType::kNone;
+    DType param_type = DType::kF32;  // of param, when param is set
     kernels::AdamParams params;
   };
 
   StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
-               kernels::ScalarType moment_type)
+               MomentDType moment_type)
       : bufs_(SliceChunks(moment_type)),
         moment_type_(moment_type),
         mm_(mm),
@@ -278,7 +278,7 @@ class StepPipeline {
   void StartSync();
 
   const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice: SliceChunks
-  const kernels::ScalarType moment_type_;
+  const MomentDType moment_type_;
   ManagerImpl* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's

@@ -11,37 +11,9 @@ double NowS() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-uint32_t ScalarSize(kernels::ScalarType t) {
-  switch (t) {
-    case kernels::ScalarType::kF32: return 4;
-    case kernels::ScalarType::kBF16:
-    case kernels::ScalarType::kF16: return 2;
-    case kernels::ScalarType::kQ8: return 1;
-    case kernels::ScalarType::kNone: return 0;
-  }
-  return 0;
-}
+uint32_t MomentSize(MomentDType m) { return DTypeSize(MomentFieldDType(m, "exp_avg")); }
 
-const char* ScalarName(kernels::ScalarType t) {
-  switch (t) {
-    case kernels::ScalarType::kF32: return "f32";
-    case kernels::ScalarType::kBF16: return "bf16";
-    case kernels::ScalarType::kF16: return "f16";
-    case kernels::ScalarType::kQ8: return "q8";
-    case kernels::ScalarType::kNone: return "none";
-  }
-  return "?";
-}
-
-bool IsFloatType(kernels::ScalarType t) {
-  return t == kernels::ScalarType::kF32 || t == kernels::ScalarType::kBF16 || t == kernels::ScalarType::kF16;
-}
-
-DType StoredDType(kernels::ScalarType t) {
-  return t == kernels::ScalarType::kBF16  ? DType::kBF16
-         : t == kernels::ScalarType::kF16 ? DType::kF16
-                                          : DType::kF32;
-}
+const char* DTypeText(const std::optional<DType>& t) { return t ? DTypeName(*t) : "none"; }
 
 Status WithNote(const Status& s, const std::string& note) {
   if (s.ok() || note.empty()) return s;
@@ -54,27 +26,20 @@ std::string DimsText(const std::vector<uint64_t>& v) {
   return out + "]";
 }
 
-float ToFloat(const void* src, uint64_t i, kernels::ScalarType t) {
+float ToFloat(const void* src, uint64_t i, DType t) {
   switch (t) {
-    case kernels::ScalarType::kF32: return static_cast<const float*>(src)[i];
-    case kernels::ScalarType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]);
-    case kernels::ScalarType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(src)[i]);
+    case DType::kF32: return static_cast<const float*>(src)[i];
+    case DType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]);
+    case DType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(src)[i]);
     default: return 0.0f;
   }
 }
 
-DType MomentDType(kernels::ScalarType t, bool sq) {
-  switch (t) {
-    case kernels::ScalarType::kBF16: return DType::kBF16;
-    case kernels::ScalarType::kQ8: return sq ? DType::kQ8U : DType::kQ8S;
-    default: return DType::kF32;
-  }
-}
-
-Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, kernels::ScalarType moment) {
+Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, MomentDType moment) {
   for (const vfs::FieldSpec& f : t.fields) {
-    const DType want = MomentDType(moment, f.name == "exp_avg_sq");
-    if ((f.name == "exp_avg" || f.name == "exp_avg_sq") && f.dtype != want) {
+    if (f.name != "exp_avg" && f.name != "exp_avg_sq") continue;
+    const DType want = MomentFieldDType(moment, f.name);
+    if (f.dtype != want) {
       return InvalidArgument("StreamedAdam: store " + store_path + " holds tensor '" + t.name + "' field " + f.name +
                              " as " + DTypeName(f.dtype) + ", but the optimizer was created with moment dtype " +
                              DTypeName(want) + " (moment dtypes are chosen when a store is created; open it with "

@@ -1,9 +1,10 @@
-// Helpers shared by the files of StreamedAdam and its step pipeline: scalar
-// types, message text, and the checks of stored moment dtypes and gradient
+// Helpers shared by the files of StreamedAdam and its step pipeline: element
+// sizes, message text, and the checks of stored moment dtypes and gradient
 // scales. Internal to memmgr.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,10 +16,11 @@ namespace optstate::memmgr::internal {
 
 // Seconds on the steady clock (for stats).
 double NowS();
-uint32_t ScalarSize(kernels::ScalarType t);
-const char* ScalarName(kernels::ScalarType t);
-bool IsFloatType(kernels::ScalarType t);
-DType StoredDType(kernels::ScalarType t);
+// Bytes of one moment element (q8: one code byte; its scales live in fields
+// of their own).
+uint32_t MomentSize(MomentDType m);
+// DTypeName, or "none" for an operand that was not given.
+const char* DTypeText(const std::optional<DType>& t);
 
 // s with "; note" appended to its message (s unchanged when note is empty).
 Status WithNote(const Status& s, const std::string& note);
@@ -41,16 +43,12 @@ std::string NameList(It first, It last, Numel numel) {
   return out;
 }
 
-float ToFloat(const void* src, uint64_t i, kernels::ScalarType t);
-
-// The dtype of exp_avg (sq false) or exp_avg_sq (sq true) in a store whose
-// optimizer uses moments of type t (q8: signed codes for exp_avg, unsigned for
-// exp_avg_sq).
-DType MomentDType(kernels::ScalarType t, bool sq);
+// Element i of src (f32, bf16 or f16) as f32.
+float ToFloat(const void* src, uint64_t i, DType t);
 
 // kInvalidArgument naming the store, the tensor, the field and both dtypes
 // when a moment field of t is not stored as `want`.
-Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, kernels::ScalarType moment);
+Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, MomentDType moment);
 
 // A gradient scale is usable when finite and > 0.
 Status CheckGradScale(float s, const std::string& what, const std::string& store_path);

@@ -58,13 +58,13 @@ const std::vector<float>& CachedGrads(int step, size_t n) {
   return c;
 }
 
-double CopyRel(ScalarType t) {
-  return t == ScalarType::kBF16 ? 0x1p-8 : t == ScalarType::kF16 ? 0x1p-11 : 0.0;
+double CopyRel(DType t) {
+  return t == DType::kBF16 ? 0x1p-8 : t == DType::kF16 ? 0x1p-11 : 0.0;
 }
 
 struct Case {
-  ScalarType grad_type;
-  ScalarType param_type;
+  DType grad_type;
+  std::optional<DType> param_type;
   AdamMode mode;
 };
 
@@ -106,7 +106,7 @@ void RunAndCompare(const Case& c, size_t n, float grad_scale, int threads, doubl
     t.exp_avg_sq = v.data();
     t.grad = grad.data();
     t.grad_type = c.grad_type;
-    t.param = c.param_type == ScalarType::kNone ? nullptr : param.data();
+    t.param = !c.param_type ? nullptr : param.data();
     t.param_type = c.param_type;
     ASSERT_TRUE(AdamStepCpu(t, n, p, threads));
     RefStep(ref, g64, p);
@@ -128,10 +128,10 @@ void RunAndCompare(const Case& c, size_t n, float grad_scale, int threads, doubl
     worst[2] = std::max(worst[2], std::fabs(v[i] - ref.v[i]) / v_tol);
     bool ok = std::fabs(main[i] - ref.main[i]) <= main_tol &&
               std::fabs(m[i] - ref.m[i]) <= m_tol && std::fabs(v[i] - ref.v[i]) <= v_tol;
-    if (c.param_type != ScalarType::kNone) {
-      const double copy = Decode(param.data(), c.param_type, i);
-      const double copy_tol = CopyRel(c.param_type) * std::fabs(ref.main[i]) + main_tol +
-                              (c.param_type == ScalarType::kF16 ? 0x1p-25 : 0.0);
+    if (c.param_type.has_value()) {
+      const double copy = Decode(param.data(), *c.param_type, i);
+      const double copy_tol = CopyRel(*c.param_type) * std::fabs(ref.main[i]) + main_tol +
+                              (c.param_type == DType::kF16 ? 0x1p-25 : 0.0);
       ok = ok && std::fabs(copy - ref.main[i]) <= copy_tol;
     }
     if (!ok && ++bad <= 5) {
@@ -146,7 +146,7 @@ void RunAndCompare(const Case& c, size_t n, float grad_scale, int threads, doubl
   EXPECT_EQ(param[n * TypeSize(c.param_type)], 0xEE);
 }
 
-class AdamCpuTest : public ::testing::TestWithParam<std::tuple<ScalarType, ScalarType, AdamMode>> {
+class AdamCpuTest : public ::testing::TestWithParam<std::tuple<DType, std::optional<DType>, AdamMode>> {
 };
 
 TEST_P(AdamCpuTest, MatchesFp64ReferenceOverSevenSteps) {
@@ -171,9 +171,9 @@ TEST_P(AdamCpuTest, GradScaleDividesGradients) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllTypes, AdamCpuTest,
-    ::testing::Combine(::testing::Values(ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16),
-                       ::testing::Values(ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16,
-                                         ScalarType::kNone),
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                       ::testing::Values(DType::kF32, DType::kBF16, DType::kF16,
+                                         std::nullopt),
                        ::testing::Values(AdamMode::kAdam, AdamMode::kAdamW)),
     [](const auto& info) {
       return "grad_" + TypeName(std::get<0>(info.param)) + "_param_" +
@@ -258,9 +258,9 @@ struct Buffers {
     t.exp_avg = m.data();
     t.exp_avg_sq = v.data();
     t.grad = grad.data();
-    t.grad_type = ScalarType::kBF16;
+    t.grad_type = DType::kBF16;
     t.param = param.data();
-    t.param_type = ScalarType::kBF16;
+    t.param_type = DType::kBF16;
     t.found_inf = found_inf;
     return t;
   }
@@ -310,10 +310,10 @@ TEST(AdamCpuTest, RejectsUnsupportedInputAndWritesNothing) {
   const Buffers before = a;
   AdamParams p;
   AdamTensors t = a.Tensors(nullptr);
-  t.moment_type = ScalarType::kF16;  // f16 moments: not supported
+  t.moment_type = MomentDType::kQ8;  // q8 moments take AdamQ8Tensors
   EXPECT_FALSE(AdamStepCpu(t, 22, p));
   t = a.Tensors(nullptr);
-  t.grad_type = ScalarType::kNone;
+  t.grad_type = DType::kQ8S;  // not a float
   EXPECT_FALSE(AdamStepCpu(t, 22, p));
   t = a.Tensors(nullptr);
   p.step = 0;
@@ -332,16 +332,16 @@ struct Bf16MomentBuffers {
   explicit Bf16MomentBuffers(size_t n) : main(n), m(n, 0), v(n, 0), grad(n), param(n, 0) {
     for (size_t i = 0; i < n; ++i) main[i] = Uniform(21, i);
   }
-  AdamTensors Tensors(ScalarType grad_type) {
+  AdamTensors Tensors(DType grad_type) {
     AdamTensors t;
     t.main = main.data();
     t.exp_avg = m.data();
     t.exp_avg_sq = v.data();
-    t.moment_type = ScalarType::kBF16;
+    t.moment_type = MomentDType::kBF16;
     t.grad = grad.data();
     t.grad_type = grad_type;
     t.param = param.data();
-    t.param_type = ScalarType::kBF16;
+    t.param_type = DType::kBF16;
     return t;
   }
   std::vector<float> main;
@@ -350,12 +350,12 @@ struct Bf16MomentBuffers {
   std::vector<uint16_t> param;
 };
 
-class AdamBf16MomentTest : public ::testing::TestWithParam<std::tuple<ScalarType, AdamMode>> {};
+class AdamBf16MomentTest : public ::testing::TestWithParam<std::tuple<DType, AdamMode>> {};
 
 // Every step of 24: the stored bf16 moments against an fp64 update of the
 // state the kernel held before that step, within the rounding bound.
 TEST_P(AdamBf16MomentTest, EachStepWithinBf16RoundingOfFp64Update) {
-  const ScalarType grad_type = std::get<0>(GetParam());
+  const DType grad_type = std::get<0>(GetParam());
   constexpr size_t kN = 40000;
   constexpr int kSteps24 = 24;
   Bf16MomentBuffers b(kN);
@@ -419,7 +419,7 @@ TEST_P(AdamBf16MomentTest, EachStepWithinBf16RoundingOfFp64Update) {
 // relative difference per step. The run asserts these bounds (observed far
 // below them: RecordProperty).
 TEST_P(AdamBf16MomentTest, TracksFp64ReferenceOver24Steps) {
-  const ScalarType grad_type = std::get<0>(GetParam());
+  const DType grad_type = std::get<0>(GetParam());
   constexpr size_t kN = 40000;
   constexpr int kT = 24;
   Bf16MomentBuffers b(kN);
@@ -483,9 +483,9 @@ TEST(AdamBf16MomentCpuTest, SubRangesAndThreadsAreBitIdentical) {
   }
   AdamParams p;
   p.step = 5;
-  ASSERT_TRUE(AdamStepCpu(a.Tensors(ScalarType::kF32), kN, p, 1));
+  ASSERT_TRUE(AdamStepCpu(a.Tensors(DType::kF32), kN, p, 1));
   const size_t cut = 77777;
-  AdamTensors lo = b.Tensors(ScalarType::kF32), hi = lo;
+  AdamTensors lo = b.Tensors(DType::kF32), hi = lo;
   hi.main += cut;
   hi.exp_avg = b.m.data() + cut;
   hi.exp_avg_sq = b.v.data() + cut;
@@ -580,9 +580,9 @@ TEST(AdamQ8Test, EachStepWithinNearestCodeOfFp64Update) {
     t.exp_avg_sq = v.data();
     t.exp_avg_sq_absmax = av.data();
     t.grad = grad.data();
-    t.grad_type = ScalarType::kBF16;
+    t.grad_type = DType::kBF16;
     t.param = param.data();
-    t.param_type = ScalarType::kBF16;
+    t.param_type = DType::kBF16;
     ASSERT_TRUE(AdamStepCpuQ8(t, kN, p, 1));
     RefStep(ref, g64, p);
     for (size_t b = 0; b < kBlocks; ++b) {
@@ -660,7 +660,7 @@ TEST(AdamQ8Test, ThreadsAndBlockAlignedSubRangesAreBitIdentical) {
 
 INSTANTIATE_TEST_SUITE_P(
     GradTypes, AdamBf16MomentTest,
-    ::testing::Combine(::testing::Values(ScalarType::kF32, ScalarType::kBF16),
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
                        ::testing::Values(AdamMode::kAdam, AdamMode::kAdamW)),
     [](const auto& info) {
       return "grad_" + TypeName(std::get<0>(info.param)) +
@@ -718,7 +718,7 @@ TEST(AdamCudaLauncherTest, ChecksArgumentsBeforeAnyCudaCall) {
   t.grad = reinterpret_cast<const char*>(a.grad.data()) + 1;
   EXPECT_EQ(AdamStepCuda(t, 22, p, nullptr), 1);  // misaligned bf16
   t = a.Tensors(nullptr);
-  t.moment_type = ScalarType::kF16;
+  t.moment_type = MomentDType::kQ8;  // q8 moments take AdamQ8Tensors
   EXPECT_EQ(AdamStepCuda(t, 22, p, nullptr), 1);
   t = a.Tensors(nullptr);
   p.step = 0;

@@ -83,7 +83,7 @@ const Offsets kMixed{"main+1elem", 1, 0, 0, 0, 0};       // scalar path
 
 // Host copy of one problem; Run() steps it on the CPU and on the GPU.
 struct Problem {
-  Problem(size_t n, ScalarType gt, ScalarType pt, uint64_t seed)
+  Problem(size_t n, DType gt, std::optional<DType> pt, uint64_t seed)
       : n(n), grad_type(gt), param_type(pt), main(n), m(n), v(n),
         grad(n * TypeSize(gt) + 8), param(n * TypeSize(pt) + 8, 0xEE) {
     ParallelFor(n, [&](size_t b, size_t e) {
@@ -100,20 +100,21 @@ struct Problem {
     });
   }
   size_t n;
-  ScalarType grad_type, param_type;
+  DType grad_type;
+  std::optional<DType> param_type;
   std::vector<float> main, m, v;
   std::vector<uint8_t> grad, param;
 };
 
-AdamTensors Tensors(float* main, void* m, void* v, const void* grad, ScalarType gt, void* param,
-                    ScalarType pt, const float* found_inf) {
+AdamTensors Tensors(float* main, void* m, void* v, const void* grad, DType gt, void* param,
+                    std::optional<DType> pt, const float* found_inf) {
   AdamTensors t;
   t.main = main;
   t.exp_avg = m;
   t.exp_avg_sq = v;
   t.grad = grad;
   t.grad_type = gt;
-  t.param = pt == ScalarType::kNone ? nullptr : param;
+  t.param = !pt ? nullptr : param;
   t.param_type = pt;
   t.found_inf = found_inf;
   return t;
@@ -122,14 +123,14 @@ AdamTensors Tensors(float* main, void* m, void* v, const void* grad, ScalarType 
 // Two steps (grad scale 1, then 4 with grads stored x4) on both backends from
 // the same state, then an elementwise comparison. Returns the number of
 // elements that are not bit-identical (expected 0: see kernels/internal/adam_math.h).
-void CompareCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType pt,
+void CompareCudaWithCpu(cudaStream_t stream, size_t n, DType gt, std::optional<DType> pt,
                         AdamMode mode, Offsets off, size_t* not_identical,
                         const internal::LaunchConfig* config = nullptr) {
   SCOPED_TRACE("n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt) +
                " mode=" + (mode == AdamMode::kAdam ? "adam" : "adamw") + " offsets=" + off.name);
   if (std::string(off.name) == "all+4bytes") {
     off.grad = 4 / TypeSize(gt);
-    off.param = pt == ScalarType::kNone ? 0 : 4 / TypeSize(pt);
+    off.param = !pt ? 0 : 4 / TypeSize(pt);
   }
   const size_t gs = TypeSize(gt), ps = TypeSize(pt);
   Problem cpu(n, gt, pt, 11);
@@ -192,8 +193,8 @@ void CompareCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType
     bool ok = close(gpu.main[i], cpu.main[i], 0x1p-21) && close(gpu.m[i], cpu.m[i], 0x1p-21) &&
               close(gpu.v[i], cpu.v[i], 0x1p-21);
     if (ps != 0) {
-      const double rel = pt == ScalarType::kF32 ? 0x1p-21 : pt == ScalarType::kBF16 ? 0x1p-7 : 0x1p-10;
-      ok = ok && close(Decode(gpu.param.data(), pt, off.param + i), Decode(cpu.param.data(), pt, i),
+      const double rel = pt == DType::kF32 ? 0x1p-21 : pt == DType::kBF16 ? 0x1p-7 : 0x1p-10;
+      ok = ok && close(Decode(gpu.param.data(), *pt, off.param + i), Decode(cpu.param.data(), *pt, i),
                        rel);
     }
     if (!ok && ++bad <= 5) {
@@ -215,7 +216,7 @@ void CompareCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType
 
 class AdamGpuTypesTest
     : public AdamGpuTest,
-      public ::testing::WithParamInterface<std::tuple<ScalarType, ScalarType, AdamMode>> {};
+      public ::testing::WithParamInterface<std::tuple<DType, std::optional<DType>, AdamMode>> {};
 
 TEST_P(AdamGpuTypesTest, MatchesCpuElementwise) {
   const auto [gt, pt, mode] = GetParam();
@@ -231,9 +232,9 @@ TEST_P(AdamGpuTypesTest, MatchesCpuElementwise) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllTypes, AdamGpuTypesTest,
-    ::testing::Combine(::testing::Values(ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16),
-                       ::testing::Values(ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16,
-                                         ScalarType::kNone),
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                       ::testing::Values(DType::kF32, DType::kBF16, DType::kF16,
+                                         std::nullopt),
                        ::testing::Values(AdamMode::kAdam, AdamMode::kAdamW)),
     [](const auto& info) {
       return "grad_" + TypeName(std::get<0>(info.param)) + "_param_" +
@@ -245,7 +246,7 @@ INSTANTIATE_TEST_SUITE_P(
 // same decode, fp32 update and round-to-nearest-even. Every grad/param type,
 // Adam and AdamW, the vector path (aligned, head of 3) and the scalar path
 // (main or the moments at another element phase), 3 steps.
-void CompareBf16MomentsCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt, ScalarType pt, AdamMode mode,
+void CompareBf16MomentsCudaWithCpu(cudaStream_t stream, size_t n, DType gt, std::optional<DType> pt, AdamMode mode,
                                    size_t main_off, size_t moment_off, size_t other_off) {
   SCOPED_TRACE("bf16 moments n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt) +
                " mode=" + (mode == AdamMode::kAdam ? "adam" : "adamw") + " offsets main " +
@@ -280,10 +281,10 @@ void CompareBf16MomentsCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt,
     for (size_t i = 0; i < n; ++i) Encode(grad.data(), gt, i, GradValue(600 + step, i));
     ASSERT_CUDA(cudaMemcpy(dg, grad.data(), n * gs, cudaMemcpyHostToDevice));
     AdamTensors c = Tensors(main.data(), m.data(), v.data(), grad.data(), gt, param.data(), pt, nullptr);
-    c.moment_type = ScalarType::kBF16;
+    c.moment_type = MomentDType::kBF16;
     ASSERT_TRUE(AdamStepCpu(c, n, p, 4));
     AdamTensors g = Tensors(dm, dmo, dvo, dg, gt, dp, pt, nullptr);
-    g.moment_type = ScalarType::kBF16;
+    g.moment_type = MomentDType::kBF16;
     ASSERT_CUDA(static_cast<cudaError_t>(AdamStepCuda(g, n, p, stream)));
   }
   ASSERT_CUDA(cudaStreamSynchronize(stream));
@@ -297,7 +298,7 @@ void CompareBf16MomentsCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt,
   size_t bad = 0;
   for (size_t i = 0; i < n; ++i) {
     const bool same = std::memcmp(&g_main[i], &main[i], 4) == 0 && g_m[i] == m[i] && g_v[i] == v[i] &&
-                      (pt == ScalarType::kNone || std::memcmp(&g_param[i * ps], &param[i * ps], ps) == 0);
+                      (!pt || std::memcmp(&g_param[i * ps], &param[i * ps], ps) == 0);
     if (!same && ++bad <= 5) {
       ADD_FAILURE() << "element " << i << ": main " << g_main[i] << " vs cpu " << main[i] << ", exp_avg bits "
                     << g_m[i] << " vs " << m[i] << ", exp_avg_sq bits " << g_v[i] << " vs " << v[i];
@@ -307,8 +308,9 @@ void CompareBf16MomentsCudaWithCpu(cudaStream_t stream, size_t n, ScalarType gt,
 }
 
 TEST_F(AdamGpuTest, Bf16MomentsBitIdenticalToCpu) {
-  for (ScalarType gt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16}) {
-    for (ScalarType pt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16, ScalarType::kNone}) {
+  for (DType gt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (std::optional<DType> pt : {std::optional(DType::kF32), std::optional(DType::kBF16),
+                                    std::optional(DType::kF16), std::optional<DType>()}) {
       for (AdamMode mode : {AdamMode::kAdam, AdamMode::kAdamW}) {
         for (size_t n : {size_t{1}, size_t{22}, size_t{4095}, (size_t{1} << 20) + 3}) {
           CompareBf16MomentsCudaWithCpu(stream_, n, gt, pt, mode, 0, 0, 0);  // vector path
@@ -323,8 +325,9 @@ TEST_F(AdamGpuTest, Bf16MomentsBitIdenticalToCpu) {
 // q8 moments: CUDA and CPU bit-identical (codes, absmax, main, param copy),
 // every grad/param type, 3 steps, partial last block.
 TEST_F(AdamGpuTest, Q8MomentsBitIdenticalToCpu) {
-  for (ScalarType gt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16}) {
-    for (ScalarType pt : {ScalarType::kF32, ScalarType::kBF16, ScalarType::kF16, ScalarType::kNone}) {
+  for (DType gt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (std::optional<DType> pt : {std::optional(DType::kF32), std::optional(DType::kBF16),
+                                    std::optional(DType::kF16), std::optional<DType>()}) {
       for (size_t n : {size_t{1}, size_t{300}, (size_t{1} << 20) + 77}) {
         SCOPED_TRACE("q8 n=" + std::to_string(n) + " grad=" + TypeName(gt) + " param=" + TypeName(pt));
         const size_t blocks = (n + kQ8BlockElems - 1) / kQ8BlockElems;
@@ -353,12 +356,12 @@ TEST_F(AdamGpuTest, Q8MomentsBitIdenticalToCpu) {
           for (size_t i = 0; i < n; ++i) Encode(grad.data(), gt, i, GradValue(620 + step, i));
           ASSERT_CUDA(cudaMemcpy(d_grad.data(), grad.data(), n * gs, cudaMemcpyHostToDevice));
           AdamQ8Tensors c{main.data(), m.data(), am.data(), v.data(), av.data(), grad.data(), gt,
-                          pt == ScalarType::kNone ? nullptr : param.data(), pt, nullptr};
+                          !pt ? nullptr : param.data(), pt, nullptr};
           ASSERT_TRUE(AdamStepCpuQ8(c, n, p, 4));
           AdamQ8Tensors g{reinterpret_cast<float*>(d_main.data()), reinterpret_cast<uint8_t*>(d_m.data()),
                           reinterpret_cast<float*>(d_am.data()), reinterpret_cast<uint8_t*>(d_v.data()),
                           reinterpret_cast<float*>(d_av.data()), d_grad.data(), gt,
-                          pt == ScalarType::kNone ? nullptr : d_param.data(), pt, nullptr};
+                          !pt ? nullptr : d_param.data(), pt, nullptr};
           ASSERT_CUDA(static_cast<cudaError_t>(AdamStepCudaQ8(g, n, p, stream_)));
         }
         ASSERT_CUDA(cudaStreamSynchronize(stream_));
@@ -375,7 +378,7 @@ TEST_F(AdamGpuTest, Q8MomentsBitIdenticalToCpu) {
         EXPECT_EQ(g_v, v) << "exp_avg_sq codes";
         EXPECT_EQ(std::memcmp(g_am.data(), am.data(), blocks * 4), 0) << "exp_avg absmax";
         EXPECT_EQ(std::memcmp(g_av.data(), av.data(), blocks * 4), 0) << "exp_avg_sq absmax";
-        if (pt != ScalarType::kNone) {
+        if (pt.has_value()) {
           EXPECT_EQ(g_param, param) << "param copy";
         }
       }
@@ -385,7 +388,7 @@ TEST_F(AdamGpuTest, Q8MomentsBitIdenticalToCpu) {
 
 TEST_F(AdamGpuTest, Over2To28ElementsMatchesCpu) {
   size_t not_identical = 0;
-  CompareCudaWithCpu(stream_, (size_t{1} << 28) + 3, ScalarType::kBF16, ScalarType::kBF16,
+  CompareCudaWithCpu(stream_, (size_t{1} << 28) + 3, DType::kBF16, DType::kBF16,
                      AdamMode::kAdamW, kSamePhase, &not_identical);
   std::printf("elements not bit-identical to the CPU: %zu\n", not_identical);
 }
@@ -405,9 +408,9 @@ TEST_F(AdamGpuTest, EveryLaunchShapeMatchesCpu) {
         c.adaptive = false;
         SCOPED_TRACE("threads=" + std::to_string(threads) + " unroll=" + std::to_string(unroll) +
                      " blocks_per_sm=" + std::to_string(blocks_per_sm));
-        CompareCudaWithCpu(stream_, 3 * 1000 * 1000 + 7, ScalarType::kBF16, ScalarType::kBF16,
+        CompareCudaWithCpu(stream_, 3 * 1000 * 1000 + 7, DType::kBF16, DType::kBF16,
                            AdamMode::kAdamW, kSamePhase, &not_identical, &c);
-        CompareCudaWithCpu(stream_, 4095, ScalarType::kF32, ScalarType::kF16, AdamMode::kAdam,
+        CompareCudaWithCpu(stream_, 4095, DType::kF32, DType::kF16, AdamMode::kAdam,
                            kFourBytes, &not_identical, &c);
       }
     }
@@ -417,7 +420,7 @@ TEST_F(AdamGpuTest, EveryLaunchShapeMatchesCpu) {
 
 TEST_F(AdamGpuTest, DeviceFoundInfSkipsTheUpdate) {
   constexpr size_t kN = 4095;
-  Problem h(kN, ScalarType::kBF16, ScalarType::kBF16, 5);
+  Problem h(kN, DType::kBF16, DType::kBF16, 5);
   h.SetGrads(6, 1.0f);
   DeviceBuffer d_main(kN * 4), d_m(kN * 4), d_v(kN * 4), d_grad(kN * 2), d_param(kN * 2),
       d_flag(4);
@@ -431,8 +434,8 @@ TEST_F(AdamGpuTest, DeviceFoundInfSkipsTheUpdate) {
   ASSERT_CUDA(cudaMemcpy(d_flag.data(), &one, 4, cudaMemcpyHostToDevice));
   AdamParams p;
   p.step = 2;
-  const AdamTensors t = Tensors(main, d_m.data(), d_v.data(), d_grad.data(), ScalarType::kBF16,
-                                d_param.data(), ScalarType::kBF16,
+  const AdamTensors t = Tensors(main, d_m.data(), d_v.data(), d_grad.data(), DType::kBF16,
+                                d_param.data(), DType::kBF16,
                                 reinterpret_cast<const float*>(d_flag.data()));
   ASSERT_CUDA(static_cast<cudaError_t>(AdamStepCuda(t, kN, p, stream_)));
   ASSERT_CUDA(cudaStreamSynchronize(stream_));

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,19 +14,23 @@
 
 namespace optstate::kernels::testing {
 
-inline std::string TypeName(ScalarType t) {
-  switch (t) {
-    case ScalarType::kF32: return "f32";
-    case ScalarType::kBF16: return "bf16";
-    case ScalarType::kF16: return "f16";
-    case ScalarType::kQ8: return "q8";
-    case ScalarType::kNone: return "none";
+inline std::string TypeName(std::optional<DType> t) {
+  if (!t) return "none";
+  switch (*t) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kQ8S: return "q8s";
+    case DType::kQ8U: return "q8u";
   }
   return "?";
 }
+inline std::string TypeName(MomentDType t) {
+  return t == MomentDType::kF32 ? "f32" : t == MomentDType::kBF16 ? "bf16" : "q8";
+}
 
-inline size_t TypeSize(ScalarType t) {
-  return t == ScalarType::kF32 ? 4 : t == ScalarType::kNone ? 0 : t == ScalarType::kQ8 ? 1 : 2;
+inline size_t TypeSize(std::optional<DType> t) {
+  return !t ? 0 : *t == DType::kF32 ? 4 : (*t == DType::kQ8S || *t == DType::kQ8U) ? 1 : 2;
 }
 
 // Decoders written independently of kernels/internal (ldexp, no bit tricks).
@@ -45,18 +50,18 @@ inline double DecodeHalf(uint16_t h) {
 }
 
 // Element i of a buffer of type t, as a double.
-inline double Decode(const void* data, ScalarType t, size_t i) {
-  if (t == ScalarType::kF32) return static_cast<const float*>(data)[i];
+inline double Decode(const void* data, DType t, size_t i) {
+  if (t == DType::kF32) return static_cast<const float*>(data)[i];
   const uint16_t h = static_cast<const uint16_t*>(data)[i];
-  return t == ScalarType::kBF16 ? DecodeBf16(h) : DecodeHalf(h);
+  return t == DType::kBF16 ? DecodeBf16(h) : DecodeHalf(h);
 }
 
-inline void Encode(void* data, ScalarType t, size_t i, float f) {
-  if (t == ScalarType::kF32) {
+inline void Encode(void* data, DType t, size_t i, float f) {
+  if (t == DType::kF32) {
     static_cast<float*>(data)[i] = f;
-  } else if (t == ScalarType::kBF16) {
+  } else if (t == DType::kBF16) {
     static_cast<uint16_t*>(data)[i] = FloatToBf16(f);
-  } else if (t == ScalarType::kF16) {
+  } else if (t == DType::kF16) {
     static_cast<uint16_t*>(data)[i] = FloatToHalf(f);
   }
 }

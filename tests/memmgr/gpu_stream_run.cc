@@ -227,7 +227,7 @@ int main(int argc, char** argv) {
     CHECK_OK(sa->SetGroup(g0));
     CHECK_OK(sa->SetGroup(g1));
     for (const auto& s : shards) {
-      CHECK_OK(sa->RegisterParam(s.name, s.numel, s.group, d_param, kernels::ScalarType::kBF16));
+      CHECK_OK(sa->RegisterParam(s.name, s.numel, s.group, d_param, DType::kBF16));
     }
   }
   double reg_s = Now() - t0;
@@ -236,7 +236,7 @@ int main(int argc, char** argv) {
 
   std::vector<ParamGrad> grads;
   for (const auto& s : shards) {
-    grads.push_back(ParamGrad{s.name, d_grad, kernels::ScalarType::kBF16, d_param, kernels::ScalarType::kBF16});
+    grads.push_back(ParamGrad{s.name, d_grad, DType::kBF16, d_param, DType::kBF16});
   }
 
   std::vector<StepRow> rows;

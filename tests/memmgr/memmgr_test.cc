@@ -21,7 +21,6 @@
 namespace optstate::memmgr::testing {
 namespace {
 
-using kernels::ScalarType;
 using test_util::SyncPointFlag;
 
 // A step's I/O modes, set while a SyncPointFlag of the point lives (the step's
@@ -261,34 +260,34 @@ struct ParamDef {
   std::string name;
   uint64_t numel;
   uint32_t group;
-  ScalarType init_type;
-  ScalarType grad_type;
-  ScalarType param_type;
+  DType init_type;
+  DType grad_type;
+  std::optional<DType> param_type;
 };
 
-uint32_t Size(ScalarType t) { return t == ScalarType::kF32 ? 4 : (t == ScalarType::kNone ? 0 : 2); }
+uint32_t Size(std::optional<DType> t) { return !t ? 0 : *t == DType::kF32 ? 4 : 2; }
 
-void Encode(const std::vector<float>& src, ScalarType t, std::vector<uint8_t>* out) {
+void Encode(const std::vector<float>& src, DType t, std::vector<uint8_t>* out) {
   out->resize(src.size() * Size(t));
   for (size_t i = 0; i < src.size(); ++i) {
-    if (t == ScalarType::kF32) {
+    if (t == DType::kF32) {
       std::memcpy(out->data() + 4 * i, &src[i], 4);
     } else {
-      uint16_t h = t == ScalarType::kBF16 ? kernels::FloatToBf16(src[i]) : kernels::FloatToHalf(src[i]);
+      uint16_t h = t == DType::kBF16 ? kernels::FloatToBf16(src[i]) : kernels::FloatToHalf(src[i]);
       std::memcpy(out->data() + 2 * i, &h, 2);
     }
   }
 }
 
-float Decode(const std::vector<uint8_t>& b, ScalarType t, size_t i) {
-  if (t == ScalarType::kF32) {
+float Decode(const std::vector<uint8_t>& b, DType t, size_t i) {
+  if (t == DType::kF32) {
     float f;
     std::memcpy(&f, b.data() + 4 * i, 4);
     return f;
   }
   uint16_t h;
   std::memcpy(&h, b.data() + 2 * i, 2);
-  return t == ScalarType::kBF16 ? kernels::Bf16ToFloat(h) : kernels::HalfToFloat(h);
+  return t == DType::kBF16 ? kernels::Bf16ToFloat(h) : kernels::HalfToFloat(h);
 }
 
 std::vector<ParamGroup> TestGroups() {
@@ -325,7 +324,7 @@ class Reference {
       std::vector<float> z(d.numel, 0.0f);
       p.m->Upload(z.data());
       p.v->Upload(z.data());
-      if (d.param_type != ScalarType::kNone) p.param = std::make_unique<DeviceBuffer>(mm, d.numel * Size(d.param_type));
+      if (d.param_type.has_value()) p.param = std::make_unique<DeviceBuffer>(mm, d.numel * Size(d.param_type));
       params_.push_back(std::move(p));
     }
   }
@@ -404,8 +403,7 @@ struct StepGrads {
       Encode(g, d.grad_type, &enc);
       grad.push_back(std::make_unique<DeviceBuffer>(mm, enc.size()));
       grad.back()->Upload(enc.data());
-      param.push_back(d.param_type == ScalarType::kNone ? nullptr
-                                                        : std::make_unique<DeviceBuffer>(mm, d.numel * Size(d.param_type)));
+      param.push_back(!d.param_type ? nullptr : std::make_unique<DeviceBuffer>(mm, d.numel * Size(d.param_type)));
     }
   }
   std::vector<ParamGrad> List(const std::vector<ParamDef>& defs) const {
@@ -464,12 +462,12 @@ void ExpectStateEquals(MemoryManager* mm, const Reference& ref, const std::vecto
 std::vector<ParamDef> BigMix() {
   const uint64_t ce = kChunk / 4;  // elements per chunk
   return {
-      {"embed.weight", 9 * ce + 1234, 0, ScalarType::kBF16, ScalarType::kBF16, ScalarType::kBF16},
-      {"layers.0.attn.qkv", 7 * ce, 0, ScalarType::kF32, ScalarType::kF32, ScalarType::kF32},
-      {"layers.0.norm", 1000, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone},
-      {"layers.0.mlp.up", 20 * ce + 17, 1, ScalarType::kF16, ScalarType::kF16, ScalarType::kF16},
-      {"layers.0.mlp.down", 14 * ce - 5, 0, ScalarType::kBF16, ScalarType::kF32, ScalarType::kBF16},
-      {"head.bias", ce, 1, ScalarType::kF32, ScalarType::kBF16, ScalarType::kF32},
+      {"embed.weight", 9 * ce + 1234, 0, DType::kBF16, DType::kBF16, DType::kBF16},
+      {"layers.0.attn.qkv", 7 * ce, 0, DType::kF32, DType::kF32, DType::kF32},
+      {"layers.0.norm", 1000, 1, DType::kF32, DType::kF32, std::nullopt},
+      {"layers.0.mlp.up", 20 * ce + 17, 1, DType::kF16, DType::kF16, DType::kF16},
+      {"layers.0.mlp.down", 14 * ce - 5, 0, DType::kBF16, DType::kF32, DType::kBF16},
+      {"head.bias", ce, 1, DType::kF32, DType::kBF16, DType::kF32},
   };
 }
 
@@ -496,7 +494,7 @@ void TenStepsUnderTinyBudget(bool huge_page_staging, uint32_t hash_threads = 0) 
     auto sg = StepWithReference(sa.get(), env.mm.get(), defs, &ref, step, so.grad_scale);
     EXPECT_FALSE(sa->last_step_skipped());
     for (size_t i = 0; i < defs.size(); ++i) {
-      if (defs[i].param_type == ScalarType::kNone) continue;
+      if (!defs[i].param_type) continue;
       std::vector<uint8_t> got(defs[i].numel * Size(defs[i].param_type));
       sg->param[i]->Download(got.data());
       EXPECT_EQ(got, ref.ParamCopy(i)) << "param copy of " << defs[i].name << " at step " << step;
@@ -572,10 +570,10 @@ TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
   const uint64_t ce = kChunk / 4;
   std::vector<ParamDef> defs;
   for (int l = 0; l < 16; ++l) {
-    defs.push_back({"l" + std::to_string(100 + l) + ".norm", 1024, 0, ScalarType::kF32, ScalarType::kF32,
-                    ScalarType::kNone});
-    defs.push_back({"l" + std::to_string(100 + l) + ".w", ce, 0, ScalarType::kF32, ScalarType::kF32,
-                    ScalarType::kF32});
+    defs.push_back({"l" + std::to_string(100 + l) + ".norm", 1024, 0, DType::kF32, DType::kF32,
+                    std::nullopt});
+    defs.push_back({"l" + std::to_string(100 + l) + ".w", ce, 0, DType::kF32, DType::kF32,
+                    DType::kF32});
   }
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   RegisterAll(sa.get(), env.mm.get(), defs);
@@ -607,9 +605,9 @@ TEST(StreamedAdam, ReadDepthHoldsBytesWhenSmallTensorsInterleave) {
 std::vector<ParamDef> SmallMix() {
   const uint64_t ce = kChunk / 4;
   return {
-      {"w1", 3 * ce + 99, 0, ScalarType::kF32, ScalarType::kBF16, ScalarType::kBF16},
-      {"w2", 2 * ce, 1, ScalarType::kBF16, ScalarType::kF32, ScalarType::kF32},
-      {"b", 777, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone},
+      {"w1", 3 * ce + 99, 0, DType::kF32, DType::kBF16, DType::kBF16},
+      {"w2", 2 * ce, 1, DType::kBF16, DType::kF32, DType::kF32},
+      {"b", 777, 1, DType::kF32, DType::kF32, std::nullopt},
   };
 }
 
@@ -651,7 +649,7 @@ TEST(StreamedAdam, ReopenAfterStepKAndContinueEqualsUninterruptedRun) {
   EXPECT_FALSE(g1.adamw);
   // Registering again with the same geometry keeps the stored state; with another numel is an error.
   for (const auto& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, d.group, nullptr, d.init_type));
-  auto bad = sa->RegisterParam("w1", defs[0].numel + 1, 0, nullptr, ScalarType::kF32);
+  auto bad = sa->RegisterParam("w1", defs[0].numel + 1, 0, nullptr, DType::kF32);
   EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.message().find("w1"), std::string::npos);
   for (uint64_t step = 4; step <= 6; ++step) {
@@ -1092,7 +1090,7 @@ TEST(StreamedAdam, PipelinedCommitsEqualCommitInsideStepBitForBit) {
     for (size_t i = 0; i < defs.size(); ++i) ref.Step(i, g0.grad[i]->get(), step, groups[defs[i].group], 1.0f);
     // The params are final when Step returns, whatever the commit does.
     for (size_t i = 0; i < defs.size(); ++i) {
-      if (defs[i].param_type == ScalarType::kNone) continue;
+      if (!defs[i].param_type) continue;
       std::vector<uint8_t> p0(defs[i].numel * Size(defs[i].param_type)), p1(p0.size());
       g0.param[i]->Download(p0.data());
       g1.param[i]->Download(p1.data());
@@ -1282,7 +1280,7 @@ TEST(StreamedAdam, ResumeWithChangedModelIsRefusedBeforeAnyKernel) {
     std::vector<ParamGrad> list;
     for (int k = 0; k < 2; ++k) {
       const std::string name = "param." + std::to_string(k);
-      ASSERT_OK(sa->RegisterParam(name, big[k], 0, nullptr, ScalarType::kF32));
+      ASSERT_OK(sa->RegisterParam(name, big[k], 0, nullptr, DType::kF32));
       std::vector<float> g(big[k]);
       for (uint64_t i = 0; i < big[k]; ++i) g[i] = RandF(k, i);
       grads.push_back(std::make_unique<DeviceBuffer>(env.mm.get(), big[k] * 4));
@@ -1300,7 +1298,7 @@ TEST(StreamedAdam, ResumeWithChangedModelIsRefusedBeforeAnyKernel) {
   const auto before = CommittedBytes(env.store.get());
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   const uint64_t small[2] = {500, 499};
-  Status reg = sa->RegisterParam("param.0", small[0], 0, nullptr, ScalarType::kF32);
+  Status reg = sa->RegisterParam("param.0", small[0], 0, nullptr, DType::kF32);
   EXPECT_EQ(reg.code(), StatusCode::kInvalidArgument) << reg.ToString();
   for (const std::string& part : {env.store->path(), std::string("param.0"), std::string("1500009"),
                                   std::string("500")}) {
@@ -1321,7 +1319,7 @@ TEST(StreamedAdam, ResumeWithChangedModelIsRefusedBeforeAnyKernel) {
     pg.name = "param." + std::to_string(k);
     pg.d_grad = grads.back()->get();
     pg.d_param = params.back()->get();
-    pg.param_type = ScalarType::kF32;
+    pg.param_type = DType::kF32;
     pg.numel = small[k];
     list.push_back(pg);
   }
@@ -1360,7 +1358,7 @@ TEST(StreamedAdam, ReregisterWithOtherGeometryIsRefused) {
     std::vector<uint16_t> w(numel, kernels::FloatToBf16(0.25f));
     DeviceBuffer dw(env.mm.get(), numel * 2);
     dw.Upload(w.data());
-    ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, dw.get(), ScalarType::kBF16, shard));
+    ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, dw.get(), DType::kBF16, shard));
     std::vector<float> g(numel, 0.125f);
     DeviceBuffer dg(env.mm.get(), numel * 4);
     dg.Upload(g.data());
@@ -1378,7 +1376,7 @@ TEST(StreamedAdam, ReregisterWithOtherGeometryIsRefused) {
     const char* what;
     uint64_t numel;
     uint32_t group;
-    ScalarType type;
+    DType type;
     ShardInfo shard;
     std::vector<std::string> parts;  // besides the store path and the tensor
   };
@@ -1387,13 +1385,13 @@ TEST(StreamedAdam, ReregisterWithOtherGeometryIsRefused) {
   other_global.global_shape = {18, 1000};
   other_offset.shard_offset = {0, 0};
   const std::vector<Case> cases = {
-      {"numel", numel + 1, 1, ScalarType::kBF16, shard, {"numel 6000", "numel 6001"}},
-      {"group", numel, 0, ScalarType::kBF16, shard, {"group 1", "group 0"}},
-      {"dtype", numel, 1, ScalarType::kF16, shard, {"dtype bf16", "dtype f16"}},
-      {"shape", numel, 1, ScalarType::kBF16, other_shape, {"shape [6, 1000]", "shape [1000, 6]"}},
-      {"global shape", numel, 1, ScalarType::kBF16, other_global, {"global shape [12, 1000]", "[18, 1000]"}},
-      {"shard offset", numel, 1, ScalarType::kBF16, other_offset, {"shard offset [6, 0]", "[0, 0]"}},
-      {"no shard info", numel, 1, ScalarType::kBF16, ShardInfo{}, {"shape [6, 1000]", "shape [6000]"}},
+      {"numel", numel + 1, 1, DType::kBF16, shard, {"numel 6000", "numel 6001"}},
+      {"group", numel, 0, DType::kBF16, shard, {"group 1", "group 0"}},
+      {"dtype", numel, 1, DType::kF16, shard, {"dtype bf16", "dtype f16"}},
+      {"shape", numel, 1, DType::kBF16, other_shape, {"shape [6, 1000]", "shape [1000, 6]"}},
+      {"global shape", numel, 1, DType::kBF16, other_global, {"global shape [12, 1000]", "[18, 1000]"}},
+      {"shard offset", numel, 1, DType::kBF16, other_offset, {"shard offset [6, 0]", "[0, 0]"}},
+      {"no shard info", numel, 1, DType::kBF16, ShardInfo{}, {"shape [6, 1000]", "shape [6000]"}},
   };
   for (const Case& c : cases) {
     Status st = sa->RegisterParam("layer.w", c.numel, c.group, nullptr, c.type, c.shard);
@@ -1406,8 +1404,8 @@ TEST(StreamedAdam, ReregisterWithOtherGeometryIsRefused) {
     }
   }
   // The matching registration (dtype not given: not compared) keeps the state.
-  ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, ScalarType::kNone, shard));
-  ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, ScalarType::kBF16, shard));
+  ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, std::nullopt, shard));
+  ASSERT_OK(sa->RegisterParam("layer.w", numel, 1, nullptr, DType::kBF16, shard));
   EXPECT_EQ(sa->step_count(1), 1u);
   EXPECT_EQ(DiffKeys(CommittedBytes(env.store.get()), before), "");
 }
@@ -1432,11 +1430,11 @@ TEST(StreamedAdam, StepWithWrongGradsCommitsNothing) {
   const std::vector<std::pair<std::string, Edit>> bad = {
       {"wrong numel", [](std::vector<ParamGrad>* l) { l->back().numel = 776; }},
       {"null gradient", [](std::vector<ParamGrad>* l) { l->back().d_grad = nullptr; }},
-      {"gradient dtype", [](std::vector<ParamGrad>* l) { l->back().grad_type = ScalarType::kNone; }},
+      {"gradient dtype", [](std::vector<ParamGrad>* l) { l->back().grad_type = DType::kQ8S; }},
       {"param dtype",
        [&](std::vector<ParamGrad>* l) {
          l->back().d_param = other.get();
-         l->back().param_type = ScalarType::kNone;
+         l->back().param_type = std::nullopt;
        }},
       {"unknown name", [](std::vector<ParamGrad>* l) { l->back().name = "w3"; }},
       {"given twice", [](std::vector<ParamGrad>* l) { l->push_back(l->front()); }},
@@ -1587,7 +1585,7 @@ TEST(StreamedAdam, StoredParamMissingFromModelIsAnErrorUntilRetired) {
   EXPECT_EQ(sa->RetireParam("w1").code(), StatusCode::kFailedPrecondition);  // registered in this run
   ASSERT_OK(sa->RetireParam("w2"));
   EXPECT_FALSE(sa->HasParam("w2"));
-  EXPECT_EQ(sa->RegisterParam("w2", defs[1].numel, 1, nullptr, ScalarType::kBF16).code(),
+  EXPECT_EQ(sa->RegisterParam("w2", defs[1].numel, 1, nullptr, DType::kBF16).code(),
             StatusCode::kFailedPrecondition);
   ASSERT_OK(sa->Step(sg.List(kept)));
   ASSERT_OK(sa->WaitForCommit());
@@ -1620,9 +1618,9 @@ TEST(StreamedAdam, ClearErrors) {
   std::vector<float> w(100, 1.0f);
   DeviceBuffer dw(env.mm.get(), 400);
   dw.Upload(w.data());
-  ASSERT_OK(sa->RegisterParam("p", 100, 0, dw.get(), ScalarType::kF32));
-  EXPECT_EQ(sa->RegisterParam("p", 101, 0, dw.get(), ScalarType::kF32).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(sa->RegisterParam("q", 100, 0, dw.get(), ScalarType::kNone).code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(sa->RegisterParam("p", 100, 0, dw.get(), DType::kF32));
+  EXPECT_EQ(sa->RegisterParam("p", 101, 0, dw.get(), DType::kF32).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(sa->RegisterParam("q", 100, 0, dw.get(), std::nullopt).code(), StatusCode::kInvalidArgument);
   ParamGrad g;
   g.name = "unknown";
   g.d_grad = dw.get();
@@ -1630,11 +1628,11 @@ TEST(StreamedAdam, ClearErrors) {
   EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
   EXPECT_NE(st.message().find("unknown"), std::string::npos);
   g.name = "p";
-  g.grad_type = ScalarType::kNone;
+  g.grad_type = DType::kQ8S;
   st = sa->Step(std::span<const ParamGrad>(&g, 1));
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
   EXPECT_EQ(sa->step_count(0), 0u);
-  g.grad_type = ScalarType::kF32;
+  g.grad_type = DType::kF32;
   ASSERT_OK(sa->Step(std::span<const ParamGrad>(&g, 1)));
   EXPECT_EQ(sa->step_count(0), 1u);
   ParamGroup bad;
@@ -1652,10 +1650,10 @@ std::vector<ParamDef> ManySmallMix() {
   std::vector<ParamDef> defs;
   for (int l = 0; l < 32; ++l) {
     const std::string p = "l" + std::to_string(100 + l);
-    defs.push_back({p + ".norm", 1024, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone});
-    defs.push_back({p + ".bias", 2048, 0, ScalarType::kF32, ScalarType::kBF16, ScalarType::kBF16});
+    defs.push_back({p + ".norm", 1024, 1, DType::kF32, DType::kF32, std::nullopt});
+    defs.push_back({p + ".bias", 2048, 0, DType::kF32, DType::kBF16, DType::kBF16});
     if (l % 8 == 0) {
-      defs.push_back({p + ".w", 2 * ce + 4096, 0, ScalarType::kBF16, ScalarType::kF32, ScalarType::kBF16});
+      defs.push_back({p + ".w", 2 * ce + 4096, 0, DType::kBF16, DType::kF32, DType::kBF16});
     }
   }
   return defs;
@@ -1800,10 +1798,10 @@ TEST(HostCacheTier, AbortedStepServesNoStaleBytes) {
 std::vector<ParamDef> TailMix() {
   const uint64_t ce = kChunk / 4;
   return {
-      {"w.0", 6 * ce + 1000, 0, ScalarType::kBF16, ScalarType::kBF16, ScalarType::kBF16},
-      {"norm", 3000, 1, ScalarType::kF32, ScalarType::kF32, ScalarType::kNone},
-      {"w.1", 5 * ce, 1, ScalarType::kF32, ScalarType::kBF16, ScalarType::kF32},
-      {"bias", ce / 2, 0, ScalarType::kF32, ScalarType::kF32, ScalarType::kBF16},
+      {"w.0", 6 * ce + 1000, 0, DType::kBF16, DType::kBF16, DType::kBF16},
+      {"norm", 3000, 1, DType::kF32, DType::kF32, std::nullopt},
+      {"w.1", 5 * ce, 1, DType::kF32, DType::kBF16, DType::kF32},
+      {"bias", ce / 2, 0, DType::kF32, DType::kF32, DType::kBF16},
   };
 }
 
@@ -1956,7 +1954,7 @@ TEST(HostCacheTier, PrefetchedStateServesTheStepAndChangesNoResult) {
       EXPECT_EQ(sa_without->last_step_stats().prefetch_hit_bytes, 0u);
       EXPECT_EQ(with.mm->stats().nvme_read_bytes - before.nvme_read_bytes, st.read_bytes);
       for (size_t i = 0; i < defs.size(); ++i) {
-        if (defs[i].param_type == ScalarType::kNone) continue;
+        if (!defs[i].param_type) continue;
         std::vector<uint8_t> pw(defs[i].numel * Size(defs[i].param_type)), po(pw.size());
         gw.param[i]->Download(pw.data());
         go.param[i]->Download(po.data());
@@ -2116,7 +2114,7 @@ TEST(StreamedAdam, StagedPrefetchServesOnlyTheNextStepAndLeaksNothing) {
   ASSERT_OK(sa->Prefetch());
   ASSERT_OK(with.mm->Flush());
   EXPECT_EQ(staged_now(), 9u);
-  ASSERT_OK(sa->RegisterParam("late", 1000, 0, nullptr, ScalarType::kF32));
+  ASSERT_OK(sa->RegisterParam("late", 1000, 0, nullptr, DType::kF32));
   EXPECT_EQ(staged_now(), 0u);
   ASSERT_OK(sa->Prefetch());
   ASSERT_OK(with.mm->Flush());

@@ -23,7 +23,6 @@ namespace optstate::memmgr {
 namespace {
 
 using namespace testing;  // NOLINT
-using kernels::ScalarType;
 
 struct Def {
   std::string name;
@@ -80,18 +79,18 @@ void StepBoth(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs,
       grads.push_back(std::make_unique<DeviceBuffer>(mm, n * 2));
       grads.back()->Upload(gh.data());
       params.push_back(std::make_unique<DeviceBuffer>(mm, n * 2));
-      list.push_back(ParamGrad{.name = defs[k].name, .d_grad = grads.back()->get(), .grad_type = ScalarType::kBF16,
-                               .d_param = params.back()->get(), .param_type = ScalarType::kBF16, .numel = n});
+      list.push_back(ParamGrad{.name = defs[k].name, .d_grad = grads.back()->get(), .grad_type = DType::kBF16,
+                               .d_param = params.back()->get(), .param_type = DType::kBF16, .numel = n});
       HostParam& h = (*ref)[k];
       kernels::AdamTensors t;
       t.main = h.main.data();
       t.exp_avg = h.m.data();
       t.exp_avg_sq = h.v.data();
-      t.moment_type = ScalarType::kBF16;
+      t.moment_type = MomentDType::kBF16;
       t.grad = gh.data();
-      t.grad_type = ScalarType::kBF16;
+      t.grad_type = DType::kBF16;
       t.param = h.param.data();
-      t.param_type = ScalarType::kBF16;
+      t.param_type = DType::kBF16;
       kernels::AdamParams ap;
       ap.lr = g.lr;
       ap.weight_decay = g.weight_decay;
@@ -132,7 +131,7 @@ std::vector<HostParam> RegisterAll(StreamedAdam* sa, MemoryManager* mm, const st
     for (uint64_t i = 0; i < n; ++i) h.main[i] = RandF(1000 + k, i);
     DeviceBuffer init(mm, n * 4);
     init.Upload(h.main.data());
-    Status s = sa->RegisterParam(defs[k].name, n, 0, init.get(), ScalarType::kF32);
+    Status s = sa->RegisterParam(defs[k].name, n, 0, init.get(), DType::kF32);
     EXPECT_TRUE(s.ok()) << s.ToString();
   }
   return ref;
@@ -144,7 +143,7 @@ TEST(StreamedAdamBf16Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitF
   const uint64_t budget = 4 * kChunk;  // one bf16 slice: two main chunks + one chunk of each moment
   env.Open(true, budget);
   StreamedAdamOptions so;
-  so.moment_dtype = ScalarType::kBF16;
+  so.moment_dtype = MomentDType::kBF16;
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
   const std::vector<Def> defs = Defs();
   std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
@@ -171,7 +170,7 @@ TEST(StreamedAdamBf16Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitF
   env.Close();
   env.Open(false, budget);
   sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
-  for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+  for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, std::nullopt));
   StepBoth(sa.get(), env.mm.get(), defs, &ref, 7, 2);
   ASSERT_OK(sa->WaitForCommit());
   ExpectStoreEquals(env.mm.get(), defs, ref);
@@ -186,7 +185,7 @@ TEST(StreamedAdamBf16Moments, HostCacheTierStepsEqualWholeTensorKernelBitForBit)
     StoreEnv env;
     env.Open(true, 8 * kChunk, cache_mib << 20);
     StreamedAdamOptions so;
-    so.moment_dtype = ScalarType::kBF16;
+    so.moment_dtype = MomentDType::kBF16;
     so.durable_every_steps = 2;
     auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
     const std::vector<Def> defs = Defs();
@@ -205,7 +204,7 @@ TEST(StreamedAdamBf16Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   StoreEnv env;
   env.Open(true, 4 * kChunk);
   StreamedAdamOptions so;
-  so.moment_dtype = ScalarType::kBF16;
+  so.moment_dtype = MomentDType::kBF16;
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
   const std::vector<Def> defs = Defs();
   std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
@@ -240,7 +239,7 @@ TEST(StreamedAdamBf16Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   ASSERT_TRUE(dst.store->Verify().ok());
   auto sa2 = MUST(StreamedAdam::Create(dst.store.get(), dst.mm.get(), so));
   ExpectStoreEquals(dst.mm.get(), defs, ref);
-  for (const Def& d : defs) ASSERT_OK(sa2->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+  for (const Def& d : defs) ASSERT_OK(sa2->RegisterParam(d.name, d.numel, 0, nullptr, std::nullopt));
   StepBoth(sa2.get(), dst.mm.get(), defs, &ref, 4, 2);
   ASSERT_OK(sa2->WaitForCommit());
   ExpectStoreEquals(dst.mm.get(), defs, ref);
@@ -262,7 +261,7 @@ TEST(StreamedAdamBf16Moments, PrefetchAndTheWriteTailKeepEveryBit) {
     StoreEnv env;
     env.Open(true, 8 * kChunk, cache_mib << 20);
     StreamedAdamOptions so;
-    so.moment_dtype = ScalarType::kBF16;
+    so.moment_dtype = MomentDType::kBF16;
     auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
     std::vector<HostParam> ref = RegisterAll(sa.get(), env.mm.get(), defs);
     StepBoth(sa.get(), env.mm.get(), defs, &ref, 1, 1);
@@ -272,7 +271,7 @@ TEST(StreamedAdamBf16Moments, PrefetchAndTheWriteTailKeepEveryBit) {
 
     env.Open(false, 8 * kChunk, cache_mib << 20);  // a cold tier
     sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
-    for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+    for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, std::nullopt));
     ASSERT_OK(sa->Prefetch());
     ASSERT_OK(env.mm->Flush());  // waits for the prefetch to end
     StepBoth(sa.get(), env.mm.get(), defs, &ref, 2, 1);
@@ -296,9 +295,9 @@ TEST(StreamedAdamBf16Moments, PrefetchAndTheWriteTailKeepEveryBit) {
 
 TEST(StreamedAdamBf16Moments, OtherMomentDtypeThanTheStoreIsRefusedAndChangesNothing) {
   MEMMGR_REQUIRE_BACKEND();
-  for (ScalarType held : {ScalarType::kBF16, ScalarType::kF32}) {
-    const ScalarType other = held == ScalarType::kBF16 ? ScalarType::kF32 : ScalarType::kBF16;
-    SCOPED_TRACE(held == ScalarType::kBF16 ? "store holds bf16" : "store holds f32");
+  for (MomentDType held : {MomentDType::kBF16, MomentDType::kF32}) {
+    const MomentDType other = held == MomentDType::kBF16 ? MomentDType::kF32 : MomentDType::kBF16;
+    SCOPED_TRACE(held == MomentDType::kBF16 ? "store holds bf16" : "store holds f32");
     StoreEnv env;
     env.Open(true, 8 * kChunk);
     StreamedAdamOptions so;
@@ -319,8 +318,8 @@ TEST(StreamedAdamBf16Moments, OtherMomentDtypeThanTheStoreIsRefusedAndChangesNot
     const std::string msg = r.status().ToString();
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << msg;
     for (const std::string& want : {env.path(), std::string("'w'"), std::string("exp_avg"),
-                                    std::string(held == ScalarType::kBF16 ? "bf16" : "f32"),
-                                    std::string(other == ScalarType::kBF16 ? "bf16" : "f32")}) {
+                                    std::string(held == MomentDType::kBF16 ? "bf16" : "f32"),
+                                    std::string(other == MomentDType::kBF16 ? "bf16" : "f32")}) {
       EXPECT_NE(msg.find(want), std::string::npos) << "message lacks '" << want << "': " << msg;
     }
     EXPECT_EQ(env.store->LatestGeneration().generation, gen);
@@ -336,11 +335,11 @@ TEST(StreamedAdamBf16Moments, BudgetBelowOneSliceAndUnsupportedDtypeAreRefused) 
   StoreEnv env;
   env.Open(true, 3 * kChunk);
   StreamedAdamOptions so;
-  so.moment_dtype = ScalarType::kBF16;
+  so.moment_dtype = MomentDType::kBF16;
   auto r = StreamedAdam::Create(env.store.get(), env.mm.get(), so);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
-  so.moment_dtype = ScalarType::kF16;
+  so.moment_dtype = static_cast<MomentDType>(7);  // outside the table, as a bad integer from a C caller
   r = StreamedAdam::Create(env.store.get(), env.mm.get(), so);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();

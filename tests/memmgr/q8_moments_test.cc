@@ -27,7 +27,6 @@ namespace optstate::memmgr {
 namespace {
 
 using namespace testing;  // NOLINT
-using kernels::ScalarType;
 
 struct Def {
   std::string name;
@@ -101,8 +100,8 @@ void StepBoth(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs,
       grads.push_back(std::make_unique<DeviceBuffer>(mm, n * 2));
       grads.back()->Upload(gh.data());
       params.push_back(std::make_unique<DeviceBuffer>(mm, n * 2));
-      list.push_back(ParamGrad{.name = defs[k].name, .d_grad = grads.back()->get(), .grad_type = ScalarType::kBF16,
-                               .d_param = params.back()->get(), .param_type = ScalarType::kBF16, .numel = n});
+      list.push_back(ParamGrad{.name = defs[k].name, .d_grad = grads.back()->get(), .grad_type = DType::kBF16,
+                               .d_param = params.back()->get(), .param_type = DType::kBF16, .numel = n});
       HostParam& h = (*ref)[k];
       kernels::AdamQ8Tensors t;
       t.main = h.main.data();
@@ -111,9 +110,9 @@ void StepBoth(StreamedAdam* sa, MemoryManager* mm, const std::vector<Def>& defs,
       t.exp_avg_absmax = h.ma.data();
       t.exp_avg_sq_absmax = h.va.data();
       t.grad = gh.data();
-      t.grad_type = ScalarType::kBF16;
+      t.grad_type = DType::kBF16;
       t.param = h.param.data();
-      t.param_type = ScalarType::kBF16;
+      t.param_type = DType::kBF16;
       kernels::AdamParams ap;
       ap.lr = g.lr;
       ap.weight_decay = g.weight_decay;
@@ -145,7 +144,7 @@ std::vector<HostParam> RegisterAll(StreamedAdam* sa, MemoryManager* mm, const st
     for (uint64_t i = 0; i < n; ++i) h.main[i] = RandF(1000 + k, i);
     DeviceBuffer init(mm, n * 4);
     init.Upload(h.main.data());
-    Status s = sa->RegisterParam(defs[k].name, n, 0, init.get(), ScalarType::kF32);
+    Status s = sa->RegisterParam(defs[k].name, n, 0, init.get(), DType::kF32);
     EXPECT_TRUE(s.ok()) << s.ToString();
   }
   return ref;
@@ -161,7 +160,7 @@ uint64_t StepBytes(const std::vector<Def>& defs) {
 
 StreamedAdamOptions Q8Options() {
   StreamedAdamOptions so;
-  so.moment_dtype = ScalarType::kQ8;
+  so.moment_dtype = MomentDType::kQ8;
   return so;
 }
 
@@ -192,7 +191,7 @@ TEST(StreamedAdamQ8Moments, StepsUnderOneSliceBudgetEqualWholeTensorKernelBitFor
   env.Close();
   env.Open(false, budget);
   sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
-  for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+  for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, std::nullopt));
   StepBoth(sa.get(), env.mm.get(), defs, &ref, 7, 2);
   ASSERT_OK(sa->WaitForCommit());
   ExpectStoreEquals(env.store.get(), defs, ref);
@@ -236,7 +235,7 @@ TEST(StreamedAdamQ8Moments, PrefetchAndTheWriteTailKeepEveryBit) {
 
     env.Open(false, 16 * kChunk, cache_mib << 20);  // a cold tier
     sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), Q8Options()));
-    for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+    for (const Def& d : defs) ASSERT_OK(sa->RegisterParam(d.name, d.numel, 0, nullptr, std::nullopt));
     ASSERT_OK(sa->Prefetch());
     ASSERT_OK(env.mm->Flush());  // waits for the prefetch to end
     StepBoth(sa.get(), env.mm.get(), defs, &ref, 2, 1);
@@ -310,7 +309,7 @@ TEST(StreamedAdamQ8Moments, CheckpointRoundTripKeepsEveryBitAndResumes) {
   ASSERT_TRUE(dst.store->Verify().ok());
   ExpectStoreEquals(dst.store.get(), defs, ref);
   auto sa2 = MUST(StreamedAdam::Create(dst.store.get(), dst.mm.get(), Q8Options()));
-  for (const Def& d : defs) ASSERT_OK(sa2->RegisterParam(d.name, d.numel, 0, nullptr, ScalarType::kNone));
+  for (const Def& d : defs) ASSERT_OK(sa2->RegisterParam(d.name, d.numel, 0, nullptr, std::nullopt));
   StepBoth(sa2.get(), dst.mm.get(), defs, &ref, 4, 2);
   ASSERT_OK(sa2->WaitForCommit());
   ExpectStoreEquals(dst.store.get(), defs, ref);
@@ -336,7 +335,7 @@ TEST(StreamedAdamQ8Moments, OtherMomentDtypeAndBudgetBelowOneSliceAreRefused) {
   env.Close();
   env.Open(false, 8 * kChunk);
   const uint64_t gen = env.store->LatestGeneration().generation;
-  for (ScalarType other : {ScalarType::kF32, ScalarType::kBF16}) {
+  for (MomentDType other : {MomentDType::kF32, MomentDType::kBF16}) {
     StreamedAdamOptions so;
     so.moment_dtype = other;
     auto r = StreamedAdam::Create(env.store.get(), env.mm.get(), so);
@@ -390,12 +389,12 @@ TEST(StreamedAdamQ8Moments, PinsOfScaleFieldsAreRefusedAndCodesPinAsStored) {
 TEST(StreamedAdamQ8Moments, AutomaticStagingFillsBothQueuesForEveryMomentDtype) {
   MEMMGR_REQUIRE_BACKEND();
   struct Case {
-    ScalarType dtype;
+    MomentDType dtype;
     uint32_t slice_bytes_in_chunks;
     const char* name;
   };
-  for (const Case& c : {Case{ScalarType::kF32, 3, "f32"}, Case{ScalarType::kBF16, 4, "bf16"},
-                        Case{ScalarType::kQ8, 6, "q8"}}) {
+  for (const Case& c : {Case{MomentDType::kF32, 3, "f32"}, Case{MomentDType::kBF16, 4, "bf16"},
+                        Case{MomentDType::kQ8, 6, "q8"}}) {
     SCOPED_TRACE(std::string("moments ") + c.name);
     StoreEnv env;
     env.Open(true, 16 * kChunk);
@@ -411,9 +410,9 @@ TEST(StreamedAdamQ8Moments, AutomaticStagingFillsBothQueuesForEveryMomentDtype) 
     DeviceBuffer init(env.mm.get(), n * 4), grad(env.mm.get(), n * 4);
     init.Upload(w.data());
     grad.Upload(gh.data());
-    ASSERT_OK(sa->RegisterParam("w", n, 0, init.get(), ScalarType::kF32));
+    ASSERT_OK(sa->RegisterParam("w", n, 0, init.get(), DType::kF32));
     const std::vector<ParamGrad> list = {
-        ParamGrad{.name = "w", .d_grad = grad.get(), .grad_type = ScalarType::kF32, .numel = n}};
+        ParamGrad{.name = "w", .d_grad = grad.get(), .grad_type = DType::kF32, .numel = n}};
     ASSERT_OK(sa->Step(list));
     ASSERT_OK(sa->WaitForCommit());
     const StreamedAdam::StepStats& st = sa->last_step_stats();

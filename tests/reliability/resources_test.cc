@@ -146,7 +146,7 @@ TEST(ResourcesTest, FullDiskMidStepThenFreedSpace) {
     for (uint32_t k = 0; k < ps.size(); ++k) {
       std::vector<float> w0(ps[k].numel);
       for (uint64_t i = 0; i < ps[k].numel; ++i) w0[i] = InitialWeight(k, i);
-      ASSERT_OK((*sa)->RegisterParam(ps[k].name, ps[k].numel, 0, w0.data(), kernels::ScalarType::kF32));
+      ASSERT_OK((*sa)->RegisterParam(ps[k].name, ps[k].numel, 0, w0.data(), DType::kF32));
       grads[k].resize(ps[k].numel);
     }
     auto step = [&](uint64_t t) {

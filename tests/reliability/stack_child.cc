@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
   for (uint32_t k = 0; k < ps.size(); ++k) {
     std::vector<float> w0(ps[k].numel);
     for (uint64_t i = 0; i < ps[k].numel; ++i) w0[i] = InitialWeight(k, i);
-    st = (*sa)->RegisterParam(ps[k].name, ps[k].numel, 0, w0.data(), kernels::ScalarType::kF32);
+    st = (*sa)->RegisterParam(ps[k].name, ps[k].numel, 0, w0.data(), DType::kF32);
     if (!st.ok()) DieAt("register " + ps[k].name, st);
     grads[k].resize(ps[k].numel);
   }
@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
       memmgr::ParamGrad pg;
       pg.name = ps[k].name;
       pg.d_grad = grads[k].data();
-      pg.grad_type = kernels::ScalarType::kF32;
+      pg.grad_type = DType::kF32;
       list.push_back(pg);
     }
     st = (*sa)->Step(list);

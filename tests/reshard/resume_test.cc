@@ -111,7 +111,7 @@ class Rank {
       for (size_t i = 0; i < gi.size(); ++i) init[i] = Value(p.name, gi[i], 0);
       memmgr::ShardInfo shard{it->second.shape, p.global_shape, it->second.offset};
       // Restored: the same geometry registers nothing new and keeps the state.
-      Status st = opt_->RegisterParam(p.name, gi.size(), p.group, init.data(), kernels::ScalarType::kF32, shard);
+      Status st = opt_->RegisterParam(p.name, gi.size(), p.group, init.data(), DType::kF32, shard);
       EXPECT_TRUE(st.ok()) << st.ToString();
       indices_[p.name] = gi;
     }

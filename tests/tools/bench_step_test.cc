@@ -178,11 +178,11 @@ TEST(BenchStepTest, ContinuingWithOtherSizesIsRefusedAndChangesNothing) {
 // the same weights and gradients, and both wrote the same bf16 parameters.
 // With bf16 moments (the first version's moment_dtype "bf16") the moment
 // segments hold bf16, and so do the store's.
-class FirstVersionBaselineTest : public ::testing::TestWithParam<kernels::ScalarType> {};
+class FirstVersionBaselineTest : public ::testing::TestWithParam<MomentDType> {};
 
 TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
-  const kernels::ScalarType moments = GetParam();
-  const uint64_t moment_bytes = moments == kernels::ScalarType::kBF16 ? 2 : 4;
+  const MomentDType moments = GetParam();
+  const uint64_t moment_bytes = moments == MomentDType::kBF16 ? 2 : 4;
   TempDir dir;
   const std::vector<std::pair<std::string, uint64_t>> params = {
       {"a", 1000}, {"b", 70001}, {"c", 3}, {"d", 300000}};
@@ -213,7 +213,7 @@ TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
   ASSERT_TRUE((*mm)->CopyToDevice(d_w0->get(), w0.data(), max_numel * 4).ok());
   std::vector<DeviceBuffer> grads, ours_bf16, fv_bf16;
   for (auto& [name, n] : params) {
-    ASSERT_TRUE((*opt)->RegisterParam(name, n, 0, d_w0->get(), kernels::ScalarType::kF32).ok()) << name;
+    ASSERT_TRUE((*opt)->RegisterParam(name, n, 0, d_w0->get(), DType::kF32).ok()) << name;
     for (auto* v : {&grads, &ours_bf16, &fv_bf16}) {
       auto d = DeviceBuffer::Make(mm->get(), n * 4);
       ASSERT_TRUE(d.ok());
@@ -244,7 +244,7 @@ TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
       x.name = params[p].first;
       x.d_grad = grads[p].get();
       x.d_param = ours_bf16[p].get();
-      x.param_type = kernels::ScalarType::kBF16;
+      x.param_type = DType::kBF16;
       x.numel = params[p].second;
       pg.push_back(x);
       fv_grads.push_back(grads[p].get());
@@ -329,9 +329,9 @@ TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Moments, FirstVersionBaselineTest,
-                         ::testing::Values(kernels::ScalarType::kF32, kernels::ScalarType::kBF16),
-                         [](const ::testing::TestParamInfo<kernels::ScalarType>& i) {
-                           return i.param == kernels::ScalarType::kBF16 ? std::string("Bf16") : std::string("F32");
+                         ::testing::Values(MomentDType::kF32, MomentDType::kBF16),
+                         [](const ::testing::TestParamInfo<MomentDType>& i) {
+                           return i.param == MomentDType::kBF16 ? std::string("Bf16") : std::string("F32");
                          });
 
 // The comparison mode's JSON names each baseline and gives ours / baseline;

@@ -66,7 +66,8 @@ typedef enum optstate_code {
   OPTSTATE_INTERNAL = 13
 } optstate_code;
 
-/* Element types: the values of kernels::ScalarType. */
+/* Element types: the values of optstate::DType (base/dtype.h); OPTSTATE_NONE
+ * where a tensor is not given. */
 typedef enum optstate_dtype {
   OPTSTATE_F32 = 0,
   OPTSTATE_BF16 = 1,
