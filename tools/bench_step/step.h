@@ -66,6 +66,8 @@ struct Common {
 };
 
 Result<Common> ParseCommon(const StepOptions& o);
+// The MemoryManagerOptions of every store the command steps (ours and the
+// comparison's moment stores alike).
 memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& o);
 
 // The two modes; each returns the process's exit code.
