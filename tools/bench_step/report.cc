@@ -46,7 +46,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   // Bytes a step moves each way per parameter: main 4 + two moments.
   const double q8_bytes_per_param = 4.0 + 2.0 * (1.0 + 4.0 / static_cast<double>(vfs::kQ8BlockElems));
   auto ms = cmp.mm->stats();
-  double copy_floor = std::max(static_cast<double>(cmp.state_bytes) / res.h2d, static_cast<double>(cmp.state_bytes) / res.d2h);
+  double copy_floor =
+      std::max(static_cast<double>(cmp.state_bytes) / res.h2d, static_cast<double>(cmp.state_bytes) / res.d2h);
   nlohmann::json out;
   out["machine"] = MachineInfo();
   out["backend"] = memmgr::BackendName(cmp.mm->backend());
@@ -164,7 +165,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   out["step_stats"] = breakdown;
   if (o.prefetch_compute_s > 0) {
     out["loop"] = {{"compute_seconds", o.prefetch_compute_s},
-                   {"exposed_seconds", {{"without_prefetch", res.t_loop_plain}, {"with_prefetch", res.t_loop_prefetch}}},
+                   {"exposed_seconds",
+                    {{"without_prefetch", res.t_loop_plain}, {"with_prefetch", res.t_loop_prefetch}}},
                    {"median_exposed_seconds",
                     {{"without_prefetch", Median(res.t_loop_plain)}, {"with_prefetch", Median(res.t_loop_prefetch)}}},
                    {"with_over_without", ratio(res.t_loop_prefetch, res.t_loop_plain)},
@@ -255,17 +257,19 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
         fvb->buckets().size(), fvb->options().bucket_numel_limit, FormatBytes(fvb->file_bytes()),
         FormatBytes(fvb->options().staging_bytes),
         res.warm_resident.empty() ? "-" : fmt::format("{:.0f}%", 100 * Median(res.warm_resident)),
-        res.cold_resident.empty() ? "-" : fmt::format("{:.1f}%", 100 * Median(res.cold_resident)), list(res.cold_writeback));
+        res.cold_resident.empty() ? "-" : fmt::format("{:.1f}%", 100 * Median(res.cold_resident)),
+        list(res.cold_writeback));
   }
   std::cout << fmt::format(
       "\nours / floor: {:.2f}x (target <= 1.10)   ours / first version warm: {:.2f}x, cold: {:.2f}x\n"
       "H2D {} D2H {} (1 GiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} "
       "(budget {})\n",
-      ratio(res.t_ours, res.t_floor), ratio(res.t_ours, res.t_warm), ratio(res.t_ours, res.t_cold), FormatRate(res.h2d), FormatRate(res.d2h),
-      Median(res.t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c.budget));
+      ratio(res.t_ours, res.t_floor), ratio(res.t_ours, res.t_warm), ratio(res.t_ours, res.t_cold), FormatRate(res.h2d),
+      FormatRate(res.d2h), Median(res.t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c.budget));
   if (o.commit_lag > 0) {
     std::cout << fmt::format("commit lag {}: Step() returned after {} (median), its commit done after {}\n",
-                             o.commit_lag, FormatSeconds(Median(res.t_ours_returned)), FormatSeconds(Median(res.t_ours)));
+                             o.commit_lag, FormatSeconds(Median(res.t_ours_returned)),
+                             FormatSeconds(Median(res.t_ours)));
   }
   if (res.cached_steps > 0) {
     std::cout << fmt::format(
@@ -293,7 +297,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   }
   std::cout << fmt::format("per step: read from the store [{}]  served by the host cache [{}]\n", reads, hits);
   for (const auto& [name, written, secs] :
-       {std::tuple<const char*, const std::vector<uint64_t>*, const std::vector<double>*>{"f32 moments", &res.step_written, &res.t_ours},
+       {std::tuple<const char*, const std::vector<uint64_t>*, const std::vector<double>*>{
+            "f32 moments", &res.step_written, &res.t_ours},
         {"bf16 moments", &step_written_bf16, &t_bf16},
         {"q8 moments", &step_written_q8, &t_q8}}) {
     if (written->empty()) continue;
@@ -311,8 +316,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
         "loop, forward/backward {} then Step (commit of the previous step in flight): exposed step {} without "
         "Prefetch, {} with ({:.2f}x); the step found prefetched [{}]; per round without [{}] with [{}]\n",
         FormatSeconds(o.prefetch_compute_s), FormatSeconds(Median(res.t_loop_plain)),
-        FormatSeconds(Median(res.t_loop_prefetch)), ratio(res.t_loop_prefetch, res.t_loop_plain), found, list(res.t_loop_plain),
-        list(res.t_loop_prefetch));
+        FormatSeconds(Median(res.t_loop_prefetch)), ratio(res.t_loop_prefetch, res.t_loop_plain), found,
+        list(res.t_loop_plain), list(res.t_loop_prefetch));
   }
   const DiskPhase no_disk;
   for (const auto& [name, d] : {std::pair<const char*, const DiskPhase*>{"ours", &res.disk_ours},
