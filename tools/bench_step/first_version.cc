@@ -1,0 +1,76 @@
+// optstate-bench step's baseline: the first version's method as it runs
+// (FirstVersionBaseline, tools/bench_first_version.h: buffered I/O, no fsync)
+// with its state in the page cache (warm) and evicted before each step (cold).
+#include <memory>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "tools/bench_step/compare.h"
+#include "tools/internal/bench.h"
+#include "tools/internal/cli.h"
+
+namespace optstate::tools::bench::step {
+
+Result<std::unique_ptr<FirstVersionBaseline>> SetUpFirstVersion(const Comparison& cmp) {
+  const StepOptions& o = cmp.o;
+  FirstVersionOptions fo;
+  fo.adam.lr = cmp.g.lr;
+  fo.adam.beta1 = cmp.g.beta1;
+  fo.adam.beta2 = cmp.g.beta2;
+  fo.adam.eps = cmp.g.eps;
+  fo.adam.weight_decay = cmp.g.weight_decay;
+  fo.adam.mode = cmp.g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
+  fo.cuda = cmp.cuda;
+  fo.cpu_threads = o.cpu_threads;
+  fo.moment_type = MomentsNamed(o.first_version_moments);
+  auto f = FirstVersionBaseline::Create(cmp.dir + "/first_version", cmp.params, cmp.mm, cmp.w0.data(), fo);
+  if (!f.ok()) return f.status().WithContext("first-version setup");
+  std::unique_ptr<FirstVersionBaseline> fvb = std::move(*f);
+  // Untimed first step (it reads only the mains; it writes every segment,
+  // so the page cache then holds the whole state).
+  std::vector<const void*> g_ptrs(cmp.grad_ptrs.begin(), cmp.grad_ptrs.end());
+  if (Status s = fvb->Step(g_ptrs, cmp.model_param_ptrs); !s.ok()) {
+    return s.WithContext("first version, warm-up step");
+  }
+  return fvb;
+}
+
+Status StepFirstVersionWarm(const Comparison& cmp, FirstVersionBaseline& fvb, CompareResults* results) {
+  auto res = fvb.ResidentBytes();
+  if (!res.ok()) return res.status();
+  results->warm_resident.push_back(static_cast<double>(*res) / static_cast<double>(fvb.file_bytes()));
+  if (results->warm_resident.back() < 0.9) {
+    Note(fmt::format("first version, warm: only {:.0f}% of its {} of files is in the page cache (RAM too small "
+                     "for the state?)",
+                     100 * results->warm_resident.back(), FormatBytes(fvb.file_bytes())));
+  }
+  const double t0 = NowSeconds();
+  if (Status s = fvb.Step(cmp.grad_cptrs, cmp.model_param_ptrs); !s.ok()) {
+    return s.WithContext("first version, warm");
+  }
+  results->t_warm.push_back(NowSeconds() - t0);
+  return Status::Ok();
+}
+
+Status StepFirstVersionCold(const Comparison& cmp, FirstVersionBaseline& fvb, CompareResults* results) {
+  double sync_s = 0;
+  if (Status s = fvb.DropPageCache(&sync_s); !s.ok()) return s.WithContext("first version, cold");
+  results->cold_writeback.push_back(sync_s);
+  auto res = fvb.ResidentBytes();
+  if (!res.ok()) return res.status();
+  results->cold_resident.push_back(static_cast<double>(*res) / static_cast<double>(fvb.file_bytes()));
+  if (results->cold_resident.back() > 0.01) {
+    Note(fmt::format("first version, cold: {:.1f}% of its files stayed in the page cache after "
+                     "fdatasync + POSIX_FADV_DONTNEED (a tmpfs --dir?); the cold step is partly warm",
+                     100 * results->cold_resident.back()));
+  }
+  const double t0 = NowSeconds();
+  if (Status s = fvb.Step(cmp.grad_cptrs, cmp.model_param_ptrs); !s.ok()) {
+    return s.WithContext("first version, cold");
+  }
+  results->t_cold.push_back(NowSeconds() - t0);
+  return Status::Ok();
+}
+
+}  // namespace optstate::tools::bench::step
