@@ -29,6 +29,7 @@
 #include "vfs/internal/generation_view.h"
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_core.h"
+#include "vfs/internal/store_open.h"
 #include "vfs/internal/store_format.h"
 #include "base/sync_point.h"
 

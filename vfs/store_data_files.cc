@@ -3,6 +3,7 @@
 // the writer's claim on them (flock and owner record) that keeps two stores
 // from ever writing one data file.
 #include "vfs/internal/store_core.h"
+#include "vfs/internal/store_open.h"
 
 #include <fcntl.h>
 #include <sys/file.h>

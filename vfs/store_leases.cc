@@ -1,6 +1,7 @@
 // Reader leases (Core, vfs/internal/store_core.h): leases/.lock and the lease
 // files of live readers, which keep their generations from GC.
 #include "vfs/internal/store_core.h"
+#include "vfs/internal/store_open.h"
 #include "vfs/internal/generation_view.h"
 
 #include <signal.h>

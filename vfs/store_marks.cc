@@ -3,6 +3,7 @@
 // and RETAINED, the generations whose chunk versions GC keeps (read by readers
 // under the shared lease flock).
 #include "vfs/internal/store_core.h"
+#include "vfs/internal/store_open.h"
 
 namespace optstate::vfs::internal {
 

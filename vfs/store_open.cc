@@ -32,6 +32,7 @@
 
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_core.h"
+#include "vfs/internal/store_open.h"
 #include "vfs/internal/store_format.h"
 #include "base/log.h"
 #include "base/sync_point.h"

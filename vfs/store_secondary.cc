@@ -2,6 +2,7 @@
 // instance of the index, catch-up with the writer, and the checks that keep a
 // reader from ever showing an older state than one it showed or was acknowledged.
 #include "vfs/internal/store_core.h"
+#include "vfs/internal/store_open.h"
 
 #include <fcntl.h>
 #include <signal.h>

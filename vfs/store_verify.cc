@@ -3,6 +3,7 @@
 // the index (no dangling, shared, overlapping or leaked space), and COMMITTED
 // and RETAINED checked against the index.
 #include "vfs/internal/store_core.h"
+#include "vfs/internal/store_open.h"
 
 #include <iterator>
 #include <map>

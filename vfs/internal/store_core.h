@@ -11,12 +11,10 @@
 // (leases/.lock, LOCK_EX in GC); never the other way round.
 #pragma once
 
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -39,78 +37,15 @@
 
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_format.h"
+#include "vfs/internal/store_util.h"
 #include "base/log.h"
 #include "base/strings.h"
 #include "vfs/store.h"
 
 namespace optstate::vfs::internal {
 
-
-inline constexpr uint64_t kIoAlign = 4096;
-inline constexpr uint64_t kInfinity = UINT64_MAX;
-
-inline uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
-
-inline int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-inline std::string JoinPath(const std::string& a, const std::string& b) {
-  if (a.empty()) return b;
-  return a.back() == '/' ? a + b : a + "/" + b;
-}
-
-inline std::string AbsPath(const std::string& p) {
-  std::error_code ec;
-  auto abs = std::filesystem::absolute(p, ec);
-  if (ec) return p;
-  std::string s = abs.lexically_normal().string();
-  while (s.size() > 1 && s.back() == '/') s.pop_back();
-  return s;
-}
-
-struct Key {
-  uint32_t t = 0;
-  uint32_t f = 0;
-  uint64_t c = 0;
-  auto operator<=>(const Key&) const = default;
-};
-
-struct Version {
-  uint64_t gen = 0;  // written (published) generation
-  Extent ext;
-};
-
-// flock on an open File's fd; released on destruction.
-class FlockGuard {
- public:
-  FlockGuard() = default;
-  static Result<FlockGuard> Take(File* f, int op) {
-    for (;;) {
-      if (::flock(f->fd(), op) == 0) break;
-      if (errno == EINTR) continue;
-      return ErrnoStatus("flock " + f->path(), errno);
-    }
-    FlockGuard g;
-    g.fd_ = f->fd();
-    return g;
-  }
-  FlockGuard(FlockGuard&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  FlockGuard& operator=(FlockGuard&& o) noexcept {
-    std::swap(fd_, o.fd_);
-    return *this;
-  }
-  ~FlockGuard() {
-    if (fd_ >= 0) ::flock(fd_, LOCK_UN);
-  }
-
- private:
-  int fd_ = -1;
-};
-
-// Core's friends (see the end of the class), declared with their files below.
+// Core's friends (see the end of the class); vfs/internal/store_open.h documents
+// the open steps, store.h's Store the rest.
 class Core;
 class StoreImpl;
 struct ViewData;
@@ -613,65 +548,5 @@ class Core {
   friend Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core);  // checks every group
   friend class StoreImpl;  // the Store API (store.cc): tensors, snapshots, generations, stats
 };
-
-// --- names (store.cc) ------------------------------------------------------
-
-// "; closest: 'a', 'b', 'c'" over `names`, or "" when there are none.
-template <typename It>
-std::string ClosestNames(std::string_view want, It begin, It end) {
-  std::vector<std::pair<size_t, std::string>> scored;
-  for (It it = begin; it != end; ++it) scored.emplace_back(EditDistance(want, *it), *it);
-  if (scored.empty()) return "; the store has no tensors";
-  std::sort(scored.begin(), scored.end());
-  std::string s = "; closest:";
-  for (size_t i = 0; i < scored.size() && i < 3; ++i) s += (i ? ", '" : " '") + scored[i].second + "'";
-  return s;
-}
-
-// --- opening (store_open.cc and the files of each step) --------------------
-
-// Opens the data file of every data dir that has one (all, creating the
-// missing ones, if create_missing). store_data_files.cc.
-Status OpenDataFiles(Core* core, bool create_missing);
-
-// Turns the data dirs recorded in IDENTITY into absolute paths for this store
-// directory and marks which lie inside it. store_data_files.cc.
-Status ResolveDataDirs(Core* c);
-
-// Writer: makes each open data file this store directory's (flock and owner
-// record), or refuses. store_data_files.cc.
-Status ClaimDataFiles(Core* c);
-
-// Corruption when a committed version references a data file that is not
-// open. mu_ held. store_data_files.cc.
-Status CheckReferencedFiles(Core* core);
-
-// Opens (creating if absent) COMMITTED and refuses an index older than the
-// generation it records. store_marks.cc.
-Status OpenCommittedMark(Core* c);
-
-// Writer: creates leases/ and opens leases/.lock. store_leases.cc.
-Status OpenLeaseLock(Core* c);
-
-// Read-only stores keep a RocksDB secondary instance in a directory of their
-// own under /tmp (its info log; the instance holds no data). A reader killed
-// by SIGKILL or a power loss leaves it behind, so each reader flocks
-// <dir>.lock while it lives, and every read-only open removes the directories
-// whose lock nobody holds: the kernel drops a flock when its process ends,
-// however it ends, in any pid namespace. Directories of readers that predate
-// the lock file are removed when their pid (the name's first number) is gone.
-// store_secondary.cc.
-inline constexpr const char* kSecondaryRoot = "/tmp";
-inline constexpr const char* kSecondaryPrefix = "optstate-secondary-";
-// The flock'ed descriptor of <base>.lock, or -1 (the directory then only ages
-// out by its pid).
-int LockSecondaryBase(const std::string& base);
-void RemoveStaleSecondaryDirs(const std::string& root);
-
-// The Store over an opened core (store.cc).
-std::unique_ptr<Store> NewStore(std::shared_ptr<Core> core);
-
-// Store::Verify (store_verify.cc).
-Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core);
 
 }  // namespace optstate::vfs::internal
