@@ -1,0 +1,97 @@
+// What the files of the C ABI (capi/c_*.cc) share: the definitions of the
+// opaque handles of optstate/c.h and the error plumbing every entry point
+// goes through. Internal to capi.
+//
+// Contract of every entry point that can fail (see optstate/c.h, "Errors"):
+// its body runs inside Guard(errptr, "<entry point name>", ...), which returns
+// OPTSTATE_OK and leaves *errptr alone on success; on failure it frees a
+// message already in *errptr, stores a malloc'ed one (the caller frees it with
+// optstate_free) and returns the StatusCode as an int. errptr may be NULL.
+// SaveError is the one place a Status becomes a code plus a message, and no
+// C++ exception leaves an entry point: Guard turns std::bad_alloc into
+// kResourceExhausted and any other exception into kInternal, each message
+// prefixed with the entry point's name.
+//
+// Ownership: each handle owns the C++ object it wraps (rep); the destroy or
+// close call of optstate/c.h deletes the handle and so that object.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "optstate/c.h"
+#include "memmgr/memory_manager.h"
+#include "memmgr/streamed_adam.h"
+#include "base/status.h"
+#include "vfs/store.h"
+
+struct optstate_store_options_t {
+  optstate::vfs::StoreOptions rep;
+};
+struct optstate_store_t {
+  std::unique_ptr<optstate::vfs::Store> rep;
+};
+struct optstate_snapshot_list_t {
+  std::vector<optstate::vfs::SnapshotInfo> rep;
+};
+struct optstate_mm_options_t {
+  optstate::memmgr::MemoryManagerOptions rep;
+};
+struct optstate_mm_t {
+  std::unique_ptr<optstate::memmgr::MemoryManager> rep;
+  // Pins not yet released through optstate_unpin; optstate_mm_destroy
+  // releases them first (a PinnedRange must not outlive its manager).
+  std::mutex pins_mu;
+  std::set<optstate_pin_t*> pins;  // guarded by pins_mu
+};
+struct optstate_pin_t {
+  optstate::memmgr::PinnedRange rep;
+  optstate_mm_t* mm = nullptr;  // null once the manager was destroyed
+  uint64_t count = 0;
+  int dtype = OPTSTATE_NONE;
+};
+struct optstate_adam_options_t {
+  optstate::memmgr::StreamedAdamOptions rep;
+};
+struct optstate_adam_t {
+  std::unique_ptr<optstate::memmgr::StreamedAdam> rep;
+  optstate::vfs::Store* store = nullptr;
+  optstate::memmgr::MemoryManager* mm = nullptr;
+  // Param ids are indices into names (registration order of this handle).
+  std::vector<std::string> names;
+  std::unordered_map<std::string, uint32_t> ids;
+  // Reused by every step: no allocation per step once the names are copied.
+  std::vector<optstate::memmgr::ParamGrad> grads;
+};
+
+namespace optstate::capi::internal {
+
+// OPTSTATE_OK for an ok s; else s's code, with s.ToString() malloc'ed into
+// *errptr (a message already there freed first) unless errptr is NULL.
+int SaveError(char** errptr, const Status& s);
+
+// Runs f (returning Status) with every exception turned into kInternal.
+template <typename F>
+int Guard(char** errptr, const char* what, F&& f) {
+  try {
+    return SaveError(errptr, f());
+  } catch (const std::bad_alloc&) {
+    return SaveError(errptr, Status(StatusCode::kResourceExhausted, std::string(what) + ": out of memory"));
+  } catch (const std::exception& e) {
+    return SaveError(errptr, optstate::Internal(std::string(what) + ": " + e.what()));
+  } catch (...) {
+    return SaveError(errptr, optstate::Internal(std::string(what) + ": unknown exception"));
+  }
+}
+
+// kInvalidArgument "<what>: <arg> is NULL".
+Status NullArgument(const char* what, const char* arg);
+
+}  // namespace optstate::capi::internal
