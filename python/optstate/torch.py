@@ -95,8 +95,9 @@ class AdamW(torch.optim.Optimizer):
       moment_dtype: "f32" (default), "bf16" or "q8": how exp_avg and exp_avg_sq are stored (bf16: 8 instead
              of 12 bytes per param read and written per step; updated in fp32, rounded to nearest even,
              relative error <= 2^-8 per step; q8: ~6.03 bytes, 8-bit codes with one fp32 absmax per 256
-             elements, error <= half the map's gap x the block's absmax per step). Fixed when the store's params are first registered; a
-             store holding the other dtype raises optstate.InvalidArgument. docs/MOMENTS.md.
+             elements, error <= half the map's gap x the block's absmax per step). Fixed when the store's
+             params are first registered; a store holding the other dtype raises optstate.InvalidArgument.
+             docs/MOMENTS.md.
       params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
       tensors' names in the store. Otherwise they are "param<i>" in the order given.
       shards: where each param lies in the whole tensor when the model is sharded (tensor or data
@@ -156,7 +157,7 @@ class AdamW(torch.optim.Optimizer):
             self._by_tensor = {}       # id(tensor) -> index in _plist
             self._given_names = {}     # id(tensor) -> name from (name, tensor) input
             self._hyper = {}           # group index -> hyperparameters last sent
-            self._batch_key = None     # (grad ptr, shape, dtype, param ptr) the step arrays were built for
+            self._batch_key = None     # what the step arrays were validated and built for (step())
             defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                             maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
             self._constructing = True
@@ -356,19 +357,20 @@ class AdamW(torch.optim.Optimizer):
         for gid, group in enumerate(self.param_groups):
             self._send_hyper(gid, group)
         grads = [p.grad for p in self._plist]
-        # What the cached arrays were built for: any new grad or param memory, shape, strides, dtype or
-        # device rebuilds (and revalidates) them; otherwise only the pointers are copied. The strides
-        # count: an allocator may hand a new grad the very memory of a validated one (torch 2's
-        # does), and a transposed view of it has the same pointer, shape and dtype.
-        sig = [None if g is None else (g.data_ptr(), g.shape, g.stride(), g.dtype, g.device,
-                                       p.data_ptr(), p.shape, p.stride())
+        # What the cached arrays were validated and built for: which params have grads, and each grad's
+        # and param's shape, strides, dtype and device. Any change rebuilds (and revalidates) them; new
+        # memory alone (a trainer that sets grads to None allocates them again each step) only has its
+        # pointers copied. The strides count: an allocator may hand a new grad the very memory of a
+        # validated one (torch 2's does), and a transposed view of it has the same pointer, shape and dtype.
+        key = [None if g is None else (g.shape, g.stride(), g.dtype, g.device, p.shape, p.stride(), p.dtype, p.device)
                for p, g in zip(self._plist, grads)]
-        if sig != self._batch_key:
+        if key != self._batch_key:
             self._build_batch(grads)
-            self._batch_key = sig
+            self._batch_key = key
         sel = self._sel
-        self._c_grads[:] = [sig[i][0] for i in sel]
-        self._c_params[:] = [sig[i][5] for i in sel]
+        plist = self._plist
+        self._c_grads[:] = [grads[i].data_ptr() for i in sel]
+        self._c_params[:] = [plist[i].data_ptr() for i in sel]
         found_ptr = self._flag_ptr(found_inf, "found_inf") if found_inf is not None else None
         if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
             if not float(grad_scale) > 0 or float(grad_scale) == float("inf"):
