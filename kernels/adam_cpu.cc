@@ -24,7 +24,8 @@ using internal::LoadAs;
 using internal::StoreAs;
 
 // Moments are decoded to fp32 (kMoment bf16: exact), updated in fp32 and
-// rounded back to nearest even, in the same pass as the f32 case.
+// rounded back to nearest even, in the same pass as the f32 case. kCopy:
+// the pass also writes the parameter copy as kParam (ignored when false).
 template <DType kMoment, DType kGrad, DType kParam, bool kCopy>
 void RangeLoop(float* __restrict main, void* __restrict m_v, void* __restrict v_v,
                const void* __restrict grad_v, void* __restrict param_v, size_t begin,

@@ -71,6 +71,8 @@ __device__ __forceinline__ typename Vec4Of<T>::type Pack4(const float in[4]) {
   }
 }
 
+// Every kernel below: kCopy writes the parameter copy as kParam in the same
+// pass (kParam is ignored when false).
 template <DType kMoment, DType kGrad, DType kParam, bool kCopy>
 __device__ __forceinline__ void ScalarElement(float* main, Storage<kMoment>* m, Storage<kMoment>* v,
                                               const Storage<kGrad>* grad, Storage<kParam>* param,
