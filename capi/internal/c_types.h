@@ -77,7 +77,8 @@ namespace optstate::capi::internal {
 // *errptr (a message already there freed first) unless errptr is NULL.
 int SaveError(char** errptr, const Status& s);
 
-// Runs f (returning Status) with every exception turned into kInternal.
+// Runs f (returning Status); an exception becomes a Status as the contract
+// above says (std::bad_alloc kResourceExhausted, any other kInternal).
 template <typename F>
 int Guard(char** errptr, const char* what, F&& f) {
   try {
