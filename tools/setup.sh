@@ -35,6 +35,8 @@ if ! cmp -s "$REQ" "$VENV/optstate-requirements.txt" 2>/dev/null; then
   echo "optstate setup: making $VENV (torch, transformers, accelerate, lightning from PyPI)"
   rm -rf "$VENV"
   /usr/bin/python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REQ"
+  # uv downloads the wheels in parallel: ~1 minute where pip alone took ~10 (2 cores, 4 GB).
+  "$VENV/bin/pip" install -q --disable-pip-version-check uv==0.13.9
+  "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -r "$REQ"
   cp "$REQ" "$VENV/optstate-requirements.txt"
 fi
