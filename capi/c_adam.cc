@@ -150,6 +150,78 @@ int optstate_adam_register_param(optstate_adam_t* adam, const char* name, uint64
                                       nullptr, 0, id, existed, errptr);
 }
 
+}  // extern "C"
+
+namespace {
+
+// The ShardInfo of one registration, checked: shape's product is numel, a
+// shard lies inside its global shape. `where` names the call, param and store.
+Status ShardOf(const char* what, const std::string& where, uint64_t numel, const uint64_t* shape, size_t ndim,
+               const uint64_t* global_shape, size_t global_ndim, const uint64_t* shard_offset, size_t offset_ndim,
+               memmgr::ShardInfo* out) {
+  memmgr::ShardInfo& shard = *out;
+  if (ndim > 0) {
+    if (shape == nullptr) return NullArgument(what, "shape");
+    uint64_t product = 1;
+    for (size_t i = 0; i < ndim; ++i) product *= shape[i];
+    if (product != numel) {
+      return InvalidArgument(where + ": shape has " + std::to_string(product) + " elements, numel is " +
+                             std::to_string(numel));
+    }
+    shard.shape.assign(shape, shape + ndim);
+  }
+  if (global_ndim > 0) {
+    if (global_shape == nullptr) return NullArgument(what, "global_shape");
+    if (offset_ndim > 0 && shard_offset == nullptr) return NullArgument(what, "shard_offset");
+    shard.global_shape.assign(global_shape, global_shape + global_ndim);
+    if (offset_ndim > 0) shard.shard_offset.assign(shard_offset, shard_offset + offset_ndim);
+    const std::vector<uint64_t> local = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
+    const bool flat = local.size() == 1 && offset_ndim == 1 && global_ndim > 1;
+    if (!flat && offset_ndim != 0 && (offset_ndim != global_ndim || local.size() != global_ndim)) {
+      return InvalidArgument(where + ": shape, global_shape and shard_offset have ranks " +
+                             std::to_string(local.size()) + ", " + std::to_string(global_ndim) + " and " +
+                             std::to_string(offset_ndim) +
+                             " (a box: all the same; a flat range: shape and shard_offset 1)");
+    }
+    unsigned __int128 global_numel = 1;
+    for (uint64_t d : shard.global_shape) global_numel *= d;
+    bool inside = true;
+    if (flat) {
+      inside = static_cast<unsigned __int128>(shard.shard_offset[0]) + numel <= global_numel;
+    } else if (local.size() == global_ndim) {
+      for (size_t d = 0; d < global_ndim; ++d) {
+        const uint64_t off = shard.shard_offset.empty() ? 0 : shard.shard_offset[d];
+        inside = inside && off <= global_shape[d] && local[d] <= global_shape[d] - off;
+      }
+    } else {
+      inside = false;
+    }
+    if (!inside) {
+      std::string g, o, l;
+      for (uint64_t d : shard.global_shape) g += (g.empty() ? "" : ", ") + std::to_string(d);
+      for (uint64_t d : shard.shard_offset) o += (o.empty() ? "" : ", ") + std::to_string(d);
+      for (uint64_t d : local) l += (l.empty() ? "" : ", ") + std::to_string(d);
+      return InvalidArgument(where + ": the shard of shape [" + l + "] at offset [" + o +
+                             "] is not inside the global shape [" + g + "]");
+    }
+  }
+  return Status::Ok();
+}
+
+// The handle's id of a registered name (a new one for a name seen first).
+uint32_t IdOf(optstate_adam_t* adam, const std::string& n) {
+  auto it = adam->ids.find(n);
+  if (it == adam->ids.end()) {
+    it = adam->ids.emplace(n, static_cast<uint32_t>(adam->names.size())).first;
+    adam->names.push_back(n);
+  }
+  return it->second;
+}
+
+}  // namespace
+
+extern "C" {
+
 int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64_t numel, uint32_t group,
                                  const void* initial, int initial_dtype, const uint64_t* shape, size_t ndim,
                                  const uint64_t* global_shape, size_t global_ndim, const uint64_t* shard_offset,
@@ -165,61 +237,63 @@ int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64
                              " not supported (f32, bf16, f16)");
     }
     memmgr::ShardInfo shard;
-    if (ndim > 0) {
-      if (shape == nullptr) return NullArgument(what, "shape");
-      uint64_t product = 1;
-      for (size_t i = 0; i < ndim; ++i) product *= shape[i];
-      if (product != numel) {
-        return InvalidArgument(where + ": shape has " + std::to_string(product) + " elements, numel is " +
-                               std::to_string(numel));
-      }
-      shard.shape.assign(shape, shape + ndim);
-    }
-    if (global_ndim > 0) {
-      if (global_shape == nullptr) return NullArgument(what, "global_shape");
-      if (offset_ndim > 0 && shard_offset == nullptr) return NullArgument(what, "shard_offset");
-      shard.global_shape.assign(global_shape, global_shape + global_ndim);
-      if (offset_ndim > 0) shard.shard_offset.assign(shard_offset, shard_offset + offset_ndim);
-      const std::vector<uint64_t> local = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
-      const bool flat = local.size() == 1 && offset_ndim == 1 && global_ndim > 1;
-      if (!flat && offset_ndim != 0 && (offset_ndim != global_ndim || local.size() != global_ndim)) {
-        return InvalidArgument(where + ": shape, global_shape and shard_offset have ranks " +
-                               std::to_string(local.size()) + ", " + std::to_string(global_ndim) + " and " +
-                               std::to_string(offset_ndim) +
-                               " (a box: all the same; a flat range: shape and shard_offset 1)");
-      }
-      unsigned __int128 global_numel = 1;
-      for (uint64_t d : shard.global_shape) global_numel *= d;
-      bool inside = true;
-      if (flat) {
-        inside = static_cast<unsigned __int128>(shard.shard_offset[0]) + numel <= global_numel;
-      } else if (local.size() == global_ndim) {
-        for (size_t d = 0; d < global_ndim; ++d) {
-          const uint64_t off = shard.shard_offset.empty() ? 0 : shard.shard_offset[d];
-          inside = inside && off <= global_shape[d] && local[d] <= global_shape[d] - off;
-        }
-      } else {
-        inside = false;
-      }
-      if (!inside) {
-        std::string g, o, l;
-        for (uint64_t d : shard.global_shape) g += (g.empty() ? "" : ", ") + std::to_string(d);
-        for (uint64_t d : shard.shard_offset) o += (o.empty() ? "" : ", ") + std::to_string(d);
-        for (uint64_t d : local) l += (l.empty() ? "" : ", ") + std::to_string(d);
-        return InvalidArgument(where + ": the shard of shape [" + l + "] at offset [" + o +
-                               "] is not inside the global shape [" + g + "]");
-      }
-    }
+    OPTSTATE_RETURN_IF_ERROR(
+        ShardOf(what, where, numel, shape, ndim, global_shape, global_ndim, shard_offset, offset_ndim, &shard));
     const bool had = adam->rep->HasParam(n);
     OPTSTATE_RETURN_IF_ERROR(adam->rep->RegisterParam(n, numel, group, initial,
                                                       FloatDTypeOrNone(initial_dtype), shard));
-    auto it = adam->ids.find(n);
-    if (it == adam->ids.end()) {
-      it = adam->ids.emplace(n, static_cast<uint32_t>(adam->names.size())).first;
-      adam->names.push_back(n);
-    }
-    *id = it->second;
+    *id = IdOf(adam, n);
     if (existed != nullptr) *existed = had ? 1 : 0;
+    return Status::Ok();
+  });
+}
+
+int optstate_adam_register_params(optstate_adam_t* adam, size_t n, const char* const* names, const uint64_t* numels,
+                                  const uint32_t* groups, const void* const* initials, const int* initial_dtypes,
+                                  const size_t* ndims, const uint64_t* shapes, const size_t* global_ndims,
+                                  const uint64_t* global_shapes, const size_t* offset_ndims,
+                                  const uint64_t* shard_offsets, uint32_t* ids, int* existed, char** errptr) {
+  const char* what = "optstate_adam_register_params";
+  return Guard(errptr, what, [&]() -> Status {
+    if (n == 0) return Status::Ok();
+    if (names == nullptr) return NullArgument(what, "names");
+    if (numels == nullptr) return NullArgument(what, "numels");
+    if (groups == nullptr) return NullArgument(what, "groups");
+    if (ids == nullptr) return NullArgument(what, "ids");
+    if (initials != nullptr && initial_dtypes == nullptr) return NullArgument(what, "initial_dtypes");
+    std::vector<memmgr::StreamedAdam::ParamSpec> specs(n);
+    size_t at_shape = 0, at_global = 0, at_offset = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (names[i] == nullptr) return NullArgument(what, ("names[" + std::to_string(i) + "]").c_str());
+      memmgr::StreamedAdam::ParamSpec& r = specs[i];
+      r.name = names[i];
+      r.numel = numels[i];
+      r.group = groups[i];
+      r.d_initial = initials != nullptr ? initials[i] : nullptr;
+      const int dtype = initial_dtypes != nullptr ? initial_dtypes[i] : OPTSTATE_NONE;
+      const std::string where = std::string(what) + " " + r.name + " (store " + adam->store->path() + ")";
+      if (r.d_initial != nullptr && !ValidFloatType(dtype)) {
+        return InvalidArgument(where + ": initial values dtype " + DTypeArgName(dtype) +
+                               " not supported (f32, bf16, f16)");
+      }
+      r.initial_type = FloatDTypeOrNone(dtype);
+      const size_t nd = ndims != nullptr ? ndims[i] : 0;
+      const size_t gd = global_ndims != nullptr ? global_ndims[i] : 0;
+      const size_t od = offset_ndims != nullptr ? offset_ndims[i] : 0;
+      OPTSTATE_RETURN_IF_ERROR(ShardOf(what, where, r.numel, shapes == nullptr ? nullptr : shapes + at_shape, nd,
+                                       global_shapes == nullptr ? nullptr : global_shapes + at_global, gd,
+                                       shard_offsets == nullptr ? nullptr : shard_offsets + at_offset, od,
+                                       &r.shard));
+      at_shape += nd;
+      at_global += gd;
+      at_offset += od;
+    }
+    std::vector<bool> had;
+    OPTSTATE_RETURN_IF_ERROR(adam->rep->RegisterParams(specs, &had));
+    for (size_t i = 0; i < n; ++i) {
+      ids[i] = IdOf(adam, specs[i].name);
+      if (existed != nullptr) existed[i] = had[i] ? 1 : 0;
+    }
     return Status::Ok();
   });
 }

@@ -68,17 +68,24 @@ struct MemoryManagerOptions {
   // a step walks the state in the same order every time, so LRU would evict
   // exactly the chunks the next step needs first and serve no reads, whereas
   // a fixed resident set serves capacity/state of every step's reads.
-  // kAutoHostCache (default): half of /proc/meminfo MemAvailable at Create,
-  // leaving at least 4 GiB of it free, divided among the node's ranks
-  // (LOCAL_WORLD_SIZE, as torchrun sets it; 1 when unset): the other half
-  // stays for the trainer, its data loaders and the page cache. The chosen
-  // size is logged; options() reports it.
+  // kAutoHostCache (default): half of /proc/meminfo MemAvailable, leaving at
+  // least 4 GiB of it free, divided among the node's ranks (LOCAL_WORLD_SIZE,
+  // as torchrun sets it; 1 when unset): the other half stays for the
+  // trainer, its data loaders and the page cache. It is one budget for the
+  // whole process: every manager created with kAutoHostCache while another
+  // holds it draws from the same share (sized when the first was created),
+  // so two optimizers of a rank together stay within it. The chosen size is
+  // logged; options() reports the share (shared or not).
   static constexpr uint64_t kAutoHostCache = ~uint64_t{0};
   uint64_t host_cache_bytes = kAutoHostCache;
   // Chunk-sized pinned staging buffers for Pin/Prefetch/write-back and for the
-  // StreamedAdam pipeline; 0 = auto: 3 x read-ahead + 4, grown by a StreamedAdam
-  // with wider slices (bf16 or q8 moments: 4 or 8 buffers a slice) to keep as
-  // many bytes in flight as f32 slices do (MemoryStats::staging_buffers).
+  // StreamedAdam pipeline; 0 = auto: 3 at Create, grown as they are used, at
+  // most to the throughput plan (3 x read-ahead + 4, with wider slices, bf16
+  // or q8 moments, 4 or 8 buffers a slice): by a StreamedAdam to what its
+  // state's slices use at once (a set per big slice; small slices share
+  // 256 KiB pieces of a buffer; two kept for pins), by pins to the chunks
+  // they load at once. A state of a few small tensors thus pins a few
+  // buffers, not the plan's dozens (MemoryStats::staging_buffers).
   uint32_t staging_buffers = 0;
   // io_uring reads in flight (Pin/Prefetch: all requests) per ChunkIo. Default 32.
   uint32_t queue_depth = 32;

@@ -137,9 +137,10 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
                            "background until the next call), got " + std::to_string(sa->opts_.commit_lag_steps) +
                            " (store " + store->path() + ")");
   }
-  // Wider slices (bf16, q8 moments) take more staging buffers each: an
-  // automatic pool grows so that the pipeline keeps as many bytes in flight.
-  impl->GrowStaging(internal::StepPipelineStaging(impl->options(), opts.moment_dtype));
+  // An automatic pool grows to what the restored state's slices use, at
+  // most the throughput plan (wider slices, bf16 or q8 moments, take more
+  // buffers each); BeginStep grows it again for params registered later.
+  OPTSTATE_RETURN_IF_ERROR(sa->FitStaging());
   if (!sa->params_.empty()) {
     OPTSTATE_LOG_INFO("StreamedAdam: store {} restored at generation {} step {}: {} params, {} groups",
                       store->path(), gen.generation, gen.step, sa->params_.size(), sa->groups_.size());
@@ -203,6 +204,33 @@ Status StreamedAdam::EnsureIo() {
   }
   if (!io.ok()) return io.status().WithContext("StreamedAdam: store " + store_->path());
   io_ = std::move(*io);
+  io_staging_ = co.registered_buffers.size();
+  return Status::Ok();
+}
+
+Status StreamedAdam::FitStaging() {
+  ManagerImpl* impl = ImplOf(*mm_);
+  const uint64_t chunk = impl->page_bytes();
+  const uint64_t slice_elems = chunk / internal::MomentSize(opts_.moment_dtype);
+  // A slice is small when each of its buffers fits a kSmallSliceBytes piece
+  // (main, 4 bytes an element, is the widest field; a whole slice never
+  // fits: chunks are 2 MiB or more).
+  const uint64_t small_elems = internal::kSmallSliceBytes / 4;
+  internal::StateSlices s;
+  for (const auto& [name, p] : params_) {
+    const uint64_t n = p.info.numel;
+    s.big += n / slice_elems;
+    const uint64_t tail = n % slice_elems;
+    if (tail > small_elems) {
+      ++s.big;
+    } else if (tail > 0) {
+      ++s.small;
+    }
+  }
+  impl->GrowStaging(internal::StateStaging(impl->options(), opts_.moment_dtype, chunk, s));
+  state_slices_big_ = s.big;
+  state_slices_small_ = s.small;
+  if (io_ && io_staging_ < impl->staging_count() && io_->in_flight() == 0) io_.reset();  // EnsureIo registers all
   return Status::Ok();
 }
 

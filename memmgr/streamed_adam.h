@@ -244,6 +244,23 @@ class StreamedAdam {
   Status RegisterParam(const std::string& name, uint64_t numel, uint32_t group,
                        const void* d_initial, std::optional<DType> initial_type,
                        const ShardInfo& shard = {});
+  // RegisterParam for many params at once (a model's thousands of small
+  // tensors register in one call: their initial mains are written with many
+  // writes in flight). Every registration is checked first (as
+  // RegisterParam checks one; a name given twice is kInvalidArgument), and
+  // nothing changes when one fails; a failure after that (creating a tensor,
+  // writing a main) drops the registrations not yet committed, as
+  // RegisterParam's does. existed (may be null): per spec, whether the store
+  // already held the param (its state is kept).
+  struct ParamSpec {
+    std::string name;
+    uint64_t numel = 0;
+    uint32_t group = 0;
+    const void* d_initial = nullptr;
+    std::optional<DType> initial_type = DType::kF32;
+    ShardInfo shard;
+  };
+  Status RegisterParams(std::span<const ParamSpec> specs, std::vector<bool>* existed);
   bool HasParam(const std::string& name) const;
   std::vector<std::string> ParamNames() const;
   // Params restored from the store that this run has neither registered nor
@@ -395,6 +412,18 @@ class StreamedAdam {
   // DropUncommittedRegistrations forgets); s with what was dropped.
   Status AbortUncommitted(Status s);
   Status WriteMain(const Param& p, const void* d_src, DType type);
+  // Writes the fp32 mains of several params from their weights, many chunks
+  // in flight (small chunks from kSmallSliceBytes pieces of staging buffers).
+  struct MainSource {
+    const Param* p = nullptr;
+    const void* src = nullptr;
+    DType type = DType::kF32;
+  };
+  Status WriteMains(const std::vector<MainSource>& srcs);
+  // Checks one registration against the run and the store, changing
+  // nothing. *existing: a param of this run (its stored state is kept);
+  // *entry: an uncommitted index entry of that name to take over.
+  Status CheckRegistration(const ParamSpec& r, bool* existing, std::optional<vfs::TensorInfo>* entry) const;
   Status Fail(Status s);
   vfs::CommitInfo MakeCommitInfo(bool advance) const;
   // True when the host cache tier can hold every registered param's state.
@@ -443,6 +472,17 @@ class StreamedAdam {
   // used by WriteMain and the step pipeline, never concurrently).
   std::unique_ptr<vfs::ChunkIo> io_;
   Status EnsureIo();
+  // Staging buffers io_ registered when it was made (FitStaging makes it
+  // again once the pool has grown, so that every buffer is registered).
+  size_t io_staging_ = 0;
+  // Grows an automatic staging pool to what the registered params' slices
+  // use (internal::StateStaging) and remakes io_ for the new buffers.
+  // REQUIRES: io_ idle (no step, commit or prefetch running).
+  Status FitStaging();
+  // The registered params' slices when FitStaging last ran (the step's
+  // pipeline plans its staging sets for them).
+  uint64_t state_slices_big_ = 0;
+  uint64_t state_slices_small_ = 0;
   // The step whose commit runs on a thread of the optimizer (defined in
   // internal/streamed_adam_impl.h); only that thread touches io_ and the
   // store's pending generation until FinishCommit joins it.

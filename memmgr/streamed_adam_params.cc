@@ -7,7 +7,10 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <set>
+#include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "memmgr/internal/manager_impl.h"
@@ -139,154 +142,244 @@ Status StreamedAdam::AbortUncommitted(Status s) {
 }
 
 Status StreamedAdam::WriteMain(const Param& p, const void* d_src, DType type) {
+  return WriteMains({MainSource{&p, d_src, type}});
+}
+
+Status StreamedAdam::WriteMains(const std::vector<MainSource>& srcs) {
+  if (srcs.empty()) return Status::Ok();
   ManagerImpl* impl = ImplOf(*mm_);
   Device* dev = impl->device();
   const uint64_t chunk = impl->page_bytes();
   const uint64_t chunk_elems = chunk / 4;
-  const uint64_t numel = p.info.numel;
-  const uint64_t nchunks = (numel + chunk_elems - 1) / chunk_elems;
-  const uint32_t src_size = DTypeSize(type);
-  impl->cache()->EraseTensor(p.info.id);
+  for (const MainSource& m : srcs) impl->cache()->EraseTensor(m.p->info.id);
+  Status ios = EnsureIo();
+  if (!ios.ok()) return ios.WithContext("StreamedAdam: writing main of " + srcs.front().p->info.name);
   std::vector<void*> bufs = impl->AcquireStaging(1, 8);
   std::vector<char> bounce;
-  if (dev->backend() == Backend::kCuda) bounce.resize(chunk_elems * src_size);
-  Status ios = EnsureIo();
-  if (!ios.ok()) {
-    impl->ReleaseStaging(bufs);
-    return ios.WithContext("StreamedAdam: writing main of " + p.info.name);
-  }
   vfs::ChunkIo* io = io_.get();
-  std::vector<void*> free_bufs = bufs;
   std::vector<vfs::ChunkCompletion> done;
   Status st;
-  for (uint64_t c = 0; c < nchunks && st.ok(); ++c) {
-    while (free_bufs.empty() && st.ok()) {
-      done.clear();
-      st = io->Reap(&done, 1);
-      for (auto& d : done) {
-        if (!d.status.ok() && st.ok()) st = d.status;
-        free_bufs.push_back(reinterpret_cast<void*>(d.tag));
+  std::string failed;  // the param of the first failed write
+  std::vector<const Param*> by_tag;  // the param each request in flight writes (tag: its buffer)
+  std::unordered_map<uint64_t, const Param*> writing;
+  // Reaps at least min_done writes; each gives its buffer back to `free_bufs`.
+  auto reap = [&](std::vector<void*>* free_bufs, size_t min_done) {
+    done.clear();
+    Status rs = io->Reap(&done, min_done);
+    for (auto& d : done) {
+      if (!d.status.ok() && st.ok()) {
+        st = d.status;
+        auto w = writing.find(d.tag);
+        failed = w == writing.end() ? "?" : w->second->info.name;
       }
+      writing.erase(d.tag);
+      free_bufs->push_back(reinterpret_cast<void*>(d.tag));
     }
-    if (!st.ok()) break;
-    void* buf = free_bufs.back();
-    free_bufs.pop_back();
-    uint64_t first = c * chunk_elems, n = std::min(chunk_elems, numel - first);
-    const char* src = static_cast<const char*>(d_src) + first * src_size;
-    if (!bounce.empty()) {
+    if (!rs.ok() && st.ok()) st = rs;
+    return rs.ok();
+  };
+  // Converts chunk c of m into buf and submits its write.
+  auto write_chunk = [&](const MainSource& m, uint64_t c, void* buf) {
+    const uint64_t numel = m.p->info.numel;
+    const uint32_t src_size = DTypeSize(m.type);
+    const uint64_t first = c * chunk_elems, n = std::min(chunk_elems, numel - first);
+    const char* src = static_cast<const char*>(m.src) + first * src_size;
+    if (dev->backend() == Backend::kCuda) {
+      bounce.resize(n * src_size);
       st = dev->CopyD2H(bounce.data(), src, n * src_size, nullptr);
       if (st.ok()) st = dev->SyncStream(nullptr);
-      if (!st.ok()) break;
+      if (!st.ok()) {
+        failed = m.p->info.name;
+        return;
+      }
       src = bounce.data();
     }
     float* out = static_cast<float*>(buf);
-    if (type == DType::kF32) {
+    if (m.type == DType::kF32) {
       std::memcpy(out, src, n * 4);
     } else {
-      for (uint64_t i = 0; i < n; ++i) out[i] = ToFloat(src, i, type);
+      for (uint64_t i = 0; i < n; ++i) out[i] = ToFloat(src, i, m.type);
     }
-    st = io->SubmitWrite(vfs::ChunkRef{p.info.id, p.f_main, c}, buf, reinterpret_cast<uint64_t>(buf));
-  }
-  while (io->in_flight() > 0) {
-    done.clear();
-    Status rs = io->Reap(&done, io->in_flight());
-    for (auto& d : done) {
-      if (!d.status.ok() && st.ok()) st = d.status;
+    const uint64_t tag = reinterpret_cast<uint64_t>(buf);
+    st = io->SubmitWrite(vfs::ChunkRef{m.p->info.id, m.p->f_main, c}, buf, tag);
+    if (st.ok()) {
+      writing[tag] = m.p;
+    } else {
+      failed = m.p->info.name;
     }
-    if (!rs.ok()) {
-      if (st.ok()) st = rs;
-      break;
+  };
+  // Two passes, so that many small mains are in flight at once: chunks of at
+  // most kSmallSliceBytes go out from pieces of the staging buffers (as a
+  // step's small slices do), then bigger ones from whole buffers.
+  const uint64_t piece = internal::kSmallSliceBytes;
+  for (int pass = 0; pass < 2 && st.ok(); ++pass) {
+    std::vector<void*> free_bufs;
+    for (void* b : bufs) {
+      if (pass == 0 && chunk >= 2 * piece) {
+        for (uint64_t k = 0; k < chunk / piece; ++k) free_bufs.push_back(static_cast<char*>(b) + k * piece);
+      } else {
+        free_bufs.push_back(b);
+      }
+    }
+    for (const MainSource& m : srcs) {
+      const uint64_t numel = m.p->info.numel;
+      const uint64_t nchunks = (numel + chunk_elems - 1) / chunk_elems;
+      for (uint64_t c = 0; c < nchunks && st.ok(); ++c) {
+        const bool small = std::min(chunk_elems, numel - c * chunk_elems) * 4 <= piece && chunk >= 2 * piece;
+        if (small != (pass == 0)) continue;
+        while (free_bufs.empty() && st.ok()) {
+          if (!reap(&free_bufs, 1)) break;
+        }
+        if (!st.ok()) break;
+        void* buf = free_bufs.back();
+        free_bufs.pop_back();
+        write_chunk(m, c, buf);
+      }
+      if (!st.ok()) break;
+    }
+    while (io->in_flight() > 0) {
+      if (!reap(&free_bufs, io->in_flight())) break;
     }
   }
   impl->ReleaseStaging(bufs);
-  if (!st.ok()) return st.WithContext("StreamedAdam: writing main of " + p.info.name);
+  if (!st.ok()) return st.WithContext("StreamedAdam: writing main of " + failed);
   return Status::Ok();
 }
 
 Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint32_t group, const void* d_initial,
                                    std::optional<DType> initial_type, const ShardInfo& shard) {
-  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::RegisterParam " + name + ": a step is in progress");
-  OPTSTATE_RETURN_IF_ERROR(FinishCommit());
+  ParamSpec spec{name, numel, group, d_initial, initial_type, shard};
+  return RegisterParams(std::span<const ParamSpec>(&spec, 1), nullptr);
+}
+
+Status StreamedAdam::CheckRegistration(const ParamSpec& r, bool* existing,
+                                       std::optional<vfs::TensorInfo>* entry) const {
+  const std::string& name = r.name;
+  *existing = false;
   auto it = params_.find(name);
   if (it != params_.end()) {
-    OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(it->second.info, "it", numel, group, initial_type, shard));
-    it->second.registered = true;
-    any_registered_ = true;
-    return Status::Ok();  // existing state is kept
+    OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(it->second.info, "it", r.numel, r.group, r.initial_type, r.shard));
+    *existing = true;
+    return Status::Ok();
   }
   if (retired_.count(name)) {
     return FailedPrecondition("StreamedAdam::RegisterParam '" + name + "': retired in this run (store " +
                               store_->path() + ")");
   }
-  if (numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
-  if ((initial_type && !IsFloat(*initial_type)) || (d_initial != nullptr && !initial_type)) {
+  if (r.numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
+  if ((r.initial_type && !IsFloat(*r.initial_type)) || (r.d_initial != nullptr && !r.initial_type)) {
     return InvalidArgument("StreamedAdam::RegisterParam " + name + ": initial weights dtype " +
-                           DTypeText(initial_type) + " not supported (f32, bf16, f16)");
+                           DTypeText(r.initial_type) + " not supported (f32, bf16, f16)");
   }
   // An entry in the index that is not a param: one no generation committed
   // (it holds no state), or one whose registration a failed step dropped.
   // Taken over when the geometry matches; its main is written again.
-  std::optional<vfs::TensorInfo> entry;
-  if (auto found = store_->FindTensor(name); found.ok()) {
+  if (auto found = store_->LookupTensor(name)) {
     if (found->created_generation <= last_generation_ && !dropped_.count(name)) {
       return AlreadyExists("StreamedAdam::RegisterParam '" + name + "': store " + store_->path() +
                            " has a tensor of that name that is not an Adam param (no main/exp_avg/exp_avg_sq)");
     }
     OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(*found, "an uncommitted entry for it (a registration that was never "
-                                               "committed)", numel, group, initial_type, shard));
-    entry = *found;
+                                               "committed)", r.numel, r.group, r.initial_type, r.shard));
+    *entry = std::move(*found);
   }
-  if (uncommitted_steps_ > 0) {  // the new tensor is committed with state that is on disk
-    auto d = MakeDurable();
-    if (!d.ok()) return d.status().WithContext("StreamedAdam::RegisterParam " + name);
-  }
-  if (!groups_.count(group)) {
-    OPTSTATE_LOG_INFO("StreamedAdam: param {} uses group {} that has no SetGroup; default hyperparameters", name,
-                      group);
-    groups_[group] = ParamGroup{.id = group};
-    step_counts_.emplace(group, 0);
-  }
-  vfs::TensorInfo info;
-  if (entry) {
-    info = *entry;
-  } else {
-    vfs::TensorSpec spec;
-    spec.name = name;
-    spec.dtype = initial_type.value_or(DType::kF32);
-    spec.numel = numel;
-    spec.group = group;
-    spec.shape = shard.shape;
-    spec.global_shape = shard.global_shape;
-    spec.shard_offset = shard.shard_offset;
-    if (opts_.moment_dtype == MomentDType::kQ8) {
-      spec.fields = vfs::AdamQ8Fields(numel, store_->chunk_size_bytes());
-    } else {
-      spec.fields = {{"main", DType::kF32},
-                     {"exp_avg", MomentFieldDType(opts_.moment_dtype, "exp_avg")},
-                     {"exp_avg_sq", MomentFieldDType(opts_.moment_dtype, "exp_avg_sq")}};
+  return Status::Ok();
+}
+
+Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vector<bool>* existed) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (existed != nullptr) existed->assign(specs.size(), false);
+  if (specs.empty()) return Status::Ok();
+  if (in_step_) return FailedPrecondition("StreamedAdam::RegisterParam " + specs[0].name + ": a step is in progress");
+  OPTSTATE_RETURN_IF_ERROR(FinishCommit());
+  // Every registration is checked before any changes anything.
+  std::vector<std::optional<vfs::TensorInfo>> entries(specs.size());
+  std::vector<bool> existing(specs.size(), false);
+  std::set<std::string_view> names;
+  bool any_new = false;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (!names.insert(specs[i].name).second) {
+      return InvalidArgument("StreamedAdam::RegisterParam '" + specs[i].name + "': given twice in one "
+                             "registration (store " + store_->path() + ")");
     }
-    OPTSTATE_ASSIGN_OR_RETURN(info, store_->CreateTensor(spec));
+    bool e = false;
+    OPTSTATE_RETURN_IF_ERROR(CheckRegistration(specs[i], &e, &entries[i]));
+    existing[i] = e;
+    any_new = any_new || !e;
   }
-  Param p;
-  p.info = info;
-  OPTSTATE_ASSIGN_OR_RETURN(p.f_main, store_->FieldIndex(info, "main"));
-  OPTSTATE_ASSIGN_OR_RETURN(p.f_m, store_->FieldIndex(info, "exp_avg"));
-  OPTSTATE_ASSIGN_OR_RETURN(p.f_v, store_->FieldIndex(info, "exp_avg_sq"));
-  if (opts_.moment_dtype == MomentDType::kQ8) {
-    OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store_->FieldIndex(info, vfs::Q8ScalesField("exp_avg")));
-    OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store_->FieldIndex(info, vfs::Q8ScalesField("exp_avg_sq")));
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (!existing[i]) continue;
+    params_.find(specs[i].name)->second.registered = true;
+    any_registered_ = true;
+    if (existed != nullptr) (*existed)[i] = true;
   }
-  p.committed = false;
-  p.registered = true;
-  any_registered_ = true;
-  registrations_pending_ = true;
-  dropped_.erase(name);
-  auto [pit, inserted] = params_.emplace(name, std::move(p));
-  (void)inserted;
-  if (d_initial != nullptr) {
-    Status ws = WriteMain(pit->second, d_initial, *initial_type);
-    if (!ws.ok()) return AbortUncommitted(ws.WithContext("StreamedAdam::RegisterParam " + name));
+  if (!any_new) return Status::Ok();  // existing state is kept
+  if (uncommitted_steps_ > 0) {  // the new tensors are committed with state that is on disk
+    auto d = MakeDurable();
+    if (!d.ok()) return d.status().WithContext("StreamedAdam::RegisterParam " + specs[0].name);
+  }
+  std::vector<MainSource> mains;
+  bool created_any = false;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (existing[i]) continue;
+    const ParamSpec& r = specs[i];
+    const std::string& name = r.name;
+    if (!groups_.count(r.group)) {
+      OPTSTATE_LOG_INFO("StreamedAdam: param {} uses group {} that has no SetGroup; default hyperparameters", name,
+                        r.group);
+      groups_[r.group] = ParamGroup{.id = r.group};
+      step_counts_.emplace(r.group, 0);
+    }
+    vfs::TensorInfo info;
+    if (entries[i]) {
+      info = std::move(*entries[i]);
+    } else {
+      vfs::TensorSpec spec;
+      spec.name = name;
+      spec.dtype = r.initial_type.value_or(DType::kF32);
+      spec.numel = r.numel;
+      spec.group = r.group;
+      spec.shape = r.shard.shape;
+      spec.global_shape = r.shard.global_shape;
+      spec.shard_offset = r.shard.shard_offset;
+      if (opts_.moment_dtype == MomentDType::kQ8) {
+        spec.fields = vfs::AdamQ8Fields(r.numel, store_->chunk_size_bytes());
+      } else {
+        spec.fields = {{"main", DType::kF32},
+                       {"exp_avg", MomentFieldDType(opts_.moment_dtype, "exp_avg")},
+                       {"exp_avg_sq", MomentFieldDType(opts_.moment_dtype, "exp_avg_sq")}};
+      }
+      auto created = store_->CreateTensor(spec);
+      if (!created.ok()) {
+        // This call's registrations before it (their mains not yet written)
+        // are dropped with the pending generation's other uncommitted ones.
+        if (created_any) return AbortUncommitted(created.status());
+        return created.status();
+      }
+      created_any = true;
+      info = std::move(*created);
+    }
+    Param p;
+    p.info = std::move(info);
+    OPTSTATE_ASSIGN_OR_RETURN(p.f_main, store_->FieldIndex(p.info, "main"));
+    OPTSTATE_ASSIGN_OR_RETURN(p.f_m, store_->FieldIndex(p.info, "exp_avg"));
+    OPTSTATE_ASSIGN_OR_RETURN(p.f_v, store_->FieldIndex(p.info, "exp_avg_sq"));
+    if (opts_.moment_dtype == MomentDType::kQ8) {
+      OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store_->FieldIndex(p.info, vfs::Q8ScalesField("exp_avg")));
+      OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store_->FieldIndex(p.info, vfs::Q8ScalesField("exp_avg_sq")));
+    }
+    p.committed = false;
+    p.registered = true;
+    any_registered_ = true;
+    registrations_pending_ = true;
+    dropped_.erase(name);
+    auto pit = params_.emplace(name, std::move(p)).first;
+    if (r.d_initial != nullptr) mains.push_back(MainSource{&pit->second, r.d_initial, *r.initial_type});
+  }
+  Status ws = WriteMains(mains);
+  if (!ws.ok()) {
+    return AbortUncommitted(
+        ws.WithContext("StreamedAdam::RegisterParam" + (specs.size() == 1 ? " " + specs[0].name : std::string("s"))));
   }
   return Status::Ok();
 }

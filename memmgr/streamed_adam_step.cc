@@ -129,6 +129,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   }
   // Registrations and LoadMainFrom since the last commit are in the pending
   // generation: this step's commit publishes them with its own writes.
+  OPTSTATE_RETURN_IF_ERROR(FitStaging());
   OPTSTATE_RETURN_IF_ERROR(EnsureIo());
   step_cache_mode_ = CacheHoldsState();
   if (!step_cache_mode_ && opts_.durable_every_steps > 1 && !warned_cache_small_) {
@@ -148,6 +149,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
                                                        opts_.background_sync_bytes, d_found_inf,
                                                        opts_.moment_dtype);
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
+  pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
   // Tests fix the order of a step's I/O here (base/sync_point.h; nothing in
   // the product arms these points), their callbacks setting the bool:
   // "streamed_adam.hold_completions": the step reaps no I/O completion before

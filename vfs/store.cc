@@ -245,6 +245,13 @@ class StoreImpl final : public Store {
                     ClosestNames(name, names.begin(), names.end()));
   }
 
+  std::optional<TensorInfo> LookupTensor(std::string_view name) const override {
+    std::lock_guard l(core_->mu_);
+    auto it = core_->names_.find(name);
+    if (it != core_->names_.end() && Visible(core_->tensors_.at(it->second))) return core_->tensors_.at(it->second);
+    return std::nullopt;
+  }
+
   std::vector<TensorInfo> ListTensors() const override {
     std::lock_guard l(core_->mu_);
     std::vector<TensorInfo> out;

@@ -410,6 +410,9 @@ class Store {
   // data is written: every chunk reads as zeros until written).
   virtual Result<TensorInfo> CreateTensor(const TensorSpec& spec) = 0;
   virtual Result<TensorInfo> FindTensor(std::string_view name) const = 0;  // NotFound lists near names
+  // FindTensor without the message: nullopt when there is no such tensor, in
+  // O(log n) (FindTensor's NotFound compares the name with every tensor's).
+  virtual std::optional<TensorInfo> LookupTensor(std::string_view name) const = 0;
   virtual std::vector<TensorInfo> ListTensors() const = 0;                // sorted by name
   virtual uint64_t ChunkCount(const TensorInfo& t, uint32_t field) const = 0;
   virtual Result<uint32_t> FieldIndex(const TensorInfo& t, std::string_view field) const = 0;

@@ -2,20 +2,93 @@
 #include "memmgr/internal/host_cache.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iterator>
 
 #include "base/log.h"
 
 namespace optstate::memmgr::internal {
 
-HostCache::HostCache(Device* dev, uint64_t capacity_bytes) : dev_(dev), capacity_(capacity_bytes) {}
+bool CacheBudget::Take(uint64_t bytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (used_ + bytes > capacity_) return false;
+  used_ += bytes;
+  return true;
+}
+
+void CacheBudget::Give(uint64_t bytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  used_ -= std::min(used_, bytes);
+}
+
+uint64_t CacheBudget::used_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return used_;
+}
+
+uint64_t CacheBudget::free_bytes() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return capacity_ - used_;
+}
+
+namespace {
+// min(MemAvailable / 2, MemAvailable - 4 GiB) / LOCAL_WORLD_SIZE; *why says
+// how it was derived.
+uint64_t AutoHostCacheBytes(std::string* why) {
+  constexpr uint64_t kFreeFloorBytes = 4ull << 30;
+  uint64_t avail = 0;
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t kib = 0;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") {
+      avail = kib << 10;
+      break;
+    }
+  }
+  uint64_t ranks = 1;
+  if (const char* e = std::getenv("LOCAL_WORLD_SIZE"); e != nullptr && std::strtoull(e, nullptr, 10) > 0) {
+    ranks = std::strtoull(e, nullptr, 10);
+  }
+  const uint64_t bytes = avail > kFreeFloorBytes ? std::min(avail / 2, avail - kFreeFloorBytes) / ranks : 0;
+  *why = "auto: half of MemAvailable " + std::to_string(avail >> 20) + " MiB, at least 4 GiB left free, / " +
+         std::to_string(ranks) + " local rank(s), shared by the process's managers";
+  return bytes;
+}
+}  // namespace
+
+std::shared_ptr<CacheBudget> SharedAutoCacheBudget(std::string* why) {
+  static std::mutex mu;
+  static std::weak_ptr<CacheBudget> shared;  // guarded by mu
+  static std::string shared_why;             // guarded by mu
+  std::lock_guard<std::mutex> l(mu);
+  if (auto b = shared.lock()) {
+    *why = shared_why + "; " + std::to_string(b->used_bytes() >> 20) + " MiB of it in use by other managers";
+    return b;
+  }
+  auto b = std::make_shared<CacheBudget>(AutoHostCacheBytes(&shared_why));
+  shared = b;
+  *why = shared_why;
+  return b;
+}
+
+HostCache::HostCache(Device* dev, std::shared_ptr<CacheBudget> budget) : dev_(dev), budget_(std::move(budget)) {}
 
 HostCache::~HostCache() {
   for (auto& [k, e] : entries_) dev_->FreePinnedHost(e.h_buf, e.buf_bytes);
   for (auto& [bytes, bufs] : free_) {
     for (void* b : bufs) dev_->FreePinnedHost(b, bytes);
   }
+  if (budget_) budget_->Give(allocated_);
+}
+
+uint64_t HostCache::capacity_bytes() const {
+  if (!budget_) return 0;
+  std::lock_guard<std::mutex> l(mu_);
+  return allocated_ + budget_->free_bytes();
 }
 
 HostCache::EntryMap::iterator HostCache::Drop(EntryMap::iterator it) {
@@ -33,7 +106,7 @@ void* HostCache::TakeBuffer(uint64_t bytes, bool may_evict) {
       same->second.pop_back();
       return b;
     }
-    if (allocated_ + bytes <= capacity_) break;
+    if (budget_->Take(bytes)) break;
     // Over capacity: return free buffers of other sizes first, then (only
     // when asked) the oldest clean unused entry.
     auto other = std::find_if(free_.begin(), free_.end(), [](const auto& f) { return !f.second.empty(); });
@@ -41,6 +114,7 @@ void* HostCache::TakeBuffer(uint64_t bytes, bool may_evict) {
       dev_->FreePinnedHost(other->second.back(), other->first);
       other->second.pop_back();
       allocated_ -= other->first;
+      budget_->Give(other->first);
       continue;
     }
     if (!may_evict) return nullptr;
@@ -53,6 +127,7 @@ void* HostCache::TakeBuffer(uint64_t bytes, bool may_evict) {
   }
   auto r = dev_->AllocPinnedHost(bytes);
   if (!r.ok()) {
+    budget_->Give(bytes);
     if (!warned_alloc_) {
       warned_alloc_ = true;
       OPTSTATE_LOG_WARN("memmgr: host cache tier stops growing at {} bytes: {}", allocated_, r.status().ToString());
@@ -153,7 +228,11 @@ void HostCache::Release(const ChunkKey& k, bool dirty) {
 bool HostCache::WantsPrefetch(const ChunkKey& k, uint64_t len) const {
   if (!enabled()) return false;
   std::lock_guard<std::mutex> l(mu_);
-  return entries_.find(k) == entries_.end() && entry_bytes_ + EntryBytes(len) <= capacity_;
+  const uint64_t bytes = EntryBytes(len);
+  if (entries_.find(k) != entries_.end()) return false;
+  // Room without evicting: this cache's free buffers (TakeBuffer returns
+  // those of other sizes to the budget) and what the budget has left.
+  return allocated_ - entry_bytes_ + budget_->free_bytes() >= bytes;
 }
 
 bool HostCache::PutPrefetched(const ChunkKey& k, const void* src, uint64_t len) {

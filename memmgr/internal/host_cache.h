@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <list>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -35,22 +37,52 @@ struct ChunkKeyHash {
   }
 };
 
+// Bytes of pinned host cache buffers that one or more HostCaches may hold
+// together: a manager's own (an explicit host_cache_bytes) or the process's
+// automatic one (SharedAutoCacheBudget), which every manager created with
+// MemoryManagerOptions::kAutoHostCache draws from, so that all the
+// optimizers of a process together stay within the automatic share.
+// Thread-safe; a leaf lock (nothing is acquired while holding it).
+class CacheBudget {
+ public:
+  explicit CacheBudget(uint64_t capacity_bytes) : capacity_(capacity_bytes) {}
+  uint64_t capacity_bytes() const { return capacity_; }
+  // Takes `bytes` when they fit within the capacity; false otherwise.
+  bool Take(uint64_t bytes);
+  void Give(uint64_t bytes);
+  uint64_t used_bytes() const;
+  uint64_t free_bytes() const;
+
+ private:
+  const uint64_t capacity_;
+  mutable std::mutex mu_;
+  uint64_t used_ = 0;  // guarded by mu_
+};
+
+// The process's automatic host cache budget (MemoryManagerOptions::
+// kAutoHostCache): computed from /proc/meminfo and LOCAL_WORLD_SIZE when no
+// manager holds it, shared by every manager created while one does. *why
+// says how it was sized.
+std::shared_ptr<CacheBudget> SharedAutoCacheBudget(std::string* why);
+
 // Host cache tier: copies of chunks in pinned host memory. Clean entries
 // equal the store's newest version. StreamedAdam also uses entries as its
 // working copy (Acquire/Release): such an entry is `dirty` (newer than the last
 // commit) or in use, and is never evicted; `written` marks a dirty entry
 // already written to the pending generation.
 // Each entry owns a pinned, 4096-aligned buffer of EntryBytes(len) (direct
-// I/O goes to and from it); capacity_bytes bounds the bytes of these buffers,
-// free ones kept per size for reuse included. Admission policy: see
+// I/O goes to and from it); its CacheBudget bounds the bytes of these
+// buffers, free ones kept per size for reuse included (the budget may be
+// shared with other managers' caches: SharedAutoCacheBudget). Admission policy: see
 // MemoryManagerOptions::host_cache_bytes (admit while there is room, never
 // evict a resident entry for a miss, except where a caller asks to: Acquire's
 // may_evict, used when the tier holds the whole state).
 class HostCache {
  public:
-  HostCache(Device* dev, uint64_t capacity_bytes);
+  // budget: null or of capacity 0 = off.
+  HostCache(Device* dev, std::shared_ptr<CacheBudget> budget);
   ~HostCache();
-  bool enabled() const { return capacity_ > 0; }
+  bool enabled() const { return budget_ != nullptr && budget_->capacity_bytes() > 0; }
   // Bytes an entry of a chunk of len bytes occupies (len rounded up to 4096).
   static uint64_t EntryBytes(uint64_t len) { return (len + 4095) & ~uint64_t{4095}; }
   // Copies the cached chunk (len bytes) to dst with `copy`; false on a miss.
@@ -66,7 +98,11 @@ class HostCache {
   void Clear();
   // Bytes of the resident entries' buffers.
   uint64_t bytes() const;
-  uint64_t capacity_bytes() const { return capacity_; }
+  // The bytes this tier can hold now: its own buffers plus what its budget
+  // has left (less than the budget's capacity while other caches share it).
+  uint64_t capacity_bytes() const;
+  // The whole budget (shared with other caches or not).
+  uint64_t budget_bytes() const { return budget_ ? budget_->capacity_bytes() : 0; }
 
   // The entry's own pinned buffer for k (EntryBytes(len), 4096-aligned),
   // marked in use (not evictable) until Release; *valid: it holds k's bytes
@@ -122,12 +158,12 @@ class HostCache {
   // REQUIRES: mu_ held. Moves e's buffer to the free lists and erases it.
   EntryMap::iterator Drop(EntryMap::iterator it);
   Device* dev_;
-  uint64_t capacity_;
+  std::shared_ptr<CacheBudget> budget_;
   mutable std::mutex mu_;
   EntryMap entries_;                                 // guarded by mu_
   std::list<ChunkKey> lru_;                          // guarded by mu_, front = oldest
   std::map<uint64_t, std::vector<void*>> free_;      // guarded by mu_: free buffers by size
-  uint64_t allocated_ = 0;                           // guarded by mu_: bytes of all buffers
+  uint64_t allocated_ = 0;                           // guarded by mu_: bytes of all buffers (taken from budget_)
   uint64_t entry_bytes_ = 0;                         // guarded by mu_: bytes of entries' buffers
   bool warned_alloc_ = false;                        // guarded by mu_
 };

@@ -17,33 +17,6 @@ namespace optstate::memmgr::internal {
 
 std::string Mib(uint64_t b) { return std::to_string(b >> 20) + " MiB (" + std::to_string(b) + " bytes)"; }
 
-namespace {
-
-// MemoryManagerOptions::kAutoHostCache: min(MemAvailable / 2, MemAvailable -
-// 4 GiB) / LOCAL_WORLD_SIZE; *why says how it was derived.
-uint64_t AutoHostCacheBytes(std::string* why) {
-  constexpr uint64_t kFreeFloorBytes = 4ull << 30;
-  uint64_t avail = 0;
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  uint64_t kib = 0;
-  while (in >> key >> kib) {
-    std::getline(in, unit);
-    if (key == "MemAvailable:") {
-      avail = kib << 10;
-      break;
-    }
-  }
-  uint64_t ranks = 1;
-  if (const char* e = std::getenv("LOCAL_WORLD_SIZE"); e != nullptr && std::strtoull(e, nullptr, 10) > 0) {
-    ranks = std::strtoull(e, nullptr, 10);
-  }
-  const uint64_t bytes = avail > kFreeFloorBytes ? std::min(avail / 2, avail - kFreeFloorBytes) / ranks : 0;
-  *why = "auto: half of MemAvailable " + Mib(avail) + ", at least 4 GiB left free, / " + std::to_string(ranks) +
-         " local rank(s)";
-  return bytes;
-}
-}  // namespace
 
 
 ManagerImpl::ManagerImpl(vfs::Store* store, const MemoryManagerOptions& opts, std::unique_ptr<Device> dev)
@@ -78,10 +51,17 @@ Result<std::unique_ptr<ManagerImpl>> ManagerImpl::Create(vfs::Store* store, cons
   }
   MemoryManagerOptions resolved = opts;
   std::string cache_why;
+  std::shared_ptr<CacheBudget> budget;
   if (resolved.host_cache_bytes == MemoryManagerOptions::kAutoHostCache) {
-    resolved.host_cache_bytes = AutoHostCacheBytes(&cache_why);
+    // One budget for every automatic cache of the process (the documented
+    // share is per node, divided among its ranks), not one per manager.
+    budget = SharedAutoCacheBudget(&cache_why);
+  } else {
+    budget = std::make_shared<CacheBudget>(resolved.host_cache_bytes);
   }
+  resolved.host_cache_bytes = budget->capacity_bytes();
   auto impl = std::unique_ptr<ManagerImpl>(new ManagerImpl(store, resolved, std::move(dev)));
+  impl->cache_budget_ = std::move(budget);
   impl->cache_why_ = std::move(cache_why);
   impl->staging_pages_ = std::move(pages);
   OPTSTATE_RETURN_IF_ERROR(impl->Init());
@@ -102,9 +82,11 @@ Status ManagerImpl::Init() {
                              " is smaller than one chunk of store " + store_->path() + " (" +
                              Mib(page_bytes_) + ")");
   }
-  // Sized for f32 slices; a StreamedAdam with wider ones grows it (GrowStaging).
+  // Automatic: a few buffers, grown to what is used (GrowStaging): by a
+  // StreamedAdam to its state's slices (StateStaging), by pins to the chunks
+  // they load at once; never beyond the throughput plan.
   uint32_t n_staging = opts_.staging_buffers;
-  if (n_staging == 0) n_staging = StepPipelineStaging(opts_, MomentDType::kF32);
+  if (n_staging == 0) n_staging = kInitialAutoStaging;
   staging_.reserve(n_staging);
   for (uint32_t i = 0; i < n_staging; ++i) {
     auto r = dev_->AllocPinnedHost(page_bytes_);
@@ -116,7 +98,7 @@ Status ManagerImpl::Init() {
     staging_.push_back(*r);
   }
   staging_free_ = staging_;
-  cache_ = std::make_unique<HostCache>(dev_.get(), opts_.host_cache_bytes);
+  cache_ = std::make_unique<HostCache>(dev_.get(), std::move(cache_budget_));
   OPTSTATE_ASSIGN_OR_RETURN(copy_stream_, dev_->CreateStream());
   auto io = store_->NewChunkIo(ChunkIoOpts());
   if (!io.ok()) {

@@ -81,6 +81,8 @@ class ManagerImpl {
   void ReleaseStaging(const std::vector<void*>& bufs);
   // Staging buffers in the pool (free or held).
   size_t staging_count() const;
+  // An automatic pool's size at Create: one buffer for pins and two spare.
+  static constexpr uint32_t kInitialAutoStaging = 3;
   // With an automatic pool (MemoryManagerOptions::staging_buffers 0), grows
   // it to `total` buffers: a StreamedAdam whose slices take more chunks than
   // f32's (bf16, q8 moments) asks for what keeps as many bytes in flight.
@@ -178,6 +180,7 @@ class ManagerImpl {
   vfs::Store* store_;
   std::string staging_pages_;  // MemoryManager::staging_pages(); set by Create
   std::string cache_why_;      // how an automatic host_cache_bytes was chosen; set by Create
+  std::shared_ptr<CacheBudget> cache_budget_;  // the cache's budget, from Create until Init hands it to cache_
   MemoryManagerOptions opts_;
   std::unique_ptr<Device> dev_;
   uint64_t page_bytes_ = 0;

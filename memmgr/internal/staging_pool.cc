@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/step_pipeline.h"
 #include "base/log.h"
 
 namespace optstate::memmgr::internal {
@@ -19,6 +20,7 @@ uint64_t NowNs() {
 
 Status ManagerImpl::LoadChunks(const std::vector<IoItem>& items) {
   if (items.empty()) return Status::Ok();
+  GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, MomentDType::kF32)));
   std::lock_guard<std::mutex> io_lock(io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {
@@ -69,6 +71,7 @@ Status ManagerImpl::LoadChunks(const std::vector<IoItem>& items) {
 
 Status ManagerImpl::StoreChunks(const std::vector<IoItem>& items) {
   if (items.empty()) return Status::Ok();
+  GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, MomentDType::kF32)));
   std::lock_guard<std::mutex> io_lock(io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {

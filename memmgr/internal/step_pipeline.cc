@@ -28,32 +28,44 @@ Status StepPipeline::Begin() {
   // within the budget.
   uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
   const size_t total = mm_->staging_count();
-  const size_t want = StepPipelineBuffers(total, o, moment_type_);
-  if (want < bufs_) {
+  // Every slice of the state is small: one buffer (cut into pieces) will do.
+  const bool all_small = has_state_ && state_.big == 0;
+  const size_t min_bufs = all_small ? 1 : bufs_;
+  const size_t want = StepPipelineBuffers(total, o, moment_type_, min_bufs);
+  if (want < min_bufs) {
     return ResourceExhausted("StreamedAdam: " + std::to_string(total) + " staging buffers; need at least " +
-                             std::to_string(bufs_) + " (one per chunk of a slice)");
+                             std::to_string(min_bufs) + " (one per chunk of a slice)");
   }
   read_qd_ = std::max<uint32_t>(o.queue_depth, 3);
   write_qd_ = o.write_queue_depth == 0 ? 0 : std::max<uint32_t>(o.write_queue_depth, 3);
   if (write_qd_ == 0) read_qd_ = std::max<uint32_t>(read_qd_, 6);
   ring_requests_ = RingRequests(o);
   // Adopted prefetch buffers count against the pipeline's own staging.
-  staging_ = mm_->AcquireStaging(bufs_, want > extra_staging_.size() + bufs_ ? want - extra_staging_.size() : bufs_);
+  staging_ = mm_->AcquireStaging(
+      min_bufs, want > extra_staging_.size() + min_bufs ? want - extra_staging_.size() : min_bufs);
   chunk_bytes_ = mm_->page_bytes();
   size_t big_sets = staging_.size() / bufs_;
   // Small sets: the buffers of two big sets cut into kSmallSliceBytes
   // pieces, for slices of small tensors (norms, biases). A trainer's mix
   // has about one such slice per big one; in big sets they took half the
   // staging and half the read-ahead while moving KiB (README, "Defaults").
+  // A state with fewer big slices than big sets (a pool sized to the
+  // state: StateStaging) keeps a set per big slice and cuts the rest.
   const uint64_t pieces_per_buffer = chunk_bytes_ / kSmallSliceBytes;
-  const size_t carve = big_sets >= 6 && pieces_per_buffer >= 2 ? 2 : 0;
-  big_sets -= carve;
+  size_t carve = 0;  // buffers cut into pieces
+  if (has_state_ && state_.small > 0 && (state_.big == 0 || state_.big < big_sets) && pieces_per_buffer >= 2) {
+    big_sets = static_cast<size_t>(state_.big);
+    carve = staging_.size() - bufs_ * big_sets;
+  } else if (big_sets >= 6 && pieces_per_buffer >= 2) {
+    big_sets -= 2;
+    carve = 2 * bufs_;
+  }
   sets_.resize(big_sets);
   for (size_t i = 0; i < big_sets; ++i) {
     for (uint32_t f = 0; f < bufs_; ++f) sets_[i].io[f] = staging_[bufs_ * i + f];
   }
   std::vector<void*> pieces;
-  for (size_t b = bufs_ * big_sets; b < bufs_ * (big_sets + carve); ++b) {
+  for (size_t b = bufs_ * big_sets; b < bufs_ * big_sets + carve; ++b) {
     for (uint64_t k = 0; k < pieces_per_buffer; ++k) {
       pieces.push_back(static_cast<char*>(staging_[b]) + k * kSmallSliceBytes);
     }
@@ -65,6 +77,9 @@ Status StepPipeline::Begin() {
     sets_.push_back(small);
   }
   small_sets_ = sets_.size() - big_sets;
+  if (sets_.empty()) {
+    return Internal("StreamedAdam: " + std::to_string(staging_.size()) + " staging buffers make no staging set");
+  }
   OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(bufs_, bufs_ * slots));
   slots_.resize(arena_.pages / bufs_);
   for (size_t i = 0; i < slots_.size(); ++i) {
@@ -258,7 +273,13 @@ Status StepPipeline::SubmitReads(bool* progressed) {
     const Job& front = queue_.front();
     if (!ReadRoom(front.bytes())) break;
     const size_t i = FreeSetFor(front);
-    if (i == kNoSet) break;
+    if (i == kNoSet) {
+      if (small_sets_ == sets_.size() && *std::max_element(front.lens, front.lens + front.n_bufs) > kSmallSliceBytes) {
+        return Keep(Internal("StreamedAdam: a slice of tensor id " + std::to_string(front.tensor_id) +
+                             " needs whole-chunk buffers, but the step planned for small slices only"));
+      }
+      break;
+    }
     Job j = front;
     queue_.pop_front();
     double ts = NowS();

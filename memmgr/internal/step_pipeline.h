@@ -101,11 +101,47 @@ inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, MomentDType m
 }
 
 // Staging buffers a step's pipeline takes from a pool of `pool` (a set per
-// slice, leaving two for concurrent pins): StepPipeline::Begin, and the bound
-// of what a Prefetch stages for it to adopt.
-inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, MomentDType moment) {
-  const size_t max_bufs = pool >= 5 ? pool - 2 : pool;
+// slice, leaving two for concurrent pins when the pool has them beyond the
+// pipeline's minimum, `min_bufs`: a full slice's chunks, or one buffer when
+// every slice of the state is small): StepPipeline::Begin, and the bound of
+// what a Prefetch stages for it to adopt.
+inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, MomentDType moment,
+                                  size_t min_bufs = 0) {
+  if (min_bufs == 0) min_bufs = SliceChunks(moment);
+  const size_t max_bufs = pool >= min_bufs + 2 ? pool - 2 : pool;
   return std::min<size_t>(max_bufs, size_t{SliceChunks(moment)} * StepPipelineSlices(o, moment));
+}
+
+// The slices of a state, for sizing the staging pool to it: big slices (a
+// field's chunk over kSmallSliceBytes) take a chunk-sized buffer per chunk,
+// small ones kSmallSliceBytes pieces of one.
+struct StateSlices {
+  uint64_t big = 0;
+  uint64_t small = 0;
+};
+
+// Small staging sets worth having: as many small slices as the pipeline's
+// ring can have in flight at once, at most the state's.
+inline uint64_t SmallSetsFor(const MemoryManagerOptions& o, MomentDType moment, const StateSlices& s) {
+  return std::min<uint64_t>(s.small, RingRequests(o) / SliceChunks(moment));
+}
+
+// The automatic staging pool for a state: the smaller of the throughput plan
+// (StepPipelineStaging) and what the state's slices can use at once (a set
+// per big slice up to the plan's depth, pieces for the small sets of
+// SmallSetsFor, at least one full slice when any slice is big), plus two
+// buffers for concurrent pins; 0 for no state. A state of a few small tensors
+// then takes a few buffers, not the plan's dozens.
+inline uint32_t StateStaging(const MemoryManagerOptions& o, MomentDType moment, uint64_t chunk_bytes,
+                             const StateSlices& s) {
+  if (s.big == 0 && s.small == 0) return 0;  // no state yet: nothing to grow for
+  const uint64_t bufs = SliceChunks(moment);
+  const uint64_t plan = StepPipelineStaging(o, moment);
+  const uint64_t pieces_per_buffer = std::max<uint64_t>(1, chunk_bytes / kSmallSliceBytes);
+  uint64_t need = bufs * std::min<uint64_t>(s.big, StepPipelineSlices(o, moment));
+  need += (SmallSetsFor(o, moment, s) * bufs + pieces_per_buffer - 1) / pieces_per_buffer;
+  if (s.big > 0) need = std::max(need, bufs);
+  return static_cast<uint32_t>(std::min(plan, need + 2));
 }
 
 class StepPipeline {
@@ -159,6 +195,14 @@ class StepPipeline {
   // with an entry is read from it and a missed one is admitted while there is
   // room (read from disk into the entry); the rest go through staging.
   void SetCacheMode(bool cache_mode, bool write_through);
+  // The slices of the state the step walks (StreamedAdam's registered
+  // params): Begin then makes as many small sets as they use, and no big set
+  // when every slice is small. Without it, Begin plans for a large state.
+  // REQUIRES: before Begin; every slice enqueued is one of them.
+  void SetStateSlices(const StateSlices& s) {
+    state_ = s;
+    has_state_ = true;
+  }
   // Test hook: no completion is reaped before the step drains, so what the
   // depth limits admit (not what the disk happens to finish) is in flight.
   void SetHoldCompletions(bool hold) { hold_completions_ = hold; }
@@ -325,6 +369,8 @@ class StepPipeline {
   uint64_t chunk_bytes_ = 0;
   uint32_t ring_requests_ = 0;  // the ChunkIo's queue depth (RingRequests)
   size_t small_sets_ = 0;       // small sets in sets_
+  StateSlices state_;           // SetStateSlices
+  bool has_state_ = false;
   Status error_;
 };
 

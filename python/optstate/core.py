@@ -426,6 +426,32 @@ class StreamedAdam(_Handle):
                  initial_ptr, int(initial_dtype), arr(shape), len(shape), ctypes.byref(pid), ctypes.byref(existed))
         return pid.value, bool(existed.value)
 
+    def register_params(self, names, numels, groups, initial_ptrs=None, initial_dtypes=None, shapes=None,
+                        global_shapes=None, shard_offsets=None):
+        """register_param for many params in one call (optstate_adam_register_params): lists of one entry
+        per param (shapes, global_shapes, shard_offsets: tuples, () for none; any list may be None).
+        Every registration is checked before any is made. Returns [(id, existed)]."""
+        n = len(names)
+        if n == 0:
+            return []
+        u64, sz = ctypes.c_uint64, ctypes.c_size_t
+
+        def dims(lists):
+            if lists is None or not any(lists):
+                return None, None
+            flat = [int(x) for v in lists for x in v]
+            return (sz * n)(*[len(v) for v in lists]), (u64 * max(1, len(flat)))(*flat)
+        nd, sh = dims(shapes)
+        gd, gs = dims(global_shapes)
+        od, so = dims(shard_offsets)
+        ids, existed = (ctypes.c_uint32 * n)(), (ctypes.c_int * n)()
+        call(lib.optstate_adam_register_params, self._live(), n, (ctypes.c_char_p * n)(*[_b(x) for x in names]),
+             (u64 * n)(*[int(x) for x in numels]), (ctypes.c_uint32 * n)(*[int(g) for g in groups]),
+             None if initial_ptrs is None else (ctypes.c_void_p * n)(*initial_ptrs),
+             None if initial_dtypes is None else (ctypes.c_int * n)(*[int(d) for d in initial_dtypes]),
+             nd, sh, gd, gs, od, so, ids, existed)
+        return [(ids[i], bool(existed[i])) for i in range(n)]
+
     def step_raw(self, n, ids, grads, grad_dtypes, params, param_dtypes, found_inf_ptr=None, grad_scale=0.0):
         """One step over n params given as ctypes arrays (see optstate_adam_step)."""
         call(lib.optstate_adam_step, self._live(), n, ids, grads, grad_dtypes, params, param_dtypes,

@@ -86,7 +86,8 @@ class AdamW(torch.optim.Optimizer):
       budget: device bytes the state may occupy during step() (hard cap). Default 2 GiB.
       backend: "auto" (cuda when a GPU is visible), "cuda" or "host" (CPU tensors).
       host_cache_bytes: pinned host cache tier (steps read the state from RAM, write to disk);
-             0 = off; "auto" (default): half of MemAvailable, at least 4 GiB left free, per local rank.
+             0 = off; "auto" (default): half of MemAvailable, at least 4 GiB left free, per local rank,
+             shared by every optimizer of the process that uses "auto".
       chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
       cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
       commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
@@ -217,8 +218,7 @@ class AdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[gid]
         self._send_hyper(gid, group)
-        for p in group["params"]:
-            self._register(p, gid)
+        self._register_all(group["params"], gid)
         if not self._constructing:
             self._commit_registrations()
 
@@ -246,23 +246,32 @@ class AdamW(torch.optim.Optimizer):
         if p.numel() == 0:
             raise errors.InvalidArgument("optstate.torch.AdamW: param %s has no elements" % name)
 
-    def _register(self, p, gid):
-        index = len(self._plist)
-        name = self._given_names.get(id(p), "param%d" % index)
-        if name in self._names:
-            raise errors.InvalidArgument("optstate.torch.AdamW: two params are named %s" % name)
-        pid, existed = self._adam.register_param(name, p.numel(), gid, p.data_ptr(), _DTYPES[p.dtype],
-                                                 tuple(p.shape), *self._shard_of(name, p))
-        if existed:  # resume: the model continues from the stored fp32 main
-            self._copy_main_to(name, p)
-        else:
-            self._new_registrations = True
-        self._plist.append(p)
-        self._numels.append(p.numel())
-        self._names.append(name)
-        self._ids.append(pid)
-        self._pgroup.append(gid)
-        self._by_tensor[id(p)] = index
+    def _register_all(self, params, gid):
+        """Registers a group's params in one C call (a model of thousands of small tensors registers
+        as fast as a few large ones); as _register for each, in order."""
+        names, seen = [], set(self._names)
+        for i, p in enumerate(params):
+            name = self._given_names.get(id(p), "param%d" % (len(self._plist) + i))
+            if name in seen:
+                raise errors.InvalidArgument("optstate.torch.AdamW: two params are named %s" % name)
+            seen.add(name)
+            names.append(name)
+        shards = [self._shard_of(name, p) for name, p in zip(names, params)]
+        got = self._adam.register_params(names, [p.numel() for p in params], [gid] * len(params),
+                                         [p.data_ptr() for p in params], [_DTYPES[p.dtype] for p in params],
+                                         [tuple(p.shape) for p in params], [g for g, _ in shards],
+                                         [o for _, o in shards])
+        for name, p, (pid, existed) in zip(names, params, got):
+            if existed:  # resume: the model continues from the stored fp32 main
+                self._copy_main_to(name, p)
+            else:
+                self._new_registrations = True
+            self._by_tensor[id(p)] = len(self._plist)
+            self._plist.append(p)
+            self._numels.append(p.numel())
+            self._names.append(name)
+            self._ids.append(pid)
+            self._pgroup.append(gid)
         self._batch_key = None
 
     def _shard_of(self, name, p):

@@ -382,10 +382,11 @@ TEST(StreamedAdamQ8Moments, PinsOfScaleFieldsAreRefusedAndCodesPinAsStored) {
 
 // The automatic staging pool holds enough slices of every moment dtype to
 // fill both depth limits (queue_depth reads and write_queue_depth writes,
-// counted in chunks' bytes): a q8 slice takes eight buffers (four of main,
-// a codes and an absmax chunk of each moment) and moves six chunks' worth,
-// so a pool sized for three-chunk f32 slices would leave the disk's queue
-// part empty.
+// counted in chunks' bytes) for a state with at least that many slices: a q8
+// slice takes eight buffers (four of main, a codes and an absmax chunk of
+// each moment) and moves six chunks' worth, so a pool sized for three-chunk
+// f32 slices would leave the disk's queue part empty. (A smaller state gets
+// a pool of its own size: reliability's ResourcesTest.)
 TEST(StreamedAdamQ8Moments, AutomaticStagingFillsBothQueuesForEveryMomentDtype) {
   MEMMGR_REQUIRE_BACKEND();
   struct Case {
@@ -405,12 +406,15 @@ TEST(StreamedAdamQ8Moments, AutomaticStagingFillsBothQueuesForEveryMomentDtype) 
     so.moment_dtype = c.dtype;
     auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
     ASSERT_OK(sa->SetGroup(TestGroup()));
-    const uint64_t n = 1000;
-    std::vector<float> w(n, 0.5f), gh(n, 0.25f);
-    DeviceBuffer init(env.mm.get(), n * 4), grad(env.mm.get(), n * 4);
-    init.Upload(w.data());
+    // As many whole slices as the plan stages at once (a slice is one chunk
+    // of each moment: chunk / moment bytes elements).
+    const uint64_t elems_per_slice =
+        kChunk / (c.dtype == MomentDType::kF32 ? 4 : c.dtype == MomentDType::kBF16 ? 2 : 1);
+    const uint64_t n = elems_per_slice * ((mo.queue_depth + mo.write_queue_depth) / c.slice_bytes_in_chunks + 4);
+    std::vector<float> gh(n, 0.25f);
+    DeviceBuffer grad(env.mm.get(), n * 4);
     grad.Upload(gh.data());
-    ASSERT_OK(sa->RegisterParam("w", n, 0, init.get(), DType::kF32));
+    ASSERT_OK(sa->RegisterParam("w", n, 0, nullptr, DType::kF32));
     const std::vector<ParamGrad> list = {
         ParamGrad{.name = "w", .d_grad = grad.get(), .grad_type = DType::kF32, .numel = n}};
     ASSERT_OK(sa->Step(list));

@@ -253,6 +253,47 @@ class CapiTest(TempDirTest):
         for f, v in b_state.items():
             np.testing.assert_array_equal(store.read("b", f), v, err_msg=f)
 
+    def test_register_params_in_one_call(self):
+        """register_params checks every registration before it makes any (a bad one changes nothing),
+        then registers all of them as one-by-one registrations would: the same stored mains and shapes,
+        existed set for params the store holds, and a step over them equals one over params registered
+        one by one."""
+        store, mm, adam = self.open()
+        ws = [np.arange(k + 1, dtype=np.float32) * (k + 1) for k in range(40)]
+        names = ["t%d" % k for k in range(40)]
+        bad = names[:-1] + [names[0]]  # a name given twice: nothing may be registered
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            adam.register_params(bad, [w.size for w in ws], [0] * 40, [w.ctypes.data for w in ws], [optstate.F32] * 40)
+        self.assertIn("t0", str(cm.exception))
+        with self.assertRaises(optstate.InvalidArgument):  # a shape that does not match numel: likewise
+            adam.register_params(names, [w.size for w in ws], [0] * 40, [w.ctypes.data for w in ws],
+                                 [optstate.F32] * 40, [(w.size,) for w in ws[:-1]] + [(99,)])
+        got = adam.register_params(names, [w.size for w in ws], [0] * 40, [w.ctypes.data for w in ws],
+                                   [optstate.F32] * 40, [(w.size,) for w in ws])
+        self.assertEqual([e for _, e in got], [False] * 40)
+        self.assertEqual(len({i for i, _ in got}), 40)
+        adam.make_durable()
+        for name, w in zip(names, ws):
+            np.testing.assert_array_equal(store.read(name, "main"), w, err_msg=name)
+        gs = [np.full(w.size, 0.5, dtype=np.float32) for w in ws]
+        adam.step([i for i, _ in got], [g.ctypes.data for g in gs], [optstate.F32] * 40)
+        adam.make_durable()
+        batched = [store.read(n, "main") for n in names]
+        store.close()
+        # The same params registered one by one, in a store of their own.
+        store2, mm2, adam2 = self.open("one_by_one")
+        ids = [adam2.register_param(n, w.size, 0, w.ctypes.data, optstate.F32, (w.size,))[0]
+               for n, w in zip(names, ws)]
+        adam2.step(ids, [g.ctypes.data for g in gs], [optstate.F32] * 40)
+        adam2.make_durable()
+        for n, b in zip(names, batched):
+            np.testing.assert_array_equal(store2.read(n, "main"), b, err_msg=n)
+        store2.close()
+        store, mm, adam = self.open()  # resume: every param exists
+        got = adam.register_params(names, [w.size for w in ws], [0] * 40, [w.ctypes.data for w in ws],
+                                   [optstate.F32] * 40)
+        self.assertEqual([e for _, e in got], [True] * 40)
+
     def test_snapshots_stats_and_sleep(self):
         store, mm, adam = self.open()
         w = np.ones(100, dtype=np.float32)

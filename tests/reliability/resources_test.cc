@@ -10,9 +10,14 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include <gtest/gtest.h>
 
+#include "memmgr/internal/host_cache.h"
+#include "memmgr/internal/device.h"
+#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/step_pipeline.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
 #include "tests/common/test_util.h"
@@ -103,6 +108,119 @@ TEST(ResourcesTest, LowMemlockLimitFailsClearlyAtStart) {
   StackReference ref;
   uint64_t bytes = 0;
   CheckStore(store, 1, &ref, &bytes, "after the memlock runs");
+}
+
+// /proc/self/status's `key` (VmRSS, VmLck) in bytes.
+uint64_t StatusBytes(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string k;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> k) {
+    if (k == std::string(key) + ":") {
+      in >> kib;
+      return kib << 10;
+    }
+    std::getline(in, unit);
+  }
+  return 0;
+}
+
+// An optimizer of a small model (10 tensors of 1000 params: 120 KB of
+// state) holds pinned staging in proportion to that state, not the
+// throughput plan's dozens of chunk-sized buffers: its small slices fit
+// kSmallSliceBytes pieces of one buffer, plus two buffers kept for pins.
+TEST(ResourcesTest, StagingFollowsTheStateSize) {
+  wl::TempDir dir;
+  vfs::StoreOptions so;
+  so.chunk_size_bytes = 8ull << 20;  // the default chunk size
+  auto store = vfs::Store::Create(dir / "store", so);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  const uint64_t locked0 = StatusBytes("VmLck");
+  memmgr::MemoryManagerOptions mo;
+  mo.backend = memmgr::Backend::kHost;
+  mo.host_cache_bytes = 64ull << 20;
+  auto mm = memmgr::MemoryManager::Create(store->get(), mo);
+  ASSERT_TRUE(mm.ok()) << mm.status().ToString();
+  auto sa = memmgr::StreamedAdam::Create(store->get(), mm->get(), {});
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString();
+  constexpr uint32_t kTensors = 10;
+  constexpr uint64_t kNumel = 1000;
+  std::vector<std::vector<float>> w(kTensors, std::vector<float>(kNumel, 0.5f)), g = w;
+  std::vector<memmgr::ParamGrad> grads;
+  for (uint32_t k = 0; k < kTensors; ++k) {
+    const std::string name = "small." + std::to_string(k);
+    ASSERT_OK((*sa)->RegisterParam(name, kNumel, 0, w[k].data(), DType::kF32));
+    memmgr::ParamGrad pg;
+    pg.name = name;
+    pg.d_grad = g[k].data();
+    pg.numel = kNumel;
+    grads.push_back(pg);
+  }
+  for (int t = 0; t < 3; ++t) ASSERT_OK((*sa)->Step(grads));
+  ASSERT_OK((*sa)->WaitForCommit());
+  const memmgr::MemoryStats st = (*mm)->stats();
+  const uint64_t chunk = (*store)->chunk_size_bytes();
+  // The state's slices in kSmallSliceBytes pieces (3 a slice), in whole
+  // buffers, plus the two kept for pins.
+  const uint64_t pieces = 3 * kTensors;
+  const uint64_t bound = 2 + (pieces * memmgr::internal::kSmallSliceBytes + chunk - 1) / chunk;
+  EXPECT_LE(st.staging_buffers, bound) << "staging of " << st.staging_buffers << " buffers of " << chunk
+                                       << " bytes for " << kTensors * kNumel * 12 << " bytes of state";
+  // Everything pinned (staging, the host cache's entries) stays within that
+  // and the state's cache entries (4 KiB each), with 1 MiB of slack.
+  const uint64_t locked = StatusBytes("VmLck") - locked0;
+  EXPECT_LE(locked, bound * chunk + 3 * kTensors * 4096 + (1ull << 20)) << "pinned bytes added: " << locked;
+  std::printf("staging %u buffers (bound %llu), pinned added %llu bytes\n", st.staging_buffers,
+              static_cast<unsigned long long>(bound), static_cast<unsigned long long>(locked));
+}
+
+// Host caches that share a budget (as every manager with the automatic host
+// cache shares the process's) hold at most its capacity together.
+TEST(ResourcesTest, HostCachesSharingABudgetStayWithinIt) {
+  auto dev = memmgr::internal::NewHostDevice(false);
+  auto budget = std::make_shared<memmgr::internal::CacheBudget>(16 * 4096);
+  memmgr::internal::HostCache a(dev.get(), budget), b(dev.get(), budget);
+  std::vector<char> chunk(4096, 7);
+  for (uint64_t c = 0; c < 12; ++c) a.Put(memmgr::internal::ChunkKey{1, 0, c}, chunk.data(), chunk.size());
+  for (uint64_t c = 0; c < 12; ++c) b.Put(memmgr::internal::ChunkKey{2, 0, c}, chunk.data(), chunk.size());
+  EXPECT_EQ(a.bytes(), 12u * 4096);
+  EXPECT_EQ(b.bytes(), 4u * 4096) << "the second cache took more than the budget left";
+  EXPECT_LE(a.bytes() + b.bytes(), budget->capacity_bytes());
+  EXPECT_EQ(b.capacity_bytes(), 4u * 4096);
+}
+
+// Two managers with the automatic host cache in one process draw from one
+// budget (the documented share: half of MemAvailable, at least 4 GiB left
+// free, per node divided among its ranks), not one share each.
+TEST(ResourcesTest, AutoHostCacheIsOneBudgetPerProcess) {
+  wl::TempDir dir;
+  auto s1 = vfs::Store::Create(dir / "one", StackStoreOptions());
+  auto s2 = vfs::Store::Create(dir / "two", StackStoreOptions());
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  memmgr::MemoryManagerOptions mo;
+  mo.backend = memmgr::Backend::kHost;
+  auto m1 = memmgr::MemoryManager::Create(s1->get(), mo);
+  ASSERT_TRUE(m1.ok()) << m1.status().ToString();
+  const uint64_t share = (*m1)->options().host_cache_bytes;
+  if (share < (64ull << 20)) GTEST_SKIP() << "the automatic share here is " << share << " bytes";
+  // The first manager's cache holds some chunks...
+  auto sa = memmgr::StreamedAdam::Create(s1->get(), m1->get(), {});
+  ASSERT_TRUE(sa.ok()) << sa.status().ToString();
+  std::vector<float> w(3 * kStackChunk / 4, 1.0f);
+  ASSERT_OK((*sa)->RegisterParam("p", w.size(), 0, w.data(), DType::kF32));
+  memmgr::ParamGrad pg;
+  pg.name = "p";
+  pg.d_grad = w.data();
+  ASSERT_OK((*sa)->Step(std::span<const memmgr::ParamGrad>(&pg, 1)));
+  ASSERT_OK((*sa)->WaitForCommit());
+  const uint64_t held = (*m1)->stats().cache_bytes;
+  ASSERT_GT(held, 0u);
+  // ... so the second has the share less that, and both report the one share.
+  auto m2 = memmgr::MemoryManager::Create(s2->get(), mo);
+  ASSERT_TRUE(m2.ok()) << m2.status().ToString();
+  EXPECT_EQ((*m2)->options().host_cache_bytes, share);
+  EXPECT_EQ(memmgr::internal::ImplOf(**m2)->cache()->capacity_bytes(), share - held);
 }
 
 TEST(ResourcesTest, FullDiskMidStepThenFreedSpace) {

@@ -236,12 +236,14 @@ OPTSTATE_EXPORT void optstate_mm_options_set_device_budget_bytes(optstate_mm_opt
 /* Pinned host cache tier (RAM as a read tier: steps read the chunks it
  * holds from RAM and write every generation through to disk), bytes; 0 = off.
  * Default OPTSTATE_HOST_CACHE_AUTO: half of MemAvailable, leaving at least
- * 4 GiB free, divided among the node's ranks (LOCAL_WORLD_SIZE); see
+ * 4 GiB free, divided among the node's ranks (LOCAL_WORLD_SIZE), one budget
+ * shared by every manager of the process that uses it; see
  * memmgr/memory_manager.h MemoryManagerOptions::host_cache_bytes. */
 #define OPTSTATE_HOST_CACHE_AUTO UINT64_MAX
 OPTSTATE_EXPORT void optstate_mm_options_set_host_cache_bytes(optstate_mm_options_t* opts, uint64_t bytes);
 /* Chunk slices the step pipeline stages at once (staging buffers: 3n + 4);
- * 0 = auto (default: enough to keep the I/O queues full). */
+ * 0 = auto (default: enough to keep the I/O queues full, fewer when the
+ * state's slices cannot use them: the pool grows with the state). */
 OPTSTATE_EXPORT void optstate_mm_options_set_read_ahead_chunks(optstate_mm_options_t* opts, uint32_t n);
 /* CUDA device ordinal (cuda backend). Default 0. */
 OPTSTATE_EXPORT void optstate_mm_options_set_cuda_device(optstate_mm_options_t* opts, int device);
@@ -390,6 +392,23 @@ OPTSTATE_EXPORT int optstate_adam_register_shard(optstate_adam_t* adam, const ch
                                                  const uint64_t* shape, size_t ndim, const uint64_t* global_shape,
                                                  size_t global_ndim, const uint64_t* shard_offset,
                                                  size_t offset_ndim, uint32_t* id, int* existed, char** errptr);
+/* Registers n params in one call (a model of thousands of small tensors:
+ * one call, their initial mains written with many writes in flight); per
+ * param i as optstate_adam_register_shard with names[i], numels[i],
+ * groups[i], initials[i] (initials may be NULL: all zeros) of
+ * initial_dtypes[i], and shape, global shape and shard offset of ndims[i],
+ * global_ndims[i] and offset_ndims[i] extents, taken in order from the
+ * concatenated arrays shapes, global_shapes and shard_offsets (any ndims
+ * array may be NULL: all 0). ids[i] and existed[i] (existed may be NULL) as
+ * there. Every registration is checked before any is made: an error names
+ * the param and nothing changes (a name given twice is INVALID_ARGUMENT). */
+OPTSTATE_EXPORT int optstate_adam_register_params(optstate_adam_t* adam, size_t n, const char* const* names,
+                                                  const uint64_t* numels, const uint32_t* groups,
+                                                  const void* const* initials, const int* initial_dtypes,
+                                                  const size_t* ndims, const uint64_t* shapes,
+                                                  const size_t* global_ndims, const uint64_t* global_shapes,
+                                                  const size_t* offset_ndims, const uint64_t* shard_offsets,
+                                                  uint32_t* ids, int* existed, char** errptr);
 /* numel of a registered param (NOT_FOUND otherwise). */
 OPTSTATE_EXPORT int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel,
                                               char** errptr);
