@@ -461,6 +461,17 @@ int optstate_adam_commit(optstate_adam_t* adam, uint64_t* generation, char** err
 uint64_t optstate_adam_step_count(const optstate_adam_t* adam, uint32_t group) {
   return adam->rep->step_count(group);
 }
+int optstate_adam_param_step_count(const optstate_adam_t* adam, const char* name, uint64_t* out, char** errptr) {
+  const char* what = "optstate_adam_param_step_count";
+  return Guard(errptr, what, [&]() -> Status {
+    if (name == nullptr) return NullArgument(what, "name");
+    if (out == nullptr) return NullArgument(what, "out");
+    auto n = adam->rep->param_step_count(name);
+    if (!n.ok()) return n.status();
+    *out = *n;
+    return Status::Ok();
+  });
+}
 uint64_t optstate_adam_last_generation(const optstate_adam_t* adam) { return adam->rep->last_generation(); }
 uint64_t optstate_adam_global_step(const optstate_adam_t* adam) { return adam->rep->global_step(); }
 void optstate_adam_set_global_step(optstate_adam_t* adam, uint64_t step) { adam->rep->set_global_step(step); }

@@ -107,6 +107,8 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     // failed step, or a crash before the first commit) holds no state: it is
     // not a param until RegisterParam takes it over with its initial weights.
     if (t.created_generation > gen.generation) continue;
+    const uint64_t count = vfs::TensorStepCount(gen, t);
+    sa->tensor_counts_[t.id] = TensorCount{count, count};
     Param p;
     p.info = t;
     auto a = store->FieldIndex(t, "main");
@@ -185,6 +187,16 @@ std::vector<std::string> StreamedAdam::ParamNames() const {
 uint64_t StreamedAdam::step_count(uint32_t group) const {
   auto it = step_counts_.find(group);
   return it == step_counts_.end() ? 0 : it->second;
+}
+
+Result<uint64_t> StreamedAdam::param_step_count(const std::string& name) const {
+  auto it = params_.find(name);
+  if (it == params_.end()) {
+    return NotFound("StreamedAdam::param_step_count: store " + store_->path() + " has no param '" + name + "'" +
+                    (retired_.count(name) ? " in this run (retired)" : ""));
+  }
+  auto c = tensor_counts_.find(it->second.info.id);
+  return c == tensor_counts_.end() ? 0 : c->second.now;
 }
 
 uint64_t StreamedAdam::last_generation() const { return last_generation_; }

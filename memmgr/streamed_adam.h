@@ -12,9 +12,12 @@
 // hyperparameters. Disk reads, disk writes, copies and compute overlap.
 //
 // Decisions:
-//  - Parameters that get no gradient in a step keep their state unchanged; the
-//    group's step count still advances when any of its parameters stepped
-//    (bias correction uses the group's count; the store persists per group).
+//  - Step counts are per param, as torch's optimizers keep them: a param that
+//    gets no gradient in a step keeps its state and its count unchanged, and
+//    its bias correction uses its own count (param_step_count). A group's
+//    step_count counts the steps in which any of its params stepped. The
+//    store persists both with each generation (vfs::TensorStepCount); a
+//    skipped step (found-inf) counts for no one.
 //  - Gradient scale (loss scaling, e.g. torch's GradScaler): gradients are
 //    multiplied by 1/scale. The scale starts at StreamedAdamOptions::
 //    grad_scale; SetGradScale changes it from the next step on; a step given
@@ -37,7 +40,8 @@
 //    write-backs) and is returned; nothing is committed. After a CUDA error the
 //    optimizer is poisoned: every later call fails (sticky CUDA errors).
 //  - Reopening: Create() on a store with tensors restores groups, step counts
-//    and every committed tensor that has main/exp_avg/exp_avg_sq as a param.
+//    (per group and per param) and every committed tensor that has
+//    main/exp_avg/exp_avg_sq as a param.
 //    RegisterParam of an existing param with the same geometry (numel, group,
 //    dtype when initial_type is given, shape, global shape, shard offset) is a
 //    no-op that keeps the stored state; any difference is kInvalidArgument
@@ -345,7 +349,13 @@ class StreamedAdam {
   // A prefetch runs (or ran and was not yet stopped by a wait point).
   bool prefetch_running() const { return prefetch_ != nullptr; }
 
+  // Steps in which any param of the group stepped (0 for an unknown group).
   uint64_t step_count(uint32_t group) const;
+  // The param's own step count: the steps it took (had a gradient in) over
+  // the store's life, the count its next update's bias correction follows
+  // (+ 1). Counts this run's steps not yet committed (see step_count).
+  // kNotFound for a name that is not a param of this run.
+  Result<uint64_t> param_step_count(const std::string& name) const;
   uint64_t last_generation() const;
   bool last_step_skipped() const { return last_step_skipped_; }
   // Global (trainer) step stored with the next commit minus one.
@@ -448,6 +458,17 @@ class StreamedAdam {
   uint64_t last_generation_ = 0;
   uint64_t uncommitted_steps_ = 0;                  // steps only in the host cache
   std::map<uint32_t, uint64_t> committed_step_counts_;
+  // Per-tensor step counts by tensor id: every param's and every other
+  // tensor's of the last commit (retired params, tensors that are not Adam
+  // params), so that each commit carries all of them.
+  struct TensorCount {
+    uint64_t now = 0;        // with the steps not yet committed (cached, in flight)
+    uint64_t committed = 0;  // in the last committed generation
+  };
+  std::map<uint32_t, TensorCount> tensor_counts_;
+  // After a step that is kept: one more step for each group and param that
+  // stepped in it (groups_stepped_, stepped_).
+  void AdvanceCounts();
   uint64_t committed_global_step_ = 0;
   bool step_cache_mode_ = false;                    // the current step's slices live in the cache
   bool step_write_through_ = true;                  // the current step writes and commits
@@ -466,7 +487,7 @@ class StreamedAdam {
   float grad_scale_ = 1.0f;       // SetGradScale (from StreamedAdamOptions::grad_scale)
   float step_grad_scale_ = 1.0f;  // the current step's scale
   std::map<uint32_t, bool> groups_stepped_;
-  std::set<std::string> stepped_;  // params stepped in the current step
+  std::set<std::string> stepped_;  // params stepped in the current (or last) step
   std::unique_ptr<internal::StepPipeline> pipeline_;
   // The optimizer's ChunkIo (registers the manager's staging buffers once;
   // used by WriteMain and the step pipeline, never concurrently).

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,7 +40,19 @@ vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
                 {"weight_decay", g.weight_decay}, {"adamw", g.adamw ? 1.0 : 0.0}};
     ci.groups.push_back(std::move(gi));
   }
+  // Every tensor's count (Store::Commit keeps those that differ from their
+  // group's).
+  std::set<uint32_t> stepped;
+  if (advance) {
+    for (const std::string& n : stepped_) stepped.insert(params_.at(n).info.id);
+  }
+  for (const auto& [id, c] : tensor_counts_) ci.tensor_steps[id] = c.now + (stepped.count(id) ? 1 : 0);
   return ci;
+}
+
+void StreamedAdam::AdvanceCounts() {
+  for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+  for (const std::string& n : stepped_) tensor_counts_[params_.at(n).info.id].now += 1;
 }
 
 bool StreamedAdam::CacheHoldsState() const {
@@ -67,6 +80,7 @@ void StreamedAdam::NoteCommitted(uint64_t gen) {
   ImplOf(*mm_)->cache()->MarkAllClean();
   uncommitted_steps_ = 0;
   committed_step_counts_ = step_counts_;
+  for (auto& [id, c] : tensor_counts_) c.committed = c.now;
   committed_global_step_ = global_step_;
   for (auto& [name, p] : params_) {
     p.committed = true;
@@ -85,6 +99,7 @@ std::string StreamedAdam::RevertUncommitted() {
     auto it = committed_step_counts_.find(id);
     n = it == committed_step_counts_.end() ? 0 : it->second;
   }
+  for (auto& [id, c] : tensor_counts_) c.now = c.committed;
   global_step_ = committed_global_step_;
   uncommitted_steps_ = 0;
   return msg;
@@ -235,6 +250,10 @@ Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
     committed_global_step_ = c->info.step;
     committed_step_counts_.clear();
     for (const vfs::GroupInfo& g : c->info.groups) committed_step_counts_[g.id] = g.step_count;
+    for (auto& [id, tc] : tensor_counts_) {
+      auto it = c->info.tensor_steps.find(id);
+      if (it != c->info.tensor_steps.end()) tc.committed = it->second;
+    }
     return Status::Ok();
   }
   // The thread dropped the pending generation (and the host cache with it):
@@ -243,6 +262,7 @@ Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
     auto it = committed_step_counts_.find(id);
     n = it == committed_step_counts_.end() ? 0 : it->second;
   }
+  for (auto& [id, tc] : tensor_counts_) tc.now = tc.committed;
   global_step_ = committed_global_step_;
   uncommitted_steps_ = 0;
   Status err = c->status.WithContext(

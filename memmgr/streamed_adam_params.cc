@@ -108,6 +108,7 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
       ImplOf(*mm_)->cache()->EraseTensor(p.info.id);
       (void)ImplOf(*mm_)->DropTensor(p.info.id);
       dropped_.insert(it->first);
+      tensor_counts_.erase(p.info.id);
       it = params_.erase(it);
       continue;
     }
@@ -370,6 +371,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
     }
     p.committed = false;
     p.registered = true;
+    tensor_counts_[p.info.id] = TensorCount{0, 0};  // a new param has taken no step
     any_registered_ = true;
     registrations_pending_ = true;
     dropped_.erase(name);

@@ -206,7 +206,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   ap.eps = grp.eps;
   ap.weight_decay = grp.weight_decay;
   ap.mode = grp.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
-  ap.step = step_count(p.info.group) + 1;
+  ap.step = tensor_counts_.at(p.info.id).now + 1;  // the param's own count, as torch's
   ap.grad_scale = step_grad_scale_;
   groups_stepped_[p.info.group] = true;
   // A slice is one chunk of each moment and the main chunks of its elements
@@ -256,7 +256,6 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
 Result<uint64_t> StreamedAdam::EndStep() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (!in_step_) return FailedPrecondition("StreamedAdam::EndStep: no BeginStep");
-  stepped_.clear();
   if (step_skip_) {
     in_step_ = false;
     last_step_skipped_ = true;
@@ -284,7 +283,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
       NoteReadSideStats(*pipeline_);
       StartBackgroundCommit();
       const uint64_t gen = inflight_->generation;
-      for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+      AdvanceCounts();
       ++global_step_;
       last_step_skipped_ = false;
       in_step_ = false;
@@ -337,7 +336,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
   }
   if (!step_write_through_) {
     // Deferred durability: the step lives in the host cache only.
-    for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+    AdvanceCounts();
     ++global_step_;
     ++uncommitted_steps_;
     last_step_skipped_ = false;
@@ -356,7 +355,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
   auto gen = store_->Commit(MakeCommitInfo(true));
   last_stats_.commit_seconds = NowS() - tcommit;
   if (!gen.ok()) return Fail(gen.status().WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
-  for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
+  AdvanceCounts();
   ++global_step_;
   NoteCommitted(*gen);
   last_step_skipped_ = false;

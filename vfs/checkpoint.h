@@ -96,6 +96,10 @@ struct ManifestTensor {
   DType dtype = DType::kF32;
   uint64_t numel = 0;
   uint32_t group = 0;
+  // The tensor's own Adam step count (TensorStepCount): a param that got no
+  // gradient in a step keeps its count. Absent in manifests written before
+  // it existed: the group's step_count.
+  uint64_t step_count = 0;
   std::vector<uint64_t> shape;
   std::vector<uint64_t> global_shape;
   std::vector<uint64_t> shard_offset;
@@ -138,14 +142,18 @@ Result<Manifest> ManifestFromView(const GenerationView& view);
 // Deterministic JSON (same Manifest -> same bytes), newline-terminated.
 std::string SerializeManifest(const Manifest& m);
 // Strict parse + validation: every key present and typed, ranges checked
-// (hyperparameters by ValidateHyperparameters; a group's step_count at most
-// the manifest's step), every tensor's group listed in groups[] (unless
+// (hyperparameters by ValidateHyperparameters; a group's and a tensor's
+// step_count at most the manifest's step), every tensor's group listed in groups[] (unless
 // groups[] is empty: a store that records no optimizer groups), chunks
 // contiguous and covering each field, file names consistent, no
 // duplicates. Errors are kInvalidArgument/kCorruption naming `source` (the
 // manifest path) and the JSON key. Never throws, never crashes on any input
 // (fuzzed: tests/vfs/fuzz/manifest_fuzz.cc).
 Result<Manifest> ParseManifest(std::string_view json, std::string_view source);
+
+// The per-tensor step counts of m for a CommitInfo: store tensor id (found
+// by name in `store`) -> the manifest tensor's step_count.
+Result<std::map<uint32_t, uint64_t>> TensorStepsOf(Store* store, const Manifest& m);
 
 // ---- the virtual files of a generation -----------------------------------
 
@@ -266,7 +274,7 @@ struct RestoreOptions {
 // (every tensor present with the same numel, dtype, group, shapes, shard offset,
 // fields; differences are listed in the error), verifies every chunk of every
 // field file (size and XXH3), writes all chunks and commits one generation with
-// the manifest's step and groups. Returns the new generation. On error nothing
+// the manifest's step, groups and per-tensor step counts. Returns the new generation. On error nothing
 // is committed (AbortPending) and the store is unchanged.
 // REQUIRES: store is writable, no writes pending, no other writer.
 Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir,

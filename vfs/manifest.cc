@@ -64,6 +64,7 @@ Result<Manifest> ManifestFromView(const GenerationView& view) {
     mt.dtype = t.dtype;
     mt.numel = t.numel;
     mt.group = t.group;
+    mt.step_count = TensorStepCount(view.info(), t);
     mt.shape = t.shape.empty() ? std::vector<uint64_t>{t.numel} : t.shape;
     mt.global_shape = t.global_shape.empty() ? mt.shape : t.global_shape;
     mt.shard_offset = t.shard_offset.empty() ? std::vector<uint64_t>(mt.global_shape.size(), 0)
@@ -129,6 +130,7 @@ std::string SerializeManifest(const Manifest& m) {
     jt["dtype"] = DTypeName(t.dtype);
     jt["numel"] = t.numel;
     jt["group"] = t.group;
+    jt["step_count"] = t.step_count;
     jt["shape"] = t.shape;
     jt["global_shape"] = t.global_shape;
     jt["shard_offset"] = t.shard_offset;
@@ -158,6 +160,15 @@ std::string SerializeManifest(const Manifest& m) {
   }
   j["tensors"] = std::move(tensors);
   return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+Result<std::map<uint32_t, uint64_t>> TensorStepsOf(Store* store, const Manifest& m) {
+  std::map<uint32_t, uint64_t> steps;
+  for (const ManifestTensor& mt : m.tensors) {
+    OPTSTATE_ASSIGN_OR_RETURN(TensorInfo t, store->FindTensor(mt.name));
+    steps[t.id] = mt.step_count;
+  }
+  return steps;
 }
 
 TensorSpec TensorSpecOf(const ManifestTensor& mt) {

@@ -224,6 +224,17 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
       return p.Err(path + "group", fmt::format("group {} is not among the manifest's groups ({})",
                                                t.group, fmt::join(group_ids, ", ")));
     }
+    // A manifest written before per-tensor counts: the group's count.
+    for (const GroupInfo& g : m->groups) {
+      if (g.id == t.group) t.step_count = g.step_count;
+    }
+    if (jt.contains("step_count")) {
+      OPTSTATE_RETURN_IF_ERROR(p.U64(jt, path, "step_count", UINT64_MAX, &t.step_count));
+      if (t.step_count > m->step) {
+        return p.Err(path + "step_count", fmt::format("tensor '{}' took {} steps, more than the checkpoint's step {}",
+                                                      t.name, t.step_count, m->step));
+      }
+    }
     OPTSTATE_RETURN_IF_ERROR(p.U64Array(jt, path, "shape", &t.shape));
     OPTSTATE_RETURN_IF_ERROR(p.U64Array(jt, path, "global_shape", &t.global_shape));
     OPTSTATE_RETURN_IF_ERROR(p.U64Array(jt, path, "shard_offset", &t.shard_offset));

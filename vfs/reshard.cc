@@ -175,6 +175,7 @@ class Resharder {
         t.dtype = g.dtype;
         t.numel = static_cast<uint64_t>(Volume(box.shape));
         t.group = g.group;
+        t.step_count = g.step_count;
         t.shape = box.shape;
         t.global_shape = g.global_shape;
         t.shard_offset = box.offset;

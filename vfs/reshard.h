@@ -7,7 +7,8 @@
 // TargetLayout gives, per destination rank, the shard each tensor of that
 // rank covers; boxes and flat ranges mix freely. Reshard
 // checks that the sources tile every global tensor exactly once and agree on
-// step, generation, groups, dtypes and fields, that the target tiles the same
+// step, generation, groups, dtypes and fields (and the pieces of a tensor on
+// its step count), that the target tiles the same
 // global tensors exactly once, and then streams the bytes: every source chunk
 // is read once, verified against its manifest XXH3, and scattered into the
 // destination field files and state.safetensors; the destination manifests

@@ -101,6 +101,7 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
         g.name = mt.name;
         g.dtype = mt.dtype;
         g.group = mt.group;
+        g.step_count = mt.step_count;
         g.global_shape = mt.global_shape;
         g.fields = fields;
       } else {
@@ -115,6 +116,11 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
         }
         if (g.dtype != mt.dtype) return differ("dtype", DTypeName(g.dtype), DTypeName(mt.dtype));
         if (g.group != mt.group) return differ("group", std::to_string(g.group), std::to_string(mt.group));
+        // Adam's bias correction is per tensor: pieces of one tensor that
+        // took different numbers of steps cannot be one tensor's state.
+        if (g.step_count != mt.step_count) {
+          return differ("step_count", std::to_string(g.step_count), std::to_string(mt.step_count));
+        }
         if (g.fields != fields) {
           auto text = [](const ManifestTensor& t) {
             std::vector<std::string> v;

@@ -399,6 +399,7 @@ Result<uint64_t> Import(Store* store, const Manifest& m, const SafetensorsPlan& 
   CommitInfo ci;
   ci.step = m.step;
   ci.groups = m.groups;
+  OPTSTATE_ASSIGN_OR_RETURN(ci.tensor_steps, TensorStepsOf(store, m));
   return store->Commit(ci);
 }
 

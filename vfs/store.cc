@@ -40,6 +40,14 @@ namespace optstate::vfs {
 
 std::string Q8ScalesField(std::string_view codes) { return std::string(codes) + ".absmax"; }
 
+uint64_t TensorStepCount(const GenerationInfo& g, const TensorInfo& t) {
+  if (auto it = g.tensor_steps.find(t.id); it != g.tensor_steps.end()) return it->second;
+  for (const GroupInfo& gr : g.groups) {
+    if (gr.id == t.group) return gr.step_count;
+  }
+  return 0;
+}
+
 std::vector<FieldSpec> AdamFields() {
   return {{"main", DType::kF32}, {"exp_avg", DType::kF32}, {"exp_avg_sq", DType::kF32}};
 }

@@ -40,9 +40,9 @@
 // Generations (copy-on-write). Writes go to a fresh extent (a chunk-size slot in
 // a data file), never over one a committed generation, snapshot or reader lease
 // still references. Commit() makes the new extents durable (fdatasync), then
-// publishes the new chunk versions, per-group step counts, hyperparameters and
-// the step number in one synced RocksDB WriteBatch. After a crash at any
-// instant Open() yields the last committed generation bit-exact; the extents of
+// publishes the new chunk versions, per-group and per-tensor step counts,
+// hyperparameters and the step number in one synced RocksDB WriteBatch. After
+// a crash at any instant Open() yields the last committed generation bit-exact; the extents of
 // the uncommitted one are free again (free space is derived from the index at
 // Open, never stored). A failed fsync poisons the store until reopen.
 //
@@ -190,15 +190,27 @@ struct GroupInfo {
   std::map<std::string, double> hyper;
 };
 
+// Per-tensor step counts. torch's optimizers count steps per param (a param
+// without a gradient in a step keeps its count), so a generation records the
+// count of every tensor: GroupInfo::step_count (the steps in which any tensor
+// of the group stepped) for most, and in tensor_steps (tensor id -> count)
+// those whose count differs from their group's. TensorStepCount reads it.
 struct CommitInfo {
   uint64_t step = 0;                 // the trainer's global step
   std::vector<GroupInfo> groups;     // replaces the previous generation's groups
+  // Replaces the previous generation's per-tensor counts: a tensor not listed
+  // takes its group's step_count. Entries equal to the group's count are
+  // dropped; an id the generation does not hold is kInvalidArgument.
+  std::map<uint32_t, uint64_t> tensor_steps = {};
 };
 
 struct GenerationInfo {
   uint64_t generation = 0;           // 0 = the empty store before any commit
   uint64_t step = 0;
   std::vector<GroupInfo> groups;
+  // Tensor id -> step count, only where it differs from the group's
+  // step_count (generations committed before it existed record none).
+  std::map<uint32_t, uint64_t> tensor_steps = {};
   int64_t commit_time_unix_ms = 0;
   // Digest of the generation's index entries (its tensors and the version of
   // each chunk it sees), written by the writer at commit. A read-only store
@@ -208,6 +220,10 @@ struct GenerationInfo {
   // (generations committed before it existed).
   uint64_t index_digest = 0;
 };
+
+// Tensor t's step count in generation g: its tensor_steps entry, else its
+// group's step_count (0 when g has no such group).
+uint64_t TensorStepCount(const GenerationInfo& g, const TensorInfo& t);
 
 struct SnapshotInfo {
   std::string name;

@@ -52,6 +52,22 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
                               " chunk writes in flight; reap them first");
   }
   const uint64_t gen = latest_.generation + 1;
+  // Per-tensor counts: only tensors of this generation, and only those that
+  // differ from their group's count are recorded (the record stays small).
+  std::map<uint32_t, uint64_t> tensor_steps;
+  for (const auto& [id, n] : info.tensor_steps) {
+    auto t = tensors_.find(id);
+    if (t == tensors_.end()) {
+      return InvalidArgument("store " + path_ + ": commit of generation " + std::to_string(gen) +
+                             ": step count " + std::to_string(n) + " given for tensor id " + std::to_string(id) +
+                             ", which the store does not hold");
+    }
+    uint64_t group_count = 0;
+    for (const GroupInfo& gr : info.groups) {
+      if (gr.id == t->second.group) group_count = gr.step_count;
+    }
+    if (n != group_count) tensor_steps[id] = n;
+  }
   OPTSTATE_TEST_SYNC_POINT("commit.before_sync");
   for (uint32_t d = 0; d < data_files_.size(); ++d) {
     if (!dirty_[d] && !grown_[d]) continue;
@@ -70,6 +86,7 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
   g.generation = gen;
   g.step = info.step;
   g.groups = info.groups;
+  g.tensor_steps = std::move(tensor_steps);
   g.commit_time_unix_ms = NowUnixMs();
   g.index_digest = CommitDigest(gen);
   rocksdb::WriteBatch b;

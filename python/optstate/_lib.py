@@ -135,6 +135,7 @@ _SIGNATURES = {
     "optstate_adam_make_durable": (_int, [_vp, _c.POINTER(_u64), _errp]),
     "optstate_adam_commit": (_int, [_vp, _c.POINTER(_u64), _errp]),
     "optstate_adam_step_count": (_u64, [_vp, _u32]),
+    "optstate_adam_param_step_count": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_adam_last_generation": (_u64, [_vp]),
     "optstate_adam_global_step": (_u64, [_vp]),
     "optstate_adam_set_global_step": (None, [_vp, _u64]),

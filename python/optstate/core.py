@@ -526,7 +526,16 @@ class StreamedAdam(_Handle):
         return gen.value
 
     def step_count(self, group):
+        """Steps in which any param of the group stepped."""
         return lib.optstate_adam_step_count(self._live(), group)
+
+    def param_step_count(self, name):
+        """The param's own step count (torch's state[p]["step"]): the steps it had a gradient in, the
+        count its bias correction follows; steps not yet committed included. NotFound for a name that
+        is not a param of this optimizer."""
+        n = ctypes.c_uint64()
+        call(lib.optstate_adam_param_step_count, self._live(), _b(name), ctypes.byref(n))
+        return n.value
 
     @property
     def last_generation(self):

@@ -7,12 +7,15 @@ The fp32 main weights, exp_avg and exp_avg_sq of every parameter live in an
 optstate store (12 bytes a parameter) and are streamed through a device
 window of `budget` bytes during step(); the parameters themselves (fp32, bf16
 or fp16) are updated in place in the same pass. Nothing of the state is kept
-in torch tensors: `opt.state` stays empty and state_dict() holds only the
-store's identity, generation, step counts and hyperparameters.
+in torch tensors: `opt.state[p]` is a read-only mapping that reads "step",
+"exp_avg" and "exp_avg_sq" from the store when they are looked up (copies), and
+state_dict() holds only the store's identity, generation, step counts and
+hyperparameters.
 
 Param groups work as in torch.optim.AdamW: lr, betas, eps and weight_decay
 are read from param_groups at every step, so torch.optim.lr_scheduler works
-unchanged. Parameters whose .grad is None in a step keep their state.
+unchanged. Parameters whose .grad is None in a step keep their state and their
+step count, as in torch: each param's bias correction follows its own count.
 
 Mixed precision: torch's GradScaler works unchanged (`scaler.step(opt)`).
 The optimizer declares `_step_supports_amp_scaling`, so GradScaler does not
@@ -41,11 +44,13 @@ Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
 second optimizer or process opening a store in use gets optstate.Busy.
 """
+import collections.abc
 import contextlib
 import ctypes
 import fnmatch
 import os
 import re
+import weakref
 
 import torch
 
@@ -164,6 +169,7 @@ class AdamW(torch.optim.Optimizer):
             self._constructing = True
             self._new_registrations = False
             super().__init__(self._take_names(params), defaults)
+            self.state = _OptimizerState(self)
             self._constructing = False
             self._commit_registrations()
         except BaseException:
@@ -417,7 +423,11 @@ class AdamW(torch.optim.Optimizer):
     def state_dict(self):
         """Torch's shape ({"state", "param_groups"}) with an empty "state" plus "optstate": the store's
         identity, the committed generation, step counts and param names (never the state itself)."""
-        sd = super().state_dict()
+        view, self.__dict__["state"] = self.state, {}  # torch's state_dict copies opt.state: keep it empty
+        try:
+            sd = super().state_dict()
+        finally:
+            self.__dict__["state"] = view
         gen = self._live().make_durable()
         sd["optstate"] = {
             "format": 1,
@@ -462,10 +472,12 @@ class AdamW(torch.optim.Optimizer):
         self._hyper.clear()
 
     def __setstate__(self, state):
-        # torch's load_state_dict rebuilds state through here; optstate's state stays in the store.
+        # torch's load_state_dict rebuilds state through here; optstate's state stays in the store and
+        # opt.state stays the view of it.
         state = dict(state)
-        state["state"] = state.get("state") or {}
+        state.pop("state", None)
         super().__setstate__(state)
+        self.__dict__["state"] = _OptimizerState(self)
 
     # ---- store operations ----
 
@@ -480,8 +492,28 @@ class AdamW(torch.optim.Optimizer):
         return self._store
 
     def step_count(self, group=0):
-        """Steps taken by a param group (bias correction uses it)."""
+        """Steps in which any param of the group stepped (each param's bias correction follows its own
+        count: param_step_count)."""
         return self._live().step_count(group)
+
+    def param_step_count(self, param):
+        """A param's own step count (a tensor or its name in the store): the steps it had a grad in,
+        as torch's state[p]["step"] counts them."""
+        adam = self._live()
+        _, name = self._param_of(param)
+        return adam.param_step_count(name)
+
+    def _state_value(self, index, key):
+        """opt.state[p][key] of the param at index: "step" as torch's AdamW keeps it (a 0-dim float
+        tensor), "exp_avg" / "exp_avg_sq" read from the store (fp32, the param's shape and device)."""
+        adam = self._live()
+        name, p = self._names[index], self._plist[index]
+        if key == "step":
+            return torch.tensor(float(adam.param_step_count(name)))
+        adam.make_durable()  # the last step's commit may still be running
+        out = torch.empty(p.numel(), dtype=torch.float32)
+        self._store.read_into(name, key, out.data_ptr(), 0, p.numel())
+        return out.view(p.shape).to(p.device)
 
     def last_step_seconds(self):
         """Seconds the last step() spent inside the library (pipeline and commit), for overhead checks."""
@@ -720,6 +752,97 @@ class AdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _read_only(what):
+    raise TypeError("optstate.torch.AdamW: %s is read-only: the optimizer's state lives in its store; "
+                    "change it through opt.pin(p, field, access=\"readwrite\") or optstate.checkpoint.load"
+                    % what)
+
+
+class _ParamState(collections.abc.Mapping):
+    """opt.state[p]: a param's AdamW state as torch.optim.AdamW keeps it ("step", "exp_avg",
+    "exp_avg_sq"), read from the store on each lookup; every value is a copy. Empty while the param
+    has taken no step (torch creates a param's state at its first step with a grad)."""
+
+    _KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, opt, index):
+        self._opt, self._index = opt, index
+
+    def _keys(self):
+        return self._KEYS if self._opt._live().param_step_count(self._opt._names[self._index]) > 0 else ()
+
+    def __getitem__(self, key):
+        if key not in self._keys():
+            raise KeyError(key)
+        return self._opt._state_value(self._index, key)
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self):
+        return len(self._keys())
+
+    def __setitem__(self, key, value):
+        _read_only("opt.state[p][%r]" % (key,))
+
+    def __delitem__(self, key):
+        _read_only("opt.state[p][%r]" % (key,))
+
+    def __repr__(self):
+        return "<optstate state of param %s: %s>" % (self._opt._names[self._index], list(self._keys()))
+
+
+class _OptimizerState(collections.abc.Mapping):
+    """opt.state: param -> _ParamState for every param that has state (has taken a step), in
+    registration order, as torch's optimizers key it. Read-only: the state lives in the store."""
+
+    def __init__(self, opt):
+        # A weak reference: a cycle would leave the optimizer to the cyclic GC, which finalizes the
+        # store, manager and optimizer handles in any order; without one they close as the
+        # optimizer's last reference goes.
+        self._ref = weakref.ref(opt)
+
+    @property
+    def _opt(self):
+        opt = self._ref()
+        if opt is None:
+            raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer of this state is gone")
+        return opt
+
+    def _index(self, p):
+        return self._opt._by_tensor.get(id(p)) if isinstance(p, torch.Tensor) else None
+
+    def __getitem__(self, p):
+        index = self._index(p)
+        if index is None:
+            raise KeyError(p)
+        return _ParamState(self._opt, index)
+
+    def __contains__(self, p):
+        index = self._index(p)
+        return index is not None and len(_ParamState(self._opt, index)) > 0
+
+    def __iter__(self):
+        opt = self._opt
+        adam = opt._live()
+        return iter([p for p, name in zip(list(opt._plist), list(opt._names)) if adam.param_step_count(name) > 0])
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+    def __setitem__(self, p, value):
+        _read_only("opt.state")
+
+    def __delitem__(self, p):
+        _read_only("opt.state")
+
+    def __repr__(self):
+        opt = self._ref()
+        if opt is None or opt._handles is None:
+            return "<optstate state of a closed optimizer>"
+        return "<optstate state of %d params in store %s>" % (len(self), opt._store.path)
 
 
 class _CudaArray:

@@ -761,6 +761,17 @@ TEST(StreamedAdam, MissingGradKeepsStateAndPinsSeeStepResults) {
   ExpectStateEquals(env.mm.get(), ref, defs);
   EXPECT_EQ(ReadField(env.mm.get(), "w2", "main", defs[1].numel), before);
   EXPECT_EQ(sa->step_count(1), 1u);
+  EXPECT_EQ(MUST(sa->param_step_count("w2")), 0u);
+  EXPECT_EQ(MUST(sa->param_step_count("b")), 1u);
+  // Step 2 with every grad: w2's first update, bias-corrected as torch's first (its own count 1).
+  StepGrads sg2(env.mm.get(), defs, 2);
+  ASSERT_OK(sa->Step(sg2.List(defs)));
+  ref.Step(0, sg2.grad[0]->get(), 2, groups[0], 1.0f);
+  ref.Step(1, sg2.grad[1]->get(), 1, groups[1], 1.0f);
+  ref.Step(2, sg2.grad[2]->get(), 2, groups[1], 1.0f);
+  ExpectStateEquals(env.mm.get(), ref, defs);
+  EXPECT_EQ(MUST(sa->param_step_count("w2")), 1u);
+  EXPECT_EQ(sa->step_count(1), 2u);
 }
 
 // Host cache tier holding the whole state with durable_every_steps = 3:
@@ -778,8 +789,10 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
   std::vector<std::unique_ptr<StepGrads>> grads;
   for (uint64_t step = 1; step <= 7; ++step) grads.push_back(std::make_unique<StepGrads>(smm, defs, step));
   Reference ref(smm, defs);
-  auto ref_step = [&](uint64_t step, const StepGrads& sg, const std::vector<size_t>& which) {
-    for (size_t i : which) ref.Step(i, sg.grad[i]->get(), step, groups[defs[i].group], 1.0f);
+  // Each param's own step count, as torch counts it: w2 skips steps below.
+  std::vector<uint64_t> counts(defs.size(), 0);
+  auto ref_step = [&](const StepGrads& sg, const std::vector<size_t>& which) {
+    for (size_t i : which) ref.Step(i, sg.grad[i]->get(), ++counts[i], groups[defs[i].group], 1.0f);
   };
   const std::vector<size_t> all = {0, 1, 2};
   Env env;
@@ -793,7 +806,7 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
     for (uint64_t step = 1; step <= 3; ++step) {
       const uint64_t writes_before = env.mm->stats().nvme_write_bytes;
       ASSERT_OK(sa->Step(grads[step - 1]->List(defs)));
-      ref_step(step, *grads[step - 1], all);
+      ref_step(*grads[step - 1], all);
       EXPECT_EQ(sa->step_count(0), step);
       if (step < 3) {
         EXPECT_EQ(sa->uncommitted_steps(), step);
@@ -821,6 +834,7 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
         << st.ToString();
     EXPECT_EQ(sa->uncommitted_steps(), 0u);
     EXPECT_EQ(sa->step_count(0), 3u);
+    EXPECT_EQ(MUST(sa->param_step_count("w2")), 3u);  // the lost cached steps do not count
     EXPECT_EQ(sa->global_step(), 3u);
     ExpectStateEquals(env.mm.get(), ref, defs);  // the step-3 commit, read back from the store
     // Continue: steps 4..7 again (4 and 5 cached, 6 commits, 7 cached), with
@@ -829,7 +843,7 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
       auto list = grads[step - 1]->List(defs);
       if (step == 6) list.erase(list.begin() + 1);
       ASSERT_OK(sa->Step(list));
-      ref_step(step, *grads[step - 1], step == 6 ? std::vector<size_t>{0, 2} : all);
+      ref_step(*grads[step - 1], step == 6 ? std::vector<size_t>{0, 2} : all);
     }
     EXPECT_EQ(env.store->LatestGeneration().step, 6u);
     EXPECT_EQ(sa->uncommitted_steps(), 1u);
@@ -841,6 +855,8 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
   auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), {}));
   EXPECT_EQ(sa->step_count(0), 7u);
   EXPECT_EQ(sa->step_count(1), 7u);  // group 1 (w2, b): b stepped every step
+  EXPECT_EQ(MUST(sa->param_step_count("w2")), 6u);  // w2 had no grad in step 6
+  EXPECT_EQ(MUST(sa->param_step_count("b")), 7u);
 }
 
 // Every byte of every field of every tensor in the latest committed

@@ -108,6 +108,43 @@ class CapiTest(TempDirTest):
             self.assertIn(word, str(cm.exception))
         np.testing.assert_array_equal(store.read("w", "exp_avg"), m)  # nothing changed
 
+    def test_param_without_grad_keeps_its_own_step_count(self):
+        # Params "a" and "b" of one group; "b" has no grad in steps 1-3. Its first update (step 4) is
+        # bias-corrected with its own count 1, as torch's AdamW counts; the count survives a reopen.
+        store, mm, adam = self.open()
+        rng = np.random.default_rng(5)
+        n = 1000
+        w = {k: rng.standard_normal(n).astype(np.float32) for k in "ab"}
+        adam.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.1)
+        ids = {k: adam.register_param(k, n, 0, w[k].ctypes.data, optstate.F32)[0] for k in "ab"}
+        ref = {k: (w[k].astype(np.float64), np.zeros(n), np.zeros(n)) for k in "ab"}
+        count = {"a": 0, "b": 0}
+        for step in range(1, 7):
+            names = "a" if step <= 3 else "ab"
+            grads = {k: rng.standard_normal(n).astype(np.float32) for k in names}
+            adam.step([ids[k] for k in names], [grads[k].ctypes.data for k in names], [optstate.F32] * len(names),
+                      [w[k].ctypes.data for k in names], [optstate.F32] * len(names))
+            for k in names:
+                count[k] += 1
+                ref[k] = adamw_reference(*ref[k], grads[k].astype(np.float64), count[k], 1e-2, 0.9, 0.999, 1e-8, 0.1)
+            self.assertEqual({k: adam.param_step_count(k) for k in "ab"}, count)
+        self.assertEqual(adam.step_count(0), 6)  # the group stepped in every step
+        for k in "ab":
+            # fp32 against float64, 6 steps (|p| < 5, ulp 4.8e-7); bias-corrected with the group's count
+            # instead, "b"'s first update would be off by ~lr.
+            np.testing.assert_allclose(w[k], ref[k][0], rtol=0, atol=1e-5, err_msg=k)
+        with self.assertRaises(optstate.NotFound) as cm:
+            adam.param_step_count("c")
+        self.assertIn(self.path("s"), str(cm.exception))
+        adam.close()
+        mm.close()
+        store.close()
+        store, mm, adam = self.open()
+        self.assertEqual({k: adam.param_step_count(k) for k in "ab"}, {"a": 6, "b": 3})
+        adam.close()
+        mm.close()
+        store.close()
+
     def test_version(self):
         self.assertRegex(optstate.library_version(), r"^\d+\.\d+\.\d+$")
         self.assertEqual(optstate._lib_handle.optstate_abi_version(), 1)

@@ -69,7 +69,8 @@ class AdamWTest(TempDirTest):
             torch.testing.assert_close(opt.read_state(b, "exp_avg"), ref.state[a]["exp_avg"], rtol=1e-4, atol=1e-7)
             torch.testing.assert_close(opt.read_state(b, "exp_avg_sq"), ref.state[a]["exp_avg_sq"],
                                        rtol=1e-4, atol=1e-12)
-        self.assertEqual(opt.state, {})  # nothing of the state lives in torch tensors
+            self.assertEqual(opt.state[b]["step"].item(), ref.state[a]["step"].item())  # read from the store
+        self.assertEqual(opt.state_dict()["state"], {})  # nothing of the state lives in torch tensors
 
     def test_bf16_moments_track_torch_adamw(self):
         # moment_dtype="bf16": moments stored in bf16 (exactly representable, read back decoded), and the

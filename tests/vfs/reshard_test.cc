@@ -146,13 +146,23 @@ class ReshardTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(root_); }
 
-  // One store per rank holding its boxes (the reference bytes), committed at
-  // step 7 and exported as <dir>/rank-NNNNN.
+  // A tensor's own step count in the sources (rank r's, where a test makes
+  // the pieces of one tensor disagree): steps_, else its group's.
+  uint64_t StepsOf(const std::string& tensor, uint32_t group, uint32_t r = 0) const {
+    if (auto it = rank_steps_.find({r, tensor}); it != rank_steps_.end()) return it->second;
+    if (auto it = steps_.find(tensor); it != steps_.end()) return it->second;
+    return group == 0 ? 7 : 3;
+  }
+
+  // One store per rank holding its boxes (the reference bytes) and each
+  // tensor's step count (StepsOf), committed at step 7 and exported as
+  // <dir>/rank-NNNNN.
   void WriteSources(const TargetLayout& layout, const std::string& dir) {
     for (uint32_t r = 0; r < layout.ranks.size(); ++r) {
       const std::string sp = root_ + "/store-" + std::to_string(r);
       auto store = CreateStore(sp);
       ASSERT_NE(store, nullptr);
+      std::map<uint32_t, uint64_t> tensor_steps;
       for (const GlobalDef& g : model_) {
         auto it = layout.ranks[r].find(g.name);
         if (it == layout.ranks[r].end()) continue;
@@ -167,6 +177,7 @@ class ReshardTest : public ::testing::Test {
         spec.fields = g.fields;
         auto t = store->CreateTensor(spec);
         ASSERT_TRUE(t.ok()) << t.status().ToString();
+        tensor_steps[t->id] = StepsOf(g.name, g.group, r);
         const uint64_t cs = store->chunk_size_bytes();
         AlignedChunk buf(cs);
         std::vector<FieldSpec> fields = FieldsOf(g);
@@ -183,6 +194,7 @@ class ReshardTest : public ::testing::Test {
       CommitInfo ci;
       ci.step = 7;
       ci.groups = {{0, 7, {{"lr", 1e-3}, {"beta1", 0.9}, {"adamw", 1.0}}}, {1, 3, {{"lr", 2.5e-4}}}};
+      ci.tensor_steps = tensor_steps;
       ASSERT_TRUE(store->Commit(ci).ok());
       auto e = ExportCheckpoint(store.get(), dir + "/" + ReshardRankDirName(r));
       ASSERT_TRUE(e.ok()) << e.status().ToString();
@@ -209,6 +221,7 @@ class ReshardTest : public ::testing::Test {
       for (const ManifestTensor& t : m->tensors) {
         const GlobalDef& g = model.at(t.name);
         EXPECT_EQ(t.global_shape, g.global_shape);
+        EXPECT_EQ(t.step_count, StepsOf(t.name, g.group)) << d << " " << t.name;
         std::vector<FieldSpec> fields = FieldsOf(g);
         ASSERT_EQ(t.fields.size(), fields.size());
         for (uint32_t f = 0; f < fields.size(); ++f) {
@@ -240,6 +253,11 @@ class ReshardTest : public ::testing::Test {
 
   std::string root_, src_;
   std::vector<GlobalDef> model_ = Model();
+  // Tensors whose own step count differs from their group's (a param that
+  // had no gradient in some steps); rank_steps_: (rank, tensor) -> a count
+  // that rank's piece has instead.
+  std::map<std::string, uint64_t> steps_ = {{"layers.0/b", 2}, {"emb", 5}};
+  std::map<std::pair<uint32_t, std::string>, uint64_t> rank_steps_;
 };
 
 TEST_F(ReshardTest, RoundTrip4To2To3To4IsByteIdentical) {
@@ -268,6 +286,11 @@ TEST_F(ReshardTest, RoundTrip4To2To3To4IsByteIdentical) {
     auto store = CreateStoreFromCheckpoint(dir, root_ + "/restored-" + std::to_string(r), StoreOptions{});
     ASSERT_TRUE(store.ok()) << store.status().ToString();
     EXPECT_EQ((*store)->LatestGeneration().step, 7u);
+    for (const GlobalDef& g : model_) {  // the restore commits each tensor's own count
+      auto t = (*store)->FindTensor(g.name);
+      ASSERT_TRUE(t.ok()) << t.status().ToString();
+      EXPECT_EQ(TensorStepCount((*store)->LatestGeneration(), *t), StepsOf(g.name, g.group)) << g.name;
+    }
     const auto dump = DumpLatest(store->get());
     auto m = ParseManifest(ReadFile(dir + "/manifest.json"), dir);
     ASSERT_TRUE(m.ok());
@@ -595,6 +618,20 @@ TEST_F(ReshardTest, BadSourcesAreRefusedAndNothingIsWritten) {
   fs::create_directories(dest + "/x");
   ExpectError(Reshard(s4, two, dest), {"not empty"});
   fs::remove_all(dest);
+}
+
+// Adam's bias correction is per tensor: pieces of one tensor whose step
+// counts differ are not one tensor's state, and the reshard says which.
+TEST_F(ReshardTest, PiecesThatDisagreeOnAStepCountAreRefused) {
+  const std::string src = root_ + "/src-disagree";
+  fs::create_directories(src);
+  rank_steps_[{2, "layers.0/w"}] = 6;
+  WriteSources(MakeEvenLayout(Globals(), 4, SplitKind::kRows), src);
+  const std::string dest = root_ + "/out";
+  ExpectError(Reshard(RankDirs(src, 4), MakeEvenLayout(Globals(), 2, SplitKind::kRows), dest),
+              {"tensor 'layers.0/w'", "step_count 7", "6 in source 2", RankDirs(src, 4)[0],
+               RankDirs(src, 4)[2]});
+  ExpectNothingWritten(dest);
 }
 
 TEST_F(ReshardTest, BadTargetLayoutsAreRefusedAndNothingIsWritten) {

@@ -297,6 +297,7 @@ Result<uint64_t> Convert(vfs::Store* store, const vfs::Manifest& m, const std::s
   vfs::CommitInfo ci;
   ci.step = m.step;
   ci.groups = m.groups;
+  OPTSTATE_ASSIGN_OR_RETURN(ci.tensor_steps, vfs::TensorStepsOf(store, m));
   return store->Commit(ci);
 }
 

@@ -26,6 +26,7 @@ struct GlobalInfo {
   std::string name;
   DType dtype = DType::kF32;
   uint32_t group = 0;
+  uint64_t step_count = 0;        // every part's (they must agree)
   std::vector<uint64_t> global_shape;
   std::vector<std::pair<std::string, DType>> fields;
   std::vector<SourcePart> parts;  // sorted by their first element (row-major order)
@@ -39,7 +40,7 @@ struct Sources {
 
 // The sources' manifests, checked to be one checkpoint (step, generation,
 // groups, chunk size unless `chunk_size_bytes` overrides it) whose parts tile
-// every global tensor exactly once.
+// every global tensor exactly once and agree on its step count.
 Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk_size_bytes);
 
 // A tensor without elements that the target does not list goes to rank 0, whole

@@ -264,6 +264,13 @@ std::string EncodeGeneration(const GenerationInfo& g) {
     groups.push_back({{"id", gr.id}, {"step_count", gr.step_count}, {"hyper", HyperToJson(gr.hyper)}});
   }
   j["groups"] = groups;
+  // Recorded only when some tensor's count differs from its group's, so a
+  // generation without such tensors reads as before.
+  if (!g.tensor_steps.empty()) {
+    json steps = json::array();
+    for (const auto& [id, n] : g.tensor_steps) steps.push_back({id, n});
+    j["tensor_steps"] = steps;
+  }
   return j.dump();
 }
 Result<GenerationInfo> DecodeGeneration(std::string_view text) {
@@ -279,6 +286,11 @@ Result<GenerationInfo> DecodeGeneration(std::string_view text) {
       info.step_count = gr.at("step_count").get<uint64_t>();
       info.hyper = HyperFromJson(gr.at("hyper"));
       g.groups.push_back(std::move(info));
+    }
+    if (j.contains("tensor_steps")) {
+      for (const auto& e : j.at("tensor_steps")) {
+        g.tensor_steps[e.at(0).get<uint32_t>()] = e.at(1).get<uint64_t>();
+      }
     }
     return g;
   });

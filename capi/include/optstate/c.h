@@ -487,7 +487,14 @@ OPTSTATE_EXPORT int optstate_adam_make_durable(optstate_adam_t* adam, uint64_t* 
  * was pending; may be NULL). On error nothing is committed. */
 OPTSTATE_EXPORT int optstate_adam_commit(optstate_adam_t* adam, uint64_t* generation, char** errptr);
 
+/* Steps in which any param of the group stepped (0 for an unknown group). */
 OPTSTATE_EXPORT uint64_t optstate_adam_step_count(const optstate_adam_t* adam, uint32_t group);
+/* *out = the param's own step count (torch's state[p]["step"]): the steps it
+ * had a gradient in, as its bias correction counts them; steps not yet
+ * committed included. NOT_FOUND for a name that is not a param of this run
+ * (registered or restored from the store, not retired). */
+OPTSTATE_EXPORT int optstate_adam_param_step_count(const optstate_adam_t* adam, const char* name, uint64_t* out,
+                                                   char** errptr);
 OPTSTATE_EXPORT uint64_t optstate_adam_last_generation(const optstate_adam_t* adam);
 /* The trainer step recorded with the last commit; the next commit records +1. */
 OPTSTATE_EXPORT uint64_t optstate_adam_global_step(const optstate_adam_t* adam);
