@@ -487,7 +487,7 @@ TEST(StoreTest, CreateIntoAnEmptyDirectoryMakesItTheStore) {
   EXPECT_FALSE(Store::Create(dir / "e2", bad).ok());
   EXPECT_TRUE(std::filesystem::is_directory(dir / "e2"));
   EXPECT_TRUE(std::filesystem::is_empty(dir / "e2"));
-  for (const auto& entry : std::filesystem::directory_iterator(std::string(dir))) {
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
     EXPECT_EQ(entry.path().filename().string().find(".creating-"), std::string::npos) << entry.path();
   }
 }
