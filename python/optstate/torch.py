@@ -184,7 +184,10 @@ class AdamW(torch.optim.Optimizer):
             self._commit_registrations()
             self._remember_params()
         except BaseException:
-            uuid = self._store.uuid if self._store.created else None
+            uuid = None
+            if self._store.created:
+                with contextlib.suppress(errors.Error):
+                    uuid = self._store.uuid
             self.close()
             if uuid is not None:  # a store this constructor created holds nothing anyone has seen
                 before.remove_created(uuid)
