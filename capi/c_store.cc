@@ -222,6 +222,26 @@ int optstate_store_snapshot_release(optstate_store_t* store, const char* name, c
   });
 }
 
+int optstate_store_tensor_names(const optstate_store_t* store, char** names, size_t* size_bytes, char** errptr) {
+  const char* what = "optstate_store_tensor_names";
+  return Guard(errptr, what, [&]() -> Status {
+    if (names == nullptr) return NullArgument(what, "names");
+    if (size_bytes == nullptr) return NullArgument(what, "size_bytes");
+    std::string all;
+    for (const auto& t : store->rep->ListTensors()) {
+      all += t.name;
+      all.push_back('\0');
+    }
+    *names = nullptr;
+    *size_bytes = all.size();
+    if (all.empty()) return Status::Ok();
+    *names = static_cast<char*>(std::malloc(all.size()));
+    if (*names == nullptr) return Status(StatusCode::kResourceExhausted, "out of memory for tensor names");
+    std::memcpy(*names, all.data(), all.size());
+    return Status::Ok();
+  });
+}
+
 int optstate_store_snapshot_list(const optstate_store_t* store, optstate_snapshot_list_t** out, char** errptr) {
   const char* what = "optstate_store_snapshot_list";
   return Guard(errptr, what, [&]() -> Status {

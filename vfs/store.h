@@ -401,9 +401,11 @@ class Store {
  public:
   virtual ~Store() = default;
 
-  // Creates a new store at `path` (which must not exist; its parent must).
-  // Atomic: built in a temporary sibling directory and renamed, so a crash
-  // leaves either no store or a complete empty one.
+  // Creates a new store at `path` (which must not exist or be an empty
+  // directory that is not a mount point; its parent must exist).
+  // Atomic: built in a temporary sibling directory and renamed (over the
+  // empty directory), so a crash leaves either no store (the empty directory
+  // as it was) or a complete empty one.
   static Result<std::unique_ptr<Store>> Create(const std::string& path, const StoreOptions& opts);
   // Opens an existing store read-write; takes LOCK and its data files' flocks.
   // Missing/damaged -> error with the path, the reason and what to do (never

@@ -106,6 +106,18 @@ Status CleanStaleCreations(FileSystem* fs, const std::string& parent, const std:
   return Status();
 }
 
+Status CheckEmptyStoreDir(FileSystem* fs, const std::string& path, const std::string& parent) {
+  auto names = fs->ListDir(path);
+  if (!names.ok() || !names->empty()) return AlreadyExists("store " + path + " already exists");
+  // A mount point cannot be renamed over: its store is to be a directory inside it.
+  struct stat st, parent_st;
+  if (::stat(path.c_str(), &st) == 0 && ::stat(parent.c_str(), &parent_st) == 0 && st.st_dev != parent_st.st_dev) {
+    return InvalidArgument("store " + path + " is an empty mount point; give a directory inside it (e.g. " +
+                           JoinPath(path, "store") + ")");
+  }
+  return Status();
+}
+
 Result<std::shared_ptr<Core>> NewCore(const std::string& path, const StoreOptions& opts, bool read_only) {
   return std::make_shared<Core>(path, opts, read_only);
 }
@@ -127,6 +139,7 @@ namespace optstate::vfs {
 using internal::AbsPath;
 using internal::CheckReferencedFiles;
 using internal::ClaimDataFiles;
+using internal::CheckEmptyStoreDir;
 using internal::CleanStaleCreations;
 using internal::Core;
 using internal::IndexOptions;
@@ -155,9 +168,12 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
   const std::string base = p.filename().string();
   if (base.empty() || base == "." || base == "..") return InvalidArgument("store path '" + path_in + "' has no name");
   OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(path));
-  if (exists) return AlreadyExists("store " + path + " already exists");
   OPTSTATE_ASSIGN_OR_RETURN(bool parent_exists, fs->Exists(parent));
   if (!parent_exists) return NotFound("store " + path + ": parent directory " + parent + " does not exist");
+  // An existing empty directory (made by a job script or by hand) becomes the store: it is still built
+  // in a sibling, and the final rename(2) replaces the empty directory atomically (a directory that
+  // gained an entry meanwhile makes it fail with ENOTEMPTY, and nothing is replaced).
+  if (exists) OPTSTATE_RETURN_IF_ERROR(CheckEmptyStoreDir(fs, path, parent));
   OPTSTATE_RETURN_IF_ERROR(CleanStaleCreations(fs, parent, base));
 
   const std::string tmp = JoinPath(parent, "." + base + ".creating-" + std::to_string(getpid()));

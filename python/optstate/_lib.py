@@ -64,6 +64,7 @@ _SIGNATURES = {
     "optstate_store_group_step_count": (_u64, [_vp, _u32]),
     "optstate_store_read_field": (_int, [_vp, _u8p, _u8p, _u64, _u64, _vp, _errp]),
     "optstate_store_tensor_numel": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
+    "optstate_store_tensor_names": (_int, [_vp, _c.POINTER(_vp), _c.POINTER(_c.c_size_t), _errp]),
     "optstate_store_snapshot_create": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_store_snapshot_release": (_int, [_vp, _u8p, _errp]),
     "optstate_store_snapshot_list": (_int, [_vp, _c.POINTER(_vp), _errp]),

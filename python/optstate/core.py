@@ -86,8 +86,9 @@ class _Handle:
 class Store(_Handle):
     """One optimizer instance of one rank on local NVMe (vfs::Store).
 
-    create: True = create (the path must not exist), False = open an existing
-    store, None (default) = open it when it exists, else create it."""
+    create: True = create (the path must not exist or be an empty directory), False = open an
+    existing store, None (default) = open it when it holds one, else create it. `created` says
+    which happened."""
 
     _what = "store"
 
@@ -97,7 +98,8 @@ class Store(_Handle):
         self._path = os.fspath(path)
         self._children = weakref.WeakSet()
         if create is None:
-            create = not os.path.exists(self._path)
+            create = not os.path.exists(self._path) or (os.path.isdir(self._path) and not os.listdir(self._path))
+        self.created = False
         opts = lib.optstate_store_options_create()
         try:
             if name is not None:
@@ -113,6 +115,7 @@ class Store(_Handle):
             fn = lib.optstate_store_create if create else lib.optstate_store_open
             call(fn, _b(self._path), opts, ctypes.byref(h))
             self._h = h.value
+            self.created = bool(create)
             self._pid = os.getpid()
             _open_stores.add(self)
         finally:
@@ -162,6 +165,18 @@ class Store(_Handle):
         n = ctypes.c_uint64()
         call(lib.optstate_store_tensor_numel, self._live(), _b(tensor), ctypes.byref(n))
         return n.value
+
+    def tensor_names(self):
+        """The names of the store's tensors, sorted."""
+        buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+        call(lib.optstate_store_tensor_names, self._live(), ctypes.byref(buf), ctypes.byref(size))
+        if not buf.value:
+            return []
+        try:
+            raw = ctypes.string_at(buf.value, size.value)
+        finally:
+            lib.optstate_free(buf)
+        return [n.decode("utf-8", "surrogateescape") for n in raw.split(b"\0")[:-1]]
 
     def read_into(self, tensor, field, out_ptr, first, count):
         """Reads count fp32 values of a field of the newest committed generation into host memory at out_ptr."""

@@ -29,7 +29,10 @@ directly.
 
 Resume: a store that already holds a parameter keeps its state; the
 parameter is then overwritten with the stored fp32 main (cast to its dtype),
-so training continues exactly where the last committed step left it.
+so training continues exactly where the last committed step left it. A param
+written outside the optimizer afterwards (model.load_state_dict) makes step()
+raise optstate.FailedPrecondition until load_main_from_params() makes the
+store follow it: the step would overwrite it with its main.
 
 Checkpoints: optstate.checkpoint.save(opt, dir) writes the committed state as
 the directory the mount shows for a snapshot; optstate.checkpoint.load(opt,
@@ -47,9 +50,11 @@ second optimizer or process opening a store in use gets optstate.Busy.
 import collections.abc
 import contextlib
 import ctypes
+import difflib
 import fnmatch
 import os
 import re
+import shutil
 import weakref
 
 import torch
@@ -87,7 +92,7 @@ class AdamW(torch.optim.Optimizer):
 
     Arguments as torch.optim.AdamW, plus:
       store: the store's directory (str or PathLike); "{rank}" is replaced by the rank.
-             Created when missing, reopened (resume) when present.
+             Created when missing or an empty directory, reopened (resume) when it holds a store.
       budget: device bytes the state may occupy during step() (hard cap). Default 2 GiB.
       backend: "auto" (cuda when a GPU is visible), "cuda" or "host" (CPU tensors).
       host_cache_bytes: pinned host cache tier (steps read the state from RAM, write to disk);
@@ -112,6 +117,10 @@ class AdamW(torch.optim.Optimizer):
              or None (a whole tensor). shard_offset is a box's offset, or for a 1-D param of a
              tensor of higher rank (a flat-buffer shard) (begin,): the flat range
              [begin, begin + numel) of the tensor's row-major flattening. docs/RESHARD.md.
+      retire: names of params the store holds and the model no longer has, retired at once (see
+             retire()). The params' names are compared with the store's first: when both have names
+             the other lacks (a renamed or wrapped model), optstate.InvalidArgument lists them and
+             nothing is written.
     """
 
     # torch's GradScaler: hand the step the scale and found-inf instead of unscaling the grads.
@@ -121,7 +130,7 @@ class AdamW(torch.optim.Optimizer):
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
                  host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
                  cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0,
-                 cuda_device=None, moment_dtype="f32", shards=None,
+                 cuda_device=None, moment_dtype="f32", shards=None, retire=(),
                  foreach=None, fused=None, capturable=False, differentiable=False):
         if not 0.0 <= float(lr):
             raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
@@ -144,7 +153,9 @@ class AdamW(torch.optim.Optimizer):
         path = os.fspath(store).replace("{rank}", str(_rank()))
         if cuda_device is None:
             cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        before = _StorePaths(path, data_dirs or ())
         self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or ())
+        self._owner = _StoreOwner(self._store)
         try:
             # Kept to create the manager and optimizer again on the same store (checkpoint load).
             self._mm_kw = dict(backend=backend, device_budget_bytes=budget, host_cache_bytes=host_cache_bytes,
@@ -168,12 +179,24 @@ class AdamW(torch.optim.Optimizer):
                             maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
             self._constructing = True
             self._new_registrations = False
-            super().__init__(self._take_names(params), defaults)
+            groups = self._take_names(params)
+            retire = [retire] if isinstance(retire, str) else list(retire)
+            self._check_names(groups, retire)
+            super().__init__(groups, defaults)
             self.state = _OptimizerState(self)
+            for name in retire:
+                self.retire(name)
             self._constructing = False
             self._commit_registrations()
+            self._remember_params()
         except BaseException:
+            uuid = None
+            if self._store.created:
+                with contextlib.suppress(errors.Error):
+                    uuid = self._store.uuid
             self.close()
+            if uuid is not None:  # a store this constructor created holds nothing anyone has seen
+                before.remove_created(uuid)
             raise
 
     # ---- construction ----
@@ -203,6 +226,30 @@ class AdamW(torch.optim.Optimizer):
         group["params"] = tensors
         return group
 
+    def _check_names(self, groups, retire):
+        """Refuses, before anything is written, a model whose param names and the store's both have
+        names the other lacks (a renamed model: registering would add its params as new tensors and
+        leave the store's untrained). The model may have more params than the store (new params) or,
+        with the missing ones retired, fewer."""
+        stored = self._store.tensor_names()
+        if not stored:
+            return
+        model, index = [], 0
+        for g in groups:
+            for p in g["params"]:
+                model.append(self._given_names.get(id(p), "param%d" % index))
+                index += 1
+        model_set, stored_set = set(model), set(stored)
+        unknown = [n for n in retire if n not in stored_set]
+        if unknown:
+            raise errors.NotFound("optstate.torch.AdamW: retire names %s, which store %s does not hold"
+                                  % (_few(unknown), self._store._path))
+        store_only = [n for n in stored if n not in model_set and n not in retire]
+        model_only = [n for n in model if n not in stored_set]
+        if store_only and model_only:
+            raise errors.InvalidArgument(_name_mismatch(self._store._path, store_only, model_only, stored_set,
+                                                        model_set))
+
     def add_param_group(self, param_group):
         """Adds a group and registers its params in the store (resume: their stored state is kept)."""
         if self._handles is None:
@@ -227,6 +274,7 @@ class AdamW(torch.optim.Optimizer):
         self._register_all(group["params"], gid)
         if not self._constructing:
             self._commit_registrations()
+            self._remember_params()
 
     def _commit_registrations(self):
         """Commits newly registered params (their initial mains) at once as a generation of their own,
@@ -300,6 +348,51 @@ class AdamW(torch.optim.Optimizer):
         with torch.no_grad():
             p.copy_(main.view(p.shape))
 
+    # ---- params changed outside the optimizer ----
+
+    def _param_marks(self):
+        """Each param's version counter (torch bumps it on every in-place write through the tensor:
+        load_state_dict, copy_, init, an in-place op under no_grad) and data pointer (`p.data = t`)."""
+        plist = self._plist
+        return [p._version for p in plist], [p.data_ptr() for p in plist]
+
+    def _remember_params(self):
+        """Records the params as they are now, when they equal the store's mains (after construction,
+        a step, load_main_from_params, a resume). The step's own writes go through raw pointers and bump
+        no version counter, so what is recorded stays valid across steps."""
+        self._marks = self._param_marks()
+
+    def _check_changed_params(self, versions, ptrs):
+        """Called by step() when a param's version or memory changed since it was recorded: a param whose
+        values now differ from its fp32 main (cast to its dtype) raises before anything is written,
+        since the step would overwrite it with the main; one whose values are the same (the same
+        weights loaded again, a framework's in-place copy) is recorded again. Reads the changed params'
+        mains, once per such change."""
+        old_versions, old_ptrs = self._marks
+        changed = [i for i in range(len(versions)) if versions[i] != old_versions[i] or ptrs[i] != old_ptrs[i]]
+        differ = []
+        if changed:
+            self._adam.make_durable()  # the mains as the last step left them
+            if self._cuda:
+                torch.cuda.current_stream(self._device).synchronize()
+            for i in changed:
+                p = self._plist[i]
+                main = torch.empty(p.numel(), dtype=torch.float32)
+                self._store.read_into(self._names[i], "main", main.data_ptr(), 0, p.numel())
+                if not torch.equal(p.detach(), main.to(device=p.device, dtype=p.dtype).view(p.shape)):
+                    differ.append(self._names[i])
+        if differ:
+            raise errors.FailedPrecondition(
+                "optstate.torch.AdamW: %d param(s) %s were changed outside the optimizer (e.g. by "
+                "model.load_state_dict) and now differ from their fp32 mains in store %s (generation %d, "
+                "step %d); a step would overwrite them with the store's mains. If the params are the ones to "
+                "train on, call opt.load_main_from_params() first (the store's mains take the params' values; "
+                "moments and step counts are kept); to resume the checkpoint the params came from, load its "
+                "optimizer state too (optstate.checkpoint.load(opt, dir), or the store at that snapshot)"
+                % (len(differ), _few(differ), self._store._path, self._adam.last_generation,
+                   self._adam.global_step))
+        self._marks = (versions, ptrs)
+
     # ---- the step ----
 
     def _send_hyper(self, gid, group):
@@ -369,6 +462,9 @@ class AdamW(torch.optim.Optimizer):
                 found_inf = getattr(self, "found_inf", None)
             if grad_scale is None:
                 grad_scale = getattr(self, "grad_scale", None)
+        versions, ptrs = self._param_marks()
+        if versions != self._marks[0] or ptrs != self._marks[1]:
+            self._check_changed_params(versions, ptrs)
         for gid, group in enumerate(self.param_groups):
             self._send_hyper(gid, group)
         grads = [p.grad for p in self._plist]
@@ -383,9 +479,8 @@ class AdamW(torch.optim.Optimizer):
             self._build_batch(grads)
             self._batch_key = key
         sel = self._sel
-        plist = self._plist
         self._c_grads[:] = [grads[i].data_ptr() for i in sel]
-        self._c_params[:] = [plist[i].data_ptr() for i in sel]
+        self._c_params[:] = [ptrs[i] for i in sel]
         found_ptr = self._flag_ptr(found_inf, "found_inf") if found_inf is not None else None
         if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
             if not float(grad_scale) > 0 or float(grad_scale) == float("inf"):
@@ -597,6 +692,7 @@ class AdamW(torch.optim.Optimizer):
         for i, p in enumerate(self._plist):
             self._check_param(p, self._names[i])
             adam.load_main(self._ids[i], p.data_ptr(), _DTYPES[p.dtype])
+        self._remember_params()
 
     def read_state(self, p, field):
         """A copy (fp32, CPU, p's shape) of a param's "main", "exp_avg" or "exp_avg_sq" as committed.
@@ -663,6 +759,7 @@ class AdamW(torch.optim.Optimizer):
             adam.commit()
             if field == "main":
                 self._copy_main_to(name, p)
+                self._remember_params()
 
     def _load_checkpoint(self, src):
         """optstate.checkpoint.load: restores src into this optimizer's store and resumes from it (params
@@ -705,6 +802,7 @@ class AdamW(torch.optim.Optimizer):
             self._commit_registrations()
             self._hyper.clear()
             self._batch_key = None
+            self._remember_params()
         except BaseException:
             self.close()
             raise
@@ -741,11 +839,20 @@ class AdamW(torch.optim.Optimizer):
         store = handles[2]
         store.close()  # closes the optimizer and manager first
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
+    # No __del__: the store is closed by _StoreOwner's finalizer once no object holds the owner, so that
+    # an object sharing this one's __dict__ (a framework's wrapper) closes nothing when it is collected.
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPYABLE % ("pickled", type(self).__name__, self._store._path))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPYABLE % ("deep-copied", type(self).__name__, self._store._path))
+
+    def __copy__(self):
+        # A shallow copy is another view of this optimizer (the same store, owner and param groups).
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        return other
 
     def __enter__(self):
         return self
@@ -843,6 +950,102 @@ class _OptimizerState(collections.abc.Mapping):
         if opt is None or opt._handles is None:
             return "<optstate state of a closed optimizer>"
         return "<optstate state of %d params in store %s>" % (len(self), opt._store.path)
+
+
+def _name_mismatch(path, store_only, model_only, stored_set, model_set):
+    """The message for a model whose param names and store `path`'s differ on both sides."""
+    def listed(names, others):
+        shown = []
+        for n in names[:8]:
+            near = difflib.get_close_matches(n, others, n=1, cutoff=0.6)
+            shown.append(n + (" (near %s)" % near[0] if near else ""))
+        return "[" + ", ".join(shown) + (", ... %d in all" % len(names) if len(names) > 8 else "") + "]"
+    hint = ""
+    s0, m0 = store_only[0], model_only[0]
+    for m in model_only:  # the model's names carry a prefix the store's lack (a wrapper: DDP's "module.")
+        if m.endswith(s0) and len(m) > len(s0):
+            prefix = m[:-len(s0)]
+            if all(prefix + s in model_set for s in store_only):
+                hint = (" Every store name missing from the model is a model name with %r in front: strip %r "
+                        "from the model's names (e.g. give model.module.named_parameters())." % (prefix, prefix))
+                break
+    if not hint:
+        for s in store_only:  # the store's names carry a prefix the model's lack
+            if s.endswith(m0) and len(s) > len(m0):
+                prefix = s[:-len(m0)]
+                if all(prefix + m in stored_set for m in model_only):
+                    hint = (" Every model name missing from the store is a store name without %r: add %r to "
+                            "the model's names (e.g. wrap the model as when the store was written)."
+                            % (prefix, prefix))
+                    break
+    if not hint and all(re.fullmatch(r"param[0-9]+", n) for n in store_only):
+        hint = (" The store's params are unnamed (param<i>, by position): give the params as then (e.g. "
+                "model.parameters()), or restore a checkpoint into a store of their names.")
+    elif not hint and all(re.fullmatch(r"param[0-9]+", n) for n in model_only):
+        hint = " The model's params are given unnamed (param<i>): give model.named_parameters()."
+    return ("optstate.torch.AdamW: the params of store %s and the model's are named differently; registering "
+            "them would add the model's as new params and leave the store's untrained, so nothing was "
+            "written. Store only (%d): %s; model only (%d): %s.%s If store params are really gone from the "
+            "model, pass retire=[their names] (their state stays in the store, unchanged)."
+            % (path, len(store_only), listed(store_only, model_only), len(model_only),
+               listed(model_only, store_only), hint))
+
+
+_NOT_COPYABLE = ("optstate.torch.AdamW cannot be %s (%s): its state lives in store %s, which one optimizer "
+                 "object owns; a copy would be a second writer of it. Save the state with opt.state_dict() "
+                 "(the store's identity and generation, for a trainer's checkpoint) or "
+                 "optstate.checkpoint.save(opt, dir) (the state itself), and restore it into an optimizer on a "
+                 "store of its own with optstate.checkpoint.load")
+
+
+class _StorePaths:
+    """What existed of a store's directory and data directories before the store was created, so that
+    a constructor that fails after creating it removes what it created and nothing else."""
+
+    def __init__(self, path, data_dirs):
+        self.path = os.path.abspath(path)
+        self.path_existed = os.path.isdir(self.path)
+        self.data_dirs = [(os.path.abspath(d), os.path.isdir(d)) for d in data_dirs]
+
+    def remove_created(self, uuid):
+        for d, existed in self.data_dirs:
+            if d == self.path or d.startswith(self.path + os.sep):
+                continue
+            for suffix in (".chunks", ".owner"):  # the data file and its owner record
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(d, uuid + suffix))
+            if not existed:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
+        if self.path_existed:  # it was an empty directory: it stays, empty
+            for entry in os.listdir(self.path):
+                full = os.path.join(self.path, entry)
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(full)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+class _StoreOwner:
+    """The one owner of an optimizer's store (and through it of its manager and optimizer handles): the
+    store is closed when the last object holding the owner is gone. The optimizer's __dict__ holds it,
+    so an object that shares a copy of that __dict__ (Lightning's LightningOptimizer) keeps the store
+    open while it lives and closes nothing when it is collected."""
+
+    __slots__ = ("__weakref__",)
+
+    def __init__(self, store):
+        weakref.finalize(self, _close_quietly, store)
+
+
+def _close_quietly(store):
+    try:
+        store.close()
+    except Exception:  # interpreter shutdown: nothing left to report to
+        pass
 
 
 class _CudaArray:

@@ -6,7 +6,11 @@ resumed from it continues bit for bit like the uninterrupted run.
 The child (this file run as a script) trains with optstate.torch.AdamW and
 reports "begin k", "step k" (opt.step() starts) and "done k" through a
 pipe; the parent kills it at a chosen point, optionally a random fraction of
-the previous opt.step()'s duration after "step k". Data and
+the previous opt.step()'s duration after "step k". The child begins each step
+only when the parent lets it (a line on a second pipe), and the parent lets it
+go no further than the step it is to be killed in: however late the parent
+reads a report or wakes from its delay, the child cannot have run ahead, so
+the committed steps a kill may leave are known. Data and
 learning rates are functions of the step number, so every run sees the same
 inputs. The optimizer runs with pipelined commits (commit_lag_steps 1, the
 default): step k's commit may still run after opt.step() returned and is
@@ -60,12 +64,15 @@ def train_step(model, opt, k, report=None):
     opt.step()
 
 
-def child(store, fd):
+def child(store, fd, go_fd):
     report = os.fdopen(fd, "w", buffering=1)
+    go = os.fdopen(go_fd, "r")
     model = build_model(0)
     opt = open_optimizer(model, store)
     report.write("ready\n")
     for k in range(1, STEPS + 1):
+        if go.readline().strip() != "go %d" % k:
+            return  # the parent is gone
         report.write("begin %d\n" % k)
         train_step(model, opt, k, report)
         report.write("done %d\n" % k)
@@ -94,12 +101,17 @@ class KillTest(TempDirTest):
         """Runs the child until it reports `event` (and `step`), then SIGKILLs it, after delay_fraction
         of the last opt.step()'s duration when given. Returns the lines the child reported."""
         r, w = os.pipe()
+        go_r, go_w = os.pipe()
         err = open(os.path.join(self.dir, "child.err"), "w")
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", store, str(w)],
-                                pass_fds=(w,), stderr=err, stdout=err, cwd=os.path.dirname(__file__))
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", store, str(w), str(go_r)],
+                                pass_fds=(w, go_r), stderr=err, stdout=err, cwd=os.path.dirname(__file__))
         os.close(w)
+        os.close(go_r)
+        go = os.fdopen(go_w, "w", buffering=1)
         lines, last_step_s, begun = [], None, None
         target = event if step is None else "%s %d" % (event, step)
+        # The last step the child may begin: the one it is killed in, or none after the point it is killed at.
+        last_step = step if event in ("begin", "step") else (0 if step is None else step)
         with os.fdopen(r) as reader:
             for line in reader:
                 line = line.strip()
@@ -108,6 +120,10 @@ class KillTest(TempDirTest):
                     begun = time.monotonic()
                 elif line.startswith("done") and begun is not None:
                     last_step_s = time.monotonic() - begun
+                if line == "ready" or line.startswith("done"):
+                    following = 1 if line == "ready" else int(line.split()[1]) + 1
+                    if following <= last_step:
+                        go.write("go %d\n" % following)
                 if line == target:
                     if delay_fraction is not None and last_step_s is not None:
                         # A kill point, not synchronisation: somewhere inside the running step.
@@ -115,6 +131,7 @@ class KillTest(TempDirTest):
                     proc.send_signal(signal.SIGKILL)
                     break
         proc.wait()
+        go.close()
         err.close()
         with open(os.path.join(self.dir, "child.err")) as f:
             child_err = f.read()
@@ -156,8 +173,8 @@ class KillTest(TempDirTest):
         mid_step = self.rng.uniform(0.0, 1.0)
         trials = [
             # (label, event, step, delay fraction of a step, committed steps it may leave)
-            ("before-first-step", "ready", None, None, (0, 1)),
-            ("between-steps", "done", 4, None, (3, 4, 5)),
+            ("before-first-step", "ready", None, None, (0,)),
+            ("between-steps", "done", 4, None, (3, 4)),
             ("in-step-3", "step", 3, mid_step, (1, 2, 3)),
         ]
         k = self.rng.randint(2, STEPS - 1)
@@ -173,7 +190,7 @@ class KillTest(TempDirTest):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "child":
-        child(sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "child":
+        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         unittest.main()

@@ -461,6 +461,37 @@ TEST(StoreTest, CommitRefusesWhileWritesInFlight) {
   EXPECT_EQ(0, std::memcmp(b.data(), want.data(), kTestChunk));
 }
 
+TEST(StoreTest, CreateIntoAnEmptyDirectoryMakesItTheStore) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "e");
+  std::string uuid;
+  {
+    auto s = Unwrap(Store::Create(dir / "e", TestOptions()));
+    uuid = s->identity().uuid;
+  }
+  {
+    auto s = Unwrap(Store::Open(dir / "e", TestOptions()));
+    EXPECT_EQ(s->identity().uuid, uuid);
+  }
+  // Not empty (a store, or anything else): refused, and nothing in it is touched.
+  EXPECT_EQ(Store::Create(dir / "e", TestOptions()).status().code(), StatusCode::kAlreadyExists);
+  std::filesystem::create_directories(dir / "full");
+  { std::ofstream(dir / "full/keep") << "x"; }
+  EXPECT_EQ(Store::Create(dir / "full", TestOptions()).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_TRUE(std::filesystem::exists(dir / "full/keep"));
+  // A creation that fails leaves the empty directory as it was.
+  std::filesystem::create_directories(dir / "e2");
+  { std::ofstream(dir / "afile") << "x"; }
+  StoreOptions bad = TestOptions();
+  bad.data_dirs = {dir / "afile/data"};
+  EXPECT_FALSE(Store::Create(dir / "e2", bad).ok());
+  EXPECT_TRUE(std::filesystem::is_directory(dir / "e2"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir / "e2"));
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    EXPECT_EQ(entry.path().filename().string().find(".creating-"), std::string::npos) << entry.path();
+  }
+}
+
 TEST(StoreTest, OpenOfMissingOrDamagedStoreFailsWithPathAndReason) {
   TempDir dir;
   auto missing = Store::Open(dir / "nope", TestOptions());

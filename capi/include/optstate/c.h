@@ -112,7 +112,8 @@ OPTSTATE_EXPORT void optstate_store_options_set_retained_generations(optstate_st
 /* O_DIRECT data files (nonzero, default) or buffered. */
 OPTSTATE_EXPORT void optstate_store_options_set_direct_io(optstate_store_options_t* opts, int on);
 
-/* Creates a store at path (must not exist; its parent must). opts may be NULL. */
+/* Creates a store at path (must not exist, or be an empty directory that becomes the store; its parent
+   must exist). opts may be NULL. */
 OPTSTATE_EXPORT int optstate_store_create(const char* path, const optstate_store_options_t* opts,
                                           optstate_store_t** out, char** errptr);
 /* Opens an existing store read-write. In use elsewhere: OPTSTATE_BUSY naming the holder. */
@@ -145,6 +146,11 @@ OPTSTATE_EXPORT int optstate_store_read_field(optstate_store_t* store, const cha
 /* numel of a tensor (NOT_FOUND naming near names when absent). */
 OPTSTATE_EXPORT int optstate_store_tensor_numel(const optstate_store_t* store, const char* tensor,
                                                 uint64_t* numel, char** errptr);
+
+/* The names of the store's tensors (committed, and created in the pending generation), sorted: each
+ * followed by a NUL in *names, *size_bytes bytes in all (0 and NULL for none); freed with optstate_free(). */
+OPTSTATE_EXPORT int optstate_store_tensor_names(const optstate_store_t* store, char** names, size_t* size_bytes,
+                                                char** errptr);
 
 /* Snapshots of the newest committed generation (an O(1) metadata write). */
 OPTSTATE_EXPORT int optstate_store_snapshot_create(optstate_store_t* store, const char* name,
