@@ -1,5 +1,9 @@
 """The C ABI through the optstate package's handles (no torch): a streamed
 AdamW against a float64 numpy loop, snapshots, stats, errors with codes."""
+import os
+import subprocess
+import sys
+import textwrap
 import unittest
 
 import numpy as np
@@ -106,6 +110,10 @@ class CapiTest(TempDirTest):
             optstate.StreamedAdam(store, mm, moment_dtype="bf16")  # a store that holds q8
         for word in ("'w'", "exp_avg", "q8s", "bf16", self.path("q")):
             self.assertIn(word, str(cm.exception))
+        # The moment dtype it suggests is one StreamedAdam takes (q8), and it works.
+        self.assertIn("open it with moment dtype q8,", str(cm.exception))
+        self.assertNotIn("moment dtype q8s", str(cm.exception))
+        optstate.StreamedAdam(store, mm, moment_dtype="q8").close()
         np.testing.assert_array_equal(store.read("w", "exp_avg"), m)  # nothing changed
 
     def test_version(self):
@@ -315,6 +323,42 @@ class CapiTest(TempDirTest):
         with self.assertRaises(optstate.Error) as cm:
             optstate.Store(self.path("missing/parent/s"), create=True)
         self.assertIn("missing/parent", str(cm.exception))
+
+    def test_set_group_error_shows_the_values_given(self):
+        store, mm, adam = self.open()
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            adam.set_group(0, 1e-3, 1.5, 0.999, 1e-12, 0.0)
+        msg = str(cm.exception)
+        # The shortest repr of each double, not "%f" (which printed eps 0.000000).
+        self.assertIn("lr 0.001,", msg)
+        self.assertIn("betas 1.5/0.999,", msg)
+        self.assertIn("eps 1e-12,", msg)
+        self.assertIn("weight_decay 0)", msg)
+
+    def test_errors_raised_to_python_are_not_also_logged_as_errors(self):
+        """A failed step's error reaches Python as the exception; the library must not print it again as an
+        [error] log line on stderr (a caller that handles the exception would still see the noise)."""
+        code = textwrap.dedent("""
+            import numpy as np
+            import optstate
+            store = optstate.Store(%r, create=True, chunk_size_bytes=2 << 20)
+            mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+            adam = optstate.StreamedAdam(store, mm)
+            w = np.ones(10, dtype=np.float32)
+            pid, _ = adam.register_param("w", 10, 0, w.ctypes.data, optstate.F32)
+            try:
+                adam.step([pid], [w.ctypes.data], [7])  # a gradient dtype the step refuses mid-step
+            except optstate.InvalidArgument as e:
+                print("caught:", e)
+            store.close()
+        """) % self.path("q")
+        env = dict(os.environ)
+        env.pop("OPTSTATE_LOG_LEVEL", None)  # the default level, as a user has it
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("caught:", r.stdout)
+        self.assertIn("gradient dtype", r.stdout)
+        self.assertNotIn("[error]", r.stderr)
 
 
 if __name__ == "__main__":
