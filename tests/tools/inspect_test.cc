@@ -323,9 +323,10 @@ TEST_F(InspectTest, ShowCountsNanAndInfAndReadsSnapshots) {
             static_cast<double>(Ref("layer.0.bias", k, 0, 0, 1)));
 }
 
+// diff exits 3 when the two differ (docs/CLI.md), 0 when they are identical.
 TEST_F(InspectTest, DiffReportsMaxAbsDifferenceAndNorms) {
   auto r = Tool("optstate-inspect", {path_, "diff", "s1", "s2", "--json"});
-  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_EQ(r.exit_code, 3) << r.err;
   auto j = ParseJson(r);
   EXPECT_FALSE(j["identical"].get<bool>());
   bool found = false;
@@ -353,6 +354,13 @@ TEST_F(InspectTest, DiffReportsMaxAbsDifferenceAndNorms) {
   auto same = Tool("optstate-inspect", {path_, "diff", "s2", "latest", "--json"});
   ASSERT_EQ(same.exit_code, 0) << same.err;
   EXPECT_TRUE(ParseJson(same)["identical"].get<bool>());
+  // The same without --json.
+  auto text = Tool("optstate-inspect", {path_, "diff", "s1", "s2"});
+  EXPECT_EQ(text.exit_code, 3) << text.err;
+  EXPECT_NE(text.out.find("the two differ"), std::string::npos) << text.out;
+  auto same_text = Tool("optstate-inspect", {path_, "diff", "s2", "latest"});
+  EXPECT_EQ(same_text.exit_code, 0) << same_text.err;
+  EXPECT_NE(same_text.out.find("identical"), std::string::npos) << same_text.out;
 }
 
 TEST_F(InspectTest, VerifyIsCleanThenCatchesAFlippedByte) {
