@@ -44,6 +44,7 @@ second optimizer or process opening a store in use gets optstate.Busy.
 import contextlib
 import ctypes
 import fnmatch
+import json
 import os
 import re
 
@@ -756,9 +757,9 @@ def layout_from_model(model, sources, ranks, dims=None):
     {param name glob pattern: dimension} (first match wins; a dimension may also be "columns", "rows"
     or "flat"), e.g. {"*.qkv.weight": 0, "*.proj.weight": 1, "*.bias": 0}. A param neither gives
     raises optstate.InvalidArgument; a replicated one optstate.Unimplemented (its state must have one
-    owner). A plain param that no pattern matches and that the model holds whole (its shape is the
-    tensor's global shape in the sources, e.g. a tensor-parallel row-parallel layer's bias, which each
-    rank holds whole and one rank's optimizer steps) stays whole, on rank 0. Rank r of the new topology
+    owner). A plain param that no pattern matches, that the model holds whole (its shape is the
+    tensor's global shape) and that one source alone holds (e.g. a tensor-parallel row-parallel
+    layer's bias, which each rank holds whole and one rank's optimizer steps) stays whole, on rank 0. Rank r of the new topology
     then registers its shards with AdamW(..., shards=...)."""
     rules, whole, shapes = {}, {}, None
     for name, p in model.named_parameters():
@@ -771,7 +772,12 @@ def layout_from_model(model, sources, ranks, dims=None):
         if kind is None:
             if shapes is None:
                 shapes = checkpoint.global_shapes(sources)
-            if shapes.get(name) == tuple(p.shape):
+                owners = {}  # tensor name -> how many sources hold a part of it
+                for src in sources:
+                    with open(os.path.join(os.fsdecode(os.fspath(src)), "manifest.json")) as f:
+                        for t in json.load(f)["tensors"]:
+                            owners[t["name"]] = owners.get(t["name"], 0) + 1
+            if shapes.get(name) == tuple(p.shape) and owners.get(name) == 1:
                 whole[name] = tuple(p.shape)
                 kind = "flat"  # any rule: replaced by the whole tensor on rank 0 below
             else:
