@@ -9,6 +9,8 @@
 #include <memory>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "memmgr/internal/manager_impl.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
@@ -160,10 +162,11 @@ Status StreamedAdam::SetGroup(const ParamGroup& g) {
   if (in_step_) return FailedPrecondition("StreamedAdam::SetGroup: a step is in progress");
   if (!(g.lr >= 0) || !(g.beta1 >= 0 && g.beta1 < 1) || !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps > 0) ||
       !(g.weight_decay >= 0) || !std::isfinite(g.lr) || !std::isfinite(g.weight_decay)) {
-    return InvalidArgument("StreamedAdam::SetGroup " + std::to_string(g.id) + ": invalid hyperparameters (lr " +
-                           std::to_string(g.lr) + ", betas " + std::to_string(g.beta1) + "/" +
-                           std::to_string(g.beta2) + ", eps " + std::to_string(g.eps) + ", weight_decay " +
-                           std::to_string(g.weight_decay) + ")");
+    // {} is the shortest text that reads back as the same double (eps 1e-08,
+    // not std::to_string's 0.000000).
+    return InvalidArgument(fmt::format(
+        "StreamedAdam::SetGroup {}: invalid hyperparameters (lr {}, betas {}/{}, eps {}, weight_decay {})", g.id,
+        g.lr, g.beta1, g.beta2, g.eps, g.weight_decay));
   }
   groups_[g.id] = g;
   step_counts_.emplace(g.id, 0);

@@ -276,7 +276,7 @@ Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
                           "); the params that step updated are ahead of the store: copy the store's mains into "
                           "them, or resume from the store");
   err = WithNote(err, DropUncommittedRegistrations());
-  OPTSTATE_LOG_ERROR("{}", err.ToString());
+  OPTSTATE_LOG_DEBUG("{}", err.ToString());  // returned to the caller, who reports it
   return err;
 }
 

@@ -78,7 +78,9 @@ Status StreamedAdam::Fail(Status s) {
     poisoned_ = true;
     poison_status_ = s.WithContext("StreamedAdam is unusable after a CUDA error");
   }
-  OPTSTATE_LOG_ERROR("StreamedAdam: step aborted, nothing committed: {}", s.ToString());
+  // The caller gets s (the C ABI as its error, the tools print it): an error
+  // line here would say it twice.
+  OPTSTATE_LOG_DEBUG("StreamedAdam: step aborted, nothing committed: {}", s.ToString());
   return s;
 }
 

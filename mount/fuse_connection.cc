@@ -24,6 +24,7 @@
 #include "mount/fuse_mount.h"
 #include "mount/internal/push_gate.h"
 #include "base/log.h"
+#include "vfs/store.h"
 
 namespace optstate::mount::internal {
 
@@ -240,7 +241,8 @@ Status CheckStoreRoot(const std::string& store_root) {
         "{} is a store; mount its parent ({}), which serves every store in it as MOUNTPOINT/<store>/", store_root,
         parent));
   }
-  return Status();
+  // On a read-only bind mount every store would fail to open: say so now.
+  return vfs::CheckReaderFilesystem(store_root);
 }
 
 std::optional<std::string> HiddenByMountWarning(const std::string& mountpoint) {

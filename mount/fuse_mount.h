@@ -54,6 +54,8 @@ Status CheckMountpoint(const std::string& mountpoint);
 // Checks that `store_root` (a realpath) is a directory of stores, not a store
 // itself (it holds an IDENTITY file): a store's own directory would show its
 // RocksDB index as a store. The error names the parent to mount instead.
+// Also refuses a STORE_ROOT on a read-only bind mount of a writable filesystem,
+// where no store could be read (vfs::CheckReaderFilesystem).
 Status CheckStoreRoot(const std::string& store_root);
 
 // The entries of `mountpoint` (a directory) that a mount there hides, or

@@ -71,8 +71,12 @@ constexpr uint32_t kHot = 2048;     // tokens drawn 95% of the time
 
 struct Model {
   uint64_t vocab = 0;
-  // name -> (offset into params/grads, numel); one flat host array each.
-  struct Tensor { std::string name; uint64_t offset, numel; };
+  // name -> (offset into params/grads, numel, shape); one flat host array each.
+  struct Tensor {
+    std::string name;
+    uint64_t offset, numel;
+    std::vector<uint64_t> shape;  // torch's: (out, in) for a weight
+  };
   std::vector<Tensor> tensors;
   std::vector<float> w;      // parameters (model copy; StreamedAdam writes it)
   std::vector<float> g;      // gradients
@@ -88,15 +92,17 @@ Model MakeModel(uint64_t params) {
   uint64_t mlp = kHidden * kDim + kHidden + kHidden + 1;
   m.vocab = std::max<uint64_t>(kHot * 2, (params > mlp ? params - mlp : 0) / kDim);
   uint64_t off = 0;
-  auto add = [&](const char* n, uint64_t numel) {
-    m.tensors.push_back({n, off, numel});
+  auto add = [&](const char* n, std::vector<uint64_t> shape) {
+    uint64_t numel = 1;
+    for (uint64_t d : shape) numel *= d;
+    m.tensors.push_back({n, off, numel, std::move(shape)});
     off += numel;
   };
-  add("embed.weight", m.vocab * kDim);
-  add("mlp.fc1.weight", kHidden * kDim);
-  add("mlp.fc1.bias", kHidden);
-  add("mlp.fc2.weight", kHidden);
-  add("mlp.fc2.bias", 1);
+  add("embed.weight", {m.vocab, kDim});
+  add("mlp.fc1.weight", {kHidden, kDim});
+  add("mlp.fc1.bias", {kHidden});
+  add("mlp.fc2.weight", {1, kHidden});
+  add("mlp.fc2.bias", {1});
   m.w.resize(off);
   m.g.assign(off, 0.0f);
   std::mt19937_64 rng(42);
@@ -311,7 +317,10 @@ int Run(const DemoOptions& o) {
     if (Status s = (*mm)->CopyToDevice(d_w, model.w.data(), numel * 4); !s.ok()) return FailWith(kTool, s);
   }
   for (const auto& t : model.tensors) {
-    Status s = (*opt)->RegisterParam(t.name, t.numel, 0, static_cast<float*>(d_w) + t.offset, DType::kF32);
+    memmgr::ShardInfo shape;
+    shape.shape = t.shape;  // the store records it (manifest.json, state.safetensors)
+    Status s =
+        (*opt)->RegisterParam(t.name, t.numel, 0, static_cast<float*>(d_w) + t.offset, DType::kF32, shape);
     if (!s.ok()) return FailWith(kTool, s.WithContext(t.name));
   }
 

@@ -68,12 +68,15 @@ int Main(int argc, char** argv) {
   run->add_option("--dest", dest, "output directory (must not exist, or be empty)")->required();
   run->add_option("--chunk-size", chunk_text, "chunk size of the output manifests (default: the sources')");
   run->add_option("--staging", staging_text, "bytes gathered per destination rank before a write (default 4M)");
-  run->add_flag("-q,--quiet", quiet, "no summary line");
+  run->add_flag("-q,--quiet", quiet, "no summary line, progress bar or [info] log lines");
   run->add_option("SOURCE", sources, "source checkpoint directories, one per old rank")->required();
 
   if (std::optional<int> code = ParseCommandLine(app, argc, argv, kTool)) return *code;
 
   if (layout->parsed()) {
+    for (const std::string& src : layout_sources) {
+      if (Status s = CheckNotAStoreDirectory(src); !s.ok()) return FailWith(kTool, s);
+    }
     auto globals = vfs::GlobalTensorsOf(layout_sources);
     if (!globals.ok()) return FailWith(kTool, globals.status());
     vfs::TargetLayout t;
@@ -114,15 +117,21 @@ int Main(int argc, char** argv) {
     if (!b.ok() || *b == 0) return FailUsage(kTool, "--staging: a positive byte size, e.g. 4M");
     opts.staging_bytes_per_rank = *b;
   }
+  if (quiet) QuietLibraryLog();
+  for (const std::string& src : sources) {
+    if (Status s = CheckNotAStoreDirectory(src); !s.ok()) return FailWith(kTool, s);
+  }
   auto text = vfs::FileSystem::Default()->ReadFileToString(layout_path);
   if (!text.ok()) return FailWith(kTool, text.status().WithContext("reading the layout"));
   auto target = vfs::ParseTargetLayout(*text, layout_path);
   if (!target.ok()) return FailWith(kTool, target.status());
   std::unique_ptr<ProgressBar> bar;  // made at the first report, which knows the total
-  opts.progress = [&](uint64_t done, uint64_t total) {
-    if (!bar) bar = std::make_unique<ProgressBar>("reshard", total);
-    bar->Update(done);
-  };
+  if (!quiet) {
+    opts.progress = [&](uint64_t done, uint64_t total) {
+      if (!bar) bar = std::make_unique<ProgressBar>("reshard", total);
+      bar->Update(done);
+    };
+  }
   const double start = NowSeconds();
   auto r = vfs::Reshard(sources, *target, dest, opts);
   if (bar) bar->Finish();

@@ -54,12 +54,14 @@ int Main(int argc, char** argv) {
       ->needs(create)
       ->check(CLI::IsMember({"f32", "bf16", "q8"}));
   app.add_option("--queue-depth", depth, "chunk writes in flight")->check(CLI::Range(1, 1024));
-  app.add_flag("-q,--quiet", quiet, "no progress output");
+  app.add_flag("-q,--quiet", quiet, "no progress output or [info] log lines");
   if (std::optional<int> code = ParseCommandLine(app, argc, argv, kTool)) return *code;
   if (create->count() > 0 && create_name.empty()) {
     return FailUsage(kTool, "--create needs a store name");
   }
 
+  if (quiet) QuietLibraryLog();
+  if (Status s = CheckNotAStoreDirectory(dir); !s.ok()) return FailWith(kTool, s);
   const bool tty = !quiet && isatty(STDERR_FILENO);
   auto start = std::chrono::steady_clock::now();
   vfs::RestoreOptions ro;

@@ -76,6 +76,15 @@
 // generation COMMITTED acknowledges, never less than before, and the index
 // digest recorded with the generation; otherwise the secondary is reopened.
 //
+// A store on a read-only filesystem. A reader cannot make its lease files
+// there. Where the filesystem itself is read-only (its superblock: a `mount -o
+// ro` or `remount,ro`, a read-only medium), nothing anywhere can write the
+// store, so no writer and no GC exist to keep a generation from: OpenReadOnly
+// then reads without leases. Where only the reader's mount is read-only (a
+// read-only bind mount of a writable filesystem), a writer through another
+// mount could collect what a reader reads: OpenReadOnly refuses, saying so
+// (CheckReaderFilesystem).
+//
 // Every chunk carries an XXH3-64 of its logical bytes, verified on every read:
 // a mismatch is kCorruption naming store, tensor, field, chunk and generation.
 //
@@ -486,5 +495,13 @@ class Store {
 
 // The XXH3-64 used for every chunk checksum.
 uint64_t ChunkChecksum(const void* data, uint64_t len);
+
+// Whether readers can open stores under `dir` (a store or a directory of
+// stores, e.g. the mount's STORE_ROOT): OK where `dir` is writable or its
+// whole filesystem is read-only (readers need no leases there: see "A store on
+// a read-only filesystem" above); kFailedPrecondition naming `dir`, its mount
+// point and what to do where only this mount of a writable filesystem is
+// read-only, or where /proc/self/mountinfo cannot tell which.
+Status CheckReaderFilesystem(const std::string& dir);
 
 }  // namespace optstate::vfs

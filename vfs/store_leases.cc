@@ -10,12 +10,84 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
 #include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "base/log.h"
 
 namespace optstate::vfs::internal {
+namespace {
+
+// The mount a path resolves through (/proc/self/mountinfo), with whether the
+// filesystem under it (its superblock, not only this mount) is read-only.
+struct MountOf {
+  std::string mount_point;
+  bool filesystem_read_only = false;
+};
+
+// mountinfo escapes space, tab, newline and backslash as \ooo (octal).
+std::string UnescapeMountField(const std::string& f) {
+  std::string out;
+  for (size_t i = 0; i < f.size(); ++i) {
+    if (f[i] == '\\' && i + 3 < f.size()) {
+      out.push_back(static_cast<char>(std::strtol(f.substr(i + 1, 3).c_str(), nullptr, 8)));
+      i += 3;
+    } else {
+      out.push_back(f[i]);
+    }
+  }
+  return out;
+}
+
+bool HasOption(const std::string& options, const std::string& word) {
+  std::stringstream ss(options);
+  std::string o;
+  while (std::getline(ss, o, ',')) {
+    if (o == word) return true;
+  }
+  return false;
+}
+
+// The last-mounted mount whose mount point is the longest prefix of the real
+// path of `dir`; nullopt when the path or /proc/self/mountinfo cannot be read.
+std::optional<MountOf> FindMountOf(const std::string& dir) {
+  std::error_code ec;
+  const std::string path = std::filesystem::canonical(dir, ec).string();
+  if (ec) return std::nullopt;
+  std::ifstream in("/proc/self/mountinfo");
+  if (!in) return std::nullopt;
+  std::optional<MountOf> best;
+  std::string line;
+  while (std::getline(in, line)) {
+    // id parent major:minor root mount_point mount_options [optional...] - fstype source super_options
+    std::istringstream ls(line);
+    std::vector<std::string> f;
+    for (std::string w; ls >> w;) f.push_back(w);
+    size_t dash = 6;
+    while (dash < f.size() && f[dash] != "-") ++dash;
+    if (f.size() < 6 || dash + 3 >= f.size()) continue;
+    const std::string mp = UnescapeMountField(f[4]);
+    const bool under = mp == "/" || path == mp || (path.size() > mp.size() && path.compare(0, mp.size(), mp) == 0 &&
+                                                   path[mp.size()] == '/');
+    if (!under || (best && mp.size() < best->mount_point.size())) continue;
+    best = MountOf{mp, HasOption(f[dash + 3], "ro")};
+  }
+  return best;
+}
+
+}  // namespace
 
 Result<FlockGuard> Core::LockLeases(int op) {
+  // On a read-only filesystem no one writes leases or RETAINED: nothing to hold off.
+  if (filesystem_read_only_) return FlockGuard();
   if (!lease_lock_file_) {
     return FailedPrecondition("store " + path_ + ": leases/.lock is not open");
   }
@@ -80,6 +152,21 @@ Status OpenLeaseLock(Core* c) {
   return Status();
 }
 
+Status OpenReaderLeaseLock(Core* c) {
+  OpenOptions oo;
+  oo.create = true;  // a store created before leases/ existed has none yet
+  auto f = c->fs_->Open(JoinPath(c->leases_dir_, ".lock"), oo);
+  if (f.ok()) {
+    c->lease_lock_file_ = std::move(*f);
+    return Status();
+  }
+  if (f.status().err() != EROFS) return f.status().WithContext("store " + c->path_ + ": leases/.lock");
+  OPTSTATE_RETURN_IF_ERROR(CheckReaderFilesystem(c->path_));
+  OPTSTATE_LOG_DEBUG("store {}: on a read-only filesystem: reading without leases", c->path_);
+  c->filesystem_read_only_ = true;
+  return Status();
+}
+
 Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr<Core>& core, uint64_t generation,
                                                            const std::string& snapshot) {
   Core* c = core.get();
@@ -107,6 +194,14 @@ Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr
     c->AddViewRef(g);
     v->in_process_ref = true;
     return NewGenerationView(std::move(v));
+  }
+  if (c->filesystem_read_only_) {
+    // Nothing can write the store (vfs/store.h): g stays as the index shows it.
+    std::lock_guard l(c->mu_);
+    uint64_t g;
+    OPTSTATE_RETURN_IF_ERROR(resolve(&g));
+    OPTSTATE_RETURN_IF_ERROR(c->CheckIndexOf(g));
+    return NewGenerationView(BuildView(core, g));
   }
   // Read-only: a lease file, then (under the same shared flock) RETAINED says
   // whether the writer still keeps g; g's entries come from this process's
@@ -181,3 +276,24 @@ Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr
 }
 
 }  // namespace optstate::vfs::internal
+
+namespace optstate::vfs {
+
+Status CheckReaderFilesystem(const std::string& dir) {
+  if (::access(dir.c_str(), W_OK) == 0 || errno != EROFS) return Status();
+  const std::optional<internal::MountOf> m = internal::FindMountOf(dir);
+  if (m && m->filesystem_read_only) return Status();
+  if (!m) {
+    return FailedPrecondition(dir + " is on a read-only mount and /proc/self/mountinfo does not say whether its "
+                                    "filesystem is read-only everywhere: a reader must write a lease in the "
+                                    "store's leases/ so that a writer keeps the generation it reads; open it "
+                                    "through a writable path");
+  }
+  return FailedPrecondition(
+      dir + " is on a read-only mount (" + m->mount_point +
+      ") of a filesystem that is writable elsewhere (a read-only bind mount): a writer there could collect "
+      "the generation a reader reads, and a reader cannot write its lease in the store's leases/ here; open it "
+      "through a writable path, or mount the filesystem itself read-only (mount -o remount,ro)");
+}
+
+}  // namespace optstate::vfs

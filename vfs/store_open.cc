@@ -153,6 +153,7 @@ using internal::NowUnixMs;
 using internal::OpenCommittedMark;
 using internal::OpenDataFiles;
 using internal::OpenLeaseLock;
+using internal::OpenReaderLeaseLock;
 using internal::ReadIdentity;
 using internal::RemoveStaleSecondaryDirs;
 using internal::ResolveDataDirs;
@@ -351,13 +352,7 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
   FileSystem* fs = core->fs_;
   OPTSTATE_ASSIGN_OR_RETURN(core->identity_, ReadIdentity(fs, path));
   OPTSTATE_RETURN_IF_ERROR(ResolveDataDirs(core.get()));
-  {
-    OpenOptions oo;
-    oo.create = true;  // a store created before leases/ existed has none yet
-    auto f = fs->Open(JoinPath(core->leases_dir_, ".lock"), oo);
-    if (!f.ok()) return f.status().WithContext("store " + path + ": leases/.lock");
-    core->lease_lock_file_ = std::move(*f);
-  }
+  OPTSTATE_RETURN_IF_ERROR(OpenReaderLeaseLock(core.get()));
   static std::atomic<uint64_t> counter{0};
   RemoveStaleSecondaryDirs(kSecondaryRoot);
   core->secondary_base_ = std::string(kSecondaryRoot) + "/" + kSecondaryPrefix + std::to_string(getpid()) + "-" +

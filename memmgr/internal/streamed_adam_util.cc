@@ -40,11 +40,20 @@ Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path
     if (f.name != "exp_avg" && f.name != "exp_avg_sq") continue;
     const DType want = MomentFieldDType(moment, f.name);
     if (f.dtype != want) {
+      // The moment dtype to suggest is one the optimizer takes (f32, bf16,
+      // q8), not the field's storage dtype (q8 stores exp_avg as q8s).
+      std::string held;
+      for (MomentDType m : {MomentDType::kF32, MomentDType::kBF16, MomentDType::kQ8}) {
+        if (MomentFieldDType(m, f.name) == f.dtype) held = MomentDTypeName(m);
+      }
+      const std::string open_with =
+          held.empty() ? "open it with the moment dtype it was created with"
+                       : "open it with moment dtype " + held;
       return InvalidArgument("StreamedAdam: store " + store_path + " holds tensor '" + t.name + "' field " + f.name +
                              " as " + DTypeName(f.dtype) + ", but the optimizer was created with moment dtype " +
-                             DTypeName(want) + " (moment dtypes are chosen when a store is created; open it with "
-                             "moment dtype " + DTypeName(f.dtype) + ", or convert a checkpoint with "
-                             "optstate-restore --moments); nothing changed");
+                             MomentDTypeName(moment) + " (" + f.name + " as " + DTypeName(want) +
+                             "; moment dtypes are chosen when a store is created; " + open_with +
+                             ", or convert a checkpoint with optstate-restore --moments); nothing changed");
     }
   }
   return Status::Ok();

@@ -52,6 +52,7 @@ import contextlib
 import ctypes
 import difflib
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -1091,8 +1092,11 @@ def layout_from_model(model, sources, ranks, dims=None):
     {param name glob pattern: dimension} (first match wins; a dimension may also be "columns", "rows"
     or "flat"), e.g. {"*.qkv.weight": 0, "*.proj.weight": 1, "*.bias": 0}. A param neither gives
     raises optstate.InvalidArgument; a replicated one optstate.Unimplemented (its state must have one
-    owner). Rank r of the new topology then registers its shards with AdamW(..., shards=...)."""
-    rules = {}
+    owner). A plain param that no pattern matches, that the model holds whole (its shape is the
+    tensor's global shape) and that one source alone holds (e.g. a tensor-parallel row-parallel
+    layer's bias, which each rank holds whole and one rank's optimizer steps) stays whole, on rank 0. Rank r of the new topology
+    then registers its shards with AdamW(..., shards=...)."""
+    rules, whole, shapes = {}, {}, None
     for name, p in model.named_parameters():
         kind = _shard_dim(name, p)
         if kind is None:
@@ -1101,14 +1105,30 @@ def layout_from_model(model, sources, ranks, dims=None):
                     kind = d
                     break
         if kind is None:
-            why = ("torch %s has no DTensor" % torch.__version__ if not _has_dtensor()
-                   else "it is not a DTensor")
-            raise errors.InvalidArgument("optstate.torch.layout_from_model: param %s (shape %s): no sharded "
-                                         "dimension (%s, and no pattern of dims matches it)"
-                                         % (name, tuple(p.shape), why))
+            if shapes is None:
+                shapes = checkpoint.global_shapes(sources)
+                owners = {}  # tensor name -> how many sources hold a part of it
+                for src in sources:
+                    with open(os.path.join(os.fsdecode(os.fspath(src)), "manifest.json")) as f:
+                        for t in json.load(f)["tensors"]:
+                            owners[t["name"]] = owners.get(t["name"], 0) + 1
+            if shapes.get(name) == tuple(p.shape) and owners.get(name) == 1:
+                whole[name] = tuple(p.shape)
+                kind = "flat"  # any rule: replaced by the whole tensor on rank 0 below
+            else:
+                why = ("torch %s has no DTensor" % torch.__version__ if not _has_dtensor()
+                       else "it is not a DTensor")
+                raise errors.InvalidArgument("optstate.torch.layout_from_model: param %s (shape %s; global shape %s "
+                                             "in the sources): no sharded dimension (%s, and no pattern of dims "
+                                             "matches it)" % (name, tuple(p.shape), shapes.get(name), why))
         # The name as an exact fnmatch pattern.
         rules[re.sub(r"([\\*?\[])", r"\\\1", name)] = kind
-    return checkpoint.reshard_layout(sources, ranks, split=rules)
+    layout = checkpoint.reshard_layout(sources, ranks, split=rules)
+    for name, shape in whole.items():
+        for rank in layout["ranks"]:
+            rank["tensors"].pop(name, None)
+        layout["ranks"][0]["tensors"][name] = {"offset": [0] * len(shape), "shape": list(shape)}
+    return layout
 
 
 def _has_dtensor():

@@ -28,6 +28,7 @@
 #include <sstream>
 #include <thread>
 
+#include "tests/common/scratch_mount.h"
 #include "tests/common/test_util.h"
 #include "tests/vfs/checkpoint_test_util.h"
 #include "vfs/checkpoint.h"
@@ -1034,6 +1035,108 @@ TEST_F(MountTest, LatestMovesOnWhileOldDirectoriesKeepTheirGeneration) {
           milliseconds(50));
   EXPECT_NE(rc, 0) << "a released snapshot's file was still there after " << kHangLimit.count() / 1000 << " s";
   EXPECT_EQ(errno, ENOENT);
+}
+
+// A snapshot name released and made again at a later generation serves the
+// new generation's files (manifest.json's generation, a field's bytes): the
+// daemon drops what it held for a name when the generation behind the name
+// changes, not only when the name goes. The release and the new snapshot come
+// between two looks of the daemon, so it never sees the name missing.
+TEST_F(MountTest, ASnapshotNameMadeAgainServesItsNewGeneration) {
+  auto s = Store::Open(StorePath(), StoreOptions{});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  WriteStep(s->get(), 2);
+  ASSERT_TRUE((*s)->CreateSnapshot("a").ok());
+  const uint64_t old_gen = (*s)->LatestGeneration().generation;
+  const std::map<std::string, std::string> old_files = LatestFiles(s->get());
+  const std::string file = "tensors/emb/main";
+  ASSERT_TRUE(old_files.count(file));
+  auto manifest_generation = [&] {
+    auto j = nlohmann::json::parse(ReadFile(M("snapshots/a/manifest.json")), nullptr, /*allow_exceptions=*/false);
+    return j.is_object() && j.contains("generation") && j["generation"].is_number_unsigned()
+               ? j["generation"].get<uint64_t>()
+               : uint64_t{0};
+  };
+  // The daemon now holds old_gen for "a".
+  ASSERT_EQ(manifest_generation(), old_gen) << ReadFile(root_ + "/daemon.log");
+  ASSERT_TRUE(ReadFile(M("snapshots/a/" + file)) == old_files.at(file));
+
+  ASSERT_TRUE((*s)->ReleaseSnapshot("a").ok());
+  WriteStep(s->get(), 3);
+  WriteStep(s->get(), 4);
+  ASSERT_TRUE((*s)->CreateSnapshot("a").ok());
+  const uint64_t new_gen = (*s)->LatestGeneration().generation;
+  const std::map<std::string, std::string> new_files = LatestFiles(s->get());
+  ASSERT_GT(new_gen, old_gen);
+  ASSERT_FALSE(new_files.at(file) == old_files.at(file));
+
+  // The kernel may keep the name "a" for snapshot_recheck_ms (1 s) and the
+  // daemon trusts a held snapshot as long: poll, with a deadline.
+  uint64_t seen = 0;
+  bool bytes_follow = false;
+  const bool followed = WaitFor(
+      [&] {
+        seen = manifest_generation();
+        bytes_follow = ReadFile(M("snapshots/a/" + file)) == new_files.at(file);
+        return seen == new_gen && bytes_follow;
+      },
+      std::chrono::milliseconds(30000), milliseconds(50));
+  EXPECT_TRUE(followed) << "snapshots/a/ still serves generation " << seen << " (bytes of the new one: "
+                        << bytes_follow << ") 30 s after \"a\" was made again at generation " << new_gen
+                        << " (was " << old_gen << ")";
+}
+
+// Stores on a read-only filesystem (remounted ro: nothing can write them)
+// are served: every file equals the library's bytes, with no reader lease
+// (none can be written there, none is needed). A STORE_ROOT on a read-only
+// bind mount of a writable filesystem (a writer elsewhere could collect what
+// the mount reads, and no lease can be taken) is refused at start, exit 1,
+// saying why: never a mount that comes up and then fails every access.
+TEST_F(MountTest, ServesAReadOnlyFilesystemAndRefusesAReadOnlyBindMount) {
+  StopDaemon();
+  const std::string ro_root = root_ + "/rofs";
+  test_util::ScratchMount tmpfs = test_util::ScratchMount::Tmpfs(ro_root, 256);
+  if (!tmpfs.ok()) GTEST_SKIP() << tmpfs.error();
+  std::map<std::string, std::string> want;
+  {
+    auto s = CreateStore(ro_root + "/" + kStore);
+    ASSERT_NE(s, nullptr);
+    CreateTensors(s.get(), DefaultTensors());
+    WriteStep(s.get(), 1);
+    WriteStep(s.get(), 2);
+    ASSERT_TRUE(s->CreateSnapshot("ckpt").ok());
+    want = LatestFiles(s.get());
+  }
+  ASSERT_FALSE(want.empty());
+  {
+    test_util::ScratchMount bind = test_util::ScratchMount::ReadOnlyBind(ro_root, root_ + "/bind");
+    if (!bind.ok()) GTEST_SKIP() << bind.error();
+    const pid_t p = Spawn({OPTSTATE_MOUNT_BINARY, root_ + "/bind", mnt_, "-f"}, root_ + "/bind.log");
+    ASSERT_GT(p, 0);
+    int status = 0;
+    bool exited = false;
+    WaitFor([&] { return (exited = waitpid(p, &status, WNOHANG) == p) || IsMounted(mnt_); }, kHangLimit,
+            milliseconds(20));
+    if (!exited) {  // it came up: stop it
+      kill(p, SIGTERM);
+      waitpid(p, &status, 0);
+      FAIL() << "optstate-mount came up on a read-only bind mount: " << ReadFile(root_ + "/bind.log");
+    }
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << ReadFile(root_ + "/bind.log");
+    EXPECT_FALSE(IsMounted(mnt_));
+    const std::string log = ReadFile(root_ + "/bind.log");
+    EXPECT_NE(log.find("optstate-mount: error: " + root_ + "/bind is on a read-only mount"), std::string::npos)
+        << log;
+    EXPECT_NE(log.find("read-only bind mount"), std::string::npos) << log;
+  }
+  ASSERT_TRUE(tmpfs.RemountReadOnly()) << tmpfs.error();
+  stores_ = ro_root;
+  StartDaemon();
+  for (const auto& [path, bytes] : want) {
+    EXPECT_TRUE(ReadFile(M("latest/" + path)) == bytes) << "latest/" << path;
+    EXPECT_TRUE(ReadFile(M("snapshots/ckpt/" + path)) == bytes) << "snapshots/ckpt/" << path;
+  }
+  StopDaemon();  // before the tmpfs goes
 }
 
 // By default every file goes through the page cache: each maps (MAP_SHARED)

@@ -106,6 +106,10 @@ class CapiTest(TempDirTest):
             optstate.StreamedAdam(store, mm, moment_dtype="bf16")  # a store that holds q8
         for word in ("'w'", "exp_avg", "q8s", "bf16", self.path("q")):
             self.assertIn(word, str(cm.exception))
+        # The moment dtype it suggests is one StreamedAdam takes (q8), and it works.
+        self.assertIn("open it with moment dtype q8,", str(cm.exception))
+        self.assertNotIn("moment dtype q8s", str(cm.exception))
+        optstate.StreamedAdam(store, mm, moment_dtype="q8").close()
         np.testing.assert_array_equal(store.read("w", "exp_avg"), m)  # nothing changed
 
     def test_param_without_grad_keeps_its_own_step_count(self):
@@ -393,6 +397,17 @@ class CapiTest(TempDirTest):
         with self.assertRaises(optstate.Error) as cm:
             optstate.Store(self.path("missing/parent/s"), create=True)
         self.assertIn("missing/parent", str(cm.exception))
+
+    def test_set_group_error_shows_the_values_given(self):
+        store, mm, adam = self.open()
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            adam.set_group(0, 1e-3, 1.5, 0.999, 1e-12, 0.0)
+        msg = str(cm.exception)
+        # The shortest repr of each double, not "%f" (which printed eps 0.000000).
+        self.assertIn("lr 0.001,", msg)
+        self.assertIn("betas 1.5/0.999,", msg)
+        self.assertIn("eps 1e-12,", msg)
+        self.assertIn("weight_decay 0)", msg)
 
 
 if __name__ == "__main__":

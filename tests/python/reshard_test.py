@@ -290,5 +290,57 @@ class DTensorLayoutTest(TempDirTest):
             ot._shard_dim("fc1.bias", model.fc1.bias)
 
 
+class DocsTensorParallelExampleTest(TempDirTest):
+    """docs/PYTHON.md's "Another number of ranks" example on a small model that has fc2.bias (a
+    row-parallel layer's bias: whole on every rank, its state owned by rank 0): the same shards, params
+    and dims with 4096/1024/2048 scaled to 16/8/8. Two ranks step and save, layout_from_model and
+    reshard make three ranks' checkpoints, and each resharded field equals the sources' elements."""
+    F, D, H = 16, 8, 8  # the docs' 4096, 1024, 2048
+
+    def test_example_runs_on_a_model_with_fc2_bias(self):
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "PYTHON.md")) as f:
+            docs = f.read()
+        # What this test runs is what the docs say.
+        for line in ('params = [(n, p) for n, p in model.named_parameters() if n in shards or r == 0]',
+                     'layout = optstate.torch.layout_from_model(model, srcs, 3, dims={"fc1.*": 0, '
+                     '"fc2.weight": 1})'):
+            self.assertIn(line, docs)
+        F, D, H = self.F, self.D, self.H
+        srcs = []
+        torch.manual_seed(3)
+        for r in range(2):
+            model = torch.nn.Sequential()
+            model.fc1 = torch.nn.Linear(D, H)  # column-parallel: rank r's rows of fc1
+            model.fc2 = torch.nn.Linear(H, D)  # row-parallel: rank r's columns of fc2, the bias whole
+            shards = {"fc1.weight": ((F, D), (H * r, 0)), "fc1.bias": ((F,), (H * r,)),
+                      "fc2.weight": ((D, F), (0, H * r))}
+            params = [(n, p) for n, p in model.named_parameters() if n in shards or r == 0]
+            opt = ot.AdamW(params, store=self.path("s%d" % r), shards=shards, **OPT_KW)
+            for _, p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            srcs.append(self.path("ck%d" % r))
+            ckpt.save(opt, srcs[-1])
+            opt.close()
+        layout = ot.layout_from_model(model, srcs, 3, dims={"fc1.*": 0, "fc2.weight": 1})
+        self.assertEqual(layout["ranks"][0]["tensors"]["fc2.bias"], {"offset": [0], "shape": [D]})
+        for r in (1, 2):
+            self.assertNotIn("fc2.bias", layout["ranks"][r]["tensors"])
+        self.assertEqual(optstate.reshard(srcs, self.path("ck3"), layout), 3)
+
+        def read(d, name, field="main"):
+            with open(os.path.join(d, "tensors", name, field), "rb") as f:
+                return torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
+
+        new = [ckpt.rank_dir(self.path("ck3"), r) for r in range(3)]
+        for field in ("main", "exp_avg", "exp_avg_sq"):
+            self.assertTrue(torch.equal(read(new[0], "fc2.bias", field), read(srcs[0], "fc2.bias", field)))
+            old = torch.cat([read(srcs[r], "fc1.bias", field) for r in range(2)])
+            self.assertTrue(torch.equal(torch.cat([read(new[r], "fc1.bias", field) for r in range(3)]), old))
+            old = torch.cat([read(srcs[r], "fc2.weight", field).view(D, H) for r in range(2)], dim=1)
+            got = torch.cat([read(new[r], "fc2.weight", field).view(D, -1) for r in range(3)], dim=1)
+            self.assertTrue(torch.equal(got, old))
+
+
 if __name__ == "__main__":
     unittest.main()

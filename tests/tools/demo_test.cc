@@ -7,7 +7,12 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+#include <string>
+#include <vector>
+
 #include "tests/tools/tools_test_util.h"
+#include "vfs/store.h"
 
 namespace optstate::tools {
 namespace {
@@ -43,6 +48,20 @@ void RunDemo(bool mount) {
   // --keep left the restored store, and it inspects clean.
   auto v = Tool("optstate-inspect", {dir / "demo/restored/demo.rank0000", "verify"});
   EXPECT_EQ(v.exit_code, 0) << v.out << v.err;
+  // Its tensors have the model's shapes (2-D weights as 2-D), from the
+  // trained store through the checkpoint's manifest.
+  auto restored = vfs::Store::OpenReadOnly(dir / "demo/restored/demo.rank0000", vfs::StoreOptions{});
+  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+  std::map<std::string, std::vector<uint64_t>> shapes;
+  for (const vfs::TensorInfo& t : (*restored)->ListTensors()) shapes[t.name] = t.shape;
+  ASSERT_EQ(shapes.size(), 5u);
+  const uint64_t params = j["params"].get<uint64_t>();
+  const uint64_t mlp = 64 * 32 + 64 + 64 + 1;  // the demo's MLP (kHidden 64, kDim 32)
+  EXPECT_EQ(shapes["embed.weight"], (std::vector<uint64_t>{(params - mlp) / 32, 32}));
+  EXPECT_EQ(shapes["mlp.fc1.weight"], (std::vector<uint64_t>{64, 32}));
+  EXPECT_EQ(shapes["mlp.fc1.bias"], (std::vector<uint64_t>{64}));
+  EXPECT_EQ(shapes["mlp.fc2.weight"], (std::vector<uint64_t>{1, 64}));
+  EXPECT_EQ(shapes["mlp.fc2.bias"], (std::vector<uint64_t>{1}));
 }
 
 TEST(DemoTest, RunsEndToEndWithDirectExport) { RunDemo(false); }

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/common/scratch_mount.h"
 #include "tests/tools/tools_test_util.h"
 #include "vfs/io_buffer.h"
 #include "vfs/store.h"
@@ -323,9 +324,10 @@ TEST_F(InspectTest, ShowCountsNanAndInfAndReadsSnapshots) {
             static_cast<double>(Ref("layer.0.bias", k, 0, 0, 1)));
 }
 
+// diff exits 3 when the two differ (docs/CLI.md), 0 when they are identical.
 TEST_F(InspectTest, DiffReportsMaxAbsDifferenceAndNorms) {
   auto r = Tool("optstate-inspect", {path_, "diff", "s1", "s2", "--json"});
-  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_EQ(r.exit_code, 3) << r.err;
   auto j = ParseJson(r);
   EXPECT_FALSE(j["identical"].get<bool>());
   bool found = false;
@@ -353,6 +355,13 @@ TEST_F(InspectTest, DiffReportsMaxAbsDifferenceAndNorms) {
   auto same = Tool("optstate-inspect", {path_, "diff", "s2", "latest", "--json"});
   ASSERT_EQ(same.exit_code, 0) << same.err;
   EXPECT_TRUE(ParseJson(same)["identical"].get<bool>());
+  // The same without --json.
+  auto text = Tool("optstate-inspect", {path_, "diff", "s1", "s2"});
+  EXPECT_EQ(text.exit_code, 3) << text.err;
+  EXPECT_NE(text.out.find("the two differ"), std::string::npos) << text.out;
+  auto same_text = Tool("optstate-inspect", {path_, "diff", "s2", "latest"});
+  EXPECT_EQ(same_text.exit_code, 0) << same_text.err;
+  EXPECT_NE(same_text.out.find("identical"), std::string::npos) << same_text.out;
 }
 
 TEST_F(InspectTest, VerifyIsCleanThenCatchesAFlippedByte) {
@@ -431,6 +440,47 @@ TEST_F(InspectTest, WorksWhileTheWriterHoldsTheStore) {
   auto r = Tool("optstate-inspect", {path_, "stat", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(ParseJson(r)["latest"]["step"].get<uint64_t>(), 3u);
+}
+
+// A store on a read-only filesystem: inspect reads it (no reader lease can be
+// written there, and none is needed: nothing can write the store either). On
+// a read-only bind mount of a writable filesystem, where a writer elsewhere
+// could collect what it reads, it refuses, saying why and what to do.
+TEST(InspectReadOnlyTest, ReadsAStoreOnAReadOnlyFilesystemAndRefusesAReadOnlyBindMount) {
+  TempDir dir;
+  test_util::ScratchMount fs = test_util::ScratchMount::Tmpfs(dir / "fs", 64);
+  if (!fs.ok()) GTEST_SKIP() << fs.error();
+  const std::string store = dir / "fs/rank0";
+  {
+    auto s = testing::MakeSmallStore(store, 1000);  // main[i] = i, committed, snapshot s1
+    ASSERT_NE(s, nullptr);
+  }
+  // The same directory through a read-only bind mount (the tmpfs still writable).
+  {
+    test_util::ScratchMount bind = test_util::ScratchMount::ReadOnlyBind(dir / "fs", dir / "bind");
+    if (!bind.ok()) GTEST_SKIP() << bind.error();
+    auto r = Tool("optstate-inspect", {dir / "bind/rank0", "ls"});
+    EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+    EXPECT_NE(r.err.find("read-only bind mount"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("open it through a writable path"), std::string::npos) << r.err;
+  }
+  ASSERT_TRUE(fs.RemountReadOnly()) << fs.error();
+  struct statvfs sv;
+  ASSERT_EQ(statvfs(store.c_str(), &sv), 0);
+  ASSERT_TRUE(sv.f_flag & ST_RDONLY);
+  auto ls = Tool("optstate-inspect", {store, "ls", "--json"});
+  EXPECT_EQ(ls.exit_code, 0) << ls.err;
+  auto show = Tool("optstate-inspect", {store, "show", "w", "--field", "main", "--snapshot", "s1", "--json"});
+  ASSERT_EQ(show.exit_code, 0) << show.err;
+  auto j = ParseJson(show);
+  const auto& f = j["fields"][0];
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(f["values"][i].get<double>(), static_cast<double>(i)) << i;
+  EXPECT_EQ(f["stats"]["max"].get<double>(), 999.0);
+  EXPECT_EQ(f["stats"]["mean"].get<double>(), 499.5);
+  auto verify = Tool("optstate-inspect", {store, "verify"});
+  EXPECT_EQ(verify.exit_code, 0) << verify.out << verify.err;
+  auto stat = Tool("optstate-inspect", {store, "stat", "--json"});
+  EXPECT_EQ(stat.exit_code, 0) << stat.err;
 }
 
 }  // namespace

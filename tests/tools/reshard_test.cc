@@ -66,6 +66,8 @@ TEST(ReshardTool, LayoutRunRestore) {
     auto restore = Tool("optstate-restore",
                         {dir / ("out/" + vfs::ReshardRankDirName(r)), store, "--create", "r", "-q"});
     ASSERT_EQ(restore.exit_code, 0) << restore.err;
+    // -q: nothing on either stream (no progress, no [info] log line).
+    EXPECT_EQ(restore.out + restore.err, "");
     auto s = vfs::Store::OpenReadOnly(store, vfs::StoreOptions{});
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     auto t = (*s)->FindTensor("w");
@@ -167,6 +169,8 @@ TEST(ReshardTool, SplitRulesAndFlatBucketsOfMatrices) {
   EXPECT_NE(Slurp(dir / "b.json").find("\"flat\""), std::string::npos);
   auto run = Tool("optstate-reshard", {"run", "-q", "--layout", dir / "b.json", "--dest", dir / "flat", c0, c1});
   ASSERT_EQ(run.exit_code, 0) << run.err;
+  // -q: nothing on either stream (no summary line, no [info] log line).
+  EXPECT_EQ(run.out + run.err, "");
   std::vector<std::string> flat;
   for (uint32_t r = 0; r < 3; ++r) flat.push_back(dir / ("flat/" + vfs::ReshardRankDirName(r)));
   auto rows = Tool("optstate-reshard", {"layout", "--ranks", "2", "-o", dir / "r.json", flat[0], flat[1], flat[2]});

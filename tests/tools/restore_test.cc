@@ -82,6 +82,27 @@ TEST_F(RestoreToolTest, CreatesAStoreAndSaysWhatIsInTheWay) {
   EXPECT_NE(none.err.find("--create NAME"), std::string::npos) << none.err;
 }
 
+// A store directory where a checkpoint directory belongs is named as one,
+// with the ways to get a checkpoint of it (not only "manifest.json: No such
+// file"); nothing is made.
+TEST_F(RestoreToolTest, AStoreGivenAsTheCheckpointSaysHowToGetOne) {
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{"--create", "n"}, {}}) {
+    std::vector<std::string> args = {dir_ / "src", dir_ / "new", "-q"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = Tool("optstate-restore", args);
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_NE(r.err.find(dir_ / "src" + " is a store directory"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("cp -r MNT/<store>/snapshots/<name>"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("optstate.checkpoint.save"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("optstate_checkpoint_export"), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(dir_ / "new"));
+  }
+  // The reshard tool's sources likewise.
+  auto l = Tool("optstate-reshard", {"layout", "--ranks", "2", dir_ / "src"});
+  EXPECT_EQ(l.exit_code, 1) << l.err;
+  EXPECT_NE(l.err.find(" is a store directory"), std::string::npos) << l.err;
+}
+
 // Malformed command lines: exit 2, the tools' common prefix, and what is
 // wrong (an unknown option is named even when the positionals are missing).
 TEST_F(RestoreToolTest, BadArgumentsExitTwoAndSayWhatIsWrong) {

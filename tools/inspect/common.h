@@ -14,7 +14,10 @@
 namespace optstate::tools::inspect {
 
 inline constexpr const char* kTool = "optstate-inspect";
+// verify found problems; diff found the two differ (as diff(1)'s 1, but 1 is
+// every tool's "failed").
 inline constexpr int kExitProblems = 3;
+inline constexpr int kExitDiffer = 3;
 
 struct Args {
   std::string store;

@@ -1,4 +1,5 @@
-// optstate-inspect STORE diff A B: per tensor and field, how two generations differ.
+// optstate-inspect STORE diff A B: per tensor and field, how two generations differ;
+// exit 0 identical, 3 (kExitDiffer) when they differ.
 #include <algorithm>
 #include <cmath>
 #include <iostream>
@@ -127,7 +128,7 @@ int Diff(const Args& a) {
     for (const auto& n : notes) std::cout << n << "\n";
     std::cout << (any_diff ? "\nthe two differ\n" : "\nidentical\n");
   }
-  return 0;
+  return any_diff ? kExitDiffer : 0;
 }
 
 }  // namespace optstate::tools::inspect

@@ -5,7 +5,8 @@
 // died. Commands: ls, stat, show, verify, diff; --json on every one. When
 // STORE is a directory of stores (a store root), `ls` lists the stores.
 // Exit codes: every tool's (tools/internal/cli.h: 0 success, 1 error, 2 a
-// malformed command line), and 3 when verify found problems.
+// malformed command line), and 3 when verify found problems or diff found the
+// two snapshots differ.
 #include <optional>
 #include <string>
 #include <vector>

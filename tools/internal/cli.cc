@@ -1,5 +1,6 @@
 #include "tools/internal/cli.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,8 @@
 #include <limits>
 
 #include <fmt/format.h>
+
+#include "base/log.h"
 
 namespace optstate::tools {
 
@@ -372,6 +375,24 @@ std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv, std::s
     }
     return FailUsage(tool, msg);
   }
+}
+
+Status CheckNotAStoreDirectory(const std::string& dir) {
+  struct stat st;
+  const bool manifest = ::stat((dir + "/manifest.json").c_str(), &st) == 0;
+  const bool identity = ::stat((dir + "/IDENTITY").c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  if (manifest || !identity) return Status();
+  return InvalidArgument(fmt::format(
+      "{} is a store directory (IDENTITY, index/, no manifest.json), not a checkpoint directory; a checkpoint "
+      "of it is a copy of one of its generations from the mount (optstate-mount STORE_ROOT MNT, then cp -r "
+      "MNT/<store>/snapshots/<name> or MNT/<store>/latest), or what optstate.checkpoint.save (Python) or "
+      "optstate_checkpoint_export (C) writes",
+      dir));
+}
+
+void QuietLibraryLog() {
+  spdlog::logger& l = Logger();
+  if (l.level() < spdlog::level::warn) l.set_level(spdlog::level::warn);
 }
 
 double NowSeconds() {

@@ -6,7 +6,8 @@
 // Exit codes of every tool (docs/CLI.md): 0 success, 1 the command failed or
 // was refused ("<tool>: error: <message>" on stderr), 2 a malformed command
 // line (the same prefix, then a hint to run with --help); tools add their own
-// codes above 2 (optstate-inspect verify: 3 when it found problems).
+// codes above 2 (optstate-inspect verify: 3 when it found problems; diff: 3
+// when the two differ).
 //
 // Everything here is a value type or a free function; none of it is
 // thread-safe unless said otherwise. tools/ only; no library code uses it.
@@ -126,5 +127,15 @@ std::optional<int> ParseCommandLine(CLI::App& app, int argc, char** argv, std::s
 
 // Monotonic seconds.
 double NowSeconds();
+
+// For a tool that takes checkpoint directories (manifest.json, tensors/...):
+// an error when `dir` is a store directory instead (IDENTITY, no
+// manifest.json), saying how to get a checkpoint of that store; OK otherwise
+// (other problems are for the reader of the checkpoint to name).
+Status CheckNotAStoreDirectory(const std::string& dir);
+
+// For a tool's -q/--quiet: the library's log from now on only warnings and
+// errors (no [info] lines), whatever OPTSTATE_LOG_LEVEL asked for below warn.
+void QuietLibraryLog();
 
 }  // namespace optstate::tools

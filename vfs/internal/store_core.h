@@ -56,6 +56,7 @@ Status ClaimDataFiles(Core* c);
 Status CheckReferencedFiles(Core* core);
 Status OpenCommittedMark(Core* c);
 Status OpenLeaseLock(Core* c);
+Status OpenReaderLeaseLock(Core* c);
 std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t g);
 Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr<Core>& core, uint64_t generation,
                                                            const std::string& snapshot);
@@ -491,6 +492,9 @@ class Core {
   std::optional<std::vector<uint64_t>> retained_written_;  // the last record written (writer)
 
   // Leases (store_leases.cc).
+  // A reader of a store whose whole filesystem is read-only (vfs/store.h): no
+  // writer can exist, so its views take no lease and it has no lease lock.
+  bool filesystem_read_only_ = false;
   std::unique_ptr<File> lease_lock_file_;
   std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
 
@@ -541,6 +545,7 @@ class Core {
   friend Status CheckReferencedFiles(Core* core);
   friend Status OpenCommittedMark(Core* c);  // store_marks.cc: its open step
   friend Status OpenLeaseLock(Core* c);      // store_leases.cc: its open step
+  friend Status OpenReaderLeaseLock(Core* c);  // store_leases.cc: a reader's open step
   friend Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr<Core>& core,
                                                                     uint64_t generation,
                                                                     const std::string& snapshot);

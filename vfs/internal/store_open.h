@@ -34,6 +34,10 @@ Status OpenCommittedMark(Core* c);
 
 // Writer: creates leases/ and opens leases/.lock. store_leases.cc.
 Status OpenLeaseLock(Core* c);
+// Reader: opens leases/.lock (creating it if a store made before leases/
+// existed has none), or, where the store's whole filesystem is read-only,
+// none (vfs/store.h: "A store on a read-only filesystem"). store_leases.cc.
+Status OpenReaderLeaseLock(Core* c);
 
 // Read-only stores keep a RocksDB secondary instance in a directory of their
 // own under /tmp (its info log; the instance holds no data). A reader killed
