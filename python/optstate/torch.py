@@ -46,6 +46,7 @@ import ctypes
 import fnmatch
 import os
 import re
+import uuid
 
 import torch
 
@@ -65,6 +66,21 @@ def _dtype_code(dtype, what):
     if code is None:
         raise errors.InvalidArgument("%s has dtype %s; optstate takes float32, bfloat16 or float16" % (what, dtype))
     return code
+
+
+def _agreed_job():
+    """The job id every rank of a torch.distributed job gives its store when the caller gives none: rank
+    0's fresh uuid, broadcast (a collective: every rank constructs its AdamW). None without
+    torch.distributed: the store then makes its own."""
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+    except Exception:  # a torch build without distributed
+        return None
+    box = [str(uuid.uuid4()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _rank():
@@ -88,6 +104,10 @@ class AdamW(torch.optim.Optimizer):
       host_cache_bytes: pinned host cache tier (steps read the state from RAM, write to disk);
              0 = off; "auto" (default): half of MemAvailable, at least 4 GiB left free, per local rank.
       chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
+      job: for a new store, the training job it belongs to (optstate.Store's job; checkpoints record
+             it and optstate.reshard merges only one job's ranks). None (default): with torch.distributed
+             initialised, one id for all ranks (rank 0's new uuid, broadcast: construction is then a
+             collective); otherwise a new uuid. A reopened store keeps its job.
       cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
       commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
              completes in the background until the next call; 0: step() returns once committed.
@@ -115,7 +135,7 @@ class AdamW(torch.optim.Optimizer):
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
                  host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
                  cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0,
-                 cuda_device=None, moment_dtype="f32", shards=None,
+                 cuda_device=None, moment_dtype="f32", shards=None, job=None,
                  foreach=None, fused=None, capturable=False, differentiable=False):
         if not 0.0 <= float(lr):
             raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
@@ -138,7 +158,10 @@ class AdamW(torch.optim.Optimizer):
         path = os.fspath(store).replace("{rank}", str(_rank()))
         if cuda_device is None:
             cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or ())
+        if job is None:
+            job = _agreed_job()
+        self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or (),
+                            job=job)
         try:
             # Kept to create the manager and optimizer again on the same store (checkpoint load).
             self._mm_kw = dict(backend=backend, device_budget_bytes=budget, host_cache_bytes=host_cache_bytes,
@@ -623,7 +646,7 @@ class AdamW(torch.optim.Optimizer):
             if field == "main":
                 self._copy_main_to(name, p)
 
-    def _load_checkpoint(self, src):
+    def _load_checkpoint(self, src, force=False):
         """optstate.checkpoint.load: restores src into this optimizer's store and resumes from it (params
         take the restored fp32 mains; step counts and hyperparameters are the checkpoint's)."""
         adam = self._live()
@@ -635,7 +658,7 @@ class AdamW(torch.optim.Optimizer):
         adam.close()
         self._mm.close()
         try:
-            gen = self._store.restore_checkpoint(src)
+            gen = self._store.restore_checkpoint(src, force=force)
         finally:
             self._reopen()
         for gid, group in enumerate(self.param_groups):
