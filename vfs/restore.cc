@@ -573,7 +573,8 @@ Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir, const R
 Result<std::unique_ptr<Store>> CreateStoreFilled(const std::string& store_path_in, StoreOptions opts,
                                                  const std::function<Status(Store*)>& fill) {
   FileSystem* fs = opts.fs ? opts.fs : FileSystem::Default();
-  const std::string store_path = std::filesystem::absolute(store_path_in).lexically_normal().string();
+  std::string store_path = std::filesystem::absolute(store_path_in).lexically_normal().string();
+  while (store_path.size() > 1 && store_path.back() == '/') store_path.pop_back();
   const std::filesystem::path p(store_path);
   const std::string parent = p.parent_path().string();
   const std::string base = p.filename().string();
