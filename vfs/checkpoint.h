@@ -278,8 +278,9 @@ struct RestoreOptions {
   std::function<void(uint64_t, uint64_t)> progress;
   // ChunkIo queue depth for the import writes. Default 16.
   uint32_t queue_depth = 16;
-  // Take a checkpoint of another store (its manifest's store uuid differs)
-  // into a store whose newest generation has taken steps. Default false:
+  // Take a checkpoint of another store of another job (its manifest's store
+  // uuid and job differ from the store's) into a store whose newest
+  // generation has taken steps. Default false:
   // refused (kFailedPrecondition), since it replaces that store's training
   // state with another's.
   bool force = false;

@@ -524,7 +524,10 @@ Result<RestoreResult> RestoreCheckpointInto(Store* store, const std::string& dir
   // replaces it only when asked to, and it is kept as a snapshot either way.
   const bool trained = head.generation > 0 && head.step > 0;
   const StoreIdentity& id = store->identity();
-  if (trained && m.store_uuid != id.uuid && !opts.force) {
+  // A checkpoint of the same job (a store made from its checkpoints, a
+  // reshard of its ranks) is that job's own state, not another's.
+  const bool same_job = !m.job.empty() && m.job == id.job;
+  if (trained && m.store_uuid != id.uuid && !same_job && !opts.force) {
     return FailedPrecondition(fmt::format(
         "restore: checkpoint {} is of another store: store {} ('{}', job {}), step {} generation {}; store {} "
         "is {} ('{}', job {}) at step {} generation {}. Restoring would replace its training state with the other "

@@ -206,8 +206,8 @@ OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const ch
  * the manifest's XXH3 and the checkpoint's layout against the store's tensors
  * (a difference is INVALID_ARGUMENT listing each tensor and field that
  * differs; damage is CORRUPTION naming the file and chunk); on any error
- * nothing is committed. A checkpoint of another store (its manifest's store
- * uuid differs) into a store whose newest generation has taken steps is
+ * nothing is committed. A checkpoint of another store and job (its manifest's
+ * store uuid and job differ from the store's) into a store whose newest generation has taken steps is
  * FAILED_PRECONDITION unless flags has OPTSTATE_RESTORE_FORCE. When the store's
  * newest generation has taken steps it is kept as a snapshot
  * "pre-restore-<generation>-<unix ms>" before the import (released again if
