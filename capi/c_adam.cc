@@ -106,12 +106,24 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     auto h = std::make_unique<optstate_adam_t>();
     h->rep = std::move(*adam);
     h->store = store->rep.get();
+    h->store_handle = store;
     h->mm = mm->rep.get();
+    {
+      std::lock_guard<std::mutex> lock(store->open_mu);
+      store->open_adams.insert(h.get());
+    }
     *out = h.release();
     return Status::Ok();
   });
 }
-void optstate_adam_destroy(optstate_adam_t* adam) { delete adam; }
+void optstate_adam_destroy(optstate_adam_t* adam) {
+  if (adam == nullptr) return;
+  if (adam->store_handle != nullptr) {
+    std::lock_guard<std::mutex> lock(adam->store_handle->open_mu);
+    adam->store_handle->open_adams.erase(adam);
+  }
+  delete adam;
+}
 
 int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, double beta1, double beta2,
                             double eps, double weight_decay, int adamw, char** errptr) {

@@ -18,6 +18,7 @@ using optstate::Result;
 using optstate::Status;
 using optstate::capi::internal::Guard;
 using optstate::capi::internal::NullArgument;
+using optstate::capi::internal::WaitForCommits;
 namespace vfs = optstate::vfs;
 
 extern "C" {
@@ -31,7 +32,12 @@ int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, co
     if (store == nullptr) return NullArgument(what, "store");
     if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
     vfs::ExportOptions opts;
-    if (snapshot != nullptr) opts.snapshot = snapshot;
+    if (snapshot != nullptr) {
+      opts.snapshot = snapshot;
+    } else {
+      // The newest state includes the last step, whose commit may still run.
+      if (Status st = WaitForCommits(store, what); !st.ok()) return st;
+    }
     auto r = vfs::ExportCheckpoint(store->rep.get(), dest, opts);
     if (!r.ok()) return r.status();
     if (generation != nullptr) *generation = r->generation;
@@ -40,13 +46,40 @@ int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, co
 }
 
 int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation, char** errptr) {
+  return optstate_checkpoint_restore2(store, src, 0, generation, nullptr, errptr);
+}
+
+int optstate_checkpoint_restore2(optstate_store_t* store, const char* src, uint32_t flags, uint64_t* generation,
+                                 char** kept_snapshot, char** errptr) {
   const char* what = "optstate_checkpoint_restore";
+  if (kept_snapshot != nullptr) *kept_snapshot = nullptr;
   return Guard(errptr, what, [&]() -> Status {
     if (store == nullptr) return NullArgument(what, "store");
     if (src == nullptr || *src == '\0') return InvalidArgument(std::string(what) + ": empty checkpoint path");
-    auto r = vfs::RestoreCheckpoint(store->rep.get(), src);
+    if ((flags & ~uint32_t{OPTSTATE_RESTORE_FORCE}) != 0) {
+      return InvalidArgument(std::string(what) + ": unknown flags " + std::to_string(flags));
+    }
+    {
+      // Their caches and step counts would be stale: the next step would mix
+      // the restored moments with the counts they hold.
+      std::lock_guard<std::mutex> lock(store->open_mu);
+      if (!store->open_mms.empty() || !store->open_adams.empty()) {
+        return optstate::FailedPrecondition(
+            std::string(what) + ": store " + store->rep->path() + " has " + std::to_string(store->open_adams.size()) +
+            " optimizer(s) and " + std::to_string(store->open_mms.size()) +
+            " memory manager(s) open: destroy them before the restore (an optimizer created again resumes from "
+            "the restored generation)");
+      }
+    }
+    vfs::RestoreOptions opts;
+    opts.force = (flags & OPTSTATE_RESTORE_FORCE) != 0;
+    auto r = vfs::RestoreCheckpointInto(store->rep.get(), src, opts);
     if (!r.ok()) return r.status();
-    if (generation != nullptr) *generation = *r;
+    if (generation != nullptr) *generation = r->generation;
+    if (kept_snapshot != nullptr && !r->kept_snapshot.empty()) {
+      *kept_snapshot = strdup(r->kept_snapshot.c_str());
+      if (*kept_snapshot == nullptr) return optstate::ResourceExhausted(std::string(what) + ": out of memory");
+    }
     return Status::Ok();
   });
 }

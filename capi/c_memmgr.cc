@@ -64,6 +64,11 @@ int optstate_mm_create(optstate_store_t* store, const optstate_mm_options_t* opt
     if (!mm.ok()) return mm.status();
     auto h = std::make_unique<optstate_mm_t>();
     h->rep = std::move(*mm);
+    h->store = store;
+    {
+      std::lock_guard<std::mutex> lock(store->open_mu);
+      store->open_mms.insert(h.get());
+    }
     *out = h.release();
     return Status::Ok();
   });
@@ -79,6 +84,10 @@ void optstate_mm_destroy(optstate_mm_t* mm) {
       pin->mm = nullptr;
     }
     mm->pins.clear();
+  }
+  if (mm->store != nullptr) {
+    std::lock_guard<std::mutex> lock(mm->store->open_mu);
+    mm->store->open_mms.erase(mm);
   }
   delete mm;
 }

@@ -36,7 +36,8 @@ int OpenStore(bool create, const char* path, const optstate_store_options_t* opt
     vfs::StoreOptions so = opts == nullptr ? vfs::StoreOptions{} : opts->rep;
     auto store = create ? vfs::Store::Create(path, so) : vfs::Store::Open(path, so);
     if (!store.ok()) return store.status();
-    *out = new optstate_store_t{std::move(*store)};
+    *out = new optstate_store_t;
+    (*out)->rep = std::move(*store);
     return Status::Ok();
   });
 }
@@ -79,6 +80,9 @@ void optstate_store_options_set_retained_generations(optstate_store_options_t* o
 void optstate_store_options_set_direct_io(optstate_store_options_t* opts, int on) {
   opts->rep.direct_io = on != 0;
 }
+void optstate_store_options_set_job(optstate_store_options_t* opts, const char* job) {
+  opts->rep.job = job == nullptr ? "" : job;
+}
 
 int optstate_store_create(const char* path, const optstate_store_options_t* opts, optstate_store_t** out,
                           char** errptr) {
@@ -88,11 +92,22 @@ int optstate_store_open(const char* path, const optstate_store_options_t* opts, 
                         char** errptr) {
   return OpenStore(false, path, opts, out, errptr);
 }
-void optstate_store_close(optstate_store_t* store) { delete store; }
+void optstate_store_close(optstate_store_t* store) {
+  if (store == nullptr) return;
+  {
+    // Handles still open break the contract; at least their destroy calls
+    // must not reach into the freed store handle.
+    std::lock_guard<std::mutex> lock(store->open_mu);
+    for (optstate_mm_t* mm : store->open_mms) mm->store = nullptr;
+    for (optstate_adam_t* adam : store->open_adams) adam->store_handle = nullptr;
+  }
+  delete store;
+}
 
 const char* optstate_store_path(const optstate_store_t* store) { return store->rep->path().c_str(); }
 const char* optstate_store_name(const optstate_store_t* store) { return store->rep->identity().name.c_str(); }
 const char* optstate_store_uuid(const optstate_store_t* store) { return store->rep->identity().uuid.c_str(); }
+const char* optstate_store_job(const optstate_store_t* store) { return store->rep->identity().job.c_str(); }
 uint64_t optstate_store_chunk_size_bytes(const optstate_store_t* store) { return store->rep->chunk_size_bytes(); }
 
 void optstate_store_latest_generation(const optstate_store_t* store, uint64_t* generation, uint64_t* step) {
@@ -207,6 +222,8 @@ int optstate_store_snapshot_create(optstate_store_t* store, const char* name, ui
   const char* what = "optstate_store_snapshot_create";
   return Guard(errptr, what, [&]() -> Status {
     if (name == nullptr) return NullArgument(what, "name");
+    // The newest state includes the last step, whose commit may still run.
+    if (Status st = optstate::capi::internal::WaitForCommits(store, what); !st.ok()) return st;
     auto snap = store->rep->CreateSnapshot(name);
     if (!snap.ok()) return snap.status();
     if (generation != nullptr) *generation = snap->generation;

@@ -61,6 +61,7 @@ Status WriteSource(const std::string& dir, uint32_t r, const vfs::TargetLayout& 
                    uint64_t chunk) {
   vfs::StoreOptions so;
   so.chunk_size_bytes = chunk;
+  so.job = "optstate-bench-reshard";  // the ranks of one job: reshard merges only those
   const std::string store_path = fmt::format("{}/store-{}", dir, r);
   OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<vfs::Store> store, vfs::Store::Create(store_path, so));
   vfs::IoBuffer buf(chunk);

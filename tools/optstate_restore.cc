@@ -1,12 +1,17 @@
 // optstate-restore CHECKPOINT_DIR STORE [--create NAME [--moments f32|bf16|q8]] [--data-dir DIR ...]
-//                  [--queue-depth N] [-q]
+//                  [--force] [--queue-depth N] [-q]
 //
 // Verifies a checkpoint directory (manifest.json, state.safetensors and
 // tensors/..., e.g. a `cp -r` of a mounted snapshot) against its manifest,
 // chunk by chunk, and imports it as one new committed generation of STORE
 // (with its step counts and hyperparameters). With --create, makes STORE from
-// the manifest first. A layout mismatch, a truncated or altered file, files of
-// different generations are refused and nothing is imported. With --moments
+// the manifest first, all or nothing (STORE appears only with the restored
+// generation committed). A layout mismatch, a truncated or altered file
+// (manifest.json included: it carries its own checksum), files of different
+// generations are refused and nothing is imported. Into an existing store
+// whose newest generation has taken steps, a checkpoint of another store is
+// refused unless --force, and the generation the restore replaces is kept as
+// a snapshot, named in the output. With --moments
 // (needs --create), the new store keeps exp_avg and exp_avg_sq in that dtype
 // (tools/internal/convert_moments.h: f32 -> bf16 rounds to nearest even,
 // relative error <= 2^-8; bf16 -> f32 is exact). Exit codes as
@@ -53,6 +58,11 @@ int Main(int argc, char** argv) {
                  "with --create: store exp_avg/exp_avg_sq as f32, bf16 or q8, converting the checkpoint's")
       ->needs(create)
       ->check(CLI::IsMember({"f32", "bf16", "q8"}));
+  bool force = false;
+  app.add_flag("--force", force,
+               "restore a checkpoint of another store into STORE although STORE has taken steps (its head is "
+               "kept as a snapshot)")
+      ->excludes(create);
   app.add_option("--queue-depth", depth, "chunk writes in flight")->check(CLI::Range(1, 1024));
   app.add_flag("-q,--quiet", quiet, "no progress output or [info] log lines");
   if (std::optional<int> code = ParseCommandLine(app, argc, argv, kTool)) return *code;
@@ -77,6 +87,7 @@ int Main(int argc, char** argv) {
     };
   }
   uint64_t generation = 0;
+  std::string kept_snapshot;
   if (!moments.empty()) {
     vfs::StoreOptions so;
     so.name = create_name;
@@ -111,16 +122,24 @@ int Main(int argc, char** argv) {
     if (!store.ok()) {
       return FailWith(kTool, store.status());
     }
-    auto g = vfs::RestoreCheckpoint(store->get(), dir, ro);
+    ro.force = force;
+    auto g = vfs::RestoreCheckpointInto(store->get(), dir, ro);
     if (tty) fmt::print(stderr, "\n");
     if (!g.ok()) {
       return FailWith(kTool, g.status());
     }
-    generation = *g;
+    generation = g->generation;
+    kept_snapshot = g->kept_snapshot;
   }
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!quiet) {
     fmt::print("restored {} into {} as generation {} ({:.1f} s)\n", dir, store_path, generation, s);
+  }
+  // Named even with -q: the snapshot holds disk space until it is released.
+  if (!kept_snapshot.empty()) {
+    fmt::print("kept the replaced head of {} as snapshot {} (it holds its disk space until released: "
+               "optstate.Store.release_snapshot or optstate_store_snapshot_release)\n",
+               store_path, kept_snapshot);
   }
   return 0;
 }

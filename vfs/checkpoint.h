@@ -120,6 +120,9 @@ struct Manifest {
   uint32_t format_version = kCheckpointFormatVersion;
   std::string store_uuid;
   std::string store_name;
+  // The job (lineage) of the state (StoreIdentity::job); empty: unknown (a
+  // manifest written before manifests recorded it, or of such a store).
+  std::string job;
   uint64_t generation = 0;
   uint64_t step = 0;
   uint64_t chunk_size_bytes = 0;
@@ -139,8 +142,23 @@ Status ValidateHyperparameters(const GroupInfo& g);
 
 // Builds the manifest of a generation (reads chunk metadata only, no data).
 Result<Manifest> ManifestFromView(const GenerationView& view);
-// Deterministic JSON (same Manifest -> same bytes), newline-terminated.
+// Deterministic JSON (same Manifest -> same bytes), newline-terminated. It
+// carries its own checksum: the top-level "manifest_xxh3" holds 16 hex digits
+// of the ChunkChecksum (XXH3-64) of the whole file's bytes as written with
+// that value replaced by 16 zeros (docs/CHECKPOINT.md).
 std::string SerializeManifest(const Manifest& m);
+// The top-level key of the manifest's own checksum.
+inline constexpr const char* kManifestChecksumKey = "manifest_xxh3";
+// Checks the manifest's own checksum over its bytes (any JSON layout: only
+// the value of "manifest_xxh3" is replaced by zeros before hashing). A
+// mismatch, or a malformed or repeated key, is kCorruption naming `source`
+// and both checksums. A manifest without the key (written before manifests
+// carried one) passes, with a logged notice.
+Status VerifyManifestChecksum(std::string_view bytes, std::string_view source);
+// Reads `path` through fs (null: FileSystem::Default()), verifies its
+// checksum (VerifyManifestChecksum) and parses it (ParseManifest): what
+// every reader of a checkpoint directory's manifest.json calls.
+Result<Manifest> ReadManifestFile(const std::string& path, FileSystem* fs = nullptr);
 // Strict parse + validation: every key present and typed, ranges checked
 // (hyperparameters by ValidateHyperparameters; a group's and a tensor's
 // step_count at most the manifest's step), every tensor's group listed in groups[] (unless
@@ -268,24 +286,58 @@ struct RestoreOptions {
   std::function<void(uint64_t, uint64_t)> progress;
   // ChunkIo queue depth for the import writes. Default 16.
   uint32_t queue_depth = 16;
+  // Take a checkpoint of another store of another job (its manifest's store
+  // uuid and job differ from the store's) into a store whose newest
+  // generation has taken steps. Default false:
+  // refused (kFailedPrecondition), since it replaces that store's training
+  // state with another's.
+  bool force = false;
 };
 
-// Reads and validates dir/manifest.json, checks its layout against `store`
-// (every tensor present with the same numel, dtype, group, shapes, shard offset,
-// fields; differences are listed in the error), verifies every chunk of every
+struct RestoreResult {
+  uint64_t generation = 0;     // the new generation
+  // The snapshot that keeps the head the restore replaced (a store that had
+  // taken steps): "pre-restore-<generation>-<unix ms>[-<n>]". Empty: none made.
+  std::string kept_snapshot;
+};
+
+// Reads and validates dir/manifest.json (its own checksum first), checks its
+// layout against `store` (every tensor present with the same numel, dtype,
+// group, shapes, shard offset, fields; differences are listed in the error),
+// refuses a checkpoint of another store into a store whose newest generation
+// has taken steps (step > 0) unless opts.force, verifies every chunk of every
 // field file (size and XXH3), writes all chunks and commits one generation with
-// the manifest's step, groups and per-tensor step counts. Returns the new generation. On error nothing
-// is committed (AbortPending) and the store is unchanged.
+// the manifest's step, groups and per-tensor step counts. Before the import, a store whose newest
+// generation has taken steps keeps that generation as a snapshot
+// (RestoreResult::kept_snapshot; O(1)), so a restore never drops the state it
+// replaces. On error nothing is committed (AbortPending), that snapshot is
+// released again and the store is unchanged.
 // REQUIRES: store is writable, no writes pending, no other writer.
+Result<RestoreResult> RestoreCheckpointInto(Store* store, const std::string& dir,
+                                            const RestoreOptions& opts = {});
+// RestoreCheckpointInto, returning the new generation.
 Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir,
                                    const RestoreOptions& opts = {});
 // Creates a store at store_path whose tensors are the manifest's (name from
-// opts.name, else the manifest's store name; chunk size from the manifest) and
-// restores into it. On error the new store directory is removed.
+// opts.name, else the manifest's store name; job from opts.job, else the
+// manifest's; chunk size from the manifest) and restores into it, all or
+// nothing: the store is built and committed in a hidden sibling directory
+// "<parent>/.<base>.restoring-<pid>" that is renamed to store_path only then,
+// so store_path never shows a store without the restored generation. On error
+// (and at the next call after a crash, for directories of processes that are
+// gone) the sibling and its data files in external data dirs are removed.
 Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
                                                          const std::string& store_path,
                                                          StoreOptions opts,
                                                          const RestoreOptions& ropts = {});
+// The all-or-nothing creation CreateStoreFromCheckpoint uses, for any filler:
+// creates the store (name from opts.name, else store_path's base name) in the
+// hidden sibling directory, calls fill (which must commit what it writes),
+// closes it, renames it to store_path and opens it there. store_path must not
+// exist (kAlreadyExists, saying what is in the way); its parent must. An
+// error from fill removes the sibling and is returned.
+Result<std::unique_ptr<Store>> CreateStoreFilled(const std::string& store_path, StoreOptions opts,
+                                                 const std::function<Status(Store*)>& fill);
 
 // ---- export --------------------------------------------------------------
 

@@ -5,10 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
+#include <string>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "base/log.h"
 #include "vfs/internal/checkpoint_util.h"
 
 namespace optstate::vfs {
@@ -16,6 +19,8 @@ namespace {
 
 using OJson = nlohmann::ordered_json;
 using internal::Hex16;
+
+constexpr const char* kZeroChecksum = "0000000000000000";
 
 std::vector<FieldSpec> FieldsOf(const TensorInfo& t) {
   if (!t.fields.empty()) return t.fields;
@@ -51,6 +56,7 @@ Result<Manifest> ManifestFromView(const GenerationView& view) {
   m.format_version = kCheckpointFormatVersion;
   m.store_uuid = view.identity().uuid;
   m.store_name = view.identity().name;
+  m.job = view.identity().job;
   m.generation = view.info().generation;
   m.step = view.info().step;
   m.chunk_size_bytes = view.identity().chunk_size_bytes;
@@ -105,7 +111,9 @@ std::string SerializeManifest(const Manifest& m) {
   OJson j;
   j["format"] = "optstate-checkpoint";
   j["format_version"] = m.format_version;
+  j[kManifestChecksumKey] = kZeroChecksum;  // filled in below
   j["store"] = OJson{{"uuid", m.store_uuid}, {"name", m.store_name}};
+  if (!m.job.empty()) j["job"] = m.job;
   j["generation"] = m.generation;
   j["step"] = m.step;
   j["chunk_size_bytes"] = m.chunk_size_bytes;
@@ -159,7 +167,86 @@ std::string SerializeManifest(const Manifest& m) {
     tensors.push_back(std::move(jt));
   }
   j["tensors"] = std::move(tensors);
-  return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  std::string out = j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  // The checksum covers every byte, whatever fields the manifest holds: hash
+  // the file with the placeholder, then write the hash over the placeholder.
+  const std::string placeholder = fmt::format("\"{}\": \"{}\"", kManifestChecksumKey, kZeroChecksum);
+  const size_t at = out.find(placeholder);
+  if (at != std::string::npos) {
+    const std::string hex = Hex16(ChunkChecksum(out.data(), out.size()));
+    out.replace(at + placeholder.size() - 17, 16, hex);
+  }
+  return out;
+}
+
+Status VerifyManifestChecksum(std::string_view bytes, std::string_view source) {
+  const std::string key = fmt::format("\"{}\"", kManifestChecksumKey);
+  const size_t at = bytes.find(key);
+  auto bad = [&](const std::string& what) {
+    return Corruption(fmt::format("manifest {}: {}: the manifest is damaged or was edited", source, what));
+  };
+  if (at == std::string_view::npos) {
+    // Written before manifests had a checksum: such a manifest is a JSON
+    // object of exactly these keys. Anything else lost its checksum key to
+    // damage (a flipped bit in the key's name), and is not taken unchecked.
+    static const std::set<std::string, std::less<>> kKeysBefore = {
+        "format", "format_version", "store", "generation", "step", "chunk_size_bytes", "groups", "tensors"};
+    const nlohmann::json j = nlohmann::json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      return bad(fmt::format("not a JSON object, and no '{}' to check it by", kManifestChecksumKey));
+    }
+    for (const auto& [k, v] : j.items()) {
+      (void)v;
+      if (!kKeysBefore.count(k)) {
+        return bad(fmt::format("it carries no '{}' but has the key '{}', which manifests written before '{}' "
+                               "existed never had (a damaged key name?)",
+                               kManifestChecksumKey, k, kManifestChecksumKey));
+      }
+    }
+    OPTSTATE_LOG_INFO("manifest {} carries no {} (written before manifests had their own checksum): its bytes "
+                      "are not checked as a whole",
+                      source, kManifestChecksumKey);
+    return Status();
+  }
+  // Inside a JSON string every '"' is escaped, so the key's quoted form
+  // appears only as a key: exactly once, at the top level, as written.
+  if (bytes.find(key, at + 1) != std::string_view::npos) return bad(fmt::format("'{}' appears twice", kManifestChecksumKey));
+  size_t i = at + key.size();
+  auto skip_ws = [&]() {
+    while (i < bytes.size() && (bytes[i] == ' ' || bytes[i] == '\t' || bytes[i] == '\n' || bytes[i] == '\r')) ++i;
+  };
+  skip_ws();
+  if (i >= bytes.size() || bytes[i] != ':') return bad(fmt::format("'{}' is not followed by ':'", kManifestChecksumKey));
+  ++i;
+  skip_ws();
+  if (i + 18 > bytes.size() || bytes[i] != '"' || bytes[i + 17] != '"') {
+    return bad(fmt::format("'{}' is not a string of 16 hex digits", kManifestChecksumKey));
+  }
+  const size_t hex_at = i + 1;
+  uint64_t recorded = 0;
+  for (size_t k = 0; k < 16; ++k) {
+    const char ch = bytes[hex_at + k];
+    int d = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+    if (d < 0) return bad(fmt::format("'{}' is not a string of 16 lower-case hex digits", kManifestChecksumKey));
+    recorded = (recorded << 4) | static_cast<uint64_t>(d);
+  }
+  std::string copy(bytes);
+  copy.replace(hex_at, 16, kZeroChecksum);
+  const uint64_t actual = ChunkChecksum(copy.data(), copy.size());
+  if (actual != recorded) {
+    return Corruption(fmt::format(
+        "manifest {}: its bytes have XXH3 {} ({} zeroed), the manifest records {}: the manifest is damaged or "
+        "was edited (a changed hyperparameter, step or chunk checksum would otherwise be taken as written)",
+        source, Hex16(actual), kManifestChecksumKey, Hex16(recorded)));
+  }
+  return Status();
+}
+
+Result<Manifest> ReadManifestFile(const std::string& path, FileSystem* fs) {
+  if (fs == nullptr) fs = FileSystem::Default();
+  OPTSTATE_ASSIGN_OR_RETURN(std::string text, fs->ReadFileToString(path));
+  OPTSTATE_RETURN_IF_ERROR(VerifyManifestChecksum(text, path));
+  return ParseManifest(text, path);
 }
 
 Result<std::map<uint32_t, uint64_t>> TensorStepsOf(Store* store, const Manifest& m) {

@@ -134,6 +134,10 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
   OPTSTATE_RETURN_IF_ERROR(p.Object(*store, "store"));
   OPTSTATE_RETURN_IF_ERROR(p.Str(*store, "store.", "uuid", 256, &m->store_uuid));
   OPTSTATE_RETURN_IF_ERROR(p.Str(*store, "store.", "name", 4096, &m->store_name));
+  if (j.contains("job")) {  // absent in manifests written before (job unknown)
+    OPTSTATE_RETURN_IF_ERROR(p.Str(j, "", "job", 256, &m->job));
+    if (m->job.empty()) return p.Err("job", "empty (omit the key for an unknown job)");
+  }
   OPTSTATE_RETURN_IF_ERROR(p.U64(j, "", "generation", UINT64_MAX - 1, &m->generation));
   OPTSTATE_RETURN_IF_ERROR(p.U64(j, "", "step", UINT64_MAX, &m->step));
   OPTSTATE_RETURN_IF_ERROR(p.U64(j, "", "chunk_size_bytes", kMaxChunkBytes, &m->chunk_size_bytes));

@@ -163,6 +163,7 @@ class Resharder {
       Manifest& m = d.manifest;
       m.store_uuid = RandomUuid();
       m.store_name = opts_.store_name.empty() ? m0.store_name : opts_.store_name;
+      m.job = m0.job;  // the sources' one job (LoadSources checks)
       m.generation = m0.generation;
       m.step = m0.step;
       m.chunk_size_bytes = cs_;

@@ -7,6 +7,7 @@
 #include "vfs/internal/reshard_geometry.h"
 #include "vfs/internal/reshard_sources.h"
 #include "vfs/reshard.h"
+#include "base/log.h"
 
 namespace optstate::vfs {
 namespace {
@@ -48,13 +49,41 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
       if (s.dirs[k] == s.dirs[i]) return InvalidArgument("reshard: source " + s.dirs[i] + " is given twice");
     }
     const std::string path = s.dirs[i] + "/" + kManifestFileName;
-    auto text = FileSystem::Default()->ReadFileToString(path);
-    if (!text.ok()) return text.status().WithContext("reshard: source " + s.dirs[i]);
-    OPTSTATE_ASSIGN_OR_RETURN(Manifest m, ParseManifest(*text, path));
-    s.manifests.push_back(std::move(m));
+    auto m = ReadManifestFile(path);
+    if (!m.ok()) {
+      if (m.status().code() == StatusCode::kCorruption || m.status().code() == StatusCode::kInvalidArgument) {
+        return m.status().WithContext("reshard");
+      }
+      return m.status().WithContext("reshard: source " + s.dirs[i]);
+    }
+    s.manifests.push_back(std::move(*m));
   }
   const Manifest& m0 = s.manifests[0];
   auto source = [&](size_t i) { return fmt::format("source {} ({})", i, s.dirs[i]); };
+  // One job's ranks only: two jobs' checkpoints can agree on step and
+  // generation, and merging them would mix their states.
+  size_t with_job = 0;
+  for (const Manifest& m : s.manifests) with_job += m.job.empty() ? 0 : 1;
+  if (with_job != 0 && with_job != s.manifests.size()) {
+    size_t known = 0, unknown = 0;  // a source with a job and one without
+    for (size_t i = 0; i < s.manifests.size(); ++i) (s.manifests[i].job.empty() ? unknown : known) = i;
+    return InvalidArgument(fmt::format(
+        "reshard: the sources are not of one job: {} is of job {}, {} records no job (written by a version "
+        "before manifests named their job); give the checkpoints of one job's ranks",
+        source(known), s.manifests[known].job, source(unknown)));
+  }
+  if (with_job == 0) {
+    OPTSTATE_LOG_INFO("reshard: the sources' manifests record no job (written before manifests named it): "
+                      "that they are ranks of one job is not checked");
+  }
+  for (size_t i = 1; i < s.manifests.size(); ++i) {
+    if (s.manifests[i].job != m0.job) {
+      return InvalidArgument(fmt::format(
+          "reshard: the sources are not of one job: {} is of job {}, {} of job {}; the ranks of two training "
+          "jobs never merge into one checkpoint (give the checkpoints of one job's ranks)",
+          source(0), m0.job, source(i), s.manifests[i].job));
+    }
+  }
   for (size_t i = 1; i < s.manifests.size(); ++i) {
     const Manifest& m = s.manifests[i];
     if (m.step != m0.step || m.generation != m0.generation) {

@@ -7,8 +7,12 @@
 // from state.safetensors, check both against the manifest's XXH3, and write
 // the chunk through ChunkIo at queue depth; one Commit at the end. Any error
 // aborts the pending generation, so the store is exactly as before.
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -23,6 +27,7 @@
 #include "vfs/checkpoint.h"
 #include "vfs/io_buffer.h"
 #include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::vfs {
 namespace {
@@ -429,15 +434,78 @@ Status CheckCreatePath(const std::string& store_path) {
 }
 
 Result<Manifest> LoadManifest(const std::string& dir) {
-  const std::string path = dir + "/" + kManifestFileName;
-  auto text = FileSystem::Default()->ReadFileToString(path);
-  if (!text.ok()) return text.status().WithContext("restore: reading the manifest");
-  return ParseManifest(*text, path);
+  auto m = ReadManifestFile(dir + "/" + kManifestFileName);
+  if (!m.ok() && m.status().code() != StatusCode::kCorruption && m.status().code() != StatusCode::kInvalidArgument) {
+    return m.status().WithContext("restore: reading the manifest");
+  }
+  return m;
+}
+
+// A snapshot name no snapshot of `store` has: pre-restore-<generation>-<ms>,
+// with -<n> appended while taken.
+std::string PreRestoreSnapshotName(const Store& store, uint64_t generation) {
+  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+  std::set<std::string> taken;
+  for (const SnapshotInfo& s : store.ListSnapshots()) taken.insert(s.name);
+  const std::string base = fmt::format("pre-restore-{}-{}", generation, ms);
+  std::string name = base;
+  for (int n = 2; taken.count(name); ++n) name = fmt::format("{}-{}", base, n);
+  return name;
+}
+
+// Directories of restores into new stores (CreateStoreFilled) that a killed
+// process left next to store_path.
+std::string RestoringPrefix(const std::string& base) { return "." + base + ".restoring-"; }
+
+// Removes a half-built store directory and its data files in data dirs
+// outside it (read from its IDENTITY; a directory that has none yet has no
+// data files outside it either, since Store::Create writes IDENTITY into the
+// directory only after their data files).
+void RemoveHalfBuiltStore(FileSystem* fs, const std::string& dir) {
+  auto text = fs->ReadFileToString(dir + "/IDENTITY");
+  if (text.ok()) {
+    nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("uuid") && j["uuid"].is_string() && j.contains("data_dirs") &&
+        j["data_dirs"].is_array()) {
+      const std::string uuid = j["uuid"].get<std::string>();
+      for (const auto& d : j["data_dirs"]) {
+        if (!d.is_string()) continue;
+        const std::string dd = d.get<std::string>();
+        if (!dd.starts_with("/")) continue;  // inside dir: removed with it
+        (void)fs->Remove(dd + "/" + uuid + ".chunks");
+        (void)fs->Remove(dd + "/" + uuid + ".owner");
+      }
+    }
+  }
+  Status st = fs->RemoveAll(dir);
+  if (!st.ok()) OPTSTATE_LOG_ERROR("removing the half-built store {}: {}", dir, st.ToString());
+}
+
+// Removes the directories of restores into new stores at store_path whose
+// process is gone (a SIGKILL or power loss mid-restore): the restore's own
+// directory, and the one Store::Create was building it in when it died there
+// (".<restoring dir>.creating-<pid>", the same pid).
+void CleanStaleRestores(FileSystem* fs, const std::string& parent, const std::string& base) {
+  auto names = fs->ListDir(parent);
+  if (!names.ok()) return;
+  const std::string prefix = RestoringPrefix(base);
+  for (const std::string& n : *names) {
+    const size_t skip = n.starts_with(prefix) ? prefix.size() : n.starts_with("." + prefix) ? prefix.size() + 1 : 0;
+    if (skip == 0) continue;
+    const long pid = std::strtol(n.c_str() + skip, nullptr, 10);
+    if (pid > 0 && pid != getpid() && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      OPTSTATE_LOG_INFO("removing {}: a restore into a new store {}/{} that did not finish", parent + "/" + n,
+                        parent, base);
+      RemoveHalfBuiltStore(fs, parent + "/" + n);
+    }
+  }
 }
 
 }  // namespace
 
-Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir, const RestoreOptions& opts) {
+Result<RestoreResult> RestoreCheckpointInto(Store* store, const std::string& dir, const RestoreOptions& opts) {
   if (store->read_only()) {
     return FailedPrecondition("restore: store " + store->path() + " is open read-only");
   }
@@ -452,15 +520,112 @@ Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir, const R
     if (diffs.size() > 20) msg += fmt::format("\n  ... and {} more", diffs.size() - 20);
     return InvalidArgument(msg);
   }
+  const GenerationInfo head = store->LatestGeneration();
+  // A head that has taken steps is training state: another store's checkpoint
+  // replaces it only when asked to, and it is kept as a snapshot either way.
+  const bool trained = head.generation > 0 && head.step > 0;
+  const StoreIdentity& id = store->identity();
+  // A checkpoint of the same job (a store made from its checkpoints, a
+  // reshard of its ranks) is that job's own state, not another's.
+  const bool same_job = !m.job.empty() && m.job == id.job;
+  if (trained && m.store_uuid != id.uuid && !same_job && !opts.force) {
+    return FailedPrecondition(fmt::format(
+        "restore: checkpoint {} is of another store: store {} ('{}', job {}), step {} generation {}; store {} "
+        "is {} ('{}', job {}) at step {} generation {}. Restoring would replace its training state with the other "
+        "store's; to do so anyway, pass --force (optstate-restore), OPTSTATE_RESTORE_FORCE (C) or force=True "
+        "(Python): its current head is then kept as a snapshot",
+        dir, m.store_uuid, m.store_name, m.job.empty() ? "unknown" : m.job, m.step, m.generation, store->path(),
+        id.uuid, id.name, id.job.empty() ? "unknown" : id.job, head.step, head.generation));
+  }
+  RestoreResult result;
+  if (trained) {
+    const std::string name = PreRestoreSnapshotName(*store, head.generation);
+    auto snap = store->CreateSnapshot(name);
+    if (!snap.ok()) {
+      return snap.status().WithContext(fmt::format(
+          "restore: keeping generation {} of store {} as snapshot {} before the restore replaces it",
+          head.generation, store->path(), name));
+    }
+    result.kept_snapshot = name;
+  }
   auto gen = Import(store, m, st_plan, dir, opts, /*skip_zero_chunks=*/false);
   if (!gen.ok()) {
     Status ab = store->AbortPending();
     if (!ab.ok()) OPTSTATE_LOG_ERROR("restore: AbortPending after a failed restore: {}", ab.ToString());
+    if (!result.kept_snapshot.empty()) {
+      Status rs = store->ReleaseSnapshot(result.kept_snapshot);
+      if (!rs.ok()) OPTSTATE_LOG_ERROR("restore: releasing snapshot {} after a failed restore: {}",
+                                       result.kept_snapshot, rs.ToString());
+    }
     return gen.status();
   }
-  OPTSTATE_LOG_INFO("restored {} (generation {} step {}) into store {} as generation {}", dir,
-                    m.generation, m.step, store->path(), *gen);
-  return gen;
+  result.generation = *gen;
+  OPTSTATE_LOG_INFO("restored {} (generation {} step {}) into store {} as generation {}{}", dir, m.generation,
+                    m.step, store->path(), *gen,
+                    result.kept_snapshot.empty()
+                        ? std::string()
+                        : fmt::format("; the generation {} it replaced is kept as snapshot {}", head.generation,
+                                      result.kept_snapshot));
+  return result;
+}
+
+Result<uint64_t> RestoreCheckpoint(Store* store, const std::string& dir, const RestoreOptions& opts) {
+  OPTSTATE_ASSIGN_OR_RETURN(RestoreResult r, RestoreCheckpointInto(store, dir, opts));
+  return r.generation;
+}
+
+Result<std::unique_ptr<Store>> CreateStoreFilled(const std::string& store_path_in, StoreOptions opts,
+                                                 const std::function<Status(Store*)>& fill) {
+  FileSystem* fs = opts.fs ? opts.fs : FileSystem::Default();
+  std::string store_path = std::filesystem::absolute(store_path_in).lexically_normal().string();
+  while (store_path.size() > 1 && store_path.back() == '/') store_path.pop_back();
+  const std::filesystem::path p(store_path);
+  const std::string parent = p.parent_path().string();
+  const std::string base = p.filename().string();
+  if (base.empty() || base == "." || base == "..") {
+    return InvalidArgument("restore --create: store path '" + store_path_in + "' has no name");
+  }
+  OPTSTATE_RETURN_IF_ERROR(CheckCreatePath(store_path));
+  OPTSTATE_ASSIGN_OR_RETURN(bool parent_exists, fs->Exists(parent));
+  if (!parent_exists) {
+    return NotFound("restore --create: store " + store_path + ": parent directory " + parent + " does not exist");
+  }
+  CleanStaleRestores(fs, parent, base);
+  const std::string tmp = parent + "/" + RestoringPrefix(base) + std::to_string(getpid());
+  OPTSTATE_ASSIGN_OR_RETURN(bool tmp_exists, fs->Exists(tmp));
+  if (tmp_exists) RemoveHalfBuiltStore(fs, tmp);  // this process's own, from an earlier failed call
+  if (opts.name.empty()) opts.name = base;
+  // Data dirs inside store_path are built inside the temporary directory.
+  for (std::string& d : opts.data_dirs) {
+    const std::string a = std::filesystem::absolute(d).lexically_normal().string();
+    if (a == store_path || a.starts_with(store_path + "/")) d = tmp + a.substr(store_path.size());
+  }
+  auto cleanup = [&](const Status& st) -> Status {
+    RemoveHalfBuiltStore(fs, tmp);
+    return st.WithContext("restore --create: store " + store_path + " not created");
+  };
+  {
+    OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<Store> store, Store::Create(tmp, opts));
+    OPTSTATE_TEST_SYNC_POINT("restore.create.created");
+    Status st = fill(store.get());
+    if (!st.ok()) {
+      (void)store->AbortPending();
+      store.reset();
+      return cleanup(st);
+    }
+    OPTSTATE_TEST_SYNC_POINT("restore.create.committed");
+  }  // closed: its index and LOCK are released before the directory moves
+  Status st = fs->Rename(tmp, store_path);
+  if (!st.ok()) return cleanup(st);
+  OPTSTATE_TEST_SYNC_POINT("restore.create.renamed");
+  st = fs->SyncDir(parent);
+  if (!st.ok()) {
+    return st.WithContext("restore --create: store " + store_path +
+                          " complete, but its name in " + parent + " may not survive a power loss");
+  }
+  // Open rewrites the data files' owner records for the directory's new name
+  // (same inode: a move, vfs/store.h "Copies and moves").
+  return Store::Open(store_path, opts);
 }
 
 Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
@@ -469,30 +634,16 @@ Result<std::unique_ptr<Store>> CreateStoreFromCheckpoint(const std::string& dir,
                                                          const RestoreOptions& ropts) {
   OPTSTATE_ASSIGN_OR_RETURN(Manifest m, LoadManifest(dir));
   OPTSTATE_ASSIGN_OR_RETURN(SafetensorsPlan st_plan, CheckSafetensors(m, dir));
-  OPTSTATE_RETURN_IF_ERROR(CheckCreatePath(store_path));
   opts.chunk_size_bytes = m.chunk_size_bytes;
-  OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<Store> store, Store::Create(store_path, opts));
-  auto cleanup = [&](const Status& st) -> Status {
-    StoreIdentity id = store->identity();
-    store.reset();
-    FileSystem* fs = FileSystem::Default();
-    for (const std::string& d : id.data_dirs) {
-      (void)fs->Remove(d + "/" + id.uuid + ".chunks");
-      (void)fs->Remove(d + "/" + id.uuid + ".owner");
+  if (opts.job.empty()) opts.job = m.job;
+  return CreateStoreFilled(store_path, opts, [&](Store* store) -> Status {
+    for (const ManifestTensor& mt : m.tensors) {
+      auto t = store->CreateTensor(TensorSpecOf(mt));
+      if (!t.ok()) return t.status();
     }
-    (void)fs->RemoveAll(store_path);
-    return st.WithContext("restore --create: store " + store_path + " removed again");
-  };
-  for (const ManifestTensor& mt : m.tensors) {
-    auto t = store->CreateTensor(TensorSpecOf(mt));
-    if (!t.ok()) return cleanup(t.status());
-  }
-  auto gen = Import(store.get(), m, st_plan, dir, ropts, /*skip_zero_chunks=*/true);
-  if (!gen.ok()) {
-    (void)store->AbortPending();
-    return cleanup(gen.status());
-  }
-  return store;
+    auto gen = Import(store, m, st_plan, dir, ropts, /*skip_zero_chunks=*/true);
+    return gen.ok() ? Status() : gen.status();
+  });
 }
 
 Result<uint64_t> Store::Restore(const std::string& checkpoint_dir) {

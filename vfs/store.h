@@ -1,7 +1,7 @@
 // Store: one optimizer instance of one rank, kept on local NVMe.
 //
 // A store is a directory:
-//   <path>/IDENTITY          format version, uuid, name, chunk size, data dirs (JSON;
+//   <path>/IDENTITY          format version, uuid, job, name, chunk size, data dirs (JSON;
 //                            a data dir inside <path> is recorded relative to it)
 //   <path>/LOCK              flock'ed by the one process that has it open read-write;
 //                            holds that process's pid (named in the Busy error)
@@ -266,11 +266,20 @@ struct StoreIdentity {
   // directory relative to it).
   std::vector<std::string> data_dirs;
   int64_t create_time_unix_ms = 0;
+  // The training job (lineage) the store's state belongs to: every rank of
+  // one job, and every store restored or resharded from its checkpoints,
+  // carry the same id (written to each manifest as "job"; optstate-reshard
+  // refuses to merge checkpoints of different jobs). Empty: unknown (a store
+  // created before stores recorded it).
+  std::string job;
 };
 
 struct StoreOptions {
   // Create only. Store name; default: the directory's base name.
   std::string name;
+  // Create only. The job the store belongs to (StoreIdentity::job). Default:
+  // empty = a new uuid (the store is a job of its own).
+  std::string job;
   // Create only. Multiple of 2 MiB. Default 8 MiB (README "Defaults").
   uint64_t chunk_size_bytes = kDefaultChunkBytes;
   // Create only. Data directories (one per NVMe drive); default {<path>/data}.

@@ -76,6 +76,10 @@ Status ValidateOptions(const StoreOptions& opts) {
                            " is not a positive multiple of 2 MiB");
   }
   if (opts.retained_generations == 0) return InvalidArgument("retained_generations must be >= 1");
+  if (opts.job.size() > 256) return InvalidArgument("job id is longer than 256 bytes");
+  for (char ch : opts.job) {
+    if (static_cast<unsigned char>(ch) < 0x20) return InvalidArgument("job id '" + opts.job + "' holds a control character");
+  }
   return Status();
 }
 
@@ -185,16 +189,8 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
 
   StoreIdentity id;
   id.name = opts.name.empty() ? base : opts.name;
-  {
-    std::random_device rd;
-    char u[40];
-    const uint64_t a = (uint64_t{rd()} << 32) | rd(), b = (uint64_t{rd()} << 32) | rd();
-    snprintf(u, sizeof(u), "%08x-%04x-4%03x-%04x-%012llx", static_cast<unsigned>(a >> 32),
-             static_cast<unsigned>((a >> 16) & 0xffff), static_cast<unsigned>(a & 0xfff),
-             static_cast<unsigned>(0x8000 | ((b >> 48) & 0x3fff)),
-             static_cast<unsigned long long>(b & 0xffffffffffffull));
-    id.uuid = u;
-  }
+  id.uuid = internal::NewUuid();
+  id.job = opts.job.empty() ? internal::NewUuid() : opts.job;
   id.chunk_size_bytes = opts.chunk_size_bytes;
   id.create_time_unix_ms = NowUnixMs();
   std::vector<std::string> real_dirs;  // where the dirs are while building

@@ -35,8 +35,17 @@
 struct optstate_store_options_t {
   optstate::vfs::StoreOptions rep;
 };
+struct optstate_mm_t;
+struct optstate_adam_t;
 struct optstate_store_t {
   std::unique_ptr<optstate::vfs::Store> rep;
+  // The managers and optimizers open on this store (registered by their
+  // create calls, removed by their destroy calls): a restore refuses while
+  // any is open, and calls that name the newest state (export, snapshot) wait
+  // for the optimizers' in-flight commits first.
+  std::mutex open_mu;
+  std::set<optstate_mm_t*> open_mms;      // guarded by open_mu
+  std::set<optstate_adam_t*> open_adams;  // guarded by open_mu
 };
 struct optstate_snapshot_list_t {
   std::vector<optstate::vfs::SnapshotInfo> rep;
@@ -46,6 +55,7 @@ struct optstate_mm_options_t {
 };
 struct optstate_mm_t {
   std::unique_ptr<optstate::memmgr::MemoryManager> rep;
+  optstate_store_t* store = nullptr;  // the handle it was created on (open_mms)
   // Pins not yet released through optstate_unpin; optstate_mm_destroy
   // releases them first (a PinnedRange must not outlive its manager).
   std::mutex pins_mu;
@@ -63,6 +73,7 @@ struct optstate_adam_options_t {
 struct optstate_adam_t {
   std::unique_ptr<optstate::memmgr::StreamedAdam> rep;
   optstate::vfs::Store* store = nullptr;
+  optstate_store_t* store_handle = nullptr;  // the handle it was created on (open_adams)
   optstate::memmgr::MemoryManager* mm = nullptr;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
@@ -94,5 +105,10 @@ int Guard(char** errptr, const char* what, F&& f) {
 
 // kInvalidArgument "<what>: <arg> is NULL".
 Status NullArgument(const char* what, const char* arg);
+
+// Waits for the in-flight commit of every optimizer open on store, so that
+// "the newest committed generation" includes the last step. Its error if a
+// commit failed.
+Status WaitForCommits(optstate_store_t* store, const char* what);
 
 }  // namespace optstate::capi::internal

@@ -18,6 +18,7 @@ Resuming on another number of ranks (docs/RESHARD.md):
     # rank r then loads "/ckpt/step1000-3ranks/rank-0000r"
 """
 import ctypes
+import errno
 import json
 import os
 
@@ -30,35 +31,57 @@ __all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_d
 
 def save(opt, dest, name=None):
     """Commits what is pending and writes the newest committed generation to the directory dest
-    (which must not exist, or be empty; its parent must exist). dest appears only when complete.
+    (which must not exist, or be empty; missing parent directories are created). dest appears only
+    when complete.
 
     name: also keep that generation as the store's snapshot `name` (visible in the mount under
     snapshots/<name>/); without it the generation is held by a reader lease while it is copied and
-    nothing is left behind in the store. Returns the generation written."""
+    nothing is left behind in the store. If the save fails, the snapshot it made is released again
+    (a retry with the same name works). Returns the generation written."""
     dest = os.fspath(dest)
     if isinstance(opt, Store):
         store = opt
     else:
         _optimizer(opt, "save").commit()
         store = opt.store
-    if name is not None:
-        store.snapshot(name)
-    return store.export_checkpoint(dest, snapshot=name)
+    parent = os.path.dirname(os.path.abspath(dest))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        cls = errors.NoSpace if e.errno == errno.ENOSPC else errors.IoError
+        raise cls("optstate.checkpoint.save: cannot create the parent directory %s of %s: %s"
+                  % (parent, dest, e.strerror or e)) from e
+    if name is None:
+        return store.export_checkpoint(dest)
+    store.snapshot(name)
+    try:
+        return store.export_checkpoint(dest, snapshot=name)
+    except BaseException:
+        try:
+            store.release_snapshot(name)
+        except errors.Error:
+            pass  # the export's error is the one to report
+        raise
 
 
-def load(opt, src):
+def load(opt, src, force=False):
     """Restores the checkpoint directory src into opt's store as a new committed generation (every
     chunk verified against the manifest; a checkpoint of another layout or a damaged one raises an
     optstate.Error naming the tensor, field, file or chunk, and the store keeps its state). An
     optstate.torch.AdamW then resumes from it: its params take the restored fp32 mains, and step
     counts and hyperparameters are the checkpoint's. A Store must have no optimizer open on it.
+
+    A checkpoint of another store into a store that has taken steps raises optstate.FailedPrecondition
+    (it would replace that store's training state) unless force=True. Whenever the store has taken
+    steps, the generation the load replaces is kept as a snapshot "pre-restore-<generation>-<ms>"
+    first (its name: opt.store.last_restore_snapshot; release it when no longer needed).
     Returns the new generation."""
     src = os.fspath(src)
     if not os.path.isdir(src):
         raise errors.NotFound("optstate.checkpoint.load: %s is not a directory" % src)
     if isinstance(opt, Store):
-        return opt.restore_checkpoint(src)
-    return _optimizer(opt, "load")._load_checkpoint(src)
+        return opt.restore_checkpoint(src, force=force)
+    return _optimizer(opt, "load")._load_checkpoint(src, force=force)
 
 
 def _optimizer(opt, what):

@@ -88,15 +88,19 @@ class Store(_Handle):
 
     create: True = create (the path must not exist or be an empty directory), False = open an
     existing store, None (default) = open it when it holds one, else create it. `created` says
-    which happened."""
+    which happened.
+    job: at creation, the training job (lineage) the store belongs to: every rank of one job passes
+    the same id (checkpoints record it; optstate.reshard refuses to merge two jobs' ranks). None
+    (default): a new uuid. An existing store keeps its job."""
 
     _what = "store"
 
     def __init__(self, path, *, create=None, name=None, chunk_size_bytes=None, data_dirs=(),
-                 retained_generations=None, direct_io=True):
+                 retained_generations=None, direct_io=True, job=None):
         super().__init__()
         self._path = os.fspath(path)
         self._children = weakref.WeakSet()
+        self.last_restore_snapshot = None
         if create is None:
             create = not os.path.exists(self._path) or (os.path.isdir(self._path) and not os.listdir(self._path))
         self.created = False
@@ -111,6 +115,8 @@ class Store(_Handle):
             if retained_generations is not None:
                 lib.optstate_store_options_set_retained_generations(opts, int(retained_generations))
             lib.optstate_store_options_set_direct_io(opts, 1 if direct_io else 0)
+            if job is not None:
+                lib.optstate_store_options_set_job(opts, _b(job))
             h = ctypes.c_void_p()
             fn = lib.optstate_store_create if create else lib.optstate_store_open
             call(fn, _b(self._path), opts, ctypes.byref(h))
@@ -147,6 +153,11 @@ class Store(_Handle):
     @property
     def uuid(self):
         return lib.optstate_store_uuid(self._live()).decode()
+
+    @property
+    def job(self):
+        """The training job the store belongs to; None for a store created before stores recorded one."""
+        return lib.optstate_store_job(self._live()).decode() or None
 
     @property
     def chunk_size_bytes(self):
@@ -219,9 +230,14 @@ class Store(_Handle):
              ctypes.byref(gen))
         return gen.value
 
-    def restore_checkpoint(self, src):
+    def restore_checkpoint(self, src, force=False):
         """Imports a checkpoint directory as a new committed generation after verifying every chunk and
-        the layout; returns the new generation. No manager or optimizer may be open on the store."""
+        the layout; returns the new generation. No manager or optimizer may be open on the store.
+
+        A checkpoint of another store into a store that has taken steps raises
+        optstate.FailedPrecondition unless force=True. When the store has taken steps, the generation
+        the restore replaces is kept as a snapshot first; its name is then in
+        self.last_restore_snapshot (None when none was made)."""
         live = [c for c in self._children if not c.closed]
         if live:
             raise errors.FailedPrecondition(
@@ -229,7 +245,13 @@ class Store(_Handle):
                 "generation when it is created again)" % (os.fspath(src), self._path,
                                                           " and ".join(sorted({c._what for c in live}))))
         gen = ctypes.c_uint64()
-        call(lib.optstate_checkpoint_restore, self._live(), _b(src), ctypes.byref(gen))
+        kept = ctypes.c_void_p()
+        call(lib.optstate_checkpoint_restore2, self._live(), _b(src), 1 if force else 0, ctypes.byref(gen),
+             ctypes.byref(kept))
+        try:
+            self.last_restore_snapshot = ctypes.string_at(kept.value).decode() if kept.value else None
+        finally:
+            lib.optstate_free(kept)
         return gen.value
 
     def stats(self):

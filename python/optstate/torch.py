@@ -56,6 +56,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 import weakref
 
 import torch
@@ -76,6 +77,21 @@ def _dtype_code(dtype, what):
     if code is None:
         raise errors.InvalidArgument("%s has dtype %s; optstate takes float32, bfloat16 or float16" % (what, dtype))
     return code
+
+
+def _agreed_job():
+    """The job id every rank of a torch.distributed job gives its store when the caller gives none: rank
+    0's fresh uuid, broadcast (a collective: every rank constructs its AdamW). None without
+    torch.distributed: the store then makes its own."""
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+    except Exception:  # a torch build without distributed
+        return None
+    box = [str(uuid.uuid4()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _rank():
@@ -100,6 +116,10 @@ class AdamW(torch.optim.Optimizer):
              0 = off; "auto" (default): half of MemAvailable, at least 4 GiB left free, per local rank,
              shared by every optimizer of the process that uses "auto".
       chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
+      job: for a new store, the training job it belongs to (optstate.Store's job; checkpoints record
+             it and optstate.reshard merges only one job's ranks). None (default): with torch.distributed
+             initialised, one id for all ranks (rank 0's new uuid, broadcast: construction is then a
+             collective); otherwise a new uuid. A reopened store keeps its job.
       cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
       commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
              completes in the background until the next call; 0: step() returns once committed.
@@ -131,7 +151,7 @@ class AdamW(torch.optim.Optimizer):
                  weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
                  host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
                  cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0,
-                 cuda_device=None, moment_dtype="f32", shards=None, retire=(),
+                 cuda_device=None, moment_dtype="f32", shards=None, retire=(), job=None,
                  foreach=None, fused=None, capturable=False, differentiable=False):
         if not 0.0 <= float(lr):
             raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
@@ -154,8 +174,11 @@ class AdamW(torch.optim.Optimizer):
         path = os.fspath(store).replace("{rank}", str(_rank()))
         if cuda_device is None:
             cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        if job is None:
+            job = _agreed_job()
         before = _StorePaths(path, data_dirs or ())
-        self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or ())
+        self._store = Store(path, name=store_name, chunk_size_bytes=chunk_size_bytes, data_dirs=data_dirs or (),
+                            job=job)
         self._owner = _StoreOwner(self._store)
         try:
             # Kept to create the manager and optimizer again on the same store (checkpoint load).
@@ -762,7 +785,7 @@ class AdamW(torch.optim.Optimizer):
                 self._copy_main_to(name, p)
                 self._remember_params()
 
-    def _load_checkpoint(self, src):
+    def _load_checkpoint(self, src, force=False):
         """optstate.checkpoint.load: restores src into this optimizer's store and resumes from it (params
         take the restored fp32 mains; step counts and hyperparameters are the checkpoint's)."""
         adam = self._live()
@@ -774,7 +797,7 @@ class AdamW(torch.optim.Optimizer):
         adam.close()
         self._mm.close()
         try:
-            gen = self._store.restore_checkpoint(src)
+            gen = self._store.restore_checkpoint(src, force=force)
         finally:
             self._reopen()
         for gid, group in enumerate(self.param_groups):

@@ -363,6 +363,61 @@ class CapiTest(TempDirTest):
         self.assertEqual(adam.step_count(0), 3)
         self.assertGreater(store.stats()["live_bytes"], 0)
 
+    def test_export_and_snapshot_wait_for_the_last_steps_commit(self):
+        """With commit_lag_steps 1 the step's commit is still running when step() returns: an export or a
+        snapshot of "the newest state" right after it is of that step, never of the one before."""
+        from optstate._lib import call, lib
+        import ctypes
+        import json
+        store, mm, adam = self.open()
+        n = 3_000_000  # a few chunks per field: the commit takes a moment
+        w = np.ones(n, dtype=np.float32)
+        pid, _ = adam.register_param("w", n, 0, w.ctypes.data, optstate.F32)
+        g = np.full(n, 0.5, dtype=np.float32)
+        for step in range(1, 4):
+            adam.step([pid], [g.ctypes.data], [optstate.F32])
+            gen = ctypes.c_uint64()
+            dest = self.path("ck%d" % step)
+            call(lib.optstate_checkpoint_export, store._live(), None, dest.encode(), ctypes.byref(gen))
+            with open(dest + "/manifest.json") as f:
+                self.assertEqual(json.load(f)["step"], step)
+            self.assertEqual(gen.value, store.latest_generation()[0])
+        adam.step([pid], [g.ctypes.data], [optstate.F32])
+        gen = store.snapshot("four")
+        self.assertEqual(store.latest_generation(), (gen, 4))
+
+    def test_restore_refuses_while_an_optimizer_is_open(self):
+        """optstate_checkpoint_restore (called directly, past the package's own check) refuses while a
+        manager or optimizer is open on the store: they would step on with stale step counts."""
+        from optstate._lib import call, lib
+        import ctypes
+        store, mm, adam = self.open()
+        w = np.ones(1000, dtype=np.float32)
+        pid, _ = adam.register_param("w", 1000, 0, w.ctypes.data, optstate.F32)
+        g = np.full(1000, 0.5, dtype=np.float32)
+        adam.step([pid], [g.ctypes.data], [optstate.F32])
+        adam.make_durable()
+        store.export_checkpoint(self.path("ck"))
+        adam.step([pid], [g.ctypes.data], [optstate.F32])
+        adam.make_durable()
+        before = store.latest_generation()
+        gen = ctypes.c_uint64()
+        for fn in ("optstate_checkpoint_restore", "optstate_checkpoint_restore2"):
+            args = (store._live(), self.path("ck").encode())
+            args += ((0, ctypes.byref(gen), None) if fn.endswith("2") else (ctypes.byref(gen),))
+            with self.assertRaises(optstate.FailedPrecondition) as cm:
+                call(getattr(lib, fn), *args)
+            self.assertIn(self.path("s"), str(cm.exception))
+            self.assertIn("optimizer", str(cm.exception))
+            self.assertEqual(store.latest_generation(), before)
+        adam.close()
+        with self.assertRaises(optstate.FailedPrecondition) as cm:
+            call(lib.optstate_checkpoint_restore, store._live(), self.path("ck").encode(), ctypes.byref(gen))
+        self.assertIn("memory manager", str(cm.exception))
+        mm.close()
+        call(lib.optstate_checkpoint_restore, store._live(), self.path("ck").encode(), ctypes.byref(gen))
+        self.assertEqual(store.latest_generation(), (gen.value, 1))
+
     def test_errors_carry_code_and_message(self):
         store, mm, adam = self.open()
         with self.assertRaises(optstate.Busy) as cm:

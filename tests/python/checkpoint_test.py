@@ -167,10 +167,14 @@ class CheckpointTest(TempDirTest):
             byte = f.read(1)
             f.seek(100)
             f.write(bytes([byte[0] ^ 0x40]))
+        with self.assertRaises(optstate.FailedPrecondition):
+            ckpt.load(opt2, damaged)  # another store's checkpoint into a trained store
+        unchanged()
         with self.assertRaises(optstate.Corruption) as cm:
-            ckpt.load(opt2, damaged)
+            ckpt.load(opt2, damaged, force=True)
         self.assertIn(field["file"], str(cm.exception))
         self.assertIn("chunk 0", str(cm.exception))
+        self.assertEqual(opt2.store.snapshots(), [])  # the head kept for the load is released again
         unchanged()
 
         # Another layout: a model whose first layer is wider.
@@ -201,8 +205,43 @@ class CheckpointTest(TempDirTest):
         os.mkdir(self.path("empty"))
         ckpt.save(opt, self.path("empty"))  # an empty directory is taken
         self.assertIn("manifest.json", os.listdir(self.path("empty")))
-        with self.assertRaises(optstate.NotFound):
-            ckpt.save(opt, self.path("no/such/parent"))
+        # Missing parents are made (the documented layout /ckpt/step-N/rankR).
+        gen = ckpt.save(opt, self.path("ckpt/step-1/rank0"))
+        self.assertEqual(gen, opt.generation)
+        self.assertIn("manifest.json", os.listdir(self.path("ckpt/step-1/rank0")))
+
+    def test_failed_named_save_releases_its_snapshot(self):
+        model, opt = self.trained("a", steps=1)
+        os.mkdir(self.path("full"))
+        with open(self.path("full/x"), "w") as f:
+            f.write("x")
+        with self.assertRaises(optstate.AlreadyExists):
+            ckpt.save(opt, self.path("full"), name="keep")
+        self.assertEqual(opt.store.snapshots(), [])
+        gen = ckpt.save(opt, self.path("retry"), name="keep")  # the retry is not refused
+        self.assertEqual(opt.store.snapshots(), [("keep", gen)])
+
+    def test_load_of_another_stores_checkpoint_needs_force_and_keeps_the_head(self):
+        model, opt = self.trained("a", steps=3)
+        ckpt.save(opt, self.path("ck"))
+        other_model, other = self.trained("other", steps=4, model=make_model(1))
+        before = [p.detach().clone() for p in other_model.parameters()]
+        head = other.generation
+        with self.assertRaises(optstate.FailedPrecondition) as cm:
+            ckpt.load(other, self.path("ck"))
+        self.assertIn("force", str(cm.exception))
+        self.assertIn(opt.store.uuid, str(cm.exception))
+        self.assertEqual(other.generation, head)
+        self.assertEqual(other.store.snapshots(), [])
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(before, other_model.parameters())))
+        ckpt.load(other, self.path("ck"), force=True)
+        self.assertEqual(other.step_count(0), 3)
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(model.parameters(), other_model.parameters())))
+        kept = other.store.last_restore_snapshot
+        self.assertTrue(kept.startswith("pre-restore-%d-" % head), kept)
+        self.assertEqual(other.store.snapshots(), [(kept, head)])
+        opt.close()
+        other.close()
 
 
 if __name__ == "__main__":

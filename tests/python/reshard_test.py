@@ -3,12 +3,15 @@ and joined again gives back its field files byte for byte, the joined one
 loads and training continues as from the original, and a missing rank is
 refused with nothing written."""
 import hashlib
+import json
 import os
+import subprocess
+import sys
 import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest, optstate
+from common import HANG_LIMIT_S, OPT_KW, TempDirTest, optstate
 import optstate.checkpoint as ckpt
 import optstate.torch as ot
 from torch_adamw_test import make_model, two_groups
@@ -149,7 +152,7 @@ class TensorParallelReshardTest(TempDirTest):
         params = {n: torch.nn.Parameter(box(self.init[n], *parts[n]).clone() if values is None
                                         else torch.zeros(parts[n][1])) for n in parts}
         shards = {n: (GLOBAL[n], parts[n][0]) for n in parts}
-        opt = ot.AdamW(self.groups(params), store=path, lr=1e-2, shards=shards, **OPT_KW)
+        opt = ot.AdamW(self.groups(params), store=path, lr=1e-2, shards=shards, job="reshard-test", **OPT_KW)
         return params, opt
 
     def step_ranks(self, ranks, step_count):
@@ -274,6 +277,69 @@ class TensorParallelReshardTest(TempDirTest):
         self.assertIn("dims", str(cm.exception))
 
 
+def job_worker(rank, world, init_file, store_template, out):
+    """One rank of a torch.distributed job (gloo): an AdamW with no job given, one step, a checkpoint."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    w = torch.nn.Parameter(torch.randn(4, 8))
+    opt = ot.AdamW([("w", w)], store=store_template, lr=1e-2, shards={"w": ((4 * world, 8), (4 * rank, 0))},
+                   **OPT_KW)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    ckpt.save(opt, os.path.join(out, "rank%d" % rank))
+    with open(os.path.join(out, "job%d.json" % rank), "w") as f:
+        json.dump({"job": opt.store.job}, f)
+    opt.close()
+    dist.destroy_process_group()
+
+
+@unittest.skipUnless(hasattr(torch, "distributed") and torch.distributed.is_available(),
+                     "torch %s has no torch.distributed" % torch.__version__)
+class DistributedJobTest(TempDirTest):
+    def run_job(self, name, world=2):
+        out = self.path(name)
+        os.mkdir(out)
+        init = self.path(name + ".init")
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "job-worker", str(r), str(world), init,
+                                   os.path.join(out, "store-{rank}"), out], cwd=os.path.dirname(__file__))
+                 for r in range(world)]
+        for p in procs:
+            self.assertEqual(p.wait(timeout=HANG_LIMIT_S), 0)
+        jobs = []
+        for r in range(world):
+            with open(os.path.join(out, "job%d.json" % r)) as f:
+                jobs.append(json.load(f)["job"])
+        return [os.path.join(out, "rank%d" % r) for r in range(world)], jobs
+
+    def test_ranks_agree_on_one_job_and_two_jobs_do_not_mix(self):
+        a, jobs_a = self.run_job("a")
+        b, jobs_b = self.run_job("b")
+        self.assertEqual(len(set(jobs_a)), 1, jobs_a)  # rank 0's id, broadcast
+        self.assertEqual(len(set(jobs_b)), 1, jobs_b)
+        self.assertNotEqual(jobs_a[0], jobs_b[0])
+        layout = ckpt.reshard_layout(a, 1)
+        self.assertEqual(optstate.reshard(a, self.path("joined"), layout), 1)
+        with open(os.path.join(ckpt.rank_dir(self.path("joined"), 0), "manifest.json")) as f:
+            self.assertEqual(json.load(f)["job"], jobs_a[0])
+        # Same step, generation, groups and layout, another job: refused, naming both.
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            optstate.reshard([a[0], b[1]], self.path("mixed"), layout)
+        for word in (a[0], b[1], jobs_a[0], jobs_b[0], "not of one job"):
+            self.assertIn(word, str(cm.exception))
+        self.assertFalse(os.path.exists(self.path("mixed")))
+        # A store made without torch.distributed is a job of its own; a reopened store keeps its job.
+        with ot.AdamW([("w", torch.nn.Parameter(torch.zeros(3)))], store=self.path("solo"), **OPT_KW) as o:
+            solo = o.store.job
+        self.assertNotIn(solo, jobs_a + jobs_b)
+        with ot.AdamW([("w", torch.nn.Parameter(torch.zeros(3)))], store=self.path("solo"), job="other",
+                      **OPT_KW) as o:
+            self.assertEqual(o.store.job, solo)
+        with ot.AdamW([("w", torch.nn.Parameter(torch.zeros(3)))], store=self.path("named"), job="job-7",
+                      **OPT_KW) as o:
+            self.assertEqual(o.store.job, "job-7")
+
+
 @unittest.skipUnless(hasattr(torch, "distributed") and torch.distributed.is_available() and
                      ot._has_dtensor(), "torch %s has no DTensor (torch >= 2)" % torch.__version__)
 class DTensorLayoutTest(TempDirTest):
@@ -343,4 +409,7 @@ class DocsTensorParallelExampleTest(TempDirTest):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    if sys.argv[1:2] == ["job-worker"]:
+        job_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])
+    else:
+        unittest.main()

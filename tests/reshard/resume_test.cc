@@ -85,6 +85,7 @@ class Rank {
     vfs::StoreOptions so;
     so.chunk_size_bytes = kChunk;
     so.preallocate_step_bytes = 16 * vfs::kMiB;
+    so.job = "resume-test";  // the ranks of one job (a store restored from a checkpoint inherits its job)
     auto s = restore_from.empty() ? vfs::Store::Create(store_path, so)
                                   : vfs::CreateStoreFromCheckpoint(restore_from, store_path, so);
     EXPECT_TRUE(s.ok()) << s.status().ToString();

@@ -23,10 +23,12 @@ using testing::Tool;
 constexpr uint64_t kGlobal = 1'000'003;  // elements of "w": ~4 MB per field, 2 chunks
 
 // Rank r of 2 holds w[r*half, ...) with main[i] = global index i (as float).
-void WriteRank(const std::string& store_path, const std::string& ckpt, uint32_t r) {
+void WriteRank(const std::string& store_path, const std::string& ckpt, uint32_t r,
+               const std::string& job = "tools-reshard-test") {
   vfs::StoreOptions o;
   o.chunk_size_bytes = 2 * vfs::kMiB;
   o.preallocate_step_bytes = 8 * vfs::kMiB;
+  o.job = job;
   auto s = vfs::Store::Create(store_path, o);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   const uint64_t lo = r == 0 ? 0 : kGlobal / 2, hi = r == 0 ? kGlobal / 2 : kGlobal;
@@ -102,10 +104,12 @@ TEST(ReshardTool, LayoutRunRestore) {
 
 // Rank r of 2 holds rows [300 r, 300 r + 300) of the 600 x 700 matrix "m"
 // (main[i] = global index i) and half of the 1-D "v".
-void WriteMatrixRank(const std::string& store_path, const std::string& ckpt, uint32_t r) {
+void WriteMatrixRank(const std::string& store_path, const std::string& ckpt, uint32_t r,
+                     const std::string& job = "tools-reshard-test") {
   vfs::StoreOptions o;
   o.chunk_size_bytes = 2 * vfs::kMiB;
   o.preallocate_step_bytes = 8 * vfs::kMiB;
+  o.job = job;
   auto s = vfs::Store::Create(store_path, o);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   struct Part {

@@ -13,6 +13,7 @@
 
 #include "kernels/adam.h"
 #include "tests/tools/tools_test_util.h"
+#include "tests/vfs/checkpoint_test_util.h"
 #include "vfs/checkpoint.h"
 #include "vfs/io_buffer.h"
 
@@ -101,6 +102,49 @@ TEST_F(RestoreToolTest, AStoreGivenAsTheCheckpointSaysHowToGetOne) {
   auto l = Tool("optstate-reshard", {"layout", "--ranks", "2", dir_ / "src"});
   EXPECT_EQ(l.exit_code, 1) << l.err;
   EXPECT_NE(l.err.find(" is a store directory"), std::string::npos) << l.err;
+}
+
+// Another store's checkpoint into a store that has taken steps: refused
+// without --force (the message says how), nothing changed; with --force,
+// restored and the replaced head kept as a snapshot that the output names.
+TEST_F(RestoreToolTest, AnotherStoresCheckpointNeedsForceAndKeepsTheHead) {
+  const std::string other = dir_ / "jobA";
+  {
+    auto s = MakeSmallStore(other);
+    ASSERT_NE(s, nullptr);
+    auto t = s->FindTensor("w");
+    ASSERT_TRUE(t.ok());
+    testing::WriteFloatField(s.get(), t->id, 0, t->numel, [](uint64_t i) { return 2.0f * static_cast<float>(i); });
+    vfs::CommitInfo ci;
+    ci.step = 5;
+    ci.groups.push_back(vfs::GroupInfo{0, 5, {{"lr", 1e-3}}});
+    ASSERT_TRUE(s->Commit(ci).ok());
+  }
+  auto read_main = [](const std::string& path, const std::string& snapshot) {
+    auto s = vfs::Store::OpenReadOnly(path, vfs::StoreOptions{});
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    auto v = snapshot.empty() ? (*s)->OpenGeneration(vfs::kLatest) : (*s)->OpenSnapshot(snapshot);
+    EXPECT_TRUE(v.ok()) << v.status().ToString();
+    vfs::IoBuffer buf((*s)->chunk_size_bytes());
+    auto t = (*v)->FindTensor("w");
+    EXPECT_TRUE((*v)->ReadChunk({t->id, 0, 0}, buf.data()).ok());
+    return std::make_pair((*v)->info().step, buf.as<float>()[7]);
+  };
+  auto refused = Tool("optstate-restore", {ckpt_, other, "-q"});
+  EXPECT_EQ(refused.exit_code, 1) << refused.err;
+  EXPECT_NE(refused.err.find("another store"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("--force"), std::string::npos) << refused.err;
+  EXPECT_EQ(read_main(other, ""), std::make_pair(uint64_t{5}, 14.0f));
+
+  auto forced = Tool("optstate-restore", {ckpt_, other, "--force"});
+  ASSERT_EQ(forced.exit_code, 0) << forced.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(forced.out, m, std::regex("as snapshot (pre-restore-[0-9]+-[0-9]+)")))
+      << forced.out;
+  EXPECT_EQ(read_main(other, ""), std::make_pair(uint64_t{1}, 7.0f));
+  EXPECT_EQ(read_main(other, m[1].str()), std::make_pair(uint64_t{5}, 14.0f));
+  // --force means nothing to a new store.
+  EXPECT_EQ(Tool("optstate-restore", {ckpt_, dir_ / "new", "--create", "n", "--force"}).exit_code, 2);
 }
 
 // Malformed command lines: exit 2, the tools' common prefix, and what is
@@ -414,7 +458,7 @@ TEST(RestoreMomentsTest, BadInputIsRefusedAndLeavesNoStore) {
     m["tensors"][0]["fields"][1]["dtype"] = "bf16";
     fs::create_directories(dir / "lying");
     fs::copy(dir / "ckpt", dir / "lying", fs::copy_options::recursive | fs::copy_options::overwrite_existing);
-    std::ofstream(dir / "lying/manifest.json") << m.dump(2);
+    std::ofstream(dir / "lying/manifest.json") << vfs::testing::SealManifest(m.dump(2));
   }
   for (const std::vector<std::string>& extra : {std::vector<std::string>{}, {"--moments", "bf16"}}) {
     std::vector<std::string> args = {dir / "lying", dir / "z", "--create", "z", "-q"};

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -85,6 +86,57 @@ TEST(CheckpointManifest, RoundTripDeterministic) {
   const std::string& b = v->Bytes(id, 1);
   EXPECT_EQ(big.fields[1].chunks[1].xxh3, XXH3_64bits(b.data() + kCs, b.size() - kCs));
   EXPECT_EQ(big.fields[1].file, "tensors/model.layers.0%2Fattn.weight/exp_avg");
+}
+
+// The manifest checksums its own bytes: what the writer and the mount's
+// layout produce verifies; any one flipped bit anywhere is kCorruption
+// naming the source; a manifest without the key (written before) passes; the
+// check does not depend on the JSON's layout (the same manifest dumped
+// another way, with its checksum computed by an independent implementation,
+// verifies).
+TEST(CheckpointManifest, CarriesItsOwnChecksum) {
+  auto v = MakeView();
+  const std::string js = SerializeManifest(*ManifestFromView(*v));
+  ASSERT_TRUE(VerifyManifestChecksum(js, "m").ok());
+  auto l = CheckpointLayout::Build(v.get());
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ((*l)->manifest_json(), js);
+  const std::string key = std::string("\"") + kManifestChecksumKey + "\"";
+  const size_t at = js.find(key);
+  ASSERT_NE(at, std::string::npos);
+  const std::string recorded = js.substr(js.find('"', at + key.size() + 1) + 1, 16);
+  // The recorded value is XXH3-64 of the bytes with that value zeroed.
+  std::string zeroed = js;
+  zeroed.replace(js.find(recorded), 16, std::string(16, '0'));
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH3_64bits(zeroed.data(), zeroed.size())));
+  EXPECT_EQ(recorded, hex);
+  for (size_t i = 0; i < js.size(); ++i) {
+    std::string flipped = js;
+    flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 7)));
+    Status st = VerifyManifestChecksum(flipped, "/ckpt/manifest.json");
+    ASSERT_FALSE(st.ok()) << "a flip at byte " << i << " passed: ..." << flipped.substr(i < 30 ? 0 : i - 30, 60);
+    EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+    EXPECT_NE(st.message().find("/ckpt/manifest.json"), std::string::npos) << st.message();
+  }
+  nlohmann::json j = nlohmann::json::parse(js);
+  EXPECT_TRUE(VerifyManifestChecksum(j.dump(4), "m").code() == StatusCode::kCorruption);
+  std::string other = j.dump(4);
+  const size_t q = other.find('"', other.find(':', other.find(key) + key.size())) + 1;
+  other.replace(q, 16, std::string(16, '0'));
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH3_64bits(other.data(), other.size())));
+  other.replace(q, 16, hex);
+  EXPECT_TRUE(VerifyManifestChecksum(other, "m").ok());
+  j.erase(kManifestChecksumKey);
+  j.erase("job");
+  EXPECT_TRUE(VerifyManifestChecksum(j.dump(), "m").ok());  // written before: no checksum, no job
+  j["manifest_xxh4"] = recorded;  // the key's name damaged: not taken for one written before
+  EXPECT_EQ(VerifyManifestChecksum(j.dump(), "m").code(), StatusCode::kCorruption);
+  j.erase("manifest_xxh4");
+  EXPECT_TRUE(ParseManifest(j.dump(), "m").ok());
+  std::string twice = js;
+  twice.insert(twice.find("\"store\""), key + ": \"" + recorded + "\", ");
+  EXPECT_EQ(VerifyManifestChecksum(twice, "m").code(), StatusCode::kCorruption);
 }
 
 // Edits one value of a valid manifest and expects an error naming the key.

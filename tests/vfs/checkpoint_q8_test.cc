@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/vfs/checkpoint_test_util.h"
 #include "tests/vfs/store_test_util.h"
 #include "vfs/checkpoint.h"
 #include "vfs/reshard.h"
@@ -66,7 +67,7 @@ class CheckpointQ8Test : public ::testing::Test {
     fs::copy(ckpt_, d, fs::copy_options::recursive);
     nlohmann::json j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
     edit(j);
-    std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump();
+    std::ofstream(d + "/manifest.json", std::ios::trunc) << testing::SealManifest(j.dump());
     return d;
   }
 

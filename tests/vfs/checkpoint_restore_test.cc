@@ -2,12 +2,17 @@
 // bit (into a fresh store and into the source store), and every bad input is
 // refused with a clear message while the target store stays unchanged.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 
 #include <filesystem>
+#include <set>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "base/sync_point.h"
+#include "tests/common/test_util.h"
 #include "tests/vfs/checkpoint_test_util.h"
 #include "vfs/checkpoint.h"
 
@@ -137,12 +142,12 @@ TEST_F(RestoreTest, RefusesEditedManifest) {
   std::string d = CopyCkpt("edit");
   auto j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
   j["tensors"][0]["fields"][0]["chunks"][0]["length"] = 12345;
-  std::ofstream(d + "/manifest.json") << j.dump();
+  std::ofstream(d + "/manifest.json") << SealManifest(j.dump());
   ExpectRefused(src_.get(), d, {d + "/manifest.json", "chunks[0]"});
   // A changed hash is caught by the data check.
   j = nlohmann::json::parse(ReadFile(ckpt_ + "/manifest.json"));
   j["tensors"][1]["fields"][2]["chunks"][0]["xxh3"] = "0123456789abcdef";
-  std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump();
+  std::ofstream(d + "/manifest.json", std::ios::trunc) << SealManifest(j.dump());
   ExpectRefused(src_.get(), d, {"chunk 0", "XXH3"});
   // A missing file.
   std::string d2 = CopyCkpt("missing");
@@ -278,6 +283,8 @@ TEST_F(RestoreTest, OlderCheckpointsStillRestore) {
     std::ofstream(d + st_name, std::ios::binary | std::ios::trunc) << out;
     auto j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
     j["groups"][0]["hyper"]["adamw"] = 1.0;
+    j.erase(kManifestChecksumKey);  // manifests written before carried no checksum of their own
+    j.erase("job");                 // nor a job
     std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump(1);
   }
   auto b = CreateStoreFromCheckpoint(d, root_ + "/from_old", StoreOptions{});
@@ -301,7 +308,7 @@ TEST_F(RestoreTest, RefusesOutOfRangeHyperparametersAndUnknownGroups) {
     std::string d = CopyCkpt(name);
     auto j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
     f(j);
-    std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump(1);
+    std::ofstream(d + "/manifest.json", std::ios::trunc) << SealManifest(j.dump(1));
     return d;
   };
   std::string d = edit("beta1", [](auto& j) { j["groups"][0]["hyper"]["beta1"] = 7; });
@@ -377,6 +384,248 @@ TEST_F(RestoreTest, CreateRefusedAfterImportStartedLeavesNoDataFiles) {
   std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(ext)) left.push_back(e.path().filename().string());
   EXPECT_TRUE(left.empty()) << "left in the data dir: " << ::testing::PrintToString(left);
+}
+
+// A tensor of the same element count in another shape ([700, 1000] vs
+// [1000, 700]) is refused naming "shape", and nothing is written.
+TEST_F(RestoreTest, RefusesSameNumelOtherShape) {
+  auto other = CreateStore(root_ + "/transposed");
+  auto defs = DefaultTensors();
+  defs[0].shape = {1000, 700};
+  CreateTensors(other.get(), defs);
+  WriteStep(other.get(), 3);
+  ExpectRefused(other.get(), ckpt_,
+                {"does not match", "tensor 'layers.0/w': shape checkpoint [700, 1000] vs store [1000, 700]"});
+}
+
+// A shard of a tensor: restore compares its place in the global tensor too.
+class ShardRestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { root_ = MakeTempDir("shard-restore"); }
+  void TearDown() override { fs::remove_all(root_); }
+  // A store at `name` with one tensor "w" of shape [2, 3] at `offset` of
+  // `global`, written and committed at step 5.
+  std::unique_ptr<Store> ShardStore(const std::string& name, std::vector<uint64_t> global,
+                                    std::vector<uint64_t> offset) {
+    auto s = CreateStore(root_ + "/" + name);
+    TensorSpec spec;
+    spec.name = "w";
+    spec.numel = 6;
+    spec.shape = {2, 3};
+    spec.global_shape = std::move(global);
+    spec.shard_offset = std::move(offset);
+    EXPECT_TRUE(s->CreateTensor(spec).ok());
+    WriteStep(s.get(), 5);
+    return s;
+  }
+  void ExpectRefused(Store* s, const std::string& dir, const std::string& part) {
+    const GenerationInfo before = s->LatestGeneration();
+    auto dump = DumpLatest(s);
+    auto r = RestoreCheckpoint(s, dir);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(part), std::string::npos) << r.status().message();
+    EXPECT_EQ(s->LatestGeneration().generation, before.generation);
+    EXPECT_TRUE(DumpLatest(s) == dump);
+  }
+  std::string root_;
+};
+
+TEST_F(ShardRestoreTest, RefusesOtherGlobalShape) {
+  auto src = ShardStore("src", {4, 3}, {0, 0});
+  auto v = src->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  WriteCheckpointDir(**v, root_ + "/ckpt");
+  auto other = ShardStore("other", {6, 3}, {0, 0});
+  ExpectRefused(other.get(), root_ + "/ckpt", "tensor 'w': global_shape (shard) checkpoint [4, 3] vs store [6, 3]");
+}
+
+TEST_F(ShardRestoreTest, RefusesOtherShardOffset) {
+  auto src = ShardStore("src", {4, 3}, {0, 0});
+  auto v = src->OpenGeneration(kLatest);
+  ASSERT_TRUE(v.ok());
+  WriteCheckpointDir(**v, root_ + "/ckpt");
+  auto other = ShardStore("other", {4, 3}, {2, 0});
+  ExpectRefused(other.get(), root_ + "/ckpt", "tensor 'w': shard_offset (shard) checkpoint [0, 0] vs store [2, 0]");
+}
+
+// Bit flips in manifest.json (lr 0.001 -> 0.003, beta1 0.9 -> 0.8: one bit
+// each) are caught by the manifest's own checksum, by restore, --create and
+// reshard alike; both checksums and the path are named.
+TEST_F(RestoreTest, RefusesManifestWithFlippedBits) {
+  WriteStep(src_.get(), 12);
+  const std::string good = ReadFile(ckpt_ + "/manifest.json");
+  ASSERT_TRUE(VerifyManifestChecksum(good, "good").ok());
+  ASSERT_NE(good.find(std::string("\"") + kManifestChecksumKey + "\""), std::string::npos);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"lr\": 0.001", "\"lr\": 0.003"}, {"\"beta1\": 0.9", "\"beta1\": 0.8"}}) {
+    std::string d = CopyCkpt("flip" + std::to_string(from.size()) + to.back());
+    std::string text = good;
+    const size_t at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+    std::ofstream(d + "/manifest.json", std::ios::trunc | std::ios::binary) << text;
+    ExpectRefused(src_.get(), d, {d + "/manifest.json", "XXH3", kManifestChecksumKey});
+    auto r = RestoreCheckpoint(src_.get(), d);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << r.status().ToString();
+    auto b = CreateStoreFromCheckpoint(d, root_ + "/never", StoreOptions{});
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), StatusCode::kCorruption) << b.status().ToString();
+    EXPECT_FALSE(fs::exists(root_ + "/never"));
+  }
+}
+
+// A checkpoint of another store does not replace the training state of a
+// store that has taken steps unless forced; when it does, the replaced head is
+// kept as a snapshot holding exactly the bytes it had.
+TEST_F(RestoreTest, RefusesAnotherStoresCheckpointUnlessForced) {
+  auto other = CreateStore(root_ + "/jobA");
+  CreateTensors(other.get(), DefaultTensors());
+  WriteStep(other.get(), 20);
+  WriteStep(other.get(), 21);
+  const GenerationInfo head = other->LatestGeneration();
+  const auto head_bytes = DumpLatest(other.get());
+  ExpectRefused(other.get(), ckpt_,
+                {"another store", src_->identity().uuid, other->identity().uuid, "--force", "step 21"});
+  auto r = RestoreCheckpointInto(other.get(), ckpt_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(other->ListSnapshots().empty());
+
+  RestoreOptions force;
+  force.force = true;
+  auto f = RestoreCheckpointInto(other.get(), ckpt_, force);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_TRUE(DumpLatest(other.get()) == want_);
+  EXPECT_EQ(other->LatestGeneration().step, 11u);
+  EXPECT_EQ(f->kept_snapshot.rfind("pre-restore-" + std::to_string(head.generation) + "-", 0), 0u)
+      << f->kept_snapshot;
+  auto snaps = other->ListSnapshots();
+  ASSERT_EQ(snaps.size(), 1u);
+  EXPECT_EQ(snaps[0].name, f->kept_snapshot);
+  EXPECT_EQ(snaps[0].generation, head.generation);
+  auto kept = other->OpenSnapshot(f->kept_snapshot);
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  EXPECT_EQ((*kept)->info().step, 21u);
+  EXPECT_TRUE(DumpView(**kept) == head_bytes);
+
+  // A store that has taken no step has no training state to lose: taken
+  // without force, and no snapshot is made.
+  auto fresh = CreateStore(root_ + "/fresh");
+  CreateTensors(fresh.get(), DefaultTensors());
+  auto g = RestoreCheckpointInto(fresh.get(), ckpt_);
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_TRUE(g->kept_snapshot.empty());
+  EXPECT_TRUE(fresh->ListSnapshots().empty());
+}
+
+// Every restore over a trained head keeps it, under a name no other snapshot
+// has (two restores within one millisecond too); a failed restore releases
+// the snapshot it made.
+TEST_F(RestoreTest, KeepsEachReplacedHeadUnderItsOwnName) {
+  WriteStep(src_.get(), 12);
+  const auto at12 = DumpLatest(src_.get());
+  auto a = RestoreCheckpointInto(src_.get(), ckpt_);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto b = RestoreCheckpointInto(src_.get(), ckpt_);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_NE(a->kept_snapshot, b->kept_snapshot);
+  EXPECT_EQ(src_->ListSnapshots().size(), 2u);
+  auto kept = src_->OpenSnapshot(a->kept_snapshot);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_TRUE(DumpView(**kept) == at12);
+
+  std::string d = CopyCkpt("trunc-snap");
+  fs::resize_file(d + "/tensors/emb/main", 100);
+  ExpectRefused(src_.get(), d, {"truncated"});
+  EXPECT_EQ(src_->ListSnapshots().size(), 2u) << "a failed restore left its snapshot behind";
+}
+
+// The job (lineage) is the store's: kept across reopen, written to every
+// manifest, inherited by a store created from a checkpoint.
+TEST_F(RestoreTest, JobIsRecordedAndInherited) {
+  const std::string job = src_->identity().job;
+  EXPECT_EQ(job.size(), 36u) << "a new store is a job of its own (a uuid): '" << job << "'";
+  auto m = ReadManifestFile(ckpt_ + "/manifest.json");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->job, job);
+  auto b = CreateStoreFromCheckpoint(ckpt_, root_ + "/child", StoreOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_EQ((*b)->identity().job, job);
+  EXPECT_NE((*b)->identity().uuid, src_->identity().uuid);
+  b->reset();
+  auto reopened = Store::Open(root_ + "/child", StoreOptions{});
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_EQ((*reopened)->identity().job, job);
+  auto other = CreateStore(root_ + "/named", 2 * kMiB, "my-job");
+  EXPECT_EQ(other->identity().job, "my-job");
+  EXPECT_NE(CreateStore(root_ + "/x")->identity().job, job);
+}
+
+// optstate-restore --create is all or nothing: SIGKILLed at each sync point
+// of the creation, the import and the commit, it leaves either no store at
+// the path or the complete one (bit for bit the checkpoint, verified clean),
+// and a rerun makes it (or, where it is complete, says so), leaving no
+// half-built directory next to it and no stray data file in an external data
+// dir.
+TEST_F(RestoreTest, CreateIsAllOrNothingWhenKilled) {
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without test sync points (OPTSTATE_TEST_HOOKS)";
+  const std::vector<std::string> points = {
+      "store.create.begin",     "store.create.identity", "store.create.index",  "store.create.renamed",
+      "restore.create.created", "extent.after_write",    "commit.before_sync",  "commit.before_batch",
+      "commit.after_batch",     "restore.create.committed", "restore.create.renamed"};
+  auto expect_complete = [&](const std::string& path) {
+    auto s = Store::Open(path, StoreOptions{});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_TRUE(DumpLatest(s->get()) == want_) << path << " is not the checkpoint";
+    const GenerationInfo g = (*s)->LatestGeneration();
+    EXPECT_EQ(g.step, 11u);
+    ASSERT_EQ(g.groups.size(), 2u);
+    EXPECT_EQ(g.groups[1].step_count, 5u);
+    EXPECT_EQ((*s)->ListTensors().size(), DefaultTensors().size());
+    auto rep = (*s)->Verify();
+    ASSERT_TRUE(rep.ok());
+    EXPECT_TRUE(rep->ok()) << ::testing::PrintToString(rep->problems);
+  };
+  for (size_t i = 0; i < points.size(); ++i) {
+    SCOPED_TRACE("killed at " + points[i]);
+    const std::string dir = root_ + "/kill" + std::to_string(i);
+    const std::string ext = dir + "/ext", path = dir + "/store";
+    fs::create_directories(ext);
+    test_util::ChildOptions o;
+    o.exe = test_util::SiblingBinary("store_crash_child");
+    o.args = {"restore", path, ckpt_, ext};
+    o.crash_at = points[i];
+    test_util::ChildResult r = test_util::RunChild(o);
+    ASSERT_EQ(r.error, "");
+    ASSERT_TRUE(WIFSIGNALED(r.wait_status) && WTERMSIG(r.wait_status) == SIGKILL)
+        << "the child was not killed at " << points[i] << ": " << r.output;
+    const bool complete = fs::exists(path);
+    if (complete) expect_complete(path);
+    StoreOptions so;
+    so.data_dirs = {ext};
+    auto b = CreateStoreFromCheckpoint(ckpt_, path, so);
+    if (complete) {
+      ASSERT_FALSE(b.ok());
+      EXPECT_EQ(b.status().code(), StatusCode::kAlreadyExists) << b.status().ToString();
+    } else {
+      ASSERT_TRUE(b.ok()) << b.status().ToString();
+      b->reset();
+    }
+    std::string uuid;
+    expect_complete(path);
+    {
+      auto s = Store::Open(path, StoreOptions{});
+      ASSERT_TRUE(s.ok());
+      uuid = (*s)->identity().uuid;
+    }
+    std::set<std::string> names, ext_names;
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+    for (const auto& e : fs::directory_iterator(ext)) ext_names.insert(e.path().filename().string());
+    EXPECT_EQ(names, (std::set<std::string>{"ext", "store"}));
+    EXPECT_EQ(ext_names, (std::set<std::string>{uuid + ".chunks", uuid + ".owner"}));
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -65,9 +66,12 @@ inline std::vector<TensorDef> DefaultTensors() {
           {"odd name %..", 3, {}}};
 }
 
-inline std::unique_ptr<Store> CreateStore(const std::string& path, uint64_t chunk = 2 * kMiB) {
+// job: StoreOptions::job (empty: a new uuid); the rank stores of one job pass one.
+inline std::unique_ptr<Store> CreateStore(const std::string& path, uint64_t chunk = 2 * kMiB,
+                                          const std::string& job = "") {
   StoreOptions o;
   o.chunk_size_bytes = chunk;
+  o.job = job;
   o.preallocate_step_bytes = 64 * kMiB;
   auto s = Store::Create(path, o);
   EXPECT_TRUE(s.ok()) << s.status().ToString();
@@ -155,6 +159,22 @@ inline void WriteCheckpointDir(const GenerationView& v, const std::string& dir) 
     ASSERT_TRUE(n.ok()) << n.status().ToString();
     std::ofstream(p, std::ios::binary).write(bytes.data(), bytes.size());
   }
+}
+
+// An edited manifest's text with its own checksum ("manifest_xxh3") computed
+// again over the edited bytes: what a deliberate edit must do to get past the
+// checksum to the parser's and the data's checks. Text without the key is
+// returned as it is.
+inline std::string SealManifest(std::string text) {
+  const std::string key = std::string("\"") + kManifestChecksumKey + "\"";
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return text;
+  const size_t q = text.find('"', text.find(':', at + key.size()));
+  text.replace(q + 1, 16, std::string(16, '0'));
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(ChunkChecksum(text.data(), text.size())));
+  text.replace(q + 1, 16, hex);
+  return text;
 }
 
 inline std::string ReadFile(const std::string& path) {

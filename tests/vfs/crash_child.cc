@@ -7,6 +7,9 @@
 //   store_crash_child open STORE    try to open STORE; print the status; exit 0 if
 //       opened, 3 if busy, 4 on other errors.
 //   store_crash_child hold STORE    open STORE, print "READY", sleep until killed.
+//   store_crash_child restore STORE CKPT [DATA_DIR]   CreateStoreFromCheckpoint
+//       (optstate-restore --create) of CKPT at STORE; prints "DONE" (exit 0)
+//       or the error (exit 4). Killed by OPTSTATE_CRASH_AT.
 #include <unistd.h>
 
 #include <cstdio>
@@ -15,6 +18,7 @@
 #include <thread>
 
 #include "tests/vfs/store_crash_workload.h"
+#include "vfs/checkpoint.h"
 #include "vfs/store.h"
 
 using namespace optstate;
@@ -132,6 +136,18 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string mode = argv[1], path = argv[2];
+  if (mode == "restore" && argc > 3) {
+    StoreOptions o;
+    o.preallocate_step_bytes = 16ull << 20;
+    if (argc > 4) o.data_dirs = {argv[4]};
+    auto s = CreateStoreFromCheckpoint(argv[3], path, o);
+    if (!s.ok()) {
+      Say("STATUS " + s.status().ToString());
+      return 4;
+    }
+    Say("DONE");
+    return 0;
+  }
   if (mode == "run") return Run(path, argc > 3 ? std::stoull(argv[3]) : 1000000);
   if (mode == "open" || mode == "hold") {
     auto s = Store::Open(path, WorkloadOptions());

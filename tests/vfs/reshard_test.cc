@@ -27,7 +27,8 @@ namespace {
 using namespace testing;  // NOLINT
 namespace fs = std::filesystem;
 
-constexpr const char* kChildEnv = "OPTSTATE_RESHARD_CHILD";  // "<layout>|<dest>|<src>|<src>..."
+constexpr const char* kChildEnv = "OPTSTATE_RESHARD_CHILD";
+constexpr const char* kJob = "reshard-test-job";  // the job of the source ranks  // "<layout>|<dest>|<src>|<src>..."
 
 struct GlobalDef {
   std::string name;
@@ -157,10 +158,10 @@ class ReshardTest : public ::testing::Test {
   // One store per rank holding its boxes (the reference bytes) and each
   // tensor's step count (StepsOf), committed at step 7 and exported as
   // <dir>/rank-NNNNN.
-  void WriteSources(const TargetLayout& layout, const std::string& dir) {
+  void WriteSources(const TargetLayout& layout, const std::string& dir, const std::string& job = kJob) {
     for (uint32_t r = 0; r < layout.ranks.size(); ++r) {
       const std::string sp = root_ + "/store-" + std::to_string(r);
-      auto store = CreateStore(sp);
+      auto store = CreateStore(sp, 2 * kMiB, job);
       ASSERT_NE(store, nullptr);
       std::map<uint32_t, uint64_t> tensor_steps;
       for (const GlobalDef& g : model_) {
@@ -582,7 +583,7 @@ TEST_F(ReshardTest, BadSourcesAreRefusedAndNothingIsWritten) {
     fs::copy(s4[3], d, fs::copy_options::recursive);
     nlohmann::json j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
     edit(j);
-    std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump(1);
+    std::ofstream(d + "/manifest.json", std::ios::trunc) << SealManifest(j.dump(1));
     return std::vector<std::string>{s4[0], s4[1], s4[2], d};
   };
   ExpectError(Reshard(edited([](nlohmann::json& j) { j["step"] = 8; }), two, dest),
@@ -618,6 +619,60 @@ TEST_F(ReshardTest, BadSourcesAreRefusedAndNothingIsWritten) {
   fs::create_directories(dest + "/x");
   ExpectError(Reshard(s4, two, dest), {"not empty"});
   fs::remove_all(dest);
+
+  // A manifest with a flipped bit (step 7 -> 5) that still parses: its own
+  // checksum refuses it, naming the file.
+  {
+    const std::string f = root_ + "/flipped";
+    fs::copy(s4[1], f, fs::copy_options::recursive);
+    std::string text = ReadFile(f + "/manifest.json");
+    const size_t at = text.find("\"step\": 7");
+    ASSERT_NE(at, std::string::npos);
+    text[at + 8] = '5';
+    std::ofstream(f + "/manifest.json", std::ios::trunc | std::ios::binary) << text;
+    ExpectError(Reshard({s4[0], f, s4[2], s4[3]}, two, dest), {f + "/manifest.json", "XXH3", kManifestChecksumKey});
+    ExpectNothingWritten(dest);
+  }
+}
+
+// Two jobs whose ranks agree on step, generation, groups and layout: a mix of
+// their ranks is refused, naming both sources and both jobs; each job's own
+// ranks reshard, and the output carries their job.
+TEST_F(ReshardTest, RanksOfTwoJobsAreNotMixed) {
+  const TargetLayout four = MakeEvenLayout(Globals(), 4, SplitKind::kRows);
+  const TargetLayout two = MakeEvenLayout(Globals(), 2, SplitKind::kRows);
+  const std::string other = root_ + "/other-job";
+  fs::create_directories(other);
+  WriteSources(four, other, "another-job");
+  std::vector<std::string> a = RankDirs(src_, 4), b = RankDirs(other, 4);
+  const std::string dest = root_ + "/out";
+  ExpectError(Reshard({a[0], a[1], b[2], a[3]}, two, dest),
+              {"not of one job", a[0], kJob, b[2], "another-job"});
+  ExpectNothingWritten(dest);
+  ASSERT_TRUE(Reshard(b, two, dest).ok());
+  auto m = ReadManifestFile(dest + "/" + ReshardRankDirName(1) + "/manifest.json");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->job, "another-job");
+  auto restored = CreateStoreFromCheckpoint(dest + "/" + ReshardRankDirName(1), root_ + "/restored", StoreOptions{});
+  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+  EXPECT_EQ((*restored)->identity().job, "another-job");
+  fs::remove_all(dest);
+
+  // Manifests written before they named a job: taken when none names one,
+  // refused when only some do.
+  std::vector<std::string> legacy;
+  for (uint32_t r = 0; r < 4; ++r) {
+    const std::string d = root_ + "/legacy-" + std::to_string(r);
+    fs::copy(a[r], d, fs::copy_options::recursive);
+    nlohmann::json j = nlohmann::json::parse(ReadFile(d + "/manifest.json"));
+    j.erase("job");
+    j.erase(kManifestChecksumKey);
+    std::ofstream(d + "/manifest.json", std::ios::trunc) << j.dump(1);
+    legacy.push_back(d);
+  }
+  ExpectError(Reshard({legacy[0], legacy[1], legacy[2], a[3]}, two, dest), {"not of one job", a[3], "records no job"});
+  ExpectNothingWritten(dest);
+  ASSERT_TRUE(Reshard(legacy, two, dest).ok());
 }
 
 // Adam's bias correction is per tensor: pieces of one tensor whose step

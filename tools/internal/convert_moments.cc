@@ -309,23 +309,18 @@ Result<std::unique_ptr<vfs::Store>> CreateStoreWithMoments(const std::string& di
                                                            vfs::StoreOptions opts, MomentDType moments,
                                                            const std::function<void(uint64_t, uint64_t)>& progress) {
   const std::string manifest_path = dir + "/manifest.json";
-  std::ifstream in(manifest_path, std::ios::binary);
-  if (!in) return NotFound(fmt::format("{}: cannot open ({})", manifest_path, std::strerror(errno)));
-  std::stringstream text;
-  text << in.rdbuf();
-  OPTSTATE_ASSIGN_OR_RETURN(vfs::Manifest m, vfs::ParseManifest(text.str(), manifest_path));
+  OPTSTATE_ASSIGN_OR_RETURN(vfs::Manifest m, vfs::ReadManifestFile(manifest_path));
   opts.chunk_size_bytes = m.chunk_size_bytes;
   if (opts.name.empty()) opts.name = m.store_name;
-  OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<vfs::Store> store, vfs::Store::Create(store_path, opts));
-  auto g = Convert(store.get(), m, dir, moments, progress);
-  if (!g.ok()) {
-    (void)store->AbortPending();
-    store.reset();
-    std::error_code ec;
-    std::filesystem::remove_all(store_path, ec);
-    return g.status().WithContext(fmt::format("restoring {} into {} with {} moments", dir, store_path,
-                                              MomentDTypeName(moments)));
-  }
+  if (opts.job.empty()) opts.job = m.job;
+  auto store = vfs::CreateStoreFilled(store_path, opts, [&](vfs::Store* s) -> Status {
+    auto g = Convert(s, m, dir, moments, progress);
+    if (!g.ok()) {
+      return g.status().WithContext(fmt::format("restoring {} into {} with {} moments", dir, store_path,
+                                                MomentDTypeName(moments)));
+    }
+    return Status();
+  });
   return store;
 }
 

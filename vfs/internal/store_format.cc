@@ -1,7 +1,9 @@
 #include "vfs/internal/store_format.h"
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
+#include <random>
 
 #include <nlohmann/json.hpp>
 
@@ -138,10 +140,22 @@ std::optional<std::string> RelativeToStore(std::string_view dir, std::string_vie
   return std::string(rest);
 }
 
+std::string NewUuid() {
+  std::random_device rd;
+  char u[40];
+  const uint64_t a = (uint64_t{rd()} << 32) | rd(), b = (uint64_t{rd()} << 32) | rd();
+  snprintf(u, sizeof(u), "%08x-%04x-4%03x-%04x-%012llx", static_cast<unsigned>(a >> 32),
+           static_cast<unsigned>((a >> 16) & 0xffff), static_cast<unsigned>(a & 0xfff),
+           static_cast<unsigned>(0x8000 | ((b >> 48) & 0x3fff)),
+           static_cast<unsigned long long>(b & 0xffffffffffffull));
+  return u;
+}
+
 std::string EncodeIdentity(const StoreIdentity& id, std::string_view store_path) {
   json j;
   j["format_version"] = id.format_version;
   j["uuid"] = id.uuid;
+  if (!id.job.empty()) j["job"] = id.job;
   j["name"] = id.name;
   j["chunk_size_bytes"] = id.chunk_size_bytes;
   std::vector<std::string> dirs;
@@ -163,6 +177,7 @@ Result<StoreIdentity> DecodeIdentity(std::string_view text, std::string_view whe
     }
     id.uuid = j.at("uuid").get<std::string>();
     id.name = j.at("name").get<std::string>();
+    if (auto job = j.find("job"); job != j.end()) id.job = job->get<std::string>();  // absent: unknown
     id.chunk_size_bytes = j.at("chunk_size_bytes").get<uint64_t>();
     id.data_dirs = j.at("data_dirs").get<std::vector<std::string>>();
     id.create_time_unix_ms = j.at("create_time_unix_ms").get<int64_t>();

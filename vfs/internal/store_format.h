@@ -64,6 +64,8 @@ Result<Extent> DecodeExtent(std::string_view v);
 // others stay absolute. DecodeIdentity returns the dirs as recorded (relative
 // or absolute; a relative one may not leave the store directory).
 std::string EncodeIdentity(const StoreIdentity& id, std::string_view store_path);
+// A random (version 4) uuid: a store's uuid, and a job id where none is given.
+std::string NewUuid();
 Result<StoreIdentity> DecodeIdentity(std::string_view json, std::string_view where);
 // `dir` relative to `store_path` when it lies at or under it ("" for the store
 // directory itself), else nullopt. Both absolute and normalised.

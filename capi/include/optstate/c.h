@@ -29,7 +29,10 @@
  * driven by one thread at a time (it is not thread-safe).
  *
  * Versioning: OPTSTATE_C_ABI_VERSION grows when a signature or struct here
- * changes; optstate_abi_version() is the library's, to check at load time. */
+ * changes; optstate_abi_version() is the library's, to check at load time.
+ * A change in behaviour or options gets a new function (e.g.
+ * optstate_checkpoint_restore2 next to optstate_checkpoint_restore, whose
+ * signature stays), so callers of the old one keep building and linking. */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -111,6 +114,11 @@ OPTSTATE_EXPORT void optstate_store_options_set_retained_generations(optstate_st
                                                                      uint32_t n);
 /* O_DIRECT data files (nonzero, default) or buffered. */
 OPTSTATE_EXPORT void optstate_store_options_set_direct_io(optstate_store_options_t* opts, int on);
+/* Create only. The training job (lineage) the store belongs to: every rank of
+ * one job passes the same id (written to each checkpoint's manifest as "job";
+ * a reshard refuses checkpoints of different jobs). At most 256 bytes, no
+ * control characters. Default (NULL or ""): a new uuid, a job of its own. */
+OPTSTATE_EXPORT void optstate_store_options_set_job(optstate_store_options_t* opts, const char* job);
 
 /* Creates a store at path (must not exist, or be an empty directory that becomes the store; its parent
    must exist). opts may be NULL. */
@@ -126,6 +134,8 @@ OPTSTATE_EXPORT void optstate_store_close(optstate_store_t* store);
 OPTSTATE_EXPORT const char* optstate_store_path(const optstate_store_t* store);
 OPTSTATE_EXPORT const char* optstate_store_name(const optstate_store_t* store);
 OPTSTATE_EXPORT const char* optstate_store_uuid(const optstate_store_t* store);
+/* The store's job id; "" for a store created before stores recorded one. */
+OPTSTATE_EXPORT const char* optstate_store_job(const optstate_store_t* store);
 OPTSTATE_EXPORT uint64_t optstate_store_chunk_size_bytes(const optstate_store_t* store);
 
 /* The newest committed generation and the trainer step recorded with it. */
@@ -152,7 +162,8 @@ OPTSTATE_EXPORT int optstate_store_tensor_numel(const optstate_store_t* store, c
 OPTSTATE_EXPORT int optstate_store_tensor_names(const optstate_store_t* store, char** names, size_t* size_bytes,
                                                 char** errptr);
 
-/* Snapshots of the newest committed generation (an O(1) metadata write). */
+/* Snapshots of the newest committed generation (an O(1) metadata write;
+ * create first waits for the in-flight commit of an optimizer's last step). */
 OPTSTATE_EXPORT int optstate_store_snapshot_create(optstate_store_t* store, const char* name,
                                                    uint64_t* generation, char** errptr);
 OPTSTATE_EXPORT int optstate_store_snapshot_release(optstate_store_t* store, const char* name, char** errptr);
@@ -184,7 +195,10 @@ OPTSTATE_EXPORT int optstate_store_stats(const optstate_store_t* store, optstate
  * state.safetensors, tensors/<tensor>/<field>), which optstate-restore and
  * optstate_checkpoint_restore take. snapshot: the snapshot to write, or NULL
  * for the newest committed generation (held by a reader lease while it is
- * written, so GC keeps it). Every chunk is verified as it is read; the bytes
+ * written, so GC keeps it; the in-flight commit of the last step of each
+ * optimizer open on the store is waited for first, so it is that step's
+ * state: call it from the thread that drives the optimizer, or while none
+ * steps). Every chunk is verified as it is read; the bytes
  * never pass through the caller. The directory is written as
  * "<dest>.partial-XXXXXXXX", fsynced and renamed to dest when complete, so
  * dest is complete or absent (a crash may leave the .partial directory).
@@ -194,13 +208,26 @@ OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const ch
                                                uint64_t* generation, char** errptr);
 /* Imports the checkpoint directory src into the store as one new committed
  * generation, with the checkpoint's step, step counts and hyperparameters.
- * Verifies every chunk of every file against the manifest's XXH3 and the
- * checkpoint's layout against the store's tensors (a difference is
- * INVALID_ARGUMENT listing each tensor and field that differs; damage is
- * CORRUPTION naming the file and chunk); on any error nothing is committed.
- * REQUIRES: no memory manager or optimizer is open on the store (destroy
- * them first; a new optimizer resumes from the restored generation).
- * *generation (may be NULL) = the new generation. */
+ * Verifies manifest.json's own checksum, every chunk of every file against
+ * the manifest's XXH3 and the checkpoint's layout against the store's tensors
+ * (a difference is INVALID_ARGUMENT listing each tensor and field that
+ * differs; damage is CORRUPTION naming the file and chunk); on any error
+ * nothing is committed. A checkpoint of another store and job (its manifest's
+ * store uuid and job differ from the store's) into a store whose newest generation has taken steps is
+ * FAILED_PRECONDITION unless flags has OPTSTATE_RESTORE_FORCE. When the store's
+ * newest generation has taken steps it is kept as a snapshot
+ * "pre-restore-<generation>-<unix ms>" before the import (released again if
+ * the restore fails), so no state is dropped.
+ * REQUIRES: no memory manager or optimizer is open on the store
+ * (FAILED_PRECONDITION naming the store otherwise; destroy them first: a new
+ * optimizer resumes from the restored generation).
+ * *generation (may be NULL) = the new generation; *kept_snapshot (may be
+ * NULL) = the name of the snapshot kept, malloc'ed (optstate_free), or NULL
+ * when none was made. */
+#define OPTSTATE_RESTORE_FORCE 1u
+OPTSTATE_EXPORT int optstate_checkpoint_restore2(optstate_store_t* store, const char* src, uint32_t flags,
+                                                 uint64_t* generation, char** kept_snapshot, char** errptr);
+/* optstate_checkpoint_restore2 with no flags and no kept_snapshot. */
 OPTSTATE_EXPORT int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation,
                                                 char** errptr);
 
