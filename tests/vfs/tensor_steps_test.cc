@@ -172,7 +172,7 @@ TEST_F(TensorStepsTest, ManifestWithoutCountsRestoresTheGroupsAndACountAboveTheS
     fs::copy(ckpt, dir, fs::copy_options::recursive);
     auto j = nlohmann::json::parse(ReadFile(dir + "/manifest.json"));
     edit(j);
-    std::ofstream(dir + "/manifest.json", std::ios::trunc) << j.dump(1) << "\n";
+    std::ofstream(dir + "/manifest.json", std::ios::trunc) << SealManifest(j.dump(1) + "\n");
   };
   // A manifest written before per-tensor counts: each tensor takes its group's.
   const std::string old = root_ + "/old";
