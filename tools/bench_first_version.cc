@@ -61,12 +61,12 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
     const std::string& dir, const std::vector<std::pair<std::string, uint64_t>>& params,
     memmgr::MemoryManager* mm, const float* h_w0, const FirstVersionOptions& options) {
   if (options.bucket_numel_limit == 0 || options.staging_bytes < 4 || options.staging_bytes % 4 != 0) {
-    return InvalidArgument(fmt::format("first version: bucket limit {} elements, staging {} bytes: both must be > 0, "
+    return InvalidArgument(fmt::format("miles' streaming: bucket limit {} elements, staging {} bytes: both must be > 0, "
                                        "staging a multiple of 4",
                                        options.bucket_numel_limit, options.staging_bytes));
   }
   if (options.moment_type != MomentDType::kF32 && options.moment_type != MomentDType::kBF16) {
-    return InvalidArgument("first version: moments must be f32 or bf16");
+    return InvalidArgument("miles' streaming: moments must be f32 or bf16");
   }
   auto fv = std::unique_ptr<FirstVersionBaseline>(new FirstVersionBaseline);
   fv->mm_ = mm;
@@ -174,7 +174,7 @@ Status FirstVersionBaseline::Transfer(const Bucket& b, int segment, size_t k, bo
 // params, flush; nothing synced.
 Status FirstVersionBaseline::Step(const std::vector<const void*>& d_grads, const std::vector<void*>& d_params) {
   if (d_grads.size() != params_.size() || (!d_params.empty() && d_params.size() != params_.size())) {
-    return InvalidArgument(fmt::format("first version: {} gradients and {} param copies for {} params",
+    return InvalidArgument(fmt::format("miles' streaming: {} gradients and {} param copies for {} params",
                                        d_grads.size(), d_params.size(), params_.size()));
   }
   kernels::AdamParams ap = options_.adam;
@@ -214,9 +214,9 @@ Status FirstVersionBaseline::Step(const std::vector<const void*>& d_grads, const
       const uint64_t n = params_[p].second;
       if (options_.cuda) {
         int e = kernels::AdamStepCuda(t, n, ap, nullptr);
-        if (e != 0) return Internal(fmt::format("first version: AdamStepCuda on {}: cudaError {}", params_[p].first, e));
+        if (e != 0) return Internal(fmt::format("miles' streaming: AdamStepCuda on {}: cudaError {}", params_[p].first, e));
       } else if (!kernels::AdamStepCpu(t, n, ap, options_.cpu_threads)) {
-        return Internal(fmt::format("first version: AdamStepCpu refused {}", params_[p].first));
+        return Internal(fmt::format("miles' streaming: AdamStepCpu refused {}", params_[p].first));
       }
     }
     // _Bucket.flush: every segment, param by param (CopyToHost waits for

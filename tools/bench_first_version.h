@@ -19,12 +19,12 @@
 //  - no fsync: the page cache holds the state when RAM allows, and the kernel
 //    writes it back in the background.
 // With bf16 moments (moment_dtype "bf16") the moment segments hold bf16; the
-// first version casts them to and from its fp32 moments on the device around
+// miles' streaming casts them to and from its fp32 moments on the device around
 // each transfer, the baseline runs our kernel on the bf16 moments directly
 // (credited with that fusion too): the same bytes on disk and over PCIe.
 // The Adam kernel is ours (kernels::AdamStepCuda / AdamStepCpu), so the
 // baseline and StreamedAdam compute the same numbers; it also writes the bf16
-// parameter copy in its pass, where the first version runs a separate cast
+// parameter copy in its pass, where miles' NVMe streaming runs a separate cast
 // copy (a pass over 6 bytes per parameter on the device: the baseline is
 // credited with that fusion).
 //

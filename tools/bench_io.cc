@@ -1,7 +1,7 @@
 // optstate-bench io: the io_uring engine vs fio vs the synchronous baseline.
 //
 // Per chunk size and round, in this order: fio, our io_uring engine, the sync
-// engine (the first version's method). Each writes `size` bytes of chunk-sized
+// engine (miles' NVMe streaming). Each writes `size` bytes of chunk-sized
 // blocks into a fresh preallocated file at queue depth QD, then reads them
 // back, then runs a 50/50 read/write mix over the same file. Writes and the
 // mix include the fdatasync that makes them durable (fio: end_fsync=1, which

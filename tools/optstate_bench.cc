@@ -10,7 +10,7 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"optstate-bench: optstate's performance harness (tables of ratios vs fio and "
-               "vs the first version's method)"};
+               "vs miles' NVMe streaming)"};
   app.name("optstate-bench");
   app.require_subcommand(1, 1);
   int exit_code = 0;

@@ -7,7 +7,7 @@
 //    env/io_posix.h UpdateResult, liburing examples/io_uring-cp.c); every other
 //    failure completes the request with a Status naming file, offset and errno.
 //  - SyncIoEngine: pread/pwrite through one pinned staging buffer, one request
-//    at a time, in the caller's thread. This is the first version's method and
+//    at a time, in the caller's thread. This is how miles' NVMe streaming reads and writes, and
 //    the benchmark baseline; it is also the fallback where io_uring is absent.
 //
 // Ownership: the engine does not own files or buffers. The caller keeps each

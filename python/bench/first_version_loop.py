@@ -1,4 +1,4 @@
-"""What a user feels: the optimizer time a training loop exposes, ours vs the first version.
+"""What a user feels: the optimizer time a training loop exposes, ours vs miles' NVMe streaming.
 
 A training-loop simulation on one GPU. Each iteration runs "forward + backward"
 as real GPU work lasting T (bf16 matmuls, calibrated), then the optimizer step,
@@ -13,7 +13,7 @@ Methods, interleaved iteration by iteration:
                   store under --dir, --budget-mib device window,
                   --host-cache-mib host tier); opt.prefetch() is called before
                   the forward when the optimizer has it and --prefetch is given.
-  fv-warm         the first version's step as it runs (radixark/miles
+  fv-warm         miles' streaming's step as it runs (radixark/miles
                   miles_plugins/optimizers/nvme_stream.py,
                   NVMeOptimizerStateStore.step), re-implemented below: its
                   state files stay in the page cache.
@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-# The first version's constants (nvme_stream.py: BUCKET_NUMEL_LIMIT, IO_ALIGN,
+# Miles' streaming's constants (nvme_stream.py: BUCKET_NUMEL_LIMIT, IO_ALIGN,
 # and miles' --offload-train-disk-chunk-mb default of 256).
 BUCKET_NUMEL_LIMIT = 200_000_000
 IO_ALIGN = 4096
@@ -87,7 +87,7 @@ def _rw_full(write, fd, offset, view):
 
 
 class FirstVersion:
-    """The first version's optimizer step, as it runs, over fp32 mains of the
+    """Miles' streaming's optimizer step, as it runs, over fp32 mains of the
     given bf16 model params (a re-implementation of nvme_stream.py's method;
     the module itself needs Megatron):
       - plan_buckets: params in order, a bucket closes at BUCKET_NUMEL_LIMIT;
@@ -187,7 +187,7 @@ class FirstVersion:
             b["moments_ready"] = True
 
     def drop_page_cache(self):
-        """The untimed eviction before a cold step (the first version's own
+        """The untimed eviction before a cold step (miles' streaming's own
         _drop_file_cache(sync=True)); returns the fdatasync seconds."""
         t = 0.0
         for b in self.files:
@@ -339,7 +339,7 @@ def main():
             opts["fv"].step(grads32["fv"])
 
     # Untimed first steps: ours commits its registrations and writes the
-    # moments; the first version's first step reads only its mains.
+    # moments; miles' streaming's first step reads only its mains.
     for key in opts:
         opt_step("ours" if key == "ours" else "fv-warm")
     torch.cuda.synchronize()

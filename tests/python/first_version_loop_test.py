@@ -1,7 +1,7 @@
-"""python/bench/first_version_loop.py's FirstVersion (the first version's step
+"""python/bench/first_version_loop.py's FirstVersion (miles' streaming's step
 re-implemented for the training-loop benchmark) does the real work: on the CPU,
 after two steps its bucket files hold what torch.optim.AdamW computes, at the
-first version's layout, and the bf16 params carry the updated mains."""
+miles' streaming's layout, and the bf16 params carry the updated mains."""
 import importlib.util
 import os
 import tempfile

@@ -170,13 +170,13 @@ TEST(BenchStepTest, ContinuingWithOtherSizesIsRefusedAndChangesNothing) {
   EXPECT_EQ(gen_after, gen_before + 1);
 }
 
-// The first version's method as the bench runs it does the real work: after
+// Miles' NVMe streaming as the bench runs it does the real work: after
 // two steps (the first reads only the mains, the second all three segments)
 // its bucket files hold, at the offsets of its layout ([main | exp_avg |
 // exp_avg_sq] per bucket, every parameter's region 4096-aligned, buckets
 // closed at the element limit), exactly what StreamedAdam's store holds for
 // the same weights and gradients, and both wrote the same bf16 parameters.
-// With bf16 moments (the first version's moment_dtype "bf16") the moment
+// With bf16 moments (miles' streaming's moment_dtype "bf16") the moment
 // segments hold bf16, and so do the store's.
 class FirstVersionBaselineTest : public ::testing::TestWithParam<MomentDType> {};
 
@@ -347,8 +347,8 @@ TEST(BenchStepTest, CompareModeReportsEachFirstVersionBaseline) {
     EXPECT_GT(j["ours_over"][k].get<double>(), 0.0) << k;
   }
   EXPECT_TRUE(j["seconds"]["sync_direct_engine"].empty());
-  EXPECT_EQ(j["names"]["first_version_warm"], "first version, buffered, page cache warm");
-  EXPECT_EQ(j["names"]["first_version_cold"], "first version, buffered, page cache cold");
+  EXPECT_EQ(j["names"]["first_version_warm"], "miles' streaming, buffered, page cache warm");
+  EXPECT_EQ(j["names"]["first_version_cold"], "miles' streaming, buffered, page cache cold");
   EXPECT_EQ(j["first_version"]["buckets"].get<uint64_t>(), 1u);
   EXPECT_EQ(j["first_version"]["staging_bytes"].get<uint64_t>(), 256ull << 20);
   EXPECT_EQ(j["first_version"]["warm_resident_fraction"][0].get<double>(), 1.0);

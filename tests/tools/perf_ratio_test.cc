@@ -48,7 +48,7 @@ TEST(PerfRatioTest, IoEngineStaysAheadOfSynchronousIo) {
 // 1.25x (rounds 1.13-1.29x). The bound catches a step that lost its
 // read-ahead and write overlap, not a few percent: with `--read-ahead 1
 // --write-qd 1` (one slice staged, one write at a time) it was 1.93x. The
-// first version's method is not checked here: on this disk it is only
+// miles' streaming's method is not checked here: on this disk it is only
 // 1.06-1.44x slower than ours per round, so no bound on it separates a broken
 // pipeline from a slow hour (one at 1.15x failed that CI run at 1.13x).
 TEST(PerfRatioTest, StepStaysNearTheIoFloor) {

@@ -1,5 +1,5 @@
 // optstate-bench step's comparison mode: a StreamedAdam step vs the I/O floor
-// (fio reading and writing the same bytes at once) vs the first version's
+// (fio reading and writing the same bytes at once) vs miles' streaming's
 // method as it runs, and the other baselines --first-version,
 // --bf16-moments, --q8-moments and --prefetch ask for, in interleaved rounds.
 #include <algorithm>

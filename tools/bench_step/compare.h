@@ -1,6 +1,6 @@
 // optstate-bench step's comparison mode, the state its phases share.
 // RunCompare (compare.cc) sets up ours and runs the interleaved rounds; each
-// round times the I/O floor (floors.cc), ours, the first version's method
+// round times the I/O floor (floors.cc), ours, miles' NVMe streaming
 // (first_version.cc), the stores with narrower moments (moment_stores.cc), the
 // synchronous O_DIRECT engine (sync_direct_engine.h) and the training-loop
 // simulation (loop.cc); report.cc prints the table or the JSON.
@@ -68,7 +68,7 @@ struct MomentStore {
 struct CompareResults {
   std::vector<double> t_floor, t_ours, t_fv, t_warm, t_cold;
   std::vector<double> t_ours_returned;  // until Step returned (its commit may still run)
-  // The share of the first version's files in the page cache before each
+  // The share of miles' streaming's files in the page cache before each
   // warm step and after each eviction; the eviction's fdatasync time.
   std::vector<double> warm_resident, cold_resident, cold_writeback;
   std::vector<std::pair<double, double>> ours_unix;  // each step's start and end, Unix seconds (JSON)
@@ -105,7 +105,7 @@ Status SetUpMomentStores(const Comparison& cmp, std::vector<MomentStore>* extras
 // One timed step of x, until its commit is durable, in round r.
 Status StepMomentStore(const Comparison& cmp, MomentStore& x, uint32_t r, bool before_ours);
 
-// first_version.cc: the first version's method on its own files, after its
+// first_version.cc: miles' NVMe streaming on its own files, after its
 // untimed first step; its timed step with its state in the page cache (warm)
 // and evicted first (cold).
 Result<std::unique_ptr<FirstVersionBaseline>> SetUpFirstVersion(const Comparison& cmp);

@@ -1,4 +1,4 @@
-// optstate-bench step's baseline: the first version's method as it runs
+// optstate-bench step's baseline: miles' NVMe streaming as it runs
 // (FirstVersionBaseline, tools/bench_first_version.h: buffered I/O, no fsync)
 // with its state in the page cache (warm) and evicted before each step (cold).
 #include <memory>
@@ -31,7 +31,7 @@ Result<std::unique_ptr<FirstVersionBaseline>> SetUpFirstVersion(const Comparison
   // so the page cache then holds the whole state).
   std::vector<const void*> g_ptrs(cmp.grad_ptrs.begin(), cmp.grad_ptrs.end());
   if (Status s = fvb->Step(g_ptrs, cmp.model_param_ptrs); !s.ok()) {
-    return s.WithContext("first version, warm-up step");
+    return s.WithContext("miles' streaming, warm-up step");
   }
   return fvb;
 }
@@ -41,13 +41,13 @@ Status StepFirstVersionWarm(const Comparison& cmp, FirstVersionBaseline& fvb, Co
   if (!res.ok()) return res.status();
   results->warm_resident.push_back(static_cast<double>(*res) / static_cast<double>(fvb.file_bytes()));
   if (results->warm_resident.back() < 0.9) {
-    Note(fmt::format("first version, warm: only {:.0f}% of its {} of files is in the page cache (RAM too small "
+    Note(fmt::format("miles' streaming, warm: only {:.0f}% of its {} of files is in the page cache (RAM too small "
                      "for the state?)",
                      100 * results->warm_resident.back(), FormatBytes(fvb.file_bytes())));
   }
   const double t0 = NowSeconds();
   if (Status s = fvb.Step(cmp.grad_cptrs, cmp.model_param_ptrs); !s.ok()) {
-    return s.WithContext("first version, warm");
+    return s.WithContext("miles' streaming, warm");
   }
   results->t_warm.push_back(NowSeconds() - t0);
   return Status::Ok();
@@ -55,19 +55,19 @@ Status StepFirstVersionWarm(const Comparison& cmp, FirstVersionBaseline& fvb, Co
 
 Status StepFirstVersionCold(const Comparison& cmp, FirstVersionBaseline& fvb, CompareResults* results) {
   double sync_s = 0;
-  if (Status s = fvb.DropPageCache(&sync_s); !s.ok()) return s.WithContext("first version, cold");
+  if (Status s = fvb.DropPageCache(&sync_s); !s.ok()) return s.WithContext("miles' streaming, cold");
   results->cold_writeback.push_back(sync_s);
   auto res = fvb.ResidentBytes();
   if (!res.ok()) return res.status();
   results->cold_resident.push_back(static_cast<double>(*res) / static_cast<double>(fvb.file_bytes()));
   if (results->cold_resident.back() > 0.01) {
-    Note(fmt::format("first version, cold: {:.1f}% of its files stayed in the page cache after "
+    Note(fmt::format("miles' streaming, cold: {:.1f}% of its files stayed in the page cache after "
                      "fdatasync + POSIX_FADV_DONTNEED (a tmpfs --dir?); the cold step is partly warm",
                      100 * results->cold_resident.back()));
   }
   const double t0 = NowSeconds();
   if (Status s = fvb.Step(cmp.grad_cptrs, cmp.model_param_ptrs); !s.ok()) {
-    return s.WithContext("first version, cold");
+    return s.WithContext("miles' streaming, cold");
   }
   results->t_cold.push_back(NowSeconds() - t0);
   return Status::Ok();

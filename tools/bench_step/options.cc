@@ -54,7 +54,7 @@ memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& 
 void AddStepCommand(CLI::App& app, int* exit_code) {
   auto o = std::make_shared<step::StepOptions>();
   CLI::App* sub = app.add_subcommand(
-      "step", "StreamedAdam step vs the I/O floor (fio) vs the first version's method; or, with "
+      "step", "StreamedAdam step vs the I/O floor (fio) vs miles' NVMe streaming; or, with "
               "--store, a deterministic synthetic run that leaves its store behind");
   sub->add_option("--store", o->store, "synthetic mode: store directory (created if missing)");
   sub->add_option("--params", o->params, "synthetic mode: total parameters N");
@@ -77,11 +77,11 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_flag("--no-fio", o->no_fio, "skip the fio floor");
   sub->add_flag("--no-first-version", o->no_first_version, "skip every baseline but the floor (--first-version none)");
   sub->add_option("--first-version", o->first_version_text,
-                  "baselines, comma-separated: warm (the first version, state in the page cache), cold (its "
+                  "baselines, comma-separated: warm (miles' NVMe streaming, state in the page cache), cold (its "
                   "files evicted before each step), direct (a synchronous O_DIRECT engine), none "
                   "(default warm,cold)");
   sub->add_option("--first-version-moments", o->first_version_moments,
-                  "comparison mode: the first version's moment dtype (its moment_dtype), f32 or bf16 (default "
+                  "comparison mode: miles' streaming's moment dtype (its moment_dtype), f32 or bf16 (default "
                   "f32); with --bf16-moments the bf16 step is also compared with it")
       ->check(CLI::IsMember({"f32", "bf16"}));
   sub->add_option("--chunk-size", o->chunk_text, "chunk size, multiple of 2M (default 8M)");
@@ -101,7 +101,7 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "commit (default 512M)");
   sub->add_flag("--huge-pages", o->huge_pages,
                "pinned staging in 2 MiB huge pages (MemoryManagerOptions::staging_pages kHuge; also the "
-               "first version's staging buffer); default: as the disk under --dir suggests (kAuto)");
+               "miles' streaming's staging buffer); default: as the disk under --dir suggests (kAuto)");
   sub->add_flag("--base-pages", o->base_pages, "pinned staging in base pages (staging_pages kBase)");
   sub->add_flag("--no-batch-submit", o->no_batch_submit,
                 "StreamedAdam's chunk I/O to the kernel one request at a time "

@@ -68,8 +68,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
                     {"ours_q8_moments", t_q8}};
   out["names"] = {{"ours", "StreamedAdam step (ours), O_DIRECT, until its commit is durable"},
                   {"fio_floor", "I/O floor (fio read+write)"},
-                  {"first_version_warm", "first version, buffered, page cache warm"},
-                  {"first_version_cold", "first version, buffered, page cache cold"},
+                  {"first_version_warm", "miles' streaming, buffered, page cache warm"},
+                  {"first_version_cold", "miles' streaming, buffered, page cache cold"},
                   {"sync_direct_engine", "synchronous O_DIRECT engine"},
                   {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"},
                   {"ours_q8_moments", fmt::format("StreamedAdam step (ours) on a store with q8 moments ({:.2f} B/param)",
@@ -211,8 +211,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   row("StreamedAdam step (ours)", res.t_ours, 1.0);
   row("I/O floor (fio read+write)", res.t_floor, ratio(res.t_ours, res.t_floor));
   const std::string fv_moments = o.first_version_moments == "bf16" ? " (bf16 moments)" : "";
-  row("first version, buffered, page cache warm" + fv_moments, res.t_warm, ratio(res.t_ours, res.t_warm));
-  row("first version, buffered, page cache cold" + fv_moments, res.t_cold, ratio(res.t_ours, res.t_cold));
+  row("miles' streaming, buffered, page cache warm" + fv_moments, res.t_warm, ratio(res.t_ours, res.t_warm));
+  row("miles' streaming, buffered, page cache cold" + fv_moments, res.t_cold, ratio(res.t_ours, res.t_cold));
   row("synchronous O_DIRECT engine", res.t_fv, ratio(res.t_ours, res.t_fv));
   row("StreamedAdam step (ours), bf16 moments", t_bf16, ratio(res.t_ours, t_bf16));
   row("StreamedAdam step (ours), q8 moments", t_q8, ratio(res.t_ours, t_q8));
@@ -227,7 +227,7 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
         ratio(t_bf16, res.t_ours), parity_orders ? " (even rounds)" : "", order_ratios(*bf16, false),
         parity_orders ? " (odd rounds)" : "", order_ratios(*bf16, true));
     if (o.first_version_moments == "bf16" && (!res.t_warm.empty() || !res.t_cold.empty())) {
-      std::cout << fmt::format("ours, bf16 moments / first version, bf16 moments (same rounds): warm {:.2f}x, cold "
+      std::cout << fmt::format("ours, bf16 moments / miles' streaming, bf16 moments (same rounds): warm {:.2f}x, cold "
                                "{:.2f}x\n",
                                ratio(t_bf16, res.t_warm), ratio(t_bf16, res.t_cold));
     }
@@ -244,14 +244,14 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
     for (double x : v) out += fmt::format("{}{:.3f}", out.empty() ? "" : " ", x);
     return out.empty() ? std::string("-") : out;
   };
-  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  first version warm [{}]  cold [{}]{}{}{}\n",
+  std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  miles' streaming warm [{}]  cold [{}]{}{}{}\n",
                            list(res.t_ours), list(res.t_floor), list(res.t_warm), list(res.t_cold),
                            res.t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(res.t_fv) + "]",
                            t_bf16.empty() ? "" : "  bf16 moments [" + list(t_bf16) + "]",
                            t_q8.empty() ? "" : "  q8 moments [" + list(t_q8) + "]");
   if (fvb) {
     std::cout << fmt::format(
-        "first version: {} bucket(s) of <= {} elements, {} of files, {} staging buffer; page cache held {} of "
+        "miles' streaming: {} bucket(s) of <= {} elements, {} of files, {} staging buffer; page cache held {} of "
         "them before the warm steps, {} after each eviction (fdatasync of the previous step's writes: [{}] s, "
         "untimed)\n",
         fvb->buckets().size(), fvb->options().bucket_numel_limit, FormatBytes(fvb->file_bytes()),
@@ -261,7 +261,7 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
         list(res.cold_writeback));
   }
   std::cout << fmt::format(
-      "\nours / floor: {:.2f}x (target <= 1.10)   ours / first version warm: {:.2f}x, cold: {:.2f}x\n"
+      "\nours / floor: {:.2f}x (target <= 1.10)   ours / miles' streaming warm: {:.2f}x, cold: {:.2f}x\n"
       "H2D {} D2H {} (1 GiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} "
       "(budget {})\n",
       ratio(res.t_ours, res.t_floor), ratio(res.t_ours, res.t_warm), ratio(res.t_ours, res.t_cold), FormatRate(res.h2d),

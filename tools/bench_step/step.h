@@ -1,5 +1,5 @@
 // optstate-bench step: a StreamedAdam step vs the I/O floor (fio reading and
-// writing the same bytes at once) vs the first version's method as it runs,
+// writing the same bytes at once) vs miles' NVMe streaming as it runs,
 // with its state in the page cache (warm) and evicted before each step (cold)
 // (compare.h); and, with --store, a deterministic synthetic mode that leaves
 // its store behind (synthetic.cc). This header holds what the files of
@@ -48,7 +48,7 @@ struct StepOptions {
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
   bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved
   bool compare_q8 = false;      // comparison mode: also a store with q8 moments, interleaved
-  std::string first_version_moments = "f32";  // the first version's moment_dtype: f32 or bf16
+  std::string first_version_moments = "f32";  // miles' streaming's moment_dtype: f32 or bf16
   int cpu_threads = 1;
   uint32_t hash_threads = memmgr::MemoryManagerOptions::kAutoHashThreads;
   std::string sync_every_text = "512M";

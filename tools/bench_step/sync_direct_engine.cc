@@ -23,7 +23,7 @@ Result<std::unique_ptr<SyncDirectEngine>> SyncDirectEngine::Create(
   auto fv = std::unique_ptr<SyncDirectEngine>(new SyncDirectEngine);
   fv->mm_ = mm;
   fv->chunk_ = chunk;
-  // One pinned buffer (the first version's pin_memory() staging tensor).
+  // One pinned buffer (miles' streaming's pin_memory() staging tensor).
   OPTSTATE_ASSIGN_OR_RETURN(fv->h_staging_, mm->AllocPinnedHost(chunk));
   for (int f = 0; f < 3; ++f) {
     OPTSTATE_ASSIGN_OR_RETURN(fv->d_[f], DeviceBuffer::Make(mm, chunk));

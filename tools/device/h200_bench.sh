@@ -12,11 +12,11 @@
 #   bash tools/device/h200_bench.sh CARRY OUT PART
 # PART:
 #   step     the io engine against fio; the 8 GiB step from disk against the I/O floor and the
-#            first version with its page cache cold
+#            miles' streaming with its page cache cold
 #   loop     the 8 GiB step with a 10 GiB RAM tier in a loop of 5 s forward/backward: exposed step
-#            against the first version with its page cache warm
+#            against miles' NVMe streaming with its page cache warm
 #   moments  bf16 and q8 moments against f32 (no RAM tier, interleaved rounds); bf16 moments against
-#            the first version with bf16 moments, without and with a RAM tier
+#            miles' NVMe streaming with bf16 moments, without and with a RAM tier
 #   quality  GPT-2 124M, 300 steps: final loss with f32, bf16 and q8 moments and torch's AdamW
 #            (python/bench/moment_quality.py; writes OUT/quality.json and OUT/quality.svg)
 #   reshard  optstate-reshard 4 -> 3 ranks, 4 GiB, column and row split, against fio
