@@ -344,14 +344,7 @@ class Reference {
     t.grad_type = d.grad_type;
     t.param = p.param ? p.param->get() : nullptr;
     t.param_type = d.param_type;
-    kernels::AdamParams ap;
-    ap.lr = g.lr;
-    ap.beta1 = g.beta1;
-    ap.beta2 = g.beta2;
-    ap.eps = g.eps;
-    ap.weight_decay = g.weight_decay;
-    ap.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
-    ap.step = step;
+    kernels::AdamParams ap = AdamParamsOf(g, step);
     ap.grad_scale = grad_scale;
     if (mm_->backend() == Backend::kCuda) {
       ASSERT_EQ(kernels::AdamStepCuda(t, d.numel, ap, nullptr), 0);

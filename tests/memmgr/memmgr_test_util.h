@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -132,6 +134,43 @@ inline std::vector<float> ReadField(MemoryManager* mm, const std::string& tensor
     EXPECT_TRUE(mm->CopyToHost(out.data() + first, pin->data(), n * 4).ok());
   }
   return out;
+}
+
+// The kernel's parameters for one step of a param of group g whose own step
+// count (after this step) is `step`.
+inline kernels::AdamParams AdamParamsOf(const ParamGroup& g, uint64_t step) {
+  kernels::AdamParams ap;
+  ap.lr = g.lr;
+  ap.beta1 = g.beta1;
+  ap.beta2 = g.beta2;
+  ap.eps = g.eps;
+  ap.weight_decay = g.weight_decay;
+  ap.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
+  ap.step = step;
+  return ap;
+}
+
+// All bytes of a field of the latest committed generation, chunk by chunk at
+// the field's own chunk stride.
+inline std::vector<uint8_t> FieldBytes(vfs::Store* store, const std::string& tensor, const std::string& field) {
+  auto view = MUST(store->OpenGeneration(vfs::kLatest));
+  const vfs::TensorInfo t = MUST(view->FindTensor(tensor));
+  const uint32_t f = static_cast<uint32_t>(t.FieldIndexOf(field));
+  const uint64_t stride = t.field_chunk_bytes(f, store->chunk_size_bytes());
+  std::vector<uint8_t> out(t.field_bytes(f));
+  std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(4096, store->chunk_size_bytes()), &std::free);
+  for (uint64_t c = 0; c < view->ChunkCount(t, f); ++c) {
+    EXPECT_TRUE(view->ReadChunk(vfs::ChunkRef{t.id, f, c}, buf.get()).ok());
+    std::memcpy(out.data() + c * stride, buf.get(), std::min(stride, out.size() - c * stride));
+  }
+  return out;
+}
+
+// got (FieldBytes) holds exactly want's bytes.
+template <typename T>
+void ExpectBytes(const std::vector<uint8_t>& got, const std::vector<T>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size() * sizeof(T)) << what;
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << what;
 }
 
 }  // namespace optstate::memmgr::testing

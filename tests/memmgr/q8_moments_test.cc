@@ -48,27 +48,6 @@ struct HostParam {
 };
 
 
-// All bytes of a field of the latest committed generation, chunk by chunk at
-// the field's own chunk stride.
-std::vector<uint8_t> FieldBytes(vfs::Store* store, const std::string& tensor, const std::string& field) {
-  auto view = MUST(store->OpenGeneration(vfs::kLatest));
-  const vfs::TensorInfo t = MUST(view->FindTensor(tensor));
-  const uint32_t f = static_cast<uint32_t>(t.FieldIndexOf(field));
-  const uint64_t stride = t.field_chunk_bytes(f, store->chunk_size_bytes());
-  std::vector<uint8_t> out(t.field_bytes(f));
-  std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(4096, store->chunk_size_bytes()), &std::free);
-  for (uint64_t c = 0; c < view->ChunkCount(t, f); ++c) {
-    EXPECT_TRUE(view->ReadChunk(vfs::ChunkRef{t.id, f, c}, buf.get()).ok());
-    std::memcpy(out.data() + c * stride, buf.get(), std::min(stride, out.size() - c * stride));
-  }
-  return out;
-}
-
-template <typename T>
-void ExpectBytes(const std::vector<uint8_t>& got, const std::vector<T>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size() * sizeof(T)) << what;
-  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << what;
-}
 
 void ExpectStoreEquals(vfs::Store* store, const std::vector<Def>& defs, const std::vector<HostParam>& ref) {
   for (size_t k = 0; k < defs.size(); ++k) {

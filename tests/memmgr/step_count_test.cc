@@ -74,18 +74,6 @@ std::vector<ParamGroup> Groups() {
   return {g0, g1};
 }
 
-kernels::AdamParams ParamsOf(const ParamGroup& g, uint64_t count) {
-  kernels::AdamParams ap;
-  ap.lr = g.lr;
-  ap.beta1 = g.beta1;
-  ap.beta2 = g.beta2;
-  ap.eps = g.eps;
-  ap.weight_decay = g.weight_decay;
-  ap.mode = g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
-  ap.step = count;
-  return ap;
-}
-
 uint64_t Blocks(uint64_t n) { return (n + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems; }
 uint32_t MomentBytes(MomentDType md) { return md == MomentDType::kF32 ? 4 : md == MomentDType::kBF16 ? 2 : 1; }
 
@@ -106,7 +94,7 @@ std::vector<float> Grad(size_t k, uint64_t step, uint64_t n) {
 }
 
 void RefStep(HostParam& h, const std::vector<float>& g, const ParamGroup& grp, MomentDType md) {
-  const kernels::AdamParams ap = ParamsOf(grp, ++h.count);
+  const kernels::AdamParams ap = AdamParamsOf(grp, ++h.count);
   const uint64_t n = h.main.size();
   if (md == MomentDType::kQ8) {
     kernels::AdamQ8Tensors t;
@@ -129,27 +117,6 @@ void RefStep(HostParam& h, const std::vector<float>& g, const ParamGroup& grp, M
     ASSERT_TRUE(kernels::AdamStepCpu(t, n, ap, 1));
   }
   kernels::testing::RefStep(h.fp64, std::vector<double>(g.begin(), g.end()), ap);
-}
-
-// All bytes of a field of the latest committed generation.
-std::vector<uint8_t> FieldBytes(vfs::Store* store, const std::string& tensor, const std::string& field) {
-  auto view = MUST(store->OpenGeneration(vfs::kLatest));
-  const vfs::TensorInfo t = MUST(view->FindTensor(tensor));
-  const uint32_t f = static_cast<uint32_t>(t.FieldIndexOf(field));
-  const uint64_t stride = t.field_chunk_bytes(f, store->chunk_size_bytes());
-  std::vector<uint8_t> out(t.field_bytes(f));
-  std::unique_ptr<void, decltype(&std::free)> buf(std::aligned_alloc(4096, store->chunk_size_bytes()), &std::free);
-  for (uint64_t c = 0; c < view->ChunkCount(t, f); ++c) {
-    EXPECT_TRUE(view->ReadChunk(vfs::ChunkRef{t.id, f, c}, buf.get()).ok());
-    std::memcpy(out.data() + c * stride, buf.get(), std::min(stride, out.size() - c * stride));
-  }
-  return out;
-}
-
-template <typename T>
-void ExpectBytes(const std::vector<uint8_t>& got, const std::vector<T>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size() * sizeof(T)) << what;
-  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << what << " differs from the per-param reference";
 }
 
 enum class Mode { kCommitInStep, kPipelined, kCachedEvery3 };
