@@ -274,7 +274,7 @@ class Ours(Method):
         return self.opt.stats()["peak_resident_bytes"]
 
     def disk_written(self):
-        return self.opt.stats()["nvme_write_bytes"]
+        return self.opt.store.stats()["lifetime_bytes_written"]
 
     def save(self, path):
         import optstate.checkpoint
