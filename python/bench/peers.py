@@ -397,8 +397,8 @@ def run(args, work):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--methods", default="torch-fused,bnb-8bit,torchao-cpu,ds-nvme,ds-cpu,miles,ours-f32,ours-bf16,ours-q8,"
-                                         "ours-f32-disk,ours-f32-prefetch,ours-f32-dur10")
+    ap.add_argument("--methods", default="torch-fused,bnb-8bit,torchao-cpu,ds-nvme,ds-cpu,miles,ours-f32,"
+                                         "ours-bf16,ours-q8,ours-f32-disk,ours-f32-prefetch,ours-f32-dur10")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--round", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=50257)
