@@ -456,7 +456,7 @@ def _bind(dist_opt, state):
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
         from megatron.core.dist_checkpointing.mapping import ShardedObject
         groups, scaler = _common(self)
-        record = None if is_loading else state.snapshot()
+        record = {} if is_loading else state.snapshot()  # loading: a template, its data is read
         return {"param_groups": groups, "grad_scaler": scaler,
                 "optstate": ShardedObject("optimizer.optstate.%s" % state.sub_name, record, (_world_size(),),
                                           (_rank(),), replica_id=0)}
