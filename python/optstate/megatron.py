@@ -51,7 +51,7 @@ from . import errors
 from .core import BF16, F16, F32, MemoryManager, Store, StreamedAdam
 
 __all__ = ["stream_optimizer_state", "streamed_states", "shard_layout", "save", "load", "reshard_layout",
-           "gather_reshard_layout", "shard_ranges", "FORMAT"]
+           "gather_reshard_layout", "shard_ranges", "sleep", "wake", "FORMAT"]
 
 FORMAT = "optstate-megatron"
 FORMAT_VERSION = 1
@@ -589,6 +589,18 @@ def _states(optimizer):
         raise errors.FailedPrecondition("optstate.megatron: the optimizer does not stream its state "
                                         "(call stream_optimizer_state first)")
     return states
+
+
+def sleep(optimizer):
+    """Commits and releases every device page of the streamed state (colocated RL: the GPU is
+    the rollout's until the next step); the store on NVMe is the state's home, nothing is copied."""
+    for st in _states(optimizer):
+        st.sleep()
+
+
+def wake(optimizer):
+    """Counterpart of sleep(): the next step maps the pages it needs again, so nothing is done."""
+    _states(optimizer)
 
 
 def rank_dir(dest, sub_name, rank):

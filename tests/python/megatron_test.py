@@ -445,6 +445,12 @@ class MegatronTest(TempDirTest):
         opts[0].restore_from_cpu()
         run_steps(ref_model, refs, 2, 4)
         run_steps(model, opts, 2, 4)
+        self.assertGreater(opts[0]._optstate.mm.stats()["resident_bytes"], 0)
+        om.sleep(opts[0])
+        self.assertEqual(opts[0]._optstate.mm.stats()["resident_bytes"], 0)
+        om.wake(opts[0])
+        run_steps(ref_model, refs, 4, 5)
+        run_steps(model, opts, 4, 5)
         self.check_close(refs, opts, ref_model, model)
 
     def test_save_load_directories_and_reshard_dp2_to_dp1(self):
