@@ -474,14 +474,34 @@ def _bind(dist_opt, state):
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
         state.restore(sd["optstate"])
 
+    def _copy_model_params_to_main_params(self, state_dict=None):
+        reload_model_params(self, state_dict)
+
+    def _copy_main_params_to_model_params(self):
+        state.adam.make_durable()
+        state._mains_to_params()
+
+    def refuse(what):
+        def method(self, *args, **kwargs):
+            raise errors.Unimplemented(
+                "optstate.megatron: %s of %s reads the optimizer state from GPU tensors, which live in store %s: "
+                "checkpoint with the torch_dist format (sharded_state_dict) or optstate.megatron.save/load"
+                % (what, state.sub_name, state.store._path))
+        method.__name__ = what
+        return method
+
     def offload_to_cpu(self):
         state.sleep()
 
     def restore_from_cpu(self):
         pass
 
-    for fn in (step_with_ready_grads, reload_model_params, state_dict, sharded_state_dict, load_state_dict,
-               offload_to_cpu, restore_from_cpu):
+    refusals = [refuse(n) for n in ("save_parameter_state", "load_parameter_state", "get_parameter_state_dp_zero",
+                                    "load_parameter_state_from_dp_zero", "get_parameter_state_dp_reshardable",
+                                    "load_parameter_state_from_dp_reshardable")]
+    for fn in [step_with_ready_grads, reload_model_params, state_dict, sharded_state_dict, load_state_dict,
+               offload_to_cpu, restore_from_cpu, _copy_model_params_to_main_params,
+               _copy_main_params_to_model_params] + refusals:
         setattr(dist_opt, fn.__name__, MethodType(fn, dist_opt))
     dist_opt._optstate = state
 

@@ -375,6 +375,13 @@ class MegatronTest(TempDirTest):
         with self.assertRaisesRegex(optstate.FailedPrecondition, "already taken a step"):
             om.stream_optimizer_state(opt, store=self.path("a"), **CHUNK)
         self.assertFalse(os.path.exists(self.path("a")))  # nothing was created by a refused call
+        # Megatron's legacy (torch format) parameter-state files would read the freed GPU mains.
+        opt = fresh()
+        om.stream_optimizer_state(opt, store=self.path("b"), **CHUNK)
+        with self.assertRaisesRegex(optstate.Unimplemented, "save_parameter_state.*torch_dist"):
+            opt.save_parameter_state(self.path("legacy.pt"))
+        with self.assertRaisesRegex(optstate.Unimplemented, "get_parameter_state_dp_zero"):
+            ChainedOptimizer([opt, fresh()]).save_parameter_state(self.path("legacy.pt"))
 
     def test_save_and_resume_same_topology_is_exact(self):
         # Run A: 3 steps, a checkpoint (Megatron's state_dict and sharded_state_dict), 3 more steps.
