@@ -271,7 +271,6 @@ class StreamedState:
         self._ids = (ctypes.c_uint32 * len(self.shards))(*[s.id for s in self.shards])
         self._numels = (ctypes.c_uint64 * len(self.shards))(*[s.numel for s in self.shards])
         self._pdt = (ctypes.c_int * len(self.shards))(*[_DTYPES[s.param.dtype] for s in self.shards])
-        self._params = (ctypes.c_void_p * len(self.shards))(*[s.param.data_ptr() for s in self.shards])
         self.resumed = all(existed)
 
     @staticmethod
@@ -328,6 +327,9 @@ class StreamedState:
         n = len(self.shards)
         grads = (ctypes.c_void_p * n)()
         gdt = (ctypes.c_int * n)()
+        # The param buffer's address is read at every step: a trainer that offloads and reallocates the
+        # model's buffers (colocated RL) moves it.
+        params = (ctypes.c_void_p * n)(*[s.param.data_ptr() for s in self.shards])
         for i, s in enumerate(self.shards):
             g = s.main.grad
             if g is None:
@@ -342,7 +344,7 @@ class StreamedState:
             gdt[i] = _DTYPES[g.dtype]
         self._send_hyper()
         self._sync()  # the optimizer's streams read the grads
-        self.adam.step2_raw(n, self._ids, grads, gdt, self._numels, self._params, self._pdt)
+        self.adam.step2_raw(n, self._ids, grads, gdt, self._numels, params, self._pdt)
 
     # -- mains from the model --
 
