@@ -44,6 +44,7 @@ import ctypes
 import os
 import shutil
 import uuid
+import weakref
 
 import torch
 
@@ -215,6 +216,12 @@ class StreamedState:
                  commit_lag_steps, cpu_threads):
         """Takes the opened `store` (closes it on failure)."""
         self.dist_opt, self.store, self.sub_name, self.shards = dist_opt, store, sub_name, shards
+        # The optimizer and this object reference each other (its bound methods), so they go to the
+        # cyclic collector together, which would finalize the store, manager and optimizer handles in
+        # any order. The finalizer holds them (it outlives the cycle) and closes the store, which closes
+        # the optimizer and the manager first.
+        self._live_handles = [store]
+        self._finalizer = weakref.finalize(self, _close_quietly, store, self._live_handles)
         try:
             self.device = shards[0].param.device
             self._cuda = self.device.type == "cuda"
@@ -249,6 +256,7 @@ class StreamedState:
         Megatron's fp32 mains; a store that holds them (resume) writes its mains into the param buffer."""
         self.mm = MemoryManager(self.store, **self._mm_kw)
         self.adam = StreamedAdam(self.store, self.mm, **self._adam_kw)
+        self._live_handles[:] = [self.store, self.mm, self.adam]
         self._sync()
         initials = [self._initial(s) for s in self.shards]  # kept alive through the registration
         got = self.adam.register_params(
@@ -301,7 +309,8 @@ class StreamedState:
         self._sync()
 
     def close(self):
-        self.store.close()
+        """Commits what is pending and closes the store (the optimizer and manager first)."""
+        self._finalizer()
 
     # -- the step --
 
@@ -508,6 +517,14 @@ def _bind(dist_opt, state):
     dist_opt._optstate = state
 
 
+def _close_quietly(store, handles):
+    try:
+        store.close()
+    except Exception:  # interpreter shutdown: nothing left to report to
+        pass
+    del handles[:]
+
+
 def _check_shards(index, shards):
     if not shards:
         raise errors.Internal("optstate.megatron: optimizer %d of the chain owns no shard" % index)
@@ -523,12 +540,14 @@ def _check_shards(index, shards):
 
 def _split_budget(budget, numels, chunk_sizes, moment_dtype, paths):
     """Each store's part of the device budget: by its share of the elements, at least the one slice in
-    flight a step needs (a chunk of each of main, exp_avg, exp_avg_sq, rounded to 2 MiB pages)."""
-    floors = [3 * c for c in chunk_sizes]
+    flight a step needs (chunks of main and of each moment field: 3 with f32 moments, 4 with bf16,
+    8 with q8, as StreamedAdam counts them)."""
+    per_slice = {"f32": 3, "bf16": 4, "q8": 8}.get(str(moment_dtype), 8)
+    floors = [per_slice * c for c in chunk_sizes]
     if sum(floors) > budget:
         raise errors.ResourceExhausted(
-            "optstate.megatron: budget %d bytes is below what %d stores need at least (%s bytes: one chunk of "
-            "main and of each moment in flight per store, chunks of %s bytes; stores %s)"
+            "optstate.megatron: budget %d bytes is below what %d stores need at least (%s bytes: the chunks of "
+            "main and of each moment field of one slice in flight per store, chunks of %s bytes; stores %s)"
             % (budget, len(paths), " + ".join(str(f) for f in floors), chunk_sizes, paths))
     if len(numels) == 1:
         return [budget]

@@ -313,7 +313,11 @@ class MegatronTest(TempDirTest):
         for g in expert.optimizer.param_groups:
             g["is_expert_parallel"] = True
         chain = ChainedOptimizer([dense, expert])
+        # Two stores need one slice in flight each (3 chunks of 2 MiB with f32 moments).
+        with self.assertRaisesRegex(optstate.ResourceExhausted, "budget 8388608 bytes.*2 stores"):
+            om.stream_optimizer_state(chain, store=self.path("rank{rank}"), budget=8 << 20, **CHUNK)
         states = om.stream_optimizer_state(chain, store=self.path("rank{rank}"), budget=32 << 20, **CHUNK)
+        self.assertLessEqual(sum(st.mm.stats()["budget_bytes"] for st in states), 32 << 20)
         self.assertEqual([os.path.relpath(st.store.path, self.dir) for st in states],
                          ["rank0/0.dense", "rank0/1.expert"])
         self.assertEqual(len({st.store.uuid for st in states}), 2)
