@@ -467,7 +467,7 @@ class MegatronTest(TempDirTest):
         run_steps(model, opts, 4, 5)
         self.check_close(refs, opts, ref_model, model)
 
-    def test_save_load_directories_and_reshard_dp2_to_dp1(self):
+    def test_save_load_directories_and_reshard_to_other_data_parallel_sizes(self):
         model = Model(0, 2)
         opts = [make_dist_opt(model, r, 2) for r in range(2)]
         self.stream(opts)
@@ -484,20 +484,25 @@ class MegatronTest(TempDirTest):
         ckpt_params = {n: p.detach().clone() for n, p in model.params.items()}
         run_steps(model, opts, 3, 5)
         after = model.flat()
-        # One rank now: the layout of its shards, from its own DistributedOptimizer.
-        model1 = Model(0, 1)
-        with torch.no_grad():
-            for n, p in model1.params.items():
-                p.copy_(ckpt_params[n])
-        opt1 = make_dist_opt(model1, 0, 1)
-        layout = om.reshard_layout([opt1])
-        os.makedirs(self.path("dp1"))
-        optstate.reshard(dirs, os.path.join(self.path("dp1"), "0.dense"), layout)
-        om.stream_optimizer_state(opt1, store=self.path("one"), budget=32 << 20, **CHUNK)
-        om.load(opt1, self.path("dp1"), rank=0)
-        run_steps(model1, [opt1], 3, 5)
-        for n, p in model1.params.items():
-            self.assertTrue(torch.equal(p.detach().float(), after[n]), n)
+        for ranks in (1, 3):  # fewer ranks; more (each bucket padded to a multiple of 3: other ranges)
+            with self.subTest(ranks=ranks):
+                new = Model(0, ranks)
+                with torch.no_grad():
+                    for n, p in new.params.items():
+                        p.copy_(ckpt_params[n])
+                new_opts = [make_dist_opt(new, r, ranks) for r in range(ranks)]
+                # The layout of the new ranks' shards, from their own DistributedOptimizers.
+                layout = om.reshard_layout(new_opts)
+                dest = self.path("dp%d" % ranks)
+                os.makedirs(dest)
+                optstate.reshard(dirs, os.path.join(dest, "0.dense"), layout)
+                for r, opt in enumerate(new_opts):
+                    om.stream_optimizer_state(opt, store=self.path("dp%d-rank%d" % (ranks, r)), budget=32 << 20,
+                                              **CHUNK)
+                    om.load(opt, dest, rank=r)
+                run_steps(new, new_opts, 3, 5)
+                for n, p in new.params.items():
+                    self.assertTrue(torch.equal(p.detach().float(), after[n]), n)
 
 
 if __name__ == "__main__":
