@@ -258,10 +258,13 @@ class StreamedState:
         self.adam = StreamedAdam(self.store, self.mm, **self._adam_kw)
         self._live_handles[:] = [self.store, self.mm, self.adam]
         self._sync()
-        initials = [self._initial(s) for s in self.shards]  # kept alive through the registration
+        # A store that holds every shard (resume, restore) ignores the initial mains: none are read (the
+        # freed mains would need an fp32 copy of every shard on the device).
+        holds_all = bool(self.shards) and set(self.store.tensor_names()) == {s.name for s in self.shards}
+        initials = None if holds_all else [self._initial(s) for s in self.shards]  # alive through registration
         got = self.adam.register_params(
             [s.name for s in self.shards], [s.numel for s in self.shards], [s.group for s in self.shards],
-            [t.data_ptr() for t in initials], [F32] * len(initials),
+            None if initials is None else [t.data_ptr() for t in initials], [F32] * len(self.shards),
             [(s.numel,) for s in self.shards], [s.global_shape for s in self.shards],
             [(s.begin,) for s in self.shards])
         existed = [e for _, e in got]
