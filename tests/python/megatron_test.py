@@ -25,10 +25,11 @@ try:
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
-    import optstate.megatron as om
     HAVE_MEGATRON = True
 except ImportError:
     HAVE_MEGATRON = False
+
+import optstate.megatron as om  # noqa: E402  (imports megatron-core only when called)
 
 # name, shape, dtype, group (0: decay, 1: no decay, lr x 0.5), buffer/bucket
 PARAMS = [
