@@ -35,9 +35,9 @@ at most its part of `budget` bytes during the step. What changes and what does n
 - offload_to_cpu()/restore_from_cpu() (colocated RL) release the device window / do nothing:
   the state's home is the store.
 
-The fp32 mains' GPU memory is freed: `param.main_param` keeps its shape but holds no storage, so
-code outside the optimizer that reads the mains (Megatron-LM's --log-params-norm) fails loudly
-instead of reading stale values. Unsupported configurations raise optstate.Unimplemented.
+The fp32 mains' GPU memory is freed: `param.main_param`, which code outside the optimizer reads
+(Megatron-LM's --log-params-norm, QK-clip), raises optstate.FailedPrecondition on any use instead
+of reading freed memory. Unsupported configurations raise optstate.Unimplemented.
 """
 import contextlib
 import ctypes
@@ -294,10 +294,15 @@ class StreamedState:
 
     def _free_mains(self):
         """The fp32 mains live in the store now: their GPU memory goes (the tensors keep their shape,
-        which Megatron's grad copy and clipping check, and hold no storage)."""
+        which Megatron's grad copy and clipping check, and hold no storage; the optimizer only sets and
+        reads their .grad). model_param.main_param, which code outside the optimizer reads (params-norm
+        logging, QK-clip), becomes a tensor that raises optstate.FailedPrecondition on any use, rather
+        than one that would read freed memory."""
         for s in self.shards:
             if s.own_main and s.main.untyped_storage().size() > 0:
                 s.main.untyped_storage().resize_(0)
+            if s.own_main and getattr(s.model_param, "main_param", None) is s.main:
+                s.model_param.main_param = _main_in_store(s, self.store._path)
 
     def _sync(self):
         if self._cuda:
@@ -518,6 +523,25 @@ def _bind(dist_opt, state):
                _copy_main_params_to_model_params] + refusals:
         setattr(dist_opt, fn.__name__, MethodType(fn, dist_opt))
     dist_opt._optstate = state
+
+
+class _MainInStore(torch.Tensor):
+    """model_param.main_param of a streamed shard: any torch operation on it raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        what = next((a._optstate_what for a in args if isinstance(a, _MainInStore)), "a streamed main")
+        raise errors.FailedPrecondition(
+            "optstate.megatron: %s: the fp32 main of this shard lives in an optstate store, not in GPU memory "
+            "(read it with optstate.megatron.streamed_states(optimizer)[i].store.read(name, \"main\"); "
+            "change it with optimizer.reload_model_params())" % what)
+
+
+def _main_in_store(shard, path):
+    with torch._C.DisableTorchFunctionSubclass():
+        t = torch.Tensor._make_subclass(_MainInStore, torch.empty(0, dtype=torch.float32, device=shard.param.device))
+    t._optstate_what = "param %s, flat [%d, %d) (store %s)" % (shard.name, shard.begin, shard.begin + shard.numel, path)
+    return t
 
 
 def _close_quietly(store, handles):

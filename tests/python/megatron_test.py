@@ -245,11 +245,15 @@ class MegatronTest(TempDirTest):
                 refs = [make_dist_opt(ref_model, r, 2, decoupled=decoupled) for r in range(2)]
                 opts = [make_dist_opt(model, r, 2, decoupled=decoupled) for r in range(2)]
                 states = self.stream(opts) if decoupled else self.stream_sub(opts, "l2")
-                # The fp32 mains of the 16-bit params are gone from memory.
+                # The fp32 mains of the 16-bit params are gone from memory; code that reads
+                # param.main_param (params-norm logging) gets a clear error, not freed memory.
                 for st in states:
                     for s in st.shards:
                         if s.own_main:
                             self.assertEqual(s.main.untyped_storage().size(), 0)
+                            with self.assertRaisesRegex(optstate.FailedPrecondition,
+                                                        "param %s, flat.*lives in an optstate store" % s.name):
+                                s.model_param.main_param.norm()
                 run_steps(ref_model, refs, 0, 6)
                 run_steps(model, opts, 0, 6)
                 self.check_close(refs, opts, ref_model, model)
