@@ -727,11 +727,15 @@ def reshard_layout(optimizers, sub_name=None):
             "ranks": [{"rank": r, "tensors": t} for r, t in enumerate(per_rank)]}
 
 
-def gather_reshard_layout(optimizer, sub_name=None):
-    """reshard_layout over torch.distributed: every rank passes its own optimizer (a collective over
-    the default group); every rank gets the whole layout, ranks in global rank order."""
+def gather_reshard_layout(optimizer, sub_name=None, group=None):
+    """reshard_layout over torch.distributed: every rank of `group` passes its own optimizer (a
+    collective); every rank gets the whole layout, ranks in their order in the group. group: None
+    (the default group) with data parallelism alone; with tensor or pipeline parallelism, the
+    data-parallel group (parallel_state.get_data_parallel_group()): each model-parallel position
+    reshards its own data-parallel ranks."""
     mine = shard_ranges(optimizer, sub_name)
-    gathered = [None] * _world_size()
-    torch.distributed.all_gather_object(gathered, mine)
+    size = torch.distributed.get_world_size(group) if group is not None else _world_size()
+    gathered = [None] * size
+    torch.distributed.all_gather_object(gathered, mine, group=group)
     return {"format": "optstate-reshard-layout", "format_version": 1,
             "ranks": [{"rank": r, "tensors": t} for r, t in enumerate(gathered)]}

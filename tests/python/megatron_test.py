@@ -510,5 +510,29 @@ class MegatronTest(TempDirTest):
                     self.assertTrue(torch.equal(p.detach().float(), after[n]), n)
 
 
+    def test_save_load_and_layout_over_torch_distributed(self):
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + self.path("pg"), rank=0, world_size=1)
+        try:
+            model = Model(0, 1)
+            opt = make_dist_opt(model, 0, 1)
+            kw = dict(CHUNK)
+            del kw["job"]  # one job id agreed over torch.distributed
+            om.stream_optimizer_state(ChainedOptimizer([opt]), store=self.path("r{rank}"), budget=32 << 20, **kw)
+            self.assertTrue(os.path.isdir(self.path("r0/0.dense")))
+            self.assertEqual(om.gather_reshard_layout(opt), om.reshard_layout([opt]))
+            run_steps(model, [opt], 0, 2)
+            self.assertEqual(om.save(opt, self.path("ck")), [om.rank_dir(self.path("ck"), "0.dense", 0)])
+            saved = model.flat()
+            run_steps(model, [opt], 2, 4)
+            after = model.flat()
+            om.load(opt, self.path("ck"))  # back to step 2: the params take the saved mains
+            self.assertTrue(all(torch.equal(model.params[n].detach().float(), saved[n]) for n in saved))
+            run_steps(model, [opt], 2, 4)
+            self.assertTrue(all(torch.equal(model.params[n].detach().float(), after[n]) for n in after))
+        finally:
+            dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     unittest.main()
