@@ -212,7 +212,8 @@ class GpuMegatronTest(unittest.TestCase):
     def check_close(self, ref, got, rtol, what):
         self.assertEqual(len(ref), len(got))
         for step, (a, b) in enumerate(zip(ref, got)):
-            self.assertLessEqual(abs(a - b), rtol * abs(a), "%s: step %d loss %r vs Megatron's %r" % (what, step + 1, b, a))
+            self.assertLessEqual(abs(a - b), rtol * abs(a),
+                                 "%s: step %d loss %r vs Megatron's %r" % (what, step + 1, b, a))
 
     def test_against_megatrons_distributed_optimizer(self):
         store = os.path.join(self.dir, "store", "rank{rank}")

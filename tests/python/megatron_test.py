@@ -114,7 +114,8 @@ class Model:
                 with torch.no_grad():
                     p.copy_(torch.randn(shape, generator=g) * 0.5)
                 p.main_grad = gbuf[a:b].view(shape)
-                cuda_type = {torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float32: "torch.cuda.FloatTensor"}[dtype]
+                cuda_type = {torch.bfloat16: "torch.cuda.BFloat16Tensor",
+                             torch.float32: "torch.cuda.FloatTensor"}[dtype]
                 p.type = (lambda t: (lambda *args: t))(cuda_type)  # Megatron's dtype test names CUDA types
                 index_map[p] = (a, b, bucket_id)
                 self.params[name] = p
