@@ -1,0 +1,539 @@
+"""optstate.megatron on the CPU: Megatron-core's own DistributedOptimizer code (its range maps, its
+grad copy, its step) with the state streamed through a store on the host backend, against the same
+DistributedOptimizer with its own inner torch AdamW.
+
+Megatron's DistributedOptimizer builds only over CUDA tensors and NCCL buffers; here it is assembled
+from its real class methods over CPU param and grad buffers (two data-parallel ranks sharing one
+buffer, so each rank's write of its shard is the all-gather), which is what its __init__ does past
+the CUDA checks. Needs megatron-core (tools/requirements-current.txt); skipped without it."""
+import json
+import os
+import types
+import unittest
+
+import torch
+
+from common import TempDirTest
+
+import optstate
+
+try:
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+    HAVE_MEGATRON = True
+except ImportError:
+    HAVE_MEGATRON = False
+
+import optstate.megatron as om  # noqa: E402  (imports megatron-core only when called)
+
+# name, shape, dtype, group (0: decay, 1: no decay, lr x 0.5), buffer/bucket
+PARAMS = [
+    ("embedding.word_embeddings.weight", (37, 16), torch.bfloat16, 0, 0),
+    ("decoder.layers.0.linear_fc1.weight", (24, 16), torch.bfloat16, 0, 0),
+    ("decoder.layers.0.linear_fc1.bias", (24,), torch.bfloat16, 1, 0),
+    ("decoder.layers.0.linear_fc2.weight", (16, 24), torch.bfloat16, 0, 1),
+    ("decoder.final_layernorm.weight", (16,), torch.bfloat16, 1, 1),
+    ("decoder.layers.0.mlp.router.expert_bias", (5,), torch.float32, 1, 2),  # native fp32
+]
+LR, WD = 1e-2, 0.1
+CHUNK = dict(chunk_size_bytes=2 << 20, backend="host", host_cache_bytes=0, job="megatron-test")
+
+
+class _Group:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+class _Chunk(torch.nn.Module):
+    """A model chunk: its params by name, and the param all-gather (the shared buffer is it)."""
+
+    def __init__(self, params, ddp_config):
+        super().__init__()
+        self.ddp_config = ddp_config
+        self.holder = torch.nn.Module()
+        for name, p in params.items():
+            mod = self.holder
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, p)
+        self.syncs = 0
+
+    def named_parameters(self, *a, **k):
+        for name, p in self.holder.named_parameters(*a, **k):
+            yield "module." + name, p
+
+    def start_param_sync(self, *a, **k):
+        self.syncs += 1
+
+
+class Model:
+    """Params in Megatron's layout: per dtype a flat param buffer and grad buffer, cut in buckets,
+    each bucket padded to a multiple of the data-parallel size; param.data and param.main_grad are
+    views of them."""
+
+    def __init__(self, seed, dp_size, specs=PARAMS):
+        g = torch.Generator().manual_seed(seed)
+        self.params, self.buffers_spec = {}, []
+        by_buffer = {}
+        for name, shape, dtype, group, bucket in specs:
+            by_buffer.setdefault(dtype, {}).setdefault(bucket, []).append((name, shape, group))
+        self.groups = {}
+        self.buffers = []
+        for dtype, buckets in by_buffer.items():
+            layout, offset, bucket_meta = {}, 0, []
+            for bucket_id, (_, entries) in enumerate(sorted(buckets.items())):
+                start = offset
+                for name, shape, group in entries:
+                    n = int(torch.Size(shape).numel())
+                    layout[name] = (offset, offset + n, bucket_id, shape, group)
+                    offset += n
+                size = offset - start
+                padded = -(-size // dp_size) * dp_size
+                offset = start + padded
+                bucket_meta.append((start, padded, size))
+            pbuf = torch.zeros(offset, dtype=dtype)
+            gbuf = torch.zeros(offset, dtype=torch.float32)
+            index_map = {}
+            for name, (a, b, bucket_id, shape, group) in layout.items():
+                p = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+                p.data = pbuf[a:b].view(shape)
+                with torch.no_grad():
+                    p.copy_(torch.randn(shape, generator=g) * 0.5)
+                p.main_grad = gbuf[a:b].view(shape)
+                cuda_type = {torch.bfloat16: "torch.cuda.BFloat16Tensor",
+                             torch.float32: "torch.cuda.FloatTensor"}[dtype]
+                p.type = (lambda t: (lambda *args: t))(cuda_type)  # Megatron's dtype test names CUDA types
+                index_map[p] = (a, b, bucket_id)
+                self.params[name] = p
+                self.groups[name] = group
+            buckets_ns = [types.SimpleNamespace(offset=s, grad_data=gbuf[s:s + n], param_data=pbuf[s:s + n],
+                                                numel_unpadded=u) for s, n, u in bucket_meta]
+            self.buffers.append(dict(pbuf=pbuf, gbuf=gbuf, index_map=index_map, buckets=buckets_ns, dtype=dtype))
+
+    def set_grads(self, step):
+        g = torch.Generator().manual_seed(1000 + step)
+        for name in sorted(self.params):
+            p = self.params[name]
+            p.main_grad.copy_(torch.randn(p.shape, generator=g))
+
+    def flat(self):
+        return {name: p.detach().float().clone() for name, p in self.params.items()}
+
+
+def make_dist_opt(model, dp_rank, dp_size, *, decoupled=True, names=None):
+    """A DistributedOptimizer for rank dp_rank over model's buffers, built as its __init__ builds it."""
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=False)
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WD, bf16=True, use_distributed_optimizer=True,
+                             clip_grad=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                             decoupled_weight_decay=decoupled)
+    selected = [n for n in model.params if names is None or n in names]
+    groups = []
+    for gid in (0, 1):
+        groups.append({"params": [model.params[n] for n in selected if model.groups[n] == gid],
+                       "wd_mult": 1.0 - gid, "lr_mult": 1.0 - 0.5 * gid, "is_expert_parallel": False})
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    inner = cls(groups, lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opt = DistributedOptimizer.__new__(DistributedOptimizer)
+    opt.optimizer, opt.config, opt.grad_scaler, opt.init_state_fn = inner, config, None, None
+    opt._dummy_overflow_buf = None
+    opt.model_chunks = [_Chunk({n: model.params[n] for n in selected}, ddp_config)]
+    opt.ddp_config = ddp_config
+    opt.distributed_optimizer_instance_id = 0
+    opt.is_stub_optimizer = False
+    group = _Group(dp_rank, dp_size)
+    opt.data_parallel_group = group
+    opt.buffers = []
+    for b in model.buffers:
+        index_map = {p: r for p, r in b["index_map"].items() if p in set(inner.param_groups[0]["params"]) |
+                     set(inner.param_groups[1]["params"])}
+        if index_map:
+            opt.buffers.append(types.SimpleNamespace(param_index_map=index_map, buckets=b["buckets"],
+                                                     params=list(index_map),
+                                                     data_parallel_group=group, param_dtype=b["dtype"],
+                                                     grad_dtype=torch.float32))
+    opt.gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for b in opt.buffers]
+    opt.model_param_gbuf_map = DistributedOptimizer._build_model_param_gbuf_map(opt.gbuf_ranges)
+    opt.model_param_group_index_map, opt.opt_group_ranges = DistributedOptimizer._build_optimizer_group_ranges(
+        inner.param_groups, opt.gbuf_ranges)
+    (opt.model_float16_groups, opt.model_fp32_groups, opt.shard_float16_groups, opt.shard_fp32_groups,
+     opt.shard_fp32_from_float16_groups) = DistributedOptimizer._build_model_and_main_param_groups(
+        opt.gbuf_ranges, opt.model_param_gbuf_map, opt.opt_group_ranges, config)
+    inner.param_groups = [g["orig_group"] for g in opt.opt_group_ranges]
+    inner.load_state_dict(inner.state_dict())
+    return opt
+
+
+def schedule(opts, step):
+    """What Megatron's OptimizerParamScheduler does each step: lr and wd times each group's multipliers."""
+    lr = LR * (1.0 - 0.03 * step)
+    for opt in opts:
+        for g in opt.optimizer.param_groups:
+            g["lr"] = lr * g["lr_mult"]
+            g["weight_decay"] = WD * g["wd_mult"]
+
+
+def run_steps(model, opts, first, last):
+    for step in range(first, last):
+        model.set_grads(step)
+        schedule(opts, step)
+        for opt in opts:
+            ok, _, _ = opt.step()
+            assert ok
+
+
+@unittest.skipUnless(HAVE_MEGATRON, "megatron-core is not installed")
+class MegatronTest(TempDirTest):
+    def stream(self, opts, **kw):
+        states = []
+        for r, opt in enumerate(opts):
+            states += om.stream_optimizer_state(opt, store=self.path("rank%d" % r), budget=32 << 20,
+                                                **dict(CHUNK, **kw))
+        return states
+
+    def test_layout_flat_ranges_tile_each_param(self):
+        model = Model(0, 2)
+        opts = [make_dist_opt(model, r, 2) for r in range(2)]
+        cover = {}
+        for opt in opts:
+            for s in om.shard_layout(opt):
+                p = model.params[s.name]
+                self.assertEqual(s.global_shape, tuple(p.shape))
+                # The shard's memory is the param's flat range in its param buffer.
+                self.assertEqual(s.param.data_ptr(), p.data_ptr() + s.begin * p.element_size())
+                self.assertEqual(s.param.numel(), s.numel)
+                self.assertEqual(s.group, model.groups[s.name])
+                cover.setdefault(s.name, []).append((s.begin, s.begin + s.numel))
+        for name, p in model.params.items():
+            ranges = sorted(cover[name])
+            self.assertEqual(ranges[0][0], 0, name)
+            self.assertEqual(ranges[-1][1], p.numel(), name)
+            for (_, b), (a, _) in zip(ranges, ranges[1:]):
+                self.assertEqual(a, b, name)
+        # Some param is split between the two ranks (the test exercises real flat ranges).
+        self.assertTrue(any(len(v) == 2 for v in cover.values()))
+        # The store records each shard as that flat range of the param's global shape.
+        self.stream(opts)
+        for r, opt in enumerate(opts):
+            st = opt._optstate
+            d = self.path("export%d" % r)
+            st.store.export_checkpoint(d)
+            with open(os.path.join(d, "manifest.json")) as f:
+                tensors = {t["name"]: t for t in json.load(f)["tensors"]}
+            for s in st.shards:
+                t = tensors[s.name]
+                self.assertEqual(list(t["global_shape"]), list(s.global_shape))
+                self.assertEqual(list(t["shard_offset"]), [s.begin])
+                self.assertEqual(int(t["numel"]), s.numel)
+
+    def test_step_matches_megatrons_own(self):
+        for decoupled in (True, False):
+            with self.subTest(decoupled=decoupled):
+                ref_model, model = Model(0, 2), Model(0, 2)
+                refs = [make_dist_opt(ref_model, r, 2, decoupled=decoupled) for r in range(2)]
+                opts = [make_dist_opt(model, r, 2, decoupled=decoupled) for r in range(2)]
+                states = self.stream(opts) if decoupled else self.stream_sub(opts, "l2")
+                # The fp32 mains of the 16-bit params are gone from memory; code that reads
+                # param.main_param (params-norm logging) gets a clear error, not freed memory.
+                for st in states:
+                    for s in st.shards:
+                        if s.own_main:
+                            self.assertEqual(s.main.untyped_storage().size(), 0)
+                            with self.assertRaisesRegex(optstate.FailedPrecondition,
+                                                        "param %s, flat.*lives in an optstate store" % s.name):
+                                s.model_param.main_param.norm()
+                run_steps(ref_model, refs, 0, 6)
+                run_steps(model, opts, 0, 6)
+                self.check_close(refs, opts, ref_model, model)
+                self.assertEqual(opts[0].model_chunks[0].syncs, 6)  # the param all-gather still runs
+                for st in states:
+                    st.close()
+
+    def stream_sub(self, opts, sub):
+        states = []
+        for r, opt in enumerate(opts):
+            states += om.stream_optimizer_state(opt, store=self.path("%s-rank%d" % (sub, r)), budget=32 << 20,
+                                                **CHUNK)
+        return states
+
+    def check_close(self, refs, opts, ref_model, model, moments_rtol=1e-4):
+        # Tolerances: optstate's fused kernel and torch's single-tensor AdamW round differently by a
+        # few ulps a step (torch_adamw_test.py); 6 steps at lr 1e-2 of |p| < 3 stay far below 2e-5.
+        # A wrong lr, decay in the wrong group or a missed step moves a main by >= 1e-4.
+        for ref, opt in zip(refs, opts):
+            st = opt._optstate
+            st.adam.make_durable()
+            ref_shards = {s.name: s for s in om.shard_layout(ref)}
+            for s in st.shards:
+                r = ref_shards[s.name]
+                main = torch.from_numpy(st.store.read(s.name, "main"))
+                torch.testing.assert_close(main, r.main.detach().float(), rtol=0, atol=2e-5, msg=s.name)
+                # The param buffer holds the main, rounded to the param's dtype.
+                self.assertTrue(torch.equal(s.param, main.to(s.param.dtype)), s.name)
+                state = ref.optimizer.state[r.main]
+                for f in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(torch.from_numpy(st.store.read(s.name, f)), state[f].float(),
+                                               rtol=moments_rtol, atol=1e-7, msg="%s %s" % (s.name, f))
+                self.assertEqual(st.adam.param_step_count(s.name), int(state["step"]))
+        for name in model.params:
+            torch.testing.assert_close(model.params[name].detach().float(), ref_model.params[name].detach().float(),
+                                       rtol=0, atol=2e-2 if model.params[name].dtype == torch.bfloat16 else 2e-5)
+
+    def test_bf16_moments_within_bound(self):
+        ref_model, model = Model(0, 1), Model(0, 1)
+        refs, opts = [make_dist_opt(ref_model, 0, 1)], [make_dist_opt(model, 0, 1)]
+        self.stream(opts, moment_dtype="bf16")
+        run_steps(ref_model, refs, 0, 5)
+        run_steps(model, opts, 0, 5)
+        st, ref = opts[0]._optstate, refs[0]
+        st.adam.make_durable()
+        ref_shards = {s.name: s for s in om.shard_layout(ref)}
+        for s in st.shards:
+            r = ref_shards[s.name]
+            # bf16 moments: each step's rounding is <= 2^-8 relative (docs/MOMENTS.md); over 5 steps the
+            # moments stay within 3% and the mains within lr x 5 steps x 3% of an update of size lr.
+            state = ref.optimizer.state[r.main]
+            torch.testing.assert_close(torch.from_numpy(st.store.read(s.name, "exp_avg_sq")), state["exp_avg_sq"],
+                                       rtol=0.03, atol=1e-6, msg=s.name)
+            torch.testing.assert_close(torch.from_numpy(st.store.read(s.name, "main")), r.main.detach(),
+                                       rtol=0, atol=5 * LR * 0.03 + 1e-5, msg=s.name)
+
+    def test_chained_optimizers_get_stores_of_their_own(self):
+        model = Model(0, 1)
+        names = [n for n, *_ in PARAMS]
+        dense = make_dist_opt(model, 0, 1, names=names[:3])
+        expert = make_dist_opt(model, 0, 1, names=names[3:])
+        for g in expert.optimizer.param_groups:
+            g["is_expert_parallel"] = True
+        chain = ChainedOptimizer([dense, expert])
+        # Two stores need one slice in flight each (3 chunks of 2 MiB with f32 moments).
+        with self.assertRaisesRegex(optstate.ResourceExhausted, "budget 8388608 bytes.*2 stores"):
+            om.stream_optimizer_state(chain, store=self.path("rank{rank}"), budget=8 << 20, **CHUNK)
+        states = om.stream_optimizer_state(chain, store=self.path("rank{rank}"), budget=32 << 20, **CHUNK)
+        self.assertLessEqual(sum(st.mm.stats()["budget_bytes"] for st in states), 32 << 20)
+        self.assertEqual([os.path.relpath(st.store.path, self.dir) for st in states],
+                         ["rank0/0.dense", "rank0/1.expert"])
+        self.assertEqual(len({st.store.uuid for st in states}), 2)
+        self.assertEqual(states[0].store.job, states[1].store.job)
+        self.assertEqual(om.streamed_states(chain), states)
+        # A second optimizer on the same directory is refused while the first holds it.
+        other = ChainedOptimizer([make_dist_opt(Model(1, 1), 0, 1, names=names[:3])])
+        with self.assertRaises(optstate.Busy):
+            om.stream_optimizer_state(other, store=self.path("rank{rank}"), budget=32 << 20, **CHUNK)
+        with self.assertRaisesRegex(optstate.FailedPrecondition, "already streams"):
+            om.stream_optimizer_state(chain, store=self.path("x"), budget=32 << 20, **CHUNK)
+        ref_model = Model(0, 1)
+        refs = [make_dist_opt(ref_model, 0, 1, names=names[:3]), make_dist_opt(ref_model, 0, 1, names=names[3:])]
+        model.set_grads(0)
+        ref_model.set_grads(0)
+        # ChainedOptimizer.step() is these two plus the grad norm over the model-parallel groups, which
+        # need torch.distributed's parallel state.
+        self.assertFalse(chain.prepare_grads())
+        self.assertTrue(chain.step_with_ready_grads())
+        for ref in refs:
+            ref.step()
+        self.check_close(refs, [dense, expert], ref_model, model)
+
+    def test_refusals(self):
+        model = Model(0, 1)
+
+        def fresh():
+            return make_dist_opt(model, 0, 1)
+        opt = fresh()
+        opt.config.use_precision_aware_optimizer = True
+        with self.assertRaisesRegex(optstate.Unimplemented, "use_precision_aware_optimizer.*moment_dtype"):
+            om.stream_optimizer_state(opt, store=self.path("a"), **CHUNK)
+        opt = fresh()
+        opt.config.optimizer_cpu_offload = True
+        with self.assertRaisesRegex(optstate.Unimplemented, "optimizer_cpu_offload"):
+            om.stream_optimizer_state(opt, store=self.path("a"), **CHUNK)
+        opt = fresh()
+        opt.config.optimizer = "sgd"
+        with self.assertRaisesRegex(optstate.Unimplemented, "optimizer='sgd'"):
+            om.stream_optimizer_state(opt, store=self.path("a"), **CHUNK)
+        opt = fresh()
+        opt.ddp_config.use_megatron_fsdp = True
+        with self.assertRaisesRegex(optstate.Unimplemented, "use_megatron_fsdp"):
+            om.stream_optimizer_state(opt, store=self.path("a"), **CHUNK)
+        with self.assertRaisesRegex(optstate.Unimplemented, "FP32Optimizer.*use_distributed_optimizer"):
+            om.stream_optimizer_state(FP32Optimizer.__new__(FP32Optimizer), store=self.path("a"), **CHUNK)
+        import megatron.core.fp8_utils as fp8_utils
+        fp8 = model.params["decoder.layers.0.linear_fc1.weight"]
+        real = fp8_utils.is_float8tensor
+        fp8_utils.is_float8tensor = lambda t: t is fp8
+        try:
+            with self.assertRaisesRegex(optstate.Unimplemented, "fp8 params"):
+                om.stream_optimizer_state(fresh(), store=self.path("a"), **CHUNK)
+        finally:
+            fp8_utils.is_float8tensor = real
+        opt = fresh()
+        model.set_grads(0)
+        opt.step()  # the inner AdamW now holds moments
+        with self.assertRaisesRegex(optstate.FailedPrecondition, "already taken a step"):
+            om.stream_optimizer_state(opt, store=self.path("a"), **CHUNK)
+        self.assertFalse(os.path.exists(self.path("a")))  # nothing was created by a refused call
+        # Megatron's legacy (torch format) parameter-state files would read the freed GPU mains.
+        opt = fresh()
+        om.stream_optimizer_state(opt, store=self.path("b"), **CHUNK)
+        with self.assertRaisesRegex(optstate.Unimplemented, "save_parameter_state.*torch_dist"):
+            opt.save_parameter_state(self.path("legacy.pt"))
+        with self.assertRaisesRegex(optstate.Unimplemented, "get_parameter_state_dp_zero"):
+            ChainedOptimizer([opt, fresh()]).save_parameter_state(self.path("legacy.pt"))
+
+    def test_save_and_resume_same_topology_is_exact(self):
+        # Run A: 3 steps, a checkpoint (Megatron's state_dict and sharded_state_dict), 3 more steps.
+        model = Model(0, 2)
+        opts = [make_dist_opt(model, r, 2) for r in range(2)]
+        self.stream(opts)
+        run_steps(model, opts, 0, 3)
+        records = [opt.state_dict() for opt in opts]
+        sharded = opts[0].sharded_state_dict({}, is_loading=False)
+        self.assertEqual(sharded["optstate"].data["generation"], records[0]["optstate"]["generation"])
+        ckpt_params = {n: p.detach().clone() for n, p in model.params.items()}
+        run_steps(model, opts, 3, 6)
+        after_a = model.flat()
+        for opt in opts:  # the last step's commit completes in the background (commit_lag_steps=1)
+            opt._optstate.adam.make_durable()
+        mains_a = {(r, s.name): opts[r]._optstate.store.read(s.name, "main") for r in range(2)
+                   for s in opts[r]._optstate.shards}
+        for opt in opts:
+            opt._optstate.close()
+        # Run B, "a new process": a fresh model (other weights) and optimizer on the same stores; the
+        # model takes the checkpoint's weights, the optimizer its state.
+        model_b = Model(7, 2)
+        opts_b = [make_dist_opt(model_b, r, 2) for r in range(2)]
+        states_b = self.stream(opts_b)
+        self.assertTrue(all(st.resumed for st in states_b))
+        with torch.no_grad():
+            for n, p in model_b.params.items():
+                p.copy_(ckpt_params[n])
+        for opt, rec in zip(opts_b, records):
+            opt.load_state_dict(rec)
+        run_steps(model_b, opts_b, 3, 6)
+        for n, p in model_b.params.items():
+            self.assertTrue(torch.equal(p.detach().float(), after_a[n]), n)
+        for r in range(2):
+            opts_b[r]._optstate.adam.make_durable()
+            for s in opts_b[r]._optstate.shards:
+                self.assertTrue((opts_b[r]._optstate.store.read(s.name, "main") == mains_a[(r, s.name)]).all(), s.name)
+        # A record of another store is refused, naming both.
+        with self.assertRaisesRegex(optstate.FailedPrecondition, "rank1.*rank0|rank0.*rank1"):
+            opts_b[0].load_state_dict(records[1])
+
+    def test_reload_model_params_goes_through_the_store(self):
+        model = Model(0, 2)
+        opts = [make_dist_opt(model, r, 2) for r in range(2)]
+        self.stream(opts)
+        run_steps(model, opts, 0, 2)
+        with torch.no_grad():
+            for p in model.params.values():
+                p.mul_(-1.0)
+        for opt in opts:
+            opt.reload_model_params()
+            st = opt._optstate
+            for s in st.shards:
+                want = model.params[s.name].detach().reshape(-1)[s.begin:s.begin + s.numel].float()
+                self.assertTrue(torch.equal(torch.from_numpy(st.store.read(s.name, "main")), want), s.name)
+        # From a state dict's tensors instead of the model's.
+        sd = {"model": {n: torch.full_like(p, 0.25) for n, p in model.params.items()}}
+        opts[0].reload_model_params(sd)
+        for s in opts[0]._optstate.shards:
+            self.assertTrue((opts[0]._optstate.store.read(s.name, "main") == 0.25).all(), s.name)
+            self.assertTrue((s.param == 0.25).all(), s.name)
+
+    def test_sleep_releases_the_window_and_the_next_step_continues(self):
+        ref_model, model = Model(0, 1), Model(0, 1)
+        refs, opts = [make_dist_opt(ref_model, 0, 1)], [make_dist_opt(model, 0, 1)]
+        self.stream(opts)
+        run_steps(ref_model, refs, 0, 2)
+        run_steps(model, opts, 0, 2)
+        opts[0].offload_to_cpu()
+        self.assertEqual(opts[0]._optstate.mm.stats()["resident_bytes"], 0)
+        opts[0].restore_from_cpu()
+        run_steps(ref_model, refs, 2, 4)
+        run_steps(model, opts, 2, 4)
+        self.assertGreater(opts[0]._optstate.mm.stats()["resident_bytes"], 0)
+        om.sleep(opts[0])
+        self.assertEqual(opts[0]._optstate.mm.stats()["resident_bytes"], 0)
+        om.wake(opts[0])
+        run_steps(ref_model, refs, 4, 5)
+        run_steps(model, opts, 4, 5)
+        self.check_close(refs, opts, ref_model, model)
+
+    def test_save_load_directories_and_reshard_to_other_data_parallel_sizes(self):
+        model = Model(0, 2)
+        opts = [make_dist_opt(model, r, 2) for r in range(2)]
+        self.stream(opts)
+        run_steps(model, opts, 0, 3)
+        dirs = []
+        for r, opt in enumerate(opts):
+            # save() names the rank from torch.distributed; these two ranks share one process.
+            st = opt._optstate
+            st.adam.make_durable()
+            d = om.rank_dir(self.path("ckpt"), st.sub_name, r)
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            st.store.export_checkpoint(d)
+            dirs.append(d)
+        ckpt_params = {n: p.detach().clone() for n, p in model.params.items()}
+        run_steps(model, opts, 3, 5)
+        after = model.flat()
+        for ranks in (1, 3):  # fewer ranks; more (each bucket padded to a multiple of 3: other ranges)
+            with self.subTest(ranks=ranks):
+                new = Model(0, ranks)
+                with torch.no_grad():
+                    for n, p in new.params.items():
+                        p.copy_(ckpt_params[n])
+                new_opts = [make_dist_opt(new, r, ranks) for r in range(ranks)]
+                # The layout of the new ranks' shards, from their own DistributedOptimizers.
+                layout = om.reshard_layout(new_opts)
+                dest = self.path("dp%d" % ranks)
+                os.makedirs(dest)
+                optstate.reshard(dirs, os.path.join(dest, "0.dense"), layout)
+                for r, opt in enumerate(new_opts):
+                    om.stream_optimizer_state(opt, store=self.path("dp%d-rank%d" % (ranks, r)), budget=32 << 20,
+                                              **CHUNK)
+                    om.load(opt, dest, rank=r)
+                run_steps(new, new_opts, 3, 5)
+                for n, p in new.params.items():
+                    self.assertTrue(torch.equal(p.detach().float(), after[n]), n)
+
+
+    def test_save_load_and_layout_over_torch_distributed(self):
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + self.path("pg"), rank=0, world_size=1)
+        try:
+            model = Model(0, 1)
+            opt = make_dist_opt(model, 0, 1)
+            kw = dict(CHUNK)
+            del kw["job"]  # one job id agreed over torch.distributed
+            om.stream_optimizer_state(ChainedOptimizer([opt]), store=self.path("r{rank}"), budget=32 << 20, **kw)
+            self.assertTrue(os.path.isdir(self.path("r0/0.dense")))
+            self.assertEqual(om.gather_reshard_layout(opt), om.reshard_layout([opt]))
+            run_steps(model, [opt], 0, 2)
+            self.assertEqual(om.save(opt, self.path("ck")), [om.rank_dir(self.path("ck"), "0.dense", 0)])
+            saved = model.flat()
+            run_steps(model, [opt], 2, 4)
+            after = model.flat()
+            om.load(opt, self.path("ck"))  # back to step 2: the params take the saved mains
+            self.assertTrue(all(torch.equal(model.params[n].detach().float(), saved[n]) for n in saved))
+            run_steps(model, [opt], 2, 4)
+            self.assertTrue(all(torch.equal(model.params[n].detach().float(), after[n]) for n in after))
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    unittest.main()
