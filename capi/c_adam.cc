@@ -4,7 +4,10 @@
 // names.
 #include "optstate/c.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <new>
@@ -17,7 +20,10 @@
 #include "capi/internal/c_types.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
+#include "base/dtype.h"
 #include "base/status.h"
+#include "kernels/adam.h"
+#include "vfs/reshard.h"
 #include "vfs/store.h"
 
 using optstate::DType;
@@ -31,25 +37,23 @@ namespace memmgr = optstate::memmgr;
 
 namespace {
 
-bool ValidFloatType(int t) {
-  return t == OPTSTATE_F32 || t == OPTSTATE_BF16 || t == OPTSTATE_F16;
-}
-
-// The DType an optstate_dtype names (its values are DType's), or none for
+// The DType an optstate_dtype names when it is a float (f32, bf16, f16: what
+// a gradient, a parameter copy or initial values may be); none for
 // OPTSTATE_NONE and any other value.
 std::optional<DType> FloatDTypeOrNone(int t) {
-  if (!ValidFloatType(t)) return std::nullopt;
-  return static_cast<DType>(t);
+  if (t < 0 || t >= optstate::kernels::kNoDTypeCode) return std::nullopt;
+  const DType d = static_cast<DType>(t);
+  return optstate::IsFloat(d) ? std::optional<DType>(d) : std::nullopt;
 }
 
-const char* DTypeArgName(int t) {
-  switch (t) {
-    case OPTSTATE_F32: return "f32";
-    case OPTSTATE_BF16: return "bf16";
-    case OPTSTATE_F16: return "f16";
-    case OPTSTATE_NONE: return "none";
-    default: return "unknown";
-  }
+bool ValidFloatType(int t) { return FloatDTypeOrNone(t).has_value(); }
+
+// base's name of an optstate_dtype ("f32", ..., "q8u"), "none" for
+// OPTSTATE_NONE, "unknown (<t>)" outside the table.
+std::string DTypeArgName(int t) {
+  if (t == OPTSTATE_NONE) return "none";
+  const char* name = t >= 0 && t < optstate::kernels::kNoDTypeCode ? optstate::DTypeName(static_cast<DType>(t)) : "?";
+  return name[0] != '?' ? std::string(name) : "unknown (" + std::to_string(t) + ")";
 }
 
 Status ParamId(const optstate_adam_t* adam, uint32_t id, const char* what) {
@@ -107,10 +111,12 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     h->rep = std::move(*adam);
     h->store = store->rep.get();
     h->store_handle = store;
+    h->mm_handle = mm;
     h->mm = mm->rep.get();
     {
       std::lock_guard<std::mutex> lock(store->open_mu);
       store->open_adams.insert(h.get());
+      ++mm->adams;
     }
     *out = h.release();
     return Status::Ok();
@@ -118,11 +124,28 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
 }
 void optstate_adam_destroy(optstate_adam_t* adam) {
   if (adam == nullptr) return;
-  if (adam->store_handle != nullptr) {
-    std::lock_guard<std::mutex> lock(adam->store_handle->open_mu);
-    adam->store_handle->open_adams.erase(adam);
+  optstate_store_t* store = adam->store_handle;
+  optstate_mm_t* mm = adam->mm_handle;
+  {
+    // Out of open_adams (nothing waits on its commits any more), but still
+    // counted: its manager and store stay until it has written and committed
+    // what it holds.
+    std::lock_guard<std::mutex> lock(store->open_mu);
+    store->open_adams.erase(adam);
+    ++store->adams_destroying;
   }
   delete adam;
+  bool destroy_mm = false;
+  {
+    std::lock_guard<std::mutex> lock(store->open_mu);
+    --store->adams_destroying;
+    destroy_mm = --mm->adams == 0 && mm->destroy_requested;
+  }
+  if (destroy_mm) {
+    optstate::capi::internal::DestroyManager(mm);  // closes the store too when that was requested
+  } else {
+    optstate::capi::internal::CloseStoreIfRequested(store);
+  }
 }
 
 int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, double beta1, double beta2,
@@ -166,58 +189,28 @@ int optstate_adam_register_param(optstate_adam_t* adam, const char* name, uint64
 
 namespace {
 
-// The ShardInfo of one registration, checked: shape's product is numel, a
-// shard lies inside its global shape. `where` names the call, param and store.
+// The ShardInfo of one registration, checked (vfs::CheckShardGeometry: shape's
+// product is numel, a shard lies inside its global shape). `where` names the
+// call, param and store.
 Status ShardOf(const char* what, const std::string& where, uint64_t numel, const uint64_t* shape, size_t ndim,
                const uint64_t* global_shape, size_t global_ndim, const uint64_t* shard_offset, size_t offset_ndim,
                memmgr::ShardInfo* out) {
   memmgr::ShardInfo& shard = *out;
-  if (ndim > 0) {
-    if (shape == nullptr) return NullArgument(what, "shape");
-    uint64_t product = 1;
-    for (size_t i = 0; i < ndim; ++i) product *= shape[i];
-    if (product != numel) {
-      return InvalidArgument(where + ": shape has " + std::to_string(product) + " elements, numel is " +
-                             std::to_string(numel));
-    }
-    shard.shape.assign(shape, shape + ndim);
-  }
+  if (ndim > 0 && shape == nullptr) return NullArgument(what, "shape");
+  if (global_ndim > 0 && global_shape == nullptr) return NullArgument(what, "global_shape");
+  if (global_ndim > 0 && offset_ndim > 0 && shard_offset == nullptr) return NullArgument(what, "shard_offset");
+  if (ndim > 0) shard.shape.assign(shape, shape + ndim);
   if (global_ndim > 0) {
-    if (global_shape == nullptr) return NullArgument(what, "global_shape");
-    if (offset_ndim > 0 && shard_offset == nullptr) return NullArgument(what, "shard_offset");
     shard.global_shape.assign(global_shape, global_shape + global_ndim);
     if (offset_ndim > 0) shard.shard_offset.assign(shard_offset, shard_offset + offset_ndim);
-    const std::vector<uint64_t> local = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
-    const bool flat = local.size() == 1 && offset_ndim == 1 && global_ndim > 1;
-    if (!flat && offset_ndim != 0 && (offset_ndim != global_ndim || local.size() != global_ndim)) {
-      return InvalidArgument(where + ": shape, global_shape and shard_offset have ranks " +
-                             std::to_string(local.size()) + ", " + std::to_string(global_ndim) + " and " +
-                             std::to_string(offset_ndim) +
-                             " (a box: all the same; a flat range: shape and shard_offset 1)");
-    }
-    unsigned __int128 global_numel = 1;
-    for (uint64_t d : shard.global_shape) global_numel *= d;
-    bool inside = true;
-    if (flat) {
-      inside = static_cast<unsigned __int128>(shard.shard_offset[0]) + numel <= global_numel;
-    } else if (local.size() == global_ndim) {
-      for (size_t d = 0; d < global_ndim; ++d) {
-        const uint64_t off = shard.shard_offset.empty() ? 0 : shard.shard_offset[d];
-        inside = inside && off <= global_shape[d] && local[d] <= global_shape[d] - off;
-      }
-    } else {
-      inside = false;
-    }
-    if (!inside) {
-      std::string g, o, l;
-      for (uint64_t d : shard.global_shape) g += (g.empty() ? "" : ", ") + std::to_string(d);
-      for (uint64_t d : shard.shard_offset) o += (o.empty() ? "" : ", ") + std::to_string(d);
-      for (uint64_t d : local) l += (l.empty() ? "" : ", ") + std::to_string(d);
-      return InvalidArgument(where + ": the shard of shape [" + l + "] at offset [" + o +
-                             "] is not inside the global shape [" + g + "]");
-    }
   }
-  return Status::Ok();
+  // The geometry the store will record (its defaults: the whole tensor, at 0).
+  const std::vector<uint64_t> local = shard.shape.empty() ? std::vector<uint64_t>{numel} : shard.shape;
+  const std::vector<uint64_t> global = shard.global_shape.empty() ? local : shard.global_shape;
+  const std::vector<uint64_t> offset =
+      shard.shard_offset.empty() ? std::vector<uint64_t>(global.size(), 0) : shard.shard_offset;
+  Status st = optstate::vfs::CheckShardGeometry(numel, local, global, offset);
+  return st.ok() ? st : InvalidArgument(where + ": " + st.message());
 }
 
 // The handle's id of a registered name (a new one for a name seen first).
@@ -326,59 +319,108 @@ int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t
 
 namespace {
 
-// Both step entry points: builds the ParamGrad list (reused between steps),
-// checks what the C side can, and runs one StreamedAdam::Step.
-Status AdamStep(const char* what, optstate_adam_t* adam, size_t n, const uint32_t* ids, const void* const* grads,
-                const int* grad_dtypes, const uint64_t* numels, void* const* params, const int* param_dtypes,
-                const float* found_inf, float grad_scale, const float* d_grad_scale) {
-  if (n > 0 && (ids == nullptr || grads == nullptr || grad_dtypes == nullptr)) {
+// Builds the step's ParamGrad list (adam->grads, reused between steps) and
+// checks what the C side can, before anything changes.
+Status BuildGrads(const char* what, optstate_adam_t* adam, const optstate_adam_step_args_t& a) {
+  const size_t n = a.n;
+  if (n > 0 && (a.ids == nullptr || a.grads == nullptr || a.grad_dtypes == nullptr)) {
     return NullArgument(what, "ids, grads or grad_dtypes");
   }
-  if (params != nullptr && param_dtypes == nullptr) return NullArgument(what, "param_dtypes");
-  if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale)) {
-    return InvalidArgument(std::string(what) + ": store " + adam->store->path() + ": grad_scale " +
-                           std::to_string(grad_scale) + " is not a finite number >= 0");
-  }
+  if (a.params != nullptr && a.param_dtypes == nullptr) return NullArgument(what, "param_dtypes");
   auto& pg = adam->grads;
   pg.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    OPTSTATE_RETURN_IF_ERROR(ParamId(adam, ids[i], what));
+    OPTSTATE_RETURN_IF_ERROR(ParamId(adam, a.ids[i], what));
     memmgr::ParamGrad& g = pg[i];
-    g.name = adam->names[ids[i]];
-    g.d_grad = grads[i];
-    g.grad_type = static_cast<DType>(grad_dtypes[i]);
-    g.d_param = params == nullptr ? nullptr : params[i];
-    if (params != nullptr && param_dtypes[i] != OPTSTATE_NONE) g.param_type = static_cast<DType>(param_dtypes[i]);
+    g.name = adam->names[a.ids[i]];
+    g.d_grad = a.grads[i];
+    g.d_param = a.params == nullptr ? nullptr : a.params[i];
     // StreamedAdam checks it against the registered numel before any kernel runs.
-    g.numel = numels == nullptr ? 0 : numels[i];
-    if (numels != nullptr && numels[i] == 0) {
+    g.numel = a.numels == nullptr ? 0 : a.numels[i];
+    if (a.numels != nullptr && a.numels[i] == 0) {
       return InvalidArgument(std::string(what) + ": param " + g.name + " (store " + adam->store->path() +
                              "): numels[" + std::to_string(i) + "] is 0; a gradient has the param's elements");
     }
-    if (!ValidFloatType(grad_dtypes[i])) {
+    const std::optional<DType> grad_type = FloatDTypeOrNone(a.grad_dtypes[i]);
+    if (!grad_type) {
       return InvalidArgument(std::string(what) + ": param " + g.name + ": gradient dtype " +
-                             DTypeArgName(grad_dtypes[i]) + " not supported (f32, bf16, f16)");
+                             DTypeArgName(a.grad_dtypes[i]) + " not supported (f32, bf16, f16)");
     }
-    if (g.d_param != nullptr && !ValidFloatType(param_dtypes[i])) {
-      return InvalidArgument(std::string(what) + ": param " + g.name + ": param dtype " +
-                             DTypeArgName(param_dtypes[i]) + " not supported (f32, bf16, f16)");
+    g.grad_type = *grad_type;
+    g.param_type = std::nullopt;
+    if (g.d_param != nullptr) {
+      g.param_type = FloatDTypeOrNone(a.param_dtypes[i]);
+      if (!g.param_type) {
+        return InvalidArgument(std::string(what) + ": param " + g.name + ": param dtype " +
+                               DTypeArgName(a.param_dtypes[i]) + " not supported (f32, bf16, f16)");
+      }
     }
   }
-  if (grad_scale > 0.0f) OPTSTATE_RETURN_IF_ERROR(adam->rep->SetGradScale(grad_scale));
-  return adam->rep->Step(std::span<const memmgr::ParamGrad>(pg.data(), n), found_inf, d_grad_scale);
+  return Status::Ok();
 }
+
+// The step over the list BuildGrads made.
+Status AdamStep(const char* what, optstate_adam_t* adam, const optstate_adam_step_args_t& a) {
+  OPTSTATE_RETURN_IF_ERROR(BuildGrads(what, adam, a));
+  return adam->rep->Step(std::span<const memmgr::ParamGrad>(adam->grads.data(), a.n), a.found_inf, a.grad_scale);
+}
+
+// The step arguments of the two older step calls.
+optstate_adam_step_args_t ArgsOf(size_t n, const uint32_t* ids, const void* const* grads, const int* grad_dtypes,
+                                 const uint64_t* numels, void* const* params, const int* param_dtypes,
+                                 const float* found_inf, const float* grad_scale) {
+  // In the struct's field order (optstate/c.h).
+  return optstate_adam_step_args_t{sizeof(optstate_adam_step_args_t), n, ids, grads, grad_dtypes, numels,
+                                   params, param_dtypes, found_inf, grad_scale};
+}
+
+// The fields optstate_adam_step_args_t had when it was added (ABI version 2):
+// what struct_size must at least cover.
+constexpr size_t kStepArgsV1Bytes = offsetof(optstate_adam_step_args_t, grad_scale) + sizeof(const float*);
 
 }  // namespace
 
 extern "C" {
 
+int optstate_adam_step_with(optstate_adam_t* adam, const optstate_adam_step_args_t* args, char** errptr) {
+  const char* what = "optstate_adam_step_with";
+  return Guard(errptr, what, [&]() -> Status {
+    if (args == nullptr) return NullArgument(what, "args");
+    if (args->struct_size < kStepArgsV1Bytes) {
+      return InvalidArgument(std::string(what) + ": store " + adam->store->path() + ": args->struct_size " +
+                             std::to_string(args->struct_size) + " is less than the " +
+                             std::to_string(kStepArgsV1Bytes) +
+                             " bytes of optstate_adam_step_args_t (set it to sizeof(optstate_adam_step_args_t))");
+    }
+    // Fields appended after the caller's version read as zero (not given).
+    optstate_adam_step_args_t a{};
+    std::memcpy(&a, args, std::min(args->struct_size, sizeof a));
+    return AdamStep(what, adam, a);
+  });
+}
+
+int optstate_adam_set_grad_scale(optstate_adam_t* adam, float grad_scale, char** errptr) {
+  const char* what = "optstate_adam_set_grad_scale";
+  return Guard(errptr, what, [&] { return adam->rep->SetGradScale(grad_scale).WithContext(what); });
+}
+
 int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids, const void* const* grads,
                        const int* grad_dtypes, void* const* params, const int* param_dtypes,
                        const float* found_inf, float grad_scale, char** errptr) {
   const char* what = "optstate_adam_step";
-  return Guard(errptr, what, [&] {
-    return AdamStep(what, adam, n, ids, grads, grad_dtypes, nullptr, params, param_dtypes, found_inf, grad_scale,
-                    nullptr);
+  return Guard(errptr, what, [&]() -> Status {
+    // 0 keeps the standing scale.
+    if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale)) {
+      return InvalidArgument(std::string(what) + ": store " + adam->store->path() + ": grad_scale " +
+                             std::to_string(grad_scale) + " is not a finite number >= 0");
+    }
+    const optstate_adam_step_args_t a =
+        ArgsOf(n, ids, grads, grad_dtypes, nullptr, params, param_dtypes, found_inf, nullptr);
+    // Every input is checked before the scale changes, so a refused step
+    // leaves it as it was.
+    OPTSTATE_RETURN_IF_ERROR(BuildGrads(what, adam, a));
+    if (grad_scale > 0.0f) OPTSTATE_RETURN_IF_ERROR(adam->rep->SetGradScale(grad_scale));
+    return adam->rep->Step(std::span<const memmgr::ParamGrad>(adam->grads.data(), n), found_inf, nullptr);
   });
 }
 
@@ -388,8 +430,8 @@ int optstate_adam_step2(optstate_adam_t* adam, size_t n, const uint32_t* ids, co
                         char** errptr) {
   const char* what = "optstate_adam_step2";
   return Guard(errptr, what, [&] {
-    return AdamStep(what, adam, n, ids, grads, grad_dtypes, numels, params, param_dtypes, found_inf, 0.0f,
-                    grad_scale);
+    return AdamStep(what, adam,
+                    ArgsOf(n, ids, grads, grad_dtypes, numels, params, param_dtypes, found_inf, grad_scale));
   });
 }
 

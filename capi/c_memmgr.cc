@@ -21,6 +21,30 @@ using optstate::capi::internal::NullArgument;
 namespace memmgr = optstate::memmgr;
 namespace vfs = optstate::vfs;
 
+namespace optstate::capi::internal {
+
+void DestroyManager(optstate_mm_t* mm) {
+  {
+    std::lock_guard<std::mutex> lock(mm->pins_mu);
+    for (optstate_pin_t* pin : mm->pins) {
+      // Unpin errors are those of scheduling a write-back, which the
+      // manager's destruction below drops anyway.
+      (void)pin->rep.Unpin();
+      pin->mm = nullptr;
+    }
+    mm->pins.clear();
+  }
+  optstate_store_t* store = mm->store;
+  {
+    std::lock_guard<std::mutex> lock(store->open_mu);
+    store->open_mms.erase(mm);
+  }
+  delete mm;
+  CloseStoreIfRequested(store);
+}
+
+}  // namespace optstate::capi::internal
+
 extern "C" {
 
 // ---- memory manager ----
@@ -76,20 +100,13 @@ int optstate_mm_create(optstate_store_t* store, const optstate_mm_options_t* opt
 void optstate_mm_destroy(optstate_mm_t* mm) {
   if (mm == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(mm->pins_mu);
-    for (optstate_pin_t* pin : mm->pins) {
-      // Unpin errors are those of scheduling a write-back, which the
-      // manager's destruction below drops anyway.
-      (void)pin->rep.Unpin();
-      pin->mm = nullptr;
-    }
-    mm->pins.clear();
-  }
-  if (mm->store != nullptr) {
     std::lock_guard<std::mutex> lock(mm->store->open_mu);
-    mm->store->open_mms.erase(mm);
+    if (mm->adams > 0) {
+      mm->destroy_requested = true;  // optstate_adam_destroy of the last one finishes it
+      return;
+    }
   }
-  delete mm;
+  optstate::capi::internal::DestroyManager(mm);
 }
 const char* optstate_mm_backend(const optstate_mm_t* mm) { return memmgr::BackendName(mm->rep->backend()); }
 int optstate_mm_release_all(optstate_mm_t* mm, char** errptr) {

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "capi/internal/c_types.h"
+#include "base/log.h"
 #include "kernels/adam.h"
 #include "base/status.h"
 #include "vfs/store.h"
@@ -44,6 +45,18 @@ int OpenStore(bool create, const char* path, const optstate_store_options_t* opt
 
 }  // namespace
 
+namespace optstate::capi::internal {
+
+void CloseStoreIfRequested(optstate_store_t* store) {
+  {
+    std::lock_guard<std::mutex> lock(store->open_mu);
+    if (!store->close_requested || store->HasOpenHandles()) return;
+  }
+  delete store;
+}
+
+}  // namespace optstate::capi::internal
+
 extern "C" {
 
 // ---- library ----
@@ -58,6 +71,22 @@ const char* optstate_code_name(int code) {
 }
 
 void optstate_free(void* ptr) { std::free(ptr); }
+
+int optstate_set_log_level(const char* level, char** errptr) {
+  const char* what = "optstate_set_log_level";
+  return Guard(errptr, what, [&]() -> Status {
+    if (level == nullptr) return NullArgument(what, "level");
+    const std::string name(level);
+    for (const char* known : {"trace", "debug", "info", "warn", "error", "off"}) {
+      if (name == known) {
+        optstate::Logger().set_level(spdlog::level::from_str(name));
+        return Status::Ok();
+      }
+    }
+    return InvalidArgument(std::string(what) + ": log level '" + name +
+                           "' is none of trace, debug, info, warn, error, off");
+  });
+}
 
 // ---- store ----
 
@@ -95,11 +124,11 @@ int optstate_store_open(const char* path, const optstate_store_options_t* opts, 
 void optstate_store_close(optstate_store_t* store) {
   if (store == nullptr) return;
   {
-    // Handles still open break the contract; at least their destroy calls
-    // must not reach into the freed store handle.
     std::lock_guard<std::mutex> lock(store->open_mu);
-    for (optstate_mm_t* mm : store->open_mms) mm->store = nullptr;
-    for (optstate_adam_t* adam : store->open_adams) adam->store_handle = nullptr;
+    if (store->HasOpenHandles()) {
+      store->close_requested = true;  // the last handle's destroy call closes it
+      return;
+    }
   }
   delete store;
 }
@@ -194,10 +223,8 @@ int optstate_store_read_field(optstate_store_t* store, const char* tensor, const
         continue;
       }
       // 16-bit fields (bf16 moments, f16): decoded to fp32, exactly.
-      const uint16_t* h = static_cast<const uint16_t*>(buf.get()) + (lo - c * per_chunk);
-      for (uint64_t i = 0; i < hi - lo; ++i) {
-        out[lo - first + i] = dtype == DType::kBF16 ? optstate::kernels::Bf16ToFloat(h[i])
-                                                         : optstate::kernels::HalfToFloat(h[i]);
+      for (uint64_t i = lo; i < hi; ++i) {
+        out[i - first] = optstate::kernels::ElementAsFloat(dtype, buf.get(), i - c * per_chunk);
       }
     }
     return Status::Ok();

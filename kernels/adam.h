@@ -132,4 +132,14 @@ float Bf16ToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);
 float HalfToFloat(uint16_t h);
 
+// The integer the C entry points (kernels/capi.cc; optstate/c.h's
+// OPTSTATE_NONE, checked against it when the C ABI is built) pass where no
+// tensor, and so no dtype, is given: outside base's DType table.
+inline constexpr int kNoDTypeCode = 255;
+
+// Element i of a host buffer of float dtype d (f32, bf16 or f16) as fp32,
+// exactly: the one reader of "element i as float" for every folder (q8 codes
+// decode only with their block's scale: Q8Dequantize). NaN for another d.
+float ElementAsFloat(DType d, const void* data, uint64_t i);
+
 }  // namespace optstate::kernels

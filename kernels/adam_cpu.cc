@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -241,5 +242,26 @@ uint16_t FloatToBf16(float f) { return internal::FloatToBf16Bits(f); }
 float Bf16ToFloat(uint16_t h) { return internal::Bf16BitsToFloat(h); }
 uint16_t FloatToHalf(float f) { return internal::FloatToHalfBits(f); }
 float HalfToFloat(uint16_t h) { return internal::HalfBitsToFloat(h); }
+
+float ElementAsFloat(DType d, const void* data, uint64_t i) {
+  // memcpy: a field buffer of bytes need not be aligned for its dtype.
+  const char* at = static_cast<const char*>(data) + i * DTypeSize(d);
+  switch (d) {
+    case DType::kF32: {
+      float f;
+      std::memcpy(&f, at, sizeof f);
+      return f;
+    }
+    case DType::kBF16:
+    case DType::kF16: {
+      uint16_t h;
+      std::memcpy(&h, at, sizeof h);
+      return d == DType::kBF16 ? internal::Bf16BitsToFloat(h) : internal::HalfBitsToFloat(h);
+    }
+    case DType::kQ8S:
+    case DType::kQ8U: break;
+  }
+  return std::numeric_limits<float>::quiet_NaN();
+}
 
 }  // namespace optstate::kernels

@@ -1,6 +1,6 @@
 // C ABI over the Adam kernels, for Python (ctypes) and other foreign callers:
-// liboptstate_kernels_capi.so. Types are DType values (0 = fp32,
-// 1 = bf16, 2 = fp16; 255 = no parameter copy); mode is AdamMode (0 = Adam, 1 = AdamW).
+// liboptstate_kernels_capi.so. Types are DType values (base/dtype.h: 0 = fp32,
+// 1 = bf16, 2 = fp16; kernels::kNoDTypeCode = no parameter copy); mode is AdamMode (0 = Adam, 1 = AdamW).
 // Hyperparameters are doubles (Python floats, passed as they are).
 // Pointers are device pointers for the CUDA entry points and host pointers for
 // the CPU one; nothing is allocated or retained. Thread-safety: as the
@@ -27,7 +27,7 @@ AdamTensors MakeTensors(float* main, void* exp_avg, void* exp_avg_sq, const void
   t.grad = grad;
   t.grad_type = static_cast<optstate::DType>(grad_type);
   t.param = param;
-  if (param_type != 255) t.param_type = static_cast<optstate::DType>(param_type);
+  if (param_type != optstate::kernels::kNoDTypeCode) t.param_type = static_cast<optstate::DType>(param_type);
   t.found_inf = found_inf;
   return t;
 }

@@ -28,7 +28,6 @@ using internal::ImplOf;
 using internal::ManagerImpl;
 using internal::NameList;
 using internal::DTypeText;
-using internal::ToFloat;
 using internal::WithNote;
 
 std::vector<std::string> StreamedAdam::UnregisteredParams() const {
@@ -199,7 +198,7 @@ Status StreamedAdam::WriteMains(const std::vector<MainSource>& srcs) {
     if (m.type == DType::kF32) {
       std::memcpy(out, src, n * 4);
     } else {
-      for (uint64_t i = 0; i < n; ++i) out[i] = ToFloat(src, i, m.type);
+      for (uint64_t i = 0; i < n; ++i) out[i] = kernels::ElementAsFloat(m.type, src, i);
     }
     const uint64_t tag = reinterpret_cast<uint64_t>(buf);
     st = io->SubmitWrite(vfs::ChunkRef{m.p->info.id, m.p->f_main, c}, buf, tag);

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "vfs/internal/checkpoint_util.h"
+#include "vfs/reshard.h"
 
 namespace optstate::vfs {
 namespace {
@@ -249,31 +250,8 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
     if (prod != t.numel) {
       return p.Err(path + "shape", fmt::format("product {} != numel {}", prod, t.numel));
     }
-    // A 1-D shape and shard_offset of a tensor of higher rank: the flat range
-    // [offset, offset + numel) of its row-major flattening.
-    const bool flat = t.shape.size() == 1 && t.shard_offset.size() == 1 && t.global_shape.size() > 1;
-    if (flat) {
-      uint64_t global_numel = 1;
-      for (uint64_t d : t.global_shape) {
-        if (!MulOk(global_numel, d, &global_numel)) return p.Err(path + "global_shape", "product overflows");
-      }
-      if (t.shard_offset[0] > global_numel || t.numel > global_numel - t.shard_offset[0]) {
-        return p.Err(path + "shard_offset",
-                     fmt::format("flat range [{}, {}) exceeds the global tensor's {} elements", t.shard_offset[0],
-                                 t.shard_offset[0] + t.numel, global_numel));
-      }
-    } else if (t.global_shape.size() != t.shape.size() || t.shard_offset.size() != t.shape.size()) {
-      return p.Err(path + "global_shape",
-                   "shape, global_shape and shard_offset must have the same rank (or shape and shard_offset "
-                   "one number each: a flat range)");
-    }
-    for (size_t d = 0; !flat && d < t.shape.size(); ++d) {
-      if (t.shard_offset[d] > t.global_shape[d] ||
-          t.shape[d] > t.global_shape[d] - t.shard_offset[d]) {
-        return p.Err(path + "shard_offset",
-                     fmt::format("dimension {}: offset {} + extent {} exceeds global {}", d,
-                                 t.shard_offset[d], t.shape[d], t.global_shape[d]));
-      }
+    if (Status g = CheckShardGeometry(t.numel, t.shape, t.global_shape, t.shard_offset); !g.ok()) {
+      return p.Err(path + "shard_offset", g.message());
     }
     const Json* fields = p.Member(jt, path, "fields", &st);
     if (!fields) return st;

@@ -62,6 +62,20 @@ ShardBox FlatRange(uint64_t begin, uint64_t end);
 // higher rank).
 ShardBox ShardOf(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& global_shape,
                  const std::vector<uint64_t>& shard_offset);
+// Whether shard b lies inside a tensor of global_shape: a flat range (offset
+// and shape one number each) inside its elements, a box of its rank inside it
+// in every dimension. kInvalidArgument saying which is not ("has a box of
+// rank 1 ...", "holds [0, 4) x [8, 16), outside the tensor in dimension 1"),
+// to be prefixed with the tensor and whoever holds the shard.
+Status CheckShardInside(const ShardBox& b, const std::vector<uint64_t>& global_shape);
+// The one check of a shard's recorded geometry (a registration, a store's
+// tensor, a checkpoint manifest's): shape's product is numel, and the shard
+// ShardOf makes of the three lies inside global_shape (CheckShardInside). The
+// vectors as recorded, defaults filled in (a whole tensor: global_shape =
+// shape, shard_offset zeros). kInvalidArgument as CheckShardInside, to be
+// prefixed with the tensor.
+Status CheckShardGeometry(uint64_t numel, const std::vector<uint64_t>& shape,
+                          const std::vector<uint64_t>& global_shape, const std::vector<uint64_t>& shard_offset);
 // A shard as at most 2 x rank - 1 boxes of the global tensor, in row-major
 // order, each with the index of its first element in the shard's own
 // row-major order (a box: itself at 0; a flat range [b, e): a partial row, a

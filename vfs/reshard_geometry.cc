@@ -58,6 +58,44 @@ ShardBox ShardOf(const std::vector<uint64_t>& shape, const std::vector<uint64_t>
   return ShardBox{shard_offset, shape, shape.size() == 1 && global_shape.size() > 1};
 }
 
+Status CheckShardInside(const ShardBox& b, const std::vector<uint64_t>& global_shape) {
+  const size_t nd = global_shape.size();
+  if (b.flat) {
+    if (b.offset.size() != 1 || b.shape.size() != 1) {
+      return InvalidArgument(fmt::format("has a flat range with offset {} and shape {} (expected one number each)",
+                                         Dims(b.offset), Dims(b.shape)));
+    }
+    const unsigned __int128 total = Volume(global_shape);
+    if (b.offset[0] > total || b.shape[0] > total - b.offset[0]) {
+      return InvalidArgument(
+          fmt::format("holds {}, past the tensor's {} elements", BoxRanges(b), static_cast<uint64_t>(total)));
+    }
+    return Status::Ok();
+  }
+  if (b.offset.size() != nd || b.shape.size() != nd) {
+    return InvalidArgument(fmt::format("has a box of rank {} (offset {}, shape {}), the tensor has rank {}",
+                                       b.shape.size(), Dims(b.offset), Dims(b.shape), nd));
+  }
+  for (size_t d = 0; d < nd; ++d) {
+    if (b.offset[d] > global_shape[d] || b.shape[d] > global_shape[d] - b.offset[d]) {
+      return InvalidArgument(fmt::format("holds {}, outside the tensor in dimension {}", BoxRanges(b), d));
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckShardGeometry(uint64_t numel, const std::vector<uint64_t>& shape,
+                          const std::vector<uint64_t>& global_shape, const std::vector<uint64_t>& shard_offset) {
+  if (Volume(shape) != numel) {
+    return InvalidArgument(fmt::format("shape {} has {} elements, numel is {}", Dims(shape),
+                                       static_cast<uint64_t>(Volume(shape)), numel));
+  }
+  Status st = CheckShardInside(ShardOf(shape, global_shape, shard_offset), global_shape);
+  if (st.ok()) return st;
+  return InvalidArgument(fmt::format("the shard (shape {}, shard_offset {}) of global shape {} {}", Dims(shape),
+                                     Dims(shard_offset), Dims(global_shape), st.message()));
+}
+
 std::vector<ShardPiece> ShardPieces(const ShardBox& shard, const std::vector<uint64_t>& global_shape) {
   const size_t nd = global_shape.size();
   if (!shard.flat || nd <= 1) return {ShardPiece{ShardBox{shard.offset, shard.shape}, 0}};
@@ -97,26 +135,10 @@ Status ValidateTiling(std::string_view what, std::string_view tensor, const std:
   };
   const unsigned __int128 total = Volume(global_shape);
   for (const auto& [label, b] : boxes) {
-    if (b.flat) {
-      if (b.offset.size() != 1 || b.shape.size() != 1) {
-        return err(fmt::format("{} has a flat range with offset {} and shape {} (expected one number each)", label,
-                               Dims(b.offset), Dims(b.shape)));
-      }
-      if (b.offset[0] > total || b.shape[0] > total - b.offset[0]) {
-        return err(fmt::format("{} holds {}, past the tensor's {} elements", label, BoxRanges(b),
-                               static_cast<uint64_t>(total)));
-      }
-      continue;
-    }
-    if (b.offset.size() != nd || b.shape.size() != nd) {
-      return err(fmt::format("{} has a box of rank {} (offset {}, shape {}), the tensor has rank {}{}", label,
-                             b.shape.size(), Dims(b.offset), Dims(b.shape), nd,
-                             b.shape.size() == 1 ? " (a flat range is written {\"flat\": [begin, end]})" : ""));
-    }
-    for (size_t d = 0; d < nd; ++d) {
-      if (b.offset[d] > global_shape[d] || b.shape[d] > global_shape[d] - b.offset[d]) {
-        return err(fmt::format("{} holds {}, outside the tensor in dimension {}", label, BoxRanges(b), d));
-      }
+    if (Status st = CheckShardInside(b, global_shape); !st.ok()) {
+      const bool rank_hint = !b.flat && b.shape.size() == 1 && b.shape.size() != nd;
+      return err(fmt::format("{} {}{}", label, st.message(),
+                             rank_hint ? " (a flat range is written {\"flat\": [begin, end]})" : ""));
     }
   }
   // Flat ranges as boxes: the checks below see only boxes, each named by its shard.

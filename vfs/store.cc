@@ -31,6 +31,7 @@
 #include "vfs/internal/store_core.h"
 #include "vfs/internal/store_open.h"
 #include "vfs/internal/store_format.h"
+#include "vfs/reshard.h"
 #include "base/sync_point.h"
 
 namespace optstate::vfs {
@@ -205,20 +206,8 @@ class StoreImpl final : public Store {
     if (t.shape.empty()) t.shape = {t.numel};
     if (t.global_shape.empty()) t.global_shape = t.shape;
     if (t.shard_offset.empty()) t.shard_offset.assign(t.global_shape.size(), 0);
-    if (t.shape.size() == 1 && t.shard_offset.size() == 1 && t.global_shape.size() > 1) {
-      // A flat range of the row-major flattening of global_shape.
-      unsigned __int128 global_numel = 1;
-      for (uint64_t d : t.global_shape) global_numel *= d;
-      if (static_cast<unsigned __int128>(t.shard_offset[0]) + t.numel > global_numel) {
-        return InvalidArgument("tensor '" + spec.name + "': flat range [" + std::to_string(t.shard_offset[0]) +
-                               ", " + std::to_string(t.shard_offset[0] + t.numel) +
-                               ") exceeds the global tensor's elements");
-      }
-    } else if (t.shard_offset.size() != t.global_shape.size()) {
-      return InvalidArgument("tensor '" + spec.name + "': shard_offset rank " +
-                             std::to_string(t.shard_offset.size()) + " != global_shape rank " +
-                             std::to_string(t.global_shape.size()) +
-                             " (a flat range of the global tensor: shape and shard_offset one number each)");
+    if (Status st = CheckShardGeometry(t.numel, t.shape, t.global_shape, t.shard_offset); !st.ok()) {
+      return st.WithContext("store " + core_->path_ + ": tensor '" + spec.name + "'");
     }
     std::lock_guard l(core_->mu_);
     OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("create tensor '" + spec.name + "'"));

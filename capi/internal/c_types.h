@@ -43,9 +43,16 @@ struct optstate_store_t {
   // create calls, removed by their destroy calls): a restore refuses while
   // any is open, and calls that name the newest state (export, snapshot) wait
   // for the optimizers' in-flight commits first.
+  // optstate_store_close with any of them open only sets close_requested:
+  // the store is deleted when the last of them is destroyed (a garbage
+  // collector may finalise the handles in any order).
   std::mutex open_mu;
   std::set<optstate_mm_t*> open_mms;      // guarded by open_mu
   std::set<optstate_adam_t*> open_adams;  // guarded by open_mu
+  int adams_destroying = 0;               // out of open_adams, not yet deleted; guarded by open_mu
+  bool close_requested = false;           // guarded by open_mu
+  // Whether a manager or an optimizer is still open on it. REQUIRES: open_mu held.
+  bool HasOpenHandles() const { return !open_mms.empty() || !open_adams.empty() || adams_destroying > 0; }
 };
 struct optstate_snapshot_list_t {
   std::vector<optstate::vfs::SnapshotInfo> rep;
@@ -56,6 +63,10 @@ struct optstate_mm_options_t {
 struct optstate_mm_t {
   std::unique_ptr<optstate::memmgr::MemoryManager> rep;
   optstate_store_t* store = nullptr;  // the handle it was created on (open_mms)
+  // optstate_mm_destroy while an optimizer made with it is open only sets
+  // this: the manager is destroyed with the last such optimizer.
+  bool destroy_requested = false;  // guarded by store->open_mu
+  int adams = 0;                   // optimizer handles made with it, not yet deleted; guarded by store->open_mu
   // Pins not yet released through optstate_unpin; optstate_mm_destroy
   // releases them first (a PinnedRange must not outlive its manager).
   std::mutex pins_mu;
@@ -74,6 +85,7 @@ struct optstate_adam_t {
   std::unique_ptr<optstate::memmgr::StreamedAdam> rep;
   optstate::vfs::Store* store = nullptr;
   optstate_store_t* store_handle = nullptr;  // the handle it was created on (open_adams)
+  optstate_mm_t* mm_handle = nullptr;        // the manager handle it was created with
   optstate::memmgr::MemoryManager* mm = nullptr;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
@@ -105,6 +117,14 @@ int Guard(char** errptr, const char* what, F&& f) {
 
 // kInvalidArgument "<what>: <arg> is NULL".
 Status NullArgument(const char* what, const char* arg);
+
+// Destroys a manager handle now (its pins released, its store closed when
+// that close was requested and this was the last handle open on it).
+// REQUIRES: no optimizer made with it is open; open_mu not held.
+void DestroyManager(optstate_mm_t* mm);
+// Deletes the store when its close was requested and no manager or
+// optimizer is open on it any more. REQUIRES: open_mu not held.
+void CloseStoreIfRequested(optstate_store_t* store);
 
 // Waits for the in-flight commit of every optimizer open on store, so that
 // "the newest committed generation" includes the last step. Its error if a

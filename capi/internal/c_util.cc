@@ -6,6 +6,40 @@
 #include <string>
 #include <vector>
 
+#include "base/dtype.h"
+#include "base/status.h"
+#include "kernels/adam.h"
+
+// optstate/c.h's copies of the vocabulary (its codes and dtypes) are
+// base's: a row added or renumbered on one side fails the build here.
+#define OPTSTATE_SAME_CODE(c, k) \
+  static_assert(c == static_cast<int>(optstate::StatusCode::k), #c " is not StatusCode::" #k)
+OPTSTATE_SAME_CODE(OPTSTATE_OK, kOk);
+OPTSTATE_SAME_CODE(OPTSTATE_INVALID_ARGUMENT, kInvalidArgument);
+OPTSTATE_SAME_CODE(OPTSTATE_NOT_FOUND, kNotFound);
+OPTSTATE_SAME_CODE(OPTSTATE_ALREADY_EXISTS, kAlreadyExists);
+OPTSTATE_SAME_CODE(OPTSTATE_FAILED_PRECONDITION, kFailedPrecondition);
+OPTSTATE_SAME_CODE(OPTSTATE_BUSY, kBusy);
+OPTSTATE_SAME_CODE(OPTSTATE_RESOURCE_EXHAUSTED, kResourceExhausted);
+OPTSTATE_SAME_CODE(OPTSTATE_NO_SPACE, kNoSpace);
+OPTSTATE_SAME_CODE(OPTSTATE_IO_ERROR, kIoError);
+OPTSTATE_SAME_CODE(OPTSTATE_CORRUPTION, kCorruption);
+OPTSTATE_SAME_CODE(OPTSTATE_DATA_LOSS, kDataLoss);
+OPTSTATE_SAME_CODE(OPTSTATE_CANCELLED, kCancelled);
+OPTSTATE_SAME_CODE(OPTSTATE_UNIMPLEMENTED, kUnimplemented);
+OPTSTATE_SAME_CODE(OPTSTATE_INTERNAL, kInternal);
+#undef OPTSTATE_SAME_CODE
+
+#define OPTSTATE_SAME_DTYPE(c, k) \
+  static_assert(c == static_cast<int>(optstate::DType::k), #c " is not DType::" #k)
+OPTSTATE_SAME_DTYPE(OPTSTATE_F32, kF32);
+OPTSTATE_SAME_DTYPE(OPTSTATE_BF16, kBF16);
+OPTSTATE_SAME_DTYPE(OPTSTATE_F16, kF16);
+OPTSTATE_SAME_DTYPE(OPTSTATE_Q8S, kQ8S);
+OPTSTATE_SAME_DTYPE(OPTSTATE_Q8U, kQ8U);
+#undef OPTSTATE_SAME_DTYPE
+static_assert(OPTSTATE_NONE == optstate::kernels::kNoDTypeCode, "OPTSTATE_NONE is not kNoDTypeCode");
+
 namespace optstate::capi::internal {
 
 int SaveError(char** errptr, const Status& s) {

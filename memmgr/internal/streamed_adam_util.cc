@@ -26,15 +26,6 @@ std::string DimsText(const std::vector<uint64_t>& v) {
   return out + "]";
 }
 
-float ToFloat(const void* src, uint64_t i, DType t) {
-  switch (t) {
-    case DType::kF32: return static_cast<const float*>(src)[i];
-    case DType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]);
-    case DType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(src)[i]);
-    default: return 0.0f;
-  }
-}
-
 Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, MomentDType moment) {
   for (const vfs::FieldSpec& f : t.fields) {
     if (f.name != "exp_avg" && f.name != "exp_avg_sq") continue;

@@ -43,9 +43,6 @@ std::string NameList(It first, It last, Numel numel) {
   return out;
 }
 
-// Element i of src (f32, bf16 or f16) as f32.
-float ToFloat(const void* src, uint64_t i, DType t);
-
 // kInvalidArgument naming the store, the tensor, the field and both dtypes
 // when a moment field of t is not stored as `want`.
 Status CheckMomentFields(const vfs::TensorInfo& t, const std::string& store_path, MomentDType moment);

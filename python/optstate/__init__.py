@@ -5,7 +5,8 @@ StreamedAdam are the handles of the C ABI (liboptstate.so) it is built on.
 This package is pure Python (ctypes) and never compiled against torch."""
 from . import checkpoint, errors
 from ._lib import lib as _lib_handle
-from .core import (BF16, F16, F32, NONE, READ, READ_WRITE, WRITE, MemoryManager, PinnedRange, Store,
+from ._lib import set_log_level
+from .core import (BF16, F16, F32, NONE, Q8S, Q8U, READ, READ_WRITE, WRITE, MemoryManager, PinnedRange, Store,
                    StreamedAdam)
 from .errors import (AlreadyExists, Busy, Cancelled, Corruption, DataLoss, Error, FailedPrecondition,
                      Internal, InvalidArgument, IoError, NoSpace, NotFound, ResourceExhausted, Unimplemented)

@@ -6,6 +6,10 @@ Where the library is looked for, in order:
   3. a CMake build tree of the source checkout this package sits in
      (<repo>/build/*/capi/liboptstate.so);
   4. the dynamic loader's search path (an installed liboptstate.so.1).
+
+The library's C ABI version must be at least ABI_VERSION (OPTSTATE_C_ABI_VERSION
+of the <optstate/c.h> this package speaks): the version grows with every
+addition, and nothing is removed.
 """
 import ctypes
 import glob
@@ -13,7 +17,8 @@ import os
 
 from . import errors
 
-ABI_VERSION = 1
+ABI_VERSION = 2
+_SONAME_VERSION = 1  # liboptstate.so.1 (capi/CMakeLists.txt OPTSTATE_C_SOVERSION)
 
 _c = ctypes
 _u8p = _c.c_char_p
@@ -38,6 +43,17 @@ class MemoryStats(_c.Structure):
                 ("io_stall_seconds", _dbl), ("pins", _u64), ("evictions", _u64)]
 
 
+class StepArgs(_c.Structure):
+    """optstate_adam_step_args_t: one step's inputs (see <optstate/c.h>)."""
+    _fields_ = [("struct_size", _c.c_size_t), ("n", _c.c_size_t), ("ids", _c.POINTER(_u32)),
+                ("grads", _c.POINTER(_vp)), ("grad_dtypes", _c.POINTER(_int)), ("numels", _c.POINTER(_u64)),
+                ("params", _c.POINTER(_vp)), ("param_dtypes", _c.POINTER(_int)), ("found_inf", _vp),
+                ("grad_scale", _vp)]
+
+    def __init__(self, **fields):
+        super().__init__(struct_size=_c.sizeof(StepArgs), **fields)
+
+
 # name: (restype, argtypes). Functions whose restype is _int and whose last
 # argument is _errp return an optstate_code.
 _SIGNATURES = {
@@ -45,6 +61,7 @@ _SIGNATURES = {
     "optstate_abi_version": (_int, []),
     "optstate_code_name": (_u8p, [_int]),
     "optstate_free": (None, [_vp]),
+    "optstate_set_log_level": (_int, [_u8p, _errp]),
     # store
     "optstate_store_options_create": (_vp, []),
     "optstate_store_options_destroy": (None, [_vp]),
@@ -126,6 +143,8 @@ _SIGNATURES = {
                                              _c.POINTER(_u64), _c.POINTER(_c.c_size_t), _c.POINTER(_u64),
                                              _c.POINTER(_u32), _c.POINTER(_int), _errp]),
     "optstate_adam_param_numel": (_int, [_vp, _u32, _c.POINTER(_u64), _errp]),
+    "optstate_adam_step_with": (_int, [_vp, _c.POINTER(StepArgs), _errp]),
+    "optstate_adam_set_grad_scale": (_int, [_vp, _c.c_float, _errp]),
     "optstate_adam_step": (_int, [_vp, _c.c_size_t, _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
                                   _c.POINTER(_vp), _c.POINTER(_int), _vp, _c.c_float, _errp]),
     "optstate_adam_step2": (_int, [_vp, _c.c_size_t, _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
@@ -155,7 +174,7 @@ def _candidates():
     found = [os.path.join(here, "liboptstate.so")]
     repo = os.path.dirname(os.path.dirname(here))  # <repo>/python/optstate -> <repo>
     found += sorted(glob.glob(os.path.join(repo, "build", "*", "capi", "liboptstate.so")))
-    found.append("liboptstate.so.%d" % ABI_VERSION)
+    found.append("liboptstate.so.%d" % _SONAME_VERSION)
     return found
 
 
@@ -180,15 +199,22 @@ def _load():
             fn.restype = restype
             fn.argtypes = argtypes
         abi = lib.optstate_abi_version()
-        if abi != ABI_VERSION:
+        if abi < ABI_VERSION:
             raise errors.FailedPrecondition(
-                "liboptstate at %s has C ABI version %d, this package needs %d" % (path, abi, ABI_VERSION))
+                "liboptstate at %s has C ABI version %d, this package needs %d or later" % (path, abi, ABI_VERSION))
         lib.path = path
         return lib
     raise errors.NotFound("liboptstate.so not found; set OPTSTATE_LIB to its path. Tried: " + "; ".join(tried))
 
 
 lib = _load()
+
+
+def set_log_level(level):
+    """Sets the level of liboptstate's log (stderr, process-wide): "trace", "debug", "info", "warn",
+    "error" or "off". Imported from Python the library logs warnings and errors only, unless the
+    environment variable OPTSTATE_LOG_LEVEL sets the level."""
+    call(lib.optstate_set_log_level, str(level).encode())
 
 
 def call(fn, *args):
@@ -201,3 +227,9 @@ def call(fn, *args):
             message = ctypes.string_at(err.value).decode("utf-8", "replace")
             lib.optstate_free(err)
         raise errors.from_code(code, message)
+
+
+# A library inside a training script speaks up only when something is wrong: its [info] lines (a
+# store opened, a step's timings) are for the command-line tools and for whoever asks for them.
+if "OPTSTATE_LOG_LEVEL" not in os.environ:
+    set_log_level("warn")

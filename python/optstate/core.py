@@ -3,17 +3,21 @@
 These are thin: each method is one C call and raises an optstate.Error
 subclass on failure. Pointers are plain integers (a tensor's data_ptr(), a
 numpy array's ctypes.data). Closing a Store first closes the managers and
-optimizers made on it, so the C lifetime rules (<optstate/c.h>) hold whatever
-order Python drops its references in."""
+optimizers made on it; and the C ABI finishes closing a store (or destroying a
+manager) only once the handles made on it are gone, so handles a garbage
+collector finalises in its own order, with the weak references that list a
+store's children already cleared, are safe too (<optstate/c.h>, "Ownership
+and lifetime")."""
 import atexit
 import ctypes
 import os
 import weakref
 
 from . import errors
-from ._lib import MemoryStats, StoreStats, call, lib
+from ._lib import MemoryStats, StepArgs, StoreStats, call, lib
 
-F32, BF16, F16, NONE = 0, 1, 2, 255
+# optstate_dtype and optstate_access of <optstate/c.h> (tests/python/vocabulary_test.py checks them).
+F32, BF16, F16, Q8S, Q8U, NONE = 0, 1, 2, 3, 4, 255
 READ, WRITE, READ_WRITE = 0, 1, 2
 
 _ACCESS = {"read": READ, "r": READ, "write": WRITE, "w": WRITE, "readwrite": READ_WRITE,
@@ -489,36 +493,49 @@ class StreamedAdam(_Handle):
              nd, sh, gd, gs, od, so, ids, existed)
         return [(ids[i], bool(existed[i])) for i in range(n)]
 
+    def set_grad_scale(self, grad_scale):
+        """Sets the standing gradient scale: grads are divided by it in every step given no scale of its
+        own (optstate_adam_set_grad_scale). Finite and > 0."""
+        call(lib.optstate_adam_set_grad_scale, self._live(), float(grad_scale))
+
+    def step_with(self, args):
+        """One step from a StepArgs (optstate_adam_step_args_t; its struct_size is already set)."""
+        call(lib.optstate_adam_step_with, self._live(), ctypes.byref(args))
+
     def step_raw(self, n, ids, grads, grad_dtypes, params, param_dtypes, found_inf_ptr=None, grad_scale=0.0):
-        """One step over n params given as ctypes arrays (see optstate_adam_step)."""
-        call(lib.optstate_adam_step, self._live(), n, ids, grads, grad_dtypes, params, param_dtypes,
-             found_inf_ptr, grad_scale)
+        """One step over n params given as ctypes arrays; grad_scale > 0 first becomes the standing scale
+        (set_grad_scale), 0 keeps it."""
+        if grad_scale != 0.0:
+            self.set_grad_scale(grad_scale)
+        self.step_with(StepArgs(n=n, ids=ids, grads=grads, grad_dtypes=grad_dtypes, params=params,
+                                param_dtypes=param_dtypes, found_inf=found_inf_ptr))
 
     def step(self, ids, grads, grad_dtypes, params=None, param_dtypes=None, found_inf_ptr=None, grad_scale=0.0,
              numels=None, grad_scale_ptr=None):
         """One step; lists of ids, grad pointers and dtypes (and param pointers and dtypes). numels: the
         grads' element counts, checked against the registrations; grad_scale_ptr: a pointer to this step's
-        scale (one float on the backend's device); either selects optstate_adam_step2."""
+        scale (one float on the backend's device), for this step only; grad_scale: a float that first
+        becomes the standing scale (set_grad_scale; 0 keeps it). Give one of the two scales at most."""
         n = len(ids)
+        if grad_scale and grad_scale_ptr is not None:
+            raise errors.InvalidArgument("StreamedAdam.step: give grad_scale or grad_scale_ptr, not both")
         c_params = c_pdt = None
         if params is not None:
             c_params = (ctypes.c_void_p * n)(*params)
             c_pdt = (ctypes.c_int * n)(*param_dtypes)
         c_ids, c_grads, c_gdt = (ctypes.c_uint32 * n)(*ids), (ctypes.c_void_p * n)(*grads), (ctypes.c_int * n)(*grad_dtypes)
-        if numels is None and grad_scale_ptr is None:
-            self.step_raw(n, c_ids, c_grads, c_gdt, c_params, c_pdt, found_inf_ptr, grad_scale)
-            return
-        if grad_scale:
-            raise errors.InvalidArgument("StreamedAdam.step: give grad_scale or grad_scale_ptr, not both")
         c_numels = None if numels is None else (ctypes.c_uint64 * n)(*numels)
-        self.step2_raw(n, c_ids, c_grads, c_gdt, c_numels, c_params, c_pdt, found_inf_ptr, grad_scale_ptr)
+        if grad_scale != 0.0:
+            self.set_grad_scale(grad_scale)
+        self.step_with(StepArgs(n=n, ids=c_ids, grads=c_grads, grad_dtypes=c_gdt, numels=c_numels, params=c_params,
+                                param_dtypes=c_pdt, found_inf=found_inf_ptr, grad_scale=grad_scale_ptr))
 
     def step2_raw(self, n, ids, grads, grad_dtypes, numels, params, param_dtypes, found_inf_ptr=None,
                   grad_scale_ptr=None):
         """One step over n params given as ctypes arrays, with each grad's numel checked against its
-        registration and an optional pointer to this step's grad scale (see optstate_adam_step2)."""
-        call(lib.optstate_adam_step2, self._live(), n, ids, grads, grad_dtypes, numels, params, param_dtypes,
-             found_inf_ptr, grad_scale_ptr)
+        registration and an optional pointer to this step's grad scale (see optstate_adam_step_args_t)."""
+        self.step_with(StepArgs(n=n, ids=ids, grads=grads, grad_dtypes=grad_dtypes, numels=numels, params=params,
+                                param_dtypes=param_dtypes, found_inf=found_inf_ptr, grad_scale=grad_scale_ptr))
 
     def retire_param(self, name):
         """Leaves a param the store holds but this run's model lacks out of the run; its state stays in

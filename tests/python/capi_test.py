@@ -1,5 +1,10 @@
 """The C ABI through the optstate package's handles (no torch): a streamed
 AdamW against a float64 numpy loop, snapshots, stats, errors with codes."""
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
 import unittest
 
 import numpy as np
@@ -21,6 +26,18 @@ class CapiTest(TempDirTest):
         store = optstate.Store(self.path(name), **STORE_KW)
         mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
         return store, mm, optstate.StreamedAdam(store, mm)
+
+    def twin_runs(self, names, w0):
+        """{name: (store, adam, pid, w)}: an optimizer per name (AdamW, lr 1e-2, wd 0.01) on a store of
+        its own with one param "w" registered from a copy w of w0."""
+        runs = {}
+        for name in names:
+            store, mm, adam = self.open(name)
+            adam.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.01)
+            w = w0.copy()
+            pid, _ = adam.register_param("w", len(w), 0, w.ctypes.data, optstate.F32)
+            runs[name] = (store, adam, pid, w)
+        return runs
 
     def test_bf16_moments_step_read_back_and_reopen(self):
         store = optstate.Store(self.path("b"), **STORE_KW)
@@ -151,7 +168,7 @@ class CapiTest(TempDirTest):
 
     def test_version(self):
         self.assertRegex(optstate.library_version(), r"^\d+\.\d+\.\d+$")
-        self.assertEqual(optstate._lib_handle.optstate_abi_version(), 1)
+        self.assertGreaterEqual(optstate._lib_handle.optstate_abi_version(), optstate._lib.ABI_VERSION)
 
     def test_steps_match_float64_reference_and_read_back(self):
         store, mm, adam = self.open()
@@ -191,14 +208,7 @@ class CapiTest(TempDirTest):
         optimizer's scale; a negative or non-finite scale is refused and commits nothing."""
         rng = np.random.default_rng(3)
         n = 5000
-        w0 = rng.standard_normal(n).astype(np.float32)
-        runs = {}
-        for name in ("scaled", "plain"):
-            store, mm, adam = self.open(name)
-            adam.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.01)
-            w = w0.copy()
-            pid, _ = adam.register_param("w", n, 0, w.ctypes.data, optstate.F32)
-            runs[name] = (store, adam, pid, w)
+        runs = self.twin_runs(("scaled", "plain"), rng.standard_normal(n).astype(np.float32))
         current = 1.0
         for s in [1024.0, 0.0, 0.125, 65536.0, 1.0]:
             current = s if s > 0 else current  # 0 keeps the scale the last step set
@@ -261,6 +271,120 @@ class CapiTest(TempDirTest):
             with self.assertRaises(optstate.InvalidArgument):
                 adam.step([pid], [g.ctypes.data], [optstate.F32], grad_scale_ptr=scale.ctypes.data)
         self.assertEqual(adam.step_count(0), 2)
+
+    def test_step_and_step2_are_wrappers_of_step_with(self):
+        """optstate_adam_step (a float scale that becomes the standing one) and optstate_adam_step2 (numels
+        and a per-step scale pointer), called directly, step bit for bit as optstate_adam_step_with given
+        the same inputs; a struct_size short of the struct is refused and commits nothing."""
+        from optstate._lib import StepArgs, call, lib
+        rng = np.random.default_rng(5)
+        n = 3000
+        runs = self.twin_runs(("old", "new"), rng.standard_normal(n).astype(np.float32))
+        u32, vp, i32 = ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
+        scale = np.full(1, 4.0, dtype=np.float32)
+        for k in range(3):
+            g = (rng.standard_normal(n) * 8).astype(np.float32)
+            for name, (store, adam, pid, w) in runs.items():
+                ids, grads, gdt = (u32 * 1)(pid), (vp * 1)(g.ctypes.data), (i32 * 1)(optstate.F32)
+                params, pdt = (vp * 1)(w.ctypes.data), (i32 * 1)(optstate.F32)
+                if name == "old" and k == 0:
+                    call(lib.optstate_adam_step, adam._h, 1, ids, grads, gdt, params, pdt, None, ctypes.c_float(2.0))
+                elif name == "old":
+                    call(lib.optstate_adam_step2, adam._h, 1, ids, grads, gdt, (ctypes.c_uint64 * 1)(n), params, pdt,
+                         None, scale.ctypes.data if k == 1 else None)
+                else:
+                    if k == 0:
+                        adam.set_grad_scale(2.0)
+                    adam.step_with(StepArgs(n=1, ids=ids, grads=grads, grad_dtypes=gdt, params=params,
+                                            param_dtypes=pdt, numels=(ctypes.c_uint64 * 1)(n) if k else None,
+                                            grad_scale=scale.ctypes.data if k == 1 else None))
+        for _, adam, _, _ in runs.values():
+            adam.make_durable()
+        (a, _, _, wa), (b, adam, pid, wb) = runs["old"], runs["new"]
+        np.testing.assert_array_equal(wa, wb)
+        for field in ("main", "exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(a.read("w", field), b.read("w", field), err_msg=field)
+        gen = b.latest_generation()
+        short = StepArgs(n=1, ids=(u32 * 1)(pid), grads=(vp * 1)(wb.ctypes.data), grad_dtypes=(i32 * 1)(0))
+        short.struct_size = ctypes.sizeof(StepArgs) - 8
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            adam.step_with(short)
+        self.assertIn("struct_size", str(cm.exception))
+        self.assertEqual(b.latest_generation(), gen)
+
+    def test_a_gc_cycle_finalises_the_handles_in_any_order(self):
+        """A store, its manager and its optimizer that end up in one garbage cycle are finalised in the
+        collector's order (the store's first: weak references are cleared before finalisers run); the
+        process survives, the optimizer commits what it held and the store's lock is released."""
+        script = textwrap.dedent("""
+            import gc, sys
+            import numpy as np
+            import optstate
+            gc.disable()
+            store = optstate.Store(sys.argv[1], chunk_size_bytes=2 << 20)
+            mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+            adam = optstate.StreamedAdam(store, mm, durable_every_steps=4)
+            adam.set_group(0, 1e-2, 0.9, 0.999, 1e-8, 0.0)
+            w = np.ones(1000, dtype=np.float32)
+            pid, _ = adam.register_param("w", 1000, 0, w.ctypes.data, optstate.F32)
+            adam.make_durable()
+            g = np.full(1000, 0.5, dtype=np.float32)
+            adam.step([pid], [g.ctypes.data], [optstate.F32], [w.ctypes.data], [optstate.F32])
+            store.cycle = [store, mm, adam]
+            del store, mm, adam
+            gc.collect()
+            reopened = optstate.Store(sys.argv[1])
+            np.testing.assert_array_equal(reopened.read("w", "main"), w)
+            print("ok", reopened.latest_generation()[1])
+        """)
+        r = subprocess.run([sys.executable, "-c", script, self.path("gc")], capture_output=True, text=True,
+                           timeout=120)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertEqual(r.stdout.split(), ["ok", "1"])
+
+    def test_the_library_logs_warnings_only_unless_asked(self):
+        """Imported from Python, liboptstate logs no [info] lines (here: a restore's) unless
+        OPTSTATE_LOG_LEVEL or optstate.set_log_level raises the level; an unknown level is refused."""
+        script = textwrap.dedent("""
+            import os, sys
+            import numpy as np
+            import optstate
+            if sys.argv[2] == "call":
+                optstate.set_log_level("info")
+            d = sys.argv[1]
+            store = optstate.Store(os.path.join(d, "s"), chunk_size_bytes=2 << 20)
+            mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+            adam = optstate.StreamedAdam(store, mm)
+            w = np.ones(100, dtype=np.float32)
+            pid, _ = adam.register_param("w", 100, 0, w.ctypes.data, optstate.F32)
+            adam.step([pid], [w.ctypes.data], [optstate.F32])
+            adam.close()
+            mm.close()
+            store.export_checkpoint(os.path.join(d, "ckpt"))
+            store.restore_checkpoint(os.path.join(d, "ckpt"))
+            store.close()
+            try:
+                optstate.set_log_level("loud")
+            except optstate.InvalidArgument as e:
+                print("refused:", e)
+        """)
+        for how in ("default", "env", "call"):
+            d = self.path(how)
+            os.makedirs(d)
+            env = dict(os.environ)
+            env.pop("OPTSTATE_LOG_LEVEL", None)
+            if how == "env":
+                env["OPTSTATE_LOG_LEVEL"] = "info"
+            r = subprocess.run([sys.executable, "-c", script, d, how], capture_output=True, text=True, env=env,
+                               timeout=120)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("refused:", r.stdout)
+            self.assertIn("loud", r.stdout)
+            if how == "default":
+                self.assertNotIn("[info]", r.stderr)
+            else:
+                self.assertIn("[info]", r.stderr, how)
+                self.assertIn("restored", r.stderr, how)
 
     def test_retire_param(self):
         """A param the store holds that this run does not register blocks steps until retired; retired,

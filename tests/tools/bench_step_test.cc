@@ -358,6 +358,30 @@ TEST(BenchStepTest, CompareModeReportsEachFirstVersionBaseline) {
   EXPECT_NE(r.err.find("bogus"), std::string::npos) << r.err;
 }
 
+// Comparison mode steps a state several times its device budget (through
+// 2 MiB chunks) and stays inside it; --moments, which only synthetic mode
+// takes, is refused there, naming the flag and the value, instead of the run
+// stepping f32 moments as if it had been honoured.
+TEST(BenchStepTest, CompareModeStaysInsideItsBudgetAndRefusesMoments) {
+  TempDir dir;
+  const std::vector<std::string> base = {"step", "--dir", dir.path(), "--state", "96M", "--chunk-size", "2M",
+                                         "--budget", "16M", "--backend", "host", "--rounds", "1", "--no-fio",
+                                         "--no-first-version", "--json"};
+  auto r = Tool("optstate-bench", base);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = ParseJson(r);
+  EXPECT_EQ(j["budget_bytes"].get<uint64_t>(), 16ull << 20);
+  EXPECT_GT(j["peak_resident_bytes"].get<uint64_t>(), 0u);
+  EXPECT_LE(j["peak_resident_bytes"].get<uint64_t>(), j["budget_bytes"].get<uint64_t>());
+
+  std::vector<std::string> with_moments = base;
+  with_moments.insert(with_moments.end(), {"--moments", "q8"});
+  r = Tool("optstate-bench", with_moments);
+  EXPECT_NE(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.err.find("--moments q8"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--q8-moments"), std::string::npos) << r.err;
+}
+
 // The bytes a step writes of one tensor with q8 moments: main (4 B/param),
 // two moments of one-byte codes, and each moment's fp32 absmax per block of
 // 256 elements (a partial last block has its own).

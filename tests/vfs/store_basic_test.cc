@@ -922,6 +922,33 @@ TEST(StoreTest, TensorLookupAndValidation) {
   EXPECT_EQ(s->ListTensors().size(), 5u);
 }
 
+// A shard's geometry is checked when the tensor is created, whoever creates
+// it: a box outside its global shape, or a flat range past its elements, is
+// refused naming the tensor and the dimension, and nothing is created.
+TEST(StoreTest, ShardOutsideItsGlobalShapeIsRefused) {
+  TempDir dir;
+  auto s = Unwrap(Store::Create(dir / "s", TestOptions()));
+  TensorSpec box;
+  box.name = "w";
+  box.numel = 6;
+  box.shape = {2, 3};
+  box.global_shape = {4, 3};
+  box.shard_offset = {3, 0};  // rows [3, 5) of 4
+  Status st = s->CreateTensor(box).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("tensor 'w'"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find("outside the tensor in dimension 0"), std::string::npos) << st.ToString();
+  TensorSpec flat = box;
+  flat.shape = {6};
+  flat.shard_offset = {7};  // [7, 13) of 12 elements
+  st = s->CreateTensor(flat).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("past the tensor's 12 elements"), std::string::npos) << st.ToString();
+  EXPECT_TRUE(s->ListTensors().empty());
+  box.shard_offset = {2, 0};  // rows [2, 4): inside
+  EXPECT_TRUE(s->CreateTensor(box).ok());
+}
+
 TEST(StoreTest, RetainedGenerationsAreReadable) {
   TempDir dir;
   StoreOptions opts = TestOptions();

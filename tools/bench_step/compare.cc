@@ -42,6 +42,14 @@ int RunCompare(const StepOptions& o) {
   if (!state.ok()) return FailWith(kTool, state.status().WithContext("--state"));
   if (*state < 12 * 1024) return FailWith(kTool, InvalidArgument("--state must be >= 12 KiB"));
   if (o.rounds < 1) return FailWith(kTool, InvalidArgument("--rounds must be >= 1"));
+  if (o.moments_given) {
+    // Not silently f32: this mode's own store always keeps f32 moments.
+    return FailWith(kTool, InvalidArgument(fmt::format(
+                               "--moments {} is for synthetic mode (--store); comparison mode steps a store of "
+                               "f32 moments and adds stores of bf16 or q8 moments with --bf16-moments, "
+                               "--q8-moments",
+                               o.moments)));
+  }
   if (!(o.prefetch_compute_s >= 0) || o.prefetch_compute_s > 3600) {
     return FailWith(kTool, InvalidArgument(fmt::format("--prefetch {}: seconds of simulated forward/backward, 0..3600",
                                                        o.prefetch_compute_s)));

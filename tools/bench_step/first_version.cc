@@ -23,9 +23,9 @@ Result<std::unique_ptr<FirstVersionBaseline>> SetUpFirstVersion(const Comparison
   fo.adam.mode = cmp.g.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
   fo.cuda = cmp.cuda;
   fo.cpu_threads = o.cpu_threads;
-  fo.moment_type = MomentsNamed(o.first_version_moments);
+  OPTSTATE_ASSIGN_OR_RETURN(fo.moment_type, MomentsNamed("--first-version-moments", o.first_version_moments));
   auto f = FirstVersionBaseline::Create(cmp.dir + "/first_version", cmp.params, cmp.mm, cmp.w0.data(), fo);
-  if (!f.ok()) return f.status().WithContext("first-version setup");
+  if (!f.ok()) return f.status().WithContext("miles' streaming setup");
   std::unique_ptr<FirstVersionBaseline> fvb = std::move(*f);
   // Untimed first step (it reads only the mains; it writes every segment,
   // so the page cache then holds the whole state).

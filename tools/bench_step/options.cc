@@ -27,9 +27,10 @@ Result<Common> ParseCommon(const StepOptions& o) {
   return c;
 }
 
-MomentDType MomentsNamed(const std::string& name) {
+Result<MomentDType> MomentsNamed(const char* flag, const std::string& name) {
   Result<MomentDType> m = ParseMomentDType(name);
-  return m.ok() ? *m : MomentDType::kF32;
+  if (!m.ok()) return m.status().WithContext(flag);
+  return m;
 }
 
 memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& o) {
@@ -68,7 +69,7 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                 "comparison mode: also time a store with q8 moments (same params, gradients, budget; its own "
                 "store and manager; the budget must hold 8 chunks), interleaved, and report q8 / f32; with "
                 "--bf16-moments too, the three stores step in an order that rotates each round");
-  sub->add_option("--moments", o->moments,
+  CLI::Option* moments = sub->add_option("--moments", o->moments,
                   "synthetic mode: moment dtype, f32, bf16 or q8 (an existing store must hold it; default f32)")
       ->check(CLI::IsMember({"f32", "bf16", "q8"}));
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
@@ -120,7 +121,8 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "comparison mode: also time a training loop whose forward/backward takes this many seconds "
                   "(simulated), exposed step without and with Prefetch() (default 0: off)");
   sub->add_flag("--json", o->json, "print JSON");
-  sub->callback([o, exit_code] {
+  sub->callback([o, exit_code, moments] {
+    o->moments_given = moments->count() > 0;
     *exit_code = o->store.empty() ? step::RunCompare(*o) : step::RunSynthetic(*o);
   });
 }

@@ -46,6 +46,7 @@ struct StepOptions {
   uint32_t durable_every = 1;
   uint32_t commit_lag = 1;  // StreamedAdamOptions::commit_lag_steps
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
+  bool moments_given = false;   // --moments was on the command line (comparison mode refuses it)
   bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved
   bool compare_q8 = false;      // comparison mode: also a store with q8 moments, interleaved
   std::string first_version_moments = "f32";  // miles' streaming's moment_dtype: f32 or bf16
@@ -66,9 +67,9 @@ struct Common {
 };
 
 Result<Common> ParseCommon(const StepOptions& o);
-// The MomentDType of --moments or --first-version-moments (CLI11 checked the
-// name against ParseMomentDType's).
-MomentDType MomentsNamed(const std::string& name);
+// The MomentDType of --moments or --first-version-moments; kInvalidArgument
+// naming the flag and the names it takes otherwise (never a default instead).
+Result<MomentDType> MomentsNamed(const char* flag, const std::string& name);
 // The MemoryManagerOptions of every store the command steps (ours and the
 // comparison's moment stores alike).
 memmgr::MemoryManagerOptions ManagerOptions(const Common& c, const StepOptions& o);

@@ -109,7 +109,9 @@ int RunSynthetic(const StepOptions& o) {
   memmgr::StreamedAdamOptions ao;
   ao.cpu_threads = o.cpu_threads;
   ao.background_sync_bytes = c->sync_every;
-  ao.moment_dtype = MomentsNamed(o.moments);
+  auto moment_dtype = MomentsNamed("--moments", o.moments);
+  if (!moment_dtype.ok()) return FailWith(kTool, moment_dtype.status());
+  ao.moment_dtype = *moment_dtype;
   auto opt = memmgr::StreamedAdam::Create(store.get(), mm->get(), ao);
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;

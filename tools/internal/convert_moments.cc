@@ -35,18 +35,6 @@ Status ReadExact(int fd, const std::string& path, uint64_t offset, void* buf, ui
   return Status::Ok();
 }
 
-// Element i of a field buffer of dtype d, as fp32 (exact for every dtype).
-float Load(DType d, const void* p, uint64_t i) {
-  switch (d) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return kernels::Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kF16: return kernels::HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kQ8S:
-    case DType::kQ8U: break;  // decoded with their scales (MomentReader)
-  }
-  return 0.0f;
-}
-
 void Store(DType d, void* p, uint64_t i, float f) {
   switch (d) {
     case DType::kF32: static_cast<float*>(p)[i] = f; break;
@@ -130,7 +118,7 @@ Status ForEachDecodedChunk(const std::string& dir, const vfs::ManifestTensor& mt
     } else {
       const uint64_t n = len / DTypeSize(mf.dtype);
       out.resize(n);
-      for (uint64_t i = 0; i < n; ++i) out[i] = Load(mf.dtype, buf.data(), i);
+      for (uint64_t i = 0; i < n; ++i) out[i] = kernels::ElementAsFloat(mf.dtype, buf.data(), i);
     }
     OPTSTATE_RETURN_IF_ERROR(fn(out.data(), out.size()));
     *done += len;
@@ -227,7 +215,7 @@ Status ConvertField(vfs::Store* store, const vfs::TensorInfo& t, uint32_t field,
     }
     const uint64_t n = c.length_bytes / from_size;
     for (uint64_t i = 0; i < n; ++i) {
-      Store(to, dst->data(), dst_fill++, Load(mf.dtype, src->data(), i));
+      Store(to, dst->data(), dst_fill++, kernels::ElementAsFloat(mf.dtype, src->data(), i));
       if (dst_fill == dst_per_chunk) {
         st = flush();
         if (!st.ok()) break;

@@ -11,30 +11,8 @@
 namespace optstate::tools {
 
 double ElementAsDouble(DType d, const void* base, uint64_t i) {
-  switch (d) {
-    case DType::kF32: {
-      float f;
-      std::memcpy(&f, static_cast<const char*>(base) + i * 4, 4);
-      return f;
-    }
-    case DType::kBF16: {
-      uint16_t h;
-      std::memcpy(&h, static_cast<const char*>(base) + i * 2, 2);
-      return kernels::Bf16ToFloat(h);
-    }
-    case DType::kF16: {
-      uint16_t h;
-      std::memcpy(&h, static_cast<const char*>(base) + i * 2, 2);
-      return kernels::HalfToFloat(h);
-    }
-    case DType::kQ8S:
-    case DType::kQ8U: {  // ForEachRange hands q8 fields over decoded, as fp32
-      float f;
-      std::memcpy(&f, static_cast<const char*>(base) + i * 4, 4);
-      return f;
-    }
-  }
-  return std::numeric_limits<double>::quiet_NaN();
+  // ForEachRange hands q8 fields over decoded, as fp32.
+  return kernels::ElementAsFloat(IsQ8(d) ? DType::kF32 : d, base, i);
 }
 
 void FieldStats::Add(double v) {

@@ -16,7 +16,8 @@
 
 namespace optstate::tools {
 
-// Value of element i of a buffer of dtype d, as double.
+// Element i of a buffer ForEachRange handed over for a field of dtype d, as
+// double (q8 fields arrive decoded, as fp32).
 double ElementAsDouble(DType d, const void* base, uint64_t i);
 
 // Statistics over a stream of values. min/max/mean/L2 are over finite values;

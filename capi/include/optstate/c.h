@@ -14,25 +14,35 @@
  * errptr may be NULL when the caller only wants the code.
  *
  * Ownership and lifetime. Each create or open call returns a handle the caller
- * destroys with the matching destroy or close call. A store must outlive the
- * memory managers and optimizers made on it; a memory manager must outlive
- * the optimizers made with it. Destroying an optimizer writes and commits
- * steps held only in the host cache (durable_every_steps > 1).
+ * destroys with the matching destroy or close call, in any order: a store
+ * closed while managers or optimizers made on it are open is closed when the
+ * last of them is destroyed, and a manager destroyed while optimizers made
+ * with it are open is destroyed with the last of them (so a garbage collector
+ * may finalise the handles in any order); the handle must not be used after
+ * its close or destroy call either way. Destroying an optimizer writes and
+ * commits steps held only in the host cache (durable_every_steps > 1).
  *
  * Pointers. Gradients, parameter copies, initial values and found-inf flags
  * are device pointers on the cuda backend and host pointers on the host
  * backend (optstate_mm_backend says which). On cuda, a gradient must be
- * complete before optstate_adam_step is called (synchronise the stream that
+ * complete before optstate_adam_step_with is called (synchronise the stream that
  * produced it); parameter copies are complete when it returns.
  *
  * Thread-safety: a store handle may be used from any thread; an optimizer is
  * driven by one thread at a time (it is not thread-safe).
  *
- * Versioning: OPTSTATE_C_ABI_VERSION grows when a signature or struct here
- * changes; optstate_abi_version() is the library's, to check at load time.
- * A change in behaviour or options gets a new function (e.g.
+ * Versioning: OPTSTATE_C_ABI_VERSION grows with every addition to this
+ * header (a function, a struct, a field appended to a struct that carries
+ * its struct_size, an enum value); optstate_abi_version() is the library's,
+ * so a caller checks optstate_abi_version() >= OPTSTATE_C_ABI_VERSION at load
+ * time to know that everything it was built against is there. Nothing
+ * declared here is removed or changes its signature, layout or meaning: a
+ * change in behaviour or options gets a new function (e.g.
  * optstate_checkpoint_restore2 next to optstate_checkpoint_restore, whose
- * signature stays), so callers of the old one keep building and linking. */
+ * signature stays), so callers of the old one keep building and linking
+ * against liboptstate.so.1.
+ * Version 2 is the first that promises every declaration below; a library
+ * that reports 1 may lack any call but those of its first release. */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -49,9 +59,10 @@ extern "C" {
 #define OPTSTATE_EXPORT
 #endif
 
-#define OPTSTATE_C_ABI_VERSION 1
+#define OPTSTATE_C_ABI_VERSION 2
 
-/* Codes: the values of optstate::StatusCode (base/status.h). */
+/* Codes: the values of optstate::StatusCode (base/status.h; the library checks
+ * these copies against it when it is built). */
 typedef enum optstate_code {
   OPTSTATE_OK = 0,
   OPTSTATE_INVALID_ARGUMENT = 1,    /* bad input from the caller */
@@ -69,12 +80,17 @@ typedef enum optstate_code {
   OPTSTATE_INTERNAL = 13
 } optstate_code;
 
-/* Element types: the values of optstate::DType (base/dtype.h); OPTSTATE_NONE
- * where a tensor is not given. */
+/* Element types: the values of optstate::DType (base/dtype.h; the library
+ * checks these copies against it when it is built); OPTSTATE_NONE
+ * (optstate::kernels::kNoDTypeCode) where a tensor is not given. Gradients, parameter
+ * copies and initial values are F32, BF16 or F16; Q8S and Q8U are the 8-bit
+ * codes of q8 moment fields (optstate_pin_dtype of such a field). */
 typedef enum optstate_dtype {
   OPTSTATE_F32 = 0,
   OPTSTATE_BF16 = 1,
   OPTSTATE_F16 = 2,
+  OPTSTATE_Q8S = 3,
+  OPTSTATE_Q8U = 4,
   OPTSTATE_NONE = 255
 } optstate_dtype;
 
@@ -97,6 +113,11 @@ OPTSTATE_EXPORT int optstate_abi_version(void);
 OPTSTATE_EXPORT const char* optstate_code_name(int code);
 /* Frees a message or any other buffer this library returned. */
 OPTSTATE_EXPORT void optstate_free(void* ptr);
+/* Sets the level of the library's log (stderr, process-wide): "trace",
+ * "debug", "info", "warn", "error" or "off"; another name is INVALID_ARGUMENT
+ * and changes nothing. The level starts as the environment variable
+ * OPTSTATE_LOG_LEVEL says, else "info". */
+OPTSTATE_EXPORT int optstate_set_log_level(const char* level, char** errptr);
 
 /* ---- store (vfs::Store) ---- */
 
@@ -127,7 +148,8 @@ OPTSTATE_EXPORT int optstate_store_create(const char* path, const optstate_store
 /* Opens an existing store read-write. In use elsewhere: OPTSTATE_BUSY naming the holder. */
 OPTSTATE_EXPORT int optstate_store_open(const char* path, const optstate_store_options_t* opts,
                                         optstate_store_t** out, char** errptr);
-/* Closes the store (NULL is a no-op). REQUIRES: its managers and optimizers are destroyed. */
+/* Closes the store (NULL is a no-op) and releases its lock; with managers or
+ * optimizers still open on it, when the last of them is destroyed. */
 OPTSTATE_EXPORT void optstate_store_close(optstate_store_t* store);
 
 /* Identity, valid while the store is open. */
@@ -284,6 +306,8 @@ OPTSTATE_EXPORT void optstate_mm_options_set_cuda_device(optstate_mm_options_t* 
 /* opts may be NULL (defaults). */
 OPTSTATE_EXPORT int optstate_mm_create(optstate_store_t* store, const optstate_mm_options_t* opts,
                                        optstate_mm_t** out, char** errptr);
+/* Destroys the manager (NULL is a no-op); with optimizers made with it still
+ * open, when the last of them is destroyed. */
 OPTSTATE_EXPORT void optstate_mm_destroy(optstate_mm_t* mm);
 /* "host" or "cuda"; static storage. */
 OPTSTATE_EXPORT const char* optstate_mm_backend(const optstate_mm_t* mm);
@@ -402,7 +426,7 @@ OPTSTATE_EXPORT int optstate_adam_get_group(const optstate_adam_t* adam, uint32_
                                             double* beta1, double* beta2, double* eps, double* weight_decay,
                                             int* adamw, char** errptr);
 
-/* Registers a parameter shard and returns its id (*id, for optstate_adam_step).
+/* Registers a parameter shard and returns its id (*id, for optstate_adam_step_with).
  * initial: numel elements of initial_dtype (f32/bf16/f16) that become the fp32
  * main; NULL = zeros. shape: ndim extents whose product is numel (NULL/0 =
  * {numel}). When the store already holds the param (resume) its state is kept,
@@ -446,31 +470,67 @@ OPTSTATE_EXPORT int optstate_adam_register_params(optstate_adam_t* adam, size_t 
 OPTSTATE_EXPORT int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel,
                                               char** errptr);
 
-/* One step over n params: ids[i] from register_param, grads[i] of
- * grad_dtypes[i], and the model copy params[i] of param_dtypes[i] updated in
- * the same pass (params may be NULL: no copies; an entry may be NULL with
- * OPTSTATE_NONE). Registered params not listed keep their state. found_inf:
- * a float flag (NULL = none); nonzero skips the step (nothing changes,
- * nothing is committed). grad_scale: the step divides the grads by it, and it
- * stays the optimizer's scale for later steps; 0 keeps the optimizer's
- * current scale (its grad_scale option until a step sets another); it must be
- * finite and >= 0 (INVALID_ARGUMENT otherwise, nothing changes). Commits one generation, unless
- * skipped. On error nothing is committed and the last committed state stays. */
+/* One step's inputs (optstate_adam_step_with). Zero-initialise it, set
+ * struct_size, then the fields a step needs; NULL pointers are "not given".
+ *   n, ids, grads, grad_dtypes: n params, ids[i] from register_param and
+ *     grads[i] of grad_dtypes[i] (F32, BF16 or F16). Registered params not
+ *     listed keep their state.
+ *   numels: the elements of grads[i] (and params[i]); each is checked against
+ *     the param's registered numel before anything runs, so a model that no
+ *     longer matches its store fails with INVALID_ARGUMENT naming the param and
+ *     nothing is committed. NULL = the caller guarantees the registered numels.
+ *   params, param_dtypes: the model copy params[i] of param_dtypes[i], updated
+ *     in the same pass (params NULL: no copies; an entry may be NULL with
+ *     OPTSTATE_NONE).
+ *   found_inf: a float flag; nonzero skips the step (nothing changes, nothing
+ *     is committed).
+ *   grad_scale: a pointer to this step's gradient scale, one float (e.g.
+ *     torch's GradScaler scale tensor): the step divides the grads by it, for
+ *     this step only, without a host synchronisation. It must be finite and
+ *     > 0, else INVALID_ARGUMENT and nothing changes; it is read after
+ *     found_inf, so a skipped step never reads it. NULL = the optimizer's
+ *     standing scale (optstate_adam_set_grad_scale).
+ * found_inf and grad_scale are device pointers on the cuda backend, host
+ * pointers on host. struct_size = sizeof(optstate_adam_step_args_t) as the
+ * caller was built: fields are only ever appended, and the library reads only
+ * those that fit in struct_size (less than the fields above, those of ABI
+ * version 2: INVALID_ARGUMENT). */
+typedef struct optstate_adam_step_args_t {
+  size_t struct_size;
+  size_t n;
+  const uint32_t* ids;
+  const void* const* grads;
+  const int* grad_dtypes;
+  const uint64_t* numels;
+  void* const* params;
+  const int* param_dtypes;
+  const float* found_inf;
+  const float* grad_scale;
+} optstate_adam_step_args_t;
+
+/* The step: one pass over the listed params (see optstate_adam_step_args_t).
+ * Commits one generation unless skipped. On error nothing is committed and
+ * the last committed state stays. */
+OPTSTATE_EXPORT int optstate_adam_step_with(optstate_adam_t* adam, const optstate_adam_step_args_t* args,
+                                            char** errptr);
+/* Sets the optimizer's standing gradient scale (grads are divided by it in
+ * every step that passes no grad_scale of its own); it starts as the
+ * grad_scale option. Finite and > 0, else INVALID_ARGUMENT and nothing
+ * changes. */
+OPTSTATE_EXPORT int optstate_adam_set_grad_scale(optstate_adam_t* adam, float grad_scale, char** errptr);
+
+/* Thin wrappers kept for callers of earlier versions; new code calls
+ * optstate_adam_step_with.
+ * optstate_adam_step: optstate_adam_set_grad_scale(grad_scale) when
+ * grad_scale > 0 (0 keeps the standing scale; negative or non-finite:
+ * INVALID_ARGUMENT, nothing changes), then a step of n params with no numels
+ * and no per-step scale.
+ * optstate_adam_step2: a step with numels and this step's grad_scale pointer,
+ * as the fields of optstate_adam_step_args_t. */
 OPTSTATE_EXPORT int optstate_adam_step(optstate_adam_t* adam, size_t n, const uint32_t* ids,
                                        const void* const* grads, const int* grad_dtypes, void* const* params,
                                        const int* param_dtypes, const float* found_inf, float grad_scale,
                                        char** errptr);
-/* As optstate_adam_step, with two more inputs (either may be NULL):
- * numels[i]: the elements of grads[i] (and params[i]); each is checked against
- * the param's registered numel before anything runs, so a model that no longer
- * matches its store fails with INVALID_ARGUMENT naming the param, and nothing
- * is committed. NULL = the caller guarantees the registered numels.
- * grad_scale: a pointer to this step's gradient scale, one float (device
- * pointer on the cuda backend, host pointer on host; e.g. torch's GradScaler
- * scale tensor); the step divides the grads by it, for this step only (it
- * needs no host synchronisation). It must be finite and > 0, else
- * INVALID_ARGUMENT and nothing changes; it is read after found_inf, so a
- * skipped step never reads it. NULL = the optimizer's current scale. */
 OPTSTATE_EXPORT int optstate_adam_step2(optstate_adam_t* adam, size_t n, const uint32_t* ids,
                                         const void* const* grads, const int* grad_dtypes, const uint64_t* numels,
                                         void* const* params, const int* param_dtypes, const float* found_inf,
