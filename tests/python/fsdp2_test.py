@@ -148,6 +148,16 @@ def check_geometry(model, ck, rank):
         for r, src in enumerate(sources):
             held = {n: {"offset": t["shard_offset"], "shape": t["shape"]} for n, t in manifest(src).items()}
             assert layout["ranks"][r]["tensors"] == held, (r, layout["ranks"][r], held)
+        # On 4 ranks FSDP2 would split 9 rows as torch.chunk does (3, 3, 3 and none), not evenly (3, 2, 2, 2).
+        four = ot.layout_from_model(model, sources, 4)
+        for name, p in model.named_parameters():
+            pieces = torch.arange(p.shape[0]).chunk(4)
+            for r in range(4):
+                want = None
+                if r < len(pieces) and len(pieces[r]):
+                    want = {"offset": [int(pieces[r][0])] + [0] * (p.dim() - 1),
+                            "shape": [len(pieces[r])] + list(p.shape[1:])}
+                assert four["ranks"][r]["tensors"].get(name) == want, (name, r, four["ranks"][r], want)
     return {"checked": checked, "layout": layout}
 
 
