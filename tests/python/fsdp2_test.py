@@ -100,33 +100,40 @@ def manifest(path):
         return {t["name"]: t for t in json.load(f)["tensors"]}
 
 
-def worker(rank, tmp, phase):
-    os.makedirs(os.path.join(tmp, phase), exist_ok=True)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "init-" + phase), rank=rank,
+def worker(rank, tmp):
+    """Rank `rank` of two: the uninterrupted run (saving a DCP checkpoint at step SAVE_AT), then, with
+    a new model, optimizer and store, the resume from that checkpoint."""
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "init"), rank=rank,
                             world_size=WORLD)
     try:
-        model = shard(make_model())
-        opt = ot.AdamW(groups(model), store=os.path.join(tmp, phase, "rank{rank}"), lr=LR, host_cache_bytes=0,
-                       **OPT_KW)
-        rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-        ck = os.path.join(tmp, "dcp-step%d" % SAVE_AT)
-        first = 0
-        if phase == "resume":
-            dcp.load({"model": model.state_dict(), "optim": OptstateState(opt, ck)}, checkpoint_id=ck)
-            first = SAVE_AT
-        report = {}
-        for k in range(first, STEPS):
-            if phase == "train" and k == SAVE_AT:
-                dcp.save({"model": model.state_dict(), "optim": OptstateState(opt, ck)}, checkpoint_id=ck)
-                report["geometry"] = check_geometry(model, ck, rank)
-            train_step(model, opt, k, rows)
-        state = final_state(model, opt)
-        report["step_count"] = opt.step_count(0)
-        opt.close()
-        if rank == 0:
-            torch.save({"state": state, "report": report}, os.path.join(tmp, phase + ".pt"))
+        for phase in ("train", "resume"):
+            run_phase(rank, tmp, phase)
     finally:
         dist.destroy_process_group()
+
+
+def run_phase(rank, tmp, phase):
+    os.makedirs(os.path.join(tmp, phase), exist_ok=True)
+    model = shard(make_model())
+    opt = ot.AdamW(groups(model), store=os.path.join(tmp, phase, "rank{rank}"), lr=LR, host_cache_bytes=0,
+                   **OPT_KW)
+    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    ck = os.path.join(tmp, "dcp-step%d" % SAVE_AT)
+    first = 0
+    if phase == "resume":
+        dcp.load({"model": model.state_dict(), "optim": OptstateState(opt, ck)}, checkpoint_id=ck)
+        first = SAVE_AT
+    report = {}
+    for k in range(first, STEPS):
+        if phase == "train" and k == SAVE_AT:
+            dcp.save({"model": model.state_dict(), "optim": OptstateState(opt, ck)}, checkpoint_id=ck)
+            report["geometry"] = check_geometry(model, ck, rank)
+        train_step(model, opt, k, rows)
+    state = final_state(model, opt)
+    report["step_count"] = opt.step_count(0)
+    opt.close()
+    if rank == 0:
+        torch.save({"state": state, "report": report}, os.path.join(tmp, phase + ".pt"))
 
 
 def check_geometry(model, ck, rank):
@@ -163,9 +170,9 @@ def check_geometry(model, ck, rank):
 
 @unittest.skipUnless(HAVE_FSDP2, "needs torch with FSDP2 (fully_shard) and torch.distributed")
 class Fsdp2Test(TempDirTest):
-    def run_ranks(self, phase):
-        mp.spawn(worker, args=(self.dir, phase), nprocs=WORLD, join=True)
-        return torch.load(os.path.join(self.dir, phase + ".pt"))
+    def run_ranks(self):
+        mp.spawn(worker, args=(self.dir,), nprocs=WORLD, join=True)
+        return [torch.load(os.path.join(self.dir, phase + ".pt")) for phase in ("train", "resume")]
 
     def reference(self):
         """torch.optim.AdamW on the unsharded model, each step on the whole batch (the mean of the ranks'
@@ -220,7 +227,7 @@ class Fsdp2Test(TempDirTest):
             self.assertEqual(got[name][3], want[name][3], (what, name, "step"))
 
     def test_fsdp2_against_torch_adamw_and_dcp_resume(self):
-        train = self.run_ranks("train")
+        train, resumed = self.run_ranks()
         report = train["report"]
         self.assertEqual(report["step_count"], STEPS)
         self.assertEqual(report["geometry"]["checked"], 10)
@@ -234,7 +241,6 @@ class Fsdp2Test(TempDirTest):
         self.assert_close_rel(train["state"], self.reference(), 1e-6, "fsdp2 vs torch.optim.AdamW")
         # DCP save at step 10 (in the run above), load into fresh stores on two ranks, 10 more steps:
         # the same computation as the uninterrupted run, so the same bits.
-        resumed = self.run_ranks("resume")
         self.assertEqual(resumed["report"]["step_count"], STEPS)
         self.assert_equal_bits(resumed["state"], train["state"], "2-rank DCP resume vs uninterrupted")
         # One process: each step on the whole batch instead of the two ranks' halves averaged (the
