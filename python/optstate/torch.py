@@ -129,7 +129,7 @@ def _dtensor_box(name, p):
     for d, pl in enumerate(placements):
         if type(pl).__name__ != "Shard":
             raise errors.Unimplemented(
-                "optstate.torch.AdamW: param %s (global shape %s) has placement %s on mesh dimension %d "
+                "optstate.torch.AdamW: param %s (global shape %s) has placement %r on mesh dimension %d "
                 "(placements %s); optstate steps DTensor params sharded on every mesh dimension (Shard(dim), "
                 "as FSDP2's fully_shard on a 1-D mesh makes them): every element's state has one owner"
                 % (name, tuple(p.shape), pl, d, placements))

@@ -18,10 +18,11 @@ try:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from optstate.integrations.dcp import OptstateState
     HAVE_FSDP2 = dist.is_available()
 except ImportError:  # torch before fully_shard (2.6)
     HAVE_FSDP2 = False
+if HAVE_FSDP2:
+    from optstate.integrations.dcp import OptstateState
 
 WORLD = 2
 STEPS = 20
@@ -108,6 +109,7 @@ def worker(rank, tmp):
     try:
         for phase in ("train", "resume"):
             run_phase(rank, tmp, phase)
+        check_refusals(rank, tmp)
     finally:
         dist.destroy_process_group()
 
@@ -134,6 +136,26 @@ def run_phase(rank, tmp, phase):
     opt.close()
     if rank == 0:
         torch.save({"state": state, "report": report}, os.path.join(tmp, phase + ".pt"))
+
+
+def check_refusals(rank, tmp):
+    """What optstate refuses of DTensor params, each rank's error message written to refused-<rank>.json:
+    a param whose local shard is empty (1 row on 2 ranks: rank 1 holds none) and a replicated one."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    out = {}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 1))  # weight (1, 6), bias (1,): nothing on rank 1
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    for what, params in (("empty", model.named_parameters()),
+                         ("replicated", [("w", torch.nn.Parameter(distribute_tensor(
+                             torch.ones(4, 3), init_device_mesh("cpu", (WORLD,)), [Replicate()])))])):
+        try:
+            ot.AdamW(params, store=os.path.join(tmp, "refused-%s-%d" % (what, rank)), **OPT_KW).close()
+            out[what] = None
+        except optstate.Error as e:
+            out[what] = [type(e).__name__, str(e), os.path.exists(os.path.join(tmp, "refused-%s-%d" % (what, rank)))]
+    with open(os.path.join(tmp, "refused-%d.json" % rank), "w") as f:
+        json.dump(out, f)
 
 
 def check_geometry(model, ck, rank):
@@ -247,6 +269,22 @@ class Fsdp2Test(TempDirTest):
         # gradients round differently: within 1e-6, not bit for bit), state resharded 2 -> 1 exactly.
         self.assert_close_rel(self.single_process_resume(), train["state"], 1e-6, "1-process resume via reshard")
         self.assertTrue(os.path.isdir(self.path("dcp-step%d/optstate" % SAVE_AT)))
+        # Refused with the param named, and the store the constructor created removed again.
+        refused = []
+        for r in range(WORLD):
+            with open(self.path("refused-%d.json" % r)) as f:
+                refused.append(json.load(f))
+        self.assertIsNone(refused[0]["empty"])  # rank 0 holds the row
+        kind, msg, left = refused[1]["empty"]
+        self.assertEqual(kind, "InvalidArgument")
+        self.assertIn("param 0.weight (global shape (1, 6)", msg)
+        self.assertIn("empty local shard on rank 1", msg)
+        self.assertFalse(left)
+        for r in range(WORLD):
+            kind, msg, left = refused[r]["replicated"]
+            self.assertEqual(kind, "Unimplemented")
+            self.assertIn("param w (global shape (4, 3)) has placement Replicate()", msg)
+            self.assertFalse(left)
 
     def test_save_over_a_checkpoint_and_load_it(self):
         # DCP asks the Stateful for state_dict() on load too: that writes nothing; a save over an
