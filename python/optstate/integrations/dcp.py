@@ -89,7 +89,7 @@ class OptstateState(_Base):
         if loading is None:
             loading = os.path.exists(os.path.join(self._dir, ".metadata"))
         if loading:  # the template dcp.load fills: the keys count, not the values
-            return {"format": "", "format_version": 0, "world_size": 0, "global_step": 0}
+            return {"format": _LoadTemplate(self._dir), "format_version": 0, "world_size": 0, "global_step": 0}
         dest = checkpoint.rank_dir(self._state_root, rank)
         if not os.path.exists(dest):
             checkpoint.save(self._opt, dest)
@@ -192,6 +192,20 @@ class OptstateState(_Base):
                                             "%s (%d ranks) to this job's %d ranks into %s failed: %s"
                                             % (self._dir, len(sources), len(layout["ranks"]), dest, failure))
         return dest
+
+
+class _LoadTemplate:
+    """The value dcp.load replaces. Saved (a dcp.save that was taken for a load: a directory holding a
+    checkpoint and no DCP caller in sight) it refuses, rather than leave a checkpoint without state."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        raise errors.FailedPrecondition(
+            "optstate.integrations.dcp: OptstateState(opt, %r).state_dict() was taken for a load (the directory "
+            "holds a complete DCP checkpoint and dcp.save is not among the callers), and is being saved; call "
+            "dcp.save directly, or save into a new directory" % self.path)
 
 
 def _called_by_dcp_load():
