@@ -43,6 +43,11 @@ layout_from_model(model, sources, ranks, dims) gives optstate.reshard the
 target layout from the model's sharding, and AdamW(..., shards=...) records
 where each shard lies in its whole tensor. docs/RESHARD.md.
 
+DTensor params (FSDP2's fully_shard, torch >= 2): each rank steps its local
+shard in place, and the store records the shard's place in the global tensor
+from its placements (no shards= entry). optstate.integrations.dcp saves and
+loads the state with torch.distributed.checkpoint. docs/PYTHON.md.
+
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
 second optimizer or process opening a store in use gets optstate.Busy.
@@ -190,6 +195,7 @@ class AdamW(torch.optim.Optimizer):
              or None (a whole tensor). shard_offset is a box's offset, or for a 1-D param of a
              tensor of higher rank (a flat-buffer shard) (begin,): the flat range
              [begin, begin + numel) of the tensor's row-major flattening. docs/RESHARD.md.
+             A DTensor param needs no entry: its placements give it (an entry must agree with them).
       retire: names of params the store holds and the model no longer has, retired at once (see
              retire()). The params' names are compared with the store's first: when both have names
              the other lacks (a renamed or wrapped model), optstate.InvalidArgument lists them and
