@@ -14,7 +14,7 @@ checksummed, reflinked where the filesystem allows; nothing passes through Pytho
 world size). When DCP loads it, each rank restores its directory (optstate.checkpoint.load: the
 params take the restored fp32 mains, step counts and hyperparameters are the checkpoint's). On
 another world size (or another sharding) the ranks' directories are resharded first
-(optstate.reshard, into <ckpt_dir>/optstate/reshard-<ranks>-<layout hash>, or reshard_dir): the target
+(optstate.reshard, into <ckpt_dir>/optstate/reshard-<ranks>-<hash>, or reshard_dir): the target
 layout is the loading optimizer's own shards (each DTensor param's placement; params given shards=),
 so a 2-rank FSDP2 checkpoint resumes on 1 process, or on 4, and continues as the 2-rank run would.
 
@@ -173,8 +173,13 @@ class OptstateState(_Base):
     def _resharded(self, dist, rank, sources, layout):
         """Rank 0 reshards the sources to the layout (once per layout); every rank waits for it and gets its
         error, if any."""
-        text = json.dumps(layout, sort_keys=True)
-        tag = hashlib.sha256(text.encode()).hexdigest()[:16]
+        # Named by the layout and the sources' manifests: a save over the checkpoint (new sources) never
+        # reuses what an earlier load resharded.
+        digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
+        for src in sources:
+            with open(os.path.join(src, "manifest.json"), "rb") as f:
+                digest.update(f.read())
+        tag = digest.hexdigest()[:16]
         root = self._reshard_dir or self._state_root
         dest = os.path.join(root, "reshard-%d-%s" % (len(layout["ranks"]), tag))
         failure = None
