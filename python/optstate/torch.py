@@ -43,6 +43,11 @@ layout_from_model(model, sources, ranks, dims) gives optstate.reshard the
 target layout from the model's sharding, and AdamW(..., shards=...) records
 where each shard lies in its whole tensor. docs/RESHARD.md.
 
+DTensor params (FSDP2's fully_shard, torch >= 2): each rank steps its local
+shard in place, and the store records the shard's place in the global tensor
+from its placements (no shards= entry). optstate.integrations.dcp saves and
+loads the state with torch.distributed.checkpoint. docs/PYTHON.md.
+
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
 second optimizer or process opening a store in use gets optstate.Busy.
@@ -94,6 +99,58 @@ def _agreed_job():
     return box[0]
 
 
+def _import_dtensor():
+    """torch's DTensor class (FSDP2's and tensor parallelism's params), or None on a torch without it."""
+    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):  # >= 2.4, 2.0-2.3
+        try:
+            return getattr(__import__(module, fromlist=["DTensor"]), "DTensor")
+        except Exception:  # torch 1.13, or a build without distributed
+            continue
+    return None
+
+
+_DTensor = _import_dtensor()
+
+
+def _is_dtensor(t):
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _local(t):
+    """The tensor whose memory holds the elements of a param or grad that this rank steps: a DTensor's
+    local shard (its local tensor, stepped in place), a plain tensor itself; None stays None."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return t._local_tensor
+    return t
+
+
+def _dtensor_box(name, p):
+    """(global_shape, shard_offset) of a DTensor param's local shard, from its placements on its mesh:
+    the box its state covers in the global tensor, as the store records it (optstate.reshard moves it).
+    Every mesh dimension must shard it (Shard(dim); FSDP2's fully_shard shards dim 0, unevenly when the
+    mesh size does not divide it, as torch.chunk does): a Replicate or Partial placement gives several
+    ranks the same elements (their state would have several owners) and a strided shard is no box."""
+    placements = tuple(p.placements)
+    for d, pl in enumerate(placements):
+        if type(pl).__name__ != "Shard":
+            raise errors.Unimplemented(
+                "optstate.torch.AdamW: param %s (global shape %s) has placement %r on mesh dimension %d "
+                "(placements %s); optstate steps DTensor params sharded on every mesh dimension (Shard(dim), "
+                "as FSDP2's fully_shard on a 1-D mesh makes them): every element's state has one owner"
+                % (name, tuple(p.shape), pl, d, placements))
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # torch >= 2.4
+    except ImportError:
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    local = p._local_tensor
+    if tuple(local_shape) != tuple(local.shape):
+        raise errors.InvalidArgument("optstate.torch.AdamW: param %s (global shape %s, placements %s): its local "
+                                     "tensor has shape %s, its placements give %s" %
+                                     (name, tuple(p.shape), placements, tuple(local.shape), tuple(local_shape)))
+    return tuple(int(x) for x in p.shape), tuple(int(x) for x in offset)
+
+
 def _rank():
     try:
         import torch.distributed as dist
@@ -138,6 +195,7 @@ class AdamW(torch.optim.Optimizer):
              or None (a whole tensor). shard_offset is a box's offset, or for a 1-D param of a
              tensor of higher rank (a flat-buffer shard) (begin,): the flat range
              [begin, begin + numel) of the tensor's row-major flattening. docs/RESHARD.md.
+             A DTensor param needs no entry: its placements give it (an entry must agree with them).
       retire: names of params the store holds and the model no longer has, retired at once (see
              retire()). The params' names are compared with the store's first: when both have names
              the other lacks (a renamed or wrapped model), optstate.InvalidArgument lists them and
@@ -310,6 +368,16 @@ class AdamW(torch.optim.Optimizer):
         self._new_registrations = False
 
     def _check_param(self, p, name):
+        if _is_dtensor(p):
+            global_shape, offset = _dtensor_box(name, p)  # refuses placements optstate cannot step
+            placements, p = tuple(p.placements), _local(p)
+            if p.numel() == 0:
+                raise errors.InvalidArgument(
+                    "optstate.torch.AdamW: param %s (global shape %s, placements %s) has an empty local shard on "
+                    "rank %d (offset %s): its sharded dimension has fewer elements than the mesh has ranks. "
+                    "optstate keeps state only for elements a rank holds; give fully_shard a shard_placement_fn "
+                    "that shards it along a larger dimension, or step it with another optimizer"
+                    % (name, global_shape, placements, _rank(), offset))
         _dtype_code(p.dtype, "optstate.torch.AdamW: param " + name)
         if p.is_sparse:
             raise errors.InvalidArgument("optstate.torch.AdamW: param %s is sparse" % name)
@@ -335,38 +403,48 @@ class AdamW(torch.optim.Optimizer):
             seen.add(name)
             names.append(name)
         shards = [self._shard_of(name, p) for name, p in zip(names, params)]
-        got = self._adam.register_params(names, [p.numel() for p in params], [gid] * len(params),
-                                         [p.data_ptr() for p in params], [_DTYPES[p.dtype] for p in params],
-                                         [tuple(p.shape) for p in params], [g for g, _ in shards],
+        shards_here = [_local(p) for p in params]  # a DTensor's local shard: the elements stepped here
+        got = self._adam.register_params(names, [t.numel() for t in shards_here], [gid] * len(params),
+                                         [t.data_ptr() for t in shards_here], [_DTYPES[t.dtype] for t in shards_here],
+                                         [tuple(t.shape) for t in shards_here], [g for g, _ in shards],
                                          [o for _, o in shards])
-        for name, p, (pid, existed) in zip(names, params, got):
+        for name, p, local, (pid, existed) in zip(names, params, shards_here, got):
             if existed:  # resume: the model continues from the stored fp32 main
                 self._copy_main_to(name, p)
             else:
                 self._new_registrations = True
             self._by_tensor[id(p)] = len(self._plist)
             self._plist.append(p)
-            self._numels.append(p.numel())
+            self._numels.append(local.numel())
             self._names.append(name)
             self._ids.append(pid)
             self._pgroup.append(gid)
         self._batch_key = None
 
     def _shard_of(self, name, p):
-        """(global_shape, shard_offset) of a param from the shards argument; ((), ()) for a whole tensor."""
+        """(global_shape, shard_offset) of a param: from its placements when it is a DTensor (FSDP2's
+        fully_shard), else from the shards argument; ((), ()) for a whole tensor."""
+        placed = _dtensor_box(name, p) if _is_dtensor(p) else None
         if self._shards is None:
-            return (), ()
+            return placed or ((), ())
         g = self._shards(name, p) if callable(self._shards) else self._shards.get(name)
         if g is None:
-            return (), ()
+            return placed or ((), ())
         try:
             global_shape, offset = g
-            return tuple(int(x) for x in global_shape), tuple(int(x) for x in offset)
+            given = tuple(int(x) for x in global_shape), tuple(int(x) for x in offset)
         except (TypeError, ValueError):
             raise errors.InvalidArgument("optstate.torch.AdamW: shards gives %r for param %s; expected "
                                          "(global_shape, shard_offset)" % (g, name)) from None
+        if placed is not None and given != placed:
+            raise errors.InvalidArgument("optstate.torch.AdamW: shards gives (global shape %s, offset %s) for param "
+                                         "%s, a DTensor whose placements %s put its local shard at offset %s of "
+                                         "global shape %s; leave DTensor params out of shards" %
+                                         (given[0], given[1], name, tuple(p.placements), placed[1], placed[0]))
+        return given
 
     def _copy_main_to(self, name, p):
+        p = _local(p)
         main = torch.empty(p.numel(), dtype=torch.float32)
         self._store.read_into(name, "main", main.data_ptr(), 0, p.numel())
         with torch.no_grad():
@@ -377,7 +455,7 @@ class AdamW(torch.optim.Optimizer):
     def _param_marks(self):
         """Each param's version counter (torch bumps it on every in-place write through the tensor:
         load_state_dict, copy_, init, an in-place op under no_grad) and data pointer (`p.data = t`)."""
-        plist = self._plist
+        plist = [_local(p) for p in self._plist]  # a DTensor's local tensor may be replaced (FSDP2's lazy init)
         return [p._version for p in plist], [p.data_ptr() for p in plist]
 
     def _remember_params(self):
@@ -400,7 +478,7 @@ class AdamW(torch.optim.Optimizer):
             if self._cuda:
                 torch.cuda.current_stream(self._device).synchronize()
             for i in changed:
-                p = self._plist[i]
+                p = _local(self._plist[i])
                 main = torch.empty(p.numel(), dtype=torch.float32)
                 self._store.read_into(self._names[i], "main", main.data_ptr(), 0, p.numel())
                 if not torch.equal(p.detach(), main.to(device=p.device, dtype=p.dtype).view(p.shape)):
@@ -429,10 +507,17 @@ class AdamW(torch.optim.Optimizer):
     def _build_batch(self, grads):
         """Validates the grads and builds the step's arrays (reused while the grads stay the same tensors)."""
         sel = []
-        for i, (p, g) in enumerate(zip(self._plist, grads)):
+        for i, (param, g) in enumerate(zip(self._plist, grads)):
             if g is None:
                 continue
             name = self._names[i]
+            p = _local(param)  # grads holds a DTensor grad's local tensor
+            if _is_dtensor(param):
+                placements = getattr(param.grad, "placements", None)
+                if placements is None or tuple(placements) != tuple(param.placements):
+                    raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s has placements %s, the param %s; "
+                                                 "each rank steps its local shard with the grad of the same shard"
+                                                 % (name, placements, tuple(param.placements)))
             if g.is_sparse:
                 raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s is sparse" % name)
             _dtype_code(g.dtype, "optstate.torch.AdamW: grad of " + name)
@@ -445,7 +530,7 @@ class AdamW(torch.optim.Optimizer):
             if g.device != self._device:
                 raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s is on %s, expected %s"
                                              % (name, g.device, self._device))
-            self._check_param(p, name)
+            self._check_param(param, name)
             if p.numel() != self._numels[i]:
                 raise errors.InvalidArgument("optstate.torch.AdamW: param %s now has %d elements, registered with %d"
                                              % (name, p.numel(), self._numels[i]))
@@ -491,14 +576,14 @@ class AdamW(torch.optim.Optimizer):
             self._check_changed_params(versions, ptrs)
         for gid, group in enumerate(self.param_groups):
             self._send_hyper(gid, group)
-        grads = [p.grad for p in self._plist]
+        grads = [_local(p.grad) for p in self._plist]
         # What the cached arrays were validated and built for: which params have grads, and each grad's
         # and param's shape, strides, dtype and device. Any change rebuilds (and revalidates) them; new
         # memory alone (a trainer that sets grads to None allocates them again each step) only has its
         # pointers copied. The strides count: an allocator may hand a new grad the very memory of a
         # validated one (torch 2's does), and a transposed view of it has the same pointer, shape and dtype.
         key = [None if g is None else (g.shape, g.stride(), g.dtype, g.device, p.shape, p.stride(), p.dtype, p.device)
-               for p, g in zip(self._plist, grads)]
+               for p, g in zip(map(_local, self._plist), grads)]
         if key != self._batch_key:
             self._build_batch(grads)
             self._batch_key = key
@@ -626,13 +711,18 @@ class AdamW(torch.optim.Optimizer):
         """opt.state[p][key] of the param at index: "step" as torch's AdamW keeps it (a 0-dim float
         tensor), "exp_avg" / "exp_avg_sq" read from the store (fp32, the param's shape and device)."""
         adam = self._live()
-        name, p = self._names[index], self._plist[index]
+        name, param = self._names[index], self._plist[index]
         if key == "step":
             return torch.tensor(float(adam.param_step_count(name)))
         adam.make_durable()  # the last step's commit may still be running
+        p = _local(param)
         out = torch.empty(p.numel(), dtype=torch.float32)
         self._store.read_into(name, key, out.data_ptr(), 0, p.numel())
-        return out.view(p.shape).to(p.device)
+        out = out.view(p.shape).to(p.device)
+        if _is_dtensor(param):  # as torch's AdamW keeps a DTensor param's moments: a DTensor of its placements
+            return _DTensor.from_local(out, param.device_mesh, param.placements, run_check=False,
+                                       shape=param.shape, stride=param.stride())
+        return out
 
     def last_step_seconds(self):
         """Seconds the last step() spent inside the library (pipeline and commit), for overhead checks."""
@@ -715,14 +805,15 @@ class AdamW(torch.optim.Optimizer):
             torch.cuda.current_stream(self._device).synchronize()
         for i, p in enumerate(self._plist):
             self._check_param(p, self._names[i])
-            adam.load_main(self._ids[i], p.data_ptr(), _DTYPES[p.dtype])
+            adam.load_main(self._ids[i], _local(p).data_ptr(), _DTYPES[p.dtype])
         self._remember_params()
 
     def read_state(self, p, field):
-        """A copy (fp32, CPU, p's shape) of a param's "main", "exp_avg" or "exp_avg_sq" as committed.
-        For tests and inspection; it materialises that one tensor."""
+        """A copy (fp32, CPU, p's shape; a DTensor's local shard's) of a param's "main", "exp_avg" or
+        "exp_avg_sq" as committed. For tests and inspection; it materialises that one tensor."""
         name = self.param_name(p)
         self._live().make_durable()  # the last step's commit may still be running
+        p = _local(p)
         out = torch.empty(p.numel(), dtype=torch.float32)
         self._store.read_into(name, field, out.data_ptr(), 0, p.numel())
         return out.view(p.shape)
@@ -771,7 +862,7 @@ class AdamW(torch.optim.Optimizer):
         try:
             view = self._tensor_over(pinned)
             if start == 0 and stop == numel:
-                view = view.view(p.shape)
+                view = view.view(_local(p).shape)
             yield view
             if self._cuda:  # kernels the caller queued on the range finish before it is unpinned
                 torch.cuda.current_stream(self._device).synchronize()
@@ -814,10 +905,11 @@ class AdamW(torch.optim.Optimizer):
             self._mm = MemoryManager(self._store, **self._mm_kw)
             self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
             self._handles = (self._adam, self._mm, self._store)
-            for i, p in enumerate(self._plist):
+            for i, param in enumerate(self._plist):
+                p = _local(param)
                 pid, existed = self._adam.register_param(self._names[i], p.numel(), self._pgroup[i], p.data_ptr(),
                                                          _DTYPES[p.dtype], tuple(p.shape),
-                                                         *self._shard_of(self._names[i], p))
+                                                         *self._shard_of(self._names[i], param))
                 self._ids[i] = pid
                 if existed:
                     self._copy_main_to(self._names[i], p)
@@ -1110,7 +1202,9 @@ def _shard_dim(name, p):
 def layout_from_model(model, sources, ranks, dims=None):
     """The target layout (for optstate.reshard) that splits the state of the checkpoints `sources` over
     `ranks` ranks as `model` is sharded on the new topology: each param (model.named_parameters(), the
-    names the optimizer was given) evenly along its sharded dimension. The dimension comes from the
+    names the optimizer was given) along its sharded dimension, a DTensor param as its Shard(dim)
+    placement splits it on a mesh of `ranks` ranks (torch.chunk's split, FSDP2's: pieces of
+    ceil(size / ranks), the last ones smaller or absent), another param evenly. The dimension comes from the
     param itself when it is a DTensor (torch >= 2: its Shard(dim) placement), else from dims, a dict
     {param name glob pattern: dimension} (first match wins; a dimension may also be "columns", "rows"
     or "flat"), e.g. {"*.qkv.weight": 0, "*.proj.weight": 1, "*.bias": 0}. A param neither gives
@@ -1119,9 +1213,11 @@ def layout_from_model(model, sources, ranks, dims=None):
     tensor's global shape) and that one source alone holds (e.g. a tensor-parallel row-parallel
     layer's bias, which each rank holds whole and one rank's optimizer steps) stays whole, on rank 0. Rank r of the new topology
     then registers its shards with AdamW(..., shards=...)."""
-    rules, whole, shapes = {}, {}, None
+    rules, whole, shapes, chunked = {}, {}, None, {}
     for name, p in model.named_parameters():
         kind = _shard_dim(name, p)
+        if kind is not None:
+            chunked[name] = (tuple(int(x) for x in p.shape), kind)
         if kind is None:
             for pattern, d in (dims or {}).items():
                 if fnmatch.fnmatchcase(name, pattern):
@@ -1151,7 +1247,30 @@ def layout_from_model(model, sources, ranks, dims=None):
         for rank in layout["ranks"]:
             rank["tensors"].pop(name, None)
         layout["ranks"][0]["tensors"][name] = {"offset": [0] * len(shape), "shape": list(shape)}
+    for name, (shape, dim) in chunked.items():
+        for rank in layout["ranks"]:
+            box = _chunk_box(shape, dim, rank["rank"], int(ranks))
+            if box is None:  # torch.chunk leaves this rank no piece: no state here
+                rank["tensors"].pop(name, None)
+            else:
+                rank["tensors"][name] = box
     return layout
+
+
+def _chunk_box(shape, dim, rank, ranks):
+    """Rank's piece of a tensor of `shape` that Shard(dim) splits over `ranks` ranks (torch.chunk's
+    split, which DTensor and FSDP2 use), as a layout box; None when the piece is empty."""
+    size = shape[dim]
+    full = -(-size // ranks)
+    begin = min(rank * full, size)
+    end = min(begin + full, size)
+    if end <= begin:
+        return None
+    offset = [0] * len(shape)
+    offset[dim] = begin
+    piece = list(shape)
+    piece[dim] = end - begin
+    return {"offset": offset, "shape": piece}
 
 
 def _has_dtensor():
