@@ -8,6 +8,7 @@ order Python drops its references in."""
 import atexit
 import ctypes
 import os
+import shutil
 import weakref
 
 from . import errors
@@ -253,6 +254,22 @@ class Store(_Handle):
         finally:
             lib.optstate_free(kept)
         return gen.value
+
+    def revert_to_snapshot(self, name):
+        """Makes snapshot `name`'s state the store's head again: a new committed generation whose
+        tensors, step counts and hyperparameters are the snapshot's. The generation it replaces is kept
+        as a snapshot first (its name in self.last_restore_snapshot, None when the head had taken no
+        steps). No manager or optimizer may be open on the store. Returns the new generation."""
+        from . import checkpoint  # checkpoint imports this module
+        snaps = dict(self.snapshots())
+        if name not in snaps:
+            raise errors.NotFound("store %s: no snapshot '%s' to revert to (snapshots: %s)"
+                                  % (self._path, name, ", ".join(sorted(snaps)) or "none"))
+        tmp, src = checkpoint._export_to_temp(self, name)
+        try:
+            return self.restore_checkpoint(src)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def stats(self):
         s = StoreStats()
