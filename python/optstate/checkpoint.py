@@ -23,7 +23,6 @@ import errno
 import json
 import os
 import shutil
-import tempfile
 
 from . import errors
 from ._lib import call, lib
@@ -363,16 +362,3 @@ def _find_files(meta):
         if found:
             return found
     return None
-
-
-def _export_to_temp(store, snapshot):
-    """Exports a snapshot next to the store (same filesystem) into a new temporary directory; returns
-    (temporary directory, checkpoint directory inside it)."""
-    tmp = tempfile.mkdtemp(prefix=".revert-", dir=os.path.dirname(os.path.abspath(store.path)))
-    dest = os.path.join(tmp, "ckpt")
-    try:
-        store.export_checkpoint(dest, snapshot=snapshot)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmp, dest

@@ -8,7 +8,6 @@ order Python drops its references in."""
 import atexit
 import ctypes
 import os
-import shutil
 import weakref
 
 from . import errors
@@ -256,20 +255,24 @@ class Store(_Handle):
         return gen.value
 
     def revert_to_snapshot(self, name):
-        """Makes snapshot `name`'s state the store's head again: a new committed generation whose
-        tensors, step counts and hyperparameters are the snapshot's. The generation it replaces is kept
-        as a snapshot first (its name in self.last_restore_snapshot, None when the head had taken no
-        steps). No manager or optimizer may be open on the store. Returns the new generation."""
-        from . import checkpoint  # checkpoint imports this module
-        snaps = dict(self.snapshots())
-        if name not in snaps:
-            raise errors.NotFound("store %s: no snapshot '%s' to revert to (snapshots: %s)"
-                                  % (self._path, name, ", ".join(sorted(snaps)) or "none"))
-        tmp, src = checkpoint._export_to_temp(self, name)
+        """Makes snapshot `name`'s state the store's head again without copying data: a new committed
+        generation whose tensors, chunk versions, step counts and hyperparameters are the snapshot's
+        (optstate_store_revert). The generation it replaces is kept as a snapshot in the same commit
+        (its name in self.last_restore_snapshot; None when the snapshot already was the head). No
+        manager or optimizer may be open on the store. Returns the new head's generation."""
+        live = [c for c in self._children if not c.closed]
+        if live:
+            raise errors.FailedPrecondition(
+                "revert of store %s to snapshot %s: close its %s first (an optimizer resumes from the new head "
+                "when it is created again)" % (self._path, name, " and ".join(sorted({c._what for c in live}))))
+        gen = ctypes.c_uint64()
+        kept = ctypes.c_void_p()
+        call(lib.optstate_store_revert, self._live(), _b(name), ctypes.byref(gen), ctypes.byref(kept))
         try:
-            return self.restore_checkpoint(src)
+            self.last_restore_snapshot = ctypes.string_at(kept.value).decode() if kept.value else None
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            lib.optstate_free(kept)
+        return gen.value
 
     def stats(self):
         s = StoreStats()
