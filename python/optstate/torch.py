@@ -9,8 +9,10 @@ window of `budget` bytes during step(); the parameters themselves (fp32, bf16
 or fp16) are updated in place in the same pass. Nothing of the state is kept
 in torch tensors: `opt.state[p]` is a read-only mapping that reads "step",
 "exp_avg" and "exp_avg_sq" from the store when they are looked up (copies), and
-state_dict() holds only the store's identity, generation, step counts and
-hyperparameters.
+state_dict() holds only the store's identity, generation, step counts,
+hyperparameters and the name of an O(1) snapshot of that generation, so
+load_state_dict() of any state_dict a trainer kept makes it the head again
+(optstate.integrations carries the state into frameworks' checkpoints).
 
 Param groups work as in torch.optim.AdamW: lr, betas, eps and weight_decay
 are read from param_groups at every step, so torch.optim.lr_scheduler works
