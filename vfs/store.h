@@ -15,8 +15,6 @@
 //                            data dir: <path>/data); chunks striped across dirs
 //   <data_dir>/<uuid>.owner  the store directory that writes that data file (path,
 //                            dev/ino) and the data file's own identity (dev/ino/birth)
-//   <path>/checkpoint-holders.json  (optional, written by the Python package) which
-//                            trainer checkpoints hold which snapshots (docs/PYTHON.md)
 //
 // Copies and moves. A store directory whose data dirs lie inside it (the
 // default) can be copied (`cp -a`, while no writer has it open) and moved: the

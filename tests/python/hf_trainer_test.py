@@ -14,9 +14,10 @@ from common import OPT_KW, TempDirTest, optstate  # noqa: F401  (common puts the
 try:
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-    import optstate.integrations.transformers
 except ImportError:  # the oldest supported torch runs without it
     transformers = None
+if transformers is not None:
+    import optstate.integrations.transformers
 
 import optstate.torch as ot
 

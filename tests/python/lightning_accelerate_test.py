@@ -15,15 +15,17 @@ import optstate.torch as ot
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
-    import optstate.integrations.lightning as osl
 except ImportError:  # the oldest supported torch runs without it
     pl = None
+if pl is not None:
+    import optstate.integrations.lightning as osl
 
 try:
     import accelerate
-    import optstate.integrations.accelerate as osa
 except ImportError:
     accelerate = None
+if accelerate is not None:
+    import optstate.integrations.accelerate as osa
 
 LR = 1e-2
 
