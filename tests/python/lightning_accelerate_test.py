@@ -69,16 +69,33 @@ if pl is not None:
 
 @unittest.skipIf(pl is None, "lightning is not installed")
 class LightningTest(TempDirTest):
-    def fit(self, store, out, ckpt_path=None):
+    def fit(self, store, out, ckpt_path=None, check=None, **ckpt_kw):
         module = Module(store)
+        ckpt_kw = ckpt_kw or {"save_top_k": -1}
         trainer = pl.Trainer(max_steps=20, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                              enable_model_summary=False, deterministic=True,
-                             callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=5, save_top_k=-1),
+                             callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=5, **ckpt_kw),
                                         osl.OptstateCheckpoints()])
         trainer.fit(module, ckpt_path=ckpt_path)
-        for opt in optstate.integrations.optstate_optimizers(trainer.optimizers):
+        opts = optstate.integrations.optstate_optimizers(trainer.optimizers)
+        if check is not None:
+            check(opts[0])
+        for opt in opts:
             opt.close()
         return weights(module)
+
+    def test_save_top_k_releases_removed_checkpoints_snapshots(self):
+        def check(opt):
+            files = sorted(f for f in os.listdir(self.path("out")) if f.endswith(".ckpt"))
+            self.assertEqual(len(files), 2, files)
+            self.assertTrue(all("step=15" in f or "step=20" in f for f in files), files)
+            sidecars = sorted(f for f in os.listdir(self.path("out")) if f.endswith(osl.SUFFIX))
+            self.assertEqual(sidecars, [f + osl.SUFFIX for f in files])
+            named = {torch.load(os.path.join(self.path("out"), f), weights_only=False)["optimizer_states"][0]
+                     ["optstate"]["snapshot"] for f in files}
+            self.assertEqual({n for n, _ in opt.store.snapshots()}, named)
+
+        self.fit(self.path("s"), self.path("out"), check=check, save_top_k=2, monitor="step", mode="max")
 
     def test_resume_from_the_step_10_checkpoint(self):
         ref = self.fit(self.path("ref"), self.path("ref_out"))
