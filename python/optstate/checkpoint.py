@@ -273,13 +273,21 @@ def hold(opt, snapshot, holder):
 def release_deleted(opt):
     """Releases every snapshot recorded by hold() whose holders no longer exist, and forgets holders
     that are gone; returns the names released. A snapshot that is held but no longer in the store is
-    forgotten."""
+    forgotten. Snapshots that optimizer.state_dict() made ("state-dict-<generation>") and no checkpoint
+    holds are released too when older than the newest held one: where checkpoints hold their
+    state_dicts' snapshots, the others were a framework's own round trips (accelerate's device
+    placement calls state_dict() and load_state_dict() at prepare)."""
     store = _store_of(opt)
     held = held_snapshots(store)
     if not held:
         return []
     existing = dict(store.snapshots())
     released, changed = [], False
+    newest_held = max((existing[n] for n in held if n in existing), default=0)
+    for name, gen in existing.items():
+        if name not in held and name.startswith("state-dict-") and gen < newest_held:
+            store.release_snapshot(name)
+            released.append(name)
     for name in list(held):
         alive = [h for h in held[name] if os.path.exists(h)]
         if alive == held[name] and name in existing:
