@@ -18,6 +18,8 @@ Each is a thin layer over one design (optstate.checkpoint, "checkpoints a traine
     optstate.integrations.accelerate.install(accelerator)        # accelerate save_state/load_state
     Trainer(callbacks=[optstate.integrations.lightning.OptstateCheckpoints()])   # Lightning
 
+torch.distributed.checkpoint (FSDP2) has its Stateful in optstate.integrations.dcp.
+
 docs/PYTHON.md has a section per framework.
 """
 
