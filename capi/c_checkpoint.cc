@@ -45,6 +45,40 @@ int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, co
   });
 }
 
+namespace {
+// Their caches and step counts would be stale: the next step would mix the
+// restored moments with the counts they hold.
+Status NoneOpen(optstate_store_t* store, const char* what, const char* change) {
+  std::lock_guard<std::mutex> lock(store->open_mu);
+  if (!store->open_mms.empty() || !store->open_adams.empty()) {
+    return optstate::FailedPrecondition(
+        std::string(what) + ": store " + store->rep->path() + " has " + std::to_string(store->open_adams.size()) +
+        " optimizer(s) and " + std::to_string(store->open_mms.size()) + " memory manager(s) open: destroy them before the " +
+        change + " (an optimizer created again resumes from the new head)");
+  }
+  return Status::Ok();
+}
+}  // namespace
+
+int optstate_store_revert(optstate_store_t* store, const char* snapshot, uint64_t* generation, char** kept_snapshot,
+                          char** errptr) {
+  const char* what = "optstate_store_revert";
+  if (kept_snapshot != nullptr) *kept_snapshot = nullptr;
+  return Guard(errptr, what, [&]() -> Status {
+    if (store == nullptr) return NullArgument(what, "store");
+    if (snapshot == nullptr || *snapshot == '\0') return InvalidArgument(std::string(what) + ": empty snapshot name");
+    OPTSTATE_RETURN_IF_ERROR(NoneOpen(store, what, "revert"));
+    auto r = store->rep->RevertToSnapshot(snapshot);
+    if (!r.ok()) return r.status();
+    if (generation != nullptr) *generation = r->generation;
+    if (kept_snapshot != nullptr && !r->kept_snapshot.empty()) {
+      *kept_snapshot = strdup(r->kept_snapshot.c_str());
+      if (*kept_snapshot == nullptr) return optstate::ResourceExhausted(std::string(what) + ": out of memory");
+    }
+    return Status::Ok();
+  });
+}
+
 int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation, char** errptr) {
   return optstate_checkpoint_restore2(store, src, 0, generation, nullptr, errptr);
 }

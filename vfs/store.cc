@@ -26,6 +26,7 @@
 #include <rocksdb/write_batch.h>
 
 #include "vfs/internal/chunk_io.h"
+#include "vfs/io_buffer.h"
 #include "vfs/internal/generation_view.h"
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_core.h"
@@ -338,7 +339,7 @@ class StoreImpl final : public Store {
     if (core_->writes_in_flight_ > 0) {
       return FailedPrecondition("store " + core_->path_ + ": abort with chunk writes in flight");
     }
-    for (const auto& [k, e] : core_->pending_) core_->FreeSlot(e);
+    for (const auto& [k, e] : core_->pending_) core_->ReleaseExtent(e);
     core_->pending_.clear();
     return core_->DropUncommittedTensors();
   }
@@ -381,6 +382,83 @@ class StoreImpl final : public Store {
     OPTSTATE_RETURN_IF_ERROR(core_->WriteSynced(&b, "create snapshot '" + name + "'"));
     core_->snapshots_[name] = s;
     return s;
+  }
+
+  Result<RevertResult> RevertToSnapshot(const std::string& name) override {
+    const std::string what = "store " + core_->path_ + ": revert to snapshot '" + name + "'";
+    GenerationInfo target, head;
+    std::vector<ChunkRef> zeros;
+    {
+      std::lock_guard l(core_->mu_);
+      OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("revert to snapshot '" + name + "'"));
+      auto snap = core_->snapshots_.find(name);
+      if (snap == core_->snapshots_.end()) return core_->SnapshotNotFound(name);
+      head = core_->latest_;
+      if (!core_->pending_.empty() || core_->writes_in_flight_ > 0) {
+        return FailedPrecondition(what + ": the store has uncommitted writes (" +
+                                  std::to_string(core_->pending_.size()) + " chunks written, " +
+                                  std::to_string(core_->writes_in_flight_) +
+                                  " in flight); commit or abort them first");
+      }
+      const uint64_t s = snap->second.generation;
+      if (s == head.generation) return RevertResult{head.generation, ""};
+      auto g = core_->generations_.find(s);
+      if (g == core_->generations_.end()) {
+        return Corruption(what + ": its generation " + std::to_string(s) + " has no record in the index");
+      }
+      target = g->second;
+      std::vector<std::string> newer;
+      for (const auto& [id, t] : core_->tensors_) {
+        if (t.created_generation > s) newer.push_back("'" + t.name + "'");
+      }
+      if (!newer.empty()) {
+        std::string names;
+        for (size_t i = 0; i < newer.size() && i < 8; ++i) names += (i ? ", " : "") + newer[i];
+        if (newer.size() > 8) names += ", ... " + std::to_string(newer.size()) + " in all";
+        return FailedPrecondition(what + " (generation " + std::to_string(s) + "): the store holds tensors created "
+                                  "after it (" + names + "), which a revert would drop; restore a checkpoint of "
+                                  "the snapshot into a new store instead");
+      }
+      for (const auto& [key, vs] : core_->versions_) {
+        if (!core_->VersionAt(key, s)) zeros.push_back(ChunkRef{key.t, key.f, key.c});
+      }
+    }
+    if (!zeros.empty()) {
+      IoBuffer buf(chunk_size_bytes());
+      if (!buf.ok()) return ResourceExhausted(what + ": out of memory for a chunk buffer");
+      std::memset(buf.as<char>(), 0, chunk_size_bytes());
+      for (const ChunkRef& ref : zeros) {
+        Status st = WriteChunk(ref, buf.as<char>());
+        if (!st.ok()) {
+          (void)AbortPending();
+          return st.WithContext(what);
+        }
+      }
+    }
+    const int64_t ms = NowUnixMs();
+    std::string keep = "pre-revert-" + std::to_string(head.generation) + "-" + std::to_string(ms);
+    {
+      std::lock_guard l(core_->mu_);
+      for (int n = 2; core_->snapshots_.count(keep); ++n) {
+        keep = "pre-revert-" + std::to_string(head.generation) + "-" + std::to_string(ms) + "-" + std::to_string(n);
+      }
+    }
+    CommitInfo ci;
+    ci.step = target.step;
+    ci.groups = target.groups;
+    ci.tensor_steps = target.tensor_steps;
+    internal::Core::RevertSpec spec{target.generation, keep};
+    OPTSTATE_TEST_SYNC_POINT("revert.before_commit");
+    auto gen = core_->Commit(ci, &spec);
+    if (!gen.ok()) {
+      Status ab = AbortPending();
+      if (!ab.ok()) OPTSTATE_LOG_ERROR("{}: AbortPending after a failed revert: {}", what, ab.ToString());
+      return gen.status().WithContext(what);
+    }
+    OPTSTATE_LOG_INFO("{}: generation {} (step {}) is the head again as generation {}; the generation {} it "
+                      "replaced is kept as snapshot {}", what, target.generation, target.step, *gen, head.generation,
+                      keep);
+    return RevertResult{*gen, keep};
   }
 
   Status ReleaseSnapshot(const std::string& name) override {

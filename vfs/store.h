@@ -240,6 +240,12 @@ struct SnapshotInfo {
   int64_t create_time_unix_ms = 0;
 };
 
+// What Store::RevertToSnapshot did.
+struct RevertResult {
+  uint64_t generation = 0;      // the new head (the snapshot's generation when it was the head)
+  std::string kept_snapshot;    // the snapshot that keeps the replaced head; empty when none was made
+};
+
 struct ChunkRef {
   uint32_t tensor_id = 0;
   uint32_t field = 0;                // index into TensorInfo::fields
@@ -485,6 +491,20 @@ class Store {
   virtual Result<SnapshotInfo> CreateSnapshot(const std::string& name) = 0;
   virtual Status ReleaseSnapshot(const std::string& name) = 0;
   virtual std::vector<SnapshotInfo> ListSnapshots() const = 0;
+
+  // Makes snapshot `name`'s state the head again without copying data: one
+  // new committed generation whose tensors, chunk versions (the snapshot's
+  // extents, shared with it), per-group and per-tensor step counts,
+  // hyperparameters and step equal the snapshot's. The head it replaces is
+  // kept as snapshot "pre-revert-<generation>-<unix ms>" in the same synced
+  // RocksDB WriteBatch (a crash leaves either the old head or the reverted one
+  // with its kept snapshot). Chunks the snapshot never wrote and the head did
+  // are written as zeros first (the only data written). Cost: metadata of the
+  // chunks that changed since the snapshot. kNotFound for an unknown snapshot;
+  // kFailedPrecondition while the store has uncommitted writes or holds a
+  // tensor created after the snapshot (a revert would drop it). A snapshot
+  // of the head itself is a no-op (its generation, no snapshot kept).
+  virtual Result<RevertResult> RevertToSnapshot(const std::string& name) = 0;
 
   // Frees every extent no retained generation, snapshot or lease references.
   // Runs on its own after Commit and ReleaseSnapshot; callable explicitly.

@@ -41,7 +41,9 @@ Status Core::SyncData() {
   return Status();
 }
 
-Result<uint64_t> Core::Commit(const CommitInfo& info) {
+Result<uint64_t> Core::Commit(const CommitInfo& info) { return Commit(info, nullptr); }
+
+Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) {
   std::lock_guard ll(lease_lock_mu_);
   OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
   OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
@@ -52,6 +54,23 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
                               " chunk writes in flight; reap them first");
   }
   const uint64_t gen = latest_.generation + 1;
+  if (revert != nullptr) {
+    // Every chunk whose newest version is not revert_to's takes revert_to's
+    // extent (shared: ReleaseExtent frees it once no version references it).
+    // A chunk revert_to never wrote was written as zeros (pending) by the caller.
+    for (const auto& [key, vs] : versions_) {
+      if (pending_.count(key)) continue;
+      const std::optional<Version> want = AtGeneration(key, revert->revert_to);
+      if (!want) {
+        auto t = tensors_.find(key.t);
+        return FailedPrecondition(Describe(t == tensors_.end() ? nullptr : &t->second, key, revert->revert_to) +
+                                  ": never written in the generation to revert to, and no zeros pending for it");
+      }
+      if (want->gen == vs.front().gen) continue;
+      pending_[key] = want->ext;
+      ++shared_extents_[{want->ext.dir, want->ext.file_offset}];
+    }
+  }
   // Per-tensor counts: only tensors of this generation, and only those that
   // differ from their group's count are recorded (the record stays small).
   std::map<uint32_t, uint64_t> tensor_steps;
@@ -94,9 +113,17 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
   b.Put(internal::GenerationKey(gen), internal::EncodeGeneration(g));
   b.Put(internal::kLatestKey, internal::EncodeU64(gen));
   b.Put(internal::kLifetimeKey, internal::EncodeU64(lifetime_bytes_));
+  // A revert keeps the head it replaces as a snapshot, published with it.
+  std::optional<SnapshotInfo> kept;
+  if (revert != nullptr && !revert->keep_head_as.empty()) {
+    kept = SnapshotInfo{revert->keep_head_as, latest_.generation, g.commit_time_unix_ms};
+    b.Put(internal::SnapshotKey(kept->name), internal::EncodeSnapshot(*kept));
+    snapshots_[kept->name] = *kept;  // so PlanGc keeps the head (removed below on failure)
+  }
   generations_[gen] = g;  // so PlanGc sees it as a record (removed below on failure)
   GcPlan plan = PlanGc(gen, /*publish=*/true, leased);
   generations_.erase(gen);
+  if (kept) snapshots_.erase(kept->name);
   OPTSTATE_RETURN_IF_ERROR(
       WriteRetained(GenerationNumbers(gen)).WithContext("commit of generation " + std::to_string(gen)));
   AddGcToBatch(plan, &b);
@@ -125,6 +152,7 @@ Result<uint64_t> Core::Commit(const CommitInfo& info) {
   }
   pending_.clear();
   generations_[gen] = g;
+  if (kept) snapshots_[kept->name] = *kept;
   latest_ = g;
   ApplyGc(plan);
   RewriteRetainedAfterBatch();

@@ -42,7 +42,7 @@ void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durabl
     auto& vs = it->second;
     for (auto v = vs.begin(); v != vs.end(); ++v) {
       if (v->gen == gen) {
-        FreeSlot(v->ext);
+        ReleaseExtent(v->ext);
         vs.erase(v);
         break;
       }

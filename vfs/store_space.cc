@@ -26,8 +26,12 @@ Status Core::BuildFreeLists() {
     uint64_t gen = 0;
   };
   std::vector<std::map<uint64_t, SlotUse>> used(n);
+  // Versions a revert made share their snapshot's extents: counted here.
+  std::map<std::pair<uint32_t, uint64_t>, uint32_t> refs;
+  shared_extents_.clear();
   for (const auto& [key, vs] : versions_) {
     for (const auto& v : vs) {
+      ++refs[{v.ext.dir, v.ext.file_offset}];
       auto describe = [&] {
         auto t = tensors_.find(key.t);
         return Describe(t == tensors_.end() ? nullptr : &t->second, key, v.gen) + ": extent (data dir " +
@@ -55,6 +59,9 @@ Status Core::BuildFreeLists() {
       }
       u.pieces.insert((v.ext.file_offset - slot * slot_bytes) / bytes);
     }
+  }
+  for (const auto& [e, count] : refs) {
+    if (count > 1) shared_extents_[e] = count - 1;
   }
   for (uint32_t d = 0; d < n; ++d) {
     DirSpace& sp = space_[d];
@@ -204,10 +211,19 @@ void Core::FreeSlot(const Extent& e) {
   SetPiece(&sp, s, &c->second, (e.file_offset - s * SlotBytes()) / bytes, false);
 }
 
+void Core::ReleaseExtent(const Extent& e) {
+  auto it = shared_extents_.find({e.dir, e.file_offset});
+  if (it != shared_extents_.end()) {
+    if (--it->second == 0) shared_extents_.erase(it);
+    return;
+  }
+  FreeSlot(e);
+}
+
 void Core::SetPending(const Key& k, const Extent& e) {
   auto [it, inserted] = pending_.try_emplace(k, e);
   if (!inserted) {
-    FreeSlot(it->second);
+    ReleaseExtent(it->second);
     it->second = e;
   }
   lifetime_bytes_ += e.length;

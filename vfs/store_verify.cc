@@ -103,7 +103,10 @@ Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core) {
       }
       auto [it, fresh] = owner.try_emplace({e.dir, e.file_offset}, Owner{tp, k, gen, bytes});
       if (!fresh) {
-        rep.problems.push_back(what + " is also referenced by generation " + std::to_string(it->second.gen));
+        // A revert's version shares its snapshot's extent: the same chunk, the same bytes.
+        if (!(it->second.key == k && it->second.bytes == bytes)) {
+          rep.problems.push_back(what + " is also referenced by generation " + std::to_string(it->second.gen));
+        }
         return;
       }
       owned_bytes += bytes;

@@ -95,6 +95,7 @@ _SIGNATURES = {
     "optstate_checkpoint_export": (_int, [_vp, _u8p, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_checkpoint_restore": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_checkpoint_restore2": (_int, [_vp, _u8p, _u32, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),
+    "optstate_store_revert": (_int, [_vp, _u8p, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),
     "optstate_checkpoint_reshard": (_int, [_c.POINTER(_u8p), _c.c_size_t, _u8p, _u8p, _c.POINTER(_u32), _errp]),
     "optstate_checkpoint_reshard_layout": (_int, [_c.POINTER(_u8p), _c.c_size_t, _u32, _u8p, _c.POINTER(_vp),
                                                   _errp]),

@@ -17,16 +17,19 @@ Resuming on another number of ranks (docs/RESHARD.md):
     optstate.reshard(old_rank_dirs, "/ckpt/step1000-3ranks", layout)
     # rank r then loads "/ckpt/step1000-3ranks/rank-0000r"
 """
+import contextlib
 import ctypes
 import errno
 import json
 import os
+import shutil
 
 from . import errors
 from ._lib import call, lib
 from .core import Store
 
-__all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_dir"]
+__all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_dir", "save_into", "resume_from",
+           "hold", "release_deleted", "held_snapshots"]
 
 
 def save(opt, dest, name=None):
@@ -191,3 +194,179 @@ def reshard(sources, dest, layout):
 def rank_dir(dest, rank):
     """The checkpoint directory of `rank` under a reshard's dest."""
     return os.path.join(os.fspath(dest), "rank-%05d" % rank)
+
+
+# ---- checkpoints a trainer keeps ------------------------------------------------------------------
+#
+# A trainer saves opt.state_dict() in its checkpoint and calls load_state_dict() on resume. The
+# state_dict names an O(1) snapshot of the state it describes (optstate.torch.AdamW.state_dict), so
+# every checkpoint the trainer keeps resumes on the node that wrote it. Three pieces make the rest
+# work, and each framework's adapter (optstate.integrations) only calls them at its extension points:
+#
+#   save_into(opt, root, holder)   the snapshot's files into root/<store name>/ (a checkpoint
+#                                  directory copied to another node carries the state), and the
+#                                  snapshot recorded as held by `holder` (the checkpoint directory
+#                                  or file the trainer keeps);
+#   release_deleted(opt)           releases each snapshot whose holders are all gone (the trainer
+#                                  deleted those checkpoints: save_total_limit, save_top_k), so disk
+#                                  use stays bounded; save_into runs it at every save;
+#   resume_from(root)              where load_state_dict looks for the files when the store lacks
+#                                  the snapshot (a fresh store, another node).
+#
+# The holders are recorded in <store>/checkpoint-holders.json (name -> list of holder paths),
+# replaced atomically (write, fsync, rename, fsync of the directory).
+
+HOLDERS_FILE = "checkpoint-holders.json"
+_resume_roots = []  # armed by resume_from, newest last
+
+
+def _store_of(opt):
+    return opt if isinstance(opt, Store) else opt.store
+
+
+def _holders_path(store):
+    return os.path.join(store.path, HOLDERS_FILE)
+
+
+def held_snapshots(opt):
+    """{snapshot name: [holder paths]} of opt's store (opt: an optimizer or an optstate.Store)."""
+    path = _holders_path(_store_of(opt))
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise errors.Corruption("optstate.checkpoint: %s is unreadable (%s); remove it to forget which "
+                                "checkpoints hold which snapshots (those snapshots then stay until released "
+                                "by hand)" % (path, e)) from e
+    return {k: list(v) for k, v in data.get("snapshots", {}).items()}
+
+
+def _write_holders(store, held):
+    path = _holders_path(store)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "snapshots": held}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hold(opt, snapshot, holder):
+    """Records that the checkpoint `holder` (a directory or file path) holds snapshot `snapshot` of
+    opt's store: release_deleted keeps the snapshot while any of its holders exists."""
+    store = _store_of(opt)
+    holder = os.path.abspath(os.fspath(holder))
+    held = held_snapshots(store)
+    holders = held.setdefault(snapshot, [])
+    if holder not in holders:
+        holders.append(holder)
+        _write_holders(store, held)
+
+
+def release_deleted(opt):
+    """Releases every snapshot recorded by hold() whose holders no longer exist, and forgets holders
+    that are gone; returns the names released. A snapshot that is held but no longer in the store is
+    forgotten. Snapshots that optimizer.state_dict() made ("state-dict-<generation>") and no checkpoint
+    holds are released too when older than the newest held one: where checkpoints hold their
+    state_dicts' snapshots, the others were a framework's own round trips (accelerate's device
+    placement calls state_dict() and load_state_dict() at prepare)."""
+    store = _store_of(opt)
+    held = held_snapshots(store)
+    if not held:
+        return []
+    existing = dict(store.snapshots())
+    released, changed = [], False
+    newest_held = max((existing[n] for n in held if n in existing), default=0)
+    for name, gen in existing.items():
+        if name not in held and name.startswith("state-dict-") and gen < newest_held:
+            store.release_snapshot(name)
+            released.append(name)
+    for name in list(held):
+        alive = [h for h in held[name] if os.path.exists(h)]
+        if alive == held[name] and name in existing:
+            continue
+        changed = True
+        if alive and name in existing:
+            held[name] = alive
+            continue
+        del held[name]
+        if name in existing:
+            store.release_snapshot(name)
+            released.append(name)
+    if changed:
+        _write_holders(store, held)
+    return released
+
+
+def files_dir(root, store_name):
+    """Where save_into puts a store's files under root."""
+    return os.path.join(os.fspath(root), store_name)
+
+
+def save_into(opt, root, holder=None, state_dict=None):
+    """Writes the state that opt.state_dict() (or the given state_dict of opt) describes into
+    root/<store name>/ (a checkpoint directory as save() writes it), records its snapshot as held by
+    `holder` (default: root) and releases the snapshots of checkpoints deleted since
+    (release_deleted). Nothing is written when root/<store name>/ already holds that generation of the
+    store. Returns the directory written."""
+    sd = state_dict if state_dict is not None else opt.state_dict()
+    meta = sd["optstate"]
+    store = _store_of(opt)
+    dest = files_dir(root, meta["store_name"])
+    if _manifest_matches(dest, meta) is None:
+        if os.path.lexists(dest):
+            shutil.rmtree(dest) if os.path.isdir(dest) and not os.path.islink(dest) else os.unlink(dest)
+        os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+        store.export_checkpoint(dest, snapshot=meta["snapshot"])
+    hold(store, meta["snapshot"], holder if holder is not None else root)
+    release_deleted(store)
+    return dest
+
+
+def _manifest_matches(dest, meta):
+    """dest when it holds the checkpoint of meta's store and generation, else None."""
+    try:
+        with open(os.path.join(dest, "manifest.json")) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    store = m.get("store") if isinstance(m.get("store"), dict) else {}
+    if store.get("uuid") == meta.get("store_uuid") and m.get("generation") == meta.get("generation"):
+        return dest
+    return None
+
+
+class resume_from:
+    """Arms load_state_dict to look in root/<store name>/ (as save_into wrote it) for the state a
+    state_dict describes when the optimizer's store lacks its snapshot (a checkpoint directory copied to
+    another node or a fresh store path). As a context manager it is armed inside the block; called
+    plainly it stays armed for this process (the latest roots are searched first)."""
+
+    def __init__(self, *roots):
+        self._roots = [os.fspath(r) for r in roots]
+        _resume_roots.extend(self._roots)
+        del _resume_roots[:-16]  # a long run arms one per resume: keep the latest
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for r in self._roots:
+            with contextlib.suppress(ValueError):
+                _resume_roots.remove(r)
+
+
+def _find_files(meta):
+    """The newest armed root's files of meta's store and generation, or None."""
+    for root in reversed(_resume_roots):
+        found = _manifest_matches(files_dir(root, meta.get("store_name", "")), meta)
+        if found:
+            return found
+    return None

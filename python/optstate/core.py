@@ -258,6 +258,26 @@ class Store(_Handle):
             lib.optstate_free(kept)
         return gen.value
 
+    def revert_to_snapshot(self, name):
+        """Makes snapshot `name`'s state the store's head again without copying data: a new committed
+        generation whose tensors, chunk versions, step counts and hyperparameters are the snapshot's
+        (optstate_store_revert). The generation it replaces is kept as a snapshot in the same commit
+        (its name in self.last_restore_snapshot; None when the snapshot already was the head). No
+        manager or optimizer may be open on the store. Returns the new head's generation."""
+        live = [c for c in self._children if not c.closed]
+        if live:
+            raise errors.FailedPrecondition(
+                "revert of store %s to snapshot %s: close its %s first (an optimizer resumes from the new head "
+                "when it is created again)" % (self._path, name, " and ".join(sorted({c._what for c in live}))))
+        gen = ctypes.c_uint64()
+        kept = ctypes.c_void_p()
+        call(lib.optstate_store_revert, self._live(), _b(name), ctypes.byref(gen), ctypes.byref(kept))
+        try:
+            self.last_restore_snapshot = ctypes.string_at(kept.value).decode() if kept.value else None
+        finally:
+            lib.optstate_free(kept)
+        return gen.value
+
     def stats(self):
         s = StoreStats()
         call(lib.optstate_store_stats, self._live(), ctypes.byref(s))

@@ -9,8 +9,10 @@ window of `budget` bytes during step(); the parameters themselves (fp32, bf16
 or fp16) are updated in place in the same pass. Nothing of the state is kept
 in torch tensors: `opt.state[p]` is a read-only mapping that reads "step",
 "exp_avg" and "exp_avg_sq" from the store when they are looked up (copies), and
-state_dict() holds only the store's identity, generation, step counts and
-hyperparameters.
+state_dict() holds only the store's identity, generation, step counts,
+hyperparameters and the name of an O(1) snapshot of that generation, so
+load_state_dict() of any state_dict a trainer kept makes it the head again
+(optstate.integrations carries the state into frameworks' checkpoints).
 
 Param groups work as in torch.optim.AdamW: lr, betas, eps and weight_decay
 are read from param_groups at every step, so torch.optim.lr_scheduler works
@@ -624,50 +626,111 @@ class AdamW(torch.optim.Optimizer):
 
     # ---- state ----
 
+    # Snapshots that state_dict() made and no checkpoint holds (optstate.checkpoint.hold): the newest
+    # this many are kept, older ones released at the next state_dict().
+    state_dict_snapshots = 2
+
     def state_dict(self):
         """Torch's shape ({"state", "param_groups"}) with an empty "state" plus "optstate": the store's
-        identity, the committed generation, step counts and param names (never the state itself)."""
+        identity, the committed generation, step counts, param names and the name of a snapshot of that
+        generation (never the state itself).
+
+        Waits for the last step's commit, then pins the newest committed generation as snapshot
+        "state-dict-<generation>" (O(1); the same one again while no step ran), so that
+        load_state_dict() of this state_dict can make it the store's head again later. Snapshots of
+        checkpoints that a trainer keeps are held by them (optstate.checkpoint.save_into, the adapters in
+        optstate.integrations) until the trainer deletes those checkpoints; of the others, the newest
+        `state_dict_snapshots` (default 2) are kept and older ones released here."""
         view, self.__dict__["state"] = self.state, {}  # torch's state_dict copies opt.state: keep it empty
         try:
             sd = super().state_dict()
         finally:
             self.__dict__["state"] = view
-        gen = self._live().make_durable()
+        adam = self._live()
+        adam.make_durable()
+        gen, _ = self._store.latest_generation()
+        snap = self._state_dict_snapshot(gen)
         sd["optstate"] = {
-            "format": 1,
+            "format": 2,
             "store_path": self._store.path,
             "store_name": self._store.name,
             "store_uuid": self._store.uuid,
             "generation": gen,
-            "global_step": self._adam.global_step,
-            "step_counts": [self._adam.step_count(g) for g in range(len(self.param_groups))],
+            "snapshot": snap,
+            "global_step": adam.global_step,
+            "step_counts": [adam.step_count(g) for g in range(len(self.param_groups))],
             "param_names": list(self._names),
         }
         return sd
 
+    _STATE_DICT_SNAPSHOT = re.compile(r"^state-dict-(\d+)$")
+
+    def _state_dict_snapshot(self, gen):
+        """Snapshot "state-dict-<gen>" of the newest committed generation gen (made if missing); releases
+        the older state_dict() snapshots that no checkpoint holds beyond the newest state_dict_snapshots."""
+        name = "state-dict-%d" % gen
+        snaps = dict(self._store.snapshots())
+        if name not in snaps:
+            snaps[name] = self._store.snapshot(name)
+        held = checkpoint.held_snapshots(self._store)
+        free = sorted((g, n) for n, g in snaps.items()
+                      if self._STATE_DICT_SNAPSHOT.match(n) and n not in held and n != name)
+        keep = max(0, int(self.state_dict_snapshots) - 1)
+        for _, n in free[:max(0, len(free) - keep)]:
+            self._store.release_snapshot(n)
+        return name
+
     def load_state_dict(self, state_dict):
-        """Checks that state_dict describes this store at its newest committed generation, with the
-        same params, and loads its hyperparameters."""
-        self._live().make_durable()  # the last step's commit may still be running
+        """Makes the store's state the one state_dict describes, with the same params, and loads its
+        hyperparameters:
+
+          - the store's newest committed generation: nothing to change;
+          - an older state of this store whose snapshot (named in state_dict) it still holds: the store's
+            head becomes that snapshot's state again (the head it replaces is kept as a snapshot, its
+            name in opt.store.last_restore_snapshot), the params take its fp32 mains, and step counts
+            and hyperparameters are as at that checkpoint: training continues exactly as it did from
+            there;
+          - otherwise (a fresh store, another node, a released snapshot): from the checkpoint files
+            that optstate.checkpoint.save_into wrote under a root armed with
+            optstate.checkpoint.resume_from (the adapters in optstate.integrations do both), restored
+            with force (the head it replaces is kept as a snapshot); without such files
+            optstate.FailedPrecondition says what to do."""
+        adam = self._live()
+        adam.make_durable()  # the last step's commit may still be running
         meta = state_dict.get("optstate")
         if meta is None:
             raise errors.InvalidArgument("optstate.torch.AdamW.load_state_dict: not a state_dict of "
                                          "optstate.torch.AdamW (no 'optstate' entry)")
-        if meta.get("store_uuid") != self._store.uuid:
-            raise errors.InvalidArgument(
-                "optstate.torch.AdamW.load_state_dict: state_dict is of store %s (%s, uuid %s), this optimizer "
-                "uses store %s (uuid %s)" % (meta.get("store_path"), meta.get("store_name"),
-                                             meta.get("store_uuid"), self._store.path, self._store.uuid))
-        gen, _ = self._store.latest_generation()
-        if meta["generation"] != gen:
-            raise errors.FailedPrecondition(
-                "optstate.torch.AdamW.load_state_dict: state_dict is of generation %d of store %s, which is at "
-                "generation %d; restore that generation's snapshot into the store first (optstate-restore)"
-                % (meta["generation"], self._store.path, gen))
         if list(meta["param_names"]) != self._names:
             raise errors.InvalidArgument(
                 "optstate.torch.AdamW.load_state_dict: state_dict has %d params %s, this optimizer %d %s"
                 % (len(meta["param_names"]), _few(meta["param_names"]), len(self._names), _few(self._names)))
+        gen, _ = self._store.latest_generation()
+        same_store = meta.get("store_uuid") == self._store.uuid
+        if not (same_store and meta["generation"] == gen):
+            snap = meta.get("snapshot")
+            snaps = dict(self._store.snapshots()) if snap else {}
+            files = None
+            if not (same_store and snaps.get(snap) == meta["generation"]):
+                files = checkpoint._find_files(meta)
+            if files is not None:
+                self._load_checkpoint(files, force=True)
+            elif same_store and snap and snaps.get(snap) == meta["generation"]:
+                self._revert_to_snapshot(snap)
+            else:
+                where = ("generation %d of this store (snapshot %s), which it no longer holds"
+                         % (meta["generation"], snap) if same_store and snap else
+                         "generation %d of this store, which is at generation %d" % (meta["generation"], gen)
+                         if same_store else
+                         "store %s (%s, uuid %s), generation %d; this optimizer uses store %s (uuid %s)"
+                         % (meta.get("store_path"), meta.get("store_name"), meta.get("store_uuid"),
+                            meta["generation"], self._store.path, self._store.uuid))
+                raise errors.FailedPrecondition(
+                    "optstate.torch.AdamW.load_state_dict: state_dict is of %s. Resume through the framework "
+                    "adapter (optstate.integrations: it saves the state's files into each checkpoint and "
+                    "restores them), or save them with optstate.checkpoint.save_into(opt, dir) and call "
+                    "optstate.checkpoint.resume_from(dir) before load_state_dict; a checkpoint directory "
+                    "loads with optstate.checkpoint.load(opt, dir)" % where)
         counts = [self._adam.step_count(g) for g in range(len(self.param_groups))]
         if list(meta["step_counts"]) != counts:
             raise errors.FailedPrecondition("optstate.torch.AdamW.load_state_dict: step counts %s in state_dict, "
@@ -879,6 +942,17 @@ class AdamW(torch.optim.Optimizer):
     def _load_checkpoint(self, src, force=False):
         """optstate.checkpoint.load: restores src into this optimizer's store and resumes from it (params
         take the restored fp32 mains; step counts and hyperparameters are the checkpoint's)."""
+        return self._with_store_closed(lambda: self._store.restore_checkpoint(src, force=force))
+
+    def _revert_to_snapshot(self, name):
+        """load_state_dict of an older state: the store's head becomes snapshot `name`'s state again (the
+        head it replaces kept as a snapshot) and the optimizer resumes from it."""
+        return self._with_store_closed(lambda: self._store.revert_to_snapshot(name))
+
+    def _with_store_closed(self, change):
+        """Runs change() (a restore or revert of the store's head) with this optimizer's manager and
+        optimizer closed, then creates them again on the new head: params take its fp32 mains, step
+        counts and hyperparameters are its."""
         adam = self._live()
         adam.make_durable()
         if self._cuda:
@@ -888,7 +962,7 @@ class AdamW(torch.optim.Optimizer):
         adam.close()
         self._mm.close()
         try:
-            gen = self._store.restore_checkpoint(src, force=force)
+            gen = change()
         finally:
             self._reopen()
         for gid, group in enumerate(self.param_groups):
@@ -983,15 +1057,19 @@ def _read_only(what):
                     % what)
 
 
-class _ParamState(collections.abc.Mapping):
+class _ParamState(collections.abc.MutableMapping):
     """opt.state[p]: a param's AdamW state as torch.optim.AdamW keeps it ("step", "exp_avg",
-    "exp_avg_sq"), read from the store on each lookup; every value is a copy. Empty while the param
-    has taken no step (torch creates a param's state at its first step with a grad)."""
+    "exp_avg_sq"), read from the store when a value is looked up (a copy; keys and len() need no
+    read). Empty while the param has taken no step (torch creates a param's state at its first step
+    with a grad). Read-only, except that storing back the very tensor a lookup returned is accepted
+    and changes nothing (frameworks that move optimizer state to a device, e.g. Lightning's
+    _optimizer_to_device, store each value back)."""
 
     _KEYS = ("step", "exp_avg", "exp_avg_sq")
 
     def __init__(self, opt, index):
         self._opt, self._index = opt, index
+        self._given = {}  # key -> the tensor the last lookup returned
 
     def _keys(self):
         return self._KEYS if self._opt._live().param_step_count(self._opt._names[self._index]) > 0 else ()
@@ -999,7 +1077,9 @@ class _ParamState(collections.abc.Mapping):
     def __getitem__(self, key):
         if key not in self._keys():
             raise KeyError(key)
-        return self._opt._state_value(self._index, key)
+        value = self._opt._state_value(self._index, key)
+        self._given[key] = value
+        return value
 
     def __iter__(self):
         return iter(self._keys())
@@ -1008,6 +1088,8 @@ class _ParamState(collections.abc.Mapping):
         return len(self._keys())
 
     def __setitem__(self, key, value):
+        if self._given.get(key) is value and value is not None:
+            return
         _read_only("opt.state[p][%r]" % (key,))
 
     def __delitem__(self, key):

@@ -216,15 +216,20 @@ class AdamWTest(TempDirTest):
         self.assertEqual(opt.param_groups[0]["lr"], sd["param_groups"][0]["lr"])
         self.assertEqual(opt.param_groups[1]["weight_decay"], 0.0)
         self.assertEqual(opt.state_dict()["param_groups"], sd["param_groups"])
-        # A newer store state than the state_dict describes: refused, naming both generations.
+        # A newer store state than the state_dict describes: the store reverts to the state_dict's
+        # snapshot (docs/PYTHON.md); once that snapshot is released, refused, naming the generation.
         train(model, opt, 1)
+        opt.load_state_dict(loaded)
+        self.assertEqual([opt.step_count(0), opt.step_count(1)], [3, 3])
+        train(model, opt, 1)
+        opt.release_snapshot(meta["snapshot"])
         with self.assertRaises(optstate.FailedPrecondition) as cm:
             opt.load_state_dict(loaded)
         self.assertIn("generation %d" % meta["generation"], str(cm.exception))
-        # Another store's state_dict.
+        # Another store's state_dict, with no files of it armed: refused, naming that store.
         other_model = make_model(0)
         with ot.AdamW(two_groups(other_model), store=self.path("t"), **OPT_KW) as other:
-            with self.assertRaises(optstate.InvalidArgument) as cm:
+            with self.assertRaises(optstate.FailedPrecondition) as cm:
                 other.load_state_dict(opt.state_dict())
             self.assertIn(self.path("s"), str(cm.exception))
         with self.assertRaises(optstate.InvalidArgument):

@@ -10,6 +10,9 @@
 //   store_crash_child restore STORE CKPT [DATA_DIR]   CreateStoreFromCheckpoint
 //       (optstate-restore --create) of CKPT at STORE; prints "DONE" (exit 0)
 //       or the error (exit 4). Killed by OPTSTATE_CRASH_AT.
+//   store_crash_child revert STORE SNAPSHOT   Store::RevertToSnapshot (store of
+//       TestOptions()); prints "DONE <generation> <kept snapshot>" (exit 0) or
+//       the error (exit 4). Killed by OPTSTATE_CRASH_AT.
 #include <unistd.h>
 
 #include <cstdio>
@@ -146,6 +149,20 @@ int main(int argc, char** argv) {
       return 4;
     }
     Say("DONE");
+    return 0;
+  }
+  if (mode == "revert" && argc > 3) {
+    auto s = Store::Open(path, TestOptions());
+    if (!s.ok()) {
+      Say("STATUS " + s.status().ToString());
+      return 4;
+    }
+    auto r = (*s)->RevertToSnapshot(argv[3]);
+    if (!r.ok()) {
+      Say("STATUS " + r.status().ToString());
+      return 4;
+    }
+    Say("DONE " + std::to_string(r->generation) + " " + r->kept_snapshot);
     return 0;
   }
   if (mode == "run") return Run(path, argc > 3 ? std::stoull(argv[3]) : 1000000);

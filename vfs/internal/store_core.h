@@ -372,6 +372,24 @@ class Core {
 
   Result<uint64_t> Commit(const CommitInfo& info);
 
+  // A commit that makes generation revert_to's chunk versions the new
+  // generation's (sharing their extents; a chunk revert_to never wrote must
+  // already be pending, written as zeros) and, in the same batch, pins the
+  // replaced head as snapshot keep_head_as (if non-empty). REQUIRES: no
+  // pending writes besides those zero chunks.
+  struct RevertSpec {
+    uint64_t revert_to = 0;
+    std::string keep_head_as;
+  };
+  Result<uint64_t> Commit(const CommitInfo& info, const RevertSpec* revert);
+
+  // Drops one reference to extent e: returns its space to the free lists
+  // unless another chunk version still shares it (a revert's). mu_ held.
+  void ReleaseExtent(const Extent& e);
+
+  // Version of k visible in generation g (public for the revert). mu_ held.
+  std::optional<Version> VersionAt(const Key& k, uint64_t g) const { return AtGeneration(k, g); }
+
  private:
   // A fresh secondary instance in place of the current one. catchup_mu_ held.
   Status ReopenSecondary();
@@ -523,6 +541,11 @@ class Core {
   std::map<std::string, SnapshotInfo> snapshots_;
   std::map<Key, std::vector<Version>> versions_;    // committed, newest first
   std::map<Key, Extent> pending_;                   // completed writes of latest+1
+  // Extents referenced by more than one chunk version (dir, file offset) ->
+  // references beyond the first: a revert shares the snapshot's extents with
+  // the generation it commits. Writer: built at open, kept by commits,
+  // ReleaseExtent and AbortPending.
+  std::map<std::pair<uint32_t, uint64_t>, uint32_t> shared_extents_;
   uint64_t lifetime_bytes_ = 0;
   // Space (store_space.cc).
   std::vector<DirSpace> space_;                     // per data dir: slots and pieces

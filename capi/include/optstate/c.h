@@ -249,6 +249,23 @@ OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const ch
 #define OPTSTATE_RESTORE_FORCE 1u
 OPTSTATE_EXPORT int optstate_checkpoint_restore2(optstate_store_t* store, const char* src, uint32_t flags,
                                                  uint64_t* generation, char** kept_snapshot, char** errptr);
+/* Makes snapshot `snapshot` of the store its head again, in O(chunks changed
+ * since the snapshot) metadata and no data copy (vfs/store.h
+ * Store::RevertToSnapshot): a new committed generation whose tensors, chunk
+ * versions, per-group and per-tensor step counts, hyperparameters and step
+ * are the snapshot's; the head it replaces is kept as a snapshot
+ * "pre-revert-<generation>-<unix ms>" in the same synced batch. A snapshot of
+ * the head itself changes nothing. NOT_FOUND for an unknown snapshot;
+ * FAILED_PRECONDITION while the store holds a tensor created after the
+ * snapshot or uncommitted writes.
+ * REQUIRES: no memory manager or optimizer is open on the store
+ * (FAILED_PRECONDITION naming the store otherwise; a new optimizer resumes
+ * from the reverted head).
+ * *generation (may be NULL) = the new head; *kept_snapshot (may be NULL) =
+ * the name of the snapshot kept, malloc'ed (optstate_free), or NULL when
+ * none was made. */
+OPTSTATE_EXPORT int optstate_store_revert(optstate_store_t* store, const char* snapshot, uint64_t* generation,
+                                          char** kept_snapshot, char** errptr);
 /* optstate_checkpoint_restore2 with no flags and no kept_snapshot. */
 OPTSTATE_EXPORT int optstate_checkpoint_restore(optstate_store_t* store, const char* src, uint64_t* generation,
                                                 char** errptr);
