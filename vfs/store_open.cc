@@ -65,12 +65,9 @@ rocksdb::Options IndexOptions(Core* core) {
   o.paranoid_checks = true;
   o.keep_log_file_num = 2;
   o.write_buffer_size = 16 << 20;
-  // RocksDB preallocates its log by 1.1 x the write buffer (17.6 MiB) and its
-  // manifest by 4 MiB while open: more than the whole state of a small
-  // model. The index grows by appends of one batch per commit, small next to
-  // the chunks a commit makes durable.
-  o.allow_fallocate = false;
-  o.manifest_preallocation_size = 0;
+  // RocksDB keeps its preallocation of the log (1.1 x the write buffer) and
+  // the manifest (4 MiB) while open: it is what lets a commit's index write
+  // succeed on a disk the data file has filled. Released at close.
   return o;
 }
 
