@@ -16,10 +16,12 @@ std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t 
   auto v = std::make_shared<ViewData>();
   v->core = core;
   v->info = core->generations_.at(g);
-  for (const auto& [id, t] : core->tensors_) {
-    if (t.created_generation <= g) {
-      v->tensors.push_back(t);
-      v->by_id[id] = t;
+  for (const auto* m : {&core->tensors_, &core->dropped_}) {
+    for (const auto& [id, t] : *m) {
+      if (core->TensorAt(id, g)) {
+        v->tensors.push_back(t);
+        v->by_id[id] = t;
+      }
     }
   }
   std::sort(v->tensors.begin(), v->tensors.end(),

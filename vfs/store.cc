@@ -328,6 +328,51 @@ class StoreImpl final : public Store {
     return core_->Commit(info);
   }
 
+  Result<uint64_t> DropTensors(const std::vector<std::string>& names) override {
+    if (core_->read_only_) return core_->CheckWritable("drop tensors");
+    CommitInfo info;
+    std::vector<uint32_t> ids;
+    {
+      std::lock_guard l(core_->mu_);
+      OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("drop tensors"));
+      if (names.empty()) return InvalidArgument("store " + core_->path_ + ": drop of no tensors");
+      for (const auto& [id, t] : core_->tensors_) {
+        if (t.created_generation > core_->latest_.generation) {
+          return FailedPrecondition("store " + core_->path_ + ": drop tensors refused while tensor '" + t.name +
+                                    "' is registered but not committed; commit or abort the pending generation first");
+        }
+      }
+      if (!core_->pending_.empty() || core_->writes_in_flight_ > 0) {
+        return FailedPrecondition("store " + core_->path_ +
+                                  ": drop tensors refused while chunk writes are pending; commit or abort them first");
+      }
+      std::set<std::string_view> seen;
+      for (const std::string& n : names) {
+        if (!seen.insert(n).second) {
+          return InvalidArgument("store " + core_->path_ + ": tensor '" + n + "' named twice in one drop");
+        }
+        auto it = core_->names_.find(n);
+        if (it == core_->names_.end()) {
+          std::vector<std::string> all;
+          for (const auto& [name, id] : core_->names_) all.push_back(name);
+          return NotFound("store " + core_->path_ + ": drop of tensor '" + n + "', which the latest generation " +
+                          std::to_string(core_->latest_.generation) + " does not hold" +
+                          ClosestNames(n, all.begin(), all.end()));
+        }
+        ids.push_back(it->second);
+      }
+      const GenerationInfo& g = core_->latest_;
+      info.step = g.step;
+      info.groups = g.groups;
+      for (const auto& [id, t] : core_->tensors_) {
+        if (std::find(ids.begin(), ids.end(), id) == ids.end()) info.tensor_steps[id] = TensorStepCount(g, t);
+      }
+    }
+    // Commit checks again under its own locks (a concurrent write between the
+    // two is refused there).
+    return core_->Commit(info, ids);
+  }
+
   Status SyncData() override {
     if (core_->read_only_) return core_->CheckWritable("data sync");
     return core_->SyncData();
@@ -419,7 +464,20 @@ class StoreImpl final : public Store {
                                   "after it (" + names + "), which a revert would drop; restore a checkpoint of "
                                   "the snapshot into a new store instead");
       }
+      std::vector<std::string> dropped;
+      for (const auto& [id, t] : core_->dropped_) {
+        if (t.created_generation <= s && t.dropped_generation > s) dropped.push_back("'" + t.name + "'");
+      }
+      if (!dropped.empty()) {
+        std::string names;
+        for (size_t i = 0; i < dropped.size() && i < 8; ++i) names += (i ? ", " : "") + dropped[i];
+        if (dropped.size() > 8) names += ", ... " + std::to_string(dropped.size()) + " in all";
+        return FailedPrecondition(what + " (generation " + std::to_string(s) + "): it holds tensors dropped since (" +
+                                  names + "), which the head no longer has; restore a checkpoint of the snapshot "
+                                  "(optstate-restore --force) instead");
+      }
       for (const auto& [key, vs] : core_->versions_) {
+        if (!core_->tensors_.count(key.t)) continue;  // a dropped tensor's versions, kept until GC
         if (!core_->VersionAt(key, s)) zeros.push_back(ChunkRef{key.t, key.f, key.c});
       }
     }

@@ -188,6 +188,10 @@ Status ValidateFields(const TensorSpec& spec, uint64_t chunk_size_bytes, std::st
 struct TensorInfo : TensorSpec {
   uint32_t id = 0;                   // stable within the store
   uint64_t created_generation = 0;   // first generation that contains it
+  // First generation that no longer contains it (Store::DropTensors); 0 = not
+  // dropped. Generations in [created_generation, dropped_generation) still
+  // show it, with its chunks, as they were committed.
+  uint64_t dropped_generation = 0;
 };
 
 // A parameter group as persisted with each generation. Hyperparameters are a
@@ -470,6 +474,15 @@ class Store {
   // generation. On error nothing is published; after an fsync error the store
   // is poisoned (kDataLoss) until reopened.
   virtual Result<uint64_t> Commit(const CommitInfo& info) = 0;
+  // Drops tensors from the store for good: commits generation latest+1 with
+  // the latest's step, groups and per-tensor step counts, without the tensors
+  // named (their names are free again). Older generations and snapshots keep
+  // showing them, their chunks included, until GC drops the last generation
+  // that holds them. kNotFound (with near names) for a name the latest
+  // generation does not hold, kInvalidArgument for none or a duplicate,
+  // kFailedPrecondition while writes or tensors are pending (nothing of the
+  // pending generation is published with the drop). Returns the new generation.
+  virtual Result<uint64_t> DropTensors(const std::vector<std::string>& names) = 0;
   // Makes the pending generation's completed chunk writes durable without
   // publishing anything (fdatasync of the data files, no lock held while it
   // runs), so a long step can overlap the device's flush with its remaining

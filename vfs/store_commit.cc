@@ -41,9 +41,16 @@ Status Core::SyncData() {
   return Status();
 }
 
-Result<uint64_t> Core::Commit(const CommitInfo& info) { return Commit(info, nullptr); }
+Result<uint64_t> Core::Commit(const CommitInfo& info, const std::vector<uint32_t>& drop) {
+  return CommitGeneration(info, nullptr, drop);
+}
 
 Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) {
+  return CommitGeneration(info, revert, {});
+}
+
+Result<uint64_t> Core::CommitGeneration(const CommitInfo& info, const RevertSpec* revert,
+                                        const std::vector<uint32_t>& drop) {
   std::lock_guard ll(lease_lock_mu_);
   OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
   OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
@@ -59,7 +66,7 @@ Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) 
     // extent (shared: ReleaseExtent frees it once no version references it).
     // A chunk revert_to never wrote was written as zeros (pending) by the caller.
     for (const auto& [key, vs] : versions_) {
-      if (pending_.count(key)) continue;
+      if (pending_.count(key) || !tensors_.count(key.t)) continue;  // dropped tensors' versions stay until GC
       const std::optional<Version> want = AtGeneration(key, revert->revert_to);
       if (!want) {
         auto t = tensors_.find(key.t);
@@ -74,9 +81,23 @@ Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) 
   // Per-tensor counts: only tensors of this generation, and only those that
   // differ from their group's count are recorded (the record stays small).
   std::map<uint32_t, uint64_t> tensor_steps;
+  std::vector<TensorInfo> dropping;
+  for (uint32_t id : drop) {
+    auto t = tensors_.find(id);
+    if (t == tensors_.end() || t->second.created_generation > latest_.generation) {
+      return InvalidArgument("store " + path_ + ": commit of generation " + std::to_string(gen) +
+                             ": drop of tensor id " + std::to_string(id) + ", which the latest generation does not hold");
+    }
+    if (!pending_.empty()) {
+      return FailedPrecondition("store " + path_ + ": commit of generation " + std::to_string(gen) +
+                                " drops tensor '" + t->second.name + "' while chunk writes are pending");
+    }
+    dropping.push_back(t->second);
+    dropping.back().dropped_generation = gen;
+  }
   for (const auto& [id, n] : info.tensor_steps) {
     auto t = tensors_.find(id);
-    if (t == tensors_.end()) {
+    if (t == tensors_.end() || std::find(drop.begin(), drop.end(), id) != drop.end()) {
       return InvalidArgument("store " + path_ + ": commit of generation " + std::to_string(gen) +
                              ": step count " + std::to_string(n) + " given for tensor id " + std::to_string(id) +
                              ", which the store does not hold");
@@ -107,7 +128,7 @@ Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) 
   g.groups = info.groups;
   g.tensor_steps = std::move(tensor_steps);
   g.commit_time_unix_ms = NowUnixMs();
-  g.index_digest = CommitDigest(gen);
+  g.index_digest = CommitDigest(gen, drop);
   rocksdb::WriteBatch b;
   for (const auto& [key, ext] : pending_) b.Put(internal::ChunkKey(key.t, key.f, key.c, gen), internal::EncodeExtent(ext));
   b.Put(internal::GenerationKey(gen), internal::EncodeGeneration(g));
@@ -120,10 +141,18 @@ Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) 
     b.Put(internal::SnapshotKey(kept->name), internal::EncodeSnapshot(*kept));
     snapshots_[kept->name] = *kept;  // so PlanGc keeps the head (removed below on failure)
   }
-  generations_[gen] = g;  // so PlanGc sees it as a record (removed below on failure)
+  for (const TensorInfo& t : dropping) {
+    b.Delete(internal::TensorKey(t.name));
+    b.Put(internal::DroppedKey(t.id), internal::EncodeTensor(t));
+  }
+  // So PlanGc sees the new record, the kept head and the drops (undone below
+  // until the batch is durable).
+  generations_[gen] = g;
+  for (const TensorInfo& t : dropping) dropped_[t.id] = t;
   GcPlan plan = PlanGc(gen, /*publish=*/true, leased);
   generations_.erase(gen);
   if (kept) snapshots_.erase(kept->name);
+  for (const TensorInfo& t : dropping) dropped_.erase(t.id);
   OPTSTATE_RETURN_IF_ERROR(
       WriteRetained(GenerationNumbers(gen)).WithContext("commit of generation " + std::to_string(gen)));
   AddGcToBatch(plan, &b);
@@ -151,6 +180,11 @@ Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) 
     vs.insert(vs.begin(), Version{gen, ext});
   }
   pending_.clear();
+  for (const TensorInfo& t : dropping) {
+    names_.erase(t.name);
+    tensors_.erase(t.id);
+    dropped_[t.id] = t;
+  }
   generations_[gen] = g;
   if (kept) snapshots_[kept->name] = *kept;
   latest_ = g;

@@ -18,6 +18,10 @@ Core::GcPlan Core::PlanGc(uint64_t new_gen, bool publish, const std::vector<uint
   GcPlan plan;
   for (const auto& [key, vs] : versions_) {
     uint64_t superseded = publish && pending_.count(key) ? new_gen : kInfinity;
+    // A dropped tensor's versions end where the tensor does.
+    if (auto d = dropped_.find(key.t); d != dropped_.end()) {
+      superseded = std::min(superseded, d->second.dropped_generation);
+    }
     for (const auto& v : vs) {
       auto r = retained.lower_bound(v.gen);
       if (r == retained.end() || *r >= superseded) plan.dead_versions.emplace_back(key, v.gen);
@@ -27,12 +31,17 @@ Core::GcPlan Core::PlanGc(uint64_t new_gen, bool publish, const std::vector<uint
   for (const auto& [g, info] : generations_) {
     if (!retained.count(g)) plan.dead_generations.push_back(g);
   }
+  for (const auto& [id, t] : dropped_) {
+    auto r = retained.lower_bound(t.created_generation);
+    if (r == retained.end() || *r >= t.dropped_generation) plan.dead_dropped.push_back(id);
+  }
   return plan;
 }
 
 void Core::AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const {
   for (const auto& [key, gen] : plan.dead_versions) b->Delete(internal::ChunkKey(key.t, key.f, key.c, gen));
   for (uint64_t g : plan.dead_generations) b->Delete(internal::GenerationKey(g));
+  for (uint32_t id : plan.dead_dropped) b->Delete(internal::DroppedKey(id));
 }
 
 void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durable
@@ -50,6 +59,7 @@ void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durabl
     if (vs.empty()) versions_.erase(it);
   }
   for (uint64_t g : plan.dead_generations) generations_.erase(g);
+  for (uint32_t id : plan.dead_dropped) dropped_.erase(id);
 }
 
 Status Core::CollectGarbage() {
@@ -60,7 +70,7 @@ Status Core::CollectGarbage() {
   OPTSTATE_RETURN_IF_ERROR(CheckWritable("garbage collection"));
   GcPlan plan = PlanGc(latest_.generation, /*publish=*/false, leased);
   OPTSTATE_RETURN_IF_ERROR(WriteRetained(GenerationNumbers()));
-  if (plan.dead_versions.empty() && plan.dead_generations.empty()) return Status();
+  if (plan.dead_versions.empty() && plan.dead_generations.empty() && plan.dead_dropped.empty()) return Status();
   rocksdb::WriteBatch b;
   AddGcToBatch(plan, &b);
   OPTSTATE_TEST_SYNC_POINT("gc.before_batch");

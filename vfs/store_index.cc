@@ -23,6 +23,7 @@ uint64_t VersionDigest(const Key& k, const Version& v) {
 Status Core::LoadIndex() {
   tensors_.clear();
   names_.clear();
+  dropped_.clear();
   generations_.clear();
   snapshots_.clear();
   versions_.clear();
@@ -44,6 +45,10 @@ Status Core::LoadIndex() {
       if (!t.ok()) return t.status().WithContext(where);
       names_[t->name] = t->id;
       tensors_[t->id] = std::move(*t);
+    } else if (k.starts_with(internal::kDroppedPrefix)) {
+      auto t = internal::DecodeTensor(v);
+      if (!t.ok()) return t.status().WithContext(where + " (dropped tensor)");
+      dropped_[t->id] = std::move(*t);
     } else if (k.starts_with(internal::kGenerationPrefix)) {
       auto g = internal::DecodeGeneration(v);
       if (!g.ok()) return g.status().WithContext(where);
@@ -88,14 +93,28 @@ Status Core::LoadIndex() {
   return Status();
 }
 
+const TensorInfo* Core::AnyTensor(uint32_t id) const {
+  if (auto t = tensors_.find(id); t != tensors_.end()) return &t->second;
+  if (auto t = dropped_.find(id); t != dropped_.end()) return &t->second;
+  return nullptr;
+}
+
+const TensorInfo* Core::TensorAt(uint32_t id, uint64_t g) const {
+  const TensorInfo* t = AnyTensor(id);
+  if (t == nullptr || t->created_generation > g) return nullptr;
+  if (t->dropped_generation != 0 && t->dropped_generation <= g) return nullptr;
+  return t;
+}
+
 uint64_t Core::IndexDigest(uint64_t g) const {
   uint64_t d = 0;
-  for (const auto& [id, t] : tensors_) {
-    if (t.created_generation <= g) d += TensorDigest(t);
+  for (const auto* m : {&tensors_, &dropped_}) {
+    for (const auto& [id, t] : *m) {
+      if (TensorAt(id, g)) d += TensorDigest(t);
+    }
   }
   for (const auto& [key, vs] : versions_) {
-    auto t = tensors_.find(key.t);
-    if (t == tensors_.end() || t->second.created_generation > g) continue;
+    if (!TensorAt(key.t, g)) continue;
     for (const auto& v : vs) {
       if (v.gen <= g) {
         d += VersionDigest(key, v);
@@ -106,11 +125,15 @@ uint64_t Core::IndexDigest(uint64_t g) const {
   return d;
 }
 
-uint64_t Core::CommitDigest(uint64_t gen) const {
+uint64_t Core::CommitDigest(uint64_t gen, const std::vector<uint32_t>& drop) const {
+  auto held = [&](uint32_t id) { return tensors_.count(id) && std::find(drop.begin(), drop.end(), id) == drop.end(); };
   uint64_t d = 0;
-  for (const auto& [id, t] : tensors_) d += TensorDigest(t);
+  for (const auto& [id, t] : tensors_) {
+    if (held(id)) d += TensorDigest(t);
+  }
   for (const auto& [key, vs] : versions_) {
-    if (!vs.empty() && !pending_.count(key)) d += VersionDigest(key, vs.front());
+    // Versions of dropped tensors stay for the older generations that hold them.
+    if (!vs.empty() && !pending_.count(key) && held(key.t)) d += VersionDigest(key, vs.front());
   }
   for (const auto& [key, ext] : pending_) d += VersionDigest(key, Version{gen, ext});
   return d;

@@ -65,6 +65,9 @@ rocksdb::Options IndexOptions(Core* core) {
   o.paranoid_checks = true;
   o.keep_log_file_num = 2;
   o.write_buffer_size = 16 << 20;
+  // RocksDB keeps its preallocation of the log (1.1 x the write buffer) and
+  // the manifest (4 MiB) while open: it is what lets a commit's index write
+  // succeed on a disk the data file has filled. Released at close.
   return o;
 }
 

@@ -32,7 +32,7 @@ void RemoveSecondaryBase(const std::string& root, const std::string& base) {
 }  // namespace
 
 Status Core::LoadIndexChecked(uint64_t acked) {
-  auto saved = std::make_tuple(std::move(tensors_), std::move(names_), next_tensor_id_, latest_,
+  auto saved = std::make_tuple(std::move(tensors_), std::move(names_), std::move(dropped_), next_tensor_id_, latest_,
                                std::move(generations_), std::move(snapshots_), std::move(versions_), lifetime_bytes_);
   Status s = LoadIndex();
   const uint64_t floor = std::max(acked, max_latest_loaded_);
@@ -48,7 +48,7 @@ Status Core::LoadIndexChecked(uint64_t acked) {
   }
   if (s.ok()) s = CheckIndexOf(latest_.generation);
   if (!s.ok()) {
-    std::tie(tensors_, names_, next_tensor_id_, latest_, generations_, snapshots_, versions_, lifetime_bytes_) =
+    std::tie(tensors_, names_, dropped_, next_tensor_id_, latest_, generations_, snapshots_, versions_, lifetime_bytes_) =
         std::move(saved);
     loaded_seq_.reset();
     return s;

@@ -16,6 +16,7 @@ Status Core::BuildFreeLists() {
     if (!data_files_[d]) continue;
     OPTSTATE_ASSIGN_OR_RETURN(uint64_t size, data_files_[d]->Size());
     space_[d].slots = size / slot_bytes;
+    space_[d].backed.assign(space_[d].slots, false);  // not known: the first use allocates
   }
   // Per dir: slot -> class of what it holds (slot_bytes: used whole), and the
   // pieces in use; the first version seen in a slot names it in errors.
@@ -33,8 +34,7 @@ Status Core::BuildFreeLists() {
     for (const auto& v : vs) {
       ++refs[{v.ext.dir, v.ext.file_offset}];
       auto describe = [&] {
-        auto t = tensors_.find(key.t);
-        return Describe(t == tensors_.end() ? nullptr : &t->second, key, v.gen) + ": extent (data dir " +
+        return Describe(AnyTensor(key.t), key, v.gen) + ": extent (data dir " +
                std::to_string(v.ext.dir) + ", offset " + std::to_string(v.ext.file_offset) + ", length " +
                std::to_string(v.ext.length) + ")";
       };
@@ -51,10 +51,8 @@ Status Core::BuildFreeLists() {
         u.key = key;
         u.gen = v.gen;
       } else if (u.piece_bytes != bytes) {
-        auto t = tensors_.find(u.key.t);
         return Corruption(describe() + " shares slot " + std::to_string(slot) + " with a " +
-                          std::to_string(u.piece_bytes) + "-byte extent of " +
-                          Describe(t == tensors_.end() ? nullptr : &t->second, u.key, u.gen) +
+                          std::to_string(u.piece_bytes) + "-byte extent of " + Describe(AnyTensor(u.key.t), u.key, u.gen) +
                           " (extents of one slot must have one size class)");
       }
       u.pieces.insert((v.ext.file_offset - slot * slot_bytes) / bytes);
@@ -83,6 +81,7 @@ Core::CarvedSlot& Core::Carve(DirSpace* sp, uint64_t s, uint64_t piece_bytes) {
   CarvedSlot& c = sp->carved[s];
   c.piece_bytes = piece_bytes;
   c.used = 0;
+  c.backed = 0;
   c.bits.assign((c.pieces(SlotBytes()) + 63) / 64, 0);
   sp->partial[piece_bytes].insert(s);
   return c;
@@ -122,7 +121,7 @@ Core::Held Core::HeldAs(uint32_t d, uint64_t off, uint64_t bytes) const {
   return c->second.InUse((off - s * SlotBytes()) / bytes) ? Held::kInUse : Held::kFree;
 }
 
-Status Core::Grow(uint32_t d) {
+Status Core::Grow(uint32_t d, bool whole) {
   File* f = data_files_[d].get();
   DirSpace& sp = space_[d];
   const uint64_t max_slots = std::max<uint64_t>(1, opts_.preallocate_step_bytes / SlotBytes());
@@ -130,16 +129,41 @@ Status Core::Grow(uint32_t d) {
   Status last;
   for (uint64_t want : {step_slots, uint64_t{1}}) {
     const uint64_t off = sp.slots * SlotBytes();
-    last = f->Fallocate(off, want * SlotBytes());
+    // For a piece: only the last bytes, which make the file's size.
+    last = whole ? f->Fallocate(off, want * SlotBytes())
+                 : f->Fallocate(off + want * SlotBytes() - kIoAlign, kIoAlign);
     if (last.ok()) {
       for (uint64_t s = sp.slots; s < sp.slots + want; ++s) sp.free_slots.insert(s);
       sp.slots += want;
+      sp.backed.resize(sp.slots, whole);
       grown_[d] = true;
       return Status();
     }
     if (want == 1) break;
   }
   return last;
+}
+
+Status Core::BackSlot(uint32_t d, uint64_t s) {
+  DirSpace& sp = space_[d];
+  if (sp.backed[s]) return Status();
+  OPTSTATE_RETURN_IF_ERROR(data_files_[d]->Fallocate(s * SlotBytes(), SlotBytes()));
+  sp.backed[s] = true;
+  grown_[d] = true;
+  return Status();
+}
+
+Status Core::BackPiece(uint32_t d, uint64_t s, CarvedSlot* c, uint64_t i) {
+  DirSpace& sp = space_[d];
+  if (sp.backed[s] || i < c->backed) return Status();
+  const uint64_t pieces = c->pieces(SlotBytes());
+  const uint64_t to = std::min(pieces, std::max({i + 1, 2 * c->backed, uint64_t{1}}));
+  OPTSTATE_RETURN_IF_ERROR(data_files_[d]->Fallocate(s * SlotBytes() + c->backed * c->piece_bytes,
+                                                     (to - c->backed) * c->piece_bytes));
+  c->backed = to;
+  if (to == pieces) sp.backed[s] = true;
+  grown_[d] = true;
+  return Status();
 }
 
 Result<Extent> Core::AllocateSlot(uint64_t length) {
@@ -164,11 +188,17 @@ Result<Extent> Core::AllocateSlot(uint64_t length) {
           break;
         }
       }
+      if (Status b = BackPiece(d, s, &c, piece); !b.ok()) {
+        if (first_error.ok()) first_error = b;
+        errors += (errors.empty() ? "" : "; ") + b.ToString();
+        continue;
+      }
       SetPiece(&sp, s, &c, piece, true);
       e.file_offset = s * SlotBytes() + piece * bytes;
     } else {
+      const bool whole = bytes == SlotBytes();
       if (sp.free_slots.empty()) {
-        Status s = Grow(d);
+        Status s = Grow(d, whole);
         if (!s.ok()) {
           if (first_error.ok()) first_error = s;
           errors += (errors.empty() ? "" : "; ") + s.ToString();
@@ -176,8 +206,29 @@ Result<Extent> Core::AllocateSlot(uint64_t length) {
         }
       }
       const uint64_t s = *sp.free_slots.begin();
-      sp.free_slots.erase(sp.free_slots.begin());
-      if (bytes < SlotBytes()) SetPiece(&sp, s, &Carve(&sp, s, bytes), 0, true);
+      // Allocated in the file before it leaves the free list: a failure (no
+      // space) leaves the slot free and the allocator as it was.
+      Status b;
+      uint64_t pieces_backed = 0;
+      if (whole) {
+        b = BackSlot(d, s);
+      } else if (!sp.backed[s]) {
+        CarvedSlot probe;
+        probe.piece_bytes = bytes;
+        b = BackPiece(d, s, &probe, 0);
+        pieces_backed = probe.backed;
+      }
+      if (!b.ok()) {
+        if (first_error.ok()) first_error = b;
+        errors += (errors.empty() ? "" : "; ") + b.ToString();
+        continue;
+      }
+      sp.free_slots.erase(s);
+      if (!whole) {
+        CarvedSlot& c = Carve(&sp, s, bytes);
+        c.backed = pieces_backed;
+        SetPiece(&sp, s, &c, 0, true);
+      }
       e.file_offset = s * SlotBytes();
     }
     next_dir_ = (d + 1) % n;

@@ -131,8 +131,7 @@ Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core) {
       }
     };
     for (const auto& [k, vs] : c->versions_) {
-      auto t = c->tensors_.find(k.t);
-      const TensorInfo* tp = t == c->tensors_.end() ? nullptr : &t->second;
+      const TensorInfo* tp = c->AnyTensor(k.t);  // live or dropped
       if (!tp) {
         rep.problems.push_back(c->Describe(nullptr, k, kInfinity) + ": versions of an unknown tensor");
       } else if (k.f >= tp->fields.size() || k.c >= Core::ChunkCountOf(*tp, k.f, c->chunk())) {

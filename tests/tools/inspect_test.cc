@@ -2,6 +2,7 @@
 // parsed back and compared with values computed here from the data written
 // (the independent reference) and with the library's own answers.
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -440,6 +441,50 @@ TEST_F(InspectTest, WorksWhileTheWriterHoldsTheStore) {
   auto r = Tool("optstate-inspect", {path_, "stat", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(ParseJson(r)["latest"]["step"].get<uint64_t>(), 3u);
+}
+
+// drop: refused while a writer holds the store (naming it), refused for an
+// unknown name (with the near name, nothing changed); then the head no
+// longer holds the tensor, and the snapshot it prints keeps the replaced
+// head, whose values `show` still reads.
+TEST_F(InspectTest, DropRemovesATensorFromTheHeadAndKeepsTheReplacedHead) {
+  auto busy = Tool("optstate-inspect", {path_, "drop", "layer.0.bias"});
+  EXPECT_EQ(busy.exit_code, 1);
+  EXPECT_NE(busy.err.find(std::to_string(getpid())), std::string::npos) << busy.err;
+  const uint64_t gen = store_->LatestGeneration().generation;
+  store_.reset();
+  auto typo = Tool("optstate-inspect", {path_, "drop", "layer.0.bais"});
+  EXPECT_EQ(typo.exit_code, 1);
+  EXPECT_NE(typo.err.find("layer.0.bias"), std::string::npos) << typo.err;
+  auto snaps = ParseJson(Tool("optstate-inspect", {path_, "stat", "--json"}))["snapshots"];
+  EXPECT_EQ(snaps.size(), 2u) << snaps;
+
+  auto r = Tool("optstate-inspect", {path_, "drop", "layer.0.bias", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = ParseJson(r);
+  EXPECT_EQ(j["generation"].get<uint64_t>(), gen + 1);
+  EXPECT_EQ(j["replaced_generation"].get<uint64_t>(), gen);
+  const std::string kept = j["kept_snapshot"];
+  EXPECT_EQ(kept.rfind("pre-drop-" + std::to_string(gen) + "-", 0), 0u) << kept;
+
+  auto head = ParseJson(Tool("optstate-inspect", {path_, "ls", "--json"}));
+  ASSERT_EQ(head["tensors"].size(), 1u) << head;
+  EXPECT_EQ(head["tensors"][0]["name"], "layer.0.weight");
+  EXPECT_EQ(Tool("optstate-inspect", {path_, "show", "layer.0.bias", "--json"}).exit_code, 1);
+  auto old = ParseJson(Tool("optstate-inspect", {path_, "ls", "--snapshot", kept, "--json"}));
+  EXPECT_EQ(old["tensors"].size(), 2u) << old;
+  auto shown = Tool("optstate-inspect", {path_, "show", "layer.0.bias", "--snapshot", kept, "--field", "main", "--json"});
+  ASSERT_EQ(shown.exit_code, 0) << shown.err;
+  auto sj = ParseJson(shown);
+  EXPECT_EQ(sj["fields"][0]["stats"]["nan"].get<uint64_t>(), 1u);
+  EXPECT_EQ(sj["fields"][0]["values"][0].get<double>(),
+            static_cast<double>(Ref("layer.0.bias", IndexOf("layer.0.bias"), 0, 0, 2)));
+  auto v = Tool("optstate-inspect", {path_, "verify", "--json"});
+  EXPECT_EQ(v.exit_code, 0) << v.out << v.err;
+  // Text mode names the kept snapshot.
+  auto again = Tool("optstate-inspect", {path_, "drop", "layer.0.weight"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("pre-drop-" + std::to_string(gen + 1) + "-"), std::string::npos) << again.out;
 }
 
 // A store on a read-only filesystem: inspect reads it (no reader lease can be

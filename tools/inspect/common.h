@@ -32,6 +32,8 @@ struct Args {
   uint64_t values = 8;
   // diff
   std::string snap_a, snap_b;
+  // drop
+  std::vector<std::string> tensors;
   // stat: the step time the drive writes per day are projected at
   double step_seconds = 1.0;
 };
@@ -56,5 +58,6 @@ int Stat(const Args& a);    // stat.cc
 int Show(const Args& a);    // show.cc
 int Verify(const Args& a);  // verify.cc
 int Diff(const Args& a);    // diff.cc
+int Drop(const Args& a);    // drop.cc: the one command that writes (opens the store read-write)
 
 }  // namespace optstate::tools::inspect

@@ -1,8 +1,10 @@
-// optstate-inspect STORE COMMAND: read-only inspection of a store.
+// optstate-inspect STORE COMMAND: inspection of a store.
 //
 // Opens the store with Store::OpenReadOnly (a RocksDB secondary instance, no
 // LOCK), so it works while a trainer has the store open and after the trainer
-// died. Commands: ls, stat, show, verify, diff; --json on every one. When
+// died. Commands: ls, stat, show, verify, diff; --json on every one. `drop`
+// alone writes (tools/inspect/drop.cc): it opens the store read-write and is
+// refused while a trainer has it open. When
 // STORE is a directory of stores (a store root), `ls` lists the stores.
 // Exit codes: every tool's (tools/internal/cli.h: 0 success, 1 error, 2 a
 // malformed command line), and 3 when verify found problems or diff found the
@@ -19,8 +21,8 @@
 int main(int argc, char** argv) {
   using optstate::tools::inspect::Args;
   Args a;
-  CLI::App app{"optstate-inspect: look inside an optstate store (read-only; safe while a trainer "
-               "runs and after it died)"};
+  CLI::App app{"optstate-inspect: look inside an optstate store (read-only but for drop; safe while a "
+               "trainer runs and after it died)"};
   app.name(optstate::tools::inspect::kTool);
   app.add_option("store", a.store, "store directory (or, for ls, a directory of stores)")->required();
   app.require_subcommand(1, 1);
@@ -54,6 +56,11 @@ int main(int argc, char** argv) {
   diff->add_option("snap_a", a.snap_a, "snapshot name (or latest, gen:N)")->required();
   diff->add_option("snap_b", a.snap_b, "snapshot name (or latest, gen:N)")->required();
   add_json(diff);
+  CLI::App* drop = app.add_subcommand(
+      "drop", "drop tensors from the store for good (a new generation without them; the head it replaces is "
+              "kept as snapshot pre-drop-<generation>-<ms>); refused while a trainer has the store open");
+  drop->add_option("names", a.tensors, "tensor names")->required();
+  add_json(drop);
   // argv: STORE COMMAND ...; a mistyped COMMAND gets a suggestion.
   if (argc > 2 && argv[1][0] != '-' && argv[2][0] != '-') {
     std::vector<std::string> names;
@@ -69,5 +76,6 @@ int main(int argc, char** argv) {
   if (*show) return optstate::tools::inspect::Show(a);
   if (*verify) return optstate::tools::inspect::Verify(a);
   if (*diff) return optstate::tools::inspect::Diff(a);
+  if (*drop) return optstate::tools::inspect::Drop(a);
   return 1;
 }

@@ -168,15 +168,30 @@ class Core {
   // (an extent's class follows from its length), so crash consistency is the
   // index's, and stores written before pieces existed (every extent at a slot
   // boundary) read the same.
+  //
+  // Disk in proportion to the state. A slot's space is allocated in the file
+  // (fallocate) before anything is written to it, never by the write itself:
+  // a slot for whole chunks all at once, a carved slot only as far as its
+  // pieces reach (doubling), so a store of small tensors holds on disk about
+  // what its pieces take, not whole slots. Files grow by doubling, from four
+  // slots up to the preallocation step, allocated at once when a whole chunk
+  // needs the space; growth for a piece allocates only the last kIoAlign
+  // bytes (which set the file's size), and its slots are allocated as they
+  // are used. Freed space stays allocated and is reused (the file system
+  // may be mounted with discard: punched space is slow to write again).
+  // What is known to be allocated is not stored: after Open each slot's
+  // first use allocates it again (fallocate of allocated space is a no-op).
   struct CarvedSlot {
     uint64_t piece_bytes = 0;
     uint64_t used = 0;            // pieces in use
+    uint64_t backed = 0;          // pieces [0, backed) are allocated in the file
     std::vector<uint64_t> bits;   // bit i set: piece i in use
     uint64_t pieces(uint64_t slot_bytes) const { return slot_bytes / piece_bytes; }
     bool InUse(uint64_t i) const { return (bits[i / 64] >> (i % 64)) & 1; }
   };
   struct DirSpace {
     uint64_t slots = 0;                                 // slots in the file
+    std::vector<bool> backed;                           // per slot: wholly allocated in the file
     std::set<uint64_t> free_slots;                      // whole free slots
     std::map<uint64_t, CarvedSlot> carved;              // slot -> its pieces
     std::map<uint64_t, std::set<uint64_t>> partial;     // class -> carved slots with a free piece
@@ -331,6 +346,7 @@ class Core {
   struct GcPlan {
     std::vector<std::pair<Key, uint64_t>> dead_versions;  // (chunk, gen)
     std::vector<uint64_t> dead_generations;
+    std::vector<uint32_t> dead_dropped;  // dropped tensors no retained generation holds
   };
 
   // Two slots (generation parity picks one), so a torn or lost write of the
@@ -370,7 +386,15 @@ class Core {
   // arrives later. A failure poisons the store like a failed commit sync.
   Status SyncData();
 
-  Result<uint64_t> Commit(const CommitInfo& info);
+  // Publishes generation latest+1. `drop`: ids of tensors (of tensors_) the
+  // new generation no longer holds; they move to dropped_ in the same batch.
+  Result<uint64_t> Commit(const CommitInfo& info, const std::vector<uint32_t>& drop = {});
+
+  // The tensor of id `id` as generation g holds it (tensors_ or dropped_);
+  // null if g does not hold it. mu_ held.
+  const TensorInfo* TensorAt(uint32_t id, uint64_t g) const;
+  // tensors_ or dropped_'s record of id, whatever generation; null if none. mu_ held.
+  const TensorInfo* AnyTensor(uint32_t id) const;
 
   // A commit that makes generation revert_to's chunk versions the new
   // generation's (sharing their extents; a chunk revert_to never wrote must
@@ -382,6 +406,9 @@ class Core {
     std::string keep_head_as;
   };
   Result<uint64_t> Commit(const CommitInfo& info, const RevertSpec* revert);
+  // Both commits' one implementation (a revert drops nothing).
+  Result<uint64_t> CommitGeneration(const CommitInfo& info, const RevertSpec* revert,
+                                    const std::vector<uint32_t>& drop);
 
   // Drops one reference to extent e: returns its space to the free lists
   // unless another chunk version still shares it (a revert's). mu_ held.
@@ -401,10 +428,17 @@ class Core {
   // Freeing the last used piece returns the slot to the whole-slot free list.
   void SetPiece(DirSpace* sp, uint64_t s, CarvedSlot* c, uint64_t i, bool in_use);
 
-  // Grows dir d's file (or by one slot when that does not fit). The growth
-  // doubles the file, from 4 slots up to the preallocation step, so a small
-  // store does not reserve a whole step (1 GiB by default) on disk.
-  Status Grow(uint32_t d);
+  // Grows dir d's file (or by one slot when that does not fit): doubles it,
+  // from 4 slots up to the preallocation step. `whole` (for a whole chunk):
+  // allocated at once; else only its last kIoAlign bytes (see "Disk in
+  // proportion to the state").
+  Status Grow(uint32_t d, bool whole);
+
+  // Allocates slot s of dir d in the file (once known, no more calls).
+  Status BackSlot(uint32_t d, uint64_t s);
+  // Allocates piece i of carved slot s of dir d in the file (and, doubling,
+  // the pieces before it and after it, up to the slot's end).
+  Status BackPiece(uint32_t d, uint64_t s, CarvedSlot* c, uint64_t i);
 
   // Version of k visible in generation g. mu_ held.
   std::optional<Version> AtGeneration(const Key& k, uint64_t g) const;
@@ -415,8 +449,8 @@ class Core {
   uint64_t IndexDigest(uint64_t g) const;
 
   // Digest of generation gen about to be committed: the pending versions over
-  // the newest committed ones. mu_ held.
-  uint64_t CommitDigest(uint64_t gen) const;
+  // the newest committed ones, without the tensors in `drop`. mu_ held.
+  uint64_t CommitDigest(uint64_t gen, const std::vector<uint32_t>& drop) const;
 
   // "OSRETAIN", count (LE), the generations (LE, ascending), XXH3 of all that.
   static std::string EncodeRetained(const std::vector<uint64_t>& gens);
@@ -535,6 +569,9 @@ class Core {
   // Catalog (store_index.cc loads it).
   std::map<uint32_t, TensorInfo> tensors_;       // by id
   std::map<std::string, uint32_t, std::less<>> names_;  // name -> id
+  // Dropped tensors (DropTensors) that a retained generation still holds, by
+  // id; their dropped_generation is set. Not in tensors_ or names_.
+  std::map<uint32_t, TensorInfo> dropped_;
   uint32_t next_tensor_id_ = 0;
   GenerationInfo latest_;
   std::map<uint64_t, GenerationInfo> generations_;  // retained generation records

@@ -81,6 +81,11 @@ Result<uint64_t> DecodeU64(std::string_view s, std::string_view what) {
 }
 
 std::string TensorKey(std::string_view name) { return std::string(kTensorPrefix) + std::string(name); }
+std::string DroppedKey(uint32_t tensor) {
+  std::string k(kDroppedPrefix);
+  PutBe32(&k, tensor);
+  return k;
+}
 std::string SnapshotKey(std::string_view name) {
   return std::string(kSnapshotPrefix) + std::string(name);
 }
@@ -242,6 +247,7 @@ std::string EncodeTensor(const TensorInfo& t) {
   }
   j["fields"] = fields;
   j["created_generation"] = t.created_generation;
+  if (t.dropped_generation != 0) j["dropped_generation"] = t.dropped_generation;
   return j.dump();
 }
 Result<TensorInfo> DecodeTensor(std::string_view text) {
@@ -264,6 +270,7 @@ Result<TensorInfo> DecodeTensor(std::string_view text) {
       t.fields.push_back(fs);
     }
     t.created_generation = j.at("created_generation").get<uint64_t>();
+    if (j.contains("dropped_generation")) t.dropped_generation = j.at("dropped_generation").get<uint64_t>();
     return t;
   });
 }

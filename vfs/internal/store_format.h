@@ -5,6 +5,9 @@
 // Keys:
 //   "I"                                   identity (same JSON as IDENTITY)
 //   "T/<name>"                            tensor record (JSON)
+//   "D/<be32 tensor>"                     record of a dropped tensor (JSON, as "T/",
+//                                         plus dropped_generation), kept while a
+//                                         retained generation holds it
 //   "G/<be64 gen>"                        generation record (JSON)
 //   "S/<name>"                            snapshot record (JSON)
 //   "C/<be32 tensor><be32 field><be64 chunk><be64 ~gen>"
@@ -25,6 +28,7 @@ namespace optstate::vfs::internal {
 
 inline constexpr std::string_view kIdentityKey = "I";
 inline constexpr std::string_view kTensorPrefix = "T/";
+inline constexpr std::string_view kDroppedPrefix = "D/";
 inline constexpr std::string_view kGenerationPrefix = "G/";
 inline constexpr std::string_view kSnapshotPrefix = "S/";
 inline constexpr std::string_view kChunkPrefix = "C/";
@@ -44,6 +48,7 @@ std::string EncodeU64(uint64_t v);                    // big-endian, 8 bytes
 Result<uint64_t> DecodeU64(std::string_view s, std::string_view what);
 
 std::string TensorKey(std::string_view name);
+std::string DroppedKey(uint32_t tensor);
 std::string GenerationKey(uint64_t gen);
 std::string SnapshotKey(std::string_view name);
 std::string ChunkKey(uint32_t tensor, uint32_t field, uint64_t chunk, uint64_t gen);
