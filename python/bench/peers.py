@@ -76,15 +76,15 @@ CUDA = True  # --device cpu: a smoke run of the loop on the host (torch, miles a
 
 def sync():
     if CUDA:
-        sync()
+        torch.cuda.synchronize()
 
 
 def gpu_allocated():
-    return gpu_allocated() if CUDA else 0
+    return torch.cuda.memory_allocated() if CUDA else 0
 
 
 def gpu_peak():
-    return gpu_peak() if CUDA else 0
+    return torch.cuda.max_memory_allocated() if CUDA else 0
 
 
 def rss_bytes():
@@ -318,7 +318,10 @@ def run(args, work):
             skipped[name] = "%s: %s" % (type(e).__name__, e)
             print("%-18s not run: %s" % (name, skipped[name]), flush=True)
             continue
-        m.model, m.before_gpu, m.before_rss = model, before_gpu, before_rss
+        sync()
+        # What building it took (model, and any state made eagerly); the first step adds what it makes lazily.
+        m.model = model
+        m.built_gpu, m.built_rss = gpu_allocated() - before_gpu, rss_bytes() - before_rss
         m.losses, m.step_s, m.iter_s, m.peak, m.io_written = [], [], [], 0, 0
         methods.append(m)
     nparams = sum(p.numel() for p in methods[0].model.parameters()) if methods else 0
@@ -332,7 +335,7 @@ def run(args, work):
                 base = gpu_allocated()
                 if CUDA:
                     torch.cuda.reset_peak_memory_stats()
-                io0 = io_write_bytes()
+                io0, rss0 = io_write_bytes(), rss_bytes()
                 t0 = time.perf_counter()
                 loss = m.forward_backward(x)
                 sync()
@@ -347,8 +350,8 @@ def run(args, work):
                 m.step_s.append(t2 - t1)
                 m.iter_s.append(t2 - t0)
                 if s == 0:  # what the method holds once its state exists (lazily made by the first step)
-                    m.held_gpu = gpu_allocated() - m.before_gpu
-                    m.held_rss = rss_bytes() - m.before_rss
+                    m.held_gpu = m.built_gpu + gpu_allocated() - base
+                    m.held_rss = m.built_rss + rss_bytes() - rss0
                     m.written0 = m.disk_written()
                 m.peak = max(m.peak, gpu_peak() - base)
         print("round to step %d: %s" % (min(r0 + args.round, args.steps),
