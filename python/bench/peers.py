@@ -361,6 +361,7 @@ def run(args, work):
     for m in methods:
         ck = os.path.join(work, "ck-" + m.name)
         os.makedirs(ck, exist_ok=True)
+        window = m.window_peak()  # before the load, which makes a new manager
         sync()
         t0 = time.perf_counter()
         m.save(ck)
@@ -373,8 +374,8 @@ def run(args, work):
         rows.append(dict(
             method=m.name, durability=m.durability,
             step_s=statistics.median(m.step_s[timed]), iter_s=statistics.median(m.iter_s[timed]),
-            peak_gpu_bytes=m.held_gpu + m.peak + m.window_peak(), held_gpu_bytes=m.held_gpu,
-            window_peak_bytes=m.window_peak(), held_host_bytes=m.held_rss,
+            peak_gpu_bytes=m.held_gpu + m.peak + window, held_gpu_bytes=m.held_gpu,
+            window_peak_bytes=window, held_host_bytes=m.held_rss,
             disk_written_per_step=(m.disk_written() - m.written0) / max(1, args.steps - 1),
             checkpoint_save_s=save_s, checkpoint_load_s=load_s, checkpoint_bytes=tree_bytes(ck),
             final_loss=statistics.mean(m.losses[-5:]), losses=m.losses))
