@@ -11,7 +11,7 @@ param all-gather; the same code around the update for every method) is measured 
 GPU synchronised around it. Prints a table (median and max step seconds, the state's bytes, the
 losses' largest relative difference to Megatron's own) and writes JSON with --json. miles-cold
 evicts its files from the page cache before each step (untimed), as a state larger than RAM would.
-The first-version port uses one lr and weight decay for all params (as the loop benchmark does);
+The port of miles' streaming uses one lr and weight decay for all params (as the loop benchmark does);
 optstate and Megatron follow the param groups.
 
 Usage (GPU machine; repository root, liboptstate.so built, megatron-core installed):
