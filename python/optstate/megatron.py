@@ -49,7 +49,8 @@ import weakref
 import torch
 
 from . import errors
-from .core import BF16, F16, F32, MemoryManager, Store, StreamedAdam
+from .core import F32, MemoryManager, Store, StreamedAdam
+from .torch import _DTYPES, _agreed_job, _rank
 
 __all__ = ["stream_optimizer_state", "streamed_states", "shard_layout", "save", "load", "reshard_layout",
            "gather_reshard_layout", "shard_ranges", "sleep", "wake", "FORMAT"]
@@ -57,28 +58,10 @@ __all__ = ["stream_optimizer_state", "streamed_states", "shard_layout", "save", 
 FORMAT = "optstate-megatron"
 FORMAT_VERSION = 1
 
-_DTYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
-
-
-def _rank():
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
-
-
 def _world_size():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
-
-
-def _agreed_job():
-    """One job id for every rank (rank 0's uuid, broadcast); None without torch.distributed."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    box = [str(uuid.uuid4()) if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # ---- the layout: a DistributedOptimizer's shards as store tensors ----

@@ -710,13 +710,10 @@ class AdamW(torch.optim.Optimizer):
         if not (same_store and meta["generation"] == gen):
             snap = meta.get("snapshot")
             snaps = dict(self._store.snapshots()) if snap else {}
-            files = None
-            if not (same_store and snaps.get(snap) == meta["generation"]):
-                files = checkpoint._find_files(meta)
-            if files is not None:
-                self._load_checkpoint(files, force=True)
-            elif same_store and snap and snaps.get(snap) == meta["generation"]:
+            if same_store and snap and snaps.get(snap) == meta["generation"]:
                 self._revert_to_snapshot(snap)
+            elif (files := checkpoint._find_files(meta)) is not None:
+                self._load_checkpoint(files, force=True)
             else:
                 where = ("generation %d of this store (snapshot %s), which it no longer holds"
                          % (meta["generation"], snap) if same_store and snap else
