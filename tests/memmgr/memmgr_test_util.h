@@ -173,4 +173,7 @@ void ExpectBytes(const std::vector<uint8_t>& got, const std::vector<T>& want, co
   EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << what;
 }
 
+// Number of q8 blocks (one fp32 absmax each) over n elements.
+inline uint64_t Blocks(uint64_t n) { return (n + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems; }
+
 }  // namespace optstate::memmgr::testing

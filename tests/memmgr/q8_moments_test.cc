@@ -33,8 +33,6 @@ struct Def {
   uint64_t numel;
 };
 
-uint64_t Blocks(uint64_t n) { return (n + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems; }
-
 // A q8 slice is kChunk elements (four main chunks, one codes chunk and one
 // absmax chunk of each moment): a tensor over two slices whose numel is not a
 // multiple of 256, a small one, and one of exactly one slice.

@@ -74,7 +74,6 @@ std::vector<ParamGroup> Groups() {
   return {g0, g1};
 }
 
-uint64_t Blocks(uint64_t n) { return (n + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems; }
 uint32_t MomentBytes(MomentDType md) { return md == MomentDType::kF32 ? 4 : md == MomentDType::kBF16 ? 2 : 1; }
 
 // One param of the reference: whole host tensors in the store's layout, its
