@@ -258,15 +258,22 @@ def _write_holders(store, held):
         os.close(fd)
 
 
+def _add_holder(held, snapshot, holder):
+    """Adds holder to held[snapshot]; True when that changed held."""
+    holder = os.path.abspath(os.fspath(holder))
+    holders = held.setdefault(snapshot, [])
+    if holder in holders:
+        return False
+    holders.append(holder)
+    return True
+
+
 def hold(opt, snapshot, holder):
     """Records that the checkpoint `holder` (a directory or file path) holds snapshot `snapshot` of
     opt's store: release_deleted keeps the snapshot while any of its holders exists."""
     store = _store_of(opt)
-    holder = os.path.abspath(os.fspath(holder))
     held = held_snapshots(store)
-    holders = held.setdefault(snapshot, [])
-    if holder not in holders:
-        holders.append(holder)
+    if _add_holder(held, snapshot, holder):
         _write_holders(store, held)
 
 
@@ -278,11 +285,18 @@ def release_deleted(opt):
     state_dicts' snapshots, the others were a framework's own round trips (accelerate's device
     placement calls state_dict() and load_state_dict() at prepare)."""
     store = _store_of(opt)
-    held = held_snapshots(store)
+    return _release_deleted(store, held_snapshots(store), changed=False)
+
+
+def _release_deleted(store, held, changed):
+    """release_deleted over the holders `held` (changed: held differs from the file already); the
+    holders file is written once, if anything changed."""
     if not held:
+        if changed:
+            _write_holders(store, held)
         return []
     existing = dict(store.snapshots())
-    released, changed = [], False
+    released = []
     newest_held = max((existing[n] for n in held if n in existing), default=0)
     for name, gen in existing.items():
         if name not in held and name.startswith("state-dict-") and gen < newest_held:
@@ -325,8 +339,9 @@ def save_into(opt, root, holder=None, state_dict=None):
             shutil.rmtree(dest) if os.path.isdir(dest) and not os.path.islink(dest) else os.unlink(dest)
         os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
         store.export_checkpoint(dest, snapshot=meta["snapshot"])
-    hold(store, meta["snapshot"], holder if holder is not None else root)
-    release_deleted(store)
+    held = held_snapshots(store)
+    changed = _add_holder(held, meta["snapshot"], holder if holder is not None else root)
+    _release_deleted(store, held, changed)  # one write of the holders file for both
     return dest
 
 
