@@ -12,8 +12,8 @@ namespace optstate::vfs {
 namespace {
 
 TEST(ManifestFuzzReplay, Corpus) {
-  std::filesystem::path dir = std::filesystem::path(__FILE__).parent_path() / "fuzz" / "corpus";
-  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no corpus at " << dir;
+  const std::filesystem::path dir = OPTSTATE_FUZZ_CORPUS_DIR;
+  ASSERT_TRUE(std::filesystem::is_directory(dir)) << "no corpus at " << dir;
   size_t n = 0, accepted = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     std::ifstream in(e.path(), std::ios::binary);
