@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -207,6 +208,11 @@ class DeepSpeed(Method):
                            "host memory: a crash loses everything since the last checkpoint")
 
     def build(self, model, hyper):
+        # DeepSpeed's JIT op builder parses each TORCH_CUDA_ARCH_LIST entry as "major.minor[+PTX]"; an
+        # arch-specific entry such as "9.0a" (what some CUDA images export) fails its int() parse. Build its
+        # ops for the device's own capability instead.
+        if CUDA:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
         import deepspeed
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                      ("MASTER_PORT", "29533")):
@@ -315,7 +321,8 @@ def run(args, work):
             model = copy.deepcopy(template).to(dev)
             m.build(model, hyper)
         except Exception as e:  # a peer that is not installed or refuses this setup: say so, go on
-            skipped[name] = "%s: %s" % (type(e).__name__, e)
+            tb = traceback.extract_tb(e.__traceback__)[-1]
+            skipped[name] = "%s: %s (at %s:%d)" % (type(e).__name__, e, tb.filename, tb.lineno)
             print("%-18s not run: %s" % (name, skipped[name]), flush=True)
             continue
         sync()
