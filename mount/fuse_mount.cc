@@ -138,6 +138,11 @@ int RunMount(const MountCommand& cmd) {
       rc = fuse_session_loop_mt(se, lc);
       fuse_loop_cfg_destroy(lc);
     }
+    // The prefetcher's thread asks the session and the push gate whether the
+    // kernel holds a file's pages: stop it (refused asks return at once) while
+    // both still live. Left to ctx's destructor, it outlived the gate.
+    ctx.push_gate->Refuse();
+    ctx.prefetch.reset();
     OPTSTATE_LOG_INFO("optstate-mount: {} unmounted; served {}", cmd.mountpoint, ctx.stats.Summary());
   }
   const bool pushes_done = DrainPushes(se, ctx.push_gate.get(), abort_path, std::chrono::milliseconds(2000));

@@ -11,6 +11,7 @@
 
 #include "mount/internal/push_gate.h"
 #include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::mount::internal {
 
@@ -198,6 +199,7 @@ bool KernelHolds(Context* c, const Generation& g, const vfs::CheckpointFile& f) 
     std::lock_guard<std::mutex> l(c->mu);
     if (!c->nodes.count(ino)) return false;  // not a node the kernel holds: no pages either
   }
+  OPTSTATE_TEST_SYNC_POINT("mount.kernel_holds.before_ask");
   const uint64_t last_page = (f.size_bytes - 1) / CachePusher::kPageBytes * CachePusher::kPageBytes;
   return c->push_gate->Cached(ino, 0) && (last_page == 0 || c->push_gate->Cached(ino, last_page));
 }

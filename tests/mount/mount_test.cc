@@ -959,6 +959,30 @@ TEST_F(MountTest, OpenFilesReportTheInodeAndSizeOfTheirPath) {
   EXPECT_GE(SummaryCount(ReadFile(root_ + "/daemon.log"), " getattrs"), files.size());
 }
 
+// SIGTERM while the prefetcher asks the kernel whether it holds a file's
+// pages (the ask held at a delay point, in the daemon with the test hooks):
+// the daemon stops the prefetcher while the session and the push gate still
+// live, unmounts and exits 0. Before, the prefetcher outlived the gate and the
+// daemon died of a use after free at exit (139) now and then under load.
+TEST_F(MountTest, StopWhileThePrefetcherAsksTheKernelExitsCleanly) {
+  auto ro = OpenRo();
+  ASSERT_NE(ro, nullptr);
+  const std::map<std::string, std::string> files = LatestFiles(ro.get());
+  ASSERT_GE(files.size(), 3u);
+  StopDaemon();
+  ASSERT_EQ(setenv("OPTSTATE_TEST_DELAY_AT", "mount.kernel_holds.before_ask=300", 1), 0);
+  StartDaemon({}, OPTSTATE_MOUNT_TEST_DAEMON);
+  unsetenv("OPTSTATE_TEST_DELAY_AT");
+  // The kernel holds every file's node (a lookup each), so the prefetcher,
+  // opening the files after the first one read, asks about their pages.
+  for (const auto& [path, bytes] : files) {
+    struct stat st;
+    ASSERT_EQ(stat(M("latest/" + path).c_str(), &st), 0) << path;
+  }
+  for (const auto& [path, bytes] : files) EXPECT_EQ(ReadFile(M("latest/" + path)), bytes) << path;
+  StopDaemon();  // exit status 0 and unmounted
+}
+
 // st_blksize (the buffer cp copies with) is 1 MiB by default and what
 // --blksize-kib says otherwise, up to the largest chunk sizes (8 MiB, the old
 // default, is still the better one for cp -r of one big tensor).
