@@ -365,7 +365,18 @@ def run(args, work):
                                         "  ".join("%s %.4f" % (m.name, m.losses[-1]) for m in methods)), flush=True)
     rows = []
     warm = min(3, args.steps - 1)
+    timed = slice(warm, None)
     for m in methods:
+        rows.append(dict(
+            method=m.name, durability=m.durability,
+            step_s=statistics.median(m.step_s[timed]), iter_s=statistics.median(m.iter_s[timed]),
+            held_gpu_bytes=m.held_gpu, held_host_bytes=m.held_rss,
+            disk_written_per_step=(m.disk_written() - m.written0) / max(1, args.steps - 1),
+            final_loss=statistics.mean(m.losses[-5:]), losses=m.losses))
+        print("%-18s step %.3f s, iteration %.3f s" % (m.name, rows[-1]["step_s"], rows[-1]["iter_s"]), flush=True)
+    # Each method's checkpoint through its own API; then its files go (every method's state on one disk at once,
+    # plus a checkpoint of each, does not fit beside a large model's).
+    for m, row in zip(methods, rows):
         ck = os.path.join(work, "ck-" + m.name)
         os.makedirs(ck, exist_ok=True)
         window = m.window_peak()  # before the load, which makes a new manager
@@ -377,16 +388,11 @@ def run(args, work):
         m.load(ck)
         sync()
         load_s = time.perf_counter() - t0
-        timed = slice(warm, None)
-        rows.append(dict(
-            method=m.name, durability=m.durability,
-            step_s=statistics.median(m.step_s[timed]), iter_s=statistics.median(m.iter_s[timed]),
-            peak_gpu_bytes=m.held_gpu + m.peak + window, held_gpu_bytes=m.held_gpu,
-            window_peak_bytes=window, held_host_bytes=m.held_rss,
-            disk_written_per_step=(m.disk_written() - m.written0) / max(1, args.steps - 1),
-            checkpoint_save_s=save_s, checkpoint_load_s=load_s, checkpoint_bytes=tree_bytes(ck),
-            final_loss=statistics.mean(m.losses[-5:]), losses=m.losses))
+        row.update(peak_gpu_bytes=m.held_gpu + m.peak + window, window_peak_bytes=window,
+                   checkpoint_save_s=save_s, checkpoint_load_s=load_s, checkpoint_bytes=tree_bytes(ck))
         shutil.rmtree(ck, ignore_errors=True)
+        m.close()
+        shutil.rmtree(m.dir, ignore_errors=True)
     ref = next((r for r in rows if r["method"] == "torch-fused"), None)
     print("\n%-18s %9s %9s %8s %9s %9s %11s %8s %8s %10s" % (
         "method", "step s", "iter s", "step/ref", "peak GPU", "host", "disk/step", "save s", "load s",
@@ -400,8 +406,6 @@ def run(args, work):
         print("  %-18s %s" % (r["method"], r["durability"]))
     for name, why in skipped.items():
         print("  %-18s not run: %s" % (name, why))
-    for m in methods:
-        m.close()
     return dict(size=args.size, params=nparams, steps=args.steps, rows=rows, skipped=skipped)
 
 
