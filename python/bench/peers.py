@@ -130,6 +130,9 @@ class Method:
         """Bytes written to storage during this method's own iterations (/proc/self/io)."""
         return self.io_written
 
+    def settle(self):
+        """Waits for writes the last step left in flight, so that disk_written counts whole steps."""
+
     def save(self, path):
         torch.save(self.opt.state_dict(), os.path.join(path, "optim.pt"))
 
@@ -282,6 +285,9 @@ class Ours(Method):
     def disk_written(self):
         return self.opt.store.stats()["lifetime_bytes_written"]
 
+    def settle(self):
+        self.opt.generation  # waits for the step's commit (its writes lag the step by one)
+
     def save(self, path):
         import optstate.checkpoint
         optstate.checkpoint.save(self.opt, os.path.join(path, "optstate"))
@@ -359,6 +365,7 @@ def run(args, work):
                 if s == 0:  # what the method holds once its state exists (lazily made by the first step)
                     m.held_gpu = m.built_gpu + gpu_allocated() - base
                     m.held_rss = m.built_rss + rss_bytes() - rss0
+                    m.settle()
                     m.written0 = m.disk_written()
                 m.peak = max(m.peak, gpu_peak() - base)
         print("round to step %d: %s" % (min(r0 + args.round, args.steps),
@@ -367,6 +374,7 @@ def run(args, work):
     warm = min(3, args.steps - 1)
     timed = slice(warm, None)
     for m in methods:
+        m.settle()
         rows.append(dict(
             method=m.name, durability=m.durability,
             step_s=statistics.median(m.step_s[timed]), iter_s=statistics.median(m.iter_s[timed]),
