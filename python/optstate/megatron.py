@@ -48,15 +48,20 @@ import weakref
 
 import torch
 
-from . import errors
+from . import checkpoint, errors
 from .core import F32, MemoryManager, Store, StreamedAdam
+from .integrations import STATE_DIR
 from .torch import _DTYPES, _agreed_job, _rank
 
 __all__ = ["stream_optimizer_state", "streamed_states", "shard_layout", "save", "load", "reshard_layout",
-           "gather_reshard_layout", "shard_ranges", "sleep", "wake", "FORMAT"]
+           "gather_reshard_layout", "shard_ranges", "sleep", "wake", "checkpoint_saved", "checkpoint_loaded",
+           "FORMAT", "STATE_DIR"]
 
 FORMAT = "optstate-megatron"
 FORMAT_VERSION = 1
+
+# The streamed states of this process by store uuid: checkpoint_saved finds the store of a record.
+_LIVE = weakref.WeakValueDictionary()
 
 def _world_size():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -205,6 +210,7 @@ class StreamedState:
         # the optimizer and the manager first.
         self._live_handles = [store]
         self._finalizer = weakref.finalize(self, _close_quietly, store, self._live_handles)
+        self.rank = _rank()
         try:
             self.device = shards[0].param.device
             self._cuda = self.device.type == "cuda"
@@ -266,6 +272,7 @@ class StreamedState:
         self._numels = (ctypes.c_uint64 * len(self.shards))(*[s.numel for s in self.shards])
         self._pdt = (ctypes.c_int * len(self.shards))(*[_DTYPES[s.param.dtype] for s in self.shards])
         self.resumed = all(existed)
+        _LIVE[self.store.uuid] = self
 
     @staticmethod
     def _initial(s):
@@ -365,37 +372,65 @@ class StreamedState:
 
     # -- checkpoints --
 
+    # Snapshots that snapshot() made and no checkpoint holds (a checkpoint directory that
+    # checkpoint_saved wrote holds its own until deleted): the newest this many are kept.
+    state_dict_snapshots = 2
+
     def snapshot(self):
-        """Commits what is pending and pins it as a snapshot; the record a checkpoint keeps."""
+        """Commits what is pending and pins it as snapshot "state-dict-<generation>"; the record a
+        checkpoint keeps. Older such snapshots that no checkpoint directory holds are released beyond
+        the newest state_dict_snapshots (optstate.checkpoint.pin_state_dict_snapshot)."""
         gen = self.adam.make_durable()
-        name = "megatron-gen%d" % gen
-        if name not in dict(self.store.snapshots()):
-            self.store.snapshot(name)
+        name = checkpoint.pin_state_dict_snapshot(self.store, gen, self.state_dict_snapshots)
         return {"format": FORMAT, "format_version": FORMAT_VERSION, "store": os.path.abspath(self.store._path),
-                "store_uuid": self.store.uuid, "job": self.store.job, "generation": gen, "snapshot": name,
-                "sub_optimizer": self.sub_name, "shards": len(self.shards)}
+                "store_name": self.store.name, "store_uuid": self.store.uuid, "job": self.store.job,
+                "generation": gen, "snapshot": name, "sub_optimizer": self.sub_name, "rank": self.rank,
+                "shards": len(self.shards)}
+
+    def _files_for(self, record):
+        """The checkpoint directory that checkpoint_saved wrote for record (under the root that
+        checkpoint_loaded noted in it, or a root armed with optstate.checkpoint.resume_from), or None."""
+        roots = [record["files_root"]] if record.get("files_root") else []
+        roots += list(reversed(checkpoint._resume_roots))
+        for root in roots:
+            d = rank_dir(root, record.get("sub_optimizer", self.sub_name), record.get("rank", self.rank))
+            if checkpoint._manifest_matches(d, record) is not None:
+                return d
+        return None
 
     def restore(self, record):
-        """Brings the store back to a snapshot() record of it and the param buffer to its mains."""
+        """Brings the store back to the state a snapshot() record names and the param buffer to its
+        mains: from the store's own snapshot while it holds it, else from the files checkpoint_saved
+        wrote into the checkpoint (a copy on another node, a fresh store path)."""
         if not isinstance(record, dict) or record.get("format") != FORMAT:
             raise errors.InvalidArgument("optstate.megatron: %s: the checkpoint's optimizer entry is %r, not an "
                                          "optstate-megatron record (a checkpoint written without optstate?)"
                                          % (self.sub_name, type(record).__name__))
-        if record.get("store_uuid") != self.store.uuid:
-            raise errors.FailedPrecondition(
-                "optstate.megatron: the checkpoint's %s state is in store %s (uuid %s), this rank's store is %s "
-                "(uuid %s): on another node or topology, restore it with optstate.megatron.load(optimizer, dir) "
-                "from a directory optstate.megatron.save wrote (resharded when the topology differs)"
-                % (self.sub_name, record.get("store"), record.get("store_uuid"), self.store._path, self.store.uuid))
         self.adam.make_durable()
-        if self.store.latest_generation()[0] == record["generation"]:
+        same_store = record.get("store_uuid") == self.store.uuid
+        if same_store and self.store.latest_generation()[0] == record["generation"]:
             self._mains_to_params()
             return
         snaps = dict(self.store.snapshots())
-        if record["snapshot"] not in snaps:
-            raise errors.NotFound("optstate.megatron: store %s no longer holds snapshot %s (generation %d) that the "
-                                  "checkpoint refers to" % (self.store._path, record["snapshot"],
-                                                            record["generation"]))
+        if not (same_store and snaps.get(record["snapshot"]) == record["generation"]):
+            files = self._files_for(record)
+            if files is not None:
+                self.restore_dir(files, force=True)
+                return
+            if same_store:
+                raise errors.NotFound(
+                    "optstate.megatron: store %s no longer holds snapshot %s (generation %d) that the checkpoint "
+                    "refers to, and no checkpoint directory with its files was found (%s/<sub>/rank-<r> under "
+                    "the loaded checkpoint, or a root armed with optstate.checkpoint.resume_from)"
+                    % (self.store._path, record["snapshot"], record["generation"], STATE_DIR))
+            raise errors.FailedPrecondition(
+                "optstate.megatron: the checkpoint's %s state is in store %s (uuid %s), this rank's store is %s "
+                "(uuid %s), and the checkpoint carries no files of it (%s/%s/rank-%05d under a checkpoint "
+                "directory that dist_checkpointing.save wrote while the optimizer streamed, or a root armed "
+                "with optstate.checkpoint.resume_from); a directory optstate.megatron.save wrote loads with "
+                "optstate.megatron.load(optimizer, dir), resharded first when the topology differs"
+                % (self.sub_name, record.get("store"), record.get("store_uuid"), self.store._path, self.store.uuid,
+                   STATE_DIR, record.get("sub_optimizer", self.sub_name), record.get("rank", self.rank)))
         tmp = "%s.restore-%s" % (os.path.abspath(self.store._path), uuid.uuid4().hex[:8])
         try:
             self.store.export_checkpoint(tmp, snapshot=record["snapshot"])
@@ -626,6 +661,7 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
         raise
     for (_, sub), st in zip(active, states):
         _bind(sub, st)
+    _install_checkpoint_hooks()
     return states
 
 
@@ -722,3 +758,90 @@ def gather_reshard_layout(optimizer, sub_name=None, group=None):
     torch.distributed.all_gather_object(gathered, mine, group=group)
     return {"format": "optstate-reshard-layout", "format_version": 1,
             "ranks": [{"rank": r, "tensors": t} for r, t in enumerate(gathered)]}
+
+
+# ---- the state's files in Megatron's own checkpoints ----
+#
+# Megatron's dist_checkpointing.save(sharded_state_dict, checkpoint_dir) (what Megatron-LM's
+# save_checkpoint calls for torch_dist) has no hook of its own, so stream_optimizer_state wraps it and
+# dist_checkpointing.load: a save writes the files of the snapshot each of this process's optstate
+# records names into <checkpoint_dir>/optstate/<sub>/rank-<rank:05d> (optstate.checkpoint.save_into:
+# the snapshot is then held by checkpoint_dir, and released once that directory is deleted), and a
+# load notes that root in the records it returns, so load_state_dict restores from those files when
+# the store lacks the snapshot (the checkpoint copied to another node, a fresh store path).
+
+
+def _records(obj, out=None, depth=0):
+    """The optstate-megatron records in a (sharded) state dict, in order."""
+    out = [] if out is None else out
+    if depth > 32:
+        return out
+    if isinstance(obj, dict):
+        if obj.get("format") == FORMAT and "store_uuid" in obj:
+            out.append(obj)
+            return out
+        for v in obj.values():
+            _records(v, out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _records(v, out, depth + 1)
+    elif type(obj).__name__ == "ShardedObject":
+        _records(getattr(obj, "data", None), out, depth + 1)
+    return out
+
+
+def checkpoint_saved(sharded_state_dict, checkpoint_dir):
+    """Writes the state that the optstate records in sharded_state_dict (this process's
+    optimizer.sharded_state_dict() or state_dict()) name into checkpoint_dir/optstate/<sub>/rank-<r>
+    and records each snapshot as held by checkpoint_dir; snapshots of checkpoint directories deleted
+    since are released. Called by the wrapped dist_checkpointing.save; call it yourself after saving
+    a state_dict() elsewhere. Returns the directories written."""
+    root = os.path.join(os.fspath(checkpoint_dir), STATE_DIR)
+    out = []
+    for rec in _records(sharded_state_dict):
+        st = _LIVE.get(rec["store_uuid"])
+        if st is None:
+            raise errors.FailedPrecondition(
+                "optstate.megatron: the checkpoint being saved to %s names store %s (uuid %s), which no optimizer "
+                "of this process streams through" % (checkpoint_dir, rec.get("store"), rec["store_uuid"]))
+        dest = rank_dir(root, rec["sub_optimizer"], rec["rank"])
+        out.append(checkpoint.save_into(st.store, root, holder=checkpoint_dir, state_dict={"optstate": rec},
+                                        dest=dest))
+    return out
+
+
+def checkpoint_loaded(state_dict, checkpoint_dir):
+    """Notes checkpoint_dir/optstate in the optstate records of a state dict loaded from
+    checkpoint_dir, where load_state_dict finds their files when the store lacks the snapshot. Called
+    by the wrapped dist_checkpointing.load. Returns state_dict."""
+    root = os.path.abspath(os.path.join(os.fspath(checkpoint_dir), STATE_DIR))
+    for rec in _records(state_dict):
+        rec["files_root"] = root
+    return state_dict
+
+
+def _install_checkpoint_hooks():
+    import functools
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    if getattr(serialization.save, "_optstate_hook", False):
+        return
+    inner_save, inner_load = serialization.save, serialization.load
+
+    @functools.wraps(inner_save)
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        records = _records(sharded_state_dict)  # before the save takes the state dict apart
+        result = inner_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        if records:
+            checkpoint_saved(records, checkpoint_dir)
+        return result
+
+    @functools.wraps(inner_load)
+    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        result = inner_load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        checkpoint_loaded(result[0] if isinstance(result, tuple) else result, checkpoint_dir)
+        return result
+
+    save._optstate_hook = load._optstate_hook = True
+    for module in (serialization, dist_checkpointing):
+        module.save, module.load = save, load

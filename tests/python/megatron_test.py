@@ -8,6 +8,7 @@ buffer, so each rank's write of its shard is the all-gather), which is what its 
 the CUDA checks. Needs megatron-core (tools/requirements-current.txt); skipped without it."""
 import json
 import os
+import shutil
 import types
 import unittest
 
@@ -30,6 +31,39 @@ except ImportError:
     HAVE_MEGATRON = False
 
 import optstate.megatron as om  # noqa: E402  (imports megatron-core only when called)
+
+if HAVE_MEGATRON:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy, SaveShardedStrategy
+
+    class _ObjectsOnlySave(SaveShardedStrategy):
+        """Megatron's torch_dist writer needs CUDA (it syncs the device and gathers its results on it). The
+        optimizer's sharded state is ShardedObjects only; with a sharded strategy that does not handle them,
+        dist_checkpointing.save writes them through its common (torch.save) strategy, on the CPU."""
+
+        def __init__(self):
+            super().__init__("optstate_test_objects", 1)
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            assert not list(nested_values(sharded_state_dict)), "only ShardedObjects expected"
+
+        def async_save(self, sharded_state_dict, checkpoint_dir):
+            raise NotImplementedError
+
+    class _ObjectsOnlyLoad(LoadShardedStrategy):
+        def check_backend_compatibility(self, loaded_backend):
+            assert loaded_backend == "optstate_test_objects", loaded_backend
+
+        def check_version_compatibility(self, loaded_version):
+            pass
+
+        def load(self, sharded_state_dict, checkpoint_dir):
+            assert not list(nested_values(sharded_state_dict)), "only ShardedObjects expected"
+            return {}
+
+        def load_tensors_metadata(self, checkpoint_dir):
+            return {}
+
 
 # name, shape, dtype, group (0: decay, 1: no decay, lr x 0.5), buffer/bucket
 PARAMS = [
@@ -533,6 +567,99 @@ class MegatronTest(TempDirTest):
             self.assertTrue(all(torch.equal(model.params[n].detach().float(), after[n]) for n in after))
         finally:
             dist.destroy_process_group()
+
+    def _dist(self):
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + self.path("pg"), rank=0, world_size=1)
+        self.addCleanup(dist.destroy_process_group)
+
+    def _dist_save(self, opt, d):
+        from megatron.core import dist_checkpointing
+        os.makedirs(d)
+        dist_checkpointing.save({"optimizer": opt.sharded_state_dict({})}, d, sharded_strategy=_ObjectsOnlySave())
+
+    def _dist_load(self, opt, d):
+        from megatron.core import dist_checkpointing
+        return dist_checkpointing.load({"optimizer": opt.sharded_state_dict({}, is_loading=True)}, d,
+                                       sharded_strategy=_ObjectsOnlyLoad())
+
+    def test_dist_checkpoint_carries_the_state_to_a_fresh_store(self):
+        # Megatron's dist_checkpointing save (what save_checkpoint does with torch_dist) writes the state's
+        # files into the checkpoint directory: a copy of it on another node resumes bit for bit.
+        self._dist()
+        model = Model(0, 1)
+        opt = make_dist_opt(model, 0, 1)
+        om.stream_optimizer_state(opt, store=self.path("node-a/r{rank}"), budget=32 << 20, **CHUNK)
+        run_steps(model, [opt], 0, 3)
+        ckpt = self.path("node-a/save/iter_3")
+        self._dist_save(opt, ckpt)
+        files = om.rank_dir(os.path.join(ckpt, om.STATE_DIR), "0.dense", 0)
+        self.assertTrue(os.path.isfile(os.path.join(files, "manifest.json")))
+        ckpt_params = model.flat()
+        run_steps(model, [opt], 3, 6)
+        after = model.flat()
+        st = opt._optstate
+        st.adam.make_durable()
+        mains_a = {s.name: st.store.read(s.name, "main") for s in st.shards}
+        st.close()
+        # Another node: the checkpoint directory copied, the first node's stores gone; a fresh model
+        # (other weights) and a fresh store path.
+        copy = self.path("node-b/iter_3")
+        shutil.copytree(ckpt, copy)
+        shutil.rmtree(self.path("node-a"))
+        model_b = Model(7, 1)
+        opt_b = make_dist_opt(model_b, 0, 1)
+        (st_b,) = om.stream_optimizer_state(opt_b, store=self.path("node-b/r{rank}"), budget=32 << 20, **CHUNK)
+        self.assertFalse(st_b.resumed)
+        loaded = self._dist_load(opt_b, copy)
+        opt_b.load_state_dict(loaded["optimizer"])
+        for n, p in model_b.params.items():  # the params take the checkpoint's mains
+            self.assertTrue(torch.equal(p.detach().float(), ckpt_params[n]), n)
+        run_steps(model_b, [opt_b], 3, 6)
+        for n, p in model_b.params.items():
+            self.assertTrue(torch.equal(p.detach().float(), after[n]), n)
+        st_b.adam.make_durable()
+        for s in st_b.shards:
+            self.assertTrue((st_b.store.read(s.name, "main") == mains_a[s.name]).all(), s.name)
+        self.assertEqual(st_b.adam.param_step_count(st_b.shards[0].name), 6)
+
+    def test_checkpoint_snapshots_are_released_with_their_directories(self):
+        self._dist()
+        model = Model(0, 1)
+        opt = make_dist_opt(model, 0, 1)
+        (st,) = om.stream_optimizer_state(opt, store=self.path("r{rank}"), budget=32 << 20, **CHUNK)
+        saves = []
+        for i in range(3):
+            run_steps(model, [opt], i, i + 1)
+            d = self.path("save/iter_%d" % (i + 1))
+            self._dist_save(opt, d)
+            saves.append(d)
+        held = optstate.checkpoint.held_snapshots(st.store)
+        self.assertEqual(sorted(h for hs in held.values() for h in hs), sorted(saves))
+        # Plain state_dict() records (a trainer's own round trips) keep a bounded number of snapshots.
+        records = []
+        for i in range(3, 9):
+            run_steps(model, [opt], i, i + 1)
+            records.append(opt.state_dict()["optstate"])
+        snaps = dict(st.store.snapshots())
+        unheld = sorted(n for n in snaps if n not in held)
+        self.assertEqual(unheld, sorted(r["snapshot"] for r in records[-st.state_dict_snapshots:]))
+        self.assertTrue(all(n in snaps for n in held))
+        # Deleting checkpoint directories releases their snapshots at the next save.
+        for d in saves[:2]:
+            shutil.rmtree(d)
+        gone = [n for n, hs in held.items() if any(h in saves[:2] for h in hs)]
+        self.assertEqual(len(gone), 2)
+        run_steps(model, [opt], 9, 10)
+        self._dist_save(opt, self.path("save/iter_10"))
+        snaps = dict(st.store.snapshots())
+        self.assertFalse(any(n in snaps for n in gone), (gone, sorted(snaps)))
+        self.assertEqual(sorted(h for hs in optstate.checkpoint.held_snapshots(st.store).values() for h in hs),
+                         sorted([saves[2], self.path("save/iter_10")]))
+        # A kept checkpoint still resumes from its snapshot: back to step 3 and on, as the first run went.
+        loaded = self._dist_load(opt, saves[2])
+        opt.load_state_dict(loaded["optimizer"])
+        self.assertEqual(st.adam.param_step_count(st.shards[0].name), 3)
 
 
 if __name__ == "__main__":
