@@ -41,6 +41,7 @@ of reading freed memory. Unsupported configurations raise optstate.Unimplemented
 """
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import uuid
@@ -59,6 +60,7 @@ __all__ = ["stream_optimizer_state", "streamed_states", "shard_layout", "save", 
 
 FORMAT = "optstate-megatron"
 FORMAT_VERSION = 1
+GLOBAL_BOXES = "global-boxes.json"  # vfs::kGlobalBoxesFileName
 
 # The streamed states of this process by store uuid: checkpoint_saved finds the store of a record.
 _LIVE = weakref.WeakValueDictionary()
@@ -80,13 +82,21 @@ class Shard:
     main: Megatron's main param of the shard (its .grad is the step's grad). param: the shard's
     memory in the param buffer (what the step writes). model_param: the whole param."""
 
-    __slots__ = ("name", "group", "begin", "numel", "global_shape", "main", "param", "model_param", "own_main", "id")
+    __slots__ = ("name", "group", "begin", "numel", "global_shape", "main", "param", "model_param", "own_main", "id",
+                 "tp_offset", "tp_global_shape", "replica", "untileable")
 
     def __init__(self, name, group, begin, numel, global_shape, main, param, model_param, own_main):
         self.name, self.group, self.begin, self.numel = name, group, begin, numel
         self.global_shape, self.main, self.param, self.model_param = global_shape, main, param, model_param
         self.own_main = own_main  # a 16-bit param's fp32 main (freed once in the store), not an fp32 param's shard
         self.id = None
+        # With tensor parallelism (_place_tensor_parallel): the param's slice as the box [tp_offset,
+        # tp_offset + global_shape) of a tensor of tp_global_shape; or a replica (a param every
+        # tensor-parallel rank holds whole, on a rank other than the first); or untileable (a
+        # slice that is no box of one tensor: strided partitions, a gated linear unit's fc1).
+        self.tp_offset = self.tp_global_shape = None
+        self.replica = False
+        self.untileable = None
 
     def __repr__(self):
         return "Shard(%s, group %d, flat [%d, %d) of %s)" % (self.name, self.group, self.begin,
@@ -104,12 +114,13 @@ def _param_names(dist_opt):
     return names
 
 
-def shard_layout(dist_opt):
+def shard_layout(dist_opt, tensor_parallel=None):
     """The shards a DistributedOptimizer's rank owns, in the inner optimizer's order, as [Shard].
 
     Megatron's ranges are the source of truth: for each param, "param" is the rank's part of it
     (a flat range of its flattening) and "gbuf_world_in_bucket" where that part lies in its bucket's
-    param buffer."""
+    param buffer. tensor_parallel: (rank, size) of this rank's tensor-parallel group (default: from
+    Megatron's parallel_state)."""
     names = _param_names(dist_opt)
     shards = []
     for model_groups, main_groups, own_main in (
@@ -138,7 +149,54 @@ def shard_layout(dist_opt):
         if s.name in seen:
             raise errors.InvalidArgument("optstate.megatron: two shards of param %s on one rank" % s.name)
         seen.add(s.name)
+    _place_tensor_parallel(dist_opt, shards, tensor_parallel)
     return shards
+
+
+def _tensor_parallel_position(dist_opt):
+    """(rank, size) of this rank in its tensor-parallel group (the expert tensor-parallel group for an
+    expert optimizer), from Megatron's parallel_state; (0, 1) where it is not initialized."""
+    try:
+        from megatron.core import parallel_state as ps
+        if not ps.model_parallel_is_initialized():
+            return 0, 1
+        groups = dist_opt.optimizer.param_groups
+        if groups and all(g.get("is_expert_parallel", False) for g in groups):
+            return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return 0, 1
+
+
+def _place_tensor_parallel(dist_opt, shards, tensor_parallel):
+    """Each shard's place in the whole (tensor-parallel) tensor, from the param's tensor-parallel
+    attributes (tensor_model_parallel, partition_dim, partition_stride, as Megatron's layers set them):
+    a split param's slice on rank t of T is the box at t x its extent in partition_dim of a tensor T
+    times as large there (Megatron's own checkpoints concatenate the slices so); a param held whole
+    by every tensor-parallel rank is the first rank's, a replica on the others."""
+    rank, size = tensor_parallel if tensor_parallel is not None else _tensor_parallel_position(dist_opt)
+    if size <= 1:
+        return
+    glu = any(getattr(getattr(c, "config", None), "gated_linear_unit", False)
+              for c in getattr(dist_opt, "model_chunks", ()) or ())
+    for s in shards:
+        p = s.model_param
+        if not getattr(p, "tensor_model_parallel", False):
+            s.replica = rank > 0
+            continue
+        dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
+        if stride != 1:
+            s.untileable = "partition_stride %d" % stride
+        elif glu and ".linear_fc1." in s.name:
+            s.untileable = "a gated linear unit's fc1, whose slices hold a part of each half"
+        shape = list(s.global_shape)
+        if not 0 <= dim < len(shape):
+            raise errors.InvalidArgument("optstate.megatron: param %s has partition_dim %d and shape %s"
+                                         % (s.name, dim, shape))
+        s.tp_offset = [0] * len(shape)
+        s.tp_offset[dim] = rank * shape[dim]
+        shape[dim] *= size
+        s.tp_global_shape = shape
 
 
 # ---- refusals ----
@@ -611,7 +669,7 @@ def _sub_name(index, dist_opt):
 
 def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32", *, backend="auto",
                            host_cache_bytes="auto", job=None, chunk_size_bytes=None, data_dirs=None,
-                           commit_lag_steps=1, cpu_threads=None):
+                           commit_lag_steps=1, cpu_threads=None, tensor_parallel=None):
     """Moves the fp32 mains and Adam moments of every DistributedOptimizer in `optimizer` (what
     get_megatron_optimizer returned) into optstate stores and streams its steps through them.
 
@@ -621,6 +679,8 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
     budget: device bytes all the stores' windows may use together (split by their sizes).
     moment_dtype: "f32", "bf16" or "q8" (docs/MOMENTS.md). backend: "auto", "cuda" or "host".
     job: the training job's id for new stores (default: one id agreed over torch.distributed).
+    tensor_parallel: (rank, size) of this rank's tensor-parallel group, where the shards' places in
+      the whole tensors come from (default: Megatron's parallel_state).
     Returns [StreamedState], one per streamed sub-optimizer (also `dist_opt._optstate`).
     Call it right after get_megatron_optimizer, before any step or checkpoint load."""
     subs = _dist_optimizers(optimizer)
@@ -638,7 +698,7 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
     base = os.fspath(store).replace("{rank}", str(_rank()))
     if cpu_threads is None:
         cpu_threads = max(1, min(4, torch.get_num_threads()))
-    layouts = [shard_layout(sub) for _, sub in active]
+    layouts = [shard_layout(sub, tensor_parallel) for _, sub in active]
     for (i, _), shards in zip(active, layouts):
         _check_shards(i, shards)
     stores, states = [], []
@@ -695,17 +755,41 @@ def rank_dir(dest, sub_name, rank):
     return os.path.join(os.fspath(dest), sub_name, "rank-%05d" % rank)
 
 
-def save(optimizer, dest):
+def save(optimizer, dest, rank=None):
     """Writes each streamed sub-optimizer's committed state as an optstate checkpoint directory
-    (rank_dir(dest, sub, rank)); returns the directories. Every rank calls it."""
+    (rank_dir(dest, sub, rank)), with tensor parallelism its global-boxes.json (where each slice lies
+    in the whole tensor, which optstate.reshard reads); returns the directories. Every rank calls it.
+    rank: default torch.distributed's."""
     out = []
     for st in _states(optimizer):
         st.adam.make_durable()
-        d = rank_dir(dest, st.sub_name, _rank())
+        d = rank_dir(dest, st.sub_name, _rank() if rank is None else rank)
         os.makedirs(os.path.dirname(d), exist_ok=True)
         st.store.export_checkpoint(d)
+        _write_global_boxes(d, st.shards)
         out.append(d)
     return out
+
+
+def _write_global_boxes(d, shards):
+    """d/global-boxes.json: each tensor-parallel slice's box in its whole tensor, each replica marked
+    (docs/RESHARD.md); nothing without tensor parallelism. Written whole or not at all."""
+    tensors = {}
+    for s in shards:
+        if s.replica:
+            tensors[s.name] = {"replica": True}
+        elif s.tp_offset is not None:
+            tensors[s.name] = {"offset": list(s.tp_offset), "global_shape": list(s.tp_global_shape)}
+    if not tensors:
+        return
+    path = os.path.join(d, GLOBAL_BOXES)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"format": "optstate-global-boxes", "format_version": 1, "tensors": tensors}, f, indent=1,
+                  sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load(optimizer, src, force=False, rank=None):
@@ -718,7 +802,9 @@ def load(optimizer, src, force=False, rank=None):
 
 def shard_ranges(optimizer, sub_name=None):
     """{tensor name: {"flat": [begin, end]}} of this rank's shards of one streamed sub-optimizer (the
-    only one, or the one named sub_name): its part of a reshard layout."""
+    only one, or the one named sub_name): its part of a reshard layout. With tensor parallelism a
+    split param's entry has "within": its slice's box in the whole tensor (the range is of the
+    slice), and a param held whole by every tensor-parallel rank is a "replica" on all but the first."""
     states = _states(optimizer) if any(hasattr(s, "_optstate") for s in
                                        getattr(optimizer, "chained_optimizers", [optimizer])) else None
     if states is None:  # not streamed (yet): the layout of its DistributedOptimizers
@@ -734,7 +820,19 @@ def shard_ranges(optimizer, sub_name=None):
         sub_name = next(iter(shards))
     if sub_name not in shards:
         raise errors.NotFound("optstate.megatron: no sub-optimizer %s (there are %s)" % (sub_name, sorted(shards)))
-    return {s.name: {"flat": [s.begin, s.begin + s.numel]} for s in shards[sub_name]}
+    out = {}
+    for s in shards[sub_name]:
+        entry = {"flat": [s.begin, s.begin + s.numel]}
+        if s.untileable:
+            raise errors.Unimplemented(
+                "optstate.megatron: param %s: its tensor-parallel slices are no boxes of one tensor (%s); "
+                "resharding to another tensor-parallel size does not support it" % (s.name, s.untileable))
+        if s.tp_offset is not None:
+            entry["within"] = {"offset": list(s.tp_offset), "shape": list(s.global_shape)}
+        if s.replica:
+            entry["replica"] = True
+        out[s.name] = entry
+    return out
 
 
 def reshard_layout(optimizers, sub_name=None):
@@ -807,6 +905,7 @@ def checkpoint_saved(sharded_state_dict, checkpoint_dir):
         dest = rank_dir(root, rec["sub_optimizer"], rec["rank"])
         out.append(checkpoint.save_into(st.store, root, holder=checkpoint_dir, state_dict={"optstate": rec},
                                         dest=dest))
+        _write_global_boxes(dest, st.shards)
     return out
 
 

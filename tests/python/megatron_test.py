@@ -119,8 +119,11 @@ class Model:
     each bucket padded to a multiple of the data-parallel size; param.data and param.main_grad are
     views of them."""
 
-    def __init__(self, seed, dp_size, specs=PARAMS):
+    def __init__(self, seed, dp_size, specs=PARAMS, values=None, grads=None):
+        """values: {name: tensor} of the params' initial values (default: random from seed); grads:
+        step -> {name: tensor}, each step's grads (default: random from the step)."""
         g = torch.Generator().manual_seed(seed)
+        self.grad_fn = grads
         self.params, self.buffers_spec = {}, []
         by_buffer = {}
         for name, shape, dtype, group, bucket in specs:
@@ -146,7 +149,7 @@ class Model:
                 p = torch.nn.Parameter(torch.empty(0, dtype=dtype))
                 p.data = pbuf[a:b].view(shape)
                 with torch.no_grad():
-                    p.copy_(torch.randn(shape, generator=g) * 0.5)
+                    p.copy_(values[name] if values is not None else torch.randn(shape, generator=g) * 0.5)
                 p.main_grad = gbuf[a:b].view(shape)
                 cuda_type = {torch.bfloat16: "torch.cuda.BFloat16Tensor",
                              torch.float32: "torch.cuda.FloatTensor"}[dtype]
@@ -159,6 +162,11 @@ class Model:
             self.buffers.append(dict(pbuf=pbuf, gbuf=gbuf, index_map=index_map, buckets=buckets_ns, dtype=dtype))
 
     def set_grads(self, step):
+        if self.grad_fn is not None:
+            grads = self.grad_fn(step)
+            for name, p in self.params.items():
+                p.main_grad.copy_(grads[name])
+            return
         g = torch.Generator().manual_seed(1000 + step)
         for name in sorted(self.params):
             p = self.params[name]
@@ -209,6 +217,59 @@ def make_dist_opt(model, dp_rank, dp_size, *, decoupled=True, names=None):
     inner.param_groups = [g["orig_group"] for g in opt.opt_group_ranges]
     inner.load_state_dict(inner.state_dict())
     return opt
+
+
+# Tensor parallelism: the params as whole tensors and the dimension Megatron's layers split each along
+# (None: every tensor-parallel rank holds it whole): column-parallel fc1 (dimension 0), row-parallel
+# fc2 (dimension 1: a data-parallel shard of its slice is no flat range of the whole tensor).
+TP_PARAMS = [
+    ("embedding.word_embeddings.weight", (36, 16), torch.bfloat16, 0, 0, 0),
+    ("decoder.layers.0.linear_fc1.weight", (24, 16), torch.bfloat16, 0, 0, 0),
+    ("decoder.layers.0.linear_fc1.bias", (24,), torch.bfloat16, 1, 0, 0),
+    ("decoder.layers.0.linear_fc2.weight", (16, 24), torch.bfloat16, 0, 1, 1),
+    ("decoder.layers.0.linear_fc2.bias", (16,), torch.bfloat16, 1, 1, None),
+    ("decoder.final_layernorm.weight", (16,), torch.bfloat16, 1, 1, None),
+    ("decoder.layers.0.mlp.router.expert_bias", (6,), torch.float32, 1, 2, None),
+]
+
+
+def _tp_slice(t, dim, tp_rank, tp_size):
+    return t if dim is None else t.chunk(tp_size, dim)[tp_rank].contiguous()
+
+
+def tp_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(shape, generator=g) * 0.5).to(dtype) for name, shape, dtype, *_ in TP_PARAMS}
+
+
+def tp_grads(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return {name: torch.randn(shape, generator=g) for name, shape, *_ in TP_PARAMS}
+
+
+def tp_model(values, tp_rank, tp_size, dp_size):
+    """Tensor-parallel rank tp_rank's model: its slice of each param, with the attributes Megatron's
+    layers set (tensor_model_parallel, partition_dim, partition_stride); grads the slices of the
+    whole model's."""
+    dims = {name: dim for name, _, _, _, _, dim in TP_PARAMS}
+    specs = [(name, tuple(_tp_slice(torch.empty(shape), dim, tp_rank, tp_size).shape), dtype, group, bucket)
+             for name, shape, dtype, group, bucket, dim in TP_PARAMS]
+    model = Model(0, dp_size, specs, values={n: _tp_slice(v, dims[n], tp_rank, tp_size) for n, v in values.items()},
+                  grads=lambda step: {n: _tp_slice(v, dims[n], tp_rank, tp_size) for n, v in tp_grads(step).items()})
+    for name, p in model.params.items():
+        p.tensor_model_parallel = dims[name] is not None
+        p.partition_dim = dims[name] if dims[name] is not None else -1
+        p.partition_stride = 1
+    return model
+
+
+def tp_assemble(models):
+    """The whole params from the tensor-parallel ranks' slices (fp32)."""
+    out = {}
+    for name, _, _, _, _, dim in TP_PARAMS:
+        parts = [m.params[name].detach().float() for m in models]
+        out[name] = parts[0] if dim is None else torch.cat(parts, dim)
+    return out
 
 
 def schedule(opts, step):
@@ -660,6 +721,94 @@ class MegatronTest(TempDirTest):
         loaded = self._dist_load(opt, saves[2])
         opt.load_state_dict(loaded["optimizer"])
         self.assertEqual(st.adam.param_step_count(st.shards[0].name), 3)
+
+    def tp_run(self, tp, dp, values, tag):
+        """tp x dp ranks (rank = dp rank x tp + tp rank, Megatron's order), streamed; (models, opts)."""
+        models = [tp_model(values, t, tp, dp) for t in range(tp)]
+        opts = [make_dist_opt(models[r % tp], r // tp, dp) for r in range(tp * dp)]
+        for r, opt in enumerate(opts):
+            om.stream_optimizer_state(opt, store=self.path("%s-rank%d" % (tag, r)), budget=32 << 20,
+                                      tensor_parallel=(r % tp, tp), **CHUNK)
+        return models, opts
+
+    @staticmethod
+    def tp_steps(models, opts, first, last):
+        for step in range(first, last):
+            for m in models:
+                m.set_grads(step)
+            schedule(opts, step)
+            for opt in opts:
+                ok, _, _ = opt.step()
+                assert ok
+
+    def test_reshard_between_tensor_parallel_sizes(self):
+        values = tp_values(0)
+        # The uninterrupted reference: one rank, 5 steps; its checkpoint at step 3.
+        ref_models, ref_opts = self.tp_run(1, 1, values, "ref")
+        self.tp_steps(ref_models, ref_opts, 0, 3)
+        ref_dirs = om.save(ref_opts[0], self.path("ck-ref"), rank=0)
+        self.assertFalse(os.path.exists(os.path.join(ref_dirs[0], om.GLOBAL_BOXES)))  # no tensor parallelism
+        self.tp_steps(ref_models, ref_opts, 3, 5)
+        want = tp_assemble(ref_models)
+        # Tensor parallel 2 x data parallel 2 steps each element as the reference does (Adam is elementwise).
+        models, opts = self.tp_run(2, 2, values, "tp2")
+        fc2 = "decoder.layers.0.linear_fc2.weight"
+        shards = {s.name: s for s in opts[1]._optstate.shards}  # tensor-parallel rank 1, data-parallel rank 0
+        self.assertEqual((shards[fc2].tp_offset, shards[fc2].tp_global_shape), ([0, 12], [16, 24]))
+        # Its data-parallel shard of the row-parallel slice ends inside a row of the slice.
+        self.assertNotEqual((shards[fc2].begin + shards[fc2].numel) % 12, 0)
+        self.tp_steps(models, opts, 0, 3)
+        dirs = [om.save(opt, self.path("ck-tp2"), rank=r)[0] for r, opt in enumerate(opts)]
+        boxes = {}  # tensor-parallel rank 1's (its data-parallel ranks 0 and 1)
+        for d in (dirs[1], dirs[3]):
+            with open(os.path.join(d, om.GLOBAL_BOXES)) as f:
+                boxes.update(json.load(f)["tensors"])
+        self.assertEqual(boxes[fc2], {"offset": [0, 12], "global_shape": [16, 24]})
+        self.assertEqual(boxes["decoder.final_layernorm.weight"], {"replica": True})
+        self.tp_steps(models, opts, 3, 5)
+        got = tp_assemble(models)
+        for n in want:
+            self.assertTrue(torch.equal(got[n], want[n]), n)
+        # Resume at step 3 on another layout: TP 2 x DP 2 -> TP 1 x DP 3, and TP 1 x DP 1 -> TP 2 x DP 3.
+        for sources, tp, dp, tag in ((dirs, 1, 3, "to-tp1"), (ref_dirs, 2, 3, "to-tp2")):
+            with self.subTest(tp=tp, dp=dp):
+                new_models, new_opts = self.tp_run(tp, dp, tp_values(9), tag)  # other weights: load sets them
+                dest = self.path(tag)
+                os.makedirs(dest)
+                self.assertEqual(optstate.reshard(sources, os.path.join(dest, "0.dense"), om.reshard_layout(new_opts)),
+                                 tp * dp)
+                for r, opt in enumerate(new_opts):
+                    om.load(opt, dest, rank=r)
+                self.tp_steps(new_models, new_opts, 3, 5)
+                got = tp_assemble(new_models)
+                for n in want:
+                    self.assertTrue(torch.equal(got[n], want[n]), n)
+                    for m in new_models[1:]:  # every tensor-parallel rank's copy of a replicated param
+                        if m.params[n].shape == new_models[0].params[n].shape and n in (
+                                "decoder.final_layernorm.weight", "decoder.layers.0.linear_fc2.bias"):
+                            self.assertTrue(torch.equal(m.params[n], new_models[0].params[n]), n)
+                ref = ref_opts[0]._optstate
+                ref.adam.make_durable()
+                dims = {name: dim for name, _, _, _, _, dim in TP_PARAMS}
+                shapes = {name: shape for name, shape, *_ in TP_PARAMS}
+                for r, opt in enumerate(new_opts):  # mains and moments: the reference's, sliced
+                    st = opt._optstate
+                    st.adam.make_durable()
+                    for s in st.shards:
+                        for f in ("main", "exp_avg", "exp_avg_sq"):
+                            whole = torch.from_numpy(ref.store.read(s.name, f)).view(shapes[s.name])
+                            part = _tp_slice(whole, dims[s.name], r % tp, tp).reshape(-1)[s.begin:s.begin + s.numel]
+                            self.assertTrue(torch.equal(torch.from_numpy(st.store.read(s.name, f)), part),
+                                            "rank %d %s %s" % (r, s.name, f))
+                        self.assertEqual(st.adam.param_step_count(s.name), 5, s.name)
+
+    def test_reshard_refuses_untileable_tensor_parallel_slices(self):
+        models, opts = self.tp_run(2, 1, tp_values(0), "glu")
+        opts[0].model_chunks[0].config = types.SimpleNamespace(gated_linear_unit=True)
+        for st in opts[0]._optstate.shards:
+            om._place_tensor_parallel(opts[0], [st], (0, 2))
+        with self.assertRaisesRegex(optstate.Unimplemented, "linear_fc1.*gated linear unit"):
+            om.reshard_layout(opts)
 
 
 if __name__ == "__main__":
