@@ -194,6 +194,8 @@ class Resharder {
           t.global_shape = box.within_shape;
           d.global_boxes[name] = GlobalBox{box.within_offset, g.global_shape, false};
         }
+        // A copy: marked, so that this rank's checkpoint, resharded again, does not hold it twice.
+        if (box.replica) d.global_boxes[name] = GlobalBox{{}, {}, true};
         for (const auto& [fname, fdtype] : g.fields) {
           ManifestField f;
           f.name = fname;

@@ -10,9 +10,10 @@ the call each DistributedOptimizer of the chain (dense, expert) keeps that state
 store of its own, `<store>/<index>.<dense|expert>`, and streams it through a device window of
 at most its part of `budget` bytes during the step. What changes and what does not:
 
-- Megatron's own step runs unchanged up to the update: the grad buffer's reduce-scatter, the copy
-  of this rank's grad shards into the mains' `.grad` (fp32; a view of the grad buffer when grads
-  are reduced in fp32), the grad scaler's unscale and found-inf check (a step with inf/nan is
+- Megatron's own step runs unchanged up to the update: the grad buffer's reduce-scatter, this
+  rank's grad shards as the mains' `.grad` (a view of the grad buffer when grads are reduced in
+  fp32, or in 16 bits without a grad scaler: the step reads bf16 grads in place; Megatron's fp32
+  copy otherwise), the grad scaler's unscale and found-inf check (a step with inf/nan is
   skipped by Megatron before it reaches the update), grad-norm clipping. The update itself (the
   inner Adam's step and the copy of the mains into the param buffer) is optstate's streamed,
   fused step: it reads each shard's grad, updates main and moments in the store and writes the
@@ -24,12 +25,16 @@ at most its part of `budget` bytes during the step. What changes and what does n
 - Native fp32 params (a MoE router's expert_bias) are streamed like the others; their "param" is
   the fp32 shard itself.
 - Every shard is recorded as the flat range [begin, begin + numel) of its param's row-major
-  flattening, with the param's shape (on this rank) as the global shape, so optstate.reshard can
-  move the state between data-parallel sizes (docs/MEGATRON.md).
+  flattening, with the param's shape (on this rank) as the global shape; with tensor parallelism
+  a checkpoint's global-boxes.json places each slice in the whole tensor, so optstate.reshard can
+  move the state between data- and tensor-parallel sizes (docs/MEGATRON.md).
 - reload_model_params() loads the mains from the model's params (or a state dict's tensors).
 - sharded_state_dict()/state_dict() carry, per rank and sub-optimizer, the store's identity and a
   snapshot of the committed generation of that moment (plus the param groups and grad scaler);
-  load_state_dict() brings the store back to that snapshot (same-topology resume is exact).
+  Megatron's dist_checkpointing.save also writes that state's files into the checkpoint directory
+  (<ckpt>/optstate/<sub>/rank-<r>, the snapshot held until the directory is deleted);
+  load_state_dict() brings the store back to that snapshot, or restores the files (a copy on
+  another node, a fresh store): a same-topology resume is exact.
   save(optimizer, dir) / load(optimizer, dir) write and read the state itself as optstate
   checkpoint directories (portable, reshardable).
 - offload_to_cpu()/restore_from_cpu() (colocated RL) release the device window / do nothing:
@@ -259,9 +264,10 @@ class StreamedState:
     """The optstate store of one DistributedOptimizer: registration, the step, reload, save/load, sleep."""
 
     def __init__(self, dist_opt, store, sub_name, shards, budget, moment_dtype, backend, host_cache_bytes,
-                 commit_lag_steps, cpu_threads):
+                 commit_lag_steps, cpu_threads, direct_grads=True):
         """Takes the opened `store` (closes it on failure)."""
         self.dist_opt, self.store, self.sub_name, self.shards = dist_opt, store, sub_name, shards
+        self._direct_grads = direct_grads
         # The optimizer and this object reference each other (its bound methods), so they go to the
         # cyclic collector together, which would finalize the store, manager and optimizer handles in
         # any order. The finalizer holds them (it outlives the cycle) and closes the store, which closes
@@ -351,6 +357,36 @@ class StreamedState:
                 s.main.untyped_storage().resize_(0)
             if s.own_main and getattr(s.model_param, "main_param", None) is s.main:
                 s.model_param.main_param = _main_in_store(s, self.store._path)
+        self._read_grad_buffer_directly()
+
+    def _read_grad_buffer_directly(self):
+        """Where Megatron reduces grads in 16 bits (grad_reduce_in_fp32=False) and has no grad scaler (bf16
+        without loss scaling), the step reads each shard's grad in the grad buffer itself: the shard's
+        main param becomes a storage-less tensor of the grad buffer's dtype, whose .grad is the buffer's
+        shard (_copy_model_grads_to_main_grads), instead of Megatron's fp32 copy of it (4 bytes a param
+        of the shard every step). Megatron's grad norm and clipping then read and scale those 16-bit
+        grads (docs/MEGATRON.md: the bound)."""
+        if not self._direct_grads or self.dist_opt.grad_scaler is not None:
+            return
+        swap = {}
+        for s in self.shards:
+            g = getattr(s.model_param, "main_grad", None)
+            if not s.own_main or g is None or g.dtype not in (torch.bfloat16, torch.float16) or s.main.dtype == g.dtype:
+                continue
+            stub = torch.empty(s.numel, dtype=g.dtype, device=s.main.device)
+            stub.untyped_storage().resize_(0)
+            # The tensor-parallel and sharing attributes Megatron's grad norm reads from the main params.
+            for k, v in s.main.__dict__.items():
+                setattr(stub, k, v)
+            swap[id(s.main)] = stub
+            s.main = stub
+        if not swap:
+            return
+        for groups in (self.dist_opt.shard_fp32_from_float16_groups,):
+            for group in groups:
+                group[:] = [swap.get(id(p), p) for p in group]
+        for group in self.dist_opt.optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
 
     def _sync(self):
         if self._cuda:
@@ -576,6 +612,13 @@ def _bind(dist_opt, state):
         state.adam.make_durable()
         state._mains_to_params()
 
+    def _copy_model_grads_to_main_grads(self):
+        # As Megatron's, but a shard whose main has the grad buffer's dtype takes the buffer's shard
+        # itself (StreamedState._read_grad_buffer_directly), not an fp32 copy.
+        for s in state.shards:
+            g = s.model_param.main_grad.view(-1)[s.begin:s.begin + s.numel]
+            s.main.grad = g if g.dtype == s.main.dtype else g.float()
+
     def refuse(what):
         def method(self, *args, **kwargs):
             raise errors.Unimplemented(
@@ -596,7 +639,7 @@ def _bind(dist_opt, state):
                                     "load_parameter_state_from_dp_reshardable")]
     for fn in [step_with_ready_grads, reload_model_params, state_dict, sharded_state_dict, load_state_dict,
                offload_to_cpu, restore_from_cpu, _copy_model_params_to_main_params,
-               _copy_main_params_to_model_params] + refusals:
+               _copy_main_params_to_model_params, _copy_model_grads_to_main_grads] + refusals:
         setattr(dist_opt, fn.__name__, MethodType(fn, dist_opt))
     dist_opt._optstate = state
 
@@ -669,7 +712,7 @@ def _sub_name(index, dist_opt):
 
 def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32", *, backend="auto",
                            host_cache_bytes="auto", job=None, chunk_size_bytes=None, data_dirs=None,
-                           commit_lag_steps=1, cpu_threads=None, tensor_parallel=None):
+                           commit_lag_steps=1, cpu_threads=None, tensor_parallel=None, direct_grads=True):
     """Moves the fp32 mains and Adam moments of every DistributedOptimizer in `optimizer` (what
     get_megatron_optimizer returned) into optstate stores and streams its steps through them.
 
@@ -681,6 +724,8 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
     job: the training job's id for new stores (default: one id agreed over torch.distributed).
     tensor_parallel: (rank, size) of this rank's tensor-parallel group, where the shards' places in
       the whole tensors come from (default: Megatron's parallel_state).
+    direct_grads: with 16-bit grad buffers and no grad scaler, the step reads the grads in the grad
+      buffer instead of Megatron's fp32 copy of them (docs/MEGATRON.md); False: Megatron's copy.
     Returns [StreamedState], one per streamed sub-optimizer (also `dist_opt._optstate`).
     Call it right after get_megatron_optimizer, before any step or checkpoint load."""
     subs = _dist_optimizers(optimizer)
@@ -713,7 +758,7 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
                                 [st.chunk_size_bytes for st in stores], moment_dtype, [st._path for st in stores])
         for (i, sub), shards, st, part in zip(active, layouts, stores, budgets):
             states.append(StreamedState(sub, st, _sub_name(i, sub), shards, part, moment_dtype, backend,
-                                        host_cache_bytes, commit_lag_steps, cpu_threads))
+                                        host_cache_bytes, commit_lag_steps, cpu_threads, direct_grads))
     except BaseException:
         for st in stores:
             with contextlib.suppress(Exception):

@@ -119,9 +119,10 @@ class Model:
     each bucket padded to a multiple of the data-parallel size; param.data and param.main_grad are
     views of them."""
 
-    def __init__(self, seed, dp_size, specs=PARAMS, values=None, grads=None):
+    def __init__(self, seed, dp_size, specs=PARAMS, values=None, grads=None, grad_dtype=torch.float32):
         """values: {name: tensor} of the params' initial values (default: random from seed); grads:
-        step -> {name: tensor}, each step's grads (default: random from the step)."""
+        step -> {name: tensor}, each step's grads (default: random from the step). grad_dtype: the 16-bit
+        params' grad buffer's (grad_reduce_in_fp32=False: their own dtype)."""
         g = torch.Generator().manual_seed(seed)
         self.grad_fn = grads
         self.params, self.buffers_spec = {}, []
@@ -143,7 +144,7 @@ class Model:
                 offset = start + padded
                 bucket_meta.append((start, padded, size))
             pbuf = torch.zeros(offset, dtype=dtype)
-            gbuf = torch.zeros(offset, dtype=torch.float32)
+            gbuf = torch.zeros(offset, dtype=torch.float32 if dtype == torch.float32 else grad_dtype)
             index_map = {}
             for name, (a, b, bucket_id, shape, group) in layout.items():
                 p = torch.nn.Parameter(torch.empty(0, dtype=dtype))
@@ -159,7 +160,8 @@ class Model:
                 self.groups[name] = group
             buckets_ns = [types.SimpleNamespace(offset=s, grad_data=gbuf[s:s + n], param_data=pbuf[s:s + n],
                                                 numel_unpadded=u) for s, n, u in bucket_meta]
-            self.buffers.append(dict(pbuf=pbuf, gbuf=gbuf, index_map=index_map, buckets=buckets_ns, dtype=dtype))
+            self.buffers.append(dict(pbuf=pbuf, gbuf=gbuf, index_map=index_map, buckets=buckets_ns, dtype=dtype,
+                                     grad_dtype=gbuf.dtype))
 
     def set_grads(self, step):
         if self.grad_fn is not None:
@@ -206,7 +208,7 @@ def make_dist_opt(model, dp_rank, dp_size, *, decoupled=True, names=None):
             opt.buffers.append(types.SimpleNamespace(param_index_map=index_map, buckets=b["buckets"],
                                                      params=list(index_map),
                                                      data_parallel_group=group, param_dtype=b["dtype"],
-                                                     grad_dtype=torch.float32))
+                                                     grad_dtype=b["grad_dtype"]))
     opt.gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for b in opt.buffers]
     opt.model_param_gbuf_map = DistributedOptimizer._build_model_param_gbuf_map(opt.gbuf_ranges)
     opt.model_param_group_index_map, opt.opt_group_ranges = DistributedOptimizer._build_optimizer_group_ranges(
@@ -386,6 +388,42 @@ class MegatronTest(TempDirTest):
         for name in model.params:
             torch.testing.assert_close(model.params[name].detach().float(), ref_model.params[name].detach().float(),
                                        rtol=0, atol=2e-2 if model.params[name].dtype == torch.bfloat16 else 2e-5)
+
+    def test_bf16_grad_buffers_are_read_directly(self):
+        # grad_reduce_in_fp32=False, no grad scaler: the step reads the bf16 grad buffer's shards, and
+        # without clipping that is the same update as from Megatron's fp32 copy of them, bit for bit.
+        runs = {}
+        for direct in (True, False):
+            model = Model(0, 2, grad_dtype=torch.bfloat16)
+            opts = [make_dist_opt(model, r, 2) for r in range(2)]
+            for r, opt in enumerate(opts):
+                om.stream_optimizer_state(opt, store=self.path("%s-rank%d" % (direct, r)), budget=32 << 20,
+                                          direct_grads=direct, **CHUNK)
+            run_steps(model, opts, 0, 3)
+            for opt in opts:
+                for s in opt._optstate.shards:
+                    if s.own_main:
+                        want = s.model_param.main_grad.view(-1)[s.begin:s.begin + s.numel]
+                        self.assertEqual(s.main.grad.dtype, torch.bfloat16 if direct else torch.float32, s.name)
+                        # Direct: the grad buffer's own memory, no copy (Megatron's grad norm reads it too).
+                        self.assertEqual(s.main.grad.data_ptr() == want.data_ptr(), direct, s.name)
+                        self.assertTrue(any(p is s.main for p in opt.get_parameters()), s.name)
+            runs[direct] = (model.flat(), {(r, s.name): opts[r]._optstate.store.read(s.name, f).tobytes()
+                                           for r in range(2) for s in opts[r]._optstate.shards
+                                           for f in ("main", "exp_avg", "exp_avg_sq")})
+            for opt in opts:
+                opt._optstate.close()
+        for n in runs[True][0]:
+            self.assertTrue(torch.equal(runs[True][0][n], runs[False][0][n]), n)
+        self.assertEqual(runs[True][1], runs[False][1])
+        # And against Megatron's own optimizer on the same bf16 grads.
+        ref_model, model = Model(0, 2, grad_dtype=torch.bfloat16), Model(0, 2, grad_dtype=torch.bfloat16)
+        refs = [make_dist_opt(ref_model, r, 2) for r in range(2)]
+        opts = [make_dist_opt(model, r, 2) for r in range(2)]
+        self.stream(opts)
+        run_steps(ref_model, refs, 0, 3)
+        run_steps(model, opts, 0, 3)
+        self.check_close(refs, opts, ref_model, model)
 
     def test_bf16_moments_within_bound(self):
         ref_model, model = Model(0, 1), Model(0, 1)
