@@ -823,7 +823,9 @@ def _write_global_boxes(d, shards):
     for s in shards:
         if s.replica:
             tensors[s.name] = {"replica": True}
-        elif s.tp_offset is not None:
+        elif s.tp_offset is not None and not s.untileable:
+            # An untileable slice is left as the rank holds it: the tensor-parallel ranks' slices then
+            # overlap, and a reshard refuses them rather than misplace their elements.
             tensors[s.name] = {"offset": list(s.tp_offset), "global_shape": list(s.tp_global_shape)}
     if not tensors:
         return

@@ -847,6 +847,17 @@ class MegatronTest(TempDirTest):
             om._place_tensor_parallel(opts[0], [st], (0, 2))
         with self.assertRaisesRegex(optstate.Unimplemented, "linear_fc1.*gated linear unit"):
             om.reshard_layout(opts)
+        # Its checkpoints do not place fc1's slices in a whole tensor: a reshard refuses them.
+        for opt in opts[1:]:
+            opt.model_chunks[0].config = opts[0].model_chunks[0].config
+            for st in opt._optstate.shards:
+                om._place_tensor_parallel(opt, [st], (1, 2))
+        dirs = [om.save(opt, self.path("ck-glu"), rank=r)[0] for r, opt in enumerate(opts)]
+        with open(os.path.join(dirs[0], om.GLOBAL_BOXES)) as f:
+            self.assertNotIn("decoder.layers.0.linear_fc1.weight", json.load(f)["tensors"])
+        one, one_opts = self.tp_run(1, 1, tp_values(0), "glu-one")
+        with self.assertRaisesRegex(optstate.InvalidArgument, "linear_fc1.*overlap"):
+            optstate.reshard(dirs, self.path("glu-out"), om.reshard_layout(one_opts))
 
 
 if __name__ == "__main__":
