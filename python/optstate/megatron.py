@@ -894,9 +894,9 @@ def reshard_layout(optimizers, sub_name=None):
 def gather_reshard_layout(optimizer, sub_name=None, group=None):
     """reshard_layout over torch.distributed: every rank of `group` passes its own optimizer (a
     collective); every rank gets the whole layout, ranks in their order in the group. group: None
-    (the default group) with data parallelism alone; with tensor or pipeline parallelism, the
-    data-parallel group (parallel_state.get_data_parallel_group()): each model-parallel position
-    reshards its own data-parallel ranks."""
+    (the default group) with data and tensor parallelism; with pipeline parallelism, the ranks of
+    one pipeline stage (its tensor x data-parallel ranks): each stage reshards its own ranks, and
+    each rank loads the output of its index in that group."""
     mine = shard_ranges(optimizer, sub_name)
     size = torch.distributed.get_world_size(group) if group is not None else _world_size()
     gathered = [None] * size
