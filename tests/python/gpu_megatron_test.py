@@ -269,13 +269,15 @@ class GpuMegatronTest(unittest.TestCase):
         self.assertTrue(run["direct_grads"])  # the step read the bf16 grad buffer, no fp32 copy of it
 
     def test_bf16_grads_read_directly_match_megatrons(self):
-        # f32 moments, bf16 grads read from the grad buffer (clip_grad 1.0: Megatron's clipping scales
-        # them in bf16): every loss within 1e-3 relative of Megatron's own optimizer.
+        # f32 moments, bf16 grads read from the grad buffer. clip_grad 1.0: in a step that clips,
+        # Megatron's clipping scales them in bf16, each element's update then within about 2^-7
+        # relative of Megatron's (docs/MEGATRON.md), the order of bf16 moments' per-step rounding:
+        # every loss within 1e-2 relative, as for those.
         ref = self.run_phase("ref16g", mode="megatron", grad_fp32=False)
         run = self.run_phase("optstate16g", mode="optstate", grad_fp32=False, moments="f32",
                              store=os.path.join(self.dir, "store16g", "rank{rank}"))
         self.assertTrue(run["direct_grads"])
-        self.check_close(ref["losses"], run["losses"], 1e-3, "bf16 grads read directly")
+        self.check_close(ref["losses"], run["losses"], 1e-2, "bf16 grads read directly")
 
 
 if __name__ == "__main__":
