@@ -55,6 +55,7 @@ struct DestRank {
   bool direct = false;
   DirectWriter::Stream st_stream;
   uint64_t st_bytes = 0;  // size of state.safetensors
+  std::map<std::string, GlobalBox> global_boxes;  // its global-boxes.json; none when empty
 };
 
 // A destination field being filled: the part of one rank's box of a tensor.
@@ -140,6 +141,13 @@ class Resharder {
       OPTSTATE_RETURN_IF_ERROR(mf->Pwrite(0, json.data(), json.size()));
       OPTSTATE_RETURN_IF_ERROR(mf->Fsync());
       result_->bytes_written += json.size();
+      if (!r.global_boxes.empty()) {
+        const std::string boxes = SerializeGlobalBoxes(r.global_boxes);
+        OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<File> bf, fs_->Open(r.dir + "/" + kGlobalBoxesFileName, oo));
+        OPTSTATE_RETURN_IF_ERROR(bf->Pwrite(0, boxes.data(), boxes.size()));
+        OPTSTATE_RETURN_IF_ERROR(bf->Fsync());
+        result_->bytes_written += boxes.size();
+      }
       for (const ManifestTensor& t : r.manifest.tensors) {
         OPTSTATE_RETURN_IF_ERROR(fs_->SyncDir(r.dir + "/" + kTensorsDirName + "/" + t.file_name));
       }
@@ -180,6 +188,14 @@ class Resharder {
         t.shape = box.shape;
         t.global_shape = g.global_shape;
         t.shard_offset = box.offset;
+        if (box.flat && !box.within_shape.empty()) {
+          // Recorded in the slice's coordinates, as the rank's store registers it; the slice's place
+          // goes into the rank's global-boxes.json.
+          t.global_shape = box.within_shape;
+          d.global_boxes[name] = GlobalBox{box.within_offset, g.global_shape, false};
+        }
+        // A copy: marked, so that this rank's checkpoint, resharded again, does not hold it twice.
+        if (box.replica) d.global_boxes[name] = GlobalBox{{}, {}, true};
         for (const auto& [fname, fdtype] : g.fields) {
           ManifestField f;
           f.name = fname;

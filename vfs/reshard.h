@@ -50,14 +50,59 @@ inline constexpr uint32_t kReshardLayoutVersion = 1;
 // row-major flattening (offset and shape 1-D). A flat range of a 1-D tensor is
 // the same as its box. A checkpoint records a flat range as a 1-D shard_offset
 // and shape of a tensor whose global_shape has a higher rank.
+//
+// A flat range may lie in a box of the tensor instead (`within_offset`,
+// `within_shape`, both empty otherwise): the range [offset[0], offset[0] +
+// shape[0]) of that box's own row-major flattening. That is a distributed
+// optimizer's shard of a tensor-parallel slice (the slice a box of the
+// global tensor, the optimizer's shard a flat range of the slice). A
+// checkpoint records it in the slice's coordinates (global_shape = the
+// slice's shape) and the slice's place in the global tensor in its
+// global-boxes.json (kGlobalBoxesFileName).
+//
+// `replica` (a target layout's entry only): the rank gets a copy of that part
+// of the tensor, whose state another rank's entry owns (a tensor-parallel
+// rank's copy of a replicated param's state); replicas are filled as the
+// others but are no part of the tiling.
 struct ShardBox {
   std::vector<uint64_t> offset;
   std::vector<uint64_t> shape;
   bool flat = false;
+  std::vector<uint64_t> within_offset = {};
+  std::vector<uint64_t> within_shape = {};
+  bool replica = false;
 };
 
 // The flat range [begin, end) of a tensor. REQUIRES: begin < end.
 ShardBox FlatRange(uint64_t begin, uint64_t end);
+// The shard `local` (recorded in the coordinates of a tensor of shape
+// local_shape) of a tensor that is the box [box_offset, box_offset +
+// local_shape) of a larger one, in the larger one's coordinates: a box moved
+// by box_offset, a flat range within that box. REQUIRES: box_offset has
+// local_shape's rank.
+ShardBox EmbedShard(const ShardBox& local, const std::vector<uint64_t>& local_shape,
+                    const std::vector<uint64_t>& box_offset);
+
+// A checkpoint directory's optional record of where its tensors lie in larger
+// tensors: {"format": "optstate-global-boxes", "format_version": 1,
+// "tensors": {name: {"offset": [...], "global_shape": [...]}}} (the tensor,
+// of the global_shape its manifest records, is the box [offset, offset +
+// that shape) of a tensor of the given global_shape), or {name: {"replica":
+// true}} (a copy of state that another source holds: reshard reads it from
+// there). Tensors it does not list are as the manifest says. Reshard reads it
+// from every source and writes it beside the manifest of each destination
+// rank with a flat range within a box.
+inline constexpr const char* kGlobalBoxesFileName = "global-boxes.json";
+inline constexpr const char* kGlobalBoxesFormat = "optstate-global-boxes";
+struct GlobalBox {
+  std::vector<uint64_t> offset;
+  std::vector<uint64_t> global_shape;
+  bool replica = false;
+};
+// Strict parse; errors name `source` and the key. Checks only the document's
+// shape (the boxes are checked against the manifest by reshard).
+Result<std::map<std::string, GlobalBox>> ParseGlobalBoxes(std::string_view json, std::string_view source);
+std::string SerializeGlobalBoxes(const std::map<std::string, GlobalBox>& boxes);
 // The shard a checkpoint tensor records (flat: 1-D shape of a tensor of
 // higher rank).
 ShardBox ShardOf(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& global_shape,

@@ -41,6 +41,11 @@ std::string Ranges(const std::vector<uint64_t>& lo, const std::vector<uint64_t>&
 }
 
 std::string BoxRanges(const ShardBox& b) {
+  if (b.flat && !b.within_shape.empty() && b.within_offset.size() == b.within_shape.size()) {
+    std::vector<uint64_t> hi(b.within_offset.size());
+    for (size_t d = 0; d < hi.size(); ++d) hi[d] = b.within_offset[d] + b.within_shape[d];
+    return fmt::format("flat [{}, {}) of {}", b.offset[0], b.offset[0] + b.shape[0], Ranges(b.within_offset, hi));
+  }
   if (b.flat) return fmt::format("flat [{}, {})", b.offset[0], b.offset[0] + b.shape[0]);
   std::vector<uint64_t> hi(b.offset.size());
   for (size_t d = 0; d < hi.size(); ++d) hi[d] = b.offset[d] + b.shape[d];
@@ -55,11 +60,40 @@ ShardBox FlatRange(uint64_t begin, uint64_t end) { return ShardBox{{begin}, {end
 
 ShardBox ShardOf(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& global_shape,
                  const std::vector<uint64_t>& shard_offset) {
-  return ShardBox{shard_offset, shape, shape.size() == 1 && global_shape.size() > 1};
+  return ShardBox{shard_offset, shape, shape.size() == 1 && global_shape.size() > 1, {}, {}, false};
+}
+
+ShardBox EmbedShard(const ShardBox& local, const std::vector<uint64_t>& local_shape,
+                    const std::vector<uint64_t>& box_offset) {
+  ShardBox out = local;
+  if (local.flat && local_shape.size() > 1) {
+    out.within_offset = box_offset;
+    out.within_shape = local_shape;
+    return out;
+  }
+  out.flat = false;  // a flat range of a 1-D tensor is its box
+  if (out.offset.size() != box_offset.size()) return out;  // CheckShardInside names the mismatch
+  for (size_t d = 0; d < box_offset.size(); ++d) out.offset[d] += box_offset[d];
+  return out;
 }
 
 Status CheckShardInside(const ShardBox& b, const std::vector<uint64_t>& global_shape) {
   const size_t nd = global_shape.size();
+  if (b.flat && !b.within_shape.empty()) {
+    if (b.offset.size() != 1 || b.shape.size() != 1) {
+      return InvalidArgument(fmt::format("has a flat range with offset {} and shape {} (expected one number each)",
+                                         Dims(b.offset), Dims(b.shape)));
+    }
+    if (Status st = CheckShardInside(ShardBox{b.within_offset, b.within_shape}, global_shape); !st.ok()) {
+      return InvalidArgument("has a flat range within a box that " + st.message());
+    }
+    const unsigned __int128 total = Volume(b.within_shape);
+    if (b.offset[0] > total || b.shape[0] > total - b.offset[0]) {
+      return InvalidArgument(fmt::format("holds {}, past the box's {} elements", BoxRanges(b),
+                                         static_cast<uint64_t>(total)));
+    }
+    return Status::Ok();
+  }
   if (b.flat) {
     if (b.offset.size() != 1 || b.shape.size() != 1) {
       return InvalidArgument(fmt::format("has a flat range with offset {} and shape {} (expected one number each)",
@@ -97,6 +131,15 @@ Status CheckShardGeometry(uint64_t numel, const std::vector<uint64_t>& shape,
 }
 
 std::vector<ShardPiece> ShardPieces(const ShardBox& shard, const std::vector<uint64_t>& global_shape) {
+  if (shard.flat && !shard.within_shape.empty()) {
+    // The range's pieces in the box's own coordinates, moved to the box's place.
+    std::vector<ShardPiece> out =
+        ShardPieces(ShardBox{shard.offset, shard.shape, true, {}, {}, false}, shard.within_shape);
+    for (ShardPiece& p : out) {
+      for (size_t d = 0; d < p.box.offset.size(); ++d) p.box.offset[d] += shard.within_offset[d];
+    }
+    return out;
+  }
   const size_t nd = global_shape.size();
   if (!shard.flat || nd <= 1) return {ShardPiece{ShardBox{shard.offset, shard.shape}, 0}};
   // stride[k]: elements of one index step in dimension k.

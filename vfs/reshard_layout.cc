@@ -75,6 +75,11 @@ Result<TargetLayout> ParseTargetLayout(std::string_view json, std::string_view s
       if (name.empty() || name.find('\0') != std::string::npos) return err(bkey, "bad tensor name");
       if (!jb.is_object()) return err(bkey, "expected an object with offset and shape, or flat");
       ShardBox b;
+      bool replica = false;
+      if (auto rep = jb.find("replica"); rep != jb.end()) {
+        if (!rep->is_boolean()) return err(bkey + ".replica", "expected true or false");
+        replica = rep->get<bool>();
+      }
       if (jb.contains("flat")) {
         if (jb.contains("offset") || jb.contains("shape")) {
           return err(bkey, "a flat range or a box (offset and shape), not both");
@@ -85,9 +90,27 @@ Result<TargetLayout> ParseTargetLayout(std::string_view json, std::string_view s
           return err(bkey + ".flat", "expected [begin, end) with begin < end (an empty range: leave the tensor "
                                      "out of this rank instead)");
         }
-        boxes.emplace(name, FlatRange(range[0], range[1]));
+        b = FlatRange(range[0], range[1]);
+        if (auto within = jb.find("within"); within != jb.end()) {
+          if (!within->is_object()) return err(bkey + ".within", "expected an object with offset and shape");
+          OPTSTATE_RETURN_IF_ERROR(u64s(*within, bkey + ".within.", "offset", &b.within_offset));
+          OPTSTATE_RETURN_IF_ERROR(u64s(*within, bkey + ".within.", "shape", &b.within_shape));
+          if (b.within_offset.size() != b.within_shape.size()) {
+            return err(bkey + ".within", fmt::format("offset {} and shape {} have different ranks",
+                                                     Dims(b.within_offset), Dims(b.within_shape)));
+          }
+          for (size_t d = 0; d < b.within_shape.size(); ++d) {
+            if (b.within_shape[d] == 0) return err(bkey + ".within.shape", "an empty box");
+            if (b.within_offset[d] + b.within_shape[d] < b.within_offset[d]) {
+              return err(bkey + ".within", "offset + shape overflows");
+            }
+          }
+        }
+        b.replica = replica;
+        boxes.emplace(name, std::move(b));
         continue;
       }
+      b.replica = replica;
       OPTSTATE_RETURN_IF_ERROR(u64s(jb, bkey + ".", "offset", &b.offset));
       OPTSTATE_RETURN_IF_ERROR(u64s(jb, bkey + ".", "shape", &b.shape));
       if (b.offset.size() != b.shape.size()) {
@@ -116,13 +139,78 @@ std::string SerializeTargetLayout(const TargetLayout& layout) {
     for (const auto& [name, b] : layout.ranks[r]) {
       if (b.flat) {
         tensors[name] = OJson{{"flat", {b.offset[0], b.offset[0] + b.shape[0]}}};
+        if (!b.within_shape.empty()) {
+          tensors[name]["within"] = OJson{{"offset", b.within_offset}, {"shape", b.within_shape}};
+        }
       } else {
         tensors[name] = OJson{{"offset", b.offset}, {"shape", b.shape}};
       }
+      if (b.replica) tensors[name]["replica"] = true;
     }
     ranks.push_back(OJson{{"rank", r}, {"tensors", std::move(tensors)}});
   }
   j["ranks"] = std::move(ranks);
+  return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+// ---- global-boxes.json ----------------------------------------------------------
+
+Result<std::map<std::string, GlobalBox>> ParseGlobalBoxes(std::string_view json, std::string_view source) {
+  Json j = Json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+  auto err = [&](const std::string& key, const std::string& what) {
+    return InvalidArgument(fmt::format("{}: key '{}': {}", source, key, what));
+  };
+  if (j.is_discarded()) return InvalidArgument(fmt::format("{}: not valid JSON", source));
+  if (!j.is_object()) return err("(root)", "expected an object");
+  auto fmt_it = j.find("format");
+  if (fmt_it == j.end() || !fmt_it->is_string() || fmt_it->get<std::string>() != kGlobalBoxesFormat) {
+    return err("format", fmt::format("must be \"{}\"", kGlobalBoxesFormat));
+  }
+  auto ver = j.find("format_version");
+  if (ver == j.end() || !ver->is_number_unsigned() || ver->get<uint64_t>() != 1) {
+    return err("format_version", "must be 1 (the version this build reads)");
+  }
+  auto tensors = j.find("tensors");
+  if (tensors == j.end() || !tensors->is_object()) return err("tensors", "expected an object");
+  std::map<std::string, GlobalBox> out;
+  for (const auto& [name, jb] : tensors->items()) {
+    const std::string key = fmt::format("tensors[\"{}\"]", name);
+    if (!jb.is_object()) return err(key, "expected an object");
+    GlobalBox b;
+    if (auto rep = jb.find("replica"); rep != jb.end()) {
+      if (!rep->is_boolean()) return err(key + ".replica", "expected true or false");
+      b.replica = rep->get<bool>();
+    }
+    if (!b.replica) {
+      for (auto [field, v] : {std::pair{"offset", &b.offset}, std::pair{"global_shape", &b.global_shape}}) {
+        auto it = jb.find(field);
+        if (it == jb.end() || !it->is_array() || it->empty() || it->size() > kMaxRank) {
+          return err(key + "." + field, fmt::format("expected an array of 1..{} non-negative integers", kMaxRank));
+        }
+        for (const Json& x : *it) {
+          if (!x.is_number_unsigned()) return err(key + "." + field, "expected non-negative integers");
+          v->push_back(x.get<uint64_t>());
+        }
+      }
+      if (b.offset.size() != b.global_shape.size()) {
+        return err(key, fmt::format("offset {} and global_shape {} have different ranks", Dims(b.offset),
+                                    Dims(b.global_shape)));
+      }
+    }
+    out.emplace(name, std::move(b));
+  }
+  return out;
+}
+
+std::string SerializeGlobalBoxes(const std::map<std::string, GlobalBox>& boxes) {
+  OJson j;
+  j["format"] = kGlobalBoxesFormat;
+  j["format_version"] = 1;
+  OJson tensors = OJson::object();
+  for (const auto& [name, b] : boxes) {
+    tensors[name] = b.replica ? OJson{{"replica", true}} : OJson{{"offset", b.offset}, {"global_shape", b.global_shape}};
+  }
+  j["tensors"] = std::move(tensors);
   return j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 

@@ -12,11 +12,24 @@
 namespace optstate::vfs {
 namespace {
 
+using internal::Dims;
 using internal::LoadSources;
 using internal::Sources;
+using internal::Volume;
 
 // Row-major index of a shard's first element (the order the sources are read in).
 uint64_t FirstElement(const ShardBox& b, const std::vector<uint64_t>& gshape) {
+  if (b.flat && !b.within_shape.empty() && b.within_shape.size() == gshape.size() &&
+      b.within_offset.size() == gshape.size() && Volume(b.within_shape) != 0) {
+    // The range's first element in the box's coordinates, then in the tensor's.
+    std::vector<uint64_t> at(gshape.size());
+    uint64_t q = b.offset[0];
+    for (size_t d = gshape.size(); d-- > 0;) {
+      at[d] = b.within_offset[d] + q % b.within_shape[d];
+      q /= b.within_shape[d];
+    }
+    return FirstElement(ShardBox{at, std::vector<uint64_t>(gshape.size(), 1)}, gshape);
+  }
   if (b.flat || gshape.size() != b.offset.size()) return b.offset.empty() ? 0 : b.offset[0];
   uint64_t at = 0;
   for (size_t d = 0; d < gshape.size(); ++d) at = at * gshape[d] + b.offset[d];
@@ -57,6 +70,29 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
       return m.status().WithContext("reshard: source " + s.dirs[i]);
     }
     s.manifests.push_back(std::move(*m));
+    // Where its tensors lie in larger ones (tensor-parallel slices), when the source records it.
+    const std::string boxes_path = s.dirs[i] + "/" + kGlobalBoxesFileName;
+    OPTSTATE_ASSIGN_OR_RETURN(bool has_boxes, FileSystem::Default()->Exists(boxes_path));
+    s.global_boxes.emplace_back();
+    if (has_boxes) {
+      OPTSTATE_ASSIGN_OR_RETURN(std::string text, FileSystem::Default()->ReadFileToString(boxes_path));
+      OPTSTATE_ASSIGN_OR_RETURN(s.global_boxes.back(), ParseGlobalBoxes(text, "reshard: " + boxes_path));
+      for (const auto& [name, gb] : s.global_boxes.back()) {
+        const ManifestTensor* mt = nullptr;
+        for (const ManifestTensor& t : s.manifests.back().tensors) {
+          if (t.name == name) mt = &t;
+        }
+        if (mt == nullptr) {
+          return InvalidArgument(fmt::format("reshard: {} lists tensor '{}', which its manifest does not hold",
+                                             boxes_path, name));
+        }
+        if (!gb.replica && gb.global_shape.size() != mt->global_shape.size()) {
+          return InvalidArgument(fmt::format(
+              "reshard: {}: tensor '{}': global_shape {} has another rank than the manifest's {}", boxes_path, name,
+              Dims(gb.global_shape), Dims(mt->global_shape)));
+        }
+      }
+    }
   }
   const Manifest& m0 = s.manifests[0];
   auto source = [&](size_t i) { return fmt::format("source {} ({})", i, s.dirs[i]); };
@@ -122,6 +158,20 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
   }
   for (size_t i = 0; i < s.manifests.size(); ++i) {
     for (const ManifestTensor& mt : s.manifests[i].tensors) {
+      // A tensor-parallel slice: its shard in the global tensor's coordinates; a replica: skipped.
+      auto embedded = s.global_boxes[i].find(mt.name);
+      if (embedded != s.global_boxes[i].end() && embedded->second.replica) continue;
+      ShardBox shard = ShardOf(mt.shape, mt.global_shape, mt.shard_offset);
+      std::vector<uint64_t> global_shape = mt.global_shape;
+      if (embedded != s.global_boxes[i].end()) {
+        const GlobalBox& gb = embedded->second;
+        if (Status st = CheckShardInside(ShardBox{gb.offset, mt.global_shape}, gb.global_shape); !st.ok()) {
+          return InvalidArgument(fmt::format("reshard: {}: tensor '{}' (a slice of global shape {}) {}", source(i),
+                                             mt.name, Dims(gb.global_shape), st.message()));
+        }
+        shard = EmbedShard(shard, mt.global_shape, gb.offset);
+        global_shape = gb.global_shape;
+      }
       std::vector<std::pair<std::string, DType>> fields;
       for (const ManifestField& f : mt.fields) fields.emplace_back(f.name, f.dtype);
       auto [it, fresh] = s.tensors.try_emplace(mt.name);
@@ -131,7 +181,7 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
         g.dtype = mt.dtype;
         g.group = mt.group;
         g.step_count = mt.step_count;
-        g.global_shape = mt.global_shape;
+        g.global_shape = global_shape;
         g.fields = fields;
       } else {
         const ManifestTensor& first = *g.parts.front().tensor;
@@ -140,8 +190,8 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
           return InvalidArgument(fmt::format("reshard: tensor '{}': {} {} in {}, {} in {}", mt.name, what, a,
                                              other, b, source(i)));
         };
-        if (g.global_shape != mt.global_shape) {
-          return differ("global_shape", Dims(g.global_shape), Dims(mt.global_shape));
+        if (g.global_shape != global_shape) {
+          return differ("global_shape", Dims(g.global_shape), Dims(global_shape));
         }
         if (g.dtype != mt.dtype) return differ("dtype", DTypeName(g.dtype), DTypeName(mt.dtype));
         if (g.group != mt.group) return differ("group", std::to_string(g.group), std::to_string(mt.group));
@@ -159,7 +209,7 @@ Result<Sources> LoadSources(const std::vector<std::string>& dirs, uint64_t chunk
           return differ("fields", text(first), text(mt));
         }
       }
-      g.parts.push_back({static_cast<uint32_t>(i), &mt, ShardOf(mt.shape, mt.global_shape, mt.shard_offset), {}});
+      g.parts.push_back({static_cast<uint32_t>(i), &mt, std::move(shard), {}});
       // The copy opens a field file only for its chunks: one with none must
       // still be there, or the source is not the checkpoint its manifest says.
       for (const ManifestField& f : mt.fields) {
@@ -205,9 +255,18 @@ Status ValidateTarget(const Sources& s, const TargetLayout& target) {
   std::map<std::string, std::vector<std::pair<std::string, ShardBox>>> by_tensor;
   for (size_t r = 0; r < target.ranks.size(); ++r) {
     for (const auto& [name, b] : target.ranks[r]) {
-      if (!s.tensors.count(name)) {
+      auto it = s.tensors.find(name);
+      if (it == s.tensors.end()) {
         return InvalidArgument(fmt::format(
             "reshard: target layout: rank {} lists tensor '{}', which no source holds", r, name));
+      }
+      if (b.replica) {  // a copy: inside the tensor, no part of the tiling
+        if (Status st = CheckShardInside(b, it->second.global_shape); !st.ok()) {
+          return InvalidArgument(fmt::format("reshard: target layout: tensor '{}' (global shape {}): rank {} "
+                                             "(a replica) {}", name, Dims(it->second.global_shape), r,
+                                             st.message()));
+        }
+        continue;
       }
       by_tensor[name].emplace_back(fmt::format("rank {}", r), b);
     }

@@ -22,6 +22,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 
 from . import errors
@@ -29,7 +30,7 @@ from ._lib import call, lib
 from .core import Store
 
 __all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_dir", "save_into", "resume_from",
-           "hold", "release_deleted", "held_snapshots"]
+           "hold", "release_deleted", "held_snapshots", "pin_state_dict_snapshot"]
 
 
 def save(opt, dest, name=None):
@@ -319,21 +320,41 @@ def _release_deleted(store, held, changed):
     return released
 
 
+_STATE_DICT_SNAPSHOT = re.compile(r"^state-dict-(\d+)$")
+
+
+def pin_state_dict_snapshot(store, gen, keep):
+    """Snapshot "state-dict-<gen>" of store's committed generation gen (made if missing), the one a
+    state_dict() names; of the older state_dict() snapshots that no checkpoint holds (hold), the newest
+    keep - 1 stay and the others are released, so a trainer that calls state_dict() every step holds
+    a bounded number. Returns the snapshot's name."""
+    name = "state-dict-%d" % gen
+    snaps = dict(store.snapshots())
+    if name not in snaps:
+        snaps[name] = store.snapshot(name)
+    held = held_snapshots(store)
+    free = sorted((g, n) for n, g in snaps.items() if _STATE_DICT_SNAPSHOT.match(n) and n not in held and n != name)
+    for _, n in free[:max(0, len(free) - max(0, int(keep) - 1))]:
+        store.release_snapshot(n)
+    return name
+
+
 def files_dir(root, store_name):
     """Where save_into puts a store's files under root."""
     return os.path.join(os.fspath(root), store_name)
 
 
-def save_into(opt, root, holder=None, state_dict=None):
+def save_into(opt, root, holder=None, state_dict=None, dest=None):
     """Writes the state that opt.state_dict() (or the given state_dict of opt) describes into
-    root/<store name>/ (a checkpoint directory as save() writes it), records its snapshot as held by
-    `holder` (default: root) and releases the snapshots of checkpoints deleted since
-    (release_deleted). Nothing is written when root/<store name>/ already holds that generation of the
-    store. Returns the directory written."""
+    root/<store name>/ (or `dest`: a checkpoint directory as save() writes it), records its snapshot
+    as held by `holder` (default: root) and releases the snapshots of checkpoints deleted since
+    (release_deleted). Nothing is written when that directory already holds that generation of the
+    store. Returns the directory written. opt: an optimizer, or the optstate.Store whose snapshot
+    `state_dict` ({"optstate": {store_name, store_uuid, generation, snapshot}}) names."""
     sd = state_dict if state_dict is not None else opt.state_dict()
     meta = sd["optstate"]
     store = _store_of(opt)
-    dest = files_dir(root, meta["store_name"])
+    dest = os.fspath(dest) if dest is not None else files_dir(root, meta["store_name"])
     if _manifest_matches(dest, meta) is None:
         if os.path.lexists(dest):
             shutil.rmtree(dest) if os.path.isdir(dest) and not os.path.islink(dest) else os.unlink(dest)

@@ -10,9 +10,10 @@ the call each DistributedOptimizer of the chain (dense, expert) keeps that state
 store of its own, `<store>/<index>.<dense|expert>`, and streams it through a device window of
 at most its part of `budget` bytes during the step. What changes and what does not:
 
-- Megatron's own step runs unchanged up to the update: the grad buffer's reduce-scatter, the copy
-  of this rank's grad shards into the mains' `.grad` (fp32; a view of the grad buffer when grads
-  are reduced in fp32), the grad scaler's unscale and found-inf check (a step with inf/nan is
+- Megatron's own step runs unchanged up to the update: the grad buffer's reduce-scatter, this
+  rank's grad shards as the mains' `.grad` (a view of the grad buffer when grads are reduced in
+  fp32, or in 16 bits without a grad scaler: the step reads bf16 grads in place; Megatron's fp32
+  copy otherwise), the grad scaler's unscale and found-inf check (a step with inf/nan is
   skipped by Megatron before it reaches the update), grad-norm clipping. The update itself (the
   inner Adam's step and the copy of the mains into the param buffer) is optstate's streamed,
   fused step: it reads each shard's grad, updates main and moments in the store and writes the
@@ -24,12 +25,16 @@ at most its part of `budget` bytes during the step. What changes and what does n
 - Native fp32 params (a MoE router's expert_bias) are streamed like the others; their "param" is
   the fp32 shard itself.
 - Every shard is recorded as the flat range [begin, begin + numel) of its param's row-major
-  flattening, with the param's shape (on this rank) as the global shape, so optstate.reshard can
-  move the state between data-parallel sizes (docs/MEGATRON.md).
+  flattening, with the param's shape (on this rank) as the global shape; with tensor parallelism
+  a checkpoint's global-boxes.json places each slice in the whole tensor, so optstate.reshard can
+  move the state between data- and tensor-parallel sizes (docs/MEGATRON.md).
 - reload_model_params() loads the mains from the model's params (or a state dict's tensors).
 - sharded_state_dict()/state_dict() carry, per rank and sub-optimizer, the store's identity and a
   snapshot of the committed generation of that moment (plus the param groups and grad scaler);
-  load_state_dict() brings the store back to that snapshot (same-topology resume is exact).
+  Megatron's dist_checkpointing.save also writes that state's files into the checkpoint directory
+  (<ckpt>/optstate/<sub>/rank-<r>, the snapshot held until the directory is deleted);
+  load_state_dict() brings the store back to that snapshot, or restores the files (a copy on
+  another node, a fresh store): a same-topology resume is exact.
   save(optimizer, dir) / load(optimizer, dir) write and read the state itself as optstate
   checkpoint directories (portable, reshardable).
 - offload_to_cpu()/restore_from_cpu() (colocated RL) release the device window / do nothing:
@@ -41,6 +46,7 @@ of reading freed memory. Unsupported configurations raise optstate.Unimplemented
 """
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import uuid
@@ -48,15 +54,21 @@ import weakref
 
 import torch
 
-from . import errors
+from . import checkpoint, errors
 from .core import F32, MemoryManager, Store, StreamedAdam
+from .integrations import STATE_DIR
 from .torch import _DTYPES, _agreed_job, _rank
 
 __all__ = ["stream_optimizer_state", "streamed_states", "shard_layout", "save", "load", "reshard_layout",
-           "gather_reshard_layout", "shard_ranges", "sleep", "wake", "FORMAT"]
+           "gather_reshard_layout", "shard_ranges", "sleep", "wake", "checkpoint_saved", "checkpoint_loaded",
+           "FORMAT", "STATE_DIR"]
 
 FORMAT = "optstate-megatron"
 FORMAT_VERSION = 1
+GLOBAL_BOXES = "global-boxes.json"  # vfs::kGlobalBoxesFileName
+
+# The streamed states of this process by store uuid: checkpoint_saved finds the store of a record.
+_LIVE = weakref.WeakValueDictionary()
 
 def _world_size():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -75,13 +87,21 @@ class Shard:
     main: Megatron's main param of the shard (its .grad is the step's grad). param: the shard's
     memory in the param buffer (what the step writes). model_param: the whole param."""
 
-    __slots__ = ("name", "group", "begin", "numel", "global_shape", "main", "param", "model_param", "own_main", "id")
+    __slots__ = ("name", "group", "begin", "numel", "global_shape", "main", "param", "model_param", "own_main", "id",
+                 "tp_offset", "tp_global_shape", "replica", "untileable")
 
     def __init__(self, name, group, begin, numel, global_shape, main, param, model_param, own_main):
         self.name, self.group, self.begin, self.numel = name, group, begin, numel
         self.global_shape, self.main, self.param, self.model_param = global_shape, main, param, model_param
         self.own_main = own_main  # a 16-bit param's fp32 main (freed once in the store), not an fp32 param's shard
         self.id = None
+        # With tensor parallelism (_place_tensor_parallel): the param's slice as the box [tp_offset,
+        # tp_offset + global_shape) of a tensor of tp_global_shape; or a replica (a param every
+        # tensor-parallel rank holds whole, on a rank other than the first); or untileable (a
+        # slice that is no box of one tensor: strided partitions, a gated linear unit's fc1).
+        self.tp_offset = self.tp_global_shape = None
+        self.replica = False
+        self.untileable = None
 
     def __repr__(self):
         return "Shard(%s, group %d, flat [%d, %d) of %s)" % (self.name, self.group, self.begin,
@@ -99,12 +119,13 @@ def _param_names(dist_opt):
     return names
 
 
-def shard_layout(dist_opt):
+def shard_layout(dist_opt, tensor_parallel=None):
     """The shards a DistributedOptimizer's rank owns, in the inner optimizer's order, as [Shard].
 
     Megatron's ranges are the source of truth: for each param, "param" is the rank's part of it
     (a flat range of its flattening) and "gbuf_world_in_bucket" where that part lies in its bucket's
-    param buffer."""
+    param buffer. tensor_parallel: (rank, size) of this rank's tensor-parallel group (default: from
+    Megatron's parallel_state)."""
     names = _param_names(dist_opt)
     shards = []
     for model_groups, main_groups, own_main in (
@@ -133,7 +154,54 @@ def shard_layout(dist_opt):
         if s.name in seen:
             raise errors.InvalidArgument("optstate.megatron: two shards of param %s on one rank" % s.name)
         seen.add(s.name)
+    _place_tensor_parallel(dist_opt, shards, tensor_parallel)
     return shards
+
+
+def _tensor_parallel_position(dist_opt):
+    """(rank, size) of this rank in its tensor-parallel group (the expert tensor-parallel group for an
+    expert optimizer), from Megatron's parallel_state; (0, 1) where it is not initialized."""
+    try:
+        from megatron.core import parallel_state as ps
+        if not ps.model_parallel_is_initialized():
+            return 0, 1
+        groups = dist_opt.optimizer.param_groups
+        if groups and all(g.get("is_expert_parallel", False) for g in groups):
+            return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return 0, 1
+
+
+def _place_tensor_parallel(dist_opt, shards, tensor_parallel):
+    """Each shard's place in the whole (tensor-parallel) tensor, from the param's tensor-parallel
+    attributes (tensor_model_parallel, partition_dim, partition_stride, as Megatron's layers set them):
+    a split param's slice on rank t of T is the box at t x its extent in partition_dim of a tensor T
+    times as large there (Megatron's own checkpoints concatenate the slices so); a param held whole
+    by every tensor-parallel rank is the first rank's, a replica on the others."""
+    rank, size = tensor_parallel if tensor_parallel is not None else _tensor_parallel_position(dist_opt)
+    if size <= 1:
+        return
+    glu = any(getattr(getattr(c, "config", None), "gated_linear_unit", False)
+              for c in getattr(dist_opt, "model_chunks", ()) or ())
+    for s in shards:
+        p = s.model_param
+        if not getattr(p, "tensor_model_parallel", False):
+            s.replica = rank > 0
+            continue
+        dim, stride = int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
+        if stride != 1:
+            s.untileable = "partition_stride %d" % stride
+        elif glu and ".linear_fc1." in s.name:
+            s.untileable = "a gated linear unit's fc1, whose slices hold a part of each half"
+        shape = list(s.global_shape)
+        if not 0 <= dim < len(shape):
+            raise errors.InvalidArgument("optstate.megatron: param %s has partition_dim %d and shape %s"
+                                         % (s.name, dim, shape))
+        s.tp_offset = [0] * len(shape)
+        s.tp_offset[dim] = rank * shape[dim]
+        shape[dim] *= size
+        s.tp_global_shape = shape
 
 
 # ---- refusals ----
@@ -196,15 +264,17 @@ class StreamedState:
     """The optstate store of one DistributedOptimizer: registration, the step, reload, save/load, sleep."""
 
     def __init__(self, dist_opt, store, sub_name, shards, budget, moment_dtype, backend, host_cache_bytes,
-                 commit_lag_steps, cpu_threads):
+                 commit_lag_steps, cpu_threads, direct_grads=True):
         """Takes the opened `store` (closes it on failure)."""
         self.dist_opt, self.store, self.sub_name, self.shards = dist_opt, store, sub_name, shards
+        self._direct_grads = direct_grads
         # The optimizer and this object reference each other (its bound methods), so they go to the
         # cyclic collector together, which would finalize the store, manager and optimizer handles in
         # any order. The finalizer holds them (it outlives the cycle) and closes the store, which closes
         # the optimizer and the manager first.
         self._live_handles = [store]
         self._finalizer = weakref.finalize(self, _close_quietly, store, self._live_handles)
+        self.rank = _rank()
         try:
             self.device = shards[0].param.device
             self._cuda = self.device.type == "cuda"
@@ -266,6 +336,7 @@ class StreamedState:
         self._numels = (ctypes.c_uint64 * len(self.shards))(*[s.numel for s in self.shards])
         self._pdt = (ctypes.c_int * len(self.shards))(*[_DTYPES[s.param.dtype] for s in self.shards])
         self.resumed = all(existed)
+        _LIVE[self.store.uuid] = self
 
     @staticmethod
     def _initial(s):
@@ -286,6 +357,36 @@ class StreamedState:
                 s.main.untyped_storage().resize_(0)
             if s.own_main and getattr(s.model_param, "main_param", None) is s.main:
                 s.model_param.main_param = _main_in_store(s, self.store._path)
+        self._read_grad_buffer_directly()
+
+    def _read_grad_buffer_directly(self):
+        """Where Megatron reduces grads in 16 bits (grad_reduce_in_fp32=False) and has no grad scaler (bf16
+        without loss scaling), the step reads each shard's grad in the grad buffer itself: the shard's
+        main param becomes a storage-less tensor of the grad buffer's dtype, whose .grad is the buffer's
+        shard (_copy_model_grads_to_main_grads), instead of Megatron's fp32 copy of it (4 bytes a param
+        of the shard every step). Megatron's grad norm and clipping then read and scale those 16-bit
+        grads (docs/MEGATRON.md: the bound)."""
+        if not self._direct_grads or self.dist_opt.grad_scaler is not None:
+            return
+        swap = {}
+        for s in self.shards:
+            g = getattr(s.model_param, "main_grad", None)
+            if not s.own_main or g is None or g.dtype not in (torch.bfloat16, torch.float16) or s.main.dtype == g.dtype:
+                continue
+            stub = torch.empty(s.numel, dtype=g.dtype, device=s.main.device)
+            stub.untyped_storage().resize_(0)
+            # The tensor-parallel and sharing attributes Megatron's grad norm reads from the main params.
+            for k, v in s.main.__dict__.items():
+                setattr(stub, k, v)
+            swap[id(s.main)] = stub
+            s.main = stub
+        if not swap:
+            return
+        for groups in (self.dist_opt.shard_fp32_from_float16_groups,):
+            for group in groups:
+                group[:] = [swap.get(id(p), p) for p in group]
+        for group in self.dist_opt.optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
 
     def _sync(self):
         if self._cuda:
@@ -365,37 +466,65 @@ class StreamedState:
 
     # -- checkpoints --
 
+    # Snapshots that snapshot() made and no checkpoint holds (a checkpoint directory that
+    # checkpoint_saved wrote holds its own until deleted): the newest this many are kept.
+    state_dict_snapshots = 2
+
     def snapshot(self):
-        """Commits what is pending and pins it as a snapshot; the record a checkpoint keeps."""
+        """Commits what is pending and pins it as snapshot "state-dict-<generation>"; the record a
+        checkpoint keeps. Older such snapshots that no checkpoint directory holds are released beyond
+        the newest state_dict_snapshots (optstate.checkpoint.pin_state_dict_snapshot)."""
         gen = self.adam.make_durable()
-        name = "megatron-gen%d" % gen
-        if name not in dict(self.store.snapshots()):
-            self.store.snapshot(name)
+        name = checkpoint.pin_state_dict_snapshot(self.store, gen, self.state_dict_snapshots)
         return {"format": FORMAT, "format_version": FORMAT_VERSION, "store": os.path.abspath(self.store._path),
-                "store_uuid": self.store.uuid, "job": self.store.job, "generation": gen, "snapshot": name,
-                "sub_optimizer": self.sub_name, "shards": len(self.shards)}
+                "store_name": self.store.name, "store_uuid": self.store.uuid, "job": self.store.job,
+                "generation": gen, "snapshot": name, "sub_optimizer": self.sub_name, "rank": self.rank,
+                "shards": len(self.shards)}
+
+    def _files_for(self, record):
+        """The checkpoint directory that checkpoint_saved wrote for record (under the root that
+        checkpoint_loaded noted in it, or a root armed with optstate.checkpoint.resume_from), or None."""
+        roots = [record["files_root"]] if record.get("files_root") else []
+        roots += list(reversed(checkpoint._resume_roots))
+        for root in roots:
+            d = rank_dir(root, record.get("sub_optimizer", self.sub_name), record.get("rank", self.rank))
+            if checkpoint._manifest_matches(d, record) is not None:
+                return d
+        return None
 
     def restore(self, record):
-        """Brings the store back to a snapshot() record of it and the param buffer to its mains."""
+        """Brings the store back to the state a snapshot() record names and the param buffer to its
+        mains: from the store's own snapshot while it holds it, else from the files checkpoint_saved
+        wrote into the checkpoint (a copy on another node, a fresh store path)."""
         if not isinstance(record, dict) or record.get("format") != FORMAT:
             raise errors.InvalidArgument("optstate.megatron: %s: the checkpoint's optimizer entry is %r, not an "
                                          "optstate-megatron record (a checkpoint written without optstate?)"
                                          % (self.sub_name, type(record).__name__))
-        if record.get("store_uuid") != self.store.uuid:
-            raise errors.FailedPrecondition(
-                "optstate.megatron: the checkpoint's %s state is in store %s (uuid %s), this rank's store is %s "
-                "(uuid %s): on another node or topology, restore it with optstate.megatron.load(optimizer, dir) "
-                "from a directory optstate.megatron.save wrote (resharded when the topology differs)"
-                % (self.sub_name, record.get("store"), record.get("store_uuid"), self.store._path, self.store.uuid))
         self.adam.make_durable()
-        if self.store.latest_generation()[0] == record["generation"]:
+        same_store = record.get("store_uuid") == self.store.uuid
+        if same_store and self.store.latest_generation()[0] == record["generation"]:
             self._mains_to_params()
             return
         snaps = dict(self.store.snapshots())
-        if record["snapshot"] not in snaps:
-            raise errors.NotFound("optstate.megatron: store %s no longer holds snapshot %s (generation %d) that the "
-                                  "checkpoint refers to" % (self.store._path, record["snapshot"],
-                                                            record["generation"]))
+        if not (same_store and snaps.get(record["snapshot"]) == record["generation"]):
+            files = self._files_for(record)
+            if files is not None:
+                self.restore_dir(files, force=True)
+                return
+            if same_store:
+                raise errors.NotFound(
+                    "optstate.megatron: store %s no longer holds snapshot %s (generation %d) that the checkpoint "
+                    "refers to, and no checkpoint directory with its files was found (%s/<sub>/rank-<r> under "
+                    "the loaded checkpoint, or a root armed with optstate.checkpoint.resume_from)"
+                    % (self.store._path, record["snapshot"], record["generation"], STATE_DIR))
+            raise errors.FailedPrecondition(
+                "optstate.megatron: the checkpoint's %s state is in store %s (uuid %s), this rank's store is %s "
+                "(uuid %s), and the checkpoint carries no files of it (%s/%s/rank-%05d under a checkpoint "
+                "directory that dist_checkpointing.save wrote while the optimizer streamed, or a root armed "
+                "with optstate.checkpoint.resume_from); a directory optstate.megatron.save wrote loads with "
+                "optstate.megatron.load(optimizer, dir), resharded first when the topology differs"
+                % (self.sub_name, record.get("store"), record.get("store_uuid"), self.store._path, self.store.uuid,
+                   STATE_DIR, record.get("sub_optimizer", self.sub_name), record.get("rank", self.rank)))
         tmp = "%s.restore-%s" % (os.path.abspath(self.store._path), uuid.uuid4().hex[:8])
         try:
             self.store.export_checkpoint(tmp, snapshot=record["snapshot"])
@@ -483,6 +612,13 @@ def _bind(dist_opt, state):
         state.adam.make_durable()
         state._mains_to_params()
 
+    def _copy_model_grads_to_main_grads(self):
+        # As Megatron's, but a shard whose main has the grad buffer's dtype takes the buffer's shard
+        # itself (StreamedState._read_grad_buffer_directly), not an fp32 copy.
+        for s in state.shards:
+            g = s.model_param.main_grad.view(-1)[s.begin:s.begin + s.numel]
+            s.main.grad = g if g.dtype == s.main.dtype else g.float()
+
     def refuse(what):
         def method(self, *args, **kwargs):
             raise errors.Unimplemented(
@@ -503,7 +639,7 @@ def _bind(dist_opt, state):
                                     "load_parameter_state_from_dp_reshardable")]
     for fn in [step_with_ready_grads, reload_model_params, state_dict, sharded_state_dict, load_state_dict,
                offload_to_cpu, restore_from_cpu, _copy_model_params_to_main_params,
-               _copy_main_params_to_model_params] + refusals:
+               _copy_main_params_to_model_params, _copy_model_grads_to_main_grads] + refusals:
         setattr(dist_opt, fn.__name__, MethodType(fn, dist_opt))
     dist_opt._optstate = state
 
@@ -576,7 +712,7 @@ def _sub_name(index, dist_opt):
 
 def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32", *, backend="auto",
                            host_cache_bytes="auto", job=None, chunk_size_bytes=None, data_dirs=None,
-                           commit_lag_steps=1, cpu_threads=None):
+                           commit_lag_steps=1, cpu_threads=None, tensor_parallel=None, direct_grads=True):
     """Moves the fp32 mains and Adam moments of every DistributedOptimizer in `optimizer` (what
     get_megatron_optimizer returned) into optstate stores and streams its steps through them.
 
@@ -586,6 +722,10 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
     budget: device bytes all the stores' windows may use together (split by their sizes).
     moment_dtype: "f32", "bf16" or "q8" (docs/MOMENTS.md). backend: "auto", "cuda" or "host".
     job: the training job's id for new stores (default: one id agreed over torch.distributed).
+    tensor_parallel: (rank, size) of this rank's tensor-parallel group, where the shards' places in
+      the whole tensors come from (default: Megatron's parallel_state).
+    direct_grads: with 16-bit grad buffers and no grad scaler, the step reads the grads in the grad
+      buffer instead of Megatron's fp32 copy of them (docs/MEGATRON.md); False: Megatron's copy.
     Returns [StreamedState], one per streamed sub-optimizer (also `dist_opt._optstate`).
     Call it right after get_megatron_optimizer, before any step or checkpoint load."""
     subs = _dist_optimizers(optimizer)
@@ -603,7 +743,7 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
     base = os.fspath(store).replace("{rank}", str(_rank()))
     if cpu_threads is None:
         cpu_threads = max(1, min(4, torch.get_num_threads()))
-    layouts = [shard_layout(sub) for _, sub in active]
+    layouts = [shard_layout(sub, tensor_parallel) for _, sub in active]
     for (i, _), shards in zip(active, layouts):
         _check_shards(i, shards)
     stores, states = [], []
@@ -618,7 +758,7 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
                                 [st.chunk_size_bytes for st in stores], moment_dtype, [st._path for st in stores])
         for (i, sub), shards, st, part in zip(active, layouts, stores, budgets):
             states.append(StreamedState(sub, st, _sub_name(i, sub), shards, part, moment_dtype, backend,
-                                        host_cache_bytes, commit_lag_steps, cpu_threads))
+                                        host_cache_bytes, commit_lag_steps, cpu_threads, direct_grads))
     except BaseException:
         for st in stores:
             with contextlib.suppress(Exception):
@@ -626,6 +766,7 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
         raise
     for (_, sub), st in zip(active, states):
         _bind(sub, st)
+    _install_checkpoint_hooks()
     return states
 
 
@@ -659,17 +800,43 @@ def rank_dir(dest, sub_name, rank):
     return os.path.join(os.fspath(dest), sub_name, "rank-%05d" % rank)
 
 
-def save(optimizer, dest):
+def save(optimizer, dest, rank=None):
     """Writes each streamed sub-optimizer's committed state as an optstate checkpoint directory
-    (rank_dir(dest, sub, rank)); returns the directories. Every rank calls it."""
+    (rank_dir(dest, sub, rank)), with tensor parallelism its global-boxes.json (where each slice lies
+    in the whole tensor, which optstate.reshard reads); returns the directories. Every rank calls it.
+    rank: default torch.distributed's."""
     out = []
     for st in _states(optimizer):
         st.adam.make_durable()
-        d = rank_dir(dest, st.sub_name, _rank())
+        d = rank_dir(dest, st.sub_name, _rank() if rank is None else rank)
         os.makedirs(os.path.dirname(d), exist_ok=True)
         st.store.export_checkpoint(d)
+        _write_global_boxes(d, st.shards)
         out.append(d)
     return out
+
+
+def _write_global_boxes(d, shards):
+    """d/global-boxes.json: each tensor-parallel slice's box in its whole tensor, each replica marked
+    (docs/RESHARD.md); nothing without tensor parallelism. Written whole or not at all."""
+    tensors = {}
+    for s in shards:
+        if s.replica:
+            tensors[s.name] = {"replica": True}
+        elif s.tp_offset is not None and not s.untileable:
+            # An untileable slice is left as the rank holds it: the tensor-parallel ranks' slices then
+            # overlap, and a reshard refuses them rather than misplace their elements.
+            tensors[s.name] = {"offset": list(s.tp_offset), "global_shape": list(s.tp_global_shape)}
+    if not tensors:
+        return
+    path = os.path.join(d, GLOBAL_BOXES)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"format": "optstate-global-boxes", "format_version": 1, "tensors": tensors}, f, indent=1,
+                  sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load(optimizer, src, force=False, rank=None):
@@ -682,7 +849,9 @@ def load(optimizer, src, force=False, rank=None):
 
 def shard_ranges(optimizer, sub_name=None):
     """{tensor name: {"flat": [begin, end]}} of this rank's shards of one streamed sub-optimizer (the
-    only one, or the one named sub_name): its part of a reshard layout."""
+    only one, or the one named sub_name): its part of a reshard layout. With tensor parallelism a
+    split param's entry has "within": its slice's box in the whole tensor (the range is of the
+    slice), and a param held whole by every tensor-parallel rank is a "replica" on all but the first."""
     states = _states(optimizer) if any(hasattr(s, "_optstate") for s in
                                        getattr(optimizer, "chained_optimizers", [optimizer])) else None
     if states is None:  # not streamed (yet): the layout of its DistributedOptimizers
@@ -698,7 +867,19 @@ def shard_ranges(optimizer, sub_name=None):
         sub_name = next(iter(shards))
     if sub_name not in shards:
         raise errors.NotFound("optstate.megatron: no sub-optimizer %s (there are %s)" % (sub_name, sorted(shards)))
-    return {s.name: {"flat": [s.begin, s.begin + s.numel]} for s in shards[sub_name]}
+    out = {}
+    for s in shards[sub_name]:
+        entry = {"flat": [s.begin, s.begin + s.numel]}
+        if s.untileable:
+            raise errors.Unimplemented(
+                "optstate.megatron: param %s: its tensor-parallel slices are no boxes of one tensor (%s); "
+                "resharding to another tensor-parallel size does not support it" % (s.name, s.untileable))
+        if s.tp_offset is not None:
+            entry["within"] = {"offset": list(s.tp_offset), "shape": list(s.global_shape)}
+        if s.replica:
+            entry["replica"] = True
+        out[s.name] = entry
+    return out
 
 
 def reshard_layout(optimizers, sub_name=None):
@@ -713,12 +894,100 @@ def reshard_layout(optimizers, sub_name=None):
 def gather_reshard_layout(optimizer, sub_name=None, group=None):
     """reshard_layout over torch.distributed: every rank of `group` passes its own optimizer (a
     collective); every rank gets the whole layout, ranks in their order in the group. group: None
-    (the default group) with data parallelism alone; with tensor or pipeline parallelism, the
-    data-parallel group (parallel_state.get_data_parallel_group()): each model-parallel position
-    reshards its own data-parallel ranks."""
+    (the default group) with data and tensor parallelism; with pipeline parallelism, the ranks of
+    one pipeline stage (its tensor x data-parallel ranks): each stage reshards its own ranks, and
+    each rank loads the output of its index in that group."""
     mine = shard_ranges(optimizer, sub_name)
     size = torch.distributed.get_world_size(group) if group is not None else _world_size()
     gathered = [None] * size
     torch.distributed.all_gather_object(gathered, mine, group=group)
     return {"format": "optstate-reshard-layout", "format_version": 1,
             "ranks": [{"rank": r, "tensors": t} for r, t in enumerate(gathered)]}
+
+
+# ---- the state's files in Megatron's own checkpoints ----
+#
+# Megatron's dist_checkpointing.save(sharded_state_dict, checkpoint_dir) (what Megatron-LM's
+# save_checkpoint calls for torch_dist) has no hook of its own, so stream_optimizer_state wraps it and
+# dist_checkpointing.load: a save writes the files of the snapshot each of this process's optstate
+# records names into <checkpoint_dir>/optstate/<sub>/rank-<rank:05d> (optstate.checkpoint.save_into:
+# the snapshot is then held by checkpoint_dir, and released once that directory is deleted), and a
+# load notes that root in the records it returns, so load_state_dict restores from those files when
+# the store lacks the snapshot (the checkpoint copied to another node, a fresh store path).
+
+
+def _records(obj, out=None, depth=0):
+    """The optstate-megatron records in a (sharded) state dict, in order."""
+    out = [] if out is None else out
+    if depth > 32:
+        return out
+    if isinstance(obj, dict):
+        if obj.get("format") == FORMAT and "store_uuid" in obj:
+            out.append(obj)
+            return out
+        for v in obj.values():
+            _records(v, out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _records(v, out, depth + 1)
+    elif type(obj).__name__ == "ShardedObject":
+        _records(getattr(obj, "data", None), out, depth + 1)
+    return out
+
+
+def checkpoint_saved(sharded_state_dict, checkpoint_dir):
+    """Writes the state that the optstate records in sharded_state_dict (this process's
+    optimizer.sharded_state_dict() or state_dict()) name into checkpoint_dir/optstate/<sub>/rank-<r>
+    and records each snapshot as held by checkpoint_dir; snapshots of checkpoint directories deleted
+    since are released. Called by the wrapped dist_checkpointing.save; call it yourself after saving
+    a state_dict() elsewhere. Returns the directories written."""
+    root = os.path.join(os.fspath(checkpoint_dir), STATE_DIR)
+    out = []
+    for rec in _records(sharded_state_dict):
+        st = _LIVE.get(rec["store_uuid"])
+        if st is None:
+            raise errors.FailedPrecondition(
+                "optstate.megatron: the checkpoint being saved to %s names store %s (uuid %s), which no optimizer "
+                "of this process streams through" % (checkpoint_dir, rec.get("store"), rec["store_uuid"]))
+        dest = rank_dir(root, rec["sub_optimizer"], rec["rank"])
+        out.append(checkpoint.save_into(st.store, root, holder=checkpoint_dir, state_dict={"optstate": rec},
+                                        dest=dest))
+        _write_global_boxes(dest, st.shards)
+    return out
+
+
+def checkpoint_loaded(state_dict, checkpoint_dir):
+    """Notes checkpoint_dir/optstate in the optstate records of a state dict loaded from
+    checkpoint_dir, where load_state_dict finds their files when the store lacks the snapshot. Called
+    by the wrapped dist_checkpointing.load. Returns state_dict."""
+    root = os.path.abspath(os.path.join(os.fspath(checkpoint_dir), STATE_DIR))
+    for rec in _records(state_dict):
+        rec["files_root"] = root
+    return state_dict
+
+
+def _install_checkpoint_hooks():
+    import functools
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    if getattr(serialization.save, "_optstate_hook", False):
+        return
+    inner_save, inner_load = serialization.save, serialization.load
+
+    @functools.wraps(inner_save)
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        records = _records(sharded_state_dict)  # before the save takes the state dict apart
+        result = inner_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        if records:
+            checkpoint_saved(records, checkpoint_dir)
+        return result
+
+    @functools.wraps(inner_load)
+    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        result = inner_load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        checkpoint_loaded(result[0] if isinstance(result, tuple) else result, checkpoint_dir)
+        return result
+
+    save._optstate_hook = load._optstate_hook = True
+    for module in (serialization, dist_checkpointing):
+        module.save, module.load = save, load

@@ -663,22 +663,10 @@ class AdamW(torch.optim.Optimizer):
         }
         return sd
 
-    _STATE_DICT_SNAPSHOT = re.compile(r"^state-dict-(\d+)$")
-
     def _state_dict_snapshot(self, gen):
         """Snapshot "state-dict-<gen>" of the newest committed generation gen (made if missing); releases
         the older state_dict() snapshots that no checkpoint holds beyond the newest state_dict_snapshots."""
-        name = "state-dict-%d" % gen
-        snaps = dict(self._store.snapshots())
-        if name not in snaps:
-            snaps[name] = self._store.snapshot(name)
-        held = checkpoint.held_snapshots(self._store)
-        free = sorted((g, n) for n, g in snaps.items()
-                      if self._STATE_DICT_SNAPSHOT.match(n) and n not in held and n != name)
-        keep = max(0, int(self.state_dict_snapshots) - 1)
-        for _, n in free[:max(0, len(free) - keep)]:
-            self._store.release_snapshot(n)
-        return name
+        return checkpoint.pin_state_dict_snapshot(self._store, gen, self.state_dict_snapshots)
 
     def load_state_dict(self, state_dict):
         """Makes the store's state the one state_dict describes, with the same params, and loads its

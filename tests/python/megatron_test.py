@@ -8,6 +8,7 @@ buffer, so each rank's write of its shard is the all-gather), which is what its 
 the CUDA checks. Needs megatron-core (tools/requirements-current.txt); skipped without it."""
 import json
 import os
+import shutil
 import types
 import unittest
 
@@ -30,6 +31,39 @@ except ImportError:
     HAVE_MEGATRON = False
 
 import optstate.megatron as om  # noqa: E402  (imports megatron-core only when called)
+
+if HAVE_MEGATRON:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy, SaveShardedStrategy
+
+    class _ObjectsOnlySave(SaveShardedStrategy):
+        """Megatron's torch_dist writer needs CUDA (it syncs the device and gathers its results on it). The
+        optimizer's sharded state is ShardedObjects only; with a sharded strategy that does not handle them,
+        dist_checkpointing.save writes them through its common (torch.save) strategy, on the CPU."""
+
+        def __init__(self):
+            super().__init__("optstate_test_objects", 1)
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            assert not list(nested_values(sharded_state_dict)), "only ShardedObjects expected"
+
+        def async_save(self, sharded_state_dict, checkpoint_dir):
+            raise NotImplementedError
+
+    class _ObjectsOnlyLoad(LoadShardedStrategy):
+        def check_backend_compatibility(self, loaded_backend):
+            assert loaded_backend == "optstate_test_objects", loaded_backend
+
+        def check_version_compatibility(self, loaded_version):
+            pass
+
+        def load(self, sharded_state_dict, checkpoint_dir):
+            assert not list(nested_values(sharded_state_dict)), "only ShardedObjects expected"
+            return {}
+
+        def load_tensors_metadata(self, checkpoint_dir):
+            return {}
+
 
 # name, shape, dtype, group (0: decay, 1: no decay, lr x 0.5), buffer/bucket
 PARAMS = [
@@ -85,8 +119,12 @@ class Model:
     each bucket padded to a multiple of the data-parallel size; param.data and param.main_grad are
     views of them."""
 
-    def __init__(self, seed, dp_size, specs=PARAMS):
+    def __init__(self, seed, dp_size, specs=PARAMS, values=None, grads=None, grad_dtype=torch.float32):
+        """values: {name: tensor} of the params' initial values (default: random from seed); grads:
+        step -> {name: tensor}, each step's grads (default: random from the step). grad_dtype: the 16-bit
+        params' grad buffer's (grad_reduce_in_fp32=False: their own dtype)."""
         g = torch.Generator().manual_seed(seed)
+        self.grad_fn = grads
         self.params, self.buffers_spec = {}, []
         by_buffer = {}
         for name, shape, dtype, group, bucket in specs:
@@ -106,13 +144,13 @@ class Model:
                 offset = start + padded
                 bucket_meta.append((start, padded, size))
             pbuf = torch.zeros(offset, dtype=dtype)
-            gbuf = torch.zeros(offset, dtype=torch.float32)
+            gbuf = torch.zeros(offset, dtype=torch.float32 if dtype == torch.float32 else grad_dtype)
             index_map = {}
             for name, (a, b, bucket_id, shape, group) in layout.items():
                 p = torch.nn.Parameter(torch.empty(0, dtype=dtype))
                 p.data = pbuf[a:b].view(shape)
                 with torch.no_grad():
-                    p.copy_(torch.randn(shape, generator=g) * 0.5)
+                    p.copy_(values[name] if values is not None else torch.randn(shape, generator=g) * 0.5)
                 p.main_grad = gbuf[a:b].view(shape)
                 cuda_type = {torch.bfloat16: "torch.cuda.BFloat16Tensor",
                              torch.float32: "torch.cuda.FloatTensor"}[dtype]
@@ -122,9 +160,15 @@ class Model:
                 self.groups[name] = group
             buckets_ns = [types.SimpleNamespace(offset=s, grad_data=gbuf[s:s + n], param_data=pbuf[s:s + n],
                                                 numel_unpadded=u) for s, n, u in bucket_meta]
-            self.buffers.append(dict(pbuf=pbuf, gbuf=gbuf, index_map=index_map, buckets=buckets_ns, dtype=dtype))
+            self.buffers.append(dict(pbuf=pbuf, gbuf=gbuf, index_map=index_map, buckets=buckets_ns, dtype=dtype,
+                                     grad_dtype=gbuf.dtype))
 
     def set_grads(self, step):
+        if self.grad_fn is not None:
+            grads = self.grad_fn(step)
+            for name, p in self.params.items():
+                p.main_grad.copy_(grads[name])
+            return
         g = torch.Generator().manual_seed(1000 + step)
         for name in sorted(self.params):
             p = self.params[name]
@@ -164,7 +208,7 @@ def make_dist_opt(model, dp_rank, dp_size, *, decoupled=True, names=None):
             opt.buffers.append(types.SimpleNamespace(param_index_map=index_map, buckets=b["buckets"],
                                                      params=list(index_map),
                                                      data_parallel_group=group, param_dtype=b["dtype"],
-                                                     grad_dtype=torch.float32))
+                                                     grad_dtype=b["grad_dtype"]))
     opt.gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for b in opt.buffers]
     opt.model_param_gbuf_map = DistributedOptimizer._build_model_param_gbuf_map(opt.gbuf_ranges)
     opt.model_param_group_index_map, opt.opt_group_ranges = DistributedOptimizer._build_optimizer_group_ranges(
@@ -175,6 +219,59 @@ def make_dist_opt(model, dp_rank, dp_size, *, decoupled=True, names=None):
     inner.param_groups = [g["orig_group"] for g in opt.opt_group_ranges]
     inner.load_state_dict(inner.state_dict())
     return opt
+
+
+# Tensor parallelism: the params as whole tensors and the dimension Megatron's layers split each along
+# (None: every tensor-parallel rank holds it whole): column-parallel fc1 (dimension 0), row-parallel
+# fc2 (dimension 1: a data-parallel shard of its slice is no flat range of the whole tensor).
+TP_PARAMS = [
+    ("embedding.word_embeddings.weight", (36, 16), torch.bfloat16, 0, 0, 0),
+    ("decoder.layers.0.linear_fc1.weight", (24, 16), torch.bfloat16, 0, 0, 0),
+    ("decoder.layers.0.linear_fc1.bias", (24,), torch.bfloat16, 1, 0, 0),
+    ("decoder.layers.0.linear_fc2.weight", (16, 24), torch.bfloat16, 0, 1, 1),
+    ("decoder.layers.0.linear_fc2.bias", (16,), torch.bfloat16, 1, 1, None),
+    ("decoder.final_layernorm.weight", (16,), torch.bfloat16, 1, 1, None),
+    ("decoder.layers.0.mlp.router.expert_bias", (6,), torch.float32, 1, 2, None),
+]
+
+
+def _tp_slice(t, dim, tp_rank, tp_size):
+    return t if dim is None else t.chunk(tp_size, dim)[tp_rank].contiguous()
+
+
+def tp_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(shape, generator=g) * 0.5).to(dtype) for name, shape, dtype, *_ in TP_PARAMS}
+
+
+def tp_grads(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return {name: torch.randn(shape, generator=g) for name, shape, *_ in TP_PARAMS}
+
+
+def tp_model(values, tp_rank, tp_size, dp_size):
+    """Tensor-parallel rank tp_rank's model: its slice of each param, with the attributes Megatron's
+    layers set (tensor_model_parallel, partition_dim, partition_stride); grads the slices of the
+    whole model's."""
+    dims = {name: dim for name, _, _, _, _, dim in TP_PARAMS}
+    specs = [(name, tuple(_tp_slice(torch.empty(shape), dim, tp_rank, tp_size).shape), dtype, group, bucket)
+             for name, shape, dtype, group, bucket, dim in TP_PARAMS]
+    model = Model(0, dp_size, specs, values={n: _tp_slice(v, dims[n], tp_rank, tp_size) for n, v in values.items()},
+                  grads=lambda step: {n: _tp_slice(v, dims[n], tp_rank, tp_size) for n, v in tp_grads(step).items()})
+    for name, p in model.params.items():
+        p.tensor_model_parallel = dims[name] is not None
+        p.partition_dim = dims[name] if dims[name] is not None else -1
+        p.partition_stride = 1
+    return model
+
+
+def tp_assemble(models):
+    """The whole params from the tensor-parallel ranks' slices (fp32)."""
+    out = {}
+    for name, _, _, _, _, dim in TP_PARAMS:
+        parts = [m.params[name].detach().float() for m in models]
+        out[name] = parts[0] if dim is None else torch.cat(parts, dim)
+    return out
 
 
 def schedule(opts, step):
@@ -291,6 +388,42 @@ class MegatronTest(TempDirTest):
         for name in model.params:
             torch.testing.assert_close(model.params[name].detach().float(), ref_model.params[name].detach().float(),
                                        rtol=0, atol=2e-2 if model.params[name].dtype == torch.bfloat16 else 2e-5)
+
+    def test_bf16_grad_buffers_are_read_directly(self):
+        # grad_reduce_in_fp32=False, no grad scaler: the step reads the bf16 grad buffer's shards, and
+        # without clipping that is the same update as from Megatron's fp32 copy of them, bit for bit.
+        runs = {}
+        for direct in (True, False):
+            model = Model(0, 2, grad_dtype=torch.bfloat16)
+            opts = [make_dist_opt(model, r, 2) for r in range(2)]
+            for r, opt in enumerate(opts):
+                om.stream_optimizer_state(opt, store=self.path("%s-rank%d" % (direct, r)), budget=32 << 20,
+                                          direct_grads=direct, **CHUNK)
+            run_steps(model, opts, 0, 3)
+            for opt in opts:
+                for s in opt._optstate.shards:
+                    if s.own_main:
+                        want = s.model_param.main_grad.view(-1)[s.begin:s.begin + s.numel]
+                        self.assertEqual(s.main.grad.dtype, torch.bfloat16 if direct else torch.float32, s.name)
+                        # Direct: the grad buffer's own memory, no copy (Megatron's grad norm reads it too).
+                        self.assertEqual(s.main.grad.data_ptr() == want.data_ptr(), direct, s.name)
+                        self.assertTrue(any(p is s.main for p in opt.get_parameters()), s.name)
+            runs[direct] = (model.flat(), {(r, s.name): opts[r]._optstate.store.read(s.name, f).tobytes()
+                                           for r in range(2) for s in opts[r]._optstate.shards
+                                           for f in ("main", "exp_avg", "exp_avg_sq")})
+            for opt in opts:
+                opt._optstate.close()
+        for n in runs[True][0]:
+            self.assertTrue(torch.equal(runs[True][0][n], runs[False][0][n]), n)
+        self.assertEqual(runs[True][1], runs[False][1])
+        # And against Megatron's own optimizer on the same bf16 grads.
+        ref_model, model = Model(0, 2, grad_dtype=torch.bfloat16), Model(0, 2, grad_dtype=torch.bfloat16)
+        refs = [make_dist_opt(ref_model, r, 2) for r in range(2)]
+        opts = [make_dist_opt(model, r, 2) for r in range(2)]
+        self.stream(opts)
+        run_steps(ref_model, refs, 0, 3)
+        run_steps(model, opts, 0, 3)
+        self.check_close(refs, opts, ref_model, model)
 
     def test_bf16_moments_within_bound(self):
         ref_model, model = Model(0, 1), Model(0, 1)
@@ -533,6 +666,198 @@ class MegatronTest(TempDirTest):
             self.assertTrue(all(torch.equal(model.params[n].detach().float(), after[n]) for n in after))
         finally:
             dist.destroy_process_group()
+
+    def _dist(self):
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + self.path("pg"), rank=0, world_size=1)
+        self.addCleanup(dist.destroy_process_group)
+
+    def _dist_save(self, opt, d):
+        from megatron.core import dist_checkpointing
+        os.makedirs(d)
+        dist_checkpointing.save({"optimizer": opt.sharded_state_dict({})}, d, sharded_strategy=_ObjectsOnlySave())
+
+    def _dist_load(self, opt, d):
+        from megatron.core import dist_checkpointing
+        return dist_checkpointing.load({"optimizer": opt.sharded_state_dict({}, is_loading=True)}, d,
+                                       sharded_strategy=_ObjectsOnlyLoad())
+
+    def test_dist_checkpoint_carries_the_state_to_a_fresh_store(self):
+        # Megatron's dist_checkpointing save (what save_checkpoint does with torch_dist) writes the state's
+        # files into the checkpoint directory: a copy of it on another node resumes bit for bit.
+        self._dist()
+        model = Model(0, 1)
+        opt = make_dist_opt(model, 0, 1)
+        om.stream_optimizer_state(opt, store=self.path("node-a/r{rank}"), budget=32 << 20, **CHUNK)
+        run_steps(model, [opt], 0, 3)
+        ckpt = self.path("node-a/save/iter_3")
+        self._dist_save(opt, ckpt)
+        files = om.rank_dir(os.path.join(ckpt, om.STATE_DIR), "0.dense", 0)
+        self.assertTrue(os.path.isfile(os.path.join(files, "manifest.json")))
+        ckpt_params = model.flat()
+        run_steps(model, [opt], 3, 6)
+        after = model.flat()
+        st = opt._optstate
+        st.adam.make_durable()
+        mains_a = {s.name: st.store.read(s.name, "main") for s in st.shards}
+        st.close()
+        # Another node: the checkpoint directory copied, the first node's stores gone; a fresh model
+        # (other weights) and a fresh store path.
+        copy = self.path("node-b/iter_3")
+        shutil.copytree(ckpt, copy)
+        shutil.rmtree(self.path("node-a"))
+        model_b = Model(7, 1)
+        opt_b = make_dist_opt(model_b, 0, 1)
+        (st_b,) = om.stream_optimizer_state(opt_b, store=self.path("node-b/r{rank}"), budget=32 << 20, **CHUNK)
+        self.assertFalse(st_b.resumed)
+        loaded = self._dist_load(opt_b, copy)
+        opt_b.load_state_dict(loaded["optimizer"])
+        for n, p in model_b.params.items():  # the params take the checkpoint's mains
+            self.assertTrue(torch.equal(p.detach().float(), ckpt_params[n]), n)
+        run_steps(model_b, [opt_b], 3, 6)
+        for n, p in model_b.params.items():
+            self.assertTrue(torch.equal(p.detach().float(), after[n]), n)
+        st_b.adam.make_durable()
+        for s in st_b.shards:
+            self.assertTrue((st_b.store.read(s.name, "main") == mains_a[s.name]).all(), s.name)
+        self.assertEqual(st_b.adam.param_step_count(st_b.shards[0].name), 6)
+
+    def test_checkpoint_snapshots_are_released_with_their_directories(self):
+        self._dist()
+        model = Model(0, 1)
+        opt = make_dist_opt(model, 0, 1)
+        (st,) = om.stream_optimizer_state(opt, store=self.path("r{rank}"), budget=32 << 20, **CHUNK)
+        saves = []
+        for i in range(3):
+            run_steps(model, [opt], i, i + 1)
+            d = self.path("save/iter_%d" % (i + 1))
+            self._dist_save(opt, d)
+            saves.append(d)
+        held = optstate.checkpoint.held_snapshots(st.store)
+        self.assertEqual(sorted(h for hs in held.values() for h in hs), sorted(saves))
+        # Plain state_dict() records (a trainer's own round trips) keep a bounded number of snapshots.
+        records = []
+        for i in range(3, 9):
+            run_steps(model, [opt], i, i + 1)
+            records.append(opt.state_dict()["optstate"])
+        snaps = dict(st.store.snapshots())
+        unheld = sorted(n for n in snaps if n not in held)
+        self.assertEqual(unheld, sorted(r["snapshot"] for r in records[-st.state_dict_snapshots:]))
+        self.assertTrue(all(n in snaps for n in held))
+        # Deleting checkpoint directories releases their snapshots at the next save.
+        for d in saves[:2]:
+            shutil.rmtree(d)
+        gone = [n for n, hs in held.items() if any(h in saves[:2] for h in hs)]
+        self.assertEqual(len(gone), 2)
+        run_steps(model, [opt], 9, 10)
+        self._dist_save(opt, self.path("save/iter_10"))
+        snaps = dict(st.store.snapshots())
+        self.assertFalse(any(n in snaps for n in gone), (gone, sorted(snaps)))
+        self.assertEqual(sorted(h for hs in optstate.checkpoint.held_snapshots(st.store).values() for h in hs),
+                         sorted([saves[2], self.path("save/iter_10")]))
+        # A kept checkpoint still resumes from its snapshot: back to step 3 and on, as the first run went.
+        loaded = self._dist_load(opt, saves[2])
+        opt.load_state_dict(loaded["optimizer"])
+        self.assertEqual(st.adam.param_step_count(st.shards[0].name), 3)
+
+    def tp_run(self, tp, dp, values, tag):
+        """tp x dp ranks (rank = dp rank x tp + tp rank, Megatron's order), streamed; (models, opts)."""
+        models = [tp_model(values, t, tp, dp) for t in range(tp)]
+        opts = [make_dist_opt(models[r % tp], r // tp, dp) for r in range(tp * dp)]
+        for r, opt in enumerate(opts):
+            om.stream_optimizer_state(opt, store=self.path("%s-rank%d" % (tag, r)), budget=32 << 20,
+                                      tensor_parallel=(r % tp, tp), **CHUNK)
+        return models, opts
+
+    @staticmethod
+    def tp_steps(models, opts, first, last):
+        for step in range(first, last):
+            for m in models:
+                m.set_grads(step)
+            schedule(opts, step)
+            for opt in opts:
+                ok, _, _ = opt.step()
+                assert ok
+
+    def test_reshard_between_tensor_parallel_sizes(self):
+        values = tp_values(0)
+        # The uninterrupted reference: one rank, 5 steps; its checkpoint at step 3.
+        ref_models, ref_opts = self.tp_run(1, 1, values, "ref")
+        self.tp_steps(ref_models, ref_opts, 0, 3)
+        ref_dirs = om.save(ref_opts[0], self.path("ck-ref"), rank=0)
+        self.assertFalse(os.path.exists(os.path.join(ref_dirs[0], om.GLOBAL_BOXES)))  # no tensor parallelism
+        self.tp_steps(ref_models, ref_opts, 3, 5)
+        want = tp_assemble(ref_models)
+        # Tensor parallel 2 x data parallel 2 steps each element as the reference does (Adam is elementwise).
+        models, opts = self.tp_run(2, 2, values, "tp2")
+        fc2 = "decoder.layers.0.linear_fc2.weight"
+        shards = {s.name: s for s in opts[1]._optstate.shards}  # tensor-parallel rank 1, data-parallel rank 0
+        self.assertEqual((shards[fc2].tp_offset, shards[fc2].tp_global_shape), ([0, 12], [16, 24]))
+        # Its data-parallel shard of the row-parallel slice ends inside a row of the slice.
+        self.assertNotEqual((shards[fc2].begin + shards[fc2].numel) % 12, 0)
+        self.tp_steps(models, opts, 0, 3)
+        dirs = [om.save(opt, self.path("ck-tp2"), rank=r)[0] for r, opt in enumerate(opts)]
+        boxes = {}  # tensor-parallel rank 1's (its data-parallel ranks 0 and 1)
+        for d in (dirs[1], dirs[3]):
+            with open(os.path.join(d, om.GLOBAL_BOXES)) as f:
+                boxes.update(json.load(f)["tensors"])
+        self.assertEqual(boxes[fc2], {"offset": [0, 12], "global_shape": [16, 24]})
+        self.assertEqual(boxes["decoder.final_layernorm.weight"], {"replica": True})
+        self.tp_steps(models, opts, 3, 5)
+        got = tp_assemble(models)
+        for n in want:
+            self.assertTrue(torch.equal(got[n], want[n]), n)
+        # Resume at step 3 on another layout: TP 2 x DP 2 -> TP 1 x DP 3, and TP 1 x DP 1 -> TP 2 x DP 3.
+        for sources, tp, dp, tag in ((dirs, 1, 3, "to-tp1"), (ref_dirs, 2, 3, "to-tp2")):
+            with self.subTest(tp=tp, dp=dp):
+                new_models, new_opts = self.tp_run(tp, dp, tp_values(9), tag)  # other weights: load sets them
+                dest = self.path(tag)
+                os.makedirs(dest)
+                self.assertEqual(optstate.reshard(sources, os.path.join(dest, "0.dense"), om.reshard_layout(new_opts)),
+                                 tp * dp)
+                for r, opt in enumerate(new_opts):
+                    om.load(opt, dest, rank=r)
+                self.tp_steps(new_models, new_opts, 3, 5)
+                got = tp_assemble(new_models)
+                for n in want:
+                    self.assertTrue(torch.equal(got[n], want[n]), n)
+                    for m in new_models[1:]:  # every tensor-parallel rank's copy of a replicated param
+                        if m.params[n].shape == new_models[0].params[n].shape and n in (
+                                "decoder.final_layernorm.weight", "decoder.layers.0.linear_fc2.bias"):
+                            self.assertTrue(torch.equal(m.params[n], new_models[0].params[n]), n)
+                ref = ref_opts[0]._optstate
+                ref.adam.make_durable()
+                dims = {name: dim for name, _, _, _, _, dim in TP_PARAMS}
+                shapes = {name: shape for name, shape, *_ in TP_PARAMS}
+                for r, opt in enumerate(new_opts):  # mains and moments: the reference's, sliced
+                    st = opt._optstate
+                    st.adam.make_durable()
+                    for s in st.shards:
+                        for f in ("main", "exp_avg", "exp_avg_sq"):
+                            whole = torch.from_numpy(ref.store.read(s.name, f)).view(shapes[s.name])
+                            part = _tp_slice(whole, dims[s.name], r % tp, tp).reshape(-1)[s.begin:s.begin + s.numel]
+                            self.assertTrue(torch.equal(torch.from_numpy(st.store.read(s.name, f)), part),
+                                            "rank %d %s %s" % (r, s.name, f))
+                        self.assertEqual(st.adam.param_step_count(s.name), 5, s.name)
+
+    def test_reshard_refuses_untileable_tensor_parallel_slices(self):
+        models, opts = self.tp_run(2, 1, tp_values(0), "glu")
+        opts[0].model_chunks[0].config = types.SimpleNamespace(gated_linear_unit=True)
+        for st in opts[0]._optstate.shards:
+            om._place_tensor_parallel(opts[0], [st], (0, 2))
+        with self.assertRaisesRegex(optstate.Unimplemented, "linear_fc1.*gated linear unit"):
+            om.reshard_layout(opts)
+        # Its checkpoints do not place fc1's slices in a whole tensor: a reshard refuses them.
+        for opt in opts[1:]:
+            opt.model_chunks[0].config = opts[0].model_chunks[0].config
+            for st in opt._optstate.shards:
+                om._place_tensor_parallel(opt, [st], (1, 2))
+        dirs = [om.save(opt, self.path("ck-glu"), rank=r)[0] for r, opt in enumerate(opts)]
+        with open(os.path.join(dirs[0], om.GLOBAL_BOXES)) as f:
+            self.assertNotIn("decoder.layers.0.linear_fc1.weight", json.load(f)["tensors"])
+        one, one_opts = self.tp_run(1, 1, tp_values(0), "glu-one")
+        with self.assertRaisesRegex(optstate.InvalidArgument, "linear_fc1.*overlap"):
+            optstate.reshard(dirs, self.path("glu-out"), om.reshard_layout(one_opts))
 
 
 if __name__ == "__main__":

@@ -462,6 +462,115 @@ TEST(ReshardShardPieces, AFlatRangeIsAtMostTwoRankMinusOneBoxesInOrder) {
   EXPECT_EQ(one[0].box.shape, std::vector<uint64_t>{5});
 }
 
+// A flat range within a box (a data-parallel shard of a tensor-parallel
+// slice): the range's elements in the box's row-major order, in the tensor.
+TEST(ReshardShardPieces, AFlatRangeWithinABoxIsThatBoxsElementsInOrder) {
+  const std::vector<uint64_t> gshape{7, 6}, within_offset{2, 1}, within_shape{3, 4};
+  for (uint64_t b = 0; b < 12; ++b) {
+    for (uint64_t e = b + 1; e <= 12; ++e) {
+      ShardBox s = FlatRange(b, e);
+      s.within_offset = within_offset;
+      s.within_shape = within_shape;
+      ASSERT_TRUE(CheckShardInside(s, gshape).ok());
+      std::vector<uint64_t> want;
+      for (uint64_t i = b; i < e; ++i) want.push_back((2 + i / 4) * 6 + 1 + i % 4);
+      ASSERT_EQ(Elements(ShardPieces(s, gshape), gshape), want) << "[" << b << ", " << e << ")";
+    }
+  }
+  // As a checkpoint of the slice records it, moved to the slice's place.
+  const ShardBox embedded = EmbedShard(ShardOf({5}, within_shape, {3}), within_shape, within_offset);
+  EXPECT_TRUE(embedded.flat);
+  EXPECT_EQ(embedded.within_offset, within_offset);
+  EXPECT_EQ(embedded.within_shape, within_shape);
+  const ShardBox box = EmbedShard(ShardOf({3, 2}, within_shape, {0, 2}), within_shape, within_offset);
+  EXPECT_FALSE(box.flat);
+  EXPECT_EQ(box.offset, (std::vector<uint64_t>{2, 3}));
+  // Outside the tensor, or past the box: refused, saying which.
+  ShardBox bad = FlatRange(0, 4);
+  bad.within_offset = {5, 1};
+  bad.within_shape = {3, 4};
+  EXPECT_NE(CheckShardInside(bad, gshape).message().find("within a box that holds [5, 8) x [1, 5)"), std::string::npos)
+      << CheckShardInside(bad, gshape).message();
+  bad = FlatRange(10, 13);
+  bad.within_offset = within_offset;
+  bad.within_shape = within_shape;
+  EXPECT_NE(CheckShardInside(bad, gshape).message().find("past the box's 12 elements"), std::string::npos)
+      << CheckShardInside(bad, gshape).message();
+}
+
+// Tensor parallel 2 (column slices of the 2-D weight) x data parallel 2
+// (flat halves of each slice; the other tensors split flat on the first
+// tensor-parallel rank and copied as replicas on the second) and back to
+// rows: the slices' checkpoints record the slice's coordinates and their
+// place in global-boxes.json, and the way back is byte-identical.
+TEST_F(ReshardTest, TensorParallelSlicesSplitFlatAndBackAreByteIdentical) {
+  TargetLayout tp;
+  tp.ranks.resize(4);  // rank = data-parallel rank x 2 + tensor-parallel rank
+  for (uint32_t r = 0; r < 4; ++r) {
+    const uint32_t t = r % 2, d = r / 2;
+    for (const GlobalDef& g : model_) {
+      uint64_t n = 1;
+      for (uint64_t x : g.global_shape) n *= x;
+      ShardBox b;
+      if (g.name == "layers.0/w") {
+        n /= 2;
+        b = FlatRange(d * n / 2, (d + 1) * n / 2);
+        b.within_offset = {0, t * 1025};
+        b.within_shape = {1030, 1025};
+      } else {
+        b = FlatRange(d * n / 2, (d + 1) * n / 2);
+        b.replica = t == 1;
+      }
+      tp.ranks[r].emplace(g.name, b);
+    }
+  }
+  ReshardOptions o;
+  o.staging_bytes_per_rank = 64 * 1024;
+  auto r4 = Reshard(RankDirs(src_, 4), tp, root_ + "/tp2", o);
+  ASSERT_TRUE(r4.ok()) << r4.status().ToString();
+  for (uint32_t r = 0; r < 4; ++r) {
+    const std::string dir = root_ + "/tp2/" + ReshardRankDirName(r);
+    auto m = ParseManifest(ReadFile(dir + "/manifest.json"), dir);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    auto boxes = ParseGlobalBoxes(ReadFile(dir + "/" + kGlobalBoxesFileName), dir);
+    ASSERT_TRUE(boxes.ok()) << boxes.status().ToString();
+    EXPECT_EQ(boxes->at("layers.0/w").offset, (std::vector<uint64_t>{0, (r % 2) * 1025}));
+    EXPECT_EQ(boxes->at("layers.0/w").global_shape, (std::vector<uint64_t>{1030, 2050}));
+    EXPECT_EQ(boxes->count("emb"), r % 2);  // a replica on the second tensor-parallel rank
+    if (r % 2 == 1) {
+      EXPECT_TRUE(boxes->at("emb").replica);
+    }
+    for (const ManifestTensor& t : m->tensors) {
+      const ShardBox& want = tp.ranks[r].at(t.name);
+      if (t.name == "layers.0/w") {
+        EXPECT_EQ(t.global_shape, (std::vector<uint64_t>{1030, 1025}));
+      }
+      EXPECT_EQ(t.shard_offset, want.offset) << t.name;
+      for (uint32_t f = 0; f < t.fields.size(); ++f) {
+        const uint32_t es = DTypeSize(t.fields[f].dtype);
+        const GlobalDef& g = *std::find_if(model_.begin(), model_.end(), [&](const GlobalDef& x) {
+          return x.name == t.name;
+        });
+        std::string bytes;
+        for (uint64_t gi : Elements(ShardPieces(want, g.global_shape), g.global_shape)) {
+          char e[8];
+          ElementBytes(t.name, f, gi, es, e);
+          bytes.append(e, es);
+        }
+        EXPECT_TRUE(ReadFile(dir + "/" + t.fields[f].file) == bytes) << dir << " " << t.fields[f].file;
+      }
+    }
+  }
+  // Back: the slices placed by their global-boxes.json, the replicas skipped.
+  auto back = Reshard(RankDirs(root_ + "/tp2", 4), MakeEvenLayout(Globals(), 4, SplitKind::kRows), root_ + "/rows4");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE(FieldFiles(src_) == FieldFiles(root_ + "/rows4"));
+  // Without its global-boxes.json a slice's checkpoint is refused (another global shape), never misplaced.
+  fs::remove(root_ + "/tp2/rank-00001/" + kGlobalBoxesFileName);
+  ExpectError(Reshard(RankDirs(root_ + "/tp2", 4), MakeEvenLayout(Globals(), 1, SplitKind::kRows), root_ + "/one"),
+              {"tensor 'layers.0/w': global_shape [1030, 2050]", "[1030, 1025]"});
+}
+
 // 2-D row boxes -> flat buckets (a data-parallel optimizer's layout of the
 // same 2-D weights) -> column boxes -> row boxes: every step checked against
 // the reference bytes, the last one byte-identical to the sources.
@@ -766,6 +875,33 @@ TEST(ReshardLayoutJson, RoundTripAndStrictParse) {
   auto back = ParseTargetLayout(json, "l.json");
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(SerializeTargetLayout(*back), json);
+  // A flat range within a box, and a replica, round-trip too.
+  ShardBox within = FlatRange(2, 9);
+  within.within_offset = {4, 0};
+  within.within_shape = {5, 3};
+  t.ranks[0]["a"] = within;
+  t.ranks[0]["b/c"].replica = true;
+  t.ranks[0]["b/c"].offset = {0};
+  t.ranks[0]["b/c"].shape = {2};
+  auto again = ParseTargetLayout(SerializeTargetLayout(t), "l.json");
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->ranks[0].at("a").within_offset, within.within_offset);
+  EXPECT_EQ(again->ranks[0].at("a").within_shape, within.within_shape);
+  EXPECT_TRUE(again->ranks[0].at("b/c").replica);
+  EXPECT_FALSE(again->ranks[0].at("a").replica);
+  EXPECT_EQ(SerializeTargetLayout(*again), SerializeTargetLayout(t));
+  // global-boxes.json: round trip and strict parse.
+  std::map<std::string, GlobalBox> boxes{{"w", GlobalBox{{0, 8}, {4, 16}, false}}, {"n", GlobalBox{{}, {}, true}}};
+  auto parsed = ParseGlobalBoxes(SerializeGlobalBoxes(boxes), "g.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->at("w").offset, (std::vector<uint64_t>{0, 8}));
+  EXPECT_EQ(parsed->at("w").global_shape, (std::vector<uint64_t>{4, 16}));
+  EXPECT_TRUE(parsed->at("n").replica);
+  auto bad_boxes = ParseGlobalBoxes(R"({"format":"optstate-global-boxes","format_version":1,"tensors":{"w":{"offset":[0]}}})",
+                                    "g.json");
+  ASSERT_FALSE(bad_boxes.ok());
+  EXPECT_NE(bad_boxes.status().message().find("g.json: key 'tensors[\"w\"].global_shape'"), std::string::npos)
+      << bad_boxes.status().ToString();
 
   auto bad = [](const std::string& text, const std::string& want) {
     auto r = ParseTargetLayout(text, "l.json");

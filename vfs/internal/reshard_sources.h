@@ -35,6 +35,7 @@ struct GlobalInfo {
 struct Sources {
   std::vector<std::string> dirs;
   std::vector<Manifest> manifests;
+  std::vector<std::map<std::string, GlobalBox>> global_boxes;  // per source: its global-boxes.json
   std::map<std::string, GlobalInfo> tensors;
 };
 
