@@ -118,7 +118,13 @@ namespace optstate::vfs {
 inline constexpr uint64_t kMiB = 1ull << 20;
 inline constexpr uint64_t kChunkAlignBytes = 2 * kMiB;   // CUDA VMM granularity
 inline constexpr uint64_t kDefaultChunkBytes = 8 * kMiB; // README "Defaults"
-inline constexpr uint32_t kFormatVersion = 1;
+// The store's on-disk format (StoreIdentity::format_version). New stores are
+// written in kFormatVersion; a store of an older version this build reads
+// keeps its version (and its encoding) for good, so older builds that read
+// it still do. 2: the chunk map is kept in packs of chunk versions (one index
+// record per many chunks, not one per chunk).
+inline constexpr uint32_t kFormatVersion = 2;
+inline constexpr uint32_t kMinFormatVersion = 1;
 inline constexpr uint64_t kLatest = UINT64_MAX;          // "the newest committed generation"
 
 // A field's element dtype is optstate::DType (base/dtype.h). A q8s/q8u field
