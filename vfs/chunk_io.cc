@@ -12,6 +12,7 @@
 
 #include "vfs/internal/chunk_hasher.h"
 #include "vfs/internal/generation_view.h"
+#include "vfs/io_buffer.h"
 #include "vfs/io_engine.h"
 #include "base/sync_point.h"
 
@@ -144,6 +145,12 @@ class ChunkIoImpl final : public ChunkIo {
       op.version.gen = core_->latest_generation() + 1;
       core_->WriteStarted();
     }
+    if (const uint64_t alloc = core_->AllocBytes(op.version.ext.length);
+        alloc <= kPackChunkMaxBytes && alloc < core_->SlotBytes()) {
+      OPTSTATE_TEST_SYNC_POINT("extent.before_write");
+      AddToPack(std::move(op), buf, alloc);
+      return Status();
+    }
     // A big chunk is hashed by the hashers while its write is in flight.
     const bool async_hash = hasher_ != nullptr && op.version.ext.length >= kAsyncHashMinBytes;
     if (!async_hash) op.version.ext.checksum = ChunkChecksum(buf, op.version.ext.length);
@@ -175,6 +182,9 @@ class ChunkIoImpl final : public ChunkIo {
   // here when the read lands) are both done. Waits in the engine while it has
   // requests in flight (a hasher's result wakes it), else for a hash.
   Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) override {
+    // The open pack goes out when this Reap would wait for it, or after
+    // kPackMaxPolls Reaps (a caller that only polls still sees it complete).
+    if (!open_.ops.empty() && (ready_.size() < min_complete || ++open_polls_ >= kPackMaxPolls)) FlushPack();
     size_t got = 0;
     while (!ready_.empty()) {
       out->push_back(std::move(ready_.front()));
@@ -185,7 +195,9 @@ class ChunkIoImpl final : public ChunkIo {
     for (;;) {
       got += CollectHashes(out);
       if (const size_t n = engine_->in_flight(); n > 0) {
-        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, got >= min_complete ? 0 : std::min(min_complete - got, n)));
+        // A pack's one I/O completes many chunks: wait for one at a time then.
+        const size_t want = std::min(min_complete - std::min(got, min_complete), packs_in_flight_.empty() ? n : 1);
+        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, want));
         for (auto& c : done) got += OnIoDone(c, out);
         done.clear();
       } else if (got < min_complete && hasher_ != nullptr && !ops_.empty()) {
@@ -194,12 +206,13 @@ class ChunkIoImpl final : public ChunkIo {
       } else {
         return Status();  // nothing in flight, nothing to wait for
       }
-      if (got >= min_complete || ops_.empty()) return Status();
+      if (got >= min_complete || (ops_.empty() && packs_in_flight_.empty())) return Status();
     }
   }
 
-  // ops_ holds every request not handed out yet: in the engine, or hashing.
-  size_t in_flight() const override { return ops_.size() + ready_.size(); }
+  // ops_ holds every request not handed out yet: in the engine, or hashing;
+  // packed_ops_ those in the open pack or a pack in flight.
+  size_t in_flight() const override { return ops_.size() + ready_.size() + packed_ops_; }
   void Wake() override { engine_->Wake(); }
 
  private:
@@ -223,6 +236,19 @@ class ChunkIoImpl final : public ChunkIo {
   // verification (a big read) or waits for the hash posted at submit (a big
   // write). Returns the completions handed out (0 or 1).
   size_t OnIoDone(IoCompletion& c, std::vector<ChunkCompletion>* out) {
+    if (auto p = packs_in_flight_.find(c.tag); p != packs_in_flight_.end()) {
+      Pack pack = std::move(p->second);
+      packs_in_flight_.erase(p);
+      for (const Op& op : pack.ops) {
+        ChunkCompletion cc;
+        cc.tag = op.user_tag;
+        cc.status = Finish(op, c.status, &cc);
+        out->push_back(std::move(cc));
+      }
+      packed_ops_ -= pack.ops.size();
+      free_pack_bufs_.push_back(std::move(pack.buf));
+      return pack.ops.size();
+    }
     auto it = ops_.find(c.tag);
     if (it == ops_.end()) return 0;
     Op& op = it->second;
@@ -301,6 +327,98 @@ class ChunkIoImpl final : public ChunkIo {
     return Status();
   }
 
+  // Small-write packs. A short chunk's write (a piece of at most
+  // kPackChunkMaxBytes) is copied into the open pack, which collects writes
+  // to adjacent pieces (the allocator hands out the lowest free piece first,
+  // so a step's small chunks mostly are) and goes to the disk as one I/O:
+  // thousands of tiny tensors cost a few large writes, not one 4 KiB request
+  // each. Each write still gets its own extent, checksum and completion.
+  static constexpr uint64_t kPackChunkMaxBytes = 64 * 1024;
+  static constexpr uint64_t kPackBytes = 256 * 1024;
+  static constexpr int kPackMaxPolls = 16;
+  struct Pack {
+    IoBuffer buf;
+    uint32_t dir = 0;
+    uint64_t offset = 0;       // file offset of buf's first byte
+    uint64_t bytes = 0;        // to the end of the last write's piece
+    uint64_t write_bytes = 0;  // to the end of the last write's bytes (4 KiB-rounded)
+    std::vector<Op> ops;
+  };
+
+  // Adds a small write (its slot allocated, WriteStarted) to the open pack,
+  // flushing that first when the write's piece does not follow it.
+  void AddToPack(Op op, const void* buf, uint64_t alloc) {
+    const Extent& e = op.version.ext;
+    if (!open_.ops.empty() &&
+        (e.dir != open_.dir || e.file_offset != open_.offset + open_.bytes || open_.bytes + alloc > kPackBytes)) {
+      FlushPack();
+    }
+    if (open_.ops.empty()) {
+      if (!open_.buf.ok()) {
+        if (!free_pack_bufs_.empty()) {
+          open_.buf = std::move(free_pack_bufs_.back());
+          free_pack_bufs_.pop_back();
+        } else {
+          open_.buf = IoBuffer(kPackBytes);
+        }
+      }
+      open_.dir = e.dir;
+      open_.offset = e.file_offset;
+      open_.bytes = open_.write_bytes = 0;
+      open_polls_ = 0;
+    }
+    const uint64_t wlen = RoundUp(e.length, kIoAlign);
+    op.version.ext.checksum = ChunkChecksum(buf, e.length);
+    ++packed_ops_;
+    if (!open_.buf.ok()) {  // no memory for a pack: the write fails alone
+      open_.ops.push_back(std::move(op));
+      FailPack(&open_, IoError("no memory for a write buffer of " + std::to_string(kPackBytes) + " bytes"));
+      open_ = Pack{};
+      return;
+    }
+    // Only the chunk's bytes: its padding (never checksummed, zeroed on
+    // every read) keeps what the buffer held.
+    std::memcpy(open_.buf.data() + open_.bytes, buf, e.length);
+    open_.write_bytes = open_.bytes + wlen;
+    open_.bytes += alloc;
+    open_.ops.push_back(std::move(op));
+    if (open_.bytes >= kPackBytes) FlushPack();
+  }
+
+  // Submits the open pack as one write. A failed submit completes each of
+  // its writes with the error (their slots freed).
+  void FlushPack() {
+    Pack p = std::move(open_);
+    open_ = Pack{};
+    IoRequest r;
+    r.op = IoRequest::Op::kWrite;
+    r.file = core_->data_file(p.dir);
+    r.offset = p.offset;
+    r.length = p.write_bytes;
+    r.buf = p.buf.data();
+    r.tag = next_tag_++;
+    Status s = engine_->Submit(std::span<const IoRequest>(&r, 1));
+    if (!s.ok()) {
+      FailPack(&p, s);
+      return;
+    }
+    packs_in_flight_.emplace(r.tag, std::move(p));
+  }
+
+  // Completes every write of p with `why` (at the next Reap), freeing their slots.
+  void FailPack(Pack* p, const Status& why) {
+    std::lock_guard l(core_->mu());
+    for (const Op& op : p->ops) {
+      core_->FreeSlot(op.version.ext);
+      core_->WriteEnded();
+      ChunkCompletion cc;
+      cc.tag = op.user_tag;
+      cc.status = why.WithContext("write of " + core_->Describe(&op.tensor, op.key, kInfinity));
+      ready_.push_back(std::move(cc));
+    }
+    packed_ops_ -= p->ops.size();
+  }
+
   std::shared_ptr<Core> core_;
   std::shared_ptr<ViewData> view_;  // null: the store's newest versions
   std::unique_ptr<IoEngine> engine_;
@@ -310,6 +428,13 @@ class ChunkIoImpl final : public ChunkIo {
   uint64_t next_tag_ = 1;
   std::unique_ptr<internal::ChunkHasher> hasher_;  // ChunkIoOptions::hash_threads > 0
   std::vector<internal::ChunkHasher::Result> hashed_;  // CollectHashes' scratch
+  Pack open_;                                         // the open pack (none while ops is empty)
+  int open_polls_ = 0;                                // Reaps since it opened
+  std::unordered_map<uint64_t, Pack> packs_in_flight_;  // by engine tag
+  // Buffers of packs that completed, for the next packs: as many as were
+  // ever in flight at once (at most the engine's queue depth).
+  std::vector<IoBuffer> free_pack_bufs_;
+  size_t packed_ops_ = 0;  // writes in the open pack and in packs in flight
 };
 
 }  // namespace
