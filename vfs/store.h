@@ -35,7 +35,11 @@
 // Model. A virtual tensor (one parameter shard) has `numel` elements in each of
 // its named fields (the optimizer uses main, exp_avg, exp_avg_sq; fp32). Each
 // field is cut into chunks of chunk_size_bytes (a multiple of 2 MiB); the last
-// may be partial. A chunk never written reads as zeros with no I/O.
+// may be partial. A chunk never written reads as zeros with no I/O. Many
+// small tensors cost what their bytes cost: short chunks share slots
+// (pieces), their writes go out in packs (ChunkIo::SubmitWrite), and a
+// commit indexes its chunk versions in pack records of up to 2048 (format
+// version 2; docs/ARCHITECTURE.md "Many small tensors").
 //
 // Generations (copy-on-write). Writes go to a fresh extent (a chunk-size slot in
 // a data file), never over one a committed generation, snapshot or reader lease
@@ -376,7 +380,11 @@ class ChunkIo {
   // Writable stores only: writes the chunk's logical bytes (padding to 4 KiB
   // is written too but not checksummed) to a fresh extent; on completion the
   // chunk's pending version points there. Fails at once with kNoSpace when no
-  // slot can be allocated, naming the data dir.
+  // slot can be allocated, naming the data dir. A short chunk (a piece of at
+  // most 64 KiB) is copied at once into a pack of writes to adjacent pieces
+  // that reaches the disk as one write (of up to 256 KiB) when it fills, when
+  // a Reap would wait for a completion, or at the 16th Reap after it opened;
+  // each of its chunks completes on its own (a failed pack write fails each).
   virtual Status SubmitWrite(const ChunkRef& ref, const void* buf, uint64_t tag) = 0;
   // Appends >= min_complete completions (fewer only if fewer are in flight).
   virtual Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) = 0;
