@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -12,6 +13,7 @@
 
 #include "vfs/internal/chunk_hasher.h"
 #include "vfs/internal/generation_view.h"
+#include "vfs/io_buffer.h"
 #include "vfs/io_engine.h"
 #include "base/sync_point.h"
 
@@ -89,8 +91,7 @@ class ChunkIoImpl final : public ChunkIo {
       std::lock_guard l(core_->mu());
       const auto& tensors = view_ ? view_->by_id : core_->tensors();
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(tensors, ref));
-      op.tensor = *res.first;
-      OPTSTATE_ASSIGN_OR_RETURN(op.buf_bytes, BufferBytesFor(*core_, &op.tensor, k, res.second, buf_bytes));
+      OPTSTATE_ASSIGN_OR_RETURN(op.buf_bytes, BufferBytesFor(*core_, res.first, k, res.second, buf_bytes));
       std::optional<Version> v;
       if (view_) {
         auto it = view_->chunks.find(k);
@@ -108,7 +109,7 @@ class ChunkIoImpl final : public ChunkIo {
       op.version = *v;
     }
     File* f = core_->data_file(op.version.ext.dir);
-    if (f == nullptr) return IoError(core_->Describe(&op.tensor, k, op.version.gen) + ": data file missing");
+    if (f == nullptr) return IoError(DescribeOp(k, op.version.gen) + ": data file missing");
     IoRequest r;
     r.op = IoRequest::Op::kRead;
     r.file = f;
@@ -118,7 +119,7 @@ class ChunkIoImpl final : public ChunkIo {
     r.tag = next_tag_++;
     OPTSTATE_RETURN_IF_ERROR(
         engine_->Submit(std::span<const IoRequest>(&r, 1)).WithContext("read of " +
-                                                                         core_->Describe(&op.tensor, k, op.version.gen)));
+                                                                         DescribeOp(k, op.version.gen)));
     ops_.emplace(r.tag, std::move(op));
     return Status();
   }
@@ -136,13 +137,18 @@ class ChunkIoImpl final : public ChunkIo {
       std::lock_guard l(core_->mu());
       OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("chunk write"));
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors(), ref));
-      op.tensor = *res.first;
       const uint64_t len = res.second;
       auto ext = core_->AllocateSlot(len);
-      if (!ext.ok()) return ext.status().WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
+      if (!ext.ok()) return ext.status().WithContext("write of " + core_->Describe(res.first, k, kInfinity));
       op.version.ext = *ext;
       op.version.gen = core_->latest_generation() + 1;
       core_->WriteStarted();
+    }
+    if (const uint64_t alloc = core_->AllocBytes(op.version.ext.length);
+        alloc <= kPackChunkMaxBytes && alloc < core_->SlotBytes()) {
+      OPTSTATE_TEST_SYNC_POINT("extent.before_write");
+      AddToPack(std::move(op), buf, alloc);
+      return Status();
     }
     // A big chunk is hashed by the hashers while its write is in flight.
     const bool async_hash = hasher_ != nullptr && op.version.ext.length >= kAsyncHashMinBytes;
@@ -160,7 +166,7 @@ class ChunkIoImpl final : public ChunkIo {
       std::lock_guard l(core_->mu());
       core_->FreeSlot(op.version.ext);
       core_->WriteEnded();
-      return s.WithContext("write of " + core_->Describe(&op.tensor, k, kInfinity));
+      return s.WithContext("write of " + DescribeLocked(k, kInfinity));
     }
     if (async_hash) {
       op.hashing = true;
@@ -175,6 +181,9 @@ class ChunkIoImpl final : public ChunkIo {
   // here when the read lands) are both done. Waits in the engine while it has
   // requests in flight (a hasher's result wakes it), else for a hash.
   Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) override {
+    // The open pack goes out when this Reap would wait for it, or after
+    // kPackMaxPolls Reaps (a caller that only polls still sees it complete).
+    if (!open_.empty() && (ready_.size() < min_complete || ++open_polls_ >= kPackMaxPolls)) FlushPacks();
     size_t got = 0;
     while (!ready_.empty()) {
       out->push_back(std::move(ready_.front()));
@@ -185,7 +194,9 @@ class ChunkIoImpl final : public ChunkIo {
     for (;;) {
       got += CollectHashes(out);
       if (const size_t n = engine_->in_flight(); n > 0) {
-        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, got >= min_complete ? 0 : std::min(min_complete - got, n)));
+        // A pack's one I/O completes many chunks: wait for one at a time then.
+        const size_t want = std::min(min_complete - std::min(got, min_complete), packs_in_flight_.empty() ? n : 1);
+        OPTSTATE_RETURN_IF_ERROR(engine_->Reap(&done, want));
         for (auto& c : done) got += OnIoDone(c, out);
         done.clear();
       } else if (got < min_complete && hasher_ != nullptr && !ops_.empty()) {
@@ -194,12 +205,13 @@ class ChunkIoImpl final : public ChunkIo {
       } else {
         return Status();  // nothing in flight, nothing to wait for
       }
-      if (got >= min_complete || ops_.empty()) return Status();
+      if (got >= min_complete || (ops_.empty() && packs_in_flight_.empty())) return Status();
     }
   }
 
-  // ops_ holds every request not handed out yet: in the engine, or hashing.
-  size_t in_flight() const override { return ops_.size() + ready_.size(); }
+  // ops_ holds every request not handed out yet: in the engine, or hashing;
+  // packed_ops_ those in the open pack or a pack in flight.
+  size_t in_flight() const override { return ops_.size() + ready_.size() + packed_ops_; }
   void Wake() override { engine_->Wake(); }
 
  private:
@@ -207,7 +219,6 @@ class ChunkIoImpl final : public ChunkIo {
     uint64_t user_tag = 0;
     Key key;
     bool write = false;
-    TensorInfo tensor;
     Version version;
     void* buf = nullptr;
     uint64_t buf_bytes = 0;  // zeroed past the chunk's length up to here
@@ -223,6 +234,19 @@ class ChunkIoImpl final : public ChunkIo {
   // verification (a big read) or waits for the hash posted at submit (a big
   // write). Returns the completions handed out (0 or 1).
   size_t OnIoDone(IoCompletion& c, std::vector<ChunkCompletion>* out) {
+    if (auto p = packs_in_flight_.find(c.tag); p != packs_in_flight_.end()) {
+      Pack pack = std::move(p->second);
+      packs_in_flight_.erase(p);
+      for (const Op& op : pack.ops) {
+        ChunkCompletion cc;
+        cc.tag = op.user_tag;
+        cc.status = Finish(op, c.status, &cc);
+        out->push_back(std::move(cc));
+      }
+      packed_ops_ -= pack.ops.size();
+      free_pack_bufs_.push_back(std::move(pack.buf));
+      return pack.ops.size();
+    }
     auto it = ops_.find(c.tag);
     if (it == ops_.end()) return 0;
     Op& op = it->second;
@@ -275,17 +299,17 @@ class ChunkIoImpl final : public ChunkIo {
       c->WriteEnded();
       if (!io.ok()) {
         c->FreeSlot(op.version.ext);
-        return io.WithContext("write of " + c->Describe(&op.tensor, op.key, kInfinity));
+        return io.WithContext("write of " + DescribeLocked(op.key, kInfinity));
       }
       c->SetPending(op.key, op.version.ext);
       OPTSTATE_TEST_SYNC_POINT("extent.after_write");
       return Status();
     }
-    if (!io.ok()) return io.WithContext("read of " + c->Describe(&op.tensor, op.key, op.version.gen));
+    if (!io.ok()) return io.WithContext("read of " + DescribeOp(op.key, op.version.gen));
     if (verify_) {
       const uint64_t sum = op.sum ? *op.sum : ChunkChecksum(op.buf, op.version.ext.length);
       if (sum != op.version.ext.checksum) {
-        return ChecksumMismatch(c->Describe(&op.tensor, op.key, op.version.gen), op.version.ext.checksum, sum,
+        return ChecksumMismatch(DescribeOp(op.key, op.version.gen), op.version.ext.checksum, sum,
                                 "", op.version.ext.file_offset);
       }
     } else {
@@ -293,12 +317,133 @@ class ChunkIoImpl final : public ChunkIo {
       out->verify_length = op.version.ext.length;
       out->expected_checksum = op.version.ext.checksum;
       out->file_offset = op.version.ext.file_offset;
-      out->what = c->Describe(&op.tensor, op.key, op.version.gen);
+      out->what = DescribeOp(op.key, op.version.gen);
     }
     if (op.version.ext.length < op.buf_bytes) {
       std::memset(static_cast<char*>(op.buf) + op.version.ext.length, 0, op.buf_bytes - op.version.ext.length);
     }
     return Status();
+  }
+
+  // Chunk k named as Core::Describe names it (store, tensor, field, chunk,
+  // generation). An op carries only the tensor's id, looked up here when an
+  // error or a deferred verification needs its name: a copy of the
+  // TensorInfo per chunk I/O cost a step of many small tensors more than
+  // its I/O. DescribeLocked: core_->mu() held.
+  std::string DescribeLocked(const Key& k, uint64_t gen) const {
+    const TensorInfo* t = nullptr;
+    if (view_) {
+      if (auto it = view_->by_id.find(k.t); it != view_->by_id.end()) t = &it->second;
+    } else {
+      t = core_->AnyTensor(k.t);
+    }
+    return core_->Describe(t, k, gen);
+  }
+  std::string DescribeOp(const Key& k, uint64_t gen) const {
+    std::lock_guard l(core_->mu());
+    return DescribeLocked(k, gen);
+  }
+
+  // Small-write packs. A short chunk's write (a piece of at most
+  // kPackChunkMaxBytes) is copied into the open pack, which collects writes
+  // to adjacent pieces (the allocator hands out the lowest free piece first,
+  // so a step's small chunks mostly are) and goes to the disk as one I/O:
+  // thousands of tiny tensors cost a few large writes, not one 4 KiB request
+  // each. Each write still gets its own extent, checksum and completion.
+  static constexpr uint64_t kPackChunkMaxBytes = 64 * 1024;
+  static constexpr uint64_t kPackBytes = 256 * 1024;
+  static constexpr int kPackMaxPolls = 16;
+  struct Pack {
+    IoBuffer buf;
+    uint32_t dir = 0;
+    uint64_t offset = 0;       // file offset of buf's first byte
+    uint64_t bytes = 0;        // to the end of the last write's piece
+    uint64_t write_bytes = 0;  // to the end of the last write's bytes (4 KiB-rounded)
+    std::vector<Op> ops;
+  };
+
+  // Adds a small write (its slot allocated, WriteStarted) to the open pack
+  // of its data dir and piece size, flushing that first when the write's
+  // piece does not follow it. (Pieces of one size share carved slots, so a
+  // model whose small tensors differ in size, norms next to biases, still
+  // makes long runs of adjacent pieces: one per size.)
+  void AddToPack(Op op, const void* buf, uint64_t alloc) {
+    const Extent& e = op.version.ext;
+    const std::pair<uint32_t, uint64_t> key{e.dir, alloc};
+    auto it = open_.find(key);
+    if (it != open_.end() && (e.file_offset != it->second.offset + it->second.bytes ||
+                              it->second.bytes + alloc > kPackBytes)) {
+      FlushPack(it);
+      it = open_.end();
+    }
+    if (it == open_.end()) {
+      if (open_.empty()) open_polls_ = 0;
+      it = open_.emplace(key, Pack{}).first;
+      Pack& p = it->second;
+      if (!free_pack_bufs_.empty()) {
+        p.buf = std::move(free_pack_bufs_.back());
+        free_pack_bufs_.pop_back();
+      } else {
+        p.buf = IoBuffer(kPackBytes);
+      }
+      p.dir = e.dir;
+      p.offset = e.file_offset;
+    }
+    Pack& p = it->second;
+    const uint64_t wlen = RoundUp(e.length, kIoAlign);
+    op.version.ext.checksum = ChunkChecksum(buf, e.length);
+    ++packed_ops_;
+    if (!p.buf.ok()) {  // no memory for a pack: the write fails alone
+      p.ops.push_back(std::move(op));
+      FailPack(&p, IoError("no memory for a write buffer of " + std::to_string(kPackBytes) + " bytes"));
+      open_.erase(it);
+      return;
+    }
+    // Only the chunk's bytes: its padding (never checksummed, zeroed on
+    // every read) keeps what the buffer held.
+    std::memcpy(p.buf.data() + p.bytes, buf, e.length);
+    p.write_bytes = p.bytes + wlen;
+    p.bytes += alloc;
+    p.ops.push_back(std::move(op));
+    if (p.bytes >= kPackBytes) FlushPack(it);
+  }
+
+  void FlushPacks() {
+    while (!open_.empty()) FlushPack(open_.begin());
+  }
+
+  // Submits open pack `it` as one write (and closes it). A failed submit
+  // completes each of its writes with the error (their slots freed).
+  void FlushPack(std::map<std::pair<uint32_t, uint64_t>, Pack>::iterator it) {
+    Pack p = std::move(it->second);
+    open_.erase(it);
+    IoRequest r;
+    r.op = IoRequest::Op::kWrite;
+    r.file = core_->data_file(p.dir);
+    r.offset = p.offset;
+    r.length = p.write_bytes;
+    r.buf = p.buf.data();
+    r.tag = next_tag_++;
+    Status s = engine_->Submit(std::span<const IoRequest>(&r, 1));
+    if (!s.ok()) {
+      FailPack(&p, s);
+      return;
+    }
+    packs_in_flight_.emplace(r.tag, std::move(p));
+  }
+
+  // Completes every write of p with `why` (at the next Reap), freeing their slots.
+  void FailPack(Pack* p, const Status& why) {
+    std::lock_guard l(core_->mu());
+    for (const Op& op : p->ops) {
+      core_->FreeSlot(op.version.ext);
+      core_->WriteEnded();
+      ChunkCompletion cc;
+      cc.tag = op.user_tag;
+      cc.status = why.WithContext("write of " + DescribeLocked(op.key, kInfinity));
+      ready_.push_back(std::move(cc));
+    }
+    packed_ops_ -= p->ops.size();
   }
 
   std::shared_ptr<Core> core_;
@@ -310,6 +455,14 @@ class ChunkIoImpl final : public ChunkIo {
   uint64_t next_tag_ = 1;
   std::unique_ptr<internal::ChunkHasher> hasher_;  // ChunkIoOptions::hash_threads > 0
   std::vector<internal::ChunkHasher::Result> hashed_;  // CollectHashes' scratch
+  // The open packs, by (data dir, piece bytes); each holds at least one write.
+  std::map<std::pair<uint32_t, uint64_t>, Pack> open_;
+  int open_polls_ = 0;  // Reaps since the oldest open pack opened
+  std::unordered_map<uint64_t, Pack> packs_in_flight_;  // by engine tag
+  // Buffers of packs that completed, for the next packs: as many as were
+  // ever in flight at once (at most the engine's queue depth).
+  std::vector<IoBuffer> free_pack_bufs_;
+  size_t packed_ops_ = 0;  // writes in the open pack and in packs in flight
 };
 
 }  // namespace

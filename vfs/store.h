@@ -35,7 +35,11 @@
 // Model. A virtual tensor (one parameter shard) has `numel` elements in each of
 // its named fields (the optimizer uses main, exp_avg, exp_avg_sq; fp32). Each
 // field is cut into chunks of chunk_size_bytes (a multiple of 2 MiB); the last
-// may be partial. A chunk never written reads as zeros with no I/O.
+// may be partial. A chunk never written reads as zeros with no I/O. Many
+// small tensors cost what their bytes cost: short chunks share slots
+// (pieces), their writes go out in packs (ChunkIo::SubmitWrite), and a
+// commit indexes its chunk versions in pack records of up to 2048 (format
+// version 2; docs/ARCHITECTURE.md "Many small tensors").
 //
 // Generations (copy-on-write). Writes go to a fresh extent (a chunk-size slot in
 // a data file), never over one a committed generation, snapshot or reader lease
@@ -118,7 +122,13 @@ namespace optstate::vfs {
 inline constexpr uint64_t kMiB = 1ull << 20;
 inline constexpr uint64_t kChunkAlignBytes = 2 * kMiB;   // CUDA VMM granularity
 inline constexpr uint64_t kDefaultChunkBytes = 8 * kMiB; // README "Defaults"
-inline constexpr uint32_t kFormatVersion = 1;
+// The store's on-disk format (StoreIdentity::format_version). New stores are
+// written in kFormatVersion; a store of an older version this build reads
+// keeps its version (and its encoding) for good, so older builds that read
+// it still do. 2: the chunk map is kept in packs of chunk versions (one index
+// record per many chunks, not one per chunk).
+inline constexpr uint32_t kFormatVersion = 2;
+inline constexpr uint32_t kMinFormatVersion = 1;
 inline constexpr uint64_t kLatest = UINT64_MAX;          // "the newest committed generation"
 
 // A field's element dtype is optstate::DType (base/dtype.h). A q8s/q8u field
@@ -370,7 +380,11 @@ class ChunkIo {
   // Writable stores only: writes the chunk's logical bytes (padding to 4 KiB
   // is written too but not checksummed) to a fresh extent; on completion the
   // chunk's pending version points there. Fails at once with kNoSpace when no
-  // slot can be allocated, naming the data dir.
+  // slot can be allocated, naming the data dir. A short chunk (a piece of at
+  // most 64 KiB) is copied at once into a pack of writes to adjacent pieces
+  // that reaches the disk as one write (of up to 256 KiB) when it fills, when
+  // a Reap would wait for a completion, or at the 16th Reap after it opened;
+  // each of its chunks completes on its own (a failed pack write fails each).
   virtual Status SubmitWrite(const ChunkRef& ref, const void* buf, uint64_t tag) = 0;
   // Appends >= min_complete completions (fewer only if fewer are in flight).
   virtual Status Reap(std::vector<ChunkCompletion>* out, size_t min_complete) = 0;

@@ -130,7 +130,25 @@ Result<uint64_t> Core::CommitGeneration(const CommitInfo& info, const RevertSpec
   g.commit_time_unix_ms = NowUnixMs();
   g.index_digest = CommitDigest(gen, drop);
   rocksdb::WriteBatch b;
-  for (const auto& [key, ext] : pending_) b.Put(internal::ChunkKey(key.t, key.f, key.c, gen), internal::EncodeExtent(ext));
+  // Format 2: the chunk versions go in pack records (pack p holds the p-th
+  // run of kPackVersions versions in key order; see store_format.h).
+  const bool packed = identity_.format_version >= 2;
+  auto pack_of = [](size_t i) { return static_cast<uint32_t>(1 + i / internal::kPackVersions); };
+  if (packed) {
+    std::vector<internal::PackedVersion> pack;
+    size_t i = 0;
+    for (const auto& [key, ext] : pending_) {
+      pack.push_back(internal::PackedVersion{key.t, key.f, key.c, ext});
+      if (++i % internal::kPackVersions == 0 || i == pending_.size()) {
+        b.Put(internal::PackKey(gen, pack_of(i - 1)), internal::EncodePack(pack));
+        pack.clear();
+      }
+    }
+  } else {
+    for (const auto& [key, ext] : pending_) {
+      b.Put(internal::ChunkKey(key.t, key.f, key.c, gen), internal::EncodeExtent(ext));
+    }
+  }
   b.Put(internal::GenerationKey(gen), internal::EncodeGeneration(g));
   b.Put(internal::kLatestKey, internal::EncodeU64(gen));
   b.Put(internal::kLifetimeKey, internal::EncodeU64(lifetime_bytes_));
@@ -175,9 +193,12 @@ Result<uint64_t> Core::CommitGeneration(const CommitInfo& info, const RevertSpec
     Poison(e);
     return e;
   }
+  size_t i = 0;
   for (const auto& [key, ext] : pending_) {
     auto& vs = versions_[key];
-    vs.insert(vs.begin(), Version{gen, ext});
+    const uint32_t pack = packed ? pack_of(i++) : 0;
+    vs.insert(vs.begin(), Version{gen, ext, pack});
+    if (packed) packs_[{gen, pack}].push_back(key);
   }
   pending_.clear();
   for (const TensorInfo& t : dropping) {

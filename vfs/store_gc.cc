@@ -24,7 +24,13 @@ Core::GcPlan Core::PlanGc(uint64_t new_gen, bool publish, const std::vector<uint
     }
     for (const auto& v : vs) {
       auto r = retained.lower_bound(v.gen);
-      if (r == retained.end() || *r >= superseded) plan.dead_versions.emplace_back(key, v.gen);
+      if (r == retained.end() || *r >= superseded) {
+        if (v.pack == 0) {
+          plan.dead_versions.emplace_back(key, v.gen);
+        } else {
+          plan.dead_in_packs[{v.gen, v.pack}].push_back(key);  // in key order: versions_ is sorted
+        }
+      }
       superseded = v.gen;
     }
   }
@@ -40,14 +46,34 @@ Core::GcPlan Core::PlanGc(uint64_t new_gen, bool publish, const std::vector<uint
 
 void Core::AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const {
   for (const auto& [key, gen] : plan.dead_versions) b->Delete(internal::ChunkKey(key.t, key.f, key.c, gen));
+  // A pack record goes when all its versions do; else it is rewritten with
+  // those still alive (one index entry either way).
+  for (const auto& [gp, dead] : plan.dead_in_packs) {
+    const auto& [gen, pack] = gp;
+    auto members = packs_.find(gp);
+    std::vector<internal::PackedVersion> alive;
+    if (members != packs_.end()) {
+      for (const Key& key : members->second) {
+        if (std::binary_search(dead.begin(), dead.end(), key)) continue;
+        for (const Version& v : versions_.at(key)) {
+          if (v.gen == gen) alive.push_back(internal::PackedVersion{key.t, key.f, key.c, v.ext});
+        }
+      }
+    }
+    if (alive.empty()) {
+      b->Delete(internal::PackKey(gen, pack));
+    } else {
+      b->Put(internal::PackKey(gen, pack), internal::EncodePack(alive));
+    }
+  }
   for (uint64_t g : plan.dead_generations) b->Delete(internal::GenerationKey(g));
   for (uint32_t id : plan.dead_dropped) b->Delete(internal::DroppedKey(id));
 }
 
 void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durable
-                   for (const auto& [key, gen] : plan.dead_versions) {
+  auto drop_version = [&](const Key& key, uint64_t gen) {
     auto it = versions_.find(key);
-    if (it == versions_.end()) continue;
+    if (it == versions_.end()) return;
     auto& vs = it->second;
     for (auto v = vs.begin(); v != vs.end(); ++v) {
       if (v->gen == gen) {
@@ -57,6 +83,14 @@ void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durabl
       }
     }
     if (vs.empty()) versions_.erase(it);
+  };
+  for (const auto& [key, gen] : plan.dead_versions) drop_version(key, gen);
+  for (const auto& [gp, dead] : plan.dead_in_packs) {
+    for (const Key& key : dead) drop_version(key, gp.first);
+    auto members = packs_.find(gp);
+    if (members == packs_.end()) continue;
+    std::erase_if(members->second, [&](const Key& k) { return std::binary_search(dead.begin(), dead.end(), k); });
+    if (members->second.empty()) packs_.erase(members);
   }
   for (uint64_t g : plan.dead_generations) generations_.erase(g);
   for (uint32_t id : plan.dead_dropped) dropped_.erase(id);
@@ -70,7 +104,10 @@ Status Core::CollectGarbage() {
   OPTSTATE_RETURN_IF_ERROR(CheckWritable("garbage collection"));
   GcPlan plan = PlanGc(latest_.generation, /*publish=*/false, leased);
   OPTSTATE_RETURN_IF_ERROR(WriteRetained(GenerationNumbers()));
-  if (plan.dead_versions.empty() && plan.dead_generations.empty() && plan.dead_dropped.empty()) return Status();
+  if (plan.dead_versions.empty() && plan.dead_in_packs.empty() && plan.dead_generations.empty() &&
+      plan.dead_dropped.empty()) {
+    return Status();
+  }
   rocksdb::WriteBatch b;
   AddGcToBatch(plan, &b);
   OPTSTATE_TEST_SYNC_POINT("gc.before_batch");

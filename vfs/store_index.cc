@@ -27,9 +27,10 @@ Status Core::LoadIndex() {
   generations_.clear();
   snapshots_.clear();
   versions_.clear();
+  packs_.clear();
   rocksdb::ReadOptions ro;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
-  bool have_latest = false, have_identity = false;
+  bool have_latest = false, have_identity = false, any_packs = false;
   uint64_t latest = 0;
   const std::string where = "store " + path_ + ": index";
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
@@ -40,6 +41,19 @@ Status Core::LoadIndex() {
       OPTSTATE_ASSIGN_OR_RETURN(auto ext, internal::DecodeExtent(v));
       // Keys sort newest first within a chunk.
       versions_[Key{parts.tensor, parts.field, parts.chunk}].push_back(Version{parts.gen, ext});
+    } else if (k.starts_with(internal::kPackPrefix)) {
+      auto parts = internal::ParsePackKey(k);
+      if (!parts.ok()) return parts.status().WithContext(where);
+      const std::string what = where + " generation " + std::to_string(parts->gen) + " pack " +
+                               std::to_string(parts->pack);
+      OPTSTATE_ASSIGN_OR_RETURN(auto packed, internal::DecodePack(v, what));
+      auto& members = packs_[{parts->gen, parts->pack}];
+      for (const auto& p : packed) {
+        const Key key{p.tensor, p.field, p.chunk};
+        versions_[key].push_back(Version{parts->gen, p.ext, parts->pack});
+        members.push_back(key);
+      }
+      any_packs = true;
     } else if (k.starts_with(internal::kTensorPrefix)) {
       auto t = internal::DecodeTensor(v);
       if (!t.ok()) return t.status().WithContext(where);
@@ -88,7 +102,10 @@ Status Core::LoadIndex() {
   // batch); a secondary instance might see them mid-catch-up: drop them.
   for (auto& [key, vs] : versions_) {
     std::erase_if(vs, [&](const Version& v) { return v.gen > latest; });
+    // Pack records sort by generation, oldest first: newest first here too.
+    if (any_packs) std::sort(vs.begin(), vs.end(), [](const Version& a, const Version& b) { return a.gen > b.gen; });
   }
+  std::erase_if(packs_, [&](const auto& kv) { return kv.first.first > latest; });
   std::erase_if(versions_, [](const auto& kv) { return kv.second.empty(); });
   return Status();
 }

@@ -196,6 +196,10 @@ Result<std::unique_ptr<Store>> Store::Create(const std::string& path_in, const S
   id.job = opts.job.empty() ? internal::NewUuid() : opts.job;
   id.chunk_size_bytes = opts.chunk_size_bytes;
   id.create_time_unix_ms = NowUnixMs();
+  // Tests make a store of format version 1 (as older builds wrote it) here.
+  bool format_v1 = false;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("store.create.format_v1", &format_v1);
+  if (format_v1) id.format_version = 1;
   std::vector<std::string> real_dirs;  // where the dirs are while building
   if (opts.data_dirs.empty()) {
     id.data_dirs = {JoinPath(path, "data")};

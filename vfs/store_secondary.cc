@@ -33,7 +33,8 @@ void RemoveSecondaryBase(const std::string& root, const std::string& base) {
 
 Status Core::LoadIndexChecked(uint64_t acked) {
   auto saved = std::make_tuple(std::move(tensors_), std::move(names_), std::move(dropped_), next_tensor_id_, latest_,
-                               std::move(generations_), std::move(snapshots_), std::move(versions_), lifetime_bytes_);
+                               std::move(generations_), std::move(snapshots_), std::move(versions_), std::move(packs_),
+                               lifetime_bytes_);
   Status s = LoadIndex();
   const uint64_t floor = std::max(acked, max_latest_loaded_);
   if (s.ok() && latest_.generation < floor) {
@@ -48,7 +49,8 @@ Status Core::LoadIndexChecked(uint64_t acked) {
   }
   if (s.ok()) s = CheckIndexOf(latest_.generation);
   if (!s.ok()) {
-    std::tie(tensors_, names_, dropped_, next_tensor_id_, latest_, generations_, snapshots_, versions_, lifetime_bytes_) =
+    std::tie(tensors_, names_, dropped_, next_tensor_id_, latest_, generations_, snapshots_, versions_, packs_,
+             lifetime_bytes_) =
         std::move(saved);
     loaded_seq_.reset();
     return s;

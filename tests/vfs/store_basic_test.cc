@@ -520,11 +520,11 @@ TEST(StoreTest, OpenOfMissingOrDamagedStoreFailsWithPathAndReason) {
   auto bad = Store::Open(dir / "s", TestOptions());
   EXPECT_TRUE(bad.status().IsCorruption()) << bad.status().ToString();
   std::string v2 = good;
-  v2.replace(v2.find("\"format_version\": 1"), 19, "\"format_version\": 2");
+  v2.replace(v2.find("\"format_version\": 2"), 19, "\"format_version\": 3");
   write_identity(v2);
   bad = Store::Open(dir / "s", TestOptions());
   EXPECT_TRUE(bad.status().IsCorruption());
-  EXPECT_NE(bad.status().message().find("format version 2"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("format version 3"), std::string::npos) << bad.status().ToString();
   write_identity(good);
   { auto s = Unwrap(Store::Open(dir / "s", TestOptions())); }
   // A damaged index: CURRENT names a manifest that does not exist.

@@ -345,6 +345,8 @@ class Core {
 
   struct GcPlan {
     std::vector<std::pair<Key, uint64_t>> dead_versions;  // (chunk, gen)
+    // (gen, pack) -> its dead versions, for the versions in pack records.
+    std::map<std::pair<uint64_t, uint32_t>, std::vector<Key>> dead_in_packs;
     std::vector<uint64_t> dead_generations;
     std::vector<uint32_t> dead_dropped;  // dropped tensors no retained generation holds
   };
@@ -578,6 +580,10 @@ class Core {
   std::map<std::string, SnapshotInfo> snapshots_;
   std::map<Key, std::vector<Version>> versions_;    // committed, newest first
   std::map<Key, Extent> pending_;                   // completed writes of latest+1
+  // Chunk-map pack records (gen, pack) -> the chunks whose versions of gen it
+  // holds and that are still in versions_ (writer: GC rewrites a record
+  // with those left, or deletes it when none is).
+  std::map<std::pair<uint64_t, uint32_t>, std::vector<Key>> packs_;
   // Extents referenced by more than one chunk version (dir, file offset) ->
   // references beyond the first: a revert shares the snapshot's extents with
   // the generation it commits. Writer: built at open, kept by commits,

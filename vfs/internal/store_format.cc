@@ -135,6 +135,61 @@ Result<Extent> DecodeExtent(std::string_view v) {
   return e;
 }
 
+std::string PackKey(uint64_t gen, uint32_t pack) {
+  std::string s(kPackPrefix);
+  PutBe64(&s, gen);
+  PutBe32(&s, pack);
+  return s;
+}
+Result<PackKeyParts> ParsePackKey(std::string_view key) {
+  const size_t p = kPackPrefix.size();
+  if (key.size() != p + 12) return Corruption("bad chunk-map pack key of " + std::to_string(key.size()) + " bytes");
+  return PackKeyParts{GetBe(key, p, 8), static_cast<uint32_t>(GetBe(key, p + 8, 4))};
+}
+
+namespace {
+constexpr std::string_view kPackMagic = "OSPK";
+constexpr size_t kPackedVersionBytes = 4 + 4 + 8 + 28;
+}  // namespace
+
+std::string EncodePack(const std::vector<PackedVersion>& versions) {
+  std::string s(kPackMagic);
+  s.reserve(s.size() + 4 + versions.size() * kPackedVersionBytes + 8);
+  PutLe(&s, versions.size(), 4);
+  for (const PackedVersion& v : versions) {
+    PutLe(&s, v.tensor, 4);
+    PutLe(&s, v.field, 4);
+    PutLe(&s, v.chunk, 8);
+    s += EncodeExtent(v.ext);
+  }
+  PutLe(&s, ChunkChecksum(s.data(), s.size()), 8);
+  return s;
+}
+
+Result<std::vector<PackedVersion>> DecodePack(std::string_view v, std::string_view where) {
+  const size_t head = kPackMagic.size() + 4;
+  if (v.size() < head + 8 || !v.starts_with(kPackMagic)) {
+    return Corruption(std::string(where) + ": bad chunk-map pack record of " + std::to_string(v.size()) + " bytes");
+  }
+  const uint64_t n = GetLe(v, kPackMagic.size(), 4);
+  if (v.size() != head + n * kPackedVersionBytes + 8) {
+    return Corruption(std::string(where) + ": chunk-map pack record of " + std::to_string(v.size()) +
+                      " bytes for " + std::to_string(n) + " chunk versions");
+  }
+  if (ChunkChecksum(v.data(), v.size() - 8) != GetLe(v, v.size() - 8, 8)) {
+    return Corruption(std::string(where) + ": chunk-map pack record fails its checksum");
+  }
+  std::vector<PackedVersion> out(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    const size_t o = head + i * kPackedVersionBytes;
+    out[i].tensor = static_cast<uint32_t>(GetLe(v, o, 4));
+    out[i].field = static_cast<uint32_t>(GetLe(v, o + 4, 4));
+    out[i].chunk = GetLe(v, o + 8, 8);
+    OPTSTATE_ASSIGN_OR_RETURN(out[i].ext, DecodeExtent(v.substr(o + 16, 28)));
+  }
+  return out;
+}
+
 std::optional<std::string> RelativeToStore(std::string_view dir, std::string_view store_path) {
   while (store_path.size() > 1 && store_path.back() == '/') store_path.remove_suffix(1);
   if (store_path.empty() || !dir.starts_with(store_path)) return std::nullopt;
@@ -176,9 +231,10 @@ Result<StoreIdentity> DecodeIdentity(std::string_view text, std::string_view whe
   return ParseJson(text, where, [&](const json& j) -> Result<StoreIdentity> {
     StoreIdentity id;
     id.format_version = j.at("format_version").get<uint32_t>();
-    if (id.format_version != kFormatVersion) {
+    if (id.format_version < kMinFormatVersion || id.format_version > kFormatVersion) {
       return Corruption(std::string(where) + ": format version " + std::to_string(id.format_version) +
-                        ", this build reads version " + std::to_string(kFormatVersion));
+                        ", this build reads versions " + std::to_string(kMinFormatVersion) + " to " +
+                        std::to_string(kFormatVersion));
     }
     id.uuid = j.at("uuid").get<std::string>();
     id.name = j.at("name").get<std::string>();

@@ -12,7 +12,12 @@
 //   "S/<name>"                            snapshot record (JSON)
 //   "C/<be32 tensor><be32 field><be64 chunk><be64 ~gen>"
 //                                         chunk version -> extent (binary, 28 bytes);
-//                                         ~gen sorts the newest version first
+//                                         ~gen sorts the newest version first.
+//                                         Format version 1 only (see "P/")
+//   "P/<be64 gen><be32 pack>"             chunk-map pack (format version 2): the
+//                                         chunk versions that generation gen
+//                                         published, up to kPackVersions per
+//                                         record (EncodePack); pack = 1, 2, ...
 //   "M/latest", "M/next_tensor_id", "M/lifetime_bytes_written"   be64 counters
 #pragma once
 
@@ -20,6 +25,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "base/status.h"
 #include "vfs/store.h"
@@ -32,6 +38,7 @@ inline constexpr std::string_view kDroppedPrefix = "D/";
 inline constexpr std::string_view kGenerationPrefix = "G/";
 inline constexpr std::string_view kSnapshotPrefix = "S/";
 inline constexpr std::string_view kChunkPrefix = "C/";
+inline constexpr std::string_view kPackPrefix = "P/";
 inline constexpr std::string_view kLatestKey = "M/latest";
 inline constexpr std::string_view kNextTensorIdKey = "M/next_tensor_id";
 inline constexpr std::string_view kLifetimeKey = "M/lifetime_bytes_written";
@@ -63,6 +70,30 @@ Result<uint64_t> ParseGenerationKey(std::string_view key);
 
 std::string EncodeExtent(const Extent& e);
 Result<Extent> DecodeExtent(std::string_view v);
+
+// Chunk-map packs. A commit of format version 2 publishes its chunk versions
+// in records of up to kPackVersions each, one RocksDB key per record instead
+// of one per chunk version: a step of thousands of small tensors changes a
+// few index entries, not tens of thousands. GC rewrites a record with the
+// versions still alive, or deletes it once none is.
+inline constexpr size_t kPackVersions = 2048;
+struct PackedVersion {
+  uint32_t tensor = 0;
+  uint32_t field = 0;
+  uint64_t chunk = 0;
+  Extent ext;
+};
+std::string PackKey(uint64_t gen, uint32_t pack);
+struct PackKeyParts {
+  uint64_t gen = 0;
+  uint32_t pack = 0;
+};
+Result<PackKeyParts> ParsePackKey(std::string_view key);
+// "OSPK", count (LE32), per version: tensor (LE32), field (LE32), chunk
+// (LE64), its extent as EncodeExtent; then the XXH3-64 (LE) of all before it.
+std::string EncodePack(const std::vector<PackedVersion>& versions);
+// kCorruption naming `where` for a record of the wrong size or checksum.
+Result<std::vector<PackedVersion>> DecodePack(std::string_view v, std::string_view where);
 
 // IDENTITY's JSON. Data dirs at or under `store_path` are written relative to
 // it ("data"), so a copied or moved store directory finds its own data files;

@@ -57,6 +57,9 @@ struct Key {
 struct Version {
   uint64_t gen = 0;  // written (published) generation
   Extent ext;
+  // The chunk-map pack record of generation gen that holds it (1, 2, ...;
+  // store_format.h "P/"), or 0: its own "C/" record (format version 1).
+  uint32_t pack = 0;
 };
 
 // flock on an open File's fd; released on destruction.
