@@ -9,7 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/engine_memory.h"
+#include "memmgr/internal/slice_layout.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
@@ -19,65 +20,53 @@ namespace optstate::memmgr {
 
 using internal::ChunkKey;
 using internal::HostCache;
-using internal::ImplOf;
-using internal::ManagerImpl;
-using internal::MomentSize;
 
 Status StreamedAdam::Prefetch() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   // During a step the step itself is reading; a prefetch already runs.
   if (in_step_ || prefetch_) return Status::Ok();
-  ManagerImpl* impl = ImplOf(*mm_);
+  internal::EngineMemory* impl = mem_;
   const MemoryManagerOptions& mo = impl->options();
   // Chunks outside the tier go into staging buffers for the step's pipeline
   // to adopt: at most its own staging less one slice (StepPipeline::Begin).
   size_t stage_limit = 0;
   if (!CacheHoldsState() && staged_.empty()) {
-    const size_t slice_bufs = internal::SliceChunks(opts_.moment_dtype);
-    const size_t want = internal::StepPipelineBuffers(impl->staging_count(), mo, opts_.moment_dtype);
+    const size_t slice_bufs = layout_->slice_chunks();
+    const size_t want = internal::StepPipelineBuffers(impl->staging_count(), mo, internal::SizeOf(*layout_));
     stage_limit = want > slice_bufs ? want - slice_bufs : 0;
   }
   if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
-  if (!inflight_) OPTSTATE_RETURN_IF_ERROR(EnsureIo());  // else the commit's thread owns io_ (it exists)
+  if (!committer_->running()) OPTSTATE_RETURN_IF_ERROR(EnsureIo());  // else the commit's thread owns io_ (it exists)
   std::vector<StepOrderEntry> order = step_order_;
   if (order.empty()) {
     for (const auto& [name, p] : params_) {
       if (!retired_.count(name)) {
-        order.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v, p.f_ma, p.f_va}, p.info.numel});
+        order.push_back(StepOrderEntry{p.info.id, p.fields, p.info.numel});
       }
     }
   }
   auto run = std::make_unique<PrefetchRun>();
   PrefetchRun* r = run.get();
-  InFlightCommit* commit = inflight_.get();
-  ImplOf(*mm_)->BeginBackgroundCommit();
-  r->thread = std::thread([this, r, commit, stage_limit, order = std::move(order)] {
-    ReadPrefetch(r, commit, stage_limit, order);
+  const bool after_commit = committer_->running();
+  mem_->BeginBackgroundCommit();
+  r->thread = std::thread([this, r, after_commit, stage_limit, order = std::move(order)] {
+    ReadPrefetch(r, after_commit, stage_limit, order);
   });
   prefetch_ = std::move(run);
   return Status::Ok();
 }
 
-void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t stage_limit,
+void StreamedAdam::ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_limit,
                                 const std::vector<StepOrderEntry>& order) {
-  ManagerImpl* impl = ImplOf(*mm_);
-  if (commit != nullptr) {
-    // The store shows the step's generation once its commit is done; a
-    // failed commit dropped the tier, and its error comes at the next wait.
-    std::unique_lock<std::mutex> l(commit->mu);
-    commit->cv.wait(l, [&] { return commit->done || r->stop.load(); });
-    if (!commit->done || !commit->status.ok()) {
-      l.unlock();
-      impl->EndBackgroundCommit();
-      return;
-    }
+  internal::EngineMemory* impl = mem_;
+  // The store shows the step's generation once its commit is done; a
+  // failed commit dropped the tier, and its error comes at the next wait.
+  if (after_commit && !committer_->WaitPublished(r->stop)) {
+    impl->EndBackgroundCommit();
+    return;
   }
   HostCache* cache = impl->cache();
-  const uint64_t chunk_bytes = impl->page_bytes();
-  // The step's slices (BeginParam): one chunk of each moment and the main
-  // chunks of its elements, read in that order.
-  const uint32_t moment_size = MomentSize(opts_.moment_dtype);
-  const uint64_t slice_elems = chunk_bytes / moment_size;
+  // The step's slices (SliceLayout), their chunks read in their order.
   // Staging for the reads (the tier's entries are filled by a copy, so a
   // concurrent reader of the tier never sees a half-read entry): up to a
   // read queue's worth, leaving two for concurrent pins.
@@ -117,20 +106,14 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t s
     return true;
   };
   bool ok = true;
+  internal::SliceLayout::Slice slice;
   for (const StepOrderEntry& e : order) {
-    for (uint64_t c = 0, first = 0; ok && first < e.numel && !r->stop.load(); ++c, first += slice_elems) {
-      const uint64_t elems = std::min(slice_elems, e.numel - first);
-      const uint64_t main_bytes = elems * 4;
-      const uint32_t n_main = static_cast<uint32_t>((main_bytes + chunk_bytes - 1) / chunk_bytes);
-      const uint32_t n_moment = internal::MomentChunks(opts_.moment_dtype);
-      for (uint32_t k = 0; k < n_main + n_moment && ok && !r->stop.load(); ++k) {
-        const bool is_main = k < n_main;
-        const bool is_scale = k >= n_main + 2;  // q8 absmax chunks
-        const uint64_t len = is_main    ? std::min(chunk_bytes, main_bytes - k * chunk_bytes)
-                             : is_scale ? (elems + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems * 4
-                                        : elems * moment_size;
-        const ChunkKey key{e.tensor_id, e.fields[is_main ? 0 : k - n_main + 1],
-                           is_main ? c * (4 / moment_size) + k : c};
+    for (uint64_t c = 0; ok && c < layout_->Slices(e.numel) && !r->stop.load(); ++c) {
+      layout_->SliceOf(e.numel, c, &slice);
+      for (uint32_t k = 0; k < slice.n && ok && !r->stop.load(); ++k) {
+        const internal::SliceLayout::Chunk& ch = slice.chunks[k];
+        const uint64_t len = ch.len;
+        const ChunkKey key{e.tensor_id, e.fields[ch.rule_field], ch.index};
         bool stage = false;
         if (!cache->WantsPrefetch(key, len)) {
           // Not for the tier: a chunk the step reads from disk, staged
@@ -174,19 +157,13 @@ void StreamedAdam::DropStaged() {
   if (staged_.empty()) return;
   std::vector<void*> bufs;
   for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
-  ImplOf(*mm_)->ReleaseStaging(bufs);
+  mem_->ReleaseStaging(bufs);
   staged_.clear();
 }
 
 void StreamedAdam::StopPrefetch() {
   if (!prefetch_) return;
-  if (inflight_) {
-    std::lock_guard<std::mutex> l(inflight_->mu);
-    prefetch_->stop = true;
-  } else {
-    prefetch_->stop = true;
-  }
-  if (inflight_) inflight_->cv.notify_all();
+  committer_->Wake(&prefetch_->stop);
   prefetch_->thread.join();
   prefetch_read_bytes_ += prefetch_->read_bytes;
   staged_ = std::move(prefetch_->staged);
