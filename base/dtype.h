@@ -40,6 +40,12 @@ Result<DType> ParseDType(std::string_view s);
 // Only the table's own names (what the checkpoint manifest stores); nullopt otherwise.
 std::optional<DType> ParseDTypeName(std::string_view s);
 
+// Elements per block of a q8 field: each block of this many consecutive
+// elements has one fp32 absmax scale.
+inline constexpr uint64_t kQ8BlockElems = 256;
+// Blocks (scales) of n elements of a q8 field: ceil(n / kQ8BlockElems).
+constexpr uint64_t Q8Blocks(uint64_t n) { return (n + kQ8BlockElems - 1) / kQ8BlockElems; }
+
 enum class MomentDType : uint8_t { kF32 = 0, kBF16 = 1, kQ8 = 2 };
 
 // "f32", "bf16", "q8".

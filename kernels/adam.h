@@ -95,7 +95,7 @@ bool AdamStepCpu(const AdamTensors& t, size_t count, const AdamParams& p, int th
 // requantizes, in one pass; error per stored moment <= half the gap of the
 // map around it times its block's absmax (<= 0.0071 x absmax, much finer
 // near 0).
-inline constexpr size_t kQ8BlockElems = 256;
+inline constexpr size_t kQ8BlockElems = optstate::kQ8BlockElems;  // base/dtype.h
 
 struct AdamQ8Tensors {
   float* main = nullptr;                // fp32 master weights (in/out)

@@ -160,7 +160,7 @@ bool AdamStepCpuQ8(const AdamQ8Tensors& t, size_t count, const AdamParams& p, in
   if (t.found_inf != nullptr && *t.found_inf != 0.0f) return true;
   const AdamScalars s = internal::MakeAdamScalars(p);
   const internal::Q8Maps& maps = internal::GetQ8Maps();
-  const size_t blocks = (count + kQ8BlockElems - 1) / kQ8BlockElems;
+  const size_t blocks = Q8Blocks(count);
   constexpr size_t kMinBlocksPerThread = 256;
   size_t n_threads = threads < 1 ? 1 : static_cast<size_t>(threads);
   n_threads = std::min(n_threads, std::max<size_t>(1, blocks / kMinBlocksPerThread));

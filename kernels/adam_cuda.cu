@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kQ8BlockElems) AdamQ8Kernel(AdamQ8Tensors t, s
 
 template <DType kGrad, DType kParam, bool kCopy>
 cudaError_t LaunchQ8(const AdamQ8Tensors& t, size_t count, const AdamScalars& s, cudaStream_t stream) {
-  const size_t blocks = (count + kQ8BlockElems - 1) / kQ8BlockElems;
+  const size_t blocks = Q8Blocks(count);
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;

@@ -12,6 +12,10 @@ namespace optstate::memmgr {
 
 using internal::ManagerImpl;
 
+namespace internal {
+EngineMemory* EngineMemoryOf(const MemoryManager& mm) { return mm.impl_.get(); }
+}  // namespace internal
+
 const char* BackendName(Backend b) {
   switch (b) {
     case Backend::kAuto: return "auto";

@@ -34,8 +34,11 @@ namespace optstate::memmgr {
 
 class MemoryManager;
 namespace internal {
+class EngineMemory;
 class ManagerImpl;
-// For StreamedAdam only; memmgr/internal/manager_impl.h defines it.
+// For the streamed optimizer engine only (memmgr/internal/engine_memory.h).
+EngineMemory* EngineMemoryOf(const MemoryManager& mm);
+// The whole manager state, for tests of its internals (manager_impl.h).
 ManagerImpl* ImplOf(const MemoryManager& mm);
 }  // namespace internal
 
@@ -233,9 +236,9 @@ class MemoryManager {
 
 
  private:
-  // StreamedAdam drives the manager's machinery (the cache, pins, staging)
-  // directly, through internal::ImplOf; no other user sees it.
-  friend internal::ManagerImpl* internal::ImplOf(const MemoryManager& mm);
+  // The streamed optimizer engine drives the manager's machinery (the cache,
+  // staging, arenas) through internal::EngineMemoryOf; no other user sees it.
+  friend internal::EngineMemory* internal::EngineMemoryOf(const MemoryManager& mm);
 
   explicit MemoryManager(std::unique_ptr<internal::ManagerImpl> impl);
   std::unique_ptr<internal::ManagerImpl> impl_;

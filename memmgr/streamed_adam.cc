@@ -5,13 +5,16 @@
 // pipeline in internal/step_pipeline.h.
 #include "memmgr/streamed_adam.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
 
 #include <fmt/format.h>
 
-#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/adamw_rule.h"
+#include "memmgr/internal/engine_memory.h"
+#include "memmgr/internal/slice_layout.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
@@ -20,12 +23,9 @@
 namespace optstate::memmgr {
 
 using internal::CheckGradScale;
-using internal::CheckMomentFields;
-using internal::ImplOf;
-using internal::ManagerImpl;
 
 StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
-    : store_(store), mm_(mm), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
+    : store_(store), mm_(mm), mem_(internal::EngineMemoryOf(*mm)), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
 
 StreamedAdam::~StreamedAdam() {
   // FinishCommit logs a failure; the destructor then commits what is left.
@@ -49,25 +49,37 @@ StreamedAdam::~StreamedAdam() {
     if (in_step_ && !step_skip_) {
       Status s = store_->AbortPending();
       if (!s.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: abort of unfinished step failed: {}", s.ToString());
-      ImplOf(*mm_)->OnAbortPending();
+      mem_->OnAbortPending();
     }
   }
 }
 
 Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
                                                           const StreamedAdamOptions& opts) {
+  return Create(store, mm, opts, nullptr);
+}
+
+Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
+                                                          const StreamedAdamOptions& opts,
+                                                          std::unique_ptr<UpdateRule> rule) {
   if (store == nullptr || mm == nullptr) return InvalidArgument("StreamedAdam::Create: store or manager is null");
   if (mm->store() != store) {
     return InvalidArgument("StreamedAdam::Create: the memory manager serves store " + mm->store()->path() +
                            ", not " + store->path());
   }
-  ManagerImpl* impl = ImplOf(*mm);
+  internal::EngineMemory* impl = internal::EngineMemoryOf(*mm);
   if (opts.moment_dtype != MomentDType::kF32 && opts.moment_dtype != MomentDType::kBF16 &&
       opts.moment_dtype != MomentDType::kQ8) {
     return InvalidArgument(std::string("StreamedAdam: moment_dtype must be f32, bf16 or q8, got ") +
                            MomentDTypeName(opts.moment_dtype) + " (store " + store->path() + ")");
   }
-  const uint32_t slice_chunks = internal::SliceChunks(opts.moment_dtype);
+  if (rule == nullptr) rule = internal::NewAdamWRule(opts.moment_dtype);
+  if (rule->unit() != SliceUnit::kChunks) {
+    return Unimplemented("StreamedAdam: update rule " + std::string(rule->name()) +
+                         " updates whole tensors; the engine steps slices of chunks (store " + store->path() + ")");
+  }
+  OPTSTATE_ASSIGN_OR_RETURN(internal::SliceLayout layout, internal::SliceLayout::Make(*rule, impl->page_bytes()));
+  const uint32_t slice_chunks = layout.slice_chunks();
   if (impl->budget_pages() < slice_chunks) {
     return ResourceExhausted("StreamedAdam: device budget " + std::to_string(mm->options().device_budget_bytes) +
                              " bytes is smaller than one slice in flight (one chunk per field" +
@@ -84,24 +96,17 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     return InvalidArgument("StreamedAdam: grad_scale must be finite and > 0, got " + std::to_string(opts.grad_scale));
   }
   auto sa = std::unique_ptr<StreamedAdam>(new StreamedAdam(store, mm, opts));
+  sa->rule_ = std::move(rule);
+  sa->layout_ = std::make_unique<internal::SliceLayout>(layout);
   // Restore groups, step counts and params from the latest generation.
   vfs::GenerationInfo gen = store->LatestGeneration();
   sa->global_step_ = gen.step;
   sa->last_generation_ = gen.generation;
   for (const vfs::GroupInfo& g : gen.groups) {
-    ParamGroup pg;
-    pg.id = g.id;
-    auto get = [&](const char* k, double def) {
-      auto it = g.hyper.find(k);
-      return it == g.hyper.end() ? def : it->second;
-    };
-    pg.lr = get("lr", pg.lr);
-    pg.beta1 = get("beta1", pg.beta1);
-    pg.beta2 = get("beta2", pg.beta2);
-    pg.eps = get("eps", pg.eps);
-    pg.weight_decay = get("weight_decay", pg.weight_decay);
-    pg.adamw = get("adamw", 1.0) != 0.0;
-    sa->groups_[g.id] = pg;
+    // Names the store lacks take the rule's defaults.
+    Hyperparams h = sa->rule_->Hyperparameters();
+    for (const auto& [k, v] : g.hyper) h[k] = v;
+    sa->groups_[g.id] = std::move(h);
     sa->step_counts_[g.id] = g.step_count;
   }
   for (const vfs::TensorInfo& t : store->ListTensors()) {
@@ -111,23 +116,19 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     if (t.created_generation > gen.generation) continue;
     const uint64_t count = vfs::TensorStepCount(gen, t);
     sa->tensor_counts_[t.id] = TensorCount{count, count};
+    // A param of the rule has every field of one value per element (main,
+    // AdamW's moments); another tensor is kept as it is.
+    const bool is_param = std::all_of(sa->rule_->Fields().begin(), sa->rule_->Fields().end(), [&](const RuleField& f) {
+      return f.elems_per_value != 1 || t.FieldIndexOf(f.name) >= 0;
+    });
+    if (!is_param) continue;
+    OPTSTATE_RETURN_IF_ERROR(sa->rule_->CheckStored(store->path(), t));
     Param p;
     p.info = t;
-    auto a = store->FieldIndex(t, "main");
-    auto b = store->FieldIndex(t, "exp_avg");
-    auto c = store->FieldIndex(t, "exp_avg_sq");
-    if (!a.ok() || !b.ok() || !c.ok()) continue;  // not an Adam tensor
-    OPTSTATE_RETURN_IF_ERROR(CheckMomentFields(t, store->path(), opts.moment_dtype));
-    p.f_main = *a;
-    p.f_m = *b;
-    p.f_v = *c;
-    if (opts.moment_dtype == MomentDType::kQ8) {
-      OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store->FieldIndex(t, vfs::Q8ScalesField("exp_avg")));
-      OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store->FieldIndex(t, vfs::Q8ScalesField("exp_avg_sq")));
-    }
+    OPTSTATE_RETURN_IF_ERROR(sa->ResolveFields(&p));
     sa->params_.emplace(t.name, std::move(p));
     if (!sa->groups_.count(t.group)) {
-      sa->groups_[t.group] = ParamGroup{.id = t.group};
+      sa->groups_[t.group] = sa->rule_->Hyperparameters();
       sa->step_counts_[t.group] = 0;
     }
   }
@@ -157,23 +158,32 @@ Status StreamedAdam::CheckUsable() const {
   return Status::Ok();
 }
 
-Status StreamedAdam::SetGroup(const ParamGroup& g) {
+Status StreamedAdam::SetGroup(const ParamGroup& g) { return SetGroupHyperparams(g.id, GroupHyper(g)); }
+
+Result<ParamGroup> StreamedAdam::GetGroup(uint32_t id) const {
+  OPTSTATE_ASSIGN_OR_RETURN(Hyperparams h, GetGroupHyperparams(id));
+  return GroupOf(id, h);
+}
+
+Status StreamedAdam::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::SetGroup: a step is in progress");
-  if (!(g.lr >= 0) || !(g.beta1 >= 0 && g.beta1 < 1) || !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps > 0) ||
-      !(g.weight_decay >= 0) || !std::isfinite(g.lr) || !std::isfinite(g.weight_decay)) {
-    // {} is the shortest text that reads back as the same double (eps 1e-08,
-    // not std::to_string's 0.000000).
-    return InvalidArgument(fmt::format(
-        "StreamedAdam::SetGroup {}: invalid hyperparameters (lr {}, betas {}/{}, eps {}, weight_decay {})", g.id,
-        g.lr, g.beta1, g.beta2, g.eps, g.weight_decay));
+  Hyperparams all = rule_->Hyperparameters();
+  for (const auto& [k, v] : h) {
+    auto it = all.find(k);
+    if (it == all.end()) {
+      return InvalidArgument("StreamedAdam::SetGroup " + std::to_string(id) + ": " + std::string(rule_->name()) +
+                             " has no hyperparameter '" + k + "' (store " + store_->path() + "); nothing changed");
+    }
+    it->second = v;
   }
-  groups_[g.id] = g;
-  step_counts_.emplace(g.id, 0);
+  OPTSTATE_RETURN_IF_ERROR(rule_->CheckHyperparams(id, all));
+  groups_[id] = std::move(all);
+  step_counts_.emplace(id, 0);
   return Status::Ok();
 }
 
-Result<ParamGroup> StreamedAdam::GetGroup(uint32_t id) const {
+Result<Hyperparams> StreamedAdam::GetGroupHyperparams(uint32_t id) const {
   auto it = groups_.find(id);
   if (it == groups_.end()) return NotFound("StreamedAdam: no parameter group " + std::to_string(id));
   return it->second;
@@ -206,7 +216,7 @@ uint64_t StreamedAdam::last_generation() const { return last_generation_; }
 
 Status StreamedAdam::EnsureIo() {
   if (io_) return Status::Ok();
-  ManagerImpl* impl = ImplOf(*mm_);
+  internal::EngineMemory* impl = mem_;
   // One ring for the pipeline's reads and writes: room for both depth limits.
   vfs::ChunkIoOptions co = impl->ChunkIoOpts();
   co.queue_depth = internal::RingRequests(impl->options());
@@ -224,13 +234,12 @@ Status StreamedAdam::EnsureIo() {
 }
 
 Status StreamedAdam::FitStaging() {
-  ManagerImpl* impl = ImplOf(*mm_);
+  internal::EngineMemory* impl = mem_;
   const uint64_t chunk = impl->page_bytes();
-  const uint64_t slice_elems = chunk / internal::MomentSize(opts_.moment_dtype);
+  const uint64_t slice_elems = layout_->slice_elems();
   // A slice is small when each of its buffers fits a kSmallSliceBytes piece
-  // (main, 4 bytes an element, is the widest field; a whole slice never
-  // fits: chunks are 2 MiB or more).
-  const uint64_t small_elems = internal::kSmallSliceBytes / 4;
+  // (a whole slice never does: chunks are 2 MiB or more).
+  const uint64_t small_elems = layout_->ElemsFitting(internal::kSmallSliceBytes);
   internal::StateSlices s;
   for (const auto& [name, p] : params_) {
     const uint64_t n = p.info.numel;
@@ -242,11 +251,39 @@ Status StreamedAdam::FitStaging() {
       ++s.small;
     }
   }
-  impl->GrowStaging(internal::StateStaging(impl->options(), opts_.moment_dtype, chunk, s));
+  impl->GrowStaging(internal::StateStaging(impl->options(), internal::SizeOf(*layout_), chunk, s));
   state_slices_big_ = s.big;
   state_slices_small_ = s.small;
   if (io_ && io_staging_ < impl->staging_count() && io_->in_flight() == 0) io_.reset();  // EnsureIo registers all
   return Status::Ok();
+}
+
+Status StreamedAdam::ResolveFields(Param* p) const {
+  for (uint32_t f = 0; f < layout_->fields(); ++f) {
+    OPTSTATE_ASSIGN_OR_RETURN(p->fields[f], store_->FieldIndex(p->info, rule_->Fields()[f].name));
+  }
+  return Status::Ok();
+}
+
+Hyperparams StreamedAdam::GroupHyper(const ParamGroup& g) {
+  return {{"lr", g.lr},   {"beta1", g.beta1},       {"beta2", g.beta2},
+          {"eps", g.eps}, {"weight_decay", g.weight_decay}, {"adamw", g.adamw ? 1.0 : 0.0}};
+}
+
+ParamGroup StreamedAdam::GroupOf(uint32_t id, const Hyperparams& h) {
+  ParamGroup pg;
+  pg.id = id;
+  auto get = [&](const char* k, double def) {
+    auto it = h.find(k);
+    return it == h.end() ? def : it->second;
+  };
+  pg.lr = get("lr", pg.lr);
+  pg.beta1 = get("beta1", pg.beta1);
+  pg.beta2 = get("beta2", pg.beta2);
+  pg.eps = get("eps", pg.eps);
+  pg.weight_decay = get("weight_decay", pg.weight_decay);
+  pg.adamw = get("adamw", 1.0) != 0.0;
+  return pg;
 }
 
 Status StreamedAdam::SetGradScale(float grad_scale) {

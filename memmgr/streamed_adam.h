@@ -141,6 +141,7 @@
 // Thread-safety: not thread-safe; one trainer thread drives it.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -151,14 +152,16 @@
 #include <vector>
 
 #include "base/dtype.h"
-#include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
+#include "memmgr/update_rule.h"
 #include "base/status.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr {
 
 namespace internal {
+class EngineMemory;
+class SliceLayout;
 class StepPipeline;
 }
 
@@ -233,11 +236,22 @@ class StreamedAdam {
   // bf16 moments).
   static Result<std::unique_ptr<StreamedAdam>> Create(vfs::Store* store, MemoryManager* mm,
                                                       const StreamedAdamOptions& opts);
+  // The same engine with another update rule (null: AdamW with
+  // opts.moment_dtype moments). Whole-tensor rules (SliceUnit::kTensor) are
+  // kUnimplemented.
+  static Result<std::unique_ptr<StreamedAdam>> Create(vfs::Store* store, MemoryManager* mm,
+                                                      const StreamedAdamOptions& opts,
+                                                      std::unique_ptr<UpdateRule> rule);
   ~StreamedAdam();
 
   // Adds or updates a group's hyperparameters (applies from the next step).
   Status SetGroup(const ParamGroup& g);
   Result<ParamGroup> GetGroup(uint32_t id) const;
+  // The same by the update rule's names ("lr", "beta1", ...): a name the
+  // rule does not know is kInvalidArgument, one it knows and h lacks keeps
+  // its default. The rule checks the values (UpdateRule::CheckHyperparams).
+  Status SetGroupHyperparams(uint32_t id, const Hyperparams& h);
+  Result<Hyperparams> GetGroupHyperparams(uint32_t id) const;
 
   // Registers a parameter shard. d_initial (device pointer; host pointer on
   // the host backend) holds numel elements of initial_type (f32/bf16/f16) and
@@ -398,8 +412,7 @@ class StreamedAdam {
  private:
   struct Param {
     vfs::TensorInfo info;
-    uint32_t f_main = 0, f_m = 1, f_v = 2;
-    uint32_t f_ma = 3, f_va = 4;  // q8 moments: exp_avg.absmax, exp_avg_sq.absmax
+    std::array<uint32_t, kMaxRuleFields> fields = {};  // the tensor's field index of each of the rule's fields
     bool committed = true;      // in the last committed generation
     bool registered = false;    // RegisterParam'd in this run
     bool main_pending = false;  // LoadMainFrom not yet committed
@@ -450,8 +463,18 @@ class StreamedAdam {
 
   vfs::Store* store_;
   MemoryManager* mm_;
+  internal::EngineMemory* mem_;  // mm_'s services for the engine
   StreamedAdamOptions opts_;
-  std::map<uint32_t, ParamGroup> groups_;
+  // The update rule (AdamW with opts_.moment_dtype moments) and its chunk
+  // geometry in this store.
+  std::unique_ptr<UpdateRule> rule_;
+  std::unique_ptr<internal::SliceLayout> layout_;
+  // Resolves the tensor's field index of each of the rule's fields.
+  Status ResolveFields(Param* p) const;
+  // A group's hyperparameters as the rule and the store see them, and back.
+  static Hyperparams GroupHyper(const ParamGroup& g);
+  static ParamGroup GroupOf(uint32_t id, const Hyperparams& h);
+  std::map<uint32_t, Hyperparams> groups_;  // each group's hyperparameters, all the rule's names
   std::map<uint32_t, uint64_t> step_counts_;
   std::map<std::string, Param, std::less<>> params_;
   uint64_t global_step_ = 0;
@@ -544,8 +567,7 @@ class StreamedAdam {
   // order the next prefetch reads.
   struct StepOrderEntry {
     uint32_t tensor_id = 0;
-    // main, exp_avg, exp_avg_sq, and (q8 moments) their absmax fields.
-    uint32_t fields[5] = {0, 1, 2, 3, 4};
+    std::array<uint32_t, kMaxRuleFields> fields = {};  // as Param::fields
     uint64_t numel = 0;
   };
   std::vector<StepOrderEntry> step_order_;

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
@@ -22,7 +22,6 @@ namespace optstate::memmgr {
 
 using internal::ChunkKey;
 using internal::HostCache;
-using internal::ImplOf;
 using internal::NowS;
 using internal::WithNote;
 
@@ -35,9 +34,7 @@ vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
     auto sc = step_counts_.find(id);
     gi.step_count = sc == step_counts_.end() ? 0 : sc->second;
     if (advance && groups_stepped_.count(id)) gi.step_count += 1;
-    gi.hyper = {{"lr", g.lr},     {"beta1", g.beta1},
-                {"beta2", g.beta2}, {"eps", g.eps},
-                {"weight_decay", g.weight_decay}, {"adamw", g.adamw ? 1.0 : 0.0}};
+    gi.hyper.insert(g.begin(), g.end());
     ci.groups.push_back(std::move(gi));
   }
   // Every tensor's count (Store::Commit keeps those that differ from their
@@ -56,13 +53,13 @@ void StreamedAdam::AdvanceCounts() {
 }
 
 bool StreamedAdam::CacheHoldsState() const {
-  const HostCache* c = ImplOf(*mm_)->cache();
+  const HostCache* c = mem_->cache();
   if (!c->enabled()) return false;
   return StateCacheBytes() <= c->capacity_bytes();
 }
 
 uint64_t StreamedAdam::StateCacheBytes() const {
-  const uint64_t chunk = ImplOf(*mm_)->page_bytes();
+  const uint64_t chunk = mem_->page_bytes();
   uint64_t need = 0;
   for (const auto& [name, p] : params_) {
     for (uint32_t f = 0; f < p.info.fields.size(); ++f) {
@@ -77,7 +74,7 @@ uint64_t StreamedAdam::StateCacheBytes() const {
 
 void StreamedAdam::NoteCommitted(uint64_t gen) {
   last_generation_ = gen;
-  ImplOf(*mm_)->cache()->MarkAllClean();
+  mem_->cache()->MarkAllClean();
   uncommitted_steps_ = 0;
   committed_step_counts_ = step_counts_;
   for (auto& [id, c] : tensor_counts_) c.committed = c.now;
@@ -106,7 +103,7 @@ std::string StreamedAdam::RevertUncommitted() {
 }
 
 Status StreamedAdam::WriteDirtyCache() {
-  HostCache* cache = ImplOf(*mm_)->cache();
+  HostCache* cache = mem_->cache();
   auto dirty = cache->DirtyUnwritten();
   if (dirty.empty()) return Status::Ok();
   OPTSTATE_RETURN_IF_ERROR(EnsureIo());
@@ -158,7 +155,7 @@ Result<uint64_t> StreamedAdam::MakeDurable() {
     // generation, so every dirty entry must be written again by the retry.
     // Registrations and loaded mains were only in the pending generation:
     // they are gone, and the error says so.
-    ImplOf(*mm_)->OnAbortPending(/*keep_dirty_cache=*/true);
+    mem_->OnAbortPending(/*keep_dirty_cache=*/true);
     const std::string dropped = DropUncommittedRegistrations();
     Status err = gen.status().WithContext("StreamedAdam::MakeDurable of " + std::to_string(n) +
                                           " cached step(s) of store " + store_->path());
@@ -183,7 +180,7 @@ void StreamedAdam::StartBackgroundCommit() {
   c->pipeline->SetReapOnlyWhenBlocked(false);
   uncommitted_steps_ = 0;  // the cached steps are written with this one
   InFlightCommit* ip = c.get();
-  ImplOf(*mm_)->BeginBackgroundCommit();
+  mem_->BeginBackgroundCommit();
   ip->thread = std::thread([this, ip] {
     internal::StepPipeline& pl = *ip->pipeline;
     Status s = pl.Pump(true);
@@ -193,7 +190,7 @@ void StreamedAdam::StartBackgroundCommit() {
     ip->peak_write_bytes = pl.peak_write_bytes;
     ip->io_wait_seconds = pl.stall_s_;
     if (s.ok()) {
-      ImplOf(*mm_)->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+      mem_->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
       pl.Release();
     } else {
       pl.Abort();
@@ -201,7 +198,7 @@ void StreamedAdam::StartBackgroundCommit() {
     ip->pipeline.reset();
     // Params not stepped now may hold earlier uncommitted steps in the cache.
     if (s.ok() && ip->cache_mode) s = WriteDirtyCache();
-    if (s.ok()) s = ImplOf(*mm_)->Flush();  // not MemoryManager::Flush: that waits for this thread
+    if (s.ok()) s = mem_->Flush();  // not MemoryManager::Flush: that waits for this thread
     if (s.ok()) {
       const double t0 = NowS();
       auto gen = store_->Commit(ip->info);
@@ -216,10 +213,10 @@ void StreamedAdam::StartBackgroundCommit() {
       // Drop the step before anyone waiting in the manager reads the store.
       Status a = store_->AbortPending();
       if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed background commit: {}", a.ToString());
-      ImplOf(*mm_)->OnAbortPending();
+      mem_->OnAbortPending();
     }
     ip->status = s;
-    ImplOf(*mm_)->EndBackgroundCommit();
+    mem_->EndBackgroundCommit();
     {
       std::lock_guard<std::mutex> l(ip->mu);
       ip->done = true;

@@ -13,7 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
@@ -21,11 +21,8 @@
 
 namespace optstate::memmgr {
 
-using internal::CheckMomentFields;
 using internal::Device;
 using internal::DimsText;
-using internal::ImplOf;
-using internal::ManagerImpl;
 using internal::NameList;
 using internal::DTypeText;
 using internal::WithNote;
@@ -93,7 +90,7 @@ Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::stri
   if (t.shape != shape) return mismatch("shape", DimsText(t.shape), DimsText(shape));
   if (t.global_shape != global) return mismatch("global shape", DimsText(t.global_shape), DimsText(global));
   if (t.shard_offset != offset) return mismatch("shard offset", DimsText(t.shard_offset), DimsText(offset));
-  return CheckMomentFields(t, store_->path(), opts_.moment_dtype);
+  return rule_->CheckStored(store_->path(), t);
 }
 
 std::string StreamedAdam::DropUncommittedRegistrations() {
@@ -104,8 +101,8 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
     if (!p.committed) {
       dropped.push_back(it->first);
       numels[it->first] = p.info.numel;
-      ImplOf(*mm_)->cache()->EraseTensor(p.info.id);
-      (void)ImplOf(*mm_)->DropTensor(p.info.id);
+      mem_->cache()->EraseTensor(p.info.id);
+      (void)mem_->DropTensor(p.info.id);
       dropped_.insert(it->first);
       tensor_counts_.erase(p.info.id);
       it = params_.erase(it);
@@ -114,8 +111,8 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
     if (p.main_pending) {
       reloaded.push_back(it->first);
       p.main_pending = false;
-      ImplOf(*mm_)->cache()->EraseTensor(p.info.id);
-      (void)ImplOf(*mm_)->DropTensor(p.info.id);
+      mem_->cache()->EraseTensor(p.info.id);
+      (void)mem_->DropTensor(p.info.id);
     }
     ++it;
   }
@@ -137,7 +134,7 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
 Status StreamedAdam::AbortUncommitted(Status s) {
   Status a = store_->AbortPending();
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed write: {}", a.ToString());
-  ImplOf(*mm_)->OnAbortPending();
+  mem_->OnAbortPending();
   return WithNote(s, DropUncommittedRegistrations());
 }
 
@@ -147,7 +144,7 @@ Status StreamedAdam::WriteMain(const Param& p, const void* d_src, DType type) {
 
 Status StreamedAdam::WriteMains(const std::vector<MainSource>& srcs) {
   if (srcs.empty()) return Status::Ok();
-  ManagerImpl* impl = ImplOf(*mm_);
+  internal::EngineMemory* impl = mem_;
   Device* dev = impl->device();
   const uint64_t chunk = impl->page_bytes();
   const uint64_t chunk_elems = chunk / 4;
@@ -201,7 +198,7 @@ Status StreamedAdam::WriteMains(const std::vector<MainSource>& srcs) {
       for (uint64_t i = 0; i < n; ++i) out[i] = kernels::ElementAsFloat(m.type, src, i);
     }
     const uint64_t tag = reinterpret_cast<uint64_t>(buf);
-    st = io->SubmitWrite(vfs::ChunkRef{m.p->info.id, m.p->f_main, c}, buf, tag);
+    st = io->SubmitWrite(vfs::ChunkRef{m.p->info.id, m.p->fields[0], c}, buf, tag);
     if (st.ok()) {
       writing[tag] = m.p;
     } else {
@@ -327,7 +324,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
     if (!groups_.count(r.group)) {
       OPTSTATE_LOG_INFO("StreamedAdam: param {} uses group {} that has no SetGroup; default hyperparameters", name,
                         r.group);
-      groups_[r.group] = ParamGroup{.id = r.group};
+      groups_[r.group] = rule_->Hyperparameters();
       step_counts_.emplace(r.group, 0);
     }
     vfs::TensorInfo info;
@@ -342,13 +339,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
       spec.shape = r.shard.shape;
       spec.global_shape = r.shard.global_shape;
       spec.shard_offset = r.shard.shard_offset;
-      if (opts_.moment_dtype == MomentDType::kQ8) {
-        spec.fields = vfs::AdamQ8Fields(r.numel, store_->chunk_size_bytes());
-      } else {
-        spec.fields = {{"main", DType::kF32},
-                       {"exp_avg", MomentFieldDType(opts_.moment_dtype, "exp_avg")},
-                       {"exp_avg_sq", MomentFieldDType(opts_.moment_dtype, "exp_avg_sq")}};
-      }
+      spec.fields = layout_->FieldSpecs(*rule_, r.numel);
       auto created = store_->CreateTensor(spec);
       if (!created.ok()) {
         // This call's registrations before it (their mains not yet written)
@@ -361,13 +352,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
     }
     Param p;
     p.info = std::move(info);
-    OPTSTATE_ASSIGN_OR_RETURN(p.f_main, store_->FieldIndex(p.info, "main"));
-    OPTSTATE_ASSIGN_OR_RETURN(p.f_m, store_->FieldIndex(p.info, "exp_avg"));
-    OPTSTATE_ASSIGN_OR_RETURN(p.f_v, store_->FieldIndex(p.info, "exp_avg_sq"));
-    if (opts_.moment_dtype == MomentDType::kQ8) {
-      OPTSTATE_ASSIGN_OR_RETURN(p.f_ma, store_->FieldIndex(p.info, vfs::Q8ScalesField("exp_avg")));
-      OPTSTATE_ASSIGN_OR_RETURN(p.f_va, store_->FieldIndex(p.info, vfs::Q8ScalesField("exp_avg_sq")));
-    }
+    OPTSTATE_RETURN_IF_ERROR(ResolveFields(&p));
     p.committed = false;
     p.registered = true;
     tensor_counts_[p.info.id] = TensorCount{0, 0};  // a new param has taken no step
@@ -402,7 +387,7 @@ Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights
     auto d = MakeDurable();
     if (!d.ok()) return d.status().WithContext("StreamedAdam::LoadMainFrom " + name);
   }
-  OPTSTATE_RETURN_IF_ERROR(ImplOf(*mm_)->DropTensor(it->second.info.id));
+  OPTSTATE_RETURN_IF_ERROR(mem_->DropTensor(it->second.info.id));
   it->second.main_pending = true;
   registrations_pending_ = true;
   Status ws = WriteMain(it->second, d_weights, type);

@@ -9,7 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/engine_memory.h"
+#include "memmgr/internal/slice_layout.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
@@ -19,22 +20,19 @@ namespace optstate::memmgr {
 
 using internal::ChunkKey;
 using internal::HostCache;
-using internal::ImplOf;
-using internal::ManagerImpl;
-using internal::MomentSize;
 
 Status StreamedAdam::Prefetch() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   // During a step the step itself is reading; a prefetch already runs.
   if (in_step_ || prefetch_) return Status::Ok();
-  ManagerImpl* impl = ImplOf(*mm_);
+  internal::EngineMemory* impl = mem_;
   const MemoryManagerOptions& mo = impl->options();
   // Chunks outside the tier go into staging buffers for the step's pipeline
   // to adopt: at most its own staging less one slice (StepPipeline::Begin).
   size_t stage_limit = 0;
   if (!CacheHoldsState() && staged_.empty()) {
-    const size_t slice_bufs = internal::SliceChunks(opts_.moment_dtype);
-    const size_t want = internal::StepPipelineBuffers(impl->staging_count(), mo, opts_.moment_dtype);
+    const size_t slice_bufs = layout_->slice_chunks();
+    const size_t want = internal::StepPipelineBuffers(impl->staging_count(), mo, internal::SizeOf(*layout_));
     stage_limit = want > slice_bufs ? want - slice_bufs : 0;
   }
   if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
@@ -43,14 +41,14 @@ Status StreamedAdam::Prefetch() {
   if (order.empty()) {
     for (const auto& [name, p] : params_) {
       if (!retired_.count(name)) {
-        order.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v, p.f_ma, p.f_va}, p.info.numel});
+        order.push_back(StepOrderEntry{p.info.id, p.fields, p.info.numel});
       }
     }
   }
   auto run = std::make_unique<PrefetchRun>();
   PrefetchRun* r = run.get();
   InFlightCommit* commit = inflight_.get();
-  ImplOf(*mm_)->BeginBackgroundCommit();
+  mem_->BeginBackgroundCommit();
   r->thread = std::thread([this, r, commit, stage_limit, order = std::move(order)] {
     ReadPrefetch(r, commit, stage_limit, order);
   });
@@ -60,7 +58,7 @@ Status StreamedAdam::Prefetch() {
 
 void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t stage_limit,
                                 const std::vector<StepOrderEntry>& order) {
-  ManagerImpl* impl = ImplOf(*mm_);
+  internal::EngineMemory* impl = mem_;
   if (commit != nullptr) {
     // The store shows the step's generation once its commit is done; a
     // failed commit dropped the tier, and its error comes at the next wait.
@@ -73,11 +71,7 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t s
     }
   }
   HostCache* cache = impl->cache();
-  const uint64_t chunk_bytes = impl->page_bytes();
-  // The step's slices (BeginParam): one chunk of each moment and the main
-  // chunks of its elements, read in that order.
-  const uint32_t moment_size = MomentSize(opts_.moment_dtype);
-  const uint64_t slice_elems = chunk_bytes / moment_size;
+  // The step's slices (SliceLayout), their chunks read in their order.
   // Staging for the reads (the tier's entries are filled by a copy, so a
   // concurrent reader of the tier never sees a half-read entry): up to a
   // read queue's worth, leaving two for concurrent pins.
@@ -117,20 +111,14 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t s
     return true;
   };
   bool ok = true;
+  internal::SliceLayout::Slice slice;
   for (const StepOrderEntry& e : order) {
-    for (uint64_t c = 0, first = 0; ok && first < e.numel && !r->stop.load(); ++c, first += slice_elems) {
-      const uint64_t elems = std::min(slice_elems, e.numel - first);
-      const uint64_t main_bytes = elems * 4;
-      const uint32_t n_main = static_cast<uint32_t>((main_bytes + chunk_bytes - 1) / chunk_bytes);
-      const uint32_t n_moment = internal::MomentChunks(opts_.moment_dtype);
-      for (uint32_t k = 0; k < n_main + n_moment && ok && !r->stop.load(); ++k) {
-        const bool is_main = k < n_main;
-        const bool is_scale = k >= n_main + 2;  // q8 absmax chunks
-        const uint64_t len = is_main    ? std::min(chunk_bytes, main_bytes - k * chunk_bytes)
-                             : is_scale ? (elems + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems * 4
-                                        : elems * moment_size;
-        const ChunkKey key{e.tensor_id, e.fields[is_main ? 0 : k - n_main + 1],
-                           is_main ? c * (4 / moment_size) + k : c};
+    for (uint64_t c = 0; ok && c < layout_->Slices(e.numel) && !r->stop.load(); ++c) {
+      layout_->SliceOf(e.numel, c, &slice);
+      for (uint32_t k = 0; k < slice.n && ok && !r->stop.load(); ++k) {
+        const internal::SliceLayout::Chunk& ch = slice.chunks[k];
+        const uint64_t len = ch.len;
+        const ChunkKey key{e.tensor_id, e.fields[ch.rule_field], ch.index};
         bool stage = false;
         if (!cache->WantsPrefetch(key, len)) {
           // Not for the tier: a chunk the step reads from disk, staged
@@ -174,7 +162,7 @@ void StreamedAdam::DropStaged() {
   if (staged_.empty()) return;
   std::vector<void*> bufs;
   for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
-  ImplOf(*mm_)->ReleaseStaging(bufs);
+  mem_->ReleaseStaging(bufs);
   staged_.clear();
 }
 

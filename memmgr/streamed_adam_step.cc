@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
 #include "memmgr/internal/streamed_adam_util.h"
@@ -21,10 +21,8 @@ namespace optstate::memmgr {
 
 using internal::CheckGradScale;
 using internal::ChunkKey;
-using internal::ImplOf;
 using internal::NowS;
 using internal::DTypeText;
-using internal::MomentSize;
 using internal::WithNote;
 
 Status StreamedAdam::CheckGrad(const ParamGrad& g) const {
@@ -67,7 +65,7 @@ Status StreamedAdam::Fail(Status s) {
   }
   Status a = store_->AbortPending();
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed step: {}", a.ToString());
-  ImplOf(*mm_)->OnAbortPending();
+  mem_->OnAbortPending();
   in_step_ = false;
   stepped_.clear();
   const std::string lost = RevertUncommitted();
@@ -138,18 +136,18 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
     warned_cache_small_ = true;
     OPTSTATE_LOG_WARN("StreamedAdam: durable_every_steps {} needs the host cache tier ({} bytes) to hold the whole "
                       "state of store {}; every step commits",
-                      opts_.durable_every_steps, ImplOf(*mm_)->cache()->capacity_bytes(), store_->path());
+                      opts_.durable_every_steps, mem_->cache()->capacity_bytes(), store_->path());
   }
-  if (!step_cache_mode_ && ImplOf(*mm_)->cache()->enabled() && !warned_cache_partial_) {
+  if (!step_cache_mode_ && mem_->cache()->enabled() && !warned_cache_partial_) {
     warned_cache_partial_ = true;
     OPTSTATE_LOG_INFO("StreamedAdam: the host cache tier ({} bytes) holds part of the {} bytes of state of store {}; "
                       "steps read the chunks it admits from RAM and the rest from disk",
-                      ImplOf(*mm_)->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
+                      mem_->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
   }
   const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
-  pipeline_ = std::make_unique<internal::StepPipeline>(ImplOf(*mm_), io_.get(), opts_.cpu_threads,
-                                                       opts_.background_sync_bytes, d_found_inf,
-                                                       opts_.moment_dtype);
+  pipeline_ = std::make_unique<internal::StepPipeline>(mem_, io_.get(), opts_.cpu_threads,
+                                                       opts_.background_sync_bytes, d_found_inf, rule_.get(),
+                                                       layout_.get());
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
   // Tests fix the order of a step's I/O here (base/sync_point.h; nothing in
@@ -196,58 +194,28 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   if (stepped_.count(g.name)) {
     return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": given twice in one step"));
   }
-  Status ds = ImplOf(*mm_)->DropTensor(p.info.id);
+  Status ds = mem_->DropTensor(p.info.id);
   if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
   stepped_.insert(g.name);
-  step_order_.push_back(StepOrderEntry{p.info.id, {p.f_main, p.f_m, p.f_v, p.f_ma, p.f_va}, p.info.numel});
-  const ParamGroup& grp = groups_.at(p.info.group);
-  kernels::AdamParams ap;
-  ap.lr = grp.lr;
-  ap.beta1 = grp.beta1;
-  ap.beta2 = grp.beta2;
-  ap.eps = grp.eps;
-  ap.weight_decay = grp.weight_decay;
-  ap.mode = grp.adamw ? kernels::AdamMode::kAdamW : kernels::AdamMode::kAdam;
-  ap.step = tensor_counts_.at(p.info.id).now + 1;  // the param's own count, as torch's
-  ap.grad_scale = step_grad_scale_;
+  step_order_.push_back(StepOrderEntry{p.info.id, p.fields, p.info.numel});
+  // The rule's arguments for this param: its group's hyperparameters and
+  // its own count after this step, as torch's.
+  RuleArgs args;
+  Status as = rule_->MakeArgs(groups_.at(p.info.group), tensor_counts_.at(p.info.id).now + 1,
+                              step_grad_scale_, &args);
+  if (!as.ok()) return Fail(as.WithContext("StreamedAdam::StepParam " + g.name));
   groups_stepped_[p.info.group] = true;
-  // A slice is one chunk of each moment and the main chunks of its elements
-  // (see StepPipeline).
-  const uint64_t chunk = ImplOf(*mm_)->page_bytes();
-  const uint32_t moment_size = MomentSize(opts_.moment_dtype);
-  const uint64_t slice_elems = chunk / moment_size;
-  for (uint64_t c = 0, first = 0; first < p.info.numel; ++c, first += slice_elems) {
-    internal::StepPipeline::Job j;
-    j.tensor_id = p.info.id;
+  internal::StepPipeline::Job j;
+  j.tensor_id = p.info.id;
+  std::copy(p.fields.begin(), p.fields.end(), j.tensor_fields);
+  j.grad = g.d_grad;
+  j.grad_type = g.grad_type;
+  j.param = g.d_param;
+  if (g.d_param) j.param_type = *g.param_type;
+  j.args = args;
+  for (uint64_t c = 0; c < layout_->Slices(p.info.numel); ++c) {
     j.chunk = c;
-    j.first_elem = first;
-    j.elems = std::min(slice_elems, p.info.numel - first);
-    j.moment_type = opts_.moment_dtype;
-    const uint64_t main_bytes = j.elems * 4;
-    j.n_main = static_cast<uint32_t>((main_bytes + chunk - 1) / chunk);
-    j.n_bufs = j.n_main + internal::MomentChunks(opts_.moment_dtype);
-    for (uint32_t k = 0; k < j.n_main; ++k) {
-      j.fields[k] = p.f_main;
-      j.chunks[k] = c * (4 / moment_size) + k;
-      j.lens[k] = std::min(chunk, main_bytes - k * chunk);
-    }
-    j.fields[j.n_main] = p.f_m;
-    j.fields[j.n_main + 1] = p.f_v;
-    j.chunks[j.n_main] = j.chunks[j.n_main + 1] = c;
-    j.lens[j.n_main] = j.lens[j.n_main + 1] = j.elems * moment_size;
-    if (opts_.moment_dtype == MomentDType::kQ8) {
-      // Chunk c of each absmax field: the scales of exactly these elements.
-      j.fields[j.n_main + 2] = p.f_ma;
-      j.fields[j.n_main + 3] = p.f_va;
-      j.chunks[j.n_main + 2] = j.chunks[j.n_main + 3] = c;
-      j.lens[j.n_main + 2] = j.lens[j.n_main + 3] =
-          (j.elems + kernels::kQ8BlockElems - 1) / kernels::kQ8BlockElems * sizeof(float);
-    }
-    j.grad = g.d_grad;
-    j.grad_type = g.grad_type;
-    j.param = g.d_param;
-    if (g.d_param) j.param_type = *g.param_type;
-    j.params = ap;
+    layout_->SliceOf(p.info.numel, c, &j.slice);
     pipeline_->Enqueue(j);
   }
   Status ps = pipeline_->Pump(false);
@@ -304,7 +272,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
   last_stats_.peak_write_bytes_in_flight = pl.peak_write_bytes;
   last_stats_.device_slots = pl.device_slots();
   last_stats_.io_wait_seconds = pl.stall_s_;
-  ImplOf(*mm_)->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+  mem_->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
   pipeline_->Release();
   pipeline_.reset();
   if (step_found_inf_ != nullptr) {
@@ -315,7 +283,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
     if (!cs.ok()) return Fail(cs);
     if (flag != 0.0f) {
       Status a = store_->AbortPending();
-      ImplOf(*mm_)->OnAbortPending();
+      mem_->OnAbortPending();
       in_step_ = false;
       last_step_skipped_ = true;
       if (step_cache_mode_) {

@@ -55,7 +55,7 @@ std::vector<FieldSpec> AdamFields() {
 }
 
 std::vector<FieldSpec> AdamQ8Fields(uint64_t numel, uint64_t chunk_size_bytes) {
-  const uint64_t blocks = (numel + kQ8BlockElems - 1) / kQ8BlockElems;
+  const uint64_t blocks = Q8Blocks(numel);
   const uint64_t scale_chunk = chunk_size_bytes / (kQ8BlockElems / sizeof(float));
   return {{"main", DType::kF32},
           {"exp_avg", DType::kQ8S},
@@ -117,7 +117,7 @@ Status ValidateFields(const TensorSpec& spec, uint64_t chunk_size_bytes, std::st
                              "' is missing");
     }
     const FieldSpec& sf = spec.fields[static_cast<uint32_t>(s)];
-    const uint64_t blocks = (spec.field_numel(i) + kQ8BlockElems - 1) / kQ8BlockElems;
+    const uint64_t blocks = Q8Blocks(spec.field_numel(i));
     const uint64_t want_chunk = spec.field_chunk_bytes(i, chunk_size_bytes) / (kQ8BlockElems / sizeof(float));
     if (sf.dtype != DType::kF32) {
       return InvalidArgument(prefix + scales + "': dtype " + DTypeName(sf.dtype) + ", the scales of '" + f.name +

@@ -127,7 +127,7 @@ inline constexpr uint64_t kLatest = UINT64_MAX;          // "the newest committe
 // maps are kernels::Q8MapValue's (docs/MOMENTS.md).
 
 // Elements per scale of a q8 field (one fp32 absmax per 256 elements).
-inline constexpr uint64_t kQ8BlockElems = 256;
+using optstate::kQ8BlockElems;
 // The field holding the scales of q8 field `codes`: "<codes>.absmax".
 std::string Q8ScalesField(std::string_view codes);
 

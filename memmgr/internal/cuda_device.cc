@@ -241,17 +241,11 @@ class CudaDevice final : public Device {
     OPTSTATE_CUDA_RETURN("cudaMemsetAsync", cudaMemsetAsync(d, value, bytes, static_cast<cudaStream_t>(s)));
     return Status::Ok();
   }
-  Status Adam(const kernels::AdamTensors& t, uint64_t count, const kernels::AdamParams& p, int,
-              void* stream) override {
-    int e = kernels::AdamStepCuda(t, count, p, stream);
-    if (e != 0) return CudaStatus("AdamStepCuda (" + std::to_string(count) + " elements)", static_cast<cudaError_t>(e));
-    return Status::Ok();
-  }
-  Status AdamQ8(const kernels::AdamQ8Tensors& t, uint64_t count, const kernels::AdamParams& p, int,
-                void* stream) override {
-    int e = kernels::AdamStepCudaQ8(t, count, p, stream);
+  Status RunRule(const UpdateRule& rule, const SliceOperands& o, const RuleArgs& a, int, void* stream) override {
+    int e = rule.RunCuda(o, a, stream);
     if (e != 0) {
-      return CudaStatus("AdamStepCudaQ8 (" + std::to_string(count) + " elements)", static_cast<cudaError_t>(e));
+      return CudaStatus(std::string(rule.name()) + " kernel (" + std::to_string(o.count) + " elements)",
+                        static_cast<cudaError_t>(e));
     }
     return Status::Ok();
   }

@@ -1,7 +1,7 @@
 // Device: what the memory manager needs from a backend. Two implementations:
 // HostDevice (host_device.cc: mmap reservations + memfd pages, CPU kernels)
 // and CudaDevice (cuda_device.cc: CUDA VMM through driver entry points
-// resolved at run time, cudart streams/events, AdamStepCuda).
+// resolved at run time, cudart streams/events, the rules' CUDA kernels).
 //
 // Addresses are uint64_t so that this header needs no CUDA include.
 // Thread-safety: every method is thread-safe except that one stream is driven
@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
+#include "memmgr/update_rule.h"
 #include "base/status.h"
 
 namespace optstate::memmgr::internal {
@@ -58,11 +58,10 @@ class Device {
   virtual Status CopyD2D(void* d, const void* s, uint64_t bytes, void* stream) = 0;
   virtual Status Memset(void* d, int value, uint64_t bytes, void* stream) = 0;
 
-  virtual Status Adam(const kernels::AdamTensors& t, uint64_t count, const kernels::AdamParams& p,
-                      int cpu_threads, void* stream) = 0;
-  // The q8-moment step (AdamStepCpuQ8 / AdamStepCudaQ8).
-  virtual Status AdamQ8(const kernels::AdamQ8Tensors& t, uint64_t count, const kernels::AdamParams& p,
-                        int cpu_threads, void* stream) = 0;
+  // One kernel call of an update rule (its RunCpu on host with cpu_threads,
+  // its RunCuda on the stream), its failure as a Status.
+  virtual Status RunRule(const UpdateRule& rule, const SliceOperands& o, const RuleArgs& a, int cpu_threads,
+                         void* stream) = 0;
 
   virtual Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
 };

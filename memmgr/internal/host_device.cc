@@ -2,7 +2,7 @@
 // mmap(PROT_NONE, MAP_NORESERVE); physical pages are slices of one memfd,
 // mapped MAP_SHARED|MAP_FIXED while resident and replaced by a fresh
 // PROT_NONE mapping when unmapped (so a stale pointer faults instead of
-// reading another chunk's bytes). Copies are memcpy, the kernel AdamStepCpu.
+// reading another chunk's bytes). Copies are memcpy, kernels the update rules' CPU ones.
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/mman.h>
@@ -129,21 +129,9 @@ class HostDevice final : public Device {
     if (bytes) std::memset(d, value, bytes);
     return Status::Ok();
   }
-  Status Adam(const kernels::AdamTensors& t, uint64_t count, const kernels::AdamParams& p,
-              int cpu_threads, void*) override {
-    if (!kernels::AdamStepCpu(t, count, p, cpu_threads < 1 ? 1 : cpu_threads)) {
-      return InvalidArgument(std::string("AdamStepCpu rejected the tensors (grad type ") + DTypeName(t.grad_type) +
-                             ", param type " + (t.param_type ? DTypeName(*t.param_type) : "none") + ")");
-    }
-    return Status::Ok();
-  }
-  Status AdamQ8(const kernels::AdamQ8Tensors& t, uint64_t count, const kernels::AdamParams& p,
-                int cpu_threads, void*) override {
-    if (!kernels::AdamStepCpuQ8(t, count, p, cpu_threads < 1 ? 1 : cpu_threads)) {
-      return InvalidArgument(std::string("AdamStepCpuQ8 rejected the tensors (grad type ") + DTypeName(t.grad_type) +
-                             ", param type " + (t.param_type ? DTypeName(*t.param_type) : "none") + ")");
-    }
-    return Status::Ok();
+  Status RunRule(const UpdateRule& rule, const SliceOperands& o, const RuleArgs& a, int cpu_threads,
+                 void*) override {
+    return rule.RunCpu(o, a, cpu_threads < 1 ? 1 : cpu_threads);
   }
   Status MemInfo(uint64_t* free_bytes, uint64_t* total_bytes) override {
     *free_bytes = 0;

@@ -8,6 +8,7 @@
 #include <thread>
 #include <utility>
 
+#include "kernels/adam.h"
 #include "memmgr/internal/resource_check.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "vfs/io_buffer.h"

@@ -1,6 +1,6 @@
 // ManagerImpl: the MemoryManager's state and the lower-level services that
-// StreamedAdam uses (budgeted device arenas, staging buffers, the host cache
-// tier, stats). Internal to memmgr.
+// the streamed optimizer engine uses through EngineMemory (budgeted device
+// arenas, staging buffers, the host cache tier, stats). Internal to memmgr.
 //
 // Locking: mu_ guards regions, chunk states, the LRU, the page pool and budget
 // accounting; io_mu_ guards the shared ChunkIo and copy stream used by Pin,
@@ -24,20 +24,12 @@
 #include <vector>
 
 #include "memmgr/internal/device.h"
+#include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/host_cache.h"
 #include "memmgr/memory_manager.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr::internal {
-
-// A budgeted, contiguous device range of whole pages (StreamedAdam slots).
-struct Arena {
-  uint64_t base = 0;
-  uint64_t pages = 0;
-  uint64_t page_bytes = 0;
-  std::vector<uint64_t> handles;
-  void* ptr(uint64_t page) const { return reinterpret_cast<void*>(base + page * page_bytes); }
-};
 
 // "N MiB (B bytes)", for messages that state sizes.
 std::string Mib(uint64_t bytes);
@@ -47,7 +39,7 @@ std::string Mib(uint64_t bytes);
 // the LRU, pages within the budget, write-back, arenas), pins.cc (Pin, Unpin,
 // Prefetch, the background worker), staging_pool.cc (the staging pool and
 // the chunk transfers through it).
-class ManagerImpl {
+class ManagerImpl final : public EngineMemory {
  public:
   static Result<std::unique_ptr<ManagerImpl>> Create(vfs::Store* store, const MemoryManagerOptions& opts);
   ~ManagerImpl();
@@ -57,30 +49,30 @@ class ManagerImpl {
                           Access access);
   Status Unpin(uint64_t pin_id);
   Status Prefetch(std::string_view tensor, std::string_view field, uint64_t first, uint64_t count);
-  Status Flush();
+  Status Flush() override;
   Status ReleaseAll();
-  MemoryStats stats() const;
+  MemoryStats stats() const override;
 
-  // --- services for StreamedAdam ---
-  Device* device() const { return dev_.get(); }
-  vfs::Store* store() const { return store_; }
-  const MemoryManagerOptions& options() const { return opts_; }
+  // --- EngineMemory: services for the streamed optimizer engine ---
+  Device* device() const override { return dev_.get(); }
+  vfs::Store* store() const override { return store_; }
+  const MemoryManagerOptions& options() const override { return opts_; }
   const std::string& staging_pages() const { return staging_pages_; }
-  uint64_t page_bytes() const { return page_bytes_; }
-  uint64_t budget_pages() const { return budget_pages_; }
+  uint64_t page_bytes() const override { return page_bytes_; }
+  uint64_t budget_pages() const override { return budget_pages_; }
   // Takes between min_pages and max_pages of budget as one contiguous mapped
   // range: evicts unpinned chunks (writing dirty ones back) and waits for
   // unpins while fewer than min_pages can be had.
-  Result<Arena> AcquireArena(uint64_t min_pages, uint64_t max_pages);
-  void ReleaseArena(Arena* a);
+  Result<Arena> AcquireArena(uint64_t min_pages, uint64_t max_pages) override;
+  void ReleaseArena(Arena* a) override;
   // Writes back and drops every resident chunk of the tensor (StreamedAdam
   // owns its state during a step). kFailedPrecondition when one is pinned.
-  Status DropTensor(uint32_t tensor_id);
+  Status DropTensor(uint32_t tensor_id) override;
   // Exclusive staging buffers (chunk-sized, pinned): between min and max.
-  std::vector<void*> AcquireStaging(size_t min, size_t max);
-  void ReleaseStaging(const std::vector<void*>& bufs);
+  std::vector<void*> AcquireStaging(size_t min, size_t max) override;
+  void ReleaseStaging(const std::vector<void*>& bufs) override;
   // Staging buffers in the pool (free or held).
-  size_t staging_count() const;
+  size_t staging_count() const override;
   // An automatic pool's size at Create: one buffer for pins and two spare.
   static constexpr uint32_t kInitialAutoStaging = 3;
   // With an automatic pool (MemoryManagerOptions::staging_buffers 0), grows
@@ -88,16 +80,16 @@ class ManagerImpl {
   // f32's (bf16, q8 moments) asks for what keeps as many bytes in flight.
   // A failed allocation keeps the buffers had so far (logged): the pipeline
   // then runs fewer slices at once, as it would with a smaller pool.
-  void GrowStaging(size_t total);
-  HostCache* cache() { return cache_.get(); }
+  void GrowStaging(size_t total) override;
+  HostCache* cache() override { return cache_.get(); }
   // Options for a ChunkIo that registers every staging buffer.
-  vfs::ChunkIoOptions ChunkIoOpts() const;
+  vfs::ChunkIoOptions ChunkIoOpts() const override;
   // Called after Store::AbortPending: forget what the pending generation held.
   // keep_dirty_cache: the host cache's dirty entries (steps not yet committed)
   // stay, unwritten, for a retry; otherwise the whole cache is dropped.
-  void OnAbortPending(bool keep_dirty_cache = false);
+  void OnAbortPending(bool keep_dirty_cache = false) override;
   void AddStats(uint64_t nvme_read, uint64_t nvme_write, uint64_t cache_hit, uint64_t h2d, uint64_t d2h,
-                double stall_s);
+                double stall_s) override;
 
   // A StreamedAdam commit (commit_lag_steps 1) or prefetch running on a
   // thread of the optimizer: MemoryManager's Pin, Prefetch, Flush and
@@ -106,11 +98,11 @@ class ManagerImpl {
   // fills the host cache tier from the store. Begin/End bracket each (they
   // nest: a prefetch may start while a commit runs); ManagerImpl's own
   // methods do not wait (the commit itself calls Flush).
-  void BeginBackgroundCommit() {
+  void BeginBackgroundCommit() override {
     std::lock_guard<std::mutex> lock(commit_mu_);
     ++commit_running_;
   }
-  void EndBackgroundCommit() {
+  void EndBackgroundCommit() override {
     {
       std::lock_guard<std::mutex> lock(commit_mu_);
       --commit_running_;
@@ -234,8 +226,8 @@ class ManagerImpl {
   uint32_t commit_running_ = 0;  // commit_mu_: background commits and prefetches running
 };
 
-// The manager's state behind a MemoryManager: the way StreamedAdam reaches the
-// cache, pins and staging, which MemoryManager's public face does not show.
-inline ManagerImpl* ImplOf(const MemoryManager& mm) { return mm.impl_.get(); }
+// The manager's state behind a MemoryManager, for tests of its internals
+// (the engine goes through EngineMemoryOf).
+inline ManagerImpl* ImplOf(const MemoryManager& mm) { return static_cast<ManagerImpl*>(EngineMemoryOf(mm)); }
 
 }  // namespace optstate::memmgr::internal

@@ -20,7 +20,7 @@ uint64_t NowNs() {
 
 Status ManagerImpl::LoadChunks(const std::vector<IoItem>& items) {
   if (items.empty()) return Status::Ok();
-  GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, MomentDType::kF32)));
+  GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, SliceSize{})));
   std::lock_guard<std::mutex> io_lock(io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {
@@ -71,7 +71,7 @@ Status ManagerImpl::LoadChunks(const std::vector<IoItem>& items) {
 
 Status ManagerImpl::StoreChunks(const std::vector<IoItem>& items) {
   if (items.empty()) return Status::Ok();
-  GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, MomentDType::kF32)));
+  GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, SliceSize{})));
   std::lock_guard<std::mutex> io_lock(io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {

@@ -31,7 +31,7 @@ Status StepPipeline::Begin() {
   // Every slice of the state is small: one buffer (cut into pieces) will do.
   const bool all_small = has_state_ && state_.big == 0;
   const size_t min_bufs = all_small ? 1 : bufs_;
-  const size_t want = StepPipelineBuffers(total, o, moment_type_, min_bufs);
+  const size_t want = StepPipelineBuffers(total, o, SizeOf(*layout_), min_bufs);
   if (want < min_bufs) {
     return ResourceExhausted("StreamedAdam: " + std::to_string(total) + " staging buffers; need at least " +
                              std::to_string(min_bufs) + " (one per chunk of a slice)");
@@ -253,7 +253,7 @@ void StepPipeline::Release() {
 }
 
 void StepPipeline::ReleaseCached(Set& s, bool dirty) {
-  for (int f = 0; f < kMaxSliceChunks; ++f) {
+  for (uint32_t f = 0; f < kMaxSliceChunks; ++f) {
     if (!s.acquired[f]) continue;
     mm_->cache()->Release(Key(s.job, f), dirty);
     s.acquired[f] = false;
@@ -274,7 +274,7 @@ Status StepPipeline::SubmitReads(bool* progressed) {
     if (!ReadRoom(front.bytes())) break;
     const size_t i = FreeSetFor(front);
     if (i == kNoSet) {
-      if (small_sets_ == sets_.size() && *std::max_element(front.lens, front.lens + front.n_bufs) > kSmallSliceBytes) {
+      if (small_sets_ == sets_.size() && front.max_len() > kSmallSliceBytes) {
         return Keep(Internal("StreamedAdam: a slice of tensor id " + std::to_string(front.tensor_id) +
                              " needs whole-chunk buffers, but the step planned for small slices only"));
       }
@@ -312,7 +312,7 @@ void StepPipeline::OnComputed(size_t i) {
     ++slices;
     return;
   }
-  if (std::all_of(s.acquired, s.acquired + s.job.n_bufs, [](bool a) { return a; })) {
+  if (std::all_of(s.acquired, s.acquired + s.job.n_bufs(), [](bool a) { return a; })) {
     // The slice lives in cache entries: its writes go out from them, and
     // the staging set is free for the next read at once.
     size_t t;
@@ -327,7 +327,7 @@ void StepPipeline::OnComputed(size_t i) {
     w = s;
     w.stage = Stage::kComputed;
     ++tail_busy_;
-    for (int f = 0; f < kMaxSliceChunks; ++f) s.acquired[f] = false;
+    for (uint32_t f = 0; f < kMaxSliceChunks; ++f) s.acquired[f] = false;
     s.stage = Stage::kFree;
     computed_.push_back(kTailBit | t);
     return;
@@ -345,7 +345,7 @@ Status StepPipeline::SyncOldestSlot() {
 }
 
 size_t StepPipeline::FreeSetFor(const Job& j) const {
-  const bool fits_small = *std::max_element(j.lens, j.lens + j.n_bufs) <= kSmallSliceBytes;
+  const bool fits_small = j.max_len() <= kSmallSliceBytes;
   size_t big = kNoSet;
   for (size_t i = 0; i < sets_.size(); ++i) {
     if (sets_[i].stage != Stage::kFree) continue;
@@ -402,8 +402,8 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
   s.job = j;
   s.stage = Stage::kReading;
   s.pending = 0;
-  for (uint32_t f = 0; f < j.n_bufs; ++f) {
-    const uint64_t len = j.lens[f];
+  for (uint32_t f = 0; f < j.n_bufs(); ++f) {
+    const uint64_t len = j.len(f);
     s.buf[f] = s.io[f];
     if (read_tier_) {
       bool valid = false;
@@ -442,7 +442,8 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
         continue;
       }
     }
-    vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
+    const ChunkKey key = Key(j, f);
+    vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
     // 0: a whole chunk.
     const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
     Status st = io_->SubmitRead(ref, s.buf[f], i * kMaxSliceChunks + f, buf_bytes);
@@ -464,12 +465,12 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
 
 Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
   const size_t i = c.tag / kMaxSliceChunks;
-  int f = static_cast<int>(c.tag % kMaxSliceChunks);
+  const uint32_t f = static_cast<uint32_t>(c.tag % kMaxSliceChunks);
   if ((i & kTailBit) ? (i & ~kTailBit) >= tail_.size() : i >= sets_.size()) {
     return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
   }
   Set& s = SetAt(i);
-  const uint64_t len = s.job.lens[f];
+  const uint64_t len = s.job.len(f);
   if (s.stage == Stage::kReading) {
     --reads_in_flight_;
     read_bytes_ -= len;
@@ -520,8 +521,8 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
   const bool in_place = dev_->backend() == Backend::kHost;
   void* const* bufs = in_place ? s.buf : d.d;
   if (!in_place) {
-    for (uint32_t f = 0; f < j.n_bufs; ++f) {
-      OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.buf[f], j.lens[f], d.stream));
+    for (uint32_t f = 0; f < j.n_bufs(); ++f) {
+      OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(d.d[f], s.buf[f], j.len(f), d.stream));
     }
     h2d += j.bytes();
   }
@@ -533,46 +534,21 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
     return launch.WithContext("StreamedAdam: kernel launch at tensor id " + std::to_string(j.tensor_id) + " chunk " +
                               std::to_string(j.chunk));
   }
-  // One kernel call per main chunk, on the moments' elements of that chunk.
-  const uint32_t moment_size = MomentSize(j.moment_type);
-  uint64_t done = 0;
-  for (uint32_t k = 0; k < j.n_main; ++k) {
-    const uint64_t first = j.first_elem + done;
-    const uint64_t n = j.lens[k] / 4;
-    if (j.moment_type == MomentDType::kQ8) {
-      // A main chunk holds a whole number of 256-element blocks (the chunk
-      // size is a multiple of 2 MiB), so each call starts at a block.
-      kernels::AdamQ8Tensors t;
-      t.main = static_cast<float*>(bufs[k]);
-      t.exp_avg = static_cast<uint8_t*>(bufs[j.n_main]) + done;
-      t.exp_avg_sq = static_cast<uint8_t*>(bufs[j.n_main + 1]) + done;
-      t.exp_avg_absmax = static_cast<float*>(bufs[j.n_main + 2]) + done / kernels::kQ8BlockElems;
-      t.exp_avg_sq_absmax = static_cast<float*>(bufs[j.n_main + 3]) + done / kernels::kQ8BlockElems;
-      t.grad = static_cast<const char*>(j.grad) + first * DTypeSize(j.grad_type);
-      t.grad_type = j.grad_type;
-      t.param = j.param ? static_cast<char*>(j.param) + first * DTypeSize(j.param_type) : nullptr;
-      if (j.param) t.param_type = j.param_type;
-      t.found_inf = found_inf_;
-      OPTSTATE_RETURN_IF_ERROR(dev_->AdamQ8(t, n, j.params, cpu_threads_, d.stream));
-      done += n;
-      continue;
-    }
-    kernels::AdamTensors t;
-    t.main = static_cast<float*>(bufs[k]);
-    t.exp_avg = static_cast<char*>(bufs[j.n_main]) + done * moment_size;
-    t.exp_avg_sq = static_cast<char*>(bufs[j.n_main + 1]) + done * moment_size;
-    t.moment_type = j.moment_type;
-    t.grad = static_cast<const char*>(j.grad) + first * DTypeSize(j.grad_type);
-    t.grad_type = j.grad_type;
-    t.param = j.param ? static_cast<char*>(j.param) + first * DTypeSize(j.param_type) : nullptr;
-    if (j.param) t.param_type = j.param_type;
-    t.found_inf = found_inf_;
-    OPTSTATE_RETURN_IF_ERROR(dev_->Adam(t, n, j.params, cpu_threads_, d.stream));
-    done += n;
+  // One kernel call per piece of the slice that is contiguous in every field.
+  SliceOperands o;
+  o.grad_type = j.grad_type;
+  if (j.param) o.param_type = j.param_type;
+  o.found_inf = found_inf_;
+  for (uint64_t off = 0; off < j.slice.elems; off += o.count) {
+    o.count = layout_->Piece(j.slice, bufs, off, o.fields);
+    o.first_elem = j.slice.first_elem + off;
+    o.grad = static_cast<const char*>(j.grad) + o.first_elem * DTypeSize(j.grad_type);
+    o.param = j.param ? static_cast<char*>(j.param) + o.first_elem * DTypeSize(j.param_type) : nullptr;
+    OPTSTATE_RETURN_IF_ERROR(dev_->RunRule(*rule_, o, j.args, cpu_threads_, d.stream));
   }
   if (!in_place) {
-    for (uint32_t f = 0; f < j.n_bufs; ++f) {
-      OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.buf[f], d.d[f], j.lens[f], d.stream));
+    for (uint32_t f = 0; f < j.n_bufs(); ++f) {
+      OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(s.buf[f], d.d[f], j.len(f), d.stream));
     }
     d2h += j.bytes();
   }
@@ -584,11 +560,12 @@ Status StepPipeline::StartWrites(size_t i) {
   const Job& j = s.job;
   s.stage = Stage::kWriting;
   s.pending = 0;
-  for (uint32_t f = 0; f < j.n_bufs; ++f) {
-    const uint64_t len = j.lens[f];
-    // The new version; cleared on abort (ManagerImpl::OnAbortPending).
-    if (!s.acquired[f]) mm_->cache()->Put(Key(j, f), s.buf[f], len);
-    vfs::ChunkRef ref{j.tensor_id, j.fields[f], j.chunks[f]};
+  for (uint32_t f = 0; f < j.n_bufs(); ++f) {
+    const uint64_t len = j.len(f);
+    const ChunkKey key = Key(j, f);
+    // The new version; cleared on abort (EngineMemory::OnAbortPending).
+    if (!s.acquired[f]) mm_->cache()->Put(key, s.buf[f], len);
+    vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
     Status st = io_->SubmitWrite(ref, s.buf[f], i * kMaxSliceChunks + f);
     if (!st.ok()) {
       return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +

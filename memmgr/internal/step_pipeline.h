@@ -1,13 +1,13 @@
 // StepPipeline: the chunk pipeline of one StreamedAdam step (internal to
-// memmgr). A slice is one element range of a param that covers whole chunks
-// of every field: one moment chunk index of exp_avg and exp_avg_sq and the
-// main chunks of the same elements (one with f32 moments;
-// with bf16 moments a moment chunk holds twice the elements of an fp32 chunk,
-// so two main chunks). Every buffer is then one whole chunk (the unit of I/O,
-// checksum and copy-on-write), and every page stays a chunk, a multiple of the
-// 2 MiB VMM granularity; the kernel runs once per main chunk on the matching
-// half of the moment buffers. A slice holds one staging set (one chunk-sized
-// pinned buffer per chunk: 3, or 4 with bf16 moments) from its reads to the
+// memmgr). A slice is one element range of a tensor that covers whole chunks
+// of every field of the update rule (SliceLayout: with AdamW's f32 moments
+// one chunk of each of main, exp_avg and exp_avg_sq; bf16 moments two of
+// main; q8 moments four of main and one of each codes and scales field: 3,
+// 4 or 8 chunks). Every buffer is then one whole chunk (the unit of I/O,
+// checksum and copy-on-write), and every page stays a chunk, a multiple of
+// the 2 MiB VMM granularity; the rule's kernel runs once per piece that is
+// contiguous in every field. A slice holds one staging set (one chunk-sized
+// pinned buffer per chunk of the slice) from its reads to the
 // completion of its writes; it holds a device slot (as many budgeted device
 // pages) only from H2D to the end of D2H. So read-ahead is
 // bounded by staging, not by the device budget, and a budget of one slot
@@ -21,7 +21,7 @@
 // ring while completions wait unreaped. Slices of small tensors use small
 // staging sets (kSmallSliceBytes per field), so they take neither big sets
 // nor queue depth from the slices that move the bytes.
-// A computed slice whose three buffers are host cache entries gives its
+// A computed slice whose buffers are all host cache entries gives its
 // staging set back at once: its writes (the write tail) go out from the
 // entries, which stay in use (never evicted or reused) until each write
 // completes. So with the RAM tier the step is bound by its compute, not by
@@ -38,10 +38,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kernels/adam.h"
 #include "memmgr/internal/device.h"
-#include "memmgr/internal/manager_impl.h"
+#include "memmgr/internal/engine_memory.h"
+#include "memmgr/internal/slice_layout.h"
 #include "memmgr/memory_manager.h"
+#include "memmgr/update_rule.h"
 #include "base/status.h"
 #include "vfs/store.h"
 
@@ -56,48 +57,30 @@ inline uint32_t RingRequests(const MemoryManagerOptions& o) {
   return 4 * (std::max<uint32_t>(o.queue_depth, 6) + o.write_queue_depth);
 }
 
-// Chunks in one slice at most: with q8 moments four main chunks, one codes
-// chunk of each moment and one absmax chunk of each moment.
-constexpr int kMaxSliceChunks = 8;
-
-// Chunks in a full slice with moments of type t: main chunks (one per moment
-// element size in 4 bytes) + the moments' chunks (2, or 4 with q8 scales).
-inline uint32_t SliceChunks(MomentDType moment) {
-  switch (moment) {
-    case MomentDType::kBF16: return 4;
-    case MomentDType::kQ8: return 8;
-    default: return 3;
-  }
-}
-
-// The moment chunks of a slice: exp_avg and exp_avg_sq, plus their absmax
-// chunks with q8 moments.
-inline uint32_t MomentChunks(MomentDType moment) { return moment == MomentDType::kQ8 ? 4 : 2; }
-
-// Bytes a full slice moves each way, in chunks: 3 (f32), 4 (bf16), 6 (q8: four
-// main chunks and two codes chunks; the absmax chunks are 1/64 of a chunk).
-inline uint32_t SliceBytesInChunks(MomentDType moment) {
-  switch (moment) {
-    case MomentDType::kBF16: return 4;
-    case MomentDType::kQ8: return 6;
-    default: return 3;
-  }
-}
+// The size of a full slice: its chunks (buffers, device pages) and the bytes
+// it moves each way in whole chunks (SliceLayout). The default, three chunks
+// of three fields, sizes the staging pool before an optimizer sizes it to its
+// state.
+struct SliceSize {
+  uint32_t chunks = 3;
+  uint32_t bytes_in_chunks = 3;
+};
+inline SliceSize SizeOf(const SliceLayout& l) { return SliceSize{l.slice_chunks(), l.slice_bytes_in_chunks()}; }
 
 // Slices the pipeline stages at once: read_ahead_chunks, or (0 = auto) enough
 // to fill both depth limits (counted in chunks' bytes) with slices of this
-// moment type, plus four being computed: a q8 slice moves twice an f32
-// slice's bytes, so half as many keep the disk as busy.
-inline uint32_t StepPipelineSlices(const MemoryManagerOptions& o, MomentDType moment) {
+// size, plus four being computed: a slice that moves twice the bytes (q8
+// AdamW against f32) needs half as many to keep the disk as busy.
+inline uint32_t StepPipelineSlices(const MemoryManagerOptions& o, SliceSize z) {
   if (o.read_ahead_chunks != 0) return o.read_ahead_chunks;
-  return (o.queue_depth + o.write_queue_depth) / SliceBytesInChunks(moment) + 4;
+  return (o.queue_depth + o.write_queue_depth) / z.bytes_in_chunks + 4;
 }
 
-// The staging pool's automatic size for slices of this moment type: a set per
+// The staging pool's automatic size for slices of this size: a set per
 // slice, plus two the pipeline leaves for concurrent pins and two spare
-// (ManagerImpl::Init for f32, ManagerImpl::GrowStaging for wider slices).
-inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, MomentDType moment) {
-  return SliceChunks(moment) * StepPipelineSlices(o, moment) + 4;
+// (ManagerImpl::Init for the default size, GrowStaging for wider slices).
+inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, SliceSize z) {
+  return z.chunks * StepPipelineSlices(o, z) + 4;
 }
 
 // Staging buffers a step's pipeline takes from a pool of `pool` (a set per
@@ -105,11 +88,10 @@ inline uint32_t StepPipelineStaging(const MemoryManagerOptions& o, MomentDType m
 // pipeline's minimum, `min_bufs`: a full slice's chunks, or one buffer when
 // every slice of the state is small): StepPipeline::Begin, and the bound of
 // what a Prefetch stages for it to adopt.
-inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, MomentDType moment,
-                                  size_t min_bufs = 0) {
-  if (min_bufs == 0) min_bufs = SliceChunks(moment);
+inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, SliceSize z, size_t min_bufs = 0) {
+  if (min_bufs == 0) min_bufs = z.chunks;
   const size_t max_bufs = pool >= min_bufs + 2 ? pool - 2 : pool;
-  return std::min<size_t>(max_bufs, size_t{SliceChunks(moment)} * StepPipelineSlices(o, moment));
+  return std::min<size_t>(max_bufs, size_t{z.chunks} * StepPipelineSlices(o, z));
 }
 
 // The slices of a state, for sizing the staging pool to it: big slices (a
@@ -122,8 +104,8 @@ struct StateSlices {
 
 // Small staging sets worth having: as many small slices as the pipeline's
 // ring can have in flight at once, at most the state's.
-inline uint64_t SmallSetsFor(const MemoryManagerOptions& o, MomentDType moment, const StateSlices& s) {
-  return std::min<uint64_t>(s.small, RingRequests(o) / SliceChunks(moment));
+inline uint64_t SmallSetsFor(const MemoryManagerOptions& o, SliceSize z, const StateSlices& s) {
+  return std::min<uint64_t>(s.small, RingRequests(o) / z.chunks);
 }
 
 // The automatic staging pool for a state: the smaller of the throughput plan
@@ -132,49 +114,53 @@ inline uint64_t SmallSetsFor(const MemoryManagerOptions& o, MomentDType moment, 
 // SmallSetsFor, at least one full slice when any slice is big), plus two
 // buffers for concurrent pins; 0 for no state. A state of a few small tensors
 // then takes a few buffers, not the plan's dozens.
-inline uint32_t StateStaging(const MemoryManagerOptions& o, MomentDType moment, uint64_t chunk_bytes,
+inline uint32_t StateStaging(const MemoryManagerOptions& o, SliceSize z, uint64_t chunk_bytes,
                              const StateSlices& s) {
   if (s.big == 0 && s.small == 0) return 0;  // no state yet: nothing to grow for
-  const uint64_t bufs = SliceChunks(moment);
-  const uint64_t plan = StepPipelineStaging(o, moment);
+  const uint64_t bufs = z.chunks;
+  const uint64_t plan = StepPipelineStaging(o, z);
   const uint64_t pieces_per_buffer = std::max<uint64_t>(1, chunk_bytes / kSmallSliceBytes);
-  uint64_t need = bufs * std::min<uint64_t>(s.big, StepPipelineSlices(o, moment));
-  need += (SmallSetsFor(o, moment, s) * bufs + pieces_per_buffer - 1) / pieces_per_buffer;
+  uint64_t need = bufs * std::min<uint64_t>(s.big, StepPipelineSlices(o, z));
+  need += (SmallSetsFor(o, z, s) * bufs + pieces_per_buffer - 1) / pieces_per_buffer;
   if (s.big > 0) need = std::max(need, bufs);
   return static_cast<uint32_t>(std::min(plan, need + 2));
 }
 
 class StepPipeline {
  public:
+  // One slice of one tensor: its chunks (SliceLayout), the tensor's field
+  // index of each rule field, the gradient and param copy of the whole
+  // tensor, and the rule's arguments for the tensor in this step.
   struct Job {
     uint32_t tensor_id = 0;
-    // Buffers [0, n_main) are main chunks, then exp_avg's, then exp_avg_sq's,
-    // then (q8 moments) exp_avg.absmax's and exp_avg_sq.absmax's.
-    uint32_t n_bufs = 3;
-    uint32_t n_main = 1;
-    uint32_t fields[kMaxSliceChunks] = {0, 1, 2};
-    uint64_t chunks[kMaxSliceChunks] = {};  // chunk index of each buffer in its field
-    uint64_t lens[kMaxSliceChunks] = {};    // logical bytes of each
-    uint64_t chunk = 0;                               // the moments' chunk index (messages)
-    uint64_t first_elem = 0;
-    uint64_t elems = 0;
-    MomentDType moment_type = MomentDType::kF32;
-    uint64_t bytes() const {
-      uint64_t b = 0;
-      for (uint32_t f = 0; f < n_bufs; ++f) b += lens[f];
-      return b;
-    }
+    uint64_t chunk = 0;  // the slice's index in the tensor (messages)
+    SliceLayout::Slice slice;
+    uint32_t tensor_fields[kMaxRuleFields] = {};
     const void* grad = nullptr;
     DType grad_type = DType::kF32;
     void* param = nullptr;
     DType param_type = DType::kF32;  // of param, when param is set
-    kernels::AdamParams params;
+    RuleArgs args;
+    uint32_t n_bufs() const { return slice.n; }
+    uint64_t len(uint32_t f) const { return slice.chunks[f].len; }
+    uint64_t bytes() const {
+      uint64_t b = 0;
+      for (uint32_t f = 0; f < slice.n; ++f) b += slice.chunks[f].len;
+      return b;
+    }
+    uint64_t max_len() const {
+      uint64_t m = 0;
+      for (uint32_t f = 0; f < slice.n; ++f) m = std::max(m, slice.chunks[f].len);
+      return m;
+    }
   };
 
-  StepPipeline(ManagerImpl* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
-               MomentDType moment_type)
-      : bufs_(SliceChunks(moment_type)),
-        moment_type_(moment_type),
+  // rule and layout: not owned, outlive the pipeline.
+  StepPipeline(EngineMemory* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
+               const UpdateRule* rule, const SliceLayout* layout)
+      : bufs_(layout->slice_chunks()),
+        rule_(rule),
+        layout_(layout),
         mm_(mm),
         dev_(mm->device()),
         io_(io),
@@ -235,7 +221,7 @@ class StepPipeline {
 
   // Stops: waits for every request in flight (results ignored) and the GPU.
   // Cache entries in use are released as dirty (the caller then drops the
-  // cache: ManagerImpl::OnAbortPending).
+  // cache: EngineMemory::OnAbortPending).
   void Abort();
 
   // Once every slice is computed: gives the device slots back (streams,
@@ -306,7 +292,10 @@ class StepPipeline {
   // Non-blocking reap of completed I/O.
   Status ReapReady(bool* progressed);
 
-  ChunkKey Key(const Job& j, int f) const { return ChunkKey{j.tensor_id, j.fields[f], j.chunks[f]}; }
+  static ChunkKey Key(const Job& j, uint32_t f) {
+    const SliceLayout::Chunk& c = j.slice.chunks[f];
+    return ChunkKey{j.tensor_id, j.tensor_fields[c.rule_field], c.index};
+  }
 
   // Every queued slice is past its compute: nothing to read, compute or copy.
   bool AllComputed() const;
@@ -321,9 +310,10 @@ class StepPipeline {
 
   void StartSync();
 
-  const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice: SliceChunks
-  const MomentDType moment_type_;
-  ManagerImpl* mm_;
+  const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice
+  const UpdateRule* rule_;
+  const SliceLayout* layout_;
+  EngineMemory* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's
   // Every this many bytes of completed writes (0 = never), fdatasync the data

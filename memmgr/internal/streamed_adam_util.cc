@@ -11,8 +11,6 @@ double NowS() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-uint32_t MomentSize(MomentDType m) { return DTypeSize(MomentFieldDType(m, "exp_avg")); }
-
 const char* DTypeText(const std::optional<DType>& t) { return t ? DTypeName(*t) : "none"; }
 
 Status WithNote(const Status& s, const std::string& note) {

@@ -16,9 +16,6 @@ namespace optstate::memmgr::internal {
 
 // Seconds on the steady clock (for stats).
 double NowS();
-// Bytes of one moment element (q8: one code byte; its scales live in fields
-// of their own).
-uint32_t MomentSize(MomentDType m);
 // DTypeName, or "none" for an operand that was not given.
 const char* DTypeText(const std::optional<DType>& t);
 
