@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "memmgr/internal/adamw_rule.h"
+#include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/slice_layout.h"
 #include "memmgr/internal/step_pipeline.h"
@@ -46,6 +47,7 @@ StreamedAdam::~StreamedAdam() {
   if (pipeline_) {
     pipeline_->Abort();
     pipeline_.reset();
+    (void)committer_->FinishSync();
     if (in_step_ && !step_skip_) {
       Status s = store_->AbortPending();
       if (!s.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: abort of unfinished step failed: {}", s.ToString());
@@ -97,6 +99,9 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
   }
   auto sa = std::unique_ptr<StreamedAdam>(new StreamedAdam(store, mm, opts));
   sa->rule_ = std::move(rule);
+  StreamedAdam* self = sa.get();
+  sa->committer_ = std::make_unique<internal::Committer>(store, sa->mem_, opts.background_sync_bytes,
+                                                         [self] { return self->WriteDirtyCache(); });
   sa->layout_ = std::make_unique<internal::SliceLayout>(layout);
   // Restore groups, step counts and params from the latest generation.
   vfs::GenerationInfo gen = store->LatestGeneration();
@@ -213,6 +218,8 @@ Result<uint64_t> StreamedAdam::param_step_count(const std::string& name) const {
 }
 
 uint64_t StreamedAdam::last_generation() const { return last_generation_; }
+
+bool StreamedAdam::commit_in_flight() const { return committer_->running(); }
 
 Status StreamedAdam::EnsureIo() {
   if (io_) return Status::Ok();

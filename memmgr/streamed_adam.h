@@ -160,6 +160,7 @@
 namespace optstate::memmgr {
 
 namespace internal {
+class Committer;
 class EngineMemory;
 class SliceLayout;
 class StepPipeline;
@@ -331,7 +332,7 @@ class StreamedAdam {
   Status WaitForCommit();
   // A step's commit runs in the background now (it may have finished; the
   // optimizer learns so at the next wait).
-  bool commit_in_flight() const { return inflight_ != nullptr; }
+  bool commit_in_flight() const;
 
   // Starts reading the next step's state into host memory in the
   // background (on a thread of the optimizer) and returns at once: call it
@@ -527,11 +528,10 @@ class StreamedAdam {
   // pipeline plans its staging sets for them).
   uint64_t state_slices_big_ = 0;
   uint64_t state_slices_small_ = 0;
-  // The step whose commit runs on a thread of the optimizer (defined in
-  // internal/streamed_adam_impl.h); only that thread touches io_ and the
-  // store's pending generation until FinishCommit joins it.
-  struct InFlightCommit;
-  std::unique_ptr<InFlightCommit> inflight_;
+  // The commit of each step: inline, or on a thread of the optimizer
+  // (commit_lag_steps 1; it then owns io_, the step's pipeline and the
+  // store's pending generation until FinishCommit joins it).
+  std::unique_ptr<internal::Committer> committer_;
   // Hands the computed step in pipeline_ to a background commit.
   void StartBackgroundCommit();
   // The step's stats known once its kernels are done (a pipelined step's
@@ -571,10 +571,10 @@ class StreamedAdam {
     uint64_t numel = 0;
   };
   std::vector<StepOrderEntry> step_order_;
-  // The prefetch's thread: waits until commit (if any) has published, then
+  // The prefetch's thread: waits until the commit in flight (after_commit) has published, then
   // reads order's chunks into the host cache tier, and up to stage_limit
   // chunks outside it into staging buffers (r->staged).
-  void ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t stage_limit,
+  void ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_limit,
                     const std::vector<StepOrderEntry>& order);
   StepStats last_stats_;
 };

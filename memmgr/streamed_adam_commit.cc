@@ -7,11 +7,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
@@ -170,77 +172,29 @@ Result<uint64_t> StreamedAdam::MakeDurable() {
 }
 
 void StreamedAdam::StartBackgroundCommit() {
-  auto c = std::make_unique<InFlightCommit>();
-  c->pipeline = std::move(pipeline_);
-  c->info = MakeCommitInfo(true);
-  c->cache_mode = step_cache_mode_;
-  c->generation = store_->LatestGeneration().generation + 1;
-  c->steps = uncommitted_steps_ + 1;
-  c->write_bytes_at_return = c->pipeline->write_bytes;
-  c->pipeline->SetReapOnlyWhenBlocked(false);
+  internal::Committer::Work w;
+  w.info = MakeCommitInfo(true);
+  w.write_dirty_cache = step_cache_mode_;
+  w.generation = store_->LatestGeneration().generation + 1;
+  w.steps = uncommitted_steps_ + 1;
+  pipeline_->SetReapOnlyWhenBlocked(false);
+  w.pipeline = std::move(pipeline_);
   uncommitted_steps_ = 0;  // the cached steps are written with this one
-  InFlightCommit* ip = c.get();
-  mem_->BeginBackgroundCommit();
-  ip->thread = std::thread([this, ip] {
-    internal::StepPipeline& pl = *ip->pipeline;
-    Status s = pl.Pump(true);
-    if (s.ok()) s = pl.FinishSync();
-    ip->slices = pl.slices;
-    ip->write_bytes = pl.write_bytes;
-    ip->peak_write_bytes = pl.peak_write_bytes;
-    ip->io_wait_seconds = pl.stall_s_;
-    if (s.ok()) {
-      mem_->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
-      pl.Release();
-    } else {
-      pl.Abort();
-    }
-    ip->pipeline.reset();
-    // Params not stepped now may hold earlier uncommitted steps in the cache.
-    if (s.ok() && ip->cache_mode) s = WriteDirtyCache();
-    if (s.ok()) s = mem_->Flush();  // not MemoryManager::Flush: that waits for this thread
-    if (s.ok()) {
-      const double t0 = NowS();
-      auto gen = store_->Commit(ip->info);
-      ip->commit_seconds = NowS() - t0;
-      if (gen.ok()) {
-        ip->committed = *gen;
-      } else {
-        s = gen.status();
-      }
-    }
-    if (!s.ok()) {
-      // Drop the step before anyone waiting in the manager reads the store.
-      Status a = store_->AbortPending();
-      if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed background commit: {}", a.ToString());
-      mem_->OnAbortPending();
-    }
-    ip->status = s;
-    mem_->EndBackgroundCommit();
-    {
-      std::lock_guard<std::mutex> l(ip->mu);
-      ip->done = true;
-    }
-    ip->cv.notify_all();
-  });
-  inflight_ = std::move(c);
+  committer_->Start(std::move(w));
 }
 
 Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
   if (wait_s != nullptr) *wait_s = 0;
   StopPrefetch();
   if (!keep_staged) DropStaged();
-  if (!inflight_) return Status::Ok();
-  const double t0 = NowS();
-  inflight_->thread.join();
-  if (wait_s != nullptr) *wait_s = NowS() - t0;
-  std::unique_ptr<InFlightCommit> c = std::move(inflight_);
+  std::optional<internal::Committer::Outcome> c = committer_->Wait(wait_s);
+  if (!c) return Status::Ok();
   last_stats_.slices = c->slices;
   last_stats_.write_bytes = c->write_bytes;
   last_stats_.peak_write_bytes_in_flight = c->peak_write_bytes;
   last_stats_.io_wait_seconds = c->io_wait_seconds;
   last_stats_.commit_seconds = c->commit_seconds;
-  last_stats_.write_tail_bytes = c->write_bytes - std::min(c->write_bytes, c->write_bytes_at_return);
+  last_stats_.write_tail_bytes = c->write_bytes - std::min(c->write_bytes, c->write_bytes_at_start);
   if (c->status.ok()) {
     NoteCommitted(c->committed);
     // The counts the generation holds (set_global_step may have moved on).
@@ -253,8 +207,8 @@ Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
     }
     return Status::Ok();
   }
-  // The thread dropped the pending generation (and the host cache with it):
-  // back to the last commit, as after an aborted step.
+  // The commit's thread dropped the pending generation (and the host cache
+  // with it): back to the last commit, as after an aborted step.
   for (auto& [id, n] : step_counts_) {
     auto it = committed_step_counts_.find(id);
     n = it == committed_step_counts_.end() ? 0 : it->second;

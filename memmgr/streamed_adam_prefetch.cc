@@ -36,7 +36,7 @@ Status StreamedAdam::Prefetch() {
     stage_limit = want > slice_bufs ? want - slice_bufs : 0;
   }
   if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
-  if (!inflight_) OPTSTATE_RETURN_IF_ERROR(EnsureIo());  // else the commit's thread owns io_ (it exists)
+  if (!committer_->running()) OPTSTATE_RETURN_IF_ERROR(EnsureIo());  // else the commit's thread owns io_ (it exists)
   std::vector<StepOrderEntry> order = step_order_;
   if (order.empty()) {
     for (const auto& [name, p] : params_) {
@@ -47,28 +47,23 @@ Status StreamedAdam::Prefetch() {
   }
   auto run = std::make_unique<PrefetchRun>();
   PrefetchRun* r = run.get();
-  InFlightCommit* commit = inflight_.get();
+  const bool after_commit = committer_->running();
   mem_->BeginBackgroundCommit();
-  r->thread = std::thread([this, r, commit, stage_limit, order = std::move(order)] {
-    ReadPrefetch(r, commit, stage_limit, order);
+  r->thread = std::thread([this, r, after_commit, stage_limit, order = std::move(order)] {
+    ReadPrefetch(r, after_commit, stage_limit, order);
   });
   prefetch_ = std::move(run);
   return Status::Ok();
 }
 
-void StreamedAdam::ReadPrefetch(PrefetchRun* r, InFlightCommit* commit, size_t stage_limit,
+void StreamedAdam::ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_limit,
                                 const std::vector<StepOrderEntry>& order) {
   internal::EngineMemory* impl = mem_;
-  if (commit != nullptr) {
-    // The store shows the step's generation once its commit is done; a
-    // failed commit dropped the tier, and its error comes at the next wait.
-    std::unique_lock<std::mutex> l(commit->mu);
-    commit->cv.wait(l, [&] { return commit->done || r->stop.load(); });
-    if (!commit->done || !commit->status.ok()) {
-      l.unlock();
-      impl->EndBackgroundCommit();
-      return;
-    }
+  // The store shows the step's generation once its commit is done; a
+  // failed commit dropped the tier, and its error comes at the next wait.
+  if (after_commit && !committer_->WaitPublished(r->stop)) {
+    impl->EndBackgroundCommit();
+    return;
   }
   HostCache* cache = impl->cache();
   // The step's slices (SliceLayout), their chunks read in their order.
@@ -168,13 +163,7 @@ void StreamedAdam::DropStaged() {
 
 void StreamedAdam::StopPrefetch() {
   if (!prefetch_) return;
-  if (inflight_) {
-    std::lock_guard<std::mutex> l(inflight_->mu);
-    prefetch_->stop = true;
-  } else {
-    prefetch_->stop = true;
-  }
-  if (inflight_) inflight_->cv.notify_all();
+  committer_->Wake(&prefetch_->stop);
   prefetch_->thread.join();
   prefetch_read_bytes_ += prefetch_->read_bytes;
   staged_ = std::move(prefetch_->staged);

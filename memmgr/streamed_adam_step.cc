@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "memmgr/internal/streamed_adam_impl.h"
@@ -63,6 +64,7 @@ Status StreamedAdam::Fail(Status s) {
     pipeline_->Abort();
     pipeline_.reset();
   }
+  (void)committer_->FinishSync();  // the step's error is s
   Status a = store_->AbortPending();
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed step: {}", a.ToString());
   mem_->OnAbortPending();
@@ -145,9 +147,11 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
                       mem_->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
   }
   const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
-  pipeline_ = std::make_unique<internal::StepPipeline>(mem_, io_.get(), opts_.cpu_threads,
-                                                       opts_.background_sync_bytes, d_found_inf, rule_.get(),
-                                                       layout_.get());
+  committer_->BeginStep();
+  internal::Committer* committer = committer_.get();
+  pipeline_ = std::make_unique<internal::StepPipeline>(
+      mem_, io_.get(), opts_.cpu_threads, [committer](uint64_t bytes) { committer->OnWritten(bytes); }, d_found_inf,
+      rule_.get(), layout_.get());
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
   // Tests fix the order of a step's I/O here (base/sync_point.h; nothing in
@@ -251,8 +255,8 @@ Result<uint64_t> StreamedAdam::EndStep() {
       Status rs = pipeline_->ReleaseDevice();
       if (!rs.ok()) return Fail(rs.WithContext("StreamedAdam: end of the step's device work"));
       NoteReadSideStats(*pipeline_);
+      const uint64_t gen = store_->LatestGeneration().generation + 1;
       StartBackgroundCommit();
-      const uint64_t gen = inflight_->generation;
       AdvanceCounts();
       ++global_step_;
       last_step_skipped_ = false;
@@ -263,7 +267,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
     ds = pipeline_->Pump(true);
     if (!ds.ok()) return Fail(ds);
   }
-  ds = pipeline_->FinishSync();
+  ds = committer_->FinishSync();
   if (!ds.ok()) return Fail(ds);
   internal::StepPipeline& pl = *pipeline_;
   NoteReadSideStats(pl);
@@ -314,24 +318,21 @@ Result<uint64_t> StreamedAdam::EndStep() {
     last_stats_.seconds = NowS() - last_stats_.seconds;
     return last_generation_;
   }
-  if (step_cache_mode_) {
-    // Params not stepped now may hold earlier uncommitted steps in the cache.
-    Status ws = WriteDirtyCache();
-    if (!ws.ok()) return Fail(ws);
+  internal::Committer::Work w;
+  w.info = MakeCommitInfo(true);
+  w.write_dirty_cache = step_cache_mode_;
+  internal::Committer::Outcome c = committer_->Run(std::move(w));
+  last_stats_.commit_seconds = c.commit_seconds;
+  if (!c.status.ok()) {
+    return Fail(c.status.WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
   }
-  Status fs = mm_->Flush();
-  if (!fs.ok()) return Fail(fs);
-  double tcommit = NowS();
-  auto gen = store_->Commit(MakeCommitInfo(true));
-  last_stats_.commit_seconds = NowS() - tcommit;
-  if (!gen.ok()) return Fail(gen.status().WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
   AdvanceCounts();
   ++global_step_;
-  NoteCommitted(*gen);
+  NoteCommitted(c.committed);
   last_step_skipped_ = false;
   in_step_ = false;
   last_stats_.seconds = NowS() - last_stats_.seconds;
-  return *gen;
+  return c.committed;
 }
 
 // The step's stats known once its kernels are done (a pipelined step's

@@ -11,11 +11,6 @@
 
 namespace optstate::memmgr::internal {
 
-Status StepPipeline::FinishSync() {
-  if (sync_thread_.joinable()) sync_thread_.join();
-  return sync_status_;
-}
-
 Status StepPipeline::Begin() {
   const MemoryManagerOptions& o = mm_->options();
   if (mm_->budget_pages() < bufs_) {
@@ -225,7 +220,6 @@ Status StepPipeline::ReleaseDevice() {
 }
 
 void StepPipeline::Release() {
-  (void)FinishSync();
   // StartReads moves buffers between sets, staged_ and spare_, never
   // loses or duplicates one: staging_ and extra_staging_ stay the buffers
   // owned.
@@ -488,8 +482,7 @@ Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
     }
   } else if (s.stage == Stage::kWriting) {
     write_bytes += len;
-    unsynced_bytes_ += len;
-    if (sync_every_bytes_ > 0 && unsynced_bytes_ >= sync_every_bytes_ && !sync_running_.load()) StartSync();
+    if (on_written_) on_written_(len);
     if (s.acquired[f]) {
       mm_->cache()->Release(Key(s.job, f), /*dirty=*/true);
       mm_->cache()->MarkWritten(Key(s.job, f));
@@ -577,18 +570,6 @@ Status StepPipeline::StartWrites(size_t i) {
     peak_write_bytes = std::max(peak_write_bytes, write_bytes_);
   }
   return Status::Ok();
-}
-
-void StepPipeline::StartSync() {
-  if (sync_thread_.joinable()) sync_thread_.join();
-  if (!sync_status_.ok()) return;
-  unsynced_bytes_ = 0;
-  sync_running_ = true;
-  sync_thread_ = std::thread([this] {
-    Status st = mm_->store()->SyncData();
-    if (!st.ok()) sync_status_ = st.WithContext("StreamedAdam: background data sync");
-    sync_running_ = false;
-  });
 }
 
 }  // namespace optstate::memmgr::internal

@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -156,21 +157,19 @@ class StepPipeline {
   };
 
   // rule and layout: not owned, outlive the pipeline.
-  StepPipeline(EngineMemory* mm, vfs::ChunkIo* io, int cpu_threads, uint64_t sync_every_bytes, const float* found_inf,
-               const UpdateRule* rule, const SliceLayout* layout)
+  // on_written: told the bytes of each completed write (the data syncs).
+  StepPipeline(EngineMemory* mm, vfs::ChunkIo* io, int cpu_threads, std::function<void(uint64_t)> on_written,
+               const float* found_inf, const UpdateRule* rule, const SliceLayout* layout)
       : bufs_(layout->slice_chunks()),
         rule_(rule),
         layout_(layout),
         mm_(mm),
         dev_(mm->device()),
         io_(io),
-        sync_every_bytes_(sync_every_bytes),
+        on_written_(std::move(on_written)),
         cpu_threads_(cpu_threads),
         found_inf_(found_inf) {}
   ~StepPipeline() { Abort(); }
-
-  // Joins the background sync; its error, if any.
-  Status FinishSync();
 
   Status Begin();
 
@@ -308,21 +307,13 @@ class StepPipeline {
 
   Status StartWrites(size_t i);
 
-  void StartSync();
-
   const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice
   const UpdateRule* rule_;
   const SliceLayout* layout_;
   EngineMemory* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's
-  // Every this many bytes of completed writes (0 = never), fdatasync the data
-  // files in the background (Store::SyncData; StreamedAdamOptions).
-  uint64_t sync_every_bytes_;
-  std::thread sync_thread_;              // at most one background SyncData
-  std::atomic<bool> sync_running_{false};
-  Status sync_status_;                   // written by sync_thread_, read after join
-  uint64_t unsynced_bytes_ = 0;
+  std::function<void(uint64_t)> on_written_;
   int cpu_threads_;
   const float* found_inf_;
   bool started_ = false;
