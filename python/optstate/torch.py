@@ -1,4 +1,4 @@
-"""optstate.torch.AdamW: a torch.optim.Optimizer whose state lives on NVMe.
+"""optstate.torch.AdamW (and Lion, SGD): torch.optim.Optimizers whose state lives on NVMe.
 
     opt = optstate.torch.AdamW(model.parameters(), store="/nvme/optstate/rank{rank}.dense",
                                budget=2 << 30, lr=1e-4, weight_decay=0.1)
@@ -49,6 +49,9 @@ DTensor params (FSDP2's fully_shard, torch >= 2): each rank steps its local
 shard in place, and the store records the shard's place in the global tensor
 from its placements (no shards= entry). optstate.integrations.dcp saves and
 loads the state with torch.distributed.checkpoint. docs/PYTHON.md.
+
+Lion and SGD (with momentum) are the same machinery with another update rule and one moment
+("exp_avg", "momentum_buffer"): 8 bytes a parameter instead of 12. docs/PYTHON.md.
 
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
