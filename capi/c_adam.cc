@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <memory>
@@ -19,7 +20,9 @@
 
 #include "capi/internal/c_types.h"
 #include "memmgr/memory_manager.h"
+#include "memmgr/momentum_rules.h"
 #include "memmgr/streamed_adam.h"
+#include "memmgr/update_rule.h"
 #include "base/dtype.h"
 #include "base/status.h"
 #include "kernels/adam.h"
@@ -64,6 +67,34 @@ Status ParamId(const optstate_adam_t* adam, uint32_t id, const char* what) {
   return Status::Ok();
 }
 
+// The update rule optstate_adam_options_set_rule named; null for "adamw"
+// (the engine's default, with opts.moment_dtype moments).
+optstate::Result<std::unique_ptr<memmgr::UpdateRule>> MakeRule(const std::string& rule,
+                                                                const memmgr::StreamedAdamOptions& opts) {
+  if (rule == "adamw") return std::unique_ptr<memmgr::UpdateRule>();
+  if (opts.moment_dtype == optstate::MomentDType::kQ8) {
+    return InvalidArgument("optstate_adam_create: rule " + rule +
+                           " keeps its moment as f32 or bf16; q8 moments are AdamW's alone");
+  }
+  if (rule == "lion") return memmgr::NewLionRule(opts.moment_dtype);
+  if (rule == "sgd") return memmgr::NewSgdRule(opts.moment_dtype, /*momentum_buffer=*/true);
+  return memmgr::NewSgdRule(opts.moment_dtype, /*momentum_buffer=*/false);  // "sgd_plain"
+}
+
+// names as a malloc'ed block of NUL-terminated strings, back to back.
+char* JoinNames(const std::vector<std::string>& names) {
+  size_t bytes = 0;
+  for (const std::string& n : names) bytes += n.size() + 1;
+  char* out = static_cast<char*>(std::malloc(std::max<size_t>(bytes, 1)));
+  if (out == nullptr) return nullptr;
+  char* at = out;
+  for (const std::string& n : names) {
+    std::memcpy(at, n.c_str(), n.size() + 1);
+    at += n.size() + 1;
+  }
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
@@ -96,6 +127,19 @@ int optstate_adam_options_set_moment_dtype(optstate_adam_options_t* opts, const 
   });
 }
 
+int optstate_adam_options_set_rule(optstate_adam_options_t* opts, const char* rule, char** errptr) {
+  const char* what = "optstate_adam_options_set_rule";
+  return Guard(errptr, what, [&]() -> Status {
+    if (rule == nullptr) return NullArgument(what, "rule");
+    const std::string r(rule);
+    if (r != "adamw" && r != "lion" && r != "sgd" && r != "sgd_plain") {
+      return InvalidArgument(std::string(what) + ": rule '" + r + "' is not one of adamw, lion, sgd, sgd_plain");
+    }
+    opts->rule = r;
+    return Status::Ok();
+  });
+}
+
 int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optstate_adam_options_t* opts,
                          optstate_adam_t** out, char** errptr) {
   const char* what = "optstate_adam_create";
@@ -105,10 +149,23 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     if (store == nullptr) return NullArgument(what, "store");
     if (mm == nullptr) return NullArgument(what, "mm");
     memmgr::StreamedAdamOptions ao = opts == nullptr ? memmgr::StreamedAdamOptions{} : opts->rep;
-    auto adam = memmgr::StreamedAdam::Create(store->rep.get(), mm->rep.get(), ao);
+    OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<memmgr::UpdateRule> rule,
+                              MakeRule(opts == nullptr ? "adamw" : opts->rule, ao));
+    std::vector<std::string> fields;
+    if (rule != nullptr) {
+      for (const memmgr::RuleField& f : rule->Fields()) fields.push_back(f.name);
+    } else {
+      fields = {"main", "exp_avg", "exp_avg_sq"};
+      if (ao.moment_dtype == optstate::MomentDType::kQ8) {
+        fields.push_back(optstate::vfs::Q8ScalesField("exp_avg"));
+        fields.push_back(optstate::vfs::Q8ScalesField("exp_avg_sq"));
+      }
+    }
+    auto adam = memmgr::StreamedAdam::Create(store->rep.get(), mm->rep.get(), ao, std::move(rule));
     if (!adam.ok()) return adam.status();
     auto h = std::make_unique<optstate_adam_t>();
     h->rep = std::move(*adam);
+    h->fields = std::move(fields);
     h->store = store->rep.get();
     h->store_handle = store;
     h->mm_handle = mm;
@@ -174,6 +231,62 @@ int optstate_adam_get_group(const optstate_adam_t* adam, uint32_t group, double*
     if (eps != nullptr) *eps = g->eps;
     if (weight_decay != nullptr) *weight_decay = g->weight_decay;
     if (adamw != nullptr) *adamw = g->adamw ? 1 : 0;
+    return Status::Ok();
+  });
+}
+
+int optstate_adam_set_group_hyper(optstate_adam_t* adam, uint32_t group, size_t n, const char* const* names,
+                                  const double* values, char** errptr) {
+  const char* what = "optstate_adam_set_group_hyper";
+  return Guard(errptr, what, [&]() -> Status {
+    if (n > 0 && names == nullptr) return NullArgument(what, "names");
+    if (n > 0 && values == nullptr) return NullArgument(what, "values");
+    memmgr::Hyperparams h;
+    for (size_t i = 0; i < n; ++i) {
+      if (names[i] == nullptr) return NullArgument(what, "names[i]");
+      h[names[i]] = values[i];
+    }
+    return adam->rep->SetGroupHyperparams(group, h);
+  });
+}
+
+int optstate_adam_get_group_hyper(const optstate_adam_t* adam, uint32_t group, char** names, double** values,
+                                  size_t* n, char** errptr) {
+  const char* what = "optstate_adam_get_group_hyper";
+  return Guard(errptr, what, [&]() -> Status {
+    if (names == nullptr) return NullArgument(what, "names");
+    if (values == nullptr) return NullArgument(what, "values");
+    if (n == nullptr) return NullArgument(what, "n");
+    auto h = adam->rep->GetGroupHyperparams(group);
+    if (!h.ok()) return h.status();
+    std::vector<std::string> keys;
+    double* vals = static_cast<double*>(std::malloc(sizeof(double) * std::max<size_t>(h->size(), 1)));
+    if (vals == nullptr) return optstate::ResourceExhausted(std::string(what) + ": out of memory");
+    for (const auto& [k, v] : *h) {
+      vals[keys.size()] = v;
+      keys.push_back(k);
+    }
+    char* joined = JoinNames(keys);
+    if (joined == nullptr) {
+      std::free(vals);
+      return optstate::ResourceExhausted(std::string(what) + ": out of memory");
+    }
+    *names = joined;
+    *values = vals;
+    *n = keys.size();
+    return Status::Ok();
+  });
+}
+
+int optstate_adam_fields(const optstate_adam_t* adam, char** names, size_t* n, char** errptr) {
+  const char* what = "optstate_adam_fields";
+  return Guard(errptr, what, [&]() -> Status {
+    if (names == nullptr) return NullArgument(what, "names");
+    if (n == nullptr) return NullArgument(what, "n");
+    char* joined = JoinNames(adam->fields);
+    if (joined == nullptr) return optstate::ResourceExhausted(std::string(what) + ": out of memory");
+    *names = joined;
+    *n = adam->fields.size();
     return Status::Ok();
   });
 }

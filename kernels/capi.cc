@@ -1,4 +1,4 @@
-// C ABI over the Adam kernels, for Python (ctypes) and other foreign callers:
+// C ABI over the Adam and Muon kernels, for Python (ctypes) and other foreign callers:
 // liboptstate_kernels_capi.so. Types are DType values (base/dtype.h: 0 = fp32,
 // 1 = bf16, 2 = fp16; kernels::kNoDTypeCode = no parameter copy); mode is AdamMode (0 = Adam, 1 = AdamW).
 // Hyperparameters are doubles (Python floats, passed as they are).
@@ -9,6 +9,7 @@
 
 #include "kernels/adam.h"
 #include "kernels/internal/launch_config.h"
+#include "kernels/muon.h"
 
 #define OPTSTATE_CAPI extern "C" __attribute__((visibility("default")))
 
@@ -92,6 +93,70 @@ OPTSTATE_CAPI int optstate_adam_step_cpu(float* main, void* exp_avg, void* exp_a
              threads)
              ? 0
              : 1;
+}
+
+namespace {
+
+optstate::kernels::MuonTensors MakeMuonTensors(float* main, void* momentum, int moment_type, const void* grad,
+                                               int grad_type, void* param, int param_type,
+                                               const float* found_inf) {
+  optstate::kernels::MuonTensors t;
+  t.main = main;
+  t.momentum = momentum;
+  t.moment_type = static_cast<optstate::MomentDType>(moment_type);
+  t.grad = grad;
+  t.grad_type = static_cast<optstate::DType>(grad_type);
+  t.param = param;
+  if (param_type != optstate::kernels::kNoDTypeCode) t.param_type = static_cast<optstate::DType>(param_type);
+  t.found_inf = found_inf;
+  return t;
+}
+
+optstate::kernels::MuonParams MakeMuonParams(double lr, double momentum, int nesterov, double weight_decay,
+                                             int ns_steps, int scale, float grad_scale) {
+  optstate::kernels::MuonParams p;
+  p.lr = lr;
+  p.momentum = momentum;
+  p.nesterov = nesterov != 0;
+  p.weight_decay = weight_decay;
+  p.ns_steps = ns_steps;
+  p.scale = static_cast<optstate::kernels::MuonScale>(scale);
+  p.grad_scale = grad_scale;
+  return p;
+}
+
+}  // namespace
+
+// Bytes of workspace one Muon step of a rows x cols matrix needs (MuonWorkspaceBytes).
+OPTSTATE_CAPI uint64_t optstate_muon_workspace_bytes(uint64_t rows, uint64_t cols) {
+  return optstate::kernels::MuonWorkspaceBytes(rows, cols);
+}
+
+// MuonStepCpu on host pointers (moment_type: MomentDType, 0 = f32, 1 = bf16;
+// scale: MuonScale, 0 = Moonlight's 0.2 sqrt(max), 1 = Keller's); returns 0
+// on success, 1 for unsupported input.
+OPTSTATE_CAPI int optstate_muon_step_cpu(float* main, void* momentum, int moment_type, const void* grad,
+                                         int grad_type, void* param, int param_type, const float* found_inf,
+                                         uint64_t rows, uint64_t cols, double lr, double momentum_beta,
+                                         int nesterov, double weight_decay, int ns_steps, int scale,
+                                         float grad_scale, void* workspace, int threads) {
+  return optstate::kernels::MuonStepCpu(
+             MakeMuonTensors(main, momentum, moment_type, grad, grad_type, param, param_type, found_inf), rows,
+             cols, MakeMuonParams(lr, momentum_beta, nesterov, weight_decay, ns_steps, scale, grad_scale),
+             workspace, threads)
+             ? 0
+             : 1;
+}
+
+// MuonStepCuda on device pointers; returns a cudaError_t (0 = success).
+OPTSTATE_CAPI int optstate_muon_step(float* main, void* momentum, int moment_type, const void* grad, int grad_type,
+                                     void* param, int param_type, const float* found_inf, uint64_t rows,
+                                     uint64_t cols, double lr, double momentum_beta, int nesterov,
+                                     double weight_decay, int ns_steps, int scale, float grad_scale,
+                                     void* workspace, void* stream) {
+  return optstate::kernels::MuonStepCuda(
+      MakeMuonTensors(main, momentum, moment_type, grad, grad_type, param, param_type, found_inf), rows, cols,
+      MakeMuonParams(lr, momentum_beta, nesterov, weight_decay, ns_steps, scale, grad_scale), workspace, stream);
 }
 
 // 1 when the library contains the CUDA kernels, else 0.

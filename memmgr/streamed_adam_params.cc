@@ -273,8 +273,17 @@ Status StreamedAdam::CheckRegistration(const ParamSpec& r, bool* existing,
   // Taken over when the geometry matches; its main is written again.
   if (auto found = store_->LookupTensor(name)) {
     if (found->created_generation <= last_generation_ && !dropped_.count(name)) {
+      // Name the fields of the rule the tensor lacks (another rule's tensor:
+      // Lion's exp_avg where SGD keeps a momentum_buffer, ...).
+      std::string keeps, lacks;
+      for (const RuleField& f : rule_->Fields()) {
+        keeps += (keeps.empty() ? "" : ", ") + f.name;
+        if (found->FieldIndexOf(f.name) < 0) lacks += (lacks.empty() ? "" : ", ") + f.name;
+      }
       return AlreadyExists("StreamedAdam::RegisterParam '" + name + "': store " + store_->path() +
-                           " has a tensor of that name that is not an Adam param (no main/exp_avg/exp_avg_sq)");
+                           " has a tensor of that name that is not a param of this optimizer's rule (" +
+                           std::string(rule_->name()) + " keeps " + keeps + "; the tensor lacks " +
+                           (lacks.empty() ? std::string("none of them") : lacks) + ")");
     }
     OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(*found, "an uncommitted entry for it (a registration that was never "
                                                "committed)", r.numel, r.group, r.initial_type, r.shard));

@@ -131,7 +131,7 @@ struct Manifest {
 };
 
 // Hyperparameters that are flags ("adamw": AdamW's decoupled decay vs Adam's
-// L2 term). The manifest writes them as JSON booleans; the parser also reads
+// L2 term; SGD's "nesterov" and "maximize"). The manifest writes them as JSON booleans; the parser also reads
 // the 0/1 numbers that manifests written before held.
 bool IsFlagHyperparameter(std::string_view name);
 // Range check of a group's known hyperparameters (those present; unknown

@@ -29,7 +29,9 @@ std::vector<FieldSpec> FieldsOf(const TensorInfo& t) {
 
 }  // namespace
 
-bool IsFlagHyperparameter(std::string_view name) { return name == "adamw"; }
+bool IsFlagHyperparameter(std::string_view name) {
+  return name == "adamw" || name == "nesterov" || name == "maximize";
+}
 
 Status ValidateHyperparameters(const GroupInfo& g) {
   for (const auto& [k, v] : g.hyper) {

@@ -80,6 +80,7 @@ struct optstate_pin_t {
 };
 struct optstate_adam_options_t {
   optstate::memmgr::StreamedAdamOptions rep;
+  std::string rule = "adamw";  // optstate_adam_options_set_rule
 };
 struct optstate_adam_t {
   std::unique_ptr<optstate::memmgr::StreamedAdam> rep;
@@ -87,6 +88,8 @@ struct optstate_adam_t {
   optstate_store_t* store_handle = nullptr;  // the handle it was created on (open_adams)
   optstate_mm_t* mm_handle = nullptr;        // the manager handle it was created with
   optstate::memmgr::MemoryManager* mm = nullptr;
+  // The update rule's fields, "main" first (optstate_adam_fields).
+  std::vector<std::string> fields;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
   std::unordered_map<std::string, uint32_t> ids;

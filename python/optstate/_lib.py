@@ -17,7 +17,7 @@ import os
 
 from . import errors
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _SONAME_VERSION = 1  # liboptstate.so.1 (capi/CMakeLists.txt OPTSTATE_C_SOVERSION)
 
 _c = ctypes
@@ -129,6 +129,12 @@ _SIGNATURES = {
     "optstate_adam_options_set_durable_every_steps": (None, [_vp, _u32]),
     "optstate_adam_options_set_commit_lag_steps": (None, [_vp, _u32]),
     "optstate_adam_options_set_moment_dtype": (_int, [_vp, _c.c_char_p, _errp]),
+    "optstate_adam_options_set_rule": (_int, [_vp, _c.c_char_p, _errp]),
+    "optstate_adam_set_group_hyper": (_int, [_vp, _u32, _c.c_size_t, _c.POINTER(_c.c_char_p), _c.POINTER(_dbl),
+                                             _errp]),
+    "optstate_adam_get_group_hyper": (_int, [_vp, _u32, _c.POINTER(_vp), _c.POINTER(_c.POINTER(_dbl)),
+                                             _c.POINTER(_c.c_size_t), _errp]),
+    "optstate_adam_fields": (_int, [_vp, _c.POINTER(_vp), _c.POINTER(_c.c_size_t), _errp]),
     "optstate_adam_create": (_int, [_vp, _vp, _vp, _c.POINTER(_vp), _errp]),
     "optstate_adam_destroy": (None, [_vp]),
     "optstate_adam_set_group": (_int, [_vp, _u32, _dbl, _dbl, _dbl, _dbl, _dbl, _int, _errp]),

@@ -9,7 +9,7 @@ tensors/<tensor>/{main,exp_avg,exp_avg_sq}), byte for byte, so `cp -r` from the
 mount, save() and optstate-restore are interchangeable. The library copies
 the bytes (verifying every chunk's checksum); they never pass through Python.
 
-`opt` is an optstate.torch.AdamW or an optstate.Store (no torch needed).
+`opt` is an optstate.torch optimizer (AdamW, Lion, SGD) or an optstate.Store (no torch needed).
 
 Resuming on another number of ranks (docs/RESHARD.md):
 
@@ -90,8 +90,8 @@ def load(opt, src, force=False):
 
 def _optimizer(opt, what):
     if not hasattr(opt, "_load_checkpoint"):
-        raise errors.InvalidArgument("optstate.checkpoint.%s: %r is neither an optstate.torch.AdamW nor an "
-                                     "optstate.Store" % (what, type(opt).__name__))
+        raise errors.InvalidArgument("optstate.checkpoint.%s: %r is neither an optstate.torch optimizer (AdamW, Lion, "
+                                     "SGD) nor an optstate.Store" % (what, type(opt).__name__))
     return opt
 
 

@@ -38,6 +38,16 @@ def _b(s):
     return os.fsencode(s) if not isinstance(s, bytes) else s
 
 
+def _split_names(ptr, n):
+    """n NUL-terminated names back to back at ptr (a C block), as str."""
+    out, at = [], ptr
+    for _ in range(n):
+        raw = ctypes.string_at(at)
+        out.append(raw.decode("utf-8", "surrogateescape"))
+        at += len(raw) + 1
+    return out
+
+
 # Stores still open when the interpreter exits are closed by an exit handler, while the library and
 # ctypes are still loaded: their optimizers commit what they hold and their threads stop, in the
 # order close() gives, instead of whenever the interpreter's teardown reaches each handle. Only in
@@ -431,7 +441,7 @@ class StreamedAdam(_Handle):
     _close_order = 0
 
     def __init__(self, store, mm, *, grad_scale=1.0, cpu_threads=1, durable_every_steps=1, commit_lag_steps=1,
-                 moment_dtype="f32"):
+                 moment_dtype="f32", rule="adamw"):
         super().__init__()
         self.store, self.mm = store, mm
         opts = lib.optstate_adam_options_create()
@@ -441,6 +451,7 @@ class StreamedAdam(_Handle):
             lib.optstate_adam_options_set_durable_every_steps(opts, int(durable_every_steps))
             lib.optstate_adam_options_set_commit_lag_steps(opts, int(commit_lag_steps))
             call(lib.optstate_adam_options_set_moment_dtype, opts, str(moment_dtype).encode())
+            call(lib.optstate_adam_options_set_rule, opts, str(rule).encode())
             h = ctypes.c_void_p()
             call(lib.optstate_adam_create, store._live(), mm._live(), opts, ctypes.byref(h))
             self._h = h.value
@@ -468,6 +479,35 @@ class StreamedAdam(_Handle):
              ctypes.byref(adamw))
         lr, beta1, beta2, eps, wd = (v.value for v in vals)
         return dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, adamw=bool(adamw.value))
+
+    def set_group_hyper(self, group, hyper):
+        """A group's hyperparameters by the rule's names ({"lr": ..., ...}); names not given keep the
+        rule's defaults."""
+        names = list(hyper)
+        c_names = (ctypes.c_char_p * len(names))(*[_b(n) for n in names])
+        c_vals = (ctypes.c_double * len(names))(*[float(hyper[n]) for n in names])
+        call(lib.optstate_adam_set_group_hyper, self._live(), group, len(names), c_names, c_vals)
+
+    def get_group_hyper(self, group):
+        """A group's hyperparameters by the rule's names, as the optimizer holds them."""
+        names, vals, n = ctypes.c_void_p(), ctypes.POINTER(ctypes.c_double)(), ctypes.c_size_t()
+        call(lib.optstate_adam_get_group_hyper, self._live(), group, ctypes.byref(names), ctypes.byref(vals),
+             ctypes.byref(n))
+        try:
+            keys = _split_names(names.value, n.value)
+            return {k: vals[i] for i, k in enumerate(keys)}
+        finally:
+            lib.optstate_free(names)
+            lib.optstate_free(ctypes.cast(vals, ctypes.c_void_p))
+
+    def fields(self):
+        """The fields the update rule keeps per tensor, "main" first."""
+        names, n = ctypes.c_void_p(), ctypes.c_size_t()
+        call(lib.optstate_adam_fields, self._live(), ctypes.byref(names), ctypes.byref(n))
+        try:
+            return tuple(_split_names(names.value, n.value))
+        finally:
+            lib.optstate_free(names)
 
     def register_param(self, name, numel, group, initial_ptr=None, initial_dtype=NONE, shape=(),
                        global_shape=(), shard_offset=()):

@@ -1,4 +1,4 @@
-"""optstate.torch.AdamW: a torch.optim.Optimizer whose state lives on NVMe.
+"""optstate.torch.AdamW (and Lion, SGD): torch.optim.Optimizers whose state lives on NVMe.
 
     opt = optstate.torch.AdamW(model.parameters(), store="/nvme/optstate/rank{rank}.dense",
                                budget=2 << 30, lr=1e-4, weight_decay=0.1)
@@ -50,6 +50,9 @@ shard in place, and the store records the shard's place in the global tensor
 from its placements (no shards= entry). optstate.integrations.dcp saves and
 loads the state with torch.distributed.checkpoint. docs/PYTHON.md.
 
+Lion and SGD (with momentum) are the same machinery with another update rule and one moment
+("exp_avg", "momentum_buffer"): 8 bytes a parameter instead of 12. docs/PYTHON.md.
+
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
 second optimizer or process opening a store in use gets optstate.Busy.
@@ -71,7 +74,7 @@ import torch
 from . import checkpoint, errors
 from .core import BF16, F16, F32, READ, MemoryManager, Store, StreamedAdam, access_code
 
-__all__ = ["AdamW", "layout_from_model"]
+__all__ = ["AdamW", "Lion", "SGD", "layout_from_model"]
 
 _DTYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 _TORCH_DTYPES = {code: dt for dt, code in _DTYPES.items()}
@@ -163,72 +166,38 @@ def _rank():
     return 0
 
 
-class AdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay; adamw=False gives Adam with L2) with its state in an optstate store.
-
-    Arguments as torch.optim.AdamW, plus:
-      store: the store's directory (str or PathLike); "{rank}" is replaced by the rank.
-             Created when missing or an empty directory, reopened (resume) when it holds a store.
-      budget: device bytes the state may occupy during step() (hard cap). Default 2 GiB.
-      backend: "auto" (cuda when a GPU is visible), "cuda" or "host" (CPU tensors).
-      host_cache_bytes: pinned host cache tier (steps read the state from RAM, write to disk);
-             0 = off; "auto" (default): half of MemAvailable, at least 4 GiB left free, per local rank,
-             shared by every optimizer of the process that uses "auto".
-      chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
-      job: for a new store, the training job it belongs to (optstate.Store's job; checkpoints record
-             it and optstate.reshard merges only one job's ranks). None (default): with torch.distributed
-             initialised, one id for all ranks (rank 0's new uuid, broadcast: construction is then a
-             collective); otherwise a new uuid. A reopened store keeps its job.
-      cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
-      commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
-             completes in the background until the next call; 0: step() returns once committed.
-             See <optstate/c.h>.
-      moment_dtype: "f32" (default), "bf16" or "q8": how exp_avg and exp_avg_sq are stored (bf16: 8 instead
-             of 12 bytes per param read and written per step; updated in fp32, rounded to nearest even,
-             relative error <= 2^-8 per step; q8: ~6.03 bytes, 8-bit codes with one fp32 absmax per 256
-             elements, error <= half the map's gap x the block's absmax per step). Fixed when the store's
-             params are first registered; a store holding the other dtype raises optstate.InvalidArgument.
-             docs/MOMENTS.md.
-      params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
-      tensors' names in the store. Otherwise they are "param<i>" in the order given.
-      shards: where each param lies in the whole tensor when the model is sharded (tensor or data
-             parallelism), so that optstate.reshard can move its state to another number of ranks:
-             a dict {name: (global_shape, shard_offset)} or a callable(name, param) returning that
-             or None (a whole tensor). shard_offset is a box's offset, or for a 1-D param of a
-             tensor of higher rank (a flat-buffer shard) (begin,): the flat range
-             [begin, begin + numel) of the tensor's row-major flattening. docs/RESHARD.md.
-             A DTensor param needs no entry: its placements give it (an entry must agree with them).
-      retire: names of params the store holds and the model no longer has, retired at once (see
-             retire()). The params' names are compared with the store's first: when both have names
-             the other lacks (a renamed or wrapped model), optstate.InvalidArgument lists them and
-             nothing is written.
-    """
+class _StreamedOptimizer(torch.optim.Optimizer):
+    """The machinery of every optstate.torch optimizer: a torch.optim.Optimizer over one store and
+    one streamed engine with one update rule (AdamW, Lion, SGD). A subclass gives the rule's C name
+    (_rule), its hyperparameters from a param group (_rule_hyper) and back (_group_from_hyper),
+    and its state keys (_STATE_KEYS: what torch's optimizer of that name keeps in state[p])."""
 
     # torch's GradScaler: hand the step the scale and found-inf instead of unscaling the grads.
     _step_supports_amp_scaling = True
+    _STATE_KEYS = ()
 
-    def __init__(self, params, store, budget=2 << 30, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, backend="auto",
-                 host_cache_bytes="auto", chunk_size_bytes=None, data_dirs=None, store_name=None,
-                 cpu_threads=None, durable_every_steps=1, commit_lag_steps=1, read_ahead_chunks=0,
-                 cuda_device=None, moment_dtype="f32", shards=None, retire=(), job=None,
-                 foreach=None, fused=None, capturable=False, differentiable=False):
-        if not 0.0 <= float(lr):
-            raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
-        if not 0.0 <= eps:
-            raise errors.InvalidArgument("Invalid epsilon value: {}".format(eps))
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise errors.InvalidArgument("Invalid beta parameters: {}".format(betas))
-        if not 0.0 <= weight_decay:
-            raise errors.InvalidArgument("Invalid weight_decay value: {}".format(weight_decay))
-        for flag, value in (("amsgrad", amsgrad), ("maximize", maximize), ("capturable", capturable),
-                            ("differentiable", differentiable)):
-            if value:
-                raise errors.Unimplemented("optstate.torch.AdamW: %s=True is not supported" % flag)
+    @property
+    def _label(self):
+        return "optstate.torch." + type(self).__name__
+
+    def _rule(self):
+        raise NotImplementedError
+
+    def _rule_hyper(self, group):
+        """The rule's hyperparameters (names as the store keeps them) from a param group."""
+        raise NotImplementedError
+
+    def _group_from_hyper(self, group, h):
+        """Sets a param group's entries from the rule's stored hyperparameters (a restore)."""
+        raise NotImplementedError
+
+    def __init__(self, params, store, budget, defaults, *, backend="auto", host_cache_bytes="auto",
+                 chunk_size_bytes=None, data_dirs=None, store_name=None, cpu_threads=None, durable_every_steps=1,
+                 commit_lag_steps=1, read_ahead_chunks=0, cuda_device=None, moment_dtype="f32", shards=None,
+                 retire=(), job=None):
         self._handles = None
-        self._adamw = bool(adamw)
         if shards is not None and not callable(shards) and not isinstance(shards, dict):
-            raise errors.InvalidArgument("optstate.torch.AdamW: shards is a %s; give a dict {name: (global_shape, "
+            raise errors.InvalidArgument(self._label + ": shards is a %s; give a dict {name: (global_shape, "
                                          "shard_offset)} or a callable(name, param)" % type(shards).__name__)
         self._shards = shards
         path = os.fspath(store).replace("{rank}", str(_rank()))
@@ -250,7 +219,7 @@ class AdamW(torch.optim.Optimizer):
             if cpu_threads is None:
                 cpu_threads = 1 if self._cuda else max(1, min(4, torch.get_num_threads()))
             self._adam_kw = dict(cpu_threads=cpu_threads, durable_every_steps=durable_every_steps,
-                                 commit_lag_steps=commit_lag_steps, moment_dtype=moment_dtype)
+                                 commit_lag_steps=commit_lag_steps, moment_dtype=moment_dtype, rule=self._rule())
             self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
             self._handles = (self._adam, self._mm, self._store)
             # Per registered param, in registration order (the step's array order).
@@ -259,8 +228,6 @@ class AdamW(torch.optim.Optimizer):
             self._given_names = {}     # id(tensor) -> name from (name, tensor) input
             self._hyper = {}           # group index -> hyperparameters last sent
             self._batch_key = None     # what the step arrays were validated and built for (step())
-            defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
-                            maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
             self._constructing = True
             self._new_registrations = False
             groups = self._take_names(params)
@@ -282,6 +249,7 @@ class AdamW(torch.optim.Optimizer):
             if uuid is not None:  # a store this constructor created holds nothing anyone has seen
                 before.remove_created(uuid)
             raise
+
 
     # ---- construction ----
 
@@ -326,7 +294,7 @@ class AdamW(torch.optim.Optimizer):
         model_set, stored_set = set(model), set(stored)
         unknown = [n for n in retire if n not in stored_set]
         if unknown:
-            raise errors.NotFound("optstate.torch.AdamW: retire names %s, which store %s does not hold"
+            raise errors.NotFound(self._label + ": retire names %s, which store %s does not hold"
                                   % (_few(unknown), self._store._path))
         store_only = [n for n in stored if n not in model_set and n not in retire]
         model_only = [n for n in model if n not in stored_set]
@@ -337,16 +305,16 @@ class AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         """Adds a group and registers its params in the store (resume: their stored state is kept)."""
         if self._handles is None:
-            raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+            raise errors.FailedPrecondition(self._label + ": the optimizer is closed")
         param_group = self._strip_names(dict(param_group))
         seen = set()
         for i, p in enumerate(param_group["params"]):
             if not isinstance(p, torch.Tensor):
-                raise errors.InvalidArgument("optstate.torch.AdamW: param %d of the group is a %s, not a Tensor"
+                raise errors.InvalidArgument(self._label + ": param %d of the group is a %s, not a Tensor"
                                              % (i, torch.typename(p)))
             if id(p) in self._by_tensor or id(p) in seen:
                 name = self._names[self._by_tensor[id(p)]] if id(p) in self._by_tensor else "param %d" % i
-                raise errors.InvalidArgument("optstate.torch.AdamW: %s (shape %s) is registered twice; a tensor "
+                raise errors.InvalidArgument(self._label + ": %s (shape %s) is registered twice; a tensor "
                                              "may appear once in one param group" % (name, tuple(p.shape)))
             seen.add(id(p))
         gid = len(self.param_groups)
@@ -375,24 +343,24 @@ class AdamW(torch.optim.Optimizer):
             placements, p = tuple(p.placements), _local(p)
             if p.numel() == 0:
                 raise errors.InvalidArgument(
-                    "optstate.torch.AdamW: param %s (global shape %s, placements %s) has an empty local shard on "
+                    self._label + ": param %s (global shape %s, placements %s) has an empty local shard on "
                     "rank %d (offset %s): its sharded dimension has fewer elements than the mesh has ranks. "
                     "optstate keeps state only for elements a rank holds; give fully_shard a shard_placement_fn "
                     "that shards it along a larger dimension, or step it with another optimizer"
                     % (name, global_shape, placements, _rank(), offset))
-        _dtype_code(p.dtype, "optstate.torch.AdamW: param " + name)
+        _dtype_code(p.dtype, self._label + ": param " + name)
         if p.is_sparse:
-            raise errors.InvalidArgument("optstate.torch.AdamW: param %s is sparse" % name)
+            raise errors.InvalidArgument(self._label + ": param %s is sparse" % name)
         if not p.is_contiguous():
-            raise errors.InvalidArgument("optstate.torch.AdamW: param %s (shape %s, stride %s) is not contiguous; "
+            raise errors.InvalidArgument(self._label + ": param %s (shape %s, stride %s) is not contiguous; "
                                          "optstate updates params in place through their memory"
                                          % (name, tuple(p.shape), p.stride()))
         if p.device != self._device:
-            raise errors.InvalidArgument("optstate.torch.AdamW: param %s is on %s; the %s backend of store %s "
+            raise errors.InvalidArgument(self._label + ": param %s is on %s; the %s backend of store %s "
                                          "needs params on %s" % (name, p.device, self._mm.backend,
                                                                  self._store._path, self._device))
         if p.numel() == 0:
-            raise errors.InvalidArgument("optstate.torch.AdamW: param %s has no elements" % name)
+            raise errors.InvalidArgument(self._label + ": param %s has no elements" % name)
 
     def _register_all(self, params, gid):
         """Registers a group's params in one C call (a model of thousands of small tensors registers
@@ -401,7 +369,7 @@ class AdamW(torch.optim.Optimizer):
         for i, p in enumerate(params):
             name = self._given_names.get(id(p), "param%d" % (len(self._plist) + i))
             if name in seen:
-                raise errors.InvalidArgument("optstate.torch.AdamW: two params are named %s" % name)
+                raise errors.InvalidArgument(self._label + ": two params are named %s" % name)
             seen.add(name)
             names.append(name)
         shards = [self._shard_of(name, p) for name, p in zip(names, params)]
@@ -436,10 +404,10 @@ class AdamW(torch.optim.Optimizer):
             global_shape, offset = g
             given = tuple(int(x) for x in global_shape), tuple(int(x) for x in offset)
         except (TypeError, ValueError):
-            raise errors.InvalidArgument("optstate.torch.AdamW: shards gives %r for param %s; expected "
+            raise errors.InvalidArgument(self._label + ": shards gives %r for param %s; expected "
                                          "(global_shape, shard_offset)" % (g, name)) from None
         if placed is not None and given != placed:
-            raise errors.InvalidArgument("optstate.torch.AdamW: shards gives (global shape %s, offset %s) for param "
+            raise errors.InvalidArgument(self._label + ": shards gives (global shape %s, offset %s) for param "
                                          "%s, a DTensor whose placements %s put its local shard at offset %s of "
                                          "global shape %s; leave DTensor params out of shards" %
                                          (given[0], given[1], name, tuple(p.placements), placed[1], placed[0]))
@@ -487,7 +455,7 @@ class AdamW(torch.optim.Optimizer):
                     differ.append(self._names[i])
         if differ:
             raise errors.FailedPrecondition(
-                "optstate.torch.AdamW: %d param(s) %s were changed outside the optimizer (e.g. by "
+                self._label + ": %d param(s) %s were changed outside the optimizer (e.g. by "
                 "model.load_state_dict) and now differ from their fp32 mains in store %s (generation %d, "
                 "step %d); a step would overwrite them with the store's mains. If the params are the ones to "
                 "train on, call opt.load_main_from_params() first (the store's mains take the params' values; "
@@ -500,10 +468,9 @@ class AdamW(torch.optim.Optimizer):
     # ---- the step ----
 
     def _send_hyper(self, gid, group):
-        beta1, beta2 = group["betas"]
-        h = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+        h = self._rule_hyper(group)
         if self._hyper.get(gid) != h:
-            self._adam.set_group(gid, *h, adamw=self._adamw)
+            self._adam.set_group_hyper(gid, h)
             self._hyper[gid] = h
 
     def _build_batch(self, grads):
@@ -517,24 +484,24 @@ class AdamW(torch.optim.Optimizer):
             if _is_dtensor(param):
                 placements = getattr(param.grad, "placements", None)
                 if placements is None or tuple(placements) != tuple(param.placements):
-                    raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s has placements %s, the param %s; "
+                    raise errors.InvalidArgument(self._label + ": grad of %s has placements %s, the param %s; "
                                                  "each rank steps its local shard with the grad of the same shard"
                                                  % (name, placements, tuple(param.placements)))
             if g.is_sparse:
-                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s is sparse" % name)
-            _dtype_code(g.dtype, "optstate.torch.AdamW: grad of " + name)
+                raise errors.InvalidArgument(self._label + ": grad of %s is sparse" % name)
+            _dtype_code(g.dtype, self._label + ": grad of " + name)
             if g.shape != p.shape:
-                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s has shape %s, the param %s"
+                raise errors.InvalidArgument(self._label + ": grad of %s has shape %s, the param %s"
                                              % (name, tuple(g.shape), tuple(p.shape)))
             if not g.is_contiguous():
-                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s (stride %s) is not contiguous"
+                raise errors.InvalidArgument(self._label + ": grad of %s (stride %s) is not contiguous"
                                              % (name, g.stride()))
             if g.device != self._device:
-                raise errors.InvalidArgument("optstate.torch.AdamW: grad of %s is on %s, expected %s"
+                raise errors.InvalidArgument(self._label + ": grad of %s is on %s, expected %s"
                                              % (name, g.device, self._device))
             self._check_param(param, name)
             if p.numel() != self._numels[i]:
-                raise errors.InvalidArgument("optstate.torch.AdamW: param %s now has %d elements, registered with %d"
+                raise errors.InvalidArgument(self._label + ": param %s now has %d elements, registered with %d"
                                              % (name, p.numel(), self._numels[i]))
             sel.append(i)
         n = len(sel)
@@ -562,10 +529,10 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._handles is None:
-            raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+            raise errors.FailedPrecondition(self._label + ": the optimizer is closed")
         scaler = kwargs.pop("grad_scaler", None)
         if kwargs:
-            raise TypeError("optstate.torch.AdamW.step() got unexpected keyword arguments %s" % sorted(kwargs))
+            raise TypeError(self._label + ".step() got unexpected keyword arguments %s" % sorted(kwargs))
         if scaler is not None:
             found_inf, grad_scale = self._amp_inputs_of(scaler)
         else:
@@ -595,7 +562,7 @@ class AdamW(torch.optim.Optimizer):
         found_ptr = self._flag_ptr(found_inf, "found_inf") if found_inf is not None else None
         if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
             if not float(grad_scale) > 0 or float(grad_scale) == float("inf"):
-                raise errors.InvalidArgument("optstate.torch.AdamW: grad_scale %r is not a finite number > 0"
+                raise errors.InvalidArgument(self._label + ": grad_scale %r is not a finite number > 0"
                                              % (grad_scale,))
             grad_scale = torch.full((1,), float(grad_scale), dtype=torch.float32, device=self._device)
         scale_ptr = self._flag_ptr(grad_scale, "grad_scale") if grad_scale is not None else None
@@ -609,7 +576,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _flag_ptr(self, t, what):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1 or t.device != self._device:
-            raise errors.InvalidArgument("optstate.torch.AdamW: %s must be one float32 element on %s, got %s"
+            raise errors.InvalidArgument(self._label + ": %s must be one float32 element on %s, got %s"
                                          % (what, self._device, _describe(t)))
         return t.data_ptr()
 
@@ -687,11 +654,11 @@ class AdamW(torch.optim.Optimizer):
         adam.make_durable()  # the last step's commit may still be running
         meta = state_dict.get("optstate")
         if meta is None:
-            raise errors.InvalidArgument("optstate.torch.AdamW.load_state_dict: not a state_dict of "
-                                         "optstate.torch.AdamW (no 'optstate' entry)")
+            raise errors.InvalidArgument(self._label + ".load_state_dict: not a state_dict of " + self._label
+                                         + " (no 'optstate' entry)")
         if list(meta["param_names"]) != self._names:
             raise errors.InvalidArgument(
-                "optstate.torch.AdamW.load_state_dict: state_dict has %d params %s, this optimizer %d %s"
+                self._label + ".load_state_dict: state_dict has %d params %s, this optimizer %d %s"
                 % (len(meta["param_names"]), _few(meta["param_names"]), len(self._names), _few(self._names)))
         gen, _ = self._store.latest_generation()
         same_store = meta.get("store_uuid") == self._store.uuid
@@ -711,14 +678,14 @@ class AdamW(torch.optim.Optimizer):
                          % (meta.get("store_path"), meta.get("store_name"), meta.get("store_uuid"),
                             meta["generation"], self._store.path, self._store.uuid))
                 raise errors.FailedPrecondition(
-                    "optstate.torch.AdamW.load_state_dict: state_dict is of %s. Resume through the framework "
+                    self._label + ".load_state_dict: state_dict is of %s. Resume through the framework "
                     "adapter (optstate.integrations: it saves the state's files into each checkpoint and "
                     "restores them), or save them with optstate.checkpoint.save_into(opt, dir) and call "
                     "optstate.checkpoint.resume_from(dir) before load_state_dict; a checkpoint directory "
                     "loads with optstate.checkpoint.load(opt, dir)" % where)
         counts = [self._adam.step_count(g) for g in range(len(self.param_groups))]
         if list(meta["step_counts"]) != counts:
-            raise errors.FailedPrecondition("optstate.torch.AdamW.load_state_dict: step counts %s in state_dict, "
+            raise errors.FailedPrecondition(self._label + ".load_state_dict: step counts %s in state_dict, "
                                             "%s in store %s" % (meta["step_counts"], counts, self._store.path))
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._hyper.clear()
@@ -735,7 +702,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _live(self):
         if self._handles is None:
-            raise errors.FailedPrecondition("optstate.torch.AdamW: the optimizer is closed")
+            raise errors.FailedPrecondition(self._label + ": the optimizer is closed")
         return self._adam
 
     @property
@@ -827,7 +794,7 @@ class AdamW(torch.optim.Optimizer):
         dropped silently."""
         adam = self._live()
         if name in self._names:
-            raise errors.InvalidArgument("optstate.torch.AdamW.retire: %s is a param of this optimizer (store %s); "
+            raise errors.InvalidArgument(self._label + ".retire: %s is a param of this optimizer (store %s); "
                                          "only a param the model no longer has can be retired"
                                          % (name, self._store._path))
         adam.retire_param(name)
@@ -856,9 +823,14 @@ class AdamW(torch.optim.Optimizer):
             adam.load_main(self._ids[i], _local(p).data_ptr(), _DTYPES[p.dtype])
         self._remember_params()
 
+    def store_fields(self):
+        """The fields the optimizer keeps per param in its store, "main" first (AdamW: exp_avg and
+        exp_avg_sq; Lion: exp_avg; SGD: momentum_buffer when it has momentum)."""
+        return self._live().fields()
+
     def read_state(self, p, field):
-        """A copy (fp32, CPU, p's shape; a DTensor's local shard's) of a param's "main", "exp_avg" or
-        "exp_avg_sq" as committed. For tests and inspection; it materialises that one tensor."""
+        """A copy (fp32, CPU, p's shape; a DTensor's local shard's) of a param's "main" or a state field
+        (store_fields()) as committed. For tests and inspection; it materialises that one tensor."""
         name = self.param_name(p)
         self._live().make_durable()  # the last step's commit may still be running
         p = _local(p)
@@ -870,13 +842,13 @@ class AdamW(torch.optim.Optimizer):
         """(index, name) of a registered param given as a tensor or its name in the store."""
         if isinstance(param, str):
             if param not in self._names:
-                raise errors.NotFound("optstate.torch.AdamW: no param named %s in store %s (%d params: %s)"
+                raise errors.NotFound(self._label + ": no param named %s in store %s (%d params: %s)"
                                       % (param, self._store._path, len(self._names), _few(self._names)))
             index = self._names.index(param)
         else:
             index = self._by_tensor.get(id(param))
             if index is None:
-                raise errors.NotFound("optstate.torch.AdamW: the tensor (shape %s) is not a param of this optimizer "
+                raise errors.NotFound(self._label + ": the tensor (shape %s) is not a param of this optimizer "
                                       "(store %s)" % (tuple(getattr(param, "shape", ())), self._store._path))
         return index, self._names[index]
 
@@ -901,7 +873,7 @@ class AdamW(torch.optim.Optimizer):
         p, numel = self._plist[index], self._numels[index]
         stop = numel if stop is None else stop
         if not 0 <= start < stop <= numel:
-            raise errors.InvalidArgument("optstate.torch.AdamW.pin: range [%s, %s) of param %s (store %s) is empty "
+            raise errors.InvalidArgument(self._label + ".pin: range [%s, %s) of param %s (store %s) is empty "
                                          "or outside its %d elements" % (start, stop, name, self._store._path, numel))
         if self._cuda:  # the range is loaded on the manager's stream; torch's pending work must not race it
             torch.cuda.current_stream(self._device).synchronize()
@@ -951,9 +923,7 @@ class AdamW(torch.optim.Optimizer):
         finally:
             self._reopen()
         for gid, group in enumerate(self.param_groups):
-            h = self._adam.get_group(gid)
-            group["lr"], group["betas"] = h["lr"], (h["beta1"], h["beta2"])
-            group["eps"], group["weight_decay"] = h["eps"], h["weight_decay"]
+            self._group_from_hyper(group, self._adam.get_group_hyper(gid))
         self._hyper.clear()
         return gen
 
@@ -984,7 +954,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _tensor_over(self, pinned):
         if pinned.dtype not in _TORCH_DTYPES:
-            raise errors.Unimplemented("optstate.torch.AdamW.pin: field %s of %s is stored as dtype code %d, "
+            raise errors.Unimplemented(self._label + ".pin: field %s of %s is stored as dtype code %d, "
                                        "which has no torch dtype here" % (pinned.field, pinned.tensor, pinned.dtype))
         if not self._cuda:
             buf = (ctypes.c_char * pinned.size_bytes).from_address(pinned.data_ptr)
@@ -1036,6 +1006,163 @@ class AdamW(torch.optim.Optimizer):
         self.close()
 
 
+class AdamW(_StreamedOptimizer):
+    """AdamW (decoupled weight decay; adamw=False gives Adam with L2) with its state in an optstate store.
+
+    Arguments as torch.optim.AdamW, plus:
+      store: the store's directory (str or PathLike); "{rank}" is replaced by the rank.
+             Created when missing or an empty directory, reopened (resume) when it holds a store.
+      budget: device bytes the state may occupy during step() (hard cap). Default 2 GiB.
+      backend: "auto" (cuda when a GPU is visible), "cuda" or "host" (CPU tensors).
+      host_cache_bytes: pinned host cache tier (steps read the state from RAM, write to disk);
+             0 = off; "auto" (default): half of MemAvailable, at least 4 GiB left free, per local rank,
+             shared by every optimizer of the process that uses "auto".
+      chunk_size_bytes, data_dirs, store_name: for a new store (see optstate.Store).
+      job: for a new store, the training job it belongs to (optstate.Store's job; checkpoints record
+             it and optstate.reshard merges only one job's ranks). None (default): with torch.distributed
+             initialised, one id for all ranks (rank 0's new uuid, broadcast: construction is then a
+             collective); otherwise a new uuid. A reopened store keeps its job.
+      cpu_threads: threads of the host backend's kernel. durable_every_steps: see <optstate/c.h>.
+      commit_lag_steps: 1 (default): step() returns once the params are updated and the step's commit
+             completes in the background until the next call; 0: step() returns once committed.
+             See <optstate/c.h>.
+      moment_dtype: "f32" (default), "bf16" or "q8": how exp_avg and exp_avg_sq are stored (bf16: 8 instead
+             of 12 bytes per param read and written per step; updated in fp32, rounded to nearest even,
+             relative error <= 2^-8 per step; q8: ~6.03 bytes, 8-bit codes with one fp32 absmax per 256
+             elements, error <= half the map's gap x the block's absmax per step). Fixed when the store's
+             params are first registered; a store holding the other dtype raises optstate.InvalidArgument.
+             docs/MOMENTS.md.
+      params may also be (name, tensor) pairs (e.g. model.named_parameters()); names are the
+      tensors' names in the store. Otherwise they are "param<i>" in the order given.
+      shards: where each param lies in the whole tensor when the model is sharded (tensor or data
+             parallelism), so that optstate.reshard can move its state to another number of ranks:
+             a dict {name: (global_shape, shard_offset)} or a callable(name, param) returning that
+             or None (a whole tensor). shard_offset is a box's offset, or for a 1-D param of a
+             tensor of higher rank (a flat-buffer shard) (begin,): the flat range
+             [begin, begin + numel) of the tensor's row-major flattening. docs/RESHARD.md.
+             A DTensor param needs no entry: its placements give it (an entry must agree with them).
+      retire: names of params the store holds and the model no longer has, retired at once (see
+             retire()). The params' names are compared with the store's first: when both have names
+             the other lacks (a renamed or wrapped model), optstate.InvalidArgument lists them and
+             nothing is written.
+    """
+
+    _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, store, budget=2 << 30, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, *, amsgrad=False, maximize=False, adamw=True, foreach=None, fused=None,
+                 capturable=False, differentiable=False, **kw):
+        if not 0.0 <= float(lr):
+            raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
+        if not 0.0 <= eps:
+            raise errors.InvalidArgument("Invalid epsilon value: {}".format(eps))
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise errors.InvalidArgument("Invalid beta parameters: {}".format(betas))
+        if not 0.0 <= weight_decay:
+            raise errors.InvalidArgument("Invalid weight_decay value: {}".format(weight_decay))
+        for flag, value in (("amsgrad", amsgrad), ("maximize", maximize), ("capturable", capturable),
+                            ("differentiable", differentiable)):
+            if value:
+                raise errors.Unimplemented("optstate.torch.AdamW: %s=True is not supported" % flag)
+        self._adamw = bool(adamw)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+        super().__init__(params, store, budget, defaults, **kw)
+
+    def _rule(self):
+        return "adamw"
+
+    def _rule_hyper(self, group):
+        beta1, beta2 = group["betas"]
+        return {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+                "weight_decay": float(group["weight_decay"]), "adamw": 1.0 if self._adamw else 0.0}
+
+    def _group_from_hyper(self, group, h):
+        group["lr"], group["betas"] = h["lr"], (h["beta1"], h["beta2"])
+        group["eps"], group["weight_decay"] = h["eps"], h["weight_decay"]
+
+
+class Lion(_StreamedOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with its state in an optstate
+    store: one moment, so 8 bytes a parameter are read and written per step (6 with moment_dtype="bf16")
+    instead of AdamW's 12. Per element, with g the gradient and m the moment "exp_avg":
+
+        p = p * (1 - lr * weight_decay) - lr * sign(beta1 * m + (1 - beta1) * g)
+        m = beta2 * m + (1 - beta2) * g
+
+    (sign(0) = 0). Arguments: lr (default 1e-4), betas ((0.9, 0.99)), weight_decay (0, decoupled), and the
+    keyword arguments of optstate.torch.AdamW that are not Adam's (store, budget, backend, chunk_size_bytes,
+    moment_dtype "f32" or "bf16", shards, ...). opt.state[p] holds "exp_avg". A param without a grad in a
+    step keeps its state."""
+
+    _STATE_KEYS = ("exp_avg",)
+
+    def __init__(self, params, store, budget=2 << 30, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, **kw):
+        if not 0.0 <= float(lr):
+            raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise errors.InvalidArgument("Invalid beta parameters: {}".format(betas))
+        if not 0.0 <= weight_decay:
+            raise errors.InvalidArgument("Invalid weight_decay value: {}".format(weight_decay))
+        super().__init__(params, store, budget, dict(lr=lr, betas=betas, weight_decay=weight_decay), **kw)
+
+    def _rule(self):
+        return "lion"
+
+    def _rule_hyper(self, group):
+        beta1, beta2 = group["betas"]
+        return {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+                "weight_decay": float(group["weight_decay"])}
+
+    def _group_from_hyper(self, group, h):
+        group["lr"], group["betas"], group["weight_decay"] = h["lr"], (h["beta1"], h["beta2"]), h["weight_decay"]
+
+
+class SGD(_StreamedOptimizer):
+    """SGD with momentum, as torch.optim.SGD (momentum, dampening, weight_decay as L2, nesterov, maximize),
+    with its state in an optstate store: the fp32 main and, when any group has momentum, the
+    "momentum_buffer" (f32 or bf16: moment_dtype), 8 bytes a parameter read and written per step (4
+    without momentum). A param's first step starts its buffer as its gradient, as torch's does; a
+    param without a grad keeps its state. Arguments as torch.optim.SGD's after store and budget (see
+    optstate.torch.AdamW for the keyword arguments of the store and the engine). An optimizer made
+    with momentum 0 in every group keeps no buffer, and a group set to momentum later raises
+    optstate.InvalidArgument at step()."""
+
+    def __init__(self, params, store, budget=2 << 30, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None, **kw):
+        if not 0.0 <= float(lr):
+            raise errors.InvalidArgument("Invalid learning rate: {}".format(lr))
+        if momentum < 0.0:
+            raise errors.InvalidArgument("Invalid momentum value: {}".format(momentum))
+        if weight_decay < 0.0:
+            raise errors.InvalidArgument("Invalid weight_decay value: {}".format(weight_decay))
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise errors.InvalidArgument("Nesterov momentum requires a momentum and zero dampening")
+        if differentiable:
+            raise errors.Unimplemented("optstate.torch.SGD: differentiable=True is not supported")
+        if not isinstance(params, torch.Tensor):
+            params = list(params)
+        # The buffer is a field of every tensor of the store: kept when any group has momentum.
+        self._buffer = momentum != 0 or any(isinstance(g, dict) and g.get("momentum", 0) != 0 for g in params)
+        self._STATE_KEYS = ("momentum_buffer",) if self._buffer else ()
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=None, differentiable=False, fused=None)
+        super().__init__(params, store, budget, defaults, **kw)
+
+    def _rule(self):
+        return "sgd" if self._buffer else "sgd_plain"
+
+    def _rule_hyper(self, group):
+        return {"lr": float(group["lr"]), "momentum": float(group["momentum"]),
+                "dampening": float(group["dampening"]), "weight_decay": float(group["weight_decay"]),
+                "nesterov": 1.0 if group["nesterov"] else 0.0, "maximize": 1.0 if group["maximize"] else 0.0}
+
+    def _group_from_hyper(self, group, h):
+        for k in ("lr", "momentum", "dampening", "weight_decay"):
+            group[k] = h[k]
+        group["nesterov"], group["maximize"] = h["nesterov"] != 0, h["maximize"] != 0
+
+
 def _read_only(what):
     raise TypeError("optstate.torch.AdamW: %s is read-only: the optimizer's state lives in its store; "
                     "change it through opt.pin(p, field, access=\"readwrite\") or optstate.checkpoint.load"
@@ -1043,21 +1170,19 @@ def _read_only(what):
 
 
 class _ParamState(collections.abc.MutableMapping):
-    """opt.state[p]: a param's AdamW state as torch.optim.AdamW keeps it ("step", "exp_avg",
-    "exp_avg_sq"), read from the store when a value is looked up (a copy; keys and len() need no
+    """opt.state[p]: a param's state as torch's optimizer of the same name keeps it (AdamW: "step",
+    "exp_avg", "exp_avg_sq"; SGD: "momentum_buffer"; Lion: "exp_avg"), read from the store when a value is looked up (a copy; keys and len() need no
     read). Empty while the param has taken no step (torch creates a param's state at its first step
     with a grad). Read-only, except that storing back the very tensor a lookup returned is accepted
     and changes nothing (frameworks that move optimizer state to a device, e.g. Lightning's
     _optimizer_to_device, store each value back)."""
-
-    _KEYS = ("step", "exp_avg", "exp_avg_sq")
 
     def __init__(self, opt, index):
         self._opt, self._index = opt, index
         self._given = {}  # key -> the tensor the last lookup returned
 
     def _keys(self):
-        return self._KEYS if self._opt._live().param_step_count(self._opt._names[self._index]) > 0 else ()
+        return self._opt._STATE_KEYS if self._opt._live().param_step_count(self._opt._names[self._index]) > 0 else ()
 
     def __getitem__(self, key):
         if key not in self._keys():

@@ -16,7 +16,8 @@ inputs. The optimizer runs with pipelined commits (commit_lag_steps 1, the
 default): step k's commit may still run after opt.step() returned and is
 waited for when step k+1 starts, so a kill may leave one step less than with
 commits inside the step. OPTSTATE_KILL_TEST_SEED fixes the random kill points (the seed used
-is printed with any failure)."""
+is printed with any failure). The same holds for optstate.torch.Lion and optstate.torch.SGD (Nesterov
+momentum), whose child runs the same loop with that optimizer."""
 import os
 import random
 import signal
@@ -46,8 +47,17 @@ def groups(model):
             {"params": [(n, p) for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
 
 
-def open_optimizer(model, store):
-    return ot.AdamW(groups(model), store=store, lr=1e-3, **OPT_KW)
+# optimizer kind: (constructor, its state fields besides main)
+KINDS = {
+    "adamw": (lambda gs, store: ot.AdamW(gs, store=store, lr=1e-3, **OPT_KW), ("exp_avg", "exp_avg_sq")),
+    "lion": (lambda gs, store: ot.Lion(gs, store=store, lr=1e-4, **OPT_KW), ("exp_avg",)),
+    "sgd": (lambda gs, store: ot.SGD(gs, store=store, lr=1e-2, momentum=0.9, nesterov=True, **OPT_KW),
+            ("momentum_buffer",)),
+}
+
+
+def open_optimizer(model, store, kind="adamw"):
+    return KINDS[kind][0](groups(model), store)
 
 
 def train_step(model, opt, k, report=None):
@@ -64,11 +74,11 @@ def train_step(model, opt, k, report=None):
     opt.step()
 
 
-def child(store, fd, go_fd):
+def child(store, fd, go_fd, kind):
     report = os.fdopen(fd, "w", buffering=1)
     go = os.fdopen(go_fd, "r")
     model = build_model(0)
-    opt = open_optimizer(model, store)
+    opt = open_optimizer(model, store, kind)
     report.write("ready\n")
     for k in range(1, STEPS + 1):
         if go.readline().strip() != "go %d" % k:
@@ -80,12 +90,12 @@ def child(store, fd, go_fd):
     report.write("closed\n")
 
 
-def state_of(model, opt):
+def state_of(model, opt, kind):
     """Params and every state field, by name (copies)."""
     out = {}
     for name, p in model.named_parameters():
         out[name] = p.detach().clone()
-        for field in ("main", "exp_avg", "exp_avg_sq"):
+        for field in ("main",) + KINDS[kind][1]:
             out[name + "/" + field] = opt.read_state(p, field).clone()
     return out
 
@@ -97,13 +107,13 @@ class KillTest(TempDirTest):
         self.seed = int(env_seed) if env_seed else random.SystemRandom().randrange(1 << 30)
         self.rng = random.Random(self.seed)
 
-    def kill_during(self, store, event, step, delay_fraction=None):
+    def kill_during(self, store, event, step, delay_fraction=None, kind="adamw"):
         """Runs the child until it reports `event` (and `step`), then SIGKILLs it, after delay_fraction
         of the last opt.step()'s duration when given. Returns the lines the child reported."""
         r, w = os.pipe()
         go_r, go_w = os.pipe()
         err = open(os.path.join(self.dir, "child.err"), "w")
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", store, str(w), str(go_r)],
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", store, str(w), str(go_r), kind],
                                 pass_fds=(w, go_r), stderr=err, stdout=err, cwd=os.path.dirname(__file__))
         os.close(w)
         os.close(go_r)
@@ -140,28 +150,28 @@ class KillTest(TempDirTest):
                          % (target, self.seed, lines, child_err[-3000:]))
         return lines
 
-    def check_resume(self, label, store, allowed):
+    def check_resume(self, label, store, allowed, kind="adamw"):
         """Reopens the killed store (a differently initialised model: the stored mains must win) and
         checks it against an uninterrupted run, at the committed step and after the remaining steps."""
         msg = "%s, seed %d" % (label, self.seed)
         model = build_model(1)
-        opt = open_optimizer(model, store)  # no Busy: the dead child's lock is gone
+        opt = open_optimizer(model, store, kind)  # no Busy: the dead child's lock is gone
         committed = opt.step_count(0)
         self.assertIn(committed, allowed, msg)
         self.assertEqual(opt.step_count(1), committed, msg)
 
         ref_model = build_model(0)
-        ref = open_optimizer(ref_model, self.path("ref-" + label))
+        ref = open_optimizer(ref_model, self.path("ref-" + label), kind)
         for k in range(1, committed + 1):
             train_step(ref_model, ref, k)
-        got, want = state_of(model, opt), state_of(ref_model, ref)
+        got, want = state_of(model, opt, kind), state_of(ref_model, ref, kind)
         for key in want:
             self.assertTrue(torch.equal(got[key], want[key]), "%s at committed step %d: %s differs"
                             % (msg, committed, key))
         for k in range(committed + 1, STEPS + 1):
             train_step(model, opt, k)
             train_step(ref_model, ref, k)
-        got, want = state_of(model, opt), state_of(ref_model, ref)
+        got, want = state_of(model, opt, kind), state_of(ref_model, ref, kind)
         for key in want:
             self.assertTrue(torch.equal(got[key], want[key]), "%s after step %d: %s differs" % (msg, STEPS, key))
         self.assertEqual((opt.step_count(0), ref.step_count(0)), (STEPS, STEPS), msg)
@@ -189,8 +199,24 @@ class KillTest(TempDirTest):
                                  % (label, lines[-1], committed, self.seed))
 
 
+    def test_sigkill_then_resume_lion_and_sgd(self):
+        for kind in ("lion", "sgd"):
+            k = self.rng.randint(2, STEPS - 1)
+            trials = [("between-steps", "done", 4, None, (3, 4)),
+                      ("in-step-%d-random" % k, "step", k, self.rng.uniform(0.0, 1.0), (k - 2, k - 1, k))]
+            for label, event, step, delay, allowed in trials:
+                with self.subTest(kind=kind, trial=label):
+                    label = kind + "-" + label
+                    store = self.path("s-" + label)
+                    lines = self.kill_during(store, event, step, delay, kind)
+                    self.assertNotIn("closed", lines)
+                    committed = self.check_resume(label, store, allowed, kind)
+                    sys.stderr.write("kill_test: %s: killed after %r, %d step(s) committed (seed %d)\n"
+                                     % (label, lines[-1], committed, self.seed))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "child":
-        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "child":
+        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     else:
         unittest.main()

@@ -214,6 +214,9 @@ TEST(CheckpointManifest, HyperparametersInRangeAndFlagsAsBooleans) {
   EXPECT_EQ(p->groups[0].hyper.at("adamw"), 0.0);
   EXPECT_EQ(nlohmann::json::parse(SerializeManifest(*p))["groups"][0]["hyper"]["adamw"], false);
   EXPECT_TRUE(IsFlagHyperparameter("adamw"));
+  EXPECT_TRUE(IsFlagHyperparameter("nesterov"));
+  EXPECT_TRUE(IsFlagHyperparameter("maximize"));
+  EXPECT_FALSE(IsFlagHyperparameter("momentum"));
   EXPECT_FALSE(IsFlagHyperparameter("lr"));
   // A store that records no groups: its tensors' group ids are labels only.
   j["groups"] = nlohmann::json::array();

@@ -14,6 +14,7 @@
 
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
+#include "memmgr/momentum_rules.h"
 #include "memmgr/streamed_adam.h"
 #include "tools/bench_step/compare.h"
 #include "tools/bench_step/sync_direct_engine.h"
@@ -54,6 +55,18 @@ int RunCompare(const StepOptions& o) {
     return FailWith(kTool, InvalidArgument(fmt::format("--prefetch {}: seconds of simulated forward/backward, 0..3600",
                                                        o.prefetch_compute_s)));
   }
+  // The rule stepped and its bytes per param read and written per step.
+  const bool adamw = o.optimizer == "adamw";
+  if (o.optimizer == "muon") {
+    return FailWith(kTool, Unimplemented("--optimizer muon: Muon has its kernels (kernels/muon.h) but the "
+                                         "streamed engine does not step whole-matrix rules yet"));
+  }
+  if (!adamw && (o.compare_bf16 || o.compare_q8)) {
+    return FailWith(kTool, InvalidArgument(fmt::format(
+                               "--optimizer {}: --bf16-moments and --q8-moments compare AdamW's moment dtypes",
+                               o.optimizer)));
+  }
+  const uint64_t bytes_per_param = adamw ? 12 : 8;
   std::string dir = o.dir;
   bool own_dir = dir.empty();
   if (own_dir) {
@@ -88,7 +101,10 @@ int RunCompare(const StepOptions& o) {
                                FormatBytes(kQ8SliceChunks * c->chunk))));
   }
   bool fv_warm = false, fv_cold = false, fv_direct = false;
-  if (!o.no_first_version) {
+  if (!adamw && !o.no_first_version && o.first_version_text != "none") {
+    Note("--optimizer " + o.optimizer + ": miles' streaming and the O_DIRECT baseline step Adam; only the floor runs");
+  }
+  if (adamw && !o.no_first_version) {
     std::string list = o.first_version_text;
     for (size_t at = 0; at <= list.size();) {
       size_t end = std::min(list.find(',', at), list.size());
@@ -103,13 +119,14 @@ int RunCompare(const StepOptions& o) {
       at = end + 1;
     }
   }
-  auto params = ParamMix(*state, o.hidden);
+  // ParamMix sizes a 12 B/param state: scale --state to the rule's bytes.
+  auto params = ParamMix(*state / bytes_per_param * 12, o.hidden);
   uint64_t numel_total = 0, max_numel = 0;
   for (auto& p : params) {
     numel_total += p.second;
     max_numel = std::max(max_numel, p.second);
   }
-  const uint64_t state_bytes = numel_total * 12;
+  const uint64_t state_bytes = numel_total * bytes_per_param;
 
   vfs::StoreOptions so;
   so.chunk_size_bytes = c->chunk;
@@ -123,11 +140,22 @@ int RunCompare(const StepOptions& o) {
   ao.durable_every_steps = o.durable_every;
   ao.background_sync_bytes = c->sync_every;
   ao.commit_lag_steps = o.commit_lag;
-  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao);
+  std::unique_ptr<memmgr::UpdateRule> rule;  // null: AdamW
+  if (o.optimizer == "lion") rule = memmgr::NewLionRule(MomentDType::kF32);
+  if (o.optimizer == "sgd") rule = memmgr::NewSgdRule(MomentDType::kF32, /*momentum_buffer=*/true);
+  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao, std::move(rule));
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
   g.weight_decay = 0.01;
-  if (Status s = (*opt)->SetGroup(g); !s.ok()) return FailWith(kTool, s);
+  Status gs = Status::Ok();
+  if (adamw) {
+    gs = (*opt)->SetGroup(g);
+  } else if (o.optimizer == "lion") {
+    gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-4}, {"weight_decay", 0.01}});
+  } else {
+    gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-2}, {"momentum", 0.9}, {"nesterov", 1.0}});
+  }
+  if (!gs.ok()) return FailWith(kTool, gs);
 
   // Same initial weights and gradients for both methods.
   std::vector<float> w0(max_numel);
@@ -172,7 +200,7 @@ int RunCompare(const StepOptions& o) {
     pg.push_back(x);
   }
   // Warm-up step: commits the registrations and writes the moments, so every
-  // timed step reads and writes all 12 bytes per parameter.
+  // timed step reads and writes all the rule's bytes per parameter.
   if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step"));
 
   const std::string disk_path = dir + "/store";

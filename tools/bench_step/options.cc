@@ -72,8 +72,13 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   CLI::Option* moments = sub->add_option("--moments", o->moments,
                   "synthetic mode: moment dtype, f32, bf16 or q8 (an existing store must hold it; default f32)")
       ->check(CLI::IsMember({"f32", "bf16", "q8"}));
+  sub->add_option("--optimizer", o->optimizer,
+                  "comparison mode: the update rule stepped, adamw (12 B/param), lion or sgd (8 B/param: one "
+                  "moment; --state is then that many bytes of it; miles' streaming and the moment-dtype "
+                  "stores are Adam's and run only with adamw) (default adamw)")
+      ->check(CLI::IsMember({"adamw", "lion", "sgd", "muon"}));
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
-  sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param (default 1G)");
+  sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param for adamw, 8 for lion and sgd (default 1G)");
   sub->add_option("--rounds", o->rounds, "comparison mode: interleaved rounds (default 3)");
   sub->add_flag("--no-fio", o->no_fio, "skip the fio floor");
   sub->add_flag("--no-first-version", o->no_first_version, "skip every baseline but the floor (--first-version none)");

@@ -51,6 +51,7 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   nlohmann::json out;
   out["machine"] = MachineInfo();
   out["backend"] = memmgr::BackendName(cmp.mm->backend());
+  out["optimizer"] = cmp.o.optimizer;
   out["state_bytes"] = cmp.state_bytes;
   out["params"] = cmp.numel_total;
   out["tensors"] = cmp.params.size();
@@ -195,10 +196,10 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
     return 0;
   }
   std::cout << fmt::format(
-      "optstate-bench step: {} of state ({} params in {} tensors), chunk {}, budget {}, host cache "
+      "optstate-bench step: {} {} of state ({} params in {} tensors), chunk {}, budget {}, host cache "
       "{}, backend {}, {} interleaved rounds (floor, ours, baselines); ours: O_DIRECT, commit "
       "(fdatasync) included\nstaging pages: {}\nmachine: {}\n\n",
-      FormatBytes(cmp.state_bytes), cmp.numel_total, cmp.params.size(), FormatBytes(c.chunk),
+      o.optimizer, FormatBytes(cmp.state_bytes), cmp.numel_total, cmp.params.size(), FormatBytes(c.chunk),
       FormatBytes(c.budget), FormatBytes(c.host_cache), memmgr::BackendName(cmp.mm->backend()),
       o.rounds, pages, MachineLine());
   Table t({"method", "median step", "state GB/s each way", "ours / this"}, {false, true, true, true});

@@ -45,6 +45,9 @@ struct StepOptions {
   uint64_t hidden = 1024;
   uint32_t durable_every = 1;
   uint32_t commit_lag = 1;  // StreamedAdamOptions::commit_lag_steps
+  // comparison mode: the update rule of our store: adamw, lion or sgd (SGD
+  // with Nesterov momentum); its bytes per param set the state's params.
+  std::string optimizer = "adamw";
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
   bool moments_given = false;   // --moments was on the command line (comparison mode refuses it)
   bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved

@@ -75,12 +75,14 @@ StepWrites BytesPerStep(const std::vector<vfs::TensorInfo>& tensors, uint64_t ch
   return w;
 }
 
-// "f32 12 B/param" style summary of the moment dtypes present.
+// "f32 12 B/param" style summary of the moment dtypes present: the state
+// fields beside main (AdamW's exp_avg and exp_avg_sq, Lion's exp_avg, SGD's
+// momentum_buffer), without q8's block scales ("<field>.absmax").
 std::string MomentDtypes(const std::vector<vfs::TensorInfo>& tensors) {
   std::vector<std::string> names;
   for (const auto& t : tensors) {
     for (const auto& f : t.fields) {
-      if (f.name != "exp_avg" && f.name != "exp_avg_sq") continue;
+      if (f.name == "main" || f.name.find('.') != std::string::npos) continue;
       std::string n = DTypeName(f.dtype);
       if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
     }

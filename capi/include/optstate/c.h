@@ -42,7 +42,10 @@
  * signature stays), so callers of the old one keep building and linking
  * against liboptstate.so.1.
  * Version 2 is the first that promises every declaration below; a library
- * that reports 1 may lack any call but those of its first release. */
+ * that reports 1 may lack any call but those of its first release. Version 3
+ * adds the update rules (optstate_adam_options_set_rule,
+ * optstate_adam_set_group_hyper, optstate_adam_get_group_hyper,
+ * optstate_adam_fields). */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -59,7 +62,7 @@ extern "C" {
 #define OPTSTATE_EXPORT
 #endif
 
-#define OPTSTATE_C_ABI_VERSION 2
+#define OPTSTATE_C_ABI_VERSION 3
 
 /* Codes: the values of optstate::StatusCode (base/status.h; the library checks
  * these copies against it when it is built). */
@@ -425,6 +428,18 @@ OPTSTATE_EXPORT uint32_t optstate_adam_options_commit_lag_steps(const optstate_a
 OPTSTATE_EXPORT int optstate_adam_options_set_moment_dtype(optstate_adam_options_t* opts, const char* dtype,
                                                            char** errptr);
 
+/* The update rule of the optimizer: "adamw" (default: exp_avg and
+ * exp_avg_sq), "lion" (Lion, Chen et al. 2023: one moment, exp_avg), "sgd"
+ * (SGD with momentum as torch.optim.SGD: one momentum_buffer) or "sgd_plain"
+ * (SGD without momentum: main only, and a group with momentum is
+ * INVALID_ARGUMENT). The moment dtype applies to the rule's state fields
+ * (f32 or bf16; q8 is adamw's alone: INVALID_ARGUMENT at optstate_adam_create).
+ * A store keeps the fields of the rule its params were registered with; an
+ * optimizer of another rule on it fails at optstate_adam_create naming the
+ * store, tensor and field. Another name: INVALID_ARGUMENT, options unchanged.
+ * Since ABI version 3. */
+OPTSTATE_EXPORT int optstate_adam_options_set_rule(optstate_adam_options_t* opts, const char* rule, char** errptr);
+
 /* On a store that already holds tensors, their state, groups and step counts
  * are restored (resume). opts may be NULL. */
 OPTSTATE_EXPORT int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm,
@@ -442,6 +457,25 @@ OPTSTATE_EXPORT int optstate_adam_set_group(optstate_adam_t* adam, uint32_t grou
 OPTSTATE_EXPORT int optstate_adam_get_group(const optstate_adam_t* adam, uint32_t group, double* lr,
                                             double* beta1, double* beta2, double* eps, double* weight_decay,
                                             int* adamw, char** errptr);
+
+/* A group's hyperparameters by the rule's names; they apply from the next
+ * step. adamw: lr, beta1, beta2, eps, weight_decay, adamw (nonzero:
+ * decoupled); lion: lr, beta1, beta2, weight_decay (decoupled); sgd and
+ * sgd_plain: lr, momentum, dampening, weight_decay (L2), nesterov, maximize
+ * (nonzero: true). n names and values; a name the rule lacks or an invalid
+ * value is INVALID_ARGUMENT (nothing changes), a name not given takes the
+ * rule's default. Since ABI version 3. */
+OPTSTATE_EXPORT int optstate_adam_set_group_hyper(optstate_adam_t* adam, uint32_t group, size_t n,
+                                                  const char* const* names, const double* values, char** errptr);
+/* A group's hyperparameters as the optimizer holds them (restored from the
+ * store on resume): *n names, back to back, each followed by a NUL, in *names,
+ * and their values in *values; both malloc'ed (optstate_free). Since ABI
+ * version 3. */
+OPTSTATE_EXPORT int optstate_adam_get_group_hyper(const optstate_adam_t* adam, uint32_t group, char** names,
+                                                  double** values, size_t* n, char** errptr);
+/* The fields the rule keeps per tensor, "main" first: *n names, each followed
+ * by a NUL, in *names (malloc'ed, optstate_free). Since ABI version 3. */
+OPTSTATE_EXPORT int optstate_adam_fields(const optstate_adam_t* adam, char** names, size_t* n, char** errptr);
 
 /* Registers a parameter shard and returns its id (*id, for optstate_adam_step_with).
  * initial: numel elements of initial_dtype (f32/bf16/f16) that become the fp32

@@ -71,7 +71,7 @@ class OptstateState(_Base):
     def __init__(self, opt, checkpoint_id, reshard_dir=None):
         if not hasattr(opt, "_load_checkpoint"):
             raise errors.InvalidArgument("optstate.integrations.dcp.OptstateState: %r is not an "
-                                         "optstate.torch.AdamW" % type(opt).__name__)
+                                         "optstate.torch optimizer" % type(opt).__name__)
         self._opt = opt
         self._dir = os.path.abspath(os.fspath(checkpoint_id))
         self._reshard_dir = None if reshard_dir is None else os.path.abspath(os.fspath(reshard_dir))
