@@ -408,6 +408,8 @@ class MegatronTest(TempDirTest):
                         # Direct: the grad buffer's own memory, no copy (Megatron's grad norm reads it too).
                         self.assertEqual(s.main.grad.data_ptr() == want.data_ptr(), direct, s.name)
                         self.assertTrue(any(p is s.main for p in opt.get_parameters()), s.name)
+            for opt in opts:
+                opt._optstate.adam.make_durable()  # the last step's commit lands before the store is read
             runs[direct] = (model.flat(), {(r, s.name): opts[r]._optstate.store.read(s.name, f).tobytes()
                                            for r in range(2) for s in opts[r]._optstate.shards
                                            for f in ("main", "exp_avg", "exp_avg_sq")})
