@@ -152,7 +152,7 @@ using internal::Core;
 using internal::IndexOptions;
 using internal::JoinPath;
 using internal::kSecondaryPrefix;
-using internal::kSecondaryRoot;
+using internal::SecondaryRoot;
 using internal::LockSecondaryBase;
 using internal::NewCore;
 using internal::NewStore;
@@ -357,8 +357,9 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
   OPTSTATE_RETURN_IF_ERROR(ResolveDataDirs(core.get()));
   OPTSTATE_RETURN_IF_ERROR(OpenReaderLeaseLock(core.get()));
   static std::atomic<uint64_t> counter{0};
-  RemoveStaleSecondaryDirs(kSecondaryRoot);
-  core->secondary_base_ = std::string(kSecondaryRoot) + "/" + kSecondaryPrefix + std::to_string(getpid()) + "-" +
+  const std::string secondary_root = SecondaryRoot();
+  RemoveStaleSecondaryDirs(secondary_root);
+  core->secondary_base_ = secondary_root + "/" + kSecondaryPrefix + std::to_string(getpid()) + "-" +
                           std::to_string(counter++) + "-" + std::to_string(std::random_device{}());
   core->secondary_dir_ = core->secondary_base_;
   core->secondary_lock_fd_ = LockSecondaryBase(core->secondary_base_);

@@ -128,6 +128,14 @@ int LockSecondaryBase(const std::string& base) {
   return fd;
 }
 
+std::string SecondaryRoot() {
+  // $TMPDIR as every Unix tool reads it; a relative one would move with the
+  // process's working directory, so it does not count.
+  const char* t = std::getenv("TMPDIR");
+  if (t != nullptr && t[0] == '/') return std::string(t);
+  return "/tmp";
+}
+
 void RemoveStaleSecondaryDirs(const std::string& root) {
   namespace sfs = std::filesystem;
   std::error_code ec;

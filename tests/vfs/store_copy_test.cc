@@ -419,21 +419,28 @@ TEST(StoreLeaseTest, LeaseOfAKilledReaderIsReclaimedEvenWhileItIsAZombie) {
   ExpectStoreHolds(path, 4);
 }
 
-// The entries a reader process keeps in /tmp: its RocksDB secondary
-// directories and their lock file.
+// The entries a reader process keeps in $TMPDIR (else /tmp): its RocksDB
+// secondary directories and their lock file.
 std::vector<std::string> SecondaryEntriesOf(pid_t pid) {
   std::vector<std::string> out;
   const std::string prefix = "optstate-secondary-" + std::to_string(pid) + "-";
-  for (const auto& e : std::filesystem::directory_iterator("/tmp")) {
+  const char* tmp = std::getenv("TMPDIR");
+  for (const auto& e : std::filesystem::directory_iterator(tmp != nullptr ? tmp : "/tmp")) {
     const std::string name = e.path().filename().string();
     if (name.rfind(prefix, 0) == 0) out.push_back(name);
   }
   return out;
 }
 
+// In a $TMPDIR of its own: any process's read-only open cleans /tmp, so in
+// a shared /tmp a test running beside this one could remove the killed
+// reader's entries before this test's own open does.
 TEST(StoreLeaseTest, SecondaryDirsOfKilledReadersAreRemovedAtTheNextReadOnlyOpen) {
   TempDir dir;
   const std::string path = dir / "s";
+  const std::string tmp = dir / "tmp";
+  std::filesystem::create_directories(tmp);
+  ASSERT_EQ(setenv("TMPDIR", tmp.c_str(), 1), 0);  // the child reader inherits it
   auto w = Unwrap(Store::Create(path, TestOptions()));
   Step(w.get(), 1);
   LeaseChild child(path);
@@ -452,6 +459,7 @@ TEST(StoreLeaseTest, SecondaryDirsOfKilledReadersAreRemovedAtTheNextReadOnlyOpen
   live.reset();
   next.reset();
   EXPECT_TRUE(SecondaryEntriesOf(::getpid()).empty()) << "a closed reader removes its own";
+  unsetenv("TMPDIR");
 }
 
 TEST(StoreLeaseTest, SpaceOfDeadReadersIsReclaimedAtOpenWithoutACommit) {

@@ -46,8 +46,9 @@ Status OpenReaderLeaseLock(Core* c);
 // whose lock nobody holds: the kernel drops a flock when its process ends,
 // however it ends, in any pid namespace. Directories of readers that predate
 // the lock file are removed when their pid (the name's first number) is gone.
-// store_secondary.cc.
-inline constexpr const char* kSecondaryRoot = "/tmp";
+// They live in $TMPDIR when it names an absolute path, else /tmp
+// (SecondaryRoot, store_secondary.cc).
+std::string SecondaryRoot();
 inline constexpr const char* kSecondaryPrefix = "optstate-secondary-";
 // The flock'ed descriptor of <base>.lock, or -1 (the directory then only ages
 // out by its pid).
