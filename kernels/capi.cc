@@ -19,18 +19,25 @@ using optstate::kernels::AdamMode;
 using optstate::kernels::AdamParams;
 using optstate::kernels::AdamTensors;
 
-AdamTensors MakeTensors(float* main, void* exp_avg, void* exp_avg_sq, const void* grad,
-                        int grad_type, void* param, int param_type, const float* found_inf) {
-  AdamTensors t;
-  t.main = main;
-  t.exp_avg = exp_avg;
-  t.exp_avg_sq = exp_avg_sq;
+// t with the operands every kernel takes alike, from the C codes.
+template <typename Tensors>
+Tensors WithOperands(Tensors t, const void* grad, int grad_type, void* param, int param_type,
+                     const float* found_inf) {
   t.grad = grad;
   t.grad_type = static_cast<optstate::DType>(grad_type);
   t.param = param;
   if (param_type != optstate::kernels::kNoDTypeCode) t.param_type = static_cast<optstate::DType>(param_type);
   t.found_inf = found_inf;
   return t;
+}
+
+AdamTensors MakeTensors(float* main, void* exp_avg, void* exp_avg_sq, const void* grad,
+                        int grad_type, void* param, int param_type, const float* found_inf) {
+  AdamTensors t;
+  t.main = main;
+  t.exp_avg = exp_avg;
+  t.exp_avg_sq = exp_avg_sq;
+  return WithOperands(t, grad, grad_type, param, param_type, found_inf);
 }
 
 AdamParams MakeParams(double lr, double beta1, double beta2, double eps, double weight_decay, int mode,
@@ -104,12 +111,7 @@ optstate::kernels::MuonTensors MakeMuonTensors(float* main, void* momentum, int 
   t.main = main;
   t.momentum = momentum;
   t.moment_type = static_cast<optstate::MomentDType>(moment_type);
-  t.grad = grad;
-  t.grad_type = static_cast<optstate::DType>(grad_type);
-  t.param = param;
-  if (param_type != optstate::kernels::kNoDTypeCode) t.param_type = static_cast<optstate::DType>(param_type);
-  t.found_inf = found_inf;
-  return t;
+  return WithOperands(t, grad, grad_type, param, param_type, found_inf);
 }
 
 optstate::kernels::MuonParams MakeMuonParams(double lr, double momentum, int nesterov, double weight_decay,

@@ -23,12 +23,7 @@ kernels::MomentumTensors Tensors(const SliceOperands& o, MomentDType moments, bo
   t.main = static_cast<float*>(o.fields[0]);
   t.moment = has_moment ? o.fields[1] : nullptr;
   t.moment_type = moments;
-  t.grad = o.grad;
-  t.grad_type = o.grad_type;
-  t.param = o.param;
-  t.param_type = o.param_type;
-  t.found_inf = o.found_inf;
-  return t;
+  return WithSliceOperands(o, t);
 }
 
 Status Rejected(const char* kernel, const SliceOperands& o) {

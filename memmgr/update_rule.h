@@ -87,6 +87,19 @@ struct SliceOperands {
   const float* found_inf = nullptr;        // nonzero: write nothing (may be null)
 };
 
+// Kernel tensors t (kernels/: AdamTensors, MomentumTensors, ...) with the
+// operands every elementwise kernel takes alike set from o: the gradient,
+// the model copy and the found-inf flag. A rule sets its own fields.
+template <typename Tensors>
+Tensors WithSliceOperands(const SliceOperands& o, Tensors t) {
+  t.grad = o.grad;
+  t.grad_type = o.grad_type;
+  t.param = o.param;
+  t.param_type = o.param_type;
+  t.found_inf = o.found_inf;
+  return t;
+}
+
 // The unit a rule updates at once.
 enum class SliceUnit : uint8_t {
   kChunks = 0,  // elementwise: any slice of chunks (AdamW, Lion, SGD)

@@ -96,23 +96,13 @@ class AdamWRule final : public UpdateRule {
     p.grad_scale = a.grad_scale;
     return p;
   }
-  // t with the operands every Adam kernel takes alike.
-  template <typename Tensors>
-  static Tensors WithOperands(const SliceOperands& o, Tensors t) {
-    t.grad = o.grad;
-    t.grad_type = o.grad_type;
-    t.param = o.param;
-    t.param_type = o.param_type;
-    t.found_inf = o.found_inf;
-    return t;
-  }
   kernels::AdamTensors Plain(const SliceOperands& o) const {
     kernels::AdamTensors t;
     t.main = static_cast<float*>(o.fields[0]);
     t.exp_avg = o.fields[1];
     t.exp_avg_sq = o.fields[2];
     t.moment_type = moments_;
-    return WithOperands(o, t);
+    return WithSliceOperands(o, t);
   }
   static kernels::AdamQ8Tensors Q8(const SliceOperands& o) {
     kernels::AdamQ8Tensors t;
@@ -121,7 +111,7 @@ class AdamWRule final : public UpdateRule {
     t.exp_avg_sq = static_cast<uint8_t*>(o.fields[2]);
     t.exp_avg_absmax = static_cast<float*>(o.fields[3]);
     t.exp_avg_sq_absmax = static_cast<float*>(o.fields[4]);
-    return WithOperands(o, t);
+    return WithSliceOperands(o, t);
   }
 
   const MomentDType moments_;
