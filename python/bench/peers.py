@@ -398,6 +398,8 @@ def run(args, work):
         load_s = time.perf_counter() - t0
         row.update(peak_gpu_bytes=m.held_gpu + m.peak + window, window_peak_bytes=window,
                    checkpoint_save_s=save_s, checkpoint_load_s=load_s, checkpoint_bytes=tree_bytes(ck))
+        print("%-18s checkpoint save %.2f s, load %.2f s, %.2f GB" % (
+            m.name, save_s, load_s, row["checkpoint_bytes"] / 1e9), flush=True)
         shutil.rmtree(ck, ignore_errors=True)
         m.close()
         shutil.rmtree(m.dir, ignore_errors=True)
