@@ -85,6 +85,12 @@ struct SliceOperands {
   void* param = nullptr;                   // model copy to write (may be null)
   std::optional<DType> param_type;         // with param
   const float* found_inf = nullptr;        // nonzero: write nothing (may be null)
+  // SliceUnit::kTensor rules only: WorkspaceBytes(tensor) bytes of scratch,
+  // 256-byte aligned (device memory on CUDA, host memory on the host
+  // backend), and the tensor's registered local shape ({numel} when it was
+  // registered without one).
+  void* workspace = nullptr;
+  const std::vector<uint64_t>* shape = nullptr;
 };
 
 // Kernel tensors t (kernels/: AdamTensors, MomentumTensors, ...) with the
@@ -117,6 +123,9 @@ class UpdateRule {
   // The hyperparameters the rule reads and their defaults.
   virtual const Hyperparams& Hyperparameters() const = 0;
   virtual SliceUnit unit() const { return SliceUnit::kChunks; }
+  // Bytes of scratch one kernel call on tensor t needs
+  // (SliceOperands::workspace); SliceUnit::kTensor rules only. Default: 0.
+  virtual uint64_t WorkspaceBytes(const vfs::TensorInfo& /*t*/) const { return 0; }
 
   // Checks a group's hyperparameters (every name of Hyperparameters()
   // present): kInvalidArgument naming the group and the values. Default: OK.
