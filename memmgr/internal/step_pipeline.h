@@ -131,7 +131,11 @@ class StepPipeline {
  public:
   // One slice of one tensor: its chunks (SliceLayout), the tensor's field
   // index of each rule field, the gradient and param copy of the whole
-  // tensor, and the rule's arguments for the tensor in this step.
+  // tensor, the tensor's rule, its layout and the rule's arguments for the
+  // tensor in this step. A whole-tensor rule's job (tensor set) is the
+  // whole tensor: the pipeline runs it once everything queued before it is
+  // written, gathering every chunk of every field into the device window,
+  // calling the kernel once and scattering the fields back.
   struct Job {
     uint32_t tensor_id = 0;
     uint64_t chunk = 0;  // the slice's index in the tensor (messages)
@@ -142,6 +146,9 @@ class StepPipeline {
     void* param = nullptr;
     DType param_type = DType::kF32;  // of param, when param is set
     RuleArgs args;
+    const UpdateRule* rule = nullptr;
+    const SliceLayout* layout = nullptr;
+    const vfs::TensorInfo* tensor = nullptr;  // a whole-tensor unit (outlives the step)
     uint32_t n_bufs() const { return slice.n; }
     uint64_t len(uint32_t f) const { return slice.chunks[f].len; }
     uint64_t bytes() const {
@@ -156,13 +163,13 @@ class StepPipeline {
     }
   };
 
-  // rule and layout: not owned, outlive the pipeline.
+  // size: the widest slice of any job's layout (each job's rule and layout
+  // are not owned and outlive the pipeline).
   // on_written: told the bytes of each completed write (the data syncs).
   StepPipeline(EngineMemory* mm, vfs::ChunkIo* io, int cpu_threads, std::function<void(uint64_t)> on_written,
-               const float* found_inf, const UpdateRule* rule, const SliceLayout* layout)
-      : bufs_(layout->slice_chunks()),
-        rule_(rule),
-        layout_(layout),
+               const float* found_inf, SliceSize size)
+      : bufs_(size.chunks),
+        size_(size),
         mm_(mm),
         dev_(mm->device()),
         io_(io),
@@ -307,9 +314,18 @@ class StepPipeline {
 
   Status StartWrites(size_t i);
 
-  const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice
-  const UpdateRule* rule_;
-  const SliceLayout* layout_;
+  // Nothing is in flight, computing or waiting to be written.
+  bool Idle() const;
+  // Runs a whole-tensor job (REQUIRES: Idle()): the slots' window goes back
+  // while the unit holds its own, then is taken again.
+  Status RunTensorUnit(const Job& j);
+  Status GatherScatterUnit(const Job& j, char* base);
+  // Takes the slots' window again after a unit (fewer slots if the budget
+  // has fewer pages now).
+  Status ReacquireSlots();
+
+  const uint32_t bufs_;  // chunks (buffers, device pages) of the widest slice
+  const SliceSize size_;
   EngineMemory* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's
