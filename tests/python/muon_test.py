@@ -209,6 +209,67 @@ class MuonTest(TempDirTest):
                 finally:
                     opt.close()
 
+    def test_state_dict_and_checkpoint_resume_bit_for_bit(self):
+        """load_state_dict of an earlier state_dict (the store reverts to that generation, the params
+        take its mains, the groups its hyperparameters) and optstate.checkpoint save/load into a fresh
+        store both continue exactly as the run did from there: params and both rules' state equal bit
+        for bit after the same further steps."""
+        import optstate.checkpoint
+        torch.manual_seed(11)
+        shapes = [(16, 8), (8,), (8, 24)]
+        params = [torch.randn(s).requires_grad_(True) for s in shapes]
+        groups = lambda ps: [{"params": ps[:2], "lr": 0.02}, {"params": ps[2:], "lr": 0.01,
+                                                                  "adjust_lr_fn": "match_rms_adamw"}]
+        grads = [[torch.randn(s, generator=torch.Generator().manual_seed(10 * k + i)) for i, s in enumerate(shapes)]
+                 for k in range(6)]
+
+        def step(opt, ps, k):
+            for p, g in zip(ps, grads[k]):
+                p.grad = g.clone()
+            opt.step()
+
+        def snapshot(opt, ps):
+            out = [p.detach().clone() for p in ps]
+            for p in ps:
+                out += [opt.state[p][k].clone() if k != "step" else torch.tensor(float(opt.state[p][k]))
+                        for k in sorted(opt.state[p])]
+            return out
+
+        opt = ot.Muon(groups(params), store=self.path("sd"), **OPT_KW)
+        try:
+            for k in range(3):
+                step(opt, params, k)
+            sd = opt.state_dict()
+            self.assertEqual(sd["param_groups"][1]["adjust_lr_fn"], "match_rms_adamw")
+            optstate.checkpoint.save(opt, self.path("ckpt"))
+            opt.param_groups[0]["lr"] = 0.5  # changed after the state_dict: load_state_dict restores 0.02
+            for k in range(3, 6):
+                step(opt, params, k)
+            want = snapshot(opt, params)
+            opt.load_state_dict(sd)
+            self.assertEqual(opt.param_groups[0]["lr"], 0.02)
+            opt.param_groups[0]["lr"] = 0.5
+            for k in range(3, 6):
+                step(opt, params, k)
+            got = snapshot(opt, params)
+            self.assertEqual(len(got), len(want))
+            for i, (a, b) in enumerate(zip(got, want)):
+                self.assertTrue(torch.equal(a, b), "after load_state_dict: tensor %d differs" % i)
+        finally:
+            opt.close()
+        fresh = [torch.zeros(s).requires_grad_(True) for s in shapes]
+        opt2 = ot.Muon(groups(fresh), store=self.path("fresh"), **OPT_KW)
+        try:
+            optstate.checkpoint.load(opt2, self.path("ckpt"))
+            opt2.param_groups[0]["lr"] = 0.5
+            for k in range(3, 6):
+                step(opt2, fresh, k)
+            got = snapshot(opt2, fresh)
+            for i, (a, b) in enumerate(zip(got, want)):
+                self.assertTrue(torch.equal(a, b), "after checkpoint.load: tensor %d differs" % i)
+        finally:
+            opt2.close()
+
     def test_budget_names_the_matrix_that_does_not_fit(self):
         # 4 MiB a field (main, momentum_buffer) and 10 MiB of Newton-Schulz scratch: more than 12 MiB.
         big = torch.nn.Parameter(torch.randn(2048, 512))
