@@ -169,9 +169,10 @@ def _rank():
 
 class _StreamedOptimizer(torch.optim.Optimizer):
     """The machinery of every optstate.torch optimizer: a torch.optim.Optimizer over one store and
-    one streamed engine with one update rule (AdamW, Lion, SGD). A subclass gives the rule's C name
-    (_rule), its hyperparameters from a param group (_rule_hyper) and back (_group_from_hyper),
-    and its state keys (_STATE_KEYS: what torch's optimizer of that name keeps in state[p])."""
+    one streamed engine with one update rule (AdamW, Lion, SGD) or several (Muon: Muon and AdamW). A
+    subclass gives the rule's C name (_rule) or the rules' (_rules, each param's by _param_rule), their
+    hyperparameters from a param group (_rule_hyper) and back (_group_from_hyper), and its state keys
+    (_STATE_KEYS or _state_keys: what torch's optimizer of that name keeps in state[p])."""
 
     # torch's GradScaler: hand the step the scale and found-inf instead of unscaling the grads.
     _step_supports_amp_scaling = True
@@ -846,7 +847,8 @@ class _StreamedOptimizer(torch.optim.Optimizer):
 
     def store_fields(self):
         """The fields the optimizer keeps per param in its store, "main" first (AdamW: exp_avg and
-        exp_avg_sq; Lion: exp_avg; SGD: momentum_buffer when it has momentum)."""
+        exp_avg_sq; Lion: exp_avg; SGD: momentum_buffer when it has momentum; Muon: those of both its
+        rules, momentum_buffer, exp_avg and exp_avg_sq, each param holding its own rule's)."""
         return self._live().fields()
 
     def read_state(self, p, field):
@@ -1298,8 +1300,9 @@ def _read_only(what):
 
 class _ParamState(collections.abc.MutableMapping):
     """opt.state[p]: a param's state as torch's optimizer of the same name keeps it (AdamW: "step",
-    "exp_avg", "exp_avg_sq"; SGD: "momentum_buffer"; Lion: "exp_avg"), read from the store when a value is looked up (a copy; keys and len() need no
-    read). Empty while the param has taken no step (torch creates a param's state at its first step
+    "exp_avg", "exp_avg_sq"; SGD: "momentum_buffer"; Lion: "exp_avg"; Muon: "momentum_buffer" for its
+    matrices, AdamW's keys for the rest), read from the store when a value is looked up (a copy; keys
+    and len() need no read). Empty while the param has taken no step (torch creates a param's state at its first step
     with a grad). Read-only, except that storing back the very tensor a lookup returned is accepted
     and changes nothing (frameworks that move optimizer state to a device, e.g. Lightning's
     _optimizer_to_device, store each value back)."""
