@@ -450,7 +450,7 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
     vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
     // 0: a whole chunk.
     const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
-    Status st = io_->SubmitRead(ref, s.buf[f], i * kMaxSliceChunks + f, buf_bytes);
+    Status st = io_->SubmitRead(ref, s.buf[f], IoTag::Of(i, f).Pack(), buf_bytes);
     if (!st.ok()) {
       return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
                             std::to_string(j.chunk));
@@ -468,8 +468,9 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
 }
 
 Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
-  const size_t i = c.tag / kMaxSliceChunks;
-  const uint32_t f = static_cast<uint32_t>(c.tag % kMaxSliceChunks);
+  const IoTag tag = IoTag::Unpack(c.tag);
+  const size_t i = tag.Index();
+  const uint32_t f = tag.chunk;
   if ((i & kTailBit) ? (i & ~kTailBit) >= tail_.size() : i >= sets_.size()) {
     return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
   }
@@ -569,7 +570,7 @@ Status StepPipeline::StartWrites(size_t i) {
     // The new version; cleared on abort (EngineMemory::OnAbortPending).
     if (!s.acquired[f]) mm_->cache()->Put(key, s.buf[f], len);
     vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
-    Status st = io_->SubmitWrite(ref, s.buf[f], i * kMaxSliceChunks + f);
+    Status st = io_->SubmitWrite(ref, s.buf[f], IoTag::Of(i, f).Pack());
     if (!st.ok()) {
       return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +
                             std::to_string(j.chunk));
@@ -698,6 +699,24 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
     }
   };
   const uint32_t max_in_flight = std::max<uint32_t>(1, std::min<uint32_t>(ring_requests_, read_qd_));
+  // Reaps until piece p can be submitted (ring room, and a staging buffer
+  // when it has no entry), then takes its buffer: where it goes.
+  auto make_room = [&](size_t i, const std::function<Status(size_t)>& on_done) -> void* {
+    Piece& p = pieces[i];
+    while (st.ok() && (io_->in_flight() >= max_in_flight || (p.entry == nullptr && free_bufs.empty()))) {
+      if (io_->in_flight() == 0) break;
+      reap(1, on_done);
+    }
+    if (!st.ok() || p.entry != nullptr) return p.entry;
+    auto b = take_buf(p.len);
+    if (b.first == nullptr) {
+      st = Internal(what + ": no staging buffer holds a chunk of " + std::to_string(p.len) + " bytes");
+      return nullptr;
+    }
+    p.buf = b.first;
+    buf_cap[i] = b.second;
+    return p.buf;
+  };
   // 1. Gather: each chunk from the host cache tier, a prefetched buffer or
   //    the disk, into its place in the window.
   auto landed = [&](size_t i) -> Status {
@@ -741,28 +760,11 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
         continue;
       }
     }
-    while (st.ok() && (io_->in_flight() >= max_in_flight || (p.entry == nullptr && free_bufs.empty()))) {
-      if (io_->in_flight() == 0) {
-        st = Internal(what + ": no staging buffer for a chunk of " + std::to_string(p.len) + " bytes");
-        break;
-      }
-      reap(1, landed);
-    }
+    void* into = make_room(i, landed);
     if (!st.ok()) break;
-    uint64_t buf_bytes = 0;  // 0: a whole chunk
-    void* into = p.entry;
-    if (into != nullptr) {
-      buf_bytes = HostCache::EntryBytes(p.len);
-    } else {
-      auto b = take_buf(p.len);
-      if (b.first == nullptr) {
-        st = Internal(what + ": no staging buffer holds a chunk of " + std::to_string(p.len) + " bytes");
-        break;
-      }
-      p.buf = into = b.first;
-      buf_cap[i] = b.second;
-      buf_bytes = b.second < chunk_bytes_ ? b.second : 0;
-    }
+    const uint64_t buf_bytes = p.entry != nullptr        ? HostCache::EntryBytes(p.len)
+                               : buf_cap[i] < chunk_bytes_ ? buf_cap[i]
+                                                           : 0;  // 0: a whole chunk
     const double ts = NowS();
     Status rs = io_->SubmitRead(vfs::ChunkRef{p.key.tensor_id, p.key.field, p.key.index}, into, i, buf_bytes);
     submit_s_ += NowS() - ts;
@@ -815,24 +817,8 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
   };
   for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
     Piece& p = pieces[i];
-    while (st.ok() && (io_->in_flight() >= max_in_flight || (p.entry == nullptr && free_bufs.empty()))) {
-      if (io_->in_flight() == 0) {
-        st = Internal(what + ": no staging buffer for a chunk of " + std::to_string(p.len) + " bytes");
-        break;
-      }
-      reap(1, written);
-    }
+    void* from = make_room(i, written);
     if (!st.ok()) break;
-    void* from = p.entry;
-    if (from == nullptr) {
-      auto b = take_buf(p.len);
-      if (b.first == nullptr) {
-        st = Internal(what + ": no staging buffer holds a chunk of " + std::to_string(p.len) + " bytes");
-        break;
-      }
-      p.buf = from = b.first;
-      buf_cap[i] = b.second;
-    }
     st = dev_->CopyD2H(from, p.dst, p.len, stream);
     if (st.ok()) st = dev_->SyncStream(stream);
     if (!st.ok()) break;

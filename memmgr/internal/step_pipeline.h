@@ -26,6 +26,12 @@
 // entries, which stay in use (never evicted or reused) until each write
 // completes. So with the RAM tier the step is bound by its compute, not by
 // its writes, and the tail needs no memory beyond the tier's own.
+// A step may mix rules (a job carries its rule and layout; staging sets are
+// as wide as the widest slice). A whole-tensor rule's job (SliceUnit::
+// kTensor) waits until everything queued before it is written, then holds
+// the device window alone: every chunk of every field gathered into it (from
+// the host cache tier, a prefetched buffer or the disk), one kernel call,
+// and each chunk scattered back and written (RunTensorUnit).
 // Driven by one thread (the trainer's, then the background commit's) through
 // Pump().
 #pragma once
@@ -269,6 +275,21 @@ class StepPipeline {
   // computed_ and in I/O tags.
   static constexpr size_t kTailBit = size_t{1} << 40;
   Set& SetAt(size_t i) { return (i & kTailBit) ? tail_[i & ~kTailBit] : sets_[i]; }
+  // A slice request's tag (ChunkIo's 64-bit tag): the set (of the write
+  // tail, or of sets_) and the chunk of its slice.
+  struct IoTag {
+    bool tail = false;
+    uint64_t set = 0;    // index in tail_ or sets_
+    uint32_t chunk = 0;  // index in the slice's chunks (< kMaxSliceChunks)
+    // From a set index as computed_ holds it (kTailBit for the tail).
+    static IoTag Of(size_t i, uint32_t chunk) { return IoTag{(i & kTailBit) != 0, i & ~kTailBit, chunk}; }
+    size_t Index() const { return tail ? (set | kTailBit) : set; }
+    uint64_t Pack() const { return (tail ? uint64_t{1} << 63 : 0) | set << 8 | chunk; }
+    static IoTag Unpack(uint64_t t) {
+      return IoTag{(t >> 63) != 0, (t & ~(uint64_t{1} << 63)) >> 8, static_cast<uint32_t>(t & 0xff)};
+    }
+  };
+  static_assert(kMaxSliceChunks <= 256, "IoTag packs the chunk in 8 bits");
 
   // Waits for the oldest slice on the device.
   Status SyncOldestSlot();
