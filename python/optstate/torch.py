@@ -1203,8 +1203,8 @@ class Muon(_StreamedOptimizer):
     AdamW's, so one lr and weight_decay serve both kinds of param) and lr * sqrt(rows / cols) for
     "spectral_unclamped". Its state is "momentum_buffer" (f32 or bf16: moment_dtype), 8 bytes a param
     read and written per step (6 with bf16). A matrix is one unit of work (Newton-Schulz needs all of
-    it): the budget must hold the largest Muon matrix's fields, gradient and scratch, else
-    optstate.ResourceExhausted names it.
+    it): the budget must hold the largest Muon matrix's fields and Newton-Schulz scratch (about 16 B an
+    element plus 8 B x min(rows, cols)^2), else optstate.ResourceExhausted names it.
 
     The other params are stepped by AdamW (decoupled weight decay) with the group's lr and weight_decay
     and its adamw_betas (default (0.9, 0.95)) and adamw_eps (1e-8); their state is torch.optim.AdamW's

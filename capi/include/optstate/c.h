@@ -436,7 +436,7 @@ OPTSTATE_EXPORT int optstate_adam_options_set_moment_dtype(optstate_adam_options
  * (SGD without momentum: main only, and a group with momentum is
  * INVALID_ARGUMENT) or, since ABI version 4, "muon" (Muon as
  * torch.optim.Muon: one momentum_buffer; each param a 2-D matrix, stepped
- * whole: the device budget must hold the largest one's fields, gradient and
+ * whole: the device budget must hold the largest one's fields and
  * Newton-Schulz scratch, else RESOURCE_EXHAUSTED naming it). The moment dtype applies to the rule's state fields
  * (f32 or bf16; q8 is adamw's alone: INVALID_ARGUMENT at optstate_adam_create).
  * A store keeps the fields of the rule its params were registered with; an
