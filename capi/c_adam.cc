@@ -20,7 +20,8 @@
 
 #include "capi/internal/c_types.h"
 #include "memmgr/memory_manager.h"
-#include "memmgr/momentum_rules.h"
+#include "memmgr/muon_rule.h"
+#include "memmgr/rules.h"
 #include "memmgr/streamed_adam.h"
 #include "memmgr/update_rule.h"
 #include "base/dtype.h"
@@ -67,18 +68,28 @@ Status ParamId(const optstate_adam_t* adam, uint32_t id, const char* what) {
   return Status::Ok();
 }
 
-// The update rule optstate_adam_options_set_rule named; null for "adamw"
+// The update rules the options name (optstate_adam_options_add_rule, else
+// the one of optstate_adam_options_set_rule); a single "adamw" is left null
 // (the engine's default, with opts.moment_dtype moments).
-optstate::Result<std::unique_ptr<memmgr::UpdateRule>> MakeRule(const std::string& rule,
-                                                                const memmgr::StreamedAdamOptions& opts) {
-  if (rule == "adamw") return std::unique_ptr<memmgr::UpdateRule>();
-  if (opts.moment_dtype == optstate::MomentDType::kQ8) {
-    return InvalidArgument("optstate_adam_create: rule " + rule +
-                           " keeps its moment as f32 or bf16; q8 moments are AdamW's alone");
+Status MakeRules(const optstate_adam_options_t* opts, const memmgr::StreamedAdamOptions& ao,
+                 std::vector<std::unique_ptr<memmgr::UpdateRule>>* rules, std::vector<std::string>* names) {
+  std::vector<std::pair<std::string, std::optional<optstate::MomentDType>>> wanted;
+  if (opts != nullptr && !opts->rules.empty()) {
+    wanted = opts->rules;
+  } else {
+    wanted.emplace_back(opts == nullptr ? "adamw" : opts->rule, std::nullopt);
   }
-  if (rule == "lion") return memmgr::NewLionRule(opts.moment_dtype);
-  if (rule == "sgd") return memmgr::NewSgdRule(opts.moment_dtype, /*momentum_buffer=*/true);
-  return memmgr::NewSgdRule(opts.moment_dtype, /*momentum_buffer=*/false);  // "sgd_plain"
+  for (const auto& [name, dtype] : wanted) {
+    names->push_back(name);
+    if (wanted.size() == 1 && name == "adamw" && !dtype) {
+      rules->push_back(nullptr);
+      continue;
+    }
+    auto rule = memmgr::NewRuleByName(name, dtype.value_or(ao.moment_dtype));
+    if (!rule.ok()) return InvalidArgument("optstate_adam_create: " + rule.status().message());
+    rules->push_back(std::move(*rule));
+  }
+  return Status::Ok();
 }
 
 // names as a malloc'ed block of NUL-terminated strings, back to back.
@@ -132,10 +143,33 @@ int optstate_adam_options_set_rule(optstate_adam_options_t* opts, const char* ru
   return Guard(errptr, what, [&]() -> Status {
     if (rule == nullptr) return NullArgument(what, "rule");
     const std::string r(rule);
-    if (r != "adamw" && r != "lion" && r != "sgd" && r != "sgd_plain") {
-      return InvalidArgument(std::string(what) + ": rule '" + r + "' is not one of adamw, lion, sgd, sgd_plain");
+    if (!memmgr::IsRuleName(r)) {
+      return InvalidArgument(std::string(what) + ": rule '" + r + "' is not one of adamw, lion, sgd, sgd_plain, muon");
     }
     opts->rule = r;
+    return Status::Ok();
+  });
+}
+
+int optstate_adam_options_add_rule(optstate_adam_options_t* opts, const char* rule, const char* moment_dtype,
+                                   char** errptr) {
+  const char* what = "optstate_adam_options_add_rule";
+  return Guard(errptr, what, [&]() -> Status {
+    if (opts == nullptr) return NullArgument(what, "opts");
+    if (rule == nullptr) return NullArgument(what, "rule");
+    const std::string r(rule);
+    if (!memmgr::IsRuleName(r)) {
+      return InvalidArgument(std::string(what) + ": rule '" + r + "' is not one of adamw, lion, sgd, sgd_plain, muon");
+    }
+    if (opts->rules.size() >= memmgr::StreamedAdam::kMaxRules) {
+      return InvalidArgument(std::string(what) + ": at most " + std::to_string(memmgr::StreamedAdam::kMaxRules) +
+                             " rules");
+    }
+    std::optional<optstate::MomentDType> dtype;
+    if (moment_dtype != nullptr) {
+      OPTSTATE_ASSIGN_OR_RETURN(dtype, ParseMomentDType(moment_dtype));
+    }
+    opts->rules.emplace_back(r, dtype);
     return Status::Ok();
   });
 }
@@ -149,23 +183,32 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     if (store == nullptr) return NullArgument(what, "store");
     if (mm == nullptr) return NullArgument(what, "mm");
     memmgr::StreamedAdamOptions ao = opts == nullptr ? memmgr::StreamedAdamOptions{} : opts->rep;
-    OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<memmgr::UpdateRule> rule,
-                              MakeRule(opts == nullptr ? "adamw" : opts->rule, ao));
+    std::vector<std::unique_ptr<memmgr::UpdateRule>> rules;
+    std::vector<std::string> rule_names;
+    OPTSTATE_RETURN_IF_ERROR(MakeRules(opts, ao, &rules, &rule_names));
     std::vector<std::string> fields;
-    if (rule != nullptr) {
-      for (const memmgr::RuleField& f : rule->Fields()) fields.push_back(f.name);
-    } else {
-      fields = {"main", "exp_avg", "exp_avg_sq"};
+    auto add_field = [&](const std::string& f) {
+      if (std::find(fields.begin(), fields.end(), f) == fields.end()) fields.push_back(f);
+    };
+    for (const auto& rule : rules) {
+      if (rule != nullptr) {
+        for (const memmgr::RuleField& f : rule->Fields()) add_field(f.name);
+        continue;
+      }
+      for (const char* f : {"main", "exp_avg", "exp_avg_sq"}) add_field(f);
       if (ao.moment_dtype == optstate::MomentDType::kQ8) {
-        fields.push_back(optstate::vfs::Q8ScalesField("exp_avg"));
-        fields.push_back(optstate::vfs::Q8ScalesField("exp_avg_sq"));
+        add_field(optstate::vfs::Q8ScalesField("exp_avg"));
+        add_field(optstate::vfs::Q8ScalesField("exp_avg_sq"));
       }
     }
-    auto adam = memmgr::StreamedAdam::Create(store->rep.get(), mm->rep.get(), ao, std::move(rule));
+    auto adam = rules.size() == 1
+                    ? memmgr::StreamedAdam::Create(store->rep.get(), mm->rep.get(), ao, std::move(rules[0]))
+                    : memmgr::StreamedAdam::Create(store->rep.get(), mm->rep.get(), ao, std::move(rules));
     if (!adam.ok()) return adam.status();
     auto h = std::make_unique<optstate_adam_t>();
     h->rep = std::move(*adam);
     h->fields = std::move(fields);
+    h->rule_names = std::move(rule_names);
     h->store = store->rep.get();
     h->store_handle = store;
     h->mm_handle = mm;
@@ -336,42 +379,13 @@ uint32_t IdOf(optstate_adam_t* adam, const std::string& n) {
   return it->second;
 }
 
-}  // namespace
-
-extern "C" {
-
-int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64_t numel, uint32_t group,
-                                 const void* initial, int initial_dtype, const uint64_t* shape, size_t ndim,
-                                 const uint64_t* global_shape, size_t global_ndim, const uint64_t* shard_offset,
-                                 size_t offset_ndim, uint32_t* id, int* existed, char** errptr) {
-  const char* what = global_ndim > 0 ? "optstate_adam_register_shard" : "optstate_adam_register_param";
-  return Guard(errptr, what, [&]() -> Status {
-    if (name == nullptr) return NullArgument(what, "name");
-    if (id == nullptr) return NullArgument(what, "id");
-    const std::string n(name);
-    const std::string where = std::string(what) + " " + n + " (store " + adam->store->path() + ")";
-    if (initial != nullptr && !ValidFloatType(initial_dtype)) {
-      return InvalidArgument(where + ": initial values dtype " + DTypeArgName(initial_dtype) +
-                             " not supported (f32, bf16, f16)");
-    }
-    memmgr::ShardInfo shard;
-    OPTSTATE_RETURN_IF_ERROR(
-        ShardOf(what, where, numel, shape, ndim, global_shape, global_ndim, shard_offset, offset_ndim, &shard));
-    const bool had = adam->rep->HasParam(n);
-    OPTSTATE_RETURN_IF_ERROR(adam->rep->RegisterParam(n, numel, group, initial,
-                                                      FloatDTypeOrNone(initial_dtype), shard));
-    *id = IdOf(adam, n);
-    if (existed != nullptr) *existed = had ? 1 : 0;
-    return Status::Ok();
-  });
-}
-
-int optstate_adam_register_params(optstate_adam_t* adam, size_t n, const char* const* names, const uint64_t* numels,
-                                  const uint32_t* groups, const void* const* initials, const int* initial_dtypes,
-                                  const size_t* ndims, const uint64_t* shapes, const size_t* global_ndims,
-                                  const uint64_t* global_shapes, const size_t* offset_ndims,
-                                  const uint64_t* shard_offsets, uint32_t* ids, int* existed, char** errptr) {
-  const char* what = "optstate_adam_register_params";
+// optstate_adam_register_params(2): rules null = every param rule 0.
+int RegisterParams(const char* what, optstate_adam_t* adam, size_t n, const char* const* names,
+                   const uint64_t* numels, const uint32_t* groups, const uint32_t* rules,
+                   const void* const* initials, const int* initial_dtypes, const size_t* ndims,
+                   const uint64_t* shapes, const size_t* global_ndims, const uint64_t* global_shapes,
+                   const size_t* offset_ndims, const uint64_t* shard_offsets, uint32_t* ids, int* existed,
+                   char** errptr) {
   return Guard(errptr, what, [&]() -> Status {
     if (n == 0) return Status::Ok();
     if (names == nullptr) return NullArgument(what, "names");
@@ -402,6 +416,14 @@ int optstate_adam_register_params(optstate_adam_t* adam, size_t n, const char* c
                                        global_shapes == nullptr ? nullptr : global_shapes + at_global, gd,
                                        shard_offsets == nullptr ? nullptr : shard_offsets + at_offset, od,
                                        &r.shard));
+      r.rule = rules != nullptr ? rules[i] : 0;
+      if (r.rule >= adam->rule_names.size()) {
+        return InvalidArgument(where + ": rule index " + std::to_string(r.rule) + " but the optimizer has " +
+                               std::to_string(adam->rule_names.size()) + " rule(s)");
+      }
+      if (adam->rule_names[r.rule] == "muon") {
+        OPTSTATE_RETURN_IF_ERROR(memmgr::CheckMuonShape(adam->store->path(), r.name, r.shard.shape, r.numel));
+      }
       at_shape += nd;
       at_global += gd;
       at_offset += od;
@@ -414,6 +436,60 @@ int optstate_adam_register_params(optstate_adam_t* adam, size_t n, const char* c
     }
     return Status::Ok();
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64_t numel, uint32_t group,
+                                 const void* initial, int initial_dtype, const uint64_t* shape, size_t ndim,
+                                 const uint64_t* global_shape, size_t global_ndim, const uint64_t* shard_offset,
+                                 size_t offset_ndim, uint32_t* id, int* existed, char** errptr) {
+  const char* what = global_ndim > 0 ? "optstate_adam_register_shard" : "optstate_adam_register_param";
+  return Guard(errptr, what, [&]() -> Status {
+    if (name == nullptr) return NullArgument(what, "name");
+    if (id == nullptr) return NullArgument(what, "id");
+    const std::string n(name);
+    const std::string where = std::string(what) + " " + n + " (store " + adam->store->path() + ")";
+    if (initial != nullptr && !ValidFloatType(initial_dtype)) {
+      return InvalidArgument(where + ": initial values dtype " + DTypeArgName(initial_dtype) +
+                             " not supported (f32, bf16, f16)");
+    }
+    memmgr::ShardInfo shard;
+    OPTSTATE_RETURN_IF_ERROR(
+        ShardOf(what, where, numel, shape, ndim, global_shape, global_ndim, shard_offset, offset_ndim, &shard));
+    if (adam->rule_names[0] == "muon") {
+      OPTSTATE_RETURN_IF_ERROR(memmgr::CheckMuonShape(adam->store->path(), n, shard.shape, numel));
+    }
+    const bool had = adam->rep->HasParam(n);
+    OPTSTATE_RETURN_IF_ERROR(adam->rep->RegisterParam(n, numel, group, initial,
+                                                      FloatDTypeOrNone(initial_dtype), shard));
+    *id = IdOf(adam, n);
+    if (existed != nullptr) *existed = had ? 1 : 0;
+    return Status::Ok();
+  });
+}
+
+int optstate_adam_register_params(optstate_adam_t* adam, size_t n, const char* const* names, const uint64_t* numels,
+                                  const uint32_t* groups, const void* const* initials, const int* initial_dtypes,
+                                  const size_t* ndims, const uint64_t* shapes, const size_t* global_ndims,
+                                  const uint64_t* global_shapes, const size_t* offset_ndims,
+                                  const uint64_t* shard_offsets, uint32_t* ids, int* existed, char** errptr) {
+  return RegisterParams("optstate_adam_register_params", adam, n, names, numels, groups, nullptr, initials,
+                        initial_dtypes, ndims, shapes, global_ndims, global_shapes, offset_ndims, shard_offsets, ids,
+                        existed, errptr);
+}
+
+int optstate_adam_register_params2(optstate_adam_t* adam, size_t n, const char* const* names,
+                                   const uint64_t* numels, const uint32_t* groups, const uint32_t* rules,
+                                   const void* const* initials, const int* initial_dtypes, const size_t* ndims,
+                                   const uint64_t* shapes, const size_t* global_ndims, const uint64_t* global_shapes,
+                                   const size_t* offset_ndims, const uint64_t* shard_offsets, uint32_t* ids,
+                                   int* existed, char** errptr) {
+  return RegisterParams("optstate_adam_register_params2", adam, n, names, numels, groups, rules, initials,
+                        initial_dtypes, ndims, shapes, global_ndims, global_shapes, offset_ndims, shard_offsets, ids,
+                        existed, errptr);
 }
 
 int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel, char** errptr) {

@@ -6,11 +6,13 @@
 //   1. momentum, elementwise (Keller Jordan's EMA form):
 //        m = beta*m + (1-beta)*g;  u = (1-beta)*g + beta*m (Nesterov) or m
 //      stored as the field "momentum_buffer" (fp32 or bf16);
-//   2. Newton-Schulz orthogonalisation of u: X = u / (||u||_F + eps), taken
-//      with the short side first (X is min x max), then ns_steps times
+//   2. Newton-Schulz orthogonalisation of u: X = u / (||u||_F + eps)
+//      (Keller Jordan's reference; torch.optim.Muon divides by
+//      max(||u||_F, eps) instead: MuonNormEps), taken with the short side
+//      first (X is min x max), then ns_steps times
 //        A = X X^T;  B = b*A + c*A A;  X = a*X + B X
-//      with the quintic coefficients of Keller Jordan's reference
-//      (a, b, c) = (3.4445, -4.7750, 2.0315);
+//      with (a, b, c) by default the quintic coefficients of Keller Jordan's
+//      reference (3.4445, -4.7750, 2.0315);
 //   3. p = p*(1 - lr*wd) - lr*scale*X (decoupled weight decay), scale the
 //      shape scale of MuonScale, and the parameter copy written as for Adam.
 // Newton-Schulz runs in fp32 on both backends (Keller's reference runs it in
@@ -43,13 +45,24 @@ enum class MuonScale : uint8_t {
   // of a typical AdamW update, so one lr serves the Muon and AdamW params of
   // one optimizer (Moonlight, Megatron-core's "unit_rms_norm").
   kMatchAdamW = 0,
-  // Keller Jordan's reference: sqrt(max(1, rows / cols)).
+  // Keller Jordan's reference (torch.optim.Muon's "original"):
+  // sqrt(max(1, rows / cols)).
   kShape = 1,
+  // Bernstein's spectral condition (torch.optim.Muon's
+  // "spectral_unclamped"): sqrt(rows / cols).
+  kSpectral = 2,
+};
+
+// How eps enters the Frobenius norm Newton-Schulz divides by.
+enum class MuonNormEps : uint8_t {
+  kAdd = 0,    // ||u|| + eps (Keller Jordan's reference)
+  kClamp = 1,  // max(||u||, eps) (torch.optim.Muon)
 };
 
 inline double MuonShapeScale(MuonScale s, size_t rows, size_t cols) {
   const double r = static_cast<double>(rows), c = static_cast<double>(cols);
   if (s == MuonScale::kShape) return std::sqrt(std::fmax(1.0, r / c));
+  if (s == MuonScale::kSpectral) return std::sqrt(r / c);
   return 0.2 * std::sqrt(std::fmax(r, c));
 }
 
@@ -60,7 +73,9 @@ struct MuonParams {
   double weight_decay = 0.0;  // decoupled: p *= 1 - lr * weight_decay
   int ns_steps = 5;           // Newton-Schulz iterations, >= 0
   MuonScale scale = MuonScale::kMatchAdamW;
-  double eps = 1e-7;          // added to the Frobenius norm before dividing
+  double eps = 1e-7;          // joins the Frobenius norm before dividing (norm_eps)
+  MuonNormEps norm_eps = MuonNormEps::kAdd;
+  double ns_a = kMuonNsA, ns_b = kMuonNsB, ns_c = kMuonNsC;  // Newton-Schulz coefficients (rounded to fp32)
   float grad_scale = 1.0f;    // grads are multiplied by 1/grad_scale
 };
 

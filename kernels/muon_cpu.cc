@@ -43,12 +43,11 @@ void ParallelRows(size_t n, int threads, size_t work_per_row, Fn fn) {
 // Newton-Schulz on x (s x l row-major, s <= l), in place; y, a, bm are
 // scratch of s*l, s*s and s*s floats.
 void NewtonSchulzCore(float* x, float* y, float* a, float* bm, size_t s, size_t l, int steps, double eps,
-                      int threads) {
+                      bool clamp_eps, const internal::NsCoefficients& k, int threads) {
   double ss = 0.0;
   for (size_t i = 0; i < s * l; ++i) ss += static_cast<double>(x[i]) * x[i];
-  const float denom = static_cast<float>(std::sqrt(ss) + eps);
+  const float denom = internal::MuonNormDivisor(ss, eps, clamp_eps);
   for (size_t i = 0; i < s * l; ++i) x[i] = x[i] / denom;
-  const internal::NsCoefficients k;
   for (int it = 0; it < steps; ++it) {
     // A = X X^T (symmetric: each pair computed once).
     ParallelRows(s, threads, s * l / 2, [&](size_t b, size_t e) {
@@ -159,7 +158,8 @@ void NewtonSchulzCpu(float* x, size_t rows, size_t cols, int ns_steps, double ep
     for (size_t c = 0; c < cols; ++c) wx[l.transposed ? c * rows + r : r * cols + c] = x[r * cols + c];
   }
   NewtonSchulzCore(wx, reinterpret_cast<float*>(ws + l.y_offset), reinterpret_cast<float*>(ws + l.a_offset),
-                   reinterpret_cast<float*>(ws + l.b_offset), l.short_side, l.long_side, ns_steps, eps, threads);
+                   reinterpret_cast<float*>(ws + l.b_offset), l.short_side, l.long_side, ns_steps, eps,
+                   /*clamp_eps=*/false, internal::NsCoefficients{}, threads);
   for (size_t r = 0; r < rows; ++r) {
     for (size_t c = 0; c < cols; ++c) x[r * cols + c] = wx[l.transposed ? c * rows + r : r * cols + c];
   }
@@ -187,7 +187,7 @@ bool MuonStepCpu(const MuonTensors& t, size_t rows, size_t cols, const MuonParam
   }
   NewtonSchulzCore(x, reinterpret_cast<float*>(ws + l.y_offset), reinterpret_cast<float*>(ws + l.a_offset),
                    reinterpret_cast<float*>(ws + l.b_offset), l.short_side, l.long_side, p.ns_steps, p.eps,
-                   threads);
+                   p.norm_eps == MuonNormEps::kClamp, internal::MakeNsCoefficients(p), threads);
   const internal::MuonApplyScalars s = internal::MakeMuonApplyScalars(p, rows, cols);
   if (!t.param_type) {
     Apply<DType::kF32, false>(t, rows, cols, l.transposed, s, x);

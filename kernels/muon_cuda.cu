@@ -120,8 +120,9 @@ __global__ void __launch_bounds__(kNormThreads) SumSquaresKernel(const float* x,
   if (threadIdx.x == 0) *out = part[0];
 }
 
-__global__ void __launch_bounds__(kThreads) NormalizeKernel(float* x, size_t n, const double* ss, double eps) {
-  const float denom = static_cast<float>(sqrt(*ss) + eps);
+__global__ void __launch_bounds__(kThreads)
+    NormalizeKernel(float* x, size_t n, const double* ss, double eps, bool clamp_eps) {
+  const float denom = internal::MuonNormDivisor(*ss, eps, clamp_eps);
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     x[i] = x[i] / denom;
@@ -239,14 +240,14 @@ int MuonStepCuda(const MuonTensors& t, size_t rows, size_t cols, const MuonParam
   }
   SumSquaresKernel<<<1, kNormThreads, 0, st>>>(x, n, ss);
   OPTSTATE_RETURN_IF_CUDA(cudaPeekAtLastError());
-  NormalizeKernel<<<GridFor(n), kThreads, 0, st>>>(x, n, ss, p.eps);
+  NormalizeKernel<<<GridFor(n), kThreads, 0, st>>>(x, n, ss, p.eps, p.norm_eps == MuonNormEps::kClamp);
   OPTSTATE_RETURN_IF_CUDA(cudaPeekAtLastError());
 
   // X is s x l row-major; cuBLAS is column-major, so it sees M = X^T (l x s,
   // ld l). A = X X^T = M^T M; B = b*A + c*A A (symmetric, so its memory is
   // the same either way); Y = a*X + B X, i.e. Y^T = a*M + M B^T.
   const int s = static_cast<int>(l.short_side), lo = static_cast<int>(l.long_side);
-  const internal::NsCoefficients k;
+  const internal::NsCoefficients k = internal::MakeNsCoefficients(p);
   const float one = 1.0f, zero = 0.0f;
   for (int it = 0; it < p.ns_steps; ++it) {
     OPTSTATE_RETURN_IF_CUDA(FromCublas(cublas.sgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, s, s, lo, &one, x, lo, x, lo, &zero, a, s)));

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 
 #include <fmt/format.h>
@@ -64,6 +66,14 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
 Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
                                                           const StreamedAdamOptions& opts,
                                                           std::unique_ptr<UpdateRule> rule) {
+  std::vector<std::unique_ptr<UpdateRule>> rules;
+  rules.push_back(std::move(rule));
+  return Create(store, mm, opts, std::move(rules));
+}
+
+Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
+                                                          const StreamedAdamOptions& opts,
+                                                          std::vector<std::unique_ptr<UpdateRule>> rules) {
   if (store == nullptr || mm == nullptr) return InvalidArgument("StreamedAdam::Create: store or manager is null");
   if (mm->store() != store) {
     return InvalidArgument("StreamedAdam::Create: the memory manager serves store " + mm->store()->path() +
@@ -75,13 +85,34 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     return InvalidArgument(std::string("StreamedAdam: moment_dtype must be f32, bf16 or q8, got ") +
                            MomentDTypeName(opts.moment_dtype) + " (store " + store->path() + ")");
   }
-  if (rule == nullptr) rule = internal::NewAdamWRule(opts.moment_dtype);
-  if (rule->unit() != SliceUnit::kChunks) {
-    return Unimplemented("StreamedAdam: update rule " + std::string(rule->name()) +
-                         " updates whole tensors; the engine steps slices of chunks (store " + store->path() + ")");
+  if (rules.empty() || rules.size() > kMaxRules) {
+    return InvalidArgument("StreamedAdam::Create: " + std::to_string(rules.size()) + " update rules (1 to " +
+                           std::to_string(kMaxRules) + "; store " + store->path() + ")");
   }
-  OPTSTATE_ASSIGN_OR_RETURN(internal::SliceLayout layout, internal::SliceLayout::Make(*rule, impl->page_bytes()));
-  const uint32_t slice_chunks = layout.slice_chunks();
+  if (rules.size() == 1 && rules[0] == nullptr) rules[0] = internal::NewAdamWRule(opts.moment_dtype);
+  std::vector<std::unique_ptr<internal::SliceLayout>> layouts;
+  uint32_t slice_chunks = 0;
+  for (size_t r = 0; r < rules.size(); ++r) {
+    if (rules[r] == nullptr) {
+      return InvalidArgument("StreamedAdam::Create: update rule " + std::to_string(r) + " is null (store " +
+                             store->path() + ")");
+    }
+    for (size_t q = 0; q < r; ++q) {
+      const auto& a = rules[q]->Fields();
+      const auto& b = rules[r]->Fields();
+      const bool same = a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const RuleField& x, const RuleField& y) {
+                          return x.name == y.name && x.dtype == y.dtype;
+                        });
+      if (same) {
+        return InvalidArgument("StreamedAdam::Create: update rules " + std::string(rules[q]->name()) + " and " +
+                               std::string(rules[r]->name()) + " keep the same fields: a stored tensor could not "
+                               "tell its rule (store " + store->path() + ")");
+      }
+    }
+    OPTSTATE_ASSIGN_OR_RETURN(internal::SliceLayout layout, internal::SliceLayout::Make(*rules[r], impl->page_bytes()));
+    slice_chunks = std::max(slice_chunks, layout.slice_chunks());
+    layouts.push_back(std::make_unique<internal::SliceLayout>(layout));
+  }
   if (impl->budget_pages() < slice_chunks) {
     return ResourceExhausted("StreamedAdam: device budget " + std::to_string(mm->options().device_budget_bytes) +
                              " bytes is smaller than one slice in flight (one chunk per field" +
@@ -98,20 +129,18 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     return InvalidArgument("StreamedAdam: grad_scale must be finite and > 0, got " + std::to_string(opts.grad_scale));
   }
   auto sa = std::unique_ptr<StreamedAdam>(new StreamedAdam(store, mm, opts));
-  sa->rule_ = std::move(rule);
+  sa->rules_ = std::move(rules);
+  sa->layouts_ = std::move(layouts);
   StreamedAdam* self = sa.get();
   sa->committer_ = std::make_unique<internal::Committer>(store, sa->mem_, opts.background_sync_bytes,
                                                          [self] { return self->WriteDirtyCache(); });
-  sa->layout_ = std::make_unique<internal::SliceLayout>(layout);
   // Restore groups, step counts and params from the latest generation.
   vfs::GenerationInfo gen = store->LatestGeneration();
   sa->global_step_ = gen.step;
   sa->last_generation_ = gen.generation;
   for (const vfs::GroupInfo& g : gen.groups) {
-    // Names the store lacks take the rule's defaults.
-    Hyperparams h = sa->rule_->Hyperparameters();
-    for (const auto& [k, v] : g.hyper) h[k] = v;
-    sa->groups_[g.id] = std::move(h);
+    // Names the store lacks take the rules' defaults.
+    sa->PutGroup(g.id, Hyperparams(g.hyper.begin(), g.hyper.end()));
     sa->step_counts_[g.id] = g.step_count;
   }
   for (const vfs::TensorInfo& t : store->ListTensors()) {
@@ -121,19 +150,19 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     if (t.created_generation > gen.generation) continue;
     const uint64_t count = vfs::TensorStepCount(gen, t);
     sa->tensor_counts_[t.id] = TensorCount{count, count};
-    // A param of the rule has every field of one value per element (main,
-    // AdamW's moments); another tensor is kept as it is.
-    const bool is_param = std::all_of(sa->rule_->Fields().begin(), sa->rule_->Fields().end(), [&](const RuleField& f) {
-      return f.elems_per_value != 1 || t.FieldIndexOf(f.name) >= 0;
-    });
-    if (!is_param) continue;
-    OPTSTATE_RETURN_IF_ERROR(sa->rule_->CheckStored(store->path(), t));
+    // A param of a rule has its fields (RuleOfStored); another tensor is
+    // kept as it is.
+    const std::optional<uint32_t> rule = sa->RuleOfStored(t);
+    if (!rule) continue;
+    OPTSTATE_RETURN_IF_ERROR(sa->rules_[*rule]->CheckStored(store->path(), t));
+    OPTSTATE_RETURN_IF_ERROR(sa->CheckUnitFits(t.name, *rule, t.numel, t.shape));
     Param p;
     p.info = t;
+    p.rule = *rule;
     OPTSTATE_RETURN_IF_ERROR(sa->ResolveFields(&p));
     sa->params_.emplace(t.name, std::move(p));
     if (!sa->groups_.count(t.group)) {
-      sa->groups_[t.group] = sa->rule_->Hyperparameters();
+      sa->PutGroup(t.group, {});
       sa->step_counts_[t.group] = 0;
     }
   }
@@ -173,17 +202,22 @@ Result<ParamGroup> StreamedAdam::GetGroup(uint32_t id) const {
 Status StreamedAdam::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::SetGroup: a step is in progress");
-  Hyperparams all = rule_->Hyperparameters();
   for (const auto& [k, v] : h) {
-    auto it = all.find(k);
-    if (it == all.end()) {
-      return InvalidArgument("StreamedAdam::SetGroup " + std::to_string(id) + ": " + std::string(rule_->name()) +
-                             " has no hyperparameter '" + k + "' (store " + store_->path() + "); nothing changed");
+    const bool known = std::any_of(rules_.begin(), rules_.end(), [&](const std::unique_ptr<UpdateRule>& r) {
+      return r->Hyperparameters().count(k) != 0;
+    });
+    if (!known) {
+      return InvalidArgument("StreamedAdam::SetGroup " + std::to_string(id) + ": " + RuleNames() +
+                             (rules_.size() == 1 ? " has" : " have") + " no hyperparameter '" + k + "' (store " +
+                             store_->path() + "); nothing changed");
     }
-    it->second = v;
   }
-  OPTSTATE_RETURN_IF_ERROR(rule_->CheckHyperparams(id, all));
-  groups_[id] = std::move(all);
+  for (const auto& r : rules_) {
+    Hyperparams view = r->Hyperparameters();
+    for (const auto& [k, v] : h) view[k] = v;
+    OPTSTATE_RETURN_IF_ERROR(r->CheckHyperparams(id, view));
+  }
+  PutGroup(id, h);
   step_counts_.emplace(id, 0);
   return Status::Ok();
 }
@@ -191,7 +225,90 @@ Status StreamedAdam::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
 Result<Hyperparams> StreamedAdam::GetGroupHyperparams(uint32_t id) const {
   auto it = groups_.find(id);
   if (it == groups_.end()) return NotFound("StreamedAdam: no parameter group " + std::to_string(id));
-  return it->second;
+  return GroupMap(it->second);
+}
+
+void StreamedAdam::PutGroup(uint32_t id, Hyperparams given) {
+  Group& g = groups_[id];
+  g.per_rule.clear();
+  for (const auto& r : rules_) {
+    Hyperparams view = r->Hyperparameters();
+    for (const auto& [k, v] : given) view[k] = v;
+    g.per_rule.push_back(std::move(view));
+  }
+  g.given = std::move(given);
+}
+
+Hyperparams StreamedAdam::GroupMap(const Group& g) const {
+  // A default is kept only where every rule that knows the name agrees on
+  // it, so that a reopened store gives each rule its own default again.
+  Hyperparams out;
+  std::set<std::string, std::less<>> conflicting;
+  for (const auto& r : rules_) {
+    for (const auto& [k, v] : r->Hyperparameters()) {
+      auto [it, added] = out.emplace(k, v);
+      if (!added && it->second != v) conflicting.insert(k);
+    }
+  }
+  for (const std::string& k : conflicting) out.erase(k);
+  for (const auto& [k, v] : g.given) out[k] = v;
+  return out;
+}
+
+internal::SliceSize StreamedAdam::MaxSliceSize() const {
+  internal::SliceSize z{0, 0};
+  for (const auto& l : layouts_) {
+    z.chunks = std::max(z.chunks, l->slice_chunks());
+    z.bytes_in_chunks = std::max(z.bytes_in_chunks, l->slice_bytes_in_chunks());
+  }
+  return z;
+}
+
+Status StreamedAdam::CheckUnitFits(const std::string& name, uint32_t rule, uint64_t numel,
+                                   const std::vector<uint64_t>& shape) const {
+  const UpdateRule& r = *rules_[rule];
+  if (r.unit() != SliceUnit::kTensor) return Status::Ok();
+  vfs::TensorInfo t;
+  t.name = name;
+  t.numel = numel;
+  t.shape = shape.empty() ? std::vector<uint64_t>{numel} : shape;
+  const internal::TensorUnitSize u = internal::TensorUnitOf(r, *layouts_[rule], t);
+  const uint64_t budget = mem_->budget_pages() * mem_->page_bytes();
+  if (u.pages * mem_->page_bytes() > budget) {
+    return ResourceExhausted("StreamedAdam: param '" + name + "' of store " + store_->path() + " is updated by " +
+                             std::string(r.name()) + " as a whole tensor, which needs " + std::to_string(u.bytes) +
+                             " bytes in the device window (its fields and " + std::to_string(u.workspace) +
+                             " bytes of workspace; " + std::to_string(u.pages) + " pages of " +
+                             std::to_string(mem_->page_bytes()) + " bytes); the device budget is " +
+                             std::to_string(budget) + " bytes");
+  }
+  return Status::Ok();
+}
+
+std::string StreamedAdam::RuleNames() const {
+  std::string out;
+  for (const auto& r : rules_) out += (out.empty() ? "" : ", ") + std::string(r->name());
+  return out;
+}
+
+std::optional<uint32_t> StreamedAdam::RuleOfStored(const vfs::TensorInfo& t) const {
+  for (uint32_t r = 0; r < rules_.size(); ++r) {
+    const auto& fields = rules_[r]->Fields();
+    if (fields.size() != t.fields.size()) continue;
+    const bool exact = std::all_of(fields.begin(), fields.end(), [&](const RuleField& f) {
+      const int i = t.FieldIndexOf(f.name);
+      return i >= 0 && t.fields[i].dtype == f.dtype;
+    });
+    if (exact) return r;
+  }
+  for (uint32_t r = 0; r < rules_.size(); ++r) {
+    const auto& fields = rules_[r]->Fields();
+    const bool has = std::all_of(fields.begin(), fields.end(), [&](const RuleField& f) {
+      return f.elems_per_value != 1 || t.FieldIndexOf(f.name) >= 0;
+    });
+    if (has) return r;
+  }
+  return std::nullopt;
 }
 
 bool StreamedAdam::HasParam(const std::string& name) const { return params_.count(name) != 0; }
@@ -243,12 +360,13 @@ Status StreamedAdam::EnsureIo() {
 Status StreamedAdam::FitStaging() {
   internal::EngineMemory* impl = mem_;
   const uint64_t chunk = impl->page_bytes();
-  const uint64_t slice_elems = layout_->slice_elems();
-  // A slice is small when each of its buffers fits a kSmallSliceBytes piece
-  // (a whole slice never does: chunks are 2 MiB or more).
-  const uint64_t small_elems = layout_->ElemsFitting(internal::kSmallSliceBytes);
   internal::StateSlices s;
   for (const auto& [name, p] : params_) {
+    const internal::SliceLayout& layout = LayoutOf(p);
+    const uint64_t slice_elems = layout.slice_elems();
+    // A slice is small when each of its buffers fits a kSmallSliceBytes
+    // piece (a whole slice never does: chunks are 2 MiB or more).
+    const uint64_t small_elems = layout.ElemsFitting(internal::kSmallSliceBytes);
     const uint64_t n = p.info.numel;
     s.big += n / slice_elems;
     const uint64_t tail = n % slice_elems;
@@ -258,7 +376,7 @@ Status StreamedAdam::FitStaging() {
       ++s.small;
     }
   }
-  impl->GrowStaging(internal::StateStaging(impl->options(), internal::SizeOf(*layout_), chunk, s));
+  impl->GrowStaging(internal::StateStaging(impl->options(), MaxSliceSize(), chunk, s));
   state_slices_big_ = s.big;
   state_slices_small_ = s.small;
   if (io_ && io_staging_ < impl->staging_count() && io_->in_flight() == 0) io_.reset();  // EnsureIo registers all
@@ -266,8 +384,9 @@ Status StreamedAdam::FitStaging() {
 }
 
 Status StreamedAdam::ResolveFields(Param* p) const {
-  for (uint32_t f = 0; f < layout_->fields(); ++f) {
-    OPTSTATE_ASSIGN_OR_RETURN(p->fields[f], store_->FieldIndex(p->info, rule_->Fields()[f].name));
+  const UpdateRule& rule = *rules_[p->rule];
+  for (uint32_t f = 0; f < rule.Fields().size(); ++f) {
+    OPTSTATE_ASSIGN_OR_RETURN(p->fields[f], store_->FieldIndex(p->info, rule.Fields()[f].name));
   }
   return Status::Ok();
 }

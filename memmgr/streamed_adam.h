@@ -164,6 +164,7 @@ class Committer;
 class EngineMemory;
 class SliceLayout;
 class StepPipeline;
+struct SliceSize;
 }
 
 struct ParamGroup {
@@ -238,19 +239,34 @@ class StreamedAdam {
   static Result<std::unique_ptr<StreamedAdam>> Create(vfs::Store* store, MemoryManager* mm,
                                                       const StreamedAdamOptions& opts);
   // The same engine with another update rule (null: AdamW with
-  // opts.moment_dtype moments). Whole-tensor rules (SliceUnit::kTensor) are
-  // kUnimplemented.
+  // opts.moment_dtype moments).
   static Result<std::unique_ptr<StreamedAdam>> Create(vfs::Store* store, MemoryManager* mm,
                                                       const StreamedAdamOptions& opts,
                                                       std::unique_ptr<UpdateRule> rule);
+  // One optimizer, several rules: a param is updated by the rule its
+  // registration names (ParamSpec::rule, an index into rules; rules[0] is
+  // the default). rules: 1 to kMaxRules, none null, no two with the same
+  // fields (names and dtypes). A stored tensor's rule is the one whose
+  // fields it has exactly. A group's hyperparameters are the union of the
+  // rules' names; each rule sees the group's values of its own names and
+  // its defaults for the rest. A whole-tensor rule (SliceUnit::kTensor) is
+  // called once per tensor and step on the whole tensor in the device
+  // window: the budget must hold the largest such tensor's fields and its
+  // WorkspaceBytes (kResourceExhausted at Create for a stored tensor, at
+  // RegisterParam(s) for a new one, naming the bytes and the budget).
+  static constexpr size_t kMaxRules = 16;
+  static Result<std::unique_ptr<StreamedAdam>> Create(vfs::Store* store, MemoryManager* mm,
+                                                      const StreamedAdamOptions& opts,
+                                                      std::vector<std::unique_ptr<UpdateRule>> rules);
   ~StreamedAdam();
 
   // Adds or updates a group's hyperparameters (applies from the next step).
   Status SetGroup(const ParamGroup& g);
   Result<ParamGroup> GetGroup(uint32_t id) const;
-  // The same by the update rule's names ("lr", "beta1", ...): a name the
-  // rule does not know is kInvalidArgument, one it knows and h lacks keeps
-  // its default. The rule checks the values (UpdateRule::CheckHyperparams).
+  // The same by the update rules' names ("lr", "beta1", ...): a name no
+  // rule knows is kInvalidArgument, one h lacks keeps its default (each
+  // rule's own). Every rule checks the values (UpdateRule::CheckHyperparams).
+  // GetGroupHyperparams: the values set and the defaults the rules agree on.
   Status SetGroupHyperparams(uint32_t id, const Hyperparams& h);
   Result<Hyperparams> GetGroupHyperparams(uint32_t id) const;
 
@@ -260,9 +276,12 @@ class StreamedAdam {
   // is the tensor's recorded dtype (default f32) and, for a param the store
   // already holds, is checked against it; none skips that check and needs a
   // null d_initial.
+  // rule: the index of its update rule in Create's rules (0: the default);
+  // a param the store holds under another rule is kInvalidArgument naming
+  // both rules.
   Status RegisterParam(const std::string& name, uint64_t numel, uint32_t group,
                        const void* d_initial, std::optional<DType> initial_type,
-                       const ShardInfo& shard = {});
+                       const ShardInfo& shard = {}, uint32_t rule = 0);
   // RegisterParam for many params at once (a model's thousands of small
   // tensors register in one call: their initial mains are written with many
   // writes in flight). Every registration is checked first (as
@@ -278,6 +297,7 @@ class StreamedAdam {
     const void* d_initial = nullptr;
     std::optional<DType> initial_type = DType::kF32;
     ShardInfo shard;
+    uint32_t rule = 0;  // index into Create's rules
   };
   Status RegisterParams(std::span<const ParamSpec> specs, std::vector<bool>* existed);
   bool HasParam(const std::string& name) const;
@@ -417,6 +437,7 @@ class StreamedAdam {
     bool committed = true;      // in the last committed generation
     bool registered = false;    // RegisterParam'd in this run
     bool main_pending = false;  // LoadMainFrom not yet committed
+    uint32_t rule = 0;          // index into rules_
   };
   StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts);
   Status CheckUsable() const;
@@ -427,7 +448,7 @@ class StreamedAdam {
   Status CheckModelComplete() const;
   // Compares a registration with the stored tensor t.
   Status CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel, uint32_t group,
-                           std::optional<DType> initial_type, const ShardInfo& shard) const;
+                           std::optional<DType> initial_type, const ShardInfo& shard, uint32_t rule) const;
   // After the pending generation was dropped: unregisters the params whose
   // registration was not committed and forgets uncommitted LoadMainFrom;
   // returns a sentence for messages ("" when there were none).
@@ -466,16 +487,40 @@ class StreamedAdam {
   MemoryManager* mm_;
   internal::EngineMemory* mem_;  // mm_'s services for the engine
   StreamedAdamOptions opts_;
-  // The update rule (AdamW with opts_.moment_dtype moments) and its chunk
-  // geometry in this store.
-  std::unique_ptr<UpdateRule> rule_;
-  std::unique_ptr<internal::SliceLayout> layout_;
-  // Resolves the tensor's field index of each of the rule's fields.
+  // The update rules (rules_[0] the default: AdamW with opts_.moment_dtype
+  // moments unless given) and each one's chunk geometry in this store.
+  std::vector<std::unique_ptr<UpdateRule>> rules_;
+  std::vector<std::unique_ptr<internal::SliceLayout>> layouts_;
+  const internal::SliceLayout& LayoutOf(const Param& p) const { return *layouts_[p.rule]; }
+  // The widest slice of any rule (staging plans).
+  internal::SliceSize MaxSliceSize() const;
+  // "AdamW" or "AdamW, Lion" (messages).
+  std::string RuleNames() const;
+  // The rule whose fields the stored tensor has exactly, else the first whose
+  // fields of one value per element it has (CheckStored then names the
+  // difference); none: not a param of this optimizer.
+  std::optional<uint32_t> RuleOfStored(const vfs::TensorInfo& t) const;
+  // kResourceExhausted when a whole-tensor rule's tensor of numel elements
+  // (shape) cannot fit the device window.
+  Status CheckUnitFits(const std::string& name, uint32_t rule, uint64_t numel,
+                       const std::vector<uint64_t>& shape) const;
+  // Resolves the tensor's field index of each of its rule's fields.
   Status ResolveFields(Param* p) const;
   // A group's hyperparameters as the rule and the store see them, and back.
   static Hyperparams GroupHyper(const ParamGroup& g);
   static ParamGroup GroupOf(uint32_t id, const Hyperparams& h);
-  std::map<uint32_t, Hyperparams> groups_;  // each group's hyperparameters, all the rule's names
+  // A group: the values set (SetGroupHyperparams, or read from the store)
+  // and what each rule sees (its defaults overlaid with them).
+  struct Group {
+    Hyperparams given;
+    std::vector<Hyperparams> per_rule;
+  };
+  std::map<uint32_t, Group> groups_;
+  // Sets group id's values (computing what each rule sees).
+  void PutGroup(uint32_t id, Hyperparams given);
+  // The group's values and the defaults every rule that knows them agrees on
+  // (GetGroupHyperparams, the commit).
+  Hyperparams GroupMap(const Group& g) const;
   std::map<uint32_t, uint64_t> step_counts_;
   std::map<std::string, Param, std::less<>> params_;
   uint64_t global_step_ = 0;
@@ -567,6 +612,7 @@ class StreamedAdam {
   // order the next prefetch reads.
   struct StepOrderEntry {
     uint32_t tensor_id = 0;
+    uint32_t rule = 0;
     std::array<uint32_t, kMaxRuleFields> fields = {};  // as Param::fields
     uint64_t numel = 0;
   };

@@ -36,7 +36,8 @@ vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
     auto sc = step_counts_.find(id);
     gi.step_count = sc == step_counts_.end() ? 0 : sc->second;
     if (advance && groups_stepped_.count(id)) gi.step_count += 1;
-    gi.hyper.insert(g.begin(), g.end());
+    const Hyperparams h = GroupMap(g);
+    gi.hyper.insert(h.begin(), h.end());
     ci.groups.push_back(std::move(gi));
   }
   // Every tensor's count (Store::Commit keeps those that differ from their

@@ -71,7 +71,7 @@ Status StreamedAdam::CheckModelComplete() const {
 
 Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel,
                                        uint32_t group, std::optional<DType> initial_type,
-                                       const ShardInfo& shard) const {
+                                       const ShardInfo& shard, uint32_t rule) const {
   auto mismatch = [&](const std::string& field, const std::string& stored, const std::string& given) {
     return InvalidArgument("StreamedAdam::RegisterParam '" + t.name + "': store " + store_->path() + " has " + what +
                            " with " + field + " " + stored + ", registered with " + field + " " + given +
@@ -90,7 +90,7 @@ Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::stri
   if (t.shape != shape) return mismatch("shape", DimsText(t.shape), DimsText(shape));
   if (t.global_shape != global) return mismatch("global shape", DimsText(t.global_shape), DimsText(global));
   if (t.shard_offset != offset) return mismatch("shard offset", DimsText(t.shard_offset), DimsText(offset));
-  return rule_->CheckStored(store_->path(), t);
+  return rules_[rule]->CheckStored(store_->path(), t);
 }
 
 std::string StreamedAdam::DropUncommittedRegistrations() {
@@ -244,8 +244,8 @@ Status StreamedAdam::WriteMains(const std::vector<MainSource>& srcs) {
 }
 
 Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint32_t group, const void* d_initial,
-                                   std::optional<DType> initial_type, const ShardInfo& shard) {
-  ParamSpec spec{name, numel, group, d_initial, initial_type, shard};
+                                   std::optional<DType> initial_type, const ShardInfo& shard, uint32_t rule) {
+  ParamSpec spec{name, numel, group, d_initial, initial_type, shard, rule};
   return RegisterParams(std::span<const ParamSpec>(&spec, 1), nullptr);
 }
 
@@ -253,9 +253,21 @@ Status StreamedAdam::CheckRegistration(const ParamSpec& r, bool* existing,
                                        std::optional<vfs::TensorInfo>* entry) const {
   const std::string& name = r.name;
   *existing = false;
+  if (r.rule >= rules_.size()) {
+    return InvalidArgument("StreamedAdam::RegisterParam '" + name + "': update rule " + std::to_string(r.rule) +
+                           " of " + std::to_string(rules_.size()) + " (" + RuleNames() + "; store " +
+                           store_->path() + ")");
+  }
   auto it = params_.find(name);
   if (it != params_.end()) {
-    OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(it->second.info, "it", r.numel, r.group, r.initial_type, r.shard));
+    if (it->second.rule != r.rule) {
+      return InvalidArgument("StreamedAdam::RegisterParam '" + name + "': store " + store_->path() +
+                             " holds the tensor as a param of update rule " +
+                             std::string(rules_[it->second.rule]->name()) + ", registered with update rule " +
+                             std::string(rules_[r.rule]->name()) + " (nothing changed)");
+    }
+    OPTSTATE_RETURN_IF_ERROR(
+        CheckSameGeometry(it->second.info, "it", r.numel, r.group, r.initial_type, r.shard, r.rule));
     *existing = true;
     return Status::Ok();
   }
@@ -264,6 +276,7 @@ Status StreamedAdam::CheckRegistration(const ParamSpec& r, bool* existing,
                               store_->path() + ")");
   }
   if (r.numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
+  OPTSTATE_RETURN_IF_ERROR(CheckUnitFits(name, r.rule, r.numel, r.shard.shape));
   if ((r.initial_type && !IsFloat(*r.initial_type)) || (r.d_initial != nullptr && !r.initial_type)) {
     return InvalidArgument("StreamedAdam::RegisterParam " + name + ": initial weights dtype " +
                            DTypeText(r.initial_type) + " not supported (f32, bf16, f16)");
@@ -276,17 +289,18 @@ Status StreamedAdam::CheckRegistration(const ParamSpec& r, bool* existing,
       // Name the fields of the rule the tensor lacks (another rule's tensor:
       // Lion's exp_avg where SGD keeps a momentum_buffer, ...).
       std::string keeps, lacks;
-      for (const RuleField& f : rule_->Fields()) {
+      const UpdateRule& rule = *rules_[r.rule];
+      for (const RuleField& f : rule.Fields()) {
         keeps += (keeps.empty() ? "" : ", ") + f.name;
         if (found->FieldIndexOf(f.name) < 0) lacks += (lacks.empty() ? "" : ", ") + f.name;
       }
       return AlreadyExists("StreamedAdam::RegisterParam '" + name + "': store " + store_->path() +
                            " has a tensor of that name that is not a param of this optimizer's rule (" +
-                           std::string(rule_->name()) + " keeps " + keeps + "; the tensor lacks " +
+                           std::string(rule.name()) + " keeps " + keeps + "; the tensor lacks " +
                            (lacks.empty() ? std::string("none of them") : lacks) + ")");
     }
     OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(*found, "an uncommitted entry for it (a registration that was never "
-                                               "committed)", r.numel, r.group, r.initial_type, r.shard));
+                                               "committed)", r.numel, r.group, r.initial_type, r.shard, r.rule));
     *entry = std::move(*found);
   }
   return Status::Ok();
@@ -333,7 +347,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
     if (!groups_.count(r.group)) {
       OPTSTATE_LOG_INFO("StreamedAdam: param {} uses group {} that has no SetGroup; default hyperparameters", name,
                         r.group);
-      groups_[r.group] = rule_->Hyperparameters();
+      PutGroup(r.group, {});
       step_counts_.emplace(r.group, 0);
     }
     vfs::TensorInfo info;
@@ -348,7 +362,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
       spec.shape = r.shard.shape;
       spec.global_shape = r.shard.global_shape;
       spec.shard_offset = r.shard.shard_offset;
-      spec.fields = layout_->FieldSpecs(*rule_, r.numel);
+      spec.fields = layouts_[r.rule]->FieldSpecs(*rules_[r.rule], r.numel);
       auto created = store_->CreateTensor(spec);
       if (!created.ok()) {
         // This call's registrations before it (their mains not yet written)
@@ -361,6 +375,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
     }
     Param p;
     p.info = std::move(info);
+    p.rule = r.rule;
     OPTSTATE_RETURN_IF_ERROR(ResolveFields(&p));
     p.committed = false;
     p.registered = true;

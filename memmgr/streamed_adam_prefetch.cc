@@ -31,8 +31,8 @@ Status StreamedAdam::Prefetch() {
   // to adopt: at most its own staging less one slice (StepPipeline::Begin).
   size_t stage_limit = 0;
   if (!CacheHoldsState() && staged_.empty()) {
-    const size_t slice_bufs = layout_->slice_chunks();
-    const size_t want = internal::StepPipelineBuffers(impl->staging_count(), mo, internal::SizeOf(*layout_));
+    const size_t slice_bufs = MaxSliceSize().chunks;
+    const size_t want = internal::StepPipelineBuffers(impl->staging_count(), mo, MaxSliceSize());
     stage_limit = want > slice_bufs ? want - slice_bufs : 0;
   }
   if (!impl->cache()->enabled() && stage_limit == 0) return Status::Ok();
@@ -41,7 +41,7 @@ Status StreamedAdam::Prefetch() {
   if (order.empty()) {
     for (const auto& [name, p] : params_) {
       if (!retired_.count(name)) {
-        order.push_back(StepOrderEntry{p.info.id, p.fields, p.info.numel});
+        order.push_back(StepOrderEntry{p.info.id, p.rule, p.fields, p.info.numel});
       }
     }
   }
@@ -108,8 +108,9 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_
   bool ok = true;
   internal::SliceLayout::Slice slice;
   for (const StepOrderEntry& e : order) {
-    for (uint64_t c = 0; ok && c < layout_->Slices(e.numel) && !r->stop.load(); ++c) {
-      layout_->SliceOf(e.numel, c, &slice);
+    const internal::SliceLayout& layout = *layouts_[e.rule];
+    for (uint64_t c = 0; ok && c < layout.Slices(e.numel) && !r->stop.load(); ++c) {
+      layout.SliceOf(e.numel, c, &slice);
       for (uint32_t k = 0; k < slice.n && ok && !r->stop.load(); ++k) {
         const internal::SliceLayout::Chunk& ch = slice.chunks[k];
         const uint64_t len = ch.len;

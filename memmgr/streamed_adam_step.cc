@@ -151,7 +151,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   internal::Committer* committer = committer_.get();
   pipeline_ = std::make_unique<internal::StepPipeline>(
       mem_, io_.get(), opts_.cpu_threads, [committer](uint64_t bytes) { committer->OnWritten(bytes); }, d_found_inf,
-      rule_.get(), layout_.get());
+      MaxSliceSize());
   pipeline_->SetCacheMode(step_cache_mode_, write_through);
   pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
   // Tests fix the order of a step's I/O here (base/sync_point.h; nothing in
@@ -201,12 +201,14 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   Status ds = mem_->DropTensor(p.info.id);
   if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
   stepped_.insert(g.name);
-  step_order_.push_back(StepOrderEntry{p.info.id, p.fields, p.info.numel});
+  step_order_.push_back(StepOrderEntry{p.info.id, p.rule, p.fields, p.info.numel});
   // The rule's arguments for this param: its group's hyperparameters and
   // its own count after this step, as torch's.
   RuleArgs args;
-  Status as = rule_->MakeArgs(groups_.at(p.info.group), tensor_counts_.at(p.info.id).now + 1,
-                              step_grad_scale_, &args);
+  const UpdateRule& rule = *rules_[p.rule];
+  const internal::SliceLayout& layout = LayoutOf(p);
+  Status as = rule.MakeArgs(groups_.at(p.info.group).per_rule[p.rule], tensor_counts_.at(p.info.id).now + 1,
+                            step_grad_scale_, &args);
   if (!as.ok()) return Fail(as.WithContext("StreamedAdam::StepParam " + g.name));
   groups_stepped_[p.info.group] = true;
   internal::StepPipeline::Job j;
@@ -217,10 +219,19 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   j.param = g.d_param;
   if (g.d_param) j.param_type = *g.param_type;
   j.args = args;
-  for (uint64_t c = 0; c < layout_->Slices(p.info.numel); ++c) {
-    j.chunk = c;
-    layout_->SliceOf(p.info.numel, c, &j.slice);
+  j.rule = &rule;
+  j.layout = &layout;
+  if (rule.unit() == SliceUnit::kTensor) {
+    // One unit: the whole tensor (the pipeline gathers its chunks).
+    j.tensor = &p.info;
+    j.chunk = 0;
     pipeline_->Enqueue(j);
+  } else {
+    for (uint64_t c = 0; c < layout.Slices(p.info.numel); ++c) {
+      j.chunk = c;
+      layout.SliceOf(p.info.numel, c, &j.slice);
+      pipeline_->Enqueue(j);
+    }
   }
   Status ps = pipeline_->Pump(false);
   if (!ps.ok()) return Fail(ps);

@@ -11,6 +11,14 @@
 // tensor elements as chunk c of every other field of the same value size;
 // the engine derives the chunk sizes and the slices from this (SliceLayout).
 //
+// Whole tensors: a rule whose unit() is SliceUnit::kTensor (Muon's
+// Newton-Schulz needs the whole matrix) is called once per tensor and step
+// with count == numel and first_elem == 0, every field contiguous in the
+// device window (the engine gathers each field from its chunks and scatters
+// it back after the call), its WorkspaceBytes of scratch and the tensor's
+// shape. The device budget must hold the largest such tensor's fields plus
+// its workspace.
+//
 // Slices: a slice is the element range that covers one chunk of the field
 // with the most elements per chunk, and the chunks of the same elements of
 // every other field (f32 moments: one chunk of each field; bf16: two of main;
@@ -85,6 +93,12 @@ struct SliceOperands {
   void* param = nullptr;                   // model copy to write (may be null)
   std::optional<DType> param_type;         // with param
   const float* found_inf = nullptr;        // nonzero: write nothing (may be null)
+  // Whole-tensor rules (SliceUnit::kTensor) only, else null: WorkspaceBytes
+  // of scratch (device memory on CUDA, host memory on the host backend,
+  // 256-byte aligned), and the tensor's local shape as registered
+  // (ShardInfo::shape, or {numel}).
+  void* workspace = nullptr;
+  const std::vector<uint64_t>* shape = nullptr;
 };
 
 // Kernel tensors t (kernels/: AdamTensors, MomentumTensors, ...) with the
@@ -117,6 +131,12 @@ class UpdateRule {
   // The hyperparameters the rule reads and their defaults.
   virtual const Hyperparams& Hyperparameters() const = 0;
   virtual SliceUnit unit() const { return SliceUnit::kChunks; }
+  // Device scratch the kernel needs for tensor t (a whole-tensor rule's
+  // SliceOperands::workspace); it counts against the device window.
+  virtual uint64_t WorkspaceBytes(const vfs::TensorInfo& t) const {
+    (void)t;
+    return 0;
+  }
 
   // Checks a group's hyperparameters (every name of Hyperparameters()
   // present): kInvalidArgument naming the group and the values. Default: OK.

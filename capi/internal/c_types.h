@@ -21,9 +21,11 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "optstate/c.h"
@@ -81,6 +83,9 @@ struct optstate_pin_t {
 struct optstate_adam_options_t {
   optstate::memmgr::StreamedAdamOptions rep;
   std::string rule = "adamw";  // optstate_adam_options_set_rule
+  // optstate_adam_options_add_rule, in order (the rule indices); when any,
+  // they replace `rule`. nullopt: rep.moment_dtype.
+  std::vector<std::pair<std::string, std::optional<optstate::MomentDType>>> rules;
 };
 struct optstate_adam_t {
   std::unique_ptr<optstate::memmgr::StreamedAdam> rep;
@@ -88,8 +93,10 @@ struct optstate_adam_t {
   optstate_store_t* store_handle = nullptr;  // the handle it was created on (open_adams)
   optstate_mm_t* mm_handle = nullptr;        // the manager handle it was created with
   optstate::memmgr::MemoryManager* mm = nullptr;
-  // The update rule's fields, "main" first (optstate_adam_fields).
+  // The update rules' fields, each once, "main" first (optstate_adam_fields).
   std::vector<std::string> fields;
+  // The rules' names by index ("adamw", "muon", ...).
+  std::vector<std::string> rule_names;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
   std::unordered_map<std::string, uint32_t> ids;

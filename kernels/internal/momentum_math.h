@@ -151,4 +151,18 @@ struct NsCoefficients {
   float c = static_cast<float>(kMuonNsC);
 };
 
+inline NsCoefficients MakeNsCoefficients(const MuonParams& p) {
+  NsCoefficients k;
+  k.a = static_cast<float>(p.ns_a);
+  k.b = static_cast<float>(p.ns_b);
+  k.c = static_cast<float>(p.ns_c);
+  return k;
+}
+
+// The fp32 divisor of Newton-Schulz's first iterate from the sum of squares.
+OPTSTATE_HD float MuonNormDivisor(double sum_squares, double eps, bool clamp) {
+  const double norm = sqrt(sum_squares);
+  return static_cast<float>(clamp ? (norm > eps ? norm : eps) : norm + eps);
+}
+
 }  // namespace optstate::kernels::internal

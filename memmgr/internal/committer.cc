@@ -93,7 +93,7 @@ void Committer::Start(Work w) {
   work_ = std::move(w);
   outcome_ = Outcome{};
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     done_ = false;
   }
   mem_->BeginBackgroundCommit();
@@ -101,10 +101,10 @@ void Committer::Start(Work w) {
     Commit(&work_, &outcome_, /*background=*/true);
     mem_->EndBackgroundCommit();
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       done_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   });
 }
 
@@ -118,17 +118,17 @@ std::optional<Committer::Outcome> Committer::Wait(double* wait_s) {
 }
 
 bool Committer::WaitPublished(const std::atomic<bool>& stop) {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return done_ || stop.load(); });
+  MutexLock l(&mu_);
+  while (!done_ && !stop.load()) cv_.Wait(&mu_);
   return done_ && outcome_.status.ok();
 }
 
 void Committer::Wake(std::atomic<bool>* stop) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     *stop = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 }  // namespace optstate::memmgr::internal

@@ -23,15 +23,15 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 
+#include "base/mutex.h"
 #include "base/status.h"
+#include "base/thread_annotations.h"
 #include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "vfs/store.h"
@@ -110,9 +110,9 @@ class Committer {
   std::thread thread_;
   Work work_;        // owned by thread_ while it runs
   Outcome outcome_;  // written by thread_, read after join
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = true;  // guarded by mu_: the running commit finished (outcome_.status final)
+  Mutex mu_;
+  CondVar cv_;
+  bool done_ GUARDED_BY(mu_) = true;  // the running commit finished (outcome_.status final)
 };
 
 }  // namespace optstate::memmgr::internal

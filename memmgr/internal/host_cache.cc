@@ -12,24 +12,24 @@
 namespace optstate::memmgr::internal {
 
 bool CacheBudget::Take(uint64_t bytes) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (used_ + bytes > capacity_) return false;
   used_ += bytes;
   return true;
 }
 
 void CacheBudget::Give(uint64_t bytes) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   used_ -= std::min(used_, bytes);
 }
 
 uint64_t CacheBudget::used_bytes() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return used_;
 }
 
 uint64_t CacheBudget::free_bytes() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return capacity_ - used_;
 }
 
@@ -87,7 +87,7 @@ HostCache::~HostCache() {
 
 uint64_t HostCache::capacity_bytes() const {
   if (!budget_) return 0;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return allocated_ + budget_->free_bytes();
 }
 
@@ -119,6 +119,7 @@ void* HostCache::TakeBuffer(uint64_t bytes, bool may_evict) {
     }
     if (!may_evict) return nullptr;
     auto victim = std::find_if(lru_.begin(), lru_.end(), [this](const ChunkKey& k) {
+      mu_.AssertHeld();  // called here, under the lock
       const Entry& e = entries_.find(k)->second;
       return !e.dirty && e.users == 0;
     });
@@ -166,7 +167,7 @@ void* HostCache::SlotFor(const ChunkKey& k, uint64_t len, bool may_evict) {
 
 bool HostCache::Get(const ChunkKey& k, void* dst, uint64_t len, bool dst_is_device, void* stream) {
   if (!enabled()) return false;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   if (it == entries_.end() || it->second.len != len) return false;
   lru_.splice(lru_.end(), lru_, it->second.lru);
@@ -180,7 +181,7 @@ bool HostCache::Get(const ChunkKey& k, void* dst, uint64_t len, bool dst_is_devi
 
 void HostCache::Put(const ChunkKey& k, const void* src, uint64_t len) {
   if (!enabled()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   if (it != entries_.end() && it->second.users != 0) return;  // StreamedAdam's working copy wins
   const bool dirty = it != entries_.end() && it->second.dirty;
@@ -201,7 +202,7 @@ void HostCache::Put(const ChunkKey& k, const void* src, uint64_t len) {
 void* HostCache::Acquire(const ChunkKey& k, uint64_t len, bool may_evict, bool* valid) {
   *valid = false;
   if (!enabled()) return nullptr;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   *valid = it != entries_.end() && it->second.len == len;
   void* buf = SlotFor(k, len, may_evict);
@@ -214,7 +215,7 @@ void* HostCache::Acquire(const ChunkKey& k, uint64_t len, bool may_evict, bool* 
 }
 
 void HostCache::Release(const ChunkKey& k, bool dirty) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   if (it == entries_.end()) return;
   if (it->second.users > 0) --it->second.users;
@@ -227,7 +228,7 @@ void HostCache::Release(const ChunkKey& k, bool dirty) {
 
 bool HostCache::WantsPrefetch(const ChunkKey& k, uint64_t len) const {
   if (!enabled()) return false;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   const uint64_t bytes = EntryBytes(len);
   if (entries_.find(k) != entries_.end()) return false;
   // Room without evicting: this cache's free buffers (TakeBuffer returns
@@ -237,7 +238,7 @@ bool HostCache::WantsPrefetch(const ChunkKey& k, uint64_t len) const {
 
 bool HostCache::PutPrefetched(const ChunkKey& k, const void* src, uint64_t len) {
   if (!enabled()) return false;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   // An entry that appeared meanwhile (a write-back's Put) holds newer bytes.
   if (entries_.find(k) != entries_.end()) return false;
   void* buf = SlotFor(k, len, /*may_evict=*/false);
@@ -249,13 +250,13 @@ bool HostCache::PutPrefetched(const ChunkKey& k, const void* src, uint64_t len) 
 
 bool HostCache::Contains(const ChunkKey& k, uint64_t len) const {
   if (!enabled()) return false;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   return it != entries_.end() && it->second.len == len;
 }
 
 bool HostCache::TakePrefetched(const ChunkKey& k) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   if (it == entries_.end() || !it->second.prefetched) return false;
   it->second.prefetched = false;
@@ -263,13 +264,13 @@ bool HostCache::TakePrefetched(const ChunkKey& k) {
 }
 
 void HostCache::MarkWritten(const ChunkKey& k) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   if (it != entries_.end()) it->second.written = true;
 }
 
 std::vector<std::pair<ChunkKey, void*>> HostCache::DirtyUnwritten() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   std::vector<std::pair<ChunkKey, void*>> out;
   for (const auto& [k, e] : entries_) {
     if (e.dirty && !e.written) out.emplace_back(k, e.h_buf);
@@ -279,7 +280,7 @@ std::vector<std::pair<ChunkKey, void*>> HostCache::DirtyUnwritten() const {
 }
 
 bool HostCache::HasDirty() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (const auto& [k, e] : entries_) {
     if (e.dirty) return true;
   }
@@ -287,13 +288,13 @@ bool HostCache::HasDirty() const {
 }
 
 void HostCache::MarkAllClean() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (auto& [k, e] : entries_) e.dirty = e.written = false;
 }
 
 void HostCache::ForgetPendingWrites() {
   if (!enabled()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (auto it = entries_.begin(); it != entries_.end();) {
     Entry& e = it->second;
     if (e.dirty || e.users != 0) {
@@ -307,7 +308,7 @@ void HostCache::ForgetPendingWrites() {
 
 void HostCache::PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len, void* stream) {
   if (!enabled()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   void* buf = SlotFor(k, len, /*may_evict=*/false);
   if (buf == nullptr) {
     if (auto old = entries_.find(k); old != entries_.end() && !old->second.dirty && old->second.users == 0) Drop(old);
@@ -318,7 +319,7 @@ void HostCache::PutFromDevice(const ChunkKey& k, const void* d_src, uint64_t len
 
 void HostCache::Erase(const ChunkKey& k) {
   if (!enabled()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   auto it = entries_.find(k);
   // A dirty entry is the only copy of uncommitted steps: keep it (a Pin for
   // writing then loads it, and its write-back Puts the new bytes).
@@ -328,7 +329,7 @@ void HostCache::Erase(const ChunkKey& k) {
 
 void HostCache::EraseTensor(uint32_t tensor_id) {
   if (!enabled()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (auto it = entries_.begin(); it != entries_.end();) {
     it = it->first.tensor_id == tensor_id ? Drop(it) : std::next(it);
   }
@@ -336,12 +337,12 @@ void HostCache::EraseTensor(uint32_t tensor_id) {
 
 void HostCache::Clear() {
   if (!enabled()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (auto it = entries_.begin(); it != entries_.end();) it = Drop(it);
 }
 
 uint64_t HostCache::bytes() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return entry_bytes_;
 }
 

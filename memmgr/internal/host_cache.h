@@ -6,12 +6,13 @@
 #include <list>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "memmgr/internal/device.h"
 
 namespace optstate::memmgr::internal {
@@ -55,8 +56,8 @@ class CacheBudget {
 
  private:
   const uint64_t capacity_;
-  mutable std::mutex mu_;
-  uint64_t used_ = 0;  // guarded by mu_
+  mutable Mutex mu_;
+  uint64_t used_ GUARDED_BY(mu_) = 0;
 };
 
 // The process's automatic host cache budget (MemoryManagerOptions::
@@ -149,23 +150,23 @@ class HostCache {
     uint32_t users = 0;
   };
   using EntryMap = std::unordered_map<ChunkKey, Entry, ChunkKeyHash>;
-  // REQUIRES: mu_ held. Returns k's buffer for len bytes (its entry, or a new
-  // one when admitted); null when none can be had.
-  void* SlotFor(const ChunkKey& k, uint64_t len, bool may_evict);
-  // REQUIRES: mu_ held. A buffer of `bytes`: a free one, or a new one within
-  // capacity (free buffers of other sizes are returned to the system first).
-  void* TakeBuffer(uint64_t bytes, bool may_evict);
-  // REQUIRES: mu_ held. Moves e's buffer to the free lists and erases it.
-  EntryMap::iterator Drop(EntryMap::iterator it);
+  // Returns k's buffer for len bytes (its entry, or a new one when
+  // admitted); null when none can be had.
+  void* SlotFor(const ChunkKey& k, uint64_t len, bool may_evict) REQUIRES(mu_);
+  // A buffer of `bytes`: a free one, or a new one within capacity (free
+  // buffers of other sizes are returned to the system first).
+  void* TakeBuffer(uint64_t bytes, bool may_evict) REQUIRES(mu_);
+  // Moves e's buffer to the free lists and erases it.
+  EntryMap::iterator Drop(EntryMap::iterator it) REQUIRES(mu_);
   Device* dev_;
   std::shared_ptr<CacheBudget> budget_;
-  mutable std::mutex mu_;
-  EntryMap entries_;                                 // guarded by mu_
-  std::list<ChunkKey> lru_;                          // guarded by mu_, front = oldest
-  std::map<uint64_t, std::vector<void*>> free_;      // guarded by mu_: free buffers by size
-  uint64_t allocated_ = 0;                           // guarded by mu_: bytes of all buffers (taken from budget_)
-  uint64_t entry_bytes_ = 0;                         // guarded by mu_: bytes of entries' buffers
-  bool warned_alloc_ = false;                        // guarded by mu_
+  mutable Mutex mu_;
+  EntryMap entries_ GUARDED_BY(mu_);
+  std::list<ChunkKey> lru_ GUARDED_BY(mu_);                      // front = oldest
+  std::map<uint64_t, std::vector<void*>> free_ GUARDED_BY(mu_);  // free buffers by size
+  uint64_t allocated_ GUARDED_BY(mu_) = 0;    // bytes of all buffers (taken from budget_)
+  uint64_t entry_bytes_ GUARDED_BY(mu_) = 0;  // bytes of entries' buffers
+  bool warned_alloc_ GUARDED_BY(mu_) = false;
 };
 
 }  // namespace optstate::memmgr::internal

@@ -105,4 +105,21 @@ std::vector<vfs::FieldSpec> SliceLayout::FieldSpecs(const UpdateRule& rule, uint
   return out;
 }
 
+TensorUnitSize TensorUnitOf(const UpdateRule& rule, const SliceLayout& layout, const vfs::TensorInfo& t) {
+  auto align = [](uint64_t b) { return (b + 255) / 256 * 256; };
+  TensorUnitSize u;
+  uint64_t at = 0;
+  for (uint32_t f = 0; f < layout.fields(); ++f) {
+    u.field_offset[f] = at;
+    u.field_bytes[f] = layout.field_bytes(f, t.numel);
+    at = align(at + u.field_bytes[f]);
+  }
+  u.workspace_offset = at;
+  u.workspace = rule.WorkspaceBytes(t);
+  u.bytes = align(at + u.workspace);
+  const uint64_t page = layout.chunk_bytes();
+  u.pages = std::max<uint64_t>(1, (u.bytes + page - 1) / page);
+  return u;
+}
+
 }  // namespace optstate::memmgr::internal

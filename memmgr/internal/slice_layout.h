@@ -68,6 +68,11 @@ class SliceLayout {
   // Returns count (the piece's elements, at most piece_elems()).
   uint64_t Piece(const Slice& s, void* const* bufs, uint64_t off, void* out[kMaxRuleFields]) const;
 
+  // Bytes of one chunk of field f, and of field f of a tensor of numel
+  // elements.
+  uint64_t field_chunk_bytes(uint32_t f) const { return field_chunk_bytes_[f]; }
+  uint64_t field_bytes(uint32_t f, uint64_t numel) const { return FieldBytes(f, numel); }
+
   // The vfs fields of a new tensor of numel elements.
   std::vector<vfs::FieldSpec> FieldSpecs(const UpdateRule& rule, uint64_t numel) const;
 
@@ -87,5 +92,17 @@ class SliceLayout {
   uint64_t field_chunk_bytes_[kMaxRuleFields] = {};  // bytes of one chunk of field f
   uint64_t chunk_elems_[kMaxRuleFields] = {};        // tensor elements one chunk of field f covers
 };
+
+// A whole-tensor unit in the device window: each field contiguous, then
+// the rule's workspace, every part starting 256-byte aligned.
+struct TensorUnitSize {
+  uint64_t field_offset[kMaxRuleFields] = {};
+  uint64_t field_bytes[kMaxRuleFields] = {};
+  uint64_t workspace_offset = 0;
+  uint64_t workspace = 0;
+  uint64_t bytes = 0;  // fields and workspace, with the alignment
+  uint64_t pages = 0;  // whole chunk-sized pages of the window
+};
+TensorUnitSize TensorUnitOf(const UpdateRule& rule, const SliceLayout& layout, const vfs::TensorInfo& t);
 
 }  // namespace optstate::memmgr::internal

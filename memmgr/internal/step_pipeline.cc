@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -26,7 +27,7 @@ Status StepPipeline::Begin() {
   // Every slice of the state is small: one buffer (cut into pieces) will do.
   const bool all_small = has_state_ && state_.big == 0;
   const size_t min_bufs = all_small ? 1 : bufs_;
-  const size_t want = StepPipelineBuffers(total, o, SizeOf(*layout_), min_bufs);
+  const size_t want = StepPipelineBuffers(total, o, size_, min_bufs);
   if (want < min_bufs) {
     return ResourceExhausted("StreamedAdam: " + std::to_string(total) + " staging buffers; need at least " +
                              std::to_string(min_bufs) + " (one per chunk of a slice)");
@@ -265,6 +266,15 @@ Status StepPipeline::SubmitReads(bool* progressed) {
   }
   while (!queue_.empty()) {
     const Job& front = queue_.front();
+    if (front.tensor != nullptr) {
+      // A whole tensor: once everything before it is written.
+      if (!Idle()) break;
+      const Job j = front;
+      queue_.pop_front();
+      OPTSTATE_RETURN_IF_ERROR(Keep(RunTensorUnit(j)));
+      *progressed = true;
+      continue;
+    }
     if (!ReadRoom(front.bytes())) break;
     const size_t i = FreeSetFor(front);
     if (i == kNoSet) {
@@ -440,7 +450,7 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
     vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
     // 0: a whole chunk.
     const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
-    Status st = io_->SubmitRead(ref, s.buf[f], i * kMaxSliceChunks + f, buf_bytes);
+    Status st = io_->SubmitRead(ref, s.buf[f], IoTag::Of(i, f).Pack(), buf_bytes);
     if (!st.ok()) {
       return st.WithContext("StreamedAdam: read tensor id " + std::to_string(j.tensor_id) + " chunk " +
                             std::to_string(j.chunk));
@@ -458,8 +468,9 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
 }
 
 Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
-  const size_t i = c.tag / kMaxSliceChunks;
-  const uint32_t f = static_cast<uint32_t>(c.tag % kMaxSliceChunks);
+  const IoTag tag = IoTag::Unpack(c.tag);
+  const size_t i = tag.Index();
+  const uint32_t f = tag.chunk;
   if ((i & kTailBit) ? (i & ~kTailBit) >= tail_.size() : i >= sets_.size()) {
     return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
   }
@@ -533,11 +544,11 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
   if (j.param) o.param_type = j.param_type;
   o.found_inf = found_inf_;
   for (uint64_t off = 0; off < j.slice.elems; off += o.count) {
-    o.count = layout_->Piece(j.slice, bufs, off, o.fields);
+    o.count = j.layout->Piece(j.slice, bufs, off, o.fields);
     o.first_elem = j.slice.first_elem + off;
     o.grad = static_cast<const char*>(j.grad) + o.first_elem * DTypeSize(j.grad_type);
     o.param = j.param ? static_cast<char*>(j.param) + o.first_elem * DTypeSize(j.param_type) : nullptr;
-    OPTSTATE_RETURN_IF_ERROR(dev_->RunRule(*rule_, o, j.args, cpu_threads_, d.stream));
+    OPTSTATE_RETURN_IF_ERROR(dev_->RunRule(*j.rule, o, j.args, cpu_threads_, d.stream));
   }
   if (!in_place) {
     for (uint32_t f = 0; f < j.n_bufs(); ++f) {
@@ -559,7 +570,7 @@ Status StepPipeline::StartWrites(size_t i) {
     // The new version; cleared on abort (EngineMemory::OnAbortPending).
     if (!s.acquired[f]) mm_->cache()->Put(key, s.buf[f], len);
     vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
-    Status st = io_->SubmitWrite(ref, s.buf[f], i * kMaxSliceChunks + f);
+    Status st = io_->SubmitWrite(ref, s.buf[f], IoTag::Of(i, f).Pack());
     if (!st.ok()) {
       return st.WithContext("StreamedAdam: write tensor id " + std::to_string(j.tensor_id) + " chunk " +
                             std::to_string(j.chunk));
@@ -570,6 +581,266 @@ Status StepPipeline::StartWrites(size_t i) {
     peak_write_bytes = std::max(peak_write_bytes, write_bytes_);
   }
   return Status::Ok();
+}
+
+bool StepPipeline::Idle() const {
+  if (io_->in_flight() != 0 || !ready_.empty() || !computed_.empty() || tail_busy_ != 0) return false;
+  for (const DevSlot& d : slots_) {
+    if (d.set >= 0) return false;
+  }
+  return std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; });
+}
+
+Status StepPipeline::RunTensorUnit(const Job& j) {
+  const TensorUnitSize u = TensorUnitOf(*j.rule, *j.layout, *j.tensor);
+  // The unit holds the whole window: the slots' pages go back meanwhile.
+  for (auto& d : slots_) OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(d.stream));
+  mm_->ReleaseArena(&arena_);
+  auto unit = mm_->AcquireArena(u.pages, u.pages);
+  Status st;
+  if (unit.ok()) {
+    st = GatherScatterUnit(j, static_cast<char*>(unit->ptr(0)));
+    mm_->ReleaseArena(&*unit);
+  } else {
+    st = unit.status().WithContext("StreamedAdam: the device window for tensor '" + j.tensor->name + "' (" +
+                                   std::to_string(u.bytes) + " bytes)");
+  }
+  Status rs = ReacquireSlots();
+  return st.ok() ? rs : st;
+}
+
+Status StepPipeline::ReacquireSlots() {
+  OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(bufs_, bufs_ * std::max<size_t>(slots_.size(), 1)));
+  const size_t n = arena_.pages / bufs_;
+  while (slots_.size() > n) {
+    dev_->DestroyEvent(slots_.back().event);
+    dev_->DestroyStream(slots_.back().stream);
+    slots_.pop_back();
+  }
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    for (uint32_t f = 0; f < bufs_; ++f) slots_[i].d[f] = arena_.ptr(bufs_ * i + f);
+  }
+  return Status::Ok();
+}
+
+Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
+  const vfs::TensorInfo& t = *j.tensor;
+  const SliceLayout& l = *j.layout;
+  const TensorUnitSize u = TensorUnitOf(*j.rule, l, t);
+  void* stream = slots_.empty() ? nullptr : slots_.front().stream;
+  const std::string what = "StreamedAdam: tensor '" + t.name + "' (whole-tensor update of " +
+                           std::string(j.rule->name()) + ")";
+  // Every chunk of the tensor, where it lives in the window.
+  struct Piece {
+    ChunkKey key;
+    uint64_t len = 0;
+    char* dst = nullptr;  // in the window
+    void* entry = nullptr;  // an acquired host cache entry, else null
+    void* buf = nullptr;    // the staging buffer in use, else null
+  };
+  std::vector<Piece> pieces;
+  SliceLayout::Slice slice;
+  for (uint64_t c = 0; c < l.Slices(t.numel); ++c) {
+    l.SliceOf(t.numel, c, &slice);
+    for (uint32_t k = 0; k < slice.n; ++k) {
+      const SliceLayout::Chunk& ch = slice.chunks[k];
+      Piece p;
+      p.key = ChunkKey{j.tensor_id, j.tensor_fields[ch.rule_field], ch.index};
+      p.len = ch.len;
+      p.dst = base + u.field_offset[ch.rule_field] + ch.index * l.field_chunk_bytes(ch.rule_field);
+      pieces.push_back(p);
+    }
+  }
+  // Staging buffers to read into and write from: the free sets' (the
+  // pipeline is idle), each with its capacity.
+  std::vector<std::pair<void*, uint64_t>> free_bufs;
+  for (const Set& s : sets_) {
+    for (uint32_t f = 0; f < bufs_; ++f) free_bufs.emplace_back(s.io[f], s.small ? kSmallSliceBytes : chunk_bytes_);
+  }
+  auto take_buf = [&](uint64_t len) -> std::pair<void*, uint64_t> {
+    for (size_t i = 0; i < free_bufs.size(); ++i) {
+      if (free_bufs[i].second >= len) {
+        auto b = free_bufs[i];
+        free_bufs.erase(free_bufs.begin() + static_cast<long>(i));
+        return b;
+      }
+    }
+    return {nullptr, 0};
+  };
+  std::vector<uint64_t> buf_cap(pieces.size(), 0);
+  Status st;
+  // Reaps at least min_done; on_done(piece index) for each success.
+  auto reap = [&](size_t min_done, const std::function<Status(size_t)>& on_done) {
+    done_.clear();
+    double t0 = NowS();
+    Status rs = io_->Reap(&done_, min_done);
+    stall_s_ += NowS() - t0;
+    if (!rs.ok() && st.ok()) st = rs.WithContext(what + ": reaping chunk I/O");
+    for (const auto& c : done_) {
+      if (!c.status.ok()) {
+        if (st.ok()) st = c.status.WithContext(what);
+        continue;
+      }
+      Status ds = on_done(c.tag);
+      if (!ds.ok() && st.ok()) st = ds;
+    }
+  };
+  auto drain = [&](const std::function<Status(size_t)>& on_done) {
+    while (io_->in_flight() > 0) {
+      const size_t before = io_->in_flight();
+      reap(before, on_done);
+      if (io_->in_flight() == before && !st.ok()) break;
+    }
+  };
+  auto release_entries = [&](bool dirty) {
+    for (Piece& p : pieces) {
+      if (p.entry != nullptr) mm_->cache()->Release(p.key, dirty);
+      p.entry = nullptr;
+    }
+  };
+  const uint32_t max_in_flight = std::max<uint32_t>(1, std::min<uint32_t>(ring_requests_, read_qd_));
+  // Reaps until piece p can be submitted (ring room, and a staging buffer
+  // when it has no entry), then takes its buffer: where it goes.
+  auto make_room = [&](size_t i, const std::function<Status(size_t)>& on_done) -> void* {
+    Piece& p = pieces[i];
+    while (st.ok() && (io_->in_flight() >= max_in_flight || (p.entry == nullptr && free_bufs.empty()))) {
+      if (io_->in_flight() == 0) break;
+      reap(1, on_done);
+    }
+    if (!st.ok() || p.entry != nullptr) return p.entry;
+    auto b = take_buf(p.len);
+    if (b.first == nullptr) {
+      st = Internal(what + ": no staging buffer holds a chunk of " + std::to_string(p.len) + " bytes");
+      return nullptr;
+    }
+    p.buf = b.first;
+    buf_cap[i] = b.second;
+    return p.buf;
+  };
+  // 1. Gather: each chunk from the host cache tier, a prefetched buffer or
+  //    the disk, into its place in the window.
+  auto landed = [&](size_t i) -> Status {
+    Piece& p = pieces[i];
+    const void* src = p.entry != nullptr ? p.entry : p.buf;
+    read_bytes += p.len;
+    Status cs = dev_->CopyH2D(p.dst, src, p.len, stream);
+    if (cs.ok()) cs = dev_->SyncStream(stream);
+    if (p.buf != nullptr) {
+      free_bufs.emplace_back(p.buf, buf_cap[i]);
+      p.buf = nullptr;
+    }
+    return cs;
+  };
+  for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
+    Piece& p = pieces[i];
+    if (read_tier_) {
+      bool valid = false;
+      p.entry = mm_->cache()->Acquire(p.key, p.len, /*may_evict=*/cache_mode_, &valid);
+      if (p.entry == nullptr && !write_through_) {
+        st = ResourceExhausted(what + ": host cache tier (" + std::to_string(mm_->cache()->capacity_bytes()) +
+                               " bytes) has no clean entry left for chunk " + std::to_string(p.key.index));
+        break;
+      }
+      if (p.entry != nullptr && valid) {
+        cache_hits += p.len;
+        if (mm_->cache()->TakePrefetched(p.key)) prefetch_hits += p.len;
+        st = dev_->CopyH2D(p.dst, p.entry, p.len, stream);
+        if (st.ok()) st = dev_->SyncStream(stream);
+        continue;
+      }
+    }
+    if (p.entry == nullptr && !staged_.empty()) {
+      auto sc = staged_.find(p.key);
+      if (sc != staged_.end() && sc->second.len == p.len) {
+        st = dev_->CopyH2D(p.dst, sc->second.buf, p.len, stream);
+        if (st.ok()) st = dev_->SyncStream(stream);
+        spare_.push_back(sc->second.buf);  // becomes a staging set (SubmitReads)
+        staged_.erase(sc);
+        prefetch_hits += p.len;
+        continue;
+      }
+    }
+    void* into = make_room(i, landed);
+    if (!st.ok()) break;
+    const uint64_t buf_bytes = p.entry != nullptr        ? HostCache::EntryBytes(p.len)
+                               : buf_cap[i] < chunk_bytes_ ? buf_cap[i]
+                                                           : 0;  // 0: a whole chunk
+    const double ts = NowS();
+    Status rs = io_->SubmitRead(vfs::ChunkRef{p.key.tensor_id, p.key.field, p.key.index}, into, i, buf_bytes);
+    submit_s_ += NowS() - ts;
+    if (!rs.ok()) st = rs.WithContext(what + ": read chunk " + std::to_string(p.key.index));
+  }
+  drain(landed);
+  // 2. The kernel, once, on the whole tensor.
+  if (st.ok()) {
+    Status launch;
+    OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.kernel_launch", &launch);
+    if (!launch.ok()) st = launch.WithContext(what + ": kernel launch");
+  }
+  if (st.ok()) {
+    SliceOperands o;
+    for (uint32_t f = 0; f < l.fields(); ++f) o.fields[f] = base + u.field_offset[f];
+    o.count = t.numel;
+    o.first_elem = 0;
+    o.grad = j.grad;
+    o.grad_type = j.grad_type;
+    o.param = j.param;
+    if (j.param) o.param_type = j.param_type;
+    o.found_inf = found_inf_;
+    o.workspace = base + u.workspace_offset;
+    o.shape = &t.shape;
+    const double tc = NowS();
+    st = dev_->RunRule(*j.rule, o, j.args, cpu_threads_, stream);
+    if (st.ok()) st = dev_->SyncStream(stream);
+    compute_s_ += NowS() - tc;
+    if (!st.ok()) st = st.WithContext(what);
+  }
+  if (dev_->backend() != Backend::kHost) {
+    for (const Piece& p : pieces) h2d += p.len;
+  }
+  // 3. Scatter: each chunk back into its entry or a staging buffer, and
+  //    written (or left dirty in the tier when the step does not write).
+  auto written = [&](size_t i) -> Status {
+    Piece& p = pieces[i];
+    write_bytes += p.len;
+    if (on_written_) on_written_(p.len);
+    if (p.entry != nullptr) {
+      mm_->cache()->Release(p.key, /*dirty=*/true);
+      mm_->cache()->MarkWritten(p.key);
+      p.entry = nullptr;
+    }
+    if (p.buf != nullptr) {
+      free_bufs.emplace_back(p.buf, buf_cap[i]);
+      p.buf = nullptr;
+    }
+    return Status::Ok();
+  };
+  for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
+    Piece& p = pieces[i];
+    void* from = make_room(i, written);
+    if (!st.ok()) break;
+    st = dev_->CopyD2H(from, p.dst, p.len, stream);
+    if (st.ok()) st = dev_->SyncStream(stream);
+    if (!st.ok()) break;
+    if (dev_->backend() != Backend::kHost) d2h += p.len;
+    if (!write_through_) {
+      // The step lives in the tier only (cache mode): dirty, not written.
+      mm_->cache()->Release(p.key, /*dirty=*/true);
+      p.entry = nullptr;
+      continue;
+    }
+    if (p.entry == nullptr) mm_->cache()->Put(p.key, from, p.len);  // the new version
+    const double ts = NowS();
+    Status ws = io_->SubmitWrite(vfs::ChunkRef{p.key.tensor_id, p.key.field, p.key.index}, from, i);
+    submit_s_ += NowS() - ts;
+    if (!ws.ok()) st = ws.WithContext(what + ": write chunk " + std::to_string(p.key.index));
+  }
+  drain(written);
+  // On an error the entries still held go back dirty (the caller drops the
+  // tier with the pending generation).
+  release_entries(/*dirty=*/true);
+  if (st.ok()) ++slices;
+  return st;
 }
 
 }  // namespace optstate::memmgr::internal

@@ -26,6 +26,12 @@
 // entries, which stay in use (never evicted or reused) until each write
 // completes. So with the RAM tier the step is bound by its compute, not by
 // its writes, and the tail needs no memory beyond the tier's own.
+// A step may mix rules (a job carries its rule and layout; staging sets are
+// as wide as the widest slice). A whole-tensor rule's job (SliceUnit::
+// kTensor) waits until everything queued before it is written, then holds
+// the device window alone: every chunk of every field gathered into it (from
+// the host cache tier, a prefetched buffer or the disk), one kernel call,
+// and each chunk scattered back and written (RunTensorUnit).
 // Driven by one thread (the trainer's, then the background commit's) through
 // Pump().
 #pragma once
@@ -131,7 +137,11 @@ class StepPipeline {
  public:
   // One slice of one tensor: its chunks (SliceLayout), the tensor's field
   // index of each rule field, the gradient and param copy of the whole
-  // tensor, and the rule's arguments for the tensor in this step.
+  // tensor, the tensor's rule, its layout and the rule's arguments for the
+  // tensor in this step. A whole-tensor rule's job (tensor set) is the
+  // whole tensor: the pipeline runs it once everything queued before it is
+  // written, gathering every chunk of every field into the device window,
+  // calling the kernel once and scattering the fields back.
   struct Job {
     uint32_t tensor_id = 0;
     uint64_t chunk = 0;  // the slice's index in the tensor (messages)
@@ -142,6 +152,9 @@ class StepPipeline {
     void* param = nullptr;
     DType param_type = DType::kF32;  // of param, when param is set
     RuleArgs args;
+    const UpdateRule* rule = nullptr;
+    const SliceLayout* layout = nullptr;
+    const vfs::TensorInfo* tensor = nullptr;  // a whole-tensor unit (outlives the step)
     uint32_t n_bufs() const { return slice.n; }
     uint64_t len(uint32_t f) const { return slice.chunks[f].len; }
     uint64_t bytes() const {
@@ -156,13 +169,13 @@ class StepPipeline {
     }
   };
 
-  // rule and layout: not owned, outlive the pipeline.
+  // size: the widest slice of any job's layout (each job's rule and layout
+  // are not owned and outlive the pipeline).
   // on_written: told the bytes of each completed write (the data syncs).
   StepPipeline(EngineMemory* mm, vfs::ChunkIo* io, int cpu_threads, std::function<void(uint64_t)> on_written,
-               const float* found_inf, const UpdateRule* rule, const SliceLayout* layout)
-      : bufs_(layout->slice_chunks()),
-        rule_(rule),
-        layout_(layout),
+               const float* found_inf, SliceSize size)
+      : bufs_(size.chunks),
+        size_(size),
         mm_(mm),
         dev_(mm->device()),
         io_(io),
@@ -262,6 +275,21 @@ class StepPipeline {
   // computed_ and in I/O tags.
   static constexpr size_t kTailBit = size_t{1} << 40;
   Set& SetAt(size_t i) { return (i & kTailBit) ? tail_[i & ~kTailBit] : sets_[i]; }
+  // A slice request's tag (ChunkIo's 64-bit tag): the set (of the write
+  // tail, or of sets_) and the chunk of its slice.
+  struct IoTag {
+    bool tail = false;
+    uint64_t set = 0;    // index in tail_ or sets_
+    uint32_t chunk = 0;  // index in the slice's chunks (< kMaxSliceChunks)
+    // From a set index as computed_ holds it (kTailBit for the tail).
+    static IoTag Of(size_t i, uint32_t chunk) { return IoTag{(i & kTailBit) != 0, i & ~kTailBit, chunk}; }
+    size_t Index() const { return tail ? (set | kTailBit) : set; }
+    uint64_t Pack() const { return (tail ? uint64_t{1} << 63 : 0) | set << 8 | chunk; }
+    static IoTag Unpack(uint64_t t) {
+      return IoTag{(t >> 63) != 0, (t & ~(uint64_t{1} << 63)) >> 8, static_cast<uint32_t>(t & 0xff)};
+    }
+  };
+  static_assert(kMaxSliceChunks <= 256, "IoTag packs the chunk in 8 bits");
 
   // Waits for the oldest slice on the device.
   Status SyncOldestSlot();
@@ -307,9 +335,18 @@ class StepPipeline {
 
   Status StartWrites(size_t i);
 
-  const uint32_t bufs_;  // chunks (buffers, device pages) of a full slice
-  const UpdateRule* rule_;
-  const SliceLayout* layout_;
+  // Nothing is in flight, computing or waiting to be written.
+  bool Idle() const;
+  // Runs a whole-tensor job (REQUIRES: Idle()): the slots' window goes back
+  // while the unit holds its own, then is taken again.
+  Status RunTensorUnit(const Job& j);
+  Status GatherScatterUnit(const Job& j, char* base);
+  // Takes the slots' window again after a unit (fewer slots if the budget
+  // has fewer pages now).
+  Status ReacquireSlots();
+
+  const uint32_t bufs_;  // chunks (buffers, device pages) of the widest slice
+  const SliceSize size_;
   EngineMemory* mm_;
   Device* dev_;
   vfs::ChunkIo* io_;  // StreamedAdam's

@@ -17,7 +17,7 @@ import os
 
 from . import errors
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _SONAME_VERSION = 1  # liboptstate.so.1 (capi/CMakeLists.txt OPTSTATE_C_SOVERSION)
 
 _c = ctypes
@@ -130,6 +130,7 @@ _SIGNATURES = {
     "optstate_adam_options_set_commit_lag_steps": (None, [_vp, _u32]),
     "optstate_adam_options_set_moment_dtype": (_int, [_vp, _c.c_char_p, _errp]),
     "optstate_adam_options_set_rule": (_int, [_vp, _c.c_char_p, _errp]),
+    "optstate_adam_options_add_rule": (_int, [_vp, _c.c_char_p, _c.c_char_p, _errp]),
     "optstate_adam_set_group_hyper": (_int, [_vp, _u32, _c.c_size_t, _c.POINTER(_c.c_char_p), _c.POINTER(_dbl),
                                              _errp]),
     "optstate_adam_get_group_hyper": (_int, [_vp, _u32, _c.POINTER(_vp), _c.POINTER(_c.POINTER(_dbl)),
@@ -149,6 +150,11 @@ _SIGNATURES = {
                                              _c.POINTER(_c.c_size_t), _c.POINTER(_u64), _c.POINTER(_c.c_size_t),
                                              _c.POINTER(_u64), _c.POINTER(_c.c_size_t), _c.POINTER(_u64),
                                              _c.POINTER(_u32), _c.POINTER(_int), _errp]),
+    "optstate_adam_register_params2": (_int, [_vp, _c.c_size_t, _c.POINTER(_u8p), _c.POINTER(_u64),
+                                              _c.POINTER(_u32), _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
+                                              _c.POINTER(_c.c_size_t), _c.POINTER(_u64), _c.POINTER(_c.c_size_t),
+                                              _c.POINTER(_u64), _c.POINTER(_c.c_size_t), _c.POINTER(_u64),
+                                              _c.POINTER(_u32), _c.POINTER(_int), _errp]),
     "optstate_adam_param_numel": (_int, [_vp, _u32, _c.POINTER(_u64), _errp]),
     "optstate_adam_step_with": (_int, [_vp, _c.POINTER(StepArgs), _errp]),
     "optstate_adam_set_grad_scale": (_int, [_vp, _c.c_float, _errp]),

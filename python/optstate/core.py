@@ -441,7 +441,10 @@ class StreamedAdam(_Handle):
     _close_order = 0
 
     def __init__(self, store, mm, *, grad_scale=1.0, cpu_threads=1, durable_every_steps=1, commit_lag_steps=1,
-                 moment_dtype="f32", rule="adamw"):
+                 moment_dtype="f32", rule="adamw", rules=None):
+        """rule: the update rule ("adamw", "lion", "sgd", "sgd_plain", "muon"). rules: several, as a list
+        of names or (name, moment_dtype) pairs, in place of rule: a param is registered under one of them
+        by its index (register_params' rules; 0 by default)."""
         super().__init__()
         self.store, self.mm = store, mm
         opts = lib.optstate_adam_options_create()
@@ -452,6 +455,10 @@ class StreamedAdam(_Handle):
             lib.optstate_adam_options_set_commit_lag_steps(opts, int(commit_lag_steps))
             call(lib.optstate_adam_options_set_moment_dtype, opts, str(moment_dtype).encode())
             call(lib.optstate_adam_options_set_rule, opts, str(rule).encode())
+            for r in rules or ():
+                name, dtype = (r, None) if isinstance(r, str) else r
+                call(lib.optstate_adam_options_add_rule, opts, str(name).encode(),
+                     None if dtype is None else str(dtype).encode())
             h = ctypes.c_void_p()
             call(lib.optstate_adam_create, store._live(), mm._live(), opts, ctypes.byref(h))
             self._h = h.value
@@ -528,10 +535,11 @@ class StreamedAdam(_Handle):
         return pid.value, bool(existed.value)
 
     def register_params(self, names, numels, groups, initial_ptrs=None, initial_dtypes=None, shapes=None,
-                        global_shapes=None, shard_offsets=None):
+                        global_shapes=None, shard_offsets=None, rules=None):
         """register_param for many params in one call (optstate_adam_register_params): lists of one entry
-        per param (shapes, global_shapes, shard_offsets: tuples, () for none; any list may be None).
-        Every registration is checked before any is made. Returns [(id, existed)]."""
+        per param (shapes, global_shapes, shard_offsets: tuples, () for none; any list may be None;
+        rules: each param's rule index, None = all 0). Every registration is checked before any is
+        made. Returns [(id, existed)]."""
         n = len(names)
         if n == 0:
             return []
@@ -546,8 +554,14 @@ class StreamedAdam(_Handle):
         gd, gs = dims(global_shapes)
         od, so = dims(shard_offsets)
         ids, existed = (ctypes.c_uint32 * n)(), (ctypes.c_int * n)()
-        call(lib.optstate_adam_register_params, self._live(), n, (ctypes.c_char_p * n)(*[_b(x) for x in names]),
-             (u64 * n)(*[int(x) for x in numels]), (ctypes.c_uint32 * n)(*[int(g) for g in groups]),
+        head = [self._live(), n, (ctypes.c_char_p * n)(*[_b(x) for x in names]), (u64 * n)(*[int(x) for x in numels]),
+                (ctypes.c_uint32 * n)(*[int(g) for g in groups])]
+        if rules is None:
+            fn = lib.optstate_adam_register_params
+        else:
+            fn = lib.optstate_adam_register_params2
+            head.append((ctypes.c_uint32 * n)(*[int(r) for r in rules]))
+        call(fn, *head,
              None if initial_ptrs is None else (ctypes.c_void_p * n)(*initial_ptrs),
              None if initial_dtypes is None else (ctypes.c_int * n)(*[int(d) for d in initial_dtypes]),
              nd, sh, gd, gs, od, so, ids, existed)

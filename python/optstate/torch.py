@@ -1,4 +1,4 @@
-"""optstate.torch.AdamW (and Lion, SGD): torch.optim.Optimizers whose state lives on NVMe.
+"""optstate.torch.AdamW (and Lion, SGD, Muon): torch.optim.Optimizers whose state lives on NVMe.
 
     opt = optstate.torch.AdamW(model.parameters(), store="/nvme/optstate/rank{rank}.dense",
                                budget=2 << 30, lr=1e-4, weight_decay=0.1)
@@ -51,7 +51,8 @@ from its placements (no shards= entry). optstate.integrations.dcp saves and
 loads the state with torch.distributed.checkpoint. docs/PYTHON.md.
 
 Lion and SGD (with momentum) are the same machinery with another update rule and one moment
-("exp_avg", "momentum_buffer"): 8 bytes a parameter instead of 12. docs/PYTHON.md.
+("exp_avg", "momentum_buffer"): 8 bytes a parameter instead of 12. Muon steps the 2-D params with
+Muon (a whole matrix at a time) and the rest with AdamW, in one optimizer. docs/PYTHON.md.
 
 Each rank and optimizer instance needs a store of its own: `{rank}` in the
 path is replaced by torch.distributed's rank (0 when not initialised). A
@@ -74,7 +75,7 @@ import torch
 from . import checkpoint, errors
 from .core import BF16, F16, F32, READ, MemoryManager, Store, StreamedAdam, access_code
 
-__all__ = ["AdamW", "Lion", "SGD", "layout_from_model"]
+__all__ = ["AdamW", "Lion", "Muon", "SGD", "layout_from_model"]
 
 _DTYPES = {torch.float32: F32, torch.bfloat16: BF16, torch.float16: F16}
 _TORCH_DTYPES = {code: dt for dt, code in _DTYPES.items()}
@@ -168,9 +169,10 @@ def _rank():
 
 class _StreamedOptimizer(torch.optim.Optimizer):
     """The machinery of every optstate.torch optimizer: a torch.optim.Optimizer over one store and
-    one streamed engine with one update rule (AdamW, Lion, SGD). A subclass gives the rule's C name
-    (_rule), its hyperparameters from a param group (_rule_hyper) and back (_group_from_hyper),
-    and its state keys (_STATE_KEYS: what torch's optimizer of that name keeps in state[p])."""
+    one streamed engine with one update rule (AdamW, Lion, SGD) or several (Muon: Muon and AdamW). A
+    subclass gives the rule's C name (_rule) or the rules' (_rules, each param's by _param_rule), their
+    hyperparameters from a param group (_rule_hyper) and back (_group_from_hyper), and its state keys
+    (_STATE_KEYS or _state_keys: what torch's optimizer of that name keeps in state[p])."""
 
     # torch's GradScaler: hand the step the scale and found-inf instead of unscaling the grads.
     _step_supports_amp_scaling = True
@@ -190,6 +192,20 @@ class _StreamedOptimizer(torch.optim.Optimizer):
     def _group_from_hyper(self, group, h):
         """Sets a param group's entries from the rule's stored hyperparameters (a restore)."""
         raise NotImplementedError
+
+    def _rules(self):
+        """Several rules in one optimizer: [(name, moment_dtype)], a param's rule its index
+        (_param_rule); None (default): the one rule _rule names."""
+        return None
+
+    def _param_rule(self, name, p, group):
+        """The index in _rules() of the rule that steps param p (named name) of group (a param group
+        dict)."""
+        return 0
+
+    def _state_keys(self, index):
+        """The keys of opt.state[p] for the registered param at index (once it has stepped)."""
+        return self._STATE_KEYS
 
     def __init__(self, params, store, budget, defaults, *, backend="auto", host_cache_bytes="auto",
                  chunk_size_bytes=None, data_dirs=None, store_name=None, cpu_threads=None, durable_every_steps=1,
@@ -219,11 +235,13 @@ class _StreamedOptimizer(torch.optim.Optimizer):
             if cpu_threads is None:
                 cpu_threads = 1 if self._cuda else max(1, min(4, torch.get_num_threads()))
             self._adam_kw = dict(cpu_threads=cpu_threads, durable_every_steps=durable_every_steps,
-                                 commit_lag_steps=commit_lag_steps, moment_dtype=moment_dtype, rule=self._rule())
+                                 commit_lag_steps=commit_lag_steps, moment_dtype=moment_dtype, rule=self._rule(),
+                                 rules=self._rules())
             self._adam = StreamedAdam(self._store, self._mm, **self._adam_kw)
             self._handles = (self._adam, self._mm, self._store)
             # Per registered param, in registration order (the step's array order).
             self._plist, self._numels, self._names, self._ids, self._pgroup = [], [], [], [], []
+            self._prule = []           # rule index of each (_param_rule)
             self._by_tensor = {}       # id(tensor) -> index in _plist
             self._given_names = {}     # id(tensor) -> name from (name, tensor) input
             self._hyper = {}           # group index -> hyperparameters last sent
@@ -374,11 +392,14 @@ class _StreamedOptimizer(torch.optim.Optimizer):
             names.append(name)
         shards = [self._shard_of(name, p) for name, p in zip(names, params)]
         shards_here = [_local(p) for p in params]  # a DTensor's local shard: the elements stepped here
+        rules = None
+        if self._rules() is not None:
+            rules = [self._param_rule(name, p, self.param_groups[gid]) for name, p in zip(names, params)]
         got = self._adam.register_params(names, [t.numel() for t in shards_here], [gid] * len(params),
                                          [t.data_ptr() for t in shards_here], [_DTYPES[t.dtype] for t in shards_here],
                                          [tuple(t.shape) for t in shards_here], [g for g, _ in shards],
-                                         [o for _, o in shards])
-        for name, p, local, (pid, existed) in zip(names, params, shards_here, got):
+                                         [o for _, o in shards], rules=rules)
+        for i, (name, p, local, (pid, existed)) in enumerate(zip(names, params, shards_here, got)):
             if existed:  # resume: the model continues from the stored fp32 main
                 self._copy_main_to(name, p)
             else:
@@ -389,6 +410,7 @@ class _StreamedOptimizer(torch.optim.Optimizer):
             self._names.append(name)
             self._ids.append(pid)
             self._pgroup.append(gid)
+            self._prule.append(0 if rules is None else rules[i])
         self._batch_key = None
 
     def _shard_of(self, name, p):
@@ -825,7 +847,8 @@ class _StreamedOptimizer(torch.optim.Optimizer):
 
     def store_fields(self):
         """The fields the optimizer keeps per param in its store, "main" first (AdamW: exp_avg and
-        exp_avg_sq; Lion: exp_avg; SGD: momentum_buffer when it has momentum)."""
+        exp_avg_sq; Lion: exp_avg; SGD: momentum_buffer when it has momentum; Muon: those of both its
+        rules, momentum_buffer, exp_avg and exp_avg_sq, each param holding its own rule's)."""
         return self._live().fields()
 
     def read_state(self, p, field):
@@ -936,9 +959,11 @@ class _StreamedOptimizer(torch.optim.Optimizer):
             self._handles = (self._adam, self._mm, self._store)
             for i, param in enumerate(self._plist):
                 p = _local(param)
-                pid, existed = self._adam.register_param(self._names[i], p.numel(), self._pgroup[i], p.data_ptr(),
-                                                         _DTYPES[p.dtype], tuple(p.shape),
-                                                         *self._shard_of(self._names[i], param))
+                global_shape, offset = self._shard_of(self._names[i], param)
+                [(pid, existed)] = self._adam.register_params(
+                    [self._names[i]], [p.numel()], [self._pgroup[i]], [p.data_ptr()], [_DTYPES[p.dtype]],
+                    [tuple(p.shape)], [global_shape], [offset],
+                    rules=None if self._rules() is None else [self._prule[i]])
                 self._ids[i] = pid
                 if existed:
                     self._copy_main_to(self._names[i], p)
@@ -1163,6 +1188,110 @@ class SGD(_StreamedOptimizer):
         group["nesterov"], group["maximize"] = h["nesterov"] != 0, h["maximize"] != 0
 
 
+class Muon(_StreamedOptimizer):
+    """Muon (Keller Jordan 2024; "Muon is Scalable for LLM Training", Liu et al. 2025) for the 2-D params
+    and AdamW for the rest, in one optimizer with its state in an optstate store, as Moonlight's and
+    Megatron-core's Muon do. A Muon param is stepped as torch.optim.Muon steps it:
+
+        buf = buf.lerp(g, 1 - momentum);  u = g.lerp(buf, momentum) if nesterov else buf
+        O = Newton-Schulz(u)   (ns_steps iterations with ns_coefficients, u / max(||u||_F, eps) first,
+                                 computed in fp32)
+        p = p * (1 - lr * weight_decay) - adjusted_lr * O
+
+    with adjusted_lr lr * sqrt(max(1, rows / cols)) for adjust_lr_fn None or "original" (Keller Jordan's),
+    lr * 0.2 * sqrt(max(rows, cols)) for "match_rms_adamw" (Moonlight's: the update's RMS matches
+    AdamW's, so one lr and weight_decay serve both kinds of param) and lr * sqrt(rows / cols) for
+    "spectral_unclamped". Its state is "momentum_buffer" (f32 or bf16: moment_dtype), 8 bytes a param
+    read and written per step (6 with bf16). A matrix is one unit of work (Newton-Schulz needs all of
+    it): the budget must hold the largest Muon matrix's fields and Newton-Schulz scratch (about 16 B an
+    element plus 8 B x min(rows, cols)^2), else optstate.ResourceExhausted names it.
+
+    The other params are stepped by AdamW (decoupled weight decay) with the group's lr and weight_decay
+    and its adamw_betas (default (0.9, 0.95)) and adamw_eps (1e-8); their state is torch.optim.AdamW's
+    ("step", "exp_avg", "exp_avg_sq").
+
+    Which params are Muon's: a group's "use_muon" True (all of them: each must be 2-D) or False (none);
+    None (default): those with p.ndim == 2. As in Moonlight, embeddings and the output head are 2-D but
+    usually belong to AdamW: put them in a group with use_muon=False (and its own lr when
+    adjust_lr_fn is "original": one group's lr serves both kinds of its params).
+
+    Arguments as torch.optim.Muon's (lr 1e-3, weight_decay 0.1, momentum 0.95, nesterov True,
+    ns_coefficients, eps 1e-7, ns_steps 5, adjust_lr_fn None) after store and budget, then adamw_betas
+    and adamw_eps, and the keyword arguments of optstate.torch.AdamW that are not Adam's (backend,
+    chunk_size_bytes, moment_dtype "f32" or "bf16" for both rules, shards, ...). A param without a grad
+    in a step keeps its state."""
+
+    _MUON, _ADAMW = 0, 1
+    _ADJUST = {None: 0.0, "original": 0.0, "match_rms_adamw": 1.0, "spectral_unclamped": 2.0}
+
+    def __init__(self, params, store, budget=2 << 30, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
+                 adamw_betas=(0.9, 0.95), adamw_eps=1e-8, **kw):
+        if not 0.0 <= float(lr):
+            raise errors.InvalidArgument("Learning rate should be >= 0 but is: {}".format(lr))
+        if not 0.0 <= momentum:
+            raise errors.InvalidArgument("momentum should be >= 0 but is: {}".format(momentum))
+        if not 0.0 <= weight_decay:
+            raise errors.InvalidArgument("weight decay should be >= 0 but is: {}".format(weight_decay))
+        if adjust_lr_fn not in self._ADJUST:
+            raise errors.InvalidArgument("Adjust learning rate function {} is not supported".format(adjust_lr_fn))
+        if len(tuple(ns_coefficients)) != 3:
+            raise errors.InvalidArgument("Coefficients must be a tuple of exactly 3 values")
+        if not 0 <= int(ns_steps) < 100 or int(ns_steps) != ns_steps:
+            raise errors.InvalidArgument("ns_steps must be an integer in [0, 100), not {}".format(ns_steps))
+        if not 0.0 <= adamw_betas[0] < 1.0 or not 0.0 <= adamw_betas[1] < 1.0:
+            raise errors.InvalidArgument("Invalid adamw_betas: {}".format(adamw_betas))
+        if not 0.0 < adamw_eps:
+            raise errors.InvalidArgument("Invalid adamw_eps: {}".format(adamw_eps))
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+                        use_muon=None)
+        super().__init__(params, store, budget, defaults, **kw)
+
+    def _rule(self):
+        return "muon"
+
+    def _rules(self):
+        return ["muon", "adamw"]  # indices _MUON and _ADAMW, both with the optimizer's moment_dtype
+
+    def _param_rule(self, name, p, group):
+        use = group.get("use_muon")
+        if use is None:
+            return self._MUON if p.ndim == 2 else self._ADAMW
+        if use and p.ndim != 2:
+            raise errors.InvalidArgument(
+                self._label + ": param %s has shape %s but its group has use_muon=True; Muon steps 2-D "
+                "matrices only (put it in a group with use_muon=False or None)" % (name, tuple(p.shape)))
+        return self._MUON if use else self._ADAMW
+
+    def _state_keys(self, index):
+        return ("momentum_buffer",) if self._prule[index] == self._MUON else ("step", "exp_avg", "exp_avg_sq")
+
+    def _rule_hyper(self, group):
+        a, b, c = group["ns_coefficients"]
+        beta1, beta2 = group["adamw_betas"]
+        adjust = group["adjust_lr_fn"]
+        if adjust not in self._ADJUST:
+            raise errors.InvalidArgument(self._label + ": adjust_lr_fn %r is not one of original, "
+                                         "match_rms_adamw, spectral_unclamped" % (adjust,))
+        return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
+                "momentum": float(group["momentum"]), "nesterov": 1.0 if group["nesterov"] else 0.0,
+                "ns_eps": float(group["eps"]), "ns_steps": float(group["ns_steps"]), "ns_a": float(a),
+                "ns_b": float(b), "ns_c": float(c), "adjust_lr_fn": self._ADJUST[adjust],
+                "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["adamw_eps"]), "adamw": 1.0}
+
+    def _group_from_hyper(self, group, h):
+        for k in ("lr", "weight_decay", "momentum"):
+            group[k] = h[k]
+        group["nesterov"], group["eps"], group["ns_steps"] = h["nesterov"] != 0, h["ns_eps"], int(h["ns_steps"])
+        group["ns_coefficients"] = (h["ns_a"], h["ns_b"], h["ns_c"])
+        if self._ADJUST.get(group.get("adjust_lr_fn"), -1) != h["adjust_lr_fn"]:
+            group["adjust_lr_fn"] = {0.0: "original", 1.0: "match_rms_adamw", 2.0: "spectral_unclamped"}.get(
+                h["adjust_lr_fn"], "original")
+        group["adamw_betas"], group["adamw_eps"] = (h["beta1"], h["beta2"]), h["eps"]
+
+
 def _read_only(what):
     raise TypeError("optstate.torch.AdamW: %s is read-only: the optimizer's state lives in its store; "
                     "change it through opt.pin(p, field, access=\"readwrite\") or optstate.checkpoint.load"
@@ -1171,8 +1300,9 @@ def _read_only(what):
 
 class _ParamState(collections.abc.MutableMapping):
     """opt.state[p]: a param's state as torch's optimizer of the same name keeps it (AdamW: "step",
-    "exp_avg", "exp_avg_sq"; SGD: "momentum_buffer"; Lion: "exp_avg"), read from the store when a value is looked up (a copy; keys and len() need no
-    read). Empty while the param has taken no step (torch creates a param's state at its first step
+    "exp_avg", "exp_avg_sq"; SGD: "momentum_buffer"; Lion: "exp_avg"; Muon: "momentum_buffer" for its
+    matrices, AdamW's keys for the rest), read from the store when a value is looked up (a copy; keys
+    and len() need no read). Empty while the param has taken no step (torch creates a param's state at its first step
     with a grad). Read-only, except that storing back the very tensor a lookup returned is accepted
     and changes nothing (frameworks that move optimizer state to a device, e.g. Lightning's
     _optimizer_to_device, store each value back)."""
@@ -1182,7 +1312,8 @@ class _ParamState(collections.abc.MutableMapping):
         self._given = {}  # key -> the tensor the last lookup returned
 
     def _keys(self):
-        return self._opt._STATE_KEYS if self._opt._live().param_step_count(self._opt._names[self._index]) > 0 else ()
+        opt = self._opt
+        return opt._state_keys(self._index) if opt._live().param_step_count(opt._names[self._index]) > 0 else ()
 
     def __getitem__(self, key):
         if key not in self._keys():

@@ -170,7 +170,8 @@ TEST_F(OptimizersGpuTest, FoundInfOnDeviceSkipsLion) {
 }
 
 // Muon: CUDA (cuBLAS SGEMM, fp32 accumulation in its own order) against the
-// CPU reference (fp64 accumulation). Bound: |main_cuda - main_cpu| <=
+// CPU reference (fp64 accumulation), with each shape scale (the spectral one
+// with torch.optim.Muon's clamped eps and other Newton-Schulz coefficients). Bound: |main_cuda - main_cpu| <=
 // 1e-3 * max|main_cpu - main_before| + 2^-22 |main|, i.e. 1e-3 of the
 // largest entry of the step (lr * scale * O plus the weight decay).
 // Why 1e-3: NS5 in fp32 against fp64 differs by up to 1.2e-4 of max|O|
@@ -191,7 +192,7 @@ TEST_F(OptimizersGpuTest, MuonMatchesCpuWithinBound) {
                           {768, 3072, DType::kBF16, MomentDType::kF32, DType::kBF16},
                           {3072, 768, DType::kBF16, MomentDType::kBF16, DType::kBF16}};
   for (const Shape& sh : shapes) {
-    for (MuonScale scale : {MuonScale::kMatchAdamW, MuonScale::kShape}) {
+    for (MuonScale scale : {MuonScale::kMatchAdamW, MuonScale::kShape, MuonScale::kSpectral}) {
       SCOPED_TRACE(std::to_string(sh.rows) + "x" + std::to_string(sh.cols) + " grad=" + TypeName(sh.gt));
       const size_t n = sh.rows * sh.cols, ms = sh.mt == MomentDType::kBF16 ? 2 : 4, gs = TypeSize(sh.gt),
                    ps = TypeSize(sh.pt);
@@ -205,6 +206,14 @@ TEST_F(OptimizersGpuTest, MuonMatchesCpuWithinBound) {
       MuonParams p;
       p.weight_decay = 0.1;
       p.scale = scale;
+      if (scale == MuonScale::kSpectral) {
+        // torch.optim.Muon's eps (a floor on the norm) and other coefficients.
+        p.norm_eps = MuonNormEps::kClamp;
+        p.ns_a = 3.0;
+        p.ns_b = -3.2;
+        p.ns_c = 1.2;
+        p.ns_steps = 4;
+      }
       for (int step = 1; step <= 3; ++step) {
         const std::vector<uint8_t> main_before = main.host;
         p.lr = 0.02 / step;

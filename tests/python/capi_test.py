@@ -459,6 +459,60 @@ class CapiTest(TempDirTest):
                                    [optstate.F32] * 40)
         self.assertEqual([e for _, e in got], [True] * 40)
 
+    def test_several_rules_in_one_optimizer(self):
+        """Muon for a matrix and AdamW for a vector in one optimizer (optstate_adam_options_add_rule,
+        optstate_adam_register_params2): the store keeps each param's own fields, one step of each
+        equals a float64 numpy computation (torch.optim.Muon's math; AdamW's), a group's hyperparameters
+        are the union of the rules' names, and what does not fit a rule is refused naming the param."""
+        store = optstate.Store(self.path("r"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+        with self.assertRaisesRegex(optstate.InvalidArgument, "adam2"):
+            optstate.StreamedAdam(store, mm, rules=["muon", "adam2"])
+        adam = optstate.StreamedAdam(store, mm, rules=["muon", ("adamw", "f32")])
+        self.assertEqual(adam.fields(), ("main", "momentum_buffer", "exp_avg", "exp_avg_sq"))
+        hyper = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": 1.0, "ns_steps": 5.0,
+                 "ns_eps": 1e-7, "adjust_lr_fn": 1.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+        adam.set_group_hyper(0, hyper)
+        got = adam.get_group_hyper(0)
+        for k, v in hyper.items():
+            self.assertEqual(got[k], v, k)
+        rng = np.random.default_rng(4)
+        w, b = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+        with self.assertRaisesRegex(optstate.InvalidArgument, "bias.*2-D"):  # a vector under Muon
+            adam.register_params(["bias"], [5], [0], [b.ctypes.data], [optstate.F32], [(5,)], rules=[0])
+        with self.assertRaisesRegex(optstate.InvalidArgument, "bias.*rule index 2"):
+            adam.register_params(["bias"], [5], [0], [b.ctypes.data], [optstate.F32], [(5,)], rules=[2])
+        (wid, _), (bid, _) = adam.register_params(["w", "bias"], [24, 5], [0, 0], [w.ctypes.data, b.ctypes.data],
+                                                  [optstate.F32] * 2, [(6, 4), (5,)], rules=[0, 1])
+        gw, gb = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+        adam.step([wid, bid], [gw.ctypes.data, gb.ctypes.data], [optstate.F32] * 2)
+        adam.make_durable()
+        # Muon in float64: buf = 0.1 g; u = 0.1 g + 0.9 buf; Newton-Schulz on u^T (4 x 6).
+        buf = 0.1 * gw.astype(np.float64)
+        x = (0.1 * gw + 0.9 * buf).T
+        x = x / max(np.linalg.norm(x), 1e-7)
+        for _ in range(5):
+            a = x @ x.T
+            x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+        want_w = w * (1 - 0.02 * 0.1) - 0.02 * 0.2 * np.sqrt(6) * x.T
+        np.testing.assert_allclose(store.read("w", "main").reshape(6, 4), want_w, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(store.read("w", "momentum_buffer").reshape(6, 4), buf, rtol=0, atol=1e-7)
+        want_b, m, v = adamw_reference(b.astype(np.float64), 0, 0, gb.astype(np.float64), 1, 0.02, 0.9, 0.95,
+                                       1e-8, 0.1)
+        np.testing.assert_allclose(store.read("bias", "main"), want_b, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(store.read("bias", "exp_avg"), m, rtol=0, atol=1e-7)
+        store.close()
+        # Reopened with the rules' indices swapped: each stored param keeps the rule whose fields it has,
+        # so registering it under the other is refused naming it.
+        store = optstate.Store(self.path("r"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, read_ahead_chunks=2)
+        adam = optstate.StreamedAdam(store, mm, rules=["adamw", "muon"])
+        with self.assertRaisesRegex(optstate.InvalidArgument, "w"):
+            adam.register_params(["w"], [24], [0], [w.ctypes.data], [optstate.F32], [(6, 4)], rules=[0])
+        got = adam.register_params(["w", "bias"], [24, 5], [0, 0], None, None, [(6, 4), (5,)], rules=[1, 0])
+        self.assertEqual([e for _, e in got], [True, True])
+        store.close()
+
     def test_snapshots_stats_and_sleep(self):
         store, mm, adam = self.open()
         w = np.ones(100, dtype=np.float32)

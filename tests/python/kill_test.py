@@ -16,8 +16,9 @@ inputs. The optimizer runs with pipelined commits (commit_lag_steps 1, the
 default): step k's commit may still run after opt.step() returned and is
 waited for when step k+1 starts, so a kill may leave one step less than with
 commits inside the step. OPTSTATE_KILL_TEST_SEED fixes the random kill points (the seed used
-is printed with any failure). The same holds for optstate.torch.Lion and optstate.torch.SGD (Nesterov
-momentum), whose child runs the same loop with that optimizer."""
+is printed with any failure). The same holds for optstate.torch.Lion, optstate.torch.SGD (Nesterov
+momentum) and optstate.torch.Muon (Muon for the weight matrices, AdamW for the biases), whose child runs
+the same loop with that optimizer."""
 import os
 import random
 import signal
@@ -34,11 +35,14 @@ import optstate.torch as ot
 STEPS = 8
 
 
-def build_model(seed):
-    """About 1.1M fp32 params: the big layer spans two 2 MiB chunks a field, so a step takes a while."""
+def build_model(seed, kind="adamw"):
+    """About 1.1M fp32 params: the big layer spans two 2 MiB chunks a field, so a step takes a while.
+    For Muon, whose CPU Newton-Schulz costs ~min(rows, cols) multiply-adds an element and iteration,
+    the middle layer is 128 x 1024 (a step still takes a while)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),
-                               torch.nn.Tanh(), torch.nn.Linear(1024, 4))
+    middle = 128 if kind == "muon" else 1024
+    return torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, middle),
+                               torch.nn.Tanh(), torch.nn.Linear(middle, 4))
 
 
 def groups(model):
@@ -47,12 +51,14 @@ def groups(model):
             {"params": [(n, p) for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
 
 
-# optimizer kind: (constructor, its state fields besides main)
+# optimizer kind: (constructor, its state fields besides main, or a function of the param giving them)
 KINDS = {
     "adamw": (lambda gs, store: ot.AdamW(gs, store=store, lr=1e-3, **OPT_KW), ("exp_avg", "exp_avg_sq")),
     "lion": (lambda gs, store: ot.Lion(gs, store=store, lr=1e-4, **OPT_KW), ("exp_avg",)),
     "sgd": (lambda gs, store: ot.SGD(gs, store=store, lr=1e-2, momentum=0.9, nesterov=True, **OPT_KW),
             ("momentum_buffer",)),
+    "muon": (lambda gs, store: ot.Muon(gs, store=store, lr=1e-2, adjust_lr_fn="match_rms_adamw", **OPT_KW),
+             lambda p: ("momentum_buffer",) if p.ndim == 2 else ("exp_avg", "exp_avg_sq")),
 }
 
 
@@ -77,7 +83,7 @@ def train_step(model, opt, k, report=None):
 def child(store, fd, go_fd, kind):
     report = os.fdopen(fd, "w", buffering=1)
     go = os.fdopen(go_fd, "r")
-    model = build_model(0)
+    model = build_model(0, kind)
     opt = open_optimizer(model, store, kind)
     report.write("ready\n")
     for k in range(1, STEPS + 1):
@@ -95,7 +101,8 @@ def state_of(model, opt, kind):
     out = {}
     for name, p in model.named_parameters():
         out[name] = p.detach().clone()
-        for field in ("main",) + KINDS[kind][1]:
+        fields = KINDS[kind][1](p) if callable(KINDS[kind][1]) else KINDS[kind][1]
+        for field in ("main",) + fields:
             out[name + "/" + field] = opt.read_state(p, field).clone()
     return out
 
@@ -154,13 +161,13 @@ class KillTest(TempDirTest):
         """Reopens the killed store (a differently initialised model: the stored mains must win) and
         checks it against an uninterrupted run, at the committed step and after the remaining steps."""
         msg = "%s, seed %d" % (label, self.seed)
-        model = build_model(1)
+        model = build_model(1, kind)
         opt = open_optimizer(model, store, kind)  # no Busy: the dead child's lock is gone
         committed = opt.step_count(0)
         self.assertIn(committed, allowed, msg)
         self.assertEqual(opt.step_count(1), committed, msg)
 
-        ref_model = build_model(0)
+        ref_model = build_model(0, kind)
         ref = open_optimizer(ref_model, self.path("ref-" + label), kind)
         for k in range(1, committed + 1):
             train_step(ref_model, ref, k)
@@ -199,8 +206,8 @@ class KillTest(TempDirTest):
                                  % (label, lines[-1], committed, self.seed))
 
 
-    def test_sigkill_then_resume_lion_and_sgd(self):
-        for kind in ("lion", "sgd"):
+    def test_sigkill_then_resume_lion_sgd_and_muon(self):
+        for kind in ("lion", "sgd", "muon"):
             k = self.rng.randint(2, STEPS - 1)
             trials = [("between-steps", "done", 4, None, (3, 4)),
                       ("in-step-%d-random" % k, "step", k, self.rng.uniform(0.0, 1.0), (k - 2, k - 1, k))]

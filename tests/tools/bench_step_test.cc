@@ -506,6 +506,33 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
   EXPECT_NE(r.err.find("8 chunks"), std::string::npos) << r.err;
 }
 
+// --optimizer muon steps the mix's weight matrices with Muon (8 B/param) and
+// the rest with AdamW (12 B/param): the state it reports lies strictly
+// between the two, and a budget that cannot hold a matrix whole (h = 1024:
+// the 3h x h attention weights need 56 MiB with their scratch) fails naming
+// the first one registered.
+TEST(BenchStepTest, MuonStepsMatricesWholeAndTheRestWithAdamW) {
+  TempDir dir;
+  std::vector<std::string> args = {"step", "--dir", dir.path(), "--optimizer", "muon", "--state", "4M",
+                                   "--hidden", "128", "--chunk-size", "2M", "--budget", "32M", "--backend",
+                                   "host", "--rounds", "1", "--no-fio", "--json"};
+  auto r = Tool("optstate-bench", args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = ParseJson(r);
+  EXPECT_EQ(j["optimizer"], "muon");
+  const uint64_t params = j["params"].get<uint64_t>(), state = j["state_bytes"].get<uint64_t>();
+  EXPECT_GT(state, 8 * params);
+  EXPECT_LT(state, 12 * params);
+  EXPECT_LE(j["peak_resident_bytes"].get<uint64_t>(), j["budget_bytes"].get<uint64_t>());
+
+  args = {"step", "--dir", dir.path(), "--optimizer", "muon", "--state", "64M", "--hidden", "1024",
+          "--chunk-size", "2M", "--budget", "32M", "--backend", "host", "--rounds", "1", "--no-fio"};
+  r = Tool("optstate-bench", args);
+  EXPECT_NE(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.err.find("layer0.attn.qkv.weight"), std::string::npos) << r.err;  // the first too large
+  EXPECT_NE(r.err.find("Muon"), std::string::npos) << r.err;
+}
+
 TEST(BenchStepTest, RejectsMalformedArguments) {
   TempDir dir;
   auto r = Tool("optstate-bench", {"step", "--store", dir / "x", "--params", "0"});

@@ -14,7 +14,8 @@
 
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
-#include "memmgr/momentum_rules.h"
+#include "memmgr/muon_rule.h"
+#include "memmgr/rules.h"
 #include "memmgr/streamed_adam.h"
 #include "tools/bench_step/compare.h"
 #include "tools/bench_step/sync_direct_engine.h"
@@ -57,15 +58,14 @@ int RunCompare(const StepOptions& o) {
   }
   // The rule stepped and its bytes per param read and written per step.
   const bool adamw = o.optimizer == "adamw";
-  if (o.optimizer == "muon") {
-    return FailWith(kTool, Unimplemented("--optimizer muon: Muon has its kernels (kernels/muon.h) but the "
-                                         "streamed engine does not step whole-matrix rules yet"));
-  }
+  const bool muon = o.optimizer == "muon";
   if (!adamw && (o.compare_bf16 || o.compare_q8)) {
     return FailWith(kTool, InvalidArgument(fmt::format(
                                "--optimizer {}: --bf16-moments and --q8-moments compare AdamW's moment dtypes",
                                o.optimizer)));
   }
+  // Muon: 8 B/param for the weight matrices (main, momentum_buffer), 12 for
+  // the AdamW rest (layer norms, biases); sized as 8, counted exactly below.
   const uint64_t bytes_per_param = adamw ? 12 : 8;
   std::string dir = o.dir;
   bool own_dir = dir.empty();
@@ -126,7 +126,19 @@ int RunCompare(const StepOptions& o) {
     numel_total += p.second;
     max_numel = std::max(max_numel, p.second);
   }
-  const uint64_t state_bytes = numel_total * bytes_per_param;
+  // Muon's matrices: a ParamMix weight of k x h elements is a k x h matrix
+  // (rule 0, Muon); the rest, and a weight cut short by --state, AdamW (rule 1).
+  std::vector<uint32_t> param_rule(params.size(), 0);
+  uint64_t state_bytes = numel_total * bytes_per_param;
+  if (muon) {
+    state_bytes = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, n] = params[i];
+      const bool matrix = name.ends_with(".weight") && n > o.hidden && n % o.hidden == 0;
+      param_rule[i] = matrix ? 0 : 1;
+      state_bytes += n * (matrix ? 8 : 12);
+    }
+  }
 
   vfs::StoreOptions so;
   so.chunk_size_bytes = c->chunk;
@@ -140,10 +152,18 @@ int RunCompare(const StepOptions& o) {
   ao.durable_every_steps = o.durable_every;
   ao.background_sync_bytes = c->sync_every;
   ao.commit_lag_steps = o.commit_lag;
-  std::unique_ptr<memmgr::UpdateRule> rule;  // null: AdamW
-  if (o.optimizer == "lion") rule = memmgr::NewLionRule(MomentDType::kF32);
-  if (o.optimizer == "sgd") rule = memmgr::NewSgdRule(MomentDType::kF32, /*momentum_buffer=*/true);
-  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao, std::move(rule));
+  std::vector<std::unique_ptr<memmgr::UpdateRule>> rules;
+  if (muon) {
+    rules.push_back(memmgr::NewMuonRule(MomentDType::kF32));
+    auto a = memmgr::NewRuleByName("adamw", MomentDType::kF32);
+    if (!a.ok()) return FailWith(kTool, a.status());
+    rules.push_back(std::move(*a));
+  } else {
+    auto r = memmgr::NewRuleByName(o.optimizer, MomentDType::kF32);
+    if (!r.ok()) return FailWith(kTool, r.status());
+    rules.push_back(std::move(*r));
+  }
+  auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao, std::move(rules));
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
   g.weight_decay = 0.01;
@@ -152,6 +172,8 @@ int RunCompare(const StepOptions& o) {
     gs = (*opt)->SetGroup(g);
   } else if (o.optimizer == "lion") {
     gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-4}, {"weight_decay", 0.01}});
+  } else if (muon) {
+    gs = (*opt)->SetGroupHyperparams(0, {{"lr", 2e-4}, {"weight_decay", 0.01}, {"adjust_lr_fn", 1.0}});
   } else {
     gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-2}, {"momentum", 0.9}, {"nesterov", 1.0}});
   }
@@ -168,11 +190,14 @@ int RunCompare(const StepOptions& o) {
     auto dw = DeviceBuffer::Make(mm->get(), max_numel * 4);
     if (!dw.ok()) return FailWith(kTool, dw.status());
     if (Status s = (*mm)->CopyToDevice(dw->get(), w0.data(), max_numel * 4); !s.ok()) return FailWith(kTool, s);
-    for (auto& [name, n] : params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [name, n] = params[i];
       auto d = DeviceBuffer::Make(mm->get(), n * 4);
       if (!d.ok()) return FailWith(kTool, d.status());
       Status s = (*mm)->CopyToDevice(d->get(), gh.data(), n * 4);
-      if (s.ok()) s = (*opt)->RegisterParam(name, n, 0, dw->get(), DType::kF32);
+      memmgr::ShardInfo shape;
+      if (muon && param_rule[i] == 0) shape.shape = {n / o.hidden, o.hidden};
+      if (s.ok()) s = (*opt)->RegisterParam(name, n, 0, dw->get(), DType::kF32, shape, param_rule[i]);
       if (!s.ok()) return FailWith(kTool, s.WithContext(name));
       grad_ptrs.push_back(d->get());
       grads.push_back(std::move(*d));

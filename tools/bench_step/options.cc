@@ -74,8 +74,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"f32", "bf16", "q8"}));
   sub->add_option("--optimizer", o->optimizer,
                   "comparison mode: the update rule stepped, adamw (12 B/param), lion or sgd (8 B/param: one "
-                  "moment; --state is then that many bytes of it; miles' streaming and the moment-dtype "
-                  "stores are Adam's and run only with adamw) (default adamw)")
+                  "moment; --state is then that many bytes of it), or muon (8 B/param for the weight "
+                  "matrices, each stepped whole, and AdamW's 12 for the rest); miles' streaming and the "
+                  "moment-dtype stores are Adam's and run only with adamw (default adamw)")
       ->check(CLI::IsMember({"adamw", "lion", "sgd", "muon"}));
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
   sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param for adamw, 8 for lion and sgd (default 1G)");

@@ -45,8 +45,9 @@ struct StepOptions {
   uint64_t hidden = 1024;
   uint32_t durable_every = 1;
   uint32_t commit_lag = 1;  // StreamedAdamOptions::commit_lag_steps
-  // comparison mode: the update rule of our store: adamw, lion or sgd (SGD
-  // with Nesterov momentum); its bytes per param set the state's params.
+  // comparison mode: the update rule of our store: adamw, lion, sgd (SGD
+  // with Nesterov momentum) or muon (Muon for the weight matrices, AdamW for
+  // the rest); its bytes per param set the state's params.
   std::string optimizer = "adamw";
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
   bool moments_given = false;   // --moments was on the command line (comparison mode refuses it)

@@ -45,7 +45,9 @@
  * that reports 1 may lack any call but those of its first release. Version 3
  * adds the update rules (optstate_adam_options_set_rule,
  * optstate_adam_set_group_hyper, optstate_adam_get_group_hyper,
- * optstate_adam_fields). */
+ * optstate_adam_fields). Version 4 adds Muon and several rules in one
+ * optimizer (the rule "muon", optstate_adam_options_add_rule,
+ * optstate_adam_register_params2). */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -62,7 +64,7 @@ extern "C" {
 #define OPTSTATE_EXPORT
 #endif
 
-#define OPTSTATE_C_ABI_VERSION 3
+#define OPTSTATE_C_ABI_VERSION 4
 
 /* Codes: the values of optstate::StatusCode (base/status.h; the library checks
  * these copies against it when it is built). */
@@ -430,15 +432,37 @@ OPTSTATE_EXPORT int optstate_adam_options_set_moment_dtype(optstate_adam_options
 
 /* The update rule of the optimizer: "adamw" (default: exp_avg and
  * exp_avg_sq), "lion" (Lion, Chen et al. 2023: one moment, exp_avg), "sgd"
- * (SGD with momentum as torch.optim.SGD: one momentum_buffer) or "sgd_plain"
+ * (SGD with momentum as torch.optim.SGD: one momentum_buffer), "sgd_plain"
  * (SGD without momentum: main only, and a group with momentum is
- * INVALID_ARGUMENT). The moment dtype applies to the rule's state fields
+ * INVALID_ARGUMENT) or, since ABI version 4, "muon" (Muon as
+ * torch.optim.Muon: one momentum_buffer; each param a 2-D matrix, stepped
+ * whole: the device budget must hold the largest one's fields and
+ * Newton-Schulz scratch, else RESOURCE_EXHAUSTED naming it). The moment dtype applies to the rule's state fields
  * (f32 or bf16; q8 is adamw's alone: INVALID_ARGUMENT at optstate_adam_create).
  * A store keeps the fields of the rule its params were registered with; an
  * optimizer of another rule on it fails at optstate_adam_create naming the
  * store, tensor and field. Another name: INVALID_ARGUMENT, options unchanged.
  * Since ABI version 3. */
 OPTSTATE_EXPORT int optstate_adam_options_set_rule(optstate_adam_options_t* opts, const char* rule, char** errptr);
+/* Several rules in one optimizer (e.g. "muon" for the matrices and "adamw"
+ * for the rest): each call appends a rule, its index the number of rules
+ * added before it; once any is added they replace the rule of
+ * optstate_adam_options_set_rule. A param's rule is chosen at registration
+ * (optstate_adam_register_params2; the other registration calls take rule
+ * 0). moment_dtype: its state fields' dtype as
+ * optstate_adam_options_set_moment_dtype's ("q8": adamw only), NULL = the
+ * options' moment dtype. Two rules with the same fields (e.g. "sgd" and
+ * "muon") are INVALID_ARGUMENT at optstate_adam_create. A group's
+ * hyperparameters are the union of its rules' names (a name two rules share,
+ * e.g. lr and weight_decay of muon and adamw, has one value); muon's
+ * are lr, weight_decay (decoupled), momentum, nesterov, ns_steps, ns_a,
+ * ns_b, ns_c (Newton-Schulz coefficients), ns_eps (the norm's floor:
+ * torch.optim.Muon's eps) and adjust_lr_fn (0 "original", 1
+ * "match_rms_adamw", 2 "spectral_unclamped"). A stored param keeps the rule
+ * whose fields it has. Another name: INVALID_ARGUMENT, options unchanged.
+ * Since ABI version 4. */
+OPTSTATE_EXPORT int optstate_adam_options_add_rule(optstate_adam_options_t* opts, const char* rule,
+                                                   const char* moment_dtype, char** errptr);
 
 /* On a store that already holds tensors, their state, groups and step counts
  * are restored (resume). opts may be NULL. */
@@ -462,7 +486,7 @@ OPTSTATE_EXPORT int optstate_adam_get_group(const optstate_adam_t* adam, uint32_
  * step. adamw: lr, beta1, beta2, eps, weight_decay, adamw (nonzero:
  * decoupled); lion: lr, beta1, beta2, weight_decay (decoupled); sgd and
  * sgd_plain: lr, momentum, dampening, weight_decay (L2), nesterov, maximize
- * (nonzero: true). n names and values; a name the rule lacks or an invalid
+ * (nonzero: true); muon: see optstate_adam_options_add_rule. n names and values; a name the rule lacks or an invalid
  * value is INVALID_ARGUMENT (nothing changes), a name not given takes the
  * rule's default. Since ABI version 3. */
 OPTSTATE_EXPORT int optstate_adam_set_group_hyper(optstate_adam_t* adam, uint32_t group, size_t n,
@@ -473,7 +497,7 @@ OPTSTATE_EXPORT int optstate_adam_set_group_hyper(optstate_adam_t* adam, uint32_
  * version 3. */
 OPTSTATE_EXPORT int optstate_adam_get_group_hyper(const optstate_adam_t* adam, uint32_t group, char** names,
                                                   double** values, size_t* n, char** errptr);
-/* The fields the rule keeps per tensor, "main" first: *n names, each followed
+/* The fields the rules keep per tensor (each once), "main" first: *n names, each followed
  * by a NUL, in *names (malloc'ed, optstate_free). Since ABI version 3. */
 OPTSTATE_EXPORT int optstate_adam_fields(const optstate_adam_t* adam, char** names, size_t* n, char** errptr);
 
@@ -517,6 +541,19 @@ OPTSTATE_EXPORT int optstate_adam_register_params(optstate_adam_t* adam, size_t 
                                                   const size_t* global_ndims, const uint64_t* global_shapes,
                                                   const size_t* offset_ndims, const uint64_t* shard_offsets,
                                                   uint32_t* ids, int* existed, char** errptr);
+/* optstate_adam_register_params with each param's rule: rules[i] the index
+ * of its rule (optstate_adam_options_add_rule; NULL = all 0). A param the
+ * store holds under another rule, an index past the rules, or a param of a
+ * "muon" rule that is not 2-D (its shape; none = {numel}) is
+ * INVALID_ARGUMENT naming the param. Since ABI version 4. */
+OPTSTATE_EXPORT int optstate_adam_register_params2(optstate_adam_t* adam, size_t n, const char* const* names,
+                                                   const uint64_t* numels, const uint32_t* groups,
+                                                   const uint32_t* rules, const void* const* initials,
+                                                   const int* initial_dtypes, const size_t* ndims,
+                                                   const uint64_t* shapes, const size_t* global_ndims,
+                                                   const uint64_t* global_shapes, const size_t* offset_ndims,
+                                                   const uint64_t* shard_offsets, uint32_t* ids, int* existed,
+                                                   char** errptr);
 /* numel of a registered param (NOT_FOUND otherwise). */
 OPTSTATE_EXPORT int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel,
                                               char** errptr);
