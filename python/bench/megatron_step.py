@@ -1,7 +1,7 @@
 """Megatron-core's optimizer step on one GPU: its own DistributedOptimizer (state in GPU memory),
 the same optimizer streaming its state through optstate, and through miles' NVMe streaming
-(radixark/miles miles_plugins/optimizers/nvme_stream.py, re-implemented in first_version_loop.py's
-FirstVersion and bound into the DistributedOptimizer's step as miles binds it), on the same model
+(radixark/miles miles_plugins/optimizers/nvme_stream.py, re-implemented in miles_loop.py's
+MilesStreaming and bound into the DistributedOptimizer's step as miles binds it), on the same model
 and batches in one run.
 
 Each method builds the same GPTModel (Megatron-core's local layer spec: no Transformer Engine
@@ -63,24 +63,24 @@ def bind_miles(optimizer, directory, lr):
     the rank's shards, then Megatron's param all-gather; Megatron's own mains are freed."""
     from types import MethodType
     import optstate.megatron as om
-    from first_version_loop import FirstVersion
+    from miles_loop import MilesStreaming
     ports = []
     for dist_opt in optimizer.chained_optimizers:
         shards = om.shard_layout(dist_opt)
-        fv = FirstVersion([s.param for s in shards], os.path.join(directory, "opt%d" % len(ports)), lr=lr,
+        port = MilesStreaming([s.param for s in shards], os.path.join(directory, "opt%d" % len(ports)), lr=lr,
                           betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         for s in shards:
             if s.own_main:
                 s.main.untyped_storage().resize_(0)
 
-        def step_with_ready_grads(self, fv=fv, shards=shards):
-            fv.step([s.main.grad for s in shards])
+        def step_with_ready_grads(self, port=port, shards=shards):
+            port.step([s.main.grad for s in shards])
             if not self.ddp_config.overlap_param_gather:
                 for chunk in self.model_chunks:
                     chunk.start_param_sync()
             return True
         dist_opt.step_with_ready_grads = MethodType(step_with_ready_grads, dist_opt)
-        ports.append(fv)
+        ports.append(port)
     return ports
 
 
@@ -118,8 +118,8 @@ def run(a, method):
         loss.backward()
         model.finish_grad_sync()
         if method == "miles-cold":
-            for fv in ports:
-                fv.drop_page_cache()
+            for port in ports:
+                port.drop_page_cache()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         optimizer.step()
@@ -129,8 +129,8 @@ def run(a, method):
         losses.append(loss.item())
     for st in states:
         st.close()
-    for fv in ports:
-        fv.close()
+    for port in ports:
+        port.close()
     del model, optimizer
     gc.collect()
     torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ is reported as not run, with the reason):
                      host memory, the step on the CPU.
   miles              miles' NVMe streaming's step as it runs (buffered
                      preadv/pwritev through one pinned buffer, no fsync; the
-                     port in first_version_loop.py).
+                     port in miles_loop.py).
   ours-f32, ours-bf16, ours-q8
                      optstate.torch.AdamW with that moment dtype, the host
                      RAM tier on (--host-cache-mib), durable every step.
@@ -179,9 +179,9 @@ class Miles(Method):
     durability = "page cache, never synced: a crash of the node loses what the kernel had not written"
 
     def build(self, model, hyper):
-        from first_version_loop import FirstVersion
+        from miles_loop import MilesStreaming
         self.params = list(model.parameters())
-        self.opt = FirstVersion(self.params, self.dir, **hyper)
+        self.opt = MilesStreaming(self.params, self.dir, **hyper)
 
     def step(self):
         self.opt.step([p.grad.float().view(-1) for p in self.params])

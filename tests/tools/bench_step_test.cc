@@ -15,7 +15,7 @@
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
 #include "tests/tools/tools_test_util.h"
-#include "tools/bench_first_version.h"
+#include "tools/bench_miles_streaming.h"
 #include "tools/internal/device_buffer.h"
 #include "tools/internal/store_read.h"
 #include "vfs/store.h"
@@ -178,9 +178,9 @@ TEST(BenchStepTest, ContinuingWithOtherSizesIsRefusedAndChangesNothing) {
 // the same weights and gradients, and both wrote the same bf16 parameters.
 // With bf16 moments (miles' streaming's moment_dtype "bf16") the moment
 // segments hold bf16, and so do the store's.
-class FirstVersionBaselineTest : public ::testing::TestWithParam<MomentDType> {};
+class MilesStreamingBaselineTest : public ::testing::TestWithParam<MomentDType> {};
 
-TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
+TEST_P(MilesStreamingBaselineTest, ComputesWhatStreamedAdamComputes) {
   const MomentDType moments = GetParam();
   const uint64_t moment_bytes = moments == MomentDType::kBF16 ? 2 : 4;
   TempDir dir;
@@ -220,13 +220,13 @@ TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
       v->push_back(std::move(*d));
     }
   }
-  bench::FirstVersionOptions fo;
+  bench::MilesStreamingOptions fo;
   fo.bucket_numel_limit = 71000;  // buckets {a, b} (closed at 71001) and {c, d}
   fo.staging_bytes = 64 << 10;    // several staging chunks per parameter
   fo.adam.lr = g.lr;
   fo.adam.weight_decay = g.weight_decay;
   fo.moment_type = moments;
-  auto fv = bench::FirstVersionBaseline::Create(dir / "fv", params, mm->get(), w0.data(), fo);
+  auto fv = bench::MilesStreamingBaseline::Create(dir / "fv", params, mm->get(), w0.data(), fo);
   ASSERT_TRUE(fv.ok()) << fv.status().ToString();
   ASSERT_EQ((*fv)->buckets().size(), 2u);
 
@@ -328,7 +328,7 @@ TEST_P(FirstVersionBaselineTest, ComputesWhatStreamedAdamComputes) {
   EXPECT_EQ(*cached, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Moments, FirstVersionBaselineTest,
+INSTANTIATE_TEST_SUITE_P(Moments, MilesStreamingBaselineTest,
                          ::testing::Values(MomentDType::kF32, MomentDType::kBF16),
                          [](const ::testing::TestParamInfo<MomentDType>& i) {
                            return i.param == MomentDType::kBF16 ? std::string("Bf16") : std::string("F32");
@@ -336,24 +336,24 @@ INSTANTIATE_TEST_SUITE_P(Moments, FirstVersionBaselineTest,
 
 // The comparison mode's JSON names each baseline and gives ours / baseline;
 // an unknown baseline is refused by name.
-TEST(BenchStepTest, CompareModeReportsEachFirstVersionBaseline) {
+TEST(BenchStepTest, CompareModeReportsEachMilesStreamingBaseline) {
   TempDir dir;
   auto r = Tool("optstate-bench", {"step", "--dir", dir.path(), "--state", "12M", "--rounds", "1", "--no-fio",
-                                   "--backend", "host", "--budget", "64M", "--first-version", "warm,cold", "--json"});
+                                   "--backend", "host", "--budget", "64M", "--baselines", "warm,cold", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = ParseJson(r);
-  for (const char* k : {"first_version_warm", "first_version_cold"}) {
+  for (const char* k : {"miles_warm", "miles_cold"}) {
     ASSERT_EQ(j["seconds"][k].size(), 1u) << k << " " << j["seconds"].dump();
     EXPECT_GT(j["ours_over"][k].get<double>(), 0.0) << k;
   }
   EXPECT_TRUE(j["seconds"]["sync_direct_engine"].empty());
-  EXPECT_EQ(j["names"]["first_version_warm"], "miles' streaming, buffered, page cache warm");
-  EXPECT_EQ(j["names"]["first_version_cold"], "miles' streaming, buffered, page cache cold");
-  EXPECT_EQ(j["first_version"]["buckets"].get<uint64_t>(), 1u);
-  EXPECT_EQ(j["first_version"]["staging_bytes"].get<uint64_t>(), 256ull << 20);
-  EXPECT_EQ(j["first_version"]["warm_resident_fraction"][0].get<double>(), 1.0);
+  EXPECT_EQ(j["names"]["miles_warm"], "miles' streaming, buffered, page cache warm");
+  EXPECT_EQ(j["names"]["miles_cold"], "miles' streaming, buffered, page cache cold");
+  EXPECT_EQ(j["miles_streaming"]["buckets"].get<uint64_t>(), 1u);
+  EXPECT_EQ(j["miles_streaming"]["staging_bytes"].get<uint64_t>(), 256ull << 20);
+  EXPECT_EQ(j["miles_streaming"]["warm_resident_fraction"][0].get<double>(), 1.0);
 
-  r = Tool("optstate-bench", {"step", "--dir", dir.path(), "--state", "12M", "--first-version", "warm,bogus"});
+  r = Tool("optstate-bench", {"step", "--dir", dir.path(), "--state", "12M", "--baselines", "warm,bogus"});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("bogus"), std::string::npos) << r.err;
 }
@@ -366,7 +366,7 @@ TEST(BenchStepTest, CompareModeStaysInsideItsBudgetAndRefusesMoments) {
   TempDir dir;
   const std::vector<std::string> base = {"step", "--dir", dir.path(), "--state", "96M", "--chunk-size", "2M",
                                          "--budget", "16M", "--backend", "host", "--rounds", "1", "--no-fio",
-                                         "--no-first-version", "--json"};
+                                         "--no-baselines", "--json"};
   auto r = Tool("optstate-bench", base);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json j = ParseJson(r);
@@ -440,7 +440,7 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
   // Comparison mode: ours (f32 moments) and the bf16 store, each round.
   std::filesystem::create_directories(dir / "cmp");
   auto r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "2", "--no-fio",
-                                   "--first-version", "none", "--bf16-moments", "--backend", "host", "--budget",
+                                   "--baselines", "none", "--bf16-moments", "--backend", "host", "--budget",
                                    "64M", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = ParseJson(r);
@@ -461,7 +461,7 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
   // All three stores: the order rotates each round, so in 3 rounds each store
   // steps first once.
   r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "3", "--no-fio",
-                              "--first-version", "none", "--bf16-moments", "--q8-moments", "--backend", "host",
+                              "--baselines", "none", "--bf16-moments", "--q8-moments", "--backend", "host",
                               "--budget", "64M", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   j = ParseJson(r);
@@ -489,7 +489,7 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
 
   // The text report has the q8 lines.
   r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "2", "--no-fio",
-                              "--first-version", "none", "--q8-moments", "--backend", "host", "--budget", "64M"});
+                              "--baselines", "none", "--q8-moments", "--backend", "host", "--budget", "64M"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* line : {"StreamedAdam step (ours), q8 moments", "q8 moments / f32 moments (same rounds): ",
                            "(bytes moved: 6.03/12 = 0.50x); q8 after f32 (even rounds) [",
@@ -499,7 +499,7 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
 
   // A budget below one q8 slice (8 chunks) is refused up front, naming it.
   r = Tool("optstate-bench", {"step", "--dir", dir / "cmp", "--state", "12M", "--rounds", "1", "--no-fio",
-                              "--first-version", "none", "--q8-moments", "--backend", "host", "--chunk-size", "8M",
+                              "--baselines", "none", "--q8-moments", "--backend", "host", "--chunk-size", "8M",
                               "--budget", "56M"});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--budget 56"), std::string::npos) << r.err;

@@ -1,6 +1,6 @@
 // optstate-bench step's comparison mode: a StreamedAdam step vs the I/O floor
 // (fio reading and writing the same bytes at once) vs miles' streaming's
-// method as it runs, and the other baselines --first-version,
+// method as it runs, and the other baselines --baselines,
 // --bf16-moments, --q8-moments and --prefetch ask for, in interleaved rounds.
 #include <algorithm>
 #include <chrono>
@@ -83,7 +83,7 @@ int RunCompare(const StepOptions& o) {
       std::error_code ec;
       if (own) fs::remove_all(d, ec);
       else {
-        for (const char* n : {"store", "store.bf16", "store.q8", "first_version", "sync_direct", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
+        for (const char* n : {"store", "store.bf16", "store.q8", "miles_streaming", "sync_direct", "floor.read", "floor.write"}) fs::remove_all(d + "/" + n, ec);
       }
     }
   } cleanup{dir, own_dir};
@@ -100,21 +100,21 @@ int RunCompare(const StepOptions& o) {
                                FormatBytes(c->budget), kQ8SliceChunks, FormatBytes(c->chunk),
                                FormatBytes(kQ8SliceChunks * c->chunk))));
   }
-  bool fv_warm = false, fv_cold = false, fv_direct = false;
-  if (!adamw && !o.no_first_version && o.first_version_text != "none") {
+  bool run_warm = false, run_cold = false, run_direct = false;
+  if (!adamw && !o.no_baselines && o.baselines_text != "none") {
     Note("--optimizer " + o.optimizer + ": miles' streaming and the O_DIRECT baseline step Adam; only the floor runs");
   }
-  if (adamw && !o.no_first_version) {
-    std::string list = o.first_version_text;
+  if (adamw && !o.no_baselines) {
+    std::string list = o.baselines_text;
     for (size_t at = 0; at <= list.size();) {
       size_t end = std::min(list.find(',', at), list.size());
       const std::string item = list.substr(at, end - at);
-      if (item == "warm") fv_warm = true;
-      else if (item == "cold") fv_cold = true;
-      else if (item == "direct") fv_direct = true;
+      if (item == "warm") run_warm = true;
+      else if (item == "cold") run_cold = true;
+      else if (item == "direct") run_direct = true;
       else if (item != "none" && !item.empty()) {
         return FailWith(kTool, InvalidArgument(fmt::format(
-                                   "--first-version {}: unknown baseline '{}' (warm, cold, direct or none)", list, item)));
+                                   "--baselines {}: unknown baseline '{}' (warm, cold, direct or none)", list, item)));
       }
       at = end + 1;
     }
@@ -252,17 +252,17 @@ int RunCompare(const StepOptions& o) {
   std::vector<MomentStore> extras;
   if (Status s = SetUpMomentStores(cmp, &extras); !s.ok()) return FailWith(kTool, s);
 
-  std::unique_ptr<FirstVersionBaseline> fvb;
-  if (fv_warm || fv_cold) {
-    auto f = SetUpFirstVersion(cmp);
+  std::unique_ptr<MilesStreamingBaseline> miles;
+  if (run_warm || run_cold) {
+    auto f = SetUpMilesStreaming(cmp);
     if (!f.ok()) return FailWith(kTool, f.status());
-    fvb = std::move(*f);
+    miles = std::move(*f);
   }
-  std::unique_ptr<SyncDirectEngine> fv;
-  if (fv_direct) {
+  std::unique_ptr<SyncDirectEngine> direct;
+  if (run_direct) {
     auto f = SyncDirectEngine::Create(dir + "/sync_direct", params, c->chunk, mm->get(), w0);
     if (!f.ok()) return FailWith(kTool, f.status().WithContext("synchronous O_DIRECT engine setup"));
-    fv = std::move(*f);
+    direct = std::move(*f);
   }
   bool use_fio = !o.no_fio && FioAvailable();
   if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
@@ -317,21 +317,21 @@ int RunCompare(const StepOptions& o) {
     const memmgr::MemoryStats ms1 = (*mm)->stats();
     res.step_io.push_back({ms1.nvme_read_bytes - ms0.nvme_read_bytes, ms1.cache_hit_bytes - ms0.cache_hit_bytes});
     res.step_written.push_back(ms1.nvme_write_bytes - ms0.nvme_write_bytes);
-    if (fvb && fv_warm) {
-      if (Status s = StepFirstVersionWarm(cmp, *fvb, &res); !s.ok()) return FailWith(kTool, s);
+    if (miles && run_warm) {
+      if (Status s = StepMilesStreamingWarm(cmp, *miles, &res); !s.ok()) return FailWith(kTool, s);
     }
-    if (fvb && fv_cold) {
-      if (Status s = StepFirstVersionCold(cmp, *fvb, &res); !s.ok()) return FailWith(kTool, s);
+    if (miles && run_cold) {
+      if (Status s = StepMilesStreamingCold(cmp, *miles, &res); !s.ok()) return FailWith(kTool, s);
     }
     for (size_t i : extras_after) {
       if (Status s = StepMomentStore(cmp, extras[i], r, false); !s.ok()) return FailWith(kTool, s);
     }
-    if (fv) {
+    if (direct) {
       t0 = NowSeconds();
-      if (Status s = fv->Step(grad_ptrs, r + 1, cuda); !s.ok()) {
+      if (Status s = direct->Step(grad_ptrs, r + 1, cuda); !s.ok()) {
         return FailWith(kTool, s.WithContext("synchronous O_DIRECT engine"));
       }
-      res.t_fv.push_back(NowSeconds() - t0);
+      res.t_direct.push_back(NowSeconds() - t0);
     }
     if (o.prefetch_compute_s > 0) {
       if (Status s = SimulateLoopRound(cmp, &res); !s.ok()) {
@@ -351,7 +351,7 @@ int RunCompare(const StepOptions& o) {
     res.t_durable = NowSeconds() - t0;
   }
   if (Status s = MeasureCopies(mm->get(), &res.h2d, &res.d2h); !s.ok()) Note("copy bandwidth: " + s.ToString());
-  return ReportComparison(cmp, extras, fvb.get(), res);
+  return ReportComparison(cmp, extras, miles.get(), res);
 }
 
 }  // namespace optstate::tools::bench::step

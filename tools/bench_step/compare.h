@@ -1,7 +1,7 @@
 // optstate-bench step's comparison mode, the state its phases share.
 // RunCompare (compare.cc) sets up ours and runs the interleaved rounds; each
 // round times the I/O floor (floors.cc), ours, miles' NVMe streaming
-// (first_version.cc), the stores with narrower moments (moment_stores.cc), the
+// (miles_streaming.cc), the stores with narrower moments (moment_stores.cc), the
 // synchronous O_DIRECT engine (sync_direct_engine.h) and the training-loop
 // simulation (loop.cc); report.cc prints the table or the JSON.
 #pragma once
@@ -15,7 +15,7 @@
 
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
-#include "tools/bench_first_version.h"
+#include "tools/bench_miles_streaming.h"
 #include "tools/bench_step/step.h"
 #include "tools/internal/process.h"
 #include "vfs/store.h"
@@ -41,7 +41,7 @@ struct Comparison {
   // Same initial weights and gradients for every method.
   const std::vector<float>& w0;
   const std::vector<void*>& grad_ptrs;
-  const std::vector<const void*>& grad_cptrs;  // the same, for FirstVersionBaseline
+  const std::vector<const void*>& grad_cptrs;  // the same, for MilesStreamingBaseline
   // The model's bf16 parameters, which every method updates.
   const std::vector<void*>& model_param_ptrs;
   const std::vector<memmgr::ParamGrad>& pg;  // ours' Step() argument
@@ -66,7 +66,7 @@ struct MomentStore {
 
 // What the rounds measured: per round, seconds of each method's step.
 struct CompareResults {
-  std::vector<double> t_floor, t_ours, t_fv, t_warm, t_cold;
+  std::vector<double> t_floor, t_ours, t_direct, t_warm, t_cold;
   std::vector<double> t_ours_returned;  // until Step returned (its commit may still run)
   // The share of miles' streaming's files in the page cache before each
   // warm step and after each eviction; the eviction's fdatasync time.
@@ -105,18 +105,18 @@ Status SetUpMomentStores(const Comparison& cmp, std::vector<MomentStore>* extras
 // One timed step of x, until its commit is durable, in round r.
 Status StepMomentStore(const Comparison& cmp, MomentStore& x, uint32_t r, bool before_ours);
 
-// first_version.cc: miles' NVMe streaming on its own files, after its
+// miles_streaming.cc: miles' NVMe streaming on its own files, after its
 // untimed first step; its timed step with its state in the page cache (warm)
 // and evicted first (cold).
-Result<std::unique_ptr<FirstVersionBaseline>> SetUpFirstVersion(const Comparison& cmp);
-Status StepFirstVersionWarm(const Comparison& cmp, FirstVersionBaseline& fvb, CompareResults* res);
-Status StepFirstVersionCold(const Comparison& cmp, FirstVersionBaseline& fvb, CompareResults* res);
+Result<std::unique_ptr<MilesStreamingBaseline>> SetUpMilesStreaming(const Comparison& cmp);
+Status StepMilesStreamingWarm(const Comparison& cmp, MilesStreamingBaseline& miles, CompareResults* res);
+Status StepMilesStreamingCold(const Comparison& cmp, MilesStreamingBaseline& miles, CompareResults* res);
 
 // loop.cc: one round of the training-loop simulation (--prefetch).
 Status SimulateLoopRound(const Comparison& cmp, CompareResults* res);
 
 // report.cc: the comparison's table (or JSON with --json); returns the exit code.
-int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extras, const FirstVersionBaseline* fvb,
+int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extras, const MilesStreamingBaseline* miles,
                      const CompareResults& res);
 
 }  // namespace optstate::tools::bench::step

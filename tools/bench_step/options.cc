@@ -82,12 +82,12 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param for adamw, 8 for lion and sgd (default 1G)");
   sub->add_option("--rounds", o->rounds, "comparison mode: interleaved rounds (default 3)");
   sub->add_flag("--no-fio", o->no_fio, "skip the fio floor");
-  sub->add_flag("--no-first-version", o->no_first_version, "skip every baseline but the floor (--first-version none)");
-  sub->add_option("--first-version", o->first_version_text,
+  sub->add_flag("--no-baselines", o->no_baselines, "skip every baseline but the floor (--baselines none)");
+  sub->add_option("--baselines", o->baselines_text,
                   "baselines, comma-separated: warm (miles' NVMe streaming, state in the page cache), cold (its "
                   "files evicted before each step), direct (a synchronous O_DIRECT engine), none "
                   "(default warm,cold)");
-  sub->add_option("--first-version-moments", o->first_version_moments,
+  sub->add_option("--miles-moments", o->miles_moments,
                   "comparison mode: miles' streaming's moment dtype (its moment_dtype), f32 or bf16 (default "
                   "f32); with --bf16-moments the bf16 step is also compared with it")
       ->check(CLI::IsMember({"f32", "bf16"}));

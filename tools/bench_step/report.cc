@@ -16,7 +16,7 @@
 
 namespace optstate::tools::bench::step {
 
-int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extras, const FirstVersionBaseline* fvb,
+int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extras, const MilesStreamingBaseline* miles,
                      const CompareResults& res) {
   const StepOptions& o = cmp.o;
   const Common& c = cmp.c;
@@ -62,24 +62,24 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   // Baselines by key; "names" says what each is.
   out["seconds"] = {{"ours", res.t_ours},
                     {"fio_floor", res.t_floor},
-                    {"first_version_warm", res.t_warm},
-                    {"first_version_cold", res.t_cold},
-                    {"sync_direct_engine", res.t_fv},
+                    {"miles_warm", res.t_warm},
+                    {"miles_cold", res.t_cold},
+                    {"sync_direct_engine", res.t_direct},
                     {"ours_bf16_moments", t_bf16},
                     {"ours_q8_moments", t_q8}};
   out["names"] = {{"ours", "StreamedAdam step (ours), O_DIRECT, until its commit is durable"},
                   {"fio_floor", "I/O floor (fio read+write)"},
-                  {"first_version_warm", "miles' streaming, buffered, page cache warm"},
-                  {"first_version_cold", "miles' streaming, buffered, page cache cold"},
+                  {"miles_warm", "miles' streaming, buffered, page cache warm"},
+                  {"miles_cold", "miles' streaming, buffered, page cache cold"},
                   {"sync_direct_engine", "synchronous O_DIRECT engine"},
                   {"ours_bf16_moments", "StreamedAdam step (ours) on a store with bf16 moments (8 B/param)"},
                   {"ours_q8_moments", fmt::format("StreamedAdam step (ours) on a store with q8 moments ({:.2f} B/param)",
                                                   q8_bytes_per_param)}};
   if (!t_bf16.empty()) out["bf16_moments_over_f32"] = ratio(t_bf16, res.t_ours);
   if (!t_q8.empty()) out["q8_moments_over_f32"] = ratio(t_q8, res.t_ours);
-  out["first_version_moments"] = o.first_version_moments;
-  if (!t_bf16.empty() && o.first_version_moments == "bf16") {
-    out["bf16_moments_over_first_version"] = {{"warm", ratio(t_bf16, res.t_warm)}, {"cold", ratio(t_bf16, res.t_cold)}};
+  out["miles_moments"] = o.miles_moments;
+  if (!t_bf16.empty() && o.miles_moments == "bf16") {
+    out["bf16_moments_over_miles"] = {{"warm", ratio(t_bf16, res.t_warm)}, {"cold", ratio(t_bf16, res.t_cold)}};
   }
   out["bf16_moments_step_first_in"] =
       n_stores == 3 ? "rounds 2, 5, 8, ... (1-based); after ours in the others (see step_order)"
@@ -94,20 +94,20 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   out["staging_pages"] = pages;
   out["median_seconds"] = {{"ours", Median(res.t_ours)},
                            {"fio_floor", Median(res.t_floor)},
-                           {"first_version_warm", Median(res.t_warm)},
-                           {"first_version_cold", Median(res.t_cold)},
-                           {"sync_direct_engine", Median(res.t_fv)}};
+                           {"miles_warm", Median(res.t_warm)},
+                           {"miles_cold", Median(res.t_cold)},
+                           {"sync_direct_engine", Median(res.t_direct)}};
   out["ours_over_floor"] = ratio(res.t_ours, res.t_floor);
   // ours / each baseline: the median over rounds of the same-round ratios.
   out["ours_over"] = {{"fio_floor", ratio(res.t_ours, res.t_floor)},
-                      {"first_version_warm", ratio(res.t_ours, res.t_warm)},
-                      {"first_version_cold", ratio(res.t_ours, res.t_cold)},
-                      {"sync_direct_engine", ratio(res.t_ours, res.t_fv)}};
-  if (fvb) {
-    out["first_version"] = {{"buckets", fvb->buckets().size()},
-                            {"bucket_numel_limit", fvb->options().bucket_numel_limit},
-                            {"staging_bytes", fvb->options().staging_bytes},
-                            {"file_bytes", fvb->file_bytes()},
+                      {"miles_warm", ratio(res.t_ours, res.t_warm)},
+                      {"miles_cold", ratio(res.t_ours, res.t_cold)},
+                      {"sync_direct_engine", ratio(res.t_ours, res.t_direct)}};
+  if (miles) {
+    out["miles_streaming"] = {{"buckets", miles->buckets().size()},
+                            {"bucket_numel_limit", miles->options().bucket_numel_limit},
+                            {"staging_bytes", miles->options().staging_bytes},
+                            {"file_bytes", miles->file_bytes()},
                             {"warm_resident_fraction", res.warm_resident},
                             {"cold_resident_fraction_after_drop", res.cold_resident},
                             {"cold_writeback_seconds", res.cold_writeback}};
@@ -211,10 +211,10 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   };
   row("StreamedAdam step (ours)", res.t_ours, 1.0);
   row("I/O floor (fio read+write)", res.t_floor, ratio(res.t_ours, res.t_floor));
-  const std::string fv_moments = o.first_version_moments == "bf16" ? " (bf16 moments)" : "";
+  const std::string fv_moments = o.miles_moments == "bf16" ? " (bf16 moments)" : "";
   row("miles' streaming, buffered, page cache warm" + fv_moments, res.t_warm, ratio(res.t_ours, res.t_warm));
   row("miles' streaming, buffered, page cache cold" + fv_moments, res.t_cold, ratio(res.t_ours, res.t_cold));
-  row("synchronous O_DIRECT engine", res.t_fv, ratio(res.t_ours, res.t_fv));
+  row("synchronous O_DIRECT engine", res.t_direct, ratio(res.t_ours, res.t_direct));
   row("StreamedAdam step (ours), bf16 moments", t_bf16, ratio(res.t_ours, t_bf16));
   row("StreamedAdam step (ours), q8 moments", t_q8, ratio(res.t_ours, t_q8));
   std::cout << t.Render();
@@ -227,7 +227,7 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
         "before it{} [{}]\n",
         ratio(t_bf16, res.t_ours), parity_orders ? " (even rounds)" : "", order_ratios(*bf16, false),
         parity_orders ? " (odd rounds)" : "", order_ratios(*bf16, true));
-    if (o.first_version_moments == "bf16" && (!res.t_warm.empty() || !res.t_cold.empty())) {
+    if (o.miles_moments == "bf16" && (!res.t_warm.empty() || !res.t_cold.empty())) {
       std::cout << fmt::format("ours, bf16 moments / miles' streaming, bf16 moments (same rounds): warm {:.2f}x, cold "
                                "{:.2f}x\n",
                                ratio(t_bf16, res.t_warm), ratio(t_bf16, res.t_cold));
@@ -247,26 +247,32 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   };
   std::cout << fmt::format("per round (s): ours [{}]  floor [{}]  miles' streaming warm [{}]  cold [{}]{}{}{}\n",
                            list(res.t_ours), list(res.t_floor), list(res.t_warm), list(res.t_cold),
-                           res.t_fv.empty() ? "" : "  sync O_DIRECT engine [" + list(res.t_fv) + "]",
+                           res.t_direct.empty() ? "" : "  sync O_DIRECT engine [" + list(res.t_direct) + "]",
                            t_bf16.empty() ? "" : "  bf16 moments [" + list(t_bf16) + "]",
                            t_q8.empty() ? "" : "  q8 moments [" + list(t_q8) + "]");
-  if (fvb) {
+  if (miles) {
     std::cout << fmt::format(
         "miles' streaming: {} bucket(s) of <= {} elements, {} of files, {} staging buffer; page cache held {} of "
         "them before the warm steps, {} after each eviction (fdatasync of the previous step's writes: [{}] s, "
         "untimed)\n",
-        fvb->buckets().size(), fvb->options().bucket_numel_limit, FormatBytes(fvb->file_bytes()),
-        FormatBytes(fvb->options().staging_bytes),
+        miles->buckets().size(), miles->options().bucket_numel_limit, FormatBytes(miles->file_bytes()),
+        FormatBytes(miles->options().staging_bytes),
         res.warm_resident.empty() ? "-" : fmt::format("{:.0f}%", 100 * Median(res.warm_resident)),
         res.cold_resident.empty() ? "-" : fmt::format("{:.1f}%", 100 * Median(res.cold_resident)),
         list(res.cold_writeback));
   }
+  // Only the ratios to the baselines that ran.
+  std::string ratios;
+  if (!res.t_floor.empty()) ratios += fmt::format("ours / floor: {:.2f}x (target <= 1.10)", ratio(res.t_ours, res.t_floor));
+  for (const auto& [name, t] : {std::pair<const char*, const std::vector<double>*>{"miles' streaming warm", &res.t_warm},
+                                {"miles' streaming cold", &res.t_cold},
+                                {"sync O_DIRECT engine", &res.t_direct}}) {
+    if (!t->empty()) ratios += fmt::format("{}ours / {}: {:.2f}x", ratios.empty() ? "" : "   ", name, ratio(res.t_ours, *t));
+  }
   std::cout << fmt::format(
-      "\nours / floor: {:.2f}x (target <= 1.10)   ours / miles' streaming warm: {:.2f}x, cold: {:.2f}x\n"
-      "H2D {} D2H {} (1 GiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} "
-      "(budget {})\n",
-      ratio(res.t_ours, res.t_floor), ratio(res.t_ours, res.t_warm), ratio(res.t_ours, res.t_cold), FormatRate(res.h2d),
-      FormatRate(res.d2h), Median(res.t_ours) / copy_floor, FormatBytes(ms.peak_resident_bytes), FormatBytes(c.budget));
+      "\n{}{}H2D {} D2H {} (1 GiB, pinned); ours / copy floor: {:.2f}x\npeak device memory {} (budget {})\n", ratios,
+      ratios.empty() ? "" : "\n", FormatRate(res.h2d), FormatRate(res.d2h), Median(res.t_ours) / copy_floor,
+      FormatBytes(ms.peak_resident_bytes), FormatBytes(c.budget));
   if (o.commit_lag > 0) {
     std::cout << fmt::format("commit lag {}: Step() returned after {} (median), its commit done after {}\n",
                              o.commit_lag, FormatSeconds(Median(res.t_ours_returned)),

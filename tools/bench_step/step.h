@@ -32,8 +32,8 @@ struct StepOptions {
   uint32_t rounds = 3;
   bool no_fio = false;
   bool no_batch_submit = false;  // MemoryManagerOptions::batch_submit = false
-  bool no_first_version = false;
-  std::string first_version_text = "warm,cold";  // baselines: warm, cold, direct
+  bool no_baselines = false;
+  std::string baselines_text = "warm,cold";  // baselines: warm, cold, direct
   // both
   std::string chunk_text = "8M";
   std::string budget_text = "256M";
@@ -53,7 +53,7 @@ struct StepOptions {
   bool moments_given = false;   // --moments was on the command line (comparison mode refuses it)
   bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved
   bool compare_q8 = false;      // comparison mode: also a store with q8 moments, interleaved
-  std::string first_version_moments = "f32";  // miles' streaming's moment_dtype: f32 or bf16
+  std::string miles_moments = "f32";  // miles' streaming's moment_dtype: f32 or bf16
   int cpu_threads = 1;
   uint32_t hash_threads = memmgr::MemoryManagerOptions::kAutoHashThreads;
   std::string sync_every_text = "512M";
@@ -71,7 +71,7 @@ struct Common {
 };
 
 Result<Common> ParseCommon(const StepOptions& o);
-// The MomentDType of --moments or --first-version-moments; kInvalidArgument
+// The MomentDType of --moments or --miles-moments; kInvalidArgument
 // naming the flag and the names it takes otherwise (never a default instead).
 Result<MomentDType> MomentsNamed(const char* flag, const std::string& name);
 // The MemoryManagerOptions of every store the command steps (ours and the

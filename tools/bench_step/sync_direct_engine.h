@@ -1,5 +1,5 @@
 // A synchronous O_DIRECT engine, optstate-bench step's "direct" baseline
-// (--first-version direct): what the disk gives a naive engine that is durable
+// (--baselines direct): what the disk gives a naive engine that is durable
 // like ours, with no pipelining.
 //
 // One private file per parameter field; per parameter, chunk by chunk,

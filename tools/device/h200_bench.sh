@@ -39,21 +39,21 @@ STEP=(step --dir "$W" --state 8G --budget 2G --backend cuda)
 case $PART in
   step)
     run io 150 optstate-bench io --dir "$W" --size 2G --chunk-sizes 8M --rounds 3
-    run step 300 optstate-bench "${STEP[@]}" --rounds 2 --host-cache-bytes 0 --first-version cold
+    run step 300 optstate-bench "${STEP[@]}" --rounds 2 --host-cache-bytes 0 --baselines cold
     ;;
   loop)
-    run loop 500 optstate-bench "${STEP[@]}" --rounds 3 --host-cache-bytes 10G --first-version warm --no-fio \
+    run loop 500 optstate-bench "${STEP[@]}" --rounds 3 --host-cache-bytes 10G --baselines warm --no-fio \
         --prefetch 5
     ;;
   moments)
-    run moments 300 optstate-bench "${STEP[@]}" --rounds 3 --host-cache-bytes 0 --first-version none \
+    run moments 300 optstate-bench "${STEP[@]}" --rounds 3 --host-cache-bytes 0 --baselines none \
         --bf16-moments --q8-moments
-    run bf16_first_version 200 optstate-bench "${STEP[@]}" --rounds 2 --host-cache-bytes 0 --no-fio \
-        --first-version warm,cold --first-version-moments bf16 --bf16-moments
+    run bf16_miles 200 optstate-bench "${STEP[@]}" --rounds 2 --host-cache-bytes 0 --no-fio \
+        --baselines warm,cold --miles-moments bf16 --bf16-moments
     ;;
   moments_loop)
-    run bf16_first_version_loop 500 optstate-bench "${STEP[@]}" --rounds 2 --host-cache-bytes 10G --no-fio \
-        --prefetch 5 --first-version warm,cold --first-version-moments bf16 --bf16-moments
+    run bf16_miles_loop 500 optstate-bench "${STEP[@]}" --rounds 2 --host-cache-bytes 10G --no-fio \
+        --prefetch 5 --baselines warm,cold --miles-moments bf16 --bf16-moments
     ;;
   quality)
     OPTSTATE_LIB=$C/lib/liboptstate.so.1 PYTHONPATH=$REPO/python \
@@ -71,7 +71,7 @@ case $PART in
     ;;
   rest)
     run step_cache 100 optstate-bench step --dir "$W" --state 6G --hidden 4096 --budget 2G --backend cuda \
-        --host-cache-bytes 8G --durable-every 100 --rounds 5 --no-fio --no-first-version
+        --host-cache-bytes 8G --durable-every 100 --rounds 5 --no-fio --no-baselines
     run sleep 60 optstate-bench sleep --dir "$W" --budget 2G --backend cuda --rounds 5
     run mount 130 optstate-bench mount --dir "$W" --state 3G --rounds 3
     run mount_mix 70 optstate-bench mount --dir "$W" --hidden 1024 --state 1G --rounds 3

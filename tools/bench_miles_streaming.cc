@@ -1,4 +1,4 @@
-#include "tools/bench_first_version.h"
+#include "tools/bench_miles_streaming.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -57,9 +57,9 @@ Status RwFull(bool write, int fd, uint64_t offset, void* buf, uint64_t len, cons
 
 }  // namespace
 
-Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
+Result<std::unique_ptr<MilesStreamingBaseline>> MilesStreamingBaseline::Create(
     const std::string& dir, const std::vector<std::pair<std::string, uint64_t>>& params,
-    memmgr::MemoryManager* mm, const float* h_w0, const FirstVersionOptions& options) {
+    memmgr::MemoryManager* mm, const float* h_w0, const MilesStreamingOptions& options) {
   if (options.bucket_numel_limit == 0 || options.staging_bytes < 4 || options.staging_bytes % 4 != 0) {
     return InvalidArgument(fmt::format("miles' streaming: bucket limit {} elements, staging {} bytes: both must be > 0, "
                                        "staging a multiple of 4",
@@ -68,10 +68,10 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
   if (options.moment_type != MomentDType::kF32 && options.moment_type != MomentDType::kBF16) {
     return InvalidArgument("miles' streaming: moments must be f32 or bf16");
   }
-  auto fv = std::unique_ptr<FirstVersionBaseline>(new FirstVersionBaseline);
-  fv->mm_ = mm;
-  fv->options_ = options;
-  fv->params_ = params;
+  auto ms = std::unique_ptr<MilesStreamingBaseline>(new MilesStreamingBaseline);
+  ms->mm_ = mm;
+  ms->options_ = options;
+  ms->params_ = params;
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoStatus(fmt::format("mkdir {}", dir), errno);
 
   // plan_buckets, over one DDP bucket (Megatron without overlap_grad_reduce
@@ -98,7 +98,7 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
     for (int s = 0; s < 3; ++s) {
       for (size_t p : b.params) {
         b.offsets[s].push_back(at);
-        at += Align(params[p].second * fv->SegmentElemBytes(s));
+        at += Align(params[p].second * ms->SegmentElemBytes(s));
       }
     }
     for (size_t p : b.params) {
@@ -108,50 +108,50 @@ Result<std::unique_ptr<FirstVersionBaseline>> FirstVersionBaseline::Create(
     b.nbytes = at;
     OPTSTATE_ASSIGN_OR_RETURN(b.fd, AllocateFile(b.path, b.nbytes));
     max_numel = std::max(max_numel, b.numel);
-    fv->buckets_.push_back(std::move(b));
+    ms->buckets_.push_back(std::move(b));
   }
-  OPTSTATE_ASSIGN_OR_RETURN(fv->h_staging_, mm->AllocPinnedHost(options.staging_bytes));
+  OPTSTATE_ASSIGN_OR_RETURN(ms->h_staging_, mm->AllocPinnedHost(options.staging_bytes));
   for (int s = 0; s < 3; ++s) {
-    OPTSTATE_ASSIGN_OR_RETURN(fv->d_state_[s], DeviceBuffer::Make(mm, max_numel * fv->SegmentElemBytes(s)));
+    OPTSTATE_ASSIGN_OR_RETURN(ms->d_state_[s], DeviceBuffer::Make(mm, max_numel * ms->SegmentElemBytes(s)));
   }
 
   // refresh_main_from_model_params: each main from the model, flushed
   // (main only), then sync_and_drop_main_cache.
-  for (const Bucket& b : fv->buckets_) {
+  for (const Bucket& b : ms->buckets_) {
     for (size_t k = 0; k < b.params.size(); ++k) {
       const uint64_t n = params[b.params[k]].second;
-      char* d_main = static_cast<char*>(fv->d_state_[0].get()) + b.device_elems[k] * 4;
+      char* d_main = static_cast<char*>(ms->d_state_[0].get()) + b.device_elems[k] * 4;
       OPTSTATE_RETURN_IF_ERROR(mm->CopyToDevice(d_main, h_w0, n * 4));
-      OPTSTATE_RETURN_IF_ERROR(fv->Transfer(b, 0, k, /*to_disk=*/true));
+      OPTSTATE_RETURN_IF_ERROR(ms->Transfer(b, 0, k, /*to_disk=*/true));
     }
     const uint64_t main_bytes = b.offsets[1].empty() ? 0 : b.offsets[1][0];
     if (::fdatasync(b.fd) != 0) return ErrnoStatus(fmt::format("fdatasync {}", b.path), errno);
     (void)::posix_fadvise(b.fd, 0, static_cast<off_t>(main_bytes), POSIX_FADV_DONTNEED);
   }
-  return fv;
+  return ms;
 }
 
-FirstVersionBaseline::~FirstVersionBaseline() {
+MilesStreamingBaseline::~MilesStreamingBaseline() {
   for (Bucket& b : buckets_) {
     if (b.fd >= 0) ::close(b.fd);
   }
   if (h_staging_ != nullptr) mm_->FreePinnedHost(h_staging_, options_.staging_bytes);
 }
 
-uint64_t FirstVersionBaseline::file_bytes() const {
+uint64_t MilesStreamingBaseline::file_bytes() const {
   uint64_t n = 0;
   for (const Bucket& b : buckets_) n += b.nbytes;
   return n;
 }
 
-uint64_t FirstVersionBaseline::SegmentElemBytes(int segment) const {
+uint64_t MilesStreamingBaseline::SegmentElemBytes(int segment) const {
   return segment == 0 || options_.moment_type == MomentDType::kF32 ? 4 : 2;
 }
 
 // _Stager.transfer (the device holds the disk's dtype: see the header):
 // staging-buffer-sized chunks, each read then copied to the device, or
 // copied to the host then written, before the next.
-Status FirstVersionBaseline::Transfer(const Bucket& b, int segment, size_t k, bool to_disk) {
+Status MilesStreamingBaseline::Transfer(const Bucket& b, int segment, size_t k, bool to_disk) {
   const uint64_t numel = params_[b.params[k]].second;
   const uint64_t es = SegmentElemBytes(segment);
   const uint64_t chunk = options_.staging_bytes / es;
@@ -172,7 +172,7 @@ Status FirstVersionBaseline::Transfer(const Bucket& b, int segment, size_t k, bo
 
 // NVMeOptimizerStateStore.step: per bucket fetch, Adam, copy to the model
 // params, flush; nothing synced.
-Status FirstVersionBaseline::Step(const std::vector<const void*>& d_grads, const std::vector<void*>& d_params) {
+Status MilesStreamingBaseline::Step(const std::vector<const void*>& d_grads, const std::vector<void*>& d_params) {
   if (d_grads.size() != params_.size() || (!d_params.empty() && d_params.size() != params_.size())) {
     return InvalidArgument(fmt::format("miles' streaming: {} gradients and {} param copies for {} params",
                                        d_grads.size(), d_params.size(), params_.size()));
@@ -230,7 +230,7 @@ Status FirstVersionBaseline::Step(const std::vector<const void*>& d_grads, const
   return Status::Ok();
 }
 
-Status FirstVersionBaseline::DropPageCache(double* sync_seconds) {
+Status MilesStreamingBaseline::DropPageCache(double* sync_seconds) {
   double t = 0;
   for (const Bucket& b : buckets_) {
     const double t0 = NowSeconds();
@@ -243,7 +243,7 @@ Status FirstVersionBaseline::DropPageCache(double* sync_seconds) {
   return Status::Ok();
 }
 
-Result<uint64_t> FirstVersionBaseline::ResidentBytes() const {
+Result<uint64_t> MilesStreamingBaseline::ResidentBytes() const {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   uint64_t resident = 0;
   std::vector<unsigned char> vec;

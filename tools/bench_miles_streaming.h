@@ -1,4 +1,4 @@
-// FirstVersionBaseline: the first in-trainer version of optimizer-state
+// MilesStreamingBaseline: the first in-trainer version of optimizer-state
 // streaming, as it runs, for optstate-bench step to measure against.
 //
 // The method is the one of radixark/miles
@@ -49,7 +49,7 @@
 
 namespace optstate::tools::bench {
 
-struct FirstVersionOptions {
+struct MilesStreamingOptions {
   // Elements per bucket: a bucket closes once it reaches this many
   // (BUCKET_NUMEL_LIMIT). Default 200,000,000.
   uint64_t bucket_numel_limit = 200'000'000;
@@ -66,7 +66,7 @@ struct FirstVersionOptions {
   MomentDType moment_type = MomentDType::kF32;
 };
 
-class FirstVersionBaseline {
+class MilesStreamingBaseline {
  public:
   // One bucket file: which parameters it holds and where each segment of each
   // parameter starts (bytes).
@@ -86,12 +86,12 @@ class FirstVersionBaseline {
   // from its first numel values), then syncs and evicts the mains
   // (refresh_main_from_model_params, sync_and_drop_main_cache). Device memory:
   // 12 bytes per element of the largest bucket; pinned host: staging_bytes.
-  static Result<std::unique_ptr<FirstVersionBaseline>> Create(
+  static Result<std::unique_ptr<MilesStreamingBaseline>> Create(
       const std::string& dir, const std::vector<std::pair<std::string, uint64_t>>& params,
-      memmgr::MemoryManager* mm, const float* h_w0, const FirstVersionOptions& options);
-  ~FirstVersionBaseline();
-  FirstVersionBaseline(const FirstVersionBaseline&) = delete;
-  FirstVersionBaseline& operator=(const FirstVersionBaseline&) = delete;
+      memmgr::MemoryManager* mm, const float* h_w0, const MilesStreamingOptions& options);
+  ~MilesStreamingBaseline();
+  MilesStreamingBaseline(const MilesStreamingBaseline&) = delete;
+  MilesStreamingBaseline& operator=(const MilesStreamingBaseline&) = delete;
 
   // One optimizer step over every bucket. d_grads[p]: param p's fp32
   // gradient (device). d_params[p]: its bf16 model copy to update (device),
@@ -107,16 +107,16 @@ class FirstVersionBaseline {
   uint64_t step_count() const { return step_count_; }
   uint64_t file_bytes() const;
   const std::vector<Bucket>& buckets() const { return buckets_; }
-  const FirstVersionOptions& options() const { return options_; }
+  const MilesStreamingOptions& options() const { return options_; }
 
  private:
-  FirstVersionBaseline() = default;
+  MilesStreamingBaseline() = default;
   Status Transfer(const Bucket& b, int segment, size_t k, bool to_disk);
   // Bytes per element of a segment (0 main, 1 exp_avg, 2 exp_avg_sq) on disk.
   uint64_t SegmentElemBytes(int segment) const;
 
   memmgr::MemoryManager* mm_ = nullptr;
-  FirstVersionOptions options_;
+  MilesStreamingOptions options_;
   std::vector<std::pair<std::string, uint64_t>> params_;
   std::vector<Bucket> buckets_;
   void* h_staging_ = nullptr;  // pinned, options_.staging_bytes

@@ -13,11 +13,11 @@ Methods, interleaved iteration by iteration:
                   store under --dir, --budget-mib device window,
                   --host-cache-mib host tier); opt.prefetch() is called before
                   the forward when the optimizer has it and --prefetch is given.
-  fv-warm         miles' streaming's step as it runs (radixark/miles
+  miles-warm         miles' streaming's step as it runs (radixark/miles
                   miles_plugins/optimizers/nvme_stream.py,
                   NVMeOptimizerStateStore.step), re-implemented below: its
                   state files stay in the page cache.
-  fv-cold         the same step after its files are fdatasynced and evicted
+  miles-cold         the same step after its files are fdatasynced and evicted
                   with POSIX_FADV_DONTNEED (both untimed): a state larger than
                   RAM, emulated without root.
 
@@ -26,7 +26,7 @@ and exits 0.
 
 Usage (GPU machine; from the repository root, after building liboptstate.so):
   OPTSTATE_LIB=build/default/capi/liboptstate.so PYTHONPATH=python \
-    python3 python/bench/first_version_loop.py --dir /root/osb --state-gib 8 --json loop.json
+    python3 python/bench/miles_loop.py --dir /root/osb --state-gib 8 --json loop.json
 """
 import argparse
 import json
@@ -86,7 +86,7 @@ def _rw_full(write, fd, offset, view):
         done += n
 
 
-class FirstVersion:
+class MilesStreaming:
     """Miles' streaming's optimizer step, as it runs, over fp32 mains of the
     given bf16 model params (a re-implementation of nvme_stream.py's method;
     the module itself needs Megatron):
@@ -262,7 +262,7 @@ def main():
     ap.add_argument("--iters", type=int, default=3, help="timed iterations per method and T (default 3)")
     ap.add_argument("--t-factors", default="0,0.5,1,2", help="T as multiples of the I/O floor (default 0,0.5,1,2)")
     ap.add_argument("--floor-s", type=float, default=None, help="the I/O floor in seconds (default: measured)")
-    ap.add_argument("--methods", default="ours,fv-warm,fv-cold", help="default ours,fv-warm,fv-cold")
+    ap.add_argument("--methods", default="ours,miles-warm,miles-cold", help="default ours,miles-warm,miles-cold")
     ap.add_argument("--prefetch", action="store_true", help="ours: call opt.prefetch() before the forward")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -270,18 +270,18 @@ def main():
     try:
         import torch
     except ImportError:
-        print("first_version_loop: skipped: torch is not installed")
+        print("miles_loop: skipped: torch is not installed")
         return 0
     if not torch.cuda.is_available():
-        print("first_version_loop: skipped: no CUDA device")
+        print("miles_loop: skipped: no CUDA device")
         return 0
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
-        if m not in ("ours", "fv-warm", "fv-cold"):
-            ap.error("--methods: unknown method %r (ours, fv-warm, fv-cold)" % m)
+        if m not in ("ours", "miles-warm", "miles-cold"):
+            ap.error("--methods: unknown method %r (ours, miles-warm, miles-cold)" % m)
     own_dir = args.dir is None
     root = tempfile.mkdtemp(prefix="optstate-loop-") if own_dir else args.dir
-    work = os.path.join(root, "first_version_loop")
+    work = os.path.join(root, "miles_loop")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     dev = torch.device("cuda")
@@ -315,7 +315,7 @@ def main():
     g = torch.Generator(device=dev).manual_seed(1)
     models, grads32, opts = {}, {}, {}
     for m in methods:
-        key = "fv" if m.startswith("fv") else m
+        key = "miles" if m.startswith("miles") else m
         if key in models:
             continue
         params = [torch.nn.Parameter((torch.rand(n, device=dev, generator=g) * 0.2 - 0.1).to(torch.bfloat16))
@@ -330,18 +330,18 @@ def main():
                                              host_cache_bytes=args.host_cache_mib << 20, **hyper)
         else:
             grads32[key] = [torch.rand(p.numel(), device=dev, generator=g) * 0.02 - 0.01 for p in params]
-            opts[key] = FirstVersion(params, os.path.join(work, "first_version"), **hyper)
+            opts[key] = MilesStreaming(params, os.path.join(work, "miles_streaming"), **hyper)
 
     def opt_step(m):
         if m == "ours":
             opts["ours"].step()
         else:
-            opts["fv"].step(grads32["fv"])
+            opts["miles"].step(grads32["miles"])
 
     # Untimed first steps: ours commits its registrations and writes the
     # moments; miles' streaming's first step reads only its mains.
     for key in opts:
-        opt_step("ours" if key == "ours" else "fv-warm")
+        opt_step("ours" if key == "ours" else "miles-warm")
     torch.cuda.synchronize()
 
     results = []
@@ -361,8 +361,8 @@ def main():
         writeback = []
         for _ in range(args.iters):
             for m in methods:
-                if m == "fv-cold":
-                    writeback.append(opts["fv"].drop_page_cache())
+                if m == "miles-cold":
+                    writeback.append(opts["miles"].drop_page_cache())
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 if m == "ours" and args.prefetch and hasattr(opts["ours"], "prefetch"):
@@ -390,7 +390,7 @@ def main():
     out = {"state_bytes": nparams * 12, "params": nparams, "tensors": len(mix), "floor_seconds": floor,
            "budget_bytes": args.budget_mib << 20, "host_cache_bytes": args.host_cache_mib << 20,
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results,
-           "first_version": {"buckets": len(opts["fv"].files) if "fv" in opts else 0,
+           "miles_streaming": {"buckets": len(opts["miles"].files) if "miles" in opts else 0,
                              "bucket_numel_limit": BUCKET_NUMEL_LIMIT, "staging_bytes": STAGING_BYTES}}
     if args.json:
         with open(args.json, "w") as fh:

@@ -1,4 +1,4 @@
-"""python/bench/first_version_loop.py's FirstVersion (miles' streaming's step
+"""python/bench/miles_loop.py's MilesStreaming (miles' streaming's step
 re-implemented for the training-loop benchmark) does the real work: on the CPU,
 after two steps its bucket files hold what torch.optim.AdamW computes, at the
 miles' streaming's layout, and the bf16 params carry the updated mains."""
@@ -10,35 +10,35 @@ import unittest
 import numpy as np
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "python", "bench", "first_version_loop.py")
-_spec = importlib.util.spec_from_file_location("first_version_loop", _PATH)
-fvl = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fvl)
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "python", "bench", "miles_loop.py")
+_spec = importlib.util.spec_from_file_location("miles_loop", _PATH)
+ml = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ml)
 
 
-class FirstVersionLoopTest(unittest.TestCase):
-    def test_two_steps_match_torch_adamw_at_the_first_versions_layout(self):
+class MilesLoopTest(unittest.TestCase):
+    def test_two_steps_match_torch_adamw_at_miles_layout(self):
         sizes = [1000, 70001, 3, 30000]
-        old = (fvl.BUCKET_NUMEL_LIMIT, fvl.STAGING_BYTES)
-        fvl.BUCKET_NUMEL_LIMIT, fvl.STAGING_BYTES = 71000, 64 << 10  # buckets {0, 1}, {2, 3}; chunked transfers
-        self.addCleanup(lambda: setattr(fvl, "BUCKET_NUMEL_LIMIT", old[0]) or setattr(fvl, "STAGING_BYTES", old[1]))
+        old = (ml.BUCKET_NUMEL_LIMIT, ml.STAGING_BYTES)
+        ml.BUCKET_NUMEL_LIMIT, ml.STAGING_BYTES = 71000, 64 << 10  # buckets {0, 1}, {2, 3}; chunked transfers
+        self.addCleanup(lambda: setattr(ml, "BUCKET_NUMEL_LIMIT", old[0]) or setattr(ml, "STAGING_BYTES", old[1]))
         g = torch.Generator().manual_seed(3)
         params = [(torch.rand(n, generator=g) * 0.2 - 0.1).to(torch.bfloat16) for n in sizes]
         hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
         ref = [p.float().clone().requires_grad_(True) for p in params]
         ropt = torch.optim.AdamW(ref, **hyper)
         with tempfile.TemporaryDirectory() as d:
-            fv = fvl.FirstVersion(params, os.path.join(d, "fv"), **hyper)
-            self.assertEqual(len(fv.files), 2)
+            port = ml.MilesStreaming(params, os.path.join(d, "port"), **hyper)
+            self.assertEqual(len(port.files), 2)
             for _ in range(2):
                 grads = [torch.rand(n, generator=g) * 0.02 - 0.01 for n in sizes]
-                fv.step(grads)
+                port.step(grads)
                 for r, gr in zip(ref, grads):
                     r.grad = gr.clone()
                 ropt.step()
             members = [[0, 1], [2, 3]]
             for b, idx in enumerate(members):
-                raw = np.fromfile(os.path.join(d, "fv", "bucket%05d.bin" % b), dtype=np.uint8)
+                raw = np.fromfile(os.path.join(d, "port", "bucket%05d.bin" % b), dtype=np.uint8)
                 at = 0
                 for seg in ("main", "exp_avg", "exp_avg_sq"):
                     for i in idx:
@@ -51,7 +51,7 @@ class FirstVersionLoopTest(unittest.TestCase):
                 self.assertEqual(at, raw.size, "bucket %d: posix_fallocate'd to the layout's size" % b)
             for p, r in zip(params, ref):
                 self.assertTrue(torch.equal(p, r.detach().to(torch.bfloat16)))
-            fv.close()
+            port.close()
 
 
 if __name__ == "__main__":
