@@ -81,6 +81,17 @@ optstate::Result<std::unique_ptr<memmgr::UpdateRule>> MakeRule(const std::string
   return memmgr::NewSgdRule(opts.moment_dtype, /*momentum_buffer=*/false);  // "sgd_plain"
 }
 
+// The Adam-shaped group calls (lr, betas, eps, weight_decay, adamw) mean
+// nothing for another rule's hyperparameters: kFailedPrecondition naming the
+// rule, its store and the by-name call to use instead.
+Status RequireAdamW(const optstate_adam_t* adam, const char* what, const char* instead) {
+  if (adam->rule_name == "AdamW") return Status::Ok();
+  return optstate::FailedPrecondition(std::string(what) + ": the optimizer on store " + adam->store->path() +
+                                      " runs the " + adam->rule_name +
+                                      " rule, whose hyperparameters are not AdamW's (lr, betas, eps, "
+                                      "weight_decay, adamw); use " + instead + " (by the rule's names)");
+}
+
 // names as a malloc'ed block of NUL-terminated strings, back to back.
 char* JoinNames(const std::vector<std::string>& names) {
   size_t bytes = 0;
@@ -152,6 +163,7 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<memmgr::UpdateRule> rule,
                               MakeRule(opts == nullptr ? "adamw" : opts->rule, ao));
     std::vector<std::string> fields;
+    const std::string rule_name = rule != nullptr ? std::string(rule->name()) : std::string("AdamW");
     if (rule != nullptr) {
       for (const memmgr::RuleField& f : rule->Fields()) fields.push_back(f.name);
     } else {
@@ -165,6 +177,7 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     if (!adam.ok()) return adam.status();
     auto h = std::make_unique<optstate_adam_t>();
     h->rep = std::move(*adam);
+    h->rule_name = rule_name;
     h->fields = std::move(fields);
     h->store = store->rep.get();
     h->store_handle = store;
@@ -207,7 +220,9 @@ void optstate_adam_destroy(optstate_adam_t* adam) {
 
 int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, double beta1, double beta2,
                             double eps, double weight_decay, int adamw, char** errptr) {
-  return Guard(errptr, "optstate_adam_set_group", [&] {
+  const char* what = "optstate_adam_set_group";
+  return Guard(errptr, what, [&]() -> Status {
+    OPTSTATE_RETURN_IF_ERROR(RequireAdamW(adam, what, "optstate_adam_set_group_hyper"));
     memmgr::ParamGroup g;
     g.id = group;
     g.lr = lr;
@@ -222,7 +237,9 @@ int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, do
 
 int optstate_adam_get_group(const optstate_adam_t* adam, uint32_t group, double* lr, double* beta1,
                             double* beta2, double* eps, double* weight_decay, int* adamw, char** errptr) {
-  return Guard(errptr, "optstate_adam_get_group", [&]() -> Status {
+  const char* what = "optstate_adam_get_group";
+  return Guard(errptr, what, [&]() -> Status {
+    OPTSTATE_RETURN_IF_ERROR(RequireAdamW(adam, what, "optstate_adam_get_group_hyper"));
     auto g = adam->rep->GetGroup(group);
     if (!g.ok()) return g.status();
     if (lr != nullptr) *lr = g->lr;

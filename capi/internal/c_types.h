@@ -88,7 +88,9 @@ struct optstate_adam_t {
   optstate_store_t* store_handle = nullptr;  // the handle it was created on (open_adams)
   optstate_mm_t* mm_handle = nullptr;        // the manager handle it was created with
   optstate::memmgr::MemoryManager* mm = nullptr;
-  // The update rule's fields, "main" first (optstate_adam_fields).
+  // The update rule's name ("AdamW", "Lion", "SGD") and fields, "main" first
+  // (optstate_adam_fields).
+  std::string rule_name;
   std::vector<std::string> fields;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
