@@ -111,6 +111,8 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
     // Names the store lacks take the rule's defaults.
     Hyperparams h = sa->rule_->Hyperparameters();
     for (const auto& [k, v] : g.hyper) h[k] = v;
+    OPTSTATE_RETURN_IF_ERROR(sa->rule_->CheckHyperparams(g.id, h).WithContext(
+        "StreamedAdam: store " + store->path() + " generation " + std::to_string(gen.generation)));
     sa->groups_[g.id] = std::move(h);
     sa->step_counts_[g.id] = g.step_count;
   }
