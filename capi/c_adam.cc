@@ -92,6 +92,23 @@ Status MakeRules(const optstate_adam_options_t* opts, const memmgr::StreamedAdam
   return Status::Ok();
 }
 
+// The Adam-shaped group calls (lr, betas, eps, weight_decay, adamw) mean
+// nothing for another rule's hyperparameters: kFailedPrecondition naming the
+// rule, its store and the by-name call to use instead.
+Status RequireAdamW(const optstate_adam_t* adam, const char* what, const char* instead) {
+  const auto& names = adam->rule_names;
+  if (std::find(names.begin(), names.end(), "adamw") != names.end()) return Status::Ok();
+  std::string rules;
+  for (const std::string& n : names) {  // as the rules name themselves in messages ("Lion")
+    auto rule = memmgr::NewRuleByName(n, optstate::MomentDType::kF32);
+    rules += (rules.empty() ? "" : " and ") + (rule.ok() ? std::string((*rule)->name()) : n);
+  }
+  return optstate::FailedPrecondition(std::string(what) + ": the optimizer on store " + adam->store->path() +
+                                      " runs the " + rules + (names.size() == 1 ? " rule, whose" : " rules, whose") +
+                                      " hyperparameters are not AdamW's (lr, betas, eps, "
+                                      "weight_decay, adamw); use " + instead + " (by the rule's names)");
+}
+
 // names as a malloc'ed block of NUL-terminated strings, back to back.
 char* JoinNames(const std::vector<std::string>& names) {
   size_t bytes = 0;
@@ -250,7 +267,9 @@ void optstate_adam_destroy(optstate_adam_t* adam) {
 
 int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, double beta1, double beta2,
                             double eps, double weight_decay, int adamw, char** errptr) {
-  return Guard(errptr, "optstate_adam_set_group", [&] {
+  const char* what = "optstate_adam_set_group";
+  return Guard(errptr, what, [&]() -> Status {
+    OPTSTATE_RETURN_IF_ERROR(RequireAdamW(adam, what, "optstate_adam_set_group_hyper"));
     memmgr::ParamGroup g;
     g.id = group;
     g.lr = lr;
@@ -265,7 +284,9 @@ int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, do
 
 int optstate_adam_get_group(const optstate_adam_t* adam, uint32_t group, double* lr, double* beta1,
                             double* beta2, double* eps, double* weight_decay, int* adamw, char** errptr) {
-  return Guard(errptr, "optstate_adam_get_group", [&]() -> Status {
+  const char* what = "optstate_adam_get_group";
+  return Guard(errptr, what, [&]() -> Status {
+    OPTSTATE_RETURN_IF_ERROR(RequireAdamW(adam, what, "optstate_adam_get_group_hyper"));
     auto g = adam->rep->GetGroup(group);
     if (!g.ok()) return g.status();
     if (lr != nullptr) *lr = g->lr;

@@ -136,6 +136,10 @@ struct MemoryManagerOptions {
   uint32_t hash_threads = kAutoHashThreads;
 };
 
+// The I/O and copy counters of a StreamedAdam step whose commit runs in the
+// background (StreamedAdamOptions::commit_lag_steps) are added when that
+// commit ends: read them after StreamedAdam::WaitForCommit (or Flush) to see
+// the step's bytes.
 struct MemoryStats {
   uint64_t resident_bytes = 0;        // device pages in use now (pins, cached, StreamedAdam slots)
   uint64_t peak_resident_bytes = 0;   // max of resident_bytes since Create

@@ -139,8 +139,16 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
   sa->global_step_ = gen.step;
   sa->last_generation_ = gen.generation;
   for (const vfs::GroupInfo& g : gen.groups) {
-    // Names the store lacks take the rules' defaults.
-    sa->PutGroup(g.id, Hyperparams(g.hyper.begin(), g.hyper.end()));
+    // Names the store lacks take the rules' defaults; each rule checks its
+    // view of the stored values (a hand-edited store fails here, named).
+    Hyperparams given(g.hyper.begin(), g.hyper.end());
+    for (const auto& r : sa->rules_) {
+      Hyperparams view = r->Hyperparameters();
+      for (const auto& [k, v] : given) view[k] = v;
+      OPTSTATE_RETURN_IF_ERROR(r->CheckHyperparams(g.id, view).WithContext(
+          "StreamedAdam: store " + store->path() + " generation " + std::to_string(gen.generation)));
+    }
+    sa->PutGroup(g.id, std::move(given));
     sa->step_counts_[g.id] = g.step_count;
   }
   for (const vfs::TensorInfo& t : store->ListTensors()) {

@@ -9,7 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -76,23 +78,43 @@ Status MakeStore(const std::string& path, uint64_t bytes, uint64_t hidden) {
   return store->CreateSnapshot("bench").status();
 }
 
-// Empties the kernel's page cache, where the mount keeps the files it serves
-// cached (state.safetensors, manifest.json: MountOptions::page_cache), so
-// that no timed read finds them there from an earlier one. False when it
-// cannot (not root).
-bool DropPageCache() {
-  ::sync();
-  std::ofstream f("/proc/sys/vm/drop_caches");
-  f << "1\n";
-  f.close();
-  return static_cast<bool>(f);
+// Evicts every file under each of `roots` from the page cache (fdatasync
+// where the file system takes it, then POSIX_FADV_DONTNEED): the mount's
+// files, which it serves through the page cache (state.safetensors,
+// manifest.json: MountOptions::page_cache), and the store behind it, so that
+// no timed read finds them there from an earlier one. Only these files: a
+// machine-wide drop (sync + /proc/sys/vm/drop_caches) would also evict, and
+// write back, the files of every other job and test on the machine. False
+// when a file could not be evicted.
+bool DropPageCache(const std::vector<std::string>& roots) {
+  bool ok = true;
+  for (const std::string& root : roots) {
+    std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(root, ec); !ec && it != fs::recursive_directory_iterator();
+         it.increment(ec)) {
+      std::error_code tec;
+      if (!it->is_regular_file(tec)) continue;
+      int fd = ::open(it->path().c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) {
+        ok = false;
+        continue;
+      }
+      (void)::fdatasync(fd);  // the read-only mount refuses it: its pages are clean
+      if (::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) ok = false;
+      ::close(fd);
+    }
+    if (ec) ok = false;
+  }
+  return ok;
 }
 
 // Seconds `cp -r src dst` takes (dst removed first; page cache dropped
 // unless `warm`).
-Result<double> TimedCopy(const std::string& src, const std::string& dst, bool warm = false) {
+// `store`: the store behind a mount source, whose files are evicted too.
+Result<double> TimedCopy(const std::string& src, const std::string& dst, const std::string& store,
+                         bool warm = false) {
   (void)RemoveTree(dst);
-  if (!warm) (void)DropPageCache();
+  if (!warm) (void)DropPageCache({src, store});
   double t0 = NowSeconds();
   auto c = RunCommand({"cp", "-r", src, dst});
   if (!c.ok() || c->exit_code != 0) {
@@ -104,8 +126,8 @@ Result<double> TimedCopy(const std::string& src, const std::string& dst, bool wa
 // Seconds to read every file under `src` once, front to back, in read(2)s of
 // its st_blksize (what cp asks for), into one buffer: the mount's read speed
 // without cp's writes.
-Result<double> TimedRead(const std::string& src, uint64_t want_bytes) {
-  (void)DropPageCache();
+Result<double> TimedRead(const std::string& src, const std::string& store, uint64_t want_bytes) {
+  (void)DropPageCache({src, store});
   double t0 = NowSeconds();
   uint64_t total = 0;
   std::vector<char> buf;
@@ -226,7 +248,8 @@ int RunMount(const MountOptions& o) {
   CopyCleanup copy_cleanup{fs::path(copy_dir).parent_path().string()};
   if (copy_dir == work + "/copy") copy_cleanup.d = copy_dir;
   const std::string copy2_dir = copy_dir + "2";
-  const bool cache_dropped = DropPageCache();
+  const std::string store_dir = work + "/root";
+  const bool cache_dropped = DropPageCache({src, store_dir});
   std::vector<double> t_fio, t_cp, t_mem, t_read, t_warm;
   DiskPhase d_fio, d_cp, d_read, d_warm;
   for (uint32_t r = 0; r < o.rounds; ++r) {
@@ -246,12 +269,12 @@ int RunMount(const MountOptions& o) {
     t_fio.push_back(f->jobs[0].runtime_seconds);
     d_fio.Add(before, ReadDiskCounters(work), f->jobs[0].runtime_seconds);
     before = ReadDiskCounters(work);
-    auto c = TimedCopy(src, copy_dir);
+    auto c = TimedCopy(src, copy_dir, store_dir);
     if (!c.ok()) return FailWith(kTool, c.status());
     t_cp.push_back(*c);
     d_cp.Add(before, ReadDiskCounters(work), *c);
     before = ReadDiskCounters(work);
-    auto rd = TimedRead(src, *bytes);
+    auto rd = TimedRead(src, store_dir, *bytes);
     if (!rd.ok()) return FailWith(kTool, rd.status());
     t_read.push_back(*rd);
     d_read.Add(before, ReadDiskCounters(work), *rd);
@@ -262,12 +285,12 @@ int RunMount(const MountOptions& o) {
       // adds to a copy; warm against tmpfs to tmpfs is the kernel's cost of
       // reading the mount's pages (docs/BENCHMARKS.md "What bounds `cp -r`").
       before = ReadDiskCounters(work);
-      auto w = TimedCopy(src, copy2_dir, /*warm=*/true);
+      auto w = TimedCopy(src, copy2_dir, store_dir, /*warm=*/true);
       if (!w.ok()) return FailWith(kTool, w.status());
       t_warm.push_back(*w);
       d_warm.Add(before, ReadDiskCounters(work), *w);
       (void)RemoveTree(copy2_dir);
-      auto m = TimedCopy(copy_dir, copy2_dir);
+      auto m = TimedCopy(copy_dir, copy2_dir, store_dir);
       if (!m.ok()) return FailWith(kTool, m.status());
       t_mem.push_back(*m);
       (void)RemoveTree(copy2_dir);
@@ -328,8 +351,8 @@ int RunMount(const MountOptions& o) {
                            "sequential O_DIRECT read (1 MiB, QD 32), {} interleaved rounds\n"
                            "copy written to {}\nmachine: {}\n{}\n",
                            FormatBytes(*bytes), o.rounds, copy_where, MachineLine(),
-                           cache_dropped ? "" : "(could not drop the page cache: the mount's cached files may "
-                                                "be read from memory after the first round)\n");
+                           cache_dropped ? "" : "(could not evict the mount's files from the page cache: they "
+                                                "may be read from memory after the first round)\n");
   Table t({"method", "median", "GB/s", "disk during it (all rounds)"}, {false, true, true, false});
   t.AddRow({"cp -r from the mount", FormatSeconds(Median(t_cp)), FormatRate(b / Median(t_cp)), d_cp.Describe()});
   t.AddRow({"fio sequential read", FormatSeconds(Median(t_fio)), FormatRate(b / Median(t_fio)), d_fio.Describe()});

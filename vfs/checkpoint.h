@@ -135,9 +135,10 @@ struct Manifest {
 // the 0/1 numbers that manifests written before held.
 bool IsFlagHyperparameter(std::string_view name);
 // Range check of a group's known hyperparameters (those present; unknown
-// names only need to be finite): lr >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1,
-// eps > 0, weight_decay >= 0, all finite; flags 0 or 1. InvalidArgument
-// naming the group, the name and the value.
+// names only need to be finite), by name whichever update rule wrote them:
+// lr >= 0, weight_decay >= 0, momentum >= 0, 0 <= beta1 < 1, 0 <= beta2 < 1,
+// eps > 0, all finite; flags 0 or 1; nesterov true only with momentum > 0
+// and dampening 0. InvalidArgument naming the group, the name and the value.
 Status ValidateHyperparameters(const GroupInfo& g);
 
 // Builds the manifest of a generation (reads chunk metadata only, no data).

@@ -34,6 +34,9 @@ bool IsFlagHyperparameter(std::string_view name) {
 }
 
 Status ValidateHyperparameters(const GroupInfo& g) {
+  // One meaning per name across the update rules (AdamW, Lion, SGD, ...), so
+  // the store checks every rule's groups without knowing which rule wrote
+  // them; the optimizer that opens the store checks its own rule's ranges.
   for (const auto& [k, v] : g.hyper) {
     auto bad = [&](std::string_view want) {
       return InvalidArgument(
@@ -42,13 +45,24 @@ Status ValidateHyperparameters(const GroupInfo& g) {
     if (!std::isfinite(v)) return bad("must be finite");
     if (IsFlagHyperparameter(k)) {
       if (v != 0.0 && v != 1.0) return bad("a flag: 0 or 1");
-    } else if (k == "lr" || k == "weight_decay") {
+    } else if (k == "lr" || k == "weight_decay" || k == "momentum") {
       if (!(v >= 0)) return bad("must be >= 0");
     } else if (k == "beta1" || k == "beta2") {
       if (!(v >= 0 && v < 1)) return bad("must be in [0, 1)");
     } else if (k == "eps") {
       if (!(v > 0)) return bad("must be > 0");
     }
+  }
+  // SGD's Nesterov momentum needs a momentum and no dampening (as torch.optim.SGD
+  // requires).
+  auto value = [&](const char* k) {
+    auto it = g.hyper.find(k);
+    return it == g.hyper.end() ? 0.0 : it->second;
+  };
+  if (value("nesterov") == 1.0 && (value("momentum") <= 0 || value("dampening") != 0)) {
+    return InvalidArgument(fmt::format(
+        "group {}: hyperparameter nesterov = true needs momentum > 0 and dampening 0 (momentum {}, dampening {})",
+        g.id, value("momentum"), value("dampening")));
   }
   return Status();
 }

@@ -182,8 +182,8 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
       g.hyper[k] = hv.get<double>();
     }
     if (Status hs = ValidateHyperparameters(g); !hs.ok()) {
-      return InvalidArgument(fmt::format("manifest {}: key '{}hyper': {}", p.source(), path,
-                                         hs.message()));
+      return InvalidArgument(fmt::format("manifest {} (store {}): key '{}hyper': {}", p.source(), m->store_name,
+                                         path, hs.message()));
     }
     if (!m->groups.empty() && m->groups.back().id > g.id) {
       return p.Err(path + "id", "groups are not sorted by id");

@@ -476,10 +476,12 @@ class StreamedAdam(_Handle):
             self._h = None
 
     def set_group(self, group, lr, beta1, beta2, eps, weight_decay, adamw=True):
+        """An AdamW group's hyperparameters (another rule's: FailedPrecondition, use set_group_hyper)."""
         call(lib.optstate_adam_set_group, self._live(), group, lr, beta1, beta2, eps, weight_decay,
              1 if adamw else 0)
 
     def get_group(self, group):
+        """An AdamW group's hyperparameters (another rule's: FailedPrecondition, use get_group_hyper)."""
         vals = [ctypes.c_double() for _ in range(5)]
         adamw = ctypes.c_int()
         call(lib.optstate_adam_get_group, self._live(), group, *[ctypes.byref(v) for v in vals],

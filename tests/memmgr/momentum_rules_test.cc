@@ -9,12 +9,15 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "kernels/adam.h"
 #include "kernels/momentum.h"
+#include "base/status.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/momentum_rules.h"
 #include "memmgr/streamed_adam.h"
@@ -229,6 +232,44 @@ TEST(MomentumRulesChecks, AnotherRulesStoreAndBadHyperparametersAreRefused) {
     Status s = plain->SetGroupHyperparams(0, {{"momentum", 0.5}});
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(s.message().find("momentum_buffer"), std::string::npos) << s.ToString();
+  }
+}
+
+// A store whose committed group holds a value its rule refuses (written by an
+// older version, or committed through the store alone): the optimizer that
+// opens it with that rule says so, naming the store, the generation, the
+// group and the value, instead of stepping with it.
+TEST(MomentumRulesChecks, StoredHyperparametersOutOfTheRulesRangeAreRefusedAtOpen) {
+  MEMMGR_REQUIRE_BACKEND();
+  struct Case {
+    std::function<std::unique_ptr<UpdateRule>()> rule;
+    std::map<std::string, double> hyper;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {[] { return NewSgdRule(MomentDType::kF32, true); }, {{"lr", 0.1}, {"momentum", -0.5}}, "momentum -0.5"},
+      {[] { return NewSgdRule(MomentDType::kF32, true); },
+       {{"lr", 0.1}, {"momentum", 0.9}, {"dampening", 0.5}, {"nesterov", 1.0}},
+       "Nesterov"},
+      {[] { return NewLionRule(MomentDType::kF32); }, {{"lr", 1e-4}, {"beta1", 1.5}}, "betas 1.5/"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.want);
+    StoreEnv env;
+    env.Open(/*create=*/true, 16 * kChunk);
+    vfs::CommitInfo info;
+    info.step = 1;
+    info.groups.push_back(vfs::GroupInfo{2, 1, c.hyper});
+    auto gen = env.store->Commit(info);
+    ASSERT_TRUE(gen.ok()) << gen.status().ToString();
+    auto sa = StreamedAdam::Create(env.store.get(), env.mm.get(), StreamedAdamOptions{}, c.rule());
+    ASSERT_FALSE(sa.ok()) << "opened with " << c.want;
+    const Status& st = sa.status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    for (const std::string& part :
+         {env.store->path(), "generation " + std::to_string(*gen), std::string("group 2"), c.want}) {
+      EXPECT_NE(st.message().find(part), std::string::npos) << "'" << part << "' missing from: " << st.ToString();
+    }
   }
 }
 

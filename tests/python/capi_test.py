@@ -642,6 +642,49 @@ class CapiTest(TempDirTest):
         self.assertIn("eps 1e-12,", msg)
         self.assertIn("weight_decay 0)", msg)
 
+    def test_adam_shaped_group_calls_refuse_other_rules(self):
+        """optstate_adam_get_group/set_group on a Lion or SGD optimizer: FailedPrecondition naming the
+        rule, the store and the by-name call (they used to return AdamW's defaults for names the rule
+        does not have); the outputs stay untouched, the group stays as set, and AdamW still answers."""
+        from optstate._lib import lib
+        for rule, name, hyper in (("lion", "Lion", {"lr": 3e-4, "beta1": 0.8, "beta2": 0.97}),
+                                  ("sgd", "SGD", {"lr": 0.05, "momentum": 0.7}),
+                                  ("sgd_plain", "SGD", {"lr": 0.05})):
+            with self.subTest(rule=rule):
+                store = optstate.Store(self.path(rule), **STORE_KW)
+                mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20)
+                adam = optstate.StreamedAdam(store, mm, rule=rule)
+                adam.set_group_hyper(0, hyper)
+                for call, instead in ((lambda: adam.get_group(0), "optstate_adam_get_group_hyper"),
+                                      (lambda: adam.set_group(0, 1e-3, 0.9, 0.999, 1e-8, 0.0),
+                                       "optstate_adam_set_group_hyper")):
+                    with self.assertRaises(optstate.FailedPrecondition) as cm:
+                        call()
+                    msg = str(cm.exception)
+                    self.assertIn(name + " rule", msg)
+                    self.assertIn(store.path, msg)
+                    self.assertIn(instead, msg)
+                # Through the C ABI: the code, and no output written.
+                vals = [ctypes.c_double(-7.0) for _ in range(5)]
+                flag = ctypes.c_int(-7)
+                err = ctypes.c_void_p()
+                code = lib.optstate_adam_get_group(adam._live(), 0, *[ctypes.byref(v) for v in vals],
+                                                   ctypes.byref(flag), ctypes.byref(err))
+                self.assertEqual(code, 4)  # OPTSTATE_FAILED_PRECONDITION
+                self.assertIn(b"optstate_adam_get_group_hyper", ctypes.string_at(err.value))
+                lib.optstate_free(err)
+                self.assertEqual([v.value for v in vals] + [flag.value], [-7.0] * 6)
+                got = adam.get_group_hyper(0)
+                for k, v in hyper.items():
+                    self.assertEqual(got[k], v)
+                adam.close()
+                mm.close()
+                store.close()
+        store, mm, adam = self.open("adamw")
+        adam.set_group(0, 2e-3, 0.8, 0.99, 1e-7, 0.05, adamw=False)
+        self.assertEqual(adam.get_group(0), dict(lr=2e-3, beta1=0.8, beta2=0.99, eps=1e-7, weight_decay=0.05,
+                                                 adamw=False))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -113,6 +113,32 @@ class HfTrainerTest(TempDirTest):
         self.assertEqual(max_diff(weights(model), ref), 0.0)
         self.close(t)
 
+    def test_install_wraps_only_public_api_and_resumes_the_last_checkpoint(self):
+        """install() adds its callback and wraps train(), the Trainer's public entry point; no private
+        Trainer method is replaced (a transformers release that renames one changes nothing), and
+        resume_from_checkpoint=True resumes the last checkpoint of a copied output directory on a fresh
+        store path, as the uninterrupted run."""
+        ref = self.reference()
+        t, model = self.trainer("optimizers", self.path("s"), self.path("out"))
+        t.train()
+        self.close(t)
+        shutil.copytree(self.path("out"), self.path("copy"))
+        for step in (15, 20):  # the copy's last checkpoint is checkpoint-10
+            shutil.rmtree(self.path("copy/checkpoint-%d" % step))
+        model = make_model()
+        opt = ot.AdamW(model.named_parameters(), store=self.path("fresh"), lr=LR, weight_decay=0.0, **OPT_KW)
+        t = Trainer(model=model, args=self.args(self.path("copy")), train_dataset=Data(), optimizers=(opt, None))
+        before = set(vars(t))
+        optstate.integrations.transformers.install(t)
+        optstate.integrations.transformers.install(t)  # twice: one callback, one wrapper
+        self.assertEqual(set(vars(t)) - before, {"train"})
+        self.assertEqual(sum(isinstance(cb, optstate.integrations.transformers.OptstateCallback)
+                             for cb in t.callback_handler.callbacks), 1)
+        t.train(resume_from_checkpoint=True)
+        self.assertEqual(max_diff(weights(model), ref), 0.0)
+        self.assertTrue(os.path.isfile(self.path("copy/checkpoint-20/optstate/fresh/manifest.json")))
+        self.close(t)
+
     def test_optimizers_argument(self):
         self.check_mode("optimizers")
 

@@ -4,12 +4,15 @@ decoupled weight decay), 25 steps each: two groups with their own hyperparameter
 that skip steps (torch keeps their state), a close and reopen of the store in the middle, opt.state[p] as
 the reference's. The references run in float64; ours keeps fp32 mains. Lion and SGD with bf16 moments
 are checked step by step against an fp64 update of the stored state."""
+import json
 import math
+import os
 import unittest
 
 import torch
 
 from common import OPT_KW, TempDirTest, optstate
+import optstate.checkpoint  # noqa: F401  (optstate.checkpoint.save/load)
 import optstate.torch as ot
 
 STEPS = 25
@@ -202,6 +205,52 @@ class LionTest(TempDirTest):
             self.assertTrue(torch.allclose(opt.state[p]["exp_avg"], 0.01 * p.grad, rtol=1e-6, atol=0))
         finally:
             opt.close()
+
+
+class CheckpointHyperparametersTest(TempDirTest):
+    """A checkpoint of a Lion or SGD store whose manifest holds a hyperparameter out of that name's range
+    (edited by hand; its own checksum and job removed, as in manifests written before they existed) is
+    refused by the load with optstate.InvalidArgument naming the manifest, the store, the group and the
+    name; the store keeps its state and the optimizer steps on."""
+
+    CASES = (
+        ("sgd", dict(momentum=0.9), {"momentum": -0.5}, "hyperparameter momentum = -0.5"),
+        ("sgd", dict(momentum=0.9), {"nesterov": True, "dampening": 0.25}, "nesterov = true needs momentum > 0"),
+        ("sgd", dict(momentum=0.9, nesterov=True), {"momentum": 0.0}, "nesterov = true needs momentum > 0"),
+        ("lion", dict(), {"beta2": 1.0}, "hyperparameter beta2 = 1"),
+        ("lion", dict(), {"weight_decay": -0.1}, "hyperparameter weight_decay = -0.1"),
+    )
+
+    def test_out_of_range_values_are_refused_by_name(self):
+        for i, (kind, kw, edit, want) in enumerate(self.CASES):
+            with self.subTest(kind=kind, edit=edit):
+                p = torch.nn.Parameter(torch.ones(16))
+                make = ot.SGD if kind == "sgd" else ot.Lion
+                name = "%s%d" % (kind, i)
+                opt = make([p], store=self.path(name), lr=0.5, **dict(OPT_KW, **kw))
+                try:
+                    p.grad = torch.full((16,), 0.25)
+                    opt.step()
+                    ckpt = self.path("ckpt%d" % i)
+                    optstate.checkpoint.save(opt, ckpt)
+                    path = os.path.join(ckpt, "manifest.json")
+                    with open(path) as f:
+                        m = json.load(f)
+                    m.pop("manifest_xxh3")
+                    m.pop("job", None)
+                    m["groups"][0]["hyper"].update(edit)
+                    with open(path, "w") as f:
+                        json.dump(m, f)
+                    before = p.detach().clone()
+                    with self.assertRaises(optstate.InvalidArgument) as cm:
+                        optstate.checkpoint.load(opt, ckpt, force=True)
+                    msg = str(cm.exception)
+                    for part in (path, "store " + name, "group 0", want):
+                        self.assertIn(part, msg)
+                    opt.step()  # the optimizer and its store are as they were
+                    self.assertFalse(torch.equal(p.detach(), before))
+                finally:
+                    opt.close()
 
 
 class Bf16MomentTest(TempDirTest):

@@ -112,6 +112,9 @@ TEST(CliTest, BenchMountFuseSmallRunReadsEveryByte) {
   EXPECT_NE(served.find(" reads ("), std::string::npos) << served;
   EXPECT_NE(served.find("chunks loaded"), std::string::npos) << served;
   EXPECT_NE(served.rfind("0 reads", 0), 0u) << served;  // it served something
+  // It evicted the mount's files and the store's from the page cache (only
+  // those: the rest of the machine's page cache is not its to drop).
+  EXPECT_EQ(j["page_cache_dropped"], true) << r.out;
 }
 
 }  // namespace

@@ -149,6 +149,11 @@ void ExpectRejected(const std::function<void(nlohmann::json&)>& edit, const std:
   EXPECT_NE(p.status().message().find("/ckpt/manifest.json"), std::string::npos)
       << p.status().message();
   EXPECT_NE(p.status().message().find(key_part), std::string::npos) << p.status().message();
+  if (key_part.find("hyperparameter ") != std::string::npos) {
+    // A value out of its range also names the store the checkpoint is of.
+    EXPECT_NE(p.status().message().find("(store " + j["store"]["name"].get<std::string>() + ")"), std::string::npos)
+        << p.status().message();
+  }
 }
 
 TEST(CheckpointManifest, StrictValidation) {
@@ -183,6 +188,19 @@ TEST(CheckpointManifest, StrictValidation) {
   ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["adamw"] = 0.5; }, "hyper.adamw");
   ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["adamw"] = "yes"; }, "hyper.adamw");
   ExpectRejected([](auto& j) { j["groups"][0]["hyper"]["eps"] = true; }, "hyper.eps");
+  // SGD's and Lion's names by the same rules (one meaning per name in every rule).
+  ExpectRejected([](auto& j) { j["groups"][1]["hyper"]["momentum"] = -0.5; },
+                 "group 1: hyperparameter momentum = -0.5");
+  ExpectRejected([](auto& j) { j["groups"][1]["hyper"]["nesterov"] = 0.5; }, "hyper.nesterov");
+  ExpectRejected(
+      [](auto& j) {
+        j["groups"][0]["hyper"] = {{"lr", 0.1}, {"momentum", 0.9}, {"dampening", 0.25}, {"nesterov", true}};
+      },
+      "group 0: hyperparameter nesterov = true needs momentum > 0 and dampening 0");
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"] = {{"lr", 0.1}, {"nesterov", true}}; },
+                 "hyperparameter nesterov = true needs momentum > 0");
+  ExpectRejected([](auto& j) { j["groups"][0]["hyper"] = {{"lr", 1e-4}, {"beta1", 0.9}, {"beta2", 1.0}}; },
+                 "hyperparameter beta2 = 1 is out of range");
   // A group that took more steps than the trainer.
   ExpectRejected([](auto& j) { j["groups"][0]["step_count"] = 43; }, "groups[0].step_count");
   // A tensor in a group the manifest does not have.

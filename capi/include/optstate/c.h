@@ -472,12 +472,16 @@ OPTSTATE_EXPORT int optstate_adam_create(optstate_store_t* store, optstate_mm_t*
 OPTSTATE_EXPORT void optstate_adam_destroy(optstate_adam_t* adam);
 
 /* Adds or updates a group's hyperparameters; they apply from the next step.
- * adamw nonzero: decoupled weight decay (AdamW); zero: L2 (Adam). */
+ * adamw nonzero: decoupled weight decay (AdamW); zero: L2 (Adam). On an
+ * optimizer of another rule (lion, sgd, sgd_plain) FAILED_PRECONDITION naming
+ * the rule: use optstate_adam_set_group_hyper. */
 OPTSTATE_EXPORT int optstate_adam_set_group(optstate_adam_t* adam, uint32_t group, double lr, double beta1,
                                             double beta2, double eps, double weight_decay, int adamw,
                                             char** errptr);
 /* The group's hyperparameters as the optimizer holds them (restored from the
- * store on resume). Any output pointer may be NULL. */
+ * store on resume). Any output pointer may be NULL. On an optimizer of
+ * another rule (lion, sgd, sgd_plain) FAILED_PRECONDITION naming the rule:
+ * its hyperparameters are read with optstate_adam_get_group_hyper. */
 OPTSTATE_EXPORT int optstate_adam_get_group(const optstate_adam_t* adam, uint32_t group, double* lr,
                                             double* beta1, double* beta2, double* eps, double* weight_decay,
                                             int* adamw, char** errptr);

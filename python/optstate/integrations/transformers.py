@@ -4,22 +4,26 @@
     optstate.integrations.transformers.install(trainer)
     trainer.train()                                       # checkpoint-N/ carry optstate/<store>/
     trainer.train(resume_from_checkpoint=".../checkpoint-10")   # any kept checkpoint, or a copy of it
+    trainer.train(resume_from_checkpoint=True)            # the last checkpoint in args.output_dir
 
 install() adds OptstateCallback (on_save: the state's files into <checkpoint>/optstate/, the
 snapshot held by the checkpoint, snapshots of checkpoints that save_total_limit deleted released) and
-makes the Trainer's optimizer load look in <checkpoint>/optstate/ when the store lacks the snapshot
-the checkpoint's optimizer.pt names (a copied checkpoint, a fresh store path). OptstateCallback alone
-(callbacks=[...]) does the saving and releasing; resuming a copied checkpoint then needs
-optstate.checkpoint.resume_from(<checkpoint>/optstate) before trainer.train(...)."""
+wraps trainer.train so that, while it resumes from a checkpoint, the optimizer's load_state_dict looks
+in <checkpoint>/optstate/ when the store lacks the snapshot the checkpoint's optimizer.pt names (a
+copied checkpoint, a fresh store path). Only the Trainer's public surface is used: TrainerCallback's
+on_save and train()'s resume_from_checkpoint argument, resolved as train() resolves it.
+OptstateCallback alone (callbacks=[...]) does the saving and releasing; resuming a copied checkpoint
+then needs optstate.checkpoint.resume_from(<checkpoint>/optstate) before trainer.train(...)."""
+import functools
 import os
 
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .. import checkpoint
 from . import STATE_DIR, optstate_optimizers
 
-__all__ = ["OptstateCallback", "install"]
+__all__ = ["OptstateCallback", "install", "resume_checkpoint"]
 
 
 class OptstateCallback(TrainerCallback):
@@ -38,21 +42,35 @@ class OptstateCallback(TrainerCallback):
             checkpoint.save_into(opt, os.path.join(ckpt, STATE_DIR), holder=ckpt)
 
 
+def resume_checkpoint(args, resume_from_checkpoint):
+    """The checkpoint directory Trainer.train(resume_from_checkpoint=...) resumes from: None for None or
+    False, the last checkpoint-N of args.output_dir for True (None when there is none: train() then
+    raises its own error), else the path given."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        out = args.output_dir
+        return get_last_checkpoint(out) if out and os.path.isdir(out) else None
+    return os.fspath(resume_from_checkpoint)
+
+
 def install(trainer):
-    """Adds OptstateCallback to trainer and arms optstate.checkpoint.resume_from(<checkpoint>/optstate)
-    around the Trainer's optimizer load on resume. Returns trainer."""
+    """Adds OptstateCallback to trainer and wraps trainer.train so that a resume arms
+    optstate.checkpoint.resume_from(<checkpoint>/optstate) for the optimizer's load. Returns trainer."""
     if not any(isinstance(cb, OptstateCallback) for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(OptstateCallback())
-    load = trainer._load_optimizer_and_scheduler
-    if getattr(load, "_optstate_armed", False):
+    train = trainer.train
+    if getattr(train, "_optstate_armed", False):
         return trainer
 
-    def load_optimizer_and_scheduler(ckpt, *args, **kwargs):
+    @functools.wraps(train)
+    def train_armed(resume_from_checkpoint=None, *args, **kwargs):
+        ckpt = resume_checkpoint(trainer.args, resume_from_checkpoint)
         if ckpt is None:
-            return load(ckpt, *args, **kwargs)
+            return train(resume_from_checkpoint, *args, **kwargs)
         with checkpoint.resume_from(os.path.join(ckpt, STATE_DIR)):
-            return load(ckpt, *args, **kwargs)
+            return train(resume_from_checkpoint, *args, **kwargs)
 
-    load_optimizer_and_scheduler._optstate_armed = True
-    trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
+    train_armed._optstate_armed = True
+    trainer.train = train_armed
     return trainer
