@@ -1,9 +1,9 @@
-// StreamedAdam: creation (restoring groups, step counts and params from the
+// StreamedEngine: creation (restoring groups, step counts and params from the
 // store's latest generation), groups and the gradient scale. The step is in
 // streamed_adam_step.cc, params in streamed_adam_params.cc, commits in
 // streamed_adam_commit.cc, Prefetch in streamed_adam_prefetch.cc; the chunk
 // pipeline in internal/step_pipeline.h.
-#include "memmgr/streamed_adam.h"
+#include "memmgr/internal/streamed_engine.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,14 +23,13 @@
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 
-namespace optstate::memmgr {
+namespace optstate::memmgr::internal {
 
-using internal::CheckGradScale;
 
-StreamedAdam::StreamedAdam(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
+StreamedEngine::StreamedEngine(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
     : store_(store), mm_(mm), mem_(internal::EngineMemoryOf(*mm)), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
 
-StreamedAdam::~StreamedAdam() {
+StreamedEngine::~StreamedEngine() {
   // FinishCommit logs a failure; the destructor then commits what is left.
   (void)FinishCommit();
   if (!pipeline_ && !in_step_ && (uncommitted_steps_ > 0 || registrations_pending_) && !poisoned_) {
@@ -58,22 +57,9 @@ StreamedAdam::~StreamedAdam() {
   }
 }
 
-Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
-                                                          const StreamedAdamOptions& opts) {
-  return Create(store, mm, opts, nullptr);
-}
-
-Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
-                                                          const StreamedAdamOptions& opts,
-                                                          std::unique_ptr<UpdateRule> rule) {
-  std::vector<std::unique_ptr<UpdateRule>> rules;
-  rules.push_back(std::move(rule));
-  return Create(store, mm, opts, std::move(rules));
-}
-
-Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, MemoryManager* mm,
-                                                          const StreamedAdamOptions& opts,
-                                                          std::vector<std::unique_ptr<UpdateRule>> rules) {
+Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store, MemoryManager* mm,
+                                                              const StreamedAdamOptions& opts,
+                                                              std::vector<std::unique_ptr<UpdateRule>> rules) {
   if (store == nullptr || mm == nullptr) return InvalidArgument("StreamedAdam::Create: store or manager is null");
   if (mm->store() != store) {
     return InvalidArgument("StreamedAdam::Create: the memory manager serves store " + mm->store()->path() +
@@ -128,10 +114,10 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
   if (!(opts.grad_scale > 0.0f) || !std::isfinite(opts.grad_scale)) {
     return InvalidArgument("StreamedAdam: grad_scale must be finite and > 0, got " + std::to_string(opts.grad_scale));
   }
-  auto sa = std::unique_ptr<StreamedAdam>(new StreamedAdam(store, mm, opts));
+  auto sa = std::unique_ptr<StreamedEngine>(new StreamedEngine(store, mm, opts));
   sa->rules_ = std::move(rules);
   sa->layouts_ = std::move(layouts);
-  StreamedAdam* self = sa.get();
+  StreamedEngine* self = sa.get();
   sa->committer_ = std::make_unique<internal::Committer>(store, sa->mem_, opts.background_sync_bytes,
                                                          [self] { return self->WriteDirtyCache(); });
   // Restore groups, step counts and params from the latest generation.
@@ -195,19 +181,19 @@ Result<std::unique_ptr<StreamedAdam>> StreamedAdam::Create(vfs::Store* store, Me
   return sa;
 }
 
-Status StreamedAdam::CheckUsable() const {
+Status StreamedEngine::CheckUsable() const {
   if (poisoned_) return poison_status_;
   return Status::Ok();
 }
 
-Status StreamedAdam::SetGroup(const ParamGroup& g) { return SetGroupHyperparams(g.id, GroupHyper(g)); }
+Status StreamedEngine::SetGroup(const ParamGroup& g) { return SetGroupHyperparams(g.id, GroupHyper(g)); }
 
-Result<ParamGroup> StreamedAdam::GetGroup(uint32_t id) const {
+Result<ParamGroup> StreamedEngine::GetGroup(uint32_t id) const {
   OPTSTATE_ASSIGN_OR_RETURN(Hyperparams h, GetGroupHyperparams(id));
   return GroupOf(id, h);
 }
 
-Status StreamedAdam::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
+Status StreamedEngine::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::SetGroup: a step is in progress");
   for (const auto& [k, v] : h) {
@@ -230,13 +216,13 @@ Status StreamedAdam::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
   return Status::Ok();
 }
 
-Result<Hyperparams> StreamedAdam::GetGroupHyperparams(uint32_t id) const {
+Result<Hyperparams> StreamedEngine::GetGroupHyperparams(uint32_t id) const {
   auto it = groups_.find(id);
   if (it == groups_.end()) return NotFound("StreamedAdam: no parameter group " + std::to_string(id));
   return GroupMap(it->second);
 }
 
-void StreamedAdam::PutGroup(uint32_t id, Hyperparams given) {
+void StreamedEngine::PutGroup(uint32_t id, Hyperparams given) {
   Group& g = groups_[id];
   g.per_rule.clear();
   for (const auto& r : rules_) {
@@ -247,7 +233,7 @@ void StreamedAdam::PutGroup(uint32_t id, Hyperparams given) {
   g.given = std::move(given);
 }
 
-Hyperparams StreamedAdam::GroupMap(const Group& g) const {
+Hyperparams StreamedEngine::GroupMap(const Group& g) const {
   // A default is kept only where every rule that knows the name agrees on
   // it, so that a reopened store gives each rule its own default again.
   Hyperparams out;
@@ -263,7 +249,7 @@ Hyperparams StreamedAdam::GroupMap(const Group& g) const {
   return out;
 }
 
-internal::SliceSize StreamedAdam::MaxSliceSize() const {
+internal::SliceSize StreamedEngine::MaxSliceSize() const {
   internal::SliceSize z{0, 0};
   for (const auto& l : layouts_) {
     z.chunks = std::max(z.chunks, l->slice_chunks());
@@ -272,7 +258,7 @@ internal::SliceSize StreamedAdam::MaxSliceSize() const {
   return z;
 }
 
-Status StreamedAdam::CheckUnitFits(const std::string& name, uint32_t rule, uint64_t numel,
+Status StreamedEngine::CheckUnitFits(const std::string& name, uint32_t rule, uint64_t numel,
                                    const std::vector<uint64_t>& shape) const {
   const UpdateRule& r = *rules_[rule];
   if (r.unit() != SliceUnit::kTensor) return Status::Ok();
@@ -293,13 +279,13 @@ Status StreamedAdam::CheckUnitFits(const std::string& name, uint32_t rule, uint6
   return Status::Ok();
 }
 
-std::string StreamedAdam::RuleNames() const {
+std::string StreamedEngine::RuleNames() const {
   std::string out;
   for (const auto& r : rules_) out += (out.empty() ? "" : ", ") + std::string(r->name());
   return out;
 }
 
-std::optional<uint32_t> StreamedAdam::RuleOfStored(const vfs::TensorInfo& t) const {
+std::optional<uint32_t> StreamedEngine::RuleOfStored(const vfs::TensorInfo& t) const {
   for (uint32_t r = 0; r < rules_.size(); ++r) {
     const auto& fields = rules_[r]->Fields();
     if (fields.size() != t.fields.size()) continue;
@@ -319,20 +305,20 @@ std::optional<uint32_t> StreamedAdam::RuleOfStored(const vfs::TensorInfo& t) con
   return std::nullopt;
 }
 
-bool StreamedAdam::HasParam(const std::string& name) const { return params_.count(name) != 0; }
+bool StreamedEngine::HasParam(const std::string& name) const { return params_.count(name) != 0; }
 
-std::vector<std::string> StreamedAdam::ParamNames() const {
+std::vector<std::string> StreamedEngine::ParamNames() const {
   std::vector<std::string> out;
   for (const auto& [n, p] : params_) out.push_back(n);
   return out;
 }
 
-uint64_t StreamedAdam::step_count(uint32_t group) const {
+uint64_t StreamedEngine::step_count(uint32_t group) const {
   auto it = step_counts_.find(group);
   return it == step_counts_.end() ? 0 : it->second;
 }
 
-Result<uint64_t> StreamedAdam::param_step_count(const std::string& name) const {
+Result<uint64_t> StreamedEngine::param_step_count(const std::string& name) const {
   auto it = params_.find(name);
   if (it == params_.end()) {
     return NotFound("StreamedAdam::param_step_count: store " + store_->path() + " has no param '" + name + "'" +
@@ -342,11 +328,11 @@ Result<uint64_t> StreamedAdam::param_step_count(const std::string& name) const {
   return c == tensor_counts_.end() ? 0 : c->second.now;
 }
 
-uint64_t StreamedAdam::last_generation() const { return last_generation_; }
+uint64_t StreamedEngine::last_generation() const { return last_generation_; }
 
-bool StreamedAdam::commit_in_flight() const { return committer_->running(); }
+bool StreamedEngine::commit_in_flight() const { return committer_->running(); }
 
-Status StreamedAdam::EnsureIo() {
+Status StreamedEngine::EnsureIo() {
   if (io_) return Status::Ok();
   internal::EngineMemory* impl = mem_;
   // One ring for the pipeline's reads and writes: room for both depth limits.
@@ -365,7 +351,7 @@ Status StreamedAdam::EnsureIo() {
   return Status::Ok();
 }
 
-Status StreamedAdam::FitStaging() {
+Status StreamedEngine::FitStaging() {
   internal::EngineMemory* impl = mem_;
   const uint64_t chunk = impl->page_bytes();
   internal::StateSlices s;
@@ -391,7 +377,7 @@ Status StreamedAdam::FitStaging() {
   return Status::Ok();
 }
 
-Status StreamedAdam::ResolveFields(Param* p) const {
+Status StreamedEngine::ResolveFields(Param* p) const {
   const UpdateRule& rule = *rules_[p->rule];
   for (uint32_t f = 0; f < rule.Fields().size(); ++f) {
     OPTSTATE_ASSIGN_OR_RETURN(p->fields[f], store_->FieldIndex(p->info, rule.Fields()[f].name));
@@ -399,12 +385,12 @@ Status StreamedAdam::ResolveFields(Param* p) const {
   return Status::Ok();
 }
 
-Hyperparams StreamedAdam::GroupHyper(const ParamGroup& g) {
+Hyperparams StreamedEngine::GroupHyper(const ParamGroup& g) {
   return {{"lr", g.lr},   {"beta1", g.beta1},       {"beta2", g.beta2},
           {"eps", g.eps}, {"weight_decay", g.weight_decay}, {"adamw", g.adamw ? 1.0 : 0.0}};
 }
 
-ParamGroup StreamedAdam::GroupOf(uint32_t id, const Hyperparams& h) {
+ParamGroup StreamedEngine::GroupOf(uint32_t id, const Hyperparams& h) {
   ParamGroup pg;
   pg.id = id;
   auto get = [&](const char* k, double def) {
@@ -420,7 +406,7 @@ ParamGroup StreamedAdam::GroupOf(uint32_t id, const Hyperparams& h) {
   return pg;
 }
 
-Status StreamedAdam::SetGradScale(float grad_scale) {
+Status StreamedEngine::SetGradScale(float grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::SetGradScale: a step is in progress (store " +
                                           store_->path() + ")");
@@ -429,4 +415,4 @@ Status StreamedAdam::SetGradScale(float grad_scale) {
   return Status::Ok();
 }
 
-}  // namespace optstate::memmgr
+}  // namespace optstate::memmgr::internal

@@ -1,7 +1,7 @@
 // StreamedAdam: commits: the commit info, deferred durability in the host
 // cache tier (MakeDurable), and the pipelined commit that runs on a thread
 // of the optimizer (StartBackgroundCommit, FinishCommit).
-#include "memmgr/streamed_adam.h"
+#include "memmgr/internal/streamed_engine.h"
 
 #include <algorithm>
 #include <map>
@@ -20,14 +20,10 @@
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 
-namespace optstate::memmgr {
+namespace optstate::memmgr::internal {
 
-using internal::ChunkKey;
-using internal::HostCache;
-using internal::NowS;
-using internal::WithNote;
 
-vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
+vfs::CommitInfo StreamedEngine::MakeCommitInfo(bool advance) const {
   vfs::CommitInfo ci;
   ci.step = advance ? global_step_ + 1 : global_step_;
   for (const auto& [id, g] : groups_) {
@@ -50,18 +46,18 @@ vfs::CommitInfo StreamedAdam::MakeCommitInfo(bool advance) const {
   return ci;
 }
 
-void StreamedAdam::AdvanceCounts() {
+void StreamedEngine::AdvanceCounts() {
   for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
   for (const std::string& n : stepped_) tensor_counts_[params_.at(n).info.id].now += 1;
 }
 
-bool StreamedAdam::CacheHoldsState() const {
+bool StreamedEngine::CacheHoldsState() const {
   const HostCache* c = mem_->cache();
   if (!c->enabled()) return false;
   return StateCacheBytes() <= c->capacity_bytes();
 }
 
-uint64_t StreamedAdam::StateCacheBytes() const {
+uint64_t StreamedEngine::StateCacheBytes() const {
   const uint64_t chunk = mem_->page_bytes();
   uint64_t need = 0;
   for (const auto& [name, p] : params_) {
@@ -75,7 +71,7 @@ uint64_t StreamedAdam::StateCacheBytes() const {
   return need;
 }
 
-void StreamedAdam::NoteCommitted(uint64_t gen) {
+void StreamedEngine::NoteCommitted(uint64_t gen) {
   last_generation_ = gen;
   mem_->cache()->MarkAllClean();
   uncommitted_steps_ = 0;
@@ -90,7 +86,7 @@ void StreamedAdam::NoteCommitted(uint64_t gen) {
   dropped_.clear();
 }
 
-std::string StreamedAdam::RevertUncommitted() {
+std::string StreamedEngine::RevertUncommitted() {
   if (uncommitted_steps_ == 0) return "";
   std::string msg = std::to_string(uncommitted_steps_) +
                     " step(s) held only in the host cache were lost; the optimizer is back at generation " +
@@ -105,7 +101,7 @@ std::string StreamedAdam::RevertUncommitted() {
   return msg;
 }
 
-Status StreamedAdam::WriteDirtyCache() {
+Status StreamedEngine::WriteDirtyCache() {
   HostCache* cache = mem_->cache();
   auto dirty = cache->DirtyUnwritten();
   if (dirty.empty()) return Status::Ok();
@@ -141,7 +137,7 @@ Status StreamedAdam::WriteDirtyCache() {
   return st;
 }
 
-Result<uint64_t> StreamedAdam::MakeDurable() {
+Result<uint64_t> StreamedEngine::MakeDurable() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::MakeDurable: a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
@@ -172,7 +168,7 @@ Result<uint64_t> StreamedAdam::MakeDurable() {
   return *gen;
 }
 
-void StreamedAdam::StartBackgroundCommit() {
+void StreamedEngine::StartBackgroundCommit() {
   internal::Committer::Work w;
   w.info = MakeCommitInfo(true);
   w.write_dirty_cache = step_cache_mode_;
@@ -184,7 +180,7 @@ void StreamedAdam::StartBackgroundCommit() {
   committer_->Start(std::move(w));
 }
 
-Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
+Status StreamedEngine::FinishCommit(double* wait_s, bool keep_staged) {
   if (wait_s != nullptr) *wait_s = 0;
   StopPrefetch();
   if (!keep_staged) DropStaged();
@@ -232,6 +228,6 @@ Status StreamedAdam::FinishCommit(double* wait_s, bool keep_staged) {
   return err;
 }
 
-Status StreamedAdam::WaitForCommit() { return FinishCommit(); }
+Status StreamedEngine::WaitForCommit() { return FinishCommit(); }
 
-}  // namespace optstate::memmgr
+}  // namespace optstate::memmgr::internal

@@ -1,7 +1,7 @@
 // StreamedAdam: the params of a run: registration (new or restored), their
 // initial weights, LoadMainFrom, retirement, and dropping registrations that
 // no generation committed.
-#include "memmgr/streamed_adam.h"
+#include "memmgr/internal/streamed_engine.h"
 
 #include <algorithm>
 #include <cstring>
@@ -19,15 +19,10 @@
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 
-namespace optstate::memmgr {
+namespace optstate::memmgr::internal {
 
-using internal::Device;
-using internal::DimsText;
-using internal::NameList;
-using internal::DTypeText;
-using internal::WithNote;
 
-std::vector<std::string> StreamedAdam::UnregisteredParams() const {
+std::vector<std::string> StreamedEngine::UnregisteredParams() const {
   std::vector<std::string> out;
   if (!any_registered_) return out;
   for (const auto& [n, p] : params_) {
@@ -36,7 +31,7 @@ std::vector<std::string> StreamedAdam::UnregisteredParams() const {
   return out;
 }
 
-Status StreamedAdam::RetireParam(const std::string& name) {
+Status StreamedEngine::RetireParam(const std::string& name) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::RetireParam '" + name + "': a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
@@ -57,7 +52,7 @@ Status StreamedAdam::RetireParam(const std::string& name) {
   return Status::Ok();
 }
 
-Status StreamedAdam::CheckModelComplete() const {
+Status StreamedEngine::CheckModelComplete() const {
   if (!any_registered_) return Status::Ok();
   std::vector<std::string> missing = UnregisteredParams();
   if (missing.empty()) return Status::Ok();
@@ -69,7 +64,7 @@ Status StreamedAdam::CheckModelComplete() const {
       "unchanged); nothing was stepped or committed");
 }
 
-Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel,
+Status StreamedEngine::CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel,
                                        uint32_t group, std::optional<DType> initial_type,
                                        const ShardInfo& shard, uint32_t rule) const {
   auto mismatch = [&](const std::string& field, const std::string& stored, const std::string& given) {
@@ -93,7 +88,7 @@ Status StreamedAdam::CheckSameGeometry(const vfs::TensorInfo& t, const std::stri
   return rules_[rule]->CheckStored(store_->path(), t);
 }
 
-std::string StreamedAdam::DropUncommittedRegistrations() {
+std::string StreamedEngine::DropUncommittedRegistrations() {
   std::vector<std::string> dropped, reloaded;
   std::map<std::string, uint64_t> numels;
   for (auto it = params_.begin(); it != params_.end();) {
@@ -131,18 +126,18 @@ std::string StreamedAdam::DropUncommittedRegistrations() {
   return msg;
 }
 
-Status StreamedAdam::AbortUncommitted(Status s) {
+Status StreamedEngine::AbortUncommitted(Status s) {
   Status a = store_->AbortPending();
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed write: {}", a.ToString());
   mem_->OnAbortPending();
   return WithNote(s, DropUncommittedRegistrations());
 }
 
-Status StreamedAdam::WriteMain(const Param& p, const void* d_src, DType type) {
+Status StreamedEngine::WriteMain(const Param& p, const void* d_src, DType type) {
   return WriteMains({MainSource{&p, d_src, type}});
 }
 
-Status StreamedAdam::WriteMains(const std::vector<MainSource>& srcs) {
+Status StreamedEngine::WriteMains(const std::vector<MainSource>& srcs) {
   if (srcs.empty()) return Status::Ok();
   internal::EngineMemory* impl = mem_;
   Device* dev = impl->device();
@@ -243,13 +238,13 @@ Status StreamedAdam::WriteMains(const std::vector<MainSource>& srcs) {
   return Status::Ok();
 }
 
-Status StreamedAdam::RegisterParam(const std::string& name, uint64_t numel, uint32_t group, const void* d_initial,
+Status StreamedEngine::RegisterParam(const std::string& name, uint64_t numel, uint32_t group, const void* d_initial,
                                    std::optional<DType> initial_type, const ShardInfo& shard, uint32_t rule) {
   ParamSpec spec{name, numel, group, d_initial, initial_type, shard, rule};
   return RegisterParams(std::span<const ParamSpec>(&spec, 1), nullptr);
 }
 
-Status StreamedAdam::CheckRegistration(const ParamSpec& r, bool* existing,
+Status StreamedEngine::CheckRegistration(const ParamSpec& r, bool* existing,
                                        std::optional<vfs::TensorInfo>* entry) const {
   const std::string& name = r.name;
   *existing = false;
@@ -306,7 +301,7 @@ Status StreamedAdam::CheckRegistration(const ParamSpec& r, bool* existing,
   return Status::Ok();
 }
 
-Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vector<bool>* existed) {
+Status StreamedEngine::RegisterParams(std::span<const ParamSpec> specs, std::vector<bool>* existed) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (existed != nullptr) existed->assign(specs.size(), false);
   if (specs.empty()) return Status::Ok();
@@ -394,7 +389,7 @@ Status StreamedAdam::RegisterParams(std::span<const ParamSpec> specs, std::vecto
   return Status::Ok();
 }
 
-Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights, DType type) {
+Status StreamedEngine::LoadMainFrom(const std::string& name, const void* d_weights, DType type) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::LoadMainFrom " + name + ": a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
@@ -419,4 +414,4 @@ Status StreamedAdam::LoadMainFrom(const std::string& name, const void* d_weights
   return Status::Ok();
 }
 
-}  // namespace optstate::memmgr
+}  // namespace optstate::memmgr::internal

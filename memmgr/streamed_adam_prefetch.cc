@@ -1,6 +1,6 @@
 // StreamedAdam: Prefetch, which reads the next step's state into the host
 // cache tier or staging buffers while the trainer runs forward/backward.
-#include "memmgr/streamed_adam.h"
+#include "memmgr/internal/streamed_engine.h"
 
 #include <algorithm>
 #include <memory>
@@ -16,12 +16,10 @@
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 
-namespace optstate::memmgr {
+namespace optstate::memmgr::internal {
 
-using internal::ChunkKey;
-using internal::HostCache;
 
-Status StreamedAdam::Prefetch() {
+Status StreamedEngine::Prefetch() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   // During a step the step itself is reading; a prefetch already runs.
   if (in_step_ || prefetch_) return Status::Ok();
@@ -56,7 +54,7 @@ Status StreamedAdam::Prefetch() {
   return Status::Ok();
 }
 
-void StreamedAdam::ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_limit,
+void StreamedEngine::ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_limit,
                                 const std::vector<StepOrderEntry>& order) {
   internal::EngineMemory* impl = mem_;
   // The store shows the step's generation once its commit is done; a
@@ -154,7 +152,7 @@ void StreamedAdam::ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_
   impl->EndBackgroundCommit();
 }
 
-void StreamedAdam::DropStaged() {
+void StreamedEngine::DropStaged() {
   if (staged_.empty()) return;
   std::vector<void*> bufs;
   for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
@@ -162,7 +160,7 @@ void StreamedAdam::DropStaged() {
   staged_.clear();
 }
 
-void StreamedAdam::StopPrefetch() {
+void StreamedEngine::StopPrefetch() {
   if (!prefetch_) return;
   committer_->Wake(&prefetch_->stop);
   prefetch_->thread.join();
@@ -176,4 +174,4 @@ void StreamedAdam::StopPrefetch() {
   prefetch_.reset();
 }
 
-}  // namespace optstate::memmgr
+}  // namespace optstate::memmgr::internal

@@ -1,6 +1,6 @@
 // StreamedAdam: one step: the gradient checks, BeginStep / StepParam / EndStep
 // over the step pipeline, and the abort of a failed step.
-#include "memmgr/streamed_adam.h"
+#include "memmgr/internal/streamed_engine.h"
 
 #include <algorithm>
 #include <memory>
@@ -18,15 +18,10 @@
 #include "base/log.h"
 #include "base/sync_point.h"
 
-namespace optstate::memmgr {
+namespace optstate::memmgr::internal {
 
-using internal::CheckGradScale;
-using internal::ChunkKey;
-using internal::NowS;
-using internal::DTypeText;
-using internal::WithNote;
 
-Status StreamedAdam::CheckGrad(const ParamGrad& g) const {
+Status StreamedEngine::CheckGrad(const ParamGrad& g) const {
   auto it = params_.find(g.name);
   if (it == params_.end()) {
     if (retired_.count(g.name)) {
@@ -59,7 +54,7 @@ Status StreamedAdam::CheckGrad(const ParamGrad& g) const {
   return Status::Ok();
 }
 
-Status StreamedAdam::Fail(Status s) {
+Status StreamedEngine::Fail(Status s) {
   if (pipeline_) {
     pipeline_->Abort();
     pipeline_.reset();
@@ -84,7 +79,7 @@ Status StreamedAdam::Fail(Status s) {
   return s;
 }
 
-Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
+Status StreamedEngine::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
   const double t_begin = NowS();
@@ -97,7 +92,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   // Staged prefetched chunks go to this step's pipeline below; any early
   // return gives them back.
   struct DropUnadopted {
-    StreamedAdam* sa;
+    StreamedEngine* sa;
     ~DropUnadopted() { sa->DropStaged(); }
   } drop_unadopted{this};
   if (!staged_.empty() && mm_->stats().nvme_write_bytes != staged_write_mark_) {
@@ -188,7 +183,7 @@ Status StreamedAdam::BeginStep(const float* d_found_inf, const float* d_grad_sca
   return Status::Ok();
 }
 
-Status StreamedAdam::StepParam(const ParamGrad& g) {
+Status StreamedEngine::StepParam(const ParamGrad& g) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (!in_step_) return FailedPrecondition("StreamedAdam::StepParam " + g.name + ": no BeginStep");
   if (Status cs = CheckGrad(g); !cs.ok()) return Fail(cs);
@@ -238,7 +233,7 @@ Status StreamedAdam::StepParam(const ParamGrad& g) {
   return Status::Ok();
 }
 
-Result<uint64_t> StreamedAdam::EndStep() {
+Result<uint64_t> StreamedEngine::EndStep() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (!in_step_) return FailedPrecondition("StreamedAdam::EndStep: no BeginStep");
   if (step_skip_) {
@@ -348,7 +343,7 @@ Result<uint64_t> StreamedAdam::EndStep() {
 
 // The step's stats known once its kernels are done (a pipelined step's
 // writes and commit are accounted when its commit is joined).
-void StreamedAdam::NoteReadSideStats(const internal::StepPipeline& pl) {
+void StreamedEngine::NoteReadSideStats(const internal::StepPipeline& pl) {
   last_stats_.read_bytes = pl.read_bytes;
   last_stats_.slices_in_flight = pl.depth();
   last_stats_.small_sets = pl.small_depth();
@@ -359,7 +354,7 @@ void StreamedAdam::NoteReadSideStats(const internal::StepPipeline& pl) {
   last_stats_.prefetch_hit_bytes = pl.prefetch_hits;
 }
 
-Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
+Status StreamedEngine::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (in_step_) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
   // Every gradient is checked before the step starts: a mismatch leaves the
@@ -378,4 +373,4 @@ Status StreamedAdam::Step(std::span<const ParamGrad> grads, const float* d_found
   return r.status();
 }
 
-}  // namespace optstate::memmgr
+}  // namespace optstate::memmgr::internal

@@ -1,4 +1,4 @@
-// The state of StreamedAdam that its files share beyond the public header:
+// The state of StreamedEngine that its files share beyond the public header:
 // the background prefetch. Internal to memmgr.
 #pragma once
 
@@ -12,14 +12,14 @@
 
 #include "memmgr/internal/committer.h"
 #include "memmgr/internal/step_pipeline.h"
-#include "memmgr/streamed_adam.h"
+#include "memmgr/internal/streamed_engine.h"
 #include "base/status.h"
 #include "vfs/store.h"
 
-namespace optstate::memmgr {
+namespace optstate::memmgr::internal {
 
-// A prefetch running on a thread of the optimizer (StreamedAdam::Prefetch).
-struct StreamedAdam::PrefetchRun {
+// A prefetch running on a thread of the optimizer (StreamedEngine::Prefetch).
+struct StreamedEngine::PrefetchRun {
   std::thread thread;
   std::atomic<bool> stop{false};  // set by StopPrefetch (Committer::Wake)
   // Written by the thread, read after join.
@@ -30,4 +30,4 @@ struct StreamedAdam::PrefetchRun {
   uint64_t write_mark = 0;          // the manager's nvme_write_bytes when reading started
 };
 
-}  // namespace optstate::memmgr
+}  // namespace optstate::memmgr::internal

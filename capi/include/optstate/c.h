@@ -413,7 +413,7 @@ OPTSTATE_EXPORT void optstate_adam_options_set_durable_every_steps(optstate_adam
  * are done, the commit completing in the background until the next call
  * (step, make_durable, commit, registration, load_main, pin, release_all,
  * destroy), which waits for it and returns its error if it failed (the
- * optimizer is then back at the last commit). Default 1 (memmgr/streamed_adam.h,
+ * optimizer is then back at the last commit). Default 1 (docs/STREAMED_ADAM.md,
  * "Pipelined commits"); other values: INVALID_ARGUMENT at optstate_adam_create. */
 OPTSTATE_EXPORT void optstate_adam_options_set_commit_lag_steps(optstate_adam_options_t* opts, uint32_t n);
 OPTSTATE_EXPORT uint32_t optstate_adam_options_commit_lag_steps(const optstate_adam_options_t* opts);
@@ -643,7 +643,7 @@ OPTSTATE_EXPORT double optstate_adam_last_step_seconds(const optstate_adam_t* ad
 /* Starts reading the next step's state into the host cache tier in the
  * background and returns at once: call it when forward/backward starts, so
  * that the next step finds the state in RAM instead of reading it from disk
- * (memmgr/streamed_adam.h, Prefetch). A hint: it changes no result and
+ * (docs/STREAMED_ADAM.md, "Prefetch"). A hint: it changes no result and
  * fails only when the optimizer is unusable; a second call while one runs,
  * or a call without a host cache tier, does nothing. The next step,
  * make_durable, commit, registration, load_main, retire and destroy stop it

@@ -1,0 +1,279 @@
+// StreamedEngine: the engine behind StreamedAdam (memmgr/streamed_adam.h,
+// which documents every public method; docs/STREAMED_ADAM.md its
+// behaviour). Internal to memmgr. Its parts: the update rules and their
+// SliceLayouts, the params and their step counts, the step's pipeline
+// (internal/step_pipeline.h), the Committer (internal/committer.h) and the
+// prefetch; EngineMemory is its only way to the memory manager. The step
+// path reads top-down: Step -> BeginStep / StepParam / EndStep
+// (streamed_adam_step.cc) -> StepPipeline::Pump -> UpdateRule::RunCpu /
+// RunCuda.
+// Thread-safety: as StreamedAdam (one trainer thread); the commit and the
+// prefetch run on threads of their own, which own what they touch until
+// joined (FinishCommit, StopPrefetch).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/dtype.h"
+#include "base/status.h"
+#include "memmgr/memory_manager.h"
+#include "memmgr/streamed_adam.h"
+#include "memmgr/update_rule.h"
+#include "vfs/store.h"
+
+namespace optstate::memmgr::internal {
+
+class Committer;
+class EngineMemory;
+class SliceLayout;
+class StepPipeline;
+struct SliceSize;
+
+class StreamedEngine {
+ public:
+  using ParamSpec = StreamedAdamParamSpec;
+  using StepStats = StreamedAdamStepStats;
+  static constexpr size_t kMaxRules = StreamedAdam::kMaxRules;
+
+  // As StreamedAdam::Create (rules: a null single rule is AdamW).
+  static Result<std::unique_ptr<StreamedEngine>> Create(vfs::Store* store, MemoryManager* mm,
+                                                        const StreamedAdamOptions& opts,
+                                                        std::vector<std::unique_ptr<UpdateRule>> rules);
+  ~StreamedEngine();
+
+  Status SetGroup(const ParamGroup& g);
+  Result<ParamGroup> GetGroup(uint32_t id) const;
+  Status SetGroupHyperparams(uint32_t id, const Hyperparams& h);
+  Result<Hyperparams> GetGroupHyperparams(uint32_t id) const;
+  Status RegisterParam(const std::string& name, uint64_t numel, uint32_t group, const void* d_initial,
+                       std::optional<DType> initial_type, const ShardInfo& shard, uint32_t rule);
+  Status RegisterParams(std::span<const ParamSpec> specs, std::vector<bool>* existed);
+  bool HasParam(const std::string& name) const;
+  std::vector<std::string> ParamNames() const;
+  std::vector<std::string> UnregisteredParams() const;
+  Status RetireParam(const std::string& name);
+  Status Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale);
+  Status BeginStep(const float* d_found_inf, const float* d_grad_scale);
+  Status StepParam(const ParamGrad& g);
+  Result<uint64_t> EndStep();
+  Status SetGradScale(float grad_scale);
+  float grad_scale() const { return grad_scale_; }
+  Status LoadMainFrom(const std::string& name, const void* d_weights, DType type);
+  Result<uint64_t> MakeDurable();
+  uint64_t uncommitted_steps() const { return uncommitted_steps_; }
+  Status WaitForCommit();
+  bool commit_in_flight() const;
+  Status Prefetch();
+  bool prefetch_running() const { return prefetch_ != nullptr; }
+  uint64_t step_count(uint32_t group) const;
+  Result<uint64_t> param_step_count(const std::string& name) const;
+  uint64_t last_generation() const;
+  bool last_step_skipped() const { return last_step_skipped_; }
+  uint64_t global_step() const { return global_step_; }
+  void set_global_step(uint64_t s) { global_step_ = s; }
+  const StepStats& last_step_stats() const { return last_stats_; }
+
+ private:
+  struct Param {
+    vfs::TensorInfo info;
+    std::array<uint32_t, kMaxRuleFields> fields = {};  // the tensor's field index of each of the rule's fields
+    bool committed = true;      // in the last committed generation
+    bool registered = false;    // RegisterParam'd in this run
+    bool main_pending = false;  // LoadMainFrom not yet committed
+    uint32_t rule = 0;          // index into rules_
+  };
+  StreamedEngine(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts);
+  Status CheckUsable() const;
+  // The first mismatch between g and the registered params, before a step.
+  Status CheckGrad(const ParamGrad& g) const;
+  // A restored param this run neither registered nor retired (when the run
+  // registered any): kFailedPrecondition naming them.
+  Status CheckModelComplete() const;
+  // Compares a registration with the stored tensor t.
+  Status CheckSameGeometry(const vfs::TensorInfo& t, const std::string& what, uint64_t numel, uint32_t group,
+                           std::optional<DType> initial_type, const ShardInfo& shard, uint32_t rule) const;
+  // After the pending generation was dropped: unregisters the params whose
+  // registration was not committed and forgets uncommitted LoadMainFrom;
+  // returns a sentence for messages ("" when there were none).
+  std::string DropUncommittedRegistrations();
+  // Outside a step: drops the pending generation (and with it what
+  // DropUncommittedRegistrations forgets); s with what was dropped.
+  Status AbortUncommitted(Status s);
+  Status WriteMain(const Param& p, const void* d_src, DType type);
+  // Writes the fp32 mains of several params from their weights, many chunks
+  // in flight (small chunks from kSmallSliceBytes pieces of staging buffers).
+  struct MainSource {
+    const Param* p = nullptr;
+    const void* src = nullptr;
+    DType type = DType::kF32;
+  };
+  Status WriteMains(const std::vector<MainSource>& srcs);
+  // Checks one registration against the run and the store, changing
+  // nothing. *existing: a param of this run (its stored state is kept);
+  // *entry: an uncommitted index entry of that name to take over.
+  Status CheckRegistration(const ParamSpec& r, bool* existing, std::optional<vfs::TensorInfo>* entry) const;
+  Status Fail(Status s);
+  vfs::CommitInfo MakeCommitInfo(bool advance) const;
+  // True when the host cache tier can hold every registered param's state.
+  bool CacheHoldsState() const;
+  // Bytes the host cache tier needs to hold every registered param's state.
+  uint64_t StateCacheBytes() const;
+  // Writes the cache's dirty entries not yet in the pending generation.
+  Status WriteDirtyCache();
+  // After a commit: the cache is clean and the committed counts are current.
+  void NoteCommitted(uint64_t gen);
+  // After the cache was dropped: back to the last commit's counts; returns
+  // a sentence for messages ("" when nothing was lost).
+  std::string RevertUncommitted();
+
+  vfs::Store* store_;
+  MemoryManager* mm_;
+  EngineMemory* mem_;  // mm_'s services for the engine
+  StreamedAdamOptions opts_;
+  // The update rules (rules_[0] the default: AdamW with opts_.moment_dtype
+  // moments unless given) and each one's chunk geometry in this store.
+  std::vector<std::unique_ptr<UpdateRule>> rules_;
+  std::vector<std::unique_ptr<SliceLayout>> layouts_;
+  const SliceLayout& LayoutOf(const Param& p) const { return *layouts_[p.rule]; }
+  // The widest slice of any rule (staging plans).
+  SliceSize MaxSliceSize() const;
+  // "AdamW" or "AdamW, Lion" (messages).
+  std::string RuleNames() const;
+  // The rule whose fields the stored tensor has exactly, else the first whose
+  // fields of one value per element it has (CheckStored then names the
+  // difference); none: not a param of this optimizer.
+  std::optional<uint32_t> RuleOfStored(const vfs::TensorInfo& t) const;
+  // kResourceExhausted when a whole-tensor rule's tensor of numel elements
+  // (shape) cannot fit the device window.
+  Status CheckUnitFits(const std::string& name, uint32_t rule, uint64_t numel,
+                       const std::vector<uint64_t>& shape) const;
+  // Resolves the tensor's field index of each of its rule's fields.
+  Status ResolveFields(Param* p) const;
+  // A group's hyperparameters as the rule and the store see them, and back.
+  static Hyperparams GroupHyper(const ParamGroup& g);
+  static ParamGroup GroupOf(uint32_t id, const Hyperparams& h);
+  // A group: the values set (SetGroupHyperparams, or read from the store)
+  // and what each rule sees (its defaults overlaid with them).
+  struct Group {
+    Hyperparams given;
+    std::vector<Hyperparams> per_rule;
+  };
+  std::map<uint32_t, Group> groups_;
+  // Sets group id's values (computing what each rule sees).
+  void PutGroup(uint32_t id, Hyperparams given);
+  // The group's values and the defaults every rule that knows them agrees on
+  // (GetGroupHyperparams, the commit).
+  Hyperparams GroupMap(const Group& g) const;
+  std::map<uint32_t, uint64_t> step_counts_;
+  std::map<std::string, Param, std::less<>> params_;
+  uint64_t global_step_ = 0;
+  uint64_t last_generation_ = 0;
+  uint64_t uncommitted_steps_ = 0;                  // steps only in the host cache
+  std::map<uint32_t, uint64_t> committed_step_counts_;
+  // Per-tensor step counts by tensor id: every param's and every other
+  // tensor's of the last commit (retired params, tensors that are not Adam
+  // params), so that each commit carries all of them.
+  struct TensorCount {
+    uint64_t now = 0;        // with the steps not yet committed (cached, in flight)
+    uint64_t committed = 0;  // in the last committed generation
+  };
+  std::map<uint32_t, TensorCount> tensor_counts_;
+  // After a step that is kept: one more step for each group and param that
+  // stepped in it (groups_stepped_, stepped_).
+  void AdvanceCounts();
+  uint64_t committed_global_step_ = 0;
+  bool step_cache_mode_ = false;                    // the current step's slices live in the cache
+  bool step_write_through_ = true;                  // the current step writes and commits
+  bool warned_cache_small_ = false;
+  bool warned_cache_partial_ = false;
+  bool registrations_pending_ = false;              // a Param is !committed or main_pending
+  bool any_registered_ = false;                     // RegisterParam succeeded in this run
+  std::set<std::string> retired_;                   // RetireParam'd in this run
+  std::set<std::string> dropped_;                   // registrations dropped by a failed step in this run
+  bool in_step_ = false;
+  bool step_skip_ = false;
+  bool last_step_skipped_ = false;
+  bool poisoned_ = false;
+  Status poison_status_;
+  const float* step_found_inf_ = nullptr;
+  float grad_scale_ = 1.0f;       // SetGradScale (from StreamedAdamOptions::grad_scale)
+  float step_grad_scale_ = 1.0f;  // the current step's scale
+  std::map<uint32_t, bool> groups_stepped_;
+  std::set<std::string> stepped_;  // params stepped in the current (or last) step
+  std::unique_ptr<StepPipeline> pipeline_;
+  // The optimizer's ChunkIo (registers the manager's staging buffers once;
+  // used by WriteMain and the step pipeline, never concurrently).
+  std::unique_ptr<vfs::ChunkIo> io_;
+  Status EnsureIo();
+  // Staging buffers io_ registered when it was made (FitStaging makes it
+  // again once the pool has grown, so that every buffer is registered).
+  size_t io_staging_ = 0;
+  // Grows an automatic staging pool to what the registered params' slices
+  // use (StateStaging) and remakes io_ for the new buffers.
+  // REQUIRES: io_ idle (no step, commit or prefetch running).
+  Status FitStaging();
+  // The registered params' slices when FitStaging last ran (the step's
+  // pipeline plans its staging sets for them).
+  uint64_t state_slices_big_ = 0;
+  uint64_t state_slices_small_ = 0;
+  // The commit of each step: inline, or on a thread of the optimizer
+  // (commit_lag_steps 1; it then owns io_, the step's pipeline and the
+  // store's pending generation until FinishCommit joins it).
+  std::unique_ptr<Committer> committer_;
+  // Hands the computed step in pipeline_ to a background commit.
+  void StartBackgroundCommit();
+  // The step's stats known once its kernels are done (a pipelined step's
+  // writes and commit are accounted when its commit is joined).
+  void NoteReadSideStats(const StepPipeline& pl);
+  // Joins the background commit, if any, and takes its outcome: on failure
+  // the optimizer returns to the last commit and the error is returned.
+  // *wait_s: seconds spent waiting (may be null). keep_staged: chunks a
+  // prefetch staged stay for the step that begins now (BeginStep); every
+  // other caller drops them.
+  Status FinishCommit(double* wait_s = nullptr, bool keep_staged = false);
+  // The background prefetch (defined in internal/streamed_adam_impl.h).
+  struct PrefetchRun;
+  std::unique_ptr<PrefetchRun> prefetch_;
+  // Stops the prefetch, if any, joins it and notes what it read.
+  void StopPrefetch();
+  uint64_t prefetch_read_bytes_ = 0;  // by the prefetches since the last step began
+  // Chunks a finished prefetch read into staging buffers for the next step
+  // (see Prefetch); staged_write_mark_: the manager's nvme_write_bytes when
+  // it started reading (a write-back since then drops them).
+  struct StagedChunk {
+    uint32_t tensor_id = 0;
+    uint32_t field = 0;
+    uint64_t chunk = 0;
+    uint64_t len = 0;
+    void* buf = nullptr;  // a staging buffer of the manager
+  };
+  std::vector<StagedChunk> staged_;
+  uint64_t staged_write_mark_ = 0;
+  // Gives staged_'s buffers back to the manager.
+  void DropStaged();
+  // The current (or last) step's params in the order it stepped them: the
+  // order the next prefetch reads.
+  struct StepOrderEntry {
+    uint32_t tensor_id = 0;
+    uint32_t rule = 0;
+    std::array<uint32_t, kMaxRuleFields> fields = {};  // as Param::fields
+    uint64_t numel = 0;
+  };
+  std::vector<StepOrderEntry> step_order_;
+  // The prefetch's thread: waits until the commit in flight (after_commit) has published, then
+  // reads order's chunks into the host cache tier, and up to stage_limit
+  // chunks outside it into staging buffers (r->staged).
+  void ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_limit,
+                    const std::vector<StepOrderEntry>& order);
+  StepStats last_stats_;
+};
+
+}  // namespace optstate::memmgr::internal
