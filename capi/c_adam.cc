@@ -20,7 +20,6 @@
 
 #include "capi/internal/c_types.h"
 #include "memmgr/memory_manager.h"
-#include "memmgr/muon_rule.h"
 #include "memmgr/rules.h"
 #include "memmgr/streamed_adam.h"
 #include "memmgr/update_rule.h"
@@ -442,9 +441,6 @@ int RegisterParams(const char* what, optstate_adam_t* adam, size_t n, const char
         return InvalidArgument(where + ": rule index " + std::to_string(r.rule) + " but the optimizer has " +
                                std::to_string(adam->rule_names.size()) + " rule(s)");
       }
-      if (adam->rule_names[r.rule] == "muon") {
-        OPTSTATE_RETURN_IF_ERROR(memmgr::CheckMuonShape(adam->store->path(), r.name, r.shard.shape, r.numel));
-      }
       at_shape += nd;
       at_global += gd;
       at_offset += od;
@@ -480,9 +476,6 @@ int optstate_adam_register_shard(optstate_adam_t* adam, const char* name, uint64
     memmgr::ShardInfo shard;
     OPTSTATE_RETURN_IF_ERROR(
         ShardOf(what, where, numel, shape, ndim, global_shape, global_ndim, shard_offset, offset_ndim, &shard));
-    if (adam->rule_names[0] == "muon") {
-      OPTSTATE_RETURN_IF_ERROR(memmgr::CheckMuonShape(adam->store->path(), n, shard.shape, numel));
-    }
     const bool had = adam->rep->HasParam(n);
     OPTSTATE_RETURN_IF_ERROR(adam->rep->RegisterParam(n, numel, group, initial,
                                                       FloatDTypeOrNone(initial_dtype), shard));

@@ -60,6 +60,11 @@ class MuonRule final : public UpdateRule {
     return Status::Ok();
   }
 
+  Status CheckShape(const std::string& store_path, const std::string& tensor, const std::vector<uint64_t>& shape,
+                    uint64_t numel) const override {
+    return CheckMuonShape(store_path, tensor, shape, numel);
+  }
+
   Status CheckStored(const std::string& store_path, const vfs::TensorInfo& t) const override {
     OPTSTATE_RETURN_IF_ERROR(CheckMuonShape(store_path, t.name, t.shape, t.numel));
     return UpdateRule::CheckStored(store_path, t);

@@ -271,6 +271,8 @@ Status StreamedEngine::CheckRegistration(const ParamSpec& r, bool* existing,
                               store_->path() + ")");
   }
   if (r.numel == 0) return InvalidArgument("StreamedAdam::RegisterParam " + name + ": numel is 0");
+  OPTSTATE_RETURN_IF_ERROR(rules_[r.rule]->CheckShape(
+      store_->path(), name, r.shard.shape.empty() ? std::vector<uint64_t>{r.numel} : r.shard.shape, r.numel));
   OPTSTATE_RETURN_IF_ERROR(CheckUnitFits(name, r.rule, r.numel, r.shard.shape));
   if ((r.initial_type && !IsFloat(*r.initial_type)) || (r.d_initial != nullptr && !r.initial_type)) {
     return InvalidArgument("StreamedAdam::RegisterParam " + name + ": initial weights dtype " +

@@ -4,6 +4,11 @@ namespace optstate::memmgr {
 
 Status UpdateRule::CheckHyperparams(uint32_t, const Hyperparams&) const { return Status::Ok(); }
 
+Status UpdateRule::CheckShape(const std::string&, const std::string&, const std::vector<uint64_t>&,
+                              uint64_t) const {
+  return Status::Ok();
+}
+
 Status UpdateRule::CheckStored(const std::string& store_path, const vfs::TensorInfo& t) const {
   for (const RuleField& want : Fields()) {
     for (const vfs::FieldSpec& f : t.fields) {

@@ -148,6 +148,12 @@ class UpdateRule {
   // every declared field the tensor has (a missing field is the engine's
   // error: it names the field).
   virtual Status CheckStored(const std::string& store_path, const vfs::TensorInfo& t) const;
+  // Checks the shape of a param registered under this rule (shape: the
+  // registered local shape, {numel} when none was given) before anything
+  // changes: kInvalidArgument naming the store, the tensor and the shape
+  // (Muon steps only matrices). Default: OK.
+  virtual Status CheckShape(const std::string& store_path, const std::string& tensor,
+                            const std::vector<uint64_t>& shape, uint64_t numel) const;
 
   // The kernel's arguments for one tensor in one step: group (the tensor's
   // group's hyperparameters; names it lacks take the defaults), counter (the

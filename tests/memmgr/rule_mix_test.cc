@@ -22,6 +22,7 @@
 #include "memmgr/internal/adamw_rule.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/momentum_rules.h"
+#include "memmgr/muon_rule.h"
 #include "memmgr/streamed_adam.h"
 #include "tests/memmgr/memmgr_test_util.h"
 #include "vfs/store.h"
@@ -391,6 +392,30 @@ TEST(RuleMixChecks, AParamRegisteredUnderAnotherRuleIsRefused) {
   // The stored rules are kept: both register under their own.
   ASSERT_OK(sa->RegisterParam("lion.w", 100, 0, nullptr, DType::kF32, {}, 1));
   ASSERT_OK(sa->RegisterParam("adam.w", 100, 0, nullptr, DType::kF32));
+}
+
+// A rule's shape check runs at registration, before anything changes (Muon
+// steps only matrices): the C++ API refuses what the C ABI and Python refuse.
+TEST(RuleMixChecks, AParamOfAShapeItsRuleCannotStepIsRefusedAtRegistration) {
+  MEMMGR_REQUIRE_BACKEND();
+  StoreEnv env;
+  env.Open(/*create=*/true, 16 * kChunk);
+  std::vector<std::unique_ptr<UpdateRule>> rules;
+  rules.push_back(internal::NewAdamWRule(MomentDType::kF32));
+  rules.push_back(NewMuonRule(MomentDType::kF32));
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), StreamedAdamOptions{}, std::move(rules)));
+  Status s = sa->RegisterParam("ln.weight", 64, 0, nullptr, DType::kF32, {}, /*rule=*/1);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  for (const std::string& want : {std::string("ln.weight"), env.store->path(), std::string("[64]")}) {
+    EXPECT_NE(s.message().find(want), std::string::npos) << want << ": " << s.ToString();
+  }
+  EXPECT_FALSE(sa->HasParam("ln.weight"));
+  EXPECT_FALSE(env.store->LookupTensor("ln.weight").has_value());
+  // The same param under AdamW, and a matrix under Muon, register.
+  ASSERT_OK(sa->RegisterParam("ln.weight", 64, 0, nullptr, DType::kF32));
+  ShardInfo matrix;
+  matrix.shape = {8, 8};
+  ASSERT_OK(sa->RegisterParam("w", 64, 0, nullptr, DType::kF32, matrix, /*rule=*/1));
 }
 
 TEST(RuleMixChecks, AWholeTensorTheWindowCannotHoldIsRefused) {
