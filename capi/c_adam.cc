@@ -495,15 +495,27 @@ int optstate_adam_register_params(optstate_adam_t* adam, size_t n, const char* c
                         existed, errptr);
 }
 
-int optstate_adam_register_params2(optstate_adam_t* adam, size_t n, const char* const* names,
-                                   const uint64_t* numels, const uint32_t* groups, const uint32_t* rules,
-                                   const void* const* initials, const int* initial_dtypes, const size_t* ndims,
-                                   const uint64_t* shapes, const size_t* global_ndims, const uint64_t* global_shapes,
-                                   const size_t* offset_ndims, const uint64_t* shard_offsets, uint32_t* ids,
-                                   int* existed, char** errptr) {
-  return RegisterParams("optstate_adam_register_params2", adam, n, names, numels, groups, rules, initials,
-                        initial_dtypes, ndims, shapes, global_ndims, global_shapes, offset_ndims, shard_offsets, ids,
-                        existed, errptr);
+int optstate_adam_register_params_with(optstate_adam_t* adam, const optstate_adam_register_args_t* args,
+                                       char** errptr) {
+  const char* what = "optstate_adam_register_params_with";
+  // The fields of ABI version 4 (later versions append).
+  constexpr size_t kRegisterArgsV4Bytes = offsetof(optstate_adam_register_args_t, existed) + sizeof(int*);
+  if (args == nullptr || args->struct_size < kRegisterArgsV4Bytes) {
+    return Guard(errptr, what, [&]() -> Status {
+      if (args == nullptr) return NullArgument(what, "args");
+      return InvalidArgument(std::string(what) + ": store " + adam->store->path() + ": args->struct_size " +
+                             std::to_string(args->struct_size) + " is less than the " +
+                             std::to_string(kRegisterArgsV4Bytes) +
+                             " bytes of optstate_adam_register_args_t (set it to "
+                             "sizeof(optstate_adam_register_args_t))");
+    });
+  }
+  // Fields appended after the caller's version read as zero (not given).
+  optstate_adam_register_args_t a{};
+  std::memcpy(&a, args, std::min(args->struct_size, sizeof a));
+  return RegisterParams(what, adam, a.n, a.names, a.numels, a.groups, a.rules, a.initials, a.initial_dtypes, a.ndims,
+                        a.shapes, a.global_ndims, a.global_shapes, a.offset_ndims, a.shard_offsets, a.ids,
+                        a.existed, errptr);
 }
 
 int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel, char** errptr) {

@@ -54,6 +54,20 @@ class StepArgs(_c.Structure):
         super().__init__(struct_size=_c.sizeof(StepArgs), **fields)
 
 
+class RegisterArgs(_c.Structure):
+    """optstate_adam_register_args_t: a registration of n params with their rules (see <optstate/c.h>)."""
+    _fields_ = [("struct_size", _c.c_size_t), ("n", _c.c_size_t), ("names", _c.POINTER(_u8p)),
+                ("numels", _c.POINTER(_u64)), ("groups", _c.POINTER(_u32)), ("rules", _c.POINTER(_u32)),
+                ("initials", _c.POINTER(_vp)), ("initial_dtypes", _c.POINTER(_int)),
+                ("ndims", _c.POINTER(_c.c_size_t)), ("shapes", _c.POINTER(_u64)),
+                ("global_ndims", _c.POINTER(_c.c_size_t)), ("global_shapes", _c.POINTER(_u64)),
+                ("offset_ndims", _c.POINTER(_c.c_size_t)), ("shard_offsets", _c.POINTER(_u64)),
+                ("ids", _c.POINTER(_u32)), ("existed", _c.POINTER(_int))]
+
+    def __init__(self, **fields):
+        super().__init__(struct_size=_c.sizeof(RegisterArgs), **fields)
+
+
 # name: (restype, argtypes). Functions whose restype is _int and whose last
 # argument is _errp return an optstate_code.
 _SIGNATURES = {
@@ -150,11 +164,7 @@ _SIGNATURES = {
                                              _c.POINTER(_c.c_size_t), _c.POINTER(_u64), _c.POINTER(_c.c_size_t),
                                              _c.POINTER(_u64), _c.POINTER(_c.c_size_t), _c.POINTER(_u64),
                                              _c.POINTER(_u32), _c.POINTER(_int), _errp]),
-    "optstate_adam_register_params2": (_int, [_vp, _c.c_size_t, _c.POINTER(_u8p), _c.POINTER(_u64),
-                                              _c.POINTER(_u32), _c.POINTER(_u32), _c.POINTER(_vp), _c.POINTER(_int),
-                                              _c.POINTER(_c.c_size_t), _c.POINTER(_u64), _c.POINTER(_c.c_size_t),
-                                              _c.POINTER(_u64), _c.POINTER(_c.c_size_t), _c.POINTER(_u64),
-                                              _c.POINTER(_u32), _c.POINTER(_int), _errp]),
+    "optstate_adam_register_params_with": (_int, [_vp, _c.POINTER(RegisterArgs), _errp]),
     "optstate_adam_param_numel": (_int, [_vp, _u32, _c.POINTER(_u64), _errp]),
     "optstate_adam_step_with": (_int, [_vp, _c.POINTER(StepArgs), _errp]),
     "optstate_adam_set_grad_scale": (_int, [_vp, _c.c_float, _errp]),

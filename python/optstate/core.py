@@ -14,7 +14,7 @@ import os
 import weakref
 
 from . import errors
-from ._lib import MemoryStats, StepArgs, StoreStats, call, lib
+from ._lib import MemoryStats, RegisterArgs, StepArgs, StoreStats, call, lib
 
 # optstate_dtype and optstate_access of <optstate/c.h> (tests/python/vocabulary_test.py checks them).
 F32, BF16, F16, Q8S, Q8U, NONE = 0, 1, 2, 3, 4, 255
@@ -556,17 +556,22 @@ class StreamedAdam(_Handle):
         gd, gs = dims(global_shapes)
         od, so = dims(shard_offsets)
         ids, existed = (ctypes.c_uint32 * n)(), (ctypes.c_int * n)()
-        head = [self._live(), n, (ctypes.c_char_p * n)(*[_b(x) for x in names]), (u64 * n)(*[int(x) for x in numels]),
-                (ctypes.c_uint32 * n)(*[int(g) for g in groups])]
+        c_names = (ctypes.c_char_p * n)(*[_b(x) for x in names])
+        c_numels = (u64 * n)(*[int(x) for x in numels])
+        c_groups = (ctypes.c_uint32 * n)(*[int(g) for g in groups])
+        c_initials = None if initial_ptrs is None else (ctypes.c_void_p * n)(*initial_ptrs)
+        c_dtypes = None if initial_dtypes is None else (ctypes.c_int * n)(*[int(d) for d in initial_dtypes])
         if rules is None:
-            fn = lib.optstate_adam_register_params
+            call(lib.optstate_adam_register_params, self._live(), n, c_names, c_numels, c_groups, c_initials,
+                 c_dtypes, nd, sh, gd, gs, od, so, ids, existed)
         else:
-            fn = lib.optstate_adam_register_params2
-            head.append((ctypes.c_uint32 * n)(*[int(r) for r in rules]))
-        call(fn, *head,
-             None if initial_ptrs is None else (ctypes.c_void_p * n)(*initial_ptrs),
-             None if initial_dtypes is None else (ctypes.c_int * n)(*[int(d) for d in initial_dtypes]),
-             nd, sh, gd, gs, od, so, ids, existed)
+            c_rules = (ctypes.c_uint32 * n)(*[int(r) for r in rules])
+            args = RegisterArgs(
+                n=n, names=c_names, numels=c_numels,
+                groups=c_groups, rules=c_rules, initials=c_initials, initial_dtypes=c_dtypes, ndims=nd,
+                shapes=sh, global_ndims=gd, global_shapes=gs, offset_ndims=od, shard_offsets=so, ids=ids,
+                existed=existed)
+            call(lib.optstate_adam_register_params_with, self._live(), ctypes.byref(args))
         return [(ids[i], bool(existed[i])) for i in range(n)]
 
     def set_grad_scale(self, grad_scale):

@@ -461,7 +461,7 @@ class CapiTest(TempDirTest):
 
     def test_several_rules_in_one_optimizer(self):
         """Muon for a matrix and AdamW for a vector in one optimizer (optstate_adam_options_add_rule,
-        optstate_adam_register_params2): the store keeps each param's own fields, one step of each
+        optstate_adam_register_params_with): the store keeps each param's own fields, one step of each
         equals a float64 numpy computation (torch.optim.Muon's math; AdamW's), a group's hyperparameters
         are the union of the rules' names, and what does not fit a rule is refused naming the param."""
         store = optstate.Store(self.path("r"), **STORE_KW)

@@ -66,11 +66,12 @@ class VocabularyTest(unittest.TestCase):
         m = re.search(r"#define OPTSTATE_C_ABI_VERSION (\d+)", self.h)
         self.assertEqual(_lib.ABI_VERSION, int(m.group(1)))
         self.assertEqual(optstate._lib_handle.optstate_abi_version(), _lib.ABI_VERSION)
-        m = re.search(r"typedef struct optstate_adam_step_args_t \{(.*?)\} optstate_adam_step_args_t;", self.h,
-                      flags=re.S)
-        fields = re.findall(r"(\w+);", m.group(1))
-        self.assertEqual([f for f, _ in _lib.StepArgs._fields_], fields)
-        self.assertEqual(ctypes.sizeof(_lib.StepArgs), 8 * len(fields))  # size_t and pointers, no padding
+        for c_name, py in (("optstate_adam_step_args_t", _lib.StepArgs),
+                           ("optstate_adam_register_args_t", _lib.RegisterArgs)):
+            m = re.search(r"typedef struct %s \{(.*?)\} %s;" % (c_name, c_name), self.h, flags=re.S)
+            fields = re.findall(r"(\w+);", m.group(1))
+            self.assertEqual([f for f, _ in py._fields_], fields, c_name)
+            self.assertEqual(ctypes.sizeof(py), 8 * len(fields), c_name)  # size_t and pointers, no padding
 
 
 if __name__ == "__main__":

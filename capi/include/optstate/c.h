@@ -47,7 +47,7 @@
  * optstate_adam_set_group_hyper, optstate_adam_get_group_hyper,
  * optstate_adam_fields). Version 4 adds Muon and several rules in one
  * optimizer (the rule "muon", optstate_adam_options_add_rule,
- * optstate_adam_register_params2). */
+ * optstate_adam_register_params_with). */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -448,7 +448,7 @@ OPTSTATE_EXPORT int optstate_adam_options_set_rule(optstate_adam_options_t* opts
  * for the rest): each call appends a rule, its index the number of rules
  * added before it; once any is added they replace the rule of
  * optstate_adam_options_set_rule. A param's rule is chosen at registration
- * (optstate_adam_register_params2; the other registration calls take rule
+ * (optstate_adam_register_params_with; the other registration calls take rule
  * 0). moment_dtype: its state fields' dtype as
  * optstate_adam_options_set_moment_dtype's ("q8": adamw only), NULL = the
  * options' moment dtype. Two rules with the same fields (e.g. "sgd" and
@@ -545,19 +545,39 @@ OPTSTATE_EXPORT int optstate_adam_register_params(optstate_adam_t* adam, size_t 
                                                   const size_t* global_ndims, const uint64_t* global_shapes,
                                                   const size_t* offset_ndims, const uint64_t* shard_offsets,
                                                   uint32_t* ids, int* existed, char** errptr);
-/* optstate_adam_register_params with each param's rule: rules[i] the index
- * of its rule (optstate_adam_options_add_rule; NULL = all 0). A param the
- * store holds under another rule, an index past the rules, or a param of a
- * "muon" rule that is not 2-D (its shape; none = {numel}) is
- * INVALID_ARGUMENT naming the param. Since ABI version 4. */
-OPTSTATE_EXPORT int optstate_adam_register_params2(optstate_adam_t* adam, size_t n, const char* const* names,
-                                                   const uint64_t* numels, const uint32_t* groups,
-                                                   const uint32_t* rules, const void* const* initials,
-                                                   const int* initial_dtypes, const size_t* ndims,
-                                                   const uint64_t* shapes, const size_t* global_ndims,
-                                                   const uint64_t* global_shapes, const size_t* offset_ndims,
-                                                   const uint64_t* shard_offsets, uint32_t* ids, int* existed,
-                                                   char** errptr);
+/* A registration of n params (optstate_adam_register_params_with): the
+ * arrays of optstate_adam_register_params, one entry per param, and
+ *   rules: rules[i] the index of param i's rule (optstate_adam_options_add_rule;
+ *     NULL = all 0). A param the store holds under another rule, an index
+ *     past the rules, or a shape the rule cannot step (a "muon" param that is
+ *     not 2-D; its shape, none = {numel}) is INVALID_ARGUMENT naming the
+ *     param, and nothing is registered.
+ *   ids (out, n entries), existed (out, may be NULL): as
+ *     optstate_adam_register_params's.
+ * Zero-initialise it, set struct_size = sizeof(optstate_adam_register_args_t)
+ * as the caller was built, then the fields; NULL arrays are "not given". Fields
+ * are only ever appended, and the library reads only those that fit in
+ * struct_size. Since ABI version 4. */
+typedef struct optstate_adam_register_args_t {
+  size_t struct_size;
+  size_t n;
+  const char* const* names;
+  const uint64_t* numels;
+  const uint32_t* groups;
+  const uint32_t* rules;
+  const void* const* initials;
+  const int* initial_dtypes;
+  const size_t* ndims;
+  const uint64_t* shapes;
+  const size_t* global_ndims;
+  const uint64_t* global_shapes;
+  const size_t* offset_ndims;
+  const uint64_t* shard_offsets;
+  uint32_t* ids;
+  int* existed;
+} optstate_adam_register_args_t;
+OPTSTATE_EXPORT int optstate_adam_register_params_with(optstate_adam_t* adam,
+                                                       const optstate_adam_register_args_t* args, char** errptr);
 /* numel of a registered param (NOT_FOUND otherwise). */
 OPTSTATE_EXPORT int optstate_adam_param_numel(const optstate_adam_t* adam, uint32_t id, uint64_t* numel,
                                               char** errptr);
