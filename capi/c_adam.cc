@@ -98,10 +98,7 @@ Status RequireAdamW(const optstate_adam_t* adam, const char* what, const char* i
   const auto& names = adam->rule_names;
   if (std::find(names.begin(), names.end(), "adamw") != names.end()) return Status::Ok();
   std::string rules;
-  for (const std::string& n : names) {  // as the rules name themselves in messages ("Lion")
-    auto rule = memmgr::NewRuleByName(n, optstate::MomentDType::kF32);
-    rules += (rules.empty() ? "" : " and ") + (rule.ok() ? std::string((*rule)->name()) : n);
-  }
+  for (const std::string& t : adam->rule_titles) rules += (rules.empty() ? "" : " and ") + t;
   return optstate::FailedPrecondition(std::string(what) + ": the optimizer on store " + adam->store->path() +
                                       " runs the " + rules + (names.size() == 1 ? " rule, whose" : " rules, whose") +
                                       " hyperparameters are not AdamW's (lr, betas, eps, "
@@ -202,6 +199,8 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     std::vector<std::unique_ptr<memmgr::UpdateRule>> rules;
     std::vector<std::string> rule_names;
     OPTSTATE_RETURN_IF_ERROR(MakeRules(opts, ao, &rules, &rule_names));
+    std::vector<std::string> rule_titles;  // as the rules name themselves ("AdamW", "Lion")
+    for (const auto& rule : rules) rule_titles.emplace_back(rule != nullptr ? rule->name() : "AdamW");
     std::vector<std::string> fields;
     auto add_field = [&](const std::string& f) {
       if (std::find(fields.begin(), fields.end(), f) == fields.end()) fields.push_back(f);
@@ -225,6 +224,7 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     h->rep = std::move(*adam);
     h->fields = std::move(fields);
     h->rule_names = std::move(rule_names);
+    h->rule_titles = std::move(rule_titles);
     h->store = store->rep.get();
     h->store_handle = store;
     h->mm_handle = mm;

@@ -97,6 +97,8 @@ struct optstate_adam_t {
   std::vector<std::string> fields;
   // The rules' names by index ("adamw", "muon", ...).
   std::vector<std::string> rule_names;
+  // The same as the rules name themselves in messages ("AdamW", "Lion").
+  std::vector<std::string> rule_titles;
   // Param ids are indices into names (registration order of this handle).
   std::vector<std::string> names;
   std::unordered_map<std::string, uint32_t> ids;

@@ -668,6 +668,11 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
     return {nullptr, 0};
   };
   std::vector<uint64_t> buf_cap(pieces.size(), 0);
+  // One chunk into the window, complete when it returns.
+  auto copy_in = [&](char* dst, const void* src, uint64_t len) {
+    Status cs = dev_->CopyH2D(dst, src, len, stream);
+    return cs.ok() ? dev_->SyncStream(stream) : cs;
+  };
   Status st;
   // Reaps at least min_done; on_done(piece index) for each success.
   auto reap = [&](size_t min_done, const std::function<Status(size_t)>& on_done) {
@@ -723,8 +728,7 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
     Piece& p = pieces[i];
     const void* src = p.entry != nullptr ? p.entry : p.buf;
     read_bytes += p.len;
-    Status cs = dev_->CopyH2D(p.dst, src, p.len, stream);
-    if (cs.ok()) cs = dev_->SyncStream(stream);
+    Status cs = copy_in(p.dst, src, p.len);
     if (p.buf != nullptr) {
       free_bufs.emplace_back(p.buf, buf_cap[i]);
       p.buf = nullptr;
@@ -744,16 +748,14 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
       if (p.entry != nullptr && valid) {
         cache_hits += p.len;
         if (mm_->cache()->TakePrefetched(p.key)) prefetch_hits += p.len;
-        st = dev_->CopyH2D(p.dst, p.entry, p.len, stream);
-        if (st.ok()) st = dev_->SyncStream(stream);
+        st = copy_in(p.dst, p.entry, p.len);
         continue;
       }
     }
     if (p.entry == nullptr && !staged_.empty()) {
       auto sc = staged_.find(p.key);
       if (sc != staged_.end() && sc->second.len == p.len) {
-        st = dev_->CopyH2D(p.dst, sc->second.buf, p.len, stream);
-        if (st.ok()) st = dev_->SyncStream(stream);
+        st = copy_in(p.dst, sc->second.buf, p.len);
         spare_.push_back(sc->second.buf);  // becomes a staging set (SubmitReads)
         staged_.erase(sc);
         prefetch_hits += p.len;
