@@ -128,12 +128,8 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
     // Names the store lacks take the rules' defaults; each rule checks its
     // view of the stored values (a hand-edited store fails here, named).
     Hyperparams given(g.hyper.begin(), g.hyper.end());
-    for (const auto& r : sa->rules_) {
-      Hyperparams view = r->Hyperparameters();
-      for (const auto& [k, v] : given) view[k] = v;
-      OPTSTATE_RETURN_IF_ERROR(r->CheckHyperparams(g.id, view).WithContext(
-          "StreamedAdam: store " + store->path() + " generation " + std::to_string(gen.generation)));
-    }
+    OPTSTATE_RETURN_IF_ERROR(sa->CheckGroup(g.id, given).WithContext(
+        "StreamedAdam: store " + store->path() + " generation " + std::to_string(gen.generation)));
     sa->PutGroup(g.id, std::move(given));
     sa->step_counts_[g.id] = g.step_count;
   }
@@ -206,11 +202,7 @@ Status StreamedEngine::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
                              store_->path() + "); nothing changed");
     }
   }
-  for (const auto& r : rules_) {
-    Hyperparams view = r->Hyperparameters();
-    for (const auto& [k, v] : h) view[k] = v;
-    OPTSTATE_RETURN_IF_ERROR(r->CheckHyperparams(id, view));
-  }
+  OPTSTATE_RETURN_IF_ERROR(CheckGroup(id, h));
   PutGroup(id, h);
   step_counts_.emplace(id, 0);
   return Status::Ok();
@@ -222,15 +214,25 @@ Result<Hyperparams> StreamedEngine::GetGroupHyperparams(uint32_t id) const {
   return GroupMap(it->second);
 }
 
+namespace {
+// A rule's view of a group: its defaults, overridden by the values given.
+Hyperparams RuleView(const UpdateRule& r, const Hyperparams& given) {
+  Hyperparams view = r.Hyperparameters();
+  for (const auto& [k, v] : given) view[k] = v;
+  return view;
+}
+}  // namespace
+
 void StreamedEngine::PutGroup(uint32_t id, Hyperparams given) {
   Group& g = groups_[id];
   g.per_rule.clear();
-  for (const auto& r : rules_) {
-    Hyperparams view = r->Hyperparameters();
-    for (const auto& [k, v] : given) view[k] = v;
-    g.per_rule.push_back(std::move(view));
-  }
+  for (const auto& r : rules_) g.per_rule.push_back(RuleView(*r, given));
   g.given = std::move(given);
+}
+
+Status StreamedEngine::CheckGroup(uint32_t id, const Hyperparams& given) const {
+  for (const auto& r : rules_) OPTSTATE_RETURN_IF_ERROR(r->CheckHyperparams(id, RuleView(*r, given)));
+  return Status::Ok();
 }
 
 Hyperparams StreamedEngine::GroupMap(const Group& g) const {

@@ -169,6 +169,9 @@ class StreamedEngine {
   std::map<uint32_t, Group> groups_;
   // Sets group id's values (computing what each rule sees).
   void PutGroup(uint32_t id, Hyperparams given);
+  // Every rule checks its view of group id's given values (its defaults
+  // for the names given lacks): the first rule's error, else OK.
+  Status CheckGroup(uint32_t id, const Hyperparams& given) const;
   // The group's values and the defaults every rule that knows them agrees on
   // (GetGroupHyperparams, the commit).
   Hyperparams GroupMap(const Group& g) const;
