@@ -268,6 +268,10 @@ class StreamedState:
         """Takes the opened `store` (closes it on failure)."""
         self.dist_opt, self.store, self.sub_name, self.shards = dist_opt, store, sub_name, shards
         self._direct_grads = direct_grads
+        # Megatron's clip coefficient for the next step's 16-bit grads (_install_clip_hook), and the
+        # one-float tensor that hands it to the step as its grad scale.
+        self._clip_coeff = 1.0
+        self._clip_scale = None
         # The optimizer and this object reference each other (its bound methods), so they go to the
         # cyclic collector together, which would finalize the store, manager and optimizer handles in
         # any order. The finalizer holds them (it outlives the cycle) and closes the store, which closes
@@ -364,8 +368,9 @@ class StreamedState:
         without loss scaling), the step reads each shard's grad in the grad buffer itself: the shard's
         main param becomes a storage-less tensor of the grad buffer's dtype, whose .grad is the buffer's
         shard (_copy_model_grads_to_main_grads), instead of Megatron's fp32 copy of it (4 bytes a param
-        of the shard every step). Megatron's grad norm and clipping then read and scale those 16-bit
-        grads (docs/MEGATRON.md: the bound)."""
+        of the shard every step). Megatron's grad norm and zero count read those 16-bit grads; its
+        clipping, which takes fp32 grads only, hands its coefficient to the step instead of scaling them
+        in place (_install_clip_hook; docs/MEGATRON.md: the bound)."""
         if not self._direct_grads or self.dist_opt.grad_scaler is not None:
             return
         swap = {}
@@ -378,10 +383,12 @@ class StreamedState:
             # The tensor-parallel and sharing attributes Megatron's grad norm reads from the main params.
             for k, v in s.main.__dict__.items():
                 setattr(stub, k, v)
+            stub._optstate_clip_to = weakref.ref(self)
             swap[id(s.main)] = stub
             s.main = stub
         if not swap:
             return
+        _install_clip_hook()
         for groups in (self.dist_opt.shard_fp32_from_float16_groups,):
             for group in groups:
                 group[:] = [swap.get(id(p), p) for p in group]
@@ -444,8 +451,15 @@ class StreamedState:
             grads[i] = g.data_ptr()
             gdt[i] = _DTYPES[g.dtype]
         self._send_hyper()
+        scale_ptr = None
+        coeff, self._clip_coeff = self._clip_coeff, 1.0  # this step's clipping only
+        if coeff != 1.0:  # the kernel multiplies the grads by 1 / scale: by Megatron's clip coefficient
+            if self._clip_scale is None:
+                self._clip_scale = torch.empty(1, dtype=torch.float32, device=self.device)
+            self._clip_scale.fill_(1.0 / coeff)
+            scale_ptr = self._clip_scale.data_ptr()
         self._sync()  # the optimizer's streams read the grads
-        self.adam.step2_raw(n, self._ids, grads, gdt, self._numels, params, self._pdt)
+        self.adam.step2_raw(n, self._ids, grads, gdt, self._numels, params, self._pdt, grad_scale_ptr=scale_ptr)
 
     # -- mains from the model --
 
@@ -964,6 +978,40 @@ def checkpoint_loaded(state_dict, checkpoint_dir):
     for rec in _records(state_dict):
         rec["files_root"] = root
     return state_dict
+
+
+def _install_clip_hook():
+    """Megatron clips by scaling the main grads in place with clip_grad_by_total_norm_fp32, which takes
+    fp32 grads only. For the 16-bit grads a streamed step reads in the grad buffer
+    (StreamedState._read_grad_buffer_directly) the coefficient goes to that step as its grad scale
+    instead (the kernel multiplies in fp32, so the clipped grads are not rounded to 16 bits); every
+    other param is clipped by Megatron's own function as before."""
+    import functools
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    inner = megatron_optimizer.clip_grad_by_total_norm_fp32
+    if getattr(inner, "_optstate_hook", False):
+        return
+
+    @functools.wraps(inner)
+    def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        rest, owners = [], {}
+        for p in parameters:
+            ref = getattr(p, "_optstate_clip_to", None)
+            state = ref() if ref is not None and not use_decoupled_grad else None
+            if state is None:
+                rest.append(p)
+            elif p.grad is not None:
+                owners[id(state)] = state
+        if rest or not owners:
+            inner(rest, max_norm, total_norm, use_decoupled_grad)
+        coeff = float(max_norm) / (float(total_norm) + 1.0e-6)  # as Megatron's
+        for state in owners.values():
+            state._clip_coeff = min(coeff, 1.0)
+
+    clip._optstate_hook = True
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip
 
 
 def _install_checkpoint_hooks():

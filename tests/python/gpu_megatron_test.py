@@ -269,8 +269,8 @@ class GpuMegatronTest(unittest.TestCase):
         self.assertTrue(run["direct_grads"])  # the step read the bf16 grad buffer, no fp32 copy of it
 
     def test_bf16_grads_read_directly_match_megatrons(self):
-        # f32 moments, bf16 grads read from the grad buffer. clip_grad 1.0: in a step that clips,
-        # Megatron's clipping scales them in bf16, each element's update then within about 2^-7
+        # f32 moments, bf16 grads read from the grad buffer. clip_grad 1.0: in a step that clips, the
+        # coefficient comes from the bf16 grads' norm, each element's update then within about 2^-7
         # relative of Megatron's (docs/MEGATRON.md), the order of bf16 moments' per-step rounding:
         # every loss within 1e-2 relative, as for those.
         ref = self.run_phase("ref16g", mode="megatron", grad_fp32=False)

@@ -427,6 +427,41 @@ class MegatronTest(TempDirTest):
         run_steps(model, opts, 0, 3)
         self.check_close(refs, opts, ref_model, model)
 
+    def test_clipping_bf16_grads_read_directly_scales_the_step(self):
+        # Megatron's clip_grad_by_total_norm_fp32 takes fp32 grads only. For the bf16 grads the step reads
+        # in the grad buffer, its coefficient becomes that step's grad scale: the buffer is left as it
+        # is, and the moments are those of the clipped grads (float64 reference); the steps after it are
+        # not scaled, whether the norm is below max_norm or nothing clips (clip_grad 0).
+        from megatron.core.optimizer import optimizer as megatron_optimizer
+        model = Model(0, 1, grad_dtype=torch.bfloat16)
+        opt = make_dist_opt(model, 0, 1)
+        self.stream([opt])
+        st = opt._optstate
+        direct = [s for s in st.shards if s.own_main and s.main.dtype == torch.bfloat16]
+        self.assertTrue(direct)
+        m, v = {}, {}
+        for step, ratio in ((0, 0.25), (1, 4.0), (2, 0.5), (3, None)):  # max_norm / the grads' norm
+            model.set_grads(step)
+            schedule([opt], step)
+            self.assertFalse(opt.prepare_grads())
+            grads = {s.name: s.main.grad.double().clone() for s in direct}
+            norm = sum(float((g * g).sum()) for g in grads.values()) ** 0.5
+            if ratio is not None:
+                megatron_optimizer.clip_grad_by_total_norm_fp32([s.main for s in direct], ratio * norm, norm)
+            for s in direct:  # not scaled in place (Megatron's own clip would round them to bf16)
+                self.assertTrue(torch.equal(s.main.grad.double(), grads[s.name]), s.name)
+            self.assertTrue(opt.step_with_ready_grads())
+            coeff = min(ratio * norm / (norm + 1.0e-6), 1.0) if ratio is not None else 1.0
+            st.adam.make_durable()
+            for s in direct:
+                g = grads[s.name] * coeff
+                m[s.name] = 0.9 * m.get(s.name, 0.0) + 0.1 * g
+                v[s.name] = 0.95 * v.get(s.name, 0.0) + 0.05 * g * g
+                for field, want in (("exp_avg", m[s.name]), ("exp_avg_sq", v[s.name])):
+                    got = torch.from_numpy(st.store.read(s.name, field)).double()
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7,
+                                               msg=lambda d: "step %d %s %s: %s" % (step, s.name, field, d))
+
     def test_bf16_moments_within_bound(self):
         ref_model, model = Model(0, 1), Model(0, 1)
         refs, opts = [make_dist_opt(ref_model, 0, 1)], [make_dist_opt(model, 0, 1)]
