@@ -175,6 +175,7 @@ FullWrite WriteOfEveryChunk(const std::vector<vfs::TensorInfo>& tensors, uint64_
       const uint64_t bytes = t.field_bytes(f);
       const uint64_t per = t.field_chunk_bytes(f, chunk_size_bytes);
       w.logical_bytes += bytes;
+      if (per == 0) continue;  // no chunk geometry (never for an opened store)
       for (uint64_t at = 0; at < bytes; at += per) {
         ++w.chunks;
         w.allocated_bytes += ChunkAllocatedBytes(std::min(per, bytes - at), chunk_size_bytes);
