@@ -146,7 +146,9 @@ class UpdateRule {
   // or a param registered again: kInvalidArgument naming the store, the
   // tensor, the field and both dtypes. The default compares the dtype of
   // every declared field the tensor has (a missing field is the engine's
-  // error: it names the field).
+  // error: it names the field) and refuses a tensor holding a field the rule
+  // does not keep (another rule's state: SGD's momentum_buffer under plain
+  // SGD, AdamW's exp_avg_sq under Lion), naming it.
   virtual Status CheckStored(const std::string& store_path, const vfs::TensorInfo& t) const;
   // Checks the shape of a param registered under this rule (shape: the
   // registered local shape, {numel} when none was given) before anything

@@ -134,8 +134,19 @@ int RunReshardBench(const ReshardBenchOptions& o) {
   } else if (!fs::is_directory(dir)) {
     return FailWith(kTool, NotFound(fmt::format("--dir {} is not a directory", dir)));
   }
+  // What this run made goes when it ends: the whole directory it created,
+  // or under --dir the sources it wrote (so that the same --dir serves the
+  // next run); a src/ that was there before is the user's and stays.
+  const bool made_src = !fs::exists(dir + "/src");
+  auto cleanup = [&] {
+    if (own_dir) {
+      (void)RemoveTree(dir);
+    } else if (made_src) {
+      (void)RemoveTree(dir + "/src");
+    }
+  };
   auto fail = [&](const Status& st) {
-    if (own_dir) (void)RemoveTree(dir);
+    cleanup();
     return FailWith(kTool, st);
   };
   const bool use_fio = !o.no_fio && FioAvailable();
@@ -203,7 +214,7 @@ int RunReshardBench(const ReshardBenchOptions& o) {
       ratios.push_back(fio_time / t);
     }
   }
-  if (own_dir) (void)RemoveTree(dir);
+  cleanup();
   const double ratio = ratios.empty() ? NAN : Median(ratios);
   nlohmann::json j;
   j["machine"] = MachineInfo();

@@ -245,15 +245,16 @@ for d in "$CKPT"/*; do
     NFILES=$((NFILES + 1)); NBYTES=$((NBYTES + $(stat -c %s "$d/$f")))
     if [[ $f == ./manifest.json ]]; then
       # The manifest names the generation the files came from; the restored
-      # store has its own. Compare it with the generation-specific keys removed.
+      # store has its own. Compare it with the generation-specific keys removed
+      # (and the manifest's own checksum, which covers them).
       if ! cmp -s "$d/$f" "$MNT2/$s/latest/$f"; then
         diff "$d/$f" "$MNT2/$s/latest/$f" >"$OUT/manifest.$s.rawdiff" || true
-        if ! diff <(grep -v '"generation"\|"uuid"' "$d/$f") \
-                  <(grep -v '"generation"\|"uuid"' "$MNT2/$s/latest/$f") \
+        if ! diff <(grep -v '"generation"\|"uuid"\|"manifest_xxh3"' "$d/$f") \
+                  <(grep -v '"generation"\|"uuid"\|"manifest_xxh3"' "$MNT2/$s/latest/$f") \
                   >"$OUT/manifest.$s.diff"; then
           echo "MISMATCH: $s manifest.json (see $OUT/manifest.$s.diff)" >&2; MISMATCH=1
         else
-          echo "note: $s manifest.json differs only in generation/uuid lines ($OUT/manifest.$s.rawdiff)" >>"$OUT/verify.log"
+          echo "note: $s manifest.json differs only in generation/uuid/checksum lines ($OUT/manifest.$s.rawdiff)" >>"$OUT/verify.log"
         fi
       fi
     elif [[ $f == ./state.safetensors ]]; then

@@ -4,8 +4,8 @@
 // reopen in the middle; on the cuda backend the reference is still the CPU
 // kernel: they are bit-identical), the store keeps exactly the rule's fields,
 // SGD's first update per tensor starts its buffer, and a store is never
-// opened with another rule's fields. Built into memmgr_test (host) and
-// memmgr_gpu_test (cuda).
+// opened with another rule's fields (nor with fields its rule does not
+// keep). Built into memmgr_test (host) and memmgr_gpu_test (cuda).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -227,12 +227,104 @@ TEST(MomentumRulesChecks, AnotherRulesStoreAndBadHyperparametersAreRefused) {
     EXPECT_NE(r.ToString().find("momentum_buffer"), std::string::npos) << "[" << r.ToString() << "]";
   }
   {
-    auto plain = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), StreamedAdamOptions{},
-                                           NewSgdRule(MomentDType::kF32, false)));
-    Status s = plain->SetGroupHyperparams(0, {{"momentum", 0.5}});
-    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(s.message().find("momentum_buffer"), std::string::npos) << s.ToString();
+    // Plain SGD keeps main alone: Lion's exp_avg is another rule's state.
+    auto plain = StreamedAdam::Create(env.store.get(), env.mm.get(), StreamedAdamOptions{},
+                                      NewSgdRule(MomentDType::kF32, false));
+    ASSERT_FALSE(plain.ok());
+    EXPECT_EQ(plain.status().code(), StatusCode::kInvalidArgument);
+    for (const std::string& part : {env.store->path(), std::string("'w'"), std::string("exp_avg")}) {
+      EXPECT_NE(plain.status().message().find(part), std::string::npos) << part << ": " << plain.status().ToString();
+    }
   }
+  env.Close();
+  StoreEnv fresh;
+  fresh.Open(/*create=*/true, 16 * kChunk);
+  auto plain = MUST(StreamedAdam::Create(fresh.store.get(), fresh.mm.get(), StreamedAdamOptions{},
+                                         NewSgdRule(MomentDType::kF32, false)));
+  Status s = plain->SetGroupHyperparams(0, {{"momentum", 0.5}});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("momentum_buffer"), std::string::npos) << s.ToString();
+}
+
+// A store written by SGD with momentum holds a momentum_buffer per tensor: an
+// optimizer of plain SGD (no buffer) on it is refused at open, naming the
+// store and the field (and the tensor when the last generation's group has
+// momentum 0: the tensors are checked, not the group), and changes nothing:
+// the momentum optimizer then resumes exactly as a run that was never
+// interrupted (the whole-tensor kernel).
+TEST(MomentumRulesChecks, AMomentumStoreIsRefusedByPlainSgdAndResumesWithMomentum) {
+  MEMMGR_REQUIRE_BACKEND();
+  const uint64_t n = kChunk / 4 + 333;  // two chunks, the second partial
+  const Hyperparams with = {{"lr", 0.05}, {"momentum", 0.9}, {"nesterov", 1.0}, {"weight_decay", 0.01}};
+  const Hyperparams without = {{"lr", 0.05}, {"momentum", 0.0}};
+  // Steps 1-2 with momentum, step 3 with momentum 0 (the buffer kept).
+  auto hyper_at = [&](uint64_t step) { return step == 3 ? without : with; };
+  HostParam ref;
+  ref.main.resize(n);
+  for (uint64_t i = 0; i < n; ++i) ref.main[i] = RandF(7, i);
+  ref.moment.assign(n * 4, 0);
+  ref.param.assign(n, 0);
+  StoreEnv env;
+  env.Open(/*create=*/true, 16 * kChunk);
+  auto open_momentum = [&] {
+    return MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), StreamedAdamOptions{},
+                                     NewSgdRule(MomentDType::kF32, /*momentum_buffer=*/true)));
+  };
+  auto step = [&](StreamedAdam* sa, uint64_t t) {
+    std::vector<uint16_t> gh(n);
+    for (uint64_t i = 0; i < n; ++i) gh[i] = kernels::FloatToBf16(RandF(100 + t, i));
+    RefStep(Kind::kSgd, MomentDType::kF32, hyper_at(t), &ref, gh);
+    ASSERT_TRUE(sa->SetGroupHyperparams(0, hyper_at(t)).ok());
+    DeviceBuffer grad(env.mm.get(), n * 2), param(env.mm.get(), n * 2);
+    grad.Upload(gh.data());
+    ParamGrad pg;
+    pg.name = "w";
+    pg.d_grad = grad.get();
+    pg.grad_type = DType::kBF16;
+    pg.d_param = param.get();
+    pg.param_type = DType::kBF16;
+    pg.numel = n;
+    ASSERT_TRUE(sa->Step(std::vector<ParamGrad>{pg}).ok()) << "step " << t;
+    ASSERT_TRUE(sa->WaitForCommit().ok());
+  };
+  auto plain_is_refused = [&](bool names_tensor) {
+    const uint64_t gen = env.store->LatestGeneration().generation;
+    auto plain = StreamedAdam::Create(env.store.get(), env.mm.get(), StreamedAdamOptions{},
+                                      NewSgdRule(MomentDType::kF32, /*momentum_buffer=*/false));
+    ASSERT_FALSE(plain.ok()) << "plain SGD opened a store with momentum buffers";
+    const Status& st = plain.status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    std::vector<std::string> parts = {env.store->path(), "momentum_buffer"};
+    if (names_tensor) parts.push_back("'w'");
+    for (const std::string& part : parts) {
+      EXPECT_NE(st.message().find(part), std::string::npos) << "'" << part << "' missing from: " << st.ToString();
+    }
+    EXPECT_EQ(env.store->LatestGeneration().generation, gen);
+  };
+  {
+    auto sa = open_momentum();
+    DeviceBuffer init(env.mm.get(), n * 4);
+    init.Upload(ref.main.data());
+    ASSERT_TRUE(sa->RegisterParam("w", n, 0, init.get(), DType::kF32).ok());
+    for (uint64_t t = 1; t <= 2; ++t) step(sa.get(), t);
+  }
+  env.Close();
+  env.Open(/*create=*/false, 16 * kChunk);
+  plain_is_refused(/*names_tensor=*/false);  // the group's momentum 0.9 needs the buffer
+  {
+    auto sa = open_momentum();
+    ASSERT_TRUE(sa->RegisterParam("w", n, 0, nullptr, DType::kF32).ok());
+    step(sa.get(), 3);  // momentum 0: the group no longer needs the buffer, the tensor holds it
+  }
+  env.Close();
+  env.Open(/*create=*/false, 16 * kChunk);
+  plain_is_refused(/*names_tensor=*/true);
+  auto sa = open_momentum();
+  ASSERT_TRUE(sa->RegisterParam("w", n, 0, nullptr, DType::kF32).ok());
+  for (uint64_t t = 4; t <= 5; ++t) step(sa.get(), t);
+  EXPECT_EQ(MUST(sa->param_step_count("w")), 5u);
+  ExpectBytes(FieldBytes(env.store.get(), "w", "main"), ref.main, "w/main");
+  ExpectBytes(FieldBytes(env.store.get(), "w", "momentum_buffer"), ref.moment, "w/momentum_buffer");
 }
 
 // A store whose committed group holds a value its rule refuses (written by an

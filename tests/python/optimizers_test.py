@@ -253,6 +253,115 @@ class CheckpointHyperparametersTest(TempDirTest):
                     opt.close()
 
 
+class OtherOptimizerTest(TempDirTest):
+    """A store keeps the fields of the optimizer that wrote it. SGD with momentum's store (a
+    momentum_buffer per tensor) opened by an SGD without momentum (no buffer) raises
+    optstate.InvalidArgument naming the store and the field (and the tensor once the last step's
+    momentum was 0: the tensors are checked, not the group); the store is left as it was: the momentum
+    SGD resumes on it bit for bit as a run on another store that was never interrupted (and within fp32
+    rounding of torch.optim.SGD in float64). Lion <-> AdamW and Muon <-> AdamW likewise: each way is
+    refused naming the store, the tensor and the field (or both rules) and changes nothing."""
+
+    SGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+    def expect_refused(self, make, error, parts):
+        with self.assertRaises(error) as cm:
+            opt = make()
+            opt.close()  # not reached when refused
+        self.assertIsInstance(cm.exception, optstate.Error)
+        for part in parts:
+            self.assertIn(part, str(cm.exception))
+
+    def test_sgd_momentum_store_refused_without_momentum_and_resumes(self):
+        torch.manual_seed(0)
+        init = torch.randn(37, 5)
+        grads = [torch.randn(37, 5) for _ in range(6)]
+        store, other = self.path("sgd"), self.path("uninterrupted")
+        w, u = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+        theirs = torch.nn.Parameter(init.double().clone())
+        ref = torch.optim.SGD([theirs], foreach=False, **self.SGD_KW)
+        ours = ot.SGD([("w", u)], store=other, **dict(OPT_KW, **self.SGD_KW))
+
+        def step_both(opt, s):
+            w.grad, u.grad, theirs.grad = grads[s].clone(), grads[s].clone(), grads[s].double()
+            opt.step()
+            ours.step()
+            ref.step()
+
+        def plain():
+            return ot.SGD([("w", w)], store=store, lr=0.05, **OPT_KW)
+
+        try:
+            opt = ot.SGD([("w", w)], store=store, **dict(OPT_KW, **self.SGD_KW))
+            for s in range(2):
+                step_both(opt, s)
+            opt.close()
+            # The group's momentum 0.9 needs the buffer the new optimizer would not keep.
+            self.expect_refused(plain, optstate.InvalidArgument, (store, "momentum_buffer"))
+            opt = ot.SGD([("w", w)], store=store, **dict(OPT_KW, **self.SGD_KW))
+            opt.param_groups[0]["momentum"] = 0.0  # steps on without momentum, the buffer kept
+            ours.param_groups[0]["momentum"] = ref.param_groups[0]["momentum"] = 0.0
+            opt.param_groups[0]["nesterov"] = ours.param_groups[0]["nesterov"] = False
+            ref.param_groups[0]["nesterov"] = False
+            step_both(opt, 2)
+            opt.close()
+            for group in (ours.param_groups[0], ref.param_groups[0]):  # as the reopened optimizer's
+                group.update(momentum=0.9, nesterov=True)
+            self.expect_refused(plain, optstate.InvalidArgument, (store, "'w'", "momentum_buffer"))
+            opt = ot.SGD([("w", w)], store=store, **dict(OPT_KW, **self.SGD_KW))
+            try:
+                self.assertEqual(opt.param_step_count(w), 3)
+                for s in range(3, 6):
+                    step_both(opt, s)
+                self.assertTrue(torch.equal(w.detach(), u.detach()))
+                self.assertTrue(torch.equal(opt.state[w]["momentum_buffer"], ours.state[u]["momentum_buffer"]))
+                torch.testing.assert_close(w.detach().double(), theirs.detach(), rtol=0, atol=1e-5)
+            finally:
+                opt.close()
+        finally:
+            ours.close()
+
+    def test_lion_adamw_and_muon_adamw_refuse_each_others_stores(self):
+        def lion(ps, store):
+            return ot.Lion(ps, store=store, lr=1e-3, **OPT_KW)
+
+        def adamw(ps, store):
+            return ot.AdamW(ps, store=store, lr=1e-3, **OPT_KW)
+
+        def muon(ps, store):
+            return ot.Muon(ps, store=store, lr=1e-3, **OPT_KW)
+
+        cases = (  # written by, opened by, error, what the message names besides the store and tensor
+            ("lion-adamw", lion, adamw, optstate.AlreadyExists, ("exp_avg_sq",)),
+            ("adamw-lion", adamw, lion, optstate.InvalidArgument, ("exp_avg_sq",)),
+            ("muon-adamw", muon, adamw, optstate.AlreadyExists, ("exp_avg", "exp_avg_sq")),
+            ("adamw-muon", adamw, muon, optstate.InvalidArgument, ("AdamW", "Muon")),
+        )
+        for label, first, second, error, names in cases:
+            with self.subTest(case=label):
+                store = self.path(label)
+                torch.manual_seed(0)
+                w = torch.nn.Parameter(torch.randn(6, 4))
+                opt = first([("w", w)], store)
+                for _ in range(2):
+                    w.grad = torch.randn(6, 4)
+                    opt.step()
+                opt.close()
+                before = w.detach().clone()
+                self.expect_refused(lambda: second([("w", w)], store), error, (store, "'w'") + names)
+                self.assertTrue(torch.equal(w.detach(), before))
+                # The writer resumes on it: the main it stepped, its step count.
+                opt = first([("w", w)], store)
+                try:
+                    self.assertEqual(opt.param_step_count(w), 2)
+                    self.assertTrue(torch.equal(w.detach(), before))
+                    w.grad = torch.randn(6, 4)
+                    opt.step()
+                    self.assertEqual(opt.param_step_count(w), 3)
+                finally:
+                    opt.close()
+
+
 class Bf16MomentTest(TempDirTest):
     """bf16 moments: each step against an fp64 update of the stored (bf16) state: main within fp32
     rounding, the stored moment within half a bf16 ulp of the fp64 one."""

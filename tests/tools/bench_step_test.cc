@@ -506,6 +506,57 @@ TEST(BenchStepTest, ReportsBytesWrittenPerStepForEachMomentDtype) {
   EXPECT_NE(r.err.find("8 chunks"), std::string::npos) << r.err;
 }
 
+// The bytes per param a step writes are the state's (the rule's fields: f32
+// main 4 and each f32 moment 4, bf16 2), also for a small --state whose
+// tensors are short chunks in pieces (--hidden 128: 512-byte layer norms):
+// AdamW 12 (8 with bf16 moments), Lion 8, SGD with momentum 8, plain SGD 4,
+// Muon's matrices 8 beside AdamW's 12. The disk space the store allocates
+// for those chunks (4 KiB pieces) is reported apart, and is more.
+TEST(BenchStepTest, BytesPerParamWrittenAreTheRulesState) {
+  TempDir dir;
+  for (const auto& [optimizer, bytes_per_param] :
+       {std::pair<std::string, double>{"adamw", 12}, {"lion", 8}, {"sgd", 8}, {"sgd_plain", 4}, {"muon", 0}}) {
+    SCOPED_TRACE(optimizer);
+    std::vector<std::string> args = {"step", "--dir", dir.path(), "--optimizer", optimizer, "--state", "4M",
+                                     "--hidden", "128", "--chunk-size", "2M", "--budget", "32M", "--backend",
+                                     "host", "--rounds", "2", "--no-fio", "--baselines", "none", "--json"};
+    if (optimizer == "adamw") args.push_back("--bf16-moments");
+    auto r = Tool("optstate-bench", args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json j = ParseJson(r);
+    const uint64_t params = j["params"].get<uint64_t>(), state = j["state_bytes"].get<uint64_t>();
+    const auto& by_rule = j["state_bytes_per_param_by_rule"];
+    if (optimizer == "muon") {
+      EXPECT_EQ(by_rule, nlohmann::json({{"Muon", 8.0}, {"AdamW", 12.0}})) << by_rule;
+      EXPECT_GT(state, 8 * params);
+      EXPECT_LT(state, 12 * params);
+    } else {
+      ASSERT_EQ(by_rule.size(), 1u) << by_rule;
+      EXPECT_DOUBLE_EQ(by_rule.begin().value().get<double>(), bytes_per_param) << by_rule;
+      EXPECT_EQ(state, static_cast<uint64_t>(bytes_per_param) * params);
+    }
+    EXPECT_DOUBLE_EQ(j["state_bytes_per_param"].get<double>(),
+                     static_cast<double>(state) / static_cast<double>(params));
+    // Every timed step, the first included, writes the state once.
+    ASSERT_EQ(j["write_bytes_per_step"]["ours"].size(), 2u);
+    for (const auto& w : j["write_bytes_per_step"]["ours"]) EXPECT_EQ(w.get<uint64_t>(), state);
+    EXPECT_GT(j["allocated_bytes_per_step"]["ours"].get<uint64_t>(), state);
+    if (optimizer == "adamw") {
+      for (const auto& w : j["write_bytes_per_step"]["ours_bf16_moments"]) EXPECT_EQ(w.get<uint64_t>(), 8 * params);
+      EXPECT_GT(j["allocated_bytes_per_step"]["ours_bf16_moments"].get<uint64_t>(), 8 * params);
+    }
+  }
+  // The text report: the state's bytes per param, and the disk's apart.
+  auto r = Tool("optstate-bench", {"step", "--dir", dir.path(), "--optimizer", "lion", "--state", "4M", "--hidden",
+                                   "128", "--chunk-size", "2M", "--budget", "32M", "--backend", "host", "--rounds",
+                                   "1", "--no-fio", "--baselines", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("written per step, lion, f32: 4 MiB of chunks (8.00 B/param of state); on disk, pieces "
+                       "and slots as allocated: "),
+            std::string::npos)
+      << r.out;
+}
+
 // --optimizer muon steps the mix's weight matrices with Muon (8 B/param) and
 // the rest with AdamW (12 B/param): the state it reports lies strictly
 // between the two, and a budget that cannot hold a matrix whole (h = 1024:

@@ -1,11 +1,13 @@
 // optstate-inspect on a small real store: every command's --json output is
 // parsed back and compared with values computed here from the data written
 // (the independent reference) and with the library's own answers.
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -23,6 +25,7 @@ namespace {
 using testing::ParseJson;
 using testing::TempDir;
 using testing::Tool;
+namespace fs = std::filesystem;
 
 constexpr uint64_t kChunk = 2 * vfs::kMiB;
 constexpr uint64_t kPerChunk = kChunk / 4;
@@ -199,7 +202,9 @@ TEST_F(InspectTest, StatMatchesTheLibrary) {
 }
 
 // Bytes a step writes, derived from the store: this store's three f32 fields
-// (12 B/param), in whole chunks of 2 MiB (a partial last one per field).
+// (12 B/param), in whole chunks of 2 MiB (a partial last one per field). On
+// disk each short chunk takes a 4 KiB piece: the weight's tail (1000
+// floats) and the bias (777 floats), in each of the three fields.
 TEST_F(InspectTest, StatReportsBytesWrittenPerStep) {
   auto r = Tool("optstate-inspect", {path_, "stat", "--json", "--step-seconds", "2.5"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -214,8 +219,12 @@ TEST_F(InspectTest, StatReportsBytesWrittenPerStep) {
   EXPECT_EQ(p["chunks"].get<uint64_t>(), chunks);  // weight: 3 chunks a field, bias: 1
   EXPECT_EQ(chunks, 12u);
   EXPECT_EQ(p["index_bytes"].get<uint64_t>(), chunks * 54);
-  EXPECT_EQ(p["bytes"].get<uint64_t>(), params * 12 + chunks * 54);
-  EXPECT_DOUBLE_EQ(p["tb_per_day"].get<double>(), static_cast<double>(params * 12 + chunks * 54) * 86400 / 2.5 / 1e12);
+  const uint64_t allocated = 3 * (2 * kChunk + 4096) + 3 * 4096;
+  EXPECT_EQ(p["allocated_bytes"].get<uint64_t>(), allocated);
+  EXPECT_DOUBLE_EQ(p["allocated_bytes_per_param"].get<double>(),
+                   static_cast<double>(allocated) / static_cast<double>(params));
+  EXPECT_EQ(p["bytes"].get<uint64_t>(), allocated + chunks * 54);
+  EXPECT_DOUBLE_EQ(p["tb_per_day"].get<double>(), static_cast<double>(allocated + chunks * 54) * 86400 / 2.5 / 1e12);
   auto text = Tool("optstate-inspect", {path_, "stat", "--step-seconds", "2.5"});
   ASSERT_EQ(text.exit_code, 0) << text.err;
   EXPECT_NE(text.out.find("drive writes per day at 2.500 s a step"), std::string::npos) << text.out;
@@ -251,14 +260,78 @@ TEST(InspectEnduranceTest, BytesPerStepOfF32AndBf16MomentStores) {
     const uint64_t moment_size = (bytes_per_param - 4) / 2;
     const uint64_t chunks = (4 * n + kChunk - 1) / kChunk + 2 * ((moment_size * n + kChunk - 1) / kChunk);
     EXPECT_EQ(p["chunks"].get<uint64_t>(), chunks) << moments;
-    EXPECT_DOUBLE_EQ(p["tb_per_day"].get<double>(),
-                     static_cast<double>(n * bytes_per_param + chunks * 54) * 86400 / 0.5 / 1e12);
+    // Each field's tail is a short chunk in a piece (at most a chunk more).
+    const uint64_t allocated = p["allocated_bytes"].get<uint64_t>();
+    EXPECT_GT(allocated, n * bytes_per_param) << moments;
+    EXPECT_LT(allocated, n * bytes_per_param + 3 * kChunk) << moments;
+    EXPECT_DOUBLE_EQ(p["tb_per_day"].get<double>(), static_cast<double>(allocated + chunks * 54) * 86400 / 0.5 / 1e12);
     const uint64_t lifetime0 = j["lifetime_bytes_written"].get<uint64_t>();
     b = Tool("optstate-bench", step);
     ASSERT_EQ(b.exit_code, 0) << b.err;
     r = Tool("optstate-inspect", {store, "stat", "--json"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_EQ(ParseJson(r)["lifetime_bytes_written"].get<uint64_t>() - lifetime0, n * bytes_per_param) << moments;
+  }
+}
+
+// Many tiny tensors (10 floats: 40 bytes a chunk): the store writes each
+// chunk into a whole 4 KiB piece. stat's bytes on disk per step and its
+// estimate of the lifetime's equal the store allocator's own count of the
+// pieces written (pending before the commit, referenced after it), which the
+// data file's allocated blocks hold; the logical bytes stay beside them.
+TEST(InspectPiecesTest, StatCountsTheDiskSpaceOfManyTinyTensors) {
+  TempDir dir;
+  const std::string path = dir / "tiny";
+  std::unique_ptr<vfs::Store> store = testing::CreateTestStore(path);
+  ASSERT_NE(store, nullptr);
+  fs::path file = store->identity().data_dirs[0];
+  if (file.is_relative()) file = fs::path(path) / file;
+  file /= store->identity().uuid + ".chunks";
+  auto blocks = [&] {
+    struct stat sb {};
+    EXPECT_EQ(::stat(file.c_str(), &sb), 0) << file;
+    return static_cast<uint64_t>(sb.st_blocks) * 512;
+  };
+  const uint64_t blocks0 = blocks();
+  constexpr uint64_t kTensors = 300, kNumel = 10;
+  for (uint64_t k = 0; k < kTensors; ++k) {
+    vfs::TensorSpec spec;
+    spec.name = "norm." + std::to_string(k);
+    spec.numel = kNumel;
+    auto t = store->CreateTensor(spec);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    for (uint32_t f = 0; f < 3; ++f) {
+      testing::WriteFloatField(store.get(), t->id, f, kNumel, [&](uint64_t i) { return static_cast<float>(k + i + f); });
+    }
+  }
+  const uint64_t pending = store->Stats()->pending_bytes;
+  vfs::CommitInfo ci;
+  ci.step = 1;
+  ASSERT_TRUE(store->Commit(ci).ok());
+  const uint64_t referenced = store->Stats()->referenced_extent_bytes;
+  EXPECT_EQ(referenced, pending);
+  const uint64_t logical = kTensors * 3 * kNumel * 4;
+  EXPECT_GT(pending, logical);
+  EXPECT_GE(blocks() - blocks0, pending);  // the file holds the pieces' space
+
+  auto r = Tool("optstate-inspect", {path, "stat", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = ParseJson(r);
+  const auto p = j["per_step"];
+  EXPECT_EQ(p["chunks"].get<uint64_t>(), kTensors * 3);
+  EXPECT_EQ(p["chunk_bytes"].get<uint64_t>(), logical);
+  EXPECT_EQ(p["allocated_bytes"].get<uint64_t>(), pending);
+  EXPECT_EQ(p["bytes"].get<uint64_t>(), pending + kTensors * 3 * 54);
+  EXPECT_DOUBLE_EQ(p["allocated_bytes_per_param"].get<double>(),
+                   static_cast<double>(pending) / static_cast<double>(kTensors * kNumel));
+  EXPECT_EQ(j["lifetime_bytes_written"].get<uint64_t>(), logical);
+  EXPECT_EQ(j["lifetime_allocated_bytes_estimate"].get<uint64_t>(), referenced);
+  auto text = Tool("optstate-inspect", {path, "stat"});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  for (const char* part :
+       {"(12.00 B/param logical); on disk, pieces and slots as allocated: ",
+        "of chunks (logical, the store's count); on disk, pieces and slots as allocated: about "}) {
+    EXPECT_NE(text.out.find(part), std::string::npos) << part << "\n" << text.out;
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "base/dtype.h"
 #include "kernels/adam.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/muon_rule.h"
@@ -66,7 +67,8 @@ int RunCompare(const StepOptions& o) {
   }
   // Muon: 8 B/param for the weight matrices (main, momentum_buffer), 12 for
   // the AdamW rest (layer norms, biases); sized as 8, counted exactly below.
-  const uint64_t bytes_per_param = adamw ? 12 : 8;
+  // Plain SGD: main alone, 4.
+  const uint64_t bytes_per_param = adamw ? 12 : o.optimizer == "sgd_plain" ? 4 : 8;
   std::string dir = o.dir;
   bool own_dir = dir.empty();
   if (own_dir) {
@@ -163,6 +165,13 @@ int RunCompare(const StepOptions& o) {
     if (!r.ok()) return FailWith(kTool, r.status());
     rules.push_back(std::move(*r));
   }
+  // Each rule's state per param: its fields' bytes (a q8 scale covers a block).
+  std::vector<std::pair<std::string, double>> rule_bytes_per_param;
+  for (const auto& r : rules) {
+    double b = 0;
+    for (const memmgr::RuleField& f : r->Fields()) b += static_cast<double>(DTypeSize(f.dtype)) / f.elems_per_value;
+    rule_bytes_per_param.emplace_back(std::string(r->name()), b);
+  }
   auto opt = memmgr::StreamedAdam::Create(store->get(), mm->get(), ao, std::move(rules));
   if (!opt.ok()) return FailWith(kTool, opt.status());
   memmgr::ParamGroup g;
@@ -172,6 +181,8 @@ int RunCompare(const StepOptions& o) {
     gs = (*opt)->SetGroup(g);
   } else if (o.optimizer == "lion") {
     gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-4}, {"weight_decay", 0.01}});
+  } else if (o.optimizer == "sgd_plain") {
+    gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-2}});
   } else if (muon) {
     gs = (*opt)->SetGroupHyperparams(0, {{"lr", 2e-4}, {"weight_decay", 0.01}, {"adjust_lr_fn", 1.0}});
   } else {
@@ -227,6 +238,10 @@ int RunCompare(const StepOptions& o) {
   // Warm-up step: commits the registrations and writes the moments, so every
   // timed step reads and writes all the rule's bytes per parameter.
   if (Status s = (*opt)->Step(pg); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step"));
+  // Its commit (in the background with --commit-lag 1) ends here, so that
+  // neither its time nor the manager's count of its writes (added when the
+  // commit ends) falls into the first timed step.
+  if (Status s = (*opt)->WaitForCommit(); !s.ok()) return FailWith(kTool, s.WithContext("warm-up step's commit"));
 
   const std::string disk_path = dir + "/store";
   const std::vector<const void*> grad_cptrs(grad_ptrs.begin(), grad_ptrs.end());
@@ -267,6 +282,8 @@ int RunCompare(const StepOptions& o) {
   bool use_fio = !o.no_fio && FioAvailable();
   if (!o.no_fio && !use_fio) Note("fio not found: no I/O floor");
   CompareResults res;
+  res.rule_bytes_per_param = std::move(rule_bytes_per_param);
+  res.write_ours = WriteOfEveryChunk((*store)->ListTensors(), c->chunk);
   // Round r steps the stores in the order (f32, extras...) rotated left by r,
   // so that each follows each other's writes (an SSD's write cache and
   // garbage collection slow the later writer) equally often. With one extra

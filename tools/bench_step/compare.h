@@ -18,6 +18,7 @@
 #include "tools/bench_miles_streaming.h"
 #include "tools/bench_step/step.h"
 #include "tools/internal/process.h"
+#include "tools/internal/store_read.h"
 #include "vfs/store.h"
 
 namespace optstate::tools::bench::step {
@@ -79,6 +80,12 @@ struct CompareResults {
   std::vector<std::pair<uint64_t, uint64_t>> step_io;
   // Per timed step: chunk bytes written to the store (the manager's count).
   std::vector<uint64_t> step_written;
+  // The state's bytes per param of each rule stepped (its fields: f32 main
+  // and moments), in rule order, by rule name.
+  std::vector<std::pair<std::string, double>> rule_bytes_per_param;
+  // What a step writes of ours' store (every chunk of every field): logical
+  // bytes and the disk space of those versions as the store allocates them.
+  FullWrite write_ours;
   // --prefetch: exposed step seconds in the loop simulation, without and with
   // Prefetch(), and the bytes each step found prefetched.
   std::vector<double> t_loop_plain, t_loop_prefetch;

@@ -74,12 +74,15 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"f32", "bf16", "q8"}));
   sub->add_option("--optimizer", o->optimizer,
                   "comparison mode: the update rule stepped, adamw (12 B/param), lion or sgd (8 B/param: one "
-                  "moment; --state is then that many bytes of it), or muon (8 B/param for the weight "
-                  "matrices, each stepped whole, and AdamW's 12 for the rest); miles' streaming and the "
-                  "moment-dtype stores are Adam's and run only with adamw (default adamw)")
-      ->check(CLI::IsMember({"adamw", "lion", "sgd", "muon"}));
+                  "moment; --state is then that many bytes of it), sgd_plain (SGD without momentum: 4 B/param, "
+                  "the main alone), or muon (8 B/param for the weight matrices, each stepped whole, and "
+                  "AdamW's 12 for the rest); miles' streaming and the moment-dtype stores are Adam's and run "
+                  "only with adamw (default adamw)")
+      ->check(CLI::IsMember({"adamw", "lion", "sgd", "sgd_plain", "muon"}));
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
-  sub->add_option("--state", o->state_text, "comparison mode: state bytes, 12 B/param for adamw, 8 for lion and sgd (default 1G)");
+  sub->add_option("--state", o->state_text,
+                  "comparison mode: state bytes, 12 B/param for adamw, 8 for lion and sgd, 4 for sgd_plain "
+                  "(default 1G)");
   sub->add_option("--rounds", o->rounds, "comparison mode: interleaved rounds (default 3)");
   sub->add_flag("--no-fio", o->no_fio, "skip the fio floor");
   sub->add_flag("--no-baselines", o->no_baselines, "skip every baseline but the floor (--baselines none)");

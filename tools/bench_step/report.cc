@@ -12,6 +12,7 @@
 #include "tools/bench_step/compare.h"
 #include "tools/internal/bench.h"
 #include "tools/internal/cli.h"
+#include "tools/internal/store_read.h"
 #include "vfs/store.h"
 
 namespace optstate::tools::bench::step {
@@ -185,6 +186,18 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
   };
   const std::vector<uint64_t>& step_written_bf16 = bf16 ? bf16->written : kNoBytes;
   const std::vector<uint64_t>& step_written_q8 = q8 ? q8->written : kNoBytes;
+  // The state's bytes per param (what a step reads and writes of it, the
+  // rules' fields) and, apart, the disk space a step's chunks take as the
+  // store allocates them (a short chunk takes a piece of at least 4 KiB).
+  out["state_bytes_per_param"] =
+      cmp.numel_total ? static_cast<double>(cmp.state_bytes) / static_cast<double>(cmp.numel_total) : 0.0;
+  out["state_bytes_per_param_by_rule"] = nlohmann::json::object();
+  for (const auto& [rule, b] : res.rule_bytes_per_param) out["state_bytes_per_param_by_rule"][rule] = b;
+  const FullWrite write_bf16 = bf16 ? WriteOfEveryChunk(bf16->store->ListTensors(), c.chunk) : FullWrite{};
+  const FullWrite write_q8 = q8 ? WriteOfEveryChunk(q8->store->ListTensors(), c.chunk) : FullWrite{};
+  out["allocated_bytes_per_step"] = {{"ours", res.write_ours.allocated_bytes},
+                                     {"ours_bf16_moments", write_bf16.allocated_bytes},
+                                     {"ours_q8_moments", write_q8.allocated_bytes}};
   out["write_bytes_per_step"] = {{"ours", res.step_written},
                                  {"ours_bf16_moments", step_written_bf16},
                                  {"ours_q8_moments", step_written_q8}};
@@ -303,18 +316,26 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
     hits += (hits.empty() ? "" : " ") + FormatBytes(hit);
   }
   std::cout << fmt::format("per step: read from the store [{}]  served by the host cache [{}]\n", reads, hits);
-  for (const auto& [name, written, secs] :
-       {std::tuple<const char*, const std::vector<uint64_t>*, const std::vector<double>*>{
-            "f32 moments", &res.step_written, &res.t_ours},
-        {"bf16 moments", &step_written_bf16, &t_bf16},
-        {"q8 moments", &step_written_q8, &t_q8}}) {
+  const std::string ours_name = o.optimizer == "adamw" ? "f32 moments" : o.optimizer + ", f32";
+  for (const auto& [name, written, secs, write] :
+       {std::tuple<const char*, const std::vector<uint64_t>*, const std::vector<double>*, const FullWrite*>{
+            ours_name.c_str(), &res.step_written, &res.t_ours, &res.write_ours},
+        {"bf16 moments", &step_written_bf16, &t_bf16, &write_bf16},
+        {"q8 moments", &step_written_q8, &t_q8, &write_q8}}) {
     if (written->empty()) continue;
     std::vector<double> w(written->begin(), written->end());
+    const double n = static_cast<double>(cmp.numel_total);
+    // Piece rounding apart, when the store's chunks take more disk than their bytes.
+    const std::string disk =
+        write->allocated_bytes > write->logical_bytes
+            ? fmt::format("; on disk, pieces and slots as allocated: {} ({:.2f} B/param)",
+                          FormatBytes(write->allocated_bytes), static_cast<double>(write->allocated_bytes) / n)
+            : "";
     std::cout << fmt::format(
-        "written per step, {}: {} of chunks ({:.2f} B/param); at the median step time {}: {:.3f} TB of drive "
-        "writes per day\n",
-        name, FormatBytes(static_cast<uint64_t>(Median(w))), Median(w) / static_cast<double>(cmp.numel_total),
-        FormatSeconds(Median(*secs)), tb_per_day(*written, *secs));
+        "written per step, {}: {} of chunks ({:.2f} B/param of state){}; at the median step time {}: {:.3f} TB "
+        "of drive writes per day\n",
+        name, FormatBytes(static_cast<uint64_t>(Median(w))), Median(w) / n, disk, FormatSeconds(Median(*secs)),
+        tb_per_day(*written, *secs));
   }
   if (o.prefetch_compute_s > 0) {
     std::string found;

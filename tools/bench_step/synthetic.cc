@@ -15,6 +15,7 @@
 #include "tools/bench_step/step.h"
 #include "tools/internal/cli.h"
 #include "tools/internal/device_buffer.h"
+#include "tools/internal/store_read.h"
 #include "vfs/store.h"
 
 namespace optstate::tools::bench::step {
@@ -187,11 +188,14 @@ int RunSynthetic(const StepOptions& o) {
   const uint64_t write_bytes_per_step = (ms.nvme_write_bytes - written0) / o.steps;
   const double step_seconds = secs / static_cast<double>(o.steps);
   const double tb_per_day = static_cast<double>(write_bytes_per_step) * 86400.0 / step_seconds / 1e12;
+  // Apart: the disk space a step's chunks take as the store allocates them.
+  const FullWrite write = WriteOfEveryChunk(store->ListTensors(), store->identity().chunk_size_bytes);
   nlohmann::json out = {{"store", o.store}, {"created", created},
                         {"moments", o.moments},
                         {"write_bytes_per_step", write_bytes_per_step},
                         {"write_bytes_per_param", static_cast<double>(write_bytes_per_step) /
                                                       static_cast<double>(o.params)},
+                        {"allocated_bytes_per_step", write.allocated_bytes},
                         {"step_seconds", step_seconds},
                         {"drive_writes_tb_per_day", tb_per_day},
                         {"backend", memmgr::BackendName((*mm)->backend())},
@@ -211,10 +215,16 @@ int RunSynthetic(const StepOptions& o) {
         memmgr::BackendName((*mm)->backend()), FormatSeconds(secs), (*opt)->step_count(0),
         (*opt)->last_generation(), o.snapshot.empty() ? "" : ", snapshot " + o.snapshot,
         FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.budget_bytes), o.store);
-    std::cout << fmt::format("written per step ({} moments): {} of chunks ({:.2f} B/param); at {} a step: "
-                             "{:.3f} TB of drive writes per day\n",
+    const std::string disk =
+        write.allocated_bytes > write.logical_bytes
+            ? fmt::format("; on disk, pieces and slots as allocated: {} ({:.2f} B/param)",
+                          FormatBytes(write.allocated_bytes),
+                          static_cast<double>(write.allocated_bytes) / static_cast<double>(o.params))
+            : "";
+    std::cout << fmt::format("written per step ({} moments): {} of chunks ({:.2f} B/param of state){}; at {} a "
+                             "step: {:.3f} TB of drive writes per day\n",
                              o.moments, FormatBytes(write_bytes_per_step),
-                             static_cast<double>(write_bytes_per_step) / static_cast<double>(o.params),
+                             static_cast<double>(write_bytes_per_step) / static_cast<double>(o.params), disk,
                              FormatSeconds(step_seconds), tb_per_day);
   }
   return 0;

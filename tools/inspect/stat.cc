@@ -51,28 +51,20 @@ json GroupsJson(const std::vector<vfs::GroupInfo>& groups) {
 constexpr uint64_t kIndexBytesPerChunk = 26 + 28;
 
 // What one optimizer step writes to the store: a StreamedAdam step rewrites
-// every chunk of every field (main, exp_avg, exp_avg_sq) to a fresh extent,
-// so its chunk bytes are each field's numel x element size, and its commit
-// adds one chunk-map entry per chunk to the index (logical batch bytes;
-// RocksDB's log and compactions write a small multiple of them).
+// every chunk of every field (main, exp_avg, exp_avg_sq) to a fresh extent:
+// its chunk bytes are each field's numel x element size, the disk space of
+// those versions is what the store allocates for them (a short chunk takes a
+// whole piece of at least 4 KiB), and its commit adds one chunk-map entry per
+// chunk to the index (logical batch bytes; RocksDB's log and compactions
+// write a small multiple of them).
 struct StepWrites {
-  uint64_t params = 0;
-  uint64_t chunk_bytes = 0;
-  uint64_t chunks = 0;
-  uint64_t index_bytes() const { return chunks * kIndexBytesPerChunk; }
-  uint64_t bytes() const { return chunk_bytes + index_bytes(); }
+  FullWrite chunks;
+  uint64_t index_bytes() const { return chunks.chunks * kIndexBytesPerChunk; }
+  uint64_t bytes() const { return chunks.allocated_bytes + index_bytes(); }
 };
 
-StepWrites BytesPerStep(const std::vector<vfs::TensorInfo>& tensors, uint64_t chunk_size_bytes) {
-  StepWrites w;
-  for (const auto& t : tensors) {
-    w.params += t.numel;
-    for (uint32_t f = 0; f < t.fields.size(); ++f) {
-      w.chunk_bytes += t.field_bytes(f);
-      w.chunks += t.field_chunk_count(f, chunk_size_bytes);
-    }
-  }
-  return w;
+double PerParam(uint64_t bytes, uint64_t params) {
+  return params ? static_cast<double>(bytes) / static_cast<double>(params) : 0.0;
 }
 
 // "f32 12 B/param" style summary of the moment dtypes present: the state
@@ -154,19 +146,29 @@ int Stat(const Args& a) {
   out["leases"] = st->leases;
   out["tensors"] = store.ListTensors().size();
   const std::vector<vfs::TensorInfo> tensors = store.ListTensors();
-  const StepWrites w = BytesPerStep(tensors, id.chunk_size_bytes);
+  const StepWrites w{WriteOfEveryChunk(tensors, id.chunk_size_bytes)};
   const double bytes_per_day = static_cast<double>(w.bytes()) * 86400.0 / a.step_seconds;
-  out["per_step"] = {{"params", w.params},
+  out["per_step"] = {{"params", w.chunks.params},
                      {"moment_dtypes", MomentDtypes(tensors)},
-                     {"chunks", w.chunks},
-                     {"chunk_bytes", w.chunk_bytes},
+                     {"chunks", w.chunks.chunks},
+                     {"chunk_bytes", w.chunks.logical_bytes},
+                     {"allocated_bytes", w.chunks.allocated_bytes},
                      {"index_bytes", w.index_bytes()},
                      {"bytes", w.bytes()},
-                     {"chunk_bytes_per_param",
-                      w.params ? static_cast<double>(w.chunk_bytes) / static_cast<double>(w.params) : 0.0},
+                     {"chunk_bytes_per_param", PerParam(w.chunks.logical_bytes, w.chunks.params)},
+                     {"allocated_bytes_per_param", PerParam(w.chunks.allocated_bytes, w.chunks.params)},
                      {"step_seconds", a.step_seconds},
                      {"bytes_per_day", bytes_per_day},
                      {"tb_per_day", bytes_per_day / 1e12}};
+  // The store counts the logical bytes of what it wrote; the disk space of
+  // those writes follows from this store's chunks when, as a step does, every
+  // chunk was written alike (registrations write main alone: an estimate).
+  out["lifetime_allocated_bytes_estimate"] =
+      w.chunks.logical_bytes == 0
+          ? st->lifetime_bytes_written
+          : static_cast<uint64_t>(static_cast<double>(st->lifetime_bytes_written) *
+                                  static_cast<double>(w.chunks.allocated_bytes) /
+                                  static_cast<double>(w.chunks.logical_bytes));
   if (a.json) {
     PrintJson(out);
     return 0;
@@ -200,17 +202,22 @@ int Stat(const Args& a) {
   std::cout << t.Render();
   std::cout << fmt::format(
       "index {}; live {}; referenced extents {}; pending {}\n"
-      "bytes written over the store's life: {} (SSD endurance)\nleases: {}\n",
+      "bytes written over the store's life (SSD endurance): {} of chunks (logical, the store's count); "
+      "on disk, pieces and slots as allocated: about {}\nleases: {}\n",
       FormatBytes(index_bytes), FormatBytes(st->live_bytes),
       FormatBytes(st->referenced_extent_bytes), FormatBytes(st->pending_bytes),
-      FormatBytes(st->lifetime_bytes_written), st->leases);
+      FormatBytes(st->lifetime_bytes_written), FormatBytes(out["lifetime_allocated_bytes_estimate"].get<uint64_t>()),
+      st->leases);
   std::cout << fmt::format(
       "\nwrites per step (every chunk of every field to a fresh extent, plus its index entries):\n"
-      "  {} params, moments {}: {} in {} chunks ({:.2f} B/param) + index {} = {}\n"
-      "  drive writes per day at {} a step: {:.3f} TB (--step-seconds S for another step time)\n",
-      w.params, MomentDtypes(tensors), FormatBytes(w.chunk_bytes), w.chunks,
-      w.params ? static_cast<double>(w.chunk_bytes) / static_cast<double>(w.params) : 0.0,
-      FormatBytes(w.index_bytes()), FormatBytes(w.bytes()), FormatSeconds(a.step_seconds), bytes_per_day / 1e12);
+      "  {} params, moments {}: {} in {} chunks ({:.2f} B/param logical); on disk, pieces and slots as "
+      "allocated: {} ({:.2f} B/param)\n"
+      "  + index {} = {}; drive writes per day at {} a step: {:.3f} TB (--step-seconds S for another step "
+      "time)\n",
+      w.chunks.params, MomentDtypes(tensors), FormatBytes(w.chunks.logical_bytes), w.chunks.chunks,
+      PerParam(w.chunks.logical_bytes, w.chunks.params), FormatBytes(w.chunks.allocated_bytes),
+      PerParam(w.chunks.allocated_bytes, w.chunks.params), FormatBytes(w.index_bytes()), FormatBytes(w.bytes()),
+      FormatSeconds(a.step_seconds), bytes_per_day / 1e12);
   return 0;
 }
 

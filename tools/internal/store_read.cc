@@ -1,5 +1,7 @@
 #include "tools/internal/store_read.h"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -157,6 +159,30 @@ Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a
     if (!a.FindTensor(y.name).ok()) diffs.push_back(fmt::format("tensor {} only in the second", y.name));
   }
   return diffs;
+}
+
+uint64_t ChunkAllocatedBytes(uint64_t length, uint64_t chunk_size_bytes) {
+  constexpr uint64_t kMinPiece = 4096;  // the O_DIRECT alignment
+  const uint64_t piece = std::max(kMinPiece, std::bit_ceil(length));
+  return piece <= chunk_size_bytes / 2 && chunk_size_bytes % piece == 0 ? piece : chunk_size_bytes;
+}
+
+FullWrite WriteOfEveryChunk(const std::vector<vfs::TensorInfo>& tensors, uint64_t chunk_size_bytes) {
+  FullWrite w;
+  for (const vfs::TensorInfo& t : tensors) {
+    w.params += t.numel;
+    for (uint32_t f = 0; f < t.fields.size(); ++f) {
+      const uint64_t bytes = t.field_bytes(f);
+      const uint64_t per = t.field_chunk_bytes(f, chunk_size_bytes);
+      w.logical_bytes += bytes;
+      if (per == 0) continue;  // no chunk geometry (never for an opened store)
+      for (uint64_t at = 0; at < bytes; at += per) {
+        ++w.chunks;
+        w.allocated_bytes += ChunkAllocatedBytes(std::min(per, bytes - at), chunk_size_bytes);
+      }
+    }
+  }
+  return w;
 }
 
 }  // namespace optstate::tools
