@@ -2,7 +2,7 @@
 // store's latest generation), groups and the gradient scale. The step is in
 // streamed_adam_step.cc, params in streamed_adam_params.cc, commits in
 // streamed_adam_commit.cc, Prefetch in streamed_adam_prefetch.cc; the chunk
-// pipeline in internal/step_pipeline.h.
+// pipeline in internal/slice_pipeline.h.
 #include "memmgr/internal/streamed_engine.h"
 
 #include <algorithm>
@@ -18,7 +18,7 @@
 #include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/slice_layout.h"
-#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/slice_pipeline.h"
 #include "memmgr/internal/prefetcher.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"

@@ -15,7 +15,7 @@
 
 #include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
-#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/slice_pipeline.h"
 #include "memmgr/internal/prefetcher.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
@@ -135,7 +135,7 @@ void StreamedEngine::StartBackgroundCommit() {
   w.write_dirty_cache = step_.cache_mode();
   w.generation = store_->LatestGeneration().generation + 1;
   w.steps = counts_.uncommitted_steps() + 1;
-  pipeline_->SetReapOnlyWhenBlocked(false);
+  pipeline_->HandOffTail();
   w.pipeline = std::move(pipeline_);
   counts_.HandOffCached();  // the cached steps are written with this one
   committer_->Start(std::move(w));

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "memmgr/internal/engine_memory.h"
-#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/slice_pipeline.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 

@@ -25,7 +25,7 @@ Status StreamedEngine::Prefetch() {
   internal::EngineMemory* impl = mem_;
   const MemoryManagerOptions& mo = impl->options();
   // Chunks outside the tier go into staging buffers for the step's pipeline
-  // to adopt: at most its own staging less one slice (StepPipeline::Begin).
+  // to adopt: at most its own staging less one slice (SlicePipeline::Begin).
   size_t stage_limit = 0;
   if (!CacheHoldsState() && !prefetcher_->has_staged()) {
     const size_t slice_bufs = MaxSliceSize().chunks;

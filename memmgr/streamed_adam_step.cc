@@ -12,7 +12,7 @@
 
 #include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
-#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/slice_pipeline.h"
 #include "memmgr/internal/prefetcher.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
@@ -136,25 +136,11 @@ Status StreamedEngine::BeginStep(const float* d_found_inf, const float* d_grad_s
       StepState::ModeOf(cached, counts_.uncommitted_steps() + 1 >= opts_.durable_every_steps);
   committer_->BeginStep();
   internal::Committer* committer = committer_.get();
-  pipeline_ = std::make_unique<internal::StepPipeline>(
+  pipeline_ = std::make_unique<internal::SlicePipeline>(
       mem_, io_.get(), opts_.cpu_threads, [committer](uint64_t bytes) { committer->OnWritten(bytes); }, d_found_inf,
-      MaxSliceSize());
-  pipeline_->SetCacheMode(mode != StepMode::kStaged, mode != StepMode::kCachedDeferred);
+      MaxSliceSize(), StepReapPolicy());
+  pipeline_->SetMode(mode);
   pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
-  // Tests fix the order of a step's I/O here (base/sync_point.h; nothing in
-  // the product arms these points), their callbacks setting the bool:
-  // "streamed_adam.hold_completions": the step reaps no I/O completion before
-  // EndStep drains it, so StepParam submits exactly the reads the depth
-  // limits admit, whatever the disk's speed.
-  // "streamed_adam.reap_only_when_blocked": the step reaps completions only
-  // when it can make no other progress, so the writes it finds complete when
-  // it returns are exactly those it had to wait for.
-  bool hold_completions = false;
-  bool reap_only_when_blocked = false;
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.hold_completions", &hold_completions);
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.reap_only_when_blocked", &reap_only_when_blocked);
-  pipeline_->SetHoldCompletions(hold_completions);
-  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked);
   pipeline_->Adopt(prefetcher_->TakeStaged());
   step_.order.clear();
   step_.mode = mode;
@@ -189,37 +175,20 @@ Status StreamedEngine::StepParam(const ParamGrad& g) {
                             step_.grad_scale, &args);
   if (!as.ok()) return Fail(as.WithContext("StreamedAdam::StepParam " + g.name));
   step_.groups.insert(p.info.group);
-  PlanUnits(p, g, args);
+  ParamPlan::Inputs in;
+  in.tensor = &p.info;
+  in.fields = p.fields.data();
+  in.rule = &rule;
+  in.layout = &LayoutOf(p);
+  in.grad = g.d_grad;
+  in.grad_type = g.grad_type;
+  in.param = g.d_param;
+  if (g.d_param != nullptr) in.param_type = *g.param_type;
+  in.args = args;
+  pipeline_->Enqueue(ParamPlan::Make(in));
   Status ps = pipeline_->Pump(false);
   if (!ps.ok()) return Fail(ps);
   return Status::Ok();
-}
-
-void StreamedEngine::PlanUnits(const Param& p, const ParamGrad& g, const RuleArgs& args) {
-  const UpdateRule& rule = *rules_[p.rule];
-  const internal::SliceLayout& layout = LayoutOf(p);
-  internal::StepPipeline::Job j;
-  j.tensor_id = p.info.id;
-  std::copy(p.fields.begin(), p.fields.end(), j.tensor_fields);
-  j.grad = g.d_grad;
-  j.grad_type = g.grad_type;
-  j.param = g.d_param;
-  if (g.d_param) j.param_type = *g.param_type;
-  j.args = args;
-  j.rule = &rule;
-  j.layout = &layout;
-  if (rule.unit() == SliceUnit::kTensor) {
-    // One unit: the whole tensor (the pipeline gathers its chunks).
-    j.tensor = &p.info;
-    j.chunk = 0;
-    pipeline_->Enqueue(j);
-    return;
-  }
-  for (uint64_t c = 0; c < layout.Slices(p.info.numel); ++c) {
-    j.chunk = c;
-    layout.SliceOf(p.info.numel, c, &j.slice);
-    pipeline_->Enqueue(j);
-  }
 }
 
 Result<uint64_t> StreamedEngine::EndStep() {
@@ -248,7 +217,7 @@ Result<uint64_t> StreamedEngine::EndStep() {
   }
   ds = committer_->FinishSync();
   if (!ds.ok()) return Fail(ds);
-  internal::StepPipeline& pl = *pipeline_;
+  internal::SlicePipeline& pl = *pipeline_;
   NoteReadSideStats(pl);
   last_stats_.slices = pl.slices;
   last_stats_.write_bytes = pl.write_bytes;
@@ -279,6 +248,18 @@ Result<uint64_t> StreamedEngine::EndStep() {
   AdvanceCounts(/*cached=*/false);
   NoteCommitted(c.committed);
   return EndKept(c.committed);
+}
+
+ReapPolicy StreamedEngine::StepReapPolicy() {
+  // Tests fix the order of a step's I/O here; their callbacks set the bool
+  // (tests/common/sync_point_flag.h).
+  bool hold_until_drain = false;
+  bool only_when_blocked = false;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.hold_completions", &hold_until_drain);
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.reap_only_when_blocked", &only_when_blocked);
+  if (hold_until_drain) return ReapPolicy::kHoldUntilDrain;
+  if (only_when_blocked) return ReapPolicy::kOnlyWhenBlocked;
+  return ReapPolicy::kEager;
 }
 
 Result<bool> StreamedEngine::FoundInfRaised() const {
@@ -331,7 +312,7 @@ Result<uint64_t> StreamedEngine::DropRaisedStep() {
 
 // The step's stats known once its kernels are done (a pipelined step's
 // writes and commit are accounted when its commit is joined).
-void StreamedEngine::NoteReadSideStats(const internal::StepPipeline& pl) {
+void StreamedEngine::NoteReadSideStats(const internal::SlicePipeline& pl) {
   last_stats_.read_bytes = pl.read_bytes;
   last_stats_.slices_in_flight = pl.depth();
   last_stats_.small_sets = pl.small_depth();

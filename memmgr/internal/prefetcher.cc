@@ -63,7 +63,7 @@ void Prefetcher::Read(Run* r, vfs::ChunkIo* io, bool after_commit, size_t stage_
         if (keep[c.tag]) --staged_reads;
         keep[c.tag] = false;
       } else if (keep[c.tag]) {
-        r->staged.push_back(StepPipeline::Staged{key, len, bufs[c.tag]});
+        r->staged.push_back(StagedChunk{key, len, bufs[c.tag]});
         r->read_bytes += len;
         continue;  // the buffer stays with the chunk
       } else if (cache->PutPrefetched(key, bufs[c.tag], len)) {
@@ -136,7 +136,7 @@ void Prefetcher::Stop() {
   run_.reset();
 }
 
-std::vector<StepPipeline::Staged> Prefetcher::TakeStaged() {
+std::vector<StagedChunk> Prefetcher::TakeStaged() {
   if (!staged_.empty() && mem_->stats().nvme_write_bytes != staged_write_mark_) {
     DropStaged();  // a write-back through pins may have changed what they hold
   }
@@ -146,7 +146,7 @@ std::vector<StepPipeline::Staged> Prefetcher::TakeStaged() {
 void Prefetcher::DropStaged() {
   if (staged_.empty()) return;
   std::vector<void*> bufs;
-  for (const StepPipeline::Staged& c : staged_) bufs.push_back(c.buf);
+  for (const StagedChunk& c : staged_) bufs.push_back(c.buf);
   mem_->ReleaseStaging(bufs);
   staged_.clear();
 }

@@ -1,7 +1,7 @@
 // Prefetcher: reads the next step's state while the trainer runs forward
 // and backward, on a thread of the engine: chunks the host cache tier
 // admits go into the tier; up to a limit of the others go into staging
-// buffers that the next step's pipeline adopts (StepPipeline::Adopt).
+// buffers that the next step's pipeline adopts (SlicePipeline::Adopt).
 // Internal to memmgr.
 // Contract: Start runs one prefetch; Stop joins it and keeps what it
 // staged until TakeStaged (the step that begins) or DropStaged gives the
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "memmgr/internal/slice_layout.h"
-#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/step_plan.h"
 #include "memmgr/internal/step_state.h"
 #include "vfs/store.h"
 
@@ -55,7 +55,7 @@ class Prefetcher {
   }
   // The staged chunks for the step's pipeline (which owns their buffers
   // from now on); none when a write-back since may have changed them.
-  std::vector<StepPipeline::Staged> TakeStaged();
+  std::vector<StagedChunk> TakeStaged();
   // Gives the staged chunks' buffers back to the manager.
   void DropStaged();
 
@@ -67,7 +67,7 @@ class Prefetcher {
     uint64_t read_bytes = 0;  // chunk bytes read into the host cache tier
     uint64_t disk_bytes = 0;  // chunk bytes read from the store (some may have found an entry by then)
     uint64_t failed = 0;      // chunks not read (a read error; the step reads them again)
-    std::vector<StepPipeline::Staged> staged;  // read into staging buffers for the next step
+    std::vector<StagedChunk> staged;  // read into staging buffers for the next step
     uint64_t write_mark = 0;                   // the manager's nvme_write_bytes when reading started
   };
   // The prefetch's thread.
@@ -82,7 +82,7 @@ class Prefetcher {
   // Chunks a finished prefetch read into staging buffers for the next step;
   // staged_write_mark_: the manager's nvme_write_bytes when it started
   // reading (a write-back since then drops them).
-  std::vector<StepPipeline::Staged> staged_;
+  std::vector<StagedChunk> staged_;
   uint64_t staged_write_mark_ = 0;
 };
 

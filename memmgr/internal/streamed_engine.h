@@ -1,12 +1,18 @@
 // StreamedEngine: the engine behind StreamedAdam (memmgr/streamed_adam.h,
 // which documents every public method; docs/STREAMED_ADAM.md its
-// behaviour). Internal to memmgr. Its parts: the update rules and their
-// SliceLayouts, the params and their step counts, the step's pipeline
-// (internal/step_pipeline.h), the Committer (internal/committer.h) and the
-// prefetch; EngineMemory is its only way to the memory manager. The step
-// path reads top-down: Step -> BeginStep / StepParam / EndStep
-// (streamed_adam_step.cc) -> StepPipeline::Pump -> UpdateRule::RunCpu /
-// RunCuda.
+// behaviour). Internal to memmgr. Its parts, each with its own header:
+//   the update rules and their SliceLayouts (update_rule.h, slice_layout.h);
+//   ParamRegistry (param_registry.h): the run's params and registrations;
+//   StepCounts (step_counts.h): the step counts, now and as committed;
+//   StepState (step_state.h): one step's phase, mode and what it stepped;
+//   ParamPlan (step_plan.h): the units of a param stepped;
+//   SlicePipeline (slice_pipeline.h): reads, kernels and writes over them;
+//   Committer (committer.h): the end of a generation;
+//   Prefetcher (prefetcher.h): the next step's reads, between steps;
+//   EngineMemory (engine_memory.h): its only way to the memory manager.
+// The step path reads top-down: Step -> BeginStep / StepParam / EndStep
+// (streamed_adam_step.cc) -> ParamPlan::Make, SlicePipeline::Pump ->
+// UpdateRule::RunCpu / RunCuda.
 // Thread-safety: as StreamedAdam (one trainer thread); the commit and the
 // prefetch run on threads of their own, which own what they touch until
 // joined (FinishCommit, Prefetcher::Stop).
@@ -26,6 +32,7 @@
 #include "base/status.h"
 #include "memmgr/internal/param_registry.h"
 #include "memmgr/internal/step_counts.h"
+#include "memmgr/internal/slice_pipeline.h"
 #include "memmgr/internal/step_state.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
@@ -38,7 +45,7 @@ class Committer;
 class EngineMemory;
 class Prefetcher;
 class SliceLayout;
-class StepPipeline;
+class SlicePipeline;
 struct SliceSize;
 
 class StreamedEngine {
@@ -126,9 +133,10 @@ class StreamedEngine {
   uint64_t EndKept(uint64_t gen);
   Result<uint64_t> EndPipelined();
   Result<uint64_t> DropRaisedStep();
-  // Enqueues the units of param p for this step: its slices, or the whole
-  // tensor for a whole-tensor rule.
-  void PlanUnits(const Param& p, const ParamGrad& g, const RuleArgs& args);
+  // The pipeline's reap policy: the product's, unless a test asks for
+  // another at the sync points "streamed_adam.hold_completions" or
+  // "streamed_adam.reap_only_when_blocked" (base/sync_point.h).
+  static ReapPolicy StepReapPolicy();
   vfs::CommitInfo MakeCommitInfo(bool advance) const;
   // True when the host cache tier can hold every registered param's state.
   bool CacheHoldsState() const;
@@ -196,7 +204,7 @@ class StreamedEngine {
   // Set after a CUDA error (sticky for the process): every call returns it.
   Status poison_;
   float grad_scale_ = 1.0f;  // SetGradScale (from StreamedAdamOptions::grad_scale)
-  std::unique_ptr<StepPipeline> pipeline_;
+  std::unique_ptr<SlicePipeline> pipeline_;
   // The optimizer's ChunkIo (registers the manager's staging buffers once;
   // used by WriteMain and the step pipeline, never concurrently).
   std::unique_ptr<vfs::ChunkIo> io_;
@@ -220,7 +228,7 @@ class StreamedEngine {
   void StartBackgroundCommit();
   // The step's stats known once its kernels are done (a pipelined step's
   // writes and commit are accounted when its commit is joined).
-  void NoteReadSideStats(const StepPipeline& pl);
+  void NoteReadSideStats(const SlicePipeline& pl);
   // Joins the background commit, if any, and takes its outcome: on failure
   // the optimizer returns to the last commit and the error is returned.
   // *wait_s: seconds spent waiting (may be null). keep_staged: chunks a
