@@ -407,45 +407,30 @@ Status SlicePipeline::StartReads(size_t i, const Job& j) {
   s.pending = 0;
   for (uint32_t f = 0; f < j.n_bufs(); ++f) {
     const uint64_t len = j.len(f);
-    s.buf[f] = s.io[f];
-    if (read_tier_) {
-      bool valid = false;
-      void* p = mm_->cache()->Acquire(Key(j, f), len, /*may_evict=*/cache_mode(), &valid);
-      if (p == nullptr && !write_through()) {
-        return ResourceExhausted("StreamedAdam: host cache tier (" +
-                                 std::to_string(mm_->cache()->capacity_bytes()) +
-                                 " bytes) has no clean entry left for tensor id " + std::to_string(j.tensor_id) +
-                                 " chunk " + std::to_string(j.chunk));
-      }
-      if (p != nullptr) {
-        s.buf[f] = p;
-        s.acquired[f] = true;
-        if (valid) {
-          cache_hits += len;
-          if (mm_->cache()->TakePrefetched(Key(j, f))) prefetch_hits += len;
-          continue;
-        }
-      }
-    }
-    if (!s.acquired[f] && !staged_.empty()) {
-      auto st = staged_.find(Key(j, f));
-      if (st != staged_.end() && st->second.len == len) {
-        if (s.small) {
-          std::memcpy(s.io[f], st->second.buf, len);
-        } else {
-          // The set takes the prefetched buffer; its own joins spare_,
-          // which makes new sets (SubmitReads), so the pipeline grows
-          // back to the depth it has without prefetch.
-          spare_.push_back(s.io[f]);
-          s.io[f] = st->second.buf;
-          s.buf[f] = s.io[f];
-        }
-        staged_.erase(st);
-        prefetch_hits += len;
-        continue;
-      }
-    }
     const ChunkKey key = Key(j, f);
+    s.buf[f] = s.io[f];
+    ChunkSource src;
+    OPTSTATE_RETURN_IF_ERROR(SourceOf(
+        key, len, [&j] { return "tensor id " + std::to_string(j.tensor_id) + " chunk " + std::to_string(j.chunk); },
+        &src));
+    if (src.kind == ChunkSource::Kind::kEntry || src.kind == ChunkSource::Kind::kEntryToRead) {
+      s.buf[f] = src.buf;
+      s.acquired[f] = true;
+      if (src.kind == ChunkSource::Kind::kEntry) continue;
+    }
+    if (src.kind == ChunkSource::Kind::kPrefetched) {
+      if (s.small) {
+        std::memcpy(s.io[f], src.buf, len);
+      } else {
+        // The set takes the prefetched buffer; its own joins spare_,
+        // which makes new sets (SubmitReads), so the pipeline grows
+        // back to the depth it has without prefetch.
+        spare_.push_back(s.io[f]);
+        s.io[f] = src.buf;
+        s.buf[f] = s.io[f];
+      }
+      continue;
+    }
     vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
     // 0: a whole chunk.
     const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
@@ -463,6 +448,38 @@ Status SlicePipeline::StartReads(size_t i, const Job& j) {
     s.stage = Stage::kReady;
     ready_.push_back(i);
   }
+  return Status::Ok();
+}
+
+Status SlicePipeline::SourceOf(const ChunkKey& key, uint64_t len, const std::function<std::string()>& what,
+                               ChunkSource* src) {
+  *src = ChunkSource{};
+  if (read_tier_) {
+    bool valid = false;
+    void* entry = mm_->cache()->Acquire(key, len, /*may_evict=*/cache_mode(), &valid);
+    if (entry == nullptr && !write_through()) {
+      return ResourceExhausted("StreamedAdam: host cache tier (" + std::to_string(mm_->cache()->capacity_bytes()) +
+                               " bytes) has no clean entry left for " + what());
+    }
+    if (entry != nullptr) {
+      src->buf = entry;
+      if (!valid) {
+        src->kind = ChunkSource::Kind::kEntryToRead;
+        return Status::Ok();
+      }
+      src->kind = ChunkSource::Kind::kEntry;
+      cache_hits += len;
+      if (mm_->cache()->TakePrefetched(key)) prefetch_hits += len;
+      return Status::Ok();
+    }
+  }
+  if (staged_.empty()) return Status::Ok();
+  auto sc = staged_.find(key);
+  if (sc == staged_.end() || sc->second.len != len) return Status::Ok();
+  src->kind = ChunkSource::Kind::kPrefetched;
+  src->buf = sc->second.buf;
+  staged_.erase(sc);
+  prefetch_hits += len;
   return Status::Ok();
 }
 
@@ -736,30 +753,21 @@ Status SlicePipeline::GatherScatterUnit(const Job& j, char* base) {
   };
   for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
     Piece& p = pieces[i];
-    if (read_tier_) {
-      bool valid = false;
-      p.entry = mm_->cache()->Acquire(p.key, p.len, /*may_evict=*/cache_mode(), &valid);
-      if (p.entry == nullptr && !write_through()) {
-        st = ResourceExhausted(what + ": host cache tier (" + std::to_string(mm_->cache()->capacity_bytes()) +
-                               " bytes) has no clean entry left for chunk " + std::to_string(p.key.index));
-        break;
-      }
-      if (p.entry != nullptr && valid) {
-        cache_hits += p.len;
-        if (mm_->cache()->TakePrefetched(p.key)) prefetch_hits += p.len;
-        st = copy_in(p.dst, p.entry, p.len);
-        continue;
-      }
+    ChunkSource src;
+    st = SourceOf(
+        p.key, p.len,
+        [&] { return "chunk " + std::to_string(p.key.index) + " of tensor '" + t.name + "' (whole-tensor update)"; },
+        &src);
+    if (!st.ok()) break;
+    if (src.kind == ChunkSource::Kind::kEntry || src.kind == ChunkSource::Kind::kEntryToRead) p.entry = src.buf;
+    if (src.kind == ChunkSource::Kind::kEntry) {
+      st = copy_in(p.dst, p.entry, p.len);
+      continue;
     }
-    if (p.entry == nullptr && !staged_.empty()) {
-      auto sc = staged_.find(p.key);
-      if (sc != staged_.end() && sc->second.len == p.len) {
-        st = copy_in(p.dst, sc->second.buf, p.len);
-        spare_.push_back(sc->second.buf);  // becomes a staging set (SubmitReads)
-        staged_.erase(sc);
-        prefetch_hits += p.len;
-        continue;
-      }
+    if (src.kind == ChunkSource::Kind::kPrefetched) {
+      st = copy_in(p.dst, src.buf, p.len);
+      spare_.push_back(src.buf);  // becomes a staging set (SubmitReads)
+      continue;
     }
     void* into = make_room(i, landed);
     if (!st.ok()) break;

@@ -44,6 +44,7 @@
 #include <deque>
 #include <functional>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -231,6 +232,19 @@ class SlicePipeline {
   bool AllComputed() const;
 
   Status StartReads(size_t i, const Job& j);
+
+  // Where a chunk that a unit reads comes from (internal/step_plan.h): a
+  // host cache entry that holds it; an entry to read it into (admitted, or
+  // the cache mode's own); a chunk a prefetch staged (its buffer, no longer
+  // in staged_); else a read into a staging buffer.
+  struct ChunkSource {
+    enum class Kind : uint8_t { kEntry, kEntryToRead, kPrefetched, kStagingRead };
+    Kind kind = Kind::kStagingRead;
+    void* buf = nullptr;  // the entry (kEntry, kEntryToRead; acquired) or the prefetched buffer
+  };
+  // Counts the hits; kResourceExhausted when a step held in the cache only
+  // finds no entry (what(): the chunk, for the message).
+  Status SourceOf(const ChunkKey& key, uint64_t len, const std::function<std::string()>& what, ChunkSource* src);
 
   Status OnCompletion(const vfs::ChunkCompletion& c);
 
