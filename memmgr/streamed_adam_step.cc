@@ -78,6 +78,29 @@ Status StreamedEngine::Fail(Status s) {
   return s;
 }
 
+// The step path, top-down: Step checks every gradient, then BeginStep
+// (the step's mode and pipeline), StepParam per param (its plan of units,
+// pumped through the pipeline to the rule's kernel), EndStep (drain, then
+// commit, defer or drop).
+Status StreamedEngine::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
+  // Every gradient is checked before the step starts: a mismatch leaves the
+  // optimizer, the store and the pending registrations as they were.
+  std::set<std::string_view> seen;
+  for (const ParamGrad& g : grads) {
+    OPTSTATE_RETURN_IF_ERROR(CheckGrad(g));
+    if (!seen.insert(g.name).second) {
+      return InvalidArgument("StreamedAdam::Step: param '" + g.name + "' of store " + store_->path() +
+                             " given twice in one step");
+    }
+  }
+  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf, d_grad_scale));
+  for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
+  auto r = EndStep();
+  return r.status();
+}
+
 Status StreamedEngine::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (step_.in_step()) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
@@ -321,25 +344,6 @@ void StreamedEngine::NoteReadSideStats(const internal::SlicePipeline& pl) {
   last_stats_.compute_seconds = pl.compute_s_;
   last_stats_.submit_seconds = pl.submit_s_;
   last_stats_.prefetch_hit_bytes = pl.prefetch_hits;
-}
-
-Status StreamedEngine::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
-  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (step_.in_step()) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
-  // Every gradient is checked before the step starts: a mismatch leaves the
-  // optimizer, the store and the pending registrations as they were.
-  std::set<std::string_view> seen;
-  for (const ParamGrad& g : grads) {
-    OPTSTATE_RETURN_IF_ERROR(CheckGrad(g));
-    if (!seen.insert(g.name).second) {
-      return InvalidArgument("StreamedAdam::Step: param '" + g.name + "' of store " + store_->path() +
-                             " given twice in one step");
-    }
-  }
-  OPTSTATE_RETURN_IF_ERROR(BeginStep(d_found_inf, d_grad_scale));
-  for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
-  auto r = EndStep();
-  return r.status();
 }
 
 }  // namespace optstate::memmgr::internal
