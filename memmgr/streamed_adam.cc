@@ -2,7 +2,7 @@
 // store's latest generation), groups and the gradient scale. The step is in
 // streamed_adam_step.cc, params in streamed_adam_params.cc, commits in
 // streamed_adam_commit.cc, Prefetch in streamed_adam_prefetch.cc; the chunk
-// pipeline in internal/step_pipeline.h.
+// pipeline in internal/slice_pipeline.h.
 #include "memmgr/internal/streamed_engine.h"
 
 #include <algorithm>
@@ -18,8 +18,8 @@
 #include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
 #include "memmgr/internal/slice_layout.h"
-#include "memmgr/internal/step_pipeline.h"
-#include "memmgr/internal/streamed_adam_impl.h"
+#include "memmgr/internal/slice_pipeline.h"
+#include "memmgr/internal/prefetcher.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 
@@ -27,13 +27,15 @@ namespace optstate::memmgr::internal {
 
 
 StreamedEngine::StreamedEngine(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts)
-    : store_(store), mm_(mm), mem_(internal::EngineMemoryOf(*mm)), opts_(opts), grad_scale_(opts.grad_scale), step_grad_scale_(opts.grad_scale) {}
+    : store_(store), mm_(mm), mem_(internal::EngineMemoryOf(*mm)), opts_(opts), grad_scale_(opts.grad_scale) {
+  step_.grad_scale = opts.grad_scale;
+}
 
 StreamedEngine::~StreamedEngine() {
   // FinishCommit logs a failure; the destructor then commits what is left.
   (void)FinishCommit();
-  if (!pipeline_ && !in_step_ && (uncommitted_steps_ > 0 || registrations_pending_) && !poisoned_) {
-    const uint64_t n = uncommitted_steps_;
+  if (!pipeline_ && !step_.in_step() && (counts_.uncommitted_steps() > 0 || params_.pending()) && poison_.ok()) {
+    const uint64_t n = counts_.uncommitted_steps();
     auto g = MakeDurable();
     if (g.ok()) {
       OPTSTATE_LOG_INFO("StreamedAdam: committed {} cached step(s) and pending registrations at destruction as "
@@ -49,7 +51,7 @@ StreamedEngine::~StreamedEngine() {
     pipeline_->Abort();
     pipeline_.reset();
     (void)committer_->FinishSync();
-    if (in_step_ && !step_skip_) {
+    if (step_.phase == StepPhase::kStepping) {
       Status s = store_->AbortPending();
       if (!s.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: abort of unfinished step failed: {}", s.ToString());
       mem_->OnAbortPending();
@@ -120,10 +122,10 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
   StreamedEngine* self = sa.get();
   sa->committer_ = std::make_unique<internal::Committer>(store, sa->mem_, opts.background_sync_bytes,
                                                          [self] { return self->WriteDirtyCache(); });
+  sa->prefetcher_ = std::make_unique<Prefetcher>(sa->mem_, sa->committer_.get(), &sa->layouts_, store->path());
   // Restore groups, step counts and params from the latest generation.
   vfs::GenerationInfo gen = store->LatestGeneration();
-  sa->global_step_ = gen.step;
-  sa->last_generation_ = gen.generation;
+  sa->counts_.Restore(gen);
   for (const vfs::GroupInfo& g : gen.groups) {
     // Names the store lacks take the rules' defaults; each rule checks its
     // view of the stored values (a hand-edited store fails here, named).
@@ -131,7 +133,6 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
     OPTSTATE_RETURN_IF_ERROR(sa->CheckGroup(g.id, given).WithContext(
         "StreamedAdam: store " + store->path() + " generation " + std::to_string(gen.generation)));
     sa->PutGroup(g.id, std::move(given));
-    sa->step_counts_[g.id] = g.step_count;
   }
   for (const vfs::TensorInfo& t : store->ListTensors()) {
     // An entry no generation has committed (a registration dropped by a
@@ -139,7 +140,7 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
     // not a param until RegisterParam takes it over with its initial weights.
     if (t.created_generation > gen.generation) continue;
     const uint64_t count = vfs::TensorStepCount(gen, t);
-    sa->tensor_counts_[t.id] = TensorCount{count, count};
+    sa->counts_.RestoreTensor(t.id, count);
     // A param of a rule has its fields (RuleOfStored); another tensor is
     // kept as it is.
     const std::optional<uint32_t> rule = sa->RuleOfStored(t);
@@ -150,14 +151,12 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
     p.info = t;
     p.rule = *rule;
     OPTSTATE_RETURN_IF_ERROR(sa->ResolveFields(&p));
-    sa->params_.emplace(t.name, std::move(p));
+    sa->params_.AddRestored(t.name, std::move(p));
     if (!sa->groups_.count(t.group)) {
       sa->PutGroup(t.group, {});
-      sa->step_counts_[t.group] = 0;
+      sa->counts_.AddGroup(t.group);
     }
   }
-  sa->committed_step_counts_ = sa->step_counts_;
-  sa->committed_global_step_ = sa->global_step_;
   if (sa->opts_.durable_every_steps == 0) {
     return InvalidArgument("StreamedAdam: durable_every_steps must be >= 1");
   }
@@ -178,8 +177,7 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
 }
 
 Status StreamedEngine::CheckUsable() const {
-  if (poisoned_) return poison_status_;
-  return Status::Ok();
+  return poison_;
 }
 
 Status StreamedEngine::SetGroup(const ParamGroup& g) { return SetGroupHyperparams(g.id, GroupHyper(g)); }
@@ -191,7 +189,7 @@ Result<ParamGroup> StreamedEngine::GetGroup(uint32_t id) const {
 
 Status StreamedEngine::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::SetGroup: a step is in progress");
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::SetGroup: a step is in progress");
   for (const auto& [k, v] : h) {
     const bool known = std::any_of(rules_.begin(), rules_.end(), [&](const std::unique_ptr<UpdateRule>& r) {
       return r->Hyperparameters().count(k) != 0;
@@ -204,7 +202,7 @@ Status StreamedEngine::SetGroupHyperparams(uint32_t id, const Hyperparams& h) {
   }
   OPTSTATE_RETURN_IF_ERROR(CheckGroup(id, h));
   PutGroup(id, h);
-  step_counts_.emplace(id, 0);
+  counts_.AddGroup(id);
   return Status::Ok();
 }
 
@@ -307,30 +305,24 @@ std::optional<uint32_t> StreamedEngine::RuleOfStored(const vfs::TensorInfo& t) c
   return std::nullopt;
 }
 
-bool StreamedEngine::HasParam(const std::string& name) const { return params_.count(name) != 0; }
+bool StreamedEngine::HasParam(const std::string& name) const { return params_.Has(name); }
 
-std::vector<std::string> StreamedEngine::ParamNames() const {
-  std::vector<std::string> out;
-  for (const auto& [n, p] : params_) out.push_back(n);
-  return out;
-}
+std::vector<std::string> StreamedEngine::ParamNames() const { return params_.Names(); }
 
-uint64_t StreamedEngine::step_count(uint32_t group) const {
-  auto it = step_counts_.find(group);
-  return it == step_counts_.end() ? 0 : it->second;
-}
+uint64_t StreamedEngine::step_count(uint32_t group) const { return counts_.group(group); }
 
 Result<uint64_t> StreamedEngine::param_step_count(const std::string& name) const {
-  auto it = params_.find(name);
-  if (it == params_.end()) {
+  const Param* p = params_.Find(name);
+  if (p == nullptr) {
     return NotFound("StreamedAdam::param_step_count: store " + store_->path() + " has no param '" + name + "'" +
-                    (retired_.count(name) ? " in this run (retired)" : ""));
+                    (params_.retired(name) ? " in this run (retired)" : ""));
   }
-  auto c = tensor_counts_.find(it->second.info.id);
-  return c == tensor_counts_.end() ? 0 : c->second.now;
+  return counts_.tensor(p->info.id).value_or(0);
 }
 
-uint64_t StreamedEngine::last_generation() const { return last_generation_; }
+uint64_t StreamedEngine::last_generation() const { return counts_.last_generation(); }
+
+bool StreamedEngine::prefetch_running() const { return prefetcher_->running(); }
 
 bool StreamedEngine::commit_in_flight() const { return committer_->running(); }
 
@@ -357,7 +349,7 @@ Status StreamedEngine::FitStaging() {
   internal::EngineMemory* impl = mem_;
   const uint64_t chunk = impl->page_bytes();
   internal::StateSlices s;
-  for (const auto& [name, p] : params_) {
+  for (const auto& [name, p] : params_.all()) {
     const internal::SliceLayout& layout = LayoutOf(p);
     const uint64_t slice_elems = layout.slice_elems();
     // A slice is small when each of its buffers fits a kSmallSliceBytes
@@ -410,7 +402,7 @@ ParamGroup StreamedEngine::GroupOf(uint32_t id, const Hyperparams& h) {
 
 Status StreamedEngine::SetGradScale(float grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::SetGradScale: a step is in progress (store " +
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::SetGradScale: a step is in progress (store " +
                                           store_->path() + ")");
   OPTSTATE_RETURN_IF_ERROR(CheckGradScale(grad_scale, "StreamedAdam::SetGradScale", store_->path()));
   grad_scale_ = grad_scale;

@@ -15,8 +15,8 @@
 
 #include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
-#include "memmgr/internal/step_pipeline.h"
-#include "memmgr/internal/streamed_adam_impl.h"
+#include "memmgr/internal/slice_pipeline.h"
+#include "memmgr/internal/prefetcher.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 
@@ -25,30 +25,15 @@ namespace optstate::memmgr::internal {
 
 vfs::CommitInfo StreamedEngine::MakeCommitInfo(bool advance) const {
   vfs::CommitInfo ci;
-  ci.step = advance ? global_step_ + 1 : global_step_;
   for (const auto& [id, g] : groups_) {
     vfs::GroupInfo gi;
     gi.id = id;
-    auto sc = step_counts_.find(id);
-    gi.step_count = sc == step_counts_.end() ? 0 : sc->second;
-    if (advance && groups_stepped_.count(id)) gi.step_count += 1;
     const Hyperparams h = GroupMap(g);
     gi.hyper.insert(h.begin(), h.end());
     ci.groups.push_back(std::move(gi));
   }
-  // Every tensor's count (Store::Commit keeps those that differ from their
-  // group's).
-  std::set<uint32_t> stepped;
-  if (advance) {
-    for (const std::string& n : stepped_) stepped.insert(params_.at(n).info.id);
-  }
-  for (const auto& [id, c] : tensor_counts_) ci.tensor_steps[id] = c.now + (stepped.count(id) ? 1 : 0);
+  counts_.Fill(advance, step_.groups, step_.tensors, &ci);
   return ci;
-}
-
-void StreamedEngine::AdvanceCounts() {
-  for (const auto& [id, stepped] : groups_stepped_) step_counts_[id] += 1;
-  for (const std::string& n : stepped_) tensor_counts_[params_.at(n).info.id].now += 1;
 }
 
 bool StreamedEngine::CacheHoldsState() const {
@@ -60,7 +45,7 @@ bool StreamedEngine::CacheHoldsState() const {
 uint64_t StreamedEngine::StateCacheBytes() const {
   const uint64_t chunk = mem_->page_bytes();
   uint64_t need = 0;
-  for (const auto& [name, p] : params_) {
+  for (const auto& [name, p] : params_.all()) {
     for (uint32_t f = 0; f < p.info.fields.size(); ++f) {
       const uint64_t stride = p.info.field_chunk_bytes(f, chunk);
       const uint64_t bytes = p.info.field_bytes(f);
@@ -72,33 +57,9 @@ uint64_t StreamedEngine::StateCacheBytes() const {
 }
 
 void StreamedEngine::NoteCommitted(uint64_t gen) {
-  last_generation_ = gen;
   mem_->cache()->MarkAllClean();
-  uncommitted_steps_ = 0;
-  committed_step_counts_ = step_counts_;
-  for (auto& [id, c] : tensor_counts_) c.committed = c.now;
-  committed_global_step_ = global_step_;
-  for (auto& [name, p] : params_) {
-    p.committed = true;
-    p.main_pending = false;
-  }
-  registrations_pending_ = false;
-  dropped_.clear();
-}
-
-std::string StreamedEngine::RevertUncommitted() {
-  if (uncommitted_steps_ == 0) return "";
-  std::string msg = std::to_string(uncommitted_steps_) +
-                    " step(s) held only in the host cache were lost; the optimizer is back at generation " +
-                    std::to_string(last_generation_) + " (step " + std::to_string(committed_global_step_) + ")";
-  for (auto& [id, n] : step_counts_) {
-    auto it = committed_step_counts_.find(id);
-    n = it == committed_step_counts_.end() ? 0 : it->second;
-  }
-  for (auto& [id, c] : tensor_counts_) c.now = c.committed;
-  global_step_ = committed_global_step_;
-  uncommitted_steps_ = 0;
-  return msg;
+  counts_.Committed(gen);
+  params_.MarkCommitted();
 }
 
 Status StreamedEngine::WriteDirtyCache() {
@@ -139,10 +100,10 @@ Status StreamedEngine::WriteDirtyCache() {
 
 Result<uint64_t> StreamedEngine::MakeDurable() {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::MakeDurable: a step is in progress");
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::MakeDurable: a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
-  if (uncommitted_steps_ == 0 && !registrations_pending_) return last_generation_;
-  const uint64_t n = uncommitted_steps_;
+  if (counts_.uncommitted_steps() == 0 && !params_.pending()) return counts_.last_generation();
+  const uint64_t n = counts_.uncommitted_steps();
   Status s = WriteDirtyCache();
   if (s.ok()) s = mm_->Flush();
   Result<uint64_t> gen = s.ok() ? store_->Commit(MakeCommitInfo(false)) : Result<uint64_t>(s);
@@ -160,7 +121,7 @@ Result<uint64_t> StreamedEngine::MakeDurable() {
                                           " cached step(s) of store " + store_->path());
     if (n > 0) {
       err = WithNote(err, "the " + std::to_string(n) + " step(s) stay in the host cache (generation " +
-                              std::to_string(last_generation_) + " is the last commit): call MakeDurable again");
+                              std::to_string(counts_.last_generation()) + " is the last commit): call MakeDurable again");
     }
     return WithNote(err, dropped);
   }
@@ -171,19 +132,19 @@ Result<uint64_t> StreamedEngine::MakeDurable() {
 void StreamedEngine::StartBackgroundCommit() {
   internal::Committer::Work w;
   w.info = MakeCommitInfo(true);
-  w.write_dirty_cache = step_cache_mode_;
+  w.write_dirty_cache = step_.cache_mode();
   w.generation = store_->LatestGeneration().generation + 1;
-  w.steps = uncommitted_steps_ + 1;
-  pipeline_->SetReapOnlyWhenBlocked(false);
+  w.steps = counts_.uncommitted_steps() + 1;
+  pipeline_->HandOffTail();
   w.pipeline = std::move(pipeline_);
-  uncommitted_steps_ = 0;  // the cached steps are written with this one
+  counts_.HandOffCached();  // the cached steps are written with this one
   committer_->Start(std::move(w));
 }
 
 Status StreamedEngine::FinishCommit(double* wait_s, bool keep_staged) {
   if (wait_s != nullptr) *wait_s = 0;
-  StopPrefetch();
-  if (!keep_staged) DropStaged();
+  prefetcher_->Stop();
+  if (!keep_staged) prefetcher_->DropStaged();
   std::optional<internal::Committer::Outcome> c = committer_->Wait(wait_s);
   if (!c) return Status::Ok();
   last_stats_.slices = c->slices;
@@ -193,34 +154,24 @@ Status StreamedEngine::FinishCommit(double* wait_s, bool keep_staged) {
   last_stats_.commit_seconds = c->commit_seconds;
   last_stats_.write_tail_bytes = c->write_bytes - std::min(c->write_bytes, c->write_bytes_at_start);
   if (c->status.ok()) {
-    NoteCommitted(c->committed);
+    mem_->cache()->MarkAllClean();
     // The counts the generation holds (set_global_step may have moved on).
-    committed_global_step_ = c->info.step;
-    committed_step_counts_.clear();
-    for (const vfs::GroupInfo& g : c->info.groups) committed_step_counts_[g.id] = g.step_count;
-    for (auto& [id, tc] : tensor_counts_) {
-      auto it = c->info.tensor_steps.find(id);
-      if (it != c->info.tensor_steps.end()) tc.committed = it->second;
-    }
+    counts_.CommittedAs(c->committed, c->info);
+    params_.MarkCommitted();
     return Status::Ok();
   }
   // The commit's thread dropped the pending generation (and the host cache
   // with it): back to the last commit, as after an aborted step.
-  for (auto& [id, n] : step_counts_) {
-    auto it = committed_step_counts_.find(id);
-    n = it == committed_step_counts_.end() ? 0 : it->second;
-  }
-  for (auto& [id, tc] : tensor_counts_) tc.now = tc.committed;
-  global_step_ = committed_global_step_;
-  uncommitted_steps_ = 0;
+  counts_.RevertAll();
   Status err = c->status.WithContext(
       "StreamedAdam: the background commit of step " + std::to_string(c->info.step) + " as generation " +
       std::to_string(c->generation) + " of store " + store_->path() + " failed");
   err = WithNote(err, "nothing of it was committed" +
                           (c->steps > 1 ? " (" + std::to_string(c->steps) + " steps, cached ones included)"
                                         : std::string()) +
-                          "; the optimizer and the store are at generation " + std::to_string(last_generation_) +
-                          " (step " + std::to_string(committed_global_step_) +
+                          "; the optimizer and the store are at generation " +
+                          std::to_string(counts_.last_generation()) + " (step " +
+                          std::to_string(counts_.committed_global_step()) +
                           "); the params that step updated are ahead of the store: copy the store's mains into "
                           "them, or resume from the store");
   err = WithNote(err, DropUncommittedRegistrations());

@@ -14,52 +14,42 @@
 #include <vector>
 
 #include "memmgr/internal/engine_memory.h"
-#include "memmgr/internal/step_pipeline.h"
-#include "memmgr/internal/streamed_adam_impl.h"
+#include "memmgr/internal/slice_pipeline.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 
 namespace optstate::memmgr::internal {
 
 
-std::vector<std::string> StreamedEngine::UnregisteredParams() const {
-  std::vector<std::string> out;
-  if (!any_registered_) return out;
-  for (const auto& [n, p] : params_) {
-    if (!p.registered) out.push_back(n);
-  }
-  return out;
-}
+std::vector<std::string> StreamedEngine::UnregisteredParams() const { return params_.Unregistered(); }
 
 Status StreamedEngine::RetireParam(const std::string& name) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::RetireParam '" + name + "': a step is in progress");
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::RetireParam '" + name + "': a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
-  auto it = params_.find(name);
-  if (it == params_.end()) {
+  const Param* p = params_.Find(name);
+  if (p == nullptr) {
     return NotFound("StreamedAdam::RetireParam: store " + store_->path() + " has no param '" + name + "'" +
-                    (retired_.count(name) ? " (already retired in this run)" : ""));
+                    (params_.retired(name) ? " (already retired in this run)" : ""));
   }
-  if (it->second.registered || !it->second.committed) {
+  if (p->registered || !p->committed) {
     return FailedPrecondition("StreamedAdam::RetireParam '" + name + "': registered in this run (store " +
                               store_->path() + "); only a param restored from the store and not registered can be "
                               "retired");
   }
-  retired_.insert(name);
-  params_.erase(it);
+  params_.Retire(name);
   OPTSTATE_LOG_INFO("StreamedAdam: param {} of store {} retired for this run; its state stays in the store unchanged",
                     name, store_->path());
   return Status::Ok();
 }
 
 Status StreamedEngine::CheckModelComplete() const {
-  if (!any_registered_) return Status::Ok();
-  std::vector<std::string> missing = UnregisteredParams();
+  std::vector<std::string> missing = params_.Unregistered();
   if (missing.empty()) return Status::Ok();
   return FailedPrecondition(
       "StreamedAdam: store " + store_->path() + " holds " + std::to_string(missing.size()) +
       " param(s) that this run did not register: " +
-      NameList(missing.begin(), missing.end(), [&](const std::string& n) { return params_.at(n).info.numel; }) +
+      NameList(missing.begin(), missing.end(), [&](const std::string& n) { return params_.Find(n)->info.numel; }) +
       "; register them (their stored state is kept) or RetireParam them (their state stays in the store, "
       "unchanged); nothing was stepped or committed");
 }
@@ -89,39 +79,25 @@ Status StreamedEngine::CheckSameGeometry(const vfs::TensorInfo& t, const std::st
 }
 
 std::string StreamedEngine::DropUncommittedRegistrations() {
-  std::vector<std::string> dropped, reloaded;
-  std::map<std::string, uint64_t> numels;
-  for (auto it = params_.begin(); it != params_.end();) {
-    Param& p = it->second;
-    if (!p.committed) {
-      dropped.push_back(it->first);
-      numels[it->first] = p.info.numel;
-      mem_->cache()->EraseTensor(p.info.id);
-      (void)mem_->DropTensor(p.info.id);
-      dropped_.insert(it->first);
-      tensor_counts_.erase(p.info.id);
-      it = params_.erase(it);
-      continue;
-    }
-    if (p.main_pending) {
-      reloaded.push_back(it->first);
-      p.main_pending = false;
-      mem_->cache()->EraseTensor(p.info.id);
-      (void)mem_->DropTensor(p.info.id);
-    }
-    ++it;
-  }
-  registrations_pending_ = false;
+  ParamRegistry::Dropped d = params_.DropUncommitted([this](const Param& p) {
+    mem_->cache()->EraseTensor(p.info.id);
+    (void)mem_->DropTensor(p.info.id);
+    if (!p.committed) counts_.EraseTensor(p.info.id);
+  });
+  const std::vector<std::string>& dropped = d.erased;
+  const std::vector<std::string>& reloaded = d.reloaded;
+  const std::map<std::string, uint64_t>& numels = d.numels;
   std::string msg;
   if (!dropped.empty()) {
     msg = "the registration of " + std::to_string(dropped.size()) + " new param(s) not yet committed was dropped (" +
-          NameList(dropped.begin(), dropped.end(), [&](const std::string& n) { return numels[n]; }) +
+          NameList(dropped.begin(), dropped.end(), [&](const std::string& n) { return numels.at(n); }) +
           "): register them again";
   }
   if (!reloaded.empty()) {
     msg += (msg.empty() ? "" : "; ") + std::string("the weights LoadMainFrom loaded into ") +
            NameList(reloaded.begin(), reloaded.end(), [](const std::string&) { return uint64_t{0}; }) +
-           " were dropped (main is back at generation " + std::to_string(last_generation_) + "): load them again";
+           " were dropped (main is back at generation " + std::to_string(counts_.last_generation()) +
+           "): load them again";
   }
   return msg;
 }
@@ -253,20 +229,18 @@ Status StreamedEngine::CheckRegistration(const ParamSpec& r, bool* existing,
                            " of " + std::to_string(rules_.size()) + " (" + RuleNames() + "; store " +
                            store_->path() + ")");
   }
-  auto it = params_.find(name);
-  if (it != params_.end()) {
-    if (it->second.rule != r.rule) {
+  if (const Param* p = params_.Find(name)) {
+    if (p->rule != r.rule) {
       return InvalidArgument("StreamedAdam::RegisterParam '" + name + "': store " + store_->path() +
-                             " holds the tensor as a param of update rule " +
-                             std::string(rules_[it->second.rule]->name()) + ", registered with update rule " +
-                             std::string(rules_[r.rule]->name()) + " (nothing changed)");
+                             " holds the tensor as a param of update rule " + std::string(rules_[p->rule]->name()) +
+                             ", registered with update rule " + std::string(rules_[r.rule]->name()) +
+                             " (nothing changed)");
     }
-    OPTSTATE_RETURN_IF_ERROR(
-        CheckSameGeometry(it->second.info, "it", r.numel, r.group, r.initial_type, r.shard, r.rule));
+    OPTSTATE_RETURN_IF_ERROR(CheckSameGeometry(p->info, "it", r.numel, r.group, r.initial_type, r.shard, r.rule));
     *existing = true;
     return Status::Ok();
   }
-  if (retired_.count(name)) {
+  if (params_.retired(name)) {
     return FailedPrecondition("StreamedAdam::RegisterParam '" + name + "': retired in this run (store " +
                               store_->path() + ")");
   }
@@ -282,7 +256,7 @@ Status StreamedEngine::CheckRegistration(const ParamSpec& r, bool* existing,
   // (it holds no state), or one whose registration a failed step dropped.
   // Taken over when the geometry matches; its main is written again.
   if (auto found = store_->LookupTensor(name)) {
-    if (found->created_generation <= last_generation_ && !dropped_.count(name)) {
+    if (found->created_generation <= counts_.last_generation() && !params_.dropped(name)) {
       // Name the fields of the rule the tensor lacks (another rule's tensor:
       // Lion's exp_avg where SGD keeps a momentum_buffer, ...).
       std::string keeps, lacks;
@@ -307,7 +281,9 @@ Status StreamedEngine::RegisterParams(std::span<const ParamSpec> specs, std::vec
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
   if (existed != nullptr) existed->assign(specs.size(), false);
   if (specs.empty()) return Status::Ok();
-  if (in_step_) return FailedPrecondition("StreamedAdam::RegisterParam " + specs[0].name + ": a step is in progress");
+  if (step_.in_step()) {
+    return FailedPrecondition("StreamedAdam::RegisterParam " + specs[0].name + ": a step is in progress");
+  }
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
   // Every registration is checked before any changes anything.
   std::vector<std::optional<vfs::TensorInfo>> entries(specs.size());
@@ -326,12 +302,11 @@ Status StreamedEngine::RegisterParams(std::span<const ParamSpec> specs, std::vec
   }
   for (size_t i = 0; i < specs.size(); ++i) {
     if (!existing[i]) continue;
-    params_.find(specs[i].name)->second.registered = true;
-    any_registered_ = true;
+    params_.MarkRegistered(params_.Find(specs[i].name));
     if (existed != nullptr) (*existed)[i] = true;
   }
   if (!any_new) return Status::Ok();  // existing state is kept
-  if (uncommitted_steps_ > 0) {  // the new tensors are committed with state that is on disk
+  if (counts_.uncommitted_steps() > 0) {  // the new tensors are committed with state that is on disk
     auto d = MakeDurable();
     if (!d.ok()) return d.status().WithContext("StreamedAdam::RegisterParam " + specs[0].name);
   }
@@ -345,7 +320,7 @@ Status StreamedEngine::RegisterParams(std::span<const ParamSpec> specs, std::vec
       OPTSTATE_LOG_INFO("StreamedAdam: param {} uses group {} that has no SetGroup; default hyperparameters", name,
                         r.group);
       PutGroup(r.group, {});
-      step_counts_.emplace(r.group, 0);
+      counts_.AddGroup(r.group);
     }
     vfs::TensorInfo info;
     if (entries[i]) {
@@ -374,14 +349,9 @@ Status StreamedEngine::RegisterParams(std::span<const ParamSpec> specs, std::vec
     p.info = std::move(info);
     p.rule = r.rule;
     OPTSTATE_RETURN_IF_ERROR(ResolveFields(&p));
-    p.committed = false;
-    p.registered = true;
-    tensor_counts_[p.info.id] = TensorCount{0, 0};  // a new param has taken no step
-    any_registered_ = true;
-    registrations_pending_ = true;
-    dropped_.erase(name);
-    auto pit = params_.emplace(name, std::move(p)).first;
-    if (r.d_initial != nullptr) mains.push_back(MainSource{&pit->second, r.d_initial, *r.initial_type});
+    counts_.AddTensor(p.info.id);  // a new param has taken no step
+    Param& added = params_.AddNew(name, std::move(p));
+    if (r.d_initial != nullptr) mains.push_back(MainSource{&added, r.d_initial, *r.initial_type});
   }
   Status ws = WriteMains(mains);
   if (!ws.ok()) {
@@ -393,10 +363,10 @@ Status StreamedEngine::RegisterParams(std::span<const ParamSpec> specs, std::vec
 
 Status StreamedEngine::LoadMainFrom(const std::string& name, const void* d_weights, DType type) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::LoadMainFrom " + name + ": a step is in progress");
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::LoadMainFrom " + name + ": a step is in progress");
   OPTSTATE_RETURN_IF_ERROR(FinishCommit());
-  auto it = params_.find(name);
-  if (it == params_.end()) {
+  Param* p = params_.Find(name);
+  if (p == nullptr) {
     return NotFound("StreamedAdam::LoadMainFrom: unknown param " + name + " (" + std::to_string(params_.size()) +
                     " registered in store " + store_->path() + ")");
   }
@@ -404,14 +374,13 @@ Status StreamedEngine::LoadMainFrom(const std::string& name, const void* d_weigh
     return InvalidArgument("StreamedAdam::LoadMainFrom " + name + ": need non-null weights of f32/bf16/f16, got " +
                            DTypeName(type));
   }
-  if (uncommitted_steps_ > 0) {  // WriteMain replaces the cache's copy of this tensor
+  if (counts_.uncommitted_steps() > 0) {  // WriteMain replaces the cache's copy of this tensor
     auto d = MakeDurable();
     if (!d.ok()) return d.status().WithContext("StreamedAdam::LoadMainFrom " + name);
   }
-  OPTSTATE_RETURN_IF_ERROR(mem_->DropTensor(it->second.info.id));
-  it->second.main_pending = true;
-  registrations_pending_ = true;
-  Status ws = WriteMain(it->second, d_weights, type);
+  OPTSTATE_RETURN_IF_ERROR(mem_->DropTensor(p->info.id));
+  params_.MarkMainPending(p);
+  Status ws = WriteMain(*p, d_weights, type);
   if (!ws.ok()) return AbortUncommitted(ws.WithContext("StreamedAdam::LoadMainFrom " + name));
   return Status::Ok();
 }

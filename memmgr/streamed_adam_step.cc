@@ -12,8 +12,8 @@
 
 #include "memmgr/internal/committer.h"
 #include "memmgr/internal/engine_memory.h"
-#include "memmgr/internal/step_pipeline.h"
-#include "memmgr/internal/streamed_adam_impl.h"
+#include "memmgr/internal/slice_pipeline.h"
+#include "memmgr/internal/prefetcher.h"
 #include "memmgr/internal/streamed_adam_util.h"
 #include "base/log.h"
 #include "base/sync_point.h"
@@ -22,15 +22,15 @@ namespace optstate::memmgr::internal {
 
 
 Status StreamedEngine::CheckGrad(const ParamGrad& g) const {
-  auto it = params_.find(g.name);
-  if (it == params_.end()) {
-    if (retired_.count(g.name)) {
+  const Param* p = params_.Find(g.name);
+  if (p == nullptr) {
+    if (params_.retired(g.name)) {
       return InvalidArgument("StreamedAdam: gradient for param '" + g.name + "' of store " + store_->path() +
                              ", which was retired in this run");
     }
     std::string some;
     int n = 0;
-    for (const auto& [name, p] : params_) {
+    for (const auto& [name, q] : params_.all()) {
       if (n++ == 5) break;
       some += (some.empty() ? "" : ", ") + name;
     }
@@ -46,10 +46,10 @@ Status StreamedEngine::CheckGrad(const ParamGrad& g) const {
                            " not supported (f32, bf16, f16)");
   }
   if (g.d_grad == nullptr) return InvalidArgument("StreamedAdam::StepParam " + g.name + ": null gradient");
-  if (g.numel != 0 && g.numel != it->second.info.numel) {
+  if (g.numel != 0 && g.numel != p->info.numel) {
     return InvalidArgument("StreamedAdam::StepParam '" + g.name + "': the gradient has " + std::to_string(g.numel) +
                            " elements; store " + store_->path() + " has the param with numel " +
-                           std::to_string(it->second.info.numel));
+                           std::to_string(p->info.numel));
   }
   return Status::Ok();
 }
@@ -63,15 +63,14 @@ Status StreamedEngine::Fail(Status s) {
   Status a = store_->AbortPending();
   if (!a.ok()) OPTSTATE_LOG_ERROR("StreamedAdam: AbortPending after a failed step: {}", a.ToString());
   mem_->OnAbortPending();
-  in_step_ = false;
-  stepped_.clear();
-  const std::string lost = RevertUncommitted();
+  step_.phase = StepPhase::kIdle;
+  step_.tensors.clear();
+  const std::string lost = counts_.Revert();
   if (!lost.empty()) s = s.WithContext(lost);
   s = WithNote(s, DropUncommittedRegistrations());
   // A CUDA error is sticky for the process: refuse to continue.
   if (mm_->backend() == Backend::kCuda && s.message().find("CUDA") != std::string::npos) {
-    poisoned_ = true;
-    poison_status_ = s.WithContext("StreamedAdam is unusable after a CUDA error");
+    poison_ = s.WithContext("StreamedAdam is unusable after a CUDA error");
   }
   // The caller gets s (the C ABI as its error, the tools print it): an error
   // line here would say it twice.
@@ -79,284 +78,13 @@ Status StreamedEngine::Fail(Status s) {
   return s;
 }
 
-Status StreamedEngine::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
-  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
-  const double t_begin = NowS();
-  double wait_s = 0;
-  {
-    Status fs = FinishCommit(&wait_s, /*keep_staged=*/true);  // completes the previous step's stats
-    if (!fs.ok()) DropStaged();  // the step they were read for is gone
-    OPTSTATE_RETURN_IF_ERROR(fs);
-  }
-  // Staged prefetched chunks go to this step's pipeline below; any early
-  // return gives them back.
-  struct DropUnadopted {
-    StreamedEngine* sa;
-    ~DropUnadopted() { sa->DropStaged(); }
-  } drop_unadopted{this};
-  if (!staged_.empty() && mm_->stats().nvme_write_bytes != staged_write_mark_) {
-    DropStaged();  // a write-back through pins may have changed what they hold
-  }
-  OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
-  step_found_inf_ = d_found_inf;
-  step_skip_ = false;
-  groups_stepped_.clear();
-  stepped_.clear();
-  last_stats_ = StepStats{};
-  last_stats_.seconds = t_begin;
-  last_stats_.commit_wait_seconds = wait_s;
-  last_stats_.prefetch_read_bytes = prefetch_read_bytes_;
-  prefetch_read_bytes_ = 0;
-  if (d_found_inf != nullptr) {
-    float flag = 0;
-    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, d_found_inf, sizeof(float)));
-    if (flag != 0.0f) {
-      step_skip_ = true;
-      in_step_ = true;
-      return Status::Ok();
-    }
-  }
-  step_grad_scale_ = grad_scale_;
-  if (d_grad_scale != nullptr) {
-    float scale = 0;
-    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&scale, d_grad_scale, sizeof(float)));
-    OPTSTATE_RETURN_IF_ERROR(CheckGradScale(scale, "StreamedAdam: the step's d_grad_scale", store_->path()));
-    step_grad_scale_ = scale;
-  }
-  // Registrations and LoadMainFrom since the last commit are in the pending
-  // generation: this step's commit publishes them with its own writes.
-  OPTSTATE_RETURN_IF_ERROR(FitStaging());
-  OPTSTATE_RETURN_IF_ERROR(EnsureIo());
-  step_cache_mode_ = CacheHoldsState();
-  if (!step_cache_mode_ && opts_.durable_every_steps > 1 && !warned_cache_small_) {
-    warned_cache_small_ = true;
-    OPTSTATE_LOG_WARN("StreamedAdam: durable_every_steps {} needs the host cache tier ({} bytes) to hold the whole "
-                      "state of store {}; every step commits",
-                      opts_.durable_every_steps, mem_->cache()->capacity_bytes(), store_->path());
-  }
-  if (!step_cache_mode_ && mem_->cache()->enabled() && !warned_cache_partial_) {
-    warned_cache_partial_ = true;
-    OPTSTATE_LOG_INFO("StreamedAdam: the host cache tier ({} bytes) holds part of the {} bytes of state of store {}; "
-                      "steps read the chunks it admits from RAM and the rest from disk",
-                      mem_->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
-  }
-  const bool write_through = !step_cache_mode_ || uncommitted_steps_ + 1 >= opts_.durable_every_steps;
-  committer_->BeginStep();
-  internal::Committer* committer = committer_.get();
-  pipeline_ = std::make_unique<internal::StepPipeline>(
-      mem_, io_.get(), opts_.cpu_threads, [committer](uint64_t bytes) { committer->OnWritten(bytes); }, d_found_inf,
-      MaxSliceSize());
-  pipeline_->SetCacheMode(step_cache_mode_, write_through);
-  pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
-  // Tests fix the order of a step's I/O here (base/sync_point.h; nothing in
-  // the product arms these points), their callbacks setting the bool:
-  // "streamed_adam.hold_completions": the step reaps no I/O completion before
-  // EndStep drains it, so StepParam submits exactly the reads the depth
-  // limits admit, whatever the disk's speed.
-  // "streamed_adam.reap_only_when_blocked": the step reaps completions only
-  // when it can make no other progress, so the writes it finds complete when
-  // it returns are exactly those it had to wait for.
-  bool hold_completions = false;
-  bool reap_only_when_blocked = false;
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.hold_completions", &hold_completions);
-  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.reap_only_when_blocked", &reap_only_when_blocked);
-  pipeline_->SetHoldCompletions(hold_completions);
-  pipeline_->SetReapOnlyWhenBlocked(reap_only_when_blocked);
-  if (!staged_.empty()) {
-    std::vector<internal::StepPipeline::Staged> adopt;
-    for (const StagedChunk& c : staged_) {
-      adopt.push_back({ChunkKey{c.tensor_id, c.field, c.chunk}, c.len, c.buf});
-    }
-    staged_.clear();
-    pipeline_->Adopt(std::move(adopt));
-  }
-  step_order_.clear();
-  step_write_through_ = write_through;
-  Status s = pipeline_->Begin();
-  if (!s.ok()) {
-    pipeline_->Release();
-    pipeline_.reset();
-    return s;
-  }
-  in_step_ = true;
-  return Status::Ok();
-}
-
-Status StreamedEngine::StepParam(const ParamGrad& g) {
-  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (!in_step_) return FailedPrecondition("StreamedAdam::StepParam " + g.name + ": no BeginStep");
-  if (Status cs = CheckGrad(g); !cs.ok()) return Fail(cs);
-  auto it = params_.find(g.name);
-  const Param& p = it->second;
-  if (step_skip_) return Status::Ok();
-  if (stepped_.count(g.name)) {
-    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": given twice in one step"));
-  }
-  Status ds = mem_->DropTensor(p.info.id);
-  if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
-  stepped_.insert(g.name);
-  step_order_.push_back(StepOrderEntry{p.info.id, p.rule, p.fields, p.info.numel});
-  // The rule's arguments for this param: its group's hyperparameters and
-  // its own count after this step, as torch's.
-  RuleArgs args;
-  const UpdateRule& rule = *rules_[p.rule];
-  const internal::SliceLayout& layout = LayoutOf(p);
-  Status as = rule.MakeArgs(groups_.at(p.info.group).per_rule[p.rule], tensor_counts_.at(p.info.id).now + 1,
-                            step_grad_scale_, &args);
-  if (!as.ok()) return Fail(as.WithContext("StreamedAdam::StepParam " + g.name));
-  groups_stepped_[p.info.group] = true;
-  internal::StepPipeline::Job j;
-  j.tensor_id = p.info.id;
-  std::copy(p.fields.begin(), p.fields.end(), j.tensor_fields);
-  j.grad = g.d_grad;
-  j.grad_type = g.grad_type;
-  j.param = g.d_param;
-  if (g.d_param) j.param_type = *g.param_type;
-  j.args = args;
-  j.rule = &rule;
-  j.layout = &layout;
-  if (rule.unit() == SliceUnit::kTensor) {
-    // One unit: the whole tensor (the pipeline gathers its chunks).
-    j.tensor = &p.info;
-    j.chunk = 0;
-    pipeline_->Enqueue(j);
-  } else {
-    for (uint64_t c = 0; c < layout.Slices(p.info.numel); ++c) {
-      j.chunk = c;
-      layout.SliceOf(p.info.numel, c, &j.slice);
-      pipeline_->Enqueue(j);
-    }
-  }
-  Status ps = pipeline_->Pump(false);
-  if (!ps.ok()) return Fail(ps);
-  return Status::Ok();
-}
-
-Result<uint64_t> StreamedEngine::EndStep() {
-  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (!in_step_) return FailedPrecondition("StreamedAdam::EndStep: no BeginStep");
-  if (step_skip_) {
-    in_step_ = false;
-    last_step_skipped_ = true;
-    last_stats_.seconds = NowS() - last_stats_.seconds;
-    OPTSTATE_LOG_INFO("StreamedAdam: found-inf set; step skipped, nothing committed (generation {})",
-                      last_generation_);
-    return last_generation_;
-  }
-  // Pipelined commit: once every slice is computed (params updated), the
-  // write tail and the commit go to the background, unless found-inf was
-  // raised meanwhile (then the step is drained and dropped below).
-  const bool pipelined = opts_.commit_lag_steps > 0 && step_write_through_;
-  Status ds = pipeline_->Pump(true, /*until_computed=*/pipelined);
-  if (!ds.ok()) return Fail(ds);
-  if (pipelined) {
-    float flag = 0;
-    if (step_found_inf_ != nullptr) {
-      Status cs = mm_->CopyToHost(&flag, step_found_inf_, sizeof(float));
-      if (!cs.ok()) return Fail(cs);
-    }
-    if (flag == 0.0f) {
-      last_stats_.device_slots = pipeline_->device_slots();
-      Status rs = pipeline_->ReleaseDevice();
-      if (!rs.ok()) return Fail(rs.WithContext("StreamedAdam: end of the step's device work"));
-      NoteReadSideStats(*pipeline_);
-      const uint64_t gen = store_->LatestGeneration().generation + 1;
-      StartBackgroundCommit();
-      AdvanceCounts();
-      ++global_step_;
-      last_step_skipped_ = false;
-      in_step_ = false;
-      last_stats_.seconds = NowS() - last_stats_.seconds;
-      return gen;
-    }
-    ds = pipeline_->Pump(true);
-    if (!ds.ok()) return Fail(ds);
-  }
-  ds = committer_->FinishSync();
-  if (!ds.ok()) return Fail(ds);
-  internal::StepPipeline& pl = *pipeline_;
-  NoteReadSideStats(pl);
-  last_stats_.slices = pl.slices;
-  last_stats_.write_bytes = pl.write_bytes;
-  last_stats_.peak_write_bytes_in_flight = pl.peak_write_bytes;
-  last_stats_.device_slots = pl.device_slots();
-  last_stats_.io_wait_seconds = pl.stall_s_;
-  mem_->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
-  pipeline_->Release();
-  pipeline_.reset();
-  if (step_found_inf_ != nullptr) {
-    // Incremental form: the flag may have been set after BeginStep. The kernel
-    // skipped every slice after it was set; drop the step as a whole.
-    float flag = 0;
-    Status cs = mm_->CopyToHost(&flag, step_found_inf_, sizeof(float));
-    if (!cs.ok()) return Fail(cs);
-    if (flag != 0.0f) {
-      Status a = store_->AbortPending();
-      mem_->OnAbortPending();
-      in_step_ = false;
-      last_step_skipped_ = true;
-      if (step_cache_mode_) {
-        // Slices before the flag were updated in place in the cache.
-        const std::string lost = RevertUncommitted();
-        OPTSTATE_LOG_WARN("StreamedAdam: found-inf raised during a cached step; step dropped{}{}",
-                          lost.empty() ? "" : "; ", lost);
-      }
-      if (!a.ok()) return a;
-      // The dropped pending generation also held what this step was to commit
-      // with it: say so rather than return OK without it.
-      const std::string dropped = DropUncommittedRegistrations();
-      if (!dropped.empty()) {
-        return FailedPrecondition("StreamedAdam: found-inf was raised after BeginStep; the step was dropped and "
-                                  "nothing committed (store " + store_->path() + ", generation " +
-                                  std::to_string(last_generation_) + "); " + dropped);
-      }
-      return last_generation_;
-    }
-  }
-  if (!step_write_through_) {
-    // Deferred durability: the step lives in the host cache only.
-    AdvanceCounts();
-    ++global_step_;
-    ++uncommitted_steps_;
-    last_step_skipped_ = false;
-    in_step_ = false;
-    last_stats_.seconds = NowS() - last_stats_.seconds;
-    return last_generation_;
-  }
-  internal::Committer::Work w;
-  w.info = MakeCommitInfo(true);
-  w.write_dirty_cache = step_cache_mode_;
-  internal::Committer::Outcome c = committer_->Run(std::move(w));
-  last_stats_.commit_seconds = c.commit_seconds;
-  if (!c.status.ok()) {
-    return Fail(c.status.WithContext("StreamedAdam: commit of step " + std::to_string(global_step_ + 1)));
-  }
-  AdvanceCounts();
-  ++global_step_;
-  NoteCommitted(c.committed);
-  last_step_skipped_ = false;
-  in_step_ = false;
-  last_stats_.seconds = NowS() - last_stats_.seconds;
-  return c.committed;
-}
-
-// The step's stats known once its kernels are done (a pipelined step's
-// writes and commit are accounted when its commit is joined).
-void StreamedEngine::NoteReadSideStats(const internal::StepPipeline& pl) {
-  last_stats_.read_bytes = pl.read_bytes;
-  last_stats_.slices_in_flight = pl.depth();
-  last_stats_.small_sets = pl.small_depth();
-  last_stats_.small_slices = pl.small_slices;
-  last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
-  last_stats_.compute_seconds = pl.compute_s_;
-  last_stats_.submit_seconds = pl.submit_s_;
-  last_stats_.prefetch_hit_bytes = pl.prefetch_hits;
-}
-
+// The step path, top-down: Step checks every gradient, then BeginStep
+// (the step's mode and pipeline), StepParam per param (its plan of units,
+// pumped through the pipeline to the rule's kernel), EndStep (drain, then
+// commit, defer or drop).
 Status StreamedEngine::Step(std::span<const ParamGrad> grads, const float* d_found_inf, const float* d_grad_scale) {
   OPTSTATE_RETURN_IF_ERROR(CheckUsable());
-  if (in_step_) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::Step: a step begun with BeginStep has not ended");
   // Every gradient is checked before the step starts: a mismatch leaves the
   // optimizer, the store and the pending registrations as they were.
   std::set<std::string_view> seen;
@@ -371,6 +99,251 @@ Status StreamedEngine::Step(std::span<const ParamGrad> grads, const float* d_fou
   for (const ParamGrad& g : grads) OPTSTATE_RETURN_IF_ERROR(StepParam(g));
   auto r = EndStep();
   return r.status();
+}
+
+Status StreamedEngine::BeginStep(const float* d_found_inf, const float* d_grad_scale) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (step_.in_step()) return FailedPrecondition("StreamedAdam::BeginStep: the previous step has not ended");
+  const double t_begin = NowS();
+  double wait_s = 0;
+  {
+    Status fs = FinishCommit(&wait_s, /*keep_staged=*/true);  // completes the previous step's stats
+    if (!fs.ok()) prefetcher_->DropStaged();  // the step they were read for is gone
+    OPTSTATE_RETURN_IF_ERROR(fs);
+  }
+  // Staged prefetched chunks go to this step's pipeline below; any early
+  // return gives them back.
+  struct DropUnadopted {
+    Prefetcher* p;
+    ~DropUnadopted() { p->DropStaged(); }
+  } drop_unadopted{prefetcher_.get()};
+  OPTSTATE_RETURN_IF_ERROR(CheckModelComplete());
+  step_.found_inf = d_found_inf;
+  step_.groups.clear();
+  step_.tensors.clear();
+  last_stats_ = StepStats{};
+  last_stats_.seconds = t_begin;
+  last_stats_.commit_wait_seconds = wait_s;
+  last_stats_.prefetch_read_bytes = prefetcher_->TakeReadBytes();
+  if (d_found_inf != nullptr) {
+    float flag = 0;
+    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, d_found_inf, sizeof(float)));
+    if (flag != 0.0f) {
+      step_.phase = StepPhase::kSkipping;
+      return Status::Ok();
+    }
+  }
+  step_.grad_scale = grad_scale_;
+  if (d_grad_scale != nullptr) {
+    float scale = 0;
+    OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&scale, d_grad_scale, sizeof(float)));
+    OPTSTATE_RETURN_IF_ERROR(CheckGradScale(scale, "StreamedAdam: the step's d_grad_scale", store_->path()));
+    step_.grad_scale = scale;
+  }
+  // Registrations and LoadMainFrom since the last commit are in the pending
+  // generation: this step's commit publishes them with its own writes.
+  OPTSTATE_RETURN_IF_ERROR(FitStaging());
+  OPTSTATE_RETURN_IF_ERROR(EnsureIo());
+  const bool cached = CacheHoldsState();
+  if (!cached && opts_.durable_every_steps > 1 && warned_cache_small_.First()) {
+    OPTSTATE_LOG_WARN("StreamedAdam: durable_every_steps {} needs the host cache tier ({} bytes) to hold the whole "
+                      "state of store {}; every step commits",
+                      opts_.durable_every_steps, mem_->cache()->capacity_bytes(), store_->path());
+  }
+  if (!cached && mem_->cache()->enabled() && warned_cache_partial_.First()) {
+    OPTSTATE_LOG_INFO("StreamedAdam: the host cache tier ({} bytes) holds part of the {} bytes of state of store {}; "
+                      "steps read the chunks it admits from RAM and the rest from disk",
+                      mem_->cache()->capacity_bytes(), StateCacheBytes(), store_->path());
+  }
+  const StepMode mode =
+      StepState::ModeOf(cached, counts_.uncommitted_steps() + 1 >= opts_.durable_every_steps);
+  committer_->BeginStep();
+  internal::Committer* committer = committer_.get();
+  pipeline_ = std::make_unique<internal::SlicePipeline>(
+      mem_, io_.get(), opts_.cpu_threads, [committer](uint64_t bytes) { committer->OnWritten(bytes); }, d_found_inf,
+      MaxSliceSize(), StepReapPolicy());
+  pipeline_->SetMode(mode);
+  pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
+  pipeline_->Adopt(prefetcher_->TakeStaged());
+  step_.order.clear();
+  step_.mode = mode;
+  Status s = pipeline_->Begin();
+  if (!s.ok()) {
+    pipeline_->Release();
+    pipeline_.reset();
+    return s;
+  }
+  step_.phase = StepPhase::kStepping;
+  return Status::Ok();
+}
+
+Status StreamedEngine::StepParam(const ParamGrad& g) {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (!step_.in_step()) return FailedPrecondition("StreamedAdam::StepParam " + g.name + ": no BeginStep");
+  if (Status cs = CheckGrad(g); !cs.ok()) return Fail(cs);
+  const Param& p = *params_.Find(g.name);
+  if (step_.phase == StepPhase::kSkipping) return Status::Ok();
+  if (step_.tensors.count(p.info.id)) {
+    return Fail(InvalidArgument("StreamedAdam::StepParam " + g.name + ": given twice in one step"));
+  }
+  Status ds = mem_->DropTensor(p.info.id);
+  if (!ds.ok()) return Fail(ds.WithContext("StreamedAdam::StepParam " + g.name));
+  step_.tensors.insert(p.info.id);
+  step_.order.push_back(StepOrderEntry{p.info.id, p.rule, p.fields, p.info.numel});
+  // The rule's arguments for this param: its group's hyperparameters and
+  // its own count after this step, as torch's.
+  RuleArgs args;
+  const UpdateRule& rule = *rules_[p.rule];
+  Status as = rule.MakeArgs(groups_.at(p.info.group).per_rule[p.rule], counts_.tensor(p.info.id).value() + 1,
+                            step_.grad_scale, &args);
+  if (!as.ok()) return Fail(as.WithContext("StreamedAdam::StepParam " + g.name));
+  step_.groups.insert(p.info.group);
+  ParamPlan::Inputs in;
+  in.tensor = &p.info;
+  in.fields = p.fields.data();
+  in.rule = &rule;
+  in.layout = &LayoutOf(p);
+  in.grad = g.d_grad;
+  in.grad_type = g.grad_type;
+  in.param = g.d_param;
+  if (g.d_param != nullptr) in.param_type = *g.param_type;
+  in.args = args;
+  pipeline_->Enqueue(ParamPlan::Make(in));
+  Status ps = pipeline_->Pump(false);
+  if (!ps.ok()) return Fail(ps);
+  return Status::Ok();
+}
+
+Result<uint64_t> StreamedEngine::EndStep() {
+  OPTSTATE_RETURN_IF_ERROR(CheckUsable());
+  if (!step_.in_step()) return FailedPrecondition("StreamedAdam::EndStep: no BeginStep");
+  if (step_.phase == StepPhase::kSkipping) {
+    step_.phase = StepPhase::kIdle;
+    step_.last = StepOutcome::kSkipped;
+    last_stats_.seconds = NowS() - last_stats_.seconds;
+    OPTSTATE_LOG_INFO("StreamedAdam: found-inf set; step skipped, nothing committed (generation {})",
+                      counts_.last_generation());
+    return counts_.last_generation();
+  }
+  // Pipelined commit: once every slice is computed (params updated), the
+  // write tail and the commit go to the background, unless found-inf was
+  // raised meanwhile (then the step is drained and dropped below).
+  const bool pipelined = opts_.commit_lag_steps > 0 && step_.write_through();
+  Status ds = pipeline_->Pump(true, /*until_computed=*/pipelined);
+  if (!ds.ok()) return Fail(ds);
+  if (pipelined) {
+    Result<bool> raised = FoundInfRaised();
+    if (!raised.ok()) return Fail(raised.status());
+    if (!*raised) return EndPipelined();
+    ds = pipeline_->Pump(true);
+    if (!ds.ok()) return Fail(ds);
+  }
+  ds = committer_->FinishSync();
+  if (!ds.ok()) return Fail(ds);
+  internal::SlicePipeline& pl = *pipeline_;
+  NoteReadSideStats(pl);
+  last_stats_.slices = pl.slices;
+  last_stats_.write_bytes = pl.write_bytes;
+  last_stats_.peak_write_bytes_in_flight = pl.peak_write_bytes;
+  last_stats_.device_slots = pl.device_slots();
+  last_stats_.io_wait_seconds = pl.stall_s_;
+  mem_->AddStats(pl.read_bytes, pl.write_bytes, pl.cache_hits, pl.h2d, pl.d2h, pl.stall_s_);
+  pipeline_->Release();
+  pipeline_.reset();
+  // Incremental form: the flag may have been set after BeginStep. The kernel
+  // skipped every slice after it was set; drop the step as a whole.
+  Result<bool> raised = FoundInfRaised();
+  if (!raised.ok()) return Fail(raised.status());
+  if (*raised) return DropRaisedStep();
+  if (!step_.write_through()) {
+    // Deferred durability: the step lives in the host cache only.
+    AdvanceCounts(/*cached=*/true);
+    return EndKept(counts_.last_generation());
+  }
+  internal::Committer::Work w;
+  w.info = MakeCommitInfo(true);
+  w.write_dirty_cache = step_.cache_mode();
+  internal::Committer::Outcome c = committer_->Run(std::move(w));
+  last_stats_.commit_seconds = c.commit_seconds;
+  if (!c.status.ok()) {
+    return Fail(c.status.WithContext("StreamedAdam: commit of step " + std::to_string(counts_.global_step() + 1)));
+  }
+  AdvanceCounts(/*cached=*/false);
+  NoteCommitted(c.committed);
+  return EndKept(c.committed);
+}
+
+ReapPolicy StreamedEngine::StepReapPolicy() {
+  // Tests fix the order of a step's I/O here; their callbacks set the bool
+  // (tests/common/sync_point_flag.h).
+  bool hold_until_drain = false;
+  bool only_when_blocked = false;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.hold_completions", &hold_until_drain);
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.reap_only_when_blocked", &only_when_blocked);
+  if (hold_until_drain) return ReapPolicy::kHoldUntilDrain;
+  if (only_when_blocked) return ReapPolicy::kOnlyWhenBlocked;
+  return ReapPolicy::kEager;
+}
+
+Result<bool> StreamedEngine::FoundInfRaised() const {
+  if (step_.found_inf == nullptr) return false;
+  float flag = 0;
+  OPTSTATE_RETURN_IF_ERROR(mm_->CopyToHost(&flag, step_.found_inf, sizeof(float)));
+  return flag != 0.0f;
+}
+
+uint64_t StreamedEngine::EndKept(uint64_t gen) {
+  step_.last = StepOutcome::kApplied;
+  step_.phase = StepPhase::kIdle;
+  last_stats_.seconds = NowS() - last_stats_.seconds;
+  return gen;
+}
+
+Result<uint64_t> StreamedEngine::EndPipelined() {
+  last_stats_.device_slots = pipeline_->device_slots();
+  Status rs = pipeline_->ReleaseDevice();
+  if (!rs.ok()) return Fail(rs.WithContext("StreamedAdam: end of the step's device work"));
+  NoteReadSideStats(*pipeline_);
+  const uint64_t gen = store_->LatestGeneration().generation + 1;
+  StartBackgroundCommit();
+  AdvanceCounts(/*cached=*/false);
+  return EndKept(gen);
+}
+
+Result<uint64_t> StreamedEngine::DropRaisedStep() {
+  Status a = store_->AbortPending();
+  mem_->OnAbortPending();
+  step_.phase = StepPhase::kIdle;
+  step_.last = StepOutcome::kSkipped;
+  if (step_.cache_mode()) {
+    // Slices before the flag were updated in place in the cache.
+    const std::string lost = counts_.Revert();
+    OPTSTATE_LOG_WARN("StreamedAdam: found-inf raised during a cached step; step dropped{}{}",
+                      lost.empty() ? "" : "; ", lost);
+  }
+  if (!a.ok()) return a;
+  // The dropped pending generation also held what this step was to commit
+  // with it: say so rather than return OK without it.
+  const std::string dropped = DropUncommittedRegistrations();
+  if (!dropped.empty()) {
+    return FailedPrecondition("StreamedAdam: found-inf was raised after BeginStep; the step was dropped and "
+                              "nothing committed (store " + store_->path() + ", generation " +
+                              std::to_string(counts_.last_generation()) + "); " + dropped);
+  }
+  return counts_.last_generation();
+}
+
+// The step's stats known once its kernels are done (a pipelined step's
+// writes and commit are accounted when its commit is joined).
+void StreamedEngine::NoteReadSideStats(const internal::SlicePipeline& pl) {
+  last_stats_.read_bytes = pl.read_bytes;
+  last_stats_.slices_in_flight = pl.depth();
+  last_stats_.small_sets = pl.small_depth();
+  last_stats_.small_slices = pl.small_slices;
+  last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
+  last_stats_.compute_seconds = pl.compute_s_;
+  last_stats_.submit_seconds = pl.submit_s_;
+  last_stats_.prefetch_hit_bytes = pl.prefetch_hits;
 }
 
 }  // namespace optstate::memmgr::internal

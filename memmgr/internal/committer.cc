@@ -43,7 +43,7 @@ void Committer::Commit(Work* w, Outcome* out, bool background) {
   out->steps = w->steps;
   Status s;
   if (w->pipeline) {
-    StepPipeline& pl = *w->pipeline;
+    SlicePipeline& pl = *w->pipeline;
     out->write_bytes_at_start = pl.write_bytes;
     s = pl.Pump(true);
     Status ss = FinishSync();

@@ -33,7 +33,7 @@
 #include "base/status.h"
 #include "base/thread_annotations.h"
 #include "memmgr/internal/engine_memory.h"
-#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/slice_pipeline.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr::internal {
@@ -58,7 +58,7 @@ class Committer {
   Status FinishSync();
 
   struct Work {
-    std::unique_ptr<StepPipeline> pipeline;  // its write tail; null: every write done
+    std::unique_ptr<SlicePipeline> pipeline;  // its write tail; null: every write done
     vfs::CommitInfo info;                    // the generation's step counts and hyperparameters
     bool write_dirty_cache = false;          // earlier cached steps to write with it
     uint64_t generation = 0;                 // the generation it publishes (messages)

@@ -1,15 +1,21 @@
 // StreamedEngine: the engine behind StreamedAdam (memmgr/streamed_adam.h,
 // which documents every public method; docs/STREAMED_ADAM.md its
-// behaviour). Internal to memmgr. Its parts: the update rules and their
-// SliceLayouts, the params and their step counts, the step's pipeline
-// (internal/step_pipeline.h), the Committer (internal/committer.h) and the
-// prefetch; EngineMemory is its only way to the memory manager. The step
-// path reads top-down: Step -> BeginStep / StepParam / EndStep
-// (streamed_adam_step.cc) -> StepPipeline::Pump -> UpdateRule::RunCpu /
-// RunCuda.
+// behaviour). Internal to memmgr. Its parts, each with its own header:
+//   the update rules and their SliceLayouts (update_rule.h, slice_layout.h);
+//   ParamRegistry (param_registry.h): the run's params and registrations;
+//   StepCounts (step_counts.h): the step counts, now and as committed;
+//   StepState (step_state.h): one step's phase, mode and what it stepped;
+//   ParamPlan (step_plan.h): the units of a param stepped;
+//   SlicePipeline (slice_pipeline.h): reads, kernels and writes over them;
+//   Committer (committer.h): the end of a generation;
+//   Prefetcher (prefetcher.h): the next step's reads, between steps;
+//   EngineMemory (engine_memory.h): its only way to the memory manager.
+// The step path reads top-down: Step -> BeginStep / StepParam / EndStep
+// (streamed_adam_step.cc) -> ParamPlan::Make, SlicePipeline::Pump ->
+// UpdateRule::RunCpu / RunCuda.
 // Thread-safety: as StreamedAdam (one trainer thread); the commit and the
 // prefetch run on threads of their own, which own what they touch until
-// joined (FinishCommit, StopPrefetch).
+// joined (FinishCommit, Prefetcher::Stop).
 #pragma once
 
 #include <array>
@@ -24,6 +30,10 @@
 
 #include "base/dtype.h"
 #include "base/status.h"
+#include "memmgr/internal/param_registry.h"
+#include "memmgr/internal/step_counts.h"
+#include "memmgr/internal/slice_pipeline.h"
+#include "memmgr/internal/step_state.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
 #include "memmgr/update_rule.h"
@@ -33,8 +43,9 @@ namespace optstate::memmgr::internal {
 
 class Committer;
 class EngineMemory;
+class Prefetcher;
 class SliceLayout;
-class StepPipeline;
+class SlicePipeline;
 struct SliceSize;
 
 class StreamedEngine {
@@ -68,28 +79,21 @@ class StreamedEngine {
   float grad_scale() const { return grad_scale_; }
   Status LoadMainFrom(const std::string& name, const void* d_weights, DType type);
   Result<uint64_t> MakeDurable();
-  uint64_t uncommitted_steps() const { return uncommitted_steps_; }
+  uint64_t uncommitted_steps() const { return counts_.uncommitted_steps(); }
   Status WaitForCommit();
   bool commit_in_flight() const;
   Status Prefetch();
-  bool prefetch_running() const { return prefetch_ != nullptr; }
+  bool prefetch_running() const;
   uint64_t step_count(uint32_t group) const;
   Result<uint64_t> param_step_count(const std::string& name) const;
   uint64_t last_generation() const;
-  bool last_step_skipped() const { return last_step_skipped_; }
-  uint64_t global_step() const { return global_step_; }
-  void set_global_step(uint64_t s) { global_step_ = s; }
+  bool last_step_skipped() const { return step_.last == StepOutcome::kSkipped; }
+  uint64_t global_step() const { return counts_.global_step(); }
+  void set_global_step(uint64_t s) { counts_.set_global_step(s); }
   const StepStats& last_step_stats() const { return last_stats_; }
 
  private:
-  struct Param {
-    vfs::TensorInfo info;
-    std::array<uint32_t, kMaxRuleFields> fields = {};  // the tensor's field index of each of the rule's fields
-    bool committed = true;      // in the last committed generation
-    bool registered = false;    // RegisterParam'd in this run
-    bool main_pending = false;  // LoadMainFrom not yet committed
-    uint32_t rule = 0;          // index into rules_
-  };
+  using Param = EngineParam;
   StreamedEngine(vfs::Store* store, MemoryManager* mm, const StreamedAdamOptions& opts);
   Status CheckUsable() const;
   // The first mismatch between g and the registered params, before a step.
@@ -121,6 +125,18 @@ class StreamedEngine {
   // *entry: an uncommitted index entry of that name to take over.
   Status CheckRegistration(const ParamSpec& r, bool* existing, std::optional<vfs::TensorInfo>* entry) const;
   Status Fail(Status s);
+  // The step's path below EndStep: whether found-inf is set now; the end of
+  // a kept step (its generation, or the last one for a cached step); the
+  // end of a pipelined step (its commit goes to the background); the drop
+  // of a step whose found-inf was raised after BeginStep.
+  Result<bool> FoundInfRaised() const;
+  uint64_t EndKept(uint64_t gen);
+  Result<uint64_t> EndPipelined();
+  Result<uint64_t> DropRaisedStep();
+  // The pipeline's reap policy: the product's, unless a test asks for
+  // another at the sync points "streamed_adam.hold_completions" or
+  // "streamed_adam.reap_only_when_blocked" (base/sync_point.h).
+  static ReapPolicy StepReapPolicy();
   vfs::CommitInfo MakeCommitInfo(bool advance) const;
   // True when the host cache tier can hold every registered param's state.
   bool CacheHoldsState() const;
@@ -128,11 +144,9 @@ class StreamedEngine {
   uint64_t StateCacheBytes() const;
   // Writes the cache's dirty entries not yet in the pending generation.
   Status WriteDirtyCache();
-  // After a commit: the cache is clean and the committed counts are current.
+  // After a commit: the cache is clean, the counts and registrations
+  // committed.
   void NoteCommitted(uint64_t gen);
-  // After the cache was dropped: back to the last commit's counts; returns
-  // a sentence for messages ("" when nothing was lost).
-  std::string RevertUncommitted();
 
   vfs::Store* store_;
   MemoryManager* mm_;
@@ -175,43 +189,22 @@ class StreamedEngine {
   // The group's values and the defaults every rule that knows them agrees on
   // (GetGroupHyperparams, the commit).
   Hyperparams GroupMap(const Group& g) const;
-  std::map<uint32_t, uint64_t> step_counts_;
-  std::map<std::string, Param, std::less<>> params_;
-  uint64_t global_step_ = 0;
-  uint64_t last_generation_ = 0;
-  uint64_t uncommitted_steps_ = 0;                  // steps only in the host cache
-  std::map<uint32_t, uint64_t> committed_step_counts_;
-  // Per-tensor step counts by tensor id: every param's and every other
-  // tensor's of the last commit (retired params, tensors that are not Adam
-  // params), so that each commit carries all of them.
-  struct TensorCount {
-    uint64_t now = 0;        // with the steps not yet committed (cached, in flight)
-    uint64_t committed = 0;  // in the last committed generation
-  };
-  std::map<uint32_t, TensorCount> tensor_counts_;
-  // After a step that is kept: one more step for each group and param that
-  // stepped in it (groups_stepped_, stepped_).
-  void AdvanceCounts();
-  uint64_t committed_global_step_ = 0;
-  bool step_cache_mode_ = false;                    // the current step's slices live in the cache
-  bool step_write_through_ = true;                  // the current step writes and commits
-  bool warned_cache_small_ = false;
-  bool warned_cache_partial_ = false;
-  bool registrations_pending_ = false;              // a Param is !committed or main_pending
-  bool any_registered_ = false;                     // RegisterParam succeeded in this run
-  std::set<std::string> retired_;                   // RetireParam'd in this run
-  std::set<std::string> dropped_;                   // registrations dropped by a failed step in this run
-  bool in_step_ = false;
-  bool step_skip_ = false;
-  bool last_step_skipped_ = false;
-  bool poisoned_ = false;
-  Status poison_status_;
-  const float* step_found_inf_ = nullptr;
-  float grad_scale_ = 1.0f;       // SetGradScale (from StreamedAdamOptions::grad_scale)
-  float step_grad_scale_ = 1.0f;  // the current step's scale
-  std::map<uint32_t, bool> groups_stepped_;
-  std::set<std::string> stepped_;  // params stepped in the current (or last) step
-  std::unique_ptr<StepPipeline> pipeline_;
+  // The run's params (registration state, retired, dropped).
+  ParamRegistry params_;
+  // The step counts, now and as last committed.
+  StepCounts counts_;
+  // The step in progress (or the last one): its phase, mode, scale and
+  // what it stepped.
+  StepState step_;
+  // After a step that is kept: one more step for each group and param
+  // that stepped in it; cached: held only in the host cache.
+  void AdvanceCounts(bool cached) { counts_.Advance(step_.groups, step_.tensors, cached); }
+  Once warned_cache_small_;
+  Once warned_cache_partial_;
+  // Set after a CUDA error (sticky for the process): every call returns it.
+  Status poison_;
+  float grad_scale_ = 1.0f;  // SetGradScale (from StreamedAdamOptions::grad_scale)
+  std::unique_ptr<SlicePipeline> pipeline_;
   // The optimizer's ChunkIo (registers the manager's staging buffers once;
   // used by WriteMain and the step pipeline, never concurrently).
   std::unique_ptr<vfs::ChunkIo> io_;
@@ -235,47 +228,15 @@ class StreamedEngine {
   void StartBackgroundCommit();
   // The step's stats known once its kernels are done (a pipelined step's
   // writes and commit are accounted when its commit is joined).
-  void NoteReadSideStats(const StepPipeline& pl);
+  void NoteReadSideStats(const SlicePipeline& pl);
   // Joins the background commit, if any, and takes its outcome: on failure
   // the optimizer returns to the last commit and the error is returned.
   // *wait_s: seconds spent waiting (may be null). keep_staged: chunks a
   // prefetch staged stay for the step that begins now (BeginStep); every
   // other caller drops them.
   Status FinishCommit(double* wait_s = nullptr, bool keep_staged = false);
-  // The background prefetch (defined in internal/streamed_adam_impl.h).
-  struct PrefetchRun;
-  std::unique_ptr<PrefetchRun> prefetch_;
-  // Stops the prefetch, if any, joins it and notes what it read.
-  void StopPrefetch();
-  uint64_t prefetch_read_bytes_ = 0;  // by the prefetches since the last step began
-  // Chunks a finished prefetch read into staging buffers for the next step
-  // (see Prefetch); staged_write_mark_: the manager's nvme_write_bytes when
-  // it started reading (a write-back since then drops them).
-  struct StagedChunk {
-    uint32_t tensor_id = 0;
-    uint32_t field = 0;
-    uint64_t chunk = 0;
-    uint64_t len = 0;
-    void* buf = nullptr;  // a staging buffer of the manager
-  };
-  std::vector<StagedChunk> staged_;
-  uint64_t staged_write_mark_ = 0;
-  // Gives staged_'s buffers back to the manager.
-  void DropStaged();
-  // The current (or last) step's params in the order it stepped them: the
-  // order the next prefetch reads.
-  struct StepOrderEntry {
-    uint32_t tensor_id = 0;
-    uint32_t rule = 0;
-    std::array<uint32_t, kMaxRuleFields> fields = {};  // as Param::fields
-    uint64_t numel = 0;
-  };
-  std::vector<StepOrderEntry> step_order_;
-  // The prefetch's thread: waits until the commit in flight (after_commit) has published, then
-  // reads order's chunks into the host cache tier, and up to stage_limit
-  // chunks outside it into staging buffers (r->staged).
-  void ReadPrefetch(PrefetchRun* r, bool after_commit, size_t stage_limit,
-                    const std::vector<StepOrderEntry>& order);
+  // The background prefetch and the chunks it staged for the next step.
+  std::unique_ptr<Prefetcher> prefetcher_;
   StepStats last_stats_;
 };
 

@@ -1,4 +1,4 @@
-#include "memmgr/internal/step_pipeline.h"
+#include "memmgr/internal/slice_pipeline.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,7 +12,7 @@
 
 namespace optstate::memmgr::internal {
 
-Status StepPipeline::Begin() {
+Status SlicePipeline::Begin() {
   const MemoryManagerOptions& o = mm_->options();
   if (mm_->budget_pages() < bufs_) {
     return ResourceExhausted("StreamedAdam: device budget " + std::to_string(o.device_budget_bytes) +
@@ -25,7 +25,7 @@ Status StepPipeline::Begin() {
   uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
   const size_t total = mm_->staging_count();
   // Every slice of the state is small: one buffer (cut into pieces) will do.
-  const bool all_small = has_state_ && state_.big == 0;
+  const bool all_small = state_ && state_->big == 0;
   const size_t min_bufs = all_small ? 1 : bufs_;
   const size_t want = StepPipelineBuffers(total, o, size_, min_bufs);
   if (want < min_bufs) {
@@ -49,8 +49,8 @@ Status StepPipeline::Begin() {
   // state: StateStaging) keeps a set per big slice and cuts the rest.
   const uint64_t pieces_per_buffer = chunk_bytes_ / kSmallSliceBytes;
   size_t carve = 0;  // buffers cut into pieces
-  if (has_state_ && state_.small > 0 && (state_.big == 0 || state_.big < big_sets) && pieces_per_buffer >= 2) {
-    big_sets = static_cast<size_t>(state_.big);
+  if (state_ && state_->small > 0 && (state_->big == 0 || state_->big < big_sets) && pieces_per_buffer >= 2) {
+    big_sets = static_cast<size_t>(state_->big);
     carve = staging_.size() - bufs_ * big_sets;
   } else if (big_sets >= 6 && pieces_per_buffer >= 2) {
     big_sets -= 2;
@@ -87,22 +87,21 @@ Status StepPipeline::Begin() {
   return Status::Ok();
 }
 
-void StepPipeline::SetCacheMode(bool cache_mode, bool write_through) {
-  cache_mode_ = cache_mode;
-  write_through_ = write_through || !cache_mode;
-  read_tier_ = cache_mode || mm_->cache()->enabled();
+void SlicePipeline::SetMode(StepMode mode) {
+  mode_ = mode;
+  read_tier_ = cache_mode() || mm_->cache()->enabled();
 }
 
-void StepPipeline::Adopt(std::vector<Staged> staged) {
+void SlicePipeline::Adopt(std::vector<Staged> staged) {
   for (const Staged& st : staged) {
     extra_staging_.push_back(st.buf);
     staged_[st.key] = st;
   }
 }
 
-Status StepPipeline::Pump(bool drain, bool until_computed) {
+Status SlicePipeline::Pump(bool drain, bool until_computed) {
   if (!error_.ok()) return error_;
-  if (hold_completions_ && !drain) {
+  if (reap_ == ReapPolicy::kHoldUntilDrain && !drain) {
     bool progressed = false;
     return SubmitReads(&progressed);
   }
@@ -166,7 +165,7 @@ Status StepPipeline::Pump(bool drain, bool until_computed) {
     // 4. I/O completions.
     size_t min = 0;
     if (drain && !progressed && io_->in_flight() > 0 && !gpu_pending) min = 1;
-    if (reap_only_when_blocked_ && min == 0) {
+    if (reap_ == ReapPolicy::kOnlyWhenBlocked && min == 0) {
       if (!drain && !progressed) return Status::Ok();
       if (!progressed && gpu_pending && io_->in_flight() == 0) {
         OPTSTATE_RETURN_IF_ERROR(Keep(SyncOldestSlot()));
@@ -194,7 +193,7 @@ Status StepPipeline::Pump(bool drain, bool until_computed) {
   }
 }
 
-void StepPipeline::Abort() {
+void SlicePipeline::Abort() {
   if (started_) {
     std::vector<vfs::ChunkCompletion> sink;
     while (io_->in_flight() > 0) {
@@ -207,7 +206,7 @@ void StepPipeline::Abort() {
   Release();
 }
 
-Status StepPipeline::ReleaseDevice() {
+Status SlicePipeline::ReleaseDevice() {
   Status st;
   for (auto& d : slots_) {
     Status ss = dev_->SyncStream(d.stream);
@@ -220,7 +219,7 @@ Status StepPipeline::ReleaseDevice() {
   return st;
 }
 
-void StepPipeline::Release() {
+void SlicePipeline::Release() {
   // StartReads moves buffers between sets, staged_ and spare_, never
   // loses or duplicates one: staging_ and extra_staging_ stay the buffers
   // owned.
@@ -247,7 +246,7 @@ void StepPipeline::Release() {
   computed_.clear();
 }
 
-void StepPipeline::ReleaseCached(Set& s, bool dirty) {
+void SlicePipeline::ReleaseCached(Set& s, bool dirty) {
   for (uint32_t f = 0; f < kMaxSliceChunks; ++f) {
     if (!s.acquired[f]) continue;
     mm_->cache()->Release(Key(s.job, f), dirty);
@@ -255,7 +254,7 @@ void StepPipeline::ReleaseCached(Set& s, bool dirty) {
   }
 }
 
-Status StepPipeline::SubmitReads(bool* progressed) {
+Status SlicePipeline::SubmitReads(bool* progressed) {
   while (spare_.size() >= bufs_) {
     Set grown;
     for (uint32_t f = 0; f < bufs_; ++f) {
@@ -295,7 +294,7 @@ Status StepPipeline::SubmitReads(bool* progressed) {
   return Status::Ok();
 }
 
-Status StepPipeline::SubmitComputed(bool* progressed) {
+Status SlicePipeline::SubmitComputed(bool* progressed) {
   while (!computed_.empty() && WriteRoom(SetAt(computed_.front()).job.bytes())) {
     size_t set = computed_.front();
     computed_.pop_front();
@@ -308,9 +307,9 @@ Status StepPipeline::SubmitComputed(bool* progressed) {
   return Status::Ok();
 }
 
-void StepPipeline::OnComputed(size_t i) {
+void SlicePipeline::OnComputed(size_t i) {
   Set& s = sets_[i];
-  if (!write_through_) {
+  if (!write_through()) {
     ReleaseCached(s, /*dirty=*/true);
     s.stage = Stage::kFree;
     ++slices;
@@ -340,7 +339,7 @@ void StepPipeline::OnComputed(size_t i) {
   computed_.push_back(i);
 }
 
-Status StepPipeline::SyncOldestSlot() {
+Status SlicePipeline::SyncOldestSlot() {
   DevSlot* oldest = nullptr;
   for (auto& d : slots_) {
     if (d.set >= 0 && (oldest == nullptr || d.seq < oldest->seq)) oldest = &d;
@@ -348,7 +347,7 @@ Status StepPipeline::SyncOldestSlot() {
   return oldest == nullptr ? Status::Ok() : dev_->SyncEvent(oldest->event);
 }
 
-size_t StepPipeline::FreeSetFor(const Job& j) const {
+size_t SlicePipeline::FreeSetFor(const Job& j) const {
   const bool fits_small = j.max_len() <= kSmallSliceBytes;
   size_t big = kNoSet;
   for (size_t i = 0; i < sets_.size(); ++i) {
@@ -359,27 +358,27 @@ size_t StepPipeline::FreeSetFor(const Job& j) const {
   return big;
 }
 
-bool StepPipeline::ReadRoom(uint64_t bytes) const {
+bool SlicePipeline::ReadRoom(uint64_t bytes) const {
   if (reads_in_flight_ == 0 && writes_in_flight_ == 0) return true;
   if (reads_in_flight_ + writes_in_flight_ + bufs_ > ring_requests_) return false;
   if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes + bufs_ * chunk_bytes_ <= read_qd_ * chunk_bytes_;
   return read_bytes_ + bytes <= read_qd_ * chunk_bytes_;
 }
 
-bool StepPipeline::WriteRoom(uint64_t bytes) const {
+bool SlicePipeline::WriteRoom(uint64_t bytes) const {
   if (writes_in_flight_ == 0) return true;
   if (reads_in_flight_ + writes_in_flight_ + bufs_ > ring_requests_) return false;
   if (write_qd_ == 0) return read_bytes_ + write_bytes_ + bytes <= read_qd_ * chunk_bytes_;
   return write_bytes_ + bytes <= write_qd_ * chunk_bytes_;
 }
 
-Status StepPipeline::Keep(Status s) {
+Status SlicePipeline::Keep(Status s) {
   if (!s.ok() && error_.ok()) error_ = s;
   return s;
 }
 
-Status StepPipeline::ReapReady(bool* progressed) {
-  if (io_->in_flight() == 0 || reap_only_when_blocked_) return Status::Ok();
+Status SlicePipeline::ReapReady(bool* progressed) {
+  if (io_->in_flight() == 0 || reap_ == ReapPolicy::kOnlyWhenBlocked) return Status::Ok();
   reap_buf_.clear();
   Status rs = io_->Reap(&reap_buf_, 0);
   if (!rs.ok()) return Keep(rs.WithContext("StreamedAdam: reaping chunk I/O"));
@@ -390,7 +389,7 @@ Status StepPipeline::ReapReady(bool* progressed) {
   return Status::Ok();
 }
 
-bool StepPipeline::AllComputed() const {
+bool SlicePipeline::AllComputed() const {
   if (!queue_.empty() || !ready_.empty()) return false;
   for (const DevSlot& d : slots_) {
     if (d.set >= 0) return false;
@@ -400,7 +399,7 @@ bool StepPipeline::AllComputed() const {
   });
 }
 
-Status StepPipeline::StartReads(size_t i, const Job& j) {
+Status SlicePipeline::StartReads(size_t i, const Job& j) {
   Set& s = sets_[i];
   if (s.small) ++small_slices;
   s.job = j;
@@ -408,45 +407,30 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
   s.pending = 0;
   for (uint32_t f = 0; f < j.n_bufs(); ++f) {
     const uint64_t len = j.len(f);
-    s.buf[f] = s.io[f];
-    if (read_tier_) {
-      bool valid = false;
-      void* p = mm_->cache()->Acquire(Key(j, f), len, /*may_evict=*/cache_mode_, &valid);
-      if (p == nullptr && !write_through_) {
-        return ResourceExhausted("StreamedAdam: host cache tier (" +
-                                 std::to_string(mm_->cache()->capacity_bytes()) +
-                                 " bytes) has no clean entry left for tensor id " + std::to_string(j.tensor_id) +
-                                 " chunk " + std::to_string(j.chunk));
-      }
-      if (p != nullptr) {
-        s.buf[f] = p;
-        s.acquired[f] = true;
-        if (valid) {
-          cache_hits += len;
-          if (mm_->cache()->TakePrefetched(Key(j, f))) prefetch_hits += len;
-          continue;
-        }
-      }
-    }
-    if (!s.acquired[f] && !staged_.empty()) {
-      auto st = staged_.find(Key(j, f));
-      if (st != staged_.end() && st->second.len == len) {
-        if (s.small) {
-          std::memcpy(s.io[f], st->second.buf, len);
-        } else {
-          // The set takes the prefetched buffer; its own joins spare_,
-          // which makes new sets (SubmitReads), so the pipeline grows
-          // back to the depth it has without prefetch.
-          spare_.push_back(s.io[f]);
-          s.io[f] = st->second.buf;
-          s.buf[f] = s.io[f];
-        }
-        staged_.erase(st);
-        prefetch_hits += len;
-        continue;
-      }
-    }
     const ChunkKey key = Key(j, f);
+    s.buf[f] = s.io[f];
+    ChunkSource src;
+    OPTSTATE_RETURN_IF_ERROR(SourceOf(
+        key, len, [&j] { return "tensor id " + std::to_string(j.tensor_id) + " chunk " + std::to_string(j.chunk); },
+        &src));
+    if (src.kind == ChunkSource::Kind::kEntry || src.kind == ChunkSource::Kind::kEntryToRead) {
+      s.buf[f] = src.buf;
+      s.acquired[f] = true;
+      if (src.kind == ChunkSource::Kind::kEntry) continue;
+    }
+    if (src.kind == ChunkSource::Kind::kPrefetched) {
+      if (s.small) {
+        std::memcpy(s.io[f], src.buf, len);
+      } else {
+        // The set takes the prefetched buffer; its own joins spare_,
+        // which makes new sets (SubmitReads), so the pipeline grows
+        // back to the depth it has without prefetch.
+        spare_.push_back(s.io[f]);
+        s.io[f] = src.buf;
+        s.buf[f] = s.io[f];
+      }
+      continue;
+    }
     vfs::ChunkRef ref{key.tensor_id, key.field, key.index};
     // 0: a whole chunk.
     const uint64_t buf_bytes = s.acquired[f] ? HostCache::EntryBytes(len) : s.small ? kSmallSliceBytes : 0;
@@ -467,7 +451,39 @@ Status StepPipeline::StartReads(size_t i, const Job& j) {
   return Status::Ok();
 }
 
-Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
+Status SlicePipeline::SourceOf(const ChunkKey& key, uint64_t len, const std::function<std::string()>& what,
+                               ChunkSource* src) {
+  *src = ChunkSource{};
+  if (read_tier_) {
+    bool valid = false;
+    void* entry = mm_->cache()->Acquire(key, len, /*may_evict=*/cache_mode(), &valid);
+    if (entry == nullptr && !write_through()) {
+      return ResourceExhausted("StreamedAdam: host cache tier (" + std::to_string(mm_->cache()->capacity_bytes()) +
+                               " bytes) has no clean entry left for " + what());
+    }
+    if (entry != nullptr) {
+      src->buf = entry;
+      if (!valid) {
+        src->kind = ChunkSource::Kind::kEntryToRead;
+        return Status::Ok();
+      }
+      src->kind = ChunkSource::Kind::kEntry;
+      cache_hits += len;
+      if (mm_->cache()->TakePrefetched(key)) prefetch_hits += len;
+      return Status::Ok();
+    }
+  }
+  if (staged_.empty()) return Status::Ok();
+  auto sc = staged_.find(key);
+  if (sc == staged_.end() || sc->second.len != len) return Status::Ok();
+  src->kind = ChunkSource::Kind::kPrefetched;
+  src->buf = sc->second.buf;
+  staged_.erase(sc);
+  prefetch_hits += len;
+  return Status::Ok();
+}
+
+Status SlicePipeline::OnCompletion(const vfs::ChunkCompletion& c) {
   const IoTag tag = IoTag::Unpack(c.tag);
   const size_t i = tag.Index();
   const uint32_t f = tag.chunk;
@@ -513,7 +529,7 @@ Status StepPipeline::OnCompletion(const vfs::ChunkCompletion& c) {
   return Status::Ok();
 }
 
-Status StepPipeline::StartCompute(size_t i, size_t k) {
+Status SlicePipeline::StartCompute(size_t i, size_t k) {
   Set& s = sets_[i];
   DevSlot& d = slots_[k];
   const Job& j = s.job;
@@ -559,7 +575,7 @@ Status StepPipeline::StartCompute(size_t i, size_t k) {
   return dev_->RecordEvent(d.event, d.stream);  // host backend: complete already
 }
 
-Status StepPipeline::StartWrites(size_t i) {
+Status SlicePipeline::StartWrites(size_t i) {
   Set& s = SetAt(i);
   const Job& j = s.job;
   s.stage = Stage::kWriting;
@@ -583,7 +599,7 @@ Status StepPipeline::StartWrites(size_t i) {
   return Status::Ok();
 }
 
-bool StepPipeline::Idle() const {
+bool SlicePipeline::Idle() const {
   if (io_->in_flight() != 0 || !ready_.empty() || !computed_.empty() || tail_busy_ != 0) return false;
   for (const DevSlot& d : slots_) {
     if (d.set >= 0) return false;
@@ -591,7 +607,7 @@ bool StepPipeline::Idle() const {
   return std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; });
 }
 
-Status StepPipeline::RunTensorUnit(const Job& j) {
+Status SlicePipeline::RunTensorUnit(const Job& j) {
   const TensorUnitSize u = TensorUnitOf(*j.rule, *j.layout, *j.tensor);
   // The unit holds the whole window: the slots' pages go back meanwhile.
   for (auto& d : slots_) OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(d.stream));
@@ -609,7 +625,7 @@ Status StepPipeline::RunTensorUnit(const Job& j) {
   return st.ok() ? rs : st;
 }
 
-Status StepPipeline::ReacquireSlots() {
+Status SlicePipeline::ReacquireSlots() {
   OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(bufs_, bufs_ * std::max<size_t>(slots_.size(), 1)));
   const size_t n = arena_.pages / bufs_;
   while (slots_.size() > n) {
@@ -623,7 +639,7 @@ Status StepPipeline::ReacquireSlots() {
   return Status::Ok();
 }
 
-Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
+Status SlicePipeline::GatherScatterUnit(const Job& j, char* base) {
   const vfs::TensorInfo& t = *j.tensor;
   const SliceLayout& l = *j.layout;
   const TensorUnitSize u = TensorUnitOf(*j.rule, l, t);
@@ -737,30 +753,21 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
   };
   for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
     Piece& p = pieces[i];
-    if (read_tier_) {
-      bool valid = false;
-      p.entry = mm_->cache()->Acquire(p.key, p.len, /*may_evict=*/cache_mode_, &valid);
-      if (p.entry == nullptr && !write_through_) {
-        st = ResourceExhausted(what + ": host cache tier (" + std::to_string(mm_->cache()->capacity_bytes()) +
-                               " bytes) has no clean entry left for chunk " + std::to_string(p.key.index));
-        break;
-      }
-      if (p.entry != nullptr && valid) {
-        cache_hits += p.len;
-        if (mm_->cache()->TakePrefetched(p.key)) prefetch_hits += p.len;
-        st = copy_in(p.dst, p.entry, p.len);
-        continue;
-      }
+    ChunkSource src;
+    st = SourceOf(
+        p.key, p.len,
+        [&] { return "chunk " + std::to_string(p.key.index) + " of tensor '" + t.name + "' (whole-tensor update)"; },
+        &src);
+    if (!st.ok()) break;
+    if (src.kind == ChunkSource::Kind::kEntry || src.kind == ChunkSource::Kind::kEntryToRead) p.entry = src.buf;
+    if (src.kind == ChunkSource::Kind::kEntry) {
+      st = copy_in(p.dst, p.entry, p.len);
+      continue;
     }
-    if (p.entry == nullptr && !staged_.empty()) {
-      auto sc = staged_.find(p.key);
-      if (sc != staged_.end() && sc->second.len == p.len) {
-        st = copy_in(p.dst, sc->second.buf, p.len);
-        spare_.push_back(sc->second.buf);  // becomes a staging set (SubmitReads)
-        staged_.erase(sc);
-        prefetch_hits += p.len;
-        continue;
-      }
+    if (src.kind == ChunkSource::Kind::kPrefetched) {
+      st = copy_in(p.dst, src.buf, p.len);
+      spare_.push_back(src.buf);  // becomes a staging set (SubmitReads)
+      continue;
     }
     void* into = make_room(i, landed);
     if (!st.ok()) break;
@@ -825,7 +832,7 @@ Status StepPipeline::GatherScatterUnit(const Job& j, char* base) {
     if (st.ok()) st = dev_->SyncStream(stream);
     if (!st.ok()) break;
     if (dev_->backend() != Backend::kHost) d2h += p.len;
-    if (!write_through_) {
+    if (!write_through()) {
       // The step lives in the tier only (cache mode): dirty, not written.
       mm_->cache()->Release(p.key, /*dirty=*/true);
       p.entry = nullptr;
