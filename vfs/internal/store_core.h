@@ -523,6 +523,9 @@ class Core {
   // Index handle (store_open.cc).
   std::unique_ptr<rocksdb::Env> env_;  // hooked env; outlives db_
   std::shared_ptr<rocksdb::Logger> logger_;
+  // A read-only store's catch-up replaces it (ReopenSecondary) with both
+  // catchup_mu_ and mu_ held, so either of them held keeps it; a writer's
+  // never changes after open.
   std::unique_ptr<rocksdb::DB> db_;
 
   // Data files (store_data_files.cc).
