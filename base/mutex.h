@@ -31,16 +31,30 @@ class CAPABILITY("mutex") Mutex {
   std::mutex mu_;
 };
 
-// Holds mu for its scope.
+// Holds mu for its scope. Unlock() and Lock() let go of it and take it
+// again within the scope (around I/O), as std::unique_lock's; the analysis
+// follows them, and the destructor releases mu only when it is held.
 class SCOPED_CAPABILITY MutexLock {
  public:
   explicit MutexLock(Mutex* mu) ACQUIRE(mu) : mu_(mu) { mu_->Lock(); }
-  ~MutexLock() RELEASE() { mu_->Unlock(); }
+  ~MutexLock() RELEASE() {
+    if (held_) mu_->Unlock();
+  }
   MutexLock(const MutexLock&) = delete;
   MutexLock& operator=(const MutexLock&) = delete;
 
+  void Unlock() RELEASE() {
+    held_ = false;
+    mu_->Unlock();
+  }
+  void Lock() ACQUIRE() {
+    mu_->Lock();
+    held_ = true;
+  }
+
  private:
   Mutex* const mu_;
+  bool held_ = true;
 };
 
 // A condition variable; every wait REQUIRES the Mutex it is given held (it

@@ -19,7 +19,7 @@ CachePusher::~CachePusher() {
 }
 
 void CachePusher::Join() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (thread_.joinable()) thread_.join();
 }
 
@@ -29,7 +29,7 @@ void CachePusher::OnRead(uint64_t offset, uint64_t bytes) {
   while (cur < end && !read_end_.compare_exchange_weak(cur, end, std::memory_order_relaxed)) {
   }
   if (Stopped()) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (!started_) {
     started_ = true;
     if (offset != 0) {

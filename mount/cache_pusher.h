@@ -34,10 +34,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <thread>
 
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "mount/chunk_reader.h"
 
 namespace optstate::mount {
@@ -61,9 +62,9 @@ class CachePusher {
   CachePusher& operator=(const CachePusher&) = delete;
 
   // The kernel READs [offset, offset + bytes): may start or end the push.
-  void OnRead(uint64_t offset, uint64_t bytes);
+  void OnRead(uint64_t offset, uint64_t bytes) EXCLUDES(mu_);
   // Waits until the push thread has ended (tests: the push ran to the end).
-  void Join();
+  void Join() EXCLUDES(mu_);
   // Bytes stored into the page cache so far.
   uint64_t pushed_bytes() const { return pushed_bytes_.load(std::memory_order_relaxed); }
 
@@ -79,9 +80,9 @@ class CachePusher {
   std::atomic<uint64_t> front_{0};       // the push has stored everything before this
   std::atomic<uint64_t> read_end_{0};    // the highest end of a READ
   std::atomic<uint64_t> pushed_bytes_{0};
-  std::mutex mu_;                        // guards started_ and thread_
-  bool started_ = false;
-  std::thread thread_;
+  Mutex mu_;
+  bool started_ GUARDED_BY(mu_) = false;
+  std::thread thread_ GUARDED_BY(mu_);
 };
 
 }  // namespace optstate::mount

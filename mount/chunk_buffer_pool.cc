@@ -21,7 +21,7 @@ ChunkBufferPool::~ChunkBufferPool() {
 char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
   std::vector<std::pair<uint64_t, char*>> evicted;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (size_t i = 0; i < idle_.size(); ++i) {
       if (idle_[i].first == bytes) {
         char* b = idle_[i].second;
@@ -47,7 +47,7 @@ char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
   for (auto& [n, b] : evicted) vfs::FreeIoMemory(b, n, kPoolPages);
   auto b = vfs::AllocateIoMemory(bytes, kPoolPages);
   if (!b.ok()) {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     allocated_bytes_ -= bytes;
     return nullptr;
   }
@@ -56,7 +56,7 @@ char* ChunkBufferPool::Take(uint64_t bytes, bool must) {
 
 void ChunkBufferPool::Give(char* buf, uint64_t bytes) {
   if (buf == nullptr) return;
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (allocated_bytes_ <= budget_bytes_) {
     idle_.emplace_back(bytes, buf);
     idle_bytes_ += bytes;
@@ -67,7 +67,7 @@ void ChunkBufferPool::Give(char* buf, uint64_t bytes) {
 }
 
 uint64_t ChunkBufferPool::allocated_bytes() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return allocated_bytes_;
 }
 

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
-#include <mutex>
 #include <utility>
 #include <vector>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::mount {
 
@@ -22,17 +24,17 @@ class ChunkBufferPool {
   // A buffer of `bytes` (a multiple of 4096). nullptr when the budget is spent
   // and `must` is false, or when allocation fails. `must` lets a reader that
   // holds no buffer exceed the budget by this one.
-  char* Take(uint64_t bytes, bool must);
-  void Give(char* buf, uint64_t bytes);
+  char* Take(uint64_t bytes, bool must) EXCLUDES(mu_);
+  void Give(char* buf, uint64_t bytes) EXCLUDES(mu_);
 
-  uint64_t allocated_bytes() const;
+  uint64_t allocated_bytes() const EXCLUDES(mu_);
 
  private:
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   const uint64_t budget_bytes_;
-  uint64_t allocated_bytes_ = 0;                   // guarded by mu_; idle + in use
-  uint64_t idle_bytes_ = 0;                        // guarded by mu_; of idle_
-  std::vector<std::pair<uint64_t, char*>> idle_;   // guarded by mu_
+  uint64_t allocated_bytes_ GUARDED_BY(mu_) = 0;  // idle + in use
+  uint64_t idle_bytes_ GUARDED_BY(mu_) = 0;       // of idle_
+  std::vector<std::pair<uint64_t, char*>> idle_ GUARDED_BY(mu_);
 };
 
 }  // namespace optstate::mount

@@ -143,7 +143,10 @@ Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Gen
                                                        ChunkBufferPool* pool, ReadStats* stats, bool start) {
   std::unique_ptr<ChunkReader> r(new ChunkReader(std::move(gen), file, opts, pool, stats));
   if (r->seq_len_ == 0) return r;  // manifest.json: bytes held by the layout
-  r->started_ = start;  // before the I/O thread exists
+  {
+    MutexLock l(&r->mu_);  // before the I/O thread exists: for the analysis
+    r->started_ = start;
+  }
   try {
     r->thread_ = std::thread([p = r.get()] { p->IoLoop(); });
     // A file of one chunk (most of a trainer's files: norms, biases, small
@@ -161,10 +164,10 @@ Result<std::unique_ptr<ChunkReader>> ChunkReader::Open(std::shared_ptr<const Gen
 
 ChunkReader::~ChunkReader() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stop_ = true;
     Kick();
-    verify_cv_.notify_all();
+    verify_cv_.SignalAll();
   }
   if (verify_thread_.joinable()) verify_thread_.join();  // no hash reads a buffer after this
   if (thread_.joinable()) thread_.join();  // drains the ChunkIo: no request touches a buffer after this
@@ -196,7 +199,7 @@ void ChunkReader::MoveTo(uint64_t seq) {
   window_bytes_ = step ? std::min(uint64_t{readahead_} * chunk_size_, window_bytes_ * 2) : chunk_size_;
   pos_ = seq;
   Kick();
-  verify_cv_.notify_one();
+  verify_cv_.Signal();
 }
 
 Status ChunkReader::SlotError(const Slot& s) const {
@@ -214,7 +217,7 @@ Status ChunkReader::SlotError(const Slot& s) const {
   return s.status;
 }
 
-Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l) {
+Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq) {
   started_ = true;  // a read: the kernel did not hold these pages after all
   MoveTo(seq);
   // While this reader waits, seq is in waiting_: the I/O thread loads it even
@@ -223,7 +226,7 @@ Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<
   bool waits = false;
   std::chrono::steady_clock::time_point wait_start;
   uint32_t ready_ahead = 0, in_flight_ahead = 0;  // when the wait began (debug log)
-  auto stop_waiting = [&] {
+  auto stop_waiting = [&]() REQUIRES(mu_) {
     if (!waits) return;
     auto it = waiting_.find(seq);
     if (--it->second == 0) waiting_.erase(it);
@@ -254,7 +257,7 @@ Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<
       if (!waits) {
         ++waiting_[seq];
         waits = true;
-        verify_cv_.notify_one();  // seq may be loaded and wait for its hash
+        verify_cv_.Signal();  // seq may be loaded and wait for its hash
         wait_start = std::chrono::steady_clock::now();
         if (Logger().should_log(spdlog::level::debug)) {
           for (const Slot& o : slots_) {
@@ -267,7 +270,7 @@ Result<ChunkReader::Slot*> ChunkReader::PinChunk(uint64_t seq, std::unique_lock<
       }
       // With this reader's lock held: a callback must not take it.
       OPTSTATE_TEST_SYNC_POINT_CALLBACK("chunk_reader.pin.wait", &seq);
-      ready_cv_.wait(l);
+      ready_cv_.Wait(&mu_);
       continue;
     }
     stop_waiting();
@@ -289,7 +292,7 @@ void ChunkReader::Unpin(Slot* s, uint64_t bytes) {
   if (s->seq < pos_) {
     Kick();
   } else {
-    io_cv_.notify_one();
+    io_cv_.Signal();
   }
 }
 
@@ -298,20 +301,19 @@ Result<uint64_t> ChunkReader::Read(uint64_t offset, uint64_t len, char* out) { r
 Result<uint64_t> ChunkReader::CopyOut(uint64_t offset, uint64_t len, char* out, bool count) {
   std::vector<vfs::CheckpointSegment> segs = gen_->layout->MapRange(*file_, offset, len);
   uint64_t total = 0;
-  std::unique_lock<std::mutex> l(mu_, std::defer_lock);
   for (const vfs::CheckpointSegment& seg : segs) {
     if (seg.memory != nullptr) {
       std::memcpy(out + seg.dst_offset, seg.memory, seg.length_bytes);
       total += seg.length_bytes;
       continue;
     }
-    l.lock();
-    OPTSTATE_ASSIGN_OR_RETURN(Slot * s, PinChunk(seg.chunk_seq, l));
-    l.unlock();
-    std::memcpy(out + seg.dst_offset, s->buf + seg.chunk_offset, seg.length_bytes);
-    l.lock();
+    MutexLock l(&mu_);
+    OPTSTATE_ASSIGN_OR_RETURN(Slot * s, PinChunk(seg.chunk_seq));
+    char* const buf = s->buf;  // pinned: stays until Unpin
+    l.Unlock();
+    std::memcpy(out + seg.dst_offset, buf + seg.chunk_offset, seg.length_bytes);
+    l.Lock();
     Unpin(s, seg.length_bytes);
-    l.unlock();
     total += seg.length_bytes;
   }
   if (count) Count(total);
@@ -328,14 +330,13 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
   std::vector<uint64_t> pinned_bytes;  // of the range, per pinned slot
   uint64_t total = 0;
   bool whole = true;  // every chunk of the range pinned
-  std::unique_lock<std::mutex> l(mu_, std::defer_lock);
   for (const vfs::CheckpointSegment& seg : segs) {
     if (seg.memory != nullptr) {
       iov.push_back({const_cast<char*>(seg.memory), seg.length_bytes});
     } else {
-      l.lock();
+      MutexLock l(&mu_);
       if (pinned.empty()) {
-        OPTSTATE_ASSIGN_OR_RETURN(Slot * s, PinChunk(seg.chunk_seq, l));
+        OPTSTATE_ASSIGN_OR_RETURN(Slot * s, PinChunk(seg.chunk_seq));
         pinned.push_back(s);
       } else {
         // Across a chunk boundary (1 request in 8 for 1 MiB reads of 8 MiB
@@ -344,7 +345,6 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
         // concurrent requests on this handle once every slot is pinned.
         Slot* s = Find(seg.chunk_seq);
         if (s == nullptr || s->state != SlotState::kReady) {
-          l.unlock();
           whole = false;
           break;
         }
@@ -352,9 +352,10 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
         ++s->pins;
         pinned.push_back(s);
       }
-      l.unlock();
+      char* const buf = pinned.back()->buf;  // pinned: stays until Unpin
+      l.Unlock();
       pinned_bytes.push_back(seg.length_bytes);
-      iov.push_back({pinned.back()->buf + seg.chunk_offset, seg.length_bytes});
+      iov.push_back({buf + seg.chunk_offset, seg.length_bytes});
     }
     total += seg.length_bytes;
   }
@@ -362,15 +363,16 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
   // instead). lent_to: the buffers are lent (recorded there) as they unpin.
   auto unpin_all = [&](bool served, std::vector<char*>* lent_to = nullptr) {
     if (pinned.empty()) return;
-    l.lock();
-    for (size_t i = 0; i < pinned.size(); ++i) {
-      if (lent_to != nullptr) {
-        ++pinned[i]->lends;
-        lent_to->push_back(pinned[i]->buf);
+    {
+      MutexLock l(&mu_);
+      for (size_t i = 0; i < pinned.size(); ++i) {
+        if (lent_to != nullptr) {
+          ++pinned[i]->lends;
+          lent_to->push_back(pinned[i]->buf);
+        }
+        Unpin(pinned[i], served ? pinned_bytes[i] : 0);
       }
-      Unpin(pinned[i], served ? pinned_bytes[i] : 0);
     }
-    l.unlock();
     pinned.clear();
   };
   if (!whole) {
@@ -389,9 +391,8 @@ Result<uint64_t> ChunkReader::ReadWith(uint64_t offset, uint64_t len,
   if (lend) unpin_all(true, &lent);
   Status st = consume(iov);
   if (lend) {
-    l.lock();
+    MutexLock l(&mu_);
     for (char* buf : lent) Return(buf);
-    l.unlock();
   } else {
     unpin_all(true);
   }

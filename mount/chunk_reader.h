@@ -59,13 +59,11 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -74,7 +72,9 @@
 
 #include "mount/chunk_buffer_pool.h"
 #include "mount/store_tree.h"
+#include "base/mutex.h"
 #include "base/status.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::mount {
 
@@ -119,13 +119,13 @@ class ChunkReader {
                                                    const MountOptions& opts, ChunkBufferPool* pool,
                                                    ReadStats* stats = nullptr, bool start = true);
   // The read-ahead window starts loading (a no-op once it has).
-  void Start();
+  void Start() EXCLUDES(mu_);
   ~ChunkReader();
   ChunkReader(const ChunkReader&) = delete;
   ChunkReader& operator=(const ChunkReader&) = delete;
 
   // Copies up to len bytes at offset into out; short only at EOF.
-  Result<uint64_t> Read(uint64_t offset, uint64_t len, char* out);
+  Result<uint64_t> Read(uint64_t offset, uint64_t len, char* out) EXCLUDES(mu_);
 
   // Hands `consume` the bytes of [offset, offset + len) (clipped at EOF) as
   // iovecs valid only during the call: into the verified chunk buffers (pinned
@@ -141,7 +141,7 @@ class ChunkReader {
   // chunk); a lent buffer goes back to the pool when consume has returned.
   Result<uint64_t> ReadWith(uint64_t offset, uint64_t len,
                             const std::function<Status(std::span<const iovec>)>& consume, bool count = true,
-                            bool lend = false);
+                            bool lend = false) EXCLUDES(mu_);
 
   const Generation& generation() const { return *gen_; }
   const std::shared_ptr<const Generation>& shared_generation() const { return gen_; }
@@ -165,49 +165,48 @@ class ChunkReader {
 
   ChunkReader(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file,
               const MountOptions& opts, ChunkBufferPool* pool, ReadStats* stats);
-  void IoLoop();
-  void VerifyLoop();
-  // REQUIRES: mu_ held. The kLoaded slot to verify next, or null: a chunk a
-  // reader waits for, else the first from the window start up to
-  // kVerifyAhead chunks ahead of it.
-  Slot* NextToVerify();
-  // REQUIRES: mu_ held. The slot to load the next chunk of the window into
-  // (seq set, state kInFlight, buffer present), or null when the window is full
-  // or no slot is free.
-  Slot* NextSubmission();
-  // REQUIRES: mu_ held. A slot for chunk seq (set kInFlight), or null when
-  // none can be had now. `demand`: a reader waits for seq (see .cc).
-  Slot* Claim(uint64_t seq, uint64_t hi, bool demand);
-  // REQUIRES: mu_ held. Every slot with a buffer is pinned.
-  bool AllBuffersPinned() const;
-  // REQUIRES: mu_ held. Moves the window to `seq` (the chunk a reader needs).
-  void MoveTo(uint64_t seq);
-  // REQUIRES: mu_ held. The last chunk of the window that holds at most
-  // `bytes` of chunk buffers after pos_'s: at least pos_ + 1 (while there is
-  // one), at most as far as the slots reach.
-  uint64_t WindowEnd(uint64_t bytes) const;
+  void IoLoop() EXCLUDES(mu_);
+  void VerifyLoop() EXCLUDES(mu_);
+  // The kLoaded slot to verify next, or null: a chunk a reader waits for,
+  // else the first from the window start up to kVerifyAhead chunks ahead of it.
+  Slot* NextToVerify() REQUIRES(mu_);
+  // The slot to load the next chunk of the window into (seq set, state
+  // kInFlight, buffer present), or null when the window is full or no slot
+  // is free.
+  Slot* NextSubmission() REQUIRES(mu_);
+  // A slot for chunk seq (set kInFlight), or null when none can be had now.
+  // `demand`: a reader waits for seq (see .cc).
+  Slot* Claim(uint64_t seq, uint64_t hi, bool demand) REQUIRES(mu_);
+  // Every slot with a buffer is pinned.
+  bool AllBuffersPinned() const REQUIRES(mu_);
+  // Moves the window to `seq` (the chunk a reader needs).
+  void MoveTo(uint64_t seq) REQUIRES(mu_);
+  // The last chunk of the window that holds at most `bytes` of chunk buffers
+  // after pos_'s: at least pos_ + 1 (while there is one), at most as far as
+  // the slots reach.
+  uint64_t WindowEnd(uint64_t bytes) const REQUIRES(mu_);
   // The bytes of the buffer chunk seq is read into (from buf_ends_; sizes:
   // see the constructor).
   uint64_t BufBytesFor(uint64_t seq) const;
-  // REQUIRES: mu_ held. Gives s's buffer back to the pool, or to detached_
-  // while it is lent (s becomes kEmpty).
-  void DropBuffer(Slot* s);
-  // REQUIRES: mu_ held. A lend of buf (ReadWith) has ended.
-  void Return(char* buf);
-  // REQUIRES: mu_ held (through l). Waits until chunk seq is verified, pins it.
-  Result<Slot*> PinChunk(uint64_t seq, std::unique_lock<std::mutex>& l);
-  // REQUIRES: mu_ held. `bytes` of s went out to the reader.
-  void Unpin(Slot* s, uint64_t bytes);
-  // REQUIRES: mu_ held. seq is behind the window start by at most
-  // kTrailChunks chunks' worth of buffer bytes (see .cc).
-  bool InTrail(uint64_t seq) const;
-  // REQUIRES: mu_ held. Tells the I/O thread there may be a chunk to submit,
-  // whether it waits on io_cv_ or for completions in Reap (ChunkIo::Wake).
-  void Kick();
-  Slot* Find(uint64_t seq);
+  // Gives s's buffer back to the pool, or to detached_ while it is lent (s
+  // becomes kEmpty).
+  void DropBuffer(Slot* s) REQUIRES(mu_);
+  // A lend of buf (ReadWith) has ended.
+  void Return(char* buf) REQUIRES(mu_);
+  // Waits until chunk seq is verified (mu_ released while waiting), pins it.
+  Result<Slot*> PinChunk(uint64_t seq) REQUIRES(mu_);
+  // `bytes` of s went out to the reader.
+  void Unpin(Slot* s, uint64_t bytes) REQUIRES(mu_);
+  // seq is behind the window start by at most kTrailChunks chunks' worth of
+  // buffer bytes (see .cc).
+  bool InTrail(uint64_t seq) const REQUIRES(mu_);
+  // Tells the I/O thread there may be a chunk to submit, whether it waits on
+  // io_cv_ or for completions in Reap (ChunkIo::Wake).
+  void Kick() REQUIRES(mu_);
+  Slot* Find(uint64_t seq) REQUIRES(mu_);
   void Count(uint64_t bytes);  // one request that returned `bytes`
   // Read; `count`: as for ReadWith.
-  Result<uint64_t> CopyOut(uint64_t offset, uint64_t len, char* out, bool count);
+  Result<uint64_t> CopyOut(uint64_t offset, uint64_t len, char* out, bool count) EXCLUDES(mu_);
   Status SlotError(const Slot& s) const;
 
   const std::shared_ptr<const Generation> gen_;
@@ -223,28 +222,35 @@ class ChunkReader {
   ChunkBufferPool* const pool_;
   ReadStats* const stats_;             // null: not counted
 
-  std::mutex mu_;                      // guards everything below but io_
-  std::condition_variable io_cv_;      // the I/O thread waits for work here
-  std::condition_variable ready_cv_;   // readers wait for a chunk here
-  std::condition_variable verify_cv_;  // the verify thread waits for a loaded chunk here
-  std::vector<Slot> slots_;            // readahead + 1 (the chunk being read) + the trail; more for small chunks
-  uint64_t held_bytes_ = 0;            // of the slots' buffers
-  uint64_t pos_ = 0;                   // chunk a reader needs now: window start
-  uint64_t window_bytes_ = 0;          // buffer bytes kept loaded after pos_ (ramps up)
-  std::map<uint64_t, uint32_t> waiting_;  // chunk -> readers waiting for it to load
+  Mutex mu_;           // guards what is marked GUARDED_BY(mu_) below
+  CondVar io_cv_;      // with mu_: the I/O thread waits for work here
+  CondVar ready_cv_;   // with mu_: readers wait for a chunk here
+  CondVar verify_cv_;  // with mu_: the verify thread waits for a loaded chunk here
+  // readahead + 1 (the chunk being read) + the trail; more for small chunks.
+  // A Slot is reached only through slots_, so mu_ guards its fields too.
+  std::vector<Slot> slots_ GUARDED_BY(mu_);
+  uint64_t held_bytes_ GUARDED_BY(mu_) = 0;    // of the slots' buffers
+  uint64_t pos_ GUARDED_BY(mu_) = 0;           // chunk a reader needs now: window start
+  uint64_t window_bytes_ GUARDED_BY(mu_) = 0;  // buffer bytes kept loaded after pos_ (ramps up)
+  std::map<uint64_t, uint32_t> waiting_ GUARDED_BY(mu_);  // chunk -> readers waiting for it to load
   struct Detached {
     char* buf;
     uint64_t bytes;
     uint32_t lends;
   };
-  std::vector<Detached> detached_;     // lent buffers no slot holds any more (not in held_bytes_)
-  bool stop_ = false;
-  bool started_ = true;                // read-ahead may load (Open's `start`, Start, or a read)
-  bool reaping_ = false;               // the I/O thread is in io_->Reap (io_ is set)
-  bool wake_sent_ = false;             // Kick() woke that Reap already
-  Status io_error_;                    // the ChunkIo itself failed: reads fail with it
-  std::unique_ptr<vfs::ChunkIo> io_;   // the I/O thread's only (ChunkIo: one thread)
-  bool sync_fallback_ = false;         // one chunk, or NewChunkIo failed: ReadChunk per chunk (I/O thread)
+  // Lent buffers no slot holds any more (not in held_bytes_).
+  std::vector<Detached> detached_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
+  bool started_ GUARDED_BY(mu_) = true;     // read-ahead may load (Open's `start`, Start, or a read)
+  bool reaping_ GUARDED_BY(mu_) = false;    // the I/O thread is in io_->Reap (io_ is set)
+  bool wake_sent_ GUARDED_BY(mu_) = false;  // Kick() woke that Reap already
+  Status io_error_ GUARDED_BY(mu_);         // the ChunkIo itself failed: reads fail with it
+  // The I/O thread's only (ChunkIo: one thread); set by it before it takes
+  // mu_ and reset after, used by Kick (mu_ held) only while reaping_.
+  std::unique_ptr<vfs::ChunkIo> io_;
+  // One chunk, or NewChunkIo failed: ReadChunk per chunk. The I/O thread's
+  // own (set before its loop, read only by it).
+  bool sync_fallback_ = false;
   std::thread thread_;
   std::thread verify_thread_;          // started with thread_
 };

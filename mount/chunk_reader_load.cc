@@ -41,22 +41,24 @@ ChunkReader::Slot* ChunkReader::NextToVerify() {
 }
 
 void ChunkReader::VerifyLoop() {
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   while (!stop_) {
     Slot* s = NextToVerify();
     if (s == nullptr) {
-      verify_cv_.wait(l);
+      verify_cv_.Wait(&mu_);
       continue;
     }
     // kVerifying: not evicted, not pinned; its buffer is ours until we set it back.
     s->state = SlotState::kVerifying;
-    l.unlock();
-    Status st = vfs::VerifyChunkRead(s->loaded, s->buf);
-    l.lock();
+    const vfs::ChunkCompletion& loaded = s->loaded;
+    const char* const buf = s->buf;
+    l.Unlock();
+    Status st = vfs::VerifyChunkRead(loaded, buf);
+    l.Lock();
     s->state = st.ok() ? SlotState::kReady : SlotState::kFailed;
     s->status = std::move(st);
     s->loaded = vfs::ChunkCompletion();
-    ready_cv_.notify_all();
+    ready_cv_.SignalAll();
     // A verified slot may be evicted: a reader may wait for a chunk that the
     // I/O thread found no slot or buffer for (a tight pool) while this one
     // was being hashed.
@@ -65,14 +67,14 @@ void ChunkReader::VerifyLoop() {
 }
 
 void ChunkReader::Start() {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   if (started_) return;
   started_ = true;
   Kick();
 }
 
 void ChunkReader::Kick() {
-  io_cv_.notify_one();
+  io_cv_.Signal();
   // The I/O thread may instead sleep in Reap until the disk completes a chunk
   // (several ms at the disk's pace): without this wake a slot a reader frees
   // meanwhile stays idle until then.
@@ -119,7 +121,7 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
   // cap_bytes_ for the new one.
   const uint64_t need = BufBytesFor(seq);
   enum Rank : int { kEmptySized, kBehindSized, kEmptyBuffered, kBehind, kGrow, kTrail, kAhead, kLent, kNone };
-  auto rank_of = [&](const Slot& s) -> Rank {
+  auto rank_of = [&](const Slot& s) REQUIRES(mu_) -> Rank {
     if (s.state == SlotState::kEmpty) {
       if (s.buf == nullptr) return kGrow;
       return s.buf_bytes == need ? kEmptySized : kEmptyBuffered;
@@ -139,7 +141,7 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
     return demand || s.seq > seq ? kAhead : kNone;
   };
   // The best slot by rank; behind: the farthest back; ahead: the farthest ahead.
-  auto best_slot = [&](const Slot* except, bool with_buffer) {
+  auto best_slot = [&](const Slot* except, bool with_buffer) REQUIRES(mu_) {
     Slot* best = nullptr;
     Rank best_rank = kNone;
     for (Slot& s : slots_) {
@@ -174,7 +176,7 @@ ChunkReader::Slot* ChunkReader::Claim(uint64_t seq, uint64_t hi, bool demand) {
           victim->seq = seq;
           victim->state = SlotState::kFailed;
           victim->status = ResourceExhausted(fmt::format("out of memory for a {} byte chunk buffer", need));
-          ready_cv_.notify_all();
+          ready_cv_.SignalAll();
           return nullptr;
         }
       }
@@ -197,7 +199,10 @@ void ChunkReader::IoLoop() {
     sync_fallback_ = true;  // see Open
   } else {
     vfs::ChunkIoOptions o;
-    o.queue_depth = static_cast<uint32_t>(slots_.size());
+    {
+      MutexLock l(&mu_);  // slots_ never changes size; the lock is for the analysis
+      o.queue_depth = static_cast<uint32_t>(slots_.size());
+    }
     o.max_sqe_bytes = max_sqe_bytes_;
     o.wakeable = true;
     o.verify_reads = false;  // VerifyLoop
@@ -211,14 +216,14 @@ void ChunkReader::IoLoop() {
     }
   }
   std::vector<vfs::ChunkCompletion> done;
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   while (!stop_) {
     if (OPTSTATE_TEST_SYNC_POINTS_ENABLED()) {
       // Unlocked: tests hold the I/O thread here, before it looks for work,
       // while readers move the window and wait.
-      l.unlock();
+      l.Unlock();
       OPTSTATE_TEST_SYNC_POINT("chunk_reader.io_loop.before_work");
-      l.lock();
+      l.Lock();
       if (stop_) break;
     }
     if (Slot* s = NextSubmission(); s != nullptr) {
@@ -228,30 +233,30 @@ void ChunkReader::IoLoop() {
       char* buf = s->buf;
       const uint64_t buf_bytes = s->buf_bytes;
       const vfs::ChunkRef ref = gen_->layout->ChunkAt(*file_, s->seq);
-      l.unlock();
+      l.Unlock();
       Status st = sync_fallback_ ? gen_->view->ReadChunk(ref, buf, buf_bytes)
                                  : io_->SubmitRead(ref, buf, tag, buf_bytes);
-      l.lock();
+      l.Lock();
       if (sync_fallback_ || !st.ok()) {
         if (sync_fallback_ && st.ok() && stats_ != nullptr) ++stats_->chunks_loaded;
         s->state = st.ok() ? SlotState::kReady : SlotState::kFailed;
         s->status = std::move(st);
-        ready_cv_.notify_all();
+        ready_cv_.SignalAll();
       }
       continue;
     }
     if (sync_fallback_ || !io_error_.ok() || io_->in_flight() == 0) {
-      io_cv_.wait(l);
+      io_cv_.Wait(&mu_);
       continue;
     }
     // Completions come back unhashed (verify_reads = false): VerifyLoop checks
     // them. Readers that make work for this thread meanwhile Kick() it out.
     reaping_ = true;
     wake_sent_ = false;
-    l.unlock();
+    l.Unlock();
     done.clear();
     Status st = io_->Reap(&done, 1);
-    l.lock();
+    l.Lock();
     reaping_ = false;
     if (stats_ != nullptr) {
       for (const vfs::ChunkCompletion& c : done) stats_->chunks_loaded += c.status.ok() ? 1 : 0;
@@ -268,7 +273,7 @@ void ChunkReader::IoLoop() {
       s.state = c.status.ok() ? SlotState::kReady : SlotState::kFailed;
       s.status = std::move(c.status);
     }
-    if (loaded) verify_cv_.notify_one();
+    if (loaded) verify_cv_.Signal();
     if (!st.ok()) {
       io_error_ = st;
       for (Slot& s : slots_) {
@@ -276,17 +281,19 @@ void ChunkReader::IoLoop() {
         s.status = st;  // stays kInFlight for the destructor; readers see io_error_
       }
     }
-    if (!done.empty() || !st.ok()) ready_cv_.notify_all();  // none after a Kick's early return
+    if (!done.empty() || !st.ok()) ready_cv_.SignalAll();  // none after a Kick's early return
   }
-  l.unlock();
-  if (io_ && io_error_.ok()) {
+  const bool io_ok = io_error_.ok();  // only this thread sets it
+  l.Unlock();
+  if (io_ && io_ok) {
     while (io_->in_flight() > 0) {
       done.clear();
       if (!io_->Reap(&done, io_->in_flight()).ok()) return;  // buffers stay leaked
+      MutexLock drained(&mu_);
       for (vfs::ChunkCompletion& c : done) slots_[c.tag].state = SlotState::kEmpty;
     }
   }
-  if (io_error_.ok()) io_.reset();
+  if (io_ok) io_.reset();
 }
 
 }  // namespace optstate::mount

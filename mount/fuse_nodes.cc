@@ -63,7 +63,7 @@ Result<NodeRef> RefOf(Context* c, fuse_ino_t ino) {
     ref.path = "/";
     return ref;
   }
-  std::lock_guard<std::mutex> l(c->mu);
+  MutexLock l(&c->mu);
   auto it = c->nodes.find(ino);
   if (it == c->nodes.end()) return StaleNode(fmt::format("node id {:#x} (not looked up)", ino));
   return it->second;
@@ -152,7 +152,7 @@ void EntryOf(const Context& c, const std::string& path, const Node& n, struct fu
 
 bool Hold(Context* c, fuse_ino_t ino, const std::string& path, const Node& n) {
   const uint64_t generation = n.gen != nullptr ? n.gen->generation() : 0;
-  std::lock_guard<std::mutex> l(c->mu);
+  MutexLock l(&c->mu);
   auto [it, inserted] = c->nodes.try_emplace(ino);
   NodeRef& r = it->second;
   if (inserted) {
@@ -170,7 +170,7 @@ bool Hold(Context* c, fuse_ino_t ino, const std::string& path, const Node& n) {
 }
 
 void Forget(Context* c, fuse_ino_t ino, uint64_t nlookup) {
-  std::lock_guard<std::mutex> l(c->mu);
+  MutexLock l(&c->mu);
   auto it = c->nodes.find(ino);
   if (it == c->nodes.end()) return;
   if (it->second.nlookup <= nlookup) {
@@ -196,7 +196,7 @@ bool KernelHolds(Context* c, const Generation& g, const vfs::CheckpointFile& f) 
   if (!CachedFile(c->tree->options(), f) || f.size_bytes == 0 || c->push_gate == nullptr) return false;
   const fuse_ino_t ino = NodeIdOf("/" + g.store_name + "/" + g.dir_label + "/" + f.path, g.generation());
   {
-    std::lock_guard<std::mutex> l(c->mu);
+    MutexLock l(&c->mu);
     if (!c->nodes.count(ino)) return false;  // not a node the kernel holds: no pages either
   }
   OPTSTATE_TEST_SYNC_POINT("mount.kernel_holds.before_ask");

@@ -14,22 +14,22 @@ Prefetcher::Prefetcher(const MountOptions& opts, ChunkBufferPool* pool, ReadStat
 
 Prefetcher::~Prefetcher() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   thread_.join();
   parked_.clear();  // closes the readers (joins their threads)
 }
 
 size_t Prefetcher::parked() const {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   return parked_.size();
 }
 
 std::unique_ptr<ChunkReader> Prefetcher::Take(const Generation* gen, const vfs::CheckpointFile* file) {
-  std::unique_lock<std::mutex> l(mu_);
-  cv_.wait(l, [&] { return opening_ != file || stop_; });
+  MutexLock l(&mu_);
+  while (opening_ == file && !stop_) cv_.Wait(&mu_);
   for (auto it = parked_.begin(); it != parked_.end(); ++it) {
     if (it->gen.get() != gen || it->file != file) continue;
     std::unique_ptr<ChunkReader> r = std::move(it->reader);
@@ -44,7 +44,7 @@ void Prefetcher::Opened(std::shared_ptr<const Generation> gen, const vfs::Checkp
   auto pos = gen->file_position.find(file);
   if (pos == gen->file_position.end()) return;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     bool walk = taken;
     if (!walk && last_gen_ == gen.get() && last_pos_ < pos->second) {
       // The next file with chunks after the previous open?
@@ -59,11 +59,11 @@ void Prefetcher::Opened(std::shared_ptr<const Generation> gen, const vfs::Checkp
     want_after_ = pos->second;
     want_ = true;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void Prefetcher::Loop() {
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   while (!stop_) {
     // Close readers parked too long or beyond the bound (outside the lock:
     // closing joins their threads).
@@ -75,16 +75,16 @@ void Prefetcher::Loop() {
       parked_.pop_front();
     }
     if (!closing.empty()) {
-      l.unlock();
+      l.Unlock();
       closing.clear();
-      l.lock();
+      l.Lock();
       continue;
     }
     if (!want_) {
       // No round asked for since the last one ended (with the prefetcher's
       // lock held: a callback must not take it).
       OPTSTATE_TEST_SYNC_POINT("prefetcher.idle");
-      cv_.wait_for(l, kIdle / 2);
+      cv_.WaitFor(&mu_, kIdle / 2);
       continue;
     }
     want_ = false;
@@ -108,7 +108,7 @@ void Prefetcher::Loop() {
       for (const Parked& p : parked_) have = have || (p.gen == gen && p.file == f);
       if (have) continue;
       opening_ = f;
-      l.unlock();
+      l.Unlock();
       auto r = ChunkReader::Open(gen, f, opts_, pool_, stats_, /*start=*/held_ == nullptr);
       if (r.ok() && held_ != nullptr) {
         if (held_(*gen, *f)) {
@@ -117,9 +117,9 @@ void Prefetcher::Loop() {
           (*r)->Start();
         }
       }
-      l.lock();
+      l.Lock();
       opening_ = nullptr;
-      cv_.notify_all();
+      cv_.SignalAll();
       if (!r.ok()) break;  // out of threads: the reader's own open reports it
       parked_.push_back(Parked{gen, f, std::move(r).value(), std::chrono::steady_clock::now()});
     }

@@ -4,15 +4,15 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "mount/chunk_reader.h"
 
 namespace optstate::mount {
@@ -53,12 +53,12 @@ class Prefetcher {
 
   // The parked reader of `file` in `gen` (the same Generation object), removed
   // from the parked set, or null. Waits while the thread is opening it.
-  std::unique_ptr<ChunkReader> Take(const Generation* gen, const vfs::CheckpointFile* file);
+  std::unique_ptr<ChunkReader> Take(const Generation* gen, const vfs::CheckpointFile* file) EXCLUDES(mu_);
   // `file` of gen was just opened (`taken`: its reader came from Take): when
   // that continues a tree-order walk, park readers for the files after it.
-  void Opened(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file, bool taken);
+  void Opened(std::shared_ptr<const Generation> gen, const vfs::CheckpointFile* file, bool taken) EXCLUDES(mu_);
   // Readers parked now (for tests).
-  size_t parked() const;
+  size_t parked() const EXCLUDES(mu_);
 
  private:
   struct Parked {
@@ -67,25 +67,25 @@ class Prefetcher {
     std::unique_ptr<ChunkReader> reader;
     std::chrono::steady_clock::time_point at;
   };
-  void Loop();
+  void Loop() EXCLUDES(mu_);
 
   const MountOptions opts_;
   ChunkBufferPool* const pool_;
   ReadStats* const stats_;
   const HeldFn held_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::deque<Parked> parked_;  // oldest first
+  mutable Mutex mu_;
+  CondVar cv_;  // with mu_: stop_, want_ or opening_ changed
+  bool stop_ GUARDED_BY(mu_) = false;
+  std::deque<Parked> parked_ GUARDED_BY(mu_);  // oldest first
   // The previous Opened (what a tree-order walk continues from).
-  const Generation* last_gen_ = nullptr;
-  uint32_t last_pos_ = 0;
+  const Generation* last_gen_ GUARDED_BY(mu_) = nullptr;
+  uint32_t last_pos_ GUARDED_BY(mu_) = 0;
   // The latest Opened of a walk: the thread parks the files after it.
-  std::shared_ptr<const Generation> want_gen_;
-  uint32_t want_after_ = 0;
-  bool want_ = false;
+  std::shared_ptr<const Generation> want_gen_ GUARDED_BY(mu_);
+  uint32_t want_after_ GUARDED_BY(mu_) = 0;
+  bool want_ GUARDED_BY(mu_) = false;
   // Being opened by the thread right now (Take waits for it).
-  const vfs::CheckpointFile* opening_ = nullptr;
+  const vfs::CheckpointFile* opening_ GUARDED_BY(mu_) = nullptr;
   std::thread thread_;
 };
 

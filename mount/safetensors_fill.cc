@@ -14,7 +14,7 @@ std::shared_ptr<SafetensorsFill> MakeSafetensorsFill(Context* c, const std::stri
   const fuse_ino_t st_ino = NodeIdOf(JoinPath(dir, vfs::kSafetensorsFileName), n.gen->generation());
   std::shared_ptr<SafetensorsPages> pages;
   {
-    std::lock_guard<std::mutex> l(c->mu);
+    MutexLock l(&c->mu);
     if (!c->nodes.count(st_ino)) return nullptr;  // the kernel could not take the stores
     std::shared_ptr<SafetensorsPages>& p = c->safetensors_pages[st_ino];
     if (p == nullptr) p = std::make_shared<SafetensorsPages>();

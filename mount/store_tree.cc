@@ -150,34 +150,34 @@ struct StoreTree::StoreEntry {
   std::string name;
   std::string path;
   std::weak_ptr<StoreEntry> self;
-  std::mutex mu;                                  // guards everything below
-  std::unique_ptr<vfs::Store> store;
-  Clock::time_point last_catchup{};
-  std::shared_ptr<const Generation> latest;
-  std::map<std::string, vfs::SnapshotInfo> snapshot_list;  // escaped name -> info
-  std::map<std::string, std::shared_ptr<const Generation>> snapshots;  // escaped name
-  std::vector<uint64_t> retained;                                      // ascending
+  Mutex mu ACQUIRED_BEFORE(pins_mu);  // guards the members marked so below
+  std::unique_ptr<vfs::Store> store GUARDED_BY(mu);
+  Clock::time_point last_catchup GUARDED_BY(mu){};
+  std::shared_ptr<const Generation> latest GUARDED_BY(mu);
+  std::map<std::string, vfs::SnapshotInfo> snapshot_list GUARDED_BY(mu);  // escaped name -> info
+  std::map<std::string, std::shared_ptr<const Generation>> snapshots GUARDED_BY(mu);  // escaped name
+  std::vector<uint64_t> retained GUARDED_BY(mu);                                      // ascending
   // generations/<g> served, each kept (with its lease) until it has gone
   // unused for latest_pin_idle_ms (SweepPins); open files hold their own.
   struct Served {
     std::shared_ptr<const Generation> gen;
     int64_t last_use_ms = 0;  // steady clock
   };
-  std::map<uint64_t, Served> generations;
+  std::map<uint64_t, Served> generations GUARDED_BY(mu);
   // latest/ per process (StoreTree's header comment).
-  std::mutex pins_mu;  // guards pins; after mu
-  std::map<ProcessKey, std::shared_ptr<LatestPin>> pins;
+  Mutex pins_mu;
+  std::map<ProcessKey, std::shared_ptr<LatestPin>> pins GUARDED_BY(pins_mu);
 };
 
 StoreTree::StoreTree(MountOptions opts) : opts_(std::move(opts)) {}
 // Generations hold their StoreEntry (store_keepalive) and the entry caches its
 // Generations: break that cycle whenever an entry leaves the tree.
-static void DropCached(StoreTree::StoreEntry* e) {
-  std::lock_guard<std::mutex> lock(e->mu);
+static void DropCached(StoreTree::StoreEntry* e) EXCLUDES(e->mu, e->pins_mu) {
+  MutexLock lock(&e->mu);
   e->latest.reset();
   e->snapshots.clear();
   e->generations.clear();
-  std::lock_guard<std::mutex> pl(e->pins_mu);
+  MutexLock pl(&e->pins_mu);
   e->pins.clear();
 }
 
@@ -188,7 +188,7 @@ StoreTree::~StoreTree() {
 Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::string& name) {
   if (name == "." || name == ".." || name.empty()) return NotFound("no store " + name);
   const std::string path = opts_.store_root + "/" + name;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = stores_.find(name);
   if (!HasIdentity(path)) {
     if (it != stores_.end()) {
@@ -208,7 +208,10 @@ Result<std::shared_ptr<StoreTree::StoreEntry>> StoreTree::GetStore(const std::st
   auto e = std::make_shared<StoreEntry>();
   e->name = name;
   e->path = path;
-  e->store = std::move(store).value();
+  {
+    MutexLock l(&e->mu);  // not shared yet: for the analysis
+    e->store = std::move(store).value();
+  }
   e->self = e;
   stores_[name] = e;
   OPTSTATE_LOG_INFO("optstate-mount: serving store {} ({})", name, path);
@@ -230,8 +233,7 @@ static Result<std::shared_ptr<const Generation>> MakeGeneration(StoreTree::Store
   return std::shared_ptr<const Generation>(std::move(gen));
 }
 
-// REQUIRES: e->mu held.
-Status StoreTree::Refresh(StoreEntry* e, bool force) {
+Status StoreTree::Refresh(StoreEntry* e, bool force) REQUIRES(e->mu) {
   auto now = Clock::now();
   if (!force && e->last_catchup != Clock::time_point{} &&
       now - e->last_catchup < std::chrono::milliseconds(opts_.catchup_interval_ms)) {
@@ -276,7 +278,7 @@ std::optional<StoreTree::ProcessKey> StoreTree::Identify(uint32_t caller_tid) {
   if (caller_tid == 0) return std::nullopt;
   const int64_t now = SteadyNowMs();
   {
-    std::lock_guard<std::mutex> l(ids_mu_);
+    MutexLock l(&ids_mu_);
     auto it = threads_.find(caller_tid);
     // A thread id is reused only after its thread ended and the pid space
     // wrapped around: a second's trust costs nothing.
@@ -287,7 +289,7 @@ std::optional<StoreTree::ProcessKey> StoreTree::Identify(uint32_t caller_tid) {
   std::optional<uint64_t> start = ProcStatField(*tgid, 22);  // starttime
   if (!start) return std::nullopt;
   ProcessKey key{*tgid, *start};
-  std::lock_guard<std::mutex> l(ids_mu_);
+  MutexLock l(&ids_mu_);
   if (threads_.size() > 4096) {
     for (auto it = threads_.begin(); it != threads_.end();) {
       it = now - it->second.checked_ms >= 1000 ? threads_.erase(it) : std::next(it);
@@ -306,12 +308,11 @@ bool StoreTree::PinExpired(const ProcessKey& who, const LatestPin& pin, int64_t 
   return !start || *start != who.start_ticks;  // exited (or its pid reused)
 }
 
-// REQUIRES: e->mu held.
-Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e, uint32_t caller_tid) {
+Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e, uint32_t caller_tid) REQUIRES(e->mu) {
   const std::optional<ProcessKey> who = Identify(caller_tid);
   std::shared_ptr<LatestPin> ended;  // destroyed after pins_mu is released
   if (who) {
-    std::lock_guard<std::mutex> l(e->pins_mu);
+    MutexLock l(&e->pins_mu);
     auto it = e->pins.find(*who);
     if (it != e->pins.end()) {
       // The caller is alive (it asks): only idleness can end its pin here.
@@ -332,7 +333,7 @@ Result<std::shared_ptr<const Generation>> StoreTree::Latest(StoreEntry* e, uint3
     auto pin = std::make_shared<LatestPin>();
     pin->gen = e->latest;
     pin->Touch();
-    std::lock_guard<std::mutex> l(e->pins_mu);
+    MutexLock l(&e->pins_mu);
     e->pins[*who] = std::move(pin);
   }
   return e->latest;
@@ -343,7 +344,7 @@ std::shared_ptr<LatestPin> StoreTree::PinOf(const Generation& gen, uint32_t call
   const std::optional<ProcessKey> who = Identify(caller_tid);
   if (!who) return nullptr;
   auto* e = static_cast<StoreEntry*>(gen.store_keepalive.get());
-  std::lock_guard<std::mutex> l(e->pins_mu);
+  MutexLock l(&e->pins_mu);
   auto it = e->pins.find(*who);
   if (it == e->pins.end() || it->second->gen.get() != &gen) return nullptr;
   it->second->Touch();
@@ -353,7 +354,7 @@ std::shared_ptr<LatestPin> StoreTree::PinOf(const Generation& gen, uint32_t call
 size_t StoreTree::SweepPins() {
   std::vector<std::shared_ptr<StoreEntry>> entries;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     for (const auto& [name, e] : stores_) entries.push_back(e);
   }
   const int64_t now = SteadyNowMs();
@@ -361,7 +362,7 @@ size_t StoreTree::SweepPins() {
   for (const std::shared_ptr<StoreEntry>& e : entries) {
     std::vector<std::shared_ptr<const Generation>> unused;  // destroyed after e->mu is released
     {
-      std::lock_guard<std::mutex> l(e->mu);
+      MutexLock l(&e->mu);
       for (auto it = e->generations.begin(); it != e->generations.end();) {
         if (now - it->second.last_use_ms > static_cast<int64_t>(opts_.latest_pin_idle_ms)) {
           unused.push_back(std::move(it->second.gen));
@@ -372,7 +373,7 @@ size_t StoreTree::SweepPins() {
       }
     }
     std::vector<std::shared_ptr<LatestPin>> ended;  // destroyed after pins_mu is released
-    std::lock_guard<std::mutex> l(e->pins_mu);
+    MutexLock l(&e->pins_mu);
     for (auto it = e->pins.begin(); it != e->pins.end();) {
       if (PinExpired(it->first, *it->second, now)) {
         ended.push_back(std::move(it->second));
@@ -386,8 +387,8 @@ size_t StoreTree::SweepPins() {
   return left;
 }
 
-// REQUIRES: e->mu held.
-Result<std::shared_ptr<const Generation>> StoreTree::Retained(StoreEntry* e, const std::string& name) {
+Result<std::shared_ptr<const Generation>> StoreTree::Retained(StoreEntry* e, const std::string& name)
+    REQUIRES(e->mu) {
   const std::optional<uint64_t> g = ParseGenerationName(name);
   if (!g) return NotFound(fmt::format("store {}: no generation {} (generations are numbers)", e->name, name));
   auto it = e->generations.find(*g);
@@ -418,7 +419,8 @@ Result<std::shared_ptr<const Generation>> StoreTree::Retained(StoreEntry* e, con
   return gen;
 }
 
-Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, const std::string& name) {
+Result<std::shared_ptr<const Generation>> StoreTree::Snapshot(StoreEntry* e, const std::string& name)
+    REQUIRES(e->mu) {
   auto it = e->snapshots.find(name);
   if (it != e->snapshots.end() &&
       Clock::now() - e->last_catchup < std::chrono::milliseconds(opts_.snapshot_recheck_ms)) {
@@ -450,14 +452,14 @@ Result<Node> StoreTree::Resolve(std::string_view path, uint32_t caller_tid) {
   if (parts.empty()) return n;
   n.store = parts[0];
   OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(parts[0]));
-  std::unique_lock<std::mutex> lock(e->mu);
+  MutexLock lock(&e->mu);
   // The store's own node and its snapshots/ change with no commit (only
   // their mtime, which may be as old as the last catch-up): they resolve
   // without one. A path walk looks the store up every time (its name is not
   // cached), and a catch-up every catchup_interval_ms there was most of what
   // the daemon did between a `cp -r`'s files: the RocksDB secondary's catch-up
   // reloads the index and opened table files through a pool of 16 new threads.
-  auto first_refresh = [&]() -> Status {
+  auto first_refresh = [&]() REQUIRES(e->mu) -> Status {
     return e->last_catchup == Clock::time_point{} ? Refresh(e.get(), false) : Status();
   };
   if (parts.size() == 1) {
@@ -491,7 +493,7 @@ Result<Node> StoreTree::Resolve(std::string_view path, uint32_t caller_tid) {
   } else {
     return NotFound(fmt::format("store {}: no entry {}", e->name, parts[1]));
   }
-  lock.unlock();
+  lock.Unlock();
   std::string rel;
   for (size_t i = rel_start; i < parts.size(); ++i) {
     if (!rel.empty()) rel += "/";
@@ -534,14 +536,14 @@ Result<std::vector<std::string>> StoreTree::List(const Node& dir) {
     }
     case NodeKind::kStore: {
       OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
-      std::lock_guard<std::mutex> lock(e->mu);
+      MutexLock lock(&e->mu);
       OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), false));
       if (!e->latest) return std::vector<std::string>{"generations", "snapshots"};
       return std::vector<std::string>{"generations", "latest", "snapshots"};
     }
     case NodeKind::kGenerationsDir: {
       OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
-      std::lock_guard<std::mutex> lock(e->mu);
+      MutexLock lock(&e->mu);
       OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), true));
       std::vector<std::string> out;
       for (uint64_t g : e->retained) out.push_back(std::to_string(g));
@@ -549,7 +551,7 @@ Result<std::vector<std::string>> StoreTree::List(const Node& dir) {
     }
     case NodeKind::kSnapshotsDir: {
       OPTSTATE_ASSIGN_OR_RETURN(std::shared_ptr<StoreEntry> e, GetStore(dir.store));
-      std::lock_guard<std::mutex> lock(e->mu);
+      MutexLock lock(&e->mu);
       OPTSTATE_RETURN_IF_ERROR(Refresh(e.get(), true));
       std::vector<std::string> out;
       for (const auto& [name, info] : e->snapshot_list) out.push_back(name);

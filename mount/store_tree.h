@@ -37,7 +37,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -45,7 +44,9 @@
 #include <vector>
 
 #include "vfs/checkpoint.h"
+#include "base/mutex.h"
 #include "base/status.h"
+#include "base/thread_annotations.h"
 #include "vfs/store.h"
 
 namespace optstate::mount {
@@ -243,14 +244,14 @@ class StoreTree {
   bool PinExpired(const ProcessKey& who, const LatestPin& pin, int64_t now_ms) const;
 
   const MountOptions opts_;
-  std::mutex mu_;
-  std::map<std::string, std::shared_ptr<StoreEntry>> stores_;  // guarded by mu_
+  Mutex mu_;  // taken before a StoreEntry's locks
+  std::map<std::string, std::shared_ptr<StoreEntry>> stores_ GUARDED_BY(mu_);
   struct KnownThread {
     ProcessKey process;
     int64_t checked_ms = 0;
   };
-  std::mutex ids_mu_;
-  std::unordered_map<uint32_t, KnownThread> threads_;  // tid -> its process; guarded by ids_mu_
+  Mutex ids_mu_;
+  std::unordered_map<uint32_t, KnownThread> threads_ GUARDED_BY(ids_mu_);  // tid -> its process
 };
 
 // Milliseconds of the steady clock (LatestPin's times).

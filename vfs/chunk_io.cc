@@ -88,7 +88,7 @@ class ChunkIoImpl final : public ChunkIo {
     op.key = k;
     op.buf = buf;
     {
-      std::lock_guard l(core_->mu());
+      MutexLock l(&core_->mu());
       const auto& tensors = view_ ? view_->by_id : core_->tensors();
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(tensors, ref));
       OPTSTATE_ASSIGN_OR_RETURN(op.buf_bytes, BufferBytesFor(*core_, res.first, k, res.second, buf_bytes));
@@ -134,7 +134,7 @@ class ChunkIoImpl final : public ChunkIo {
     op.key = k;
     op.write = true;
     {
-      std::lock_guard l(core_->mu());
+      MutexLock l(&core_->mu());
       OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("chunk write"));
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors(), ref));
       const uint64_t len = res.second;
@@ -163,7 +163,7 @@ class ChunkIoImpl final : public ChunkIo {
     r.tag = next_tag_++;
     Status s = engine_->Submit(std::span<const IoRequest>(&r, 1));
     if (!s.ok()) {
-      std::lock_guard l(core_->mu());
+      MutexLock l(&core_->mu());
       core_->FreeSlot(op.version.ext);
       core_->WriteEnded();
       return s.WithContext("write of " + DescribeLocked(k, kInfinity));
@@ -293,15 +293,14 @@ class ChunkIoImpl final : public ChunkIo {
   }
 
   Status Finish(const Op& op, const Status& io, ChunkCompletion* out) {
-    Core* c = core_.get();
     if (op.write) {
-      std::lock_guard l(c->mu());
-      c->WriteEnded();
+      MutexLock l(&core_->mu());
+      core_->WriteEnded();
       if (!io.ok()) {
-        c->FreeSlot(op.version.ext);
+        core_->FreeSlot(op.version.ext);
         return io.WithContext("write of " + DescribeLocked(op.key, kInfinity));
       }
-      c->SetPending(op.key, op.version.ext);
+      core_->SetPending(op.key, op.version.ext);
       OPTSTATE_TEST_SYNC_POINT("extent.after_write");
       return Status();
     }
@@ -330,7 +329,7 @@ class ChunkIoImpl final : public ChunkIo {
   // error or a deferred verification needs its name: a copy of the
   // TensorInfo per chunk I/O cost a step of many small tensors more than
   // its I/O. DescribeLocked: core_->mu() held.
-  std::string DescribeLocked(const Key& k, uint64_t gen) const {
+  std::string DescribeLocked(const Key& k, uint64_t gen) const REQUIRES(core_->mu()) {
     const TensorInfo* t = nullptr;
     if (view_) {
       if (auto it = view_->by_id.find(k.t); it != view_->by_id.end()) t = &it->second;
@@ -340,7 +339,7 @@ class ChunkIoImpl final : public ChunkIo {
     return core_->Describe(t, k, gen);
   }
   std::string DescribeOp(const Key& k, uint64_t gen) const {
-    std::lock_guard l(core_->mu());
+    MutexLock l(&core_->mu());
     return DescribeLocked(k, gen);
   }
 
@@ -434,7 +433,7 @@ class ChunkIoImpl final : public ChunkIo {
 
   // Completes every write of p with `why` (at the next Reap), freeing their slots.
   void FailPack(Pack* p, const Status& why) {
-    std::lock_guard l(core_->mu());
+    MutexLock l(&core_->mu());
     for (const Op& op : p->ops) {
       core_->FreeSlot(op.version.ext);
       core_->WriteEnded();

@@ -10,6 +10,8 @@
 #include <utility>
 
 #include "base/log.h"
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::vfs {
 namespace {
@@ -56,7 +58,7 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
 
   Status BeforeOp(OpClass op, const std::string& path, uint64_t offset, uint64_t len,
                   uint64_t* short_len) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!active_) {
       return ErrnoStatus("fault injection: filesystem inactive (simulated crash): " + OpWhat(op, path, offset, len),
                          EIO);
@@ -98,7 +100,7 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
 
   void AfterWrite(const std::string& path, uint64_t offset, uint64_t len) override {
     if (len == 0) return;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto& m = unsynced_[Norm(path)];
     uint64_t s = offset, e = offset + len;
     auto it = m.upper_bound(s);
@@ -118,18 +120,18 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
   }
 
   void AfterSync(const std::string& path) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     unsynced_.erase(Norm(path));
   }
 
   void AfterCreate(const std::string& path) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::string p = Norm(path);
     created_[p] = DirOf(p);
   }
 
   void AfterDirSync(const std::string& dir) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::string d = Norm(dir);
     std::erase_if(created_, [&](const auto& kv) { return kv.second == d; });
     std::erase_if(replaced_, [&](const auto& kv) { return kv.second.dir == d; });
@@ -144,14 +146,14 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
     auto existed = base_->Exists(to);
     p.to_existed = existed.ok() && *existed;
     if (p.to_existed && NeedsOldContents(to)) p.old_contents = ReadSmallFile(base_, to);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     pending_renames_[{Norm(from), Norm(to)}] = std::move(p);
     return Status::Ok();
   }
   void AfterRename(const std::string& from, const std::string& to) override {
     PendingRename p;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       auto it = pending_renames_.find({Norm(from), Norm(to)});
       if (it == pending_renames_.end()) return;  // no BeforeRename: nothing known about `to`
       p = std::move(it->second);
@@ -175,7 +177,7 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
   // A rename through the wrapper: tracking follows the file to its new name.
   void OnRename(const std::string& from_raw, const std::string& to_raw, bool to_existed,
                 std::optional<std::string> old_to_contents) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::string from = Norm(from_raw), to = Norm(to_raw);
     // A directory rename carries everything tracked below it.
     auto strictly_under = [&](const std::string& k) { return k.size() > from.size() && IsUnder(k, from); };
@@ -228,13 +230,13 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
   }
 
   bool NeedsOldContents(const std::string& to_raw) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::string to = Norm(to_raw);
     return !created_.count(to) && !replaced_.count(to);
   }
 
   void OnRemove(const std::string& path_raw, bool tree) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::string p = Norm(path_raw);
     auto match = [&](const std::string& k) { return tree ? IsUnder(k, p) : k == p; };
     std::erase_if(unsynced_, [&](const auto& kv) { return match(kv.first); });
@@ -243,7 +245,7 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
   }
 
   Status Drop(FileSystem* base, DropMode mode, uint64_t seed) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::mt19937_64 rng(seed);
     std::set<std::string> dirs_to_sync;
     // 1. Unsynced data of files that survive: zeros over lost blocks.
@@ -295,37 +297,37 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
   }
 
   void AddRule(const FaultRule& r) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     rules_.push_back(RuleState{r, 0});
   }
   void ClearRules() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     rules_.clear();
   }
   uint64_t OpCount(OpClass op) const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return counts_[static_cast<size_t>(op)];
   }
   uint64_t Total() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return total_;
   }
   uint64_t Injected() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return injected_;
   }
   void ResetCounters() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     counts_.fill(0);
     total_ = 0;
     injected_ = 0;
   }
   void SetActive(bool a) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     active_ = a;
   }
   bool active() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return active_;
   }
   Status CheckActive(const std::string& what) const {
@@ -333,13 +335,13 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
     return ErrnoStatus("fault injection: filesystem inactive (simulated crash): " + what, EIO);
   }
   void MarkAllSynced() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     unsynced_.clear();
     created_.clear();
     replaced_.clear();
   }
   uint64_t UnsyncedBytes() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     uint64_t n = 0;
     for (const auto& [p, m] : unsynced_) {
       for (const auto& [s, e] : m) n += e - s;
@@ -347,13 +349,13 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
     return n;
   }
   std::vector<std::string> Replacements() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::vector<std::string> out;
     for (const auto& kv : replaced_) out.push_back(kv.first);
     return out;
   }
   std::vector<std::string> Creations() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::vector<std::string> out;
     for (const auto& kv : created_) out.push_back(kv.first);
     return out;
@@ -374,18 +376,17 @@ class FaultInjectionFileSystem::Hooks final : public FaultHooks {
   };
 
   FileSystem* const base_;  // not owned
-  mutable std::mutex mu_;
-  // All below guarded by mu_.
-  bool active_ = true;
-  std::array<uint64_t, 256> counts_{};
-  uint64_t total_ = 0;
-  uint64_t injected_ = 0;
-  std::vector<RuleState> rules_;
-  std::map<std::string, std::map<uint64_t, uint64_t>> unsynced_;  // path -> [start, end)
-  std::map<std::string, std::string> created_;                     // path -> its directory
-  std::map<std::string, Replaced> replaced_;                       // path -> contents before
+  mutable Mutex mu_;
+  bool active_ GUARDED_BY(mu_) = true;
+  std::array<uint64_t, 256> counts_ GUARDED_BY(mu_){};
+  uint64_t total_ GUARDED_BY(mu_) = 0;
+  uint64_t injected_ GUARDED_BY(mu_) = 0;
+  std::vector<RuleState> rules_ GUARDED_BY(mu_);
+  std::map<std::string, std::map<uint64_t, uint64_t>> unsynced_ GUARDED_BY(mu_);  // path -> [start, end)
+  std::map<std::string, std::string> created_ GUARDED_BY(mu_);                     // path -> its directory
+  std::map<std::string, Replaced> replaced_ GUARDED_BY(mu_);                       // path -> contents before
   // Renames between BeforeRename and AfterRename: (from, to) -> what `to` was.
-  std::map<std::pair<std::string, std::string>, PendingRename> pending_renames_;
+  std::map<std::pair<std::string, std::string>, PendingRename> pending_renames_ GUARDED_BY(mu_);
 };
 
 namespace {

@@ -11,7 +11,7 @@
 
 namespace optstate::vfs::internal {
 
-// Builds the frozen view of generation g. mu_ held.
+// Builds the frozen view of generation g.
 std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t g) {
   auto v = std::make_shared<ViewData>();
   v->core = core;
@@ -62,7 +62,7 @@ class GenerationViewImpl final : public GenerationView {
     const Core* c = v_->core.get();
     uint64_t len, stride;
     {
-      std::lock_guard l(c->mu());
+      MutexLock l(&c->mu());
       OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
       len = res.second;
       stride = res.first->field_chunk_bytes(ref.field, c->chunk());
@@ -89,7 +89,7 @@ class GenerationViewImpl final : public GenerationView {
     const TensorInfo* t;
     uint64_t n = 0;
     {
-      std::lock_guard l(c->mu());
+      MutexLock l(&c->mu());
       OPTSTATE_ASSIGN_OR_RETURN(auto res, c->Resolve(v_->by_id, ref));
       t = res.first;
       OPTSTATE_ASSIGN_OR_RETURN(n, BufferBytesFor(*c, t, k, res.second, buf_bytes));

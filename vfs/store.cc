@@ -210,7 +210,7 @@ class StoreImpl final : public Store {
     if (Status st = CheckShardGeometry(t.numel, t.shape, t.global_shape, t.shard_offset); !st.ok()) {
       return st.WithContext("store " + core_->path_ + ": tensor '" + spec.name + "'");
     }
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("create tensor '" + spec.name + "'"));
     if (core_->names_.count(spec.name)) {
       return AlreadyExists("store " + core_->path_ + ": tensor '" + spec.name + "' already exists");
@@ -230,7 +230,7 @@ class StoreImpl final : public Store {
   }
 
   Result<TensorInfo> FindTensor(std::string_view name) const override {
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     auto it = core_->names_.find(name);
     if (it != core_->names_.end() && Visible(core_->tensors_.at(it->second))) {
       return core_->tensors_.at(it->second);
@@ -244,14 +244,14 @@ class StoreImpl final : public Store {
   }
 
   std::optional<TensorInfo> LookupTensor(std::string_view name) const override {
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     auto it = core_->names_.find(name);
     if (it != core_->names_.end() && Visible(core_->tensors_.at(it->second))) return core_->tensors_.at(it->second);
     return std::nullopt;
   }
 
   std::vector<TensorInfo> ListTensors() const override {
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     std::vector<TensorInfo> out;
     for (const auto& [name, id] : core_->names_) {
       const auto& t = core_->tensors_.at(id);
@@ -283,7 +283,7 @@ class StoreImpl final : public Store {
     TensorInfo t;
     std::optional<Version> v;
     {
-      std::lock_guard l(core_->mu_);
+      MutexLock l(&core_->mu_);
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors_, ref));
       t = *res.first;
       v = core_->Newest(k);
@@ -300,7 +300,7 @@ class StoreImpl final : public Store {
     TensorInfo t;
     Extent ext;
     {
-      std::lock_guard l(core_->mu_);
+      MutexLock l(&core_->mu_);
       OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("chunk write"));
       OPTSTATE_ASSIGN_OR_RETURN(auto res, core_->Resolve(core_->tensors_, ref));
       t = *res.first;
@@ -312,7 +312,7 @@ class StoreImpl final : public Store {
     ext.checksum = ChunkChecksum(buf, ext.length);
     OPTSTATE_TEST_SYNC_POINT("extent.before_write");
     Status s = core_->data_files_[ext.dir]->Pwrite(ext.file_offset, buf, RoundUp(ext.length, kIoAlign));
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     --core_->writes_in_flight_;
     if (!s.ok()) {
       core_->FreeSlot(ext);
@@ -324,16 +324,16 @@ class StoreImpl final : public Store {
   }
 
   Result<uint64_t> Commit(const CommitInfo& info) override {
-    if (core_->read_only_) return core_->CheckWritable("commit");
+    if (core_->read_only_) return core_->CheckNotReadOnly("commit");
     return core_->Commit(info);
   }
 
   Result<uint64_t> DropTensors(const std::vector<std::string>& names) override {
-    if (core_->read_only_) return core_->CheckWritable("drop tensors");
+    if (core_->read_only_) return core_->CheckNotReadOnly("drop tensors");
     CommitInfo info;
     std::vector<uint32_t> ids;
     {
-      std::lock_guard l(core_->mu_);
+      MutexLock l(&core_->mu_);
       OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("drop tensors"));
       if (names.empty()) return InvalidArgument("store " + core_->path_ + ": drop of no tensors");
       for (const auto& [id, t] : core_->tensors_) {
@@ -361,11 +361,12 @@ class StoreImpl final : public Store {
         }
         ids.push_back(it->second);
       }
-      const GenerationInfo& g = core_->latest_;
-      info.step = g.step;
-      info.groups = g.groups;
+      info.step = core_->latest_.step;
+      info.groups = core_->latest_.groups;
       for (const auto& [id, t] : core_->tensors_) {
-        if (std::find(ids.begin(), ids.end(), id) == ids.end()) info.tensor_steps[id] = TensorStepCount(g, t);
+        if (std::find(ids.begin(), ids.end(), id) == ids.end()) {
+          info.tensor_steps[id] = TensorStepCount(core_->latest_, t);
+        }
       }
     }
     // Commit checks again under its own locks (a concurrent write between the
@@ -374,12 +375,12 @@ class StoreImpl final : public Store {
   }
 
   Status SyncData() override {
-    if (core_->read_only_) return core_->CheckWritable("data sync");
+    if (core_->read_only_) return core_->CheckNotReadOnly("data sync");
     return core_->SyncData();
   }
 
   Status AbortPending() override {
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("abort pending"));
     if (core_->writes_in_flight_ > 0) {
       return FailedPrecondition("store " + core_->path_ + ": abort with chunk writes in flight");
@@ -390,12 +391,12 @@ class StoreImpl final : public Store {
   }
 
   GenerationInfo LatestGeneration() const override {
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     return core_->latest_;
   }
 
   std::vector<GenerationInfo> ListGenerations() const override {
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     std::vector<GenerationInfo> out;
     for (const auto& [g, info] : core_->generations_) out.push_back(info);
     return out;
@@ -411,7 +412,7 @@ class StoreImpl final : public Store {
 
   Result<SnapshotInfo> CreateSnapshot(const std::string& name) override {
     OPTSTATE_RETURN_IF_ERROR(ValidateSnapshotName(name));
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("create snapshot '" + name + "'"));
     if (core_->snapshots_.count(name)) {
       return AlreadyExists("store " + core_->path_ + ": snapshot '" + name + "' already exists (generation " +
@@ -434,7 +435,7 @@ class StoreImpl final : public Store {
     GenerationInfo target, head;
     std::vector<ChunkRef> zeros;
     {
-      std::lock_guard l(core_->mu_);
+      MutexLock l(&core_->mu_);
       OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("revert to snapshot '" + name + "'"));
       auto snap = core_->snapshots_.find(name);
       if (snap == core_->snapshots_.end()) return core_->SnapshotNotFound(name);
@@ -496,7 +497,7 @@ class StoreImpl final : public Store {
     const int64_t ms = NowUnixMs();
     std::string keep = "pre-revert-" + std::to_string(head.generation) + "-" + std::to_string(ms);
     {
-      std::lock_guard l(core_->mu_);
+      MutexLock l(&core_->mu_);
       for (int n = 2; core_->snapshots_.count(keep); ++n) {
         keep = "pre-revert-" + std::to_string(head.generation) + "-" + std::to_string(ms) + "-" + std::to_string(n);
       }
@@ -521,7 +522,7 @@ class StoreImpl final : public Store {
 
   Status ReleaseSnapshot(const std::string& name) override {
     {
-      std::lock_guard l(core_->mu_);
+      MutexLock l(&core_->mu_);
       OPTSTATE_RETURN_IF_ERROR(core_->CheckWritable("release snapshot '" + name + "'"));
       if (!core_->snapshots_.count(name)) return core_->SnapshotNotFound(name);
       rocksdb::WriteBatch b;
@@ -534,14 +535,14 @@ class StoreImpl final : public Store {
   }
 
   std::vector<SnapshotInfo> ListSnapshots() const override {
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     std::vector<SnapshotInfo> out;
     for (const auto& [n, s] : core_->snapshots_) out.push_back(s);
     return out;
   }
 
   Status CollectGarbage() override {
-    if (core_->read_only_) return core_->CheckWritable("garbage collection");
+    if (core_->read_only_) return core_->CheckNotReadOnly("garbage collection");
     return core_->CollectGarbage();
   }
 
@@ -556,7 +557,7 @@ class StoreImpl final : public Store {
         }
       }
     }
-    std::lock_guard l(core_->mu_);
+    MutexLock l(&core_->mu_);
     for (const auto& [g, n] : core_->view_refs_) st.leases += n;
     st.latest_generation = core_->latest_.generation;
     for (const auto& [key, vs] : core_->versions_) {
@@ -583,7 +584,7 @@ class StoreImpl final : public Store {
   Result<VerifyReport> Verify() override { return VerifyStore(core_); }
 
  private:
-  bool Visible(const TensorInfo& t) const {  // mu_ held
+  bool Visible(const TensorInfo& t) const REQUIRES(core_->mu_) {
     return !core_->read_only_ || t.created_generation <= core_->latest_.generation;
   }
 

@@ -22,7 +22,7 @@ void Core::Poison(const Status& why) {  // mu_ held
 Status Core::SyncData() {
   std::vector<std::pair<uint32_t, File*>> files;
   {
-    std::lock_guard l(mu_);
+    MutexLock l(&mu_);
     OPTSTATE_RETURN_IF_ERROR(CheckWritable("data sync"));
     for (uint32_t d = 0; d < data_files_.size(); ++d) {
       if (dirty_[d] || grown_[d]) files.emplace_back(d, data_files_[d].get());
@@ -33,7 +33,7 @@ Status Core::SyncData() {
     if (!s.ok()) {
       Status e(StatusCode::kDataLoss, "store " + path_ + ": sync of " + FileName(d) + " failed: " + s.ToString(),
                s.err());
-      std::lock_guard l(mu_);
+      MutexLock l(&mu_);
       Poison(e);
       return e;
     }
@@ -51,10 +51,10 @@ Result<uint64_t> Core::Commit(const CommitInfo& info, const RevertSpec* revert) 
 
 Result<uint64_t> Core::CommitGeneration(const CommitInfo& info, const RevertSpec* revert,
                                         const std::vector<uint32_t>& drop) {
-  std::lock_guard ll(lease_lock_mu_);
+  MutexLock ll(&lease_lock_mu_);
   OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
   OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
-  std::lock_guard l(mu_);
+  MutexLock l(&mu_);
   OPTSTATE_RETURN_IF_ERROR(CheckWritable("commit"));
   if (writes_in_flight_ > 0) {
     return FailedPrecondition("store " + path_ + ": commit with " + std::to_string(writes_in_flight_) +

@@ -226,7 +226,7 @@ Status ClaimDataFiles(Core* c) {
   return Status();
 }
 
-Status CheckReferencedFiles(Core* core) {  // mu_ held
+Status CheckReferencedFiles(Core* core) {
   for (const auto& [key, vs] : core->versions_) {
     for (const auto& v : vs) {
       if (v.ext.dir >= core->data_files_.size() || !core->data_files_[v.ext.dir]) {

@@ -70,8 +70,8 @@ void Core::AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const {
   for (uint32_t id : plan.dead_dropped) b->Delete(internal::DroppedKey(id));
 }
 
-void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durable
-  auto drop_version = [&](const Key& key, uint64_t gen) {
+void Core::ApplyGc(const GcPlan& plan) {
+  auto drop_version = [&](const Key& key, uint64_t gen) REQUIRES(mu_) {
     auto it = versions_.find(key);
     if (it == versions_.end()) return;
     auto& vs = it->second;
@@ -85,7 +85,8 @@ void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durabl
     if (vs.empty()) versions_.erase(it);
   };
   for (const auto& [key, gen] : plan.dead_versions) drop_version(key, gen);
-  for (const auto& [gp, dead] : plan.dead_in_packs) {
+  for (const auto& [gp, dead_keys] : plan.dead_in_packs) {
+    const std::vector<Key>& dead = dead_keys;  // a lambda below takes it (clang captures no binding)
     for (const Key& key : dead) drop_version(key, gp.first);
     auto members = packs_.find(gp);
     if (members == packs_.end()) continue;
@@ -97,10 +98,10 @@ void Core::ApplyGc(const GcPlan& plan) {  // mu_ held, after the batch is durabl
 }
 
 Status Core::CollectGarbage() {
-  std::lock_guard ll(lease_lock_mu_);
+  MutexLock ll(&lease_lock_mu_);
   OPTSTATE_ASSIGN_OR_RETURN(auto lease_guard, LockLeases(LOCK_EX));
   OPTSTATE_ASSIGN_OR_RETURN(auto leased, LeasedGenerations());
-  std::lock_guard l(mu_);
+  MutexLock l(&mu_);
   OPTSTATE_RETURN_IF_ERROR(CheckWritable("garbage collection"));
   GcPlan plan = PlanGc(latest_.generation, /*publish=*/false, leased);
   OPTSTATE_RETURN_IF_ERROR(WriteRetained(GenerationNumbers()));

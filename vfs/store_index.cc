@@ -143,7 +143,9 @@ uint64_t Core::IndexDigest(uint64_t g) const {
 }
 
 uint64_t Core::CommitDigest(uint64_t gen, const std::vector<uint32_t>& drop) const {
-  auto held = [&](uint32_t id) { return tensors_.count(id) && std::find(drop.begin(), drop.end(), id) == drop.end(); };
+  auto held = [&](uint32_t id) REQUIRES(mu_) {
+    return tensors_.count(id) && std::find(drop.begin(), drop.end(), id) == drop.end();
+  };
   uint64_t d = 0;
   for (const auto& [id, t] : tensors_) {
     if (held(id)) d += TensorDigest(t);

@@ -169,38 +169,37 @@ Status OpenReaderLeaseLock(Core* c) {
 
 Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr<Core>& core, uint64_t generation,
                                                            const std::string& snapshot) {
-  Core* c = core.get();
-  auto resolve = [&](uint64_t* g) -> Status {  // mu_ held
+  auto resolve = [&](uint64_t* g) REQUIRES(core->mu_) -> Status {
     if (!snapshot.empty()) {
-      auto s = c->snapshots_.find(snapshot);
-      if (s == c->snapshots_.end()) return c->SnapshotNotFound(snapshot);
+      auto s = core->snapshots_.find(snapshot);
+      if (s == core->snapshots_.end()) return core->SnapshotNotFound(snapshot);
       *g = s->second.generation;
     } else {
-      *g = generation == kLatest ? c->latest_.generation : generation;
+      *g = generation == kLatest ? core->latest_.generation : generation;
     }
-    if (!c->generations_.count(*g)) {
+    if (!core->generations_.count(*g)) {
       std::string have;
-      for (const auto& [x, i] : c->generations_) have += (have.empty() ? "" : ", ") + std::to_string(x);
-      return NotFound("store " + c->path_ + ": generation " + std::to_string(*g) +
+      for (const auto& [x, i] : core->generations_) have += (have.empty() ? "" : ", ") + std::to_string(x);
+      return NotFound("store " + core->path_ + ": generation " + std::to_string(*g) +
                       " is not retained (retained: " + have + ")");
     }
     return Status();
   };
-  if (!c->read_only_) {
-    std::lock_guard l(c->mu_);
+  if (!core->read_only_) {
+    MutexLock l(&core->mu_);
     uint64_t g;
     OPTSTATE_RETURN_IF_ERROR(resolve(&g));
     auto v = BuildView(core, g);
-    c->AddViewRef(g);
+    core->AddViewRef(g);
     v->in_process_ref = true;
     return NewGenerationView(std::move(v));
   }
-  if (c->filesystem_read_only_) {
+  if (core->filesystem_read_only_) {
     // Nothing can write the store (vfs/store.h): g stays as the index shows it.
-    std::lock_guard l(c->mu_);
+    MutexLock l(&core->mu_);
     uint64_t g;
     OPTSTATE_RETURN_IF_ERROR(resolve(&g));
-    OPTSTATE_RETURN_IF_ERROR(c->CheckIndexOf(g));
+    OPTSTATE_RETURN_IF_ERROR(core->CheckIndexOf(g));
     return NewGenerationView(BuildView(core, g));
   }
   // Read-only: a lease file, then (under the same shared flock) RETAINED says
@@ -211,27 +210,27 @@ Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr
   bool reopen = false;
   Status why = Busy("the writer collected each generation before a lease on it was taken");
   for (int attempt = 0; attempt < 20; ++attempt) {
-    OPTSTATE_RETURN_IF_ERROR(c->CatchUpChecked(reopen));
+    OPTSTATE_RETURN_IF_ERROR(core->CatchUpChecked(reopen));
     reopen = false;
     uint64_t g;
     {
-      std::lock_guard l(c->mu_);
+      MutexLock l(&core->mu_);
       OPTSTATE_RETURN_IF_ERROR(resolve(&g));
     }
     const std::string lease =
-        JoinPath(c->leases_dir_, std::to_string(getpid()) + "." + std::to_string(g) + "." +
+        JoinPath(core->leases_dir_, std::to_string(getpid()) + "." + std::to_string(g) + "." +
                                      std::to_string((rng() & 0xffffffffull) * 1000 + nonce++ % 1000) +
                                      std::string(Core::kLeaseSuffix));
     std::optional<std::vector<uint64_t>> retained;
     std::unique_ptr<File> handle;
     {
-      std::lock_guard ll(c->lease_lock_mu_);
-      OPTSTATE_ASSIGN_OR_RETURN(auto guard, c->LockLeases(LOCK_SH));
+      MutexLock ll(&core->lease_lock_mu_);
+      OPTSTATE_ASSIGN_OR_RETURN(auto guard, core->LockLeases(LOCK_SH));
       OpenOptions oo;
       oo.create = true;
       oo.exclusive = true;
-      auto f = c->fs_->Open(lease, oo);
-      if (!f.ok()) return f.status().WithContext("store " + c->path_ + ": take reader lease");
+      auto f = core->fs_->Open(lease, oo);
+      if (!f.ok()) return f.status().WithContext("store " + core->path_ + ": take reader lease");
       handle = std::move(*f);
       // Locked before the lease flock is released: the writer's GC, which
       // lists leases under LOCK_EX, never sees this file unlocked while we live.
@@ -239,23 +238,23 @@ Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr
         if (errno == EINTR) continue;
         const int e = errno;
         handle.reset();
-        (void)c->fs_->Remove(lease);
-        return ErrnoStatus("store " + c->path_ + ": flock reader lease " + lease, e);
+        (void)core->fs_->Remove(lease);
+        return ErrnoStatus("store " + core->path_ + ": flock reader lease " + lease, e);
       }
-      retained = c->ReadRetained();
+      retained = core->ReadRetained();
     }
     // Without RETAINED (a store last opened by an older writer): a GC that
     // dropped g before the lease existed is in the index by now.
-    Status s = retained ? Status() : c->CatchUpChecked(false);
+    Status s = retained ? Status() : core->CatchUpChecked(false);
     const bool kept = retained ? std::binary_search(retained->begin(), retained->end(), g) : true;
-    std::unique_lock l(c->mu_);
-    if (s.ok() && kept && c->generations_.count(g)) {
-      s = c->CheckIndexOf(g);
+    MutexLock l(&core->mu_);
+    if (s.ok() && kept && core->generations_.count(g)) {
+      s = core->CheckIndexOf(g);
       if (s.ok()) {
         auto v = BuildView(core, g);
         v->lease_file = lease;
         v->lease_handle = std::move(handle);
-        l.unlock();
+        l.Unlock();
         return NewGenerationView(std::move(v));
       }
       reopen = true;  // g's entries in this index are stale
@@ -263,16 +262,16 @@ Result<std::unique_ptr<GenerationView>> OpenGenerationView(const std::shared_ptr
     } else if (s.ok() && kept) {
       reopen = true;  // the writer keeps g, this index lost it: stale
     }
-    l.unlock();
-    (void)c->fs_->Remove(lease);
+    l.Unlock();
+    (void)core->fs_->Remove(lease);
     handle.reset();
     if (!s.ok() && s.code() != StatusCode::kBusy) return s;
     if (!kept && generation != kLatest && snapshot.empty()) {
-      return NotFound("store " + c->path_ + ": generation " + std::to_string(g) +
+      return NotFound("store " + core->path_ + ": generation " + std::to_string(g) +
                       " was collected before a lease could be taken");
     }
   }
-  return Busy("store " + c->path_ + ": could not lease a generation after 20 attempts: " + why.ToString());
+  return Busy("store " + core->path_ + ": could not lease a generation after 20 attempts: " + why.ToString());
 }
 
 }  // namespace optstate::vfs::internal

@@ -121,7 +121,7 @@ void Core::VerifyMarks(uint64_t index_latest, std::vector<std::string>* problems
   const std::string name = JoinPath(path_, "COMMITTED");
   std::string hint;
   {
-    std::lock_guard l(mu_);
+    MutexLock l(&mu_);
     hint = CommittedRecoveryHint(index_latest);
   }
   for (int attempt = 0;; ++attempt) {
@@ -163,7 +163,7 @@ void Core::VerifyMarks(uint64_t index_latest, std::vector<std::string>* problems
   // RETAINED, read as readers read it (under the shared lease flock).
   Result<std::string> text = std::string();
   {
-    std::lock_guard ll(lease_lock_mu_);
+    MutexLock ll(&lease_lock_mu_);
     auto guard = LockLeases(LOCK_SH);
     if (!guard.ok()) {
       problems->push_back(guard.status().ToString());
@@ -184,7 +184,7 @@ void Core::VerifyMarks(uint64_t index_latest, std::vector<std::string>* problems
     return;
   }
   if (read_only_) return;  // the writer may have moved on since this reader's index
-  std::lock_guard l(mu_);
+  MutexLock l(&mu_);
   for (const auto& [g, info] : generations_) {
     if (!std::binary_search(gens->begin(), gens->end(), g)) {
       problems->push_back("store " + path_ + ": RETAINED lacks retained generation " + std::to_string(g) + fix);
@@ -223,14 +223,19 @@ Status OpenCommittedMark(Core* c) {
   oo.create = !exists;
   std::unique_ptr<File> f;
   uint64_t size = 0;
-  if (exists || c->latest_.generation == 0 || accepted) {
+  uint64_t index_latest = 0;
+  {
+    // Not shared yet: the lock is for the analysis (and costs nothing).
+    MutexLock l(&c->mu_);
+    index_latest = c->latest_.generation;
+  }
+  if (exists || index_latest == 0 || accepted) {
     auto opened = c->fs_->Open(name, oo);
     if (!opened.ok()) return opened.status().WithContext("store " + c->path_ + ": COMMITTED");
     f = std::move(*opened);
     OPTSTATE_ASSIGN_OR_RETURN(size, f->Size());
   }
-  std::lock_guard l(c->mu_);
-  const uint64_t index_latest = c->latest_.generation;
+  MutexLock l(&c->mu_);
   std::string damage;  // what is wrong with COMMITTED, if anything
   std::optional<uint64_t> acked;
   bool both_valid = false;

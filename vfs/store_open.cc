@@ -319,7 +319,7 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/false));
   OPTSTATE_RETURN_IF_ERROR(ClaimDataFiles(core.get()));
   {
-    std::lock_guard l(core->mu_);
+    MutexLock l(&core->mu_);
     OPTSTATE_RETURN_IF_ERROR(core->LoadIndex());
     OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
     OPTSTATE_RETURN_IF_ERROR(core->DropUncommittedTensors());
@@ -341,7 +341,7 @@ Result<std::unique_ptr<Store>> Store::Open(const std::string& path_in, const Sto
                                  .WithContext("store " + path + ": rewrite of IDENTITY"));
   }
   {
-    std::lock_guard l(core->mu_);
+    MutexLock l(&core->mu_);
     OPTSTATE_RETURN_IF_ERROR(core->BuildFreeLists());
   }
   OPTSTATE_RETURN_IF_ERROR(core->CollectGarbage().WithContext("store " + path + ": garbage collection at open"));
@@ -372,11 +372,13 @@ Result<std::unique_ptr<Store>> Store::OpenReadOnly(const std::string& path_in, c
   OPTSTATE_RETURN_IF_ERROR(OpenDataFiles(core.get(), /*create_missing=*/false));
   Status loaded;
   {
-    std::lock_guard l(core->mu_);
+    // Not shared yet: the locks are for the analysis (and cost nothing).
+    MutexLock cl(&core->catchup_mu_);
+    MutexLock l(&core->mu_);
     loaded = core->LoadIndexChecked(core->ReadAckedGeneration());
   }
   if (!loaded.ok()) OPTSTATE_RETURN_IF_ERROR(core->CatchUpChecked(/*reopen_first=*/true));
-  std::lock_guard l(core->mu_);
+  MutexLock l(&core->mu_);
   OPTSTATE_RETURN_IF_ERROR(CheckReferencedFiles(core.get()));
   core->space_.assign(core->data_files_.size(), {});  // slot counts only: no allocation here
   for (uint32_t d = 0; d < core->data_files_.size(); ++d) {

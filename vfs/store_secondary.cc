@@ -83,7 +83,7 @@ Status Core::ReopenSecondary() {
   std::unique_ptr<rocksdb::DB> old;
   std::string old_dir;
   {
-    std::lock_guard l(mu_);
+    MutexLock l(&mu_);
     old = std::exchange(db_, std::move(db));
     old_dir = std::exchange(secondary_dir_, dir);
   }
@@ -93,7 +93,7 @@ Status Core::ReopenSecondary() {
 }
 
 Status Core::CatchUpChecked(bool reopen_first) {
-  std::lock_guard cl(catchup_mu_);
+  MutexLock cl(&catchup_mu_);
   const uint64_t acked = ReadAckedGeneration();  // before the catch-up: a floor for it
   Status s;
   for (int attempt = 0; attempt < 4; ++attempt) {
@@ -101,14 +101,14 @@ Status Core::CatchUpChecked(bool reopen_first) {
     if (attempt == 0 && !reopen_first) {
       s = RocksStatus("store " + path_ + ": catch up with the writer", db_->TryCatchUpWithPrimary());
       if (s.ok() && loaded_seq_.has_value() && *loaded_seq_ == db_->GetLatestSequenceNumber()) {
-        std::lock_guard l(mu_);
+        MutexLock l(&mu_);
         if (acked <= latest_.generation) return s;
       }
     } else {
       s = ReopenSecondary();
     }
     if (s.ok()) {
-      std::lock_guard l(mu_);
+      MutexLock l(&mu_);
       s = LoadIndexChecked(acked);
     }
     if (s.ok()) return s;

@@ -30,10 +30,11 @@ Status Core::BuildFreeLists() {
   // Versions a revert made share their snapshot's extents: counted here.
   std::map<std::pair<uint32_t, uint64_t>, uint32_t> refs;
   shared_extents_.clear();
-  for (const auto& [key, vs] : versions_) {
+  for (const auto& [chunk_key, vs] : versions_) {
+    const Key& key = chunk_key;  // a lambda below takes it (clang captures no binding)
     for (const auto& v : vs) {
       ++refs[{v.ext.dir, v.ext.file_offset}];
-      auto describe = [&] {
+      auto describe = [&]() REQUIRES(mu_) {
         return Describe(AnyTensor(key.t), key, v.gen) + ": extent (data dir " +
                std::to_string(v.ext.dir) + ", offset " + std::to_string(v.ext.file_offset) + ", length " +
                std::to_string(v.ext.length) + ")";

@@ -42,7 +42,7 @@ Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core) {
   }
   std::vector<uint64_t> gens;
   {
-    std::lock_guard l(c->mu_);
+    MutexLock l(&c->mu_);
     for (const auto& [g, i] : c->generations_) {
       if (g != views[0]->info().generation) gens.push_back(g);
     }
@@ -80,7 +80,7 @@ Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core) {
   uint64_t allocated = 0, free_bytes = 0, owned_bytes = 0;
   uint64_t index_latest = 0;
   {
-    std::lock_guard l(core->mu_);
+    MutexLock l(&c->mu_);
     index_latest = c->latest_.generation;
     for (const auto& [n, s] : c->snapshots_) {
       if (!c->generations_.count(s.generation)) {
@@ -92,7 +92,7 @@ Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core) {
     // two on overlapping space, each held in use by the allocator as an
     // extent of its size class.
     const uint64_t slot_bytes = c->SlotBytes();
-    auto claim = [&](const TensorInfo* tp, const Key& k, uint64_t gen, const Extent& e) {
+    auto claim = [&](const TensorInfo* tp, const Key& k, uint64_t gen, const Extent& e) REQUIRES(c->mu_) {
       const uint64_t bytes = c->AllocBytes(e.length);
       const std::string what = c->Describe(tp, k, gen) + ": extent (dir " + std::to_string(e.dir) + ", offset " +
                                std::to_string(e.file_offset) + ", " + std::to_string(bytes) + " bytes)";

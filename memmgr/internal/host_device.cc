@@ -9,15 +9,17 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "memmgr/internal/device.h"
 #include "vfs/io_buffer.h"
 #include "base/log.h"
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::memmgr::internal {
 namespace {
@@ -41,8 +43,8 @@ class HostDevice final : public Device {
     munmap(reinterpret_cast<void*>(base), bytes);
   }
 
-  Result<uint64_t> CreatePage(uint64_t bytes) override {
-    std::lock_guard<std::mutex> l(mu_);
+  Result<uint64_t> CreatePage(uint64_t bytes) override EXCLUDES(mu_) {
+    MutexLock l(&mu_);
     if (memfd_ < 0) {
       memfd_ = memfd_create("optstate-host-device", MFD_CLOEXEC);
       if (memfd_ < 0) return ErrnoStatus("memfd_create", errno);
@@ -61,16 +63,21 @@ class HostDevice final : public Device {
     size_ += bytes;
     return off;
   }
-  void DestroyPage(uint64_t handle, uint64_t bytes) override {
-    std::lock_guard<std::mutex> l(mu_);
+  void DestroyPage(uint64_t handle, uint64_t bytes) override EXCLUDES(mu_) {
+    MutexLock l(&mu_);
     // Give the memory back (the memfd keeps its size; the slot is reused).
     fallocate(memfd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(handle),
               static_cast<off_t>(bytes));
     free_.emplace_back(handle, bytes);
   }
-  Status Map(uint64_t va, uint64_t bytes, uint64_t handle) override {
-    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                   memfd_, static_cast<off_t>(handle));
+  Status Map(uint64_t va, uint64_t bytes, uint64_t handle) override EXCLUDES(mu_) {
+    int fd = -1;
+    {
+      MutexLock l(&mu_);
+      fd = memfd_;
+    }
+    void* p = mmap(reinterpret_cast<void*>(va), bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                   static_cast<off_t>(handle));
     if (p == MAP_FAILED) return ErrnoStatus("mmap page at va " + std::to_string(va), errno);
     return Status::Ok();
   }
@@ -84,8 +91,9 @@ class HostDevice final : public Device {
   // I/O memory (vfs/io_buffer.h rounds to whole pages), locked.
   Result<void*> AllocPinnedHost(uint64_t bytes) override {
     OPTSTATE_ASSIGN_OR_RETURN(void* p, vfs::AllocateIoMemory(bytes, pinned_pages_));
-    if (mlock(p, bytes) != 0 && !warned_mlock_) {
-      warned_mlock_ = true;
+    // Several threads allocate at once (pins' loads, the worker's write-backs,
+    // the optimizer's staging): one of them warns.
+    if (mlock(p, bytes) != 0 && !warned_mlock_.exchange(true)) {
       OPTSTATE_LOG_WARN("memmgr host backend: mlock of {} bytes failed ({}); staging stays pageable "
                         "(raise RLIMIT_MEMLOCK to pin it)", bytes, std::strerror(errno));
     }
@@ -140,12 +148,12 @@ class HostDevice final : public Device {
   }
 
  private:
-  std::mutex mu_;
-  const vfs::IoPages pinned_pages_;                  // AllocPinnedHost memory
-  int memfd_ = -1;                                   // guarded by mu_ (creation)
-  uint64_t size_ = 0;                                // guarded by mu_
-  std::vector<std::pair<uint64_t, uint64_t>> free_;  // guarded by mu_: (offset, bytes)
-  bool warned_mlock_ = false;
+  Mutex mu_;
+  const vfs::IoPages pinned_pages_;  // AllocPinnedHost memory
+  int memfd_ GUARDED_BY(mu_) = -1;   // created by the first CreatePage
+  uint64_t size_ GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> free_ GUARDED_BY(mu_);  // (offset, bytes)
+  std::atomic<bool> warned_mlock_{false};
 };
 
 }  // namespace

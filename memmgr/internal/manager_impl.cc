@@ -88,17 +88,21 @@ Status ManagerImpl::Init() {
   // they load at once; never beyond the throughput plan.
   uint32_t n_staging = opts_.staging_buffers;
   if (n_staging == 0) n_staging = kInitialAutoStaging;
-  staging_.reserve(n_staging);
-  for (uint32_t i = 0; i < n_staging; ++i) {
-    auto r = dev_->AllocPinnedHost(page_bytes_);
-    if (!r.ok()) {
-      return r.status().WithContext("MemoryManager: allocating staging buffer " + std::to_string(i) + " of " +
-                                    std::to_string(n_staging) + " (" + Mib(page_bytes_) +
-                                    " each; check RLIMIT_MEMLOCK / pinned memory)");
+  {
+    // No other thread sees the manager yet; the lock is for the analysis.
+    MutexLock l(&staging_mu_);
+    staging_.reserve(n_staging);
+    for (uint32_t i = 0; i < n_staging; ++i) {
+      auto r = dev_->AllocPinnedHost(page_bytes_);
+      if (!r.ok()) {
+        return r.status().WithContext("MemoryManager: allocating staging buffer " + std::to_string(i) + " of " +
+                                      std::to_string(n_staging) + " (" + Mib(page_bytes_) +
+                                      " each; check RLIMIT_MEMLOCK / pinned memory)");
+      }
+      staging_.push_back(*r);
     }
-    staging_.push_back(*r);
+    staging_free_ = staging_;
   }
-  staging_free_ = staging_;
   cache_ = std::make_unique<HostCache>(dev_.get(), std::move(cache_budget_));
   OPTSTATE_ASSIGN_OR_RETURN(copy_stream_, dev_->CreateStream());
   auto io = store_->NewChunkIo(ChunkIoOpts());
@@ -110,21 +114,24 @@ Status ManagerImpl::Init() {
     io = store_->NewChunkIo(o);
     if (!io.ok()) return io.status().WithContext("MemoryManager: store " + store_->path());
   }
-  io_ = std::move(*io);
+  {
+    MutexLock l(&io_mu_);
+    io_ = std::move(*io);
+  }
   worker_ = std::thread([this] { WorkerLoop(); });
   OPTSTATE_LOG_INFO("memmgr: {} backend, budget {} ({} pages of {}), {} staging buffers, host cache {}{}",
                     BackendName(dev_->backend()), Mib(opts_.device_budget_bytes), budget_pages_,
-                    Mib(page_bytes_), staging_.size(), Mib(opts_.host_cache_bytes),
+                    Mib(page_bytes_), staging_count(), Mib(opts_.host_cache_bytes),
                     cache_why_.empty() ? "" : " (" + cache_why_ + ")");
   return Status::Ok();
 }
 
 ManagerImpl::~ManagerImpl() {
   {
-    std::lock_guard<std::mutex> l(task_mu_);
+    MutexLock l(&task_mu_);
     stop_ = true;
   }
-  task_cv_.notify_all();
+  task_cv_.SignalAll();
   if (worker_.joinable()) worker_.join();
   Status s = Flush();
   if (!s.ok()) OPTSTATE_LOG_ERROR("memmgr: flush at destruction failed: {}", s.ToString());
@@ -153,7 +160,7 @@ vfs::ChunkIoOptions ManagerImpl::ChunkIoOpts() const {
   o.hash_threads = opts_.hash_threads != MemoryManagerOptions::kAutoHashThreads ? opts_.hash_threads
                    : std::thread::hardware_concurrency() >= 8                 ? 4
                                                                               : 0;
-  std::lock_guard<std::mutex> lock(staging_mu_);
+  MutexLock lock(&staging_mu_);
   for (void* b : staging_) o.registered_buffers.emplace_back(static_cast<std::byte*>(b), page_bytes_);
   return o;
 }
@@ -166,7 +173,7 @@ void ManagerImpl::OnAbortPending(bool keep_dirty_cache) {
   } else {
     cache_->Clear();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& [rk, r] : regions_) {
     for (uint64_t c = 0; c < r->slots.size(); ++c) {
       Slot& s = r->slots[c];
@@ -194,14 +201,14 @@ void ManagerImpl::AddStats(uint64_t nvme_read, uint64_t nvme_write, uint64_t cac
 MemoryStats ManagerImpl::stats() const {
   MemoryStats s;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     s.resident_bytes = physical_pages_ * page_bytes_;
     s.peak_resident_bytes = peak_pages_ * page_bytes_;
     s.pins = pins_total_;
     s.evictions = evictions_;
   }
   {
-    std::lock_guard<std::mutex> lock(staging_mu_);
+    MutexLock lock(&staging_mu_);
     s.staging_buffers = static_cast<uint32_t>(staging_.size());
     s.staging_in_use = static_cast<uint32_t>(staging_.size() - staging_free_.size());
   }

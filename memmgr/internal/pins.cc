@@ -14,7 +14,7 @@ Result<PinnedRange> ManagerImpl::Pin(std::string_view tensor, std::string_view f
   if (count == 0) {
     return InvalidArgument("Pin " + std::string(tensor) + "/" + std::string(field) + ": count is 0");
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   OPTSTATE_ASSIGN_OR_RETURN(Region * r, GetRegion(tensor, field));
   uint64_t numel = r->info.numel;
   if (first > numel || count > numel - first) {
@@ -48,7 +48,7 @@ Result<PinnedRange> ManagerImpl::Pin(std::string_view tensor, std::string_view f
       if (st == State::kAbsent) ++missing;
     }
     if (busy) {
-      cv_.wait(lock);
+      cv_.Wait(&mu_);
       continue;
     }
     uint64_t avail = pool_.size() + (budget_pages_ - physical_pages_);
@@ -66,11 +66,11 @@ Result<PinnedRange> ManagerImpl::Pin(std::string_view tensor, std::string_view f
     if (avail >= missing) break;
     if (dirty_evictable) {
       Status err;
-      WriteBackOneLocked(lock, &err);
+      WriteBackOneLocked(&err);
       if (!err.ok()) return err.WithContext("Pin: evicting a dirty chunk");
       continue;
     }
-    cv_.wait(lock);
+    cv_.Wait(&mu_);
   }
   // Claim: pin the resident chunks first so that taking pages cannot evict them.
   for (uint64_t c = c0; c <= c1; ++c) {
@@ -97,7 +97,7 @@ Result<PinnedRange> ManagerImpl::Pin(std::string_view tensor, std::string_view f
     s.state = State::kLoading;
     to_load.push_back(c);
   }
-  auto undo = [&](const Status& e) -> Status {
+  auto undo = [&](const Status& e) REQUIRES(mu_) -> Status {
     for (uint64_t c : to_load) {
       Slot& s = r->slots[c];
       (void)dev_->Unmap(r->base + c * page_bytes_, page_bytes_);
@@ -109,7 +109,7 @@ Result<PinnedRange> ManagerImpl::Pin(std::string_view tensor, std::string_view f
       s.pins--;
       if (s.pins == 0 && s.state == State::kResident) LruPush(Key(*r, c), s);
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     return e.WithContext("Pin " + r->info.name + "/" + r->info.fields[r->field].name);
   };
   if (!err.ok()) return undo(err);
@@ -123,12 +123,12 @@ Result<PinnedRange> ManagerImpl::Pin(std::string_view tensor, std::string_view f
     if (access == Access::kWrite && covered) continue;
     items.push_back(IoItem{Key(*r, c), reinterpret_cast<void*>(r->base + lo), len});
   }
-  lock.unlock();
+  lock.Unlock();
   Status ls = LoadChunks(items);
-  lock.lock();
+  lock.Lock();
   if (!ls.ok()) return undo(ls);
   for (uint64_t c : to_load) r->slots[c].state = State::kResident;
-  cv_.notify_all();
+  cv_.SignalAll();
   uint64_t id = next_pin_id_++;
   pins_.emplace(id, PinRec{r, c0, c1, access});
   ++pins_total_;
@@ -144,7 +144,7 @@ Result<PinnedRange> ManagerImpl::Pin(std::string_view tensor, std::string_view f
 Status ManagerImpl::Unpin(uint64_t pin_id) {
   std::vector<ChunkKey> dirty;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = pins_.find(pin_id);
     if (it == pins_.end()) return Internal("Unpin: unknown pin id " + std::to_string(pin_id));
     PinRec rec = it->second;
@@ -159,10 +159,10 @@ Status ManagerImpl::Unpin(uint64_t pin_id) {
       }
     }
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   if (!dirty.empty()) {
     {
-      std::lock_guard<std::mutex> l(task_mu_);
+      MutexLock l(&task_mu_);
       for (const ChunkKey& k : dirty) {
         Task t;
         t.prefetch = false;
@@ -170,7 +170,7 @@ Status ManagerImpl::Unpin(uint64_t pin_id) {
         tasks_.push_back(std::move(t));
       }
     }
-    task_cv_.notify_one();
+    task_cv_.Signal();
   }
   return Status::Ok();
 }
@@ -178,7 +178,7 @@ Status ManagerImpl::Unpin(uint64_t pin_id) {
 Status ManagerImpl::Prefetch(std::string_view tensor, std::string_view field, uint64_t first, uint64_t count) {
   {
     // Validate now so the caller hears about bad names at once.
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     OPTSTATE_ASSIGN_OR_RETURN(Region * r, GetRegion(tensor, field));
     if (first > r->info.numel || count > r->info.numel - first) {
       return InvalidArgument("Prefetch " + std::string(tensor) + "/" + std::string(field) +
@@ -187,7 +187,7 @@ Status ManagerImpl::Prefetch(std::string_view tensor, std::string_view field, ui
   }
   if (count == 0) return Status::Ok();
   {
-    std::lock_guard<std::mutex> l(task_mu_);
+    MutexLock l(&task_mu_);
     Task t;
     t.prefetch = true;
     t.tensor = std::string(tensor);
@@ -196,7 +196,7 @@ Status ManagerImpl::Prefetch(std::string_view tensor, std::string_view field, ui
     t.count = count;
     tasks_.push_back(std::move(t));
   }
-  task_cv_.notify_one();
+  task_cv_.Signal();
   return Status::Ok();
 }
 
@@ -204,20 +204,20 @@ void ManagerImpl::WorkerLoop() {
   for (;;) {
     Task t;
     {
-      std::unique_lock<std::mutex> l(task_mu_);
-      task_cv_.wait(l, [&] { return stop_ || !tasks_.empty(); });
+      MutexLock l(&task_mu_);
+      while (!stop_ && tasks_.empty()) task_cv_.Wait(&task_mu_);
       if (stop_ && tasks_.empty()) return;
       t = std::move(tasks_.front());
       tasks_.pop_front();
       ++busy_;
     }
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!t.prefetch) {
       auto rit = regions_.find({t.key.tensor_id, t.key.field});
       if (rit != regions_.end()) {
         Slot& s = rit->second->slots[t.key.index];
         if (s.dirty && s.pins == 0 && s.state == State::kResident) {
-          Status st = WriteBackLocked(lock, t.key);
+          Status st = WriteBackLocked(t.key);
           if (!st.ok()) {
             OPTSTATE_LOG_ERROR("memmgr: background write-back failed: {}", st.ToString());
             if (bg_error_.ok()) bg_error_ = st;
@@ -247,9 +247,9 @@ void ManagerImpl::WorkerLoop() {
           loading.push_back(c);
           items.push_back(IoItem{Key(*r, c), reinterpret_cast<void*>(r->base + c * page_bytes_), ChunkLen(*r, c)});
         }
-        lock.unlock();
+        lock.Unlock();
         Status st = LoadChunks(items);
-        lock.lock();
+        lock.Lock();
         for (uint64_t c : loading) {
           Slot& s = r->slots[c];
           if (st.ok()) {
@@ -262,15 +262,15 @@ void ManagerImpl::WorkerLoop() {
           }
         }
         if (!st.ok()) OPTSTATE_LOG_WARN("memmgr: prefetch of {}/{} failed: {}", t.tensor, t.field, st.ToString());
-        cv_.notify_all();
+        cv_.SignalAll();
       }
     }
-    lock.unlock();
+    lock.Unlock();
     {
-      std::lock_guard<std::mutex> l(task_mu_);
+      MutexLock l(&task_mu_);
       --busy_;
     }
-    task_cv_.notify_all();
+    task_cv_.SignalAll();
   }
 }
 

@@ -103,30 +103,30 @@ bool ManagerImpl::TryTakePage(uint64_t* handle, Status* err) {
   return false;
 }
 
-Status ManagerImpl::WriteBackLocked(std::unique_lock<std::mutex>& lock, const ChunkKey& k) {
+Status ManagerImpl::WriteBackLocked(const ChunkKey& k) {
   Region* r = regions_.at({k.tensor_id, k.field}).get();
   Slot& s = r->slots[k.index];
   s.state = State::kWriting;
   s.dirty = false;
   LruRemove(s);
   IoItem item{k, reinterpret_cast<void*>(r->base + k.index * page_bytes_), ChunkLen(*r, k.index)};
-  lock.unlock();
+  mu_.Unlock();
   Status st = StoreChunks({item});
-  lock.lock();
+  mu_.Lock();
   Slot& s2 = r->slots[k.index];
   s2.state = State::kResident;
   if (!st.ok()) s2.dirty = true;
   if (s2.pins == 0) LruPush(k, s2);
-  cv_.notify_all();
+  cv_.SignalAll();
   return st;
 }
 
-bool ManagerImpl::WriteBackOneLocked(std::unique_lock<std::mutex>& lock, Status* err) {
+bool ManagerImpl::WriteBackOneLocked(Status* err) {
   for (const ChunkKey& k : lru_) {
     Slot& s = SlotOf(k);
     if (s.dirty && s.pins == 0 && s.state == State::kResident) {
       ChunkKey key = k;
-      *err = WriteBackLocked(lock, key);
+      *err = WriteBackLocked(key);
       return true;
     }
   }
@@ -136,10 +136,10 @@ bool ManagerImpl::WriteBackOneLocked(std::unique_lock<std::mutex>& lock, Status*
 Status ManagerImpl::Flush() {
   // Let queued background work finish first (it may hold chunks in kWriting).
   {
-    std::unique_lock<std::mutex> l(task_mu_);
-    task_cv_.wait(l, [&] { return (tasks_.empty() && busy_ == 0) || worker_.get_id() == std::thread::id(); });
+    MutexLock l(&task_mu_);
+    while (!(tasks_.empty() && busy_ == 0) && worker_.get_id() != std::thread::id()) task_cv_.Wait(&task_mu_);
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
     bool busy = false;
     const ChunkKey* todo = nullptr;
@@ -155,11 +155,11 @@ Status ManagerImpl::Flush() {
       }
     }
     if (todo != nullptr) {
-      OPTSTATE_RETURN_IF_ERROR(WriteBackLocked(lock, key));
+      OPTSTATE_RETURN_IF_ERROR(WriteBackLocked(key));
       continue;
     }
     if (busy) {
-      cv_.wait(lock);
+      cv_.Wait(&mu_);
       continue;
     }
     break;
@@ -174,14 +174,14 @@ Status ManagerImpl::Flush() {
 
 Status ManagerImpl::ReleaseAll() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!pins_.empty() || arena_pages_ != 0) {
       return FailedPrecondition("ReleaseAll: " + std::to_string(pins_.size()) + " pins and " +
                                 std::to_string(arena_pages_) + " optimizer slot pages outstanding");
     }
   }
   OPTSTATE_RETURN_IF_ERROR(Flush());
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& [rk, r] : regions_) {
     for (uint64_t c = 0; c < r->slots.size(); ++c) {
       Slot& s = r->slots[c];
@@ -200,12 +200,12 @@ Status ManagerImpl::ReleaseAll() {
   for (uint64_t h : pool_) dev_->DestroyPage(h, page_bytes_);
   physical_pages_ -= pool_.size();
   pool_.clear();
-  cv_.notify_all();
+  cv_.SignalAll();
   return Status::Ok();
 }
 
 Status ManagerImpl::DropTensor(uint32_t tensor_id) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = regions_by_tensor_.find(tensor_id);
   if (it == regions_by_tensor_.end()) return Status::Ok();
   for (;;) {
@@ -219,12 +219,12 @@ Status ManagerImpl::DropTensor(uint32_t tensor_id) {
                                     " chunk " + std::to_string(c) + " is pinned; unpin before Step");
         }
         if (s.state != State::kResident) {
-          cv_.wait(lock);
+          cv_.Wait(&mu_);
           again = true;
           break;
         }
         if (s.dirty) {
-          OPTSTATE_RETURN_IF_ERROR(WriteBackLocked(lock, Key(*r, c)));
+          OPTSTATE_RETURN_IF_ERROR(WriteBackLocked(Key(*r, c)));
           again = true;
           break;
         }
@@ -237,7 +237,7 @@ Status ManagerImpl::DropTensor(uint32_t tensor_id) {
     }
     if (!again) break;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
   return Status::Ok();
 }
 
@@ -248,7 +248,7 @@ Result<Arena> ManagerImpl::AcquireArena(uint64_t min_pages, uint64_t max_pages) 
                              "; one chunk per field of a slice)");
   }
   max_pages = std::max(max_pages, min_pages);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t take = 0;
   for (;;) {
     uint64_t avail = pool_.size() + (budget_pages_ - physical_pages_);
@@ -268,11 +268,11 @@ Result<Arena> ManagerImpl::AcquireArena(uint64_t min_pages, uint64_t max_pages) 
     }
     if (dirty_evictable) {
       Status err;
-      WriteBackOneLocked(lock, &err);
+      WriteBackOneLocked(&err);
       OPTSTATE_RETURN_IF_ERROR(err);
       continue;
     }
-    cv_.wait(lock);
+    cv_.Wait(&mu_);
   }
   Arena a;
   a.page_bytes = page_bytes_;
@@ -282,9 +282,9 @@ Result<Arena> ManagerImpl::AcquireArena(uint64_t min_pages, uint64_t max_pages) 
     if (!TryTakePage(&h, &err)) break;
     a.handles.push_back(h);
   }
-  auto give_back = [&](Status e) -> Status {
+  auto give_back = [&](Status e) REQUIRES(mu_) -> Status {
     for (uint64_t h : a.handles) pool_.push_back(h);
-    cv_.notify_all();
+    cv_.SignalAll();
     return e;
   };
   if (!err.ok()) return give_back(err);
@@ -307,7 +307,7 @@ Result<Arena> ManagerImpl::AcquireArena(uint64_t min_pages, uint64_t max_pages) 
 
 void ManagerImpl::ReleaseArena(Arena* a) {
   if (a->pages == 0) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (uint64_t i = 0; i < a->pages; ++i) {
     Status s = dev_->Unmap(a->base + i * page_bytes_, page_bytes_);
     if (!s.ok()) OPTSTATE_LOG_ERROR("memmgr: unmapping optimizer slot page: {}", s.ToString());
@@ -317,7 +317,7 @@ void ManagerImpl::ReleaseArena(Arena* a) {
   arena_pages_ -= a->pages;
   a->pages = 0;
   a->handles.clear();
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 }  // namespace optstate::memmgr::internal

@@ -7,6 +7,7 @@
 #include "memmgr/internal/manager_impl.h"
 #include "memmgr/internal/step_pipeline.h"
 #include "base/log.h"
+#include "base/sync_point.h"
 
 namespace optstate::memmgr::internal {
 
@@ -21,7 +22,7 @@ uint64_t NowNs() {
 Status ManagerImpl::LoadChunks(const std::vector<IoItem>& items) {
   if (items.empty()) return Status::Ok();
   GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, SliceSize{})));
-  std::lock_guard<std::mutex> io_lock(io_mu_);
+  MutexLock io_lock(&io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {
     std::vector<void*> bufs = AcquireStaging(1, std::min<size_t>(items.size() - pos, staging_count()));
@@ -72,7 +73,7 @@ Status ManagerImpl::LoadChunks(const std::vector<IoItem>& items) {
 Status ManagerImpl::StoreChunks(const std::vector<IoItem>& items) {
   if (items.empty()) return Status::Ok();
   GrowStaging(std::min<size_t>(items.size() + 2, StepPipelineStaging(opts_, SliceSize{})));
-  std::lock_guard<std::mutex> io_lock(io_mu_);
+  MutexLock io_lock(&io_mu_);
   size_t pos = 0;
   while (pos < items.size()) {
     std::vector<void*> bufs = AcquireStaging(1, std::min<size_t>(items.size() - pos, staging_count()));
@@ -120,7 +121,7 @@ Status ManagerImpl::StoreChunks(const std::vector<IoItem>& items) {
 }
 
 size_t ManagerImpl::staging_count() const {
-  std::lock_guard<std::mutex> l(staging_mu_);
+  MutexLock l(&staging_mu_);
   return staging_.size();
 }
 
@@ -139,20 +140,33 @@ void ManagerImpl::GrowStaging(size_t total) {
     }
     added.push_back(*r);
   }
+  OPTSTATE_TEST_SYNC_POINT("memmgr.grow_staging.allocated");
+  // The allocations ran without the lock (AcquireStaging goes on meanwhile),
+  // so another thread may have grown the pool since `have` was counted: add
+  // only what is still missing, and free the rest.
+  std::vector<void*> spare;
+  size_t now = 0;
   {
-    std::lock_guard<std::mutex> l(staging_mu_);
+    MutexLock l(&staging_mu_);
+    const size_t missing = total > staging_.size() ? total - staging_.size() : 0;
+    const size_t keep = std::min(missing, added.size());
+    spare.assign(added.begin() + static_cast<long>(keep), added.end());
+    added.resize(keep);
     staging_.insert(staging_.end(), added.begin(), added.end());
     staging_free_.insert(staging_free_.end(), added.begin(), added.end());
+    now = staging_.size();
   }
-  staging_cv_.notify_all();
-  OPTSTATE_LOG_INFO("memmgr: staging pool of store {} grown to {} buffers of {}", store_->path(), have + added.size(),
+  for (void* b : spare) dev_->FreePinnedHost(b, page_bytes_);
+  if (added.empty()) return;
+  staging_cv_.SignalAll();
+  OPTSTATE_LOG_INFO("memmgr: staging pool of store {} grown to {} buffers of {}", store_->path(), now,
                     Mib(page_bytes_));
 }
 
 std::vector<void*> ManagerImpl::AcquireStaging(size_t min, size_t max) {
-  std::unique_lock<std::mutex> l(staging_mu_);
+  MutexLock l(&staging_mu_);
   min = std::min(std::max<size_t>(min, 1), staging_.size());
-  staging_cv_.wait(l, [&] { return staging_free_.size() >= min; });
+  while (staging_free_.size() < min) staging_cv_.Wait(&staging_mu_);
   size_t n = std::min(max, staging_free_.size());
   std::vector<void*> out(staging_free_.end() - static_cast<long>(n), staging_free_.end());
   staging_free_.resize(staging_free_.size() - n);
@@ -161,10 +175,10 @@ std::vector<void*> ManagerImpl::AcquireStaging(size_t min, size_t max) {
 
 void ManagerImpl::ReleaseStaging(const std::vector<void*>& bufs) {
   {
-    std::lock_guard<std::mutex> l(staging_mu_);
+    MutexLock l(&staging_mu_);
     staging_free_.insert(staging_free_.end(), bufs.begin(), bufs.end());
   }
-  staging_cv_.notify_all();
+  staging_cv_.SignalAll();
 }
 
 }  // namespace optstate::memmgr::internal

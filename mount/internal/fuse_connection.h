@@ -13,9 +13,9 @@
 #include <optional>
 #include <string>
 #include <thread>
-#include <mutex>
-#include <condition_variable>
 
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "mount/store_tree.h"
 
 namespace optstate::mount::internal {
@@ -85,27 +85,34 @@ class PinSweeper {
   explicit PinSweeper(StoreTree* tree) : tree_(tree), thread_([this] { Run(); }) {}
   ~PinSweeper() {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
     thread_.join();
   }
 
  private:
-  void Run() {
-    std::unique_lock<std::mutex> l(mu_);
-    while (!cv_.wait_for(l, std::chrono::seconds(1), [&] { return stop_; })) {
-      l.unlock();
+  void Run() EXCLUDES(mu_) {
+    MutexLock l(&mu_);
+    for (;;) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      while (!stop_) {
+        const auto left = deadline - std::chrono::steady_clock::now();
+        if (left <= left.zero()) break;
+        cv_.WaitFor(&mu_, left);
+      }
+      if (stop_) return;
+      l.Unlock();
       tree_->SweepPins();
-      l.lock();
+      l.Lock();
     }
   }
 
   StoreTree* const tree_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;  // guarded by mu_
+  Mutex mu_;
+  CondVar cv_;  // with mu_: stop_ was set
+  bool stop_ GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: starts once the members above exist
 };
 

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -18,7 +17,9 @@
 #include "mount/chunk_reader.h"
 #include "mount/prefetcher.h"
 #include "mount/store_tree.h"
+#include "base/mutex.h"
 #include "base/status.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::mount::internal {
 
@@ -57,11 +58,11 @@ struct Context {
 
   // Every node id the kernel holds (NodeIdOf; root: FUSE_ROOT_ID, never in
   // the map); an entry goes at its last forget.
-  std::mutex mu;
-  std::unordered_map<fuse_ino_t, NodeRef> nodes;  // guarded by mu
+  Mutex mu;
+  std::unordered_map<fuse_ino_t, NodeRef> nodes GUARDED_BY(mu);
   // What the fills of each state.safetensors node the kernel holds share (an
   // entry goes when the node does).
-  std::unordered_map<fuse_ino_t, std::shared_ptr<struct SafetensorsPages>> safetensors_pages;  // guarded by mu
+  std::unordered_map<fuse_ino_t, std::shared_ptr<struct SafetensorsPages>> safetensors_pages GUARDED_BY(mu);
   std::shared_ptr<PushGate> push_gate;
 };
 

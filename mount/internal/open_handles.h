@@ -7,8 +7,10 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <unordered_map>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::mount::internal {
 
@@ -37,19 +39,19 @@ class OpenHandles {
     static OpenHandles* const h = new OpenHandles();  // never destroyed: handlers may run until exit
     return *h;
   }
-  void Add(uint64_t fh, void (*free_fn)(uint64_t)) {
-    std::lock_guard<std::mutex> l(mu_);
+  void Add(uint64_t fh, void (*free_fn)(uint64_t)) EXCLUDES(mu_) {
+    MutexLock l(&mu_);
     live_.emplace(fh, free_fn);
   }
-  void Remove(uint64_t fh) {
-    std::lock_guard<std::mutex> l(mu_);
+  void Remove(uint64_t fh) EXCLUDES(mu_) {
+    MutexLock l(&mu_);
     live_.erase(fh);
   }
   // REQUIRES: no handler runs any more (the loop has ended).
-  size_t FreeAll() {
+  size_t FreeAll() EXCLUDES(mu_) {
     std::unordered_map<uint64_t, void (*)(uint64_t)> left;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       left.swap(live_);
     }
     for (const auto& [fh, free_fn] : left) free_fn(fh);
@@ -57,8 +59,8 @@ class OpenHandles {
   }
 
  private:
-  std::mutex mu_;
-  std::unordered_map<uint64_t, void (*)(uint64_t)> live_;  // guarded by mu_
+  Mutex mu_;
+  std::unordered_map<uint64_t, void (*)(uint64_t)> live_ GUARDED_BY(mu_);
 };
 
 template <typename T>

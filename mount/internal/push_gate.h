@@ -9,14 +9,14 @@
 #include <sys/uio.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
 
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "mount/cache_pusher.h"
 
 namespace optstate::mount::internal {
@@ -31,9 +31,9 @@ namespace optstate::mount::internal {
 class PushGate {
  public:
   explicit PushGate(struct fuse_session* se) : se_(se) {}
-  int Store(fuse_ino_t ino, uint64_t offset, std::span<const iovec> iov) {
+  int Store(fuse_ino_t ino, uint64_t offset, std::span<const iovec> iov) EXCLUDES(mu_) {
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (refused_) return -ESHUTDOWN;
       ++in_flight_;
     }
@@ -47,7 +47,7 @@ class PushGate {
       bv->buf[i].mem = iov[i].iov_base;
     }
     const int rc = fuse_lowlevel_notify_store(se_, ino, static_cast<off_t>(offset), bv, fuse_buf_copy_flags{});
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     --in_flight_;
     return rc;
   }
@@ -56,10 +56,10 @@ class PushGate {
   // there, as a request that OpRetrieveReply hands to Answer). False when it
   // does not, when the kernel does not hold the node, when no answer came
   // within kRetrieveWait, or once the daemon is exiting.
-  bool Cached(fuse_ino_t ino, uint64_t offset) {
+  bool Cached(fuse_ino_t ino, uint64_t offset) EXCLUDES(mu_) {
     uint64_t cookie;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(&mu_);
       if (refused_) return false;
       ++in_flight_;  // the session stays until the call returns (as for Store)
       cookie = ++next_cookie_;
@@ -67,26 +67,33 @@ class PushGate {
     }
     const int rc = fuse_lowlevel_notify_retrieve(se_, ino, kPageBytes, static_cast<off_t>(offset),
                                                  reinterpret_cast<void*>(cookie));
-    std::unique_lock<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     --in_flight_;
-    if (rc == 0) answered_.wait_for(l, kRetrieveWait, [&] { return answers_[cookie].has_value(); });
+    if (rc == 0) {
+      const auto deadline = std::chrono::steady_clock::now() + kRetrieveWait;
+      while (!answers_[cookie].has_value()) {
+        const auto left = deadline - std::chrono::steady_clock::now();
+        if (left <= left.zero()) break;
+        answered_.WaitFor(&mu_, left);
+      }
+    }
     const size_t got = answers_[cookie].value_or(0);
     answers_.erase(cookie);
     return got > 0;
   }
-  void Answer(uint64_t cookie, size_t bytes) {
-    std::lock_guard<std::mutex> l(mu_);
+  void Answer(uint64_t cookie, size_t bytes) EXCLUDES(mu_) {
+    MutexLock l(&mu_);
     auto it = answers_.find(cookie);
     if (it == answers_.end()) return;  // the asker stopped waiting
     it->second = bytes;
-    answered_.notify_all();
+    answered_.SignalAll();
   }
-  void Refuse() {
-    std::lock_guard<std::mutex> l(mu_);
+  void Refuse() EXCLUDES(mu_) {
+    MutexLock l(&mu_);
     refused_ = true;
   }
-  int InFlight() {
-    std::lock_guard<std::mutex> l(mu_);
+  int InFlight() EXCLUDES(mu_) {
+    MutexLock l(&mu_);
     return in_flight_;
   }
 
@@ -97,12 +104,12 @@ class PushGate {
   static constexpr std::chrono::milliseconds kRetrieveWait{20};
 
   struct fuse_session* const se_;
-  std::mutex mu_;
-  std::condition_variable answered_;
-  bool refused_ = false;  // guarded by mu_
-  int in_flight_ = 0;     // guarded by mu_
-  uint64_t next_cookie_ = 0;                                     // guarded by mu_
-  std::unordered_map<uint64_t, std::optional<size_t>> answers_;  // cookie -> bytes retrieved; guarded by mu_
+  Mutex mu_;
+  CondVar answered_;  // with mu_: an answer came
+  bool refused_ GUARDED_BY(mu_) = false;
+  int in_flight_ GUARDED_BY(mu_) = 0;
+  uint64_t next_cookie_ GUARDED_BY(mu_) = 0;
+  std::unordered_map<uint64_t, std::optional<size_t>> answers_ GUARDED_BY(mu_);  // cookie -> bytes retrieved
 };
 
 }  // namespace optstate::mount::internal

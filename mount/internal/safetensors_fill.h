@@ -10,7 +10,6 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -18,6 +17,8 @@
 #include "mount/internal/fuse_context.h"
 #include "mount/internal/push_gate.h"
 #include "base/log.h"
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::mount::internal {
 
@@ -33,8 +34,8 @@ struct SafetensorsPages {
     std::bitset<kPage> have;
     char bytes[kPage];
   };
-  std::mutex mu;
-  std::map<uint64_t, std::unique_ptr<Partial>> partial;     // page index -> bytes so far; guarded by mu
+  Mutex mu;
+  std::map<uint64_t, std::unique_ptr<Partial>> partial GUARDED_BY(mu);  // page index -> bytes so far
 };
 
 // Fills state.safetensors' page cache from one field file's bytes as the
@@ -96,7 +97,7 @@ class SafetensorsFill {
     const uint64_t want = std::min(kPage, st_bytes_ - start);  // the last page ends at EOF
     char whole[kPage];
     {
-      std::lock_guard<std::mutex> l(pages->mu);
+      MutexLock l(&pages->mu);
       std::unique_ptr<SafetensorsPages::Partial>& p = pages->partial[page];
       if (p == nullptr) p = std::make_unique<SafetensorsPages::Partial>();
       uint64_t at = a;

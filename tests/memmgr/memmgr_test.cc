@@ -7,12 +7,14 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <latch>
 #include <limits>
 #include <map>
 #include <random>
 #include <thread>
 
 #include "memmgr_test_util.h"
+#include "memmgr/internal/engine_memory.h"
 #include "tests/common/kernel_failures.h"
 #include "tests/common/sync_point_flag.h"
 #include "vfs/fault_injection.h"
@@ -159,6 +161,37 @@ TEST(MemoryManager, ClearErrors) {
   // A budget below one chunk fails at Create.
   auto small = MemoryManager::Create(env.store.get(), TestMmOptions(kChunk / 2));
   EXPECT_EQ(small.status().code(), StatusCode::kResourceExhausted);
+}
+
+// Two threads that grow an automatic staging pool to the same total at once
+// (a pin's load and the worker's write-back both do) leave it at that total:
+// each counts the pool before either adds to it, and the second must not add
+// its buffers on top of the first's.
+TEST(MemoryManager, ConcurrentGrowStagingStopsAtTheTotal) {
+  MEMMGR_REQUIRE_BACKEND();
+  REQUIRE_SYNC_POINTS();
+  Env e;
+  e.Open(8 * kChunk, true);  // staging_buffers 0: an automatic pool
+  internal::EngineMemory* em = internal::EngineMemoryOf(*e.mm);
+  const size_t initial = em->staging_count();
+  const size_t total = initial + 3;
+  std::latch both_allocated(2);
+  SyncPoint* sp = SyncPoint::Get();
+  sp->SetCallBack("memmgr.grow_staging.allocated", [&](void*) { both_allocated.arrive_and_wait(); });
+  sp->EnableProcessing();
+  std::thread a([&] { em->GrowStaging(total); });
+  std::thread b([&] { em->GrowStaging(total); });
+  a.join();
+  b.join();
+  sp->Reset();
+  EXPECT_EQ(em->staging_count(), total);
+  EXPECT_EQ(e.mm->stats().staging_buffers, total);
+  // Every buffer of the pool can be taken, and they are distinct.
+  std::vector<void*> bufs = em->AcquireStaging(total, total);
+  ASSERT_EQ(bufs.size(), total);
+  std::sort(bufs.begin(), bufs.end());
+  EXPECT_EQ(std::unique(bufs.begin(), bufs.end()), bufs.end());
+  em->ReleaseStaging(bufs);
 }
 
 TEST(MemoryManager, ConcurrentRandomPinsNeverExceedBudgetNorCorrupt) {

@@ -12,50 +12,50 @@ ChunkHasher::ChunkHasher(uint32_t threads, std::function<void()> on_result) : on
 
 ChunkHasher::~ChunkHasher() {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     stop_ = true;
     jobs_.clear();
   }
-  work_cv_.notify_all();
+  work_cv_.SignalAll();
   for (std::thread& t : threads_) t.join();
 }
 
 void ChunkHasher::Post(uint64_t tag, const void* buf, uint64_t len) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(&mu_);
     jobs_.push_back(Job{tag, buf, len});
   }
-  work_cv_.notify_one();
+  work_cv_.Signal();
 }
 
 void ChunkHasher::Collect(std::vector<Result>* out) {
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   out->insert(out->end(), results_.begin(), results_.end());
   results_.clear();
 }
 
 void ChunkHasher::WaitForResult() {
-  std::unique_lock<std::mutex> l(mu_);
-  result_cv_.wait(l, [this] { return !results_.empty(); });
+  MutexLock l(&mu_);
+  while (results_.empty()) result_cv_.Wait(&mu_);
 }
 
 void ChunkHasher::Loop() {
-  std::unique_lock<std::mutex> l(mu_);
+  MutexLock l(&mu_);
   for (;;) {
-    work_cv_.wait(l, [this] { return stop_ || !jobs_.empty(); });
+    while (!stop_ && jobs_.empty()) work_cv_.Wait(&mu_);
     if (stop_) return;
     const Job job = jobs_.front();
     jobs_.pop_front();
-    l.unlock();
+    l.Unlock();
     const uint64_t sum = ChunkChecksum(job.buf, job.len);
-    l.lock();
+    l.Lock();
     results_.push_back(Result{job.tag, sum});
-    result_cv_.notify_one();
+    result_cv_.Signal();
     // Outside the lock: the owner may be blocked in the I/O engine, not on
     // result_cv_ (the result is queued first, so a wake is never lost).
-    l.unlock();
+    l.Unlock();
     if (on_result_) on_result_();
-    l.lock();
+    l.Lock();
   }
 }
 

@@ -18,14 +18,15 @@
 // thread is on, drops queued ones and joins.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 
 namespace optstate::vfs::internal {
 
@@ -42,12 +43,12 @@ class ChunkHasher {
   ChunkHasher(const ChunkHasher&) = delete;
   ChunkHasher& operator=(const ChunkHasher&) = delete;
 
-  void Post(uint64_t tag, const void* buf, uint64_t len);
+  void Post(uint64_t tag, const void* buf, uint64_t len) EXCLUDES(mu_);
   // Appends every finished result to *out.
-  void Collect(std::vector<Result>* out);
+  void Collect(std::vector<Result>* out) EXCLUDES(mu_);
   // Blocks until a result is there to collect. REQUIRES: a posted job whose
   // result was not collected yet.
-  void WaitForResult();
+  void WaitForResult() EXCLUDES(mu_);
 
  private:
   struct Job {
@@ -55,15 +56,15 @@ class ChunkHasher {
     const void* buf = nullptr;
     uint64_t len = 0;
   };
-  void Loop();
+  void Loop() EXCLUDES(mu_);
 
   const std::function<void()> on_result_;
-  std::mutex mu_;
-  std::condition_variable work_cv_;    // jobs_ not empty, or stop_
-  std::condition_variable result_cv_;  // results_ not empty
-  std::deque<Job> jobs_;               // guarded by mu_
-  std::vector<Result> results_;        // guarded by mu_
-  bool stop_ = false;                  // guarded by mu_
+  Mutex mu_;
+  CondVar work_cv_;    // with mu_: jobs_ not empty, or stop_
+  CondVar result_cv_;  // with mu_: results_ not empty
+  std::deque<Job> jobs_ GUARDED_BY(mu_);
+  std::vector<Result> results_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 

@@ -24,7 +24,7 @@ struct ViewData {
 
   ~ViewData() {
     if (in_process_ref) {
-      std::lock_guard l(core->mu());
+      MutexLock l(&core->mu());
       core->DropViewRef(info.generation);
     }
     if (!lease_file.empty()) (void)core->fs()->Remove(lease_file);

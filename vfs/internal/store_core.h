@@ -7,8 +7,10 @@
 // (space, index, secondary, marks, leases, data files, ...); the table at
 // class Core says which other code touches which group, and through what.
 //
-// Lock order: Core::mu_ may be taken while holding the lease flock
-// (leases/.lock, LOCK_EX in GC); never the other way round.
+// Lock order: lease_lock_mu_ and catchup_mu_ before mu_; Core::mu_ may be
+// taken while holding the lease flock (leases/.lock, LOCK_EX in GC); never the
+// other way round. The rules on Core's members are annotated (GUARDED_BY,
+// REQUIRES) and checked by clang's -Wthread-safety (base.thread_safety).
 #pragma once
 
 #include <unistd.h>
@@ -20,7 +22,6 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -39,6 +40,8 @@
 #include "vfs/internal/store_format.h"
 #include "vfs/internal/store_util.h"
 #include "base/log.h"
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
 #include "base/strings.h"
 #include "vfs/store.h"
 
@@ -138,21 +141,21 @@ class Core {
   uint64_t SlotBytes() const { return chunk(); }
 
   // Guards the catalog, the space and the writer status (see the table above).
-  std::mutex& mu() const { return mu_; }
+  Mutex& mu() const RETURN_CAPABILITY(mu_) { return mu_; }
 
   // --- narrow access for chunk I/O and views (mu_ held unless said) ---------
   // Dir d's data file; null when it is absent (a read-only store's missing
   // dir) or d is out of range. Any thread: the set is fixed after open.
   File* data_file(uint32_t d) const { return d < data_files_.size() ? data_files_[d].get() : nullptr; }
-  const std::map<uint32_t, TensorInfo>& tensors() const { return tensors_; }
-  uint64_t latest_generation() const { return latest_.generation; }
+  const std::map<uint32_t, TensorInfo>& tensors() const REQUIRES(mu_) { return tensors_; }
+  uint64_t latest_generation() const REQUIRES(mu_) { return latest_.generation; }
   // A chunk write between its slot's allocation and SetPending/FreeSlot
   // (AbortPending refuses while one is in flight).
-  void WriteStarted() { ++writes_in_flight_; }
-  void WriteEnded() { --writes_in_flight_; }
+  void WriteStarted() REQUIRES(mu_) { ++writes_in_flight_; }
+  void WriteEnded() REQUIRES(mu_) { --writes_in_flight_; }
   // A writer's in-process view of generation g: GC keeps g while one lives.
-  void AddViewRef(uint64_t g) { ++view_refs_[g]; }
-  void DropViewRef(uint64_t g) {
+  void AddViewRef(uint64_t g) REQUIRES(mu_) { ++view_refs_[g]; }
+  void DropViewRef(uint64_t g) REQUIRES(mu_) {
     if (--view_refs_[g] <= 0) view_refs_.erase(g);
   }
 
@@ -206,11 +209,17 @@ class Core {
     return JoinPath(identity_.data_dirs[dir], identity_.uuid + ".chunks");
   }
 
-  Status CheckWritable(std::string_view what) const {  // mu_ held
+  // kFailedPrecondition on a store opened read-only (needs no lock: the
+  // configuration is immutable).
+  Status CheckNotReadOnly(std::string_view what) const {
     if (read_only_) {
       return FailedPrecondition("store " + path_ + ": " + std::string(what) +
                                 " on a store opened read-only");
     }
+    return Status();
+  }
+  Status CheckWritable(std::string_view what) const REQUIRES(mu_) {
+    OPTSTATE_RETURN_IF_ERROR(CheckNotReadOnly(what));
     if (poisoned_) {
       return DataLoss("store " + path_ + ": " + std::string(what) + " refused: store is poisoned (" +
                       poison_reason_ + "); reopen it");
@@ -238,7 +247,7 @@ class Core {
   }
 
   // NotFound for snapshot `name`, listing the snapshots there are. mu_ held.
-  Status SnapshotNotFound(const std::string& name) const {
+  Status SnapshotNotFound(const std::string& name) const REQUIRES(mu_) {
     std::string names;
     for (const auto& [n, s] : snapshots_) names += (names.empty() ? "" : ", ") + n;
     return NotFound("store " + path_ + ": no snapshot '" + name + "' (snapshots: " +
@@ -261,7 +270,7 @@ class Core {
   // Rebuilds the maps and checks them: latest at least `acked` and at least
   // any latest loaded before, and the latest generation's digest. On failure
   // the previous maps stay. mu_ held.
-  Status LoadIndexChecked(uint64_t acked);
+  Status LoadIndexChecked(uint64_t acked) REQUIRES(catchup_mu_, mu_);
 
   // A secondary instance of the index with its own files in `dir` (created
   // here, removed again on failure). `what` names the attempt in the error.
@@ -278,66 +287,68 @@ class Core {
   // the sequence number; a flush or compaction alone does not, and changes no
   // value (or, with the secondary's replay bugs above, shows an older one:
   // the checked maps are the better copy then).
-  Status CatchUpChecked(bool reopen_first);
+  Status CatchUpChecked(bool reopen_first) EXCLUDES(catchup_mu_, mu_);
 
   // --- index loading -------------------------------------------------------
 
   // Rebuilds every in-memory map from the index. mu_ held.
-  Status LoadIndex();
+  Status LoadIndex() REQUIRES(mu_);
 
   // Free space = the data files minus what the committed versions use (slots
   // and pieces; see DirSpace). mu_ held.
-  Status BuildFreeLists();
+  Status BuildFreeLists() REQUIRES(mu_);
 
   // --- slots and pieces (mu_ held) ----------------------------------------
 
-  uint64_t FreeBytes(uint32_t d) const;
+  uint64_t FreeBytes(uint32_t d) const REQUIRES(mu_);
 
   // How the allocator holds [off, off + bytes) of dir d.
   enum class Held { kInUse, kFree, kOtherClass };
-  Held HeldAs(uint32_t d, uint64_t off, uint64_t bytes) const;
+  Held HeldAs(uint32_t d, uint64_t off, uint64_t bytes) const REQUIRES(mu_);
 
   // Space for a chunk version of `length` bytes: a free piece of its class
   // (lowest offset first, so freed slots coalesce), else a free slot (carved
   // for a short chunk), round-robin over the data dirs, growing files as
   // needed.
-  Result<Extent> AllocateSlot(uint64_t length);
+  Result<Extent> AllocateSlot(uint64_t length) REQUIRES(mu_);
 
   // Returns an extent's slot or piece to the free lists.
-  void FreeSlot(const Extent& e);
+  void FreeSlot(const Extent& e) REQUIRES(mu_);
 
   // Records a completed write as the chunk's pending version. mu_ held.
-  void SetPending(const Key& k, const Extent& e);
+  void SetPending(const Key& k, const Extent& e) REQUIRES(mu_);
 
   // Newest version of k: pending, else latest committed; nullopt = zeros. mu_ held.
-  std::optional<Version> Newest(const Key& k) const;
+  std::optional<Version> Newest(const Key& k) const REQUIRES(mu_);
 
   // Validates ref against the tensor map; returns the tensor and chunk length. mu_ held.
   Result<std::pair<const TensorInfo*, uint64_t>> Resolve(const std::map<uint32_t, TensorInfo>& tensors,
-                                                         const ChunkRef& ref) const;
+                                                         const ChunkRef& ref) const REQUIRES(mu_);
 
   // --- index digests ----------------------------------------------------------
 
   // Whether this index shows generation g as its writer committed it; Busy if
   // not (a read-only store's RocksDB secondary instance lagging or holding
   // stale entries). mu_ held.
-  Status CheckIndexOf(uint64_t g) const;
+  Status CheckIndexOf(uint64_t g) const REQUIRES(mu_);
 
   // --- RETAINED ------------------------------------------------------------
 
   // Reader, lease flock held. nullopt when the store has no usable RETAINED
   // (written by an older version, or torn by a crash; the writer rewrites it
   // at open): the caller falls back to its own index.
-  std::optional<std::vector<uint64_t>> ReadRetained();
+  std::optional<std::vector<uint64_t>> ReadRetained() REQUIRES(lease_lock_mu_);
 
   // Forgets the tensors that only the pending generation holds (created after
   // the latest commit): an aborted step's or a crashed writer's registrations
   // must not reach the next commit as tensors of zeros. Writer, mu_ held.
-  Status DropUncommittedTensors();
+  Status DropUncommittedTensors() REQUIRES(mu_);
 
   // --- leases --------------------------------------------------------------
 
-  Result<FlockGuard> LockLeases(int op);
+  // The lease flock (leases/.lock) in mode op (LOCK_SH, LOCK_EX) for the
+  // guard's life; lease_lock_mu_ serialises this process's threads on it.
+  Result<FlockGuard> LockLeases(int op) REQUIRES(lease_lock_mu_);
 
   static constexpr std::string_view kLeaseSuffix = ".flock";
 
@@ -365,7 +376,7 @@ class Core {
 
   // What a user can do about a store whose COMMITTED is damaged while its
   // index holds committed generations up to `latest`.
-  std::string CommittedRecoveryHint(uint64_t latest) const;
+  std::string CommittedRecoveryHint(uint64_t latest) const REQUIRES(mu_);
   // Made by the user to accept the index as it is when COMMITTED is damaged;
   // the writer removes it once COMMITTED is rewritten.
   static constexpr const char* kAcceptIndexFile = "COMMITTED.accept-index";
@@ -394,9 +405,9 @@ class Core {
 
   // The tensor of id `id` as generation g holds it (tensors_ or dropped_);
   // null if g does not hold it. mu_ held.
-  const TensorInfo* TensorAt(uint32_t id, uint64_t g) const;
+  const TensorInfo* TensorAt(uint32_t id, uint64_t g) const REQUIRES(mu_);
   // tensors_ or dropped_'s record of id, whatever generation; null if none. mu_ held.
-  const TensorInfo* AnyTensor(uint32_t id) const;
+  const TensorInfo* AnyTensor(uint32_t id) const REQUIRES(mu_);
 
   // A commit that makes generation revert_to's chunk versions the new
   // generation's (sharing their extents; a chunk revert_to never wrote must
@@ -414,52 +425,52 @@ class Core {
 
   // Drops one reference to extent e: returns its space to the free lists
   // unless another chunk version still shares it (a revert's). mu_ held.
-  void ReleaseExtent(const Extent& e);
+  void ReleaseExtent(const Extent& e) REQUIRES(mu_);
 
   // Version of k visible in generation g (public for the revert). mu_ held.
-  std::optional<Version> VersionAt(const Key& k, uint64_t g) const { return AtGeneration(k, g); }
+  std::optional<Version> VersionAt(const Key& k, uint64_t g) const REQUIRES(mu_) { return AtGeneration(k, g); }
 
  private:
   // A fresh secondary instance in place of the current one. catchup_mu_ held.
-  Status ReopenSecondary();
+  Status ReopenSecondary() REQUIRES(catchup_mu_) EXCLUDES(mu_);
 
   // Starts slot s of sp as a carved slot of class piece_bytes, all pieces free.
-  CarvedSlot& Carve(DirSpace* sp, uint64_t s, uint64_t piece_bytes);
+  CarvedSlot& Carve(DirSpace* sp, uint64_t s, uint64_t piece_bytes) REQUIRES(mu_);
 
   // Marks piece i of carved slot s in use or free, keeping `partial` exact.
   // Freeing the last used piece returns the slot to the whole-slot free list.
-  void SetPiece(DirSpace* sp, uint64_t s, CarvedSlot* c, uint64_t i, bool in_use);
+  void SetPiece(DirSpace* sp, uint64_t s, CarvedSlot* c, uint64_t i, bool in_use) REQUIRES(mu_);
 
   // Grows dir d's file (or by one slot when that does not fit): doubles it,
   // from 4 slots up to the preallocation step. `whole` (for a whole chunk):
   // allocated at once; else only its last kIoAlign bytes (see "Disk in
   // proportion to the state").
-  Status Grow(uint32_t d, bool whole);
+  Status Grow(uint32_t d, bool whole) REQUIRES(mu_);
 
   // Allocates slot s of dir d in the file (once known, no more calls).
-  Status BackSlot(uint32_t d, uint64_t s);
+  Status BackSlot(uint32_t d, uint64_t s) REQUIRES(mu_);
   // Allocates piece i of carved slot s of dir d in the file (and, doubling,
   // the pieces before it and after it, up to the slot's end).
-  Status BackPiece(uint32_t d, uint64_t s, CarvedSlot* c, uint64_t i);
+  Status BackPiece(uint32_t d, uint64_t s, CarvedSlot* c, uint64_t i) REQUIRES(mu_);
 
   // Version of k visible in generation g. mu_ held.
-  std::optional<Version> AtGeneration(const Key& k, uint64_t g) const;
+  std::optional<Version> AtGeneration(const Key& k, uint64_t g) const REQUIRES(mu_);
 
   // Digest of generation g as this process's index shows it (BuildView's
   // selection: tensors created at or before g, each chunk's newest version at
   // or below g). mu_ held.
-  uint64_t IndexDigest(uint64_t g) const;
+  uint64_t IndexDigest(uint64_t g) const REQUIRES(mu_);
 
   // Digest of generation gen about to be committed: the pending versions over
   // the newest committed ones, without the tensors in `drop`. mu_ held.
-  uint64_t CommitDigest(uint64_t gen, const std::vector<uint32_t>& drop) const;
+  uint64_t CommitDigest(uint64_t gen, const std::vector<uint32_t>& drop) const REQUIRES(mu_);
 
   // "OSRETAIN", count (LE), the generations (LE, ascending), XXH3 of all that.
   static std::string EncodeRetained(const std::vector<uint64_t>& gens);
   static Result<std::vector<uint64_t>> DecodeRetained(const std::string& rec, const std::string& where);
 
   // The generations with records, plus `adding` (a commit's new one). mu_ held.
-  std::vector<uint64_t> GenerationNumbers(std::optional<uint64_t> adding = std::nullopt) const;
+  std::vector<uint64_t> GenerationNumbers(std::optional<uint64_t> adding = std::nullopt) const REQUIRES(mu_);
 
   // Writer, exclusive lease flock held. A batch that drops generations is
   // framed by two writes: before it, every generation before or after it (so
@@ -467,11 +478,11 @@ class Core {
   // writer dies in between); after it, the exact set. Readers only read under
   // the shared flock, so they see one of the two. Not synced: RETAINED only
   // has to hold while processes that can read it live; Open rewrites it.
-  Status WriteRetained(const std::vector<uint64_t>& gens);
+  Status WriteRetained(const std::vector<uint64_t>& gens) REQUIRES(lease_lock_mu_);
 
   // After a durable batch: the exact set. A failure leaves the superset
   // written before the batch (safe for readers); the next GC retries.
-  void RewriteRetainedAfterBatch();
+  void RewriteRetainedAfterBatch() REQUIRES(lease_lock_mu_, mu_);
 
   // Generations leased by live readers; removes the leases of dead ones. A
   // lease file leases/<pid>.<gen>.<nonce>.flock is flock'ed by its reader for
@@ -483,22 +494,22 @@ class Core {
   // version, which held no flock, are judged by their pid. Call with the
   // exclusive lease flock held (no reader is between making its lease file
   // and locking it).
-  Result<std::vector<uint64_t>> LeasedGenerations();
+  Result<std::vector<uint64_t>> LeasedGenerations() REQUIRES(lease_lock_mu_);
 
   // Whether a reader holds the flock of lease file `file`; removes it if not.
   // Lease flock held (LOCK_EX).
-  bool LeaseFileHeld(const std::string& file);
+  bool LeaseFileHeld(const std::string& file) REQUIRES(lease_lock_mu_);
 
   // Which versions/generation records no retained generation can see once
   // `new_gen` (with pending_ as its new versions, if publish) is latest. mu_ held.
-  GcPlan PlanGc(uint64_t new_gen, bool publish, const std::vector<uint64_t>& leased) const;
-  void AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const;
-  void ApplyGc(const GcPlan& plan);  // mu_ held, after the batch is durable
+  GcPlan PlanGc(uint64_t new_gen, bool publish, const std::vector<uint64_t>& leased) const REQUIRES(mu_);
+  void AddGcToBatch(const GcPlan& plan, rocksdb::WriteBatch* b) const REQUIRES(mu_);
+  void ApplyGc(const GcPlan& plan) REQUIRES(mu_);  // after the batch is durable
 
   // 32 bytes: "OSCOMMIT", generation (LE), XXH3 of those 16 bytes, zeros.
   static std::string EncodeCommittedMark(uint64_t gen);
   static Result<uint64_t> DecodeCommittedMark(const std::string& rec, const std::string& where);
-  void Poison(const Status& why);  // mu_ held
+  void Poison(const Status& why) REQUIRES(mu_);
 
   // --- state (see the table at the top) -------------------------------------
   // Configuration: set by the constructor and the open steps, then immutable.
@@ -512,6 +523,9 @@ class Core {
   // Index handle (store_open.cc).
   std::unique_ptr<rocksdb::Env> env_;  // hooked env; outlives db_
   std::shared_ptr<rocksdb::Logger> logger_;
+  // A read-only store's catch-up replaces it (ReopenSecondary) with both
+  // catchup_mu_ and mu_ held, so either of them held keeps it; a writer's
+  // never changes after open.
   std::unique_ptr<rocksdb::DB> db_;
 
   // Data files (store_data_files.cc).
@@ -543,63 +557,63 @@ class Core {
   // flock, finds g in RETAINED knows no GC can free g's extents while the lease
   // lives, whatever its own (possibly lagging) copy of the index says.
   std::unique_ptr<File> retained_file_;
-  std::optional<std::vector<uint64_t>> retained_written_;  // the last record written (writer)
+  // The last record written (writer).
+  std::optional<std::vector<uint64_t>> retained_written_ GUARDED_BY(lease_lock_mu_);
 
   // Leases (store_leases.cc).
   // A reader of a store whose whole filesystem is read-only (vfs/store.h): no
   // writer can exist, so its views take no lease and it has no lease lock.
   bool filesystem_read_only_ = false;
   std::unique_ptr<File> lease_lock_file_;
-  std::mutex lease_lock_mu_;  // serialises this process's use of lease_lock_file_
+  Mutex lease_lock_mu_ ACQUIRED_BEFORE(mu_);  // serialises this process's use of lease_lock_file_
 
   // Secondary instance and catch-up (store_secondary.cc): read-only stores.
   std::string secondary_dir_;
   // CatchUp is serialised and checked (CatchUpChecked).
-  std::mutex catchup_mu_;
-  uint64_t max_latest_loaded_ = 0;  // latest never moves back within one open store
+  Mutex catchup_mu_ ACQUIRED_BEFORE(mu_);
+  uint64_t max_latest_loaded_ GUARDED_BY(catchup_mu_) = 0;  // latest never moves back within one open store
   // The secondary's last sequence number when the maps were last loaded and
-  // checked (LoadIndexChecked); none after a failed load. Guarded by
-  // catchup_mu_ (held by every caller but OpenReadOnly, before the store is
-  // shared: so the mount's first catch-up right after open does not reload).
-  std::optional<uint64_t> loaded_seq_;
+  // checked (LoadIndexChecked); none after a failed load (so the mount's
+  // first catch-up right after open does not reload).
+  std::optional<uint64_t> loaded_seq_ GUARDED_BY(catchup_mu_);
   std::string secondary_base_;      // secondary_dir_ is this plus a reopen count
   int secondary_lock_fd_ = -1;      // flock'ed <secondary_base_>.lock while this reader lives
-  uint64_t secondary_reopens_ = 0;
+  uint64_t secondary_reopens_ GUARDED_BY(catchup_mu_) = 0;
 
-  mutable std::mutex mu_;
-  // Guarded by mu_.
+  mutable Mutex mu_;
+  // Guarded by mu_ (the analysis checks each).
   // Catalog (store_index.cc loads it).
-  std::map<uint32_t, TensorInfo> tensors_;       // by id
-  std::map<std::string, uint32_t, std::less<>> names_;  // name -> id
+  std::map<uint32_t, TensorInfo> tensors_ GUARDED_BY(mu_);       // by id
+  std::map<std::string, uint32_t, std::less<>> names_ GUARDED_BY(mu_);  // name -> id
   // Dropped tensors (DropTensors) that a retained generation still holds, by
   // id; their dropped_generation is set. Not in tensors_ or names_.
-  std::map<uint32_t, TensorInfo> dropped_;
-  uint32_t next_tensor_id_ = 0;
-  GenerationInfo latest_;
-  std::map<uint64_t, GenerationInfo> generations_;  // retained generation records
-  std::map<std::string, SnapshotInfo> snapshots_;
-  std::map<Key, std::vector<Version>> versions_;    // committed, newest first
-  std::map<Key, Extent> pending_;                   // completed writes of latest+1
+  std::map<uint32_t, TensorInfo> dropped_ GUARDED_BY(mu_);
+  uint32_t next_tensor_id_ GUARDED_BY(mu_) = 0;
+  GenerationInfo latest_ GUARDED_BY(mu_);
+  std::map<uint64_t, GenerationInfo> generations_ GUARDED_BY(mu_);  // retained generation records
+  std::map<std::string, SnapshotInfo> snapshots_ GUARDED_BY(mu_);
+  std::map<Key, std::vector<Version>> versions_ GUARDED_BY(mu_);    // committed, newest first
+  std::map<Key, Extent> pending_ GUARDED_BY(mu_);                   // completed writes of latest+1
   // Chunk-map pack records (gen, pack) -> the chunks whose versions of gen it
   // holds and that are still in versions_ (writer: GC rewrites a record
   // with those left, or deletes it when none is).
-  std::map<std::pair<uint64_t, uint32_t>, std::vector<Key>> packs_;
+  std::map<std::pair<uint64_t, uint32_t>, std::vector<Key>> packs_ GUARDED_BY(mu_);
   // Extents referenced by more than one chunk version (dir, file offset) ->
   // references beyond the first: a revert shares the snapshot's extents with
   // the generation it commits. Writer: built at open, kept by commits,
   // ReleaseExtent and AbortPending.
-  std::map<std::pair<uint32_t, uint64_t>, uint32_t> shared_extents_;
-  uint64_t lifetime_bytes_ = 0;
+  std::map<std::pair<uint32_t, uint64_t>, uint32_t> shared_extents_ GUARDED_BY(mu_);
+  uint64_t lifetime_bytes_ GUARDED_BY(mu_) = 0;
   // Space (store_space.cc).
-  std::vector<DirSpace> space_;                     // per data dir: slots and pieces
-  std::vector<bool> dirty_;                         // written since last sync
-  std::vector<bool> grown_;                         // fallocated since last sync
-  uint32_t next_dir_ = 0;
+  std::vector<DirSpace> space_ GUARDED_BY(mu_);                     // per data dir: slots and pieces
+  std::vector<bool> dirty_ GUARDED_BY(mu_);                         // written since last sync
+  std::vector<bool> grown_ GUARDED_BY(mu_);                         // fallocated since last sync
+  uint32_t next_dir_ GUARDED_BY(mu_) = 0;
   // Writer status.
-  std::map<uint64_t, int> view_refs_;               // in-process views per generation
-  bool poisoned_ = false;
-  std::string poison_reason_;
-  uint64_t writes_in_flight_ = 0;
+  std::map<uint64_t, int> view_refs_ GUARDED_BY(mu_);               // in-process views per generation
+  bool poisoned_ GUARDED_BY(mu_) = false;
+  std::string poison_reason_ GUARDED_BY(mu_);
+  uint64_t writes_in_flight_ GUARDED_BY(mu_) = 0;
 
   // Friends: the code that builds the whole state at open, or reads or
   // changes the catalog as a whole.
@@ -619,5 +633,9 @@ class Core {
   friend Result<VerifyReport> VerifyStore(const std::shared_ptr<Core>& core);  // checks every group
   friend class StoreImpl;  // the Store API (store.cc): tensors, snapshots, generations, stats
 };
+
+// The friends' lock rules (here, where Core is complete).
+std::shared_ptr<ViewData> BuildView(const std::shared_ptr<Core>& core, uint64_t g) REQUIRES(core->mu_);
+Status CheckReferencedFiles(Core* core) REQUIRES(core->mu_);
 
 }  // namespace optstate::vfs::internal
