@@ -11,6 +11,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -126,6 +127,20 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
   // Restore groups, step counts and params from the latest generation.
   vfs::GenerationInfo gen = store->LatestGeneration();
   sa->counts_.Restore(gen);
+  // An entry no generation has committed (a registration dropped by a
+  // failed step, or a crash before the first commit) holds no state: it is
+  // not a param until RegisterParam takes it over with its initial weights.
+  std::vector<vfs::TensorInfo> tensors = store->ListTensors();
+  std::erase_if(tensors, [&](const vfs::TensorInfo& t) { return t.created_generation > gen.generation; });
+  // A param of a rule has its fields (RuleOfStored); another tensor is kept
+  // as it is. The params' fields are checked before the groups' values, so
+  // that a store of another rule (SGD's momentum under plain SGD) is refused
+  // naming the tensor and the field rather than only a group's value.
+  std::vector<std::optional<uint32_t>> rule_of(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    rule_of[i] = sa->RuleOfStored(tensors[i]);
+    if (rule_of[i]) OPTSTATE_RETURN_IF_ERROR(sa->rules_[*rule_of[i]]->CheckStored(store->path(), tensors[i]));
+  }
   for (const vfs::GroupInfo& g : gen.groups) {
     // Names the store lacks take the rules' defaults; each rule checks its
     // view of the stored values (a hand-edited store fails here, named).
@@ -134,18 +149,11 @@ Result<std::unique_ptr<StreamedEngine>> StreamedEngine::Create(vfs::Store* store
         "StreamedAdam: store " + store->path() + " generation " + std::to_string(gen.generation)));
     sa->PutGroup(g.id, std::move(given));
   }
-  for (const vfs::TensorInfo& t : store->ListTensors()) {
-    // An entry no generation has committed (a registration dropped by a
-    // failed step, or a crash before the first commit) holds no state: it is
-    // not a param until RegisterParam takes it over with its initial weights.
-    if (t.created_generation > gen.generation) continue;
-    const uint64_t count = vfs::TensorStepCount(gen, t);
-    sa->counts_.RestoreTensor(t.id, count);
-    // A param of a rule has its fields (RuleOfStored); another tensor is
-    // kept as it is.
-    const std::optional<uint32_t> rule = sa->RuleOfStored(t);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const vfs::TensorInfo& t = tensors[i];
+    sa->counts_.RestoreTensor(t.id, vfs::TensorStepCount(gen, t));
+    const std::optional<uint32_t> rule = rule_of[i];
     if (!rule) continue;
-    OPTSTATE_RETURN_IF_ERROR(sa->rules_[*rule]->CheckStored(store->path(), t));
     OPTSTATE_RETURN_IF_ERROR(sa->CheckUnitFits(t.name, *rule, t.numel, t.shape));
     Param p;
     p.info = t;
