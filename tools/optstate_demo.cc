@@ -472,12 +472,13 @@ int Run(const DemoOptions& o) {
       "  model                {} params; loss {:.4f} -> {:.4f} over {} steps\n"
       "  optimizer state      {} (fp32 main + exp_avg + exp_avg_sq) on NVMe\n"
       "  device budget        {}; peak device memory {}\n"
-      "  streamed             {} read + {} written in {} of step() ({} per step, {})\n"
+      "  streamed             {} read from the store ({} more served by the RAM tier) + {} written in {} of "
+      "step() ({} per step, {})\n"
       "  checkpoint           {}: {}\n"
       "  restore              bit-for-bit {}\n"
       "  wall time            {}\n",
       numel, first_loss, last_loss, o.steps, FormatBytes(state_bytes), FormatBytes(ms.budget_bytes),
-      FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.nvme_read_bytes),
+      FormatBytes(ms.peak_resident_bytes), FormatBytes(ms.nvme_read_bytes), FormatBytes(ms.cache_hit_bytes),
       FormatBytes(ms.nvme_write_bytes), FormatSeconds(step_seconds),
       FormatSeconds(step_seconds / static_cast<double>(o.steps)),
       FormatRate(static_cast<double>(streamed) / step_seconds), how, FormatBytes(copied_bytes),
@@ -494,7 +495,8 @@ int Run(const DemoOptions& o) {
     nlohmann::json j = {{"params", numel}, {"state_bytes", state_bytes}, {"budget_bytes", ms.budget_bytes},
                         {"peak_resident_bytes", ms.peak_resident_bytes}, {"first_loss", first_loss},
                         {"last_loss", last_loss}, {"steps", o.steps}, {"nvme_read_bytes", ms.nvme_read_bytes},
-                        {"nvme_write_bytes", ms.nvme_write_bytes}, {"step_seconds", step_seconds},
+                        {"nvme_write_bytes", ms.nvme_write_bytes}, {"cache_hit_bytes", ms.cache_hit_bytes},
+                        {"step_seconds", step_seconds},
                         {"mounted", mounted}, {"copy", how}, {"copied_bytes", copied_bytes},
                         {"identical", identical}, {"verify_ok", rep->ok()}, {"wall_seconds", wall},
                         {"backend", memmgr::BackendName((*mm)->backend())}, {"dir", dir}};

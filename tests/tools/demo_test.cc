@@ -44,6 +44,8 @@ void RunDemo(bool mount) {
   // Every step reads and writes the whole state (moments read from step 2 on).
   uint64_t state = j["state_bytes"].get<uint64_t>();
   EXPECT_GE(j["nvme_write_bytes"].get<uint64_t>(), 4 * state);
+  // The reads come from the store or, once the state is in the RAM tier, from it.
+  EXPECT_GE(j["nvme_read_bytes"].get<uint64_t>() + j["cache_hit_bytes"].get<uint64_t>(), 3 * state);
   EXPECT_GE(j["copied_bytes"].get<uint64_t>(), state);  // field files + safetensors
   // --keep left the restored store, and it inspects clean.
   auto v = Tool("optstate-inspect", {dir / "demo/restored/demo.rank0000", "verify"});
