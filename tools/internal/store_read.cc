@@ -1,13 +1,13 @@
 #include "tools/internal/store_read.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 
 #include <fmt/format.h>
 
 #include "kernels/adam.h"
+#include "vfs/chunk_space.h"
 #include "vfs/io_buffer.h"
 
 namespace optstate::tools {
@@ -161,12 +161,6 @@ Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a
   return diffs;
 }
 
-uint64_t ChunkAllocatedBytes(uint64_t length, uint64_t chunk_size_bytes) {
-  constexpr uint64_t kMinPiece = 4096;  // the O_DIRECT alignment
-  const uint64_t piece = std::max(kMinPiece, std::bit_ceil(length));
-  return piece <= chunk_size_bytes / 2 && chunk_size_bytes % piece == 0 ? piece : chunk_size_bytes;
-}
-
 FullWrite WriteOfEveryChunk(const std::vector<vfs::TensorInfo>& tensors, uint64_t chunk_size_bytes) {
   FullWrite w;
   for (const vfs::TensorInfo& t : tensors) {
@@ -178,7 +172,7 @@ FullWrite WriteOfEveryChunk(const std::vector<vfs::TensorInfo>& tensors, uint64_
       if (per == 0) continue;  // no chunk geometry (never for an opened store)
       for (uint64_t at = 0; at < bytes; at += per) {
         ++w.chunks;
-        w.allocated_bytes += ChunkAllocatedBytes(std::min(per, bytes - at), chunk_size_bytes);
+        w.allocated_bytes += vfs::ChunkAllocatedBytes(std::min(per, bytes - at), chunk_size_bytes);
       }
     }
   }

@@ -52,23 +52,14 @@ Result<uint32_t> FieldByName(const vfs::TensorInfo& t, const std::string& field)
 Result<std::vector<std::string>> CompareGenerations(const vfs::GenerationView& a,
                                                     const vfs::GenerationView& b);
 
-// The disk space one version of a chunk of `length` logical bytes takes in a
-// store of chunk_size_bytes, as the store allocates it: a piece of the
-// length rounded up to a power of two >= 4 KiB when that divides the chunk
-// size and is at most half of it, else a whole chunk-size slot. A short chunk
-// (a 10-float tensor's: 40 bytes) takes a whole 4 KiB piece. The store keeps
-// this rule inside vfs (its space allocator); the tests check this copy
-// against the store's own count of referenced and pending extent bytes.
-uint64_t ChunkAllocatedBytes(uint64_t length, uint64_t chunk_size_bytes);
-
 // What writing every chunk of every field of `tensors` once takes (a
 // StreamedAdam step rewrites them all, each to a fresh extent): the fields'
-// logical bytes and the disk space of those versions (ChunkAllocatedBytes).
+// logical bytes and the disk space of those versions (vfs::ChunkAllocatedBytes).
 struct FullWrite {
   uint64_t params = 0;           // sum of numel
   uint64_t chunks = 0;
   uint64_t logical_bytes = 0;    // sum of field bytes
-  uint64_t allocated_bytes = 0;  // sum of ChunkAllocatedBytes over the chunks
+  uint64_t allocated_bytes = 0;  // sum of vfs::ChunkAllocatedBytes over the chunks
 };
 FullWrite WriteOfEveryChunk(const std::vector<vfs::TensorInfo>& tensors, uint64_t chunk_size_bytes);
 

@@ -36,6 +36,7 @@
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include "vfs/chunk_space.h"
 #include "vfs/internal/rocks_util.h"
 #include "vfs/internal/store_format.h"
 #include "vfs/internal/store_util.h"
@@ -200,10 +201,8 @@ class Core {
     std::map<uint64_t, std::set<uint64_t>> partial;     // class -> carved slots with a free piece
   };
 
-  uint64_t AllocBytes(uint64_t length) const {
-    const uint64_t piece = std::max(kIoAlign, std::bit_ceil(length));
-    return piece <= SlotBytes() / 2 && SlotBytes() % piece == 0 ? piece : SlotBytes();
-  }
+  uint64_t AllocBytes(uint64_t length) const { return ChunkAllocatedBytes(length, SlotBytes()); }
+  static_assert(kMinPieceBytes == kIoAlign, "a piece is the unit of O_DIRECT I/O");
 
   std::string FileName(uint32_t dir) const {
     return JoinPath(identity_.data_dirs[dir], identity_.uuid + ".chunks");
