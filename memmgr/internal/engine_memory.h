@@ -44,8 +44,9 @@ class EngineMemory {
 
   // Takes between min_pages and max_pages of budget as one contiguous mapped
   // range: evicts unpinned chunks (writing dirty ones back) and waits for
-  // unpins while fewer than min_pages can be had.
-  virtual Result<Arena> AcquireArena(uint64_t min_pages, uint64_t max_pages) = 0;
+  // unpins while fewer than min_pages can be had. wait false: kBusy instead
+  // of waiting for unpins (evictions and write-backs still happen).
+  virtual Result<Arena> AcquireArena(uint64_t min_pages, uint64_t max_pages, bool wait = true) = 0;
   virtual void ReleaseArena(Arena* a) = 0;
 
   // Exclusive staging buffers (chunk-sized, pinned): between min and max.

@@ -69,7 +69,7 @@ class ManagerImpl final : public EngineMemory {
   // Takes between min_pages and max_pages of budget as one contiguous mapped
   // range: evicts unpinned chunks (writing dirty ones back) and waits for
   // unpins while fewer than min_pages can be had.
-  Result<Arena> AcquireArena(uint64_t min_pages, uint64_t max_pages) override EXCLUDES(mu_, io_mu_);
+  Result<Arena> AcquireArena(uint64_t min_pages, uint64_t max_pages, bool wait = true) override EXCLUDES(mu_, io_mu_);
   void ReleaseArena(Arena* a) override EXCLUDES(mu_);
   // Writes back and drops every resident chunk of the tensor (StreamedAdam
   // owns its state during a step). kFailedPrecondition when one is pinned.

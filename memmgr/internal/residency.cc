@@ -241,7 +241,7 @@ Status ManagerImpl::DropTensor(uint32_t tensor_id) {
   return Status::Ok();
 }
 
-Result<Arena> ManagerImpl::AcquireArena(uint64_t min_pages, uint64_t max_pages) {
+Result<Arena> ManagerImpl::AcquireArena(uint64_t min_pages, uint64_t max_pages, bool wait) {
   if (min_pages > budget_pages_) {
     return ResourceExhausted("device budget " + Mib(budget_pages_ * page_bytes_) + " is smaller than " +
                              std::to_string(min_pages) + " chunks in flight (" + Mib(min_pages * page_bytes_) +
@@ -271,6 +271,10 @@ Result<Arena> ManagerImpl::AcquireArena(uint64_t min_pages, uint64_t max_pages) 
       WriteBackOneLocked(&err);
       OPTSTATE_RETURN_IF_ERROR(err);
       continue;
+    }
+    if (!wait) {
+      return Busy("device budget: " + std::to_string(avail) + " of " + std::to_string(min_pages) +
+                  " pages free now (the rest pinned or in use)");
     }
     cv_.Wait(&mu_);
   }

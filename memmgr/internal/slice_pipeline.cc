@@ -135,8 +135,12 @@ Status SlicePipeline::Pump(bool drain, bool until_computed) {
     //    backend a slice's kernel runs here, synchronously, and reads held
     //    back behind a few of them would miss the disk's next round.
     OPTSTATE_RETURN_IF_ERROR(SubmitReads(&progressed));
-    // 3. Ready slices -> free device slots.
-    for (size_t k = 0; k < slots_.size() && !ready_.empty(); ++k) {
+    // 2b. Whole-tensor units: their reads and writes, then their kernels.
+    OPTSTATE_RETURN_IF_ERROR(AdvanceUnits(&progressed));
+    if (UnitGpuPending()) gpu_pending = true;
+    // 3. Ready slices -> free device slots (none while their pages are lent
+    //    to units' windows).
+    for (size_t k = 0; k < slots_.size() && !ready_.empty() && !slots_lent_; ++k) {
       if (slots_[k].set >= 0) continue;
       size_t set = ready_.front();
       ready_.pop_front();
@@ -158,7 +162,7 @@ Status SlicePipeline::Pump(bool drain, bool until_computed) {
     }
     if (until_computed && !gpu_pending && AllComputed()) return Status::Ok();
     bool idle = io_->in_flight() == 0 && !gpu_pending && queue_.empty() && ready_.empty() && computed_.empty() &&
-                tail_busy_ == 0;
+                tail_busy_ == 0 && units_.empty();
     if (idle && std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; })) {
       return Status::Ok();
     }
@@ -201,6 +205,8 @@ void SlicePipeline::Abort() {
     }
   }
   for (auto& d : slots_) (void)dev_->SyncStream(d.stream);
+  for (auto& l : lanes_) (void)dev_->SyncStream(l.stream);
+  while (!units_.empty()) EndUnit(units_.size() - 1, /*dirty=*/true);
   for (Set& st : sets_) ReleaseCached(st, /*dirty=*/true);
   for (Set& st : tail_) ReleaseCached(st, /*dirty=*/true);
   Release();
@@ -216,6 +222,12 @@ Status SlicePipeline::ReleaseDevice() {
   }
   slots_.clear();
   mm_->ReleaseArena(&arena_);
+  // Units left are writing only: their device work and windows are done.
+  for (auto& l : lanes_) {
+    dev_->DestroyEvent(l.event);
+    dev_->DestroyStream(l.stream);
+  }
+  lanes_.clear();
   return st;
 }
 
@@ -235,6 +247,13 @@ void SlicePipeline::Release() {
   }
   slots_.clear();
   mm_->ReleaseArena(&arena_);
+  while (!units_.empty()) EndUnit(units_.size() - 1, /*dirty=*/true);
+  for (auto& l : lanes_) {
+    dev_->DestroyEvent(l.event);
+    dev_->DestroyStream(l.stream);
+  }
+  lanes_.clear();
+  slots_lent_ = false;
   if (!staging_.empty()) mm_->ReleaseStaging(staging_);
   staging_.clear();
   sets_.clear();
@@ -266,11 +285,11 @@ Status SlicePipeline::SubmitReads(bool* progressed) {
   while (!queue_.empty()) {
     const Job& front = queue_.front();
     if (front.tensor != nullptr) {
-      // A whole tensor: once everything before it is written.
-      if (!Idle()) break;
-      const Job j = front;
+      // A whole tensor: once its window fits (StartUnit).
+      bool started = false;
+      OPTSTATE_RETURN_IF_ERROR(Keep(StartUnit(front, &started)));
+      if (!started) break;
       queue_.pop_front();
-      OPTSTATE_RETURN_IF_ERROR(Keep(RunTensorUnit(j)));
       *progressed = true;
       continue;
     }
@@ -344,7 +363,11 @@ Status SlicePipeline::SyncOldestSlot() {
   for (auto& d : slots_) {
     if (d.set >= 0 && (oldest == nullptr || d.seq < oldest->seq)) oldest = &d;
   }
-  return oldest == nullptr ? Status::Ok() : dev_->SyncEvent(oldest->event);
+  if (oldest != nullptr) return dev_->SyncEvent(oldest->event);
+  for (const Unit& u : units_) {
+    if (u.phase == Unit::Phase::kKernel) return dev_->SyncEvent(lanes_[u.lane].event);
+  }
+  return Status::Ok();
 }
 
 size_t SlicePipeline::FreeSetFor(const Job& j) const {
@@ -391,6 +414,10 @@ Status SlicePipeline::ReapReady(bool* progressed) {
 
 bool SlicePipeline::AllComputed() const {
   if (!queue_.empty() || !ready_.empty()) return false;
+  // A unit is computed once its last copy out of the window is done.
+  for (const Unit& u : units_) {
+    if (u.phase != Unit::Phase::kWriting) return false;
+  }
   for (const DevSlot& d : slots_) {
     if (d.set >= 0) return false;
   }
@@ -484,6 +511,7 @@ Status SlicePipeline::SourceOf(const ChunkKey& key, uint64_t len, const std::fun
 }
 
 Status SlicePipeline::OnCompletion(const vfs::ChunkCompletion& c) {
+  if ((c.tag & kUnitBit) != 0 && (c.tag >> 63) == 0) return OnUnitCompletion(c);
   const IoTag tag = IoTag::Unpack(c.tag);
   const size_t i = tag.Index();
   const uint32_t f = tag.chunk;
@@ -600,33 +628,395 @@ Status SlicePipeline::StartWrites(size_t i) {
 }
 
 bool SlicePipeline::Idle() const {
-  if (io_->in_flight() != 0 || !ready_.empty() || !computed_.empty() || tail_busy_ != 0) return false;
+  if (io_->in_flight() != 0 || !ready_.empty() || !computed_.empty() || tail_busy_ != 0 || !units_.empty()) {
+    return false;
+  }
   for (const DevSlot& d : slots_) {
     if (d.set >= 0) return false;
   }
   return std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; });
 }
 
-Status SlicePipeline::RunTensorUnit(const Job& j) {
-  const TensorUnitSize u = TensorUnitOf(*j.rule, *j.layout, *j.tensor);
-  // The unit holds the whole window: the slots' pages go back meanwhile.
-  for (auto& d : slots_) OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(d.stream));
-  mm_->ReleaseArena(&arena_);
-  auto unit = mm_->AcquireArena(u.pages, u.pages);
-  Status st;
-  if (unit.ok()) {
-    st = GatherScatterUnit(j, static_cast<char*>(unit->ptr(0)));
-    mm_->ReleaseArena(&*unit);
-  } else {
-    st = unit.status().WithContext("StreamedAdam: the device window for tensor '" + j.tensor->name + "' (" +
-                                   std::to_string(u.bytes) + " bytes)");
+Status SlicePipeline::StartUnit(const Job& j, bool* started) {
+  *started = false;
+  if (units_.size() >= kMaxUnits) return Status::Ok();
+  const TensorUnitSize size = TensorUnitOf(*j.rule, *j.layout, *j.tensor);
+  const std::string what = "StreamedAdam: tensor '" + j.tensor->name + "' (whole-tensor update of " +
+                           std::string(j.rule->name()) + ")";
+  // Staging: free big sets (small ones when the step has no big sets), at
+  // most half of them, so that the slices and the other unit keep some.
+  std::vector<size_t> free_big, free_small;
+  size_t big_total = 0;
+  for (size_t i = 0; i < sets_.size(); ++i) {
+    if (!sets_[i].small) ++big_total;
+    if (sets_[i].stage != Stage::kFree) continue;
+    (sets_[i].small ? free_small : free_big).push_back(i);
   }
-  Status rs = ReacquireSlots();
-  return st.ok() ? rs : st;
+  const bool use_big = big_total > 0;
+  const std::vector<size_t>& from = use_big ? free_big : free_small;
+  const size_t quota = std::max<size_t>(1, (use_big ? big_total : sets_.size()) / 2);
+  std::vector<size_t> sets(from.begin(), from.begin() + static_cast<long>(std::min(from.size(), quota)));
+  if (sets.empty()) return Status::Ok();  // waits for a staging set
+  // Its stream and event.
+  size_t lane = 0;
+  while (lane < lanes_.size() && lanes_[lane].busy) ++lane;
+  if (lane == lanes_.size()) {
+    Lane l;
+    OPTSTATE_ASSIGN_OR_RETURN(l.stream, dev_->CreateStream());
+    auto event = dev_->CreateEvent();
+    if (!event.ok()) {
+      dev_->DestroyStream(l.stream);
+      return event.status().WithContext(what);
+    }
+    l.event = *event;
+    lanes_.push_back(l);
+  }
+  // The window: from the budget's free pages, beside the slots' window and
+  // the other unit's. When they do not leave room, the slots' pages are
+  // lent to units while no slice computes on them and no unit holds a
+  // window (ReleaseWindow takes them back), and the unit takes its window
+  // from what is then free, waiting only for the trainer's pins, as a unit
+  // always has.
+  auto window = mm_->AcquireArena(size.pages, size.pages, /*wait=*/false);
+  if (!window.ok() && window.status().code() == StatusCode::kBusy) {
+    const bool slot_busy = std::any_of(slots_.begin(), slots_.end(), [](const DevSlot& d) { return d.set >= 0; });
+    if (slot_busy || slots_lent_ || WindowHeld()) return Status::Ok();  // waits for them
+    for (auto& d : slots_) OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(d.stream));
+    mm_->ReleaseArena(&arena_);
+    slots_lent_ = true;
+    window = mm_->AcquireArena(size.pages, size.pages);
+    if (!window.ok()) {
+      Status rs = ReacquireSlots(/*wait=*/true);
+      if (!rs.ok()) return rs;
+    }
+  }
+  if (!window.ok()) {
+    return window.status().WithContext("StreamedAdam: the device window for tensor '" + j.tensor->name + "' (" +
+                                       std::to_string(size.bytes) + " bytes)");
+  }
+  lanes_[lane].busy = true;
+  Unit u;
+  u.job = j;
+  u.size = size;
+  u.window = std::move(*window);
+  u.id = next_unit_id_++;
+  u.lane = lane;
+  u.what = what;
+  u.sets = std::move(sets);
+  for (size_t i : u.sets) {
+    Set& s = sets_[i];
+    s.stage = Stage::kUnit;
+    for (uint32_t f = 0; f < bufs_; ++f) u.free_bufs.emplace_back(s.io[f], s.small ? kSmallSliceBytes : chunk_bytes_);
+  }
+  // Every chunk of the tensor, where it lives in the window.
+  const vfs::TensorInfo& t = *j.tensor;
+  const SliceLayout& l = *j.layout;
+  char* base = static_cast<char*>(u.window.ptr(0));
+  SliceLayout::Slice slice;
+  for (uint64_t c = 0; c < l.Slices(t.numel); ++c) {
+    l.SliceOf(t.numel, c, &slice);
+    for (uint32_t k = 0; k < slice.n; ++k) {
+      const SliceLayout::Chunk& ch = slice.chunks[k];
+      UnitPiece p;
+      p.key = ChunkKey{j.tensor_id, j.tensor_fields[ch.rule_field], ch.index};
+      p.len = ch.len;
+      p.dst = base + size.field_offset[ch.rule_field] + ch.index * l.field_chunk_bytes(ch.rule_field);
+      u.pieces.push_back(p);
+    }
+  }
+  units_.push_back(std::move(u));
+  *started = true;
+  bool progressed = false;
+  return AdvanceUnitIo(units_.back(), &progressed);
 }
 
-Status SlicePipeline::ReacquireSlots() {
-  OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(bufs_, bufs_ * std::max<size_t>(slots_.size(), 1)));
+Status SlicePipeline::AdvanceUnits(bool* progressed) {
+  for (Unit& u : units_) OPTSTATE_RETURN_IF_ERROR(Keep(AdvanceUnitIo(u, progressed)));
+  // Kernels in queue order (a unit gathered before the one ahead of it waits).
+  for (Unit& u : units_) {
+    if (u.phase != Unit::Phase::kGather) continue;
+    if (u.next != u.pieces.size() || u.pending != 0) break;
+    OPTSTATE_RETURN_IF_ERROR(Keep(LaunchUnit(u)));
+    *progressed = true;
+  }
+  for (Unit& u : units_) OPTSTATE_RETURN_IF_ERROR(Keep(AdvanceUnitIo(u, progressed)));
+  for (size_t k = 0; k < units_.size();) {
+    Unit& u = units_[k];
+    if (u.phase == Unit::Phase::kWriting && u.pending == 0) {
+      EndUnit(k, /*dirty=*/true);
+      ++slices;
+      *progressed = true;
+      continue;
+    }
+    ++k;
+  }
+  return Status::Ok();
+}
+
+Status SlicePipeline::RecycleCopies(Unit& u) {
+  if (u.copying.empty()) return Status::Ok();
+  OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(lanes_[u.lane].stream));
+  for (const Unit::Copying& c : u.copying) {
+    if (c.spare) {
+      spare_.push_back(c.buf);  // becomes a staging set (SubmitReads)
+    } else {
+      u.free_bufs.emplace_back(c.buf, c.cap);
+    }
+  }
+  u.copying.clear();
+  return Status::Ok();
+}
+
+Status SlicePipeline::AdvanceUnitIo(Unit& u, bool* progressed) {
+  void* stream = lanes_[u.lane].stream;
+  const bool host = dev_->backend() == Backend::kHost;
+  // A free buffer for piece p (capacity >= its length); false when none.
+  auto find_buf = [&](UnitPiece& p) {
+    for (size_t i = 0; i < u.free_bufs.size(); ++i) {
+      if (u.free_bufs[i].second < p.len) continue;
+      p.buf = u.free_bufs[i].first;
+      p.cap = u.free_bufs[i].second;
+      u.free_bufs.erase(u.free_bufs.begin() + static_cast<long>(i));
+      return true;
+    }
+    return false;
+  };
+  auto no_buf = [&](const UnitPiece& p) {
+    return Internal(u.what + ": no staging buffer holds a chunk of " + std::to_string(p.len) + " bytes");
+  };
+  if (u.phase == Unit::Phase::kGather) {
+    // Each chunk from the host cache tier, a prefetched buffer or the disk,
+    // into its place in the window.
+    while (u.next < u.pieces.size()) {
+      UnitPiece& p = u.pieces[u.next];
+      const auto key_what = [&] {
+        return "chunk " + std::to_string(p.key.index) + " of tensor '" + u.job.tensor->name +
+               "' (whole-tensor update)";
+      };
+      if (!ReadRoom(p.len)) break;
+      if (p.entry == nullptr) {
+        ChunkSource src;
+        OPTSTATE_RETURN_IF_ERROR(SourceOf(p.key, p.len, key_what, &src));
+        if (src.kind == ChunkSource::Kind::kEntry || src.kind == ChunkSource::Kind::kEntryToRead) p.entry = src.buf;
+        if (src.kind == ChunkSource::Kind::kEntry) {
+          OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(p.dst, p.entry, p.len, stream));
+          ++u.next;
+          *progressed = true;
+          continue;
+        }
+        if (src.kind == ChunkSource::Kind::kPrefetched) {
+          OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(p.dst, src.buf, p.len, stream));
+          u.copying.push_back({src.buf, chunk_bytes_, /*spare=*/true});
+          ++u.next;
+          *progressed = true;
+          continue;
+        }
+      }
+      if (p.entry == nullptr && !find_buf(p)) {
+        // Buffers come back once their copies into the window are done.
+        OPTSTATE_RETURN_IF_ERROR(RecycleCopies(u));
+        if (!find_buf(p)) {
+          if (u.pending == 0) return no_buf(p);
+          break;  // waits for a read to land
+        }
+      }
+      void* into = p.entry != nullptr ? p.entry : p.buf;
+      const uint64_t buf_bytes = p.entry != nullptr    ? HostCache::EntryBytes(p.len)
+                                 : p.cap < chunk_bytes_ ? p.cap
+                                                        : 0;  // 0: a whole chunk
+      const double ts = NowS();
+      Status rs = io_->SubmitRead(vfs::ChunkRef{p.key.tensor_id, p.key.field, p.key.index}, into,
+                                  UnitTag(u.id, u.next), buf_bytes);
+      submit_s_ += NowS() - ts;
+      if (!rs.ok()) {
+        // Not submitted: the buffer goes back (an entry is released with the unit).
+        if (p.buf != nullptr) u.free_bufs.emplace_back(p.buf, p.cap);
+        p.buf = nullptr;
+        return rs.WithContext(u.what + ": read chunk " + std::to_string(p.key.index));
+      }
+      ++u.pending;
+      ++reads_in_flight_;
+      read_bytes_ += p.len;
+      peak_read_bytes = std::max(peak_read_bytes, read_bytes_);
+      ++u.next;
+      *progressed = true;
+    }
+    return Status::Ok();
+  }
+  if (u.phase == Unit::Phase::kKernel) {
+    auto done = dev_->QueryEvent(lanes_[u.lane].event);
+    if (!done.ok()) return done.status().WithContext(u.what);
+    if (!*done) return Status::Ok();
+    // The kernel read every buffer copied in: they are all free again.
+    OPTSTATE_RETURN_IF_ERROR(RecycleCopies(u));
+    u.phase = Unit::Phase::kScatter;
+    u.next = 0;
+    *progressed = true;
+  }
+  if (u.phase != Unit::Phase::kScatter) return Status::Ok();
+  // Each chunk back into its entry or a staging buffer, and written (or left
+  // dirty in the tier when the step does not write): a round of copies out
+  // of the window (as many as there are buffers and write room), one sync,
+  // then their writes.
+  const size_t first = u.next;
+  uint64_t round_bytes = 0;
+  while (u.next < u.pieces.size()) {
+    UnitPiece& p = u.pieces[u.next];
+    if (write_through() && !WriteRoom(round_bytes + p.len)) break;
+    if (p.entry == nullptr && !find_buf(p)) {
+      // Buffers come back as writes complete.
+      if (u.pending == 0 && u.next == first) return no_buf(p);
+      break;
+    }
+    round_bytes += p.len;
+    void* to = p.entry != nullptr ? p.entry : p.buf;
+    OPTSTATE_RETURN_IF_ERROR(dev_->CopyD2H(to, p.dst, p.len, stream));
+    if (!host) d2h += p.len;
+    ++u.next;
+  }
+  if (u.next == first) return Status::Ok();
+  *progressed = true;
+  OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(stream));
+  if (u.next == u.pieces.size()) OPTSTATE_RETURN_IF_ERROR(ReleaseWindow(u));
+  for (size_t i = first; i < u.next; ++i) {
+    UnitPiece& p = u.pieces[i];
+    if (!write_through()) {
+      // The step lives in the tier only (cache mode): dirty, not written.
+      mm_->cache()->Release(p.key, /*dirty=*/true);
+      p.entry = nullptr;
+      continue;
+    }
+    void* from = p.entry != nullptr ? p.entry : p.buf;
+    if (p.entry == nullptr) mm_->cache()->Put(p.key, from, p.len);  // the new version
+    const double ts = NowS();
+    Status ws = io_->SubmitWrite(vfs::ChunkRef{p.key.tensor_id, p.key.field, p.key.index}, from, UnitTag(u.id, i));
+    submit_s_ += NowS() - ts;
+    if (!ws.ok()) return ws.WithContext(u.what + ": write chunk " + std::to_string(p.key.index));
+    ++u.pending;
+    ++writes_in_flight_;
+    write_bytes_ += p.len;
+    peak_write_bytes = std::max(peak_write_bytes, write_bytes_);
+  }
+  if (u.next == u.pieces.size()) u.phase = Unit::Phase::kWriting;
+  return Status::Ok();
+}
+
+Status SlicePipeline::LaunchUnit(Unit& u) {
+  const Job& j = u.job;
+  const vfs::TensorInfo& t = *j.tensor;
+  const SliceLayout& l = *j.layout;
+  void* stream = lanes_[u.lane].stream;
+  if (dev_->backend() != Backend::kHost) {
+    for (const UnitPiece& p : u.pieces) h2d += p.len;
+  }
+  Status launch;
+  OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.kernel_launch", &launch);
+  if (!launch.ok()) return launch.WithContext(u.what + ": kernel launch");
+  char* base = static_cast<char*>(u.window.ptr(0));
+  SliceOperands o;
+  for (uint32_t f = 0; f < l.fields(); ++f) o.fields[f] = base + u.size.field_offset[f];
+  o.count = t.numel;
+  o.first_elem = 0;
+  o.grad = j.grad;
+  o.grad_type = j.grad_type;
+  o.param = j.param;
+  if (j.param) o.param_type = j.param_type;
+  o.found_inf = found_inf_;
+  o.workspace = base + u.size.workspace_offset;
+  o.shape = &t.shape;
+  const double tc = NowS();
+  Status st = dev_->RunRule(*j.rule, o, j.args, cpu_threads_, stream);
+  if (st.ok()) st = dev_->RecordEvent(lanes_[u.lane].event, stream);  // host backend: complete already
+  compute_s_ += NowS() - tc;
+  if (!st.ok()) return st.WithContext(u.what);
+  u.phase = Unit::Phase::kKernel;
+  return Status::Ok();
+}
+
+Status SlicePipeline::OnUnitCompletion(const vfs::ChunkCompletion& c) {
+  const uint64_t id = (c.tag & ~kUnitBit) >> 40;
+  const size_t i = static_cast<size_t>(c.tag & kPieceMask);
+  auto it = std::find_if(units_.begin(), units_.end(), [&](const Unit& u) { return (u.id & 0x3fffff) == id; });
+  if (it == units_.end() || i >= it->pieces.size() || it->pending == 0) {
+    return Internal("StreamedAdam: completion with unknown tag " + std::to_string(c.tag));
+  }
+  Unit& u = *it;
+  UnitPiece& p = u.pieces[i];
+  --u.pending;
+  const bool reading = u.phase == Unit::Phase::kGather;
+  if (reading) {
+    --reads_in_flight_;
+    read_bytes_ -= p.len;
+  } else {
+    --writes_in_flight_;
+    write_bytes_ -= p.len;
+  }
+  if (!c.status.ok()) return c.status.WithContext(u.what);
+  if (reading) {
+    read_bytes += p.len;
+    const void* src = p.entry != nullptr ? p.entry : p.buf;
+    OPTSTATE_RETURN_IF_ERROR(dev_->CopyH2D(p.dst, src, p.len, lanes_[u.lane].stream));
+    if (p.buf != nullptr) {
+      u.copying.push_back({p.buf, p.cap, /*spare=*/false});
+      p.buf = nullptr;
+    }
+    return Status::Ok();
+  }
+  write_bytes += p.len;
+  if (on_written_) on_written_(p.len);
+  if (p.entry != nullptr) {
+    mm_->cache()->Release(p.key, /*dirty=*/true);
+    mm_->cache()->MarkWritten(p.key);
+    p.entry = nullptr;
+  }
+  if (p.buf != nullptr) {
+    u.free_bufs.emplace_back(p.buf, p.cap);
+    p.buf = nullptr;
+  }
+  return Status::Ok();
+}
+
+Status SlicePipeline::ReleaseWindow(Unit& u) {
+  if (u.window.pages == 0) return Status::Ok();
+  mm_->ReleaseArena(&u.window);
+  lanes_[u.lane].busy = false;
+  // Lent slots come back as soon as the budget has their pages; once no
+  // unit holds a window, whatever that takes (only pins can hold pages then).
+  return slots_lent_ ? ReacquireSlots(/*wait=*/!WindowHeld()) : Status::Ok();
+}
+
+bool SlicePipeline::WindowHeld() const {
+  return std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.window.pages != 0; });
+}
+
+void SlicePipeline::EndUnit(size_t k, bool dirty) {
+  Unit& u = units_[k];
+  // A unit stopped early (Abort) still holds entries, copies and a window.
+  for (UnitPiece& p : u.pieces) {
+    if (p.entry != nullptr) mm_->cache()->Release(p.key, dirty);
+    p.entry = nullptr;
+  }
+  for (const Unit::Copying& c : u.copying) {
+    if (c.spare) spare_.push_back(c.buf);
+  }
+  if (u.window.pages != 0) {
+    mm_->ReleaseArena(&u.window);
+    lanes_[u.lane].busy = false;
+  }
+  for (size_t i : u.sets) sets_[i].stage = Stage::kFree;
+  units_.erase(units_.begin() + static_cast<long>(k));
+}
+
+bool SlicePipeline::UnitGpuPending() const {
+  return std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.phase == Unit::Phase::kKernel; });
+}
+
+Status SlicePipeline::ReacquireSlots(bool wait) {
+  auto a = mm_->AcquireArena(bufs_, bufs_ * std::max<size_t>(slots_.size(), 1), wait);
+  if (!a.ok() && !wait && a.status().code() == StatusCode::kBusy) return Status::Ok();  // still lent
+  if (!a.ok()) return a.status().WithContext("StreamedAdam: the device slots' window");
+  arena_ = std::move(*a);
+  slots_lent_ = false;
   const size_t n = arena_.pages / bufs_;
   while (slots_.size() > n) {
     dev_->DestroyEvent(slots_.back().event);
@@ -637,219 +1027,6 @@ Status SlicePipeline::ReacquireSlots() {
     for (uint32_t f = 0; f < bufs_; ++f) slots_[i].d[f] = arena_.ptr(bufs_ * i + f);
   }
   return Status::Ok();
-}
-
-Status SlicePipeline::GatherScatterUnit(const Job& j, char* base) {
-  const vfs::TensorInfo& t = *j.tensor;
-  const SliceLayout& l = *j.layout;
-  const TensorUnitSize u = TensorUnitOf(*j.rule, l, t);
-  void* stream = slots_.empty() ? nullptr : slots_.front().stream;
-  const std::string what = "StreamedAdam: tensor '" + t.name + "' (whole-tensor update of " +
-                           std::string(j.rule->name()) + ")";
-  // Every chunk of the tensor, where it lives in the window.
-  struct Piece {
-    ChunkKey key;
-    uint64_t len = 0;
-    char* dst = nullptr;  // in the window
-    void* entry = nullptr;  // an acquired host cache entry, else null
-    void* buf = nullptr;    // the staging buffer in use, else null
-  };
-  std::vector<Piece> pieces;
-  SliceLayout::Slice slice;
-  for (uint64_t c = 0; c < l.Slices(t.numel); ++c) {
-    l.SliceOf(t.numel, c, &slice);
-    for (uint32_t k = 0; k < slice.n; ++k) {
-      const SliceLayout::Chunk& ch = slice.chunks[k];
-      Piece p;
-      p.key = ChunkKey{j.tensor_id, j.tensor_fields[ch.rule_field], ch.index};
-      p.len = ch.len;
-      p.dst = base + u.field_offset[ch.rule_field] + ch.index * l.field_chunk_bytes(ch.rule_field);
-      pieces.push_back(p);
-    }
-  }
-  // Staging buffers to read into and write from: the free sets' (the
-  // pipeline is idle), each with its capacity.
-  std::vector<std::pair<void*, uint64_t>> free_bufs;
-  for (const Set& s : sets_) {
-    for (uint32_t f = 0; f < bufs_; ++f) free_bufs.emplace_back(s.io[f], s.small ? kSmallSliceBytes : chunk_bytes_);
-  }
-  auto take_buf = [&](uint64_t len) -> std::pair<void*, uint64_t> {
-    for (size_t i = 0; i < free_bufs.size(); ++i) {
-      if (free_bufs[i].second >= len) {
-        auto b = free_bufs[i];
-        free_bufs.erase(free_bufs.begin() + static_cast<long>(i));
-        return b;
-      }
-    }
-    return {nullptr, 0};
-  };
-  std::vector<uint64_t> buf_cap(pieces.size(), 0);
-  // One chunk into the window, complete when it returns.
-  auto copy_in = [&](char* dst, const void* src, uint64_t len) {
-    Status cs = dev_->CopyH2D(dst, src, len, stream);
-    return cs.ok() ? dev_->SyncStream(stream) : cs;
-  };
-  Status st;
-  // Reaps at least min_done; on_done(piece index) for each success.
-  auto reap = [&](size_t min_done, const std::function<Status(size_t)>& on_done) {
-    done_.clear();
-    double t0 = NowS();
-    Status rs = io_->Reap(&done_, min_done);
-    stall_s_ += NowS() - t0;
-    if (!rs.ok() && st.ok()) st = rs.WithContext(what + ": reaping chunk I/O");
-    for (const auto& c : done_) {
-      if (!c.status.ok()) {
-        if (st.ok()) st = c.status.WithContext(what);
-        continue;
-      }
-      Status ds = on_done(c.tag);
-      if (!ds.ok() && st.ok()) st = ds;
-    }
-  };
-  auto drain = [&](const std::function<Status(size_t)>& on_done) {
-    while (io_->in_flight() > 0) {
-      const size_t before = io_->in_flight();
-      reap(before, on_done);
-      if (io_->in_flight() == before && !st.ok()) break;
-    }
-  };
-  auto release_entries = [&](bool dirty) {
-    for (Piece& p : pieces) {
-      if (p.entry != nullptr) mm_->cache()->Release(p.key, dirty);
-      p.entry = nullptr;
-    }
-  };
-  const uint32_t max_in_flight = std::max<uint32_t>(1, std::min<uint32_t>(ring_requests_, read_qd_));
-  // Reaps until piece p can be submitted (ring room, and a staging buffer
-  // when it has no entry), then takes its buffer: where it goes.
-  auto make_room = [&](size_t i, const std::function<Status(size_t)>& on_done) -> void* {
-    Piece& p = pieces[i];
-    while (st.ok() && (io_->in_flight() >= max_in_flight || (p.entry == nullptr && free_bufs.empty()))) {
-      if (io_->in_flight() == 0) break;
-      reap(1, on_done);
-    }
-    if (!st.ok() || p.entry != nullptr) return p.entry;
-    auto b = take_buf(p.len);
-    if (b.first == nullptr) {
-      st = Internal(what + ": no staging buffer holds a chunk of " + std::to_string(p.len) + " bytes");
-      return nullptr;
-    }
-    p.buf = b.first;
-    buf_cap[i] = b.second;
-    return p.buf;
-  };
-  // 1. Gather: each chunk from the host cache tier, a prefetched buffer or
-  //    the disk, into its place in the window.
-  auto landed = [&](size_t i) -> Status {
-    Piece& p = pieces[i];
-    const void* src = p.entry != nullptr ? p.entry : p.buf;
-    read_bytes += p.len;
-    Status cs = copy_in(p.dst, src, p.len);
-    if (p.buf != nullptr) {
-      free_bufs.emplace_back(p.buf, buf_cap[i]);
-      p.buf = nullptr;
-    }
-    return cs;
-  };
-  for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
-    Piece& p = pieces[i];
-    ChunkSource src;
-    st = SourceOf(
-        p.key, p.len,
-        [&] { return "chunk " + std::to_string(p.key.index) + " of tensor '" + t.name + "' (whole-tensor update)"; },
-        &src);
-    if (!st.ok()) break;
-    if (src.kind == ChunkSource::Kind::kEntry || src.kind == ChunkSource::Kind::kEntryToRead) p.entry = src.buf;
-    if (src.kind == ChunkSource::Kind::kEntry) {
-      st = copy_in(p.dst, p.entry, p.len);
-      continue;
-    }
-    if (src.kind == ChunkSource::Kind::kPrefetched) {
-      st = copy_in(p.dst, src.buf, p.len);
-      spare_.push_back(src.buf);  // becomes a staging set (SubmitReads)
-      continue;
-    }
-    void* into = make_room(i, landed);
-    if (!st.ok()) break;
-    const uint64_t buf_bytes = p.entry != nullptr        ? HostCache::EntryBytes(p.len)
-                               : buf_cap[i] < chunk_bytes_ ? buf_cap[i]
-                                                           : 0;  // 0: a whole chunk
-    const double ts = NowS();
-    Status rs = io_->SubmitRead(vfs::ChunkRef{p.key.tensor_id, p.key.field, p.key.index}, into, i, buf_bytes);
-    submit_s_ += NowS() - ts;
-    if (!rs.ok()) st = rs.WithContext(what + ": read chunk " + std::to_string(p.key.index));
-  }
-  drain(landed);
-  // 2. The kernel, once, on the whole tensor.
-  if (st.ok()) {
-    Status launch;
-    OPTSTATE_TEST_SYNC_POINT_CALLBACK("streamed_adam.kernel_launch", &launch);
-    if (!launch.ok()) st = launch.WithContext(what + ": kernel launch");
-  }
-  if (st.ok()) {
-    SliceOperands o;
-    for (uint32_t f = 0; f < l.fields(); ++f) o.fields[f] = base + u.field_offset[f];
-    o.count = t.numel;
-    o.first_elem = 0;
-    o.grad = j.grad;
-    o.grad_type = j.grad_type;
-    o.param = j.param;
-    if (j.param) o.param_type = j.param_type;
-    o.found_inf = found_inf_;
-    o.workspace = base + u.workspace_offset;
-    o.shape = &t.shape;
-    const double tc = NowS();
-    st = dev_->RunRule(*j.rule, o, j.args, cpu_threads_, stream);
-    if (st.ok()) st = dev_->SyncStream(stream);
-    compute_s_ += NowS() - tc;
-    if (!st.ok()) st = st.WithContext(what);
-  }
-  if (dev_->backend() != Backend::kHost) {
-    for (const Piece& p : pieces) h2d += p.len;
-  }
-  // 3. Scatter: each chunk back into its entry or a staging buffer, and
-  //    written (or left dirty in the tier when the step does not write).
-  auto written = [&](size_t i) -> Status {
-    Piece& p = pieces[i];
-    write_bytes += p.len;
-    if (on_written_) on_written_(p.len);
-    if (p.entry != nullptr) {
-      mm_->cache()->Release(p.key, /*dirty=*/true);
-      mm_->cache()->MarkWritten(p.key);
-      p.entry = nullptr;
-    }
-    if (p.buf != nullptr) {
-      free_bufs.emplace_back(p.buf, buf_cap[i]);
-      p.buf = nullptr;
-    }
-    return Status::Ok();
-  };
-  for (size_t i = 0; i < pieces.size() && st.ok(); ++i) {
-    Piece& p = pieces[i];
-    void* from = make_room(i, written);
-    if (!st.ok()) break;
-    st = dev_->CopyD2H(from, p.dst, p.len, stream);
-    if (st.ok()) st = dev_->SyncStream(stream);
-    if (!st.ok()) break;
-    if (dev_->backend() != Backend::kHost) d2h += p.len;
-    if (!write_through()) {
-      // The step lives in the tier only (cache mode): dirty, not written.
-      mm_->cache()->Release(p.key, /*dirty=*/true);
-      p.entry = nullptr;
-      continue;
-    }
-    if (p.entry == nullptr) mm_->cache()->Put(p.key, from, p.len);  // the new version
-    const double ts = NowS();
-    Status ws = io_->SubmitWrite(vfs::ChunkRef{p.key.tensor_id, p.key.field, p.key.index}, from, i);
-    submit_s_ += NowS() - ts;
-    if (!ws.ok()) st = ws.WithContext(what + ": write chunk " + std::to_string(p.key.index));
-  }
-  drain(written);
-  // On an error the entries still held go back dirty (the caller drops the
-  // tier with the pending generation).
-  release_entries(/*dirty=*/true);
-  if (st.ok()) ++slices;
-  return st;
 }
 
 }  // namespace optstate::memmgr::internal

@@ -30,10 +30,22 @@
 // its writes, and the tail needs no memory beyond the tier's own.
 // A step may mix rules (a job carries its rule and layout; staging sets are
 // as wide as the widest slice). A whole-tensor rule's job (SliceUnit::
-// kTensor) waits until everything queued before it is written, then holds
-// the device window alone: every chunk of every field gathered into it (from
-// the host cache tier, a prefetched buffer or the disk), one kernel call,
-// and each chunk scattered back and written (RunTensorUnit).
+// kTensor) is a unit with a device window of its own (TensorUnitSize pages):
+// every chunk of every field gathered into it (from the host cache tier, a
+// prefetched buffer or the disk), one kernel call, each chunk scattered back
+// and written. A unit starts, without waiting for the slices before it,
+// whenever the budget's free pages hold its window beside the slots' window
+// and at most one other unit's, so the next matrix's reads run while one
+// computes and its writes go out, and the disk does not idle between
+// matrices. When they do not fit, the slots' pages are lent to the units
+// once no slice computes on them and no other unit holds a window (so a
+// matrix as large as the budget still runs, alone), and taken back as
+// soon as the budget has them free again; slices read meanwhile and compute
+// then. The budget stays a hard cap: every window is budgeted pages. A
+// unit borrows free staging sets (at most half) for its reads and writes;
+// its copies into and out of the window are queued on a stream of its own
+// and waited for once per round of buffers, not per chunk. Its reads and
+// writes count in the depth limits and the in-flight peaks as a slice's do.
 // When it reaps I/O completions is a policy given at construction
 // (ReapPolicy). Driven by one thread (the trainer's, then the background
 // commit's) through Pump().
@@ -152,7 +164,8 @@ class SlicePipeline {
   double stall_s_ = 0, compute_s_ = 0, submit_s_ = 0;
 
  private:
-  enum class Stage : uint8_t { kFree, kReading, kReady, kComputing, kComputed, kWriting };
+  // kUnit: lent to a whole-tensor unit (its staging buffers), not a slice's.
+  enum class Stage : uint8_t { kFree, kReading, kReady, kComputing, kComputed, kWriting, kUnit };
   struct Set {
     Stage stage = Stage::kFree;
     Job job;
@@ -254,13 +267,82 @@ class SlicePipeline {
 
   // Nothing is in flight, computing or waiting to be written.
   bool Idle() const;
-  // Runs a whole-tensor job (REQUIRES: Idle()): the slots' window goes back
-  // while the unit holds its own, then is taken again.
-  Status RunTensorUnit(const Job& j);
-  Status GatherScatterUnit(const Job& j, char* base);
-  // Takes the slots' window again after a unit (fewer slots if the budget
-  // has fewer pages now).
-  Status ReacquireSlots();
+
+  // A whole-tensor unit in flight (see the file comment). Its phases:
+  //   kGather (its chunks read and copied into the window) -> kKernel (the
+  //   kernel queued; an event) -> kScatter (each chunk copied out of the
+  //   window, a round at a time, and written; the window goes back once
+  //   the last copy is done) -> kWriting (writes in flight) -> done.
+  struct UnitPiece {
+    ChunkKey key;
+    uint64_t len = 0;
+    char* dst = nullptr;     // in the window
+    void* entry = nullptr;   // an acquired host cache entry, else null
+    void* buf = nullptr;     // the staging buffer in use, else null
+    uint64_t cap = 0;        // buf's capacity
+  };
+  struct Unit {
+    enum class Phase : uint8_t { kGather, kKernel, kScatter, kWriting };
+    Phase phase = Phase::kGather;
+    Job job;
+    TensorUnitSize size;
+    Arena window;
+    size_t lane = 0;     // its stream and event (lanes_), while it holds its window
+    uint64_t id = 0;     // in its I/O tags
+    std::vector<UnitPiece> pieces;
+    std::vector<size_t> sets;                          // the staging sets it borrowed
+    std::vector<std::pair<void*, uint64_t>> free_bufs;  // their buffers not in use, with capacity
+    // Buffers whose copy into the window is queued but maybe not done
+    // (reused after one stream sync); spare: a prefetched buffer that goes
+    // to spare_ then.
+    struct Copying {
+      void* buf;
+      uint64_t cap;
+      bool spare;
+    };
+    std::vector<Copying> copying;
+    size_t next = 0;       // next piece to gather (kGather) or scatter (kScatter)
+    size_t pending = 0;    // its reads (kGather) or writes (kScatter, kWriting) in flight
+    std::string what;      // for messages
+  };
+  struct Lane {
+    void* stream = nullptr;
+    void* event = nullptr;
+    bool busy = false;
+  };
+  // A unit's I/O tag: kUnitBit, its id (22 bits: unique among the units in
+  // flight) and the piece (40 bits).
+  static constexpr uint64_t kUnitBit = uint64_t{1} << 62;
+  static constexpr uint64_t kPieceMask = (uint64_t{1} << 40) - 1;
+  static uint64_t UnitTag(uint64_t id, size_t piece) { return kUnitBit | (id & 0x3fffff) << 40 | piece; }
+  static constexpr size_t kMaxUnits = 2;  // windows held at once
+
+  // The queue's front is a whole-tensor job: starts it when a staging set
+  // is free and its window fits (see the file comment). started: it did.
+  Status StartUnit(const Job& j, bool* started);
+  // Moves every unit on as far as it can without waiting (kernels after
+  // every unit's I/O, so the next unit's reads are in flight during one).
+  Status AdvanceUnits(bool* progressed);
+  Status AdvanceUnitIo(Unit& u, bool* progressed);
+  Status LaunchUnit(Unit& u);
+  Status OnUnitCompletion(const vfs::ChunkCompletion& c);
+  // Waits for the unit's queued copies into the window; their buffers are
+  // free again.
+  Status RecycleCopies(Unit& u);
+  // A unit's device work is done: its window back (and lent slots, when
+  // the budget now has their pages).
+  Status ReleaseWindow(Unit& u);
+  void EndUnit(size_t k, bool dirty);
+  bool UnitGpuPending() const;
+  std::vector<Unit> units_;  // in flight, in queue order
+  uint64_t next_unit_id_ = 0;
+  std::vector<Lane> lanes_;
+  bool slots_lent_ = false;  // the slots' pages are lent to units' windows
+
+  // Takes the slots' window back from the units (fewer slots if the budget
+  // has fewer pages now); wait false: only when the pages are free now.
+  Status ReacquireSlots(bool wait);
+  bool WindowHeld() const;
 
   const uint32_t bufs_;  // chunks (buffers, device pages) of the widest slice
   const SliceSize size_;

@@ -6,8 +6,9 @@
 // cuda backend the reference is still the CPU kernel: they are
 // bit-identical), across a close and reopen, with and without the host
 // cache tier and Prefetch; a group's hyperparameters give each rule its own
-// defaults; a param re-registered under another rule, and a whole tensor
-// the device window cannot hold, are refused. Built into memmgr_test (host)
+// defaults; whole tensors of many sizes beside slices never take more than
+// the device budget; a param re-registered under another rule, and a whole
+// tensor the device window cannot hold, are refused. Built into memmgr_test (host)
 // and memmgr_gpu_test (cuda).
 #include <gtest/gtest.h>
 
@@ -168,6 +169,7 @@ struct MixRun {
   uint64_t budget = 16 * kChunk;
   std::vector<UnitCall>* calls = nullptr;  // whole-tensor rule's calls (when defs use one)
   bool whole_adamw = false;                // rule 0 is WholeTensorAdamW, else AdamW
+  bool check_budget = false;               // the manager's peak device bytes <= budget after each step
 
   std::unique_ptr<StreamedAdam> Open(StoreEnv* env, bool set_groups) const {
     std::vector<std::unique_ptr<UpdateRule>> rules;
@@ -269,6 +271,11 @@ struct MixRun {
       const size_t calls_before = calls ? calls->size() : 0;
       Status ss = sa->Step(list);
       ASSERT_TRUE(ss.ok()) << "step " << step << ": " << ss.ToString();
+      if (check_budget) {
+        const MemoryStats ms = env.mm->stats();
+        EXPECT_LE(ms.peak_resident_bytes, budget) << "step " << step;
+        EXPECT_GT(ms.peak_resident_bytes, 0u);
+      }
       for (size_t k = 0; k < stepped.size(); ++k) {
         std::vector<uint16_t> copy(defs[stepped[k]].numel());
         bufs[2 * k + 1]->Download(copy.data());
@@ -346,6 +353,37 @@ TEST_P(RuleMixTest, WholeTensorRuleEqualsItsKernelBesideSlicesAcrossReopen) {
             {"l.weight", RuleKind::kLion, 1, 2, kPer + 9, 1, 1},
             {"s.weight", RuleKind::kAdamW, 0, 40, 25, 1, 2},
             {"l.bias", RuleKind::kLion, 1, 1, 77, 0, 1}};
+  r.Run(/*steps=*/5, /*reopen_at=*/3);
+}
+
+TEST_P(RuleMixTest, WholeTensorsOfManySizesOverlapWithinTheBudgetAcrossReopen) {
+  MEMMGR_REQUIRE_BACKEND();
+  std::vector<UnitCall> calls;
+  MixRun r;
+  r.moments = std::get<0>(GetParam());
+  if (std::get<1>(GetParam())) {
+    r.host_cache = 256ull << 20;
+    r.durable_every = 2;
+    r.prefetch = true;
+  }
+  r.whole_adamw = true;
+  r.calls = &calls;
+  r.check_budget = true;
+  // 40 chunks: the slots' window (8 slices) leaves room for units beside
+  // it; "big" needs more than half the budget (33 pages with f32 moments,
+  // 22 with bf16), so no other unit's window fits beside it. The others
+  // have several chunks per field (u1, u3), one (u2) or a few KiB (u4), odd
+  // lengths, and sit between elementwise (Lion) params.
+  r.budget = 40 * kChunk;
+  r.defs = {{"u1.weight", RuleKind::kAdamW, 0, 1000, 1049, 0, 1},
+            {"l.bias", RuleKind::kLion, 1, 1, 77, 0, 1},
+            {"big.weight", RuleKind::kAdamW, 0, 3000, 1901, 1, 1},
+            {"u2.weight", RuleKind::kAdamW, 0, 700, 333, 1, 1},
+            {"l.weight", RuleKind::kLion, 1, 2, kPer + 9, 1, 1},
+            {"u3.weight", RuleKind::kAdamW, 0, 1537, 771, 0, 2},
+            {"u4.weight", RuleKind::kAdamW, 0, 31, 17, 0, 1},
+            {"l2.weight", RuleKind::kLion, 1, 3, kPer / 2 + 5, 0, 1},
+            {"u5.weight", RuleKind::kAdamW, 0, 999, 1051, 1, 1}};
   r.Run(/*steps=*/5, /*reopen_at=*/3);
 }
 
