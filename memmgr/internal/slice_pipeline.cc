@@ -627,16 +627,6 @@ Status SlicePipeline::StartWrites(size_t i) {
   return Status::Ok();
 }
 
-bool SlicePipeline::Idle() const {
-  if (io_->in_flight() != 0 || !ready_.empty() || !computed_.empty() || tail_busy_ != 0 || !units_.empty()) {
-    return false;
-  }
-  for (const DevSlot& d : slots_) {
-    if (d.set >= 0) return false;
-  }
-  return std::all_of(sets_.begin(), sets_.end(), [](const Set& s) { return s.stage == Stage::kFree; });
-}
-
 Status SlicePipeline::StartUnit(const Job& j, bool* started) {
   *started = false;
   if (units_.size() >= kMaxUnits) return Status::Ok();
@@ -768,6 +758,8 @@ Status SlicePipeline::RecycleCopies(Unit& u) {
 }
 
 Status SlicePipeline::AdvanceUnitIo(Unit& u, bool* progressed) {
+  // Writing: only completions move it on (its lane may be gone: ReleaseDevice).
+  if (u.phase == Unit::Phase::kWriting) return Status::Ok();
   void* stream = lanes_[u.lane].stream;
   const bool host = dev_->backend() == Backend::kHost;
   // A free buffer for piece p (capacity >= its length); false when none.

@@ -265,9 +265,6 @@ class SlicePipeline {
 
   Status StartWrites(size_t i);
 
-  // Nothing is in flight, computing or waiting to be written.
-  bool Idle() const;
-
   // A whole-tensor unit in flight (see the file comment). Its phases:
   //   kGather (its chunks read and copied into the window) -> kKernel (the
   //   kernel queued; an event) -> kScatter (each chunk copied out of the
