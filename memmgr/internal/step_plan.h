@@ -28,9 +28,9 @@ namespace optstate::memmgr::internal {
 // One unit: its chunks (SliceLayout), the tensor's field index of each rule
 // field, the gradient and param copy of the whole tensor, the tensor's rule,
 // its layout and the rule's arguments for the tensor in this step. A
-// whole-tensor unit (tensor set) runs once everything queued before it is
-// written: every chunk of every field gathered into the device window, the
-// kernel called once, the fields scattered back.
+// whole-tensor unit (tensor set) has a device window of its own: every
+// chunk of every field gathered into it, the kernel called once, the fields
+// scattered back (SlicePipeline says when it starts).
 struct PlanUnit {
   uint32_t tensor_id = 0;
   uint64_t chunk = 0;  // the slice's index in the tensor (messages)
