@@ -629,7 +629,8 @@ Status SlicePipeline::StartWrites(size_t i) {
 
 Status SlicePipeline::StartUnit(const Job& j, bool* started) {
   *started = false;
-  if (units_.size() >= kMaxUnits) return Status::Ok();
+  uint64_t held_pages = 0;
+  if (WindowsHeld(&held_pages) >= kMaxUnits) return Status::Ok();
   const TensorUnitSize size = TensorUnitOf(*j.rule, *j.layout, *j.tensor);
   const std::string what = "StreamedAdam: tensor '" + j.tensor->name + "' (whole-tensor update of " +
                            std::string(j.rule->name()) + ")";
@@ -663,21 +664,24 @@ Status SlicePipeline::StartUnit(const Job& j, bool* started) {
   }
   // The window: from the budget's free pages, beside the slots' window and
   // the other unit's. When they do not leave room, the slots' pages are
-  // lent to units while no slice computes on them and no unit holds a
-  // window (ReleaseWindow takes them back), and the unit takes its window
-  // from what is then free, waiting only for the trainer's pins, as a unit
-  // always has.
+  // lent to the units while no slice computes on them, if the budget holds
+  // this window beside the other unit's (ReleaseWindow takes them back).
+  // With no other window held, the unit then waits only for the trainer's
+  // pins, as a unit always has; beside one, it never waits.
   auto window = mm_->AcquireArena(size.pages, size.pages, /*wait=*/false);
   if (!window.ok() && window.status().code() == StatusCode::kBusy) {
     const bool slot_busy = std::any_of(slots_.begin(), slots_.end(), [](const DevSlot& d) { return d.set >= 0; });
-    if (slot_busy || slots_lent_ || WindowHeld()) return Status::Ok();  // waits for them
+    if (slot_busy || slots_lent_ || size.pages + held_pages > mm_->budget_pages()) {
+      return Status::Ok();  // waits for them
+    }
     for (auto& d : slots_) OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(d.stream));
     mm_->ReleaseArena(&arena_);
     slots_lent_ = true;
-    window = mm_->AcquireArena(size.pages, size.pages);
+    const bool alone = held_pages == 0;
+    window = mm_->AcquireArena(size.pages, size.pages, /*wait=*/alone);
     if (!window.ok()) {
-      Status rs = ReacquireSlots(/*wait=*/true);
-      if (!rs.ok()) return rs;
+      OPTSTATE_RETURN_IF_ERROR(ReacquireSlots(/*wait=*/alone));
+      if (window.status().code() == StatusCode::kBusy) return Status::Ok();  // pins hold pages: waits
     }
   }
   if (!window.ok()) {
@@ -974,11 +978,19 @@ Status SlicePipeline::ReleaseWindow(Unit& u) {
   lanes_[u.lane].busy = false;
   // Lent slots come back as soon as the budget has their pages; once no
   // unit holds a window, whatever that takes (only pins can hold pages then).
-  return slots_lent_ ? ReacquireSlots(/*wait=*/!WindowHeld()) : Status::Ok();
+  uint64_t held_pages = 0;
+  return slots_lent_ ? ReacquireSlots(/*wait=*/WindowsHeld(&held_pages) == 0) : Status::Ok();
 }
 
-bool SlicePipeline::WindowHeld() const {
-  return std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.window.pages != 0; });
+size_t SlicePipeline::WindowsHeld(uint64_t* pages) const {
+  size_t n = 0;
+  *pages = 0;
+  for (const Unit& u : units_) {
+    if (u.window.pages == 0) continue;
+    ++n;
+    *pages += u.window.pages;
+  }
+  return n;
 }
 
 void SlicePipeline::EndUnit(size_t k, bool dirty) {

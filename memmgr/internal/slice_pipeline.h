@@ -38,10 +38,10 @@
 // and at most one other unit's, so the next matrix's reads run while one
 // computes and its writes go out, and the disk does not idle between
 // matrices. When they do not fit, the slots' pages are lent to the units
-// once no slice computes on them and no other unit holds a window (so a
-// matrix as large as the budget still runs, alone), and taken back as
-// soon as the budget has them free again; slices read meanwhile and compute
-// then. The budget stays a hard cap: every window is budgeted pages. A
+// once no slice computes on them (so a matrix as large as the budget still
+// runs, alone, and two that fit the budget together run side by side), and
+// are taken back as soon as the budget has them free again; slices read
+// meanwhile and compute then. The budget stays a hard cap: every window is budgeted pages. A
 // unit borrows free staging sets (at most half) for its reads and writes;
 // its copies into and out of the window are queued on a stream of its own
 // and waited for once per round of buffers, not per chunk. Its reads and
@@ -312,7 +312,7 @@ class SlicePipeline {
   static constexpr uint64_t kUnitBit = uint64_t{1} << 62;
   static constexpr uint64_t kPieceMask = (uint64_t{1} << 40) - 1;
   static uint64_t UnitTag(uint64_t id, size_t piece) { return kUnitBit | (id & 0x3fffff) << 40 | piece; }
-  static constexpr size_t kMaxUnits = 2;  // windows held at once
+  static constexpr size_t kMaxUnits = 2;  // windows held at once (units writing hold none)
 
   // The queue's front is a whole-tensor job: starts it when a staging set
   // is free and its window fits (see the file comment). started: it did.
@@ -339,7 +339,8 @@ class SlicePipeline {
   // Takes the slots' window back from the units (fewer slots if the budget
   // has fewer pages now); wait false: only when the pages are free now.
   Status ReacquireSlots(bool wait);
-  bool WindowHeld() const;
+  // Units holding a window, and its pages in all.
+  size_t WindowsHeld(uint64_t* pages) const;
 
   const uint32_t bufs_;  // chunks (buffers, device pages) of the widest slice
   const SliceSize size_;
