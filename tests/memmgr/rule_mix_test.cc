@@ -317,17 +317,28 @@ struct MixRun {
 
 const uint64_t kPer = kChunk / 4;  // f32 elements per chunk
 
-class RuleMixTest : public ::testing::TestWithParam<std::tuple<MomentDType, bool>> {};
+class RuleMixTest : public ::testing::TestWithParam<std::tuple<MomentDType, bool>> {
+ protected:
+  // The parameters' moments, and with the host cache tier (steps held in it
+  // two at a time, Prefetch) or from disk; calls: a whole-tensor rule's
+  // calls (rule 0 is then WholeTensorAdamW).
+  MixRun MakeRun(std::vector<UnitCall>* calls = nullptr) const {
+    MixRun r;
+    r.moments = std::get<0>(GetParam());
+    if (std::get<1>(GetParam())) {
+      r.host_cache = 256ull << 20;
+      r.durable_every = 2;
+      r.prefetch = true;
+    }
+    r.whole_adamw = calls != nullptr;
+    r.calls = calls;
+    return r;
+  }
+};
 
 TEST_P(RuleMixTest, AdamWAndLionParamsEqualTheirKernelsAcrossReopen) {
   MEMMGR_REQUIRE_BACKEND();
-  MixRun r;
-  r.moments = std::get<0>(GetParam());
-  if (std::get<1>(GetParam())) {
-    r.host_cache = 256ull << 20;
-    r.durable_every = 2;
-    r.prefetch = true;
-  }
+  MixRun r = MakeRun();
   r.defs = {{"a.weight", RuleKind::kAdamW, 0, 2, kPer + 389, 0, 1},
             {"b.weight", RuleKind::kLion, 1, 1000, 3, 1, 1},
             {"c.bias", RuleKind::kAdamW, 0, 1, kPer, 1, 2},
@@ -338,15 +349,7 @@ TEST_P(RuleMixTest, AdamWAndLionParamsEqualTheirKernelsAcrossReopen) {
 TEST_P(RuleMixTest, WholeTensorRuleEqualsItsKernelBesideSlicesAcrossReopen) {
   MEMMGR_REQUIRE_BACKEND();
   std::vector<UnitCall> calls;
-  MixRun r;
-  r.moments = std::get<0>(GetParam());
-  if (std::get<1>(GetParam())) {
-    r.host_cache = 256ull << 20;
-    r.durable_every = 2;
-    r.prefetch = true;
-  }
-  r.whole_adamw = true;
-  r.calls = &calls;
+  MixRun r = MakeRun(&calls);
   // w: several chunks of every field (several slices of the elementwise
   // layout); s: smaller than a chunk.
   r.defs = {{"w.weight", RuleKind::kAdamW, 0, 1536, 1025, 0, 1},
@@ -359,15 +362,7 @@ TEST_P(RuleMixTest, WholeTensorRuleEqualsItsKernelBesideSlicesAcrossReopen) {
 TEST_P(RuleMixTest, WholeTensorsOfManySizesOverlapWithinTheBudgetAcrossReopen) {
   MEMMGR_REQUIRE_BACKEND();
   std::vector<UnitCall> calls;
-  MixRun r;
-  r.moments = std::get<0>(GetParam());
-  if (std::get<1>(GetParam())) {
-    r.host_cache = 256ull << 20;
-    r.durable_every = 2;
-    r.prefetch = true;
-  }
-  r.whole_adamw = true;
-  r.calls = &calls;
+  MixRun r = MakeRun(&calls);
   r.check_budget = true;
   // 40 chunks: the slots' window (8 slices) leaves room for units beside
   // it; "big" needs more than half the budget (33 pages with f32 moments,
