@@ -25,6 +25,7 @@
 #include "memmgr/momentum_rules.h"
 #include "memmgr/muon_rule.h"
 #include "memmgr/streamed_adam.h"
+#include "tests/common/kernel_failures.h"
 #include "tests/memmgr/memmgr_test_util.h"
 #include "vfs/store.h"
 
@@ -170,6 +171,10 @@ struct MixRun {
   std::vector<UnitCall>* calls = nullptr;  // whole-tensor rule's calls (when defs use one)
   bool whole_adamw = false;                // rule 0 is WholeTensorAdamW, else AdamW
   bool check_budget = false;               // the manager's peak device bytes <= budget after each step
+  // Step fail_step's fail_launch-th kernel launch fails first (the step
+  // then runs again with the same gradients); 0: none. REQUIRES:
+  // durable_every 1 (a failed step would drop the steps held in the tier).
+  uint64_t fail_step = 0, fail_launch = 0;
 
   std::unique_ptr<StreamedAdam> Open(StoreEnv* env, bool set_groups) const {
     std::vector<std::unique_ptr<UpdateRule>> rules;
@@ -267,6 +272,14 @@ struct MixRun {
         pg.numel = n;
         list.push_back(pg);
         stepped.push_back(d);
+      }
+      if (step == fail_step && test_util::KernelFailures::Available()) {
+        // An aborted step leaves the last commit: the step below equals it run once.
+        test_util::KernelFailures failures;
+        failures.FailAfter(fail_launch);
+        Status fs = sa->Step(list);
+        EXPECT_FALSE(fs.ok()) << "step " << step;
+        EXPECT_NE(fs.ToString().find("injected kernel failure"), std::string::npos) << fs.ToString();
       }
       const size_t calls_before = calls ? calls->size() : 0;
       Status ss = sa->Step(list);
@@ -379,6 +392,12 @@ TEST_P(RuleMixTest, WholeTensorsOfManySizesOverlapWithinTheBudgetAcrossReopen) {
             {"u4.weight", RuleKind::kAdamW, 0, 31, 17, 0, 1},
             {"l2.weight", RuleKind::kLion, 1, 3, kPer / 2 + 5, 0, 1},
             {"u5.weight", RuleKind::kAdamW, 0, 999, 1051, 1, 1}};
+  if (r.durable_every == 1) {
+    // A kernel failure with units in flight aborts the step and leaves
+    // nothing of it behind (windows, staging sets, cache entries).
+    r.fail_step = 2;
+    r.fail_launch = 4;
+  }
   r.Run(/*steps=*/5, /*reopen_at=*/3);
 }
 
