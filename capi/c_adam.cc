@@ -226,12 +226,12 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
     h->rule_names = std::move(rule_names);
     h->rule_titles = std::move(rule_titles);
     h->store = store->rep.get();
-    h->store_handle = store;
     h->mm_handle = mm;
     h->mm = mm->rep.get();
     {
-      std::lock_guard<std::mutex> lock(store->open_mu);
-      store->open_adams.insert(h.get());
+      // mm->store is store: Create refused a manager of another store.
+      optstate::MutexLock lock(&mm->store->open_mu);
+      mm->store->open_adams.insert(h.get());
       ++mm->adams;
     }
     *out = h.release();
@@ -240,21 +240,21 @@ int optstate_adam_create(optstate_store_t* store, optstate_mm_t* mm, const optst
 }
 void optstate_adam_destroy(optstate_adam_t* adam) {
   if (adam == nullptr) return;
-  optstate_store_t* store = adam->store_handle;
   optstate_mm_t* mm = adam->mm_handle;
+  optstate_store_t* store = mm->store;  // the optimizer's store handle (optstate_adam_create)
   {
     // Out of open_adams (nothing waits on its commits any more), but still
     // counted: its manager and store stay until it has written and committed
     // what it holds.
-    std::lock_guard<std::mutex> lock(store->open_mu);
-    store->open_adams.erase(adam);
-    ++store->adams_destroying;
+    optstate::MutexLock lock(&mm->store->open_mu);
+    mm->store->open_adams.erase(adam);
+    ++mm->store->adams_destroying;
   }
   delete adam;
   bool destroy_mm = false;
   {
-    std::lock_guard<std::mutex> lock(store->open_mu);
-    --store->adams_destroying;
+    optstate::MutexLock lock(&mm->store->open_mu);
+    --mm->store->adams_destroying;
     destroy_mm = --mm->adams == 0 && mm->destroy_requested;
   }
   if (destroy_mm) {

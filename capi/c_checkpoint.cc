@@ -49,7 +49,7 @@ namespace {
 // Their caches and step counts would be stale: the next step would mix the
 // restored moments with the counts they hold.
 Status NoneOpen(optstate_store_t* store, const char* what, const char* change) {
-  std::lock_guard<std::mutex> lock(store->open_mu);
+  optstate::MutexLock lock(&store->open_mu);
   if (!store->open_mms.empty() || !store->open_adams.empty()) {
     return optstate::FailedPrecondition(
         std::string(what) + ": store " + store->rep->path() + " has " + std::to_string(store->open_adams.size()) +
@@ -96,7 +96,7 @@ int optstate_checkpoint_restore2(optstate_store_t* store, const char* src, uint3
     {
       // Their caches and step counts would be stale: the next step would mix
       // the restored moments with the counts they hold.
-      std::lock_guard<std::mutex> lock(store->open_mu);
+      optstate::MutexLock lock(&store->open_mu);
       if (!store->open_mms.empty() || !store->open_adams.empty()) {
         return optstate::FailedPrecondition(
             std::string(what) + ": store " + store->rep->path() + " has " + std::to_string(store->open_adams.size()) +

@@ -25,7 +25,7 @@ namespace optstate::capi::internal {
 
 void DestroyManager(optstate_mm_t* mm) {
   {
-    std::lock_guard<std::mutex> lock(mm->pins_mu);
+    optstate::MutexLock lock(&mm->pins_mu);
     for (optstate_pin_t* pin : mm->pins) {
       // Unpin errors are those of scheduling a write-back, which the
       // manager's destruction below drops anyway.
@@ -36,7 +36,7 @@ void DestroyManager(optstate_mm_t* mm) {
   }
   optstate_store_t* store = mm->store;
   {
-    std::lock_guard<std::mutex> lock(store->open_mu);
+    optstate::MutexLock lock(&store->open_mu);
     store->open_mms.erase(mm);
   }
   delete mm;
@@ -90,7 +90,7 @@ int optstate_mm_create(optstate_store_t* store, const optstate_mm_options_t* opt
     h->rep = std::move(*mm);
     h->store = store;
     {
-      std::lock_guard<std::mutex> lock(store->open_mu);
+      optstate::MutexLock lock(&store->open_mu);
       store->open_mms.insert(h.get());
     }
     *out = h.release();
@@ -100,7 +100,7 @@ int optstate_mm_create(optstate_store_t* store, const optstate_mm_options_t* opt
 void optstate_mm_destroy(optstate_mm_t* mm) {
   if (mm == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(mm->store->open_mu);
+    optstate::MutexLock lock(&mm->store->open_mu);
     if (mm->adams > 0) {
       mm->destroy_requested = true;  // optstate_adam_destroy of the last one finishes it
       return;
@@ -157,7 +157,7 @@ int optstate_pin(optstate_mm_t* mm, const char* tensor, const char* field, uint6
     pin->mm = mm;
     pin->count = count;
     pin->dtype = dtype;
-    std::lock_guard<std::mutex> lock(mm->pins_mu);
+    optstate::MutexLock lock(&mm->pins_mu);
     mm->pins.insert(pin.get());
     *out = pin.release();
     return Status::Ok();
@@ -177,7 +177,7 @@ int optstate_unpin(optstate_pin_t* pin, char** errptr) {
     if (owned->mm == nullptr) return Status::Ok();  // released with its manager
     optstate_mm_t* mm = owned->mm;
     {
-      std::lock_guard<std::mutex> lock(mm->pins_mu);
+      optstate::MutexLock lock(&mm->pins_mu);
       mm->pins.erase(owned.get());
     }
     Status s = owned->rep.Unpin();

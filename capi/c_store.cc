@@ -49,7 +49,7 @@ namespace optstate::capi::internal {
 
 void CloseStoreIfRequested(optstate_store_t* store) {
   {
-    std::lock_guard<std::mutex> lock(store->open_mu);
+    optstate::MutexLock lock(&store->open_mu);
     if (!store->close_requested || store->HasOpenHandles()) return;
   }
   delete store;
@@ -124,7 +124,7 @@ int optstate_store_open(const char* path, const optstate_store_options_t* opts, 
 void optstate_store_close(optstate_store_t* store) {
   if (store == nullptr) return;
   {
-    std::lock_guard<std::mutex> lock(store->open_mu);
+    optstate::MutexLock lock(&store->open_mu);
     if (store->HasOpenHandles()) {
       store->close_requested = true;  // the last handle's destroy call closes it
       return;

@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <optional>
 #include <set>
@@ -31,7 +30,9 @@
 #include "optstate/c.h"
 #include "memmgr/memory_manager.h"
 #include "memmgr/streamed_adam.h"
+#include "base/mutex.h"
 #include "base/status.h"
+#include "base/thread_annotations.h"
 #include "vfs/store.h"
 
 struct optstate_store_options_t {
@@ -48,13 +49,15 @@ struct optstate_store_t {
   // optstate_store_close with any of them open only sets close_requested:
   // the store is deleted when the last of them is destroyed (a garbage
   // collector may finalise the handles in any order).
-  std::mutex open_mu;
-  std::set<optstate_mm_t*> open_mms;      // guarded by open_mu
-  std::set<optstate_adam_t*> open_adams;  // guarded by open_mu
-  int adams_destroying = 0;               // out of open_adams, not yet deleted; guarded by open_mu
-  bool close_requested = false;           // guarded by open_mu
-  // Whether a manager or an optimizer is still open on it. REQUIRES: open_mu held.
-  bool HasOpenHandles() const { return !open_mms.empty() || !open_adams.empty() || adams_destroying > 0; }
+  optstate::Mutex open_mu;
+  std::set<optstate_mm_t*> open_mms GUARDED_BY(open_mu);
+  std::set<optstate_adam_t*> open_adams GUARDED_BY(open_mu);
+  int adams_destroying GUARDED_BY(open_mu) = 0;  // out of open_adams, not yet deleted
+  bool close_requested GUARDED_BY(open_mu) = false;
+  // Whether a manager or an optimizer is still open on it.
+  bool HasOpenHandles() const REQUIRES(open_mu) {
+    return !open_mms.empty() || !open_adams.empty() || adams_destroying > 0;
+  }
 };
 struct optstate_snapshot_list_t {
   std::vector<optstate::vfs::SnapshotInfo> rep;
@@ -67,12 +70,12 @@ struct optstate_mm_t {
   optstate_store_t* store = nullptr;  // the handle it was created on (open_mms)
   // optstate_mm_destroy while an optimizer made with it is open only sets
   // this: the manager is destroyed with the last such optimizer.
-  bool destroy_requested = false;  // guarded by store->open_mu
-  int adams = 0;                   // optimizer handles made with it, not yet deleted; guarded by store->open_mu
+  bool destroy_requested GUARDED_BY(store->open_mu) = false;
+  int adams GUARDED_BY(store->open_mu) = 0;  // optimizer handles made with it, not yet deleted
   // Pins not yet released through optstate_unpin; optstate_mm_destroy
   // releases them first (a PinnedRange must not outlive its manager).
-  std::mutex pins_mu;
-  std::set<optstate_pin_t*> pins;  // guarded by pins_mu
+  optstate::Mutex pins_mu;
+  std::set<optstate_pin_t*> pins GUARDED_BY(pins_mu);
 };
 struct optstate_pin_t {
   optstate::memmgr::PinnedRange rep;
@@ -90,8 +93,7 @@ struct optstate_adam_options_t {
 struct optstate_adam_t {
   std::unique_ptr<optstate::memmgr::StreamedAdam> rep;
   optstate::vfs::Store* store = nullptr;
-  optstate_store_t* store_handle = nullptr;  // the handle it was created on (open_adams)
-  optstate_mm_t* mm_handle = nullptr;        // the manager handle it was created with
+  optstate_mm_t* mm_handle = nullptr;  // the manager handle it was created with (its store's open_adams)
   optstate::memmgr::MemoryManager* mm = nullptr;
   // The update rules' fields, each once, "main" first (optstate_adam_fields).
   std::vector<std::string> fields;

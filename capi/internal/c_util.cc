@@ -58,7 +58,7 @@ Status NullArgument(const char* what, const char* arg) {
 Status WaitForCommits(optstate_store_t* store, const char* what) {
   std::vector<optstate_adam_t*> adams;
   {
-    std::lock_guard<std::mutex> lock(store->open_mu);
+    optstate::MutexLock lock(&store->open_mu);
     adams.assign(store->open_adams.begin(), store->open_adams.end());
   }
   for (optstate_adam_t* a : adams) {
