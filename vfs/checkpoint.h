@@ -389,7 +389,8 @@ struct ExportResult {
 // manifest.json, state.safetensors, tensors/...), so RestoreCheckpoint and
 // optstate-restore take it. With opts.safetensors false: the same field
 // files, no state.safetensors, and a manifest that differs from the mount's
-// only by "state_safetensors": false (and so its own checksum). The generation is read under the lease of a
+// only by "state_safetensors": false (and so its own checksum). The
+// generation is read under the lease of a
 // GenerationView (GC keeps its extents until the export ends) through a
 // ChunkIo at opts.queue_depth; every chunk's checksum is verified as it is
 // read. The files are written into a sibling directory

@@ -6,8 +6,9 @@
 // against its checksum) and written twice: into its field file and at its
 // place in state.safetensors (once, without state.safetensors: then the
 // manifest is the layout's re-serialised with has_safetensors = false).
-// Buffers: queue_depth chunks, whatever the state's size. Everything goes into a .partial sibling directory that is fsynced and
-// renamed to dest only when complete.
+// Buffers: queue_depth chunks, whatever the state's size. Everything goes
+// into a .partial sibling directory that is fsynced and renamed to dest only
+// when complete.
 #include <cstring>
 #include <map>
 #include <memory>

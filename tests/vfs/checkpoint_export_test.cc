@@ -175,6 +175,13 @@ TEST_F(ExportTest, WithoutSafetensorsWritesTheFieldFilesOnce) {
   EXPECT_TRUE(fm->has_safetensors);
   lm->has_safetensors = true;
   EXPECT_EQ(SerializeManifest(*lm), full_manifest);
+  // The key is typed like every other: a non-boolean is refused naming it.
+  std::string typo = lean_manifest;
+  typo.replace(typo.find("\"state_safetensors\": false"), 26, "\"state_safetensors\": 0");
+  auto bad_key = ParseManifest(typo, "typo");
+  ASSERT_FALSE(bad_key.ok());
+  EXPECT_NE(bad_key.status().message().find("key 'state_safetensors'"), std::string::npos)
+      << bad_key.status().message();
   // Bytes: the default's less state.safetensors, give or take the manifest's key.
   EXPECT_EQ(TotalBytes(lean_tree) - lean_manifest.size(),
             TotalBytes(full_tree) - full_tree.at(kSafetensorsFileName).size() - full_manifest.size());
