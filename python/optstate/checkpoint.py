@@ -45,9 +45,9 @@ def save(opt, dest, name=None, safetensors=True):
     (a retry with the same name works). Returns the generation written.
 
     safetensors: write state.safetensors too (the default: the mount's layout, byte for byte). It
-    holds every field file's bytes again, so the checkpoint is twice the state and takes twice as
-    long to write; safetensors=False writes manifest.json and tensors/<tensor>/<field> only, which
-    load() restores the same way (every chunk checked against the manifest)."""
+    holds every field file's bytes again, so the checkpoint is twice the state, twice the bytes to
+    write; safetensors=False writes manifest.json and tensors/<tensor>/<field> only, which load()
+    restores the same way (every chunk checked against the manifest)."""
     dest = os.fspath(dest)
     if isinstance(opt, Store):
         store = opt

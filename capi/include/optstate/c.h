@@ -239,7 +239,7 @@ OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const ch
  *     generation (as optstate_checkpoint_export's).
  *   flags: OPTSTATE_EXPORT_NO_SAFETENSORS leaves state.safetensors out: it
  *     holds every field file's bytes again, so the default checkpoint is
- *     twice the state, and takes twice as long to write. Without it the
+ *     twice the state, twice the bytes to write. Without it the
  *     directory holds manifest.json (marked "state_safetensors": false) and
  *     the field files; optstate_checkpoint_restore reads the field files
  *     either way, each chunk checked against the manifest. Other bits:
