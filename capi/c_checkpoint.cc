@@ -3,6 +3,7 @@
 #include "optstate/c.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -21,19 +22,49 @@ using optstate::capi::internal::NullArgument;
 using optstate::capi::internal::WaitForCommits;
 namespace vfs = optstate::vfs;
 
+namespace {
+// The fields optstate_checkpoint_export_args_t had when it was added (ABI
+// version 5): what struct_size must at least cover.
+constexpr size_t kExportArgsV5Bytes = offsetof(optstate_checkpoint_export_args_t, flags) + sizeof(uint64_t);
+}  // namespace
+
 extern "C" {
 
 // ---- checkpoint directories ----
 
 int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, const char* dest,
                                uint64_t* generation, char** errptr) {
+  optstate_checkpoint_export_args_t args{};
+  args.struct_size = sizeof args;
+  args.snapshot = snapshot;
+  return optstate_checkpoint_export_with(store, dest, &args, generation, errptr);
+}
+
+int optstate_checkpoint_export_with(optstate_store_t* store, const char* dest,
+                                    const optstate_checkpoint_export_args_t* args, uint64_t* generation,
+                                    char** errptr) {
   const char* what = "optstate_checkpoint_export";
   return Guard(errptr, what, [&]() -> Status {
     if (store == nullptr) return NullArgument(what, "store");
     if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
+    // Fields appended after the caller's version read as zero (the defaults).
+    optstate_checkpoint_export_args_t a{};
+    if (args != nullptr) {
+      if (args->struct_size < kExportArgsV5Bytes) {
+        return InvalidArgument(std::string(what) + ": args->struct_size " + std::to_string(args->struct_size) +
+                               " is less than the " + std::to_string(kExportArgsV5Bytes) +
+                               " bytes of optstate_checkpoint_export_args_t (set it to "
+                               "sizeof(optstate_checkpoint_export_args_t))");
+      }
+      std::memcpy(&a, args, std::min(args->struct_size, sizeof a));
+    }
+    if ((a.flags & ~uint64_t{OPTSTATE_EXPORT_NO_SAFETENSORS}) != 0) {
+      return InvalidArgument(std::string(what) + ": unknown flags " + std::to_string(a.flags));
+    }
     vfs::ExportOptions opts;
-    if (snapshot != nullptr) {
-      opts.snapshot = snapshot;
+    opts.safetensors = (a.flags & OPTSTATE_EXPORT_NO_SAFETENSORS) == 0;
+    if (a.snapshot != nullptr) {
+      opts.snapshot = a.snapshot;
     } else {
       // The newest state includes the last step, whose commit may still run.
       if (Status st = WaitForCommits(store, what); !st.ok()) return st;

@@ -5,6 +5,9 @@
 //   manifest.json                   this file's Manifest, as deterministic JSON
 //   state.safetensors               every field as "<tensor>/<field>" (safetensors)
 //   tensors/<tensor file>/<field>   one raw little-endian array per tensor field
+// state.safetensors holds the field files' bytes again; an export may leave
+// it out (ExportOptions::safetensors), and its manifest then says so
+// (Manifest::has_safetensors).
 // The schema is documented in docs/CHECKPOINT.md.
 //
 // CheckpointLayout is the virtual-file view of one GenerationView: the list of
@@ -126,6 +129,12 @@ struct Manifest {
   uint64_t generation = 0;
   uint64_t step = 0;
   uint64_t chunk_size_bytes = 0;
+  // Whether the checkpoint directory holds state.safetensors. false: written
+  // without it on purpose (ExportOptions::safetensors = false); the manifest
+  // then carries "state_safetensors": false. true (the key absent, as in every
+  // manifest written before the key existed, and in what the mount serves):
+  // it does.
+  bool has_safetensors = true;
   std::vector<GroupInfo> groups;       // sorted by id
   std::vector<ManifestTensor> tensors; // sorted by name
 };
@@ -150,6 +159,9 @@ Result<Manifest> ManifestFromView(const GenerationView& view);
 std::string SerializeManifest(const Manifest& m);
 // The top-level key of the manifest's own checksum.
 inline constexpr const char* kManifestChecksumKey = "manifest_xxh3";
+// The top-level key that says the checkpoint has no state.safetensors
+// (Manifest::has_safetensors); written only as false.
+inline constexpr const char* kManifestSafetensorsKey = "state_safetensors";
 // Checks the manifest's own checksum over its bytes (any JSON layout: only
 // the value of "manifest_xxh3" is replaced by zeros before hashing). A
 // mismatch, or a malformed or repeated key, is kCorruption naming `source`
@@ -307,7 +319,10 @@ struct RestoreResult {
 // group, shapes, shard offset, fields; differences are listed in the error),
 // refuses a checkpoint of another store into a store whose newest generation
 // has taken steps (step > 0) unless opts.force, verifies every chunk of every
-// field file (size and XXH3), writes all chunks and commits one generation with
+// field file (size and XXH3) and, where the checkpoint has one, the same bytes
+// of state.safetensors (a missing one is logged as a warning, unless the
+// manifest says it was written without one: then none is read, and one that
+// is there is ignored), writes all chunks and commits one generation with
 // the manifest's step, groups and per-tensor step counts. Before the import, a store whose newest
 // generation has taken steps keeps that generation as a snapshot
 // (RestoreResult::kept_snapshot; O(1)), so a restore never drops the state it
@@ -355,6 +370,12 @@ struct ExportOptions {
   std::function<void(uint64_t, uint64_t)> progress;
   // The destination's file system (tests inject faults); null = FileSystem::Default().
   FileSystem* fs = nullptr;
+  // Write state.safetensors, which holds every field file's bytes again (the
+  // checkpoint is then twice the state). Default true: the mount's layout,
+  // byte for byte. false: manifest.json and the field files only, the
+  // manifest marked "state_safetensors": false (restore reads the field
+  // files either way, each chunk checked against the manifest's XXH3).
+  bool safetensors = true;
 };
 
 struct ExportResult {
@@ -366,7 +387,10 @@ struct ExportResult {
 // Writes one committed generation of `store` as a checkpoint directory at
 // dest: byte for byte what optstate-mount shows for it (CheckpointLayout:
 // manifest.json, state.safetensors, tensors/...), so RestoreCheckpoint and
-// optstate-restore take it. The generation is read under the lease of a
+// optstate-restore take it. With opts.safetensors false: the same field
+// files, no state.safetensors, and a manifest that differs from the mount's
+// only by "state_safetensors": false (and so its own checksum). The
+// generation is read under the lease of a
 // GenerationView (GC keeps its extents until the export ends) through a
 // ChunkIo at opts.queue_depth; every chunk's checksum is verified as it is
 // read. The files are written into a sibling directory

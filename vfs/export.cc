@@ -4,9 +4,11 @@
 // bytes are the same). manifest.json and the safetensors header come from the
 // layout's memory; every field chunk is read once through a ChunkIo (verified
 // against its checksum) and written twice: into its field file and at its
-// place in state.safetensors. Buffers: queue_depth chunks, whatever the state's
-// size. Everything goes into a .partial sibling directory that is fsynced and
-// renamed to dest only when complete.
+// place in state.safetensors (once, without state.safetensors: then the
+// manifest is the layout's re-serialised with has_safetensors = false).
+// Buffers: queue_depth chunks, whatever the state's size. Everything goes
+// into a .partial sibling directory that is fsynced and renamed to dest only
+// when complete.
 #include <cstring>
 #include <map>
 #include <memory>
@@ -37,12 +39,19 @@ class Exporter {
     const CheckpointFile* st_file = nullptr;
     for (const CheckpointFile& f : files) {
       if (f.kind == CheckpointFileKind::kManifest) {
+        std::string without_st;
+        if (!opts_.safetensors) {
+          Manifest m = layout_.manifest();
+          m.has_safetensors = false;
+          without_st = SerializeManifest(m);
+        }
+        const std::string& json = opts_.safetensors ? layout_.manifest_json() : without_st;
         OPTSTATE_ASSIGN_OR_RETURN(std::unique_ptr<File> out, Create(f.path));
-        OPTSTATE_RETURN_IF_ERROR(out->Pwrite(0, layout_.manifest_json().data(), layout_.manifest_json().size()));
+        OPTSTATE_RETURN_IF_ERROR(out->Pwrite(0, json.data(), json.size()));
         OPTSTATE_RETURN_IF_ERROR(out->Fsync());
-        result->bytes += f.size_bytes;
+        result->bytes += json.size();
         ++result->files;
-      } else if (f.kind == CheckpointFileKind::kSafetensors) {
+      } else if (f.kind == CheckpointFileKind::kSafetensors && opts_.safetensors) {
         st_file = &f;
       }
     }

@@ -133,6 +133,9 @@ std::string SerializeManifest(const Manifest& m) {
   j["generation"] = m.generation;
   j["step"] = m.step;
   j["chunk_size_bytes"] = m.chunk_size_bytes;
+  // Only when false: a checkpoint with state.safetensors keeps the bytes it
+  // had before the key existed (the mount serves them).
+  if (!m.has_safetensors) j[kManifestSafetensorsKey] = false;
   OJson groups = OJson::array();
   for (const GroupInfo& g : m.groups) {
     OJson hyper = OJson::object();

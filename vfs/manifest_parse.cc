@@ -147,6 +147,10 @@ Status ParseInto(const Json& j, const Parser& p, Manifest* m) {
                                                  m->chunk_size_bytes));
   }
   const uint64_t cs = m->chunk_size_bytes;
+  if (auto it = j.find(kManifestSafetensorsKey); it != j.end()) {  // absent: the checkpoint has the file
+    if (!it->is_boolean()) return p.Err(kManifestSafetensorsKey, "expected true or false");
+    m->has_safetensors = it->get<bool>();
+  }
 
   const Json* groups = p.Member(j, "", "groups", &st);
   if (!groups) return st;

@@ -1,6 +1,7 @@
 // Restore: import a checkpoint directory as one new committed generation.
 //
-// Order: parse + validate the manifest; check state.safetensors' header
+// Order: parse + validate the manifest; unless the manifest says the
+// checkpoint was written without it, check state.safetensors' header
 // against it (same generation and store, one entry per field at its place);
 // compare the manifest's layout with the store (all differences listed); then
 // for every field, read each chunk from the field file and the same bytes
@@ -106,7 +107,8 @@ constexpr const char* kTornCopyHint =
 
 // Where each field lies in state.safetensors, once its header was checked
 // against the manifest. present == false: the checkpoint has no
-// state.safetensors (the field files alone hold all of the data).
+// state.safetensors, or its manifest says it was written without one (the
+// field files alone hold all of the data).
 struct SafetensorsPlan {
   bool present = false;
   std::string path;
@@ -136,6 +138,19 @@ Result<SafetensorsPlan> CheckSafetensors(const Manifest& m, const std::string& d
   SafetensorsPlan plan;
   plan.path = dir + "/" + kSafetensorsFileName;
   OPTSTATE_ASSIGN_OR_RETURN(bool exists, fs->Exists(plan.path));
+  if (!m.has_safetensors) {
+    // Written without it on purpose: the field files are the checkpoint. A
+    // state.safetensors beside them is none of its files (nothing vouches for
+    // its bytes) and is not read; it does not stop a restore that every chunk's
+    // XXH3 in the manifest checks.
+    if (exists) {
+      OPTSTATE_LOG_WARN("restore: {} is ignored: {}/{} says the checkpoint has no {} (\"{}\": false); "
+                        "restoring from the field files under {}/{}",
+                        plan.path, dir, kManifestFileName, kSafetensorsFileName, kManifestSafetensorsKey, dir,
+                        kTensorsDirName);
+    }
+    return plan;
+  }
   if (!exists) {
     OPTSTATE_LOG_WARN("restore: {} is missing; restoring from the field files under {}/{}",
                       plan.path, dir, kTensorsDirName);

@@ -17,7 +17,7 @@ import os
 
 from . import errors
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _SONAME_VERSION = 1  # liboptstate.so.1 (capi/CMakeLists.txt OPTSTATE_C_SOVERSION)
 
 _c = ctypes
@@ -68,6 +68,17 @@ class RegisterArgs(_c.Structure):
         super().__init__(struct_size=_c.sizeof(RegisterArgs), **fields)
 
 
+class ExportArgs(_c.Structure):
+    """optstate_checkpoint_export_args_t: what a checkpoint export writes (see <optstate/c.h>)."""
+    _fields_ = [("struct_size", _c.c_size_t), ("snapshot", _u8p), ("flags", _u64)]
+
+    def __init__(self, **fields):
+        super().__init__(struct_size=_c.sizeof(ExportArgs), **fields)
+
+
+EXPORT_NO_SAFETENSORS = 1  # OPTSTATE_EXPORT_NO_SAFETENSORS
+
+
 # name: (restype, argtypes). Functions whose restype is _int and whose last
 # argument is _errp return an optstate_code.
 _SIGNATURES = {
@@ -107,6 +118,7 @@ _SIGNATURES = {
     "optstate_snapshot_list_destroy": (None, [_vp]),
     "optstate_store_stats": (_int, [_vp, _c.POINTER(StoreStats), _errp]),
     "optstate_checkpoint_export": (_int, [_vp, _u8p, _u8p, _c.POINTER(_u64), _errp]),
+    "optstate_checkpoint_export_with": (_int, [_vp, _u8p, _c.POINTER(ExportArgs), _c.POINTER(_u64), _errp]),
     "optstate_checkpoint_restore": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_checkpoint_restore2": (_int, [_vp, _u8p, _u32, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),
     "optstate_store_revert": (_int, [_vp, _u8p, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),

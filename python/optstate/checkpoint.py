@@ -6,7 +6,8 @@
 A checkpoint directory is what the mount shows for a snapshot
 (<mount>/<store>/snapshots/<name>/: manifest.json, state.safetensors,
 tensors/<tensor>/{main,exp_avg,exp_avg_sq}), byte for byte, so `cp -r` from the
-mount, save() and optstate-restore are interchangeable. The library copies
+mount, save() and optstate-restore are interchangeable. state.safetensors holds
+the field files' bytes again: save(..., safetensors=False) writes the state once. The library copies
 the bytes (verifying every chunk's checksum); they never pass through Python.
 
 `opt` is an optstate.torch optimizer (AdamW, Lion, SGD) or an optstate.Store (no torch needed).
@@ -33,7 +34,7 @@ __all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_d
            "hold", "release_deleted", "held_snapshots", "pin_state_dict_snapshot"]
 
 
-def save(opt, dest, name=None):
+def save(opt, dest, name=None, safetensors=True):
     """Commits what is pending and writes the newest committed generation to the directory dest
     (which must not exist, or be empty; missing parent directories are created). dest appears only
     when complete.
@@ -41,7 +42,12 @@ def save(opt, dest, name=None):
     name: also keep that generation as the store's snapshot `name` (visible in the mount under
     snapshots/<name>/); without it the generation is held by a reader lease while it is copied and
     nothing is left behind in the store. If the save fails, the snapshot it made is released again
-    (a retry with the same name works). Returns the generation written."""
+    (a retry with the same name works). Returns the generation written.
+
+    safetensors: write state.safetensors too (the default: the mount's layout, byte for byte). It
+    holds every field file's bytes again, so the checkpoint is twice the state, twice the bytes to
+    write; safetensors=False writes manifest.json and tensors/<tensor>/<field> only, which load()
+    restores the same way (every chunk checked against the manifest)."""
     dest = os.fspath(dest)
     if isinstance(opt, Store):
         store = opt
@@ -56,10 +62,10 @@ def save(opt, dest, name=None):
         raise cls("optstate.checkpoint.save: cannot create the parent directory %s of %s: %s"
                   % (parent, dest, e.strerror or e)) from e
     if name is None:
-        return store.export_checkpoint(dest)
+        return store.export_checkpoint(dest, safetensors=safetensors)
     store.snapshot(name)
     try:
-        return store.export_checkpoint(dest, snapshot=name)
+        return store.export_checkpoint(dest, snapshot=name, safetensors=safetensors)
     except BaseException:
         try:
             store.release_snapshot(name)
@@ -344,13 +350,14 @@ def files_dir(root, store_name):
     return os.path.join(os.fspath(root), store_name)
 
 
-def save_into(opt, root, holder=None, state_dict=None, dest=None):
+def save_into(opt, root, holder=None, state_dict=None, dest=None, safetensors=True):
     """Writes the state that opt.state_dict() (or the given state_dict of opt) describes into
     root/<store name>/ (or `dest`: a checkpoint directory as save() writes it), records its snapshot
     as held by `holder` (default: root) and releases the snapshots of checkpoints deleted since
     (release_deleted). Nothing is written when that directory already holds that generation of the
     store. Returns the directory written. opt: an optimizer, or the optstate.Store whose snapshot
-    `state_dict` ({"optstate": {store_name, store_uuid, generation, snapshot}}) names."""
+    `state_dict` ({"optstate": {store_name, store_uuid, generation, snapshot}}) names.
+    safetensors: as save()'s (False: no state.safetensors, the state written once)."""
     sd = state_dict if state_dict is not None else opt.state_dict()
     meta = sd["optstate"]
     store = _store_of(opt)
@@ -359,7 +366,7 @@ def save_into(opt, root, holder=None, state_dict=None, dest=None):
         if os.path.lexists(dest):
             shutil.rmtree(dest) if os.path.isdir(dest) and not os.path.islink(dest) else os.unlink(dest)
         os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-        store.export_checkpoint(dest, snapshot=meta["snapshot"])
+        store.export_checkpoint(dest, snapshot=meta["snapshot"], safetensors=safetensors)
     held = held_snapshots(store)
     changed = _add_holder(held, meta["snapshot"], holder if holder is not None else root)
     _release_deleted(store, held, changed)  # one write of the holders file for both

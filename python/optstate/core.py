@@ -14,7 +14,7 @@ import os
 import weakref
 
 from . import errors
-from ._lib import MemoryStats, RegisterArgs, StepArgs, StoreStats, call, lib
+from ._lib import EXPORT_NO_SAFETENSORS, ExportArgs, MemoryStats, RegisterArgs, StepArgs, StoreStats, call, lib
 
 # optstate_dtype and optstate_access of <optstate/c.h> (tests/python/vocabulary_test.py checks them).
 F32, BF16, F16, Q8S, Q8U, NONE = 0, 1, 2, 3, 4, 255
@@ -236,12 +236,17 @@ class Store(_Handle):
         finally:
             lib.optstate_snapshot_list_destroy(lst)
 
-    def export_checkpoint(self, dest, snapshot=None):
+    def export_checkpoint(self, dest, snapshot=None, safetensors=True):
         """Writes the newest committed generation (or a snapshot's) as a checkpoint directory at dest,
-        byte for byte what the mount shows; returns its generation (see optstate_checkpoint_export)."""
+        byte for byte what the mount shows; returns its generation (see optstate_checkpoint_export).
+
+        safetensors=False leaves out state.safetensors, which holds every field file's bytes again
+        (the default writes the state twice): manifest.json (marked "state_safetensors": false) and
+        tensors/<tensor>/<field> only, which restore_checkpoint and optstate-restore take the same way."""
         gen = ctypes.c_uint64()
-        call(lib.optstate_checkpoint_export, self._live(), None if snapshot is None else _b(snapshot), _b(dest),
-             ctypes.byref(gen))
+        args = ExportArgs(snapshot=None if snapshot is None else _b(snapshot),
+                          flags=0 if safetensors else EXPORT_NO_SAFETENSORS)
+        call(lib.optstate_checkpoint_export_with, self._live(), _b(dest), ctypes.byref(args), ctypes.byref(gen))
         return gen.value
 
     def restore_checkpoint(self, src, force=False):

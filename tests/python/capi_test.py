@@ -564,6 +564,38 @@ class CapiTest(TempDirTest):
         gen = store.snapshot("four")
         self.assertEqual(store.latest_generation(), (gen, 4))
 
+    def test_export_with_args(self):
+        """optstate_checkpoint_export_with: NULL args write the default layout (with state.safetensors),
+        OPTSTATE_EXPORT_NO_SAFETENSORS leaves it out; unknown flags and a struct_size short of the
+        struct are refused and write nothing."""
+        from optstate._lib import EXPORT_NO_SAFETENSORS, ExportArgs, call, lib
+        import ctypes
+        store, mm, adam = self.open()
+        w = np.ones(1000, dtype=np.float32)
+        pid, _ = adam.register_param("w", 1000, 0, w.ctypes.data, optstate.F32)
+        adam.step([pid], [np.full(1000, 0.5, dtype=np.float32).ctypes.data], [optstate.F32])
+        gen = ctypes.c_uint64()
+        call(lib.optstate_checkpoint_export_with, store._live(), self.path("default").encode(), None,
+             ctypes.byref(gen))
+        self.assertEqual(gen.value, store.latest_generation()[0])
+        self.assertTrue(os.path.exists(self.path("default/state.safetensors")))
+        args = ExportArgs(flags=EXPORT_NO_SAFETENSORS)
+        call(lib.optstate_checkpoint_export_with, store._live(), self.path("lean").encode(), ctypes.byref(args),
+             None)
+        self.assertFalse(os.path.exists(self.path("lean/state.safetensors")))
+        self.assertEqual(sorted(os.listdir(self.path("lean"))), ["manifest.json", "tensors"])
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            call(lib.optstate_checkpoint_export_with, store._live(), self.path("bad").encode(),
+                 ctypes.byref(ExportArgs(flags=2)), None)
+        self.assertIn("flags", str(cm.exception))
+        short = ExportArgs(flags=EXPORT_NO_SAFETENSORS)
+        short.struct_size = ctypes.sizeof(ExportArgs) - 8
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            call(lib.optstate_checkpoint_export_with, store._live(), self.path("bad").encode(), ctypes.byref(short),
+                 None)
+        self.assertIn("struct_size", str(cm.exception))
+        self.assertFalse(os.path.exists(self.path("bad")))
+
     def test_restore_refuses_while_an_optimizer_is_open(self):
         """optstate_checkpoint_restore (called directly, past the package's own check) refuses while a
         manager or optimizer is open on the store: they would step on with stale step counts."""

@@ -93,6 +93,47 @@ class CheckpointTest(TempDirTest):
             gen = ckpt.load(store, self.path("ck"))
             self.assertEqual(store.latest_generation()[0], gen)
 
+    def test_save_without_safetensors_continues_bit_for_bit(self):
+        model, opt = self.trained("a", steps=5)
+        gen = ckpt.save(opt, self.path("lean"), safetensors=False)
+        ckpt.save(opt, self.path("full"))  # the same generation, the default layout
+        self.assertEqual(opt.generation, gen)
+        at_save = [p.detach().clone() for p in model.parameters()]
+        self.steps(model, opt, 5)  # the uninterrupted run
+
+        lean, _ = tree(self.path("lean"))
+        full, _ = tree(self.path("full"))
+        self.assertNotIn("state.safetensors", lean)
+        self.assertIn("state.safetensors", full)
+        # The same field files; the manifest says the checkpoint has no state.safetensors.
+        self.assertEqual({k: v for k, v in lean.items() if k != "manifest.json"},
+                         {k: v for k, v in full.items() if k not in ("manifest.json", "state.safetensors")})
+        with open(self.path("lean/manifest.json")) as f:
+            self.assertIs(json.load(f)["state_safetensors"], False)
+        with open(self.path("full/manifest.json")) as f:
+            self.assertNotIn("state_safetensors", json.load(f))
+
+        fresh = make_model(1)
+        opt2 = ot.AdamW(two_groups(fresh), store=self.path("b"), lr=0.5, **OPT_KW)
+        ckpt.load(opt2, self.path("lean"))
+        for a, b in zip(at_save, fresh.parameters()):
+            self.assertTrue(torch.equal(a, b))
+        self.assertEqual((opt2.step_count(0), opt2.step_count(1)), (5, 5))
+        self.steps(fresh, opt2, 5)
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            self.assertTrue(torch.equal(a, b))
+            for field in ("exp_avg", "exp_avg_sq"):
+                self.assertTrue(torch.equal(opt.read_state(a, field), opt2.read_state(b, field)), field)
+        opt2.close()
+        # A Store saves one too, of a snapshot (the C ABI's args struct carries both).
+        opt.store.snapshot("s")
+        opt.store.export_checkpoint(self.path("snap_lean"), snapshot="s", safetensors=False)
+        snap, _ = tree(self.path("snap_lean"))
+        self.assertNotIn("state.safetensors", snap)
+        with open(self.path("snap_lean/manifest.json")) as f:
+            self.assertEqual(json.load(f)["generation"], opt.store.snapshots()[0][1])
+        opt.close()
+
     def test_save_equals_the_mounts_snapshot_and_optstate_restore_takes_it(self):
         model, opt = self.trained("s")
         ckpt.save(opt, self.path("saved"), name="snap")

@@ -2,8 +2,8 @@
 same GPT-2, the same batches and hyperparameters give torch.optim.AdamW, miles'
 streaming (its port) and optstate.torch.AdamW (f32 moments, with and without
 the RAM tier, durable every step or every 3) the same loss at every step (the
-fp32 update of each agrees to rounding), and each method's checkpoint saved
-and loaded through its own API leaves training where it was."""
+fp32 update of each agrees to rounding), and optstate's checkpoint holds the
+state once (its field files, no state.safetensors)."""
 import json
 import os
 import subprocess
@@ -41,6 +41,13 @@ class PeersBenchTest(unittest.TestCase):
                 self.assertAlmostEqual(a, b, delta=2e-3 * abs(b), msg="%s step %d" % (name, step))
         for name in ("ours-f32", "ours-f32-disk"):
             self.assertGreater(rows[name]["disk_written_per_step"], 0, name)  # durable every step
+        # Ours saves its field files only: the f32 state (12 bytes a param) once, not twice, and says so.
+        state_bytes = 12 * result["params"]
+        for name in ("ours-f32", "ours-f32-disk", "ours-f32-dur3"):
+            self.assertGreaterEqual(rows[name]["checkpoint_bytes"], state_bytes, name)
+            self.assertLess(rows[name]["checkpoint_bytes"], 1.5 * state_bytes, name)
+            self.assertIn("field files only", rows[name]["checkpoint_note"], name)
+        self.assertEqual(rows["torch-fused"]["checkpoint_note"], "")
 
 
 if __name__ == "__main__":

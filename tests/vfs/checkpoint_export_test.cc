@@ -2,16 +2,24 @@
 // mount serves (CheckpointLayout::Read, written by WriteCheckpointDir), restores
 // bit for bit, and appears at dest complete or not at all: an I/O error or a
 // SIGKILL mid-export leaves no dest, an existing non-empty dest is refused.
+// Without state.safetensors it writes the same field files and restores the same.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <memory>
+#include <sstream>
 #include <string>
 
+#include <spdlog/sinks/ostream_sink.h>
+
 #include "tests/common/test_util.h"
+#include "base/log.h"
 #include "tests/vfs/checkpoint_test_util.h"
 #include "vfs/checkpoint.h"
 #include "vfs/fault_injection.h"
@@ -38,6 +46,37 @@ std::vector<std::string> Entries(const std::string& dir) {
   for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
+}
+
+// The warnings the library logs while it lives (at least warn level, whatever
+// OPTSTATE_LOG_LEVEL says). Made and destroyed while no other thread logs.
+class WarningCapture {
+ public:
+  WarningCapture() : sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(out_)), level_(Logger().level()) {
+    sink_->set_level(spdlog::level::warn);
+    if (level_ > spdlog::level::warn) Logger().set_level(spdlog::level::warn);
+    Logger().sinks().push_back(sink_);
+  }
+  ~WarningCapture() {
+    auto& sinks = Logger().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    Logger().set_level(level_);
+  }
+  std::string Text() {
+    sink_->flush();
+    return out_.str();
+  }
+
+ private:
+  std::ostringstream out_;
+  std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink_;
+  spdlog::level::level_enum level_;
+};
+
+uint64_t TotalBytes(const std::map<std::string, std::string>& tree) {
+  uint64_t n = 0;
+  for (const auto& [path, bytes] : tree) n += bytes.size();
+  return n;
 }
 
 class ExportTest : public ::testing::Test {
@@ -99,6 +138,111 @@ TEST_F(ExportTest, EqualsTheMountsFilesAndRestoresBitExact) {
   EXPECT_EQ(r2->generation, store_->LatestGeneration().generation);
   EXPECT_NE(r2->generation, gen1_);
   EXPECT_TRUE(Tree(root_ + "/empty") == Tree(root_ + "/latest_view"));
+}
+
+// safetensors = false: the default export less state.safetensors, a manifest
+// that says so, and a restore that reads the field files alone, as strictly.
+TEST_F(ExportTest, WithoutSafetensorsWritesTheFieldFilesOnce) {
+  const std::string full = root_ + "/full", lean = root_ + "/lean";
+  auto rf = ExportCheckpoint(store_.get(), full);
+  ASSERT_TRUE(rf.ok()) << rf.status().ToString();
+  ExportOptions o;
+  o.safetensors = false;
+  auto rl = ExportCheckpoint(store_.get(), lean, o);
+  ASSERT_TRUE(rl.ok()) << rl.status().ToString();
+  EXPECT_EQ(rl->generation, rf->generation);
+
+  const auto full_tree = Tree(full), lean_tree = Tree(lean);
+  ASSERT_TRUE(full_tree.count(kSafetensorsFileName));
+  EXPECT_FALSE(fs::exists(lean + "/" + kSafetensorsFileName));
+  // Every field file byte for byte the default export's (and the mount's); nothing else but the manifest.
+  std::map<std::string, std::string> full_fields = full_tree, lean_fields = lean_tree;
+  full_fields.erase(kSafetensorsFileName);
+  full_fields.erase(kManifestFileName);
+  lean_fields.erase(kManifestFileName);
+  EXPECT_EQ(lean_tree.size(), full_tree.size() - 1);
+  EXPECT_TRUE(lean_fields == full_fields) << "field files differ from the default export's";
+  // The manifest: the default one, marked. Parsed and unmarked, it serialises to the default's bytes.
+  const std::string& lean_manifest = lean_tree.at(kManifestFileName);
+  const std::string& full_manifest = full_tree.at(kManifestFileName);
+  EXPECT_NE(lean_manifest.find("\"state_safetensors\": false"), std::string::npos) << lean_manifest;
+  EXPECT_EQ(full_manifest.find("state_safetensors"), std::string::npos);
+  auto lm = ReadManifestFile(lean + "/" + kManifestFileName);
+  ASSERT_TRUE(lm.ok()) << lm.status().ToString();
+  EXPECT_FALSE(lm->has_safetensors);
+  auto fm = ReadManifestFile(full + "/" + kManifestFileName);
+  ASSERT_TRUE(fm.ok()) << fm.status().ToString();
+  EXPECT_TRUE(fm->has_safetensors);
+  lm->has_safetensors = true;
+  EXPECT_EQ(SerializeManifest(*lm), full_manifest);
+  // The key is typed like every other: a non-boolean is refused naming it.
+  std::string typo = lean_manifest;
+  typo.replace(typo.find("\"state_safetensors\": false"), 26, "\"state_safetensors\": 0");
+  auto bad_key = ParseManifest(typo, "typo");
+  ASSERT_FALSE(bad_key.ok());
+  EXPECT_NE(bad_key.status().message().find("key 'state_safetensors'"), std::string::npos)
+      << bad_key.status().message();
+  // Bytes: the default's less state.safetensors, give or take the manifest's key.
+  EXPECT_EQ(TotalBytes(lean_tree) - lean_manifest.size(),
+            TotalBytes(full_tree) - full_tree.at(kSafetensorsFileName).size() - full_manifest.size());
+  EXPECT_EQ(rl->bytes, TotalBytes(lean_tree));
+  EXPECT_EQ(rf->bytes, TotalBytes(full_tree));
+  EXPECT_EQ(rl->files, lean_tree.size());
+
+  // Restores bit for bit (the source store's values), and with no warning: it is no damage.
+  {
+    WarningCapture warnings;
+    auto b = CreateStoreFromCheckpoint(lean, root_ + "/fresh", StoreOptions{});
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_TRUE(DumpLatest(b->get()) == want_);
+    EXPECT_EQ((*b)->LatestGeneration().step, 11u);
+    EXPECT_EQ(warnings.Text(), "");
+  }
+  // A default checkpoint that lost its state.safetensors restores as before: with a warning.
+  fs::remove(full + "/" + kSafetensorsFileName);
+  {
+    WarningCapture warnings;
+    auto b = CreateStoreFromCheckpoint(full, root_ + "/fresh2", StoreOptions{});
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_TRUE(DumpLatest(b->get()) == want_);
+    EXPECT_NE(warnings.Text().find(full + "/" + kSafetensorsFileName + " is missing"), std::string::npos)
+        << warnings.Text();
+  }
+  // A state.safetensors beside a manifest that says there is none is not read: even a damaged one.
+  {
+    std::ofstream(lean + "/" + kSafetensorsFileName) << "not a safetensors file";
+    WarningCapture warnings;
+    auto b = CreateStoreFromCheckpoint(lean, root_ + "/fresh3", StoreOptions{});
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_TRUE(DumpLatest(b->get()) == want_);
+    EXPECT_NE(warnings.Text().find(lean + "/" + kSafetensorsFileName + " is ignored"), std::string::npos)
+        << warnings.Text();
+    fs::remove(lean + "/" + kSafetensorsFileName);
+  }
+  // A damaged field file is refused naming it, its tensor, field and chunk: the manifest's XXH3 guards it.
+  {
+    std::fstream f(lean + "/tensors/layers.0%2Fw/main", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(2 * kMiB + 100);
+    const char was = static_cast<char>(f.get());
+    f.seekp(2 * kMiB + 100);
+    f.put(static_cast<char>(was ^ 0x20));
+  }
+  auto bad = CreateStoreFromCheckpoint(lean, root_ + "/fresh4", StoreOptions{});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption) << bad.status().ToString();
+  for (const char* part : {"tensors/layers.0%2Fw/main", "'layers.0/w'", "'main'", "chunk 1", "XXH3"}) {
+    EXPECT_NE(bad.status().message().find(part), std::string::npos) << part << " not in " << bad.status().message();
+  }
+  EXPECT_FALSE(fs::exists(root_ + "/fresh4"));
+  // Into an existing store that has taken steps: refused the same way, the store unchanged.
+  WriteStep(store_.get(), 12);
+  const auto before = DumpLatest(store_.get());
+  const uint64_t head = store_->LatestGeneration().generation;
+  auto into = RestoreCheckpoint(store_.get(), lean);
+  ASSERT_FALSE(into.ok());
+  EXPECT_NE(into.status().message().find("chunk 1"), std::string::npos) << into.status().message();
+  EXPECT_EQ(store_->LatestGeneration().generation, head);
+  EXPECT_TRUE(DumpLatest(store_.get()) == before);
 }
 
 TEST_F(ExportTest, RefusesExistingDestAndMissingSources) {

@@ -157,8 +157,9 @@ class ReshardTest : public ::testing::Test {
 
   // One store per rank holding its boxes (the reference bytes) and each
   // tensor's step count (StepsOf), committed at step 7 and exported as
-  // <dir>/rank-NNNNN.
-  void WriteSources(const TargetLayout& layout, const std::string& dir, const std::string& job = kJob) {
+  // <dir>/rank-NNNNN (without state.safetensors unless `safetensors`).
+  void WriteSources(const TargetLayout& layout, const std::string& dir, const std::string& job = kJob,
+                    bool safetensors = true) {
     for (uint32_t r = 0; r < layout.ranks.size(); ++r) {
       const std::string sp = root_ + "/store-" + std::to_string(r);
       auto store = CreateStore(sp, 2 * kMiB, job);
@@ -197,7 +198,9 @@ class ReshardTest : public ::testing::Test {
       ci.groups = {{0, 7, {{"lr", 1e-3}, {"beta1", 0.9}, {"adamw", 1.0}}}, {1, 3, {{"lr", 2.5e-4}}}};
       ci.tensor_steps = tensor_steps;
       ASSERT_TRUE(store->Commit(ci).ok());
-      auto e = ExportCheckpoint(store.get(), dir + "/" + ReshardRankDirName(r));
+      ExportOptions eo;
+      eo.safetensors = safetensors;
+      auto e = ExportCheckpoint(store.get(), dir + "/" + ReshardRankDirName(r), eo);
       ASSERT_TRUE(e.ok()) << e.status().ToString();
       store.reset();
       fs::remove_all(sp);
@@ -334,6 +337,28 @@ TEST_F(ReshardTest, RowsResplitAlongColumnsAndBack) {
       return j;
     };
     EXPECT_EQ(header(got), header(want)) << r;
+  }
+}
+
+// Sources exported without state.safetensors: the reshard reads their field
+// files, as it reads any source's, and writes the same ranks (with theirs).
+TEST_F(ReshardTest, SourcesWithoutSafetensors) {
+  const std::string lean = root_ + "/lean";
+  fs::create_directories(lean);
+  WriteSources(MakeEvenLayout(Globals(), 4, SplitKind::kRows), lean, kJob, /*safetensors=*/false);
+  for (const std::string& d : RankDirs(lean, 4)) ASSERT_FALSE(fs::exists(d + "/" + kSafetensorsFileName)) << d;
+  auto from_lean = Reshard(RankDirs(lean, 4), MakeEvenLayout(Globals(), 3, SplitKind::kColumns), root_ + "/a");
+  ASSERT_TRUE(from_lean.ok()) << from_lean.status().ToString();
+  auto from_full = Reshard(RankDirs(src_, 4), MakeEvenLayout(Globals(), 3, SplitKind::kColumns), root_ + "/b");
+  ASSERT_TRUE(from_full.ok()) << from_full.status().ToString();
+  EXPECT_EQ(from_lean->bytes_read, from_full->bytes_read);
+  CheckAgainstReference(RankDirs(root_ + "/a", 3), SourceManifest());
+  EXPECT_TRUE(FieldFiles(root_ + "/a") == FieldFiles(root_ + "/b"));
+  for (const std::string& d : RankDirs(root_ + "/a", 3)) {
+    auto m = ReadManifestFile(d + "/" + kManifestFileName);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_TRUE(m->has_safetensors) << d;
+    EXPECT_TRUE(fs::exists(d + "/" + kSafetensorsFileName)) << d;
   }
 }
 

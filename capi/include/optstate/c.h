@@ -47,7 +47,8 @@
  * optstate_adam_set_group_hyper, optstate_adam_get_group_hyper,
  * optstate_adam_fields). Version 4 adds Muon and several rules in one
  * optimizer (the rule "muon", optstate_adam_options_add_rule,
- * optstate_adam_register_params_with). */
+ * optstate_adam_register_params_with). Version 5 adds
+ * optstate_checkpoint_export_with (a checkpoint without state.safetensors). */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -64,7 +65,7 @@ extern "C" {
 #define OPTSTATE_EXPORT
 #endif
 
-#define OPTSTATE_C_ABI_VERSION 4
+#define OPTSTATE_C_ABI_VERSION 5
 
 /* Codes: the values of optstate::StatusCode (base/status.h; the library checks
  * these copies against it when it is built). */
@@ -233,6 +234,31 @@ OPTSTATE_EXPORT int optstate_store_stats(const optstate_store_t* store, optstate
  * must exist. *generation (may be NULL) = the generation written. */
 OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, const char* dest,
                                                uint64_t* generation, char** errptr);
+/* What optstate_checkpoint_export_with writes.
+ *   snapshot: the snapshot to write, or NULL for the newest committed
+ *     generation (as optstate_checkpoint_export's).
+ *   flags: OPTSTATE_EXPORT_NO_SAFETENSORS leaves state.safetensors out: it
+ *     holds every field file's bytes again, so the default checkpoint is
+ *     twice the state, twice the bytes to write. Without it the
+ *     directory holds manifest.json (marked "state_safetensors": false) and
+ *     the field files; optstate_checkpoint_restore reads the field files
+ *     either way, each chunk checked against the manifest. Other bits:
+ *     INVALID_ARGUMENT.
+ * Zero-initialise it, set struct_size = sizeof(optstate_checkpoint_export_args_t)
+ * as the caller was built, then the fields. Fields are only ever appended,
+ * and the library reads only those that fit in struct_size. Since ABI
+ * version 5. */
+#define OPTSTATE_EXPORT_NO_SAFETENSORS 1u
+typedef struct optstate_checkpoint_export_args_t {
+  size_t struct_size;
+  const char* snapshot;
+  uint64_t flags;
+} optstate_checkpoint_export_args_t;
+/* optstate_checkpoint_export with the options in args (NULL: the defaults,
+ * which are optstate_checkpoint_export's). Since ABI version 5. */
+OPTSTATE_EXPORT int optstate_checkpoint_export_with(optstate_store_t* store, const char* dest,
+                                                    const optstate_checkpoint_export_args_t* args,
+                                                    uint64_t* generation, char** errptr);
 /* Imports the checkpoint directory src into the store as one new committed
  * generation, with the checkpoint's step, step counts and hyperparameters.
  * Verifies manifest.json's own checksum, every chunk of every file against
