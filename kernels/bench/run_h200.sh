@@ -4,7 +4,7 @@
 # and the 2^28-element benchmark vs torch and vs device-to-device copy).
 #
 # Usage (repo root or anywhere): kernels/bench/run_h200.sh [BUILD_DIR] [OUT_DIR]
-#   BUILD_DIR  default build/kernels; should hold tests/kernels/kernels_gpu_test
+#   BUILD_DIR  default build/default (the default preset's); should hold tests/kernels/kernels_gpu_test
 #              and kernels/liboptstate_kernels_capi.so from a CUDA build. The
 #              GPU machine here has nvcc but not the project's other packages,
 #              so build on the dev machine and carry both files; when the .so is
@@ -14,7 +14,7 @@
 # Exit status: nonzero when the test or the accuracy check failed or was not run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-build=${1:-build/kernels}
+build=${1:-build/default}
 out=${2:-${OUT:-/tmp/optstate-kernels-h200}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

@@ -13,7 +13,7 @@
    kernel folds in, and of a device-to-device copy (read + write bytes), all in
    the same run. CUDA events, median of --iters after --warmup.
 
-Usage: torch_compare.py --lib build/kernels/kernels/liboptstate_kernels_capi.so [--out DIR]
+Usage: torch_compare.py --lib build/default/kernels/liboptstate_kernels_capi.so [--out DIR]
        torch_compare.py --lib ... --cpu-selftest   (no torch/GPU: checks the ctypes ABI with numpy)
 """
 import argparse
