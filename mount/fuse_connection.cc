@@ -106,7 +106,9 @@ bool DrainPushes(struct fuse_session* se, PushGate* gate, const std::string& abo
   const auto deadline = std::chrono::steady_clock::now() + wait;
   struct fuse_buf buf;
   std::memset(&buf, 0, sizeof(buf));
-  while (gate->InFlight() > 0 && std::chrono::steady_clock::now() < deadline) {
+  // Stores in flight, and asks whose answers libfuse has yet to process (it
+  // frees an ask's record then; the kernel answers while still mounted).
+  while ((gate->InFlight() > 0 || gate->Unanswered() > 0) && std::chrono::steady_clock::now() < deadline) {
     struct pollfd p = {fuse_session_fd(se), POLLIN, 0};
     if (::poll(&p, 1, 20) <= 0) continue;
     const int n = fuse_session_receive_buf(se, &buf);

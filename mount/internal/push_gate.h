@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "base/mutex.h"
@@ -25,7 +26,8 @@ namespace optstate::mount::internal {
 // while it serves. A store waits in the kernel (uninterruptibly) for pages
 // whose READ is in flight, so at exit, once the loop has ended, one can wait
 // for a READ that nobody will answer: RunMount refuses new stores, answers
-// what the kernel still sends until the stores in flight are done, and aborts
+// what the kernel still sends until the stores in flight are done and its
+// answers to asks are processed (libfuse frees an ask then), and aborts
 // the connection if one still waits (DrainPushes). The Prefetcher asks
 // through it too, whether the kernel holds a page (Cached). Thread-safe.
 class PushGate {
@@ -64,11 +66,13 @@ class PushGate {
       ++in_flight_;  // the session stays until the call returns (as for Store)
       cookie = ++next_cookie_;
       answers_.emplace(cookie, std::nullopt);
+      unanswered_.insert(cookie);  // before the ask: the answer may come before the call returns
     }
     const int rc = fuse_lowlevel_notify_retrieve(se_, ino, kPageBytes, static_cast<off_t>(offset),
                                                  reinterpret_cast<void*>(cookie));
     MutexLock l(&mu_);
     --in_flight_;
+    if (rc != 0) unanswered_.erase(cookie);
     if (rc == 0) {
       const auto deadline = std::chrono::steady_clock::now() + kRetrieveWait;
       while (!answers_[cookie].has_value()) {
@@ -83,6 +87,7 @@ class PushGate {
   }
   void Answer(uint64_t cookie, size_t bytes) EXCLUDES(mu_) {
     MutexLock l(&mu_);
+    unanswered_.erase(cookie);
     auto it = answers_.find(cookie);
     if (it == answers_.end()) return;  // the asker stopped waiting
     it->second = bytes;
@@ -95,6 +100,13 @@ class PushGate {
   int InFlight() EXCLUDES(mu_) {
     MutexLock l(&mu_);
     return in_flight_;
+  }
+  // Asks the kernel has not answered yet (an asker that stopped waiting
+  // included). libfuse frees an ask's record only when its answer is
+  // processed, so at exit the loop answers them before the session goes.
+  size_t Unanswered() EXCLUDES(mu_) {
+    MutexLock l(&mu_);
+    return unanswered_.size();
   }
 
  private:
@@ -110,6 +122,7 @@ class PushGate {
   int in_flight_ GUARDED_BY(mu_) = 0;
   uint64_t next_cookie_ GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, std::optional<size_t>> answers_ GUARDED_BY(mu_);  // cookie -> bytes retrieved
+  std::unordered_set<uint64_t> unanswered_ GUARDED_BY(mu_);  // cookies asked, no answer processed yet
 };
 
 }  // namespace optstate::mount::internal
