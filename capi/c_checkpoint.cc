@@ -26,6 +26,10 @@ namespace {
 // The fields optstate_checkpoint_export_args_t had when it was added (ABI
 // version 5): what struct_size must at least cover.
 constexpr size_t kExportArgsV5Bytes = offsetof(optstate_checkpoint_export_args_t, flags) + sizeof(uint64_t);
+
+// Both export calls; `what` names the one the caller made in its errors.
+int Export(optstate_store_t* store, const char* dest, const optstate_checkpoint_export_args_t* args,
+           uint64_t* generation, char** errptr, const char* what);
 }  // namespace
 
 extern "C" {
@@ -37,13 +41,20 @@ int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, co
   optstate_checkpoint_export_args_t args{};
   args.struct_size = sizeof args;
   args.snapshot = snapshot;
-  return optstate_checkpoint_export_with(store, dest, &args, generation, errptr);
+  return Export(store, dest, &args, generation, errptr, "optstate_checkpoint_export");
 }
 
 int optstate_checkpoint_export_with(optstate_store_t* store, const char* dest,
                                     const optstate_checkpoint_export_args_t* args, uint64_t* generation,
                                     char** errptr) {
-  const char* what = "optstate_checkpoint_export";
+  return Export(store, dest, args, generation, errptr, "optstate_checkpoint_export_with");
+}
+
+}  // extern "C"
+
+namespace {
+int Export(optstate_store_t* store, const char* dest, const optstate_checkpoint_export_args_t* args,
+           uint64_t* generation, char** errptr, const char* what) {
   return Guard(errptr, what, [&]() -> Status {
     if (store == nullptr) return NullArgument(what, "store");
     if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
@@ -75,6 +86,9 @@ int optstate_checkpoint_export_with(optstate_store_t* store, const char* dest,
     return Status::Ok();
   });
 }
+}  // namespace
+
+extern "C" {
 
 namespace {
 // Their caches and step counts would be stale: the next step would mix the
