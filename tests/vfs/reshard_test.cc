@@ -362,6 +362,59 @@ TEST_F(ReshardTest, SourcesWithoutSafetensors) {
   }
 }
 
+// ReshardOptions::safetensors = false: each rank's field files and manifest
+// alone, the manifest saying so, on both write paths (rows of rows arrive in
+// file order and are written with O_DIRECT, columns through the page cache);
+// the field files and manifests are the full reshard's but for that, the
+// bytes written are the full reshard's less its state.safetensors, and every
+// rank restores to its field files' bytes.
+TEST_F(ReshardTest, OutputWithoutSafetensors) {
+  for (SplitKind split : {SplitKind::kRows, SplitKind::kColumns}) {
+    SCOPED_TRACE(split == SplitKind::kRows ? "rows" : "columns");
+    const std::string tag = split == SplitKind::kRows ? "rows" : "cols";
+    const TargetLayout layout = MakeEvenLayout(Globals(), 3, split);
+    ReshardOptions lean_opts;
+    lean_opts.safetensors = false;
+    auto lean = Reshard(RankDirs(src_, 4), layout, root_ + "/lean-" + tag, lean_opts);
+    ASSERT_TRUE(lean.ok()) << lean.status().ToString();
+    auto full = Reshard(RankDirs(src_, 4), layout, root_ + "/full-" + tag);
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    const std::vector<std::string> lean_dirs = RankDirs(root_ + "/lean-" + tag, 3);
+    CheckAgainstReference(lean_dirs, SourceManifest());
+    EXPECT_TRUE(FieldFiles(root_ + "/lean-" + tag) == FieldFiles(root_ + "/full-" + tag));
+    EXPECT_EQ(lean->bytes_read, full->bytes_read);
+    uint64_t st_bytes = 0;
+    for (uint32_t r = 0; r < 3; ++r) {
+      const std::string d = lean_dirs[r], f = RankDirs(root_ + "/full-" + tag, 3)[r];
+      EXPECT_FALSE(fs::exists(d + "/" + kSafetensorsFileName)) << d;
+      st_bytes += fs::file_size(f + "/" + kSafetensorsFileName);
+      nlohmann::json lj = nlohmann::json::parse(ReadFile(d + "/" + kManifestFileName));
+      nlohmann::json fj = nlohmann::json::parse(ReadFile(f + "/" + kManifestFileName));
+      EXPECT_EQ(lj.value(kManifestSafetensorsKey, true), false) << d;
+      EXPECT_FALSE(fj.contains(kManifestSafetensorsKey)) << f;
+      auto m = ReadManifestFile(d + "/" + kManifestFileName);
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      EXPECT_FALSE(m->has_safetensors) << d;
+      // The same manifest but for the key, the new store's uuid and the checksum of the whole.
+      for (nlohmann::json* j : {&lj, &fj}) {
+        j->erase(kManifestSafetensorsKey);
+        j->erase(kManifestChecksumKey);
+        (*j)["store"].erase("uuid");
+      }
+      EXPECT_EQ(lj, fj) << d;
+      auto store = CreateStoreFromCheckpoint(d, root_ + "/restored-" + tag + std::to_string(r), StoreOptions{});
+      ASSERT_TRUE(store.ok()) << store.status().ToString();
+      const auto dump = DumpLatest(store->get());
+      for (const ManifestTensor& t : m->tensors) {
+        for (const ManifestField& fl : t.fields) {
+          EXPECT_TRUE(dump.at(t.name + "/" + fl.name) == ReadFile(d + "/" + fl.file)) << t.name << "/" << fl.name;
+        }
+      }
+    }
+    EXPECT_EQ(full->bytes_written - lean->bytes_written, st_bytes);
+  }
+}
+
 TEST_F(ReshardTest, CheckerboardTarget) {
   // 2 x 2 boxes of the 2-D tensors (writes to a destination arrive out of
   // order), 1-D tensor on ranks 1 and 3 only.
