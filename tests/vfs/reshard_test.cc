@@ -362,32 +362,57 @@ TEST_F(ReshardTest, SourcesWithoutSafetensors) {
   }
 }
 
+// 2 x 2 boxes of Model()'s 2-D tensors (writes to a destination arrive out of
+// order, so they go through the page cache), its 1-D tensor on ranks 1 and 3
+// only.
+TargetLayout CheckerboardLayout() {
+  TargetLayout t;
+  t.ranks.resize(4);
+  for (const GlobalDef& g : Model()) {
+    if (g.global_shape.size() == 1) {
+      t.ranks[1][g.name] = {{0}, {400}};
+      t.ranks[3][g.name] = {{400}, {g.global_shape[0] - 400}};
+      continue;
+    }
+    const uint64_t h = g.global_shape[0] / 2 + 1, w = g.global_shape[1] / 2 - 3;
+    t.ranks[0][g.name] = {{0, 0}, {h, w}};
+    t.ranks[1][g.name] = {{0, w}, {h, g.global_shape[1] - w}};
+    t.ranks[2][g.name] = {{h, 0}, {g.global_shape[0] - h, w}};
+    t.ranks[3][g.name] = {{h, w}, {g.global_shape[0] - h, g.global_shape[1] - w}};
+  }
+  return t;
+}
+
 // ReshardOptions::safetensors = false: each rank's field files and manifest
 // alone, the manifest saying so, on both write paths (rows of rows arrive in
-// file order and are written with O_DIRECT, columns through the page cache);
+// file order and are written with O_DIRECT, a checkerboard through the page
+// cache);
 // the field files and manifests are the full reshard's but for that, the
-// bytes written are the full reshard's less its state.safetensors, and every
-// rank restores to its field files' bytes.
+// bytes written are the full reshard's less its state.safetensors (and the
+// manifests' difference), and every rank restores to its field files' bytes.
 TEST_F(ReshardTest, OutputWithoutSafetensors) {
-  for (SplitKind split : {SplitKind::kRows, SplitKind::kColumns}) {
-    SCOPED_TRACE(split == SplitKind::kRows ? "rows" : "columns");
-    const std::string tag = split == SplitKind::kRows ? "rows" : "cols";
-    const TargetLayout layout = MakeEvenLayout(Globals(), 3, split);
+  for (const std::string tag : {"rows", "checkerboard"}) {
+    SCOPED_TRACE(tag);
+    const TargetLayout layout = tag == "rows" ? MakeEvenLayout(Globals(), 3, SplitKind::kRows) : CheckerboardLayout();
+    const size_t ranks = layout.ranks.size();
     ReshardOptions lean_opts;
     lean_opts.safetensors = false;
     auto lean = Reshard(RankDirs(src_, 4), layout, root_ + "/lean-" + tag, lean_opts);
     ASSERT_TRUE(lean.ok()) << lean.status().ToString();
     auto full = Reshard(RankDirs(src_, 4), layout, root_ + "/full-" + tag);
     ASSERT_TRUE(full.ok()) << full.status().ToString();
-    const std::vector<std::string> lean_dirs = RankDirs(root_ + "/lean-" + tag, 3);
+    const std::vector<std::string> lean_dirs = RankDirs(root_ + "/lean-" + tag, ranks);
     CheckAgainstReference(lean_dirs, SourceManifest());
     EXPECT_TRUE(FieldFiles(root_ + "/lean-" + tag) == FieldFiles(root_ + "/full-" + tag));
     EXPECT_EQ(lean->bytes_read, full->bytes_read);
     uint64_t st_bytes = 0;
-    for (uint32_t r = 0; r < 3; ++r) {
-      const std::string d = lean_dirs[r], f = RankDirs(root_ + "/full-" + tag, 3)[r];
+    int64_t manifest_bytes_more = 0;  // the lean manifests' bytes less the full ones' (the added key)
+    for (uint32_t r = 0; r < ranks; ++r) {
+      const std::string d = lean_dirs[r], f = RankDirs(root_ + "/full-" + tag, ranks)[r];
       EXPECT_FALSE(fs::exists(d + "/" + kSafetensorsFileName)) << d;
       st_bytes += fs::file_size(f + "/" + kSafetensorsFileName);
+      manifest_bytes_more += static_cast<int64_t>(fs::file_size(d + "/" + kManifestFileName)) -
+                             static_cast<int64_t>(fs::file_size(f + "/" + kManifestFileName));
       nlohmann::json lj = nlohmann::json::parse(ReadFile(d + "/" + kManifestFileName));
       nlohmann::json fj = nlohmann::json::parse(ReadFile(f + "/" + kManifestFileName));
       EXPECT_EQ(lj.value(kManifestSafetensorsKey, true), false) << d;
@@ -411,27 +436,13 @@ TEST_F(ReshardTest, OutputWithoutSafetensors) {
         }
       }
     }
-    EXPECT_EQ(full->bytes_written - lean->bytes_written, st_bytes);
+    EXPECT_EQ(static_cast<int64_t>(full->bytes_written - lean->bytes_written),
+              static_cast<int64_t>(st_bytes) - manifest_bytes_more);
   }
 }
 
 TEST_F(ReshardTest, CheckerboardTarget) {
-  // 2 x 2 boxes of the 2-D tensors (writes to a destination arrive out of
-  // order), 1-D tensor on ranks 1 and 3 only.
-  TargetLayout t;
-  t.ranks.resize(4);
-  for (const GlobalDef& g : Model()) {
-    if (g.global_shape.size() == 1) {
-      t.ranks[1][g.name] = {{0}, {400}};
-      t.ranks[3][g.name] = {{400}, {g.global_shape[0] - 400}};
-      continue;
-    }
-    const uint64_t h = g.global_shape[0] / 2 + 1, w = g.global_shape[1] / 2 - 3;
-    t.ranks[0][g.name] = {{0, 0}, {h, w}};
-    t.ranks[1][g.name] = {{0, w}, {h, g.global_shape[1] - w}};
-    t.ranks[2][g.name] = {{h, 0}, {g.global_shape[0] - h, w}};
-    t.ranks[3][g.name] = {{h, w}, {g.global_shape[0] - h, g.global_shape[1] - w}};
-  }
+  const TargetLayout t = CheckerboardLayout();
   auto r = Reshard(RankDirs(src_, 4), t, root_ + "/cb");
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   CheckAgainstReference(RankDirs(root_ + "/cb", 4), SourceManifest());
