@@ -26,6 +26,24 @@ namespace {
 // The fields optstate_checkpoint_export_args_t had when it was added (ABI
 // version 5): what struct_size must at least cover.
 constexpr size_t kExportArgsV5Bytes = offsetof(optstate_checkpoint_export_args_t, flags) + sizeof(uint64_t);
+// optstate_checkpoint_reshard_args_t's fields of ABI version 6.
+constexpr size_t kReshardArgsV6Bytes = offsetof(optstate_checkpoint_reshard_args_t, flags) + sizeof(uint64_t);
+
+// *out = the caller's args struct (NULL: all zero, the defaults); fields
+// appended after the caller's version read as zero. INVALID_ARGUMENT when
+// its struct_size does not cover the first version's min_bytes.
+template <typename Args>
+Status ReadArgs(const Args* args, size_t min_bytes, const char* what, const char* type, Args* out) {
+  *out = Args{};
+  if (args == nullptr) return Status::Ok();
+  if (args->struct_size < min_bytes) {
+    return InvalidArgument(std::string(what) + ": args->struct_size " + std::to_string(args->struct_size) +
+                           " is less than the " + std::to_string(min_bytes) + " bytes of " + type +
+                           " (set it to sizeof(" + type + "))");
+  }
+  std::memcpy(out, args, std::min(args->struct_size, sizeof *out));
+  return Status::Ok();
+}
 
 // Both export calls; `what` names the one the caller made in its errors.
 int Export(optstate_store_t* store, const char* dest, const optstate_checkpoint_export_args_t* args,
@@ -58,17 +76,8 @@ int Export(optstate_store_t* store, const char* dest, const optstate_checkpoint_
   return Guard(errptr, what, [&]() -> Status {
     if (store == nullptr) return NullArgument(what, "store");
     if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
-    // Fields appended after the caller's version read as zero (the defaults).
-    optstate_checkpoint_export_args_t a{};
-    if (args != nullptr) {
-      if (args->struct_size < kExportArgsV5Bytes) {
-        return InvalidArgument(std::string(what) + ": args->struct_size " + std::to_string(args->struct_size) +
-                               " is less than the " + std::to_string(kExportArgsV5Bytes) +
-                               " bytes of optstate_checkpoint_export_args_t (set it to "
-                               "sizeof(optstate_checkpoint_export_args_t))");
-      }
-      std::memcpy(&a, args, std::min(args->struct_size, sizeof a));
-    }
+    optstate_checkpoint_export_args_t a;
+    OPTSTATE_RETURN_IF_ERROR(ReadArgs(args, kExportArgsV5Bytes, what, "optstate_checkpoint_export_args_t", &a));
     if ((a.flags & ~uint64_t{OPTSTATE_EXPORT_NO_SAFETENSORS}) != 0) {
       return InvalidArgument(std::string(what) + ": unknown flags " + std::to_string(a.flags));
     }
@@ -175,23 +184,41 @@ Result<std::vector<std::string>> SourceList(const char* what, const char* const*
   }
   return out;
 }
-}  // namespace
 
-int optstate_checkpoint_reshard(const char* const* sources, size_t num_sources, const char* layout_json,
-                                const char* dest, uint32_t* ranks, char** errptr) {
-  const char* what = "optstate_checkpoint_reshard";
+// Both reshard calls; `what` names the one the caller made in its errors.
+int Reshard(const char* const* sources, size_t num_sources, const char* layout_json, const char* dest,
+            const optstate_checkpoint_reshard_args_t* args, uint32_t* ranks, char** errptr, const char* what) {
   return Guard(errptr, what, [&]() -> Status {
     if (layout_json == nullptr) return NullArgument(what, "layout_json");
     if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
+    optstate_checkpoint_reshard_args_t a;
+    OPTSTATE_RETURN_IF_ERROR(ReadArgs(args, kReshardArgsV6Bytes, what, "optstate_checkpoint_reshard_args_t", &a));
+    if ((a.flags & ~uint64_t{OPTSTATE_RESHARD_NO_SAFETENSORS}) != 0) {
+      return InvalidArgument(std::string(what) + ": unknown flags " + std::to_string(a.flags));
+    }
     auto srcs = SourceList(what, sources, num_sources);
     if (!srcs.ok()) return srcs.status();
     auto layout = vfs::ParseTargetLayout(layout_json, "(layout_json argument)");
     if (!layout.ok()) return layout.status();
-    auto r = vfs::Reshard(*srcs, *layout, dest);
+    vfs::ReshardOptions opts;
+    opts.safetensors = (a.flags & OPTSTATE_RESHARD_NO_SAFETENSORS) == 0;
+    auto r = vfs::Reshard(*srcs, *layout, dest, opts);
     if (!r.ok()) return r.status();
     if (ranks != nullptr) *ranks = r->ranks;
     return Status::Ok();
   });
+}
+}  // namespace
+
+int optstate_checkpoint_reshard(const char* const* sources, size_t num_sources, const char* layout_json,
+                                const char* dest, uint32_t* ranks, char** errptr) {
+  return Reshard(sources, num_sources, layout_json, dest, nullptr, ranks, errptr, "optstate_checkpoint_reshard");
+}
+
+int optstate_checkpoint_reshard_with(const char* const* sources, size_t num_sources, const char* layout_json,
+                                     const char* dest, const optstate_checkpoint_reshard_args_t* args,
+                                     uint32_t* ranks, char** errptr) {
+  return Reshard(sources, num_sources, layout_json, dest, args, ranks, errptr, "optstate_checkpoint_reshard_with");
 }
 
 int optstate_checkpoint_reshard_layout(const char* const* sources, size_t num_sources, uint32_t ranks,

@@ -5,8 +5,8 @@
 // pages dropped from the page cache before every round so that the sources
 // are read from the disk as a resumed job reads them. Per round, in this
 // order: fio (io_uring, direct=1) reading the sources' field bytes and then
-// writing as many bytes as the reshard writes (its field files and
-// state.safetensors; end_fsync), then vfs::Reshard to M ranks (every chunk
+// writing as many bytes as the reshard writes (its field files and, unless
+// --no-safetensors, state.safetensors; end_fsync), then vfs::Reshard to M ranks (every chunk
 // verified, every file fsynced). The ratio is the median of per-round
 // fio time / reshard time (> 1: the reshard is faster).
 #include <fcntl.h>
@@ -48,6 +48,7 @@ struct ReshardBenchOptions {
   uint32_t rounds = 3;
   bool json = false;
   bool no_fio = false;
+  bool no_safetensors = false;  // the reshard writes no state.safetensors
 };
 
 std::vector<vfs::GlobalTensor> Globals(uint64_t rows) {
@@ -201,7 +202,9 @@ int RunReshardBench(const ReshardBenchOptions& o) {
     }
     DropCache(dir + "/src");
     const double t0 = NowSeconds();
-    auto r = vfs::Reshard(sources, to, out);
+    vfs::ReshardOptions ro;
+    ro.safetensors = !o.no_safetensors;
+    auto r = vfs::Reshard(sources, to, out, ro);
     const double t = NowSeconds() - t0;
     if (!r.ok()) return fail(r.status());
     read_bytes = r->bytes_read;
@@ -221,6 +224,7 @@ int RunReshardBench(const ReshardBenchOptions& o) {
   j["from_ranks"] = o.from;
   j["to_ranks"] = o.to;
   j["split"] = o.split;
+  j["safetensors"] = !o.no_safetensors;
   j["chunk_bytes"] = *chunk;
   j["source_bytes"] = read_bytes;
   j["written_bytes"] = written_bytes;
@@ -241,10 +245,11 @@ int RunReshardBench(const ReshardBenchOptions& o) {
                 std::isnan(ratio) ? "-" : fmt::format("{:.2f}x", ratio)});
   std::cout << fmt::format(
       "optstate-bench reshard: {} ranks -> {} ranks ({} split), {} of sources read, {} written "
-      "(field files + state.safetensors), chunk {}, {} rounds; sources dropped from the page cache "
+      "({}), chunk {}, {} rounds; sources dropped from the page cache "
       "before each reshard; fio: io_uring, direct=1, reads the source bytes then writes the written bytes "
       "(end_fsync)\nmachine: {}\n\n",
-      o.from, o.to, o.split, FormatBytes(read_bytes), FormatBytes(written_bytes), FormatBytes(*chunk),
+      o.from, o.to, o.split, FormatBytes(read_bytes), FormatBytes(written_bytes),
+      o.no_safetensors ? "field files" : "field files + state.safetensors", FormatBytes(*chunk),
       reshard_s.size(), MachineLine());
   std::cout << table.Render();
   std::cout << "\nvs fio: median of per-round fio time / reshard time (> 1: the reshard is faster).\n";
@@ -266,6 +271,7 @@ void AddReshardCommand(CLI::App& app, int* exit_code) {
   sub->add_option("--rounds", o->rounds, "timed rounds (default 3)");
   sub->add_flag("--json", o->json, "print JSON instead of a table");
   sub->add_flag("--no-fio", o->no_fio, "skip fio");
+  sub->add_flag("--no-safetensors", o->no_safetensors, "the reshard writes no state.safetensors");
   sub->callback([o, exit_code] { *exit_code = RunReshardBench(*o); });
 }
 

@@ -5,11 +5,12 @@
 //       over M ranks by the first rule that matches its name (RULE:
 //       [PATTERN=]rows|columns|dimN|flat; default rows), or the flat ranges of
 //       a distributed optimizer's buckets of N elements.
-//   optstate-reshard run --layout LAYOUT.json --dest DIR SOURCE...
+//   optstate-reshard run --layout LAYOUT.json --dest DIR [--no-safetensors] SOURCE...
 //       reads the SOURCE checkpoint directories (one per old rank, any order),
 //       checks that they tile every tensor exactly once and agree on step and
 //       hyperparameters, and writes DIR/rank-00000 ... one checkpoint per new
-//       rank (all or nothing), each accepted by optstate-restore.
+//       rank (all or nothing), each accepted by optstate-restore; with
+//       --no-safetensors without state.safetensors (the state written once).
 //
 // The layout schema and the checks: docs/RESHARD.md. Exit codes as every
 // tool's (tools/internal/cli.h): 0 done, 1 refused or failed, 2 a malformed
@@ -63,11 +64,14 @@ int Main(int argc, char** argv) {
   std::string layout_path, dest;
   std::vector<std::string> sources;
   std::string chunk_text, staging_text;
-  bool quiet = false;
+  bool quiet = false, no_safetensors = false;
   run->add_option("--layout", layout_path, "target layout JSON (optstate-reshard layout writes one)")->required();
   run->add_option("--dest", dest, "output directory (must not exist, or be empty)")->required();
   run->add_option("--chunk-size", chunk_text, "chunk size of the output manifests (default: the sources')");
   run->add_option("--staging", staging_text, "bytes gathered per destination rank before a write (default 4M)");
+  run->add_flag("--no-safetensors", no_safetensors,
+                "leave state.safetensors out of each rank's directory (it holds the field files' bytes again); "
+                "optstate-restore reads the field files alone");
   run->add_flag("-q,--quiet", quiet, "no summary line, progress bar or [info] log lines");
   run->add_option("SOURCE", sources, "source checkpoint directories, one per old rank")->required();
 
@@ -107,6 +111,7 @@ int Main(int argc, char** argv) {
   }
 
   vfs::ReshardOptions opts;
+  opts.safetensors = !no_safetensors;
   if (!chunk_text.empty()) {
     auto b = ParseBytes(chunk_text);
     if (!b.ok()) return FailUsage(kTool, "--chunk-size: " + b.status().message());

@@ -48,7 +48,7 @@ struct DestRank {
   std::map<std::string, size_t> tensor_index;     // name -> index in manifest.tensors
   std::vector<std::vector<uint64_t>> st_offsets;  // [tensor][field]: file offset in state.safetensors
   std::string st_header;
-  std::shared_ptr<File> st;
+  std::shared_ptr<File> st;  // null without state.safetensors (ReshardOptions::safetensors)
   // Every field of the rank gets its bytes in file order: its files (and
   // state.safetensors, filled field after field) are written front to back
   // with O_DIRECT. Otherwise they are written buffered, in staged runs.
@@ -101,8 +101,9 @@ class Resharder {
     for (const Manifest& m : s_.manifests) buf_bytes = std::max(buf_bytes, m.chunk_size_bytes);
     buf_.resize(buf_bytes);
     // Streams at once: each rank's state.safetensors and one field file.
-    OPTSTATE_RETURN_IF_ERROR(
-        writer_.Init(kWriteDepth, opts_.staging_bytes_per_rank, 2 * static_cast<uint32_t>(target_.ranks.size())));
+    const uint32_t streams_per_rank = opts_.safetensors ? 2 : 1;
+    OPTSTATE_RETURN_IF_ERROR(writer_.Init(kWriteDepth, opts_.staging_bytes_per_rank,
+                                          streams_per_rank * static_cast<uint32_t>(target_.ranks.size())));
     OPTSTATE_RETURN_IF_ERROR(Prepare());
     {
       // Every source chunk, in the order CopyField takes them.
@@ -126,13 +127,15 @@ class Resharder {
       for (uint32_t f = 0; f < g.fields.size(); ++f) OPTSTATE_RETURN_IF_ERROR(CopyField(g, f));
     }
     for (DestRank& r : ranks_) {
-      if (r.direct) OPTSTATE_RETURN_IF_ERROR(writer_.Finish(r.st_stream));
+      if (r.direct && r.st) OPTSTATE_RETURN_IF_ERROR(writer_.Finish(r.st_stream));
     }
     OPTSTATE_RETURN_IF_ERROR(SyncWritten());
     for (DestRank& r : ranks_) {
-      if (r.direct) OPTSTATE_RETURN_IF_ERROR(Truncate(*r.st, r.st_bytes));
-      OPTSTATE_RETURN_IF_ERROR(r.st->Fdatasync());
-      r.st.reset();
+      if (r.st) {
+        if (r.direct) OPTSTATE_RETURN_IF_ERROR(Truncate(*r.st, r.st_bytes));
+        OPTSTATE_RETURN_IF_ERROR(r.st->Fdatasync());
+        r.st.reset();
+      }
       const std::string json = SerializeManifest(r.manifest);
       OpenOptions oo;
       oo.create = true;
@@ -159,7 +162,8 @@ class Resharder {
   }
 
  private:
-  // Directories, manifests without chunk hashes, state.safetensors headers.
+  // Directories, manifests without chunk hashes, state.safetensors headers
+  // (with opts_.safetensors).
   Status Prepare() {
     const Manifest& m0 = s_.manifests[0];
     ranks_.resize(target_.ranks.size());
@@ -176,6 +180,7 @@ class Resharder {
       m.step = m0.step;
       m.chunk_size_bytes = cs_;
       m.groups = m0.groups;
+      m.has_safetensors = opts_.safetensors;
       for (const auto& [name, box] : target_.ranks[r]) {  // std::map: sorted by name, as manifests are
         const GlobalInfo& g = s_.tensors.at(name);
         ManifestTensor t;
@@ -208,6 +213,9 @@ class Resharder {
         d.tensor_index[name] = m.tensors.size();
         m.tensors.push_back(std::move(t));
       }
+      d.direct = true;
+      for (const auto& [name, box] : target_.ranks[r]) d.direct = d.direct && ArrivesInOrder(s_.tensors.at(name), box);
+      if (!opts_.safetensors) continue;
       d.st_header = SafetensorsHeader(m);
       uint64_t off = 0;  // in the data section: the fields back to back, in manifest order
       for (const ManifestTensor& t : m.tensors) {
@@ -217,8 +225,6 @@ class Resharder {
           off += f.bytes;
         }
       }
-      d.direct = true;
-      for (const auto& [name, box] : target_.ranks[r]) d.direct = d.direct && ArrivesInOrder(s_.tensors.at(name), box);
       d.st_bytes = d.st_header.size() + off;
       OPTSTATE_ASSIGN_OR_RETURN(d.st, Create(d.dir + "/" + kSafetensorsFileName, d.direct));
       if (d.direct) {
@@ -313,15 +319,18 @@ class Resharder {
   Status Flush(DestField& d) {
     if (d.stage.empty()) return Status::Ok();
     OPTSTATE_RETURN_IF_ERROR(d.file->Pwrite(d.stage_start, d.stage.data(), d.stage.size()));
-    OPTSTATE_RETURN_IF_ERROR(d.rank->st->Pwrite(d.st_offset + d.stage_start, d.stage.data(), d.stage.size()));
     // Start the writeback now, so that the disk writes while the next chunks
     // are read and scattered instead of all at the final fdatasync. A hint
     // only: durability still comes from the fdatasync of every file.
     (void)::sync_file_range(d.file->fd(), static_cast<off64_t>(d.stage_start), static_cast<off64_t>(d.stage.size()),
                             SYNC_FILE_RANGE_WRITE);
-    (void)::sync_file_range(d.rank->st->fd(), static_cast<off64_t>(d.st_offset + d.stage_start),
-                            static_cast<off64_t>(d.stage.size()), SYNC_FILE_RANGE_WRITE);
-    result_->bytes_written += 2 * d.stage.size();
+    result_->bytes_written += d.stage.size();
+    if (d.rank->st) {
+      OPTSTATE_RETURN_IF_ERROR(d.rank->st->Pwrite(d.st_offset + d.stage_start, d.stage.data(), d.stage.size()));
+      (void)::sync_file_range(d.rank->st->fd(), static_cast<off64_t>(d.st_offset + d.stage_start),
+                              static_cast<off64_t>(d.stage.size()), SYNC_FILE_RANGE_WRITE);
+      result_->bytes_written += d.stage.size();
+    }
     d.stage.clear();
     return Status::Ok();
   }
@@ -330,7 +339,7 @@ class Resharder {
   // first when they do not continue it or the stage is full.
   Status Stage(DestField& d, uint64_t at, const char* p, uint64_t n) {
     if (d.rank->direct) {
-      const uint64_t st_at = d.rank->st_stream.pos + d.rank->st_stream.fill;
+      const uint64_t st_at = d.rank->st ? d.rank->st_stream.pos + d.rank->st_stream.fill : d.st_offset + at;
       if (at != d.hashed || st_at != d.st_offset + at) {
         return Internal(fmt::format("reshard: {}: bytes at {} arrived out of order (expected {}; "
                                     "state.safetensors at {}, expected {})",
@@ -355,8 +364,11 @@ class Resharder {
     }
     if (d.rank->direct) {
       OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.stream, p, n));
-      OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.rank->st_stream, p, n));
-      result_->bytes_written += 2 * n;
+      result_->bytes_written += n;
+      if (d.rank->st) {
+        OPTSTATE_RETURN_IF_ERROR(writer_.Append(d.rank->st_stream, p, n));
+        result_->bytes_written += n;
+      }
       return Status::Ok();
     }
     if (!d.stage.empty() && (d.stage_start + d.stage.size() != at ||
@@ -428,7 +440,7 @@ class Resharder {
         d.pieces.push_back(std::move(piece));
       }
       d.field = &t.fields[fi];
-      d.st_offset = r.st_offsets[it->second][fi];
+      if (r.st) d.st_offset = r.st_offsets[it->second][fi];
       d.hash.reset(XXH3_createState());
       if (!d.hash) return ResourceExhausted("reshard: out of memory for a hash state");
       OPTSTATE_ASSIGN_OR_RETURN(d.file, Create(r.dir + "/" + d.field->file, r.direct));

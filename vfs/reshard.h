@@ -11,8 +11,10 @@
 // its step count), that the target tiles the same
 // global tensors exactly once, and then streams the bytes: every source chunk
 // is read once, verified against its manifest XXH3, and scattered into the
-// destination field files and state.safetensors; the destination manifests
-// get the new chunks' XXH3. I/O: sources read ahead with O_DIRECT; a rank
+// destination field files and state.safetensors (unless
+// ReshardOptions::safetensors is false: then the field files alone, and the
+// manifests say "state_safetensors": false); the destination manifests get
+// the new chunks' XXH3. I/O: sources read ahead with O_DIRECT; a rank
 // whose bytes arrive in file order (row and column splits of row-split
 // sources) is written with O_DIRECT, any other through the page cache.
 // Memory, whatever the state's size: read_ahead_chunks + 1 chunks plus
@@ -234,6 +236,12 @@ struct ReshardOptions {
   // Store name written into the destination manifests; empty = the first
   // source's.
   std::string store_name;
+  // Write each rank's state.safetensors, which holds its field files' bytes
+  // again (so twice the bytes to write). Default true: each rank's directory
+  // is what ExportCheckpoint writes by default. false: manifest.json (marked
+  // "state_safetensors": false) and the field files, which RestoreCheckpoint
+  // reads alone (ExportOptions::safetensors).
+  bool safetensors = true;
   // Called after each source field with (bytes done, total source bytes).
   std::function<void(uint64_t, uint64_t)> progress;
   // Destination file system (tests inject faults); null = FileSystem::Default().

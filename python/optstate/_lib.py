@@ -17,7 +17,7 @@ import os
 
 from . import errors
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 _SONAME_VERSION = 1  # liboptstate.so.1 (capi/CMakeLists.txt OPTSTATE_C_SOVERSION)
 
 _c = ctypes
@@ -79,6 +79,17 @@ class ExportArgs(_c.Structure):
 EXPORT_NO_SAFETENSORS = 1  # OPTSTATE_EXPORT_NO_SAFETENSORS
 
 
+class ReshardArgs(_c.Structure):
+    """optstate_checkpoint_reshard_args_t: what a reshard writes (see <optstate/c.h>)."""
+    _fields_ = [("struct_size", _c.c_size_t), ("flags", _u64)]
+
+    def __init__(self, **fields):
+        super().__init__(struct_size=_c.sizeof(ReshardArgs), **fields)
+
+
+RESHARD_NO_SAFETENSORS = 1  # OPTSTATE_RESHARD_NO_SAFETENSORS
+
+
 # name: (restype, argtypes). Functions whose restype is _int and whose last
 # argument is _errp return an optstate_code.
 _SIGNATURES = {
@@ -123,6 +134,8 @@ _SIGNATURES = {
     "optstate_checkpoint_restore2": (_int, [_vp, _u8p, _u32, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),
     "optstate_store_revert": (_int, [_vp, _u8p, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),
     "optstate_checkpoint_reshard": (_int, [_c.POINTER(_u8p), _c.c_size_t, _u8p, _u8p, _c.POINTER(_u32), _errp]),
+    "optstate_checkpoint_reshard_with": (_int, [_c.POINTER(_u8p), _c.c_size_t, _u8p, _u8p, _c.POINTER(ReshardArgs),
+                                                _c.POINTER(_u32), _errp]),
     "optstate_checkpoint_reshard_layout": (_int, [_c.POINTER(_u8p), _c.c_size_t, _u32, _u8p, _c.POINTER(_vp),
                                                   _errp]),
     # memory manager

@@ -27,7 +27,7 @@ import re
 import shutil
 
 from . import errors
-from ._lib import call, lib
+from ._lib import RESHARD_NO_SAFETENSORS, ReshardArgs, call, lib
 from .core import Store
 
 __all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_dir", "save_into", "resume_from",
@@ -177,13 +177,16 @@ def _layout_from_callable(sources, ranks, fn):
     return {"format": "optstate-reshard-layout", "format_version": 1, "ranks": out}
 
 
-def reshard(sources, dest, layout):
+def reshard(sources, dest, layout, safetensors=True):
     """Reshards the checkpoint directories `sources` (one per old rank, any order) into one checkpoint
     per rank of `layout` (a dict as reshard_layout returns, a JSON string, or a path to a JSON file),
     written as dest/rank-00000, ... all at once or not at all; each loads with load() or
     optstate-restore. Refuses (optstate.InvalidArgument, nothing written) sources that do not tile
     every tensor exactly once or disagree on step or hyperparameters, and layouts that do not tile;
-    a damaged source chunk raises optstate.Corruption. Returns the number of ranks written."""
+    a damaged source chunk raises optstate.Corruption. Returns the number of ranks written.
+
+    safetensors: as save()'s: write each rank's state.safetensors too (the default); False writes
+    manifest.json (marked "state_safetensors": false) and the field files only, the state once."""
     if isinstance(layout, dict):
         text = json.dumps(layout)
     elif isinstance(layout, (str, os.PathLike)) and os.path.isfile(os.fspath(layout)):
@@ -193,8 +196,9 @@ def reshard(sources, dest, layout):
         text = layout
     arr, n = _sources(sources, "reshard")
     ranks = ctypes.c_uint32()
-    call(lib.optstate_checkpoint_reshard, arr, n, text.encode("utf-8"), os.fsencode(os.fspath(dest)),
-         ctypes.byref(ranks))
+    args = ReshardArgs(flags=0 if safetensors else RESHARD_NO_SAFETENSORS)
+    call(lib.optstate_checkpoint_reshard_with, arr, n, text.encode("utf-8"), os.fsencode(os.fspath(dest)),
+         ctypes.byref(args), ctypes.byref(ranks))
     return ranks.value
 
 

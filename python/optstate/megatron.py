@@ -32,7 +32,9 @@ at most its part of `budget` bytes during the step. What changes and what does n
 - sharded_state_dict()/state_dict() carry, per rank and sub-optimizer, the store's identity and a
   snapshot of the committed generation of that moment (plus the param groups and grad scaler);
   Megatron's dist_checkpointing.save also writes that state's files into the checkpoint directory
-  (<ckpt>/optstate/<sub>/rank-<r>, the snapshot held until the directory is deleted);
+  (<ckpt>/optstate/<sub>/rank-<r>: manifest.json and the field files, the state once, or with
+  stream_optimizer_state(..., safetensors=True) state.safetensors too; the snapshot held until the
+  directory is deleted);
   load_state_dict() brings the store back to that snapshot, or restores the files (a copy on
   another node, a fresh store): a same-topology resume is exact.
   save(optimizer, dir) / load(optimizer, dir) write and read the state itself as optstate
@@ -264,10 +266,12 @@ class StreamedState:
     """The optstate store of one DistributedOptimizer: registration, the step, reload, save/load, sleep."""
 
     def __init__(self, dist_opt, store, sub_name, shards, budget, moment_dtype, backend, host_cache_bytes,
-                 commit_lag_steps, cpu_threads, direct_grads=True):
+                 commit_lag_steps, cpu_threads, direct_grads=True, safetensors=False):
         """Takes the opened `store` (closes it on failure)."""
         self.dist_opt, self.store, self.sub_name, self.shards = dist_opt, store, sub_name, shards
         self._direct_grads = direct_grads
+        # Whether checkpoint_saved writes state.safetensors beside the field files.
+        self.safetensors = bool(safetensors)
         # Megatron's clip coefficient for the next step's 16-bit grads (_install_clip_hook), and the
         # one-float tensor that hands it to the step as its grad scale.
         self._clip_coeff = 1.0
@@ -541,7 +545,7 @@ class StreamedState:
                    STATE_DIR, record.get("sub_optimizer", self.sub_name), record.get("rank", self.rank)))
         tmp = "%s.restore-%s" % (os.path.abspath(self.store._path), uuid.uuid4().hex[:8])
         try:
-            self.store.export_checkpoint(tmp, snapshot=record["snapshot"])
+            self.store.export_checkpoint(tmp, snapshot=record["snapshot"], safetensors=False)  # read once, here
             self.restore_dir(tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -726,7 +730,8 @@ def _sub_name(index, dist_opt):
 
 def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32", *, backend="auto",
                            host_cache_bytes="auto", job=None, chunk_size_bytes=None, data_dirs=None,
-                           commit_lag_steps=1, cpu_threads=None, tensor_parallel=None, direct_grads=True):
+                           commit_lag_steps=1, cpu_threads=None, tensor_parallel=None, direct_grads=True,
+                           safetensors=False):
     """Moves the fp32 mains and Adam moments of every DistributedOptimizer in `optimizer` (what
     get_megatron_optimizer returned) into optstate stores and streams its steps through them.
 
@@ -740,6 +745,9 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
       the whole tensors come from (default: Megatron's parallel_state).
     direct_grads: with 16-bit grad buffers and no grad scaler, the step reads the grads in the grad
       buffer instead of Megatron's fp32 copy of them (docs/MEGATRON.md); False: Megatron's copy.
+    safetensors: the state's files that dist_checkpointing.save puts into a checkpoint directory
+      (checkpoint_saved) carry state.safetensors too, the field files' bytes again; default False:
+      manifest.json and the field files, the state once. A checkpoint loads either way.
     Returns [StreamedState], one per streamed sub-optimizer (also `dist_opt._optstate`).
     Call it right after get_megatron_optimizer, before any step or checkpoint load."""
     subs = _dist_optimizers(optimizer)
@@ -772,7 +780,8 @@ def stream_optimizer_state(optimizer, store, budget=2 << 30, moment_dtype="f32",
                                 [st.chunk_size_bytes for st in stores], moment_dtype, [st._path for st in stores])
         for (i, sub), shards, st, part in zip(active, layouts, stores, budgets):
             states.append(StreamedState(sub, st, _sub_name(i, sub), shards, part, moment_dtype, backend,
-                                        host_cache_bytes, commit_lag_steps, cpu_threads, direct_grads))
+                                        host_cache_bytes, commit_lag_steps, cpu_threads, direct_grads,
+                                        safetensors))
     except BaseException:
         for st in stores:
             with contextlib.suppress(Exception):
@@ -814,17 +823,18 @@ def rank_dir(dest, sub_name, rank):
     return os.path.join(os.fspath(dest), sub_name, "rank-%05d" % rank)
 
 
-def save(optimizer, dest, rank=None):
+def save(optimizer, dest, rank=None, safetensors=True):
     """Writes each streamed sub-optimizer's committed state as an optstate checkpoint directory
     (rank_dir(dest, sub, rank)), with tensor parallelism its global-boxes.json (where each slice lies
     in the whole tensor, which optstate.reshard reads); returns the directories. Every rank calls it.
-    rank: default torch.distributed's."""
+    rank: default torch.distributed's. safetensors: as optstate.checkpoint.save's (False: no
+    state.safetensors, the state written once)."""
     out = []
     for st in _states(optimizer):
         st.adam.make_durable()
         d = rank_dir(dest, st.sub_name, _rank() if rank is None else rank)
         os.makedirs(os.path.dirname(d), exist_ok=True)
-        st.store.export_checkpoint(d)
+        st.store.export_checkpoint(d, safetensors=safetensors)
         _write_global_boxes(d, st.shards)
         out.append(d)
     return out
@@ -954,7 +964,8 @@ def checkpoint_saved(sharded_state_dict, checkpoint_dir):
     optimizer.sharded_state_dict() or state_dict()) name into checkpoint_dir/optstate/<sub>/rank-<r>
     and records each snapshot as held by checkpoint_dir; snapshots of checkpoint directories deleted
     since are released. Called by the wrapped dist_checkpointing.save; call it yourself after saving
-    a state_dict() elsewhere. Returns the directories written."""
+    a state_dict() elsewhere. The directories carry state.safetensors only where the store's
+    stream_optimizer_state was given safetensors=True. Returns the directories written."""
     root = os.path.join(os.fspath(checkpoint_dir), STATE_DIR)
     out = []
     for rec in _records(sharded_state_dict):
@@ -965,7 +976,7 @@ def checkpoint_saved(sharded_state_dict, checkpoint_dir):
                 "of this process streams through" % (checkpoint_dir, rec.get("store"), rec["store_uuid"]))
         dest = rank_dir(root, rec["sub_optimizer"], rec["rank"])
         out.append(checkpoint.save_into(st.store, root, holder=checkpoint_dir, state_dict={"optstate": rec},
-                                        dest=dest))
+                                        dest=dest, safetensors=st.safetensors))
         _write_global_boxes(dest, st.shards)
     return out
 

@@ -9,7 +9,7 @@ import unittest
 
 import numpy as np
 
-from common import STORE_KW, TempDirTest, optstate
+from common import STORE_KW, TempDirTest, optstate, safetensors_of
 
 
 def adamw_reference(p, m, v, g, step, lr, b1, b2, eps, wd):
@@ -593,6 +593,45 @@ class CapiTest(TempDirTest):
         with self.assertRaises(optstate.InvalidArgument) as cm:
             call(lib.optstate_checkpoint_export_with, store._live(), self.path("bad").encode(), ctypes.byref(short),
                  None)
+        self.assertIn("struct_size", str(cm.exception))
+        self.assertFalse(os.path.exists(self.path("bad")))
+
+    def test_reshard_with_args(self):
+        """optstate_checkpoint_reshard_with: NULL args reshard as optstate_checkpoint_reshard (each rank
+        with state.safetensors), OPTSTATE_RESHARD_NO_SAFETENSORS leaves it out (the manifest says so);
+        unknown flags and a struct_size short of the struct are refused naming the call, nothing written."""
+        from optstate._lib import RESHARD_NO_SAFETENSORS, ReshardArgs, call, lib
+        import ctypes
+        import json
+        store, mm, adam = self.open()
+        w = np.ones(1000, dtype=np.float32)
+        pid, _ = adam.register_param("w", 1000, 0, w.ctypes.data, optstate.F32)
+        adam.step([pid], [np.full(1000, 0.5, dtype=np.float32).ctypes.data], [optstate.F32])
+        store.export_checkpoint(self.path("src"), safetensors=False)
+        layout = json.dumps(optstate.checkpoint.reshard_layout([self.path("src")], ranks=2)).encode()
+        srcs = (ctypes.c_char_p * 1)(self.path("src").encode())
+        ranks = ctypes.c_uint32()
+
+        def reshard(dest, args):
+            call(lib.optstate_checkpoint_reshard_with, srcs, 1, layout, self.path(dest).encode(), args,
+                 ctypes.byref(ranks))
+
+        reshard("default", None)
+        self.assertEqual(ranks.value, 2)
+        for r in range(2):
+            self.assertEqual(safetensors_of(self.path("default/rank-%05d" % r)), (True, None))
+        reshard("lean", ctypes.byref(ReshardArgs(flags=RESHARD_NO_SAFETENSORS)))
+        for r in range(2):
+            d = self.path("lean/rank-%05d" % r)
+            self.assertEqual(safetensors_of(d), (False, False))
+            self.assertEqual(sorted(os.listdir(d)), ["manifest.json", "tensors"])
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            reshard("bad", ctypes.byref(ReshardArgs(flags=2)))
+        self.assertIn("optstate_checkpoint_reshard_with: unknown flags", str(cm.exception))
+        short = ReshardArgs(flags=RESHARD_NO_SAFETENSORS)
+        short.struct_size = ctypes.sizeof(ReshardArgs) - 8
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            reshard("bad", ctypes.byref(short))
         self.assertIn("struct_size", str(cm.exception))
         self.assertFalse(os.path.exists(self.path("bad")))
 

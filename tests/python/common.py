@@ -1,5 +1,6 @@
 """Shared by the Python tests: makes the source tree's package importable and
 gives each test a fresh directory and small, fast store settings."""
+import json
 import os
 import shutil
 import sys
@@ -56,3 +57,12 @@ def wait_for(done, limit_s=HANG_LIMIT_S, poll_s=0.02):
         if time.monotonic() >= deadline:
             return bool(done())
         time.sleep(poll_s)
+
+
+def safetensors_of(ckpt):
+    """(whether the optstate checkpoint directory ckpt holds state.safetensors, its manifest's
+    "state_safetensors" value or None where the key is absent): (False, False) for a checkpoint written
+    without it, (True, None) for one with it."""
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    return os.path.exists(os.path.join(ckpt, "state.safetensors")), manifest.get("state_safetensors")

@@ -1,14 +1,16 @@
 """FSDP2 (fully_shard, DTensor params) with optstate.torch.AdamW on two gloo processes (CPU), and
 torch.distributed.checkpoint through optstate.integrations.dcp: against torch.optim.AdamW on the
 unsharded model, the stores' shard geometry against the placements, a DCP save/load resume on two
-processes and a resume on one process through reshard, each against the uninterrupted run."""
+processes and a resume on one process through reshard, each against the uninterrupted run. The
+ranks' directories and the reshard's output hold the state once (no state.safetensors) unless
+OptstateState(..., safetensors=True)."""
 import json
 import os
 import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest, optstate  # noqa: F401  (common puts the package on sys.path)
+from common import OPT_KW, TempDirTest, optstate, safetensors_of  # noqa: F401  (common puts the package on sys.path)
 import optstate.torch as ot
 
 try:
@@ -268,7 +270,13 @@ class Fsdp2Test(TempDirTest):
         # One process: each step on the whole batch instead of the two ranks' halves averaged (the
         # gradients round differently: within 1e-6, not bit for bit), state resharded 2 -> 1 exactly.
         self.assert_close_rel(self.single_process_resume(), train["state"], 1e-6, "1-process resume via reshard")
-        self.assertTrue(os.path.isdir(self.path("dcp-step%d/optstate" % SAVE_AT)))
+        # The ranks' directories and the 1-rank reshard of them (a scratch input of that load): the
+        # field files without state.safetensors, their manifests saying so.
+        root = self.path("dcp-step%d/optstate" % SAVE_AT)
+        resharded = [d for d in os.listdir(root) if d.startswith("reshard-1-")]
+        self.assertEqual(len(resharded), 1, os.listdir(root))
+        for d in ["rank-%05d" % r for r in range(WORLD)] + [os.path.join(resharded[0], "rank-00000")]:
+            self.assertEqual(safetensors_of(os.path.join(root, d)), (False, False), d)
         # Refused with the param named, and the store the constructor created removed again.
         refused = []
         for r in range(WORLD):
@@ -288,14 +296,17 @@ class Fsdp2Test(TempDirTest):
 
     def test_save_over_a_checkpoint_and_load_it(self):
         # DCP asks the Stateful for state_dict() on load too: that writes nothing; a save over an
-        # existing checkpoint replaces its optstate state (as DCP replaces its own files).
+        # existing checkpoint replaces its optstate state (as DCP replaces its own files). The second
+        # save asks for state.safetensors, and the default load takes that checkpoint as well.
         model = make_model()
         opt = ot.AdamW(groups(model), store=self.path("s"), lr=LR, host_cache_bytes=0, **OPT_KW)
         ck = self.path("ck")
         train_step(model, opt, 0, slice(None))
         dcp.save({"model": model.state_dict(), "optim": OptstateState(opt, ck)}, checkpoint_id=ck)
+        self.assertEqual(safetensors_of(os.path.join(ck, "optstate", "rank-00000")), (False, False))
         train_step(model, opt, 1, slice(None))
-        dcp.save({"model": model.state_dict(), "optim": OptstateState(opt, ck)}, checkpoint_id=ck)
+        dcp.save({"model": model.state_dict(), "optim": OptstateState(opt, ck, safetensors=True)}, checkpoint_id=ck)
+        self.assertEqual(safetensors_of(os.path.join(ck, "optstate", "rank-00000")), (True, None))
         at_two = {n: p.detach().clone() for n, p in model.named_parameters()}
         train_step(model, opt, 2, slice(None))
         dcp.load({"model": model.state_dict(), "optim": OptstateState(opt, ck)}, checkpoint_id=ck)

@@ -2,14 +2,16 @@
 optstate.integrations.transformers: 20 steps saving every 5, resumed from an
 earlier checkpoint while the store is at step 20, from a checkpoint copied to a
 fresh store path, and with save_total_limit: each against the uninterrupted run,
-bit for bit (fp32, CPU, a 2-layer GPT-2 from a config)."""
+bit for bit (fp32, CPU, a 2-layer GPT-2 from a config). The checkpoints hold the
+state once (no state.safetensors) unless install(trainer, safetensors=True), and
+a checkpoint with state.safetensors resumes as well."""
 import os
 import shutil
 import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest, optstate  # noqa: F401  (common puts the package on the path)
+from common import OPT_KW, TempDirTest, optstate, safetensors_of  # noqa: F401  (common puts the package on the path)
 
 try:
     import transformers
@@ -60,9 +62,9 @@ class HfTrainerTest(TempDirTest):
                                  logging_steps=100, report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0,
                                  disable_tqdm=True, **kw)
 
-    def trainer(self, mode, store, out, **kw):
+    def trainer(self, mode, store, out, install_kw=None, **kw):
         """A Trainer whose optimizer is optstate's: made by the test (mode "optimizers") or by the Trainer
-        (mode "cls"); installed with the adapter."""
+        (mode "cls"); installed with the adapter (install_kw: install's keyword arguments)."""
         model = make_model()
         if mode == "optimizers":
             opt = ot.AdamW(model.named_parameters(), store=store, lr=LR, weight_decay=0.0, **OPT_KW)
@@ -70,7 +72,7 @@ class HfTrainerTest(TempDirTest):
         else:
             t = Trainer(model=model, args=self.args(out, **kw), train_dataset=Data(),
                         optimizer_cls_and_kwargs=(ot.AdamW, dict(store=store, lr=LR, weight_decay=0.0, **OPT_KW)))
-        optstate.integrations.transformers.install(t)
+        optstate.integrations.transformers.install(t, **(install_kw or {}))
         return t, model
 
     def close(self, t):
@@ -97,8 +99,8 @@ class HfTrainerTest(TempDirTest):
         t.train()
         self.assertEqual(max_diff(weights(model), ref), 0.0)
         self.close(t)
-        for step in (5, 10, 15, 20):
-            self.assertTrue(os.path.isfile(self.path("out/checkpoint-%d/optstate/s/manifest.json" % step)), step)
+        for step in (5, 10, 15, 20):  # the state once: the field files, no state.safetensors, and the manifest says so
+            self.assertEqual(safetensors_of(self.path("out/checkpoint-%d/optstate/s" % step)), (False, False), step)
 
         # Resume from checkpoint-10 while the store is at step 20.
         t, model = self.trainer(mode, self.path("s"), self.path("out_b"))
@@ -137,6 +139,23 @@ class HfTrainerTest(TempDirTest):
         t.train(resume_from_checkpoint=True)
         self.assertEqual(max_diff(weights(model), ref), 0.0)
         self.assertTrue(os.path.isfile(self.path("copy/checkpoint-20/optstate/fresh/manifest.json")))
+        self.close(t)
+
+    def test_safetensors_option_and_checkpoints_with_it_resume(self):
+        """install(trainer, safetensors=True) puts state.safetensors into every checkpoint (the manifest
+        without "state_safetensors"); such a checkpoint (what the adapter wrote by default before it
+        wrote the state once) resumes on a fresh store path through the default install, bit for bit."""
+        ref = self.reference()
+        t, model = self.trainer("optimizers", self.path("s"), self.path("out"), install_kw=dict(safetensors=True))
+        t.train()
+        self.close(t)
+        for step in (5, 10, 15, 20):
+            self.assertEqual(safetensors_of(self.path("out/checkpoint-%d/optstate/s" % step)), (True, None), step)
+        shutil.copytree(self.path("out/checkpoint-10"), self.path("copied"))
+        t, model = self.trainer("optimizers", self.path("fresh"), self.path("out_c"))
+        t.train(resume_from_checkpoint=self.path("copied"))
+        self.assertEqual(max_diff(weights(model), ref), 0.0)
+        self.assertEqual(safetensors_of(self.path("out_c/checkpoint-20/optstate/fresh")), (False, False))
         self.close(t)
 
     def test_optimizers_argument(self):

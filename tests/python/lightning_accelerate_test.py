@@ -2,14 +2,15 @@
 and optstate.integrations.lightning, and accelerate's save_state/load_state
 with optstate.integrations.accelerate: resumed from an earlier checkpoint (and
 from a copy on a fresh store path), each against the uninterrupted run, bit
-for bit (fp32, CPU)."""
+for bit (fp32, CPU). Their checkpoints hold the state once (no
+state.safetensors) unless the adapter is given safetensors=True."""
 import os
 import shutil
 import unittest
 
 import torch
 
-from common import OPT_KW, TempDirTest, optstate  # noqa: F401  (common puts the package on the path)
+from common import OPT_KW, TempDirTest, optstate, safetensors_of  # noqa: F401  (common puts the package on the path)
 import optstate.torch as ot
 
 try:
@@ -69,13 +70,15 @@ if pl is not None:
 
 @unittest.skipIf(pl is None, "lightning is not installed")
 class LightningTest(TempDirTest):
-    def fit(self, store, out, ckpt_path=None, check=None, **ckpt_kw):
+    def fit(self, store, out, ckpt_path=None, check=None, safetensors=None, **ckpt_kw):
+        """safetensors: OptstateCheckpoints' argument (None: its default)."""
         module = Module(store)
         ckpt_kw = ckpt_kw or {"save_top_k": -1}
         trainer = pl.Trainer(max_steps=20, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                              enable_model_summary=False, deterministic=True,
                              callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=5, **ckpt_kw),
-                                        osl.OptstateCheckpoints()])
+                                        osl.OptstateCheckpoints() if safetensors is None
+                                        else osl.OptstateCheckpoints(safetensors=safetensors)])
         trainer.fit(module, ckpt_path=ckpt_path)
         opts = optstate.integrations.optstate_optimizers(trainer.optimizers)
         if check is not None:
@@ -105,7 +108,8 @@ class LightningTest(TempDirTest):
         step10 = [f for f in ckpts if "step=10" in f]
         self.assertEqual(len(step10), 1, ckpts)
         path10 = os.path.join(self.path("out"), step10[0])
-        self.assertTrue(os.path.isfile(os.path.join(path10 + osl.SUFFIX, "s", "manifest.json")))
+        # The state once: the field files, no state.safetensors, and the manifest says so.
+        self.assertEqual(safetensors_of(os.path.join(path10 + osl.SUFFIX, "s")), (False, False))
 
         # The store is at step 20: the step-10 checkpoint makes its snapshot the head again.
         resumed = self.fit(self.path("s"), self.path("out_b"), ckpt_path=path10)
@@ -118,6 +122,14 @@ class LightningTest(TempDirTest):
         copied = self.fit(self.path("fresh"), self.path("out_c"), ckpt_path=self.path("copied/c.ckpt"))
         self.assertEqual(max_diff(copied, ref), 0.0)
 
+    def test_safetensors_option(self):
+        """OptstateCheckpoints(safetensors=True): every checkpoint's files carry state.safetensors too."""
+        self.fit(self.path("s"), self.path("out"), safetensors=True)
+        sidecars = [f for f in os.listdir(self.path("out")) if f.endswith(osl.SUFFIX)]
+        self.assertEqual(len(sidecars), 4, sidecars)
+        for f in sidecars:
+            self.assertEqual(safetensors_of(os.path.join(self.path("out"), f, "s")), (True, None), f)
+
 
 @unittest.skipIf(accelerate is None, "accelerate is not installed")
 class AccelerateTest(TempDirTest):
@@ -128,12 +140,12 @@ class AccelerateTest(TempDirTest):
             acc.backward(((model(x) - y) ** 2).mean())
             opt.step()
 
-    def setup_run(self, store):
+    def setup_run(self, store, **install_kw):
         acc = accelerate.Accelerator(cpu=True)
         net = make_net()
         opt = ot.AdamW(net.named_parameters(), store=store, lr=LR, **OPT_KW)
         net, popt = acc.prepare(net, opt)
-        osa.install(acc)
+        osa.install(acc, **install_kw)
         return acc, net, popt, opt
 
     def test_load_state_of_an_earlier_save(self):
@@ -145,7 +157,8 @@ class AccelerateTest(TempDirTest):
         acc, net, popt, opt = self.setup_run(self.path("s"))
         self.run_steps(acc, net, popt, 0, 10)
         acc.save_state(self.path("state10"))
-        self.assertTrue(os.path.isfile(self.path("state10/optstate/s/manifest.json")))
+        # The state once: the field files, no state.safetensors, and the manifest says so.
+        self.assertEqual(safetensors_of(self.path("state10/optstate/s")), (False, False))
         self.run_steps(acc, net, popt, 10, 15)
         acc.load_state(self.path("state10"))
         self.assertEqual(opt.step_count(0), 10)
@@ -159,6 +172,14 @@ class AccelerateTest(TempDirTest):
         acc.load_state(self.path("copied"))
         self.run_steps(acc, net, popt, 10, 15)
         self.assertEqual(max_diff(weights(net), ref), 0.0)
+        opt.close()
+
+    def test_safetensors_option(self):
+        """install(accelerator, safetensors=True): the saved state carries state.safetensors too."""
+        acc, net, popt, opt = self.setup_run(self.path("s"), safetensors=True)
+        self.run_steps(acc, net, popt, 0, 5)
+        acc.save_state(self.path("state5"))
+        self.assertEqual(safetensors_of(self.path("state5/optstate/s")), (True, None))
         opt.close()
 
 

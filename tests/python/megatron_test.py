@@ -14,7 +14,7 @@ import unittest
 
 import torch
 
-from common import TempDirTest
+from common import TempDirTest, safetensors_of
 
 import optstate
 
@@ -721,16 +721,28 @@ class MegatronTest(TempDirTest):
 
     def test_dist_checkpoint_carries_the_state_to_a_fresh_store(self):
         # Megatron's dist_checkpointing save (what save_checkpoint does with torch_dist) writes the state's
-        # files into the checkpoint directory: a copy of it on another node resumes bit for bit.
+        # files into the checkpoint directory, once (no state.safetensors, the manifest says so): a copy of
+        # it on another node resumes bit for bit.
+        self.carry_to_fresh_store({}, (False, False))
+
+    def test_dist_checkpoint_with_safetensors_carries_the_state_to_a_fresh_store(self):
+        # stream_optimizer_state(..., safetensors=True): the files carry state.safetensors too, and such
+        # a checkpoint (the adapter's default before it wrote the state once) resumes through a default
+        # stream_optimizer_state on another node, bit for bit.
+        self.carry_to_fresh_store(dict(safetensors=True), (True, None))
+
+    def carry_to_fresh_store(self, stream_kw, files_safetensors):
+        """A dist_checkpointing save at step 3 by an optimizer streamed with stream_kw, whose files are
+        checked with safetensors_of; its copy resumed on a fresh store path against the run that went on."""
         self._dist()
         model = Model(0, 1)
         opt = make_dist_opt(model, 0, 1)
-        om.stream_optimizer_state(opt, store=self.path("node-a/r{rank}"), budget=32 << 20, **CHUNK)
+        om.stream_optimizer_state(opt, store=self.path("node-a/r{rank}"), budget=32 << 20, **CHUNK, **stream_kw)
         run_steps(model, [opt], 0, 3)
         ckpt = self.path("node-a/save/iter_3")
         self._dist_save(opt, ckpt)
         files = om.rank_dir(os.path.join(ckpt, om.STATE_DIR), "0.dense", 0)
-        self.assertTrue(os.path.isfile(os.path.join(files, "manifest.json")))
+        self.assertEqual(safetensors_of(files), files_safetensors)
         ckpt_params = model.flat()
         run_steps(model, [opt], 3, 6)
         after = model.flat()

@@ -1,7 +1,7 @@
 """optstate.reshard over the C ABI: a one-rank checkpoint split over two ranks
-and joined again gives back its field files byte for byte, the joined one
-loads and training continues as from the original, and a missing rank is
-refused with nothing written."""
+and joined again (without state.safetensors) gives back its field files byte
+for byte, the joined one loads and training continues as from the original,
+and a missing rank is refused with nothing written."""
 import hashlib
 import json
 import os
@@ -11,7 +11,7 @@ import unittest
 
 import torch
 
-from common import HANG_LIMIT_S, OPT_KW, TempDirTest, optstate
+from common import HANG_LIMIT_S, OPT_KW, TempDirTest, optstate, safetensors_of
 import optstate.checkpoint as ckpt
 import optstate.torch as ot
 from torch_adamw_test import make_model, two_groups
@@ -51,11 +51,15 @@ class ReshardTest(TempDirTest):
         self.assertEqual(len(layout["ranks"]), 2)
         self.assertEqual(optstate.reshard([self.path("ck1")], self.path("ck2"), layout), 2)
         two = [ckpt.rank_dir(self.path("ck2"), r) for r in range(2)]
-        self.assertTrue(all(os.path.isfile(os.path.join(d, "manifest.json")) for d in two))
+        for d in two:  # by default with state.safetensors, as an export
+            self.assertEqual(safetensors_of(d), (True, None), d)
 
+        # Joined without state.safetensors: the field files alone, the manifest saying so.
         joined = ckpt.reshard_layout(two, ranks=1)
-        self.assertEqual(optstate.reshard(list(reversed(two)), self.path("ck3"), joined), 1)
+        self.assertEqual(optstate.reshard(list(reversed(two)), self.path("ck3"), joined, safetensors=False), 1)
         self.assertEqual(field_files(self.path("ck1")), field_files(ckpt.rank_dir(self.path("ck3"), 0)))
+        self.assertEqual(safetensors_of(ckpt.rank_dir(self.path("ck3"), 0)), (False, False))
+        self.assertEqual(sorted(os.listdir(ckpt.rank_dir(self.path("ck3"), 0))), ["manifest.json", "tensors"])
 
         # The joined checkpoint resumes exactly as the original does.
         self.steps(model, opt, 2)

@@ -68,9 +68,12 @@ class VocabularyTest(unittest.TestCase):
         self.assertEqual(optstate._lib_handle.optstate_abi_version(), _lib.ABI_VERSION)
         m = re.search(r"#define OPTSTATE_EXPORT_NO_SAFETENSORS (\d+)u", self.h)
         self.assertEqual(_lib.EXPORT_NO_SAFETENSORS, int(m.group(1)))
+        m = re.search(r"#define OPTSTATE_RESHARD_NO_SAFETENSORS (\d+)u", self.h)
+        self.assertEqual(_lib.RESHARD_NO_SAFETENSORS, int(m.group(1)))
         for c_name, py in (("optstate_adam_step_args_t", _lib.StepArgs),
                            ("optstate_adam_register_args_t", _lib.RegisterArgs),
-                           ("optstate_checkpoint_export_args_t", _lib.ExportArgs)):
+                           ("optstate_checkpoint_export_args_t", _lib.ExportArgs),
+                           ("optstate_checkpoint_reshard_args_t", _lib.ReshardArgs)):
             m = re.search(r"typedef struct %s \{(.*?)\} %s;" % (c_name, c_name), self.h, flags=re.S)
             fields = re.findall(r"(\w+);", m.group(1))
             self.assertEqual([f for f, _ in py._fields_], fields, c_name)

@@ -1,6 +1,7 @@
 // optstate-reshard as a user runs it: two ranks' exported checkpoints, a
-// layout for three ranks from `layout`, `run`, then optstate-restore of each
-// new rank; the restored values are the global indices the sources held.
+// layout for three ranks from `layout`, `run` (--no-safetensors), then
+// optstate-restore of each new rank; the restored values are the global
+// indices the sources held.
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -59,11 +60,17 @@ TEST(ReshardTool, LayoutRunRestore) {
   WriteRank(dir / "s1", dir / "c1", 1);
   auto layout = Tool("optstate-reshard", {"layout", "--ranks", "3", "-o", dir / "l.json", dir / "c1", dir / "c0"});
   ASSERT_EQ(layout.exit_code, 0) << layout.err;
-  auto run = Tool("optstate-reshard",
-                  {"run", "--layout", dir / "l.json", "--dest", dir / "out", dir / "c0", dir / "c1"});
+  auto run = Tool("optstate-reshard", {"run", "--layout", dir / "l.json", "--dest", dir / "out", "--no-safetensors",
+                                       dir / "c0", dir / "c1"});
   ASSERT_EQ(run.exit_code, 0) << run.err;
   EXPECT_NE(run.out.find("into 3 ranks"), std::string::npos) << run.out;
   for (uint32_t r = 0; r < 3; ++r) {
+    // --no-safetensors: the field files alone, and the manifest says so.
+    const std::string out = dir / ("out/" + vfs::ReshardRankDirName(r));
+    EXPECT_FALSE(fs::exists(out + "/" + vfs::kSafetensorsFileName)) << out;
+    auto m = vfs::ReadManifestFile(out + "/" + vfs::kManifestFileName);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_FALSE(m->has_safetensors) << out;
     const std::string store = dir / ("r" + std::to_string(r));
     auto restore = Tool("optstate-restore",
                         {dir / ("out/" + vfs::ReshardRankDirName(r)), store, "--create", "r", "-q"});
@@ -177,6 +184,7 @@ TEST(ReshardTool, SplitRulesAndFlatBucketsOfMatrices) {
   EXPECT_EQ(run.out + run.err, "");
   std::vector<std::string> flat;
   for (uint32_t r = 0; r < 3; ++r) flat.push_back(dir / ("flat/" + vfs::ReshardRankDirName(r)));
+  for (const std::string& d : flat) EXPECT_TRUE(fs::exists(d + "/" + vfs::kSafetensorsFileName)) << d;  // the default
   auto rows = Tool("optstate-reshard", {"layout", "--ranks", "2", "-o", dir / "r.json", flat[0], flat[1], flat[2]});
   ASSERT_EQ(rows.exit_code, 0) << rows.err;
   auto back = Tool("optstate-reshard",

@@ -362,9 +362,10 @@ TEST_F(ReshardTest, SourcesWithoutSafetensors) {
   }
 }
 
-TEST_F(ReshardTest, CheckerboardTarget) {
-  // 2 x 2 boxes of the 2-D tensors (writes to a destination arrive out of
-  // order), 1-D tensor on ranks 1 and 3 only.
+// 2 x 2 boxes of Model()'s 2-D tensors (writes to a destination arrive out of
+// order, so they go through the page cache), its 1-D tensor on ranks 1 and 3
+// only.
+TargetLayout CheckerboardLayout() {
   TargetLayout t;
   t.ranks.resize(4);
   for (const GlobalDef& g : Model()) {
@@ -379,6 +380,69 @@ TEST_F(ReshardTest, CheckerboardTarget) {
     t.ranks[2][g.name] = {{h, 0}, {g.global_shape[0] - h, w}};
     t.ranks[3][g.name] = {{h, w}, {g.global_shape[0] - h, g.global_shape[1] - w}};
   }
+  return t;
+}
+
+// ReshardOptions::safetensors = false: each rank's field files and manifest
+// alone, the manifest saying so, on both write paths (rows of rows arrive in
+// file order and are written with O_DIRECT, a checkerboard through the page
+// cache);
+// the field files and manifests are the full reshard's but for that, the
+// bytes written are the full reshard's less its state.safetensors (and the
+// manifests' difference), and every rank restores to its field files' bytes.
+TEST_F(ReshardTest, OutputWithoutSafetensors) {
+  for (const std::string tag : {"rows", "checkerboard"}) {
+    SCOPED_TRACE(tag);
+    const TargetLayout layout = tag == "rows" ? MakeEvenLayout(Globals(), 3, SplitKind::kRows) : CheckerboardLayout();
+    const size_t ranks = layout.ranks.size();
+    ReshardOptions lean_opts;
+    lean_opts.safetensors = false;
+    auto lean = Reshard(RankDirs(src_, 4), layout, root_ + "/lean-" + tag, lean_opts);
+    ASSERT_TRUE(lean.ok()) << lean.status().ToString();
+    auto full = Reshard(RankDirs(src_, 4), layout, root_ + "/full-" + tag);
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    const std::vector<std::string> lean_dirs = RankDirs(root_ + "/lean-" + tag, ranks);
+    CheckAgainstReference(lean_dirs, SourceManifest());
+    EXPECT_TRUE(FieldFiles(root_ + "/lean-" + tag) == FieldFiles(root_ + "/full-" + tag));
+    EXPECT_EQ(lean->bytes_read, full->bytes_read);
+    uint64_t st_bytes = 0;
+    int64_t manifest_bytes_more = 0;  // the lean manifests' bytes less the full ones' (the added key)
+    for (uint32_t r = 0; r < ranks; ++r) {
+      const std::string d = lean_dirs[r], f = RankDirs(root_ + "/full-" + tag, ranks)[r];
+      EXPECT_FALSE(fs::exists(d + "/" + kSafetensorsFileName)) << d;
+      st_bytes += fs::file_size(f + "/" + kSafetensorsFileName);
+      manifest_bytes_more += static_cast<int64_t>(fs::file_size(d + "/" + kManifestFileName)) -
+                             static_cast<int64_t>(fs::file_size(f + "/" + kManifestFileName));
+      nlohmann::json lj = nlohmann::json::parse(ReadFile(d + "/" + kManifestFileName));
+      nlohmann::json fj = nlohmann::json::parse(ReadFile(f + "/" + kManifestFileName));
+      EXPECT_EQ(lj.value(kManifestSafetensorsKey, true), false) << d;
+      EXPECT_FALSE(fj.contains(kManifestSafetensorsKey)) << f;
+      auto m = ReadManifestFile(d + "/" + kManifestFileName);
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      EXPECT_FALSE(m->has_safetensors) << d;
+      // The same manifest but for the key, the new store's uuid and the checksum of the whole.
+      for (nlohmann::json* j : {&lj, &fj}) {
+        j->erase(kManifestSafetensorsKey);
+        j->erase(kManifestChecksumKey);
+        (*j)["store"].erase("uuid");
+      }
+      EXPECT_EQ(lj, fj) << d;
+      auto store = CreateStoreFromCheckpoint(d, root_ + "/restored-" + tag + std::to_string(r), StoreOptions{});
+      ASSERT_TRUE(store.ok()) << store.status().ToString();
+      const auto dump = DumpLatest(store->get());
+      for (const ManifestTensor& t : m->tensors) {
+        for (const ManifestField& fl : t.fields) {
+          EXPECT_TRUE(dump.at(t.name + "/" + fl.name) == ReadFile(d + "/" + fl.file)) << t.name << "/" << fl.name;
+        }
+      }
+    }
+    EXPECT_EQ(static_cast<int64_t>(full->bytes_written - lean->bytes_written),
+              static_cast<int64_t>(st_bytes) - manifest_bytes_more);
+  }
+}
+
+TEST_F(ReshardTest, CheckerboardTarget) {
+  const TargetLayout t = CheckerboardLayout();
   auto r = Reshard(RankDirs(src_, 4), t, root_ + "/cb");
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   CheckAgainstReference(RankDirs(root_ + "/cb", 4), SourceManifest());

@@ -48,7 +48,9 @@
  * optstate_adam_fields). Version 4 adds Muon and several rules in one
  * optimizer (the rule "muon", optstate_adam_options_add_rule,
  * optstate_adam_register_params_with). Version 5 adds
- * optstate_checkpoint_export_with (a checkpoint without state.safetensors). */
+ * optstate_checkpoint_export_with (a checkpoint without state.safetensors).
+ * Version 6 adds optstate_checkpoint_reshard_with (resharded checkpoints
+ * without state.safetensors). */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -65,7 +67,7 @@ extern "C" {
 #define OPTSTATE_EXPORT
 #endif
 
-#define OPTSTATE_C_ABI_VERSION 5
+#define OPTSTATE_C_ABI_VERSION 6
 
 /* Codes: the values of optstate::StatusCode (base/status.h; the library checks
  * these copies against it when it is built). */
@@ -315,6 +317,27 @@ OPTSTATE_EXPORT int optstate_checkpoint_restore(optstate_store_t* store, const c
 OPTSTATE_EXPORT int optstate_checkpoint_reshard(const char* const* sources, size_t num_sources,
                                                 const char* layout_json, const char* dest, uint32_t* ranks,
                                                 char** errptr);
+/* What optstate_checkpoint_reshard_with writes.
+ *   flags: OPTSTATE_RESHARD_NO_SAFETENSORS leaves state.safetensors out of
+ *     every rank's directory (it holds the field files' bytes again, so the
+ *     default writes twice the state): manifest.json (marked
+ *     "state_safetensors": false) and the field files, which
+ *     optstate_checkpoint_restore reads alone. Other bits: INVALID_ARGUMENT.
+ * Zero-initialise it, set struct_size =
+ * sizeof(optstate_checkpoint_reshard_args_t) as the caller was built, then
+ * the fields (appended only, as optstate_checkpoint_export_args_t's). Since
+ * ABI version 6. */
+#define OPTSTATE_RESHARD_NO_SAFETENSORS 1u
+typedef struct optstate_checkpoint_reshard_args_t {
+  size_t struct_size;
+  uint64_t flags;
+} optstate_checkpoint_reshard_args_t;
+/* optstate_checkpoint_reshard with the options in args (NULL: the defaults,
+ * which are optstate_checkpoint_reshard's). Since ABI version 6. */
+OPTSTATE_EXPORT int optstate_checkpoint_reshard_with(const char* const* sources, size_t num_sources,
+                                                     const char* layout_json, const char* dest,
+                                                     const optstate_checkpoint_reshard_args_t* args,
+                                                     uint32_t* ranks, char** errptr);
 /* A target layout that splits every tensor of the sources evenly over `ranks`
  * ranks by split rules, separated by commas or newlines, the first whose
  * pattern matches a tensor's name wins: "[PATTERN=]KIND", PATTERN a glob

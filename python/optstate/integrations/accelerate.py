@@ -8,7 +8,11 @@
 
 install() registers a save_state pre-hook (each prepared optstate optimizer's state into
 <dir>/optstate/, the snapshot held by <dir>, snapshots of deleted states released) and a load_state
-pre-hook (arms optstate.checkpoint.resume_from(<dir>/optstate) for the optimizers' load)."""
+pre-hook (arms optstate.checkpoint.resume_from(<dir>/optstate) for the optimizers' load).
+
+The files are manifest.json and tensors/<tensor>/<field>, the state once (the manifest says
+"state_safetensors": false); install(accelerator, safetensors=True) adds state.safetensors, the same
+bytes again. A saved state loads either way."""
 import os
 
 from .. import checkpoint
@@ -17,12 +21,14 @@ from . import STATE_DIR, optstate_optimizers
 __all__ = ["install"]
 
 
-def install(accelerator):
-    """Registers the hooks on accelerator; returns their handles (save, load)."""
+def install(accelerator, safetensors=False):
+    """Registers the hooks on accelerator; returns their handles (save, load). safetensors: also write
+    state.safetensors (optstate.checkpoint.save_into's)."""
 
     def save_pre(models, weights, output_dir):
         for opt in optstate_optimizers(accelerator._optimizers):
-            checkpoint.save_into(opt, os.path.join(output_dir, STATE_DIR), holder=output_dir)
+            checkpoint.save_into(opt, os.path.join(output_dir, STATE_DIR), holder=output_dir,
+                                 safetensors=safetensors)
 
     def load_pre(models, input_dir):
         checkpoint.resume_from(os.path.join(input_dir, STATE_DIR))

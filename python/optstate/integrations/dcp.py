@@ -10,7 +10,8 @@
 OptstateState is a DCP Stateful. When DCP saves it, each rank writes its optimizer's committed state
 as an optstate checkpoint directory (optstate.checkpoint.save: the library copies the store's chunks,
 checksummed, reflinked where the filesystem allows; nothing passes through Python or RAM) to
-<ckpt_dir>/optstate/rank-<rank>, and DCP's own files carry a small record of the saving job (its
+<ckpt_dir>/optstate/rank-<rank> (manifest.json and the field files, the state once; with
+OptstateState(..., safetensors=True) state.safetensors too, the same bytes again), and DCP's own files carry a small record of the saving job (its
 world size). When DCP loads it, each rank restores its directory (optstate.checkpoint.load: the
 params take the restored fp32 mains, step counts and hyperparameters are the checkpoint's). On
 another world size (or another sharding) the ranks' directories are resharded first
@@ -66,15 +67,18 @@ class OptstateState(_Base):
 
     opt: the optimizer. checkpoint_id: the directory given to dcp.save / dcp.load.
     reshard_dir: where a load on another world size writes the resharded checkpoints (default: under
-    checkpoint_id/optstate; must be visible to every rank); a layout resharded once is reused."""
+    checkpoint_id/optstate; must be visible to every rank); a layout resharded once is reused. They
+    hold no state.safetensors: they are read only by this load.
+    safetensors: the rank directories a save writes carry state.safetensors too (default False)."""
 
-    def __init__(self, opt, checkpoint_id, reshard_dir=None):
+    def __init__(self, opt, checkpoint_id, reshard_dir=None, safetensors=False):
         if not hasattr(opt, "_load_checkpoint"):
             raise errors.InvalidArgument("optstate.integrations.dcp.OptstateState: %r is not an "
                                          "optstate.torch optimizer" % type(opt).__name__)
         self._opt = opt
         self._dir = os.path.abspath(os.fspath(checkpoint_id))
         self._reshard_dir = None if reshard_dir is None else os.path.abspath(os.fspath(reshard_dir))
+        self._safetensors = bool(safetensors)
 
     @property
     def _state_root(self):
@@ -92,10 +96,10 @@ class OptstateState(_Base):
             return {"format": _LoadTemplate(self._dir), "format_version": 0, "world_size": 0, "global_step": 0}
         dest = checkpoint.rank_dir(self._state_root, rank)
         if not os.path.exists(dest):
-            checkpoint.save(self._opt, dest)
+            checkpoint.save(self._opt, dest, safetensors=self._safetensors)
         else:  # a save over an earlier checkpoint: the new state replaces this rank's directory whole
             new, old = ["%s.%s-%s" % (dest, what, uuid.uuid4().hex[:8]) for what in ("new", "old")]
-            checkpoint.save(self._opt, new)
+            checkpoint.save(self._opt, new, safetensors=self._safetensors)
             os.rename(dest, old)
             os.rename(new, dest)
             shutil.rmtree(old, ignore_errors=True)
@@ -185,7 +189,7 @@ class OptstateState(_Base):
         failure = None
         if rank == 0 and not os.path.isdir(dest):  # reshard writes dest whole or not at all
             try:
-                checkpoint.reshard(sources, dest, layout)
+                checkpoint.reshard(sources, dest, layout, safetensors=False)  # an input to this load only
             except errors.Error as e:
                 failure = "%s: %s" % (type(e).__name__, e)
         if dist is not None:

@@ -9,7 +9,11 @@ optimizers put their state's files into <file>.optstate/ (the snapshot held by t
 removed (save_top_k) takes its .optstate/ along and releases its snapshot; loading a checkpoint arms
 optstate.checkpoint.resume_from(<file>.optstate) so that a copy on another node or store path resumes
 from the files when the store lacks the snapshot. Both the .ckpt file and its .optstate directory are
-the checkpoint: copy them together."""
+the checkpoint: copy them together.
+
+The files are manifest.json and tensors/<tensor>/<field>, the state once (the manifest says
+"state_safetensors": false); OptstateCheckpoints(safetensors=True) adds state.safetensors, the same
+bytes again. A checkpoint resumes either way."""
 import os
 import shutil
 
@@ -29,8 +33,8 @@ SUFFIX = ".optstate"
 
 
 class _OptstateCheckpointIO(CheckpointIO):
-    def __init__(self, inner, trainer):
-        self.inner, self._trainer = inner, trainer
+    def __init__(self, inner, trainer, safetensors=False):
+        self.inner, self._trainer, self.safetensors = inner, trainer, safetensors
 
     def _optimizers(self):
         return optstate_optimizers(self._trainer.optimizers)
@@ -43,7 +47,8 @@ class _OptstateCheckpointIO(CheckpointIO):
             if not optstate_optimizers(opt):
                 continue
             sd = states[i] if i < len(states) and isinstance(states[i], dict) and "optstate" in states[i] else None
-            checkpoint.save_into(optstate_optimizers(opt)[0], path + SUFFIX, holder=path, state_dict=sd)
+            checkpoint.save_into(optstate_optimizers(opt)[0], path + SUFFIX, holder=path, state_dict=sd,
+                                 safetensors=self.safetensors)
 
     def load_checkpoint(self, path, *args, **kwargs):
         checkpoint.resume_from(os.fspath(path) + SUFFIX)
@@ -60,9 +65,16 @@ class _OptstateCheckpointIO(CheckpointIO):
 
 
 class OptstateCheckpoints(Callback):
-    """Puts optstate optimizers' state beside each checkpoint file the Trainer saves (see the module)."""
+    """Puts optstate optimizers' state beside each checkpoint file the Trainer saves (see the module).
+    safetensors: also write state.safetensors (optstate.checkpoint.save_into's)."""
+
+    def __init__(self, safetensors=False):
+        super().__init__()
+        self.safetensors = bool(safetensors)
 
     def setup(self, trainer, pl_module, stage):
         strategy = trainer.strategy
         if not isinstance(strategy.checkpoint_io, _OptstateCheckpointIO):
-            strategy.checkpoint_io = _OptstateCheckpointIO(strategy.checkpoint_io, trainer)
+            strategy.checkpoint_io = _OptstateCheckpointIO(strategy.checkpoint_io, trainer, self.safetensors)
+        else:
+            strategy.checkpoint_io.safetensors = self.safetensors

@@ -13,7 +13,12 @@ in <checkpoint>/optstate/ when the store lacks the snapshot the checkpoint's opt
 copied checkpoint, a fresh store path). Only the Trainer's public surface is used: TrainerCallback's
 on_save and train()'s resume_from_checkpoint argument, resolved as train() resolves it.
 OptstateCallback alone (callbacks=[...]) does the saving and releasing; resuming a copied checkpoint
-then needs optstate.checkpoint.resume_from(<checkpoint>/optstate) before trainer.train(...)."""
+then needs optstate.checkpoint.resume_from(<checkpoint>/optstate) before trainer.train(...).
+
+The files are manifest.json and tensors/<tensor>/<field>, the state once (a checkpoint's
+manifest says "state_safetensors": false); install(trainer, safetensors=True) (or
+OptstateCallback(safetensors=True)) adds state.safetensors, the same bytes again, for tools that
+read safetensors. A checkpoint resumes either way."""
 import functools
 import os
 
@@ -27,7 +32,11 @@ __all__ = ["OptstateCallback", "install", "resume_checkpoint"]
 
 
 class OptstateCallback(TrainerCallback):
-    """Writes each optstate optimizer's state into the checkpoint the Trainer just saved."""
+    """Writes each optstate optimizer's state into the checkpoint the Trainer just saved.
+    safetensors: also write state.safetensors (optstate.checkpoint.save_into's)."""
+
+    def __init__(self, safetensors=False):
+        self.safetensors = bool(safetensors)
 
     def on_save(self, args, state, control, optimizer=None, **kwargs):
         opts = optstate_optimizers(optimizer)
@@ -39,7 +48,7 @@ class OptstateCallback(TrainerCallback):
                 checkpoint.release_deleted(opt)
             return
         for opt in opts:
-            checkpoint.save_into(opt, os.path.join(ckpt, STATE_DIR), holder=ckpt)
+            checkpoint.save_into(opt, os.path.join(ckpt, STATE_DIR), holder=ckpt, safetensors=self.safetensors)
 
 
 def resume_checkpoint(args, resume_from_checkpoint):
@@ -54,11 +63,15 @@ def resume_checkpoint(args, resume_from_checkpoint):
     return os.fspath(resume_from_checkpoint)
 
 
-def install(trainer):
-    """Adds OptstateCallback to trainer and wraps trainer.train so that a resume arms
-    optstate.checkpoint.resume_from(<checkpoint>/optstate) for the optimizer's load. Returns trainer."""
-    if not any(isinstance(cb, OptstateCallback) for cb in trainer.callback_handler.callbacks):
-        trainer.add_callback(OptstateCallback())
+def install(trainer, safetensors=False):
+    """Adds OptstateCallback(safetensors) to trainer and wraps trainer.train so that a resume arms
+    optstate.checkpoint.resume_from(<checkpoint>/optstate) for the optimizer's load. Returns trainer.
+    Installed again, the callback takes the new safetensors."""
+    installed = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, OptstateCallback)]
+    for cb in installed:
+        cb.safetensors = bool(safetensors)
+    if not installed:
+        trainer.add_callback(OptstateCallback(safetensors))
     train = trainer.train
     if getattr(train, "_optstate_armed", False):
         return trainer
