@@ -341,6 +341,7 @@ void StreamedEngine::NoteReadSideStats(const internal::SlicePipeline& pl) {
   last_stats_.small_sets = pl.small_depth();
   last_stats_.small_slices = pl.small_slices;
   last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
+  last_stats_.peak_unit_windows = static_cast<uint32_t>(pl.peak_unit_windows);
   last_stats_.compute_seconds = pl.compute_s_;
   last_stats_.submit_seconds = pl.submit_s_;
   last_stats_.prefetch_hit_bytes = pl.prefetch_hits;
