@@ -163,7 +163,7 @@ Status StreamedEngine::BeginStep(const float* d_found_inf, const float* d_grad_s
       mem_, io_.get(), opts_.cpu_threads, [committer](uint64_t bytes) { committer->OnWritten(bytes); }, d_found_inf,
       MaxSliceSize(), StepReapPolicy());
   pipeline_->SetMode(mode);
-  pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
+  pipeline_->SetStateSlices(state_slices_);
   pipeline_->Adopt(prefetcher_->TakeStaged());
   step_.order.clear();
   step_.mode = mode;

@@ -37,6 +37,12 @@ Status SlicePipeline::Begin() {
   // slices overlap on both copy engines (8; docs/BENCHMARKS.md "Defaults"),
   // within the budget.
   uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
+  // A state mostly of whole-tensor units (Muon's matrices beside AdamW's
+  // norms and biases): the budget's pages go to the units' windows (with 8
+  // slots of AdamW's 3 chunks, a 256 MiB budget of 8 MiB pages kept 8 pages
+  // for them), and two slots still overlap one slice's copies and kernel
+  // with the next one's.
+  if (state_ && state_->unit_bytes > state_->slice_bytes) slots = std::min<uint64_t>(slots, kUnitStateSlots);
   const size_t total = mm_->staging_count();
   // Every slice of the state is small: one buffer (cut into pieces) will do.
   const bool all_small = state_ && state_->big == 0;

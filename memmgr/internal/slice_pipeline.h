@@ -127,7 +127,9 @@ class SlicePipeline {
   void SetMode(StepMode mode);
   // The slices of the state the step walks (StreamedAdam's registered
   // params): Begin then makes as many small sets as they use, and no big set
-  // when every slice is small. Without it, Begin plans for a large state.
+  // when every slice is small; when whole-tensor units hold most of its
+  // bytes, two device slots (the rest of the budget is the units' windows).
+  // Without it, Begin plans for a large state.
   // REQUIRES: before Begin; every slice enqueued is one of them.
   void SetStateSlices(const StateSlices& s) {
     state_ = s;
@@ -350,6 +352,8 @@ class SlicePipeline {
   // at least one slot, as many as the budget has free (only pins hold pages
   // then).
   Status ReacquireSlots(bool wait);
+  // The slots of a state mostly of whole-tensor units (Begin).
+  static constexpr uint64_t kUnitStateSlots = 2;
   // One slot (stream, event, pages) per bufs_ pages of arena_.
   Status MapSlots();
   size_t slot_count_ = 0;  // the slots Begin made (the whole window's)

@@ -397,14 +397,15 @@ TEST_P(RuleMixTest, WholeTensorsOfManySizesOverlapWithinTheBudgetAcrossReopen) {
   std::vector<UnitCall> calls;
   MixRun r = MakeRun(&calls);
   r.check_budget = true;
-  // 40 chunks: the slots' window (8 slices) leaves room for units beside
-  // it; "big" needs more than half the budget (33 pages with f32 moments,
-  // 22 with bf16), so no other unit's window fits beside it. The others
+  // 40 chunks: the units hold most of the state's bytes, so the slots'
+  // window is two slices' (6 pages with f32 moments, 8 with bf16), and the
+  // rest is for the units; "big" needs more than half the budget (33 pages
+  // with f32 moments, 22 with bf16), so no other unit's window fits beside
+  // it, and with f32 moments it takes the slots' pages too. The others
   // have several chunks per field (u1, u3), one (u2) or a few KiB (u4), odd
-  // lengths, and sit between elementwise (Lion) params. The slots lent to
-  // "big" come back whole: 8 of them (the most a step makes) every step.
+  // lengths, and sit between elementwise (Lion) params.
   r.budget = 40 * kChunk;
-  r.device_slots = 8;
+  r.device_slots = 2;
   r.defs = {{"u1.weight", RuleKind::kAdamW, 0, 1000, 1049, 0, 1},
             {"l.bias", RuleKind::kLion, 1, 1, 77, 0, 1},
             {"big.weight", RuleKind::kAdamW, 0, 3000, 1901, 1, 1},
@@ -431,16 +432,42 @@ TEST_P(RuleMixTest, ManySmallWholeTensorsHoldMoreThanTwoWindowsWithinTheBudgetAc
   r.check_budget = true;
   r.hold_completions = true;
   r.windows_above = 2;
-  // 40 chunks: the slots' window (8 slices: 24 pages with f32 moments, 32
-  // with bf16) leaves 16 or 8 pages, a one-page window for each of the 12
-  // matrices (each field under a chunk, of odd sizes), so more than two
-  // gather at once, beside Lion's slices.
+  // 40 chunks: the units hold most of the state's bytes, so the slots'
+  // window is two slices' (6 pages with f32 moments, 8 with bf16) and
+  // leaves 34 or 32 pages, a one-page window for each of the 12 matrices
+  // (each field under a chunk, of odd sizes): more than two gather at once,
+  // beside Lion's slices.
   r.budget = 40 * kChunk;
+  r.device_slots = 2;
   for (uint32_t k = 0; k < 12; ++k) {
     r.defs.push_back({"m" + std::to_string(k) + ".weight", RuleKind::kAdamW, 0, 37 + 13 * k, 211 - 7 * k, k % 2, 1});
     if (k % 4 == 1) r.defs.push_back({"l" + std::to_string(k) + ".bias", RuleKind::kLion, 1, 1, 301 + k, 1, 1});
   }
   r.Run(/*steps=*/4, /*reopen_at=*/3);
+}
+
+TEST_P(RuleMixTest, SlotsLentToUnitsComeBackWholeAcrossReopen) {
+  MEMMGR_REQUIRE_BACKEND();
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+  std::vector<UnitCall> calls;
+  MixRun r = MakeRun(&calls);
+  r.check_budget = true;
+  r.hold_completions = true;
+  r.windows_above = 1;
+  // 16 chunks: Lion's slices hold most of the state's bytes, so the slots'
+  // window is as many slices as the budget holds (5 of 3 chunks with f32
+  // moments, 4 of 4 with bf16), with no room for a unit's window (4 or 3
+  // pages) beside it. a's window takes the slots' pages, b's the free pages
+  // beside it; once a's window goes back, b's still holds the pages the
+  // slots need, and they come back whole only after it: every step ends
+  // with all of them.
+  r.budget = 16 * kChunk;
+  r.device_slots = r.moments == MomentDType::kBF16 ? 4 : 5;
+  r.defs = {{"a.weight", RuleKind::kAdamW, 0, 600, 1001, 0, 1},
+            {"b.weight", RuleKind::kAdamW, 0, 599, 1003, 1, 1},
+            {"l.weight", RuleKind::kLion, 1, 2, 5 * kPer / 4 * 2 + 11, 0, 1},
+            {"l.bias", RuleKind::kLion, 1, 1, 301, 1, 1}};
+  r.Run(/*steps=*/3, /*reopen_at=*/2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Moments, RuleMixTest,
