@@ -367,6 +367,19 @@ class RuleMixTest : public ::testing::TestWithParam<std::tuple<MomentDType, bool
     r.calls = calls;
     return r;
   }
+  // A whole-tensor rule's run whose steps hold their completions until they
+  // drain, within budget (checked), each step with more than windows_above
+  // unit windows at once and ending with device_slots slots.
+  MixRun MakeHeldRun(std::vector<UnitCall>* calls, uint64_t budget, uint32_t windows_above,
+                     uint32_t device_slots) const {
+    MixRun r = MakeRun(calls);
+    r.check_budget = true;
+    r.hold_completions = true;
+    r.budget = budget;
+    r.windows_above = windows_above;
+    r.device_slots = device_slots;
+    return r;
+  }
 };
 
 TEST_P(RuleMixTest, AdamWAndLionParamsEqualTheirKernelsAcrossReopen) {
@@ -427,18 +440,13 @@ TEST_P(RuleMixTest, WholeTensorsOfManySizesOverlapWithinTheBudgetAcrossReopen) {
 TEST_P(RuleMixTest, ManySmallWholeTensorsHoldMoreThanTwoWindowsWithinTheBudgetAcrossReopen) {
   MEMMGR_REQUIRE_BACKEND();
   if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
-  std::vector<UnitCall> calls;
-  MixRun r = MakeRun(&calls);
-  r.check_budget = true;
-  r.hold_completions = true;
-  r.windows_above = 2;
   // 40 chunks: the units hold most of the state's bytes, so the slots'
   // window is two slices' (6 pages with f32 moments, 8 with bf16) and
   // leaves 34 or 32 pages, a one-page window for each of the 12 matrices
   // (each field under a chunk, of odd sizes): more than two gather at once,
   // beside Lion's slices.
-  r.budget = 40 * kChunk;
-  r.device_slots = 2;
+  std::vector<UnitCall> calls;
+  MixRun r = MakeHeldRun(&calls, 40 * kChunk, /*windows_above=*/2, /*device_slots=*/2);
   for (uint32_t k = 0; k < 12; ++k) {
     r.defs.push_back({"m" + std::to_string(k) + ".weight", RuleKind::kAdamW, 0, 37 + 13 * k, 211 - 7 * k, k % 2, 1});
     if (k % 4 == 1) r.defs.push_back({"l" + std::to_string(k) + ".bias", RuleKind::kLion, 1, 1, 301 + k, 1, 1});
@@ -449,11 +457,6 @@ TEST_P(RuleMixTest, ManySmallWholeTensorsHoldMoreThanTwoWindowsWithinTheBudgetAc
 TEST_P(RuleMixTest, SlotsLentToUnitsComeBackWholeAcrossReopen) {
   MEMMGR_REQUIRE_BACKEND();
   if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
-  std::vector<UnitCall> calls;
-  MixRun r = MakeRun(&calls);
-  r.check_budget = true;
-  r.hold_completions = true;
-  r.windows_above = 1;
   // 16 chunks: Lion's slices hold most of the state's bytes, so the slots'
   // window is as many slices as the budget holds (5 of 3 chunks with f32
   // moments, 4 of 4 with bf16), with no room for a unit's window (4 or 3
@@ -461,8 +464,9 @@ TEST_P(RuleMixTest, SlotsLentToUnitsComeBackWholeAcrossReopen) {
   // beside it; once a's window goes back, b's still holds the pages the
   // slots need, and they come back whole only after it: every step ends
   // with all of them.
-  r.budget = 16 * kChunk;
-  r.device_slots = r.moments == MomentDType::kBF16 ? 4 : 5;
+  std::vector<UnitCall> calls;
+  const bool bf16 = std::get<0>(GetParam()) == MomentDType::kBF16;
+  MixRun r = MakeHeldRun(&calls, 16 * kChunk, /*windows_above=*/1, /*device_slots=*/bf16 ? 4 : 5);
   r.defs = {{"a.weight", RuleKind::kAdamW, 0, 600, 1001, 0, 1},
             {"b.weight", RuleKind::kAdamW, 0, 599, 1003, 1, 1},
             {"l.weight", RuleKind::kLion, 1, 2, 5 * kPer / 4 * 2 + 11, 0, 1},
