@@ -364,6 +364,10 @@ Status StreamedEngine::FitStaging() {
     // piece (a whole slice never does: chunks are 2 MiB or more).
     const uint64_t small_elems = layout.ElemsFitting(internal::kSmallSliceBytes);
     const uint64_t n = p.info.numel;
+    const UpdateRule& rule = *rules_[p.rule];
+    uint64_t bytes = 0;
+    for (const RuleField& f : rule.Fields()) bytes += (n + f.elems_per_value - 1) / f.elems_per_value * DTypeSize(f.dtype);
+    (rule.unit() == SliceUnit::kTensor ? s.unit_bytes : s.slice_bytes) += bytes;
     s.big += n / slice_elems;
     const uint64_t tail = n % slice_elems;
     if (tail > small_elems) {
@@ -373,8 +377,7 @@ Status StreamedEngine::FitStaging() {
     }
   }
   impl->GrowStaging(internal::StateStaging(impl->options(), MaxSliceSize(), chunk, s));
-  state_slices_big_ = s.big;
-  state_slices_small_ = s.small;
+  state_slices_ = s;
   if (io_ && io_staging_ < impl->staging_count() && io_->in_flight() == 0) io_.reset();  // EnsureIo registers all
   return Status::Ok();
 }

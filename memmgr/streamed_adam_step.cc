@@ -163,7 +163,7 @@ Status StreamedEngine::BeginStep(const float* d_found_inf, const float* d_grad_s
       mem_, io_.get(), opts_.cpu_threads, [committer](uint64_t bytes) { committer->OnWritten(bytes); }, d_found_inf,
       MaxSliceSize(), StepReapPolicy());
   pipeline_->SetMode(mode);
-  pipeline_->SetStateSlices(internal::StateSlices{state_slices_big_, state_slices_small_});
+  pipeline_->SetStateSlices(state_slices_);
   pipeline_->Adopt(prefetcher_->TakeStaged());
   step_.order.clear();
   step_.mode = mode;
@@ -341,6 +341,7 @@ void StreamedEngine::NoteReadSideStats(const internal::SlicePipeline& pl) {
   last_stats_.small_sets = pl.small_depth();
   last_stats_.small_slices = pl.small_slices;
   last_stats_.peak_read_bytes_in_flight = pl.peak_read_bytes;
+  last_stats_.peak_unit_windows = static_cast<uint32_t>(pl.peak_unit_windows);
   last_stats_.compute_seconds = pl.compute_s_;
   last_stats_.submit_seconds = pl.submit_s_;
   last_stats_.prefetch_hit_bytes = pl.prefetch_hits;

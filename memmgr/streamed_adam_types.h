@@ -99,6 +99,9 @@ struct StreamedAdamStepStats {
   uint64_t peak_read_bytes_in_flight = 0;   // <= queue_depth chunks
   uint64_t peak_write_bytes_in_flight = 0;  // <= write_queue_depth chunks (shared: queue_depth)
   uint32_t device_slots = 0;      // slices that can be on the device at once
+  // Whole-tensor units (Muon's matrices) that held a device window at once,
+  // at most (0 when the step had none).
+  uint32_t peak_unit_windows = 0;
   double io_wait_seconds = 0;     // blocked in Reap with nothing else to do
   double compute_seconds = 0;     // in copy/kernel launch calls (host: the whole kernel)
   double submit_seconds = 0;      // in SubmitRead/SubmitWrite (checksums, queue-full waits)

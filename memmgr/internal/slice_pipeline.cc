@@ -11,6 +11,20 @@
 #include "base/sync_point.h"
 
 namespace optstate::memmgr::internal {
+namespace {
+
+// The chunks of every field of a whole-tensor job (its unit's pieces).
+uint64_t UnitChunks(const PlanUnit& j) {
+  SliceLayout::Slice slice;
+  uint64_t n = 0;
+  for (uint64_t c = 0; c < j.layout->Slices(j.tensor->numel); ++c) {
+    j.layout->SliceOf(j.tensor->numel, c, &slice);
+    n += slice.n;
+  }
+  return n;
+}
+
+}  // namespace
 
 Status SlicePipeline::Begin() {
   const MemoryManagerOptions& o = mm_->options();
@@ -23,6 +37,12 @@ Status SlicePipeline::Begin() {
   // slices overlap on both copy engines (8; docs/BENCHMARKS.md "Defaults"),
   // within the budget.
   uint64_t slots = std::min<uint64_t>(mm_->budget_pages() / bufs_, 8);
+  // A state mostly of whole-tensor units (Muon's matrices beside AdamW's
+  // norms and biases): the budget's pages go to the units' windows (with 8
+  // slots of AdamW's 3 chunks, a 256 MiB budget of 8 MiB pages kept 8 pages
+  // for them), and two slots still overlap one slice's copies and kernel
+  // with the next one's.
+  if (state_ && state_->unit_bytes > state_->slice_bytes) slots = std::min<uint64_t>(slots, kUnitStateSlots);
   const size_t total = mm_->staging_count();
   // Every slice of the state is small: one buffer (cut into pieces) will do.
   const bool all_small = state_ && state_->big == 0;
@@ -77,13 +97,9 @@ Status SlicePipeline::Begin() {
     return Internal("StreamedAdam: " + std::to_string(staging_.size()) + " staging buffers make no staging set");
   }
   OPTSTATE_ASSIGN_OR_RETURN(arena_, mm_->AcquireArena(bufs_, bufs_ * slots));
-  slots_.resize(arena_.pages / bufs_);
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    for (uint32_t f = 0; f < bufs_; ++f) slots_[i].d[f] = arena_.ptr(bufs_ * i + f);
-    OPTSTATE_ASSIGN_OR_RETURN(slots_[i].stream, dev_->CreateStream());
-    OPTSTATE_ASSIGN_OR_RETURN(slots_[i].event, dev_->CreateEvent());
-  }
+  slot_count_ = arena_.pages / bufs_;
   started_ = true;
+  OPTSTATE_RETURN_IF_ERROR(MapSlots());
   return Status::Ok();
 }
 
@@ -631,11 +647,23 @@ Status SlicePipeline::StartUnit(const Job& j, bool* started) {
   *started = false;
   uint64_t held_pages = 0;
   if (WindowsHeld(&held_pages) >= kMaxUnits) return Status::Ok();
+  // A slice read while the slots' pages are lent computes only once they
+  // are back: no unit starts until they are, whole (here, or as the windows
+  // held go back: ReleaseWindow).
+  if (slots_lent_ && !ready_.empty()) {
+    OPTSTATE_RETURN_IF_ERROR(ReacquireSlots(/*wait=*/false));
+    if (slots_lent_) return Status::Ok();
+  }
   const TensorUnitSize size = TensorUnitOf(*j.rule, *j.layout, *j.tensor);
   const std::string what = "StreamedAdam: tensor '" + j.tensor->name + "' (whole-tensor update of " +
                            std::string(j.rule->name()) + ")";
-  // Staging: free big sets (small ones when the step has no big sets), at
-  // most half of them, so that the slices and the other unit keep some.
+  // Staging: free big sets (small ones when the step has no big sets), as
+  // many as its gather keeps busy (a buffer per chunk, at most a read
+  // queue's worth), at most half of them, so that the slices and the next
+  // units keep some.
+  const uint64_t chunks = UnitChunks(j);
+  const uint64_t need_bufs = std::min<uint64_t>(chunks, std::max<uint32_t>(read_qd_, bufs_));
+  const size_t need_sets = static_cast<size_t>((need_bufs + bufs_ - 1) / bufs_);
   std::vector<size_t> free_big, free_small;
   size_t big_total = 0;
   for (size_t i = 0; i < sets_.size(); ++i) {
@@ -645,7 +673,7 @@ Status SlicePipeline::StartUnit(const Job& j, bool* started) {
   }
   const bool use_big = big_total > 0;
   const std::vector<size_t>& from = use_big ? free_big : free_small;
-  const size_t quota = std::max<size_t>(1, (use_big ? big_total : sets_.size()) / 2);
+  const size_t quota = std::min(need_sets, std::max<size_t>(1, (use_big ? big_total : sets_.size()) / 2));
   std::vector<size_t> sets(from.begin(), from.begin() + static_cast<long>(std::min(from.size(), quota)));
   if (sets.empty()) return Status::Ok();  // waits for a staging set
   // Its stream and event.
@@ -663,15 +691,16 @@ Status SlicePipeline::StartUnit(const Job& j, bool* started) {
     lanes_.push_back(l);
   }
   // The window: from the budget's free pages, beside the slots' window and
-  // the other unit's. When they do not leave room, the slots' pages are
-  // lent to the units while no slice computes on them, if the budget holds
-  // this window beside the other unit's (ReleaseWindow takes them back).
-  // With no other window held, the unit then waits only for the trainer's
-  // pins, as a unit always has; beside one, it never waits.
+  // the other units'. When they do not leave room, the slots' pages are
+  // lent to the units while no slice computes on them or waits for them,
+  // if the budget holds this window beside the other units' (ReleaseWindow
+  // takes them back). With no other window held, the unit then waits only
+  // for the trainer's pins, as a unit always has; beside one, it never
+  // waits.
   auto window = mm_->AcquireArena(size.pages, size.pages, /*wait=*/false);
   if (!window.ok() && window.status().code() == StatusCode::kBusy) {
     const bool slot_busy = std::any_of(slots_.begin(), slots_.end(), [](const DevSlot& d) { return d.set >= 0; });
-    if (slot_busy || slots_lent_ || size.pages + held_pages > mm_->budget_pages()) {
+    if (slot_busy || !ready_.empty() || slots_lent_ || size.pages + held_pages > mm_->budget_pages()) {
       return Status::Ok();  // waits for them
     }
     for (auto& d : slots_) OPTSTATE_RETURN_IF_ERROR(dev_->SyncStream(d.stream));
@@ -719,6 +748,7 @@ Status SlicePipeline::StartUnit(const Job& j, bool* started) {
     }
   }
   units_.push_back(std::move(u));
+  peak_unit_windows = std::max<uint64_t>(peak_unit_windows, WindowsHeld(&held_pages));
   *started = true;
   bool progressed = false;
   return AdvanceUnitIo(units_.back(), &progressed);
@@ -727,11 +757,17 @@ Status SlicePipeline::StartUnit(const Job& j, bool* started) {
 Status SlicePipeline::AdvanceUnits(bool* progressed) {
   for (Unit& u : units_) OPTSTATE_RETURN_IF_ERROR(Keep(AdvanceUnitIo(u, progressed)));
   // Kernels in queue order (a unit gathered before the one ahead of it waits).
+  // A host kernel runs here, on this thread: one per pass, so that the
+  // computed unit's writes and the next reads go out before the next
+  // kernel (back to back, the kernels of every gathered unit left the disk
+  // idle for all of them).
+  const bool host = dev_->backend() == Backend::kHost;
   for (Unit& u : units_) {
     if (u.phase != Unit::Phase::kGather) continue;
     if (u.next != u.pieces.size() || u.pending != 0) break;
     OPTSTATE_RETURN_IF_ERROR(Keep(LaunchUnit(u)));
     *progressed = true;
+    if (host) break;
   }
   for (Unit& u : units_) OPTSTATE_RETURN_IF_ERROR(Keep(AdvanceUnitIo(u, progressed)));
   for (size_t k = 0; k < units_.size();) {
@@ -1016,16 +1052,35 @@ bool SlicePipeline::UnitGpuPending() const {
 }
 
 Status SlicePipeline::ReacquireSlots(bool wait) {
-  auto a = mm_->AcquireArena(bufs_, bufs_ * std::max<size_t>(slots_.size(), 1), wait);
+  // Whole (the slots Begin made), so that a lend never leaves fewer slots
+  // behind; waiting (no window held: only the trainer's pins hold pages),
+  // whatever the budget has free, at least one slot.
+  const uint64_t whole = uint64_t{bufs_} * std::max<size_t>(slot_count_, 1);
+  auto a = mm_->AcquireArena(wait ? bufs_ : whole, whole, wait);
   if (!a.ok() && !wait && a.status().code() == StatusCode::kBusy) return Status::Ok();  // still lent
   if (!a.ok()) return a.status().WithContext("StreamedAdam: the device slots' window");
   arena_ = std::move(*a);
   slots_lent_ = false;
+  return MapSlots();
+}
+
+Status SlicePipeline::MapSlots() {
   const size_t n = arena_.pages / bufs_;
   while (slots_.size() > n) {
     dev_->DestroyEvent(slots_.back().event);
     dev_->DestroyStream(slots_.back().stream);
     slots_.pop_back();
+  }
+  while (slots_.size() < n) {
+    DevSlot d;
+    OPTSTATE_ASSIGN_OR_RETURN(d.stream, dev_->CreateStream());
+    auto event = dev_->CreateEvent();
+    if (!event.ok()) {
+      dev_->DestroyStream(d.stream);
+      return event.status().WithContext("StreamedAdam: a device slot's event");
+    }
+    d.event = *event;
+    slots_.push_back(d);
   }
   for (size_t i = 0; i < slots_.size(); ++i) {
     for (uint32_t f = 0; f < bufs_; ++f) slots_[i].d[f] = arena_.ptr(bufs_ * i + f);

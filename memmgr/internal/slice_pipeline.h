@@ -35,17 +35,23 @@
 // prefetched buffer or the disk), one kernel call, each chunk scattered back
 // and written. A unit starts, without waiting for the slices before it,
 // whenever the budget's free pages hold its window beside the slots' window
-// and at most one other unit's, so the next matrix's reads run while one
-// computes and its writes go out, and the disk does not idle between
-// matrices. When they do not fit, the slots' pages are lent to the units
-// once no slice computes on them (so a matrix as large as the budget still
-// runs, alone, and two that fit the budget together run side by side), and
-// are taken back as soon as the budget has them free again; slices read
-// meanwhile and compute then. The budget stays a hard cap: every window is budgeted pages. A
-// unit borrows free staging sets (at most half) for its reads and writes;
-// its copies into and out of the window are queued on a stream of its own
-// and waited for once per round of buffers, not per chunk. Its reads and
-// writes count in the depth limits and the in-flight peaks as a slice's do.
+// and the other units' (up to kMaxUnits windows), so the next matrices'
+// reads run while one computes and its writes go out, and the disk keeps as
+// many reads in flight as with slices. When a window does not fit, the
+// slots' pages are lent to the units while no slice computes on them or
+// waits for them (so a matrix as large as the budget still runs, alone,
+// and matrices that fit the budget together run side by side), and are
+// taken back, whole (as many slots as before), as soon as the budget has
+// them free again; once a slice read meanwhile waits for them, no further
+// unit starts until they are back. The budget stays a hard cap: every
+// window is budgeted pages. A unit borrows the free staging sets its
+// gather keeps busy (a buffer per chunk, up to a read queue's worth; at
+// most half the sets) for its reads and writes; its copies into and out of
+// the window are queued on a stream of its own and waited for once per
+// round of buffers, not per chunk. On the host backend, whose kernels run
+// on the pumping thread, one unit's kernel runs per pass, with the I/O
+// between them. Its reads and writes count in the depth limits and the
+// in-flight peaks as a slice's do.
 // When it reaps I/O completions is a policy given at construction
 // (ReapPolicy). Driven by one thread (the trainer's, then the background
 // commit's) through Pump().
@@ -121,7 +127,9 @@ class SlicePipeline {
   void SetMode(StepMode mode);
   // The slices of the state the step walks (StreamedAdam's registered
   // params): Begin then makes as many small sets as they use, and no big set
-  // when every slice is small. Without it, Begin plans for a large state.
+  // when every slice is small; when whole-tensor units hold most of its
+  // bytes, two device slots (the rest of the budget is the units' windows).
+  // Without it, Begin plans for a large state.
   // REQUIRES: before Begin; every slice enqueued is one of them.
   void SetStateSlices(const StateSlices& s) {
     state_ = s;
@@ -161,6 +169,7 @@ class SlicePipeline {
 
   uint64_t slices = 0, read_bytes = 0, write_bytes = 0, cache_hits = 0, h2d = 0, d2h = 0;
   uint64_t small_slices = 0, peak_read_bytes = 0, peak_write_bytes = 0, prefetch_hits = 0;
+  uint64_t peak_unit_windows = 0;  // whole-tensor units holding a device window at once
   double stall_s_ = 0, compute_s_ = 0, submit_s_ = 0;
 
  private:
@@ -312,7 +321,9 @@ class SlicePipeline {
   static constexpr uint64_t kUnitBit = uint64_t{1} << 62;
   static constexpr uint64_t kPieceMask = (uint64_t{1} << 40) - 1;
   static uint64_t UnitTag(uint64_t id, size_t piece) { return kUnitBit | (id & 0x3fffff) << 40 | piece; }
-  static constexpr size_t kMaxUnits = 2;  // windows held at once (units writing hold none)
+  // Windows held at once (units writing hold none); the ids of the units in
+  // flight stay unique in UnitTag's 22 bits.
+  static constexpr size_t kMaxUnits = 64;
 
   // The queue's front is a whole-tensor job: starts it when a staging set
   // is free and its window fits (see the file comment). started: it did.
@@ -336,9 +347,16 @@ class SlicePipeline {
   std::vector<Lane> lanes_;
   bool slots_lent_ = false;  // the slots' pages are lent to units' windows
 
-  // Takes the slots' window back from the units (fewer slots if the budget
-  // has fewer pages now); wait false: only when the pages are free now.
+  // Takes the slots' window back from the units: wait false, whole (as many
+  // slots as Begin made) and only when its pages are free now; wait true,
+  // at least one slot, as many as the budget has free (only pins hold pages
+  // then).
   Status ReacquireSlots(bool wait);
+  // The slots of a state mostly of whole-tensor units (Begin).
+  static constexpr uint64_t kUnitStateSlots = 2;
+  // One slot (stream, event, pages) per bufs_ pages of arena_.
+  Status MapSlots();
+  size_t slot_count_ = 0;  // the slots Begin made (the whole window's)
   // Units holding a window, and its pages in all.
   size_t WindowsHeld(uint64_t* pages) const;
 

@@ -65,6 +65,10 @@ inline size_t StepPipelineBuffers(size_t pool, const MemoryManagerOptions& o, Sl
 struct StateSlices {
   uint64_t big = 0;
   uint64_t small = 0;
+  // The state's bytes in params of whole-tensor rules (units: Muon's
+  // matrices) and of elementwise ones (slices).
+  uint64_t unit_bytes = 0;
+  uint64_t slice_bytes = 0;
 };
 
 // Small staging sets worth having: as many small slices as the pipeline's

@@ -218,8 +218,7 @@ class StreamedEngine {
   Status FitStaging();
   // The registered params' slices when FitStaging last ran (the step's
   // pipeline plans its staging sets for them).
-  uint64_t state_slices_big_ = 0;
-  uint64_t state_slices_small_ = 0;
+  internal::StateSlices state_slices_;
   // The commit of each step: inline, or on a thread of the optimizer
   // (commit_lag_steps 1; it then owns io_, the step's pipeline and the
   // store's pending generation until FinishCommit joins it).

@@ -7,7 +7,8 @@
 // bit-identical), across a close and reopen, with and without the host
 // cache tier and Prefetch; a group's hyperparameters give each rule its own
 // defaults; whole tensors of many sizes beside slices never take more than
-// the device budget; a param re-registered under another rule, and a whole
+// the device budget, and many small ones hold more than two windows at once
+// within it; a param re-registered under another rule, and a whole
 // tensor the device window cannot hold, are refused. Built into memmgr_test (host)
 // and memmgr_gpu_test (cuda).
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,7 @@
 #include "memmgr/muon_rule.h"
 #include "memmgr/streamed_adam.h"
 #include "tests/common/kernel_failures.h"
+#include "tests/common/sync_point_flag.h"
 #include "tests/memmgr/memmgr_test_util.h"
 #include "vfs/store.h"
 
@@ -171,6 +174,15 @@ struct MixRun {
   std::vector<UnitCall>* calls = nullptr;  // whole-tensor rule's calls (when defs use one)
   bool whole_adamw = false;                // rule 0 is WholeTensorAdamW, else AdamW
   bool check_budget = false;               // the manager's peak device bytes <= budget after each step
+  // Every step's reads held until it drains (ReapPolicy::kHoldUntilDrain), so
+  // whole-tensor units start as far as windows and staging allow before any
+  // completes; each step then held more than windows_above unit windows at
+  // once (StepStats::peak_unit_windows).
+  bool hold_completions = false;
+  uint32_t windows_above = 0;
+  // Each step ended with this many device slots (StepStats::device_slots;
+  // 0: not checked): those lent to units' windows came back whole.
+  uint32_t device_slots = 0;
   // Step fail_step's fail_launch-th kernel launch fails first (the step
   // then runs again with the same gradients); 0: none. REQUIRES:
   // durable_every 1 (a failed step would drop the steps held in the tier).
@@ -201,6 +213,8 @@ struct MixRun {
 
   void Run(uint64_t steps, uint64_t reopen_at) {
     const uint32_t mbytes = moments == MomentDType::kBF16 ? 2 : 4;
+    std::optional<test_util::SyncPointFlag> hold;
+    if (hold_completions) hold.emplace("streamed_adam.hold_completions");
     StoreEnv env;
     env.Open(/*create=*/true, budget, host_cache);
     auto sa = Open(&env, /*set_groups=*/true);
@@ -289,6 +303,12 @@ struct MixRun {
         EXPECT_LE(ms.peak_resident_bytes, budget) << "step " << step;
         EXPECT_GT(ms.peak_resident_bytes, 0u);
       }
+      if (hold_completions) {
+        EXPECT_GT(sa->last_step_stats().peak_unit_windows, windows_above) << "step " << step;
+      }
+      if (device_slots != 0) {
+        EXPECT_EQ(sa->last_step_stats().device_slots, device_slots) << "step " << step;
+      }
       for (size_t k = 0; k < stepped.size(); ++k) {
         std::vector<uint16_t> copy(defs[stepped[k]].numel());
         bufs[2 * k + 1]->Download(copy.data());
@@ -347,6 +367,19 @@ class RuleMixTest : public ::testing::TestWithParam<std::tuple<MomentDType, bool
     r.calls = calls;
     return r;
   }
+  // A whole-tensor rule's run whose steps hold their completions until they
+  // drain, within budget (checked), each step with more than windows_above
+  // unit windows at once and ending with device_slots slots.
+  MixRun MakeHeldRun(std::vector<UnitCall>* calls, uint64_t budget, uint32_t windows_above,
+                     uint32_t device_slots) const {
+    MixRun r = MakeRun(calls);
+    r.check_budget = true;
+    r.hold_completions = true;
+    r.budget = budget;
+    r.windows_above = windows_above;
+    r.device_slots = device_slots;
+    return r;
+  }
 };
 
 TEST_P(RuleMixTest, AdamWAndLionParamsEqualTheirKernelsAcrossReopen) {
@@ -377,12 +410,15 @@ TEST_P(RuleMixTest, WholeTensorsOfManySizesOverlapWithinTheBudgetAcrossReopen) {
   std::vector<UnitCall> calls;
   MixRun r = MakeRun(&calls);
   r.check_budget = true;
-  // 40 chunks: the slots' window (8 slices) leaves room for units beside
-  // it; "big" needs more than half the budget (33 pages with f32 moments,
-  // 22 with bf16), so no other unit's window fits beside it. The others
+  // 40 chunks: the units hold most of the state's bytes, so the slots'
+  // window is two slices' (6 pages with f32 moments, 8 with bf16), and the
+  // rest is for the units; "big" needs more than half the budget (33 pages
+  // with f32 moments, 22 with bf16), so no other unit's window fits beside
+  // it, and with f32 moments it takes the slots' pages too. The others
   // have several chunks per field (u1, u3), one (u2) or a few KiB (u4), odd
   // lengths, and sit between elementwise (Lion) params.
   r.budget = 40 * kChunk;
+  r.device_slots = 2;
   r.defs = {{"u1.weight", RuleKind::kAdamW, 0, 1000, 1049, 0, 1},
             {"l.bias", RuleKind::kLion, 1, 1, 77, 0, 1},
             {"big.weight", RuleKind::kAdamW, 0, 3000, 1901, 1, 1},
@@ -399,6 +435,43 @@ TEST_P(RuleMixTest, WholeTensorsOfManySizesOverlapWithinTheBudgetAcrossReopen) {
     r.fail_launch = 4;
   }
   r.Run(/*steps=*/5, /*reopen_at=*/3);
+}
+
+TEST_P(RuleMixTest, ManySmallWholeTensorsHoldMoreThanTwoWindowsWithinTheBudgetAcrossReopen) {
+  MEMMGR_REQUIRE_BACKEND();
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+  // 40 chunks: the units hold most of the state's bytes, so the slots'
+  // window is two slices' (6 pages with f32 moments, 8 with bf16) and
+  // leaves 34 or 32 pages, a one-page window for each of the 12 matrices
+  // (each field under a chunk, of odd sizes): more than two gather at once,
+  // beside Lion's slices.
+  std::vector<UnitCall> calls;
+  MixRun r = MakeHeldRun(&calls, 40 * kChunk, /*windows_above=*/2, /*device_slots=*/2);
+  for (uint32_t k = 0; k < 12; ++k) {
+    r.defs.push_back({"m" + std::to_string(k) + ".weight", RuleKind::kAdamW, 0, 37 + 13 * k, 211 - 7 * k, k % 2, 1});
+    if (k % 4 == 1) r.defs.push_back({"l" + std::to_string(k) + ".bias", RuleKind::kLion, 1, 1, 301 + k, 1, 1});
+  }
+  r.Run(/*steps=*/4, /*reopen_at=*/3);
+}
+
+TEST_P(RuleMixTest, SlotsLentToUnitsComeBackWholeAcrossReopen) {
+  MEMMGR_REQUIRE_BACKEND();
+  if (!SyncPoint::CompiledIn()) GTEST_SKIP() << "built without OPTSTATE_TEST_HOOKS";
+  // 16 chunks: Lion's slices hold most of the state's bytes, so the slots'
+  // window is as many slices as the budget holds (5 of 3 chunks with f32
+  // moments, 4 of 4 with bf16), with no room for a unit's window (4 or 3
+  // pages) beside it. a's window takes the slots' pages, b's the free pages
+  // beside it; once a's window goes back, b's still holds the pages the
+  // slots need, and they come back whole only after it: every step ends
+  // with all of them.
+  std::vector<UnitCall> calls;
+  const bool bf16 = std::get<0>(GetParam()) == MomentDType::kBF16;
+  MixRun r = MakeHeldRun(&calls, 16 * kChunk, /*windows_above=*/1, /*device_slots=*/bf16 ? 4 : 5);
+  r.defs = {{"a.weight", RuleKind::kAdamW, 0, 600, 1001, 0, 1},
+            {"b.weight", RuleKind::kAdamW, 0, 599, 1003, 1, 1},
+            {"l.weight", RuleKind::kLion, 1, 2, 5 * kPer / 4 * 2 + 11, 0, 1},
+            {"l.bias", RuleKind::kLion, 1, 1, 301, 1, 1}};
+  r.Run(/*steps=*/3, /*reopen_at=*/2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Moments, RuleMixTest,

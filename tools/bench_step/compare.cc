@@ -60,6 +60,11 @@ int RunCompare(const StepOptions& o) {
   // The rule stepped and its bytes per param read and written per step.
   const bool adamw = o.optimizer == "adamw";
   const bool muon = o.optimizer == "muon";
+  if (o.ns_steps_given && !muon) {
+    return FailWith(kTool, InvalidArgument(fmt::format(
+                               "--ns-steps {}: Newton-Schulz iterations are Muon's (--optimizer muon), not {}'s",
+                               o.ns_steps, o.optimizer)));
+  }
   if (!adamw && (o.compare_bf16 || o.compare_q8)) {
     return FailWith(kTool, InvalidArgument(fmt::format(
                                "--optimizer {}: --bf16-moments and --q8-moments compare AdamW's moment dtypes",
@@ -184,7 +189,8 @@ int RunCompare(const StepOptions& o) {
   } else if (o.optimizer == "sgd_plain") {
     gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-2}});
   } else if (muon) {
-    gs = (*opt)->SetGroupHyperparams(0, {{"lr", 2e-4}, {"weight_decay", 0.01}, {"adjust_lr_fn", 1.0}});
+    gs = (*opt)->SetGroupHyperparams(
+        0, {{"lr", 2e-4}, {"weight_decay", 0.01}, {"adjust_lr_fn", 1.0}, {"ns_steps", static_cast<double>(o.ns_steps)}});
   } else {
     gs = (*opt)->SetGroupHyperparams(0, {{"lr", 1e-2}, {"momentum", 0.9}, {"nesterov", 1.0}});
   }

@@ -79,6 +79,10 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "AdamW's 12 for the rest); miles' streaming and the moment-dtype stores are Adam's and run "
                   "only with adamw (default adamw)")
       ->check(CLI::IsMember({"adamw", "lion", "sgd", "sgd_plain", "muon"}));
+  CLI::Option* ns_steps = sub->add_option(
+      "--ns-steps", o->ns_steps,
+      "comparison mode, --optimizer muon: Newton-Schulz iterations per matrix (Muon's ns_steps, 0..99; "
+      "default 5); 0 measures the pipeline where Newton-Schulz would bound the step (the host backend)");
   sub->add_option("--dir", o->dir, "comparison mode: scratch directory (default: new dir in /tmp)");
   sub->add_option("--state", o->state_text,
                   "comparison mode: state bytes, 12 B/param for adamw, 8 for lion and sgd, 4 for sgd_plain "
@@ -130,8 +134,9 @@ void AddStepCommand(CLI::App& app, int* exit_code) {
                   "comparison mode: also time a training loop whose forward/backward takes this many seconds "
                   "(simulated), exposed step without and with Prefetch() (default 0: off)");
   sub->add_flag("--json", o->json, "print JSON");
-  sub->callback([o, exit_code, moments] {
+  sub->callback([o, exit_code, moments, ns_steps] {
     o->moments_given = moments->count() > 0;
+    o->ns_steps_given = ns_steps->count() > 0;
     *exit_code = o->store.empty() ? step::RunCompare(*o) : step::RunSynthetic(*o);
   });
 }

@@ -136,7 +136,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
             {"small_slices", st.small_slices},
             {"peak_read_bytes_in_flight", st.peak_read_bytes_in_flight},
             {"peak_write_bytes_in_flight", st.peak_write_bytes_in_flight},
-            {"device_slots", st.device_slots}};
+            {"device_slots", st.device_slots},
+            {"peak_unit_windows", st.peak_unit_windows}};
   };
   for (const char* dtype : {"bf16", "q8"}) {
     nlohmann::json breakdown_x = nlohmann::json::array();
@@ -162,7 +163,8 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
                          {"small_slices", st.small_slices},
                          {"peak_read_bytes_in_flight", st.peak_read_bytes_in_flight},
                          {"peak_write_bytes_in_flight", st.peak_write_bytes_in_flight},
-                         {"device_slots", st.device_slots}});
+                         {"device_slots", st.device_slots},
+                         {"peak_unit_windows", st.peak_unit_windows}});
   }
   out["step_stats"] = breakdown;
   if (o.prefetch_compute_s > 0) {
@@ -305,10 +307,11 @@ int ReportComparison(const Comparison& cmp, const std::vector<MomentStore>& extr
     const auto& st = all->back();
     std::cout << fmt::format(
         "{}: {:.3f} s; io wait {:.3f} s, submit {:.3f} s, compute {:.3f} s, commit {:.3f} s; "
-        "{} + {} small staging sets ({} small slices), at most {} read / {} written in flight, {} device slots\n",
+        "{} + {} small staging sets ({} small slices), at most {} read / {} written in flight, {} device slots, "
+        "at most {} whole-tensor windows held\n",
         name, st.seconds, st.io_wait_seconds, st.submit_seconds, st.compute_seconds, st.commit_seconds,
         st.slices_in_flight, st.small_sets, st.small_slices, FormatBytes(st.peak_read_bytes_in_flight),
-        FormatBytes(st.peak_write_bytes_in_flight), st.device_slots);
+        FormatBytes(st.peak_write_bytes_in_flight), st.device_slots, st.peak_unit_windows);
   }
   std::string reads, hits;
   for (const auto& [rd, hit] : res.step_io) {

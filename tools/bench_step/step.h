@@ -49,6 +49,10 @@ struct StepOptions {
   // with Nesterov momentum) or muon (Muon for the weight matrices, AdamW for
   // the rest); its bytes per param set the state's params.
   std::string optimizer = "adamw";
+  // --optimizer muon: Newton-Schulz iterations per matrix (the Muon group's
+  // ns_steps; default 5). 0 leaves the step's matrices I/O-bound on a CPU.
+  int ns_steps = 5;
+  bool ns_steps_given = false;  // --ns-steps was on the command line (only muon takes it)
   std::string moments = "f32";  // synthetic mode: StreamedAdamOptions::moment_dtype
   bool moments_given = false;   // --moments was on the command line (comparison mode refuses it)
   bool compare_bf16 = false;    // comparison mode: also a store with bf16 moments, interleaved
