@@ -6,6 +6,8 @@
 // against its checksum) and written twice: into its field file and at its
 // place in state.safetensors (once, without state.safetensors: then the
 // manifest is the layout's re-serialised with has_safetensors = false).
+// A chunk that ExportOptions::chunk_source fills with the generation's bytes
+// (checked against its checksum) is written from there and not read.
 // Buffers: queue_depth chunks, whatever the state's size. Everything goes
 // into a .partial sibling directory that is fsynced and renamed to dest only
 // when complete.
@@ -185,7 +187,21 @@ class Exporter {
         const size_t b = free_bufs.back();
         free_bufs.pop_back();
         slots[b] = Slot{i, seq};
-        Status st = io->SubmitRead(layout_.ChunkAt(f, seq), bufs[b].as<char>(), b);
+        const ChunkRef ref = layout_.ChunkAt(f, seq);
+        const uint64_t len = layout_.ChunkLengthAt(f, seq);
+        auto info = view.Chunk(ref);
+        const bool written = !info.ok() || !info->zero;  // an error: the disk read reports it
+        if (written && info.ok() && FromSource(ref, *info, len, bufs[b].as<char>(), result)) {
+          ChunkCompletion c;
+          c.tag = b;
+          failed = complete(c);  // frees b
+          continue;
+        }
+        if (written) {
+          ++result->disk_chunks;
+          result->disk_bytes += len;
+        }
+        Status st = io->SubmitRead(ref, bufs[b].as<char>(), b);
         if (!st.ok()) {
           free_bufs.push_back(b);
           failed = st.WithContext(fmt::format("export: {} chunk {}", f.path, seq));
@@ -201,6 +217,20 @@ class Exporter {
       }
     }
     return failed;
+  }
+
+  // Fills buf with the chunk from opts_.chunk_source when the source holds
+  // the generation's bytes of it (its checksum), as a disk read would.
+  bool FromSource(const ChunkRef& ref, const ChunkInfo& info, uint64_t len, char* buf, ExportResult* result) {
+    if (opts_.chunk_source == nullptr || info.length_bytes != len) return false;
+    if (!opts_.chunk_source->Fill(ref, buf, len)) return false;
+    if (ChunkChecksum(buf, len) != info.checksum) {
+      ++result->source_mismatches;
+      return false;
+    }
+    ++result->source_chunks;
+    result->source_bytes += len;
+    return true;
   }
 
   FileSystem* fs_;
@@ -235,8 +265,16 @@ Result<ExportResult> ExportCheckpoint(Store* store, const std::string& dest_in, 
   OPTSTATE_RETURN_IF_ERROR(internal::WriteNewDir(
       fs, dest, where, "export.before_rename", "the checkpoint is",
       [&](const std::string& partial) { return Exporter(fs, **layout, partial, opts).Run(&result); }));
-  OPTSTATE_LOG_INFO("exported store {} generation {} to {} ({} files, {} bytes)", store->path(), gen, dest,
-                    result.files, result.bytes);
+  if (opts.chunk_source != nullptr) {
+    OPTSTATE_LOG_INFO(
+        "exported store {} generation {} to {} ({} files, {} bytes; chunks: {} ({} bytes) from memory, {} ({} bytes) "
+        "from disk, {} in memory not of the generation)",
+        store->path(), gen, dest, result.files, result.bytes, result.source_chunks, result.source_bytes,
+        result.disk_chunks, result.disk_bytes, result.source_mismatches);
+  } else {
+    OPTSTATE_LOG_INFO("exported store {} generation {} to {} ({} files, {} bytes)", store->path(), gen, dest,
+                      result.files, result.bytes);
+  }
   return result;
 }
 
