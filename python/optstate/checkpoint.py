@@ -44,6 +44,10 @@ def save(opt, dest, name=None, safetensors=True):
     nothing is left behind in the store. If the save fails, the snapshot it made is released again
     (a retry with the same name works). Returns the generation written.
 
+    An optimizer's save writes the chunks of that generation that its host cache tier holds from RAM
+    (each checked against the generation's checksum) and reads only the rest from the disk;
+    opt.last_checkpoint_export then counts them (ram_chunks, disk_chunks, ...).
+
     safetensors: write state.safetensors too (the default: the mount's layout, byte for byte). It
     holds every field file's bytes again, so the checkpoint is twice the state, twice the bytes to
     write; safetensors=False writes manifest.json and tensors/<tensor>/<field> only, which load()
