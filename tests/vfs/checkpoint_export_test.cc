@@ -430,6 +430,33 @@ TEST_F(ExportTest, WriteErrorLeavesNoDest) {
   EXPECT_TRUE(Tree(root_ + "/out") == Tree(mount_view_));
 }
 
+// An export that returned is durable: power lost right after it (every
+// byte not yet synced gone) leaves the whole checkpoint, with and without
+// state.safetensors.
+TEST_F(ExportTest, PowerLossAfterItReturnsLosesNothing) {
+  for (bool with_st : {true, false}) {
+    FaultInjectionFileSystem ffs(FileSystem::Default());
+    ExportOptions o;
+    o.fs = &ffs;
+    o.safetensors = with_st;
+    const std::string out = root_ + (with_st ? "/out" : "/lean");
+    ASSERT_TRUE(ExportCheckpoint(store_.get(), out, o).ok());
+    EXPECT_EQ(ffs.UnsyncedBytes(), 0u) << "safetensors " << with_st;
+    EXPECT_TRUE(ffs.UnsyncedCreations().empty()) << "safetensors " << with_st;
+    ASSERT_TRUE(ffs.DropUnsyncedData(DropMode::kAll).ok());
+    if (with_st) {
+      EXPECT_TRUE(Tree(out) == Tree(mount_view_));
+    } else {
+      auto field_files = Tree(mount_view_);
+      field_files.erase(kSafetensorsFileName);
+      field_files.erase(kManifestFileName);
+      auto lean = Tree(out);
+      lean.erase(kManifestFileName);
+      EXPECT_TRUE(lean == field_files);
+    }
+  }
+}
+
 // Run by CrashLeavesNoDest in a child process: exports, and is killed by OPTSTATE_CRASH_AT.
 TEST(ExportChild, DISABLED_Run) {
   const char* env = std::getenv(kChildEnv);
