@@ -45,9 +45,9 @@ Status ReadArgs(const Args* args, size_t min_bytes, const char* what, const char
   return Status::Ok();
 }
 
-// Both export calls; `what` names the one the caller made in its errors.
+// The export calls; `what` names the one the caller made in its errors.
 int Export(optstate_store_t* store, const char* dest, const optstate_checkpoint_export_args_t* args,
-           uint64_t* generation, char** errptr, const char* what);
+           vfs::ExportResult* result, char** errptr, const char* what);
 }  // namespace
 
 extern "C" {
@@ -59,20 +59,54 @@ int optstate_checkpoint_export(optstate_store_t* store, const char* snapshot, co
   optstate_checkpoint_export_args_t args{};
   args.struct_size = sizeof args;
   args.snapshot = snapshot;
-  return Export(store, dest, &args, generation, errptr, "optstate_checkpoint_export");
+  vfs::ExportResult r;
+  const int rc = Export(store, dest, &args, &r, errptr, "optstate_checkpoint_export");
+  if (rc == OPTSTATE_OK && generation != nullptr) *generation = r.generation;
+  return rc;
 }
 
 int optstate_checkpoint_export_with(optstate_store_t* store, const char* dest,
                                     const optstate_checkpoint_export_args_t* args, uint64_t* generation,
                                     char** errptr) {
-  return Export(store, dest, args, generation, errptr, "optstate_checkpoint_export_with");
+  vfs::ExportResult r;
+  const int rc = Export(store, dest, args, &r, errptr, "optstate_checkpoint_export_with");
+  if (rc == OPTSTATE_OK && generation != nullptr) *generation = r.generation;
+  return rc;
+}
+
+int optstate_checkpoint_export2(optstate_store_t* store, const char* dest,
+                                const optstate_checkpoint_export_args_t* args,
+                                optstate_checkpoint_export_result_t* result, char** errptr) {
+  const char* what = "optstate_checkpoint_export2";
+  if (result != nullptr && result->struct_size < sizeof(size_t)) {
+    return Guard(errptr, what, [&]() -> Status {
+      return InvalidArgument(std::string(what) + ": result->struct_size " + std::to_string(result->struct_size) +
+                             " is too small (set it to sizeof(optstate_checkpoint_export_result_t))");
+    });
+  }
+  vfs::ExportResult r;
+  const int rc = Export(store, dest, args, &r, errptr, what);
+  if (rc != OPTSTATE_OK || result == nullptr) return rc;
+  // Only the fields the caller's struct has.
+  optstate_checkpoint_export_result_t out{};
+  out.struct_size = std::min(result->struct_size, sizeof out);
+  out.generation = r.generation;
+  out.files = r.files;
+  out.bytes = r.bytes;
+  out.ram_chunks = r.source_chunks;
+  out.ram_bytes = r.source_bytes;
+  out.disk_chunks = r.disk_chunks;
+  out.disk_bytes = r.disk_bytes;
+  out.ram_mismatch_chunks = r.source_mismatches;
+  std::memcpy(result, &out, out.struct_size);
+  return rc;
 }
 
 }  // extern "C"
 
 namespace {
 int Export(optstate_store_t* store, const char* dest, const optstate_checkpoint_export_args_t* args,
-           uint64_t* generation, char** errptr, const char* what) {
+           vfs::ExportResult* result, char** errptr, const char* what) {
   return Guard(errptr, what, [&]() -> Status {
     if (store == nullptr) return NullArgument(what, "store");
     if (dest == nullptr || *dest == '\0') return InvalidArgument(std::string(what) + ": empty destination path");
@@ -89,9 +123,16 @@ int Export(optstate_store_t* store, const char* dest, const optstate_checkpoint_
       // The newest state includes the last step, whose commit may still run.
       if (Status st = WaitForCommits(store, what); !st.ok()) return st;
     }
-    auto r = vfs::ExportCheckpoint(store->rep.get(), dest, opts);
+    if (a.optimizer != nullptr && a.optimizer->store != store->rep.get()) {
+      return InvalidArgument(std::string(what) + ": args->optimizer is open on store " +
+                             (a.optimizer->store != nullptr ? a.optimizer->store->path() : std::string("(none)")) +
+                             ", not on " + store->rep->path());
+    }
+    auto r = a.optimizer != nullptr && a.optimizer->mm != nullptr
+                 ? a.optimizer->mm->ExportCheckpoint(dest, opts)
+                 : vfs::ExportCheckpoint(store->rep.get(), dest, opts);
     if (!r.ok()) return r.status();
-    if (generation != nullptr) *generation = r->generation;
+    *result = *r;
     return Status::Ok();
   });
 }

@@ -119,6 +119,28 @@ Status MemoryManager::CopyToHost(void* h_dst, const void* d_src, uint64_t bytes)
   OPTSTATE_RETURN_IF_ERROR(dev->CopyD2H(h_dst, d_src, bytes, nullptr));
   return dev->SyncStream(nullptr);
 }
+namespace {
+// The host cache tier as an export's chunk source (the exporter checks what
+// it fills against the generation's checksums).
+class CacheChunkSource final : public vfs::ChunkSource {
+ public:
+  explicit CacheChunkSource(const internal::HostCache* cache) : cache_(cache) {}
+  bool Fill(const vfs::ChunkRef& ref, void* dst, uint64_t len) override {
+    return cache_->CopyIdle(internal::ChunkKey{ref.tensor_id, ref.field, ref.index}, dst, len);
+  }
+
+ private:
+  const internal::HostCache* cache_;
+};
+}  // namespace
+
+Result<vfs::ExportResult> MemoryManager::ExportCheckpoint(const std::string& dest, vfs::ExportOptions opts) {
+  impl_->WaitBackgroundCommit();
+  CacheChunkSource source(impl_->cache());
+  opts.chunk_source = &source;
+  return vfs::ExportCheckpoint(impl_->store(), dest, opts);
+}
+
 Status MemoryManager::DeviceMemInfo(uint64_t* free_bytes, uint64_t* total_bytes) {
   return impl_->device()->MemInfo(free_bytes, total_bytes);
 }

@@ -25,9 +25,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "base/status.h"
+#include "vfs/checkpoint.h"
 #include "vfs/store.h"
 
 namespace optstate::memmgr {
@@ -237,6 +239,16 @@ class MemoryManager {
   void FreePinnedHost(void* h_ptr, uint64_t bytes);
   // Device memory free/total (cudaMemGetInfo); host backend: 0/0.
   Status DeviceMemInfo(uint64_t* free_bytes, uint64_t* total_bytes);
+
+  // vfs::ExportCheckpoint of store()'s committed generation (opts.generation
+  // or opts.snapshot), taking each chunk whose copy in the host cache tier
+  // holds that generation's bytes (its checksum) from there and reading only
+  // the others from the disk; the result counts both (source_*, disk_*).
+  // The files are those of vfs::ExportCheckpoint(store(), dest, opts). Waits
+  // first for a StreamedAdam commit running in the background. A cache entry
+  // in use by a step (or being written back) is read from the disk instead.
+  // opts.chunk_source is replaced.
+  Result<vfs::ExportResult> ExportCheckpoint(const std::string& dest, vfs::ExportOptions opts);
 
 
  private:

@@ -357,6 +357,22 @@ Result<std::unique_ptr<Store>> CreateStoreFilled(const std::string& store_path, 
 
 // ---- export --------------------------------------------------------------
 
+// Where an export may take a chunk's bytes from instead of the store's data
+// files: e.g. an optimizer's copies of its state in RAM. The exporter asks it
+// before reading each written chunk from the disk; bytes it fills are checked
+// against the chunk's checksum in the exported generation like a disk read,
+// and a chunk it does not fill, or fills with other bytes (a newer version, a
+// chunk being rewritten), is read from the disk instead. Called from the
+// exporting thread only.
+class ChunkSource {
+ public:
+  virtual ~ChunkSource() = default;
+  // Copies the chunk's len logical bytes into dst (4096-aligned, at least
+  // len bytes) and returns true, or returns false leaving dst's contents
+  // unspecified.
+  virtual bool Fill(const ChunkRef& ref, void* dst, uint64_t len) = 0;
+};
+
 struct ExportOptions {
   // The committed generation to export; kLatest (default) = the newest.
   // Ignored when snapshot is set.
@@ -376,12 +392,26 @@ struct ExportOptions {
   // manifest marked "state_safetensors": false (restore reads the field
   // files either way, each chunk checked against the manifest's XXH3).
   bool safetensors = true;
+  // Asked first for each written chunk (ChunkSource); null (default): every
+  // chunk is read from the store's data files. Not owned; must outlive the call.
+  ChunkSource* chunk_source = nullptr;
 };
 
 struct ExportResult {
   uint64_t generation = 0;     // the generation written
   uint64_t files = 0;          // files written
   uint64_t bytes = 0;          // bytes written, all files
+  // Chunks of the fields (and their logical bytes) taken from
+  // ExportOptions::chunk_source, with the checksum of the generation.
+  uint64_t source_chunks = 0;
+  uint64_t source_bytes = 0;
+  // Chunks the source filled with bytes whose checksum is not the
+  // generation's: read from the disk instead.
+  uint64_t source_mismatches = 0;
+  // Chunks (and logical bytes) read from the store's data files; chunks never
+  // written (zeros) are neither these nor the source's.
+  uint64_t disk_chunks = 0;
+  uint64_t disk_bytes = 0;
 };
 
 // Writes one committed generation of `store` as a checkpoint directory at
@@ -392,8 +422,8 @@ struct ExportResult {
 // only by "state_safetensors": false (and so its own checksum). The
 // generation is read under the lease of a
 // GenerationView (GC keeps its extents until the export ends) through a
-// ChunkIo at opts.queue_depth; every chunk's checksum is verified as it is
-// read. The files are written into a sibling directory
+// ChunkIo at opts.queue_depth (less what opts.chunk_source fills); every
+// chunk's checksum is verified as it is read or filled. The files are written into a sibling directory
 // "<dest>.partial-<8 hex digits>", each file and directory is fsynced, and
 // only then is it renamed to dest (and dest's parent synced): dest appears
 // complete or not at all. A crash can leave the .partial directory behind

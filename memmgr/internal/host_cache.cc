@@ -255,6 +255,15 @@ bool HostCache::Contains(const ChunkKey& k, uint64_t len) const {
   return it != entries_.end() && it->second.len == len;
 }
 
+bool HostCache::CopyIdle(const ChunkKey& k, void* dst, uint64_t len) const {
+  if (!enabled()) return false;
+  MutexLock l(&mu_);
+  auto it = entries_.find(k);
+  if (it == entries_.end() || it->second.len != len || it->second.users != 0) return false;
+  std::memcpy(dst, it->second.h_buf, len);
+  return true;
+}
+
 bool HostCache::TakePrefetched(const ChunkKey& k) {
   MutexLock l(&mu_);
   auto it = entries_.find(k);

@@ -137,6 +137,13 @@ class HostCache {
   bool TakePrefetched(const ChunkKey& k);
   // k has an entry of len bytes.
   bool Contains(const ChunkKey& k, uint64_t len) const;
+  // Copies k's entry (len bytes) to host memory dst when it has one of len
+  // bytes that no user holds (Acquire without Release: a working copy being
+  // written), under the lock, so that it is neither evicted, freed nor
+  // rewritten while copied; false otherwise. Leaves the entry's recency as it
+  // is (a checkpoint's read is no sign of use). Its bytes may be newer than
+  // the last commit: the caller checks them against the version it wants.
+  bool CopyIdle(const ChunkKey& k, void* dst, uint64_t len) const;
 
  private:
   struct Entry {

@@ -70,10 +70,20 @@ class RegisterArgs(_c.Structure):
 
 class ExportArgs(_c.Structure):
     """optstate_checkpoint_export_args_t: what a checkpoint export writes (see <optstate/c.h>)."""
-    _fields_ = [("struct_size", _c.c_size_t), ("snapshot", _u8p), ("flags", _u64)]
+    _fields_ = [("struct_size", _c.c_size_t), ("snapshot", _u8p), ("flags", _u64), ("optimizer", _vp)]
 
     def __init__(self, **fields):
         super().__init__(struct_size=_c.sizeof(ExportArgs), **fields)
+
+
+class ExportResult(_c.Structure):
+    """optstate_checkpoint_export_result_t: what a checkpoint export did (see <optstate/c.h>)."""
+    _fields_ = [("struct_size", _c.c_size_t)] + [(n, _u64) for n in (
+        "generation", "files", "bytes", "ram_chunks", "ram_bytes", "disk_chunks", "disk_bytes",
+        "ram_mismatch_chunks")]
+
+    def __init__(self):
+        super().__init__(struct_size=_c.sizeof(ExportResult))
 
 
 EXPORT_NO_SAFETENSORS = 1  # OPTSTATE_EXPORT_NO_SAFETENSORS
@@ -130,6 +140,7 @@ _SIGNATURES = {
     "optstate_store_stats": (_int, [_vp, _c.POINTER(StoreStats), _errp]),
     "optstate_checkpoint_export": (_int, [_vp, _u8p, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_checkpoint_export_with": (_int, [_vp, _u8p, _c.POINTER(ExportArgs), _c.POINTER(_u64), _errp]),
+    "optstate_checkpoint_export2": (_int, [_vp, _u8p, _c.POINTER(ExportArgs), _c.POINTER(ExportResult), _errp]),
     "optstate_checkpoint_restore": (_int, [_vp, _u8p, _c.POINTER(_u64), _errp]),
     "optstate_checkpoint_restore2": (_int, [_vp, _u8p, _u32, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),
     "optstate_store_revert": (_int, [_vp, _u8p, _c.POINTER(_u64), _c.POINTER(_vp), _errp]),

@@ -28,7 +28,7 @@ import shutil
 
 from . import errors
 from ._lib import RESHARD_NO_SAFETENSORS, ReshardArgs, call, lib
-from .core import Store
+from .core import Store, StreamedAdam
 
 __all__ = ["save", "load", "reshard", "reshard_layout", "global_shapes", "rank_dir", "save_into", "resume_from",
            "hold", "release_deleted", "held_snapshots", "pin_state_dict_snapshot"]
@@ -44,6 +44,10 @@ def save(opt, dest, name=None, safetensors=True):
     nothing is left behind in the store. If the save fails, the snapshot it made is released again
     (a retry with the same name works). Returns the generation written.
 
+    An optimizer's save writes the chunks of that generation that its host cache tier holds from RAM
+    (each checked against the generation's checksum) and reads only the rest from the disk;
+    opt.last_checkpoint_export then counts them (ram_chunks, disk_chunks, ...).
+
     safetensors: write state.safetensors too (the default: the mount's layout, byte for byte). It
     holds every field file's bytes again, so the checkpoint is twice the state, twice the bytes to
     write; safetensors=False writes manifest.json and tensors/<tensor>/<field> only, which load()
@@ -54,6 +58,7 @@ def save(opt, dest, name=None, safetensors=True):
     else:
         _optimizer(opt, "save").commit()
         store = opt.store
+    export = _exporter(opt, store)
     parent = os.path.dirname(os.path.abspath(dest))
     try:
         os.makedirs(parent, exist_ok=True)
@@ -62,10 +67,10 @@ def save(opt, dest, name=None, safetensors=True):
         raise cls("optstate.checkpoint.save: cannot create the parent directory %s of %s: %s"
                   % (parent, dest, e.strerror or e)) from e
     if name is None:
-        return store.export_checkpoint(dest, safetensors=safetensors)
+        return export(dest, safetensors=safetensors)
     store.snapshot(name)
     try:
-        return store.export_checkpoint(dest, snapshot=name, safetensors=safetensors)
+        return export(dest, snapshot=name, safetensors=safetensors)
     except BaseException:
         try:
             store.release_snapshot(name)
@@ -92,6 +97,25 @@ def load(opt, src, force=False):
     if isinstance(opt, Store):
         return opt.restore_checkpoint(src, force=force)
     return _optimizer(opt, "load")._load_checkpoint(src, force=force)
+
+
+def _exporter(opt, store):
+    """The export that save() and save_into() run: an optimizer's takes the chunks its host cache tier
+    holds from RAM (only the rest is read from the disk) and leaves what it did in
+    opt.last_checkpoint_export (see optstate.StreamedAdam.export_checkpoint); a Store's reads every
+    chunk from the disk. Returns the generation written."""
+    if isinstance(opt, StreamedAdam):
+        adam_of = lambda: opt  # noqa: E731
+    elif hasattr(opt, "_live") and not isinstance(opt, Store):
+        adam_of = opt._live  # an optstate.torch optimizer: its StreamedAdam, or FailedPrecondition once closed
+    else:
+        return store.export_checkpoint
+
+    def export(dest, snapshot=None, safetensors=True):
+        done = adam_of().export_checkpoint(dest, snapshot=snapshot, safetensors=safetensors)
+        opt.last_checkpoint_export = done
+        return done["generation"]
+    return export
 
 
 def _optimizer(opt, what):
@@ -370,7 +394,7 @@ def save_into(opt, root, holder=None, state_dict=None, dest=None, safetensors=Tr
         if os.path.lexists(dest):
             shutil.rmtree(dest) if os.path.isdir(dest) and not os.path.islink(dest) else os.unlink(dest)
         os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-        store.export_checkpoint(dest, snapshot=meta["snapshot"], safetensors=safetensors)
+        _exporter(opt, store)(dest, snapshot=meta["snapshot"], safetensors=safetensors)
     held = held_snapshots(store)
     changed = _add_holder(held, meta["snapshot"], holder if holder is not None else root)
     _release_deleted(store, held, changed)  # one write of the holders file for both

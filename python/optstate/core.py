@@ -14,7 +14,8 @@ import os
 import weakref
 
 from . import errors
-from ._lib import EXPORT_NO_SAFETENSORS, ExportArgs, MemoryStats, RegisterArgs, StepArgs, StoreStats, call, lib
+from ._lib import (EXPORT_NO_SAFETENSORS, ExportArgs, ExportResult, MemoryStats, RegisterArgs, StepArgs, StoreStats,
+                   call, lib)
 
 # optstate_dtype and optstate_access of <optstate/c.h> (tests/python/vocabulary_test.py checks them).
 F32, BF16, F16, Q8S, Q8U, NONE = 0, 1, 2, 3, 4, 255
@@ -664,6 +665,19 @@ class StreamedAdam(_Handle):
         gen = ctypes.c_uint64()
         call(lib.optstate_adam_commit, self._live(), ctypes.byref(gen))
         return gen.value
+
+    def export_checkpoint(self, dest, snapshot=None, safetensors=True):
+        """Store.export_checkpoint of this optimizer's store, taking each chunk whose copy in the host
+        cache tier holds the exported generation's bytes (checked against its checksum) from RAM and
+        reading only the others from the disk: the same files. Returns a dict: generation, files,
+        bytes (written), ram_chunks and ram_bytes (from RAM), disk_chunks and disk_bytes (read from the
+        disk), ram_mismatch_chunks (held in RAM with newer bytes, read from the disk); see
+        optstate_checkpoint_export2."""
+        args = ExportArgs(snapshot=None if snapshot is None else _b(snapshot),
+                          flags=0 if safetensors else EXPORT_NO_SAFETENSORS, optimizer=self._live())
+        res = ExportResult()
+        call(lib.optstate_checkpoint_export2, self.store._live(), _b(dest), ctypes.byref(args), ctypes.byref(res))
+        return {name: getattr(res, name) for name, _ in res._fields_ if name != "struct_size"}
 
     def step_count(self, group):
         """Steps in which any param of the group stepped."""

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <latch>
 #include <limits>
 #include <map>
@@ -883,6 +884,120 @@ TEST(StreamedAdam, CachedStepsCommitEveryNthAndRevertToLastCommitOnFailure) {
   EXPECT_EQ(sa->step_count(1), 7u);  // group 1 (w2, b): b stepped every step
   EXPECT_EQ(MUST(sa->param_step_count("w2")), 6u);  // w2 had no grad in step 6
   EXPECT_EQ(MUST(sa->param_step_count("b")), 7u);
+}
+
+// ------------------------------------------------- export from the host cache tier
+
+// Every file under root, by relative path, with its bytes.
+std::map<std::string, std::string> FileTree(const std::string& root) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    out[std::filesystem::relative(e.path(), root).string()] =
+        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+
+// The chunks of the latest committed generation that hold written bytes.
+uint64_t WrittenChunks(vfs::Store* store) {
+  auto view = MUST(store->OpenGeneration(vfs::kLatest));
+  uint64_t n = 0;
+  for (const vfs::TensorInfo& t : view->tensors()) {
+    for (uint32_t f = 0; f < t.fields.size(); ++f) {
+      for (uint64_t c = 0; c < view->ChunkCount(t, f); ++c) {
+        n += MUST(view->Chunk(vfs::ChunkRef{t.id, f, c})).zero ? 0 : 1;
+      }
+    }
+  }
+  return n;
+}
+
+// Steps a StreamedAdam of SmallMix with a host cache tier of cache_chunks
+// chunks and durable_every_steps `durable`, `steps` times (the last without
+// w2's grad), waits for the commit, then exports the latest committed
+// generation twice: from the store alone (the reference) and through the
+// manager (from the tier). Checks that both wrote the same files and returns
+// the tier's export.
+vfs::ExportResult StepAndExportBothWays(uint64_t cache_chunks, uint32_t durable, uint64_t steps,
+                                        uint64_t* written_chunks, uint64_t* committed_step) {
+  Env scratch;
+  scratch.Open(3 * kChunk, true);
+  std::vector<ParamDef> defs = SmallMix();
+  Env env;
+  env.Open(6 * kChunk, true, cache_chunks * kChunk);
+  StreamedAdamOptions so;
+  so.durable_every_steps = durable;
+  auto sa = MUST(StreamedAdam::Create(env.store.get(), env.mm.get(), so));
+  RegisterAll(sa.get(), env.mm.get(), defs);
+  for (uint64_t step = 1; step <= steps; ++step) {
+    StepGrads g(scratch.mm.get(), defs, step);
+    auto list = g.List(defs);
+    if (step == steps) list.erase(list.begin() + 1);
+    const Status st = sa->Step(list);
+    EXPECT_TRUE(st.ok()) << "step " << step << ": " << st.ToString();
+  }
+  const Status wait = sa->WaitForCommit();  // the last commit may run in the background (commit_lag_steps 1)
+  EXPECT_TRUE(wait.ok()) << wait.ToString();
+  *written_chunks = WrittenChunks(env.store.get());
+  *committed_step = env.store->LatestGeneration().step;
+  const std::string plain = env.dir.path() + "/plain", ram = env.dir.path() + "/ram";
+  vfs::ExportOptions o;
+  o.queue_depth = 3;
+  auto rp = vfs::ExportCheckpoint(env.store.get(), plain, o);
+  EXPECT_TRUE(rp.ok()) << rp.status().ToString();
+  auto rr = env.mm->ExportCheckpoint(ram, o);
+  EXPECT_TRUE(rr.ok()) << rr.status().ToString();
+  if (!rp.ok() || !rr.ok()) return {};
+  EXPECT_EQ(rp->disk_chunks, *written_chunks);
+  EXPECT_EQ(rr->generation, rp->generation);
+  EXPECT_TRUE(FileTree(ram) == FileTree(plain)) << "the export through the host cache tier wrote other bytes";
+  EXPECT_EQ(rr->source_chunks + rr->disk_chunks, *written_chunks);
+  EXPECT_EQ(rr->source_bytes + rr->disk_bytes, rp->disk_bytes);
+  return *rr;
+}
+
+// A tier that holds the whole state: every chunk of the checkpoint comes from
+// RAM, none from the disk, and the files are the store's.
+TEST(StreamedAdam, ExportTakesTheStateFromAHostCacheThatHoldsIt) {
+  MEMMGR_REQUIRE_BACKEND();
+  uint64_t written = 0, step = 0;
+  const uint64_t state_chunks = 3 * (4 + 2 + 1);  // w1 4 chunks, w2 2, b 1; x3 fields
+  vfs::ExportResult r = StepAndExportBothWays(state_chunks + 2, 1, 2, &written, &step);
+  EXPECT_EQ(step, 2u);
+  EXPECT_EQ(written, state_chunks);
+  EXPECT_EQ(r.source_chunks, written);
+  EXPECT_EQ(r.disk_chunks, 0u);
+  EXPECT_EQ(r.source_mismatches, 0u);
+}
+
+// A tier that holds part of the state: those chunks from RAM, the rest from
+// the disk, the same files.
+TEST(StreamedAdam, ExportTakesWhatAPartialHostCacheHoldsAndReadsTheRest) {
+  MEMMGR_REQUIRE_BACKEND();
+  uint64_t written = 0, step = 0;
+  vfs::ExportResult r = StepAndExportBothWays(8, 1, 2, &written, &step);
+  EXPECT_EQ(step, 2u);
+  EXPECT_GT(r.source_chunks, 0u);
+  EXPECT_LE(r.source_chunks, 8u);
+  EXPECT_GT(r.disk_chunks, 0u);
+}
+
+// durable_every_steps 3, four steps: the tier holds step 4 (cached, newer than
+// the commit) for w1 and b, and step 3's bytes for w2, which step 4 left out.
+// The checkpoint is step 3's generation: w2 from RAM, the newer chunks from
+// the disk (counted as mismatches), never step 4's bytes.
+TEST(StreamedAdam, ExportOfAHostCacheHoldingNewerStepsWritesTheCommittedGeneration) {
+  MEMMGR_REQUIRE_BACKEND();
+  uint64_t written = 0, step = 0;
+  const uint64_t state_chunks = 3 * (4 + 2 + 1);
+  vfs::ExportResult r = StepAndExportBothWays(state_chunks + 2, 3, 4, &written, &step);
+  EXPECT_EQ(step, 3u);
+  EXPECT_EQ(written, state_chunks);
+  EXPECT_EQ(r.source_chunks, 3u * 2);  // w2's 2 chunks of each field
+  EXPECT_EQ(r.source_mismatches, 3u * (4 + 1));
+  EXPECT_EQ(r.disk_chunks, 3u * (4 + 1));
 }
 
 // Every byte of every field of every tensor in the latest committed

@@ -589,7 +589,7 @@ class CapiTest(TempDirTest):
                  ctypes.byref(ExportArgs(flags=2)), None)
         self.assertIn("flags", str(cm.exception))
         short = ExportArgs(flags=EXPORT_NO_SAFETENSORS)
-        short.struct_size = ctypes.sizeof(ExportArgs) - 8
+        short.struct_size = ExportArgs.flags.offset  # short of the fields of ABI version 5
         with self.assertRaises(optstate.InvalidArgument) as cm:
             call(lib.optstate_checkpoint_export_with, store._live(), self.path("bad").encode(), ctypes.byref(short),
                  None)
@@ -634,6 +634,61 @@ class CapiTest(TempDirTest):
             reshard("bad", ctypes.byref(short))
         self.assertIn("struct_size", str(cm.exception))
         self.assertFalse(os.path.exists(self.path("bad")))
+
+    def test_export2_with_an_optimizer(self):
+        """optstate_checkpoint_export2: with args->optimizer the chunks its host cache tier holds come from
+        RAM (counted in the result), the files are the store's; an optimizer of another store is refused;
+        a caller of ABI version 5 (struct_size without the optimizer) exports from the disk; the result
+        is written only as far as its struct_size."""
+        from optstate._lib import EXPORT_NO_SAFETENSORS, ExportArgs, ExportResult, call, lib
+        import ctypes
+        import hashlib
+
+        def files(root):
+            out = {}
+            for d, _, names in os.walk(root):
+                for n in names:
+                    with open(os.path.join(d, n), "rb") as f:
+                        out[os.path.relpath(os.path.join(d, n), root)] = hashlib.sha256(f.read()).hexdigest()
+            return out
+
+        store = optstate.Store(self.path("s"), **STORE_KW)
+        mm = optstate.MemoryManager(store, backend="host", device_budget_bytes=64 << 20, host_cache_bytes=32 << 20)
+        adam = optstate.StreamedAdam(store, mm)
+        w = np.ones(1000, dtype=np.float32)
+        pid, _ = adam.register_param("w", 1000, 0, w.ctypes.data, optstate.F32)
+        adam.step([pid], [np.full(1000, 0.5, dtype=np.float32).ctypes.data], [optstate.F32])
+        res = ExportResult()
+        args = ExportArgs(flags=EXPORT_NO_SAFETENSORS, optimizer=adam._live())
+        call(lib.optstate_checkpoint_export2, store._live(), self.path("ram").encode(), ctypes.byref(args),
+             ctypes.byref(res))
+        store.export_checkpoint(self.path("disk"), safetensors=False)
+        self.assertEqual(files(self.path("ram")), files(self.path("disk")))
+        self.assertEqual((res.generation, res.ram_chunks, res.disk_chunks, res.ram_mismatch_chunks),
+                         (store.latest_generation()[0], 3, 0, 0))  # main, exp_avg, exp_avg_sq
+        self.assertEqual(res.ram_bytes, 3 * 4000)
+        # The same through the package: the counts of optstate.StreamedAdam.export_checkpoint.
+        done = adam.export_checkpoint(self.path("pkg"), safetensors=False)
+        self.assertEqual((done["ram_chunks"], done["disk_chunks"]), (3, 0))
+        self.assertEqual(files(self.path("pkg")), files(self.path("disk")))
+
+        other_store, _, other = self.open("other")
+        bad = ExportArgs(optimizer=other._live())
+        with self.assertRaises(optstate.InvalidArgument) as cm:
+            call(lib.optstate_checkpoint_export2, store._live(), self.path("bad").encode(), ctypes.byref(bad), None)
+        self.assertIn(other_store.path, str(cm.exception))
+        self.assertFalse(os.path.exists(self.path("bad")))
+        # A version-5 struct: the optimizer field lies past struct_size and is not read.
+        v5 = ExportArgs(flags=EXPORT_NO_SAFETENSORS, optimizer=other._live())
+        v5.struct_size = ExportArgs.optimizer.offset
+        part = ExportResult()
+        part.struct_size = ExportResult.ram_chunks.offset
+        part.ram_chunks = 77
+        call(lib.optstate_checkpoint_export2, store._live(), self.path("v5").encode(), ctypes.byref(v5),
+             ctypes.byref(part))
+        self.assertEqual(files(self.path("v5")), files(self.path("disk")))
+        self.assertEqual(part.generation, store.latest_generation()[0])
+        self.assertEqual(part.ram_chunks, 77)  # past its struct_size: left alone
 
     def test_restore_refuses_while_an_optimizer_is_open(self):
         """optstate_checkpoint_restore (called directly, past the package's own check) refuses while a

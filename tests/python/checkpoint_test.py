@@ -134,6 +134,80 @@ class CheckpointTest(TempDirTest):
             self.assertEqual(json.load(f)["generation"], opt.store.snapshots()[0][1])
         opt.close()
 
+    def chunks_of(self, ckpt_dir):
+        with open(os.path.join(ckpt_dir, "manifest.json")) as f:
+            return sum(len(fld["chunks"]) for t in json.load(f)["tensors"] for fld in t["fields"])
+
+    def resumes_bit_for_bit(self, src, at_save, counts, model, opt, steps):
+        """A fresh optimizer loaded from src holds the params at_save and, stepped `steps` times, the same
+        params and moments as model/opt stepped as many times from there."""
+        fresh = make_model(1)
+        opt2 = ot.AdamW(two_groups(fresh), store=self.path("fresh-%d" % len(os.listdir(self.dir))), lr=0.5, **OPT_KW)
+        ckpt.load(opt2, src)
+        for a, b in zip(at_save, fresh.parameters()):
+            self.assertTrue(torch.equal(a, b))
+        self.assertEqual((opt2.step_count(0), opt2.step_count(1)), counts)
+        self.steps(fresh, opt2, steps)
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            self.assertTrue(torch.equal(a, b))
+            for field in ("exp_avg", "exp_avg_sq"):
+                self.assertTrue(torch.equal(opt.read_state(a, field), opt2.read_state(b, field)), field)
+        opt2.close()
+
+    def test_save_writes_what_the_host_cache_tier_holds_from_ram(self):
+        # A tier that holds the whole state: every chunk from RAM, the files of an export from the store.
+        kw = dict(OPT_KW, host_cache_bytes=16 << 20)
+        model = make_model(0)
+        opt = ot.AdamW(two_groups(model), store=self.path("a"), lr=1e-2, **kw)
+        self.steps(model, opt, 3)
+        gen = ckpt.save(opt, self.path("ram"), safetensors=False)
+        self.assertEqual(opt.store.export_checkpoint(self.path("disk"), safetensors=False), gen)
+        self.assertEqual(tree(self.path("ram")), tree(self.path("disk")))
+        done = opt.last_checkpoint_export
+        n = self.chunks_of(self.path("ram"))
+        self.assertEqual((done["generation"], done["ram_chunks"], done["disk_chunks"], done["ram_mismatch_chunks"]),
+                         (gen, n, 0, 0))
+        self.assertEqual(done["disk_bytes"], 0)
+        self.assertGreater(done["ram_bytes"], 0)
+        at_save = [p.detach().clone() for p in model.parameters()]
+        self.steps(model, opt, 2)
+        self.resumes_bit_for_bit(self.path("ram"), at_save, (3, 3), model, opt, 2)
+        opt.close()
+
+        # A tier that holds part of the state: the rest from the disk, the same files.
+        model = make_model(0)
+        opt = ot.AdamW(two_groups(model), store=self.path("b"), lr=1e-2, **dict(OPT_KW, host_cache_bytes=40 << 10))
+        self.steps(model, opt, 3)
+        gen = ckpt.save(opt, self.path("part"))  # with state.safetensors
+        opt.store.export_checkpoint(self.path("part_disk"))
+        self.assertEqual(tree(self.path("part")), tree(self.path("part_disk")))
+        done = opt.last_checkpoint_export
+        self.assertGreater(done["ram_chunks"], 0)
+        self.assertGreater(done["disk_chunks"], 0)
+        self.assertEqual(done["ram_chunks"] + done["disk_chunks"], self.chunks_of(self.path("part")))
+        opt.close()
+
+    def test_save_into_of_an_older_generation_than_the_tier_holds(self):
+        # durable_every_steps 3: the state_dict's generation is step 3's; steps 4-5 are held only in the
+        # tier (newer bytes of every chunk). The checkpoint is step 3's, from the disk, and resumes bit for bit.
+        kw = dict(OPT_KW, host_cache_bytes=16 << 20, durable_every_steps=3)
+        model = make_model(0)
+        opt = ot.AdamW(two_groups(model), store=self.path("a"), lr=1e-2, **kw)
+        self.steps(model, opt, 3)
+        sd = opt.state_dict()
+        at_sd = [p.detach().clone() for p in model.parameters()]
+        self.steps(model, opt, 2)
+        self.assertEqual(opt._live().uncommitted_steps, 2)
+        dest = ckpt.save_into(opt, self.path("root"), state_dict=sd, safetensors=False)
+        opt.store.export_checkpoint(self.path("disk"), snapshot=sd["optstate"]["snapshot"], safetensors=False)
+        self.assertEqual(tree(dest), tree(self.path("disk")))
+        done = opt.last_checkpoint_export
+        n = self.chunks_of(dest)
+        self.assertEqual(done["generation"], sd["optstate"]["generation"])
+        self.assertEqual((done["ram_chunks"], done["ram_mismatch_chunks"], done["disk_chunks"]), (0, n, n))
+        self.resumes_bit_for_bit(dest, at_sd, (3, 3), model, opt, 2)  # opt went on from step 3 two steps
+        opt.close()
+
     def test_save_equals_the_mounts_snapshot_and_optstate_restore_takes_it(self):
         model, opt = self.trained("s")
         ckpt.save(opt, self.path("saved"), name="snap")

@@ -3,18 +3,24 @@
 // bit for bit, and appears at dest complete or not at all: an I/O error or a
 // SIGKILL mid-export leaves no dest, an existing non-empty dest is refused.
 // Without state.safetensors it writes the same field files and restores the same.
+// Chunks a ChunkSource fills with the generation's bytes are taken from it,
+// others (and any it fills with other bytes) from the disk: the same files.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include <spdlog/sinks/ostream_sink.h>
 
@@ -245,6 +251,146 @@ TEST_F(ExportTest, WithoutSafetensorsWritesTheFieldFilesOnce) {
   EXPECT_TRUE(DumpLatest(store_.get()) == before);
 }
 
+// A ChunkSource over copies of the chunks of one generation, read from a
+// view: fills each chunk as `fill` says (kRight: the copy, kWrong: another
+// version's bytes, kNone: declines).
+class CopiesSource : public ChunkSource {
+ public:
+  enum class Give { kRight, kWrong, kNone };
+  CopiesSource(const GenerationView& right, const GenerationView& wrong, std::function<Give(const ChunkRef&)> fill)
+      : fill_(std::move(fill)) {
+    Copy(right, &right_);
+    Copy(wrong, &wrong_);
+  }
+  bool Fill(const ChunkRef& ref, void* dst, uint64_t len) override {
+    ++calls;
+    const auto key = std::make_tuple(ref.tensor_id, ref.field, ref.index);
+    const Give how = fill_(ref);
+    if (how == Give::kNone) return false;
+    const std::string& bytes = (how == Give::kRight ? right_ : wrong_).at(key);
+    EXPECT_EQ(bytes.size(), len);
+    std::memcpy(dst, bytes.data(), std::min<uint64_t>(len, bytes.size()));
+    return true;
+  }
+  uint64_t calls = 0;
+
+ private:
+  using Key = std::tuple<uint32_t, uint32_t, uint64_t>;
+  static void Copy(const GenerationView& v, std::map<Key, std::string>* out) {
+    AlignedChunk buf(v.identity().chunk_size_bytes);
+    for (const TensorInfo& t : v.tensors()) {
+      for (uint32_t f = 0; f < t.fields.size(); ++f) {
+        for (uint64_t c = 0; c < v.ChunkCount(t, f); ++c) {
+          auto ci = v.Chunk(ChunkRef{t.id, f, c});
+          ASSERT_TRUE(ci.ok());
+          ASSERT_TRUE(v.ReadChunk(ChunkRef{t.id, f, c}, buf.p).ok());
+          (*out)[Key{t.id, f, c}] = std::string(buf.p, ci->length_bytes);
+        }
+      }
+    }
+  }
+  std::function<Give(const ChunkRef&)> fill_;
+  std::map<Key, std::string> right_, wrong_;
+};
+
+// Chunks of a view that have been written (and their logical bytes).
+std::pair<uint64_t, uint64_t> WrittenChunks(const GenerationView& v) {
+  uint64_t n = 0, bytes = 0;
+  for (const TensorInfo& t : v.tensors()) {
+    for (uint32_t f = 0; f < t.fields.size(); ++f) {
+      for (uint64_t c = 0; c < v.ChunkCount(t, f); ++c) {
+        auto ci = v.Chunk(ChunkRef{t.id, f, c});
+        EXPECT_TRUE(ci.ok());
+        if (ci.ok() && !ci->zero) ++n, bytes += ci->length_bytes;
+      }
+    }
+  }
+  return {n, bytes};
+}
+
+// A source that holds every chunk: the checkpoint is the one read from the
+// disk, byte for byte, and no chunk is read from the disk.
+TEST_F(ExportTest, ChunkSourceFillingEveryChunkWritesTheSameCheckpoint) {
+  auto gen = store_->OpenGeneration(kLatest);
+  ASSERT_TRUE(gen.ok());
+  const auto [written, written_bytes] = WrittenChunks(**gen);
+  ASSERT_GT(written, 4u);
+  CopiesSource src(**gen, **gen, [](const ChunkRef&) { return CopiesSource::Give::kRight; });
+  for (bool st : {true, false}) {
+    SCOPED_TRACE(st ? "with state.safetensors" : "without state.safetensors");
+    const std::string plain = root_ + (st ? "/plain" : "/plain_lean"), ram = root_ + (st ? "/ram" : "/ram_lean");
+    ExportOptions o;
+    o.safetensors = st;
+    o.queue_depth = 3;
+    auto rp = ExportCheckpoint(store_.get(), plain, o);
+    ASSERT_TRUE(rp.ok()) << rp.status().ToString();
+    EXPECT_EQ(rp->source_chunks, 0u);
+    EXPECT_EQ(rp->disk_chunks, written);
+    o.chunk_source = &src;
+    auto rr = ExportCheckpoint(store_.get(), ram, o);
+    ASSERT_TRUE(rr.ok()) << rr.status().ToString();
+    EXPECT_TRUE(Tree(ram) == Tree(plain)) << "the source's checkpoint differs from the disk's";
+    EXPECT_EQ(rr->bytes, rp->bytes);
+    EXPECT_EQ(rr->files, rp->files);
+    EXPECT_EQ(rr->source_chunks, written);
+    EXPECT_EQ(rr->source_bytes, written_bytes);
+    EXPECT_EQ(rr->source_mismatches, 0u);
+    EXPECT_EQ(rr->disk_chunks, 0u);
+    EXPECT_EQ(rr->disk_bytes, 0u);
+  }
+  EXPECT_TRUE(Tree(root_ + "/ram") == Tree(mount_view_));
+  EXPECT_EQ(src.calls, 2 * written);  // never asked for a chunk never written
+}
+
+// A source holding a newer version of some chunks (and nothing of others):
+// those are read from the disk, counted, and the checkpoint is the exported
+// generation's, restored bit for bit.
+TEST_F(ExportTest, ChunkSourceWithOtherBytesFallsBackToTheDisk) {
+  ASSERT_TRUE(store_->CreateSnapshot("s").ok());
+  WriteStep(store_.get(), 12);  // every chunk has a newer version now
+  auto old_gen = store_->OpenSnapshot("s");
+  auto new_gen = store_->OpenGeneration(kLatest);
+  ASSERT_TRUE(old_gen.ok() && new_gen.ok());
+  const auto [written, written_bytes] = WrittenChunks(**old_gen);
+  auto how = [](const ChunkRef& r) {
+    switch ((r.tensor_id + r.field + r.index) % 3) {
+      case 0: return CopiesSource::Give::kRight;
+      case 1: return CopiesSource::Give::kWrong;
+      default: return CopiesSource::Give::kNone;
+    }
+  };
+  uint64_t right = 0, wrong = 0, none = 0;
+  for (const TensorInfo& t : (*old_gen)->tensors()) {
+    for (uint32_t f = 0; f < t.fields.size(); ++f) {
+      for (uint64_t c = 0; c < (*old_gen)->ChunkCount(t, f); ++c) {
+        const ChunkRef ref{t.id, f, c};
+        if ((*old_gen)->Chunk(ref)->zero) continue;
+        const auto h = how(ref);
+        (h == CopiesSource::Give::kRight ? right : h == CopiesSource::Give::kWrong ? wrong : none)++;
+      }
+    }
+  }
+  ASSERT_GT(right, 0u);
+  ASSERT_GT(wrong, 0u);
+  ASSERT_GT(none, 0u);
+  CopiesSource src(**old_gen, **new_gen, how);
+  ExportOptions o;
+  o.snapshot = "s";
+  o.queue_depth = 2;
+  o.chunk_source = &src;
+  auto r = ExportCheckpoint(store_.get(), root_ + "/out", o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->generation, gen1_);
+  EXPECT_TRUE(Tree(root_ + "/out") == Tree(mount_view_)) << "a wrong chunk from the source reached the checkpoint";
+  EXPECT_EQ(r->source_chunks, right);
+  EXPECT_EQ(r->source_mismatches, wrong);
+  EXPECT_EQ(r->disk_chunks, wrong + none);
+  EXPECT_EQ(r->source_bytes + r->disk_bytes, written_bytes);
+  auto b = CreateStoreFromCheckpoint(root_ + "/out", root_ + "/fresh", StoreOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_TRUE(DumpLatest(b->get()) == want_);
+}
+
 TEST_F(ExportTest, RefusesExistingDestAndMissingSources) {
   fs::create_directory(root_ + "/full");
   std::ofstream(root_ + "/full/keep") << "mine";
@@ -282,6 +428,33 @@ TEST_F(ExportTest, WriteErrorLeavesNoDest) {
   o.fs = &ffs;
   ASSERT_TRUE(ExportCheckpoint(store_.get(), root_ + "/out", o).ok());
   EXPECT_TRUE(Tree(root_ + "/out") == Tree(mount_view_));
+}
+
+// An export that returned is durable: power lost right after it (every
+// byte not yet synced gone) leaves the whole checkpoint, with and without
+// state.safetensors.
+TEST_F(ExportTest, PowerLossAfterItReturnsLosesNothing) {
+  for (bool with_st : {true, false}) {
+    FaultInjectionFileSystem ffs(FileSystem::Default());
+    ExportOptions o;
+    o.fs = &ffs;
+    o.safetensors = with_st;
+    const std::string out = root_ + (with_st ? "/out" : "/lean");
+    ASSERT_TRUE(ExportCheckpoint(store_.get(), out, o).ok());
+    EXPECT_EQ(ffs.UnsyncedBytes(), 0u) << "safetensors " << with_st;
+    EXPECT_TRUE(ffs.UnsyncedCreations().empty()) << "safetensors " << with_st;
+    ASSERT_TRUE(ffs.DropUnsyncedData(DropMode::kAll).ok());
+    if (with_st) {
+      EXPECT_TRUE(Tree(out) == Tree(mount_view_));
+    } else {
+      auto field_files = Tree(mount_view_);
+      field_files.erase(kSafetensorsFileName);
+      field_files.erase(kManifestFileName);
+      auto lean = Tree(out);
+      lean.erase(kManifestFileName);
+      EXPECT_TRUE(lean == field_files);
+    }
+  }
 }
 
 // Run by CrashLeavesNoDest in a child process: exports, and is killed by OPTSTATE_CRASH_AT.

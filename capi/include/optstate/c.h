@@ -50,7 +50,9 @@
  * optstate_adam_register_params_with). Version 5 adds
  * optstate_checkpoint_export_with (a checkpoint without state.safetensors).
  * Version 6 adds optstate_checkpoint_reshard_with (resharded checkpoints
- * without state.safetensors). */
+ * without state.safetensors), optstate_checkpoint_export_args_t's optimizer
+ * (an export from the optimizer's host cache tier) and
+ * optstate_checkpoint_export2 with optstate_checkpoint_export_result_t. */
 #ifndef OPTSTATE_C_H_
 #define OPTSTATE_C_H_
 
@@ -251,16 +253,50 @@ OPTSTATE_EXPORT int optstate_checkpoint_export(optstate_store_t* store, const ch
  * and the library reads only those that fit in struct_size. Since ABI
  * version 5. */
 #define OPTSTATE_EXPORT_NO_SAFETENSORS 1u
+/*   optimizer (since ABI version 6): NULL, or an optimizer open on the
+ *     store: each chunk whose copy in its host cache tier holds the exported
+ *     generation's bytes (checked against the chunk's checksum, as a disk
+ *     read is) is written from RAM, and only the others are read from the
+ *     disk. The files are the same either way. An optimizer of another
+ *     store: INVALID_ARGUMENT. */
 typedef struct optstate_checkpoint_export_args_t {
   size_t struct_size;
   const char* snapshot;
   uint64_t flags;
+  optstate_adam_t* optimizer;
 } optstate_checkpoint_export_args_t;
 /* optstate_checkpoint_export with the options in args (NULL: the defaults,
  * which are optstate_checkpoint_export's). Since ABI version 5. */
 OPTSTATE_EXPORT int optstate_checkpoint_export_with(optstate_store_t* store, const char* dest,
                                                     const optstate_checkpoint_export_args_t* args,
                                                     uint64_t* generation, char** errptr);
+/* What an export did (optstate_checkpoint_export2). Set struct_size =
+ * sizeof(optstate_checkpoint_export_result_t) as the caller was built: the
+ * library writes only the fields that fit in it. Chunks never written (zeros)
+ * are counted neither from RAM nor from disk. Since ABI version 6.
+ *   generation: the generation written. files, bytes: written, all files.
+ *   ram_chunks, ram_bytes: field chunks (logical bytes) taken from the
+ *     optimizer's host cache tier.
+ *   disk_chunks, disk_bytes: field chunks (logical bytes) read from the
+ *     store's data files.
+ *   ram_mismatch_chunks: chunks the tier held with other bytes than the
+ *     generation's (a newer step), read from the disk instead. */
+typedef struct optstate_checkpoint_export_result_t {
+  size_t struct_size;
+  uint64_t generation;
+  uint64_t files;
+  uint64_t bytes;
+  uint64_t ram_chunks;
+  uint64_t ram_bytes;
+  uint64_t disk_chunks;
+  uint64_t disk_bytes;
+  uint64_t ram_mismatch_chunks;
+} optstate_checkpoint_export_result_t;
+/* optstate_checkpoint_export_with that says what it did in *result (may be
+ * NULL). Since ABI version 6. */
+OPTSTATE_EXPORT int optstate_checkpoint_export2(optstate_store_t* store, const char* dest,
+                                                const optstate_checkpoint_export_args_t* args,
+                                                optstate_checkpoint_export_result_t* result, char** errptr);
 /* Imports the checkpoint directory src into the store as one new committed
  * generation, with the checkpoint's step, step counts and hyperparameters.
  * Verifies manifest.json's own checksum, every chunk of every file against
