@@ -11,11 +11,10 @@
 // Buffers: queue_depth chunks, whatever the state's size. Writes are
 // buffered; the kernel is asked to start writing each chunk back as soon as
 // it is written (sync_file_range), and the field files are fdatasynced
-// together once every chunk is written: a sync per file as it completes
-// cost a journal commit each on this thread, with the reads stalled behind
-// it (a GPT-2 774M state has 1308 field files). Everything goes into a
-// .partial sibling directory that is fsynced and renamed to dest only when
-// complete.
+// together once every chunk is written, so that the reads and writes do not
+// wait behind a sync (and its journal commit) per file: a GPT-2 774M state
+// has 1308 field files. Everything goes into a .partial sibling directory
+// that is fsynced and renamed to dest only when complete.
 #include <fcntl.h>
 
 #include <cstring>
